@@ -1,0 +1,166 @@
+//! Bootstrap recipes and their stable identity.
+//!
+//! A recipe is what turns a base image into a sandbox ready for an agent:
+//! files to write (the agent binary among them), `bootstrap_pre_commands`
+//! (image prep such as installing CA certificates) and `commands`. Backends
+//! run a recipe once per *identity* and snapshot the result; the identity is a
+//! hash of everything that can change the result, so equal recipes share a
+//! snapshot across processes and machines, and any change makes a new one.
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// Where a recipe file's bytes come from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum FileSource {
+    /// Small text content carried in the recipe itself.
+    Inline {
+        /// The file's content.
+        text: String,
+    },
+    /// A file on the host, identified by its content hash. Large files (agent
+    /// binaries of hundreds of MB) use this: the identity hashes the digest,
+    /// not the bytes, and a backend may copy or bind-mount the file.
+    HostPath {
+        /// Absolute path on the host.
+        path: String,
+        /// Hex SHA-256 of the content (the identity depends on it).
+        sha256: String,
+    },
+}
+
+/// One file a recipe writes into the sandbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecipeFile {
+    /// Absolute path inside the sandbox.
+    pub path: String,
+    /// Unix permission bits, e.g. `0o755` for an executable.
+    pub mode: u32,
+    /// The content.
+    pub source: FileSource,
+}
+
+/// What to run once per identity before any session uses a sandbox.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BootstrapRecipe {
+    /// Files written first, in order.
+    #[serde(default)]
+    pub files: Vec<RecipeFile>,
+    /// Image-preparation shell commands run after the files (e.g.
+    /// `apt-get install -y ca-certificates`).
+    #[serde(default)]
+    pub bootstrap_pre_commands: Vec<String>,
+    /// Further shell commands (e.g. an agent's own setup step).
+    #[serde(default)]
+    pub commands: Vec<String>,
+}
+
+/// Bump when the meaning of a recipe field changes, so old snapshots are not
+/// reused for a recipe they no longer match.
+const IDENTITY_VERSION: u32 = 1;
+
+impl BootstrapRecipe {
+    /// True when the recipe does nothing.
+    pub fn is_empty(&self) -> bool {
+        self.files.is_empty() && self.bootstrap_pre_commands.is_empty() && self.commands.is_empty()
+    }
+
+    /// Merge another recipe after this one.
+    pub fn extend(&mut self, other: BootstrapRecipe) {
+        self.files.extend(other.files);
+        self.bootstrap_pre_commands
+            .extend(other.bootstrap_pre_commands);
+        self.commands.extend(other.commands);
+    }
+
+    /// The stable identity of running this recipe on `base` (an image name,
+    /// a template directory, …): `bs-` and 24 hex digits of a SHA-256 over a
+    /// canonical encoding. Inline text is hashed by content, host files by
+    /// their declared digest.
+    pub fn identity(&self, base: &str) -> String {
+        let mut hasher = Sha256::new();
+        let mut field = |tag: &str, value: &[u8]| {
+            // Length-prefix every field so no two recipes encode alike.
+            hasher.update(tag.as_bytes());
+            hasher.update((value.len() as u64).to_le_bytes());
+            hasher.update(value);
+        };
+        field("version", &IDENTITY_VERSION.to_le_bytes());
+        field("base", base.as_bytes());
+        for file in &self.files {
+            field("file.path", file.path.as_bytes());
+            field("file.mode", &file.mode.to_le_bytes());
+            match &file.source {
+                FileSource::Inline { text } => {
+                    field("file.inline", &Sha256::digest(text.as_bytes()));
+                }
+                FileSource::HostPath { sha256, .. } => field("file.sha256", sha256.as_bytes()),
+            }
+        }
+        for cmd in &self.bootstrap_pre_commands {
+            field("pre", cmd.as_bytes());
+        }
+        for cmd in &self.commands {
+            field("cmd", cmd.as_bytes());
+        }
+        let digest = hasher.finalize();
+        format!("bs-{}", &hex::encode(digest)[..24])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn recipe() -> BootstrapRecipe {
+        BootstrapRecipe {
+            files: vec![RecipeFile {
+                path: "/opt/agent/bin/claude".into(),
+                mode: 0o755,
+                source: FileSource::HostPath {
+                    path: "/cache/claude".into(),
+                    sha256: "ab".repeat(32),
+                },
+            }],
+            bootstrap_pre_commands: vec!["mkdir -p /workspace".into()],
+            commands: vec![],
+        }
+    }
+
+    #[test]
+    fn identity_is_stable_and_sensitive_to_every_field() {
+        let base = recipe();
+        let id = base.identity("img:1");
+        assert_eq!(id, recipe().identity("img:1"), "same recipe, same identity");
+        assert!(id.starts_with("bs-") && id.len() == 27);
+        assert_ne!(
+            id,
+            base.identity("img:2"),
+            "base image is part of the identity"
+        );
+
+        let mut moved_host_file = recipe();
+        if let FileSource::HostPath { path, .. } = &mut moved_host_file.files[0].source {
+            *path = "/elsewhere/claude".into();
+        }
+        assert_eq!(
+            id,
+            moved_host_file.identity("img:1"),
+            "host path is not content"
+        );
+
+        let mut other = recipe();
+        other.files[0].mode = 0o700;
+        assert_ne!(id, other.identity("img:1"));
+        let mut other = recipe();
+        other.bootstrap_pre_commands.push("true".into());
+        assert_ne!(id, other.identity("img:1"));
+        // Moving a command between the two lists changes the identity too.
+        let mut a = BootstrapRecipe::default();
+        a.bootstrap_pre_commands.push("x".into());
+        let mut b = BootstrapRecipe::default();
+        b.commands.push("x".into());
+        assert_ne!(a.identity("i"), b.identity("i"));
+    }
+}

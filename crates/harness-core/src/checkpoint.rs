@@ -1,0 +1,235 @@
+//! Checkpoint stores: where working trees wait between sandboxes.
+//!
+//! Objects are written and read as streams and addressed by key. Every store
+//! records the SHA-256 of what it stored and verifies it on read, so a
+//! truncated or tampered object is reported as [`ErrorKind::Corrupt`]
+//! (crate::ErrorKind::Corrupt) instead of being restored.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use bytes::{Bytes, BytesMut};
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::stream::ByteStream;
+use crate::{Error, Result};
+
+/// What a store knows about an object.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ObjectMeta {
+    /// The key.
+    pub key: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Hex SHA-256 of the content.
+    pub sha256: String,
+}
+
+/// A key-addressed, streamed object store for checkpoints.
+#[async_trait]
+pub trait CheckpointStore: Send + Sync + std::fmt::Debug {
+    /// Store `content` under `key`, replacing any object there. The object
+    /// becomes visible only once the whole stream was stored: a failed put
+    /// leaves the previous object (or nothing) in place.
+    async fn put(&self, key: &str, content: ByteStream) -> Result<ObjectMeta>;
+
+    /// Read an object. `NotFound` if absent. The stream ends with a
+    /// `Corrupt` error if the content does not match its recorded hash.
+    async fn get(&self, key: &str) -> Result<ByteStream>;
+
+    /// Metadata of one object. `NotFound` if absent.
+    async fn head(&self, key: &str) -> Result<ObjectMeta>;
+
+    /// Objects whose key starts with `prefix`, sorted by key.
+    async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>>;
+
+    /// Remove an object. Removing an absent key is not an error.
+    async fn delete(&self, key: &str) -> Result<()>;
+}
+
+/// Validate a checkpoint key: 1–512 bytes of `[A-Za-z0-9._/-]`, no empty,
+/// `.` or `..` segment, no leading or trailing `/`. Keys map onto object-store
+/// paths and file names, so anything that could climb a directory is refused.
+pub fn validate_key(key: &str) -> Result<()> {
+    let charset_ok = key
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b'/'));
+    let segments_ok = key
+        .split('/')
+        .all(|s| !s.is_empty() && s != "." && s != "..");
+    if !key.is_empty() && key.len() <= 512 && charset_ok && segments_ok {
+        Ok(())
+    } else {
+        Err(Error::invalid(format!(
+            "invalid checkpoint key {key:?}: use '/'-separated segments of A-Z a-z 0-9 . _ - (no '.', '..' or empty segments, at most 512 bytes)"
+        )))
+    }
+}
+
+/// The key prefix for a session's checkpoints: `sessions/<id>/`.
+pub fn session_prefix(session: &crate::SessionId) -> String {
+    format!("sessions/{session}/")
+}
+
+/// Wrap a stream so it checks its content against `expected` (hex SHA-256)
+/// at the end and fails with `Corrupt` on a mismatch.
+pub fn verify_stream(stream: ByteStream, key: String, expected: String) -> ByteStream {
+    let state = (stream, Sha256::new(), key, expected, false);
+    Box::pin(futures::stream::unfold(
+        state,
+        |(mut stream, mut hasher, key, expected, done)| async move {
+            if done {
+                return None;
+            }
+            match stream.next().await {
+                Some(Ok(chunk)) => {
+                    hasher.update(&chunk);
+                    Some((Ok(chunk), (stream, hasher, key, expected, false)))
+                }
+                Some(Err(e)) => Some((Err(e), (stream, hasher, key, expected, true))),
+                None => {
+                    let actual = hex::encode(hasher.clone().finalize());
+                    if actual == expected {
+                        None
+                    } else {
+                        let err = Error::corrupt(format!(
+                        "checkpoint {key:?} failed verification: content hash {actual} != recorded {expected}"
+                    ));
+                        Some((Err(err), (stream, hasher, key, expected, true)))
+                    }
+                }
+            }
+        },
+    ))
+}
+
+/// An in-memory store, for tests and single-process use.
+#[derive(Debug, Clone, Default)]
+pub struct MemoryCheckpointStore {
+    objects: Arc<Mutex<BTreeMap<String, (Bytes, ObjectMeta)>>>,
+}
+
+impl MemoryCheckpointStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Replace an object's bytes without updating its recorded hash, to test
+    /// that corruption is caught on read.
+    pub fn corrupt_for_test(&self, key: &str, bytes: Bytes) {
+        if let Some(entry) = self
+            .objects
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_mut(key)
+        {
+            entry.0 = bytes;
+        }
+    }
+}
+
+/// Chunk size used when serving a stored object as a stream.
+const MEMORY_CHUNK: usize = 64 * 1024;
+
+#[async_trait]
+impl CheckpointStore for MemoryCheckpointStore {
+    async fn put(&self, key: &str, mut content: ByteStream) -> Result<ObjectMeta> {
+        validate_key(key)?;
+        let mut buf = BytesMut::new();
+        let mut hasher = Sha256::new();
+        while let Some(chunk) = content.next().await {
+            let chunk = chunk?;
+            hasher.update(&chunk);
+            buf.extend_from_slice(&chunk);
+        }
+        let meta = ObjectMeta {
+            key: key.to_string(),
+            size: buf.len() as u64,
+            sha256: hex::encode(hasher.finalize()),
+        };
+        self.objects
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key.to_string(), (buf.freeze(), meta.clone()));
+        Ok(meta)
+    }
+
+    async fn get(&self, key: &str) -> Result<ByteStream> {
+        validate_key(key)?;
+        let (bytes, meta) = self
+            .objects
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(key)
+            .cloned()
+            .ok_or_else(|| Error::not_found(format!("no checkpoint under key {key:?}")))?;
+        let chunks: Vec<Result<Bytes>> = (0..bytes.len())
+            .step_by(MEMORY_CHUNK)
+            .map(|i| Ok(bytes.slice(i..(i + MEMORY_CHUNK).min(bytes.len()))))
+            .collect();
+        Ok(verify_stream(
+            Box::pin(futures::stream::iter(chunks)),
+            meta.key,
+            meta.sha256,
+        ))
+    }
+
+    async fn head(&self, key: &str) -> Result<ObjectMeta> {
+        validate_key(key)?;
+        self.objects
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(key)
+            .map(|(_, m)| m.clone())
+            .ok_or_else(|| Error::not_found(format!("no checkpoint under key {key:?}")))
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>> {
+        Ok(self
+            .objects
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .range(prefix.to_string()..)
+            .take_while(|(k, _)| k.starts_with(prefix))
+            .map(|(_, (_, m))| m.clone())
+            .collect())
+    }
+
+    async fn delete(&self, key: &str) -> Result<()> {
+        validate_key(key)?;
+        self.objects
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(key);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_that_could_climb_are_refused() {
+        for bad in [
+            "",
+            "/abs",
+            "a//b",
+            "a/../b",
+            "..",
+            "a/.",
+            "trailing/",
+            "sp ace",
+            "a\\b",
+        ] {
+            assert!(validate_key(bad).is_err(), "{bad:?} must be refused");
+        }
+        for good in ["a", "sessions/s1/turn-3.tar.zst", "x.y_z-1/2"] {
+            validate_key(good).unwrap();
+        }
+    }
+}

@@ -1,0 +1,700 @@
+//! The sandbox contract: one trait pair every backend implements.
+//!
+//! A [`SandboxProvider`] creates sandboxes from a [`SandboxSpec`] and resumes
+//! them from a serializable [`SandboxHandle`] (possibly in another process).
+//! A [`Sandbox`] runs commands with streamed output, reads and writes files as
+//! streams, exports and imports directories as tar streams, and manages its
+//! own lifecycle.
+//!
+//! Optional capabilities answer [`ErrorKind::Unsupported`](crate::ErrorKind)
+//! where the contract says so (see each method); the conformance suite in
+//! `harness-testkit` accepts that answer only there.
+//!
+//! Detached processes (agents that outlive one slice) have default
+//! implementations on top of `exec` and a POSIX shell inside the sandbox, so
+//! a backend gets them for free and may override them.
+
+use std::collections::BTreeMap;
+use std::pin::Pin;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::{Bytes, BytesMut};
+use futures::{Stream, StreamExt};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::bootstrap::BootstrapRecipe;
+use crate::stream::{AbortSignal, ByteStream};
+use crate::{Error, Result};
+
+/// Network access for a sandbox, fixed at create time.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "mode", rename_all = "kebab-case")]
+pub enum NetworkPolicy {
+    /// Unrestricted network.
+    #[default]
+    AllowAll,
+    /// No network at all (loopback only).
+    DenyAll,
+    /// Only the listed destinations, minus the denied ranges.
+    Custom {
+        /// Host names that may be reached.
+        #[serde(default)]
+        allowed_hosts: Vec<String>,
+        /// CIDR ranges that may be reached.
+        #[serde(default)]
+        allowed_cidrs: Vec<String>,
+        /// CIDR ranges that must not be reached, even if allowed above.
+        #[serde(default)]
+        denied_cidrs: Vec<String>,
+    },
+}
+
+/// How to make a sandbox.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SandboxSpec {
+    /// Base image (container image, template name); backend-specific.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// Working directory for the agent and default cwd for `exec`.
+    pub workdir: String,
+    /// Environment for every command.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// CPU limit (fractional cores), where the backend supports it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpus: Option<f64>,
+    /// Memory limit in MiB, where the backend supports it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_mb: Option<u64>,
+    /// Ports inside the sandbox to expose to the host.
+    #[serde(default)]
+    pub ports: Vec<u16>,
+    /// Network policy.
+    #[serde(default)]
+    pub network: NetworkPolicy,
+    /// Labels for bookkeeping (container labels, directory metadata).
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// Bootstrap recipe to run once per identity.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bootstrap: Option<BootstrapRecipe>,
+    /// Wrap-mode: use this existing, caller-owned sandbox instead of creating
+    /// one. `destroy` then leaves it in place.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wrap: Option<String>,
+    /// The session this sandbox serves (used in names and labels).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_id: Option<String>,
+}
+
+impl SandboxSpec {
+    /// A spec with `workdir` and defaults for everything else.
+    pub fn new(workdir: impl Into<String>) -> Self {
+        Self {
+            image: None,
+            workdir: workdir.into(),
+            env: BTreeMap::new(),
+            cpus: None,
+            memory_mb: None,
+            ports: Vec::new(),
+            network: NetworkPolicy::AllowAll,
+            labels: BTreeMap::new(),
+            bootstrap: None,
+            wrap: None,
+            session_id: None,
+        }
+    }
+}
+
+/// Everything needed to reattach to a sandbox, as JSON that survives a
+/// process restart.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SandboxHandle {
+    /// Provider name (`local`, `docker`, …); a provider refuses foreign handles.
+    pub provider: String,
+    /// Backend id (container id, directory name, …).
+    pub id: String,
+    /// The working directory.
+    pub workdir: String,
+    /// Whether `destroy` removes the underlying resource (false in wrap-mode).
+    #[serde(default = "default_true")]
+    pub owned: bool,
+    /// Backend-specific data.
+    #[serde(default)]
+    pub data: Value,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+/// A command to run.
+#[derive(Debug, Clone, Default)]
+pub struct ExecRequest {
+    /// Program and arguments (no shell unless you run one).
+    pub argv: Vec<String>,
+    /// Working directory; defaults to the sandbox's workdir.
+    pub cwd: Option<String>,
+    /// Extra environment on top of the sandbox's.
+    pub env: BTreeMap<String, String>,
+    /// Bytes written to stdin, which is then closed. `None` means an empty stdin.
+    pub stdin: Option<Bytes>,
+    /// Kill the command (and its children) after this long.
+    pub timeout: Option<Duration>,
+    /// Kill the command (and its children) when this fires.
+    pub abort: Option<AbortSignal>,
+}
+
+impl ExecRequest {
+    /// Run `argv` directly.
+    pub fn new<I, S>(argv: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        Self {
+            argv: argv.into_iter().map(Into::into).collect(),
+            ..Self::default()
+        }
+    }
+
+    /// Run `script` with `sh -c`.
+    pub fn shell(script: impl Into<String>) -> Self {
+        Self::new(["sh".to_string(), "-c".to_string(), script.into()])
+    }
+
+    /// Set the working directory.
+    pub fn cwd(mut self, cwd: impl Into<String>) -> Self {
+        self.cwd = Some(cwd.into());
+        self
+    }
+
+    /// Add an environment variable.
+    pub fn env(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.env.insert(key.into(), value.into());
+        self
+    }
+
+    /// Set stdin.
+    pub fn stdin(mut self, bytes: impl Into<Bytes>) -> Self {
+        self.stdin = Some(bytes.into());
+        self
+    }
+
+    /// Set a timeout.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+
+    /// Set an abort signal.
+    pub fn abort(mut self, abort: AbortSignal) -> Self {
+        self.abort = Some(abort);
+        self
+    }
+}
+
+/// Why a command stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExitReason {
+    /// It exited (or was killed by something other than us).
+    Exited,
+    /// Its abort signal fired and we killed it.
+    Aborted,
+    /// Its timeout passed and we killed it.
+    TimedOut,
+}
+
+/// How a command ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExitStatus {
+    /// Exit code, when it exited normally.
+    pub code: Option<i32>,
+    /// Signal number, when a signal ended it.
+    pub signal: Option<i32>,
+    /// Why it ended.
+    pub reason: ExitReason,
+}
+
+impl ExitStatus {
+    /// A normal exit with `code`.
+    pub fn exited(code: i32) -> Self {
+        Self {
+            code: Some(code),
+            signal: None,
+            reason: ExitReason::Exited,
+        }
+    }
+
+    /// True for a normal exit with code 0.
+    pub fn success(&self) -> bool {
+        self.reason == ExitReason::Exited && self.code == Some(0)
+    }
+}
+
+/// One event of a running command. The stream ends with exactly one `Exit`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ExecEvent {
+    /// Bytes on stdout.
+    Stdout(Bytes),
+    /// Bytes on stderr.
+    Stderr(Bytes),
+    /// The command ended.
+    Exit(ExitStatus),
+}
+
+/// The events of a running command.
+pub type ExecStream = Pin<Box<dyn Stream<Item = Result<ExecEvent>> + Send + 'static>>;
+
+/// A command's collected output.
+#[derive(Debug, Clone)]
+pub struct ExecOutput {
+    /// All of stdout.
+    pub stdout: Bytes,
+    /// All of stderr.
+    pub stderr: Bytes,
+    /// How it ended.
+    pub status: ExitStatus,
+}
+
+impl ExecOutput {
+    /// stdout as lossy UTF-8.
+    pub fn stdout_str(&self) -> String {
+        String::from_utf8_lossy(&self.stdout).into_owned()
+    }
+
+    /// stderr as lossy UTF-8.
+    pub fn stderr_str(&self) -> String {
+        String::from_utf8_lossy(&self.stderr).into_owned()
+    }
+
+    /// Err unless the command exited 0, with stderr in the message.
+    pub fn check(self, what: &str) -> Result<Self> {
+        if self.status.success() {
+            Ok(self)
+        } else {
+            Err(Error::backend(format!(
+                "{what} failed ({:?}): {}",
+                self.status,
+                self.stderr_str().trim()
+            )))
+        }
+    }
+}
+
+/// Drain an [`ExecStream`] into memory.
+pub async fn collect_exec(mut stream: ExecStream) -> Result<ExecOutput> {
+    let mut stdout = BytesMut::new();
+    let mut stderr = BytesMut::new();
+    while let Some(event) = stream.next().await {
+        match event? {
+            ExecEvent::Stdout(b) => stdout.extend_from_slice(&b),
+            ExecEvent::Stderr(b) => stderr.extend_from_slice(&b),
+            ExecEvent::Exit(status) => {
+                return Ok(ExecOutput {
+                    stdout: stdout.freeze(),
+                    stderr: stderr.freeze(),
+                    status,
+                })
+            }
+        }
+    }
+    Err(Error::backend(
+        "command output ended without an exit status",
+    ))
+}
+
+/// A process started with [`Sandbox::spawn_detached`]: it keeps running when
+/// the caller goes away, with its output spooled to files in the sandbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DetachedProcess {
+    /// Backend process id (a pid for the shell-based default).
+    pub id: String,
+    /// File receiving stdout.
+    pub stdout_path: String,
+    /// File receiving stderr.
+    pub stderr_path: String,
+    /// File written with the exit code when the process ends.
+    pub exit_path: String,
+}
+
+/// State of a detached process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum DetachedStatus {
+    /// Still running.
+    Running,
+    /// Exited with this code (128+N for signal N).
+    Exited {
+        /// Exit code.
+        code: i32,
+    },
+    /// Not running and no exit code was recorded (killed with the sandbox).
+    Lost,
+}
+
+/// What to start detached.
+#[derive(Debug, Clone, Default)]
+pub struct DetachedRequest {
+    /// Program and arguments.
+    pub argv: Vec<String>,
+    /// Working directory; defaults to the sandbox's workdir.
+    pub cwd: Option<String>,
+    /// Extra environment.
+    pub env: BTreeMap<String, String>,
+    /// Directory (inside the sandbox, outside the working tree) that receives
+    /// `stdout`, `stderr` and `exit`.
+    pub spool_dir: String,
+}
+
+/// A port inside the sandbox as reachable from the host.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PortEndpoint {
+    /// Port inside the sandbox.
+    pub sandbox_port: u16,
+    /// Host to connect to.
+    pub host: String,
+    /// Port to connect to.
+    pub port: u16,
+}
+
+impl PortEndpoint {
+    /// `http://host:port`.
+    pub fn http_url(&self) -> String {
+        format!("http://{}:{}", self.host, self.port)
+    }
+}
+
+/// A bootstrap snapshot a provider keeps.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotInfo {
+    /// The recipe identity (see [`BootstrapRecipe::identity`]).
+    pub identity: String,
+    /// Backend reference (image tag, directory).
+    pub reference: String,
+    /// Size in bytes, when known.
+    pub size_bytes: Option<u64>,
+}
+
+/// Creates and resumes sandboxes of one backend.
+#[async_trait]
+pub trait SandboxProvider: Send + Sync + std::fmt::Debug {
+    /// Short backend name, recorded in handles (`local`, `docker`, …).
+    fn name(&self) -> &'static str;
+
+    /// Create a sandbox (or wrap an existing one, see [`SandboxSpec::wrap`]),
+    /// running the bootstrap recipe from its snapshot when one exists.
+    async fn create(&self, spec: &SandboxSpec) -> Result<Box<dyn Sandbox>>;
+
+    /// Reattach to a sandbox from its handle, whether it is running or
+    /// stopped (a stopped one is started again).
+    async fn resume(&self, handle: &SandboxHandle) -> Result<Box<dyn Sandbox>>;
+
+    /// Bootstrap snapshots this provider keeps. Optional.
+    async fn list_snapshots(&self) -> Result<Vec<SnapshotInfo>> {
+        Err(Error::unsupported(format!(
+            "{} keeps no bootstrap snapshots",
+            self.name()
+        )))
+    }
+
+    /// Delete snapshots whose identity is not in `keep`; returns what was
+    /// removed. Optional.
+    async fn prune_snapshots(&self, keep: &[String]) -> Result<Vec<SnapshotInfo>> {
+        let _ = keep;
+        Err(Error::unsupported(format!(
+            "{} keeps no bootstrap snapshots",
+            self.name()
+        )))
+    }
+}
+
+/// A live sandbox.
+#[async_trait]
+pub trait Sandbox: Send + Sync + std::fmt::Debug {
+    /// The handle that resumes this sandbox elsewhere.
+    fn handle(&self) -> SandboxHandle;
+
+    /// The working directory.
+    fn workdir(&self) -> &str;
+
+    /// Run a command, streaming its output. The returned stream ends with one
+    /// [`ExecEvent::Exit`]; abort and timeout kill the command's whole
+    /// process tree and are reported in [`ExitStatus::reason`].
+    async fn exec(&self, request: ExecRequest) -> Result<ExecStream>;
+
+    /// Read a file as a stream. `NotFound` if it does not exist.
+    async fn read_file(&self, path: &str) -> Result<ByteStream>;
+
+    /// Read a file from byte `offset` on (for tailing a spool). The default
+    /// runs `tail -c` in the sandbox.
+    async fn read_file_from(&self, path: &str, offset: u64) -> Result<ByteStream> {
+        let script = format!(
+            "test -e {p} || {{ echo 'no such file: {p}' >&2; exit 44; }}; tail -c +{} {p}",
+            offset + 1,
+            p = shell_quote(path)
+        );
+        let stream = self.exec(ExecRequest::shell(script)).await?;
+        Ok(exec_stdout_stream(stream, path.to_string()))
+    }
+
+    /// Write a file from a stream, creating parent directories and replacing
+    /// any existing file. Returns the number of bytes written.
+    async fn write_file(&self, path: &str, content: ByteStream) -> Result<u64>;
+
+    /// Export `dir` as an uncompressed tar stream whose entries are relative
+    /// to `dir`. Nothing is staged on the sandbox's disk.
+    async fn export_tar(&self, dir: &str) -> Result<ByteStream>;
+
+    /// Extract a tar stream into `dir` (created if missing), overlaying what
+    /// is there: files not in the archive stay.
+    async fn import_tar(&self, dir: &str, tar: ByteStream) -> Result<()>;
+
+    /// Start a process that outlives this call and this process, with stdout
+    /// and stderr spooled to files under `request.spool_dir`.
+    async fn spawn_detached(&self, request: DetachedRequest) -> Result<DetachedProcess> {
+        let (script, process) = detached_launch_script(&request, self.workdir());
+        let out = collect_exec(self.exec(ExecRequest::shell(script)).await?).await?;
+        let out = out.check("starting a detached process")?;
+        let pid = out.stdout_str().trim().to_string();
+        if pid.is_empty() || !pid.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(Error::backend(format!(
+                "detached launch printed no pid: {pid:?}"
+            )));
+        }
+        Ok(DetachedProcess { id: pid, ..process })
+    }
+
+    /// Whether a detached process still runs.
+    async fn detached_status(&self, process: &DetachedProcess) -> Result<DetachedStatus> {
+        let script = format!(
+            "if [ -f {exit} ]; then cat {exit}; elif kill -0 {pid} 2>/dev/null; then echo running; else echo lost; fi",
+            exit = shell_quote(&process.exit_path),
+            pid = process.id
+        );
+        let out = collect_exec(self.exec(ExecRequest::shell(script)).await?).await?;
+        let out = out.check("probing a detached process")?;
+        parse_detached_status(&out.stdout_str())
+    }
+
+    /// Kill a detached process and its children. Idempotent.
+    async fn kill_detached(&self, process: &DetachedProcess) -> Result<()> {
+        // The launch script made the process a session (and group) leader, so
+        // the negative pid reaches every child the agent spawned.
+        let script = format!(
+            "kill -TERM -- -{pid} 2>/dev/null; for i in 1 2 3 4 5 6 7 8 9 10; do kill -0 {pid} 2>/dev/null || exit 0; sleep 0.1; done; kill -KILL -- -{pid} 2>/dev/null; exit 0",
+            pid = process.id
+        );
+        collect_exec(self.exec(ExecRequest::shell(script)).await?)
+            .await?
+            .check("killing a detached process")?;
+        Ok(())
+    }
+
+    /// Where a port inside the sandbox can be reached from the host.
+    /// Optional: `Unsupported` when the backend exposes no ports, `NotFound`
+    /// when the port was not requested at create time.
+    async fn port_endpoint(&self, port: u16) -> Result<PortEndpoint> {
+        let _ = port;
+        Err(Error::unsupported("this sandbox exposes no ports"))
+    }
+
+    /// Let go of the sandbox but keep it running; returns the handle to
+    /// resume it.
+    async fn detach(&self) -> Result<SandboxHandle> {
+        Ok(self.handle())
+    }
+
+    /// Stop the sandbox, keeping its state for a later `resume`. Optional.
+    async fn stop(&self) -> Result<SandboxHandle> {
+        Err(Error::unsupported(
+            "this sandbox cannot be stopped and resumed",
+        ))
+    }
+
+    /// Remove the sandbox and its resources (in wrap-mode the caller's
+    /// sandbox stays). Idempotent.
+    async fn destroy(&self) -> Result<()>;
+}
+
+/// Quote `s` for a POSIX shell.
+pub fn shell_quote(s: &str) -> String {
+    if !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"/._-=:,+@".contains(&b))
+    {
+        return s.to_string();
+    }
+    format!("'{}'", s.replace('\'', "'\\''"))
+}
+
+/// Join `path` onto `workdir` unless it is absolute.
+pub fn resolve_path(workdir: &str, path: &str) -> String {
+    if path.starts_with('/') {
+        path.to_string()
+    } else if workdir.ends_with('/') {
+        format!("{workdir}{path}")
+    } else {
+        format!("{workdir}/{path}")
+    }
+}
+
+/// The shell script the default [`Sandbox::spawn_detached`] runs, and the
+/// process record it produces (without the pid).
+///
+/// The child runs under `setsid` so it is its own session and process group
+/// (killable as a group, untouched when the launching exec ends); the exit
+/// code is written to a temporary file and renamed, so a reader never sees a
+/// half-written code.
+pub fn detached_launch_script(
+    request: &DetachedRequest,
+    workdir: &str,
+) -> (String, DetachedProcess) {
+    let dir = request.spool_dir.trim_end_matches('/');
+    let process = DetachedProcess {
+        id: String::new(),
+        stdout_path: format!("{dir}/stdout"),
+        stderr_path: format!("{dir}/stderr"),
+        exit_path: format!("{dir}/exit"),
+    };
+    let cwd = request
+        .cwd
+        .as_deref()
+        .map(|c| resolve_path(workdir, c))
+        .unwrap_or_else(|| workdir.to_string());
+    let mut command = String::from("exec env");
+    for (k, v) in &request.env {
+        command.push(' ');
+        command.push_str(&shell_quote(&format!("{k}={v}")));
+    }
+    for arg in &request.argv {
+        command.push(' ');
+        command.push_str(&shell_quote(arg));
+    }
+    let inner = format!(
+        "cd {cwd} && ( {command} ) >{out} 2>{err} </dev/null; code=$?; echo $code >{exit}.tmp && mv {exit}.tmp {exit}",
+        cwd = shell_quote(&cwd),
+        out = shell_quote(&process.stdout_path),
+        err = shell_quote(&process.stderr_path),
+        exit = shell_quote(&process.exit_path),
+    );
+    let script = format!(
+        "set -e; mkdir -p {dir}; rm -f {exit}; : >{out}; : >{err}; \
+         setsid sh -c {inner} >/dev/null 2>&1 </dev/null & echo $!",
+        dir = shell_quote(dir),
+        exit = shell_quote(&process.exit_path),
+        out = shell_quote(&process.stdout_path),
+        err = shell_quote(&process.stderr_path),
+        inner = shell_quote(&inner),
+    );
+    (script, process)
+}
+
+/// Parse what the default `detached_status` probe prints.
+pub fn parse_detached_status(text: &str) -> Result<DetachedStatus> {
+    match text.trim() {
+        "running" => Ok(DetachedStatus::Running),
+        "lost" => Ok(DetachedStatus::Lost),
+        other => other
+            .parse::<i32>()
+            .map(|code| DetachedStatus::Exited { code })
+            .map_err(|_| Error::backend(format!("unexpected detached status {other:?}"))),
+    }
+}
+
+/// Turn an exec stream into a byte stream of its stdout, failing if the
+/// command fails (exit 44 from the default `read_file_from` means NotFound).
+pub fn exec_stdout_stream(stream: ExecStream, what: String) -> ByteStream {
+    let mut stderr = BytesMut::new();
+    Box::pin(futures::stream::unfold(
+        Some((stream, what)),
+        move |state| {
+            let mut state = state;
+            let mut stderr = std::mem::take(&mut stderr);
+            async move {
+                let (mut stream, what) = state.take()?;
+                loop {
+                    match stream.next().await {
+                        Some(Ok(ExecEvent::Stdout(b))) => {
+                            return Some((Ok(b), Some((stream, what))))
+                        }
+                        Some(Ok(ExecEvent::Stderr(b))) => stderr.extend_from_slice(&b),
+                        Some(Ok(ExecEvent::Exit(status))) if status.success() => return None,
+                        Some(Ok(ExecEvent::Exit(status))) => {
+                            let msg = String::from_utf8_lossy(&stderr).trim().to_string();
+                            let err = if status.code == Some(44) {
+                                Error::not_found(format!("{what}: {msg}"))
+                            } else {
+                                Error::backend(format!("reading {what} failed ({status:?}): {msg}"))
+                            };
+                            return Some((Err(err), None));
+                        }
+                        Some(Err(e)) => return Some((Err(e), None)),
+                        None => {
+                            return Some((
+                                Err(Error::backend(format!("reading {what}: no exit status"))),
+                                None,
+                            ))
+                        }
+                    }
+                }
+            }
+        },
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shell_quote_round_trips_hostile_strings() {
+        assert_eq!(shell_quote("plain/path.txt"), "plain/path.txt");
+        assert_eq!(shell_quote(""), "''");
+        assert_eq!(shell_quote("it's $HOME"), "'it'\\''s $HOME'");
+    }
+
+    #[test]
+    fn resolve_path_joins_relative_paths() {
+        assert_eq!(resolve_path("/w", "a/b"), "/w/a/b");
+        assert_eq!(resolve_path("/w/", "a"), "/w/a");
+        assert_eq!(resolve_path("/w", "/etc/x"), "/etc/x");
+    }
+
+    #[test]
+    fn detached_status_parses_every_answer() {
+        assert_eq!(
+            parse_detached_status("running\n").unwrap(),
+            DetachedStatus::Running
+        );
+        assert_eq!(parse_detached_status("lost").unwrap(), DetachedStatus::Lost);
+        assert_eq!(
+            parse_detached_status("3\n").unwrap(),
+            DetachedStatus::Exited { code: 3 }
+        );
+        assert!(parse_detached_status("garbage").is_err());
+    }
+
+    #[test]
+    fn network_policy_json_shape() {
+        let p: NetworkPolicy = serde_json::from_str(
+            r#"{"mode":"custom","allowed_hosts":["example.com"],"denied_cidrs":["10.0.0.0/8"]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            p,
+            NetworkPolicy::Custom {
+                allowed_hosts: vec!["example.com".into()],
+                allowed_cidrs: vec![],
+                denied_cidrs: vec!["10.0.0.0/8".into()]
+            }
+        );
+        assert_eq!(
+            serde_json::to_string(&NetworkPolicy::DenyAll).unwrap(),
+            r#"{"mode":"deny-all"}"#
+        );
+    }
+}

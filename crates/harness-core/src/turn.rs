@@ -1,0 +1,474 @@
+//! Durable turn state and `run_harness_session`, the pure orchestration
+//! function every engine drives.
+//!
+//! An engine keeps a [`TurnState`] (as JSON), feeds it [`TurnEvent`]s, and
+//! does what the returned [`NextStep`] says: run a slice, kill the agent,
+//! wait for an approval, or stop. The function does no I/O, so the same
+//! transitions run in-process, in a Temporal workflow and in a Cloudflare
+//! Workflow, and are tested here once.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::sandbox::{DetachedProcess, SandboxHandle};
+use crate::{Error, Result};
+
+/// Where a turn is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TurnStatus {
+    /// Created, nothing run yet.
+    NotStarted,
+    /// The agent runs (or is about to); run the next slice.
+    ReadyForNextStep,
+    /// The agent waits for a client's answer to a permission request.
+    AwaitingToolApproval,
+    /// The turn ran past its time budget and was stopped.
+    TimedOut,
+    /// The turn failed (agent error, lost process, abort, exhausted retries).
+    Failed,
+    /// The agent finished the turn.
+    Finished,
+}
+
+impl TurnStatus {
+    /// True for `timed_out`, `failed` and `finished`.
+    pub fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            TurnStatus::TimedOut | TurnStatus::Failed | TurnStatus::Finished
+        )
+    }
+
+    /// The snake_case name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TurnStatus::NotStarted => "not_started",
+            TurnStatus::ReadyForNextStep => "ready_for_next_step",
+            TurnStatus::AwaitingToolApproval => "awaiting_tool_approval",
+            TurnStatus::TimedOut => "timed_out",
+            TurnStatus::Failed => "failed",
+            TurnStatus::Finished => "finished",
+        }
+    }
+}
+
+/// Budgets for one turn.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TurnConfig {
+    /// Longest a single slice may run, in milliseconds (default 750 s).
+    pub slice_ms: u64,
+    /// Longest the whole turn may run, in milliseconds (default 2 h).
+    pub max_turn_ms: u64,
+    /// Failed slices in a row before the turn fails (default 3).
+    pub max_consecutive_failures: u32,
+}
+
+impl Default for TurnConfig {
+    fn default() -> Self {
+        Self {
+            slice_ms: 750_000,
+            max_turn_ms: 2 * 60 * 60 * 1000,
+            max_consecutive_failures: 3,
+        }
+    }
+}
+
+/// A pending permission request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PendingApproval {
+    /// The request id answers must quote.
+    pub approval_id: String,
+    /// The tool that wants to run.
+    pub tool_name: String,
+    /// Its input.
+    pub input: Value,
+}
+
+/// A client's answer, kept so the slice can hand it to the agent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ApprovalAnswer {
+    /// The request answered.
+    pub approval_id: String,
+    /// Allow or deny.
+    pub approved: bool,
+    /// Optional reason.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// The durable state of one turn. Serialized as JSON between slices.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TurnState {
+    /// Format version of this struct.
+    pub version: u32,
+    /// The session.
+    pub session_id: String,
+    /// The turn (unique within the session).
+    pub turn_id: String,
+    /// Agent adapter name (`claude-code`, `codex`).
+    pub agent: String,
+    /// The prompt.
+    pub prompt: String,
+    /// Where the turn is.
+    pub status: TurnStatus,
+    /// Budgets.
+    #[serde(default)]
+    pub config: TurnConfig,
+    /// The sandbox the agent runs in.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sandbox: Option<SandboxHandle>,
+    /// The agent's own session/thread id, carried across turns.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_session_id: Option<String>,
+    /// The running agent process, once started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub process: Option<DetachedProcess>,
+    /// Bytes of the agent's stdout spool already parsed and appended.
+    #[serde(default)]
+    pub cursor: u64,
+    /// Slices completed.
+    #[serde(default)]
+    pub slices_run: u32,
+    /// Slices failed in a row.
+    #[serde(default)]
+    pub consecutive_failures: u32,
+    /// When the turn started (ms since epoch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at_ms: Option<u64>,
+    /// The permission request the turn waits on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending_approval: Option<PendingApproval>,
+    /// Answers given so far in this turn.
+    #[serde(default)]
+    pub approval_answers: Vec<ApprovalAnswer>,
+    /// The agent process must still be killed (after abort or timeout).
+    #[serde(default)]
+    pub kill_pending: bool,
+    /// Why the turn failed or timed out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// The agent's exit code, once it exited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+}
+
+/// The current format version.
+pub const TURN_STATE_VERSION: u32 = 1;
+
+impl TurnState {
+    /// A fresh turn.
+    pub fn new(
+        session_id: impl Into<String>,
+        turn_id: impl Into<String>,
+        agent: impl Into<String>,
+        prompt: impl Into<String>,
+    ) -> Self {
+        Self {
+            version: TURN_STATE_VERSION,
+            session_id: session_id.into(),
+            turn_id: turn_id.into(),
+            agent: agent.into(),
+            prompt: prompt.into(),
+            status: TurnStatus::NotStarted,
+            config: TurnConfig::default(),
+            sandbox: None,
+            agent_session_id: None,
+            process: None,
+            cursor: 0,
+            slices_run: 0,
+            consecutive_failures: 0,
+            started_at_ms: None,
+            pending_approval: None,
+            approval_answers: Vec::new(),
+            kill_pending: false,
+            error: None,
+            exit_code: None,
+        }
+    }
+
+    /// The next turn of the same session: same sandbox, same agent session
+    /// (so the conversation continues), fresh everything else.
+    pub fn next_turn(&self, turn_id: impl Into<String>, prompt: impl Into<String>) -> Self {
+        let mut next = Self::new(self.session_id.clone(), turn_id, self.agent.clone(), prompt);
+        next.config = self.config.clone();
+        next.sandbox = self.sandbox.clone();
+        next.agent_session_id = self.agent_session_id.clone();
+        next
+    }
+}
+
+/// What a slice observed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum SliceOutcome {
+    /// The agent still runs; the slice used its budget.
+    Running,
+    /// The agent exited with this code and its output was fully consumed.
+    Exited {
+        /// Exit code.
+        code: i32,
+    },
+    /// The agent asks for permission.
+    ApprovalRequested(PendingApproval),
+    /// The agent process is gone without an exit code.
+    Lost,
+}
+
+/// A slice's report back to the orchestration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SliceReport {
+    /// The agent process (set by the slice that started it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub process: Option<DetachedProcess>,
+    /// The agent's session id, once seen in its output.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_session_id: Option<String>,
+    /// New spool cursor (never behind the state's).
+    pub cursor: u64,
+    /// What happened.
+    pub outcome: SliceOutcome,
+}
+
+/// Something that happened to a turn.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum TurnEvent {
+    /// Begin the turn.
+    Start {
+        /// Current time.
+        now_ms: u64,
+    },
+    /// A slice finished.
+    SliceCompleted {
+        /// What it saw.
+        report: SliceReport,
+        /// Current time.
+        now_ms: u64,
+    },
+    /// A slice failed (worker crash, sandbox unreachable, …).
+    SliceFailed {
+        /// What went wrong.
+        error: String,
+        /// Whether running another slice may help.
+        retryable: bool,
+    },
+    /// A client answered the pending permission request.
+    ApprovalAnswered(ApprovalAnswer),
+    /// A client aborted the turn.
+    Abort {
+        /// Why.
+        reason: String,
+    },
+    /// The engine killed the agent process as asked.
+    AgentKilled,
+}
+
+/// What the engine must do next.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "step", rename_all = "snake_case")]
+pub enum NextStep {
+    /// Run one slice of at most `budget_ms`.
+    RunSlice {
+        /// Slice budget in milliseconds.
+        budget_ms: u64,
+    },
+    /// Kill the agent process, then report [`TurnEvent::AgentKilled`].
+    KillAgent {
+        /// The process to kill.
+        process: DetachedProcess,
+    },
+    /// Wait for [`TurnEvent::ApprovalAnswered`] (or an abort).
+    AwaitApproval {
+        /// The request.
+        approval_id: String,
+    },
+    /// Nothing more to do until [`TurnEvent::Start`].
+    AwaitStart,
+    /// The turn is over.
+    Done {
+        /// Its final status.
+        status: TurnStatus,
+    },
+}
+
+/// What the state asks for now (engines call this after a restart).
+pub fn next_step(state: &TurnState) -> NextStep {
+    if state.kill_pending {
+        if let Some(process) = &state.process {
+            return NextStep::KillAgent {
+                process: process.clone(),
+            };
+        }
+    }
+    match state.status {
+        TurnStatus::NotStarted => NextStep::AwaitStart,
+        TurnStatus::ReadyForNextStep => NextStep::RunSlice {
+            budget_ms: state.config.slice_ms,
+        },
+        TurnStatus::AwaitingToolApproval => NextStep::AwaitApproval {
+            approval_id: state
+                .pending_approval
+                .as_ref()
+                .map(|p| p.approval_id.clone())
+                .unwrap_or_default(),
+        },
+        status => NextStep::Done { status },
+    }
+}
+
+fn fail(state: &mut TurnState, status: TurnStatus, error: String) {
+    state.status = status;
+    state.error = Some(error);
+    state.pending_approval = None;
+    state.kill_pending = state.process.is_some();
+}
+
+/// Apply `event` to `state`; returns the new state and what to do next.
+/// Errors leave the caller's state as it was (the input is consumed by value,
+/// so on error simply keep using your copy).
+pub fn step(mut state: TurnState, event: TurnEvent) -> Result<(TurnState, NextStep)> {
+    if state.version != TURN_STATE_VERSION {
+        return Err(Error::invalid(format!(
+            "turn state version {} is not supported (expected {TURN_STATE_VERSION})",
+            state.version
+        )));
+    }
+    let terminal = state.status.is_terminal();
+    match event {
+        TurnEvent::AgentKilled => {
+            state.kill_pending = false;
+        }
+        _ if terminal => {
+            return Err(Error::conflict(format!(
+                "turn {} is already {}; start a new turn",
+                state.turn_id,
+                state.status.as_str()
+            )));
+        }
+        TurnEvent::Start { now_ms } => {
+            if state.status != TurnStatus::NotStarted {
+                return Err(Error::conflict(format!(
+                    "turn {} has already started",
+                    state.turn_id
+                )));
+            }
+            state.status = TurnStatus::ReadyForNextStep;
+            state.started_at_ms = Some(now_ms);
+        }
+        TurnEvent::SliceCompleted { report, now_ms } => {
+            if state.status != TurnStatus::ReadyForNextStep {
+                return Err(Error::conflict(format!(
+                    "a slice reported while turn {} is {}",
+                    state.turn_id,
+                    state.status.as_str()
+                )));
+            }
+            if report.cursor < state.cursor {
+                // A retried or duplicated slice from before the last accepted
+                // one: applying it would rewind the spool cursor.
+                return Err(Error::conflict(format!(
+                    "stale slice report: cursor {} is behind {}",
+                    report.cursor, state.cursor
+                )));
+            }
+            state.cursor = report.cursor;
+            state.slices_run += 1;
+            state.consecutive_failures = 0;
+            if report.process.is_some() {
+                state.process = report.process;
+            }
+            if report.agent_session_id.is_some() {
+                state.agent_session_id = report.agent_session_id;
+            }
+            match report.outcome {
+                SliceOutcome::Running => {
+                    let started = state.started_at_ms.unwrap_or(now_ms);
+                    if now_ms.saturating_sub(started) >= state.config.max_turn_ms {
+                        let limit = state.config.max_turn_ms;
+                        fail(
+                            &mut state,
+                            TurnStatus::TimedOut,
+                            format!("turn exceeded its {limit} ms budget"),
+                        );
+                    }
+                }
+                SliceOutcome::Exited { code } => {
+                    state.exit_code = Some(code);
+                    if code == 0 {
+                        state.status = TurnStatus::Finished;
+                    } else {
+                        state.status = TurnStatus::Failed;
+                        state.error = Some(format!("agent exited with code {code}"));
+                    }
+                }
+                SliceOutcome::ApprovalRequested(request) => {
+                    state.status = TurnStatus::AwaitingToolApproval;
+                    state.pending_approval = Some(request);
+                }
+                SliceOutcome::Lost => {
+                    state.process = None;
+                    fail(
+                        &mut state,
+                        TurnStatus::Failed,
+                        "agent process was lost (sandbox restarted?)".into(),
+                    );
+                }
+            }
+        }
+        TurnEvent::SliceFailed { error, retryable } => {
+            state.consecutive_failures += 1;
+            if !retryable || state.consecutive_failures >= state.config.max_consecutive_failures {
+                let n = state.consecutive_failures;
+                fail(
+                    &mut state,
+                    TurnStatus::Failed,
+                    format!("slice failed ({n} in a row): {error}"),
+                );
+            }
+        }
+        TurnEvent::ApprovalAnswered(answer) => {
+            let pending = state
+                .pending_approval
+                .as_ref()
+                .map(|p| p.approval_id.as_str());
+            if state.status != TurnStatus::AwaitingToolApproval
+                || pending != Some(answer.approval_id.as_str())
+            {
+                return Err(Error::invalid(format!(
+                    "no pending approval {:?} in turn {}",
+                    answer.approval_id, state.turn_id
+                )));
+            }
+            state.pending_approval = None;
+            state.approval_answers.push(answer);
+            state.status = TurnStatus::ReadyForNextStep;
+        }
+        TurnEvent::Abort { reason } => {
+            fail(&mut state, TurnStatus::Failed, format!("aborted: {reason}"));
+        }
+    }
+    let next = next_step(&state);
+    Ok((state, next))
+}
+
+/// The JSON face of [`step`]: `{"state": …, "event": …}` in,
+/// `{"state": …, "next": …}` out. This is what durable engines store and
+/// pass around; it is the only entry point a foreign runtime needs.
+pub fn run_harness_session(input: Value) -> Result<Value> {
+    #[derive(Deserialize)]
+    struct Input {
+        state: TurnState,
+        #[serde(default)]
+        event: Option<TurnEvent>,
+    }
+    let input: Input = serde_json::from_value(input)?;
+    let (state, next) = match input.event {
+        Some(event) => step(input.state, event)?,
+        None => {
+            let next = next_step(&input.state);
+            (input.state, next)
+        }
+    };
+    Ok(serde_json::json!({ "state": state, "next": next }))
+}

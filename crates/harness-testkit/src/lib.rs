@@ -1,0 +1,2 @@
+//! test kit
+pub mod model;

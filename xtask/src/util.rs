@@ -1,0 +1,212 @@
+//! Small helpers shared by every subcommand: paths, running commands, timing.
+
+use std::ffi::OsStr;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+/// Default for `HARNESS_CACHE`: everything slow to make is kept here, outside
+/// the clone, so a later run on the same machine reuses it.
+pub const DEFAULT_CACHE: &str = "/var/cache/harness";
+
+/// `$HARNESS_CACHE`, or [`DEFAULT_CACHE`].
+pub fn cache_dir() -> PathBuf {
+    match std::env::var_os("HARNESS_CACHE") {
+        Some(v) if !v.is_empty() => PathBuf::from(v),
+        _ => PathBuf::from(DEFAULT_CACHE),
+    }
+}
+
+/// `$HARNESS_CACHE/<sub>`, created if missing.
+pub fn cache_subdir(sub: &str) -> Result<PathBuf> {
+    let dir = cache_dir().join(sub);
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    Ok(dir)
+}
+
+/// The workspace root (the parent of `xtask/`).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives one level below the workspace root")
+        .to_path_buf()
+}
+
+/// True when running under CI (`CI=true`, as CI sets it).
+pub fn is_ci() -> bool {
+    matches!(
+        std::env::var("CI").ok().as_deref(),
+        Some("true") | Some("1") | Some("TRUE") | Some("True")
+    )
+}
+
+/// The target dir every cargo invocation of ours uses: `$HARNESS_CACHE/target`
+/// under CI or when `CARGO_TARGET_DIR` is unset; otherwise the caller's.
+pub fn cargo_target_dir() -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(v) if !v.is_empty() && !is_ci() => PathBuf::from(v),
+        _ => cache_dir().join("target"),
+    }
+}
+
+/// A `cargo` command run at the repo root with our target dir.
+pub fn cargo() -> Command {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut cmd = Command::new(cargo);
+    cmd.current_dir(repo_root())
+        .env("CARGO_TARGET_DIR", cargo_target_dir());
+    cmd
+}
+
+/// Render a command for logs: `$ prog arg arg`.
+pub fn display(cmd: &Command) -> String {
+    let mut s = cmd.get_program().to_string_lossy().into_owned();
+    for a in cmd.get_args() {
+        s.push(' ');
+        let a = a.to_string_lossy();
+        if a.is_empty() || a.contains(char::is_whitespace) {
+            s.push_str(&format!("'{a}'"));
+        } else {
+            s.push_str(&a);
+        }
+    }
+    s
+}
+
+/// Run a command with inherited stdio; error if it fails.
+pub fn run(cmd: &mut Command) -> Result<()> {
+    println!("$ {}", display(cmd));
+    let status = cmd
+        .status()
+        .with_context(|| format!("could not start `{}`", display(cmd)))?;
+    if !status.success() {
+        bail!("`{}` failed ({status})", display(cmd));
+    }
+    Ok(())
+}
+
+/// Run a command quietly; true if it exited 0. Never errors.
+pub fn succeeds(cmd: &mut Command) -> bool {
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
+}
+
+/// Run a command and capture its stdout (stderr inherited); error if it fails.
+pub fn output(cmd: &mut Command) -> Result<String> {
+    let out = cmd
+        .stdin(Stdio::null())
+        .stderr(Stdio::inherit())
+        .output()
+        .with_context(|| format!("could not start `{}`", display(cmd)))?;
+    if !out.status.success() {
+        bail!("`{}` failed ({})", display(cmd), out.status);
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Find an executable on `PATH`.
+pub fn which(name: impl AsRef<OsStr>) -> Option<PathBuf> {
+    let name = name.as_ref();
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| is_executable(p))
+}
+
+pub fn is_executable(p: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(p)
+        .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        .unwrap_or(false)
+}
+
+/// True if `p` starts with the ELF magic (a native executable, not a script).
+pub fn is_elf(p: &Path) -> bool {
+    let mut magic = [0u8; 4];
+    std::fs::File::open(p)
+        .and_then(|mut f| f.read_exact(&mut magic))
+        .map(|_| magic == *b"\x7fELF")
+        .unwrap_or(false)
+}
+
+/// True if something accepts a TCP connection on `addr` within 500 ms.
+pub fn tcp_answers(addr: &str) -> bool {
+    let Ok(addr) = addr.parse::<SocketAddr>() else {
+        return false;
+    };
+    TcpStream::connect_timeout(&addr, Duration::from_millis(500)).is_ok()
+}
+
+/// True if an HTTP server on `addr` answers `GET /` with any status line.
+pub fn http_answers(addr: &str) -> bool {
+    let Ok(sock) = addr.parse::<SocketAddr>() else {
+        return false;
+    };
+    let Ok(mut s) = TcpStream::connect_timeout(&sock, Duration::from_millis(500)) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    let _ = s.set_write_timeout(Some(Duration::from_secs(2)));
+    let req = format!("GET / HTTP/1.0\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    if s.write_all(req.as_bytes()).is_err() {
+        return false;
+    }
+    let mut buf = [0u8; 5];
+    s.read_exact(&mut buf).is_ok() && &buf == b"HTTP/"
+}
+
+/// Poll `ready` every 250 ms until it is true or `timeout` passes.
+pub fn wait_until(timeout: Duration, mut ready: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    loop {
+        if ready() {
+            return true;
+        }
+        if start.elapsed() >= timeout {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+/// `12.3s` / `2m03s`.
+pub fn fmt_duration(d: Duration) -> String {
+    let secs = d.as_secs_f64();
+    if secs < 60.0 {
+        format!("{secs:.1}s")
+    } else {
+        let s = d.as_secs();
+        format!("{}m{:02}s", s / 60, s % 60)
+    }
+}
+
+/// Run `f` between a header line and a footer line with its duration.
+pub fn timed<T>(title: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    println!("==> {title}");
+    let start = Instant::now();
+    let res = f();
+    let took = fmt_duration(start.elapsed());
+    match &res {
+        Ok(_) => println!("<== {title}: ok ({took})"),
+        Err(e) => println!("<== {title}: FAILED ({took}): {e:#}"),
+    }
+    res
+}
+
+/// FNV-1a 64-bit: a stable hash for cache keys (no dependency needed).
+pub fn stable_hash(data: &str) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in data.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
