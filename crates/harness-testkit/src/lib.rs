@@ -1,2 +1,13 @@
-//! test kit
+//! # harness-testkit
+//!
+//! What every backend's tests share (not published):
+//! - [`conformance`]: one suite per core trait, run against every backend;
+//! - [`model`]: scripted Anthropic Messages and OpenAI Responses servers,
+//!   the one scripted part in end-to-end tests with the real agent CLIs;
+//! - [`real`]: the skip-or-fail rule for tests that need real parts.
+
+pub mod conformance;
 pub mod model;
+pub mod real;
+
+pub use real::{real_parts_required, require_env, skip_or_fail};

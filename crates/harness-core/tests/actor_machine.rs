@@ -1,0 +1,514 @@
+//! The session actor's sans-IO machine, driven by a minimal synchronous
+//! wrapper over the in-memory log state (the same loop the tokio and
+//! Durable Object wrappers run).
+
+use std::collections::BTreeMap;
+
+use harness_core::actor::{
+    ActorConfig, ClientMessage, ConnId, Input, Output, Role, RunnerMessage, ServerMessage,
+    SessionActor,
+};
+use harness_core::frame::{FrameBody, MessageKind, SessionId};
+use harness_core::log::LogState;
+use harness_core::part::StreamPart;
+use harness_core::turn::TurnStatus;
+
+struct Harness {
+    actor: SessionActor,
+    log: LogState,
+    inbox: BTreeMap<ConnId, Vec<ServerMessage>>,
+    closed: Vec<ConnId>,
+}
+
+impl Harness {
+    fn new() -> Self {
+        Self::with_config(ActorConfig::default())
+    }
+
+    fn with_config(config: ActorConfig) -> Self {
+        Self {
+            actor: SessionActor::new(config),
+            log: LogState::new(SessionId::parse("s").unwrap()),
+            inbox: BTreeMap::new(),
+            closed: Vec::new(),
+        }
+    }
+
+    /// Restart: a new actor recovers from the log.
+    fn restart(&mut self) {
+        let mut actor = SessionActor::new(ActorConfig::default());
+        for frame in self.log.read(0, usize::MAX) {
+            actor.recover(&frame);
+        }
+        self.actor = actor;
+    }
+
+    fn feed(&mut self, input: Input) {
+        let mut queue: std::collections::VecDeque<Output> = self.actor.handle(input).into();
+        while let Some(out) = queue.pop_front() {
+            match out {
+                Output::Append(req) => {
+                    let before = self.log.info().last_seq;
+                    let input = match self.log.append(req, 0, usize::MAX) {
+                        Ok(a) => {
+                            let frame = self.log.read(a.seq - 1, 1).remove(0);
+                            assert!(a.duplicate || a.seq == before + 1);
+                            Input::Appended {
+                                frame,
+                                duplicate: a.duplicate,
+                            }
+                        }
+                        Err(e) => Input::AppendFailed {
+                            error: e.to_string(),
+                        },
+                    };
+                    // Results are fed back before anything queued after them.
+                    let more = self.actor.handle(input);
+                    for (i, o) in more.into_iter().enumerate() {
+                        queue.insert(i, o);
+                    }
+                }
+                Output::Replay { conn, after, until } => {
+                    for frame in self.log.read(after, (until - after) as usize) {
+                        self.inbox
+                            .entry(conn)
+                            .or_default()
+                            .push(ServerMessage::Frame { frame });
+                    }
+                }
+                Output::Send { conn, message } => self.inbox.entry(conn).or_default().push(message),
+                Output::Close { conn, .. } => self.closed.push(conn),
+            }
+        }
+    }
+
+    fn take(&mut self, conn: ConnId) -> Vec<ServerMessage> {
+        self.inbox.remove(&conn).unwrap_or_default()
+    }
+
+    fn seqs(&mut self, conn: ConnId) -> Vec<u64> {
+        self.take(conn)
+            .into_iter()
+            .filter_map(|m| match m {
+                ServerMessage::Frame { frame } => Some(frame.seq),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn client(&mut self, conn: ConnId, after: Option<u64>) {
+        self.feed(Input::Connect {
+            conn,
+            role: Role::Client,
+            after,
+        });
+    }
+
+    fn runner(&mut self, conn: ConnId, generation: u64) {
+        self.feed(Input::Connect {
+            conn,
+            role: Role::Runner { generation },
+            after: None,
+        });
+    }
+
+    fn part(&mut self, conn: ConnId, part: StreamPart) {
+        self.feed(Input::Runner {
+            conn,
+            message: RunnerMessage::Part {
+                turn_id: "t1".into(),
+                part,
+                key: None,
+            },
+        });
+    }
+
+    fn prompt(&mut self, conn: ConnId, text: &str) {
+        self.feed(Input::Client {
+            conn,
+            message: ClientMessage::Prompt {
+                text: text.into(),
+                turn_id: None,
+                key: None,
+            },
+        });
+    }
+}
+
+fn error_code(messages: &[ServerMessage]) -> Option<String> {
+    messages.iter().find_map(|m| match m {
+        ServerMessage::Error { code, .. } => Some(code.clone()),
+        _ => None,
+    })
+}
+
+#[test]
+fn every_client_sees_every_frame_in_seq_order() {
+    let mut h = Harness::new();
+    h.client(1, None);
+    h.client(2, None);
+    h.prompt(1, "hello");
+    h.runner(9, 1);
+    h.part(
+        9,
+        StreamPart::ToolCall {
+            tool_call_id: "c".into(),
+            tool_name: "Bash".into(),
+            input: serde_json::json!({}),
+        },
+    );
+    let one = h.seqs(1);
+    assert_eq!(one, vec![1, 2, 3], "prompt, runner-attached, tool-call");
+    assert_eq!(h.seqs(2), one);
+    assert_eq!(h.actor.last_seq(), 3);
+}
+
+#[test]
+fn writers_get_acks_and_duplicates_are_not_fanned_out() {
+    let mut h = Harness::new();
+    h.client(1, None);
+    h.client(2, None);
+    let send = |h: &mut Harness| {
+        h.feed(Input::Client {
+            conn: 1,
+            message: ClientMessage::Prompt {
+                text: "p".into(),
+                turn_id: None,
+                key: Some("k1".into()),
+            },
+        })
+    };
+    send(&mut h);
+    let first = h.take(1);
+    assert!(
+        first.contains(&ServerMessage::Ack {
+            seq: 1,
+            duplicate: false
+        }),
+        "{first:?}"
+    );
+    h.take(2);
+    send(&mut h);
+    assert_eq!(
+        h.take(1),
+        vec![ServerMessage::Ack {
+            seq: 1,
+            duplicate: true
+        }]
+    );
+    assert!(
+        h.take(2).is_empty(),
+        "a duplicate must not be fanned out again"
+    );
+    assert_eq!(h.log.info().last_seq, 1);
+}
+
+#[test]
+fn replay_from_a_cursor_then_live() {
+    let mut h = Harness::new();
+    h.client(1, None);
+    for i in 0..5 {
+        h.prompt(1, &format!("m{i}"));
+    }
+    h.client(2, Some(2));
+    assert_eq!(h.seqs(2), vec![3, 4, 5], "replay after 2");
+    h.prompt(1, "live");
+    assert_eq!(h.seqs(2), vec![6], "then live, no gap, no duplicate");
+    h.client(3, Some(6));
+    assert!(h.seqs(3).is_empty(), "an up-to-date cursor replays nothing");
+    h.client(4, Some(0));
+    assert_eq!(h.seqs(4), vec![1, 2, 3, 4, 5, 6]);
+}
+
+#[test]
+fn text_deltas_go_live_but_are_stored_once() {
+    let mut h = Harness::new();
+    h.client(1, None);
+    h.runner(9, 1);
+    h.take(1);
+    h.part(9, StreamPart::TextStart { id: "b1".into() });
+    for d in ["Hel", "lo, ", "world"] {
+        h.part(
+            9,
+            StreamPart::TextDelta {
+                id: "b1".into(),
+                delta: d.into(),
+            },
+        );
+    }
+    let live = h.take(1);
+    assert_eq!(
+        live.len(),
+        4,
+        "start + three deltas reached the live client: {live:?}"
+    );
+    assert!(live.iter().all(|m| matches!(m, ServerMessage::Live { .. })));
+    assert_eq!(
+        h.log.info().last_seq,
+        1,
+        "nothing but runner-attached is stored mid-block"
+    );
+
+    // A client joining mid-block gets the partial text.
+    h.client(2, None);
+    let joined = h.take(2);
+    assert_eq!(
+        joined,
+        vec![
+            ServerMessage::Live {
+                turn_id: "t1".into(),
+                part: StreamPart::TextStart { id: "b1".into() }
+            },
+            ServerMessage::Live {
+                turn_id: "t1".into(),
+                part: StreamPart::TextDelta {
+                    id: "b1".into(),
+                    delta: "Hello, world".into()
+                }
+            },
+        ]
+    );
+
+    h.part(9, StreamPart::TextEnd { id: "b1".into() });
+    let frames = h.log.read(0, 10);
+    assert_eq!(frames.len(), 2);
+    assert_eq!(
+        frames[1].body,
+        FrameBody::Message {
+            turn_id: "t1".into(),
+            id: "b1".into(),
+            kind: MessageKind::Text,
+            text: "Hello, world".into(),
+            interrupted: false
+        }
+    );
+    assert_eq!(h.seqs(1), vec![2]);
+    assert_eq!(h.seqs(2), vec![2]);
+    // After the block ends a new client sees no partial text.
+    h.client(3, None);
+    assert!(h.take(3).is_empty());
+}
+
+#[test]
+fn a_resent_block_starts_over_and_a_retried_end_is_stored_once() {
+    let mut h = Harness::new();
+    h.runner(9, 1);
+    h.part(9, StreamPart::TextStart { id: "b".into() });
+    h.part(
+        9,
+        StreamPart::TextDelta {
+            id: "b".into(),
+            delta: "partial".into(),
+        },
+    );
+    // The slice is retried: the whole block comes again.
+    h.part(9, StreamPart::TextStart { id: "b".into() });
+    h.part(
+        9,
+        StreamPart::TextDelta {
+            id: "b".into(),
+            delta: "full text".into(),
+        },
+    );
+    h.part(9, StreamPart::TextEnd { id: "b".into() });
+    h.part(9, StreamPart::TextStart { id: "b".into() });
+    h.part(
+        9,
+        StreamPart::TextDelta {
+            id: "b".into(),
+            delta: "full text".into(),
+        },
+    );
+    h.part(9, StreamPart::TextEnd { id: "b".into() });
+    let messages: Vec<_> = h
+        .log
+        .read(0, 10)
+        .into_iter()
+        .filter(|f| matches!(f.body, FrameBody::Message { .. }))
+        .collect();
+    assert_eq!(messages.len(), 1, "stored once");
+    assert!(matches!(&messages[0].body, FrameBody::Message { text, .. } if text == "full text"));
+}
+
+#[test]
+fn a_turn_ending_mid_block_stores_the_partial_text() {
+    let mut h = Harness::new();
+    h.runner(9, 1);
+    h.part(9, StreamPart::ReasoningStart { id: "r".into() });
+    h.part(
+        9,
+        StreamPart::ReasoningDelta {
+            id: "r".into(),
+            delta: "thinking".into(),
+        },
+    );
+    h.feed(Input::Runner {
+        conn: 9,
+        message: RunnerMessage::TurnStatus {
+            turn_id: "t1".into(),
+            status: TurnStatus::Failed,
+            error: Some("x".into()),
+            key: None,
+        },
+    });
+    let bodies: Vec<_> = h.log.read(0, 10).into_iter().map(|f| f.body).collect();
+    assert!(
+        matches!(&bodies[1], FrameBody::Message { kind: MessageKind::Reasoning, text, interrupted: true, .. } if text == "thinking")
+    );
+    assert!(matches!(
+        &bodies[2],
+        FrameBody::TurnStatus {
+            status: TurnStatus::Failed,
+            ..
+        }
+    ));
+}
+
+#[test]
+fn a_newer_runner_fences_the_older_one() {
+    let mut h = Harness::new();
+    h.client(1, None);
+    h.runner(10, 1);
+    h.runner(20, 2);
+    assert!(h.closed.contains(&10), "the old runner is closed");
+    assert_eq!(error_code(&h.take(10)).as_deref(), Some("stale_runner"));
+    let before = h.log.info().last_seq;
+    h.part(
+        10,
+        StreamPart::Error {
+            message: "late write".into(),
+        },
+    );
+    assert_eq!(error_code(&h.take(10)).as_deref(), Some("stale_runner"));
+    assert_eq!(
+        h.log.info().last_seq,
+        before,
+        "a fenced runner's write is not stored"
+    );
+    h.part(
+        20,
+        StreamPart::Error {
+            message: "current".into(),
+        },
+    );
+    assert_eq!(h.log.info().last_seq, before + 1);
+
+    // A lower generation is refused outright, also after a restart (the
+    // generation is recovered from the log).
+    h.restart();
+    assert_eq!(h.actor.generation(), 2);
+    h.runner(30, 1);
+    assert_eq!(error_code(&h.take(30)).as_deref(), Some("stale_runner"));
+    assert!(h.closed.contains(&30));
+    // The same generation may reattach once its old connection is gone.
+    h.runner(31, 2);
+    assert!(h.take(31).is_empty());
+    h.runner(32, 2);
+    assert_eq!(
+        error_code(&h.take(32)).as_deref(),
+        Some("stale_runner"),
+        "one runner per generation at a time"
+    );
+}
+
+#[test]
+fn clients_cannot_write_as_the_runner_and_vice_versa() {
+    let mut h = Harness::new();
+    h.client(1, None);
+    h.runner(9, 1);
+    h.take(1);
+    h.part(
+        1,
+        StreamPart::Error {
+            message: "spoof".into(),
+        },
+    );
+    assert_eq!(error_code(&h.take(1)).as_deref(), Some("not_a_runner"));
+    h.feed(Input::Client {
+        conn: 9,
+        message: ClientMessage::Seal {},
+    });
+    assert_eq!(error_code(&h.take(9)).as_deref(), Some("not_a_client"));
+    assert_eq!(h.log.info().last_seq, 1);
+}
+
+#[test]
+fn seal_refuses_later_writes_and_survives_restart() {
+    let mut h = Harness::new();
+    h.client(1, None);
+    h.runner(9, 1);
+    h.prompt(1, "last words");
+    h.feed(Input::Client {
+        conn: 1,
+        message: ClientMessage::Seal {},
+    });
+    assert!(h.actor.is_sealed());
+    let sealed_at = h.log.info().last_seq;
+    h.take(1);
+    h.prompt(1, "too late");
+    assert_eq!(error_code(&h.take(1)).as_deref(), Some("sealed"));
+    h.part(
+        9,
+        StreamPart::Error {
+            message: "too late".into(),
+        },
+    );
+    assert_eq!(error_code(&h.take(9)).as_deref(), Some("sealed"));
+    assert_eq!(h.log.info().last_seq, sealed_at);
+    h.restart();
+    assert!(h.actor.is_sealed());
+    h.client(2, None);
+    h.prompt(2, "after restart");
+    assert_eq!(error_code(&h.take(2)).as_deref(), Some("sealed"));
+}
+
+#[test]
+fn fork_until_n_continues_independently() {
+    let mut h = Harness::new();
+    h.client(1, None);
+    for i in 0..4 {
+        h.prompt(1, &format!("m{i}"));
+    }
+    let fork = h.log.fork(2, SessionId::parse("s-fork").unwrap()).unwrap();
+    let mut f = Harness::new();
+    f.log = fork;
+    f.restart();
+    assert_eq!(f.actor.last_seq(), 2);
+    f.client(1, Some(0));
+    assert_eq!(f.seqs(1), vec![1, 2]);
+    f.prompt(1, "fork only");
+    assert_eq!(f.seqs(1), vec![3]);
+    assert_eq!(h.log.info().last_seq, 4, "the source is untouched");
+}
+
+#[test]
+fn oversized_frames_are_refused_and_nothing_is_stored() {
+    let mut h = Harness::with_config(ActorConfig {
+        max_frame_bytes: 64,
+    });
+    h.client(1, None);
+    h.prompt(1, &"x".repeat(100));
+    assert_eq!(error_code(&h.take(1)).as_deref(), Some("frame_too_large"));
+    h.runner(9, 1);
+    h.part(9, StreamPart::TextStart { id: "b".into() });
+    h.part(
+        9,
+        StreamPart::TextDelta {
+            id: "b".into(),
+            delta: "y".repeat(100),
+        },
+    );
+    assert_eq!(error_code(&h.take(9)).as_deref(), Some("frame_too_large"));
+    assert_eq!(h.log.info().last_seq, 1, "only runner-attached was stored");
+}
+
+#[test]
+fn a_failed_append_is_reported_to_the_writer() {
+    let mut h = Harness::new();
+    h.client(1, None);
+    // Seal the log behind the actor's back: its next append fails.
+    h.log.seal(0);
+    h.take(1);
+    h.prompt(1, "x");
+    assert_eq!(error_code(&h.take(1)).as_deref(), Some("append_failed"));
+}

@@ -1,0 +1,306 @@
+//! `run_harness_session` / `step`: every status and transition.
+
+use harness_core::sandbox::DetachedProcess;
+use harness_core::turn::{
+    next_step, run_harness_session, step, ApprovalAnswer, NextStep, PendingApproval, SliceOutcome,
+    SliceReport, TurnEvent, TurnState, TurnStatus,
+};
+use harness_core::ErrorKind;
+use serde_json::json;
+
+fn process() -> DetachedProcess {
+    DetachedProcess {
+        id: "42".into(),
+        stdout_path: "/h/.harness/t1/stdout".into(),
+        stderr_path: "/h/.harness/t1/stderr".into(),
+        exit_path: "/h/.harness/t1/exit".into(),
+    }
+}
+
+fn started() -> TurnState {
+    let s = TurnState::new("s1", "t1", "claude-code", "hello");
+    assert_eq!(next_step(&s), NextStep::AwaitStart);
+    let (s, next) = step(s, TurnEvent::Start { now_ms: 1_000 }).unwrap();
+    assert_eq!(s.status, TurnStatus::ReadyForNextStep);
+    assert_eq!(next, NextStep::RunSlice { budget_ms: 750_000 });
+    s
+}
+
+fn report(cursor: u64, outcome: SliceOutcome) -> TurnEvent {
+    TurnEvent::SliceCompleted {
+        report: SliceReport {
+            process: Some(process()),
+            agent_session_id: Some("agent-sess".into()),
+            cursor,
+            outcome,
+        },
+        now_ms: 2_000,
+    }
+}
+
+#[test]
+fn running_slices_loop_until_the_agent_exits_zero() {
+    let s = started();
+    let (s, next) = step(s, report(100, SliceOutcome::Running)).unwrap();
+    assert_eq!(
+        (s.status, s.cursor, s.slices_run),
+        (TurnStatus::ReadyForNextStep, 100, 1)
+    );
+    assert!(matches!(next, NextStep::RunSlice { .. }));
+    assert_eq!(s.agent_session_id.as_deref(), Some("agent-sess"));
+    assert_eq!(s.process, Some(process()));
+    let (s, next) = step(s, report(250, SliceOutcome::Exited { code: 0 })).unwrap();
+    assert_eq!(s.status, TurnStatus::Finished);
+    assert_eq!(
+        next,
+        NextStep::Done {
+            status: TurnStatus::Finished
+        }
+    );
+    assert_eq!((s.exit_code, s.slices_run), (Some(0), 2));
+}
+
+#[test]
+fn nonzero_exit_fails_the_turn() {
+    let (s, next) = step(started(), report(10, SliceOutcome::Exited { code: 3 })).unwrap();
+    assert_eq!(s.status, TurnStatus::Failed);
+    assert_eq!(
+        next,
+        NextStep::Done {
+            status: TurnStatus::Failed
+        }
+    );
+    assert!(s.error.unwrap().contains("code 3"));
+}
+
+#[test]
+fn lost_process_fails_without_a_kill() {
+    let (s, next) = step(started(), report(10, SliceOutcome::Lost)).unwrap();
+    assert_eq!(s.status, TurnStatus::Failed);
+    assert!(!s.kill_pending, "nothing to kill when the process is lost");
+    assert_eq!(
+        next,
+        NextStep::Done {
+            status: TurnStatus::Failed
+        }
+    );
+}
+
+#[test]
+fn turn_budget_times_out_and_kills_the_agent() {
+    let mut s = started();
+    s.config.max_turn_ms = 500;
+    let (s, next) = step(s, report(10, SliceOutcome::Running)).unwrap();
+    assert_eq!(s.status, TurnStatus::TimedOut);
+    assert!(s.kill_pending);
+    assert_eq!(next, NextStep::KillAgent { process: process() });
+    let (s, next) = step(s, TurnEvent::AgentKilled).unwrap();
+    assert!(!s.kill_pending);
+    assert_eq!(
+        next,
+        NextStep::Done {
+            status: TurnStatus::TimedOut
+        }
+    );
+}
+
+#[test]
+fn approval_round_trip() {
+    let pending = PendingApproval {
+        approval_id: "ap1".into(),
+        tool_name: "Bash".into(),
+        input: json!({"command": "rm -rf x"}),
+    };
+    let (s, next) = step(
+        started(),
+        report(10, SliceOutcome::ApprovalRequested(pending.clone())),
+    )
+    .unwrap();
+    assert_eq!(s.status, TurnStatus::AwaitingToolApproval);
+    assert_eq!(
+        next,
+        NextStep::AwaitApproval {
+            approval_id: "ap1".into()
+        }
+    );
+    // An answer to some other request is refused and changes nothing.
+    let wrong = ApprovalAnswer {
+        approval_id: "other".into(),
+        approved: true,
+        reason: None,
+    };
+    assert_eq!(
+        step(s.clone(), TurnEvent::ApprovalAnswered(wrong))
+            .unwrap_err()
+            .kind(),
+        ErrorKind::InvalidInput
+    );
+    // A slice report while waiting is a conflict.
+    assert_eq!(
+        step(s.clone(), report(20, SliceOutcome::Running))
+            .unwrap_err()
+            .kind(),
+        ErrorKind::Conflict
+    );
+    let answer = ApprovalAnswer {
+        approval_id: "ap1".into(),
+        approved: false,
+        reason: Some("no".into()),
+    };
+    let (s, next) = step(s, TurnEvent::ApprovalAnswered(answer.clone())).unwrap();
+    assert_eq!(s.status, TurnStatus::ReadyForNextStep);
+    assert!(matches!(next, NextStep::RunSlice { .. }));
+    assert_eq!(s.approval_answers, vec![answer]);
+    assert_eq!(s.pending_approval, None);
+}
+
+#[test]
+fn abort_fails_the_turn_and_kills_a_running_agent() {
+    let (s, _) = step(started(), report(10, SliceOutcome::Running)).unwrap();
+    let (s, next) = step(
+        s,
+        TurnEvent::Abort {
+            reason: "user pressed stop".into(),
+        },
+    )
+    .unwrap();
+    assert_eq!(s.status, TurnStatus::Failed);
+    assert!(s
+        .error
+        .as_deref()
+        .unwrap()
+        .starts_with("aborted: user pressed stop"));
+    assert_eq!(next, NextStep::KillAgent { process: process() });
+    let (_, next) = step(s, TurnEvent::AgentKilled).unwrap();
+    assert_eq!(
+        next,
+        NextStep::Done {
+            status: TurnStatus::Failed
+        }
+    );
+
+    // Aborting before anything ran needs no kill.
+    let (s, next) = step(
+        TurnState::new("s", "t", "codex", "p"),
+        TurnEvent::Abort { reason: "x".into() },
+    )
+    .unwrap();
+    assert_eq!(
+        (s.status, next),
+        (
+            TurnStatus::Failed,
+            NextStep::Done {
+                status: TurnStatus::Failed
+            }
+        )
+    );
+}
+
+#[test]
+fn slice_failures_retry_then_fail() {
+    let s = started();
+    let fail = |retryable| TurnEvent::SliceFailed {
+        error: "worker died".into(),
+        retryable,
+    };
+    let (s, next) = step(s, fail(true)).unwrap();
+    assert_eq!(
+        (s.status, s.consecutive_failures),
+        (TurnStatus::ReadyForNextStep, 1)
+    );
+    assert!(matches!(next, NextStep::RunSlice { .. }));
+    // A success resets the count.
+    let (s, _) = step(s, report(5, SliceOutcome::Running)).unwrap();
+    assert_eq!(s.consecutive_failures, 0);
+    let (s, _) = step(s, fail(true)).unwrap();
+    let (s, _) = step(s, fail(true)).unwrap();
+    let (s, next) = step(s, fail(true)).unwrap();
+    assert_eq!(s.status, TurnStatus::Failed);
+    assert!(s.error.as_deref().unwrap().contains("3 in a row"));
+    assert_eq!(next, NextStep::KillAgent { process: process() });
+    // A non-retryable failure fails at once.
+    let (s, _) = step(started(), fail(false)).unwrap();
+    assert_eq!(s.status, TurnStatus::Failed);
+}
+
+#[test]
+fn stale_slice_reports_are_refused() {
+    let (s, _) = step(started(), report(500, SliceOutcome::Running)).unwrap();
+    let err = step(s.clone(), report(400, SliceOutcome::Exited { code: 0 })).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Conflict);
+    assert!(err.to_string().contains("stale slice report"));
+}
+
+#[test]
+fn terminal_turns_refuse_everything_but_agent_killed() {
+    let (s, _) = step(started(), report(1, SliceOutcome::Exited { code: 0 })).unwrap();
+    for event in [
+        TurnEvent::Start { now_ms: 0 },
+        report(2, SliceOutcome::Running),
+        TurnEvent::Abort {
+            reason: "late".into(),
+        },
+        TurnEvent::SliceFailed {
+            error: "x".into(),
+            retryable: true,
+        },
+    ] {
+        assert_eq!(
+            step(s.clone(), event).unwrap_err().kind(),
+            ErrorKind::Conflict
+        );
+    }
+    // Starting twice is refused too.
+    assert_eq!(
+        step(started(), TurnEvent::Start { now_ms: 5 })
+            .unwrap_err()
+            .kind(),
+        ErrorKind::Conflict
+    );
+}
+
+#[test]
+fn next_turn_carries_the_conversation() {
+    let (s, _) = step(started(), report(1, SliceOutcome::Exited { code: 0 })).unwrap();
+    let next = s.next_turn("t2", "and now?");
+    assert_eq!(next.status, TurnStatus::NotStarted);
+    assert_eq!(next.agent_session_id.as_deref(), Some("agent-sess"));
+    assert_eq!((next.cursor, next.process.clone()), (0, None));
+}
+
+#[test]
+fn json_entry_point_round_trips_every_status_name() {
+    let state = serde_json::to_value(TurnState::new("s1", "t1", "codex", "p")).unwrap();
+    assert_eq!(state["status"], "not_started");
+    let out =
+        run_harness_session(json!({"state": state, "event": {"event": "start", "now_ms": 1}}))
+            .unwrap();
+    assert_eq!(out["state"]["status"], "ready_for_next_step");
+    assert_eq!(
+        out["next"],
+        json!({"step": "run_slice", "budget_ms": 750000})
+    );
+    let out = run_harness_session(json!({
+        "state": out["state"],
+        "event": {"event": "slice_completed", "now_ms": 2, "report": {"cursor": 9, "outcome": {"kind": "approval_requested", "approval_id": "a", "tool_name": "Bash", "input": {}}}}
+    }))
+    .unwrap();
+    assert_eq!(out["state"]["status"], "awaiting_tool_approval");
+    let out = run_harness_session(
+        json!({"state": out["state"], "event": {"event": "abort", "reason": "r"}}),
+    )
+    .unwrap();
+    assert_eq!(out["state"]["status"], "failed");
+    for (status, name) in [
+        (TurnStatus::TimedOut, "timed_out"),
+        (TurnStatus::Finished, "finished"),
+    ] {
+        assert_eq!(serde_json::to_value(status).unwrap(), name);
+    }
+    // Malformed input is a clear InvalidInput error.
+    let err = run_harness_session(json!({"state": {"nope": 1}})).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidInput);
+    // Without an event it only reports the next step.
+    let out = run_harness_session(json!({"state": out["state"]})).unwrap();
+    assert_eq!(out["next"], json!({"step": "done", "status": "failed"}));
+}

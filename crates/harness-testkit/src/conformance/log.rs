@@ -1,0 +1,329 @@
+//! The `SessionLog` conformance suite. Every backend's tests call
+//! [`run_all`] with a factory that makes a fresh, empty log.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use anyhow::{bail, ensure, Context, Result};
+use harness_core::frame::{FrameBody, SessionId};
+use harness_core::log::{AppendRequest, SessionLog};
+use harness_core::ErrorKind;
+
+fn sid(s: &str) -> SessionId {
+    SessionId::parse(s).expect("valid test id")
+}
+
+fn prompt(text: &str) -> FrameBody {
+    FrameBody::UserMessage {
+        text: text.to_string(),
+        turn_id: None,
+    }
+}
+
+/// Run every check against fresh logs from `factory`.
+pub async fn run_all<F, Fut>(factory: F) -> Result<()>
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = Arc<dyn SessionLog>>,
+{
+    seq_starts_at_one_without_gaps(factory().await)
+        .await
+        .context("seq_starts_at_one_without_gaps")?;
+    idempotent_append(factory().await)
+        .await
+        .context("idempotent_append")?;
+    read_from_cursor(factory().await)
+        .await
+        .context("read_from_cursor")?;
+    seal_refuses_appends(factory().await)
+        .await
+        .context("seal_refuses_appends")?;
+    fork_copies_a_prefix(factory().await)
+        .await
+        .context("fork_copies_a_prefix")?;
+    unknown_session_is_not_found(factory().await)
+        .await
+        .context("unknown_session_is_not_found")?;
+    oversized_frame_is_refused(factory().await)
+        .await
+        .context("oversized_frame_is_refused")?;
+    concurrent_appends_stay_gap_free(factory().await)
+        .await
+        .context("concurrent_appends_stay_gap_free")?;
+    Ok(())
+}
+
+/// Seqs are assigned by the log: 1, 2, 3, … with no gaps, across sessions
+/// independently.
+pub async fn seq_starts_at_one_without_gaps(log: Arc<dyn SessionLog>) -> Result<()> {
+    let a = sid("seq-a");
+    let b = sid("seq-b");
+    log.create(&a).await?;
+    log.create(&b).await?;
+    for i in 1..=5u64 {
+        let got = log
+            .append(&a, AppendRequest::new(prompt(&format!("a{i}"))))
+            .await?;
+        ensure!(
+            got.seq == i && !got.duplicate,
+            "append #{i} to a got {got:?}, expected seq {i}"
+        );
+    }
+    let got = log.append(&b, AppendRequest::new(prompt("b1"))).await?;
+    ensure!(
+        got.seq == 1,
+        "a second session must start at seq 1, got {}",
+        got.seq
+    );
+    let frames = log.read(&a, 0, 100).await?;
+    let seqs: Vec<u64> = frames.iter().map(|f| f.seq).collect();
+    ensure!(seqs == vec![1, 2, 3, 4, 5], "read back seqs {seqs:?}");
+    ensure!(
+        frames[2].body == prompt("a3"),
+        "frame 3 holds {:?}",
+        frames[2].body
+    );
+    let info = log.info(&a).await?;
+    ensure!(info.last_seq == 5 && !info.sealed, "info {info:?}");
+    // Creating an existing log is a no-op that keeps its frames.
+    let again = log.create(&a).await?;
+    ensure!(
+        again.last_seq == 5,
+        "create on an existing log reset it: {again:?}"
+    );
+    Ok(())
+}
+
+/// A repeated idempotency key stores nothing and returns the original seq;
+/// the same key with other content is a conflict.
+pub async fn idempotent_append(log: Arc<dyn SessionLog>) -> Result<()> {
+    let s = sid("idem");
+    log.create(&s).await?;
+    let first = log
+        .append(&s, AppendRequest::idempotent(prompt("x"), "turn1:0"))
+        .await?;
+    log.append(&s, AppendRequest::new(prompt("between")))
+        .await?;
+    let retry = log
+        .append(&s, AppendRequest::idempotent(prompt("x"), "turn1:0"))
+        .await?;
+    ensure!(
+        retry.seq == first.seq && retry.duplicate,
+        "retry returned {retry:?}, first was {first:?}"
+    );
+    ensure!(
+        log.info(&s).await?.last_seq == 2,
+        "a duplicate append stored a frame"
+    );
+    match log
+        .append(
+            &s,
+            AppendRequest::idempotent(prompt("different"), "turn1:0"),
+        )
+        .await
+    {
+        Err(e) if e.kind() == ErrorKind::Conflict => {}
+        other => bail!("reusing a key for other content must be a Conflict, got {other:?}"),
+    }
+    let next = log
+        .append(&s, AppendRequest::idempotent(prompt("y"), "turn1:1"))
+        .await?;
+    ensure!(next.seq == 3 && !next.duplicate, "new key got {next:?}");
+    Ok(())
+}
+
+/// `read(after, limit)` returns frames with seq > after, at most limit.
+pub async fn read_from_cursor(log: Arc<dyn SessionLog>) -> Result<()> {
+    let s = sid("cursor");
+    log.create(&s).await?;
+    for i in 1..=10 {
+        log.append(&s, AppendRequest::new(prompt(&i.to_string())))
+            .await?;
+    }
+    let page = log.read(&s, 4, 3).await?;
+    let seqs: Vec<u64> = page.iter().map(|f| f.seq).collect();
+    ensure!(
+        seqs == vec![5, 6, 7],
+        "read(after=4, limit=3) gave {seqs:?}"
+    );
+    ensure!(
+        log.read(&s, 10, 5).await?.is_empty(),
+        "read past the end must be empty"
+    );
+    ensure!(
+        log.read(&s, 99, 5).await?.is_empty(),
+        "read far past the end must be empty"
+    );
+    ensure!(log.read(&s, 0, 1000).await?.len() == 10, "full read");
+    Ok(())
+}
+
+/// Sealing appends a final `sealed` frame, refuses later appends, and is
+/// idempotent.
+pub async fn seal_refuses_appends(log: Arc<dyn SessionLog>) -> Result<()> {
+    let s = sid("seal");
+    log.create(&s).await?;
+    log.append(&s, AppendRequest::new(prompt("before"))).await?;
+    let info = log.seal(&s).await?;
+    ensure!(info.sealed && info.last_seq == 2, "after seal: {info:?}");
+    let frames = log.read(&s, 0, 10).await?;
+    ensure!(
+        matches!(frames.last().map(|f| &f.body), Some(FrameBody::Sealed {})),
+        "last frame must be sealed"
+    );
+    match log.append(&s, AppendRequest::new(prompt("after"))).await {
+        Err(e) if e.kind() == ErrorKind::Conflict => {}
+        other => bail!("append after seal must be a Conflict, got {other:?}"),
+    }
+    let again = log.seal(&s).await?;
+    ensure!(
+        again.last_seq == 2,
+        "sealing twice added a frame: {again:?}"
+    );
+    ensure!(
+        log.info(&s).await?.last_seq == 2,
+        "a refused append stored something"
+    );
+    Ok(())
+}
+
+/// `fork(until=N)` copies frames 1..=N and keys; the fork grows on its own.
+pub async fn fork_copies_a_prefix(log: Arc<dyn SessionLog>) -> Result<()> {
+    let src = sid("fork-src");
+    let dst = sid("fork-dst");
+    log.create(&src).await?;
+    for i in 1..=5 {
+        log.append(
+            &src,
+            AppendRequest::idempotent(prompt(&format!("m{i}")), format!("k{i}")),
+        )
+        .await?;
+    }
+    let info = log.fork(&src, 3, &dst).await?;
+    ensure!(info.last_seq == 3 && !info.sealed, "fork info {info:?}");
+    let origin = info
+        .forked_from
+        .as_ref()
+        .context("fork must record its origin")?;
+    ensure!(
+        origin.session == src && origin.until == 3,
+        "origin {origin:?}"
+    );
+    let copied = log.read(&dst, 0, 10).await?;
+    ensure!(
+        copied == log.read(&src, 0, 3).await?,
+        "fork must hold exactly the prefix"
+    );
+    // Keys up to N came along; later keys did not.
+    let dup = log
+        .append(&dst, AppendRequest::idempotent(prompt("m2"), "k2"))
+        .await?;
+    ensure!(
+        dup.duplicate && dup.seq == 2,
+        "key k2 should be known in the fork: {dup:?}"
+    );
+    let fresh = log
+        .append(&dst, AppendRequest::idempotent(prompt("m5-in-fork"), "k5"))
+        .await?;
+    ensure!(
+        !fresh.duplicate && fresh.seq == 4,
+        "key k5 is past the fork point: {fresh:?}"
+    );
+    ensure!(
+        log.info(&src).await?.last_seq == 5,
+        "forking changed the source"
+    );
+    match log.fork(&src, 6, &sid("fork-bad")).await {
+        Err(e) if e.kind() == ErrorKind::InvalidInput => {}
+        other => bail!("fork past the end must be InvalidInput, got {other:?}"),
+    }
+    match log.fork(&src, 1, &dst).await {
+        Err(e) if e.kind() == ErrorKind::Conflict => {}
+        other => bail!("fork onto an existing session must be a Conflict, got {other:?}"),
+    }
+    let empty = log.fork(&src, 0, &sid("fork-empty")).await?;
+    ensure!(empty.last_seq == 0, "fork until=0 is an empty log");
+    let listed: Vec<String> = log
+        .list()
+        .await?
+        .into_iter()
+        .map(|i| i.session.to_string())
+        .collect();
+    ensure!(
+        listed == vec!["fork-dst", "fork-empty", "fork-src"],
+        "list gave {listed:?}"
+    );
+    Ok(())
+}
+
+/// Operations on an unknown session are `NotFound` and create nothing.
+pub async fn unknown_session_is_not_found(log: Arc<dyn SessionLog>) -> Result<()> {
+    let s = sid("ghost");
+    match log.append(&s, AppendRequest::new(prompt("boo"))).await {
+        Err(e) if e.kind() == ErrorKind::NotFound => {}
+        other => bail!("append to an unknown session must be NotFound, got {other:?}"),
+    }
+    ensure!(
+        matches!(log.info(&s).await, Err(e) if e.kind() == ErrorKind::NotFound),
+        "info"
+    );
+    ensure!(
+        matches!(log.read(&s, 0, 1).await, Err(e) if e.kind() == ErrorKind::NotFound),
+        "read"
+    );
+    ensure!(
+        log.list().await?.is_empty(),
+        "a refused append created a log"
+    );
+    Ok(())
+}
+
+/// A frame over the log's limit (default 1 MiB) is refused and stores nothing.
+pub async fn oversized_frame_is_refused(log: Arc<dyn SessionLog>) -> Result<()> {
+    let s = sid("big");
+    log.create(&s).await?;
+    let huge = prompt(&"x".repeat(harness_core::log::DEFAULT_MAX_FRAME_BYTES + 1));
+    match log.append(&s, AppendRequest::new(huge)).await {
+        Err(e) if e.kind() == ErrorKind::InvalidInput => {}
+        other => bail!("an oversized frame must be InvalidInput, got {other:?}"),
+    }
+    ensure!(
+        log.info(&s).await?.last_seq == 0,
+        "the oversized frame was stored"
+    );
+    Ok(())
+}
+
+/// Many writers at once still get distinct, gap-free seqs.
+pub async fn concurrent_appends_stay_gap_free(log: Arc<dyn SessionLog>) -> Result<()> {
+    let s = sid("concurrent");
+    log.create(&s).await?;
+    let writers = (0..8).map(|w| {
+        let log = log.clone();
+        let s = s.clone();
+        async move {
+            let mut seqs = Vec::new();
+            for i in 0..25 {
+                let a = log
+                    .append(
+                        &s,
+                        AppendRequest::idempotent(prompt(&format!("{w}-{i}")), format!("{w}-{i}")),
+                    )
+                    .await?;
+                seqs.push(a.seq);
+            }
+            anyhow::Ok(seqs)
+        }
+    });
+    let mut all: Vec<u64> = futures::future::try_join_all(writers)
+        .await?
+        .into_iter()
+        .flatten()
+        .collect();
+    all.sort_unstable();
+    ensure!(
+        all == (1..=200).collect::<Vec<u64>>(),
+        "seqs were not exactly 1..=200"
+    );
+    Ok(())
+}

@@ -1,0 +1,8 @@
+//! One conformance suite per core trait. Each is a set of plain async
+//! functions taking the implementation under test (or a factory for fresh
+//! instances); every backend crate calls them from its own tests, the way
+//! `object_store` tests every store with the same functions.
+
+pub mod checkpoint;
+pub mod log;
+pub mod sandbox;

@@ -1,0 +1,1415 @@
+//! The `SandboxProvider`/`Sandbox` conformance suite.
+//!
+//! Every backend's tests call [`run_all`] (or [`run_all_with`]) with the real
+//! provider and a spec for it; each contract item is also a `pub async fn` so
+//! a backend can run them one by one. Every function fails with a message
+//! naming the broken rule; optional capabilities (`stop`, `port_endpoint`,
+//! deny-all networking) may answer `Unsupported`, which the suite reports as
+//! [`Capability::Unsupported`] instead of failing.
+//!
+//! Commands the suite runs inside the sandbox need a POSIX `sh` with
+//! coreutils (`cat`, `sleep`, `stat`, `cksum`, `find`, `sort`, `timeout`);
+//! the port check needs `python3` or `nc`, the network check `bash`,
+//! `python3` or `nc`.
+//!
+//! Network checks only ever target an address on this machine: the suite
+//! listens on [`SuiteOptions::host_address`] and probes it from inside.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, ensure, Context, Result};
+use bytes::Bytes;
+use futures::StreamExt;
+use harness_core::sandbox::{
+    collect_exec, shell_quote, DetachedRequest, DetachedStatus, ExecEvent, ExecOutput, ExecRequest,
+    ExitReason, NetworkPolicy, Sandbox, SandboxHandle, SandboxProvider, SandboxSpec,
+};
+use harness_core::stream::{AbortSignal, ByteStream};
+use harness_core::{Error, ErrorKind};
+use sha2::{Digest, Sha256};
+
+/// How long any single suite command may take before the suite calls it
+/// hung (well above what each needs).
+const COMMAND_DEADLINE: Duration = Duration::from_secs(60);
+
+/// Knobs for the parts of the suite that depend on the backend's setup.
+#[derive(Debug, Clone)]
+pub struct SuiteOptions {
+    /// An address of this machine that commands inside an allow-all sandbox
+    /// can reach (127.0.0.1 for backends sharing the host network, the
+    /// bridge gateway for containers). The suite listens there. `None`
+    /// skips the reachability half of the network check.
+    pub host_address: Option<IpAddr>,
+    /// Size of the large-file round trip in [`run_all_with`]; 0 skips it.
+    pub large_file_bytes: u64,
+}
+
+impl Default for SuiteOptions {
+    fn default() -> Self {
+        Self {
+            host_address: Some(IpAddr::V4(Ipv4Addr::LOCALHOST)),
+            large_file_bytes: 100 * 1024 * 1024,
+        }
+    }
+}
+
+/// Result of an optional contract item.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Capability {
+    /// The backend offers it and it behaved.
+    Supported,
+    /// The backend answered `Unsupported` (accepted), with its message.
+    Unsupported(String),
+}
+
+/// What [`large_file_round_trip`] measured.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LargeFileReport {
+    /// Bytes written and read back.
+    pub bytes: u64,
+    /// Hex SHA-256 of the content.
+    pub sha256: String,
+    /// Seconds the write took.
+    pub write_secs: f64,
+    /// Seconds the read took.
+    pub read_secs: f64,
+}
+
+/// Run every contract item with [`SuiteOptions::default`].
+pub async fn run_all(provider: &dyn SandboxProvider, spec: SandboxSpec) -> Result<()> {
+    run_all_with(provider, spec, &SuiteOptions::default()).await
+}
+
+/// Run every contract item; failures are collected and reported together,
+/// each under the name of the function that found it.
+pub async fn run_all_with(
+    provider: &dyn SandboxProvider,
+    spec: SandboxSpec,
+    options: &SuiteOptions,
+) -> Result<()> {
+    let mut failures: Vec<String> = Vec::new();
+    let mut record = |name: &str, result: Result<()>| {
+        if let Err(e) = result {
+            failures.push(format!("{name}: {e:#}"));
+        }
+    };
+
+    let sandbox = provider
+        .create(&spec)
+        .await
+        .context("creating the sandbox for the suite")?;
+    let sb = sandbox.as_ref();
+    record(
+        "exec_streams_stdout_stderr_and_one_exit",
+        exec_streams_stdout_stderr_and_one_exit(sb).await,
+    );
+    record("exec_exit_codes", exec_exit_codes(sb).await);
+    record("exec_cwd", exec_cwd(sb).await);
+    record("exec_stdin", exec_stdin(sb).await);
+    record(
+        "exec_streams_before_exit",
+        exec_streams_before_exit(sb).await,
+    );
+    record("exec_timeout_kills_tree", exec_timeout_kills_tree(sb).await);
+    record("exec_abort_kills_tree", exec_abort_kills_tree(sb).await);
+    record("files_round_trip", files_round_trip(sb).await);
+    record("read_file_from_offset", read_file_from_offset(sb).await);
+    record("tar_round_trip", tar_round_trip(sb).await);
+    record(
+        "import_refuses_escaping_entries",
+        import_refuses_escaping_entries(sb).await,
+    );
+    record("detached_processes", detached_processes(sb).await);
+    if options.large_file_bytes > 0 {
+        record(
+            "large_file_round_trip",
+            large_file_round_trip(sb, "suite/large.bin", options.large_file_bytes)
+                .await
+                .map(|_| ()),
+        );
+    }
+    record(
+        "destroy (suite sandbox)",
+        sandbox.destroy().await.map_err(Into::into),
+    );
+
+    record("exec_env", exec_env(provider, &spec).await);
+    record(
+        "detach_and_resume",
+        detach_and_resume(provider, &spec).await,
+    );
+    record(
+        "destroy_is_idempotent",
+        destroy_is_idempotent(provider, &spec).await,
+    );
+    record(
+        "port_endpoint",
+        port_endpoint(provider, &spec).await.map(|_| ()),
+    );
+    record(
+        "stop_and_resume",
+        stop_and_resume(provider, &spec).await.map(|_| ()),
+    );
+    record(
+        "network_deny_all",
+        network_deny_all(provider, &spec, options).await.map(|_| ()),
+    );
+
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        bail!(
+            "{} sandbox contract item(s) failed for provider {:?}:\n  - {}",
+            failures.len(),
+            provider.name(),
+            failures.join("\n  - ")
+        )
+    }
+}
+
+// ---------------------------------------------------------------------------
+// helpers
+
+/// Await `fut`, failing with `what` if it takes longer than `limit`.
+async fn within<T>(limit: Duration, what: &str, fut: impl Future<Output = T>) -> Result<T> {
+    tokio::time::timeout(limit, fut)
+        .await
+        .map_err(|_| anyhow!("{what} did not finish within {limit:?}"))
+}
+
+/// Run a request and collect its output, bounded by `COMMAND_DEADLINE`.
+async fn run(sb: &dyn Sandbox, req: ExecRequest) -> Result<ExecOutput> {
+    let what = format!("exec {:?}", req.argv);
+    let stream = sb.exec(req).await.with_context(|| what.clone())?;
+    within(COMMAND_DEADLINE, &what, collect_exec(stream))
+        .await?
+        .with_context(|| {
+            format!("{what}: stream ended badly (the contract requires a final Exit event)")
+        })
+}
+
+/// Run a shell script that must succeed; returns stdout.
+async fn sh(sb: &dyn Sandbox, script: &str) -> Result<String> {
+    let out = run(sb, ExecRequest::shell(script)).await?;
+    ensure!(
+        out.status.success(),
+        "setup script {script:?} failed ({:?}): {}",
+        out.status,
+        out.stderr_str().trim()
+    );
+    Ok(out.stdout_str())
+}
+
+/// Collect a byte stream, bounded in time and size.
+async fn read_all(stream: ByteStream, what: &str) -> Result<Vec<u8>> {
+    let bytes = within(
+        COMMAND_DEADLINE,
+        what,
+        harness_core::stream::collect(stream, 256 * 1024 * 1024),
+    )
+    .await??;
+    Ok(bytes.to_vec())
+}
+
+/// Read a whole file (errors keep their kind for NotFound checks).
+async fn read_file(sb: &dyn Sandbox, path: &str) -> Result<Vec<u8>, Error> {
+    let stream = sb.read_file(path).await?;
+    let bytes = tokio::time::timeout(
+        COMMAND_DEADLINE,
+        harness_core::stream::collect(stream, 256 * 1024 * 1024),
+    )
+    .await
+    .map_err(|_| Error::backend(format!("reading {path} hung")))??;
+    Ok(bytes.to_vec())
+}
+
+/// `bytes` as a stream of `chunk`-sized pieces.
+fn chunked(bytes: Vec<u8>, chunk: usize) -> ByteStream {
+    let bytes = Bytes::from(bytes);
+    let pieces: Vec<_> = (0..bytes.len())
+        .step_by(chunk.max(1))
+        .map(|i| Ok(bytes.slice(i..(i + chunk).min(bytes.len()))))
+        .collect();
+    Box::pin(futures::stream::iter(pieces))
+}
+
+/// Deterministic pseudo-random content of `len` bytes, produced in
+/// `chunk`-byte pieces as a stream and never held whole.
+pub fn generated_stream(len: u64, chunk: usize, seed: u64) -> ByteStream {
+    let mut state = seed | 1;
+    let mut left = len;
+    Box::pin(futures::stream::iter(std::iter::from_fn(move || {
+        if left == 0 {
+            return None;
+        }
+        let n = (chunk as u64).min(left) as usize;
+        left -= n as u64;
+        let mut buf = Vec::with_capacity(n);
+        while buf.len() < n {
+            // xorshift64*: cheap, deterministic and incompressible.
+            state ^= state >> 12;
+            state ^= state << 25;
+            state ^= state >> 27;
+            let v = state.wrapping_mul(0x2545_F491_4F6C_DD1D).to_le_bytes();
+            buf.extend_from_slice(&v[..(n - buf.len()).min(8)]);
+        }
+        Some(Ok(Bytes::from(buf)))
+    })))
+}
+
+fn pseudo_random(len: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 24) as u8
+        })
+        .collect()
+}
+
+/// A fresh directory name under the workdir for one check.
+fn scratch(name: &str) -> String {
+    format!("suite/{name}-{}", uuid_like())
+}
+
+fn uuid_like() -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    format!("{:x}{:x}{n}", std::process::id(), t & 0xffff_ffff)
+}
+
+/// Shell snippet printing every pid in `pidfile` that is still alive (a
+/// zombie counts as dead: only its exit status is left, and an init that
+/// does not reap would otherwise keep it "alive").
+fn alive_pids_script(pidfile: &str) -> String {
+    format!(
+        "for p in $(cat {f}); do \
+           if kill -0 \"$p\" 2>/dev/null; then \
+             s=$(sed 's/.*) //' /proc/$p/stat 2>/dev/null | cut -d' ' -f1); \
+             [ \"$s\" = Z ] || echo \"$p\"; \
+           fi; \
+         done",
+        f = shell_quote(pidfile)
+    )
+}
+
+/// Wait until every pid in `pidfile` is gone (up to 10 s).
+async fn assert_pids_gone(sb: &dyn Sandbox, pidfile: &str, what: &str) -> Result<()> {
+    let pids = sh(sb, &format!("cat {}", shell_quote(pidfile))).await?;
+    ensure!(
+        pids.split_whitespace().count() >= 2,
+        "{what}: the test command did not record its pids ({pids:?})"
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let alive = sh(sb, &alive_pids_script(pidfile)).await?;
+        if alive.trim().is_empty() {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "{what}: processes of the killed command's tree are still alive (pids {}; all \
+                 recorded: {}): the whole process tree must be killed",
+                alive.split_whitespace().collect::<Vec<_>>().join(" "),
+                pids.split_whitespace().collect::<Vec<_>>().join(" ")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+fn is_kind<T>(result: &Result<T, Error>, kind: ErrorKind) -> bool {
+    matches!(result, Err(e) if e.kind() == kind)
+}
+
+// ---------------------------------------------------------------------------
+// exec
+
+/// stdout and stderr arrive as separate events, and the stream ends with
+/// exactly one `Exit`, after which it yields nothing.
+pub async fn exec_streams_stdout_stderr_and_one_exit(sb: &dyn Sandbox) -> Result<()> {
+    let mut stream = sb
+        .exec(ExecRequest::shell(
+            "printf out1; printf err1 >&2; printf out2; printf err2 >&2; exit 0",
+        ))
+        .await
+        .context("exec")?;
+    let mut stdout = Vec::new();
+    let mut stderr = Vec::new();
+    let mut exits = Vec::new();
+    let mut after_exit = 0usize;
+    let drain = async {
+        while let Some(event) = stream.next().await {
+            match event.context("exec stream yielded an error")? {
+                ExecEvent::Stdout(b) if exits.is_empty() => stdout.extend_from_slice(&b),
+                ExecEvent::Stderr(b) if exits.is_empty() => stderr.extend_from_slice(&b),
+                ExecEvent::Exit(s) => exits.push(s),
+                _ => after_exit += 1,
+            }
+        }
+        Ok::<_, anyhow::Error>(())
+    };
+    within(COMMAND_DEADLINE, "draining an exec stream", drain).await??;
+    ensure!(
+        exits.len() == 1,
+        "the exec stream must end with exactly one Exit event, got {} ({exits:?})",
+        exits.len()
+    );
+    ensure!(
+        after_exit == 0,
+        "the exec stream yielded {after_exit} output event(s) after Exit"
+    );
+    ensure!(
+        exits[0].success(),
+        "`exit 0` must report success, got {:?}",
+        exits[0]
+    );
+    ensure!(
+        stdout == b"out1out2",
+        "stdout must carry exactly what went to fd 1, got {:?}",
+        String::from_utf8_lossy(&stdout)
+    );
+    ensure!(
+        stderr == b"err1err2",
+        "stderr must carry exactly what went to fd 2, got {:?}",
+        String::from_utf8_lossy(&stderr)
+    );
+    Ok(())
+}
+
+/// Exit codes and signals are reported as they happened.
+pub async fn exec_exit_codes(sb: &dyn Sandbox) -> Result<()> {
+    for code in [0, 1, 3, 42] {
+        let out = run(sb, ExecRequest::shell(format!("exit {code}"))).await?;
+        ensure!(
+            out.status.code == Some(code) && out.status.reason == ExitReason::Exited,
+            "`exit {code}` must report code {code} and reason Exited, got {:?}",
+            out.status
+        );
+        ensure!(
+            out.status.success() == (code == 0),
+            "success() must be true only for code 0 (code {code}: {:?})",
+            out.status
+        );
+    }
+    let out = run(sb, ExecRequest::shell("kill -9 $$")).await?;
+    ensure!(
+        out.status.signal == Some(9) || out.status.code == Some(137),
+        "a command killed by SIGKILL must report signal 9 (or code 137), got {:?}",
+        out.status
+    );
+    ensure!(
+        out.status.reason == ExitReason::Exited,
+        "a kill we did not ask for is reason Exited, got {:?}",
+        out.status
+    );
+    // A program that does not exist: an error, or a failed exit.
+    match sb
+        .exec(ExecRequest::new(["/nonexistent/harness-suite-program"]))
+        .await
+    {
+        Err(_) => {}
+        Ok(stream) => {
+            let out = within(
+                COMMAND_DEADLINE,
+                "exec of a missing program",
+                collect_exec(stream),
+            )
+            .await??;
+            ensure!(
+                !out.status.success(),
+                "running a missing program must not succeed, got {:?}",
+                out.status
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The spec's env and the request's env reach the command (the request
+/// wins), and `HOME` is set.
+pub async fn exec_env(provider: &dyn SandboxProvider, spec: &SandboxSpec) -> Result<()> {
+    let mut spec = spec.clone();
+    spec.env
+        .insert("SUITE_SPEC_VAR".into(), "from spec with spaces".into());
+    spec.env.insert("SUITE_OVERRIDE".into(), "spec".into());
+    let sandbox = provider.create(&spec).await.context("create")?;
+    let result = async {
+        let out = run(
+            sandbox.as_ref(),
+            ExecRequest::shell(r#"printf '%s|%s|%s|%s' "$SUITE_SPEC_VAR" "$SUITE_OVERRIDE" "$SUITE_REQ" "${HOME:+home-set}""#)
+                .env("SUITE_OVERRIDE", "request")
+                .env("SUITE_REQ", "it's $literal"),
+        )
+        .await?;
+        ensure!(
+            out.stdout_str() == "from spec with spaces|request|it's $literal|home-set",
+            "env must be spec env + request env (request wins) with HOME set; got {:?}",
+            out.stdout_str()
+        );
+        Ok(())
+    }
+    .await;
+    sandbox.destroy().await.context("destroy")?;
+    result
+}
+
+/// The default cwd is the workdir; relative cwds resolve against it,
+/// absolute ones are taken as they are; a missing cwd fails.
+pub async fn exec_cwd(sb: &dyn Sandbox) -> Result<()> {
+    let dir = scratch("cwd");
+    sh(sb, &format!("mkdir -p {}/sub", shell_quote(&dir))).await?;
+    let workdir_real = sh(sb, &format!("cd {} && pwd -P", shell_quote(sb.workdir()))).await?;
+    let default_cwd = sh(sb, "pwd -P").await?;
+    ensure!(
+        default_cwd == workdir_real,
+        "the default cwd must be the workdir {:?}, got {:?}",
+        workdir_real.trim(),
+        default_cwd.trim()
+    );
+    let rel = run(sb, ExecRequest::shell("pwd -P").cwd(format!("{dir}/sub"))).await?;
+    let expected = format!("{}/{dir}/sub", workdir_real.trim());
+    ensure!(
+        rel.status.success() && rel.stdout_str().trim() == expected,
+        "a relative cwd must resolve against the workdir: expected {expected:?}, got {:?} ({:?})",
+        rel.stdout_str().trim(),
+        rel.status
+    );
+    let abs = format!("{}/{dir}", sb.workdir().trim_end_matches('/'));
+    let out = run(sb, ExecRequest::shell("pwd -P").cwd(abs.clone())).await?;
+    ensure!(
+        out.status.success() && out.stdout_str().trim() == format!("{}/{dir}", workdir_real.trim()),
+        "an absolute cwd {abs:?} must be used as is, got {:?}",
+        out.stdout_str().trim()
+    );
+    match sb
+        .exec(ExecRequest::shell("true").cwd(format!("{dir}/does-not-exist")))
+        .await
+    {
+        Err(_) => {}
+        Ok(stream) => {
+            let out = within(
+                COMMAND_DEADLINE,
+                "exec in a missing cwd",
+                collect_exec(stream),
+            )
+            .await??;
+            ensure!(
+                !out.status.success(),
+                "a command in a missing cwd must not succeed, got {:?}",
+                out.status
+            );
+        }
+    }
+    sh(sb, &format!("rm -rf {}", shell_quote(&dir))).await?;
+    Ok(())
+}
+
+/// stdin bytes (binary, with zeros) reach the command and stdin is closed
+/// after them; no stdin means an empty, closed stdin.
+pub async fn exec_stdin(sb: &dyn Sandbox) -> Result<()> {
+    let mut data = pseudo_random(1024 * 1024, 7);
+    data.extend_from_slice(&[0, 0, 0, b'\n', 0]);
+    let out = run(sb, ExecRequest::new(["cat"]).stdin(data.clone())).await?;
+    ensure!(
+        out.status.success(),
+        "cat with stdin failed: {:?}",
+        out.status
+    );
+    ensure!(
+        out.stdout.as_ref() == data.as_slice(),
+        "stdin must reach the command byte for byte: sent {} bytes, cat echoed {} bytes",
+        data.len(),
+        out.stdout.len()
+    );
+    let out = run(sb, ExecRequest::new(["cat"])).await?;
+    ensure!(
+        out.status.success() && out.stdout.is_empty(),
+        "without stdin, `cat` must see an empty closed stdin; got {:?} and {} bytes",
+        out.status,
+        out.stdout.len()
+    );
+    Ok(())
+}
+
+/// Output arrives while the command runs, not only when it ends.
+pub async fn exec_streams_before_exit(sb: &dyn Sandbox) -> Result<()> {
+    let start = Instant::now();
+    let mut stream = sb
+        .exec(ExecRequest::shell("echo a; sleep 2; echo b"))
+        .await
+        .context("exec")?;
+    let mut first_chunk: Option<(Duration, Bytes)> = None;
+    let mut exit_at = None;
+    let mut all = Vec::new();
+    let drain = async {
+        while let Some(event) = stream.next().await {
+            match event? {
+                ExecEvent::Stdout(b) => {
+                    if first_chunk.is_none() {
+                        first_chunk = Some((start.elapsed(), b.clone()));
+                    }
+                    all.extend_from_slice(&b);
+                }
+                ExecEvent::Stderr(_) => {}
+                ExecEvent::Exit(s) => exit_at = Some((start.elapsed(), s)),
+            }
+        }
+        Ok::<_, Error>(())
+    };
+    within(COMMAND_DEADLINE, "streaming command", drain).await??;
+    let (exit_time, status) = exit_at.ok_or_else(|| anyhow!("no Exit event"))?;
+    ensure!(
+        status.success(),
+        "`echo a; sleep 2; echo b` failed: {status:?}"
+    );
+    let (first_time, first) = first_chunk.ok_or_else(|| anyhow!("no stdout at all"))?;
+    ensure!(
+        first.starts_with(b"a"),
+        "the first stdout chunk must start with \"a\", got {:?}",
+        String::from_utf8_lossy(&first)
+    );
+    ensure!(
+        exit_time >= first_time + Duration::from_millis(1500),
+        "output must stream while the command runs: the first chunk came at {first_time:?}, \
+         only {:?} before the exit at {exit_time:?} (the command sleeps 2 s in between)",
+        exit_time.saturating_sub(first_time)
+    );
+    ensure!(
+        all == b"a\nb\n",
+        "stdout must be \"a\\nb\\n\", got {:?}",
+        String::from_utf8_lossy(&all)
+    );
+    Ok(())
+}
+
+/// The tree killer shared by the timeout and abort checks.
+async fn killed_tree(
+    sb: &dyn Sandbox,
+    name: &str,
+    make: impl FnOnce(ExecRequest) -> ExecRequest,
+    want: ExitReason,
+) -> Result<()> {
+    let dir = scratch(name);
+    sh(sb, &format!("mkdir -p {}", shell_quote(&dir))).await?;
+    let pidfile = format!("{}/{dir}/pids", sb.workdir().trim_end_matches('/'));
+    let script = format!(
+        "echo $$ > {f}; sleep 100 & echo $! >> {f}; sleep 100",
+        f = shell_quote(&pidfile)
+    );
+    let started = Instant::now();
+    let req = make(ExecRequest::shell(script));
+    let stream = sb.exec(req).await.context("exec")?;
+    let out = within(
+        Duration::from_secs(20),
+        &format!("a command that should be killed ({want:?}) after 1 s"),
+        collect_exec(stream),
+    )
+    .await?
+    .context("the killed command's stream must still end with an Exit event")?;
+    ensure!(
+        out.status.reason == want,
+        "a command killed by its {} must report reason {want:?}, got {:?}",
+        if want == ExitReason::TimedOut {
+            "timeout"
+        } else {
+            "abort signal"
+        },
+        out.status
+    );
+    ensure!(
+        !out.status.success(),
+        "a killed command must not report success: {:?}",
+        out.status
+    );
+    ensure!(
+        started.elapsed() < Duration::from_secs(15),
+        "the kill took {:?}",
+        started.elapsed()
+    );
+    assert_pids_gone(sb, &pidfile, &format!("after {want:?}")).await?;
+    sh(sb, &format!("rm -rf {}", shell_quote(&dir))).await?;
+    Ok(())
+}
+
+/// A timeout kills the command and its children; reason `TimedOut`.
+pub async fn exec_timeout_kills_tree(sb: &dyn Sandbox) -> Result<()> {
+    killed_tree(
+        sb,
+        "timeout",
+        |r| r.timeout(Duration::from_secs(1)),
+        ExitReason::TimedOut,
+    )
+    .await
+}
+
+/// An abort signal kills the command and its children; reason `Aborted`.
+pub async fn exec_abort_kills_tree(sb: &dyn Sandbox) -> Result<()> {
+    let signal = AbortSignal::new();
+    let trigger = signal.clone();
+    let timer = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        trigger.abort();
+    });
+    let result = killed_tree(sb, "abort", |r| r.abort(signal), ExitReason::Aborted).await;
+    timer.abort();
+    result
+}
+
+// ---------------------------------------------------------------------------
+// files
+
+/// Files written as streams read back byte for byte: binary with zeros,
+/// several MB in uneven chunks, parent directories created, replacement,
+/// absolute and relative paths agreeing, `NotFound` for a missing file.
+pub async fn files_round_trip(sb: &dyn Sandbox) -> Result<()> {
+    let dir = scratch("files");
+    let binary: Vec<u8> = (0..=255u8).chain(std::iter::repeat_n(0u8, 300)).collect();
+    let path = format!("{dir}/a/b/c/binary.bin");
+    let n = sb
+        .write_file(&path, chunked(binary.clone(), 100))
+        .await
+        .context("write_file into missing parent directories must create them")?;
+    ensure!(
+        n == binary.len() as u64,
+        "write_file returned {n}, wrote {} bytes",
+        binary.len()
+    );
+    let back = read_file(sb, &path).await.context("read_file")?;
+    ensure!(
+        back == binary,
+        "binary content (with zero bytes) changed in a write/read round trip"
+    );
+    // The exec side sees the same file at the same relative path.
+    let size = sh(sb, &format!("wc -c < {}", shell_quote(&path))).await?;
+    ensure!(
+        size.trim() == binary.len().to_string(),
+        "exec sees {} bytes at {path}, write_file wrote {}",
+        size.trim(),
+        binary.len()
+    );
+
+    let big = pseudo_random(5 * 1024 * 1024 + 123, 42);
+    let big_path = format!("{dir}/big.bin");
+    let n = sb
+        .write_file(&big_path, chunked(big.clone(), 65_537))
+        .await
+        .context("write_file of 5 MB")?;
+    ensure!(
+        n == big.len() as u64,
+        "write_file returned {n} for {} bytes",
+        big.len()
+    );
+    let back = read_all(sb.read_file(&big_path).await?, "reading 5 MB").await?;
+    ensure!(
+        back.len() == big.len() && back == big,
+        "5 MB file changed in a round trip (read {} of {} bytes)",
+        back.len(),
+        big.len()
+    );
+
+    // Replacing an existing file with shorter content leaves no tail.
+    sb.write_file(&big_path, harness_core::stream::once("short"))
+        .await?;
+    let back = read_file(sb, &big_path).await?;
+    ensure!(
+        back == b"short",
+        "write_file must replace the file, got {} bytes starting {:?}",
+        back.len(),
+        String::from_utf8_lossy(&back[..back.len().min(16)])
+    );
+
+    // An absolute path inside the workdir is the same file as the relative one.
+    let abs = format!("{}/{dir}/abs.txt", sb.workdir().trim_end_matches('/'));
+    sb.write_file(&abs, harness_core::stream::once("absolute"))
+        .await?;
+    let back = read_file(sb, &format!("{dir}/abs.txt")).await?;
+    ensure!(
+        back == b"absolute",
+        "absolute and workdir-relative paths must name the same file"
+    );
+
+    // An empty stream makes an empty file.
+    sb.write_file(&format!("{dir}/empty"), harness_core::stream::empty())
+        .await?;
+    ensure!(
+        read_file(sb, &format!("{dir}/empty")).await?.is_empty(),
+        "empty write must give an empty file"
+    );
+
+    let missing = read_file(sb, &format!("{dir}/no/such/file")).await;
+    ensure!(
+        is_kind(&missing, ErrorKind::NotFound),
+        "reading a missing file must fail with NotFound, got {:?}",
+        missing.map(|b| b.len())
+    );
+    sh(sb, &format!("rm -rf {}", shell_quote(&dir))).await?;
+    Ok(())
+}
+
+/// `read_file_from` starts at the offset; past the end is empty; a missing
+/// file is `NotFound`.
+pub async fn read_file_from_offset(sb: &dyn Sandbox) -> Result<()> {
+    let dir = scratch("offset");
+    let path = format!("{dir}/spool");
+    sb.write_file(&path, harness_core::stream::once("0123456789"))
+        .await?;
+    for (offset, want) in [
+        (0u64, "0123456789"),
+        (4, "456789"),
+        (9, "9"),
+        (10, ""),
+        (25, ""),
+    ] {
+        let got = read_all(
+            sb.read_file_from(&path, offset)
+                .await
+                .with_context(|| format!("read_file_from({offset})"))?,
+            "read_file_from",
+        )
+        .await?;
+        ensure!(
+            got == want.as_bytes(),
+            "read_file_from(offset {offset}) must give {want:?}, got {:?}",
+            String::from_utf8_lossy(&got)
+        );
+    }
+    let missing = async {
+        let s = sb.read_file_from(&format!("{dir}/missing"), 3).await?;
+        harness_core::stream::collect(s, 1024).await
+    }
+    .await;
+    ensure!(
+        is_kind(&missing, ErrorKind::NotFound),
+        "read_file_from of a missing file must fail with NotFound, got {missing:?}"
+    );
+    sh(sb, &format!("rm -rf {}", shell_quote(&dir))).await?;
+    Ok(())
+}
+
+/// A listing of a tree that tells types, modes, link targets and content.
+async fn manifest(sb: &dyn Sandbox, dir: &str) -> Result<Vec<String>> {
+    let script = format!(
+        "cd {} && find . -mindepth 1 | LC_ALL=C sort | while IFS= read -r p; do \
+           if [ -L \"$p\" ]; then echo \"L $p -> $(readlink \"$p\")\"; \
+           elif [ -d \"$p\" ]; then echo \"D $p $(stat -c %a \"$p\")\"; \
+           else echo \"F $p $(stat -c %a \"$p\") $(cksum < \"$p\")\"; fi; done",
+        shell_quote(dir)
+    );
+    Ok(sh(sb, &script).await?.lines().map(str::to_string).collect())
+}
+
+/// export_tar → import_tar reproduces files, directories, symlinks and
+/// modes, with entry names relative to the exported directory; import
+/// overlays (files only in the target stay, files in both are replaced).
+pub async fn tar_round_trip(sb: &dyn Sandbox) -> Result<()> {
+    let base = scratch("tar");
+    let src = format!("{base}/src");
+    let dst = format!("{base}/dst");
+    let long = "d".repeat(60);
+    sh(
+        sb,
+        &format!(
+            "set -e; mkdir -p {src}/a/b {src}/empty {src}/{long}/{long}; cd {src}; \
+             printf hello > a/b/file.txt; chmod 640 a/b/file.txt; \
+             printf '#!/bin/sh\\necho hi\\n' > run.sh; chmod 755 run.sh; \
+             : > zero; head -c 300000 /dev/urandom > rand.bin; \
+             printf deep > {long}/{long}/deep.txt; \
+             ln -s b/file.txt a/link; ln -s ../outside-target dangling; chmod 700 empty; \
+             mkdir -p ../dst/a/b; printf stays > ../dst/only-in-target.txt; \
+             printf old-content-longer > ../dst/a/b/file.txt",
+            src = shell_quote(&src),
+        ),
+    )
+    .await?;
+    let tar = read_all(
+        sb.export_tar(&src).await.context("export_tar")?,
+        "export_tar",
+    )
+    .await?;
+    // Entry names are relative to the exported directory.
+    let mut archive = tar::Archive::new(tar.as_slice());
+    let mut names = Vec::new();
+    for entry in archive
+        .entries()
+        .context("export_tar produced an unreadable tar")?
+    {
+        let entry = entry.context("export_tar produced an unreadable tar entry")?;
+        names.push(String::from_utf8_lossy(&entry.path_bytes()).into_owned());
+    }
+    ensure!(
+        names
+            .iter()
+            .all(|n| !n.starts_with('/') && !n.contains("suite/")),
+        "export_tar entries must be relative to the exported dir, got {names:?}"
+    );
+    ensure!(
+        names
+            .iter()
+            .any(|n| n.trim_start_matches("./") == "a/b/file.txt"),
+        "export_tar must contain a/b/file.txt, got {names:?}"
+    );
+
+    sb.import_tar(&dst, harness_core::stream::once(tar))
+        .await
+        .context("import_tar")?;
+    let want = manifest(sb, &src).await?;
+    let got = manifest(sb, &dst).await?;
+    let got_without_extra: Vec<_> = got
+        .iter()
+        .filter(|l| !l.contains("only-in-target.txt"))
+        .cloned()
+        .collect();
+    ensure!(
+        got_without_extra == want,
+        "import_tar(export_tar(src)) must reproduce src (types, modes, link targets, content).\n\
+         src:\n{}\ndst:\n{}",
+        want.join("\n"),
+        got.join("\n")
+    );
+    let kept = read_file(sb, &format!("{dst}/only-in-target.txt")).await;
+    ensure!(
+        matches!(&kept, Ok(b) if b == b"stays"),
+        "import_tar must overlay: a file only in the target must stay, got {:?}",
+        kept.map(|b| String::from_utf8_lossy(&b).into_owned())
+    );
+
+    let missing = async {
+        let s = sb.export_tar(&format!("{base}/no-such-dir")).await?;
+        harness_core::stream::collect(s, 1024 * 1024).await
+    }
+    .await;
+    ensure!(
+        missing.is_err(),
+        "export_tar of a missing directory must fail"
+    );
+    sh(sb, &format!("rm -rf {}", shell_quote(&base))).await?;
+    Ok(())
+}
+
+/// A tar with an entry whose raw name is `name`.
+fn raw_tar(name: &str, content: &[u8]) -> Vec<u8> {
+    let mut header = tar::Header::new_gnu();
+    {
+        let old = header.as_old_mut();
+        old.name[..name.len()].copy_from_slice(name.as_bytes());
+    }
+    header.set_size(content.len() as u64);
+    header.set_mode(0o644);
+    header.set_entry_type(tar::EntryType::Regular);
+    header.set_cksum();
+    let mut out = header.as_bytes().to_vec();
+    out.extend_from_slice(content);
+    out.resize(out.len().div_ceil(512) * 512, 0);
+    out.extend_from_slice(&[0u8; 1024]);
+    out
+}
+
+/// import_tar refuses entries that would land outside the target
+/// (`../x`), with an error, and writes nothing there.
+pub async fn import_refuses_escaping_entries(sb: &dyn Sandbox) -> Result<()> {
+    let base = scratch("escape");
+    let target = format!("{base}/target");
+    sh(sb, &format!("mkdir -p {}", shell_quote(&target))).await?;
+    let result = sb
+        .import_tar(
+            &target,
+            harness_core::stream::once(raw_tar("../escaped.txt", b"escaped")),
+        )
+        .await;
+    ensure!(
+        result.is_err(),
+        "import_tar must refuse an entry named ../escaped.txt"
+    );
+    let leaked = read_file(sb, &format!("{base}/escaped.txt")).await;
+    ensure!(
+        is_kind(&leaked, ErrorKind::NotFound),
+        "a refused ../ entry must not be written outside the target (found {base}/escaped.txt)"
+    );
+    sh(sb, &format!("rm -rf {}", shell_quote(&base))).await?;
+    Ok(())
+}
+
+/// The large-file rule: write `bytes` generated on the fly (never buffered
+/// whole) and read them back, comparing SHA-256 digests computed as the
+/// bytes flow. Deletes the file afterwards.
+pub async fn large_file_round_trip(
+    sb: &dyn Sandbox,
+    path: &str,
+    bytes: u64,
+) -> Result<LargeFileReport> {
+    const CHUNK: usize = 1024 * 1024;
+    let hasher = Arc::new(std::sync::Mutex::new(Sha256::new()));
+    let h = hasher.clone();
+    let source = generated_stream(bytes, CHUNK, 0x5eed)
+        .map(move |chunk| {
+            if let Ok(c) = &chunk {
+                h.lock().expect("hasher lock").update(c);
+            }
+            chunk
+        })
+        .boxed();
+    let started = Instant::now();
+    let written = within(
+        Duration::from_secs(600),
+        "writing the large file",
+        sb.write_file(path, source),
+    )
+    .await?
+    .context("write_file of the large file")?;
+    let write_secs = started.elapsed().as_secs_f64();
+    let sent = hex::encode(std::mem::take(&mut *hasher.lock().expect("hasher lock")).finalize());
+    ensure!(
+        written == bytes,
+        "write_file reported {written} bytes, sent {bytes}"
+    );
+
+    let started = Instant::now();
+    let mut stream = sb
+        .read_file(path)
+        .await
+        .context("read_file of the large file")?;
+    let mut got = Sha256::new();
+    let mut read = 0u64;
+    let reading = async {
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk?;
+            read += chunk.len() as u64;
+            got.update(&chunk);
+        }
+        Ok::<_, Error>(())
+    };
+    within(Duration::from_secs(600), "reading the large file", reading).await??;
+    let read_secs = started.elapsed().as_secs_f64();
+    let got = hex::encode(got.finalize());
+    ensure!(
+        read == bytes,
+        "read back {read} bytes of a {bytes}-byte file"
+    );
+    ensure!(
+        got == sent,
+        "the large file's SHA-256 changed in the round trip: wrote {sent}, read {got}"
+    );
+    sh(sb, &format!("rm -f {}", shell_quote(path))).await?;
+    Ok(LargeFileReport {
+        bytes,
+        sha256: sent,
+        write_secs,
+        read_secs,
+    })
+}
+
+// ---------------------------------------------------------------------------
+// detached processes
+
+/// spawn_detached runs in the background with output spooled to files;
+/// detached_status goes Running → Exited{code}; kill_detached kills the
+/// process group and is idempotent.
+pub async fn detached_processes(sb: &dyn Sandbox) -> Result<()> {
+    let spool = format!("/tmp/harness-suite-spool-{}", uuid_like());
+    let pidfile = format!("{spool}/pids");
+    let process = sb
+        .spawn_detached(DetachedRequest {
+            argv: vec![
+                "sh".into(),
+                "-c".into(),
+                "echo started; echo to-err >&2; echo \"$SUITE_DETACHED\"; sleep 2; echo done; exit 7".into(),
+            ],
+            cwd: None,
+            env: BTreeMap::from([("SUITE_DETACHED".to_string(), "env-ok".to_string())]),
+            spool_dir: format!("{spool}/one"),
+        })
+        .await
+        .context("spawn_detached")?;
+    let status = sb
+        .detached_status(&process)
+        .await
+        .context("detached_status")?;
+    ensure!(
+        status == DetachedStatus::Running,
+        "a detached `sleep 2` must be Running right after spawn, got {status:?}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let final_status = loop {
+        let s = sb.detached_status(&process).await?;
+        if s != DetachedStatus::Running || Instant::now() > deadline {
+            break s;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    ensure!(
+        final_status == DetachedStatus::Exited { code: 7 },
+        "a detached process that ran `exit 7` must end as Exited {{ code: 7 }}, got {final_status:?}"
+    );
+    let stdout = read_file(sb, &process.stdout_path)
+        .await
+        .context("stdout spool")?;
+    ensure!(
+        stdout == b"started\nenv-ok\ndone\n",
+        "the stdout spool must hold the process's stdout, got {:?}",
+        String::from_utf8_lossy(&stdout)
+    );
+    let stderr = read_file(sb, &process.stderr_path)
+        .await
+        .context("stderr spool")?;
+    ensure!(
+        stderr == b"to-err\n",
+        "the stderr spool must hold the process's stderr, got {:?}",
+        String::from_utf8_lossy(&stderr)
+    );
+
+    // A tree that must die with kill_detached.
+    let process = sb
+        .spawn_detached(DetachedRequest {
+            argv: vec![
+                "sh".into(),
+                "-c".into(),
+                format!(
+                    "echo $$ > {f}.tmp; sleep 100 & echo $! >> {f}.tmp; mv {f}.tmp {f}; sleep 100",
+                    f = shell_quote(&pidfile)
+                ),
+            ],
+            cwd: None,
+            env: BTreeMap::new(),
+            spool_dir: format!("{spool}/two"),
+        })
+        .await
+        .context("spawn_detached")?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while read_file(sb, &pidfile).await.is_err() {
+        ensure!(
+            Instant::now() < deadline,
+            "the detached process never started (no pidfile after 10 s)"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    sb.kill_detached(&process).await.context("kill_detached")?;
+    assert_pids_gone(sb, &pidfile, "after kill_detached").await?;
+    let status = sb.detached_status(&process).await?;
+    ensure!(
+        status != DetachedStatus::Running,
+        "a killed detached process must not be Running, got {status:?}"
+    );
+    sb.kill_detached(&process)
+        .await
+        .context("kill_detached must be idempotent")?;
+    sh(sb, &format!("rm -rf {}", shell_quote(&spool))).await?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// lifecycle
+
+/// detach → handle JSON → resume (as another process would) sees the same
+/// files and runs commands.
+pub async fn detach_and_resume(provider: &dyn SandboxProvider, spec: &SandboxSpec) -> Result<()> {
+    let sandbox = provider.create(spec).await.context("create")?;
+    let marker = uuid_like();
+    sandbox
+        .write_file(
+            "suite-resume.txt",
+            harness_core::stream::once(marker.clone()),
+        )
+        .await?;
+    let handle = sandbox.detach().await.context("detach")?;
+    drop(sandbox);
+    let json = serde_json::to_string(&handle)?;
+    let parsed: SandboxHandle = serde_json::from_str(&json)?;
+    ensure!(
+        parsed == handle,
+        "the handle must survive a JSON round trip"
+    );
+    ensure!(
+        handle.provider == provider.name(),
+        "the handle must name its provider {:?}, got {:?}",
+        provider.name(),
+        handle.provider
+    );
+    let resumed = provider
+        .resume(&parsed)
+        .await
+        .context("resume from the detached handle")?;
+    let result = async {
+        let back = read_file(resumed.as_ref(), "suite-resume.txt").await?;
+        ensure!(
+            back == marker.as_bytes(),
+            "a resumed sandbox must see the files written before detach"
+        );
+        ensure!(
+            resumed.handle().id == handle.id,
+            "resume must reattach to the same sandbox (id {:?}, got {:?})",
+            handle.id,
+            resumed.handle().id
+        );
+        let out = sh(resumed.as_ref(), "cat suite-resume.txt").await?;
+        ensure!(
+            out == marker,
+            "exec in the resumed sandbox must see the file"
+        );
+        Ok(())
+    }
+    .await;
+    resumed.destroy().await.context("destroy")?;
+    result
+}
+
+/// destroy is idempotent; resuming a destroyed sandbox fails with NotFound.
+pub async fn destroy_is_idempotent(
+    provider: &dyn SandboxProvider,
+    spec: &SandboxSpec,
+) -> Result<()> {
+    let sandbox = provider.create(spec).await.context("create")?;
+    sandbox
+        .write_file("suite-destroy.txt", harness_core::stream::once("x"))
+        .await?;
+    let handle = sandbox.handle();
+    sandbox.destroy().await.context("first destroy")?;
+    sandbox
+        .destroy()
+        .await
+        .context("a second destroy must succeed too (destroy is idempotent)")?;
+    let resumed = provider.resume(&handle).await;
+    ensure!(
+        is_kind(&resumed, ErrorKind::NotFound),
+        "resume after destroy must fail with NotFound, got {}",
+        match &resumed {
+            Ok(_) => "a sandbox".to_string(),
+            Err(e) => e.to_string(),
+        }
+    );
+    Ok(())
+}
+
+/// A free TCP port on this machine (the kernel's choice; released again).
+async fn free_port() -> Result<u16> {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    Ok(l.local_addr()?.port())
+}
+
+/// A server started in the sandbox on a spec port is reachable at
+/// `port_endpoint`; an unlisted port is `NotFound`. Optional.
+pub async fn port_endpoint(
+    provider: &dyn SandboxProvider,
+    spec: &SandboxSpec,
+) -> Result<Capability> {
+    let mut spec = spec.clone();
+    if spec.ports.is_empty() {
+        spec.ports.push(free_port().await?);
+    }
+    let port = spec.ports[0];
+    let sandbox = provider.create(&spec).await.context("create with a port")?;
+    let result = async {
+        let endpoint = match sandbox.port_endpoint(port).await {
+            Err(e) if e.kind() == ErrorKind::Unsupported => {
+                return Ok(Capability::Unsupported(e.to_string()))
+            }
+            other => other.context("port_endpoint of a spec port")?,
+        };
+        ensure!(endpoint.sandbox_port == port, "endpoint names sandbox port {}, asked {port}", endpoint.sandbox_port);
+        let unlisted = sandbox.port_endpoint(if port == 65535 { 65534 } else { port + 1 }).await;
+        ensure!(
+            is_kind(&unlisted, ErrorKind::NotFound),
+            "port_endpoint of a port not in the spec must be NotFound, got {unlisted:?}"
+        );
+        let server = format!(
+            "if command -v python3 >/dev/null 2>&1; then exec python3 -c '
+import socket
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((\"0.0.0.0\", {port}))
+s.listen(8)
+while True:
+    c, _ = s.accept()
+    c.sendall(b\"suite-port-ok\\n\")
+    c.close()
+'; elif command -v nc >/dev/null 2>&1; then while true; do echo suite-port-ok | nc -l -p {port} || nc -l {port} < /dev/null; done; \
+             else echo 'the sandbox has neither python3 nor nc to run a test server' >&2; exit 97; fi"
+        );
+        let spool = format!("/tmp/harness-suite-port-{}", uuid_like());
+        let process = sandbox
+            .spawn_detached(DetachedRequest {
+                argv: vec!["sh".into(), "-c".into(), server],
+                cwd: None,
+                env: BTreeMap::new(),
+                spool_dir: spool.clone(),
+            })
+            .await
+            .context("starting a test server in the sandbox")?;
+        let addr = format!("{}:{}", endpoint.host, endpoint.port);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let reply = loop {
+            let attempt = async {
+                let mut conn = tokio::net::TcpStream::connect(&addr).await?;
+                let mut buf = Vec::new();
+                tokio::io::AsyncReadExt::read_to_end(&mut conn, &mut buf).await?;
+                Ok::<_, std::io::Error>(buf)
+            };
+            match tokio::time::timeout(Duration::from_secs(3), attempt).await {
+                Ok(Ok(buf)) if buf.starts_with(b"suite-port-ok") => break Ok(()),
+                other => {
+                    if Instant::now() > deadline {
+                        let status = sandbox.detached_status(&process).await.ok();
+                        let err = read_file(sandbox.as_ref(), &process.stderr_path).await.unwrap_or_default();
+                        break Err(anyhow!(
+                            "a server on sandbox port {port} was not reachable at {addr} within 20 s \
+                             (last attempt: {other:?}; server status {status:?}, stderr {:?})",
+                            String::from_utf8_lossy(&err)
+                        ));
+                    }
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+            }
+        };
+        let _ = sandbox.kill_detached(&process).await;
+        reply?;
+        Ok(Capability::Supported)
+    }
+    .await;
+    sandbox.destroy().await.context("destroy")?;
+    result
+}
+
+/// stop keeps the state; resume starts it again. Optional.
+pub async fn stop_and_resume(
+    provider: &dyn SandboxProvider,
+    spec: &SandboxSpec,
+) -> Result<Capability> {
+    let sandbox = provider.create(spec).await.context("create")?;
+    let marker = uuid_like();
+    sandbox
+        .write_file("suite-stop.txt", harness_core::stream::once(marker.clone()))
+        .await?;
+    let handle = match sandbox.stop().await {
+        Err(e) if e.kind() == ErrorKind::Unsupported => {
+            sandbox.destroy().await?;
+            return Ok(Capability::Unsupported(e.to_string()));
+        }
+        Err(e) => {
+            let _ = sandbox.destroy().await;
+            return Err(anyhow::Error::new(e).context("stop"));
+        }
+        Ok(h) => h,
+    };
+    let handle: SandboxHandle = serde_json::from_str(&serde_json::to_string(&handle)?)?;
+    let resumed = match provider.resume(&handle).await {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = sandbox.destroy().await;
+            return Err(anyhow::Error::new(e).context("resume after stop"));
+        }
+    };
+    let result = async {
+        let back = sh(resumed.as_ref(), "cat suite-stop.txt").await?;
+        ensure!(back == marker, "files must survive stop + resume");
+        Ok(Capability::Supported)
+    }
+    .await;
+    resumed.destroy().await?;
+    result
+}
+
+/// Try to open a TCP connection from inside the sandbox; true if it
+/// connected.
+async fn probe_connect(sb: &dyn Sandbox, addr: SocketAddr) -> Result<bool> {
+    let (host, port) = (addr.ip().to_string(), addr.port());
+    let script = format!(
+        "if command -v bash >/dev/null 2>&1; then timeout 5 bash -c 'exec 3<>/dev/tcp/{host}/{port}'; \
+         elif command -v python3 >/dev/null 2>&1; then timeout 5 python3 -c 'import socket; socket.create_connection((\"{host}\", {port}), 4)'; \
+         elif command -v nc >/dev/null 2>&1; then timeout 5 nc -z -w 4 {host} {port}; \
+         else echo 'no bash, python3 or nc in the sandbox to probe the network' >&2; exit 97; fi \
+         && echo connected || echo failed"
+    );
+    let out = run(sb, ExecRequest::shell(script)).await?;
+    ensure!(
+        out.status.success(),
+        "network probe failed to run ({:?}): {}",
+        out.status,
+        out.stderr_str().trim()
+    );
+    match out.stdout_str().trim() {
+        "connected" => Ok(true),
+        "failed" => Ok(false),
+        other => bail!("network probe printed {other:?}"),
+    }
+}
+
+/// Deny-all: a sandbox created with `NetworkPolicy::DenyAll` cannot connect
+/// to a server on this machine that an allow-all sandbox reaches. A
+/// provider may refuse deny-all with `Unsupported` (accepted).
+pub async fn network_deny_all(
+    provider: &dyn SandboxProvider,
+    spec: &SandboxSpec,
+    options: &SuiteOptions,
+) -> Result<Capability> {
+    let bind = options
+        .host_address
+        .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
+    let listener = tokio::net::TcpListener::bind(SocketAddr::new(bind, 0))
+        .await
+        .with_context(|| format!("binding a host test server on {bind}"))?;
+    let addr = listener.local_addr()?;
+    let accepted = Arc::new(AtomicU64::new(0));
+    let counter = accepted.clone();
+    let server = tokio::spawn(async move {
+        while let Ok((conn, _)) = listener.accept().await {
+            counter.fetch_add(1, Ordering::SeqCst);
+            drop(conn);
+        }
+    });
+    let result = async {
+        let mut deny = spec.clone();
+        deny.network = NetworkPolicy::DenyAll;
+        let capability = match provider.create(&deny).await {
+            Err(e) if e.kind() == ErrorKind::Unsupported => Capability::Unsupported(e.to_string()),
+            Err(e) => return Err(anyhow::Error::new(e).context("create with DenyAll")),
+            Ok(sandbox) => {
+                let probe = probe_connect(sandbox.as_ref(), addr).await;
+                sandbox.destroy().await?;
+                ensure!(
+                    !probe?,
+                    "a deny-all sandbox connected to {addr} on this machine: the policy is not enforced"
+                );
+                ensure!(
+                    accepted.load(Ordering::SeqCst) == 0,
+                    "the host test server accepted a connection from a deny-all sandbox"
+                );
+                Capability::Supported
+            }
+        };
+        if options.host_address.is_some() && capability == Capability::Supported
+            || options.host_address.is_some() && spec.network == NetworkPolicy::AllowAll
+        {
+            // The control: the same probe from allow-all must connect, or the
+            // deny-all result above proves nothing.
+            let mut allow = spec.clone();
+            allow.network = NetworkPolicy::AllowAll;
+            let sandbox = provider.create(&allow).await.context("create with AllowAll")?;
+            let probe = probe_connect(sandbox.as_ref(), addr).await;
+            sandbox.destroy().await?;
+            ensure!(
+                probe?,
+                "an allow-all sandbox could not connect to the host test server at {addr} \
+                 (set SuiteOptions::host_address to an address the sandbox reaches)"
+            );
+            ensure!(
+                accepted.load(Ordering::SeqCst) >= 1,
+                "the probe claimed a connection the host test server never accepted"
+            );
+        }
+        Ok(capability)
+    }
+    .await;
+    server.abort();
+    result
+}

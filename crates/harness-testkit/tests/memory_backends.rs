@@ -1,0 +1,174 @@
+//! The in-memory backends from harness-core pass the conformance suites, and
+//! each suite catches a plausible bug in a deliberately broken backend.
+
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use harness_core::checkpoint::{CheckpointStore, MemoryCheckpointStore, ObjectMeta};
+use harness_core::frame::{Frame, SessionId};
+use harness_core::log::{AppendRequest, Appended, LogInfo, MemorySessionLog, SessionLog};
+use harness_core::stream::ByteStream;
+use harness_testkit::conformance::{checkpoint, log};
+
+#[tokio::test]
+async fn memory_session_log_passes_the_suite() {
+    log::run_all(|| async { Arc::new(MemorySessionLog::new()) as Arc<dyn SessionLog> })
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn memory_checkpoint_store_passes_the_suite() {
+    checkpoint::run_all(|| async {
+        Arc::new(MemoryCheckpointStore::new()) as Arc<dyn CheckpointStore>
+    })
+    .await
+    .unwrap();
+}
+
+/// A log that forgets idempotency keys: every retry stores a new frame.
+#[derive(Debug, Default)]
+struct ForgetsKeys(MemorySessionLog);
+
+#[async_trait]
+impl SessionLog for ForgetsKeys {
+    async fn create(&self, s: &SessionId) -> harness_core::Result<LogInfo> {
+        self.0.create(s).await
+    }
+    async fn info(&self, s: &SessionId) -> harness_core::Result<LogInfo> {
+        self.0.info(s).await
+    }
+    async fn append(&self, s: &SessionId, mut r: AppendRequest) -> harness_core::Result<Appended> {
+        r.idempotency_key = None;
+        self.0.append(s, r).await
+    }
+    async fn read(
+        &self,
+        s: &SessionId,
+        after: u64,
+        limit: usize,
+    ) -> harness_core::Result<Vec<Frame>> {
+        self.0.read(s, after, limit).await
+    }
+    async fn seal(&self, s: &SessionId) -> harness_core::Result<LogInfo> {
+        self.0.seal(s).await
+    }
+    async fn fork(&self, a: &SessionId, u: u64, b: &SessionId) -> harness_core::Result<LogInfo> {
+        self.0.fork(a, u, b).await
+    }
+    async fn list(&self) -> harness_core::Result<Vec<LogInfo>> {
+        self.0.list().await
+    }
+}
+
+/// A log whose seqs skip a number after the third frame (a gap).
+#[derive(Debug, Default)]
+struct SkipsASeq(MemorySessionLog);
+
+#[async_trait]
+impl SessionLog for SkipsASeq {
+    async fn create(&self, s: &SessionId) -> harness_core::Result<LogInfo> {
+        self.0.create(s).await
+    }
+    async fn info(&self, s: &SessionId) -> harness_core::Result<LogInfo> {
+        self.0.info(s).await
+    }
+    async fn append(&self, s: &SessionId, r: AppendRequest) -> harness_core::Result<Appended> {
+        let mut a = self.0.append(s, r).await?;
+        if a.seq > 3 {
+            a.seq += 1;
+        }
+        Ok(a)
+    }
+    async fn read(
+        &self,
+        s: &SessionId,
+        after: u64,
+        limit: usize,
+    ) -> harness_core::Result<Vec<Frame>> {
+        self.0.read(s, after, limit).await
+    }
+    async fn seal(&self, s: &SessionId) -> harness_core::Result<LogInfo> {
+        self.0.seal(s).await
+    }
+    async fn fork(&self, a: &SessionId, u: u64, b: &SessionId) -> harness_core::Result<LogInfo> {
+        self.0.fork(a, u, b).await
+    }
+    async fn list(&self) -> harness_core::Result<Vec<LogInfo>> {
+        self.0.list().await
+    }
+}
+
+#[tokio::test]
+async fn log_suite_catches_a_non_idempotent_append() {
+    let err = log::idempotent_append(Arc::new(ForgetsKeys::default()))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("retry returned"), "{err}");
+}
+
+#[tokio::test]
+async fn log_suite_catches_a_seq_gap() {
+    let err = log::seq_starts_at_one_without_gaps(Arc::new(SkipsASeq::default()))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("expected seq 4"), "{err}");
+}
+
+/// A store that publishes a partial object when the upload stream fails
+/// (a plausible bug: writing straight to the final key).
+#[derive(Debug, Default)]
+struct PublishesPartialPuts {
+    inner: MemoryCheckpointStore,
+    chunks: Mutex<Vec<bytes::Bytes>>,
+}
+
+#[async_trait]
+impl CheckpointStore for PublishesPartialPuts {
+    async fn put(&self, key: &str, mut content: ByteStream) -> harness_core::Result<ObjectMeta> {
+        use futures::StreamExt;
+        let mut got = Vec::new();
+        let mut failed = None;
+        while let Some(c) = content.next().await {
+            match c {
+                Ok(c) => got.push(c),
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        *self.chunks.lock().unwrap() = got.clone();
+        let meta = self
+            .inner
+            .put(
+                key,
+                Box::pin(futures::stream::iter(got.into_iter().map(Ok))),
+            )
+            .await?;
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(meta),
+        }
+    }
+    async fn get(&self, key: &str) -> harness_core::Result<ByteStream> {
+        self.inner.get(key).await
+    }
+    async fn head(&self, key: &str) -> harness_core::Result<ObjectMeta> {
+        self.inner.head(key).await
+    }
+    async fn list(&self, prefix: &str) -> harness_core::Result<Vec<ObjectMeta>> {
+        self.inner.list(prefix).await
+    }
+    async fn delete(&self, key: &str) -> harness_core::Result<()> {
+        self.inner.delete(key).await
+    }
+}
+
+#[tokio::test]
+async fn checkpoint_suite_catches_a_partial_put() {
+    let err = checkpoint::failed_put_leaves_previous(Arc::new(PublishesPartialPuts::default()))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("previous object changed"), "{err}");
+}
