@@ -19,6 +19,7 @@
 //! - [`actor`]: the session actor as a sans-IO machine;
 //! - [`harness`]: the agent adapter contract;
 //! - [`engine`]: `DurableEngine`, the slice contract and the in-process engine;
+//! - [`slice`]: `harness:slice`, one bounded piece of a turn; [`sink`]: where its parts go;
 //! - [`tarscan`], `moves`: archive safety and the checkpoint/restore pipeline.
 
 pub mod actor;
@@ -33,6 +34,8 @@ pub mod log;
 pub mod moves;
 pub mod part;
 pub mod sandbox;
+pub mod sink;
+pub mod slice;
 pub mod stream;
 pub mod tarscan;
 pub mod turn;

@@ -1,0 +1,353 @@
+//! `harness:slice` — one bounded piece of a turn, the unit every engine
+//! schedules.
+//!
+//! A slice reattaches to the session's sandbox by handle, starts the agent
+//! if the turn has not started (detached, output spooled to
+//! `<home>/.harness/turns/<turn>/` — inside the sandbox, outside the working
+//! tree), reads the spool from the state's cursor, turns lines into stream
+//! parts with the adapter's parser, emits them with idempotency keys derived
+//! from (turn, byte offset, index), and returns a [`SliceReport`].
+//!
+//! Exactly-once rules:
+//! - the agent is started at most once per turn: `mkdir` of the spool
+//!   directory is the claim, so a retried slice finds it and reattaches;
+//! - the cursor only advances to a line boundary where no text/reasoning
+//!   block is open, so a retried slice re-sends whole blocks (the actor
+//!   starts a re-sent block over) and every other part carries a key the log
+//!   has already seen.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::future::BoxFuture;
+use futures::{FutureExt, StreamExt};
+
+use crate::engine::SliceExecutor;
+use crate::harness::{Harness, TurnContext};
+use crate::part::StreamPart;
+use crate::sandbox::{
+    collect_exec, shell_quote, DetachedProcess, DetachedRequest, DetachedStatus, ExecRequest,
+    Sandbox, SandboxProvider,
+};
+use crate::stream::AbortSignal;
+use crate::turn::{PendingApproval, SliceOutcome, SliceReport, TurnState, TurnStatus};
+use crate::{Error, Result};
+
+/// Where a slice's parts go: the session actor (as the runner), or a log.
+#[async_trait]
+pub trait PartSink: Send + Sync {
+    /// Emit one part of `turn_id`. `key` is stable across retries.
+    async fn emit(
+        &self,
+        session_id: &str,
+        turn_id: &str,
+        part: StreamPart,
+        key: String,
+    ) -> Result<()>;
+    /// Record a turn's status change.
+    async fn turn_status(&self, state: &TurnState) -> Result<()>;
+}
+
+/// Sleeps for a duration on the caller's runtime.
+pub type Sleeper = Arc<dyn Fn(Duration) -> BoxFuture<'static, ()> + Send + Sync>;
+
+/// Everything a slice needs besides the turn state.
+#[derive(Clone)]
+pub struct SliceRunner {
+    /// Sandbox providers by name (the handle names its provider).
+    pub providers: BTreeMap<String, Arc<dyn SandboxProvider>>,
+    /// Agent adapters by name (the state names its agent).
+    pub harnesses: BTreeMap<String, Arc<dyn Harness>>,
+    /// Where parts go.
+    pub sink: Arc<dyn PartSink>,
+    /// Caller environment for the agent (API keys, base URLs).
+    pub env: BTreeMap<String, String>,
+    /// Model override.
+    pub model: Option<String>,
+    /// How often to poll the spool while the agent runs.
+    pub poll_interval: Duration,
+    /// Timer.
+    pub sleep: Sleeper,
+    /// Clock (ms since epoch).
+    pub now_ms: Arc<dyn Fn() -> u64 + Send + Sync>,
+}
+
+impl std::fmt::Debug for SliceRunner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SliceRunner")
+            .field("providers", &self.providers.keys().collect::<Vec<_>>())
+            .field("harnesses", &self.harnesses.keys().collect::<Vec<_>>())
+            .field("poll_interval", &self.poll_interval)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Largest spool read per poll, so one slice never holds a huge chunk.
+const READ_LIMIT_HINT: usize = 4 * 1024 * 1024;
+
+/// The spool directory of a turn under `home`.
+pub fn spool_dir(home: &str, turn_id: &str) -> String {
+    format!("{}/.harness/turns/{turn_id}", home.trim_end_matches('/'))
+}
+
+impl SliceRunner {
+    fn provider(&self, name: &str) -> Result<&Arc<dyn SandboxProvider>> {
+        self.providers.get(name).ok_or_else(|| {
+            Error::invalid(format!("no sandbox provider named {name:?} is configured"))
+        })
+    }
+
+    fn harness(&self, name: &str) -> Result<&Arc<dyn Harness>> {
+        self.harnesses
+            .get(name)
+            .ok_or_else(|| Error::invalid(format!("no agent adapter named {name:?} is configured")))
+    }
+
+    async fn sandbox(&self, state: &TurnState) -> Result<Box<dyn Sandbox>> {
+        let handle = state
+            .sandbox
+            .as_ref()
+            .ok_or_else(|| Error::invalid("turn state has no sandbox handle"))?;
+        self.provider(&handle.provider)?.resume(handle).await
+    }
+
+    /// Start the agent for this turn, or find the one a previous attempt
+    /// started.
+    async fn start_or_find(
+        &self,
+        sandbox: &dyn Sandbox,
+        state: &TurnState,
+    ) -> Result<DetachedProcess> {
+        let home = home_of(sandbox).await?;
+        let dir = spool_dir(&home, &state.turn_id);
+        let claim = format!(
+            "mkdir -p {parent} && if mkdir {dir} 2>/dev/null; then echo claimed; else echo exists; fi",
+            parent = shell_quote(&format!("{home}/.harness/turns")),
+            dir = shell_quote(&dir)
+        );
+        let out = collect_exec(sandbox.exec(ExecRequest::shell(claim)).await?)
+            .await?
+            .check("claiming the turn spool")?;
+        let process_file = format!("{dir}/process.json");
+        if out.stdout_str().trim() == "exists" {
+            let bytes = crate::stream::collect(sandbox.read_file(&process_file).await.map_err(|e| {
+                Error::backend(format!(
+                    "turn {} was started by an earlier slice that died before recording its process ({e}); the agent is treated as lost",
+                    state.turn_id
+                ))
+            })?, 64 * 1024)
+            .await?;
+            return Ok(serde_json::from_slice(&bytes)?);
+        }
+        let harness = self.harness(&state.agent)?;
+        let command = harness.turn_command(&TurnContext {
+            state,
+            workdir: sandbox.workdir(),
+            home: &home,
+            env: &self.env,
+            model: self.model.as_deref(),
+            system_prompt: None,
+        })?;
+        let process = sandbox
+            .spawn_detached(DetachedRequest {
+                argv: command.argv,
+                cwd: Some(command.cwd),
+                env: command.env,
+                spool_dir: dir,
+            })
+            .await?;
+        let json = serde_json::to_vec(&process)?;
+        sandbox
+            .write_file(&process_file, crate::stream::once(json))
+            .await?;
+        Ok(process)
+    }
+
+    /// Run one slice. See the module docs.
+    pub async fn run(
+        &self,
+        state: &TurnState,
+        budget: Duration,
+        abort: AbortSignal,
+    ) -> Result<SliceReport> {
+        let started = (self.now_ms)();
+        let deadline = started + budget.as_millis() as u64;
+        let sandbox = self.sandbox(state).await?;
+        let process = match &state.process {
+            Some(p) => p.clone(),
+            None => self.start_or_find(sandbox.as_ref(), state).await?,
+        };
+        let mut parser = self.harness(&state.agent)?.parser();
+        let mut cursor = state.cursor; // committed: line boundary, no open block
+        let mut read_to = state.cursor; // bytes fetched from the spool
+        let mut pending = Vec::<u8>::new(); // fetched, not yet a full line
+        let mut agent_session_id = state.agent_session_id.clone();
+        loop {
+            // Probe the status *before* reading, so "exited" plus "nothing
+            // new to read" really means the whole output was consumed.
+            let status = sandbox.detached_status(&process).await?;
+            let mut got_any = false;
+            let mut stream = sandbox
+                .read_file_from(&process.stdout_path, read_to)
+                .await?;
+            while let Some(chunk) = stream.next().await {
+                let chunk = chunk?;
+                got_any |= !chunk.is_empty();
+                read_to += chunk.len() as u64;
+                pending.extend_from_slice(&chunk);
+                if pending.len() > READ_LIMIT_HINT {
+                    break;
+                }
+            }
+            drop(stream);
+            // Parse complete lines.
+            let mut line_start = read_to - pending.len() as u64;
+            while let Some(nl) = pending.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = pending.drain(..=nl).collect();
+                let offset = line_start;
+                line_start += line.len() as u64;
+                let text = String::from_utf8_lossy(&line[..line.len() - 1]);
+                let text = text.trim_end_matches('\r');
+                if text.is_empty() {
+                    continue;
+                }
+                let parts = parser.push_line(text);
+                if let Some(id) = parser.agent_session_id() {
+                    agent_session_id = Some(id);
+                }
+                for (i, part) in parts.into_iter().enumerate() {
+                    if let StreamPart::ToolApprovalRequest {
+                        approval_id,
+                        tool_name,
+                        input,
+                        ..
+                    } = &part
+                    {
+                        let key = format!("{}:{offset}:{i}", state.turn_id);
+                        let request = PendingApproval {
+                            approval_id: approval_id.clone(),
+                            tool_name: tool_name.clone(),
+                            input: input.clone(),
+                        };
+                        self.sink
+                            .emit(&state.session_id, &state.turn_id, part, key)
+                            .await?;
+                        return Ok(SliceReport {
+                            process: Some(process),
+                            agent_session_id,
+                            cursor: line_start,
+                            outcome: SliceOutcome::ApprovalRequested(request),
+                        });
+                    }
+                    let key = format!("{}:{offset}:{i}", state.turn_id);
+                    self.sink
+                        .emit(&state.session_id, &state.turn_id, part, key)
+                        .await?;
+                }
+                if !parser.in_block() {
+                    cursor = line_start;
+                }
+            }
+            match status {
+                DetachedStatus::Exited { code } if !got_any => {
+                    // Whole output consumed; a trailing line without newline
+                    // is parsed now.
+                    if !pending.is_empty() {
+                        let text = String::from_utf8_lossy(&pending).to_string();
+                        let offset = read_to - pending.len() as u64;
+                        for (i, part) in parser.push_line(text.trim_end()).into_iter().enumerate() {
+                            self.sink
+                                .emit(
+                                    &state.session_id,
+                                    &state.turn_id,
+                                    part,
+                                    format!("{}:{offset}:{i}", state.turn_id),
+                                )
+                                .await?;
+                        }
+                        if let Some(id) = parser.agent_session_id() {
+                            agent_session_id = Some(id);
+                        }
+                    }
+                    return Ok(SliceReport {
+                        process: Some(process),
+                        agent_session_id,
+                        cursor: read_to,
+                        outcome: SliceOutcome::Exited { code },
+                    });
+                }
+                DetachedStatus::Lost if !got_any => {
+                    return Ok(SliceReport {
+                        process: Some(process),
+                        agent_session_id,
+                        cursor,
+                        outcome: SliceOutcome::Lost,
+                    });
+                }
+                _ => {}
+            }
+            if abort.is_aborted() || (self.now_ms)() >= deadline {
+                return Ok(SliceReport {
+                    process: Some(process),
+                    agent_session_id,
+                    cursor,
+                    outcome: SliceOutcome::Running,
+                });
+            }
+            if !got_any {
+                let sleep = (self.sleep)(self.poll_interval);
+                futures::select! {
+                    _ = sleep.fuse() => {},
+                    _ = abort.aborted().fuse() => {},
+                }
+            }
+        }
+    }
+}
+
+/// The sandbox's `$HOME` (each session has its own).
+pub async fn home_of(sandbox: &dyn Sandbox) -> Result<String> {
+    let out = collect_exec(
+        sandbox
+            .exec(ExecRequest::shell("printf %s \"$HOME\""))
+            .await?,
+    )
+    .await?
+    .check("reading $HOME")?;
+    let home = out.stdout_str();
+    if home.is_empty() || !home.starts_with('/') {
+        return Err(Error::backend(format!(
+            "the sandbox has no usable $HOME ({home:?})"
+        )));
+    }
+    Ok(home)
+}
+
+#[async_trait]
+impl SliceExecutor for SliceRunner {
+    async fn run_slice(
+        &self,
+        state: &TurnState,
+        budget: Duration,
+        abort: AbortSignal,
+    ) -> Result<SliceReport> {
+        let report = self.run(state, budget, abort).await?;
+        Ok(report)
+    }
+
+    async fn kill_agent(&self, state: &TurnState, process: &DetachedProcess) -> Result<()> {
+        let sandbox = self.sandbox(state).await?;
+        sandbox.kill_detached(process).await?;
+        if state.status.is_terminal() {
+            self.sink.turn_status(state).await?;
+        }
+        Ok(())
+    }
+}
+
+/// Whether a status change is worth recording in the log.
+pub fn is_reportable(status: TurnStatus) -> bool {
+    status != TurnStatus::NotStarted
+}
