@@ -1,0 +1,116 @@
+//! Finding (or downloading) the native agent binaries and building the
+//! adapters around them.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use harness::core::harness::Harness;
+use harness::core::ErrorKind;
+
+use crate::home::Home;
+use crate::AgentKind;
+
+struct Package {
+    npm: &'static str,
+    version: &'static str,
+    /// The native executable inside the npm prefix.
+    binary: &'static str,
+}
+
+fn package(kind: AgentKind) -> Package {
+    match kind {
+        AgentKind::ClaudeCode => Package {
+            npm: "@anthropic-ai/claude-code",
+            version: harness::claude_code::VERIFIED_VERSION,
+            binary: "node_modules/@anthropic-ai/claude-code-linux-x64/claude",
+        },
+        AgentKind::Codex => Package {
+            npm: "@openai/codex",
+            version: harness::codex::VERIFIED_VERSION,
+            binary:
+                "node_modules/@openai/codex-linux-x64/vendor/x86_64-unknown-linux-musl/bin/codex",
+        },
+    }
+}
+
+/// The agent's native binary on this host: `$HARNESS_CLAUDE_BIN` /
+/// `$HARNESS_CODEX_BIN`, the `cargo xtask agents` cache, an earlier download
+/// in the CLI's home, or a fresh `npm install` (with a spinner).
+pub async fn ensure_binary(home: &Home, kind: AgentKind) -> Result<PathBuf> {
+    let located = match kind {
+        AgentKind::ClaudeCode => harness::claude_code::locate_host_binary(),
+        AgentKind::Codex => harness::codex::locate_host_binary(),
+    };
+    match located {
+        Ok(path) => return Ok(path),
+        Err(e) if e.kind() == ErrorKind::NotFound => {}
+        Err(e) => return Err(e.into()),
+    }
+    let pkg = package(kind);
+    let prefix = home
+        .agents()
+        .join(format!("{}-{}", kind.name(), pkg.version));
+    let binary = prefix.join(pkg.binary);
+    if binary.is_file() {
+        return Ok(binary);
+    }
+    let spec = format!("{}@{}", pkg.npm, pkg.version);
+    let bar = indicatif::ProgressBar::new_spinner();
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} {msg} [{elapsed}]")
+            .expect("static template"),
+    );
+    bar.set_message(format!(
+        "downloading {spec} from the npm registry (once; ~100 MB)"
+    ));
+    bar.enable_steady_tick(Duration::from_millis(120));
+    std::fs::create_dir_all(&prefix)?;
+    let out = tokio::process::Command::new("npm")
+        .args([
+            "install",
+            "--no-audit",
+            "--no-fund",
+            "--loglevel=error",
+            "--prefix",
+        ])
+        .arg(&prefix)
+        .arg(&spec)
+        .output()
+        .await
+        .context("running npm (is Node.js installed? `apt-get install nodejs npm`)")?;
+    bar.finish_and_clear();
+    if !out.status.success() {
+        bail!(
+            "npm install {spec} failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    if !binary.is_file() {
+        bail!(
+            "npm installed {spec} but {} is missing (not a linux-x64 host?)",
+            binary.display()
+        );
+    }
+    eprintln!("installed {spec} into {}", prefix.display());
+    Ok(binary)
+}
+
+/// The adapter for `kind` around the binary at `path`.
+pub fn adapter(kind: AgentKind, path: PathBuf) -> Result<Arc<dyn Harness>> {
+    Ok(match kind {
+        AgentKind::ClaudeCode => {
+            let binary = harness::claude_code::AgentBinary::load(&path)?;
+            Arc::new(harness::claude_code::ClaudeCodeHarness::new(
+                harness::claude_code::ClaudeCodeConfig::with_binary(binary),
+            ))
+        }
+        AgentKind::Codex => {
+            let binary = harness::codex::AgentBinary::load(&path)?;
+            Arc::new(harness::codex::CodexHarness::new(
+                harness::codex::CodexConfig::with_binary(binary),
+            ))
+        }
+    })
+}

@@ -1,0 +1,191 @@
+//! `harness`: run Claude Code and Codex turns in sandboxes as durable
+//! sessions, serve sessions over HTTP, and move working trees.
+//!
+//! The binary is a thin layer over the `harness` facade; see `docs/cli.md`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+mod agents;
+mod demo;
+mod home;
+mod moves;
+mod print;
+mod serve;
+mod sessions;
+mod turn;
+
+/// Run coding agents in sandboxes as durable sessions.
+#[derive(Debug, Parser)]
+#[command(name = "harness", version, about, long_about = None)]
+struct Cli {
+    /// Where sessions, the SQLite log and local sandboxes live
+    /// (default: $HARNESS_HOME, else ~/.local/share/harness).
+    #[arg(long, global = true, env = "HARNESS_HOME")]
+    home: Option<PathBuf>,
+    /// Log more (repeat for more detail). Logs go to stderr.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// Which agent runs the turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum AgentKind {
+    /// Claude Code (`claude`).
+    ClaudeCode,
+    /// Codex (`codex`).
+    Codex,
+}
+
+impl AgentKind {
+    /// The adapter name recorded in turn states.
+    pub fn name(self) -> &'static str {
+        match self {
+            AgentKind::ClaudeCode => "claude-code",
+            AgentKind::Codex => "codex",
+        }
+    }
+
+    /// Parse an adapter name.
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "claude-code" => Some(AgentKind::ClaudeCode),
+            "codex" => Some(AgentKind::Codex),
+            _ => None,
+        }
+    }
+}
+
+/// Which sandbox backend to create a session in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SandboxKind {
+    /// A directory on this host (not a security boundary).
+    Local,
+    /// A Docker container.
+    Docker,
+}
+
+/// Which engine runs the turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum EngineKind {
+    /// In this process, state persisted in SQLite.
+    Local,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run a real agent turn against the built-in scripted model: no API key,
+    /// no network. Shows the whole path working.
+    Demo {
+        /// The agent to run.
+        #[arg(long, value_enum, default_value = "claude-code")]
+        agent: AgentKind,
+        /// Keep the demo's sandbox instead of destroying it.
+        #[arg(long)]
+        keep: bool,
+    },
+    /// Run one turn with real credentials from the environment
+    /// (ANTHROPIC_API_KEY for Claude Code, OPENAI_API_KEY for Codex).
+    Run {
+        /// The agent (ignored with --session: the session's agent is used).
+        #[arg(long, value_enum, default_value = "claude-code")]
+        agent: AgentKind,
+        /// Sandbox for a new session.
+        #[arg(long, value_enum, default_value = "local")]
+        sandbox: SandboxKind,
+        /// Engine running the turn.
+        #[arg(long, value_enum, default_value = "local")]
+        engine: EngineKind,
+        /// Continue this session (its sandbox and conversation).
+        #[arg(long)]
+        session: Option<String>,
+        /// Model name passed to the agent.
+        #[arg(long)]
+        model: Option<String>,
+        /// Docker image for a new docker session.
+        #[arg(long)]
+        image: Option<String>,
+        /// The prompt.
+        prompt: String,
+    },
+    /// Serve sessions over HTTP, WebSocket and SSE.
+    Serve(serve::ServeArgs),
+    /// List, export and fork sessions.
+    Sessions {
+        #[command(subcommand)]
+        command: sessions::SessionsCommand,
+    },
+    /// Checkpoint a session's working tree into an S3/R2 store.
+    Checkpoint(moves::CheckpointArgs),
+    /// Restore a checkpoint into a session's sandbox (overlaying its tree).
+    Restore(moves::RestoreArgs),
+    /// List checkpoints in the store.
+    Ls(moves::LsArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let filter = match cli.verbose {
+        0 => "warn",
+        1 => "info",
+        _ => "debug",
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| filter.into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async move {
+        let home = home::Home::open(cli.home)?;
+        match cli.command {
+            Command::Demo { agent, keep } => demo::run(&home, agent, keep).await,
+            Command::Run {
+                agent,
+                sandbox,
+                engine,
+                session,
+                model,
+                image,
+                prompt,
+            } => {
+                turn::run_command(
+                    &home,
+                    turn::RunArgs {
+                        agent,
+                        sandbox,
+                        engine,
+                        session,
+                        model,
+                        image,
+                        prompt,
+                    },
+                )
+                .await
+            }
+            Command::Serve(args) => serve::run(&home, args).await,
+            Command::Sessions { command } => sessions::run(&home, command).await,
+            Command::Checkpoint(args) => moves::checkpoint(&home, args).await,
+            Command::Restore(args) => moves::restore(&home, args).await,
+            Command::Ls(args) => moves::ls(args).await,
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,54 @@
+//! # harness
+//!
+//! Run coding agents (Claude Code, Codex) inside sandboxes as durable
+//! sessions. This crate is the facade: it re-exports [`core`] (traits, types,
+//! state machines) and every backend behind a cargo feature, so an
+//! application picks its parts à la carte:
+//!
+//! | feature | module | what |
+//! |---|---|---|
+//! | `local` (default) | [`local`] | sandbox: a host directory and process groups |
+//! | `docker` | [`docker`] | sandbox: a Docker container (bollard) |
+//! | `r2` | [`r2`] | checkpoint store on R2 / any S3 |
+//! | `sqlite` (default) | [`sqlite`] | session log and turn store on SQLite |
+//! | `server` | [`server`] | the session server (HTTP, WebSocket, SSE) |
+//! | `claude-code` (default) | [`claude_code`] | the Claude Code adapter |
+//! | `codex` (default) | [`codex`] | the Codex adapter |
+//! | `temporal` | [`temporal`] | the Temporal engine |
+//!
+//! ```no_run
+//! # async fn demo() -> harness::core::Result<()> {
+//! use harness::core::sandbox::{SandboxProvider, SandboxSpec, ExecRequest, collect_exec};
+//! let provider = harness::local::LocalProvider::new("/tmp/harness-sandboxes");
+//! let sandbox = provider.create(&SandboxSpec::new("work")).await?;
+//! let out = collect_exec(sandbox.exec(ExecRequest::shell("echo hello")).await?).await?;
+//! assert_eq!(out.stdout_str(), "hello\n");
+//! sandbox.destroy().await?;
+//! # Ok(()) }
+//! ```
+
+pub use harness_core as core;
+
+#[cfg(feature = "local")]
+pub use sandbox_local as local;
+
+#[cfg(feature = "docker")]
+pub use sandbox_docker as docker;
+
+#[cfg(feature = "r2")]
+pub use checkpoint_r2 as r2;
+
+#[cfg(feature = "sqlite")]
+pub use session_log as sqlite;
+
+#[cfg(feature = "server")]
+pub use session_server as server;
+
+#[cfg(feature = "claude-code")]
+pub use harness_claude_code as claude_code;
+
+#[cfg(feature = "codex")]
+pub use harness_codex as codex;
+
+#[cfg(feature = "temporal")]
+pub use durable_temporal as temporal;
