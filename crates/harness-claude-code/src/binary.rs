@@ -1,0 +1,171 @@
+//! The agent's native executable on the host, identified by its content hash.
+//!
+//! The bootstrap recipe names the binary by SHA-256 (so a sandbox snapshot is
+//! keyed on the exact build), and hashing a 300–400 MB file takes seconds, so
+//! the digest is computed once and cached next to the file as
+//! `<path>.sha256` (`sha256sum` format). The cache is trusted only while it
+//! is newer than the binary; a replaced binary is hashed again.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use harness_core::{Error, Result};
+use sha2::{Digest, Sha256};
+
+/// A native agent executable on the host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentBinary {
+    /// Absolute path on the host.
+    pub host_path: PathBuf,
+    /// Hex SHA-256 of the file's content.
+    pub sha256: String,
+    /// The version the binary reports (`--version`), e.g. `2.1.332`.
+    pub version: String,
+}
+
+impl AgentBinary {
+    /// Describe the binary at `path`: hash it (or read the cached digest) and
+    /// ask it for its version. Fails with `NotFound` if the file is missing
+    /// and `Backend` if it does not run on this host.
+    pub fn load(path: impl AsRef<Path>) -> Result<Self> {
+        let host_path = std::fs::canonicalize(path.as_ref()).map_err(|e| {
+            Error::not_found(format!("agent binary {}: {e}", path.as_ref().display()))
+        })?;
+        let sha256 = sha256_cached(&host_path)?;
+        let version = probe_version(&host_path)?;
+        Ok(Self {
+            host_path,
+            sha256,
+            version,
+        })
+    }
+
+    /// Like [`AgentBinary::load`] with a known version (no `--version` run;
+    /// useful when the host cannot execute the binary, e.g. another libc).
+    pub fn with_version(path: impl AsRef<Path>, version: impl Into<String>) -> Result<Self> {
+        let host_path = std::fs::canonicalize(path.as_ref()).map_err(|e| {
+            Error::not_found(format!("agent binary {}: {e}", path.as_ref().display()))
+        })?;
+        let sha256 = sha256_cached(&host_path)?;
+        Ok(Self {
+            host_path,
+            sha256,
+            version: version.into(),
+        })
+    }
+}
+
+/// The SHA-256 of `path`, from `<path>.sha256` when that is newer than the
+/// file, else computed and (best effort) written there.
+pub fn sha256_cached(path: &Path) -> Result<String> {
+    let cache = PathBuf::from(format!("{}.sha256", path.display()));
+    let meta = std::fs::metadata(path)?;
+    if let (Ok(cache_meta), Ok(text)) = (std::fs::metadata(&cache), std::fs::read_to_string(&cache))
+    {
+        let fresh = match (cache_meta.modified(), meta.modified()) {
+            (Ok(c), Ok(b)) => c >= b,
+            _ => false,
+        };
+        let digest = text.split_whitespace().next().unwrap_or("");
+        if fresh && digest.len() == 64 && digest.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Ok(digest.to_ascii_lowercase());
+        }
+    }
+    let mut file = std::fs::File::open(path)?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    let digest = hex::encode(hasher.finalize());
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    // A read-only cache directory only costs a re-hash next time.
+    let _ = std::fs::write(&cache, format!("{digest}  {name}\n"));
+    Ok(digest)
+}
+
+/// Run `<bin> --version` and pick the first dotted version number.
+fn probe_version(bin: &Path) -> Result<String> {
+    let out = Command::new(bin)
+        .arg("--version")
+        .env("HOME", std::env::temp_dir())
+        .output()
+        .map_err(|e| Error::backend(format!("running {} --version: {e}", bin.display())))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    parse_version(&text).ok_or_else(|| {
+        Error::backend(format!(
+            "{} --version printed no version: {:?} (stderr {:?})",
+            bin.display(),
+            text.trim(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    })
+}
+
+/// The first whitespace-separated token that looks like `N.N[.N…]`, with a
+/// leading `v` or `name-` prefix stripped (`codex-cli 0.171.0`,
+/// `2.1.332 (Claude Code)`).
+pub fn parse_version(text: &str) -> Option<String> {
+    text.split_whitespace().find_map(|tok| {
+        let tok = tok.trim_start_matches('v');
+        let ok = tok.contains('.')
+            && tok.chars().next().is_some_and(|c| c.is_ascii_digit())
+            && tok
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-');
+        ok.then(|| tok.to_string())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_from_both_clis() {
+        assert_eq!(
+            parse_version("2.1.332 (Claude Code)\n").as_deref(),
+            Some("2.1.332")
+        );
+        assert_eq!(
+            parse_version("codex-cli 0.171.0\n").as_deref(),
+            Some("0.171.0")
+        );
+        assert_eq!(parse_version("no version here"), None);
+    }
+
+    #[test]
+    fn digest_is_cached_and_recomputed_when_stale() {
+        let dir = std::env::temp_dir().join(format!("agent-bin-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let bin = dir.join("tool");
+        std::fs::write(&bin, b"abc").unwrap();
+        let d = sha256_cached(&bin).unwrap();
+        assert_eq!(
+            d,
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+        let cache = dir.join("tool.sha256");
+        assert!(std::fs::read_to_string(&cache).unwrap().starts_with(&d));
+        // A cache entry newer than the file is believed (proves it is read).
+        std::fs::write(&cache, format!("{}  tool\n", "0".repeat(64))).unwrap();
+        assert_eq!(sha256_cached(&bin).unwrap(), "0".repeat(64));
+        // Replace the binary after the cache: the digest is recomputed.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        std::fs::write(&bin, b"abcd").unwrap();
+        let d2 = sha256_cached(&bin).unwrap();
+        assert_eq!(
+            d2,
+            "88d4266fd4e6338d13b845fcf289579d209c897823b9217da3e161936f031589"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,409 @@
+//! # harness-claude-code
+//!
+//! The [`Harness`] adapter for Anthropic's Claude Code CLI (`claude`).
+//!
+//! - **Provisioning**: the native binary from the npm package
+//!   `@anthropic-ai/claude-code-linux-x64` (no Node needed) is a
+//!   [`FileSource::HostPath`] file of the bootstrap recipe, so it lands in
+//!   the identity snapshot once and is never copied per turn. In wrap-mode
+//!   sandboxes with Claude Code already installed, set
+//!   [`ClaudeCodeConfig::preinstalled`] and the recipe is empty.
+//! - **Isolation**: every session runs with its own `HOME` and
+//!   `CLAUDE_CONFIG_DIR=$HOME/.claude`, so all agent state (transcripts under
+//!   `projects/`, and the `.claude.json` that would otherwise sit in `$HOME`)
+//!   lives in one directory that travels with the tree.
+//! - **Turns**: `claude -p --output-format stream-json --verbose
+//!   --include-partial-messages --permission-mode bypassPermissions
+//!   [--resume ID] -- PROMPT`, parsed by [`ClaudeCodeParser`].
+//!
+//! See `docs/agents.md` for the flags and the parser mapping table.
+
+mod binary;
+mod parser;
+
+use std::collections::BTreeMap;
+
+use harness_core::bootstrap::{BootstrapRecipe, FileSource, RecipeFile};
+use harness_core::harness::{AgentCommand, Harness, OutputParser, TurnContext};
+use harness_core::sandbox::shell_quote;
+use harness_core::{Error, Result};
+
+pub use binary::{parse_version, sha256_cached, AgentBinary};
+pub use parser::ClaudeCodeParser;
+
+/// The Claude Code version these adapters were verified against.
+pub const VERIFIED_VERSION: &str = "2.1.332";
+
+/// Where the binary is installed inside a sandbox by default.
+pub const DEFAULT_INSTALL_PATH: &str = "/opt/harness/bin/claude";
+
+/// How to provision and run Claude Code.
+#[derive(Debug, Clone)]
+pub struct ClaudeCodeConfig {
+    /// The native binary on the host (ignored when `preinstalled` is set).
+    pub binary: Option<AgentBinary>,
+    /// Path of an already-installed `claude` inside the sandbox (wrap-mode):
+    /// the recipe is then empty and the command runs this path.
+    pub preinstalled: Option<String>,
+    /// Where the recipe installs the binary inside the sandbox.
+    pub install_path: String,
+    /// `--permission-mode` (default `bypassPermissions`: the harness sandbox
+    /// is the security boundary).
+    pub permission_mode: String,
+    /// Extra arguments appended to every turn's command.
+    pub extra_args: Vec<String>,
+}
+
+impl Default for ClaudeCodeConfig {
+    fn default() -> Self {
+        Self {
+            binary: None,
+            preinstalled: None,
+            install_path: DEFAULT_INSTALL_PATH.to_string(),
+            permission_mode: "bypassPermissions".to_string(),
+            extra_args: Vec::new(),
+        }
+    }
+}
+
+impl ClaudeCodeConfig {
+    /// Install `binary` at the default path.
+    pub fn with_binary(binary: AgentBinary) -> Self {
+        Self {
+            binary: Some(binary),
+            ..Self::default()
+        }
+    }
+
+    /// Use a `claude` already installed at `path` inside the sandbox.
+    pub fn preinstalled(path: impl Into<String>) -> Self {
+        Self {
+            preinstalled: Some(path.into()),
+            ..Self::default()
+        }
+    }
+
+    /// The binary named by `HARNESS_CLAUDE_BIN`, else the one `cargo xtask
+    /// agents` installs under `$HARNESS_CACHE/agents` (default cache
+    /// `/var/cache/harness`). `NotFound` when neither exists.
+    pub fn from_env() -> Result<Self> {
+        Ok(Self::with_binary(AgentBinary::load(locate_host_binary()?)?))
+    }
+}
+
+/// Where the native `claude` is on this host: `$HARNESS_CLAUDE_BIN`, else
+/// `$HARNESS_CACHE/agents/claude-code-<VERIFIED_VERSION>/node_modules/@anthropic-ai/claude-code-linux-x64/claude`.
+pub fn locate_host_binary() -> Result<std::path::PathBuf> {
+    if let Some(p) = std::env::var_os("HARNESS_CLAUDE_BIN").filter(|p| !p.is_empty()) {
+        return Ok(p.into());
+    }
+    let cache = std::env::var("HARNESS_CACHE").unwrap_or_else(|_| "/var/cache/harness".into());
+    let p = std::path::PathBuf::from(format!(
+        "{cache}/agents/claude-code-{VERIFIED_VERSION}/node_modules/@anthropic-ai/claude-code-linux-x64/claude"
+    ));
+    if p.is_file() {
+        Ok(p)
+    } else {
+        Err(Error::not_found(format!(
+            "no claude binary: set HARNESS_CLAUDE_BIN or run `cargo xtask agents` (looked at {})",
+            p.display()
+        )))
+    }
+}
+
+/// The Claude Code adapter.
+#[derive(Debug, Clone)]
+pub struct ClaudeCodeHarness {
+    config: ClaudeCodeConfig,
+}
+
+impl ClaudeCodeHarness {
+    /// An adapter with `config`.
+    pub fn new(config: ClaudeCodeConfig) -> Self {
+        Self { config }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ClaudeCodeConfig {
+        &self.config
+    }
+
+    /// The `claude` path the turn command runs inside the sandbox.
+    pub fn program(&self) -> &str {
+        self.config
+            .preinstalled
+            .as_deref()
+            .unwrap_or(&self.config.install_path)
+    }
+}
+
+/// The launcher script run as `sh -c SCRIPT PROGRAM ARGS…`.
+///
+/// - It creates the session's state directory (`$CLAUDE_CONFIG_DIR` /
+///   `$CODEX_HOME`) first, so a turn is one self-contained command.
+/// - A backend whose sandbox filesystem is not rooted at `/` (sandbox-local:
+///   recipe files land under `$HARNESS_SANDBOX_ROOT`) exports that root; the
+///   installed binary is looked up there first, then at its plain path.
+pub fn launcher_script(state_var: &str) -> String {
+    format!(
+        "mkdir -p \"${state_var}\" && p=\"${{HARNESS_SANDBOX_ROOT:-}}$0\" && {{ [ -x \"$p\" ] || p=\"$0\"; }} && exec \"$p\" \"$@\""
+    )
+}
+
+fn launch_argv(program: &str, state_var: &str, args: Vec<String>) -> Vec<String> {
+    let mut argv = vec![
+        "sh".to_string(),
+        "-c".to_string(),
+        launcher_script(state_var),
+        program.to_string(),
+    ];
+    argv.extend(args);
+    argv
+}
+
+/// The bootstrap smoke test: the installed binary runs in this image (a
+/// musl-only image cannot run Claude Code, and this says so at bootstrap
+/// rather than at the first turn).
+fn version_check(install: &str) -> String {
+    format!(
+        "\"${{HARNESS_SANDBOX_ROOT:-}}\"{} --version >/dev/null",
+        shell_quote(install)
+    )
+}
+
+impl Harness for ClaudeCodeHarness {
+    fn name(&self) -> &'static str {
+        "claude-code"
+    }
+
+    fn bootstrap_recipe(&self) -> Result<BootstrapRecipe> {
+        if self.config.preinstalled.is_some() {
+            return Ok(BootstrapRecipe::default());
+        }
+        let binary = self.config.binary.as_ref().ok_or_else(|| {
+            Error::invalid(
+                "ClaudeCodeConfig has neither `binary` nor `preinstalled`: \
+                 set HARNESS_CLAUDE_BIN or use ClaudeCodeConfig::preinstalled",
+            )
+        })?;
+        let install = &self.config.install_path;
+        Ok(BootstrapRecipe {
+            files: vec![RecipeFile {
+                path: install.clone(),
+                mode: 0o755,
+                source: FileSource::HostPath {
+                    path: binary.host_path.display().to_string(),
+                    sha256: binary.sha256.clone(),
+                },
+            }],
+            // Backends create parent directories and set the mode when they
+            // write recipe files, so no mkdir/chmod is needed here.
+            bootstrap_pre_commands: Vec::new(),
+            commands: vec![version_check(install)],
+        })
+    }
+
+    fn turn_command(&self, turn: &TurnContext<'_>) -> Result<AgentCommand> {
+        if turn.home.is_empty() || !turn.home.starts_with('/') {
+            return Err(Error::invalid(format!(
+                "session home must be an absolute path, got {:?}",
+                turn.home
+            )));
+        }
+        let mut args = vec![
+            "-p".to_string(),
+            "--output-format".into(),
+            "stream-json".into(),
+            // stream-json requires --verbose in -p mode.
+            "--verbose".into(),
+            // Live text deltas (stream_event lines), not only whole messages.
+            "--include-partial-messages".into(),
+            "--permission-mode".into(),
+            self.config.permission_mode.clone(),
+        ];
+        if let Some(id) = &turn.state.agent_session_id {
+            args.push("--resume".into());
+            args.push(id.clone());
+        }
+        if let Some(model) = turn.model {
+            args.push("--model".into());
+            args.push(model.to_string());
+        }
+        if let Some(system) = turn.system_prompt {
+            args.push("--append-system-prompt".into());
+            args.push(system.to_string());
+        }
+        args.extend(self.config.extra_args.iter().cloned());
+        // The prompt goes last, after `--`, so a prompt starting with `-` is
+        // never taken for an option.
+        args.push("--".into());
+        args.push(turn.state.prompt.clone());
+
+        let home = turn.home.trim_end_matches('/');
+        let mut env: BTreeMap<String, String> = turn.env.clone();
+        env.insert("HOME".into(), home.to_string());
+        env.insert("CLAUDE_CONFIG_DIR".into(), format!("{home}/.claude"));
+        // bypassPermissions is refused as root unless the CLI is told it is
+        // inside a sandbox.
+        env.insert("IS_SANDBOX".into(), "1".into());
+        env.insert(
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC".into(),
+            "1".into(),
+        );
+        env.entry("DISABLE_AUTOUPDATER".into())
+            .or_insert_with(|| "1".into());
+        Ok(AgentCommand {
+            argv: launch_argv(self.program(), "CLAUDE_CONFIG_DIR", args),
+            env,
+            cwd: turn.workdir.to_string(),
+        })
+    }
+
+    fn parser(&self) -> Box<dyn OutputParser> {
+        Box::new(ClaudeCodeParser::new())
+    }
+
+    /// `<home>/.claude`: with `CLAUDE_CONFIG_DIR` pointing there, it holds the
+    /// transcripts (`projects/<cwd with / → ->/<session>.jsonl`) and the
+    /// `.claude.json` that would otherwise live directly in `<home>`.
+    fn state_dirs(&self, home: &str) -> Vec<String> {
+        vec![format!("{}/.claude", home.trim_end_matches('/'))]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use harness_core::turn::TurnState;
+
+    fn binary() -> AgentBinary {
+        AgentBinary {
+            host_path: "/cache/claude".into(),
+            sha256: "ab".repeat(32),
+            version: VERIFIED_VERSION.into(),
+        }
+    }
+
+    fn ctx<'a>(state: &'a TurnState, env: &'a BTreeMap<String, String>) -> TurnContext<'a> {
+        TurnContext {
+            state,
+            workdir: "/workspace",
+            home: "/home/s1",
+            env,
+            model: None,
+            system_prompt: None,
+        }
+    }
+
+    #[test]
+    fn recipe_installs_the_host_binary_once() {
+        let h = ClaudeCodeHarness::new(ClaudeCodeConfig::with_binary(binary()));
+        let r = h.bootstrap_recipe().unwrap();
+        assert_eq!(r.files.len(), 1);
+        assert_eq!(r.files[0].path, DEFAULT_INSTALL_PATH);
+        assert_eq!(r.files[0].mode, 0o755);
+        assert_eq!(
+            r.files[0].source,
+            FileSource::HostPath {
+                path: "/cache/claude".into(),
+                sha256: "ab".repeat(32)
+            }
+        );
+        assert_eq!(
+            r.commands,
+            ["\"${HARNESS_SANDBOX_ROOT:-}\"/opt/harness/bin/claude --version >/dev/null"]
+        );
+        // A different build is a different snapshot identity.
+        let mut other = binary();
+        other.sha256 = "cd".repeat(32);
+        let r2 = ClaudeCodeHarness::new(ClaudeCodeConfig::with_binary(other))
+            .bootstrap_recipe()
+            .unwrap();
+        assert_ne!(r.identity("img"), r2.identity("img"));
+    }
+
+    #[test]
+    fn preinstalled_means_empty_recipe_and_that_path() {
+        let h = ClaudeCodeHarness::new(ClaudeCodeConfig::preinstalled("/usr/local/bin/claude"));
+        assert!(h.bootstrap_recipe().unwrap().is_empty());
+        let state = TurnState::new("s", "t", "claude-code", "hi");
+        let env = BTreeMap::new();
+        let cmd = h.turn_command(&ctx(&state, &env)).unwrap();
+        assert_eq!(cmd.argv[3], "/usr/local/bin/claude");
+    }
+
+    #[test]
+    fn no_binary_is_a_clear_error() {
+        let err = ClaudeCodeHarness::new(ClaudeCodeConfig::default())
+            .bootstrap_recipe()
+            .unwrap_err();
+        assert!(err.message().contains("HARNESS_CLAUDE_BIN"), "{err}");
+    }
+
+    #[test]
+    fn first_and_resumed_turn_commands() {
+        let h = ClaudeCodeHarness::new(ClaudeCodeConfig::with_binary(binary()));
+        let mut env = BTreeMap::new();
+        env.insert("ANTHROPIC_API_KEY".to_string(), "k".to_string());
+        env.insert("ANTHROPIC_BASE_URL".to_string(), "http://m".to_string());
+        let state = TurnState::new("s", "t1", "claude-code", "do it");
+        let mut c = ctx(&state, &env);
+        c.model = Some("claude-x");
+        c.system_prompt = Some("be brief");
+        let cmd = h.turn_command(&c).unwrap();
+        assert_eq!(&cmd.argv[..2], ["sh", "-c"]);
+        assert_eq!(cmd.argv[2], launcher_script("CLAUDE_CONFIG_DIR"));
+        assert!(cmd.argv[2].starts_with("mkdir -p \"$CLAUDE_CONFIG_DIR\" && "));
+        assert_eq!(cmd.argv[3], DEFAULT_INSTALL_PATH);
+        let args = &cmd.argv[4..];
+        assert_eq!(
+            args,
+            [
+                "-p",
+                "--output-format",
+                "stream-json",
+                "--verbose",
+                "--include-partial-messages",
+                "--permission-mode",
+                "bypassPermissions",
+                "--model",
+                "claude-x",
+                "--append-system-prompt",
+                "be brief",
+                "--",
+                "do it"
+            ]
+        );
+        assert_eq!(cmd.cwd, "/workspace");
+        assert_eq!(cmd.env["HOME"], "/home/s1");
+        assert_eq!(cmd.env["CLAUDE_CONFIG_DIR"], "/home/s1/.claude");
+        assert_eq!(cmd.env["IS_SANDBOX"], "1");
+        assert_eq!(cmd.env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"], "1");
+        assert_eq!(cmd.env["ANTHROPIC_API_KEY"], "k");
+        assert_eq!(cmd.env["ANTHROPIC_BASE_URL"], "http://m");
+
+        let mut second = state.next_turn("t2", "again");
+        second.agent_session_id = Some("sess-1".into());
+        let cmd = h.turn_command(&ctx(&second, &env)).unwrap();
+        let args = &cmd.argv[4..];
+        let at = args.iter().position(|a| a == "--resume").unwrap();
+        assert_eq!(args[at + 1], "sess-1");
+        assert_eq!(args[args.len() - 2..], ["--", "again"]);
+    }
+
+    #[test]
+    fn relative_home_is_refused() {
+        let h = ClaudeCodeHarness::new(ClaudeCodeConfig::with_binary(binary()));
+        let state = TurnState::new("s", "t", "claude-code", "x");
+        let env = BTreeMap::new();
+        let mut c = ctx(&state, &env);
+        c.home = "home";
+        assert!(h.turn_command(&c).is_err());
+    }
+
+    #[test]
+    fn state_lives_under_home() {
+        let h = ClaudeCodeHarness::new(ClaudeCodeConfig::default());
+        assert_eq!(h.state_dirs("/home/s1/"), ["/home/s1/.claude"]);
+    }
+}

@@ -1,0 +1,314 @@
+//! Every subcommand, through the built `harness` binary, with the real
+//! agent binaries and real services where the subcommand needs them.
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+
+use harness_testkit::model::{last_user_text_contains, Reply, Rule, Script, ScriptedModel};
+use harness_testkit::{require_env, skip_or_fail};
+
+fn harness(home: &Path) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_harness"));
+    cmd.arg("--home").arg(home).stdin(Stdio::null());
+    cmd.env_remove("ANTHROPIC_API_KEY")
+        .env_remove("OPENAI_API_KEY")
+        .env_remove("HARNESS_HOME");
+    cmd
+}
+
+fn run(cmd: &mut Command) -> (Output, String, String) {
+    let out = cmd.output().expect("the harness binary runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    (out, stdout, stderr)
+}
+
+fn have_agent(var: &str) -> bool {
+    require_env(var).is_some()
+}
+
+#[test]
+fn demo_runs_a_real_claude_code_turn() {
+    if !have_agent("HARNESS_CLAUDE_BIN") {
+        return;
+    }
+    let home = tempfile::tempdir().unwrap();
+    let (out, stdout, stderr) = run(harness(home.path()).arg("demo"));
+    assert!(out.status.success(), "demo failed:\n{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("⏺ Bash("),
+        "the tool call streamed to the terminal:\n{stdout}"
+    );
+    assert!(
+        stdout.contains(
+            "hello.txt in the sandbox, read through the sandbox API: \"hello from the sandbox\""
+        ),
+        "{stdout}"
+    );
+    assert!(stdout.contains("turn t1 finished"), "{stdout}");
+}
+
+#[test]
+fn demo_runs_a_real_codex_turn() {
+    if !have_agent("HARNESS_CODEX_BIN") {
+        return;
+    }
+    let home = tempfile::tempdir().unwrap();
+    let (out, stdout, stderr) = run(harness(home.path()).args(["demo", "--agent", "codex"]));
+    assert!(out.status.success(), "demo failed:\n{stdout}\n{stderr}");
+    assert!(stdout.contains("\"hello from the sandbox\""), "{stdout}");
+}
+
+#[test]
+fn run_without_a_key_explains_what_to_do() {
+    let home = tempfile::tempdir().unwrap();
+    let (out, _, stderr) = run(harness(home.path()).args(["run", "hello"]));
+    assert!(!out.status.success());
+    assert!(stderr.contains("ANTHROPIC_API_KEY is not set"), "{stderr}");
+    assert!(
+        stderr.contains("harness demo"),
+        "points at the demo: {stderr}"
+    );
+    let (out, _, stderr) = run(harness(home.path()).args(["run", "--agent", "codex", "hello"]));
+    assert!(!out.status.success());
+    assert!(stderr.contains("OPENAI_API_KEY is not set"), "{stderr}");
+}
+
+#[test]
+fn unknown_session_and_bad_flags_are_clear_errors() {
+    let home = tempfile::tempdir().unwrap();
+    let (out, _, stderr) = run(harness(home.path())
+        .args(["run", "--session", "nope", "hi"])
+        .env("ANTHROPIC_API_KEY", "k"));
+    assert!(!out.status.success());
+    assert!(stderr.contains("unknown session \"nope\""), "{stderr}");
+    let (out, _, stderr) = run(harness(home.path()).args(["run", "--sandbox", "vm", "hi"]));
+    assert!(!out.status.success());
+    assert!(stderr.contains("invalid value 'vm'"), "{stderr}");
+    let (out, _, stderr) = run(harness(home.path()).args(["sessions", "export", "../etc"]));
+    assert!(!out.status.success());
+    assert!(stderr.contains("invalid session id"), "{stderr}");
+    let (out, _, stderr) = run(harness(home.path())
+        .args(["ls"])
+        .env_remove("HARNESS_S3_ENDPOINT"));
+    assert!(!out.status.success());
+    assert!(stderr.contains("no checkpoint store"), "{stderr}");
+}
+
+/// `run` with a base URL pointed at the scripted model, twice in one
+/// session; then `sessions list|export|fork` on the result.
+#[tokio::test(flavor = "multi_thread")]
+async fn run_continues_a_session_and_sessions_commands_read_it() {
+    if !have_agent("HARNESS_CLAUDE_BIN") {
+        return;
+    }
+    let script = Script::new()
+        .rule(
+            Rule::new(
+                last_user_text_contains("second question"),
+                Reply::text("second answer"),
+            )
+            .assert_assistant_texts_contain("first answer"),
+        )
+        .rule(Rule::new(
+            last_user_text_contains("first question"),
+            Reply::text("first answer"),
+        ));
+    let model = ScriptedModel::start(script).await.unwrap();
+    let home = tempfile::tempdir().unwrap();
+    let base = |cmd: &mut Command| {
+        cmd.env("ANTHROPIC_API_KEY", "test-key")
+            .env("ANTHROPIC_BASE_URL", model.base_url())
+            .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1");
+    };
+    let mut first = harness(home.path());
+    base(&mut first);
+    let (out, stdout, stderr) = run(first.args(["run", "first question"]));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("first answer"), "{stdout}");
+    let session = stderr
+        .split_whitespace()
+        .skip_while(|w| *w != "--session")
+        .nth(1)
+        .expect("run prints how to continue")
+        .to_string();
+    let mut second = harness(home.path());
+    base(&mut second);
+    let (out, stdout, stderr) = run(second.args(["run", "--session", &session, "second question"]));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("second answer"), "{stdout}");
+    assert!(
+        model.failures().is_empty(),
+        "the second turn carried the first: {:?}",
+        model.failures()
+    );
+
+    let (out, stdout, _) = run(harness(home.path()).args(["sessions", "list"]));
+    assert!(out.status.success());
+    assert!(stdout.contains(&session), "{stdout}");
+    let (out, stdout, _) = run(harness(home.path()).args(["sessions", "export", &session]));
+    assert!(out.status.success());
+    let frames: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let seqs: Vec<u64> = frames.iter().map(|f| f["seq"].as_u64().unwrap()).collect();
+    assert_eq!(
+        seqs,
+        (1..=seqs.len() as u64).collect::<Vec<_>>(),
+        "gap-free"
+    );
+    let texts: Vec<&str> = frames
+        .iter()
+        .filter(|f| f["body"]["type"] == "message")
+        .filter_map(|f| f["body"]["text"].as_str())
+        .collect();
+    assert_eq!(
+        texts,
+        vec!["first answer", "second answer"],
+        "each text stored once"
+    );
+    let (out, stdout, stderr) = run(harness(home.path()).args([
+        "sessions", "fork", &session, "--until", "2", "--seal", "--target", "forked",
+    ]));
+    assert!(out.status.success(), "{stderr}");
+    let info: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(
+        (info["last_seq"].as_u64(), info["sealed"].as_bool()),
+        (Some(3), Some(true)),
+        "2 frames + the seal: {info}"
+    );
+    let (out, _, stderr) =
+        run(harness(home.path()).args(["sessions", "fork", &session, "--until", "9999"]));
+    assert!(!out.status.success());
+    assert!(stderr.contains("cannot fork"), "{stderr}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn serve_answers_with_auth() {
+    let home = tempfile::tempdir().unwrap();
+    let token = "cli-test-token-0123456789";
+    let mut child = harness(home.path())
+        .args([
+            "serve",
+            "--addr",
+            "127.0.0.1:0",
+            "--token",
+            &format!("{token}=host"),
+        ])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let line = tokio::task::spawn_blocking(move || {
+        use std::io::BufRead;
+        let mut reader = std::io::BufReader::new(stderr);
+        let mut line = String::new();
+        reader.read_line(&mut line).unwrap();
+        line
+    })
+    .await
+    .unwrap();
+    let url = line
+        .split_whitespace()
+        .find(|w| w.starts_with("http://"))
+        .expect("serve prints its address")
+        .to_string();
+    let client = reqwest::Client::new();
+    let denied = client
+        .get(format!("{url}/v1/sessions"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(denied.status(), 401);
+    let created = client
+        .post(format!("{url}/v1/sessions"))
+        .bearer_auth(token)
+        .json(&serde_json::json!({"id": "served"}))
+        .send()
+        .await
+        .unwrap();
+    assert!(created.status().is_success(), "{}", created.status());
+    let listed: serde_json::Value = client
+        .get(format!("{url}/v1/sessions"))
+        .bearer_auth(token)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(listed.to_string().contains("served"), "{listed}");
+    child.kill().unwrap();
+    let _ = child.wait();
+    // Refuses to start without any auth configured.
+    let (out, _, stderr) = run(harness(home.path()).args(["serve", "--addr", "127.0.0.1:0"]));
+    assert!(!out.status.success());
+    assert!(stderr.contains("no tokens"), "{stderr}");
+}
+
+#[test]
+fn checkpoint_ls_and_restore_move_a_tree_between_sessions() {
+    if !have_agent("HARNESS_CLAUDE_BIN") {
+        return;
+    }
+    let Some(endpoint) = require_env("HARNESS_S3_ENDPOINT") else {
+        return;
+    };
+    let home = tempfile::tempdir().unwrap();
+    // Two kept demo sessions: the first one's tree has hello.txt.
+    let (out, stdout, stderr) = run(harness(home.path()).args(["demo", "--keep"]));
+    if !out.status.success() {
+        skip_or_fail(&format!(
+            "demo failed, cannot test moves:\n{stdout}\n{stderr}"
+        ));
+        return;
+    }
+    let id = |stdout: &str| {
+        stdout
+            .split_whitespace()
+            .skip_while(|w| *w != "kept")
+            .nth(2)
+            .expect("demo --keep names the session")
+            .to_string()
+    };
+    let a = id(&stdout);
+    let records = home.path().join("sessions");
+    let workdir = |s: &str| {
+        let record: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(records.join(format!("{s}.json"))).unwrap())
+                .unwrap();
+        std::path::PathBuf::from(record["sandbox"]["workdir"].as_str().unwrap())
+    };
+    std::fs::write(workdir(&a).join("moved.txt"), "made in A").unwrap();
+    let bucket = format!("cli-{}", std::process::id());
+    let key = format!("sessions/{a}/cli.tar.zst");
+    let store = ["--endpoint", endpoint.as_str(), "--bucket", bucket.as_str()];
+    let (out, stdout, stderr) = run(harness(home.path())
+        .args(["checkpoint", "--session", &a, "--key", &key])
+        .args(store));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains(&format!("checkpoint {key}")), "{stdout}");
+    let (out, stdout, _) = run(harness(home.path()).arg("ls").args(store));
+    assert!(out.status.success());
+    assert!(stdout.contains(&key), "{stdout}");
+
+    let (out, stdout, stderr) = run(harness(home.path()).args(["demo", "--keep"]));
+    assert!(out.status.success(), "{stderr}");
+    let b = id(&stdout);
+    assert_ne!(a, b);
+    std::fs::write(workdir(&b).join("only-in-b.txt"), "stays").unwrap();
+    let (out, stdout, stderr) = run(harness(home.path())
+        .args(["restore", "--session", &b, "--key", &key])
+        .args(store));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert_eq!(
+        std::fs::read_to_string(workdir(&b).join("moved.txt")).unwrap(),
+        "made in A"
+    );
+    assert_eq!(
+        std::fs::read_to_string(workdir(&b).join("only-in-b.txt")).unwrap(),
+        "stays",
+        "restore overlays"
+    );
+}
