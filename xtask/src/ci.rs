@@ -193,17 +193,15 @@ fn run_step(step: Step, require_real: bool, counts: &mut Option<Counts>) -> Resu
         Step::Test => {
             let mut cmd = util::cargo();
             cmd.args(["nextest", "run", "--workspace", "--no-fail-fast"]);
-            let c = nextest(&mut cmd, require_real)?;
-            counts.get_or_insert_with(Counts::default).add(c);
-            Ok(())
+            nextest(&mut cmd, require_real, counts)
         }
         Step::Matrix => run_matrix(require_real, counts),
     }
 }
 
 /// Run nextest with the test environment, echoing its output and reading
-/// its `Summary` line.
-fn nextest(cmd: &mut Command, require_real: bool) -> Result<Counts> {
+/// its `Summary` line into `counts` (also when tests failed).
+fn nextest(cmd: &mut Command, require_real: bool, counts: &mut Option<Counts>) -> Result<()> {
     let test_env = env::test_env(require_real);
     for (k, v) in &test_env {
         println!("  {k}={v}");
@@ -225,17 +223,18 @@ fn nextest(cmd: &mut Command, require_real: bool) -> Result<Counts> {
         }
     }
     let status = child.wait()?;
-    let counts = summary_line
-        .as_deref()
-        .map(parse_summary)
-        .unwrap_or_default();
+    if let Some(line) = &summary_line {
+        counts
+            .get_or_insert_with(Counts::default)
+            .add(parse_summary(line));
+    }
     if !status.success() {
         bail!("`{}` failed ({status})", util::display(cmd));
     }
     if summary_line.is_none() {
         bail!("nextest printed no Summary line");
     }
-    Ok(counts)
+    Ok(())
 }
 
 /// `Summary [  1.234s] 12 tests run: 11 passed, 1 failed, 3 skipped`.
@@ -360,9 +359,7 @@ fn run_row(row: &Row, require_real: bool, counts: &mut Option<Counts>) -> Result
         cmd.args(["--target", t]);
     }
     if row.what == What::Test {
-        let c = nextest(&mut cmd, require_real)?;
-        counts.get_or_insert_with(Counts::default).add(c);
-        Ok(())
+        nextest(&mut cmd, require_real, counts)
     } else {
         util::run(&mut cmd)
     }

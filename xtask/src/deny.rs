@@ -97,5 +97,13 @@ pub fn check() -> Result<()> {
     paths.extend(std::env::split_paths(&path));
     run(util::cargo()
         .env("PATH", std::env::join_paths(paths)?)
-        .args(["deny", "--offline", "check", "licenses", "bans", "sources"]))
+        .args([
+            "deny",
+            "--offline",
+            "check",
+            "--hide-inclusion-graph",
+            "licenses",
+            "bans",
+            "sources",
+        ]))
 }

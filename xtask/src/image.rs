@@ -19,7 +19,9 @@ const SUITE: &str = "bookworm";
 const VARIANT: &str = "minbase";
 /// Extra packages on top of minbase (which already has glibc, bash,
 /// coreutils, tar).
-const INCLUDE: &str = "procps,ca-certificates";
+// python3-minimal: the sandbox conformance suite serves a port from inside
+// the sandbox with it (the minbase image has no other server program).
+const INCLUDE: &str = "procps,ca-certificates,python3-minimal";
 const LABEL: &str = "harness.recipe";
 /// Used only if no mirror can be read from apt's sources.
 const FALLBACK_MIRROR: &str = "http://deb.debian.org/debian";

@@ -11,6 +11,8 @@ mod matrix;
 mod services;
 mod util;
 
+use std::process::ExitCode;
+
 use anyhow::Result;
 use clap::{Parser, Subcommand, ValueEnum};
 
@@ -69,8 +71,18 @@ enum ServiceName {
     Weed,
 }
 
-fn main() -> Result<()> {
-    let cli = Cli::parse();
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // `{:#}`: the cause chain on one line, no backtrace noise.
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Ci(args) => ci::ci(args),
         Cmd::Deps => {

@@ -124,7 +124,12 @@ impl Service {
                     .args(["-ip=127.0.0.1", "-ip.bind=127.0.0.1"])
                     // Small volumes: tests write little, and the default
                     // (30 GB per volume) reserves far more than needed.
-                    .arg("-master.volumeSizeLimitMB=1024");
+                    .arg("-master.volumeSizeLimitMB=256")
+                    // Every bucket is a collection that grows its own
+                    // volumes; the default cap (8) runs out after a couple
+                    // of test buckets ("No writable volumes"), so allow many
+                    // small ones.
+                    .arg("-volume.max=500");
                 c
             }
         })

@@ -1,0 +1,353 @@
+//! Move benchmark: checkpoint + restore of a ~190 MB, 20,000-file tree
+//! between two local sandboxes through (a) the in-memory store and (b) the
+//! S3 store, against the shell pipelines `tar czf - . | tar xzf -` and
+//! `tar cf - . | zstd -1 -T0 | zstd -d | tar xf -` on the same tree.
+//!
+//! ```text
+//! HARNESS_S3_ENDPOINT=http://127.0.0.1:8333 \
+//!   cargo run --release -p checkpoint-r2 --example move_bench [-- --files N --mb M]
+//! ```
+//!
+//! Each contender runs in its own child process so its peak memory is its
+//! own: ours is the child's VmHWM, the shell pipelines' is the largest
+//! process of the pipeline as `/usr/bin/time -v` reports it.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Instant;
+
+use checkpoint_r2::{S3CheckpointStore, S3Config};
+use harness_core::checkpoint::{CheckpointStore, MemoryCheckpointStore};
+use harness_core::sandbox::{SandboxProvider, SandboxSpec};
+use sandbox_local::LocalProvider;
+
+const WORDS: &[&str] = &[
+    "fn", "let", "mut", "self", "impl", "struct", "enum", "match", "return", "async", "await",
+    "pub", "use", "crate", "Result", "Option", "Some", "None", "Ok", "Err", "String", "Vec", "u64",
+    "usize", "if", "else", "for", "in", "while", "loop", "break", "continue", "where", "trait",
+    "dyn", "Box", "Arc", "clone", "into", "iter", "map", "collect", "unwrap", "expect", "config",
+    "store", "key", "value", "buffer", "stream", "chunk", "error", "kind", "message",
+];
+
+/// xorshift64*: deterministic, fast.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// Write the tree: `files` files in directories of 100, ~`mb` MB in total,
+/// 98% source-like text and 2% incompressible binaries (which carry ~20% of
+/// the bytes, like assets and build outputs in a real repo).
+fn generate(root: &Path, files: usize, mb: u64) -> (usize, u64) {
+    let mut rng = Rng(0x5eed_1234_abcd_0001);
+    let total = mb * 1_000_000;
+    let binaries = (files / 50).max(1);
+    let texts = files - binaries;
+    let bin_bytes = total / 5;
+    let text_avg = (total - bin_bytes) / texts as u64;
+    let bin_avg = bin_bytes / binaries as u64;
+    let mut written = 0u64;
+    for i in 0..files {
+        let dir = root.join(format!("pkg{:03}/mod{:02}", i / 1000, (i / 100) % 10));
+        if i % 100 == 0 {
+            std::fs::create_dir_all(&dir).unwrap();
+        }
+        let (name, data) = if i % 50 == 49 {
+            let size = (bin_avg / 2 + rng.below(bin_avg)) as usize;
+            let mut data = Vec::with_capacity(size + 8);
+            while data.len() < size {
+                data.extend_from_slice(&rng.next().to_le_bytes());
+            }
+            data.truncate(size);
+            (format!("asset{i}.bin"), data)
+        } else {
+            let size = (text_avg / 2 + rng.below(text_avg)) as usize;
+            let mut data = Vec::with_capacity(size + 64);
+            let mut indent = 0usize;
+            while data.len() < size {
+                data.extend(std::iter::repeat_n(b' ', indent * 4));
+                for _ in 0..(3 + rng.below(9)) {
+                    data.extend_from_slice(
+                        WORDS[rng.below(WORDS.len() as u64) as usize].as_bytes(),
+                    );
+                    data.push(b' ');
+                }
+                match rng.below(6) {
+                    0 => {
+                        data.extend_from_slice(b"{\n");
+                        indent = (indent + 1).min(6);
+                    }
+                    1 if indent > 0 => {
+                        data.extend_from_slice(b"}\n");
+                        indent -= 1;
+                    }
+                    _ => data.extend_from_slice(b";\n"),
+                }
+            }
+            data.truncate(size);
+            (format!("file{i}.rs"), data)
+        };
+        written += data.len() as u64;
+        std::fs::write(dir.join(name), data).unwrap();
+    }
+    (files, written)
+}
+
+fn peak_rss_kb() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+fn count_files(dir: &Path) -> (usize, u64) {
+    let mut n = 0;
+    let mut bytes = 0;
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let entry = entry.unwrap();
+        let meta = entry.metadata().unwrap();
+        if meta.is_dir() {
+            let (a, b) = count_files(&entry.path());
+            n += a;
+            bytes += b;
+        } else {
+            n += 1;
+            bytes += meta.len();
+        }
+    }
+    (n, bytes)
+}
+
+/// Child mode: one checkpoint + restore through `store_kind`; prints
+/// `RESULT <secs> <peak_kb> <files> <bytes> <stored_bytes>`.
+async fn run_one(store_kind: &str, src: &Path, scratch: &Path) {
+    let store: Arc<dyn CheckpointStore> = match store_kind {
+        "memory" => Arc::new(MemoryCheckpointStore::new()),
+        "s3" => {
+            let endpoint = std::env::var("HARNESS_S3_ENDPOINT").expect("HARNESS_S3_ENDPOINT");
+            let store = S3CheckpointStore::new(
+                S3Config::custom(
+                    endpoint,
+                    "us-east-1",
+                    "bench",
+                    "bench-secret",
+                    "harness-move-bench",
+                )
+                .with_prefix(format!("bench-{}", std::process::id())),
+            )
+            .unwrap();
+            store.ensure_bucket().await.unwrap();
+            Arc::new(store)
+        }
+        other => panic!("unknown store {other}"),
+    };
+    let provider = LocalProvider::new(scratch.join("sandboxes"));
+    let mut spec = SandboxSpec::new("/workspace");
+    spec.wrap = Some(src.to_string_lossy().into_owned());
+    let a = provider.create(&spec).await.unwrap();
+    let b = provider
+        .create(&SandboxSpec::new("/workspace"))
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let info = harness_core::moves::checkpoint(
+        a.as_ref(),
+        a.workdir(),
+        store.as_ref(),
+        "bench/tree.tar.zst",
+        None,
+    )
+    .await
+    .unwrap();
+    let mid = started.elapsed().as_secs_f64();
+    harness_core::moves::restore(
+        store.as_ref(),
+        "bench/tree.tar.zst",
+        b.as_ref(),
+        b.workdir(),
+        None,
+    )
+    .await
+    .unwrap();
+    let secs = started.elapsed().as_secs_f64();
+    let (files, bytes) = count_files(Path::new(b.workdir()));
+    println!(
+        "RESULT {secs:.3} {} {files} {bytes} {} {mid:.3}",
+        peak_rss_kb(),
+        info.object.size
+    );
+    store.delete("bench/tree.tar.zst").await.unwrap();
+    b.destroy().await.unwrap();
+}
+
+struct Row {
+    name: String,
+    secs: f64,
+    peak_kb: Option<u64>,
+    note: String,
+}
+
+fn run_child(store_kind: &str, src: &Path, scratch: &Path) -> Row {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--child", store_kind])
+        .arg(src)
+        .arg(scratch)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("RESULT "))
+        .unwrap_or_else(|| {
+            panic!(
+                "{store_kind} run failed: {}\n{}",
+                stdout,
+                String::from_utf8_lossy(&out.stderr)
+            )
+        });
+    let f: Vec<&str> = line.split_whitespace().collect();
+    Row {
+        name: format!("harness moves, {store_kind} store"),
+        secs: f[1].parse().unwrap(),
+        peak_kb: f[2].parse().ok(),
+        note: format!(
+            "{} files / {} MB restored; checkpoint {:.1} MB; checkpoint phase {}s",
+            f[3],
+            f[4].parse::<u64>().unwrap() / 1_000_000,
+            f[5].parse::<f64>().unwrap() / 1e6,
+            f[6]
+        ),
+    }
+}
+
+fn run_shell(name: &str, pipeline: &str, src: &Path, dst: &Path) -> Row {
+    std::fs::create_dir_all(dst).unwrap();
+    let script = pipeline
+        .replace("{src}", &src.to_string_lossy())
+        .replace("{dst}", &dst.to_string_lossy());
+    let has_time = Path::new("/usr/bin/time").exists();
+    let started = Instant::now();
+    let out = if has_time {
+        Command::new("/usr/bin/time")
+            .args(["-v", "sh", "-c", &script])
+            .output()
+            .unwrap()
+    } else {
+        Command::new("sh").args(["-c", &script]).output().unwrap()
+    };
+    let secs = started.elapsed().as_secs_f64();
+    assert!(
+        out.status.success(),
+        "{name} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let peak_kb = String::from_utf8_lossy(&out.stderr)
+        .lines()
+        .find(|l| l.contains("Maximum resident set size"))
+        .and_then(|l| l.rsplit(':').next())
+        .and_then(|v| v.trim().parse().ok());
+    let (files, bytes) = count_files(dst);
+    Row {
+        name: name.to_string(),
+        secs,
+        peak_kb,
+        note: format!("{files} files / {} MB restored", bytes / 1_000_000),
+    }
+}
+
+#[tokio::main]
+async fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("--child") {
+        run_one(&args[2], Path::new(&args[3]), Path::new(&args[4])).await;
+        return;
+    }
+    let arg = |name: &str, default: u64| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let files = arg("--files", 20_000) as usize;
+    let mb = arg("--mb", 190);
+
+    let base = std::env::var("HARNESS_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| std::env::temp_dir());
+    std::fs::create_dir_all(&base).unwrap();
+    let scratch = tempfile::Builder::new()
+        .prefix("move-bench-")
+        .tempdir_in(&base)
+        .unwrap();
+    let src = scratch.path().join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    let t = Instant::now();
+    let (n, bytes) = generate(&src, files, mb);
+    println!(
+        "tree: {n} files, {:.1} MB, generated in {:.1}s under {}",
+        bytes as f64 / 1e6,
+        t.elapsed().as_secs_f64(),
+        src.display()
+    );
+
+    let mut rows = vec![
+        run_shell(
+            "tar czf | tar xzf (gzip)",
+            "cd {src} && tar czf - . | tar xzf - -C {dst}",
+            &src,
+            &scratch.path().join("dst-gz"),
+        ),
+        run_shell(
+            "tar | zstd -1 -T0 | zstd -d | tar x",
+            "cd {src} && tar cf - . | zstd -q -1 -T0 | zstd -q -d | tar xf - -C {dst}",
+            &src,
+            &scratch.path().join("dst-zstd"),
+        ),
+        run_child("memory", &src, scratch.path()),
+    ];
+    if std::env::var("HARNESS_S3_ENDPOINT").is_ok_and(|v| !v.is_empty()) {
+        rows.push(run_child("s3", &src, scratch.path()));
+    } else {
+        println!("skipped the S3 store: HARNESS_S3_ENDPOINT is not set");
+    }
+
+    let reference = rows[1].secs;
+    let reference_kb = rows[1].peak_kb;
+    println!(
+        "\n{:<40} {:>8} {:>10} {:>9} {:>9}  notes",
+        "pipeline", "wall s", "peak MiB", "x time", "x mem"
+    );
+    for r in &rows {
+        let peak = r
+            .peak_kb
+            .map(|k| format!("{:.1}", k as f64 / 1024.0))
+            .unwrap_or_else(|| "n/a".into());
+        let mem_ratio = match (r.peak_kb, reference_kb) {
+            (Some(a), Some(b)) if b > 0 => format!("{:.2}", a as f64 / b as f64),
+            _ => "n/a".into(),
+        };
+        println!(
+            "{:<40} {:>8.2} {:>10} {:>9.2} {:>9}  {}",
+            r.name,
+            r.secs,
+            peak,
+            r.secs / reference,
+            mem_ratio,
+            r.note
+        );
+    }
+    println!("\nratios are against `tar | zstd -1 -T0 | zstd -d | tar x`; shell peak = largest single process of the pipeline (time -v); ours = the child process's VmHWM");
+}

@@ -1,0 +1,956 @@
+//! # sandbox-docker
+//!
+//! A [`SandboxProvider`] on the Docker engine, through `bollard`: every
+//! sandbox is a container running a tiny idle init; commands run through the
+//! exec API in their own process group (so abort and timeout kill the whole
+//! tree); files move through the archive endpoints as streams; bootstrap
+//! recipes run once per identity and are kept as committed images
+//! (`harness-snapshot:<identity>`).
+//!
+//! ```no_run
+//! use harness_core::sandbox::{collect_exec, ExecRequest, SandboxProvider, SandboxSpec};
+//! use sandbox_docker::{DockerConfig, DockerProvider};
+//!
+//! # async fn demo() -> harness_core::Result<()> {
+//! let provider = DockerProvider::connect(DockerConfig {
+//!     default_image: "harness-test:bookworm".into(),
+//!     ..DockerConfig::default()
+//! })
+//! .await?;
+//! let sandbox = provider.create(&SandboxSpec::new("/work")).await?;
+//! let out = collect_exec(sandbox.exec(ExecRequest::shell("echo hi")).await?).await?;
+//! assert_eq!(out.stdout_str(), "hi\n");
+//! sandbox.destroy().await?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! See `docs/sandbox-docker.md` for the network-policy stance, ports,
+//! wrap-mode, snapshots and resume semantics.
+
+mod bootstrap;
+mod exec;
+mod tarfile;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+
+use async_trait::async_trait;
+use bollard::errors::Error as BollardError;
+use bollard::models::{ContainerCreateBody, HostConfig, PortBinding};
+use bollard::query_parameters::{
+    CreateContainerOptionsBuilder, DownloadFromContainerOptionsBuilder,
+    RemoveContainerOptionsBuilder, StopContainerOptionsBuilder, UploadToContainerOptionsBuilder,
+};
+use bollard::Docker;
+use bytes::{Bytes, BytesMut};
+use futures::StreamExt;
+use harness_core::sandbox::{
+    collect_exec, exec_stdout_stream, resolve_path, shell_quote, ExecRequest, ExecStream,
+    NetworkPolicy, PortEndpoint, Sandbox, SandboxHandle, SandboxProvider, SandboxSpec,
+    SnapshotInfo,
+};
+use harness_core::stream::ByteStream;
+use harness_core::{Error, ErrorKind, Result};
+use serde_json::json;
+
+/// The provider name recorded in handles.
+pub const PROVIDER_NAME: &str = "docker";
+
+/// The idle init every sandbox container runs: it exits at once on SIGTERM
+/// (so `stop` takes milliseconds, not the 10 s kill grace) and otherwise
+/// sleeps forever.
+const INIT_SCRIPT: &str = "trap 'exit 0' TERM; while :; do sleep 3600 & wait; done";
+
+/// Contents up to this size are written with one archive upload; larger
+/// (or unknown-length) ones stream through an exec's stdin.
+const SMALL_WRITE: usize = 1024 * 1024;
+
+/// A host path mounted into every container the provider creates.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BindMount {
+    /// Absolute path on the host.
+    pub host: String,
+    /// Absolute path inside the container.
+    pub container: String,
+    /// Mount read-only.
+    pub read_only: bool,
+}
+
+impl From<(String, String, bool)> for BindMount {
+    fn from((host, container, read_only): (String, String, bool)) -> Self {
+        Self {
+            host,
+            container,
+            read_only,
+        }
+    }
+}
+
+/// How the provider reaches Docker and names what it makes.
+#[derive(Debug, Clone)]
+pub struct DockerConfig {
+    /// Image for specs that name none.
+    pub default_image: String,
+    /// Prefix of every label the provider sets (`<prefix>.managed-by`, …).
+    pub label_prefix: String,
+    /// Repository of bootstrap snapshot images (`<repo>:<identity>`).
+    pub snapshot_repo: String,
+    /// Directory of the bootstrap lock files (one per identity).
+    pub lock_dir: PathBuf,
+    /// Host paths mounted into every created container (e.g. a large agent
+    /// binary, read-only, instead of copying it).
+    pub bind_mounts: Vec<BindMount>,
+    /// Seconds `stop` waits after SIGTERM before SIGKILL.
+    pub stop_timeout_secs: i32,
+}
+
+impl Default for DockerConfig {
+    /// `debian:bookworm-slim`, labels under `dev.harness`, snapshots in
+    /// `harness-snapshot`, locks in `$HARNESS_CACHE/locks` (or the temp dir).
+    fn default() -> Self {
+        let cache = std::env::var_os("HARNESS_CACHE")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| std::env::temp_dir().join("harness"));
+        Self {
+            default_image: "debian:bookworm-slim".into(),
+            label_prefix: "dev.harness".into(),
+            snapshot_repo: "harness-snapshot".into(),
+            lock_dir: cache.join("locks"),
+            bind_mounts: Vec::new(),
+            stop_timeout_secs: 5,
+        }
+    }
+}
+
+/// Creates and resumes Docker sandboxes.
+#[derive(Debug, Clone)]
+pub struct DockerProvider {
+    docker: Docker,
+    config: DockerConfig,
+}
+
+/// Map a bollard error onto the core's kinds (404 → NotFound, 409 → Conflict).
+pub(crate) fn docker_err(what: &str, err: BollardError) -> Error {
+    let kind = match &err {
+        BollardError::DockerResponseServerError { status_code, .. } => match status_code {
+            404 => ErrorKind::NotFound,
+            409 => ErrorKind::Conflict,
+            400 => ErrorKind::InvalidInput,
+            _ => ErrorKind::Backend,
+        },
+        _ => ErrorKind::Backend,
+    };
+    let msg = match &err {
+        BollardError::DockerResponseServerError { message, .. } => message.clone(),
+        other => other.to_string(),
+    };
+    Error::new(kind, format!("docker: {what}: {msg}")).with_source(err)
+}
+
+impl DockerProvider {
+    /// Connect with Docker's local defaults (`DOCKER_HOST` or the unix
+    /// socket), negotiate the API version, and check the engine answers.
+    pub async fn connect(config: DockerConfig) -> Result<Self> {
+        let docker = Docker::connect_with_local_defaults()
+            .map_err(|e| docker_err("connecting", e))?
+            .negotiate_version()
+            .await
+            .map_err(|e| docker_err("negotiating the API version", e))?;
+        docker
+            .ping()
+            .await
+            .map_err(|e| docker_err("pinging the engine", e))?;
+        Ok(Self::with_client(docker, config))
+    }
+
+    /// Use an existing client.
+    pub fn with_client(docker: Docker, config: DockerConfig) -> Self {
+        Self { docker, config }
+    }
+
+    /// The client.
+    pub fn client(&self) -> &Docker {
+        &self.docker
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &DockerConfig {
+        &self.config
+    }
+
+    pub(crate) fn label(&self, key: &str) -> String {
+        format!("{}.{key}", self.config.label_prefix)
+    }
+
+    fn base_labels(&self, spec: &SandboxSpec, role: &str) -> HashMap<String, String> {
+        let mut labels: HashMap<String, String> = spec
+            .labels
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        labels.insert(self.label("managed-by"), "harness".into());
+        labels.insert(self.label("role"), role.into());
+        if let Some(session) = &spec.session_id {
+            labels.insert(self.label("session-id"), session.clone());
+        }
+        labels
+    }
+
+    /// Create, start and return a container from `image`.
+    pub(crate) async fn run_container(
+        &self,
+        image: &str,
+        spec: &SandboxSpec,
+        role: &str,
+        workdir: Option<&str>,
+    ) -> Result<String> {
+        let mut last_err = None;
+        // Host ports are chosen here and can be taken by someone else before
+        // dockerd binds them: retry with fresh ones on that conflict.
+        for _ in 0..5 {
+            let ports = free_ports(spec.ports.len())?;
+            let mut bindings = HashMap::new();
+            let mut exposed = Vec::new();
+            for (sandbox_port, host_port) in spec.ports.iter().zip(&ports) {
+                let key = format!("{sandbox_port}/tcp");
+                exposed.push(key.clone());
+                bindings.insert(
+                    key,
+                    Some(vec![PortBinding {
+                        host_ip: Some("127.0.0.1".into()),
+                        host_port: Some(host_port.to_string()),
+                    }]),
+                );
+            }
+            let binds: Vec<String> = self
+                .config
+                .bind_mounts
+                .iter()
+                .map(|m| {
+                    format!(
+                        "{}:{}:{}",
+                        m.host,
+                        m.container,
+                        if m.read_only { "ro" } else { "rw" }
+                    )
+                })
+                .collect();
+            let host_config = HostConfig {
+                nano_cpus: spec.cpus.map(|c| (c * 1e9) as i64),
+                memory: spec.memory_mb.map(|m| (m * 1024 * 1024) as i64),
+                network_mode: match spec.network {
+                    NetworkPolicy::DenyAll => Some("none".into()),
+                    _ => None,
+                },
+                port_bindings: (!bindings.is_empty()).then_some(bindings),
+                binds: (!binds.is_empty()).then_some(binds),
+                ..Default::default()
+            };
+            let body = ContainerCreateBody {
+                image: Some(image.to_string()),
+                entrypoint: Some(vec![
+                    "/bin/sh".into(),
+                    "-c".into(),
+                    INIT_SCRIPT.into(),
+                    "harness-init".into(),
+                ]),
+                cmd: Some(vec![]),
+                env: Some(spec.env.iter().map(|(k, v)| format!("{k}={v}")).collect()),
+                // Docker creates the working directory when it is missing.
+                working_dir: workdir.map(str::to_string),
+                labels: Some(self.base_labels(spec, role)),
+                exposed_ports: (!exposed.is_empty()).then_some(exposed),
+                host_config: Some(host_config),
+                ..Default::default()
+            };
+            let name = container_name(spec.session_id.as_deref(), role);
+            let created = self
+                .docker
+                .create_container(
+                    Some(CreateContainerOptionsBuilder::new().name(&name).build()),
+                    body,
+                )
+                .await
+                .map_err(|e| docker_err(&format!("creating a container from {image}"), e))?;
+            match self.docker.start_container(&created.id, None).await {
+                Ok(()) => return Ok(created.id),
+                Err(e) => {
+                    let err = docker_err("starting the container", e);
+                    let _ = self.remove(&created.id).await;
+                    let msg = err.message().to_ascii_lowercase();
+                    if msg.contains("port is already allocated")
+                        || msg.contains("address already in use")
+                    {
+                        last_err = Some(err);
+                        continue;
+                    }
+                    return Err(err);
+                }
+            }
+        }
+        Err(last_err.unwrap_or_else(|| Error::backend("could not publish the ports")))
+    }
+
+    pub(crate) async fn remove(&self, id: &str) -> Result<()> {
+        match self
+            .docker
+            .remove_container(
+                id,
+                Some(
+                    RemoveContainerOptionsBuilder::new()
+                        .force(true)
+                        .v(true)
+                        .build(),
+                ),
+            )
+            .await
+        {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                let err = docker_err("removing the container", e);
+                if err.kind() == ErrorKind::NotFound {
+                    Ok(())
+                } else {
+                    Err(err)
+                }
+            }
+        }
+    }
+
+    /// Inspect `id`, starting it when it is not running.
+    async fn ensure_running(&self, id: &str) -> Result<String> {
+        let info = self
+            .docker
+            .inspect_container(id, None)
+            .await
+            .map_err(|e| docker_err(&format!("inspecting container {id}"), e))?;
+        let full_id = info
+            .id
+            .clone()
+            .ok_or_else(|| Error::backend("docker returned a container without an id"))?;
+        let running = info.state.as_ref().and_then(|s| s.running) == Some(true);
+        if !running {
+            self.docker
+                .start_container(&full_id, None)
+                .await
+                .map_err(|e| docker_err(&format!("starting stopped container {id}"), e))?;
+        }
+        Ok(full_id)
+    }
+
+    fn sandbox(
+        &self,
+        id: String,
+        workdir: String,
+        owned: bool,
+        data: serde_json::Value,
+    ) -> DockerSandbox {
+        let extra_env = data
+            .get("env")
+            .and_then(|e| serde_json::from_value::<BTreeMap<String, String>>(e.clone()).ok())
+            .unwrap_or_default();
+        DockerSandbox {
+            docker: self.docker.clone(),
+            id,
+            workdir,
+            owned,
+            data,
+            extra_env,
+            stop_timeout_secs: self.config.stop_timeout_secs,
+        }
+    }
+
+    async fn create_wrapped(&self, target: &str, spec: &SandboxSpec) -> Result<DockerSandbox> {
+        let id = self.ensure_running(target).await?;
+        let info = self
+            .docker
+            .inspect_container(&id, None)
+            .await
+            .map_err(|e| docker_err("inspecting the wrapped container", e))?;
+        let mode = info
+            .host_config
+            .as_ref()
+            .and_then(|h| h.network_mode.clone())
+            .unwrap_or_default();
+        // The caller's container keeps its own network: say so rather than
+        // pretend a deny-all policy holds.
+        if spec.network == NetworkPolicy::DenyAll && mode != "none" {
+            return Err(Error::unsupported(format!(
+                "wrap-mode cannot change the network of container {target} (network mode {mode:?}); \
+                 deny-all needs a container created with --network none"
+            )));
+        }
+        let image = info
+            .config
+            .as_ref()
+            .and_then(|c| c.image.clone())
+            .unwrap_or_default();
+        let data = json!({ "image": image, "wrap": true, "env": spec.env });
+        let sandbox = self.sandbox(id, spec.workdir.clone(), false, data);
+        sandbox.mkdir(&spec.workdir).await?;
+        if let Some(recipe) = spec.bootstrap.as_ref().filter(|r| !r.is_empty()) {
+            // No snapshot for a caller's container: run the recipe in place,
+            // once per identity, remembered by a marker file.
+            let identity = recipe.identity(&image);
+            let marker = format!("/.harness-bootstrap-{identity}");
+            let probe = sandbox
+                .run(ExecRequest::new(["test", "-e", &marker]))
+                .await?;
+            if !probe.status.success() {
+                bootstrap::run_recipe(&sandbox, recipe).await?;
+                sandbox
+                    .run(ExecRequest::new(["touch", &marker]))
+                    .await?
+                    .check("marking the wrapped container bootstrapped")?;
+            }
+        }
+        Ok(sandbox)
+    }
+}
+
+#[async_trait]
+impl SandboxProvider for DockerProvider {
+    fn name(&self) -> &'static str {
+        PROVIDER_NAME
+    }
+
+    async fn create(&self, spec: &SandboxSpec) -> Result<Box<dyn Sandbox>> {
+        if let NetworkPolicy::Custom { .. } = spec.network {
+            return Err(Error::unsupported(
+                "the docker backend does not enforce custom egress rules (allowed hosts/CIDRs); \
+                 use allow-all or deny-all, or a backend that enforces them",
+            ));
+        }
+        if !spec.workdir.starts_with('/') {
+            return Err(Error::invalid(format!(
+                "workdir must be an absolute path, got {:?}",
+                spec.workdir
+            )));
+        }
+        if let Some(target) = &spec.wrap {
+            return Ok(Box::new(self.create_wrapped(target, spec).await?));
+        }
+        let base = spec
+            .image
+            .clone()
+            .unwrap_or_else(|| self.config.default_image.clone());
+        let image = match spec.bootstrap.as_ref().filter(|r| !r.is_empty()) {
+            Some(recipe) => bootstrap::ensure_snapshot(self, &base, recipe).await?,
+            None => base.clone(),
+        };
+        let id = self
+            .run_container(&image, spec, "session", Some(&spec.workdir))
+            .await?;
+        let data = json!({ "image": image, "wrap": false });
+        Ok(Box::new(self.sandbox(id, spec.workdir.clone(), true, data)))
+    }
+
+    async fn resume(&self, handle: &SandboxHandle) -> Result<Box<dyn Sandbox>> {
+        if handle.provider != PROVIDER_NAME {
+            return Err(Error::invalid(format!(
+                "a {:?} handle cannot be resumed by the docker provider",
+                handle.provider
+            )));
+        }
+        let id = self.ensure_running(&handle.id).await?;
+        Ok(Box::new(self.sandbox(
+            id,
+            handle.workdir.clone(),
+            handle.owned,
+            handle.data.clone(),
+        )))
+    }
+
+    async fn list_snapshots(&self) -> Result<Vec<SnapshotInfo>> {
+        bootstrap::list(self).await
+    }
+
+    async fn prune_snapshots(&self, keep: &[String]) -> Result<Vec<SnapshotInfo>> {
+        bootstrap::prune(self, keep).await
+    }
+}
+
+/// A container used as a sandbox.
+#[derive(Debug)]
+pub struct DockerSandbox {
+    docker: Docker,
+    id: String,
+    workdir: String,
+    owned: bool,
+    data: serde_json::Value,
+    /// Environment applied per exec (wrap-mode, where the container's own
+    /// environment cannot be changed).
+    extra_env: BTreeMap<String, String>,
+    stop_timeout_secs: i32,
+}
+
+impl DockerSandbox {
+    /// The container id.
+    pub fn container_id(&self) -> &str {
+        &self.id
+    }
+
+    async fn run(&self, request: ExecRequest) -> Result<harness_core::sandbox::ExecOutput> {
+        collect_exec(self.exec(request).await?).await
+    }
+
+    async fn mkdir(&self, dir: &str) -> Result<()> {
+        let out = exec::run_simple(
+            &self.docker,
+            &self.id,
+            vec!["mkdir".into(), "-p".into(), dir.into()],
+        )
+        .await?;
+        if out.0 != 0 {
+            return Err(Error::backend(format!(
+                "mkdir -p {dir} failed: {}",
+                String::from_utf8_lossy(&out.2).trim()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Stream `content` into `path` through an exec's stdin, into a
+    /// temporary file renamed into place only once every byte arrived.
+    async fn write_streaming(&self, path: &str, content: ByteStream) -> Result<u64> {
+        let tmp = format!("{path}.harness-tmp-{}", uuid::Uuid::new_v4().simple());
+        let parent = parent_dir(path);
+        let counter = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let counted = {
+            let counter = counter.clone();
+            content.map(move |chunk| {
+                if let Ok(c) = &chunk {
+                    counter.fetch_add(c.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                }
+                chunk
+            })
+        };
+        let script = format!(
+            "mkdir -p {p} && cat > {t}",
+            p = shell_quote(&parent),
+            t = shell_quote(&tmp)
+        );
+        let plan = exec::ExecPlan {
+            argv: vec!["sh".into(), "-c".into(), script],
+            env: Vec::new(),
+            cwd: None,
+            stdin: Some(Box::pin(counted)),
+            timeout: None,
+            abort: None,
+        };
+        let result = match exec::start(&self.docker, &self.id, plan).await {
+            Ok(stream) => collect_exec(stream).await,
+            Err(e) => Err(e),
+        };
+        let out = match result {
+            Ok(out) if out.status.success() => out,
+            Ok(out) => {
+                let _ = self.run(ExecRequest::new(["rm", "-f", &tmp])).await;
+                return Err(Error::backend(format!(
+                    "writing {path} failed ({:?}): {}",
+                    out.status,
+                    out.stderr_str().trim()
+                )));
+            }
+            Err(e) => {
+                let _ = self.run(ExecRequest::new(["rm", "-f", &tmp])).await;
+                return Err(e);
+            }
+        };
+        drop(out);
+        let n = counter.load(std::sync::atomic::Ordering::Relaxed);
+        // Rename only if the size matches what we sent: a connection cut
+        // short must not leave a truncated file under the real name.
+        let check = format!(
+            "n=$(wc -c < {t}); if [ \"$n\" -eq {n} ]; then mv -f {t} {p}; else rm -f {t}; echo \"wrote $n of {n} bytes\" >&2; exit 1; fi",
+            t = shell_quote(&tmp),
+            p = shell_quote(path)
+        );
+        self.run(ExecRequest::shell(check))
+            .await?
+            .check(&format!("writing {path}"))?;
+        Ok(n)
+    }
+
+    async fn upload(&self, dir: &str, body: ByteStream) -> Result<()> {
+        let body = body.map(|c| c.map_err(std::io::Error::from));
+        self.docker
+            .upload_to_container(
+                &self.id,
+                Some(UploadToContainerOptionsBuilder::new().path(dir).build()),
+                bollard::body_try_stream(body),
+            )
+            .await
+            .map_err(|e| docker_err(&format!("uploading into {dir}"), e))
+    }
+
+    /// Upload one file whose size is known, streaming its body.
+    pub(crate) async fn upload_file(
+        &self,
+        path: &str,
+        size: u64,
+        mode: u32,
+        body: ByteStream,
+    ) -> Result<()> {
+        let rel = path.trim_start_matches('/');
+        let head = tarfile::header_blocks(rel, size, mode)?;
+        let tail = tarfile::trailer(size);
+        let stream = futures::stream::once(async move { Ok(head) })
+            .chain(body)
+            .chain(futures::stream::once(async move { Ok(tail) }));
+        self.upload("/", Box::pin(stream)).await
+    }
+
+    fn download(&self, path: &str) -> ByteStream {
+        let stream = self.docker.download_from_container(
+            &self.id,
+            Some(
+                DownloadFromContainerOptionsBuilder::new()
+                    .path(path)
+                    .build(),
+            ),
+        );
+        let what = path.to_string();
+        Box::pin(stream.map(move |c| c.map_err(|e| docker_err(&format!("reading {what}"), e))))
+    }
+}
+
+#[async_trait]
+impl Sandbox for DockerSandbox {
+    fn handle(&self) -> SandboxHandle {
+        SandboxHandle {
+            provider: PROVIDER_NAME.into(),
+            id: self.id.clone(),
+            workdir: self.workdir.clone(),
+            owned: self.owned,
+            data: self.data.clone(),
+        }
+    }
+
+    fn workdir(&self) -> &str {
+        &self.workdir
+    }
+
+    async fn exec(&self, request: ExecRequest) -> Result<ExecStream> {
+        if request.argv.is_empty() {
+            return Err(Error::invalid(
+                "exec needs a program to run (argv is empty)",
+            ));
+        }
+        let cwd = request
+            .cwd
+            .as_deref()
+            .map(|c| resolve_path(&self.workdir, c))
+            .unwrap_or_else(|| self.workdir.clone());
+        let env = self
+            .extra_env
+            .iter()
+            .chain(request.env.iter())
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        let plan = exec::ExecPlan {
+            argv: request.argv,
+            env,
+            cwd: Some(cwd),
+            stdin: request
+                .stdin
+                .map(|b| Box::pin(futures::stream::once(async move { Ok(b) })) as ByteStream),
+            timeout: request.timeout,
+            abort: request.abort,
+        };
+        exec::start(&self.docker, &self.id, plan).await
+    }
+
+    async fn read_file(&self, path: &str) -> Result<ByteStream> {
+        let mut path = resolve_path(&self.workdir, path);
+        // Docker archives a symlink as the link itself: follow it (bounded,
+        // like the kernel's loop limit) so reads see the target's bytes.
+        for _ in 0..16 {
+            match tarfile::open_single_entry(self.download(&path)).await? {
+                tarfile::SingleEntry::File(s) => return Ok(s),
+                tarfile::SingleEntry::Symlink(target) => {
+                    path = if target.starts_with('/') {
+                        target
+                    } else {
+                        format!("{}/{}", parent_dir(&path), target)
+                    };
+                }
+                tarfile::SingleEntry::Other(kind) => {
+                    return Err(Error::invalid(format!(
+                        "{path} is not a regular file ({kind:?})"
+                    )))
+                }
+            }
+        }
+        Err(Error::invalid(format!(
+            "too many symlinks resolving {path}"
+        )))
+    }
+
+    async fn write_file(&self, path: &str, mut content: ByteStream) -> Result<u64> {
+        let path = resolve_path(&self.workdir, path);
+        if path.ends_with('/') {
+            return Err(Error::invalid(format!(
+                "{path} names a directory, not a file"
+            )));
+        }
+        // Read ahead up to SMALL_WRITE: small content goes up in one archive
+        // request; anything larger streams through an exec without ever
+        // being held whole.
+        let mut head = BytesMut::new();
+        let mut rest_first: Option<Bytes> = None;
+        while let Some(chunk) = content.next().await {
+            let chunk = chunk?;
+            if head.len() + chunk.len() > SMALL_WRITE {
+                rest_first = Some(chunk);
+                break;
+            }
+            head.extend_from_slice(&chunk);
+        }
+        match rest_first {
+            None => {
+                let n = head.len() as u64;
+                let archive =
+                    tarfile::small_archive(path.trim_start_matches('/'), head.freeze(), 0o644)?;
+                self.upload("/", harness_core::stream::once(archive))
+                    .await?;
+                Ok(n)
+            }
+            Some(first) => {
+                let prefix = futures::stream::iter([Ok(head.freeze()), Ok(first)]);
+                self.write_streaming(&path, Box::pin(prefix.chain(content)))
+                    .await
+            }
+        }
+    }
+
+    async fn export_tar(&self, dir: &str) -> Result<ByteStream> {
+        let dir = resolve_path(&self.workdir, dir);
+        // `tar -C dir .` gives entries relative to dir, as the contract
+        // asks (docker's archive endpoint would prefix the dir's own name).
+        let script = format!(
+            "test -d {d} || {{ echo 'no such directory: {d}' >&2; exit 44; }}; exec tar -C {d} -cf - .",
+            d = shell_quote(&dir)
+        );
+        let mut stream = exec_stdout_stream(self.exec(ExecRequest::shell(script)).await?, dir);
+        // Surface a missing directory now, not at the consumer's first read.
+        match stream.next().await {
+            Some(Ok(first)) => Ok(Box::pin(
+                futures::stream::once(async move { Ok(first) }).chain(stream),
+            )),
+            Some(Err(e)) => Err(e),
+            None => Ok(harness_core::stream::empty()),
+        }
+    }
+
+    async fn import_tar(&self, dir: &str, tar: ByteStream) -> Result<()> {
+        let dir = resolve_path(&self.workdir, dir);
+        // Extracted by GNU tar inside the container, fed through an exec's
+        // stdin. Docker's own archive PUT would refuse legitimate trees (a
+        // symlink pointing above the tree, e.g. `../shared`, is "invalid
+        // symlink" there); GNU tar keeps every write inside `dir`: it
+        // refuses `..` members and hard links out (non-zero exit), strips a
+        // leading `/`, and creates symlinks only after the entries that
+        // could be written through them.
+        let script = format!(
+            "mkdir -p {d} && exec tar -C {d} -xpf - --numeric-owner",
+            d = shell_quote(&dir)
+        );
+        let plan = exec::ExecPlan {
+            argv: vec!["sh".into(), "-c".into(), script],
+            env: Vec::new(),
+            cwd: None,
+            stdin: Some(tar),
+            timeout: None,
+            abort: None,
+        };
+        let out = collect_exec(exec::start(&self.docker, &self.id, plan).await?).await?;
+        if out.status.success() {
+            return Ok(());
+        }
+        let stderr = out.stderr_str();
+        let message = format!(
+            "extracting into {dir} failed ({:?}): {}",
+            out.status,
+            stderr.trim()
+        );
+        if stderr.contains("contains '..'") || stderr.contains("hard link") {
+            Err(Error::unsafe_entry(message))
+        } else {
+            Err(Error::backend(message))
+        }
+    }
+
+    async fn port_endpoint(&self, port: u16) -> Result<PortEndpoint> {
+        let info = self
+            .docker
+            .inspect_container(&self.id, None)
+            .await
+            .map_err(|e| docker_err("inspecting the container", e))?;
+        let binding = info
+            .network_settings
+            .and_then(|n| n.ports)
+            .and_then(|mut p| p.remove(&format!("{port}/tcp")))
+            .flatten()
+            .and_then(|b| b.into_iter().next());
+        let Some(binding) = binding else {
+            return Err(Error::not_found(format!(
+                "port {port} was not published when the sandbox was created"
+            )));
+        };
+        let host_port = binding
+            .host_port
+            .as_deref()
+            .and_then(|p| p.parse().ok())
+            .ok_or_else(|| Error::backend(format!("docker gave port {port} no host port")))?;
+        let host = match binding.host_ip.as_deref() {
+            None | Some("") | Some("0.0.0.0") => "127.0.0.1".to_string(),
+            Some(ip) => ip.to_string(),
+        };
+        Ok(PortEndpoint {
+            sandbox_port: port,
+            host,
+            port: host_port,
+        })
+    }
+
+    async fn stop(&self) -> Result<SandboxHandle> {
+        match self
+            .docker
+            .stop_container(
+                &self.id,
+                Some(
+                    StopContainerOptionsBuilder::new()
+                        .t(self.stop_timeout_secs)
+                        .build(),
+                ),
+            )
+            .await
+        {
+            Ok(()) => Ok(self.handle()),
+            Err(e) => {
+                let err = docker_err("stopping the container", e);
+                // 304 (already stopped) comes back as an error in some
+                // versions: stopping a stopped container is fine.
+                match &err.source_status() {
+                    Some(304) => Ok(self.handle()),
+                    _ => Err(err),
+                }
+            }
+        }
+    }
+
+    async fn destroy(&self) -> Result<()> {
+        if !self.owned {
+            return Ok(());
+        }
+        match self
+            .docker
+            .remove_container(
+                &self.id,
+                Some(
+                    RemoveContainerOptionsBuilder::new()
+                        .force(true)
+                        .v(true)
+                        .build(),
+                ),
+            )
+            .await
+        {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                let err = docker_err("removing the container", e);
+                if err.kind() == ErrorKind::NotFound {
+                    Ok(())
+                } else {
+                    Err(err)
+                }
+            }
+        }
+    }
+}
+
+trait SourceStatus {
+    fn source_status(&self) -> Option<u16>;
+}
+
+impl SourceStatus for Error {
+    fn source_status(&self) -> Option<u16> {
+        use std::error::Error as _;
+        match self.source()?.downcast_ref::<BollardError>()? {
+            BollardError::DockerResponseServerError { status_code, .. } => Some(*status_code),
+            _ => None,
+        }
+    }
+}
+
+fn parent_dir(path: &str) -> String {
+    match path.trim_end_matches('/').rsplit_once('/') {
+        Some(("", _)) | None => "/".into(),
+        Some((parent, _)) => parent.into(),
+    }
+}
+
+/// A container name from the session id (sanitized) and a random suffix.
+fn container_name(session: Option<&str>, role: &str) -> String {
+    let suffix = &uuid::Uuid::new_v4().simple().to_string()[..10];
+    let session: String = session
+        .unwrap_or("")
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .take(40)
+        .collect();
+    if session.is_empty() {
+        format!("harness-{role}-{suffix}")
+    } else {
+        format!("harness-{session}-{suffix}")
+    }
+}
+
+/// `n` distinct free TCP ports on 127.0.0.1 (all held until every one is
+/// chosen, so they differ from each other).
+fn free_ports(n: usize) -> Result<Vec<u16>> {
+    let listeners = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
+        .collect::<std::io::Result<Vec<_>>>()?;
+    listeners
+        .iter()
+        .map(|l| Ok(l.local_addr()?.port()))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parent_dir_handles_root_and_nesting() {
+        assert_eq!(parent_dir("/a"), "/");
+        assert_eq!(parent_dir("/a/b/c.txt"), "/a/b");
+    }
+
+    #[test]
+    fn container_names_are_valid_for_docker() {
+        let name = container_name(Some("s/1 ü"), "session");
+        assert!(name.starts_with("harness-s-1--"), "{name}");
+        assert!(name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_'));
+    }
+
+    #[test]
+    fn free_ports_are_distinct() {
+        let ports = free_ports(4).unwrap();
+        let mut sorted = ports.clone();
+        sorted.sort();
+        sorted.dedup();
+        assert_eq!(sorted.len(), 4);
+    }
+}

@@ -1,0 +1,596 @@
+//! # sandbox-local
+//!
+//! A [`SandboxProvider`] whose sandboxes are directories on the host and
+//! whose commands are host processes. It is the fastest backend and the one
+//! to develop against; it is **not a security boundary**: a command can read
+//! and write anything the host user can, and reach any network the host can.
+//! See `docs/sandbox-local.md` for the full story.
+//!
+//! Layout under the provider root (default `$HARNESS_CACHE/local-sandboxes`):
+//!
+//! ```text
+//! <root>/<id>/sandbox.json   metadata (env, ports, workdir) read by resume
+//! <root>/<id>/work/          the workdir (unless wrap-mode names another)
+//! <root>/<id>/home/          $HOME for every command
+//! <root>/<id>/opt/...        bootstrap recipe files (`/opt/x` lands here)
+//! <root>/templates/<bs-id>/  a finished bootstrap template
+//! <root>/templates/<bs-id>.lock
+//! ```
+//!
+//! Paths given to file operations and `cwd` are host paths: relative ones are
+//! joined onto the workdir, absolute ones are used as they are. The spec's
+//! `workdir` is only recorded (as the `spec_workdir` label in the metadata);
+//! the real workdir is always the host directory above, and
+//! [`Sandbox::workdir`] and the handle report that host path.
+//!
+//! ```no_run
+//! # async fn demo() -> harness_core::Result<()> {
+//! use harness_core::sandbox::{collect_exec, ExecRequest, SandboxProvider, SandboxSpec};
+//! let provider = sandbox_local::LocalProvider::new("/tmp/sandboxes");
+//! let sandbox = provider.create(&SandboxSpec::new("/workspace")).await?;
+//! let out = collect_exec(sandbox.exec(ExecRequest::shell("echo hi > f; cat f")).await?).await?;
+//! assert_eq!(out.stdout_str(), "hi\n");
+//! let json = serde_json::to_string(&sandbox.detach().await?)?;
+//! // ... later, maybe in another process:
+//! let again = provider.resume(&serde_json::from_str(&json)?).await?;
+//! again.destroy().await?;
+//! # Ok(()) }
+//! ```
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use async_trait::async_trait;
+use futures::StreamExt;
+use harness_core::sandbox::{
+    parse_detached_status, resolve_path, DetachedProcess, DetachedStatus, ExecRequest, ExecStream,
+    NetworkPolicy, PortEndpoint, Sandbox, SandboxHandle, SandboxProvider, SandboxSpec,
+    SnapshotInfo,
+};
+use harness_core::stream::ByteStream;
+use harness_core::{Error, ErrorKind, Result};
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncSeekExt, AsyncWriteExt};
+use tokio_util::io::ReaderStream;
+
+mod exec;
+mod tario;
+mod template;
+
+/// The provider name recorded in handles.
+pub const PROVIDER_NAME: &str = "local";
+/// Name of the metadata file in a sandbox directory.
+const META_FILE: &str = "sandbox.json";
+/// Chunk size of file reads.
+const FILE_CHUNK: usize = 256 * 1024;
+
+/// Creates sandboxes as directories under a root directory.
+#[derive(Debug, Clone)]
+pub struct LocalProvider {
+    root: PathBuf,
+}
+
+impl LocalProvider {
+    /// A provider keeping its sandboxes and templates under `root`.
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        Self { root: root.into() }
+    }
+
+    /// A provider under the default root: `$HARNESS_CACHE/local-sandboxes`,
+    /// else `$XDG_CACHE_HOME/harness/local-sandboxes`, else
+    /// `$HOME/.cache/harness/local-sandboxes`.
+    pub fn from_env() -> Result<Self> {
+        Ok(Self::new(default_root()?))
+    }
+
+    /// The root directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    fn sandbox_dir(&self, id: &str) -> PathBuf {
+        self.root.join(id)
+    }
+}
+
+/// See [`LocalProvider::from_env`].
+pub fn default_root() -> Result<PathBuf> {
+    if let Some(cache) = std::env::var_os("HARNESS_CACHE").filter(|v| !v.is_empty()) {
+        return Ok(PathBuf::from(cache).join("local-sandboxes"));
+    }
+    if let Some(xdg) = std::env::var_os("XDG_CACHE_HOME").filter(|v| !v.is_empty()) {
+        return Ok(PathBuf::from(xdg).join("harness/local-sandboxes"));
+    }
+    if let Some(home) = std::env::var_os("HOME").filter(|v| !v.is_empty()) {
+        return Ok(PathBuf::from(home).join(".cache/harness/local-sandboxes"));
+    }
+    Err(Error::invalid(
+        "no root for local sandboxes: set HARNESS_CACHE (or HOME)",
+    ))
+}
+
+/// What `sandbox.json` holds: everything `resume` needs besides the handle.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Meta {
+    id: String,
+    workdir: String,
+    home: String,
+    #[serde(default)]
+    env: BTreeMap<String, String>,
+    #[serde(default)]
+    ports: Vec<u16>,
+    owned: bool,
+    #[serde(default)]
+    labels: BTreeMap<String, String>,
+    #[serde(default)]
+    bootstrap_identity: Option<String>,
+}
+
+/// Keep only characters safe in a directory name.
+fn sanitize(s: &str) -> String {
+    let cleaned: String = s
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .take(40)
+        .collect();
+    cleaned.trim_matches('-').to_string()
+}
+
+fn unsupported_network(policy: &NetworkPolicy) -> Option<Error> {
+    match policy {
+        NetworkPolicy::AllowAll => None,
+        other => Some(Error::unsupported(format!(
+            "the local sandbox cannot enforce network policy {other:?}: its commands are plain \
+             host processes with the host's network; use allow-all here, or the docker or microvm \
+             backend to restrict the network"
+        ))),
+    }
+}
+
+#[async_trait]
+impl SandboxProvider for LocalProvider {
+    fn name(&self) -> &'static str {
+        PROVIDER_NAME
+    }
+
+    async fn create(&self, spec: &SandboxSpec) -> Result<Box<dyn Sandbox>> {
+        if let Some(err) = unsupported_network(&spec.network) {
+            return Err(err);
+        }
+        let wrap = match &spec.wrap {
+            Some(path) => {
+                let path = PathBuf::from(path);
+                if !path.is_absolute() {
+                    return Err(Error::invalid(format!(
+                        "wrap directory {} must be an absolute host path",
+                        path.display()
+                    )));
+                }
+                if !tokio::fs::metadata(&path)
+                    .await
+                    .map(|m| m.is_dir())
+                    .unwrap_or(false)
+                {
+                    return Err(Error::not_found(format!(
+                        "wrap directory {} does not exist",
+                        path.display()
+                    )));
+                }
+                Some(path)
+            }
+            None => None,
+        };
+        let prefix = spec
+            .session_id
+            .as_deref()
+            .map(sanitize)
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| "sbx".to_string());
+        let id = format!(
+            "{prefix}-{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..12]
+        );
+        let dir = self.sandbox_dir(&id);
+        tokio::fs::create_dir_all(&self.root).await?;
+
+        // Start from the bootstrap template when there is one, else empty.
+        let mut identity = None;
+        if let Some(recipe) = spec.bootstrap.clone().filter(|r| !r.is_empty()) {
+            let root = self.root.clone();
+            let env = spec.env.clone();
+            let target = dir.clone();
+            let id = tokio::task::spawn_blocking(move || -> Result<String> {
+                let (identity, template) = template::ensure(&root, &recipe, &env)?;
+                template::copy_tree(&template, &target)?;
+                Ok(identity)
+            })
+            .await
+            .map_err(|e| Error::backend(format!("bootstrap task failed: {e}")))?;
+            match id {
+                Ok(i) => identity = Some(i),
+                Err(e) => {
+                    let _ = tokio::fs::remove_dir_all(&dir).await;
+                    return Err(e);
+                }
+            }
+        }
+        let home = dir.join("home");
+        let work = match &wrap {
+            Some(path) => path.clone(),
+            None => dir.join("work"),
+        };
+        tokio::fs::create_dir_all(&home).await?;
+        tokio::fs::create_dir_all(&work).await?;
+
+        let mut labels = spec.labels.clone();
+        labels.insert("spec_workdir".into(), spec.workdir.clone());
+        if let Some(session) = &spec.session_id {
+            labels.insert("session_id".into(), session.clone());
+        }
+        let meta = Meta {
+            id: id.clone(),
+            workdir: path_string(&work)?,
+            home: path_string(&home)?,
+            env: spec.env.clone(),
+            ports: spec.ports.clone(),
+            owned: wrap.is_none(),
+            labels,
+            bootstrap_identity: identity,
+        };
+        // Written last and atomically: a directory with `sandbox.json` is a
+        // complete sandbox, which is what `resume` checks.
+        let tmp = dir.join(format!(".{META_FILE}.tmp"));
+        tokio::fs::write(&tmp, serde_json::to_vec_pretty(&meta)?).await?;
+        tokio::fs::rename(&tmp, dir.join(META_FILE)).await?;
+        Ok(Box::new(LocalSandbox::new(dir, meta)?))
+    }
+
+    async fn resume(&self, handle: &SandboxHandle) -> Result<Box<dyn Sandbox>> {
+        if handle.provider != PROVIDER_NAME {
+            return Err(Error::invalid(format!(
+                "handle belongs to provider {:?}, not {PROVIDER_NAME:?}",
+                handle.provider
+            )));
+        }
+        // The handle names its directory, so a provider with another root
+        // (or another process) can still resume it.
+        let dir = match handle.data.get("dir").and_then(|d| d.as_str()) {
+            Some(d) => PathBuf::from(d),
+            None => {
+                if sanitize(&handle.id) != handle.id {
+                    return Err(Error::invalid(format!(
+                        "malformed local sandbox id {:?}",
+                        handle.id
+                    )));
+                }
+                self.sandbox_dir(&handle.id)
+            }
+        };
+        let raw = match tokio::fs::read(dir.join(META_FILE)).await {
+            Ok(raw) => raw,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(Error::not_found(format!(
+                    "local sandbox {} does not exist (destroyed, or never created): no {}",
+                    handle.id,
+                    dir.join(META_FILE).display()
+                )))
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let meta: Meta = serde_json::from_slice(&raw)?;
+        if meta.id != handle.id {
+            return Err(Error::invalid(format!(
+                "handle id {:?} does not match the sandbox at {} ({:?})",
+                handle.id,
+                dir.display(),
+                meta.id
+            )));
+        }
+        if !Path::new(&meta.workdir).is_dir() {
+            return Err(Error::not_found(format!(
+                "workdir {} of local sandbox {} is gone",
+                meta.workdir, meta.id
+            )));
+        }
+        Ok(Box::new(LocalSandbox::new(dir, meta)?))
+    }
+
+    async fn list_snapshots(&self) -> Result<Vec<SnapshotInfo>> {
+        let root = self.root.clone();
+        tokio::task::spawn_blocking(move || template::list(&root))
+            .await
+            .map_err(|e| Error::backend(format!("listing templates failed: {e}")))?
+    }
+
+    async fn prune_snapshots(&self, keep: &[String]) -> Result<Vec<SnapshotInfo>> {
+        let root = self.root.clone();
+        let keep = keep.to_vec();
+        tokio::task::spawn_blocking(move || template::prune(&root, &keep))
+            .await
+            .map_err(|e| Error::backend(format!("pruning templates failed: {e}")))?
+    }
+}
+
+fn path_string(p: &Path) -> Result<String> {
+    p.to_str()
+        .map(str::to_string)
+        .ok_or_else(|| Error::invalid(format!("path {} is not UTF-8", p.display())))
+}
+
+/// A sandbox directory on the host. See the crate docs.
+#[derive(Debug)]
+pub struct LocalSandbox {
+    dir: PathBuf,
+    meta: Meta,
+}
+
+impl LocalSandbox {
+    fn new(dir: PathBuf, meta: Meta) -> Result<Self> {
+        path_string(&dir)?;
+        Ok(Self { dir, meta })
+    }
+
+    /// The sandbox's own directory (`<root>/<id>`), parent of `home/`.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The bootstrap identity this sandbox started from, if any.
+    pub fn bootstrap_identity(&self) -> Option<&str> {
+        self.meta.bootstrap_identity.as_deref()
+    }
+
+    fn resolve(&self, path: &str) -> PathBuf {
+        PathBuf::from(resolve_path(&self.meta.workdir, path))
+    }
+
+    fn env_for(&self, extra: &BTreeMap<String, String>) -> Vec<(String, String)> {
+        let mut env = vec![
+            ("HOME".to_string(), self.meta.home.clone()),
+            (
+                "HARNESS_SANDBOX_ROOT".to_string(),
+                self.dir.to_string_lossy().into_owned(),
+            ),
+        ];
+        // Later entries win: spec env, then the request's.
+        env.extend(self.meta.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+        env.extend(extra.iter().map(|(k, v)| (k.clone(), v.clone())));
+        env
+    }
+}
+
+#[async_trait]
+impl Sandbox for LocalSandbox {
+    fn handle(&self) -> SandboxHandle {
+        SandboxHandle {
+            provider: PROVIDER_NAME.to_string(),
+            id: self.meta.id.clone(),
+            workdir: self.meta.workdir.clone(),
+            owned: self.meta.owned,
+            data: serde_json::json!({ "dir": self.dir.to_string_lossy() }),
+        }
+    }
+
+    fn workdir(&self) -> &str {
+        &self.meta.workdir
+    }
+
+    async fn exec(&self, request: ExecRequest) -> Result<ExecStream> {
+        let cwd = match &request.cwd {
+            Some(c) => self.resolve(c),
+            None => PathBuf::from(&self.meta.workdir),
+        };
+        exec::spawn(exec::Launch {
+            argv: &request.argv,
+            cwd: &cwd,
+            env: self.env_for(&request.env),
+            stdin: request.stdin,
+            timeout: request.timeout,
+            abort: request.abort,
+        })
+    }
+
+    async fn read_file(&self, path: &str) -> Result<ByteStream> {
+        self.read_file_from(path, 0).await
+    }
+
+    async fn read_file_from(&self, path: &str, offset: u64) -> Result<ByteStream> {
+        let full = self.resolve(path);
+        let mut file = tokio::fs::File::open(&full).await.map_err(|e| {
+            let err = Error::from(e);
+            Error::new(err.kind(), format!("{}: {}", full.display(), err.message()))
+        })?;
+        if file.metadata().await?.is_dir() {
+            return Err(Error::invalid(format!(
+                "{} is a directory, not a file",
+                full.display()
+            )));
+        }
+        if offset > 0 {
+            file.seek(std::io::SeekFrom::Start(offset)).await?;
+        }
+        Ok(Box::pin(
+            ReaderStream::with_capacity(file, FILE_CHUNK).map(|r| r.map_err(Error::from)),
+        ))
+    }
+
+    async fn write_file(&self, path: &str, mut content: ByteStream) -> Result<u64> {
+        let full = self.resolve(path);
+        let parent = full
+            .parent()
+            .ok_or_else(|| Error::invalid(format!("cannot write to {}", full.display())))?
+            .to_path_buf();
+        let name = full
+            .file_name()
+            .ok_or_else(|| Error::invalid(format!("{} names no file", full.display())))?
+            .to_string_lossy()
+            .into_owned();
+        tokio::fs::create_dir_all(&parent).await?;
+        // Write beside the target and rename, so a failed stream leaves the
+        // old file (or no file) rather than a truncated one.
+        let tmp = parent.join(format!(".{name}.tmp-{}", uuid::Uuid::new_v4().simple()));
+        let result = async {
+            let mut file = tokio::fs::File::create(&tmp).await?;
+            let mut written = 0u64;
+            while let Some(chunk) = content.next().await {
+                let chunk = chunk?;
+                file.write_all(&chunk).await?;
+                written += chunk.len() as u64;
+            }
+            file.flush().await?;
+            if let Ok(old) = tokio::fs::metadata(&full).await {
+                if old.is_dir() {
+                    return Err(Error::invalid(format!(
+                        "{} is a directory, not a file",
+                        full.display()
+                    )));
+                }
+                // Replacing a file keeps its mode (an executable stays one).
+                tokio::fs::set_permissions(&tmp, old.permissions()).await?;
+            }
+            tokio::fs::rename(&tmp, &full).await?;
+            Ok::<_, Error>(written)
+        }
+        .await;
+        if result.is_err() {
+            let _ = tokio::fs::remove_file(&tmp).await;
+        }
+        result
+    }
+
+    async fn export_tar(&self, dir: &str) -> Result<ByteStream> {
+        let full = self.resolve(dir);
+        match tokio::fs::metadata(&full).await {
+            Ok(m) if m.is_dir() => Ok(tario::export(full)),
+            Ok(_) => Err(Error::invalid(format!(
+                "{} is not a directory",
+                full.display()
+            ))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(Error::not_found(format!(
+                "{} does not exist",
+                full.display()
+            ))),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn import_tar(&self, dir: &str, tar: ByteStream) -> Result<()> {
+        tario::import(self.resolve(dir), tar).await
+    }
+
+    async fn port_endpoint(&self, port: u16) -> Result<PortEndpoint> {
+        // Commands share the host's network, so a port inside is the same
+        // port on the host.
+        if self.meta.ports.contains(&port) {
+            Ok(PortEndpoint {
+                sandbox_port: port,
+                host: "127.0.0.1".to_string(),
+                port,
+            })
+        } else {
+            Err(Error::not_found(format!(
+                "port {port} was not listed in the spec's ports {:?}",
+                self.meta.ports
+            )))
+        }
+    }
+
+    async fn detached_status(&self, process: &DetachedProcess) -> Result<DetachedStatus> {
+        match tokio::fs::read_to_string(self.resolve(&process.exit_path)).await {
+            Ok(text) => return parse_detached_status(&text),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e.into()),
+        }
+        let pid: i32 = process.id.parse().map_err(|_| {
+            Error::invalid(format!("detached process id {:?} is not a pid", process.id))
+        })?;
+        // A zombie is not running: when the init of this machine does not
+        // reap orphans, `kill -0` (the shell default) would call it alive.
+        Ok(match process_state(pid).await {
+            Some(state) if state != 'Z' && state != 'X' => DetachedStatus::Running,
+            _ => DetachedStatus::Lost,
+        })
+    }
+
+    async fn kill_detached(&self, process: &DetachedProcess) -> Result<()> {
+        // Native instead of the shell default: the default's `kill -TERM --
+        // -PID` is rejected by dash ("Illegal number"), and killpg needs no
+        // shell at all. The launch script made the process a session and
+        // group leader, so its pid is the group id.
+        let pid: i32 = process.id.parse().map_err(|_| {
+            Error::invalid(format!("detached process id {:?} is not a pid", process.id))
+        })?;
+        if pid <= 1 {
+            return Err(Error::invalid(format!(
+                "refusing to kill process group {pid}"
+            )));
+        }
+        let pgid = nix::unistd::Pid::from_raw(pid);
+        if nix::sys::signal::killpg(pgid, None).is_err() {
+            return Ok(());
+        }
+        let _ = nix::sys::signal::killpg(pgid, nix::sys::signal::Signal::SIGTERM);
+        // Give the agent a moment to exit cleanly, then make sure. (Members
+        // may linger as zombies, so SIGKILL is sent regardless: it is a
+        // no-op for what already exited.)
+        for _ in 0..20 {
+            match process_state(pid).await {
+                Some(state) if state != 'Z' && state != 'X' => {}
+                _ => break,
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        exec::kill_group(pgid);
+        Ok(())
+    }
+
+    async fn stop(&self) -> Result<SandboxHandle> {
+        Err(Error::unsupported(
+            "the local sandbox cannot be stopped: its processes are host processes; use detach \
+             (the directory persists) or destroy",
+        ))
+    }
+
+    async fn destroy(&self) -> Result<()> {
+        // In wrap-mode the workdir is the caller's directory outside
+        // `<root>/<id>`, so removing our directory (home, metadata) leaves it.
+        remove_all(&self.dir).await
+    }
+}
+
+/// The state letter of `/proc/<pid>/stat` (`R`, `S`, `Z`, …), `None` when
+/// there is no such process.
+async fn process_state(pid: i32) -> Option<char> {
+    let stat = tokio::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .await
+        .ok()?;
+    // The command name is in parentheses and may contain spaces: the state
+    // follows the last ')'.
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
+}
+
+/// `remove_dir_all` where a missing directory is success (destroy is
+/// idempotent).
+async fn remove_all(dir: &Path) -> Result<()> {
+    match tokio::fs::remove_dir_all(dir).await {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => {
+            let err = Error::from(e);
+            Err(Error::new(
+                if err.kind() == ErrorKind::NotFound {
+                    ErrorKind::Io
+                } else {
+                    err.kind()
+                },
+                format!("removing {}: {}", dir.display(), err.message()),
+            ))
+        }
+    }
+}
