@@ -46,6 +46,7 @@ pub async fn run(home: &Home, agent: AgentKind, keep: bool) -> Result<()> {
         env,
         model: None,
         session: None,
+        slice_ms: None,
         prompt: format!("Create {FILE} with a greeting, then tell me what it says."),
     };
     let (record, state) = execute(home, plan).await?;

@@ -109,9 +109,15 @@ enum Command {
         /// Docker image for a new docker session.
         #[arg(long)]
         image: Option<String>,
+        /// Slice length in milliseconds (default 750 s); each slice is a
+        /// checkpoint of the turn.
+        #[arg(long, hide = true)]
+        slice_ms: Option<u64>,
         /// The prompt.
         prompt: String,
     },
+    /// Finish turns that an earlier run left unfinished (crash, kill -9).
+    Resume,
     /// Serve sessions over HTTP, WebSocket and SSE.
     Serve(serve::ServeArgs),
     /// List, export and fork sessions.
@@ -158,6 +164,7 @@ fn main() -> ExitCode {
                 session,
                 model,
                 image,
+                slice_ms,
                 prompt,
             } => {
                 turn::run_command(
@@ -169,11 +176,13 @@ fn main() -> ExitCode {
                         session,
                         model,
                         image,
+                        slice_ms,
                         prompt,
                     },
                 )
                 .await
             }
+            Command::Resume => turn::resume_command(&home).await,
             Command::Serve(args) => serve::run(&home, args).await,
             Command::Sessions { command } => sessions::run(&home, command).await,
             Command::Checkpoint(args) => moves::checkpoint(&home, args).await,

@@ -134,10 +134,10 @@ async fn session_sandbox(
 ) -> Result<Box<dyn harness::core::sandbox::Sandbox>> {
     let record = home.load_session(id)?;
     let provider = crate::turn::provider(home, &record.sandbox.provider, None).await?;
-    Ok(provider
+    provider
         .resume(&record.sandbox)
         .await
-        .with_context(|| format!("reattaching to the sandbox of {id}"))?)
+        .with_context(|| format!("reattaching to the sandbox of {id}"))
 }
 
 /// Run `harness checkpoint`.

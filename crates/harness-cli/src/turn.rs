@@ -29,6 +29,7 @@ pub struct RunArgs {
     pub session: Option<String>,
     pub model: Option<String>,
     pub image: Option<String>,
+    pub slice_ms: Option<u64>,
     pub prompt: String,
 }
 
@@ -48,6 +49,8 @@ pub struct TurnPlan {
     pub model: Option<String>,
     /// Continue this session.
     pub session: Option<String>,
+    /// Slice length override.
+    pub slice_ms: Option<u64>,
     /// The prompt.
     pub prompt: String,
 }
@@ -98,6 +101,107 @@ fn spinner(message: String) -> indicatif::ProgressBar {
     bar.set_message(message);
     bar.enable_steady_tick(Duration::from_millis(120));
     bar
+}
+
+/// The in-process engine: slices run by a [`SliceRunner`] whose parts are
+/// printed and then stored through the actor's runner side ([`LogSink`]),
+/// turn states saved in SQLite.
+fn engine(
+    log: Arc<harness::sqlite::SqliteSessionLog>,
+    store: Arc<harness::sqlite::SqliteTurnStore>,
+    providers: BTreeMap<String, Arc<dyn SandboxProvider>>,
+    harnesses: BTreeMap<String, Arc<dyn Harness>>,
+    env: BTreeMap<String, String>,
+    model: Option<String>,
+) -> InProcessEngine {
+    // The start time is the runner generation: a later process fences this one.
+    let sink = Arc::new(PrintingSink::new(Arc::new(LogSink::new(log, now_ms()))));
+    let runner = SliceRunner {
+        providers,
+        harnesses,
+        sink,
+        env,
+        model,
+        poll_interval: Duration::from_millis(150),
+        sleep: Arc::new(|d| Box::pin(tokio::time::sleep(d))),
+        now_ms: Arc::new(now_ms),
+    };
+    let spawn: Spawner = Arc::new(|f| {
+        tokio::spawn(f);
+    });
+    InProcessEngine::new(Arc::new(runner), store, spawn)
+}
+
+/// Credentials and base URLs for agents, from this process's environment.
+fn agent_env() -> BTreeMap<String, String> {
+    [
+        "ANTHROPIC_API_KEY",
+        "ANTHROPIC_BASE_URL",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC",
+        "OPENAI_API_KEY",
+        "OPENAI_BASE_URL",
+    ]
+    .into_iter()
+    .filter_map(|k| {
+        std::env::var(k)
+            .ok()
+            .filter(|v| !v.is_empty())
+            .map(|v| (k.to_string(), v))
+    })
+    .collect()
+}
+
+/// `harness resume`: finish every unfinished turn.
+pub async fn resume_command(home: &Home) -> Result<()> {
+    use harness::core::engine::TurnStore;
+    let log = Arc::new(
+        harness::sqlite::SqliteSessionLog::open(home.db()).context("opening the session log")?,
+    );
+    let store = Arc::new(log.turn_store());
+    let unfinished = store.unfinished().await?;
+    if unfinished.is_empty() {
+        eprintln!("no unfinished turns");
+        return Ok(());
+    }
+    let mut providers: BTreeMap<String, Arc<dyn SandboxProvider>> = BTreeMap::new();
+    let mut harnesses: BTreeMap<String, Arc<dyn Harness>> = BTreeMap::new();
+    for state in &unfinished {
+        if let Some(handle) = &state.sandbox {
+            if !providers.contains_key(&handle.provider) {
+                providers.insert(
+                    handle.provider.clone(),
+                    provider(home, &handle.provider, None).await?,
+                );
+            }
+        }
+        if !harnesses.contains_key(&state.agent) {
+            let kind = AgentKind::from_name(&state.agent)
+                .with_context(|| format!("unknown agent {:?}", state.agent))?;
+            let binary = crate::agents::ensure_binary(home, kind).await?;
+            harnesses.insert(state.agent.clone(), crate::agents::adapter(kind, binary)?);
+        }
+    }
+    let engine = engine(log, store, providers, harnesses, agent_env(), None);
+    eprintln!(
+        "resuming {} unfinished turn(s)",
+        engine.resume_unfinished().await?
+    );
+    let mut failed = 0;
+    for state in unfinished {
+        let done = engine.wait_turn(&state.session_id, &state.turn_id).await?;
+        if let Ok(mut record) = home.load_session(&done.session_id) {
+            if done.agent_session_id.is_some() {
+                record.agent_session_id = done.agent_session_id.clone();
+                home.save_session(&record)?;
+            }
+        }
+        eprintln!("session {}: {}", done.session_id, summary(&done));
+        failed += usize::from(done.status != TurnStatus::Finished);
+    }
+    if failed > 0 {
+        bail!("{failed} resumed turn(s) did not finish");
+    }
+    Ok(())
 }
 
 /// Run one turn; returns the session record (saved) and the final state.
@@ -207,6 +311,9 @@ pub async fn execute(home: &Home, plan: TurnPlan) -> Result<(SessionRecord, Turn
     );
     state.sandbox = Some(record.sandbox.clone());
     state.agent_session_id = record.agent_session_id.clone();
+    if let Some(ms) = plan.slice_ms {
+        state.config.slice_ms = ms;
+    }
     engine.start_turn(state).await?;
     record.turns += 1;
     home.save_session(&record)?;
@@ -249,19 +356,13 @@ pub async fn run_command(home: &Home, args: RunArgs) -> Result<()> {
         Some(id) => AgentKind::from_name(&home.load_session(id)?.agent).unwrap_or(args.agent),
         None => args.agent,
     };
-    let mut env = BTreeMap::new();
-    let (key_var, base_var) = match agent {
-        AgentKind::ClaudeCode => ("ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL"),
-        AgentKind::Codex => ("OPENAI_API_KEY", "OPENAI_BASE_URL"),
+    let env = agent_env();
+    let key_var = match agent {
+        AgentKind::ClaudeCode => "ANTHROPIC_API_KEY",
+        AgentKind::Codex => "OPENAI_API_KEY",
     };
-    match std::env::var(key_var) {
-        Ok(v) if !v.is_empty() => {
-            env.insert(key_var.to_string(), v);
-        }
-        _ => bail!("{key_var} is not set: export it to run {} for real, or try `harness demo` (no key needed)", agent.name()),
-    }
-    if let Ok(v) = std::env::var(base_var) {
-        env.insert(base_var.to_string(), v);
+    if !env.contains_key(key_var) {
+        bail!("{key_var} is not set: export it to run {} for real, or try `harness demo` (no key needed)", agent.name());
     }
     let binary = crate::agents::ensure_binary(home, agent).await?;
     let plan = TurnPlan {
@@ -272,6 +373,7 @@ pub async fn run_command(home: &Home, args: RunArgs) -> Result<()> {
         env,
         model: args.model,
         session: args.session,
+        slice_ms: args.slice_ms,
         prompt: args.prompt,
     };
     let (record, state) = execute(home, plan).await?;

@@ -37,6 +37,13 @@ pub trait SliceExecutor: Send + Sync {
 
     /// Kill the agent process of a turn. Idempotent.
     async fn kill_agent(&self, state: &TurnState, process: &DetachedProcess) -> Result<()>;
+
+    /// The turn is over (`state` is terminal): record it where clients see
+    /// it. Must be idempotent (an engine may call it again after a crash).
+    async fn turn_ended(&self, state: &TurnState) -> Result<()> {
+        let _ = state;
+        Ok(())
+    }
 }
 
 /// Persists turn states.
@@ -306,7 +313,19 @@ impl InProcessEngine {
                         }
                     }
                 }
-                NextStep::Done { .. } => return Ok(state),
+                NextStep::Done { .. } => {
+                    // Best effort: the turn is over whatever the sink says; a
+                    // failure here is retried by the next start-up's resume only
+                    // if the state were unfinished, so report it in the state.
+                    if let Err(e) = self.executor.turn_ended(&state).await {
+                        state.error = Some(match state.error.take() {
+                            Some(prev) => format!("{prev} (and recording the end failed: {e})"),
+                            None => format!("recording the end of the turn failed: {e}"),
+                        });
+                        self.store.save(&state).await?;
+                    }
+                    return Ok(state);
+                }
             }
         }
     }

@@ -471,7 +471,11 @@ pub trait Sandbox: Send + Sync + std::fmt::Debug {
     /// Whether a detached process still runs.
     async fn detached_status(&self, process: &DetachedProcess) -> Result<DetachedStatus> {
         let script = format!(
-            "if [ -f {exit} ]; then cat {exit}; elif kill -0 {pid} 2>/dev/null; then echo running; else echo lost; fi",
+            // `kill -0` succeeds on a zombie, and zombies linger where PID 1
+            // does not reap (many containers): a `Z` state counts as gone.
+            "if [ -f {exit} ]; then cat {exit}; \
+             elif kill -0 {pid} 2>/dev/null && ! grep -q '^[0-9]* ([^)]*) Z' /proc/{pid}/stat 2>/dev/null; then echo running; \
+             else echo lost; fi",
             exit = shell_quote(&process.exit_path),
             pid = process.id
         );
@@ -485,7 +489,10 @@ pub trait Sandbox: Send + Sync + std::fmt::Debug {
         // The launch script made the process a session (and group) leader, so
         // the negative pid reaches every child the agent spawned.
         let script = format!(
-            "kill -TERM -- -{pid} 2>/dev/null; for i in 1 2 3 4 5 6 7 8 9 10; do kill -0 {pid} 2>/dev/null || exit 0; sleep 0.1; done; kill -KILL -- -{pid} 2>/dev/null; exit 0",
+            // `kill -SIG -PID`, not `kill -SIG -- -PID`: dash (Debian's sh)
+            // rejects the `--` form.
+            "kill -TERM -{pid} 2>/dev/null; for i in 1 2 3 4 5 6 7 8 9 10; do kill -0 {pid} 2>/dev/null || exit 0; \
+             grep -q '^[0-9]* ([^)]*) Z' /proc/{pid}/stat 2>/dev/null && exit 0; sleep 0.1; done; kill -KILL -{pid} 2>/dev/null; exit 0",
             pid = process.id
         );
         collect_exec(self.exec(ExecRequest::shell(script)).await?)

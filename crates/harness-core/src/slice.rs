@@ -32,7 +32,7 @@ use crate::sandbox::{
     Sandbox, SandboxProvider,
 };
 use crate::stream::AbortSignal;
-use crate::turn::{PendingApproval, SliceOutcome, SliceReport, TurnState, TurnStatus};
+use crate::turn::{PendingApproval, SliceOutcome, SliceReport, TurnState};
 use crate::{Error, Result};
 
 /// Where a slice's parts go: the session actor (as the runner), or a log.
@@ -339,15 +339,10 @@ impl SliceExecutor for SliceRunner {
 
     async fn kill_agent(&self, state: &TurnState, process: &DetachedProcess) -> Result<()> {
         let sandbox = self.sandbox(state).await?;
-        sandbox.kill_detached(process).await?;
-        if state.status.is_terminal() {
-            self.sink.turn_status(state).await?;
-        }
-        Ok(())
+        sandbox.kill_detached(process).await
     }
-}
 
-/// Whether a status change is worth recording in the log.
-pub fn is_reportable(status: TurnStatus) -> bool {
-    status != TurnStatus::NotStarted
+    async fn turn_ended(&self, state: &TurnState) -> Result<()> {
+        self.sink.turn_status(state).await
+    }
 }
