@@ -2,6 +2,7 @@
 //! See docs/CI.md.
 
 mod agents;
+mod bench;
 mod ci;
 mod deny;
 mod deps;
@@ -55,6 +56,11 @@ enum Cmd {
     Deny,
     /// Print the CI matrix rows.
     Matrix,
+    /// Run a benchmark (not part of CI): each prints ratios against a baseline.
+    Bench {
+        #[arg(value_enum)]
+        which: bench::Bench,
+    },
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -120,6 +126,7 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Cmd::Deny => deny::check(),
+        Cmd::Bench { which } => bench::run(which),
         Cmd::Matrix => {
             for row in matrix::MATRIX {
                 println!("{}", row.label());

@@ -1,0 +1,78 @@
+//! `cargo xtask bench <name>`: the benchmarks, each comparing against a
+//! baseline in the same run and printing ratios. They are not part of CI
+//! (speed is measured, not asserted); they need the services running
+//! (`cargo xtask services start`) and the test environment, which this sets.
+
+use anyhow::Result;
+use clap::ValueEnum;
+
+use crate::util;
+
+/// A benchmark.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Bench {
+    /// Docker create→exec→destroy vs `docker run --rm`; warm snapshot vs cold bootstrap.
+    Docker,
+    /// Checkpoint+restore of a 190 MB / 20,000-file tree (memory and S3 stores)
+    /// vs `tar|gzip` and `tar|zstd` pipelines.
+    Moves,
+    /// Engine overhead per slice: direct vs in-process vs Temporal.
+    Engine,
+    /// Session server: append throughput, live-delivery latency to 1,000 SSE
+    /// readers, replay of 100k frames.
+    Server,
+    /// All of the above, in order.
+    All,
+}
+
+fn command(bench: Bench) -> Vec<&'static str> {
+    match bench {
+        Bench::Docker => vec!["bench", "-p", "sandbox-docker", "--bench", "lifecycle"],
+        Bench::Moves => vec![
+            "run",
+            "--release",
+            "-p",
+            "checkpoint-r2",
+            "--example",
+            "move_bench",
+        ],
+        Bench::Engine => vec![
+            "run",
+            "--release",
+            "-p",
+            "durable-temporal",
+            "--example",
+            "overhead",
+        ],
+        Bench::Server => vec![
+            "run",
+            "--release",
+            "-p",
+            "session-server",
+            "--example",
+            "bench",
+        ],
+        Bench::All => vec![],
+    }
+}
+
+/// Run one benchmark (or all).
+pub fn run(bench: Bench) -> Result<()> {
+    let all = [Bench::Docker, Bench::Moves, Bench::Engine, Bench::Server];
+    let chosen: Vec<Bench> = if bench == Bench::All {
+        all.to_vec()
+    } else {
+        vec![bench]
+    };
+    for b in chosen {
+        let args = command(b);
+        let mut cmd = util::cargo();
+        cmd.args(&args);
+        for (key, value) in crate::env::test_env(true) {
+            cmd.env(key, value);
+        }
+        println!("==== bench {b:?}: cargo {}", args.join(" "));
+        util::run(&mut cmd)?;
+    }
+    Ok(())
+}
