@@ -1,0 +1,466 @@
+//! # session-log
+//!
+//! [`SqliteSessionLog`]: the [`SessionLog`] of `harness-core` on SQLite, and
+//! [`turn_store::SqliteTurnStore`]: its `TurnStore`, in the same database
+//! file if you like.
+//!
+//! The rules (seq from 1 without gaps, idempotency keys, seal, fork) are the
+//! ones written in `harness_core::log`; this crate reuses that module's
+//! checks and error constructors so every backend words its errors alike.
+//!
+//! ## Durability
+//!
+//! The database runs in WAL mode with `synchronous=NORMAL`. An append returns
+//! only after its transaction committed, i.e. after the commit record was
+//! written to the WAL file with `write(2)`: from then on the frame lives in
+//! the operating system's page cache and survives the death of *this
+//! process* (kill -9, panic, OOM kill). What NORMAL gives up compared to FULL
+//! is an `fsync` per commit, so a power loss or kernel crash may drop the
+//! last few acknowledged transactions (never corrupt the database). Use
+//! [`SqliteSessionLog::with_full_sync`] when acknowledged frames must also
+//! survive power loss, at the price of one fsync per append.
+//!
+//! ## Threads
+//!
+//! rusqlite is blocking. Each operation runs on tokio's blocking pool
+//! (`spawn_blocking`) and takes the single connection behind a `Mutex`. One
+//! connection serialises all writers, which is what a log needs anyway (seq
+//! assignment is a read-modify-write), and SQLite appends in the tens of
+//! microseconds, so the lock is never held long. The methods therefore need
+//! a tokio runtime.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use harness_core::log::{
+    check_append, fork_range_error, key_reuse_error, now_ms, sealed_error, unknown_session,
+    AppendRequest, Appended, ForkOrigin, LogInfo, SessionLog, DEFAULT_MAX_FRAME_BYTES,
+};
+use harness_core::{Error, Frame, FrameBody, Result, SessionId};
+use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
+
+pub mod turn_store;
+
+pub use turn_store::SqliteTurnStore;
+
+/// How long a statement waits for a lock held by another connection (another
+/// process on the same file) before failing.
+const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS logs (
+    session     TEXT PRIMARY KEY NOT NULL,
+    sealed      INTEGER NOT NULL DEFAULT 0,
+    forked_from TEXT,
+    fork_until  INTEGER
+);
+CREATE TABLE IF NOT EXISTS frames (
+    session  TEXT NOT NULL,
+    seq      INTEGER NOT NULL,
+    at_ms    INTEGER NOT NULL,
+    body     TEXT NOT NULL,
+    idem_key TEXT,
+    PRIMARY KEY (session, seq)
+) WITHOUT ROWID;
+CREATE UNIQUE INDEX IF NOT EXISTS frames_idem ON frames (session, idem_key)
+    WHERE idem_key IS NOT NULL;
+CREATE TABLE IF NOT EXISTS turns (
+    session TEXT NOT NULL,
+    turn    TEXT NOT NULL,
+    state   TEXT NOT NULL,
+    done    INTEGER NOT NULL,
+    PRIMARY KEY (session, turn)
+);
+";
+
+/// Map a SQLite failure onto the crate's error kinds.
+pub(crate) fn db_err(err: rusqlite::Error) -> Error {
+    Error::backend(format!("sqlite: {err}")).with_source(err)
+}
+
+/// Open (creating if needed) a database file with the pragmas and schema both
+/// stores use.
+pub(crate) fn open_connection(path: &Path) -> Result<Connection> {
+    let conn = Connection::open(path).map_err(db_err)?;
+    configure(&conn)?;
+    Ok(conn)
+}
+
+fn configure(conn: &Connection) -> Result<()> {
+    conn.busy_timeout(BUSY_TIMEOUT).map_err(db_err)?;
+    // WAL: readers never block the writer, and a commit is one sequential
+    // write to the WAL file. `journal_mode` answers with the mode in force
+    // (`memory` for an in-memory database, which has no WAL).
+    let _mode: String = conn
+        .query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))
+        .map_err(db_err)?;
+    // NORMAL: see the crate docs — acknowledged frames survive the process
+    // being killed; only power loss can drop the last transactions.
+    conn.execute_batch("PRAGMA synchronous=NORMAL; PRAGMA foreign_keys=ON;")
+        .map_err(db_err)?;
+    conn.execute_batch(SCHEMA).map_err(db_err)?;
+    Ok(())
+}
+
+/// Run blocking database work on tokio's blocking pool.
+pub(crate) async fn blocking<T, F>(conn: &Arc<Mutex<Connection>>, f: F) -> Result<T>
+where
+    T: Send + 'static,
+    F: FnOnce(&mut Connection) -> Result<T> + Send + 'static,
+{
+    let conn = conn.clone();
+    tokio::task::spawn_blocking(move || {
+        // A panic while holding the lock leaves no half-done transaction
+        // behind (rusqlite rolls back on drop), so a poisoned lock is safe
+        // to keep using.
+        let mut guard = conn.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut guard)
+    })
+    .await
+    .map_err(|e| Error::backend(format!("database task failed: {e}")))?
+}
+
+/// A [`SessionLog`] stored in one SQLite database file.
+#[derive(Debug, Clone)]
+pub struct SqliteSessionLog {
+    conn: Arc<Mutex<Connection>>,
+    max_frame_bytes: usize,
+}
+
+impl SqliteSessionLog {
+    /// Open (or create) the log database at `path`.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let conn = open_connection(path.as_ref())?;
+        Ok(Self {
+            conn: Arc::new(Mutex::new(conn)),
+            max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
+        })
+    }
+
+    /// A log in a private in-memory database (tests, throwaway sessions).
+    pub fn open_in_memory() -> Result<Self> {
+        let conn = Connection::open_in_memory().map_err(db_err)?;
+        configure(&conn)?;
+        Ok(Self {
+            conn: Arc::new(Mutex::new(conn)),
+            max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
+        })
+    }
+
+    /// Set the frame size limit (default 1 MiB).
+    pub fn with_max_frame_bytes(mut self, max: usize) -> Self {
+        self.max_frame_bytes = max;
+        self
+    }
+
+    /// Switch to `synchronous=FULL`: every commit is fsynced, so acknowledged
+    /// frames survive power loss too (slower appends).
+    pub fn with_full_sync(self) -> Result<Self> {
+        self.conn
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .execute_batch("PRAGMA synchronous=FULL")
+            .map_err(db_err)?;
+        Ok(self)
+    }
+
+    /// The frame size limit in force.
+    pub fn max_frame_bytes(&self) -> usize {
+        self.max_frame_bytes
+    }
+
+    /// A [`SqliteTurnStore`] sharing this log's connection (and file).
+    pub fn turn_store(&self) -> SqliteTurnStore {
+        SqliteTurnStore::from_shared(self.conn.clone())
+    }
+}
+
+/// The `logs` row and last seq of a session, or `NotFound`.
+fn load_info(conn: &Connection, session: &SessionId) -> Result<LogInfo> {
+    let row: Option<(bool, Option<String>, Option<i64>)> = conn
+        .query_row(
+            "SELECT sealed, forked_from, fork_until FROM logs WHERE session = ?1",
+            params![session.as_str()],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )
+        .optional()
+        .map_err(db_err)?;
+    let (sealed, forked_from, fork_until) = row.ok_or_else(|| unknown_session(session))?;
+    let last_seq = last_seq(conn, session)?;
+    let forked_from = match (forked_from, fork_until) {
+        (Some(source), Some(until)) => Some(ForkOrigin {
+            session: SessionId::parse(source)?,
+            until: until as u64,
+        }),
+        _ => None,
+    };
+    Ok(LogInfo {
+        session: session.clone(),
+        last_seq,
+        sealed,
+        forked_from,
+    })
+}
+
+fn last_seq(conn: &Connection, session: &SessionId) -> Result<u64> {
+    let last: i64 = conn
+        .query_row(
+            "SELECT COALESCE(MAX(seq), 0) FROM frames WHERE session = ?1",
+            params![session.as_str()],
+            |r| r.get(0),
+        )
+        .map_err(db_err)?;
+    Ok(last as u64)
+}
+
+fn decode_body(json: &str, session: &SessionId, seq: i64) -> Result<FrameBody> {
+    serde_json::from_str(json).map_err(|e| {
+        Error::corrupt(format!(
+            "frame {seq} of session {session} holds unreadable JSON: {e}"
+        ))
+    })
+}
+
+/// The append rules of `harness_core::log`, inside one open transaction.
+fn append_in(
+    tx: &rusqlite::Transaction<'_>,
+    session: &SessionId,
+    request: &AppendRequest,
+    body_json: &str,
+    now: u64,
+) -> Result<Appended> {
+    let sealed: Option<bool> = tx
+        .query_row(
+            "SELECT sealed FROM logs WHERE session = ?1",
+            params![session.as_str()],
+            |r| r.get(0),
+        )
+        .optional()
+        .map_err(db_err)?;
+    let sealed = sealed.ok_or_else(|| unknown_session(session))?;
+    // A key seen before answers with the original seq even on a sealed log
+    // (a retry of the write that was acknowledged just before the seal).
+    if let Some(key) = &request.idempotency_key {
+        let found: Option<(i64, String)> = tx
+            .query_row(
+                "SELECT seq, body FROM frames WHERE session = ?1 AND idem_key = ?2",
+                params![session.as_str(), key],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .optional()
+            .map_err(db_err)?;
+        if let Some((seq, stored)) = found {
+            // Compare decoded bodies, as the memory log does, so JSON
+            // formatting differences never turn a retry into a conflict.
+            let stored = decode_body(&stored, session, seq)?;
+            return if stored == request.body {
+                Ok(Appended {
+                    seq: seq as u64,
+                    duplicate: true,
+                })
+            } else {
+                Err(key_reuse_error(key, seq as u64))
+            };
+        }
+    }
+    if sealed {
+        return Err(sealed_error(session));
+    }
+    let seq = last_seq(tx, session)? + 1;
+    tx.execute(
+        "INSERT INTO frames (session, seq, at_ms, body, idem_key) VALUES (?1, ?2, ?3, ?4, ?5)",
+        params![
+            session.as_str(),
+            seq as i64,
+            now as i64,
+            body_json,
+            request.idempotency_key
+        ],
+    )
+    .map_err(db_err)?;
+    if matches!(request.body, FrameBody::Sealed {}) {
+        tx.execute(
+            "UPDATE logs SET sealed = 1 WHERE session = ?1",
+            params![session.as_str()],
+        )
+        .map_err(db_err)?;
+    }
+    Ok(Appended {
+        seq,
+        duplicate: false,
+    })
+}
+
+#[async_trait]
+impl SessionLog for SqliteSessionLog {
+    async fn create(&self, session: &SessionId) -> Result<LogInfo> {
+        let session = session.clone();
+        blocking(&self.conn, move |conn| {
+            conn.execute(
+                "INSERT OR IGNORE INTO logs (session, sealed) VALUES (?1, 0)",
+                params![session.as_str()],
+            )
+            .map_err(db_err)?;
+            load_info(conn, &session)
+        })
+        .await
+    }
+
+    async fn info(&self, session: &SessionId) -> Result<LogInfo> {
+        let session = session.clone();
+        blocking(&self.conn, move |conn| load_info(conn, &session)).await
+    }
+
+    async fn append(&self, session: &SessionId, request: AppendRequest) -> Result<Appended> {
+        check_append(&request, self.max_frame_bytes)?;
+        let body_json = serde_json::to_string(&request.body)?;
+        let session = session.clone();
+        blocking(&self.conn, move |conn| {
+            // IMMEDIATE takes the write lock up front, so the seq we read is
+            // still the last one when we insert, even with another process
+            // on the same file.
+            let tx = conn
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .map_err(db_err)?;
+            let appended = append_in(&tx, &session, &request, &body_json, now_ms())?;
+            tx.commit().map_err(db_err)?;
+            Ok(appended)
+        })
+        .await
+    }
+
+    async fn read(&self, session: &SessionId, after: u64, limit: usize) -> Result<Vec<Frame>> {
+        let session = session.clone();
+        blocking(&self.conn, move |conn| {
+            let tx = conn.transaction().map_err(db_err)?;
+            let exists: Option<i64> = tx
+                .query_row(
+                    "SELECT 1 FROM logs WHERE session = ?1",
+                    params![session.as_str()],
+                    |r| r.get(0),
+                )
+                .optional()
+                .map_err(db_err)?;
+            if exists.is_none() {
+                return Err(unknown_session(&session));
+            }
+            let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+            let after = i64::try_from(after).unwrap_or(i64::MAX);
+            let mut stmt = tx
+                .prepare_cached(
+                    "SELECT seq, at_ms, body FROM frames WHERE session = ?1 AND seq > ?2 \
+                     ORDER BY seq LIMIT ?3",
+                )
+                .map_err(db_err)?;
+            let rows = stmt
+                .query_map(params![session.as_str(), after, limit], |r| {
+                    Ok((
+                        r.get::<_, i64>(0)?,
+                        r.get::<_, i64>(1)?,
+                        r.get::<_, String>(2)?,
+                    ))
+                })
+                .map_err(db_err)?;
+            let mut frames = Vec::new();
+            for row in rows {
+                let (seq, at_ms, body) = row.map_err(db_err)?;
+                frames.push(Frame {
+                    seq: seq as u64,
+                    at_ms: at_ms as u64,
+                    body: decode_body(&body, &session, seq)?,
+                });
+            }
+            Ok(frames)
+        })
+        .await
+    }
+
+    async fn seal(&self, session: &SessionId) -> Result<LogInfo> {
+        let session = session.clone();
+        let body_json = serde_json::to_string(&FrameBody::Sealed {})?;
+        blocking(&self.conn, move |conn| {
+            let tx = conn
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .map_err(db_err)?;
+            let info = load_info(&tx, &session)?;
+            if !info.sealed {
+                append_in(
+                    &tx,
+                    &session,
+                    &AppendRequest::new(FrameBody::Sealed {}),
+                    &body_json,
+                    now_ms(),
+                )?;
+            }
+            let info = load_info(&tx, &session)?;
+            tx.commit().map_err(db_err)?;
+            Ok(info)
+        })
+        .await
+    }
+
+    async fn fork(&self, source: &SessionId, until: u64, target: &SessionId) -> Result<LogInfo> {
+        let source = source.clone();
+        let target = target.clone();
+        blocking(&self.conn, move |conn| {
+            let tx = conn
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .map_err(db_err)?;
+            let target_exists: Option<i64> = tx
+                .query_row(
+                    "SELECT 1 FROM logs WHERE session = ?1",
+                    params![target.as_str()],
+                    |r| r.get(0),
+                )
+                .optional()
+                .map_err(db_err)?;
+            if target_exists.is_some() {
+                return Err(Error::conflict(format!(
+                    "cannot fork into {target}: that session already exists"
+                )));
+            }
+            let src = load_info(&tx, &source)?;
+            if until > src.last_seq {
+                return Err(fork_range_error(&source, until, src.last_seq));
+            }
+            // The seal frame is always the last one, so the copy is sealed
+            // exactly when it includes the source's seal frame.
+            let sealed = src.sealed && until == src.last_seq;
+            tx.execute(
+                "INSERT INTO logs (session, sealed, forked_from, fork_until) VALUES (?1, ?2, ?3, ?4)",
+                params![target.as_str(), sealed, source.as_str(), until as i64],
+            )
+            .map_err(db_err)?;
+            tx.execute(
+                "INSERT INTO frames (session, seq, at_ms, body, idem_key) \
+                 SELECT ?1, seq, at_ms, body, idem_key FROM frames \
+                 WHERE session = ?2 AND seq <= ?3",
+                params![target.as_str(), source.as_str(), until as i64],
+            )
+            .map_err(db_err)?;
+            let info = load_info(&tx, &target)?;
+            tx.commit().map_err(db_err)?;
+            Ok(info)
+        })
+        .await
+    }
+
+    async fn list(&self) -> Result<Vec<LogInfo>> {
+        blocking(&self.conn, move |conn| {
+            let tx = conn.transaction().map_err(db_err)?;
+            let ids: Vec<String> = {
+                let mut stmt = tx
+                    .prepare("SELECT session FROM logs ORDER BY session")
+                    .map_err(db_err)?;
+                let rows = stmt.query_map([], |r| r.get(0)).map_err(db_err)?;
+                rows.collect::<rusqlite::Result<_>>().map_err(db_err)?
+            };
+            ids.into_iter()
+                .map(|id| load_info(&tx, &SessionId::parse(id)?))
+                .collect()
+        })
+        .await
+    }
+}

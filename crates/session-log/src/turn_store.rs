@@ -1,0 +1,88 @@
+//! [`SqliteTurnStore`]: the in-process engine's [`TurnStore`] on SQLite, so a
+//! restarted process finds its unfinished turns.
+//!
+//! One row per turn: `turns(session, turn, state JSON, done)`. `done` caches
+//! whether [`next_step`] says the turn is over, so `unfinished` is an index
+//! scan instead of decoding every state ever saved.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use harness_core::engine::TurnStore;
+use harness_core::turn::{next_step, NextStep, TurnState};
+use harness_core::{Error, Result};
+use rusqlite::{params, Connection, OptionalExtension};
+
+use crate::{blocking, db_err, open_connection};
+
+/// A [`TurnStore`] in a SQLite database (WAL, same durability as the log).
+#[derive(Debug, Clone)]
+pub struct SqliteTurnStore {
+    conn: Arc<Mutex<Connection>>,
+}
+
+impl SqliteTurnStore {
+    /// Open (or create) the store at `path` (may be the log's file).
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        Ok(Self::from_shared(Arc::new(Mutex::new(open_connection(
+            path.as_ref(),
+        )?))))
+    }
+
+    pub(crate) fn from_shared(conn: Arc<Mutex<Connection>>) -> Self {
+        Self { conn }
+    }
+}
+
+fn decode(json: &str) -> Result<TurnState> {
+    serde_json::from_str(json)
+        .map_err(|e| Error::corrupt(format!("stored turn state is unreadable: {e}")))
+}
+
+#[async_trait]
+impl TurnStore for SqliteTurnStore {
+    async fn save(&self, state: &TurnState) -> Result<()> {
+        let json = serde_json::to_string(state)?;
+        let done = matches!(next_step(state), NextStep::Done { .. });
+        let (session, turn) = (state.session_id.clone(), state.turn_id.clone());
+        blocking(&self.conn, move |conn| {
+            conn.execute(
+                "INSERT INTO turns (session, turn, state, done) VALUES (?1, ?2, ?3, ?4) \
+                 ON CONFLICT (session, turn) DO UPDATE SET state = excluded.state, done = excluded.done",
+                params![session, turn, json, done],
+            )
+            .map_err(db_err)?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn load(&self, session_id: &str, turn_id: &str) -> Result<Option<TurnState>> {
+        let (session, turn) = (session_id.to_string(), turn_id.to_string());
+        let json: Option<String> = blocking(&self.conn, move |conn| {
+            conn.query_row(
+                "SELECT state FROM turns WHERE session = ?1 AND turn = ?2",
+                params![session, turn],
+                |r| r.get(0),
+            )
+            .optional()
+            .map_err(db_err)
+        })
+        .await?;
+        json.as_deref().map(decode).transpose()
+    }
+
+    async fn unfinished(&self) -> Result<Vec<TurnState>> {
+        let rows: Vec<String> = blocking(&self.conn, move |conn| {
+            let mut stmt = conn
+                .prepare("SELECT state FROM turns WHERE done = 0 ORDER BY session, turn")
+                .map_err(db_err)?;
+            let rows = stmt.query_map([], |r| r.get(0)).map_err(db_err)?;
+            rows.collect::<rusqlite::Result<Vec<String>>>()
+                .map_err(db_err)
+        })
+        .await?;
+        rows.iter().map(|j| decode(j)).collect()
+    }
+}

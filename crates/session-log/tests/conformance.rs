@@ -1,0 +1,132 @@
+//! The shared `SessionLog` conformance suite against the SQLite log, on a
+//! file (WAL) and in memory, plus SQLite-specific checks: data survives a
+//! reopen, and the memory log passes the same suite (the suite's own sanity).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use harness_core::log::{AppendRequest, MemorySessionLog, SessionLog};
+use harness_core::{ErrorKind, FrameBody, SessionId};
+use session_log::SqliteSessionLog;
+
+#[tokio::test]
+async fn sqlite_file_log_passes_the_conformance_suite() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = AtomicUsize::new(0);
+    harness_testkit::conformance::log::run_all(|| {
+        let path = dir
+            .path()
+            .join(format!("log-{}.db", n.fetch_add(1, Ordering::SeqCst)));
+        async move { Arc::new(SqliteSessionLog::open(path).unwrap()) as Arc<dyn SessionLog> }
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn sqlite_memory_log_passes_the_conformance_suite() {
+    harness_testkit::conformance::log::run_all(|| async {
+        Arc::new(SqliteSessionLog::open_in_memory().unwrap()) as Arc<dyn SessionLog>
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn memory_log_passes_the_conformance_suite() {
+    harness_testkit::conformance::log::run_all(|| async {
+        Arc::new(MemorySessionLog::new()) as Arc<dyn SessionLog>
+    })
+    .await
+    .unwrap();
+}
+
+fn prompt(text: &str) -> FrameBody {
+    FrameBody::UserMessage {
+        text: text.into(),
+        turn_id: None,
+    }
+}
+
+#[tokio::test]
+async fn frames_keys_seal_and_forks_survive_a_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("log.db");
+    let s = SessionId::parse("s1").unwrap();
+    let f = SessionId::parse("s1-fork").unwrap();
+    {
+        let log = SqliteSessionLog::open(&path).unwrap();
+        log.create(&s).await.unwrap();
+        log.append(&s, AppendRequest::idempotent(prompt("a"), "k1"))
+            .await
+            .unwrap();
+        log.append(&s, AppendRequest::new(prompt("b")))
+            .await
+            .unwrap();
+        log.fork(&s, 1, &f).await.unwrap();
+        log.seal(&s).await.unwrap();
+    }
+    let log = SqliteSessionLog::open(&path).unwrap();
+    let info = log.info(&s).await.unwrap();
+    assert!(info.sealed);
+    assert_eq!(info.last_seq, 3);
+    let frames = log.read(&s, 0, 10).await.unwrap();
+    assert_eq!(frames[0].body, prompt("a"));
+    assert!(frames[0].at_ms > 0, "the log stamps frames with its clock");
+    // The key is still known after the reopen, even on a sealed log.
+    let dup = log
+        .append(&s, AppendRequest::idempotent(prompt("a"), "k1"))
+        .await
+        .unwrap();
+    assert!(dup.duplicate && dup.seq == 1);
+    let err = log
+        .append(&s, AppendRequest::new(prompt("c")))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Conflict);
+    let fork = log.info(&f).await.unwrap();
+    assert_eq!(fork.last_seq, 1);
+    assert!(!fork.sealed);
+    assert_eq!(fork.forked_from.unwrap().session, s);
+}
+
+#[tokio::test]
+async fn forking_a_sealed_log_whole_keeps_the_seal_and_a_prefix_does_not() {
+    let log = SqliteSessionLog::open_in_memory().unwrap();
+    let s = SessionId::parse("src").unwrap();
+    log.create(&s).await.unwrap();
+    log.append(&s, AppendRequest::new(prompt("a")))
+        .await
+        .unwrap();
+    let sealed = log.seal(&s).await.unwrap();
+    let whole = log
+        .fork(&s, sealed.last_seq, &SessionId::parse("whole").unwrap())
+        .await
+        .unwrap();
+    assert!(whole.sealed, "a fork including the seal frame is sealed");
+    let prefix = log
+        .fork(&s, 1, &SessionId::parse("prefix").unwrap())
+        .await
+        .unwrap();
+    assert!(!prefix.sealed);
+    let next = log
+        .append(&prefix.session, AppendRequest::new(prompt("go on")))
+        .await
+        .unwrap();
+    assert_eq!(next.seq, 2);
+}
+
+#[tokio::test]
+async fn a_smaller_frame_limit_is_enforced() {
+    let log = SqliteSessionLog::open_in_memory()
+        .unwrap()
+        .with_max_frame_bytes(100);
+    let s = SessionId::parse("small").unwrap();
+    log.create(&s).await.unwrap();
+    let err = log
+        .append(&s, AppendRequest::new(prompt(&"x".repeat(200))))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidInput);
+    assert_eq!(log.info(&s).await.unwrap().last_seq, 0);
+}

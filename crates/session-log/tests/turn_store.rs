@@ -1,0 +1,70 @@
+//! `SqliteTurnStore`: save/load round-trips, `unfinished` follows
+//! `next_step`, and states survive a reopen.
+
+use harness_core::engine::TurnStore;
+use harness_core::turn::{TurnState, TurnStatus};
+use session_log::{SqliteSessionLog, SqliteTurnStore};
+
+fn state(session: &str, turn: &str, status: TurnStatus) -> TurnState {
+    let mut s: TurnState = serde_json::from_value(serde_json::json!({
+        "version": 1,
+        "session_id": session,
+        "turn_id": turn,
+        "agent": "claude-code",
+        "prompt": "hi",
+        "status": "not_started",
+    }))
+    .expect("minimal turn state");
+    s.status = status;
+    s
+}
+
+#[tokio::test]
+async fn turn_states_round_trip_and_survive_a_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("turns.db");
+    {
+        let store = SqliteTurnStore::open(&path).unwrap();
+        store
+            .save(&state("s", "t1", TurnStatus::NotStarted))
+            .await
+            .unwrap();
+        store
+            .save(&state("s", "t2", TurnStatus::NotStarted))
+            .await
+            .unwrap();
+        // Replacing a state: t2 finishes.
+        store
+            .save(&state("s", "t2", TurnStatus::Finished))
+            .await
+            .unwrap();
+        assert_eq!(
+            store.load("s", "t2").await.unwrap().unwrap().status,
+            TurnStatus::Finished
+        );
+    }
+    let store = SqliteTurnStore::open(&path).unwrap();
+    assert!(store.load("s", "nope").await.unwrap().is_none());
+    let loaded = store.load("s", "t1").await.unwrap().unwrap();
+    assert_eq!(loaded, state("s", "t1", TurnStatus::NotStarted));
+    let unfinished: Vec<String> = store
+        .unfinished()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| s.turn_id)
+        .collect();
+    assert_eq!(unfinished, vec!["t1".to_string()]);
+}
+
+#[tokio::test]
+async fn the_log_and_the_turn_store_share_one_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = SqliteSessionLog::open(dir.path().join("both.db")).unwrap();
+    let store = log.turn_store();
+    store
+        .save(&state("s", "t", TurnStatus::ReadyForNextStep))
+        .await
+        .unwrap();
+    assert_eq!(store.unfinished().await.unwrap().len(), 1);
+}

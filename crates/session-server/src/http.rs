@@ -1,0 +1,725 @@
+//! The HTTP surface: routes, auth checks, limits, SSE and WebSocket loops.
+//!
+//! Every write goes through the session's actor; reads of stored history
+//! (frames, export, the catch-up part of SSE and WebSocket replays) go to
+//! the log directly, so a reader with a long history does not hold up the
+//! actor: it reads up to the end itself and then connects with `after` = the
+//! last seq it read; the actor replays only what was stored in between.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::{SinkExt, StreamExt};
+use harness_core::actor::{ClientMessage, Role, RunnerMessage, ServerMessage};
+use harness_core::frame::{Frame, FrameBody};
+use harness_core::log::LogInfo;
+use harness_core::SessionId;
+use serde_json::json;
+use tokio::sync::mpsc;
+
+use crate::auth::{authorize, bearer, GrantRole};
+use crate::error::ApiError;
+use crate::hub::{Connection, Hub, Outbound, PAGE};
+use crate::ui_stream::{UiStreamMapper, UI_STREAM_HEADER};
+use crate::ServerConfig;
+
+/// Room for the JSON envelope around a frame body (message type, keys).
+const ENVELOPE_SLACK: usize = 64 * 1024;
+
+/// How long an HTTP write waits for the actor's answer.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Largest page `GET /frames` returns.
+const MAX_FRAMES_PAGE: usize = 10_000;
+
+#[derive(Debug)]
+pub(crate) struct AppState {
+    pub(crate) hub: Arc<Hub>,
+    pub(crate) config: ServerConfig,
+}
+
+type Shared = State<Arc<AppState>>;
+type Params = Query<HashMap<String, String>>;
+
+pub(crate) fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/sessions", post(create).get(list))
+        .route("/v1/sessions/{id}", get(info))
+        .route("/v1/sessions/{id}/ws", get(websocket))
+        .route("/v1/sessions/{id}/messages", post(post_message))
+        .route("/v1/sessions/{id}/events", get(events))
+        .route("/v1/sessions/{id}/frames", get(frames))
+        .route("/v1/sessions/{id}/export", get(export))
+        .route("/v1/sessions/{id}/fork", post(fork))
+        .route("/v1/sessions/{id}/seal", post(seal))
+        .route("/v1/sessions/{id}/ui-stream", get(ui_stream))
+        .fallback(|| async {
+            ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
+        })
+        .with_state(state)
+}
+
+const READERS: &[GrantRole] = &[GrantRole::Client, GrantRole::Runner];
+const HOST: &[GrantRole] = &[GrantRole::Host];
+
+impl AppState {
+    fn auth(
+        &self,
+        headers: &HeaderMap,
+        params: &HashMap<String, String>,
+        session: Option<&SessionId>,
+        allowed: &[GrantRole],
+    ) -> Result<GrantRole, ApiError> {
+        let token = bearer(headers, params.get("access_token").map(String::as_str));
+        authorize(
+            &self.config.tokens,
+            self.config.insecure_no_auth,
+            token.as_deref(),
+            session,
+            allowed,
+        )
+    }
+
+    fn body_limit(&self) -> usize {
+        self.config.max_frame_bytes.saturating_add(ENVELOPE_SLACK)
+    }
+}
+
+fn session_id(raw: &str) -> Result<SessionId, ApiError> {
+    SessionId::parse(raw).map_err(ApiError::from)
+}
+
+fn param_u64(params: &HashMap<String, String>, name: &str) -> Result<Option<u64>, ApiError> {
+    params
+        .get(name)
+        .map(|v| {
+            v.parse::<u64>().map_err(|_| {
+                ApiError::invalid(format!("query parameter {name}={v:?} is not a number"))
+            })
+        })
+        .transpose()
+}
+
+fn param_flag(params: &HashMap<String, String>, name: &str) -> bool {
+    params
+        .get(name)
+        .is_some_and(|v| matches!(v.as_str(), "1" | "true" | "yes"))
+}
+
+/// Read a request body, refusing more than `limit` bytes with a JSON 413.
+async fn read_body(body: Body, limit: usize) -> Result<axum::body::Bytes, ApiError> {
+    axum::body::to_bytes(body, limit).await.map_err(|e| {
+        // axum names no type for the limit error (it is http-body-util's
+        // `LengthLimitError`); its message is stable.
+        if e.to_string().contains("length limit") {
+            ApiError::too_large(format!(
+                "request body exceeds {limit} bytes (frame limit plus envelope)"
+            ))
+        } else {
+            ApiError::invalid(format!("could not read the request body: {e}"))
+        }
+    })
+}
+
+// ---- sessions --------------------------------------------------------------
+
+async fn create(
+    State(state): Shared,
+    Query(params): Params,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<(StatusCode, Json<LogInfo>), ApiError> {
+    let bytes = read_body(body, 64 * 1024).await?;
+    let id = if bytes.iter().all(u8::is_ascii_whitespace) {
+        None
+    } else {
+        #[derive(serde::Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct CreateBody {
+            #[serde(default)]
+            id: Option<String>,
+        }
+        let parsed: CreateBody = serde_json::from_slice(&bytes)
+            .map_err(|e| ApiError::invalid(format!("malformed JSON body: {e}")))?;
+        parsed.id
+    };
+    let id = match id {
+        Some(id) => session_id(&id)?,
+        None => SessionId::parse(uuid::Uuid::new_v4().simple().to_string())?,
+    };
+    state.auth(&headers, &params, Some(&id), HOST)?;
+    let info = state.hub.log.create(&id).await?;
+    Ok((StatusCode::CREATED, Json(info)))
+}
+
+async fn list(
+    State(state): Shared,
+    Query(params): Params,
+    headers: HeaderMap,
+) -> Result<Json<Vec<LogInfo>>, ApiError> {
+    state.auth(&headers, &params, None, HOST)?;
+    Ok(Json(state.hub.log.list().await?))
+}
+
+async fn info(
+    State(state): Shared,
+    Path(id): Path<String>,
+    Query(params): Params,
+    headers: HeaderMap,
+) -> Result<Json<LogInfo>, ApiError> {
+    let id = session_id(&id)?;
+    state.auth(&headers, &params, Some(&id), READERS)?;
+    Ok(Json(state.hub.log.info(&id).await?))
+}
+
+async fn frames(
+    State(state): Shared,
+    Path(id): Path<String>,
+    Query(params): Params,
+    headers: HeaderMap,
+) -> Result<Json<Vec<Frame>>, ApiError> {
+    let id = session_id(&id)?;
+    state.auth(&headers, &params, Some(&id), READERS)?;
+    let after = param_u64(&params, "after")?.unwrap_or(0);
+    let limit = param_u64(&params, "limit")?
+        .map_or(PAGE, |l| usize::try_from(l).unwrap_or(usize::MAX))
+        .min(MAX_FRAMES_PAGE);
+    Ok(Json(state.hub.log.read(&id, after, limit).await?))
+}
+
+async fn export(
+    State(state): Shared,
+    Path(id): Path<String>,
+    Query(params): Params,
+    headers: HeaderMap,
+) -> Result<Json<Vec<Frame>>, ApiError> {
+    let id = session_id(&id)?;
+    state.auth(&headers, &params, Some(&id), READERS)?;
+    let info = state.hub.log.info(&id).await?;
+    let until = param_u64(&params, "until")?.unwrap_or(info.last_seq);
+    if until > info.last_seq {
+        return Err(ApiError::invalid(format!(
+            "cannot export {id} until={until}: the log ends at seq {}",
+            info.last_seq
+        )));
+    }
+    let mut out = Vec::new();
+    let mut cursor = 0;
+    while cursor < until {
+        let want = usize::try_from(until - cursor).unwrap_or(PAGE).min(PAGE);
+        let page = state.hub.log.read(&id, cursor, want).await?;
+        let Some(last) = page.last() else { break };
+        cursor = last.seq;
+        out.extend(page.into_iter().filter(|f| f.seq <= until));
+    }
+    Ok(Json(out))
+}
+
+async fn fork(
+    State(state): Shared,
+    Path(id): Path<String>,
+    Query(params): Params,
+    headers: HeaderMap,
+) -> Result<(StatusCode, Json<LogInfo>), ApiError> {
+    let source = session_id(&id)?;
+    let target = match params.get("target") {
+        Some(t) => session_id(t)?,
+        None => SessionId::parse(format!(
+            "{}-fork-{}",
+            &source.as_str()[..source.as_str().len().min(80)],
+            uuid::Uuid::new_v4().simple()
+        ))?,
+    };
+    state.auth(&headers, &params, Some(&source), HOST)?;
+    state.auth(&headers, &params, Some(&target), HOST)?;
+    let until = match param_u64(&params, "until")? {
+        Some(n) => n,
+        None => state.hub.log.info(&source).await?.last_seq,
+    };
+    let info = state.hub.log.fork(&source, until, &target).await?;
+    let info = if param_flag(&params, "seal") && !info.sealed {
+        state.hub.seal(&target).await?;
+        state.hub.log.info(&target).await?
+    } else {
+        info
+    };
+    Ok((StatusCode::CREATED, Json(info)))
+}
+
+async fn seal(
+    State(state): Shared,
+    Path(id): Path<String>,
+    Query(params): Params,
+    headers: HeaderMap,
+) -> Result<Json<LogInfo>, ApiError> {
+    let id = session_id(&id)?;
+    state.auth(&headers, &params, Some(&id), HOST)?;
+    state.hub.seal(&id).await?;
+    Ok(Json(state.hub.log.info(&id).await?))
+}
+
+// ---- writes over HTTP ------------------------------------------------------
+
+async fn post_message(
+    State(state): Shared,
+    Path(id): Path<String>,
+    Query(params): Params,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let id = session_id(&id)?;
+    let grant = state.auth(&headers, &params, Some(&id), &[GrantRole::Client])?;
+    let bytes = read_body(body, state.body_limit()).await?;
+    let message: ClientMessage = serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::invalid(format!("malformed client message: {e}")))?;
+    if matches!(message, ClientMessage::Seal {}) && grant != GrantRole::Host {
+        return Err(seal_forbidden());
+    }
+    let mut conn = state.hub.connect(&id, Role::Client, None).await?;
+    conn.client(message);
+    let (seq, duplicate) = conn.answer(ANSWER_TIMEOUT).await?;
+    Ok(Json(
+        json!({"type": "ack", "seq": seq, "duplicate": duplicate}),
+    ))
+}
+
+/// Sealing is a host operation, whichever endpoint carries it.
+fn seal_forbidden() -> ApiError {
+    ApiError::new(
+        StatusCode::FORBIDDEN,
+        "forbidden",
+        "sealing needs a host token (POST /v1/sessions/{id}/seal)",
+    )
+}
+
+// ---- reading live: catch-up then connect ------------------------------------
+
+/// Send stored frames after `after` to `send` straight from the log, then
+/// connect to the actor at the last seq sent. Returns the connection and the
+/// cursor, or `None` when the receiver went away.
+async fn catch_up_and_connect<F>(
+    state: &AppState,
+    hub: &Arc<Hub>,
+    id: &SessionId,
+    after: u64,
+    mut send: F,
+) -> Result<Option<(Connection, u64)>, ApiError>
+where
+    F: FnMut(Frame) -> bool,
+{
+    let mut cursor = after;
+    loop {
+        let page = state.hub.log.read(id, cursor, PAGE).await?;
+        let Some(last) = page.last() else { break };
+        cursor = last.seq;
+        for frame in page {
+            if !send(frame) {
+                return Ok(None);
+            }
+        }
+    }
+    let conn = hub.connect(id, Role::Client, Some(cursor)).await?;
+    Ok(Some((conn, cursor)))
+}
+
+fn last_event_id(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
+    headers
+        .get("last-event-id")
+        .map(|v| {
+            v.to_str()
+                .ok()
+                .and_then(|s| s.trim().parse::<u64>().ok())
+                .ok_or_else(|| ApiError::invalid("Last-Event-ID must be a frame seq"))
+        })
+        .transpose()
+}
+
+fn frame_event(frame: &Frame) -> Event {
+    Event::default()
+        .id(frame.seq.to_string())
+        .event("frame")
+        .data(serde_json::to_string(frame).unwrap_or_default())
+}
+
+fn live_event(turn_id: &str, part: &harness_core::StreamPart) -> Event {
+    Event::default()
+        .event("live")
+        .data(json!({"turnId": turn_id, "part": part}).to_string())
+}
+
+/// An SSE body fed by a channel; the producer notices a gone reader through
+/// `Sender::closed`.
+fn sse_from(
+    rx: mpsc::Receiver<Event>,
+) -> Sse<impl futures::Stream<Item = Result<Event, Infallible>>> {
+    let stream = futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|e| (Ok::<_, Infallible>(e), rx))
+    });
+    Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+}
+
+async fn events(
+    State(state): Shared,
+    Path(id): Path<String>,
+    Query(params): Params,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let id = session_id(&id)?;
+    state.auth(&headers, &params, Some(&id), READERS)?;
+    let after = match last_event_id(&headers)? {
+        Some(n) => n,
+        None => param_u64(&params, "after")?.unwrap_or(0),
+    };
+    let info = state.hub.log.info(&id).await?;
+    let (tx, rx) = mpsc::channel::<Event>(256);
+    tokio::spawn(async move {
+        let _ = pump_events(&state, &id, after, info.sealed, tx).await;
+    });
+    Ok(sse_from(rx).into_response())
+}
+
+/// Returns when the reader leaves, the session is sealed, or the actor
+/// closes the connection.
+async fn pump_events(
+    state: &Arc<AppState>,
+    id: &SessionId,
+    after: u64,
+    sealed: bool,
+    tx: mpsc::Sender<Event>,
+) -> Result<(), ApiError> {
+    // The catch-up closure is sync; frames go through a small buffer that
+    // is flushed after each page.
+    let mut buffered = Vec::new();
+    let mut cursor = after;
+    loop {
+        let page = state.hub.log.read(id, cursor, PAGE).await?;
+        let Some(last) = page.last() else { break };
+        cursor = last.seq;
+        buffered.extend(page);
+        for frame in buffered.drain(..) {
+            let end = matches!(frame.body, FrameBody::Sealed {});
+            if tx.send(frame_event(&frame)).await.is_err() || end {
+                return Ok(());
+            }
+        }
+    }
+    if sealed {
+        return Ok(());
+    }
+    let mut conn = state.hub.connect(id, Role::Client, Some(cursor)).await?;
+    loop {
+        let out = tokio::select! {
+            out = conn.recv() => out,
+            _ = tx.closed() => return Ok(()),
+        };
+        let event = match out {
+            Some(Outbound::Msg(ServerMessage::Frame { frame })) => {
+                // The actor replays exactly (cursor, last]; this guard only
+                // protects against a duplicate if that ever changed.
+                if frame.seq <= cursor {
+                    continue;
+                }
+                cursor = frame.seq;
+                let end = matches!(frame.body, FrameBody::Sealed {});
+                if tx.send(frame_event(&frame)).await.is_err() || end {
+                    return Ok(());
+                }
+                continue;
+            }
+            Some(Outbound::Msg(ServerMessage::Live { turn_id, part })) => {
+                live_event(&turn_id, &part)
+            }
+            Some(Outbound::Msg(ServerMessage::Error { code, message })) => Event::default()
+                .event("error")
+                .data(json!({"code": code, "message": message}).to_string()),
+            Some(Outbound::Msg(ServerMessage::Ack { .. })) => continue,
+            Some(Outbound::Close(_)) | None => return Ok(()),
+        };
+        if tx.send(event).await.is_err() {
+            return Ok(());
+        }
+    }
+}
+
+async fn ui_stream(
+    State(state): Shared,
+    Path(id): Path<String>,
+    Query(params): Params,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let id = session_id(&id)?;
+    state.auth(&headers, &params, Some(&id), READERS)?;
+    let info = state.hub.log.info(&id).await?;
+    // Default: from now on (the turn a client is about to start); pass
+    // `?after=<seq of the prompt's ack - 1>` to include a turn already
+    // under way.
+    let after = param_u64(&params, "after")?.unwrap_or(info.last_seq);
+    let message_id = format!("{id}-{after}");
+    let mut mapper = UiStreamMapper::new(message_id);
+    // Catch up and register with the actor before answering, so a client
+    // that has the response head will see every live part from now on.
+    let mut pending = Vec::new();
+    let caught = catch_up_and_connect(&state, &state.hub, &id, after, |frame| {
+        pending.extend(mapper.map(&ServerMessage::Frame { frame }));
+        !mapper.is_done()
+    })
+    .await?;
+    let (tx, rx) = mpsc::channel::<Event>(256);
+    tokio::spawn(async move {
+        let mut open = true;
+        for chunk in pending {
+            if tx
+                .send(Event::default().data(chunk.to_string()))
+                .await
+                .is_err()
+            {
+                open = false;
+                break;
+            }
+        }
+        if let (true, Some((conn, cursor))) = (open, caught) {
+            pump_ui(conn, cursor, &mut mapper, &tx).await;
+        }
+        let _ = tx.send(Event::default().data("[DONE]")).await;
+    });
+    let mut response = sse_from(rx).into_response();
+    response
+        .headers_mut()
+        .insert(UI_STREAM_HEADER, HeaderValue::from_static("v1"));
+    Ok(response)
+}
+
+/// Map live traffic until the turn finishes, the session is sealed, or the
+/// reader leaves.
+async fn pump_ui(
+    mut conn: Connection,
+    mut cursor: u64,
+    mapper: &mut UiStreamMapper,
+    tx: &mpsc::Sender<Event>,
+) {
+    while !mapper.is_done() {
+        let out = tokio::select! {
+            out = conn.recv() => out,
+            _ = tx.closed() => return,
+        };
+        let message = match out {
+            Some(Outbound::Msg(m)) => m,
+            Some(Outbound::Close(_)) | None => return,
+        };
+        if let ServerMessage::Frame { frame } = &message {
+            if frame.seq <= cursor {
+                continue;
+            }
+            cursor = frame.seq;
+        }
+        for chunk in mapper.map(&message) {
+            if tx
+                .send(Event::default().data(chunk.to_string()))
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+    }
+}
+
+// ---- WebSocket ---------------------------------------------------------------
+
+async fn websocket(
+    State(state): Shared,
+    Path(id): Path<String>,
+    Query(params): Params,
+    headers: HeaderMap,
+    ws: WebSocketUpgrade,
+) -> Result<Response, ApiError> {
+    let id = session_id(&id)?;
+    let role = match params.get("role").map(String::as_str) {
+        None | Some("client") => Role::Client,
+        Some("runner") => Role::Runner {
+            generation: param_u64(&params, "generation")?.ok_or_else(|| {
+                ApiError::invalid("a runner must say its generation (?generation=N)")
+            })?,
+        },
+        Some(other) => {
+            return Err(ApiError::invalid(format!(
+                "role must be client or runner, got {other:?}"
+            )))
+        }
+    };
+    let allowed: &[GrantRole] = match role {
+        Role::Client => &[GrantRole::Client],
+        Role::Runner { .. } => &[GrantRole::Runner],
+    };
+    let grant = state.auth(&headers, &params, Some(&id), allowed)?;
+    let after = param_u64(&params, "after")?;
+    // 404 before the upgrade, while we can still answer with a status.
+    state.hub.log.info(&id).await?;
+    // Messages a little over the frame limit get a clear error; far over
+    // it the socket is closed (1009) without reading them into memory.
+    let max_message = state.body_limit().saturating_mul(4);
+    Ok(ws
+        .max_message_size(max_message)
+        .on_upgrade(move |socket| run_socket(state, id, role, grant, after, socket)))
+}
+
+fn text(message: &ServerMessage) -> Message {
+    Message::Text(serde_json::to_string(message).unwrap_or_default().into())
+}
+
+async fn run_socket(
+    state: Arc<AppState>,
+    id: SessionId,
+    role: Role,
+    grant: GrantRole,
+    after: Option<u64>,
+    socket: WebSocket,
+) {
+    let (mut sink, mut stream) = socket.split();
+    // Catch-up for clients that asked for history, straight from the log,
+    // page by page; then connect at the last seq sent.
+    let connected = match (role, after) {
+        (Role::Client, Some(after)) => {
+            let mut cursor = after;
+            let caught: Result<u64, ApiError> = loop {
+                let page = match state.hub.log.read(&id, cursor, PAGE).await {
+                    Ok(p) => p,
+                    Err(e) => break Err(e.into()),
+                };
+                let Some(last) = page.last() else {
+                    break Ok(cursor);
+                };
+                cursor = last.seq;
+                for frame in page {
+                    if sink
+                        .send(text(&ServerMessage::Frame { frame }))
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+            };
+            match caught {
+                Ok(cursor) => state
+                    .hub
+                    .connect(&id, role, Some(cursor))
+                    .await
+                    .map(|c| (c, cursor)),
+                Err(e) => Err(e),
+            }
+        }
+        _ => state.hub.connect(&id, role, None).await.map(|c| (c, 0)),
+    };
+    let (mut conn, mut cursor) = match connected {
+        Ok(c) => c,
+        Err(e) => {
+            let msg = ServerMessage::Error {
+                code: e.code.clone(),
+                message: e.message.clone(),
+            };
+            let _ = sink.send(text(&msg)).await;
+            let _ = sink.send(Message::Close(None)).await;
+            return;
+        }
+    };
+    let limit = state.config.max_frame_bytes.saturating_add(ENVELOPE_SLACK);
+    loop {
+        tokio::select! {
+            out = conn.recv() => match out {
+                Some(Outbound::Msg(message)) => {
+                    if let ServerMessage::Frame { frame } = &message {
+                        // The actor replays exactly (cursor, last]; this
+                        // only guards against a duplicate.
+                        if frame.seq <= cursor {
+                            continue;
+                        }
+                        cursor = frame.seq;
+                    }
+                    if sink.send(text(&message)).await.is_err() {
+                        break;
+                    }
+                }
+                Some(Outbound::Close(reason)) => {
+                    let frame = CloseFrame { code: 4001, reason: reason.into() };
+                    let _ = sink.send(Message::Close(Some(frame))).await;
+                    break;
+                }
+                None => break,
+            },
+            inbound = stream.next() => match inbound {
+                Some(Ok(Message::Text(t))) => {
+                    if let Some(err) = inbound_message(&conn, role, grant, t.as_str(), limit) {
+                        if sink.send(text(&err)).await.is_err() {
+                            break;
+                        }
+                    }
+                }
+                Some(Ok(Message::Binary(_))) => {
+                    let err = ServerMessage::Error {
+                        code: "invalid".into(),
+                        message: "send JSON text messages, not binary".into(),
+                    };
+                    if sink.send(text(&err)).await.is_err() {
+                        break;
+                    }
+                }
+                Some(Ok(Message::Ping(_) | Message::Pong(_))) => {}
+                Some(Ok(Message::Close(_))) | Some(Err(_)) | None => break,
+            },
+        }
+    }
+    // Dropping `conn` tells the actor the connection is gone.
+}
+
+/// Parse and forward one inbound message; an error to send back if it is
+/// refused before reaching the actor (nothing stored).
+fn inbound_message(
+    conn: &Connection,
+    role: Role,
+    grant: GrantRole,
+    raw: &str,
+    limit: usize,
+) -> Option<ServerMessage> {
+    if raw.len() > limit {
+        return Some(ServerMessage::Error {
+            code: "frame_too_large".into(),
+            message: format!(
+                "message of {} bytes exceeds the {limit}-byte limit",
+                raw.len()
+            ),
+        });
+    }
+    let invalid = |e: serde_json::Error| ServerMessage::Error {
+        code: "invalid".into(),
+        message: format!("malformed message: {e}"),
+    };
+    match role {
+        Role::Client => match serde_json::from_str::<ClientMessage>(raw) {
+            Ok(ClientMessage::Seal {}) if grant != GrantRole::Host => {
+                let e = seal_forbidden();
+                return Some(ServerMessage::Error {
+                    code: e.code,
+                    message: e.message,
+                });
+            }
+            Ok(m) => conn.client(m),
+            Err(e) => return Some(invalid(e)),
+        },
+        Role::Runner { .. } => match serde_json::from_str::<RunnerMessage>(raw) {
+            Ok(m) => conn.runner(m),
+            Err(e) => return Some(invalid(e)),
+        },
+    }
+    None
+}

@@ -1,0 +1,109 @@
+//! # session-server
+//!
+//! The session actor of `harness-core` served over HTTP, Server-Sent Events
+//! and WebSocket with axum, on any [`SessionLog`] (SQLite natively, see the
+//! `session-log` crate).
+//!
+//! One tokio task per live session drives the sans-IO
+//! [`harness_core::actor::SessionActor`]: it is the session's only writer,
+//! so seqs are assigned by the log in the order the task appends, and every
+//! connected client receives every stored frame in seq order. See
+//! `docs/session-server.md` for the endpoints and the design.
+//!
+//! ```no_run
+//! # async fn run() -> std::io::Result<()> {
+//! use std::sync::Arc;
+//! use session_server::{serve, ServerConfig, TokenGrant, Scope, GrantRole};
+//! let log = Arc::new(harness_core::log::MemorySessionLog::new());
+//! let mut config = ServerConfig::new(log);
+//! config.tokens.push(TokenGrant::new("secret", Scope::All, GrantRole::Host));
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:8787").await?;
+//! serve(listener, config).await
+//! # }
+//! ```
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use harness_core::actor::ActorConfig;
+use harness_core::log::{SessionLog, DEFAULT_MAX_FRAME_BYTES};
+use harness_core::SessionId;
+
+mod auth;
+mod error;
+mod http;
+mod hub;
+pub mod ui_stream;
+
+pub use auth::{GrantRole, Scope, TokenGrant};
+pub use error::ApiError;
+
+/// How the server runs.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Where frames are stored.
+    pub log: Arc<dyn SessionLog>,
+    /// The token table (see [`TokenGrant`]).
+    pub tokens: Vec<TokenGrant>,
+    /// Accept every request as `host` without a token. For local
+    /// development only.
+    pub insecure_no_auth: bool,
+    /// Largest encoded frame accepted (default 1 MiB); larger writes get 413
+    /// (HTTP) or a `frame_too_large` error (WebSocket) and store nothing.
+    pub max_frame_bytes: usize,
+    /// A session actor with no connections stops after this long.
+    pub idle_timeout: Duration,
+}
+
+impl ServerConfig {
+    /// Defaults: no tokens (every request is 401 until you add some or set
+    /// `insecure_no_auth`), 1 MiB frames, 30 s idle timeout.
+    pub fn new(log: Arc<dyn SessionLog>) -> Self {
+        Self {
+            log,
+            tokens: Vec::new(),
+            insecure_no_auth: false,
+            max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
+            idle_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// A configured server: its router plus a view of the live actors.
+#[derive(Debug, Clone)]
+pub struct SessionServer {
+    state: Arc<http::AppState>,
+}
+
+impl SessionServer {
+    /// Build the server (no I/O yet).
+    pub fn new(config: ServerConfig) -> Self {
+        let hub = Arc::new(hub::Hub::new(
+            config.log.clone(),
+            ActorConfig {
+                max_frame_bytes: config.max_frame_bytes,
+            },
+            config.idle_timeout,
+        ));
+        Self {
+            state: Arc::new(http::AppState { hub, config }),
+        }
+    }
+
+    /// The axum router (mount it under any prefix-free path).
+    pub fn router(&self) -> Router {
+        http::router(self.state.clone())
+    }
+
+    /// Sessions whose actor is running right now.
+    pub fn live_sessions(&self) -> Vec<SessionId> {
+        self.state.hub.live_sessions()
+    }
+}
+
+/// Serve `config` on `listener` until the process ends.
+pub async fn serve(listener: tokio::net::TcpListener, config: ServerConfig) -> std::io::Result<()> {
+    let server = SessionServer::new(config);
+    axum::serve(listener, server.router()).await
+}

@@ -1,0 +1,626 @@
+//! The HTTP endpoints: fork/seal/export, auth, limits, the UI message
+//! stream, and no acknowledged frame lost across a kill -9 of the server.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+
+use common::*;
+use harness_core::actor::ServerMessage;
+use harness_core::frame::{Frame, FrameBody};
+use harness_core::log::{LogInfo, SessionLog};
+use serde_json::{json, Value};
+use session_server::{GrantRole, Scope, TokenGrant};
+
+async fn prompt(srv: &TestServer, id: &str, text: &str) -> reqwest::Response {
+    srv.http
+        .post(format!("{}/v1/sessions/{id}/messages", srv.base))
+        .json(&json!({"type": "prompt", "text": text}))
+        .send()
+        .await
+        .unwrap()
+}
+
+async fn error_code(r: reqwest::Response) -> String {
+    let v: Value = r.json().await.unwrap();
+    v["error"]["code"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no error code in {v}"))
+        .to_string()
+}
+
+#[tokio::test]
+async fn fork_until_n_export_and_seal_behave_as_specified() {
+    let srv = start(|_| {}).await;
+    srv.create("src").await;
+    for i in 1..=5 {
+        assert_eq!(prompt(&srv, "src", &format!("m{i}")).await.status(), 200);
+    }
+    // Fork the first 3 frames, sealed.
+    let r = srv
+        .http
+        .post(format!(
+            "{}/v1/sessions/src/fork?until=3&seal=1&target=dst",
+            srv.base
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let info: LogInfo = r.json().await.unwrap();
+    assert!(info.sealed);
+    assert_eq!(info.last_seq, 4, "3 copied frames + the seal frame");
+    assert_eq!(info.forked_from.as_ref().unwrap().until, 3);
+    let exported: Vec<Frame> = srv
+        .http
+        .get(format!("{}/v1/sessions/dst/export", srv.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let source: Vec<Frame> = srv
+        .http
+        .get(format!("{}/v1/sessions/src/export?until=3", srv.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(source.len(), 3);
+    assert_eq!(exported[..3], source[..]);
+    assert!(matches!(exported[3].body, FrameBody::Sealed {}));
+    // The sealed fork refuses writes; the source goes on.
+    let r = prompt(&srv, "dst", "late").await;
+    assert_eq!(r.status(), 409);
+    assert_eq!(error_code(r).await, "sealed");
+    assert_eq!(prompt(&srv, "src", "m6").await.status(), 200);
+    // An unsealed fork with a generated id grows on its own.
+    let r = srv
+        .http
+        .post(format!("{}/v1/sessions/src/fork?until=2", srv.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let open: LogInfo = r.json().await.unwrap();
+    assert!(!open.sealed && open.last_seq == 2);
+    let ack: Value = prompt(&srv, open.session.as_str(), "fresh")
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(ack["seq"], 3);
+    // Bad ranges and targets.
+    let r = srv
+        .http
+        .post(format!(
+            "{}/v1/sessions/src/fork?until=99&target=x",
+            srv.base
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let r = srv
+        .http
+        .post(format!(
+            "{}/v1/sessions/src/fork?until=1&target=dst",
+            srv.base
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 409);
+    let r = srv
+        .http
+        .get(format!("{}/v1/sessions/src/export?until=99", srv.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    // Seal: a live client sees the seal frame, later writes are refused,
+    // sealing again is a no-op.
+    let mut client = ws(&format!("{}/v1/sessions/src/ws", srv.ws_base)).await;
+    send(&mut client, json!({"type": "prompt", "text": "registered"})).await;
+    let mut seen = Vec::new();
+    answer(&mut client, &mut seen).await;
+    let r = srv
+        .http
+        .post(format!("{}/v1/sessions/src/seal", srv.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let sealed: LogInfo = r.json().await.unwrap();
+    assert!(sealed.sealed);
+    assert_eq!(sealed.last_seq, 8);
+    loop {
+        match recv(&mut client).await.unwrap() {
+            ServerMessage::Frame { frame } if matches!(frame.body, FrameBody::Sealed {}) => break,
+            _ => {}
+        }
+    }
+    assert_eq!(prompt(&srv, "src", "after seal").await.status(), 409);
+    let again: LogInfo = srv
+        .http
+        .post(format!("{}/v1/sessions/src/seal", srv.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(again.last_seq, 8);
+    // Paged replay.
+    let page: Vec<Frame> = srv
+        .http
+        .get(format!(
+            "{}/v1/sessions/src/frames?after=2&limit=3",
+            srv.base
+        ))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        page.iter().map(|f| f.seq).collect::<Vec<_>>(),
+        vec![3, 4, 5]
+    );
+    let list: Vec<LogInfo> = srv
+        .http
+        .get(format!("{}/v1/sessions", srv.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(list.len(), 3);
+}
+
+#[tokio::test]
+async fn wrong_tokens_get_401_and_wrong_grants_403_with_nothing_written() {
+    let srv = start(|c| {
+        c.insecure_no_auth = false;
+        c.tokens = vec![
+            TokenGrant::new("host", Scope::All, GrantRole::Host),
+            TokenGrant::new("client-a", Scope::parse("a").unwrap(), GrantRole::Client),
+            TokenGrant::new("runner-a", Scope::parse("a").unwrap(), GrantRole::Runner),
+        ];
+    })
+    .await;
+    let h = &srv.http;
+    let base = &srv.base;
+    // Create: host only.
+    let r = h
+        .post(format!("{base}/v1/sessions"))
+        .json(&json!({"id": "a"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    assert_eq!(error_code(r).await, "unauthorized");
+    let r = h
+        .post(format!("{base}/v1/sessions"))
+        .bearer_auth("client-a")
+        .json(&json!({"id": "a"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 403);
+    for id in ["a", "b"] {
+        let r = h
+            .post(format!("{base}/v1/sessions"))
+            .bearer_auth("host")
+            .json(&json!({"id": id}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 201);
+    }
+    let msg = json!({"type": "prompt", "text": "x"});
+    let post = |token: Option<&'static str>, id: &'static str| {
+        let mut req = h
+            .post(format!("{base}/v1/sessions/{id}/messages"))
+            .json(&msg);
+        if let Some(t) = token {
+            req = req.bearer_auth(t);
+        }
+        req.send()
+    };
+    assert_eq!(post(None, "a").await.unwrap().status(), 401);
+    assert_eq!(post(Some("nope"), "a").await.unwrap().status(), 401);
+    assert_eq!(post(Some("client-a"), "b").await.unwrap().status(), 403);
+    assert_eq!(post(Some("runner-a"), "a").await.unwrap().status(), 403);
+    // Sealing is for hosts, even through the client message endpoint.
+    let r = h
+        .post(format!("{base}/v1/sessions/a/messages"))
+        .bearer_auth("client-a")
+        .json(&json!({"type": "seal"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 403);
+    let r = h
+        .get(format!("{base}/v1/sessions"))
+        .bearer_auth("client-a")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 403);
+    for path in ["seal", "fork?until=0&target=c"] {
+        let r = h
+            .post(format!("{base}/v1/sessions/a/{path}"))
+            .bearer_auth("client-a")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 403, "{path}");
+    }
+    // WebSocket: the handshake itself is refused.
+    let err = tokio_tungstenite::connect_async(format!(
+        "{}/v1/sessions/a/ws?role=runner&generation=1&access_token=client-a",
+        srv.ws_base
+    ))
+    .await
+    .unwrap_err();
+    assert!(err.to_string().contains("403"), "{err}");
+    let err = tokio_tungstenite::connect_async(format!("{}/v1/sessions/a/ws", srv.ws_base))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("401"), "{err}");
+    assert_eq!(
+        srv.last_seq("a").await,
+        0,
+        "a refused request wrote something"
+    );
+    assert_eq!(srv.last_seq("b").await, 0);
+    // The right grants work, by header or by query token.
+    assert_eq!(post(Some("client-a"), "a").await.unwrap().status(), 200);
+    let r = h
+        .get(format!("{base}/v1/sessions/a/frames?access_token=client-a"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let mut runner = ws(&format!(
+        "{}/v1/sessions/a/ws?role=runner&generation=1&access_token=runner-a",
+        srv.ws_base
+    ))
+    .await;
+    send(
+        &mut runner,
+        json!({"type": "part", "turnId": "t", "part": {"type": "finish-step"}}),
+    )
+    .await;
+    assert!(matches!(
+        recv(&mut runner).await,
+        Some(ServerMessage::Ack { .. })
+    ));
+    assert_eq!(srv.last_seq("a").await, 3);
+}
+
+#[tokio::test]
+async fn oversized_malformed_and_unknown_are_refused_with_nothing_written() {
+    let srv = start(|c| c.max_frame_bytes = 1024).await;
+    srv.create("l").await;
+    let url = format!("{}/v1/sessions/l/messages", srv.base);
+    // Just over the frame limit: the actor refuses it.
+    let r = srv
+        .http
+        .post(&url)
+        .json(&json!({"type": "prompt", "text": "x".repeat(2000)}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 413);
+    assert_eq!(error_code(r).await, "frame_too_large");
+    // Far over: refused while reading the body.
+    let r = srv
+        .http
+        .post(&url)
+        .json(&json!({"type": "prompt", "text": "x".repeat(200_000)}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 413);
+    assert_eq!(error_code(r).await, "frame_too_large");
+    let r = srv.http.post(&url).body("{not json").send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    assert_eq!(error_code(r).await, "invalid");
+    let r = srv
+        .http
+        .post(&url)
+        .json(&json!({"type": "no-such-type"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let r = prompt(&srv, "ghost", "hi").await;
+    assert_eq!(r.status(), 404);
+    assert_eq!(error_code(r).await, "not_found");
+    let r = srv
+        .http
+        .get(format!("{}/v1/sessions/ghost/events", srv.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    let r = srv
+        .http
+        .get(format!("{}/v1/sessions/bad..id%2F/frames", srv.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    // Over WebSocket: clear errors, the connection stays usable.
+    let mut c = ws(&format!("{}/v1/sessions/l/ws", srv.ws_base)).await;
+    send(&mut c, json!({"type": "prompt", "text": "y".repeat(2000)})).await;
+    assert!(
+        matches!(recv(&mut c).await, Some(ServerMessage::Error { code, .. }) if code == "frame_too_large")
+    );
+    use futures::SinkExt;
+    c.send(tokio_tungstenite::tungstenite::Message::Text("[1,2".into()))
+        .await
+        .unwrap();
+    assert!(
+        matches!(recv(&mut c).await, Some(ServerMessage::Error { code, .. }) if code == "invalid")
+    );
+    let mut runner = ws(&format!(
+        "{}/v1/sessions/l/ws?role=runner&generation=1",
+        srv.ws_base
+    ))
+    .await;
+    send(&mut runner, json!({"type": "part", "turnId": "t", "part": {"type": "error", "message": "z".repeat(2000)}})).await;
+    assert!(
+        matches!(recv(&mut runner).await, Some(ServerMessage::Error { code, .. }) if code == "frame_too_large")
+    );
+    // Only the runner-attached frame was stored.
+    let frames = srv.log.read(&sid("l"), 0, 10).await.unwrap();
+    assert_eq!(frames.len(), 1);
+    assert!(matches!(
+        frames[0].body,
+        FrameBody::RunnerAttached { generation: 1 }
+    ));
+    send(&mut c, json!({"type": "prompt", "text": "fine"})).await;
+    let mut seen = Vec::new();
+    assert!(matches!(
+        answer(&mut c, &mut seen).await,
+        ServerMessage::Ack { seq: 2, .. }
+    ));
+}
+
+#[tokio::test]
+async fn ui_stream_speaks_the_ai_sdk_ui_message_stream() {
+    let srv = start(|_| {}).await;
+    srv.create("u").await;
+    let r = srv
+        .http
+        .get(format!("{}/v1/sessions/u/ui-stream", srv.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-vercel-ai-ui-message-stream"], "v1");
+    let mut reader = SseReader::new(r);
+    let mut runner = ws(&format!(
+        "{}/v1/sessions/u/ws?role=runner&generation=1",
+        srv.ws_base
+    ))
+    .await;
+    // The reader is registered once its response head arrived, so it sees
+    // every live delta.
+    let p = |part: Value| json!({"type": "part", "turnId": "t", "part": part});
+    send(&mut runner, p(json!({"type": "stream-start"}))).await;
+    send(&mut runner, p(json!({"type": "text-start", "id": "b"}))).await;
+    send(
+        &mut runner,
+        p(json!({"type": "text-delta", "id": "b", "delta": "Hel"})),
+    )
+    .await;
+    send(
+        &mut runner,
+        p(json!({"type": "text-delta", "id": "b", "delta": "lo"})),
+    )
+    .await;
+    send(&mut runner, p(json!({"type": "text-end", "id": "b"}))).await;
+    send(&mut runner, p(json!({"type": "tool-call", "toolCallId": "c", "toolName": "Bash", "input": {"command": "ls"}}))).await;
+    send(
+        &mut runner,
+        p(json!({"type": "tool-result", "toolCallId": "c", "toolName": "Bash", "output": "ok"})),
+    )
+    .await;
+    send(
+        &mut runner,
+        p(json!({"type": "finish", "finishReason": "stop"})),
+    )
+    .await;
+    let mut chunks = Vec::new();
+    loop {
+        let ev = reader.next().await.expect("ui stream ended without [DONE]");
+        if ev.data == "[DONE]" {
+            break;
+        }
+        chunks.push(serde_json::from_str::<Value>(&ev.data).unwrap());
+    }
+    assert!(
+        reader.next().await.is_none(),
+        "the stream ends after [DONE]"
+    );
+    let types: Vec<&str> = chunks.iter().map(|c| c["type"].as_str().unwrap()).collect();
+    assert_eq!(
+        types,
+        vec![
+            "start",
+            "start-step",
+            "text-start",
+            "text-delta",
+            "text-delta",
+            "text-end",
+            "tool-input-available",
+            "tool-output-available",
+            "finish-step",
+            "finish"
+        ]
+    );
+    assert_eq!(chunks[6]["dynamic"], true);
+    assert_eq!(chunks[7]["output"], "ok");
+    // Replaying the same turn later gives the same text whole.
+    let r = srv
+        .http
+        .get(format!("{}/v1/sessions/u/ui-stream?after=0", srv.base))
+        .send()
+        .await
+        .unwrap();
+    let mut replay = SseReader::new(r);
+    let mut text = String::new();
+    loop {
+        let ev = replay.next().await.unwrap();
+        if ev.data == "[DONE]" {
+            break;
+        }
+        let c: Value = serde_json::from_str(&ev.data).unwrap();
+        if c["type"] == "text-delta" {
+            text.push_str(c["delta"].as_str().unwrap());
+        }
+    }
+    assert_eq!(text, "Hello");
+}
+
+const CHILD_ENV: &str = "SESSION_SERVER_KILL9_DB";
+
+/// The server child of `acknowledged_frames_survive_a_server_kill`: a no-op
+/// when run as an ordinary test.
+#[tokio::test]
+async fn child_server() {
+    let Ok(db) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let log = session_log::SqliteSessionLog::open(db).unwrap();
+    let mut config = session_server::ServerConfig::new(std::sync::Arc::new(log));
+    config.insecure_no_auth = true;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    println!("LISTENING {}", listener.local_addr().unwrap());
+    session_server::serve(listener, config).await.unwrap();
+}
+
+fn spawn_server(db: &std::path::Path) -> (std::process::Child, String) {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["child_server", "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, db)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let addr = loop {
+        let line = lines
+            .next()
+            .expect("child exited before listening")
+            .unwrap();
+        if let Some(at) = line.find("LISTENING ") {
+            break line[at + 10..].trim().to_string();
+        }
+    };
+    (child, format!("http://{addr}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acknowledged_frames_survive_a_server_kill() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("server.db");
+    let (mut child, base) = spawn_server(&db);
+    let http = reqwest::Client::new();
+    let r = http
+        .post(format!("{base}/v1/sessions"))
+        .json(&json!({"id": "k"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    // Four concurrent writers; the server is killed while they write.
+    let acked = std::sync::Arc::new(std::sync::Mutex::new(Vec::<(u64, String)>::new()));
+    let mut writers = Vec::new();
+    for w in 0..4 {
+        let (http, base, acked) = (http.clone(), base.clone(), acked.clone());
+        writers.push(tokio::spawn(async move {
+            for i in 0.. {
+                let text = format!("w{w}-{i}");
+                let r = http
+                    .post(format!("{base}/v1/sessions/k/messages"))
+                    .json(&json!({"type": "prompt", "text": text}))
+                    .send()
+                    .await;
+                let Ok(r) = r else { return };
+                let Ok(v) = r.json::<Value>().await else {
+                    return;
+                };
+                acked
+                    .lock()
+                    .unwrap()
+                    .push((v["seq"].as_u64().unwrap(), text));
+            }
+        }));
+    }
+    while acked.lock().unwrap().len() < 200 {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    for w in writers {
+        w.await.unwrap();
+    }
+    let acked = acked.lock().unwrap().clone();
+    let (mut child, base) = spawn_server(&db);
+    let frames: Vec<Frame> = http
+        .get(format!("{base}/v1/sessions/k/export"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    for (i, f) in frames.iter().enumerate() {
+        assert_eq!(f.seq, i as u64 + 1, "gap after restart");
+    }
+    for (seq, text) in &acked {
+        let f = frames
+            .get(*seq as usize - 1)
+            .unwrap_or_else(|| panic!("acknowledged seq {seq} lost"));
+        assert!(
+            matches!(&f.body, FrameBody::UserMessage { text: t, .. } if t == text),
+            "seq {seq} holds {:?}",
+            f.body
+        );
+    }
+    println!("acked {}, recovered {}", acked.len(), frames.len());
+}
+
+#[tokio::test]
+async fn a_retried_message_with_a_key_is_stored_once() {
+    let srv = start(|_| {}).await;
+    srv.create("i").await;
+    let url = format!("{}/v1/sessions/i/messages", srv.base);
+    let send = |text: &str| {
+        srv.http
+            .post(&url)
+            .json(&json!({"type": "prompt", "text": text, "key": "turn-1"}))
+            .send()
+    };
+    let first: Value = send("hello").await.unwrap().json().await.unwrap();
+    assert_eq!(first, json!({"type": "ack", "seq": 1, "duplicate": false}));
+    let retry: Value = send("hello").await.unwrap().json().await.unwrap();
+    assert_eq!(retry, json!({"type": "ack", "seq": 1, "duplicate": true}));
+    // The same key for other content is a conflict, and stores nothing.
+    let r = send("something else").await.unwrap();
+    assert_eq!(r.status(), 409);
+    assert_eq!(srv.last_seq("i").await, 1);
+}
