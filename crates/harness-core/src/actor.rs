@@ -244,6 +244,45 @@ struct OpenBlock {
     text: String,
 }
 
+impl OpenBlock {
+    /// The idempotency key of the block's stored message when the runner
+    /// gave none: one message per (turn, kind, block id).
+    fn key(&self) -> String {
+        format!("msg:{}:{:?}:{}", self.turn_id, self.kind, self.id)
+    }
+
+    fn into_message(self, interrupted: bool) -> FrameBody {
+        FrameBody::Message {
+            turn_id: self.turn_id,
+            id: self.id,
+            kind: self.kind,
+            text: self.text,
+            interrupted,
+        }
+    }
+}
+
+/// Where a part stands in a text/reasoning block.
+enum BlockEvent<'a> {
+    Start,
+    Delta(&'a str),
+    End,
+}
+
+/// Text and reasoning parts as (kind, block id, event); `None` for the rest.
+fn classify_block(part: &StreamPart) -> Option<(MessageKind, &str, BlockEvent<'_>)> {
+    use MessageKind::{Reasoning, Text};
+    Some(match part {
+        StreamPart::TextStart { id } => (Text, id, BlockEvent::Start),
+        StreamPart::TextDelta { id, delta } => (Text, id, BlockEvent::Delta(delta)),
+        StreamPart::TextEnd { id } => (Text, id, BlockEvent::End),
+        StreamPart::ReasoningStart { id } => (Reasoning, id, BlockEvent::Start),
+        StreamPart::ReasoningDelta { id, delta } => (Reasoning, id, BlockEvent::Delta(delta)),
+        StreamPart::ReasoningEnd { id } => (Reasoning, id, BlockEvent::End),
+        _ => return None,
+    })
+}
+
 /// The actor's configuration.
 #[derive(Debug, Clone)]
 pub struct ActorConfig {
@@ -577,100 +616,55 @@ impl SessionActor {
             }
             RunnerMessage::Part { turn_id, part, key } => (turn_id, part, key),
         };
-        match part {
-            StreamPart::TextStart { ref id } | StreamPart::ReasoningStart { ref id } => {
-                let kind = if matches!(part, StreamPart::TextStart { .. }) {
-                    MessageKind::Text
-                } else {
-                    MessageKind::Reasoning
-                };
+        let Some((kind, id, event)) = classify_block(&part) else {
+            let body = FrameBody::Part { turn_id, part };
+            self.checked_append(body, key, conn, out);
+            return;
+        };
+        let id = id.to_string();
+        let position = self
+            .open
+            .iter()
+            .position(|b| b.turn_id == turn_id && b.id == id && b.kind == kind);
+        match (event, position) {
+            (BlockEvent::Start, _) => {
                 // A re-sent block (retried slice) starts over.
-                self.open
-                    .retain(|b| !(b.turn_id == turn_id && b.id == *id && b.kind == kind));
+                if let Some(pos) = position {
+                    self.open.remove(pos);
+                }
                 self.open.push(OpenBlock {
                     turn_id: turn_id.clone(),
-                    id: id.clone(),
+                    id,
                     kind,
                     text: String::new(),
                 });
                 self.fanout_live(&turn_id, part, out);
             }
-            StreamPart::TextDelta { ref id, ref delta }
-            | StreamPart::ReasoningDelta { ref id, ref delta } => {
-                let kind = if matches!(part, StreamPart::TextDelta { .. }) {
-                    MessageKind::Text
-                } else {
-                    MessageKind::Reasoning
-                };
-                let Some(block) = self
-                    .open
-                    .iter_mut()
-                    .find(|b| b.turn_id == turn_id && b.id == *id && b.kind == kind)
-                else {
+            (BlockEvent::Delta(_) | BlockEvent::End, None) => {
+                let message = format!("block {id:?} was never started");
+                out.push(Output::Send {
+                    conn,
+                    message: ServerMessage::error("invalid", message),
+                });
+            }
+            (BlockEvent::Delta(delta), Some(pos)) => {
+                let limit = self.config.max_frame_bytes;
+                let block = &mut self.open[pos];
+                if block.text.len() + delta.len() > limit {
+                    let message = format!("block {id:?} would exceed the {limit}-byte frame limit");
                     out.push(Output::Send {
                         conn,
-                        message: ServerMessage::error(
-                            "invalid",
-                            format!("delta for block {id:?} that was never started"),
-                        ),
-                    });
-                    return;
-                };
-                if block.text.len() + delta.len() > self.config.max_frame_bytes {
-                    out.push(Output::Send {
-                        conn,
-                        message: ServerMessage::error(
-                            "frame_too_large",
-                            format!(
-                                "block {id:?} would exceed the {}-byte frame limit",
-                                self.config.max_frame_bytes
-                            ),
-                        ),
+                        message: ServerMessage::error("frame_too_large", message),
                     });
                     return;
                 }
                 block.text.push_str(delta);
                 self.fanout_live(&turn_id, part, out);
             }
-            StreamPart::TextEnd { ref id } | StreamPart::ReasoningEnd { ref id } => {
-                let kind = if matches!(part, StreamPart::TextEnd { .. }) {
-                    MessageKind::Text
-                } else {
-                    MessageKind::Reasoning
-                };
-                let Some(pos) = self
-                    .open
-                    .iter()
-                    .position(|b| b.turn_id == turn_id && b.id == *id && b.kind == kind)
-                else {
-                    out.push(Output::Send {
-                        conn,
-                        message: ServerMessage::error(
-                            "invalid",
-                            format!("end of block {id:?} that was never started"),
-                        ),
-                    });
-                    return;
-                };
+            (BlockEvent::End, Some(pos)) => {
                 let block = self.open.remove(pos);
-                let key = key.or_else(|| {
-                    Some(format!(
-                        "msg:{}:{:?}:{}",
-                        block.turn_id, block.kind, block.id
-                    ))
-                });
-                let body = FrameBody::Message {
-                    turn_id: block.turn_id,
-                    id: block.id,
-                    kind: block.kind,
-                    text: block.text,
-                    interrupted: false,
-                };
-                self.checked_append(body, key, conn, out);
-            }
-            part => {
-                let body = FrameBody::Part { turn_id, part };
-                self.checked_append(body, key, conn, out);
+                let key = key.unwrap_or_else(|| block.key());
+                self.checked_append(block.into_message(false), Some(key), conn, out);
             }
         }
     }
@@ -683,15 +677,12 @@ impl SessionActor {
             .partition(|b| b.turn_id == turn_id);
         self.open = keep;
         for block in flush {
-            let key = format!("msg:{}:{:?}:{}", block.turn_id, block.kind, block.id);
-            let body = FrameBody::Message {
-                turn_id: block.turn_id,
-                id: block.id,
-                kind: block.kind,
-                text: block.text,
-                interrupted: true,
-            };
-            self.append(AppendRequest::idempotent(body, key), None, out);
+            let key = block.key();
+            self.append(
+                AppendRequest::idempotent(block.into_message(true), key),
+                None,
+                out,
+            );
         }
     }
 
