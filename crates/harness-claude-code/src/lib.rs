@@ -24,7 +24,7 @@ mod parser;
 use std::collections::BTreeMap;
 
 use harness_core::bootstrap::{BootstrapRecipe, FileSource, RecipeFile};
-use harness_core::harness::{AgentCommand, Harness, OutputParser, TurnContext};
+use harness_core::harness::{AgentCommand, Harness, OutputParser, StateMove, TurnContext};
 use harness_core::sandbox::shell_quote;
 use harness_core::{Error, Result};
 
@@ -269,6 +269,72 @@ impl Harness for ClaudeCodeHarness {
     fn state_dirs(&self, home: &str) -> Vec<String> {
         vec![format!("{}/.claude", home.trim_end_matches('/'))]
     }
+
+    /// Claude Code finds a session's transcript under
+    /// `projects/<project_dir_name(cwd)>/`, so a session restored into a
+    /// sandbox with another workdir must have that directory renamed (merged
+    /// into an existing one), or `--resume` finds no conversation.
+    fn relocate_state_script(&self, moved: &StateMove<'_>) -> Option<String> {
+        let old = project_dir_name(moved.old_workdir);
+        let new = project_dir_name(moved.workdir);
+        if old == new {
+            return None;
+        }
+        let projects = format!("{}/.claude/projects", moved.home.trim_end_matches('/'));
+        Some(format!(
+            "set -e\np={p}; old=\"$p\"/{old}; new=\"$p\"/{new}\n\
+             if [ -d \"$old\" ]; then\n\
+             \x20 if [ -e \"$new\" ]; then cp -a \"$old\"/. \"$new\"/ && rm -rf \"$old\"; else mv \"$old\" \"$new\"; fi\n\
+             fi\n",
+            p = shell_quote(&projects),
+            old = shell_quote(&old),
+            new = shell_quote(&new),
+        ))
+    }
+}
+
+/// Longest project directory name before Claude Code shortens it.
+const MAX_PROJECT_DIR: usize = 200;
+
+/// The directory under `$CLAUDE_CONFIG_DIR/projects` where Claude Code keeps
+/// the transcripts of sessions run in `cwd`: every UTF-16 code unit that is
+/// not an ASCII letter or digit becomes `-`; names over 200 characters are
+/// cut to 200 and suffixed with `-` and the base-36 absolute value of the
+/// path's 32-bit Java-style string hash. Mirrors the CLI (2.1.332).
+pub fn project_dir_name(cwd: &str) -> String {
+    let units: Vec<u16> = cwd.encode_utf16().collect();
+    let name: String = units
+        .iter()
+        .map(|&u| match u8::try_from(u) {
+            Ok(b) if b.is_ascii_alphanumeric() => b as char,
+            _ => '-',
+        })
+        .collect();
+    if name.len() <= MAX_PROJECT_DIR {
+        return name;
+    }
+    let hash = units.iter().fold(0i32, |h, &u| {
+        h.wrapping_shl(5).wrapping_sub(h).wrapping_add(i32::from(u))
+    });
+    format!(
+        "{}-{}",
+        &name[..MAX_PROJECT_DIR],
+        base36(i64::from(hash).unsigned_abs())
+    )
+}
+
+fn base36(mut n: u64) -> String {
+    const DIGITS: &[u8; 36] = b"0123456789abcdefghijklmnopqrstuvwxyz";
+    let mut out = Vec::new();
+    loop {
+        out.push(DIGITS[(n % 36) as usize]);
+        n /= 36;
+        if n == 0 {
+            break;
+        }
+    }
+    out.reverse();
+    String::from_utf8(out).unwrap_or_default()
 }
 
 #[cfg(test)]
@@ -293,6 +359,50 @@ mod tests {
             model: None,
             system_prompt: None,
         }
+    }
+
+    #[test]
+    fn project_dir_names_match_the_cli() {
+        assert_eq!(project_dir_name("/workspace"), "-workspace");
+        assert_eq!(
+            project_dir_name("/var/cache/x_y.z/ab-12/work"),
+            "-var-cache-x-y-z-ab-12-work"
+        );
+        // A non-BMP character is two UTF-16 units, so two dashes (as in JS).
+        assert_eq!(project_dir_name("/a\u{1F600}b"), "-a--b");
+        // Long paths: 200 chars, '-', base-36 |hash|. The CLI's own hash
+        // function (copied from the binary) run in node gives -931632369,
+        // i.e. "feo44x", for "/" + 250 'a's.
+        let long = format!("/{}", "a".repeat(250));
+        assert_eq!(
+            project_dir_name(&long),
+            format!("-{}-feo44x", "a".repeat(199))
+        );
+        assert_eq!(base36(0), "0");
+        assert_eq!(base36(35), "z");
+        assert_eq!(base36(36), "10");
+    }
+
+    #[test]
+    fn relocation_renames_the_project_dir_only_when_the_cwd_changes() {
+        let h = ClaudeCodeHarness::new(ClaudeCodeConfig::with_binary(binary()));
+        let moved = |old_workdir, workdir| StateMove {
+            old_home: "/old",
+            home: "/h",
+            old_workdir,
+            workdir,
+        };
+        assert_eq!(
+            h.relocate_state_script(&moved("/workspace", "/workspace")),
+            None,
+            "a new home alone needs nothing: the state is relative to it"
+        );
+        let script = h
+            .relocate_state_script(&moved("/tmp/a/work", "/workspace"))
+            .unwrap();
+        assert!(script.contains("p=/h/.claude/projects"), "{script}");
+        assert!(script.contains("old=\"$p\"/-tmp-a-work"), "{script}");
+        assert!(script.contains("new=\"$p\"/-workspace"), "{script}");
     }
 
     #[test]

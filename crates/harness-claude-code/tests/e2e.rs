@@ -1,8 +1,11 @@
 //! Claude Code end to end: the real `claude` binary, installed by the
-//! adapter's bootstrap recipe into a real local sandbox, against the scripted
-//! model server. Skips (prints "skipped: …") without the binary; fails
-//! under `HARNESS_REQUIRE_REAL=1`.
+//! adapter's bootstrap recipe into a real sandbox — every case runs on the
+//! local sandbox (`local::…`) and on Docker (`docker::…`, a snapshot image
+//! per recipe identity, the binary copied once) — against the scripted
+//! model server. Skips (prints "skipped: …") without the binary, dockerd or
+//! the test image; fails under `HARNESS_REQUIRE_REAL=1`.
 
+#[macro_use]
 mod support;
 
 use std::collections::BTreeMap;
@@ -10,9 +13,9 @@ use std::collections::BTreeMap;
 use harness_claude_code::{ClaudeCodeConfig, ClaudeCodeHarness};
 use harness_core::harness::Harness;
 use harness_core::part::StreamPart;
-use harness_core::sandbox::{collect_exec, ExecRequest, SandboxProvider};
+use harness_core::sandbox::{collect_exec, ExecRequest, NetworkPolicy, SandboxSpec};
+use harness_core::ErrorKind;
 use harness_testkit::model::*;
-use sandbox_local::LocalProvider;
 use support::*;
 
 fn harness() -> Option<ClaudeCodeHarness> {
@@ -25,13 +28,6 @@ fn harness() -> Option<ClaudeCodeHarness> {
     }
 }
 
-fn provider() -> LocalProvider {
-    // A stable root so the bootstrap template (the 400 MB binary) is built
-    // once and reused across runs.
-    let cache = std::env::var("HARNESS_CACHE").unwrap_or_else(|_| "/var/cache/harness".into());
-    LocalProvider::new(format!("{cache}/e2e-local-sandboxes"))
-}
-
 fn env_for(server: &ScriptedModel) -> BTreeMap<String, String> {
     server.claude_env().into_iter().collect()
 }
@@ -42,17 +38,18 @@ fn has_delta_before(run: &TurnRun, n: usize) -> bool {
         .any(|p| matches!(p, StreamPart::TextDelta { .. }))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn text_streams_while_the_agent_runs() {
+async fn text_streams_while_the_agent_runs(kind: BackendKind) {
     let Some(h) = harness() else { return };
-    let server = ScriptedModel::start(Script::new().on(
-        any(),
-        Reply::text_chunks(["Streaming ", "one ", "chunk ", "at a time."]).with_delay(400),
-    ))
-    .await
-    .unwrap();
-    let p = provider();
-    let mut s = new_session(&p, &h, "cc-stream", None).await;
+    let Some(b) = Backend::get(kind).await else {
+        return;
+    };
+    let server = b
+        .model(Script::new().on(
+            any(),
+            Reply::text_chunks(["Streaming ", "one ", "chunk ", "at a time."]).with_delay(400),
+        ))
+        .await;
+    let mut s = new_session(&b, &h, "cc-stream").await;
     let run = run_turn(&mut s, &h, "stream please", &env_for(&server)).await;
     server.assert_no_failures();
     assert_eq!(run.exit_code, 0, "{}", run.stderr);
@@ -68,45 +65,46 @@ async fn text_streams_while_the_agent_runs() {
         run.parts_while_running,
         run.parts.len()
     );
-    s.sandbox.destroy().await.unwrap();
+    s.destroy().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn agent_writes_a_file_the_test_reads_and_reads_a_file_the_test_wrote() {
+async fn agent_writes_a_file_the_test_reads_and_reads_a_file_the_test_wrote(kind: BackendKind) {
     let Some(h) = harness() else { return };
-    let p = provider();
-    let mut s = new_session(&p, &h, "cc-files", None).await;
+    let Some(b) = Backend::get(kind).await else {
+        return;
+    };
+    let mut s = new_session(&b, &h, "cc-files").await;
     write_text(s.sandbox.as_ref(), "input.txt", "secret-from-test-42\n").await;
-    let server = ScriptedModel::start(
-        Script::new()
-            .rule(
-                Rule::new(
-                    last_is_tool_result_for("toolu_cat"),
-                    Reply::text("Read it."),
+    let server = b
+        .model(
+            Script::new()
+                .rule(
+                    Rule::new(
+                        last_is_tool_result_for("toolu_cat"),
+                        Reply::text("Read it."),
+                    )
+                    .assert_tool_result_contains("toolu_cat", "secret-from-test-42"),
                 )
-                .assert_tool_result_contains("toolu_cat", "secret-from-test-42"),
-            )
-            .rule(
-                Rule::new(
-                    last_is_tool_result_for(BASH_CALL_ID),
-                    Reply::text("Wrote it."),
+                .rule(
+                    Rule::new(
+                        last_is_tool_result_for(BASH_CALL_ID),
+                        Reply::text("Wrote it."),
+                    )
+                    .assert_tool_result_contains(BASH_CALL_ID, "agent-was-here"),
                 )
-                .assert_tool_result_contains(BASH_CALL_ID, "agent-was-here"),
-            )
-            .on(
-                last_user_text_contains("read the input"),
-                Reply::tool(ToolCall::shell("toolu_cat", "cat input.txt")),
-            )
-            .on(
-                last_user_text_contains("write a file"),
-                Reply::shell(
-                    BASH_CALL_ID,
-                    "echo agent-was-here > made.txt && cat made.txt",
+                .on(
+                    last_user_text_contains("read the input"),
+                    Reply::tool(ToolCall::shell("toolu_cat", "cat input.txt")),
+                )
+                .on(
+                    last_user_text_contains("write a file"),
+                    Reply::shell(
+                        BASH_CALL_ID,
+                        "echo agent-was-here > made.txt && cat made.txt",
+                    ),
                 ),
-            ),
-    )
-    .await
-    .unwrap();
+        )
+        .await;
     let env = env_for(&server);
     let run = run_turn(&mut s, &h, "write a file", &env).await;
     server.assert_no_failures();
@@ -124,31 +122,32 @@ async fn agent_writes_a_file_the_test_reads_and_reads_a_file_the_test_wrote() {
     server.assert_no_failures();
     assert_eq!(run.exit_code, 0, "{}", run.stderr);
     assert_eq!(run.text(), "Read it.");
-    s.sandbox.destroy().await.unwrap();
+    s.destroy().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn second_turn_resumes_with_the_first_turns_context() {
+async fn second_turn_resumes_with_the_first_turns_context(kind: BackendKind) {
     let Some(h) = harness() else { return };
-    let server = ScriptedModel::start(
-        Script::new()
-            .rule(
-                Rule::new(
-                    last_user_text_contains("second question"),
-                    Reply::text("Second answer."),
+    let Some(b) = Backend::get(kind).await else {
+        return;
+    };
+    let server = b
+        .model(
+            Script::new()
+                .rule(
+                    Rule::new(
+                        last_user_text_contains("second question"),
+                        Reply::text("Second answer."),
+                    )
+                    .assert_user_texts_contain("first question")
+                    .assert_assistant_texts_contain("First answer alpha."),
                 )
-                .assert_user_texts_contain("first question")
-                .assert_assistant_texts_contain("First answer alpha."),
-            )
-            .on(
-                last_user_text_contains("first question"),
-                Reply::text("First answer alpha."),
-            ),
-    )
-    .await
-    .unwrap();
-    let p = provider();
-    let mut s = new_session(&p, &h, "cc-resume", None).await;
+                .on(
+                    last_user_text_contains("first question"),
+                    Reply::text("First answer alpha."),
+                ),
+        )
+        .await;
+    let mut s = new_session(&b, &h, "cc-resume").await;
     let env = env_for(&server);
     let r1 = run_turn(&mut s, &h, "first question", &env).await;
     assert_eq!(r1.exit_code, 0, "{}", r1.stderr);
@@ -179,32 +178,38 @@ async fn second_turn_resumes_with_the_first_turns_context() {
         "{}",
         out.stdout_str()
     );
-    s.sandbox.destroy().await.unwrap();
+    s.destroy().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sessions_have_distinct_sandboxes_and_state() {
+async fn sessions_have_distinct_sandboxes_and_state(kind: BackendKind) {
     let Some(h) = harness() else { return };
-    let server = ScriptedModel::start(
-        Script::new()
-            .on(last_is_tool_result(), Reply::text("listed"))
-            .on(
-                last_user_text_contains("make mine"),
-                Reply::shell("toolu_a", "echo a > only-a.txt && ls"),
-            )
-            .on(
-                last_user_text_contains("list yours"),
-                Reply::shell("toolu_b", "ls -a; echo end-of-list"),
-            ),
-    )
-    .await
-    .unwrap();
-    let p = provider();
+    let Some(be) = Backend::get(kind).await else {
+        return;
+    };
+    let server = be
+        .model(
+            Script::new()
+                .on(last_is_tool_result(), Reply::text("listed"))
+                .on(
+                    last_user_text_contains("make mine"),
+                    Reply::shell("toolu_a", "echo a > only-a.txt && ls"),
+                )
+                .on(
+                    last_user_text_contains("list yours"),
+                    Reply::shell("toolu_b", "ls -a; echo end-of-list"),
+                ),
+        )
+        .await;
     let env = env_for(&server);
-    let mut a = new_session(&p, &h, "cc-iso-a", None).await;
-    let mut b = new_session(&p, &h, "cc-iso-b", None).await;
-    assert_ne!(a.sandbox.workdir(), b.sandbox.workdir());
-    assert_ne!(a.home, b.home);
+    let mut a = new_session(&be, &h, "cc-iso-a").await;
+    let mut b = new_session(&be, &h, "cc-iso-b").await;
+    assert_ne!(a.sandbox.handle().id, b.sandbox.handle().id);
+    if kind == BackendKind::Local {
+        // Host directories: each session has its own workdir and home.
+        // (In Docker both are /workspace and /root, in separate containers.)
+        assert_ne!(a.sandbox.workdir(), b.sandbox.workdir());
+        assert_ne!(a.home, b.home);
+    }
     let ra = run_turn(&mut a, &h, "make mine", &env).await;
     let rb = run_turn(&mut b, &h, "list yours", &env).await;
     server.assert_no_failures();
@@ -235,26 +240,27 @@ async fn sessions_have_distinct_sandboxes_and_state() {
     .unwrap();
     let a_id = a.agent_session_id.clone().unwrap();
     assert!(!out.stdout_str().contains(&a_id));
-    a.sandbox.destroy().await.unwrap();
-    b.sandbox.destroy().await.unwrap();
+    a.destroy().await;
+    b.destroy().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn abort_keeps_parts_and_the_session_goes_on() {
+async fn abort_keeps_parts_and_the_session_goes_on(kind: BackendKind) {
     let Some(h) = harness() else { return };
+    let Some(b) = Backend::get(kind).await else {
+        return;
+    };
     let chunks: Vec<String> = (0..40).map(|i| format!("slow{i} ")).collect();
-    let server = ScriptedModel::start(
-        Script::new()
-            .on(
-                last_user_text_contains("after the abort"),
-                Reply::text("Still here."),
-            )
-            .on(any(), Reply::text_chunks(chunks).with_delay(500)),
-    )
-    .await
-    .unwrap();
-    let p = provider();
-    let mut s = new_session(&p, &h, "cc-abort", None).await;
+    let server = b
+        .model(
+            Script::new()
+                .on(
+                    last_user_text_contains("after the abort"),
+                    Reply::text("Still here."),
+                )
+                .on(any(), Reply::text_chunks(chunks).with_delay(500)),
+        )
+        .await;
+    let mut s = new_session(&b, &h, "cc-abort").await;
     let env = env_for(&server);
     let proc = start_turn(&mut s, &h, "talk slowly", &env).await;
     let run = follow(&mut s, &h, proc, |parts| {
@@ -278,10 +284,211 @@ async fn abort_keeps_parts_and_the_session_goes_on() {
     assert_eq!(next.exit_code, 0, "{}", next.stderr);
     assert_eq!(next.text(), "Still here.");
     assert_eq!(next.finish_reason(), Some("stop"));
-    s.sandbox.destroy().await.unwrap();
+    s.destroy().await;
 }
 
-#[test]
-fn provider_is_local() {
-    assert_eq!(provider().name(), "local");
+/// Turn 1 here; the sandbox is detached and turn 2 runs in another process
+/// (this test binary re-run as `child::resume_and_run_next_turn`), which
+/// resumes the sandbox from the handle JSON and the agent from its session
+/// id. The scripted model asserts turn 2's request carries turn 1.
+async fn cross_process_resume(kind: BackendKind) {
+    let Some(h) = harness() else { return };
+    let Some(b) = Backend::get(kind).await else {
+        return;
+    };
+    let server = b
+        .model(
+            Script::new()
+                .rule(
+                    Rule::new(
+                        last_user_text_contains("question from process two"),
+                        Reply::text("Answer from process two."),
+                    )
+                    .assert_user_texts_contain("question from process one")
+                    .assert_assistant_texts_contain("Answer one: zebra-17."),
+                )
+                .on(
+                    last_user_text_contains("question from process one"),
+                    Reply::text("Answer one: zebra-17."),
+                ),
+        )
+        .await;
+    let env = env_for(&server);
+    let mut s = new_session(&b, &h, "cc-xproc").await;
+    let r1 = run_turn(&mut s, &h, "question from process one", &env).await;
+    assert_eq!(r1.exit_code, 0, "{}", r1.stderr);
+    let id1 = s.agent_session_id.clone().expect("session id");
+    let (session_id, home, turns_done) = (s.id.clone(), s.home.clone(), s.turns);
+    // Only the handle's JSON crosses the process boundary.
+    let handle = s.detach().await;
+    let _guard = DockerGuard::new(kind, &handle);
+    let handle = serde_json::to_value(handle).unwrap();
+    let child = run_child(
+        "child::resume_and_run_next_turn",
+        &ChildTurn {
+            backend: kind,
+            handle: serde_json::from_value(handle.clone()).unwrap(),
+            session_id,
+            home,
+            agent_session_id: Some(id1.clone()),
+            turns_done,
+            prompt: "question from process two".into(),
+            env,
+        },
+    )
+    .await;
+    server.assert_no_failures();
+    assert_eq!(child.exit_code, 0, "{}", child.stderr);
+    assert_eq!(child.text, "Answer from process two.");
+    assert_eq!(child.finish_reason.as_deref(), Some("stop"));
+    assert_eq!(child.agent_session_id.as_deref(), Some(id1.as_str()));
+    let reqs = server.model_requests();
+    assert_eq!(reqs.len(), 2, "one model request per turn");
+    assert!(reqs[1]
+        .assistant_texts()
+        .iter()
+        .any(|t| t.contains("Answer one: zebra-17.")));
+    // The child left the sandbox running; resume it here once more to clean up.
+    let sandbox = b
+        .provider
+        .resume(&serde_json::from_value(handle).unwrap())
+        .await
+        .expect("resume after the child");
+    sandbox.destroy().await.unwrap();
+}
+
+/// Two configurations: a different workdir and a different value of an env
+/// var set in the `SandboxSpec`. The agent's bash tool runs `pwd` and prints
+/// the variable; the scripted model asserts the tool result shows both.
+async fn config_workdir_and_env(kind: BackendKind) {
+    let Some(h) = harness() else { return };
+    let Some(b) = Backend::get(kind).await else {
+        return;
+    };
+    let mut seen_workdirs = Vec::new();
+    for (i, (workdir, mark)) in [
+        ("/workspace", "mark-alpha-501"),
+        ("/srv/app-two", "mark-beta-502"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut spec = SandboxSpec::new(workdir);
+        spec.env.insert("HARNESS_E2E_MARK".into(), mark.to_string());
+        let mut s = new_session_with(&b, &h, &format!("cc-config-{i}"), spec)
+            .await
+            .expect("create sandbox");
+        if kind == BackendKind::Docker {
+            // In a container the spec's workdir is the real path. (The local
+            // sandbox records it and works in its own host directory.)
+            assert_eq!(s.sandbox.workdir(), workdir);
+        }
+        let real_workdir = s.sandbox.workdir().to_string();
+        let server = b
+            .model(
+                Script::new()
+                    .rule(
+                        Rule::new(last_is_tool_result_for("toolu_env"), Reply::text("seen"))
+                            .assert_tool_result_contains(
+                                "toolu_env",
+                                format!("pwd={real_workdir}\n"),
+                            )
+                            .assert_tool_result_contains("toolu_env", format!("mark={mark}")),
+                    )
+                    .on(
+                        any(),
+                        Reply::shell(
+                            "toolu_env",
+                            "echo \"pwd=$(pwd)\"; echo \"mark=$HARNESS_E2E_MARK\"",
+                        ),
+                    ),
+            )
+            .await;
+        let run = run_turn(&mut s, &h, "show config", &env_for(&server)).await;
+        server.assert_no_failures();
+        assert_eq!(run.exit_code, 0, "{}", run.stderr);
+        assert_eq!(run.text(), "seen");
+        seen_workdirs.push(real_workdir);
+        s.destroy().await;
+    }
+    assert_ne!(seen_workdirs[0], seen_workdirs[1]);
+}
+
+/// Network policy. Local: deny-all is refused at create (`Unsupported`).
+/// Docker: under deny-all the container cannot reach the model server on
+/// the host, so the turn fails with a connection error and the model sees
+/// no request; the same turn under allow-all succeeds.
+async fn network_policy(kind: BackendKind) {
+    let Some(h) = harness() else { return };
+    let Some(b) = Backend::get(kind).await else {
+        return;
+    };
+    let server = b
+        .model(Script::new().on(any(), Reply::text("reached")))
+        .await;
+    let mut env = env_for(&server);
+    // No retries: a refused connection fails the turn at once.
+    env.insert("CLAUDE_CODE_MAX_RETRIES".into(), "0".into());
+    let mut deny = SandboxSpec::new("/workspace");
+    deny.network = NetworkPolicy::DenyAll;
+    match kind {
+        BackendKind::Local => {
+            let err = match new_session_with(&b, &h, "cc-deny", deny).await {
+                Ok(s) => {
+                    s.destroy().await;
+                    panic!("the local sandbox accepted deny-all");
+                }
+                Err(e) => e,
+            };
+            assert_eq!(err.kind(), ErrorKind::Unsupported, "{err}");
+        }
+        BackendKind::Docker => {
+            let mut s = new_session_with(&b, &h, "cc-deny", deny)
+                .await
+                .expect("deny-all sandbox");
+            let run = run_turn(&mut s, &h, "are you there", &env).await;
+            assert!(
+                server.model_requests().is_empty(),
+                "a deny-all container reached the model server"
+            );
+            assert_ne!(run.exit_code, 0, "{:?}", run.parts);
+            assert_eq!(run.finish_reason(), Some("error"), "{:?}", run.parts);
+            let errors = run.errors().join("\n").to_lowercase();
+            println!("deny-all turn: exit {}, errors: {errors}", run.exit_code);
+            assert!(
+                errors.contains("connect"),
+                "not a connection error: {errors}"
+            );
+            s.destroy().await;
+        }
+    }
+    let mut s = new_session(&b, &h, "cc-allow").await;
+    let run = run_turn(&mut s, &h, "are you there", &env).await;
+    server.assert_no_failures();
+    assert_eq!(run.exit_code, 0, "{}", run.stderr);
+    assert_eq!(run.text(), "reached");
+    assert_eq!(server.model_requests().len(), 1);
+    s.destroy().await;
+}
+
+on_both_backends!(
+    text_streams_while_the_agent_runs,
+    agent_writes_a_file_the_test_reads_and_reads_a_file_the_test_wrote,
+    second_turn_resumes_with_the_first_turns_context,
+    sessions_have_distinct_sandboxes_and_state,
+    abort_keeps_parts_and_the_session_goes_on,
+    cross_process_resume,
+    config_workdir_and_env,
+    network_policy,
+);
+
+mod child {
+    /// The second process of `cross_process_resume`; does nothing unless
+    /// that test starts it (with the turn in `HARNESS_E2E_CHILD_TURN`).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore = "run by cross_process_resume as its child process"]
+    async fn resume_and_run_next_turn() {
+        let Some(h) = super::harness() else { return };
+        super::child_main(&h).await;
+    }
 }

@@ -22,7 +22,7 @@ mod parser;
 use std::collections::BTreeMap;
 
 use harness_core::bootstrap::{BootstrapRecipe, FileSource, RecipeFile};
-use harness_core::harness::{AgentCommand, Harness, OutputParser, TurnContext};
+use harness_core::harness::{AgentCommand, Harness, OutputParser, StateMove, TurnContext};
 use harness_core::sandbox::shell_quote;
 use harness_core::{Error, Result};
 
@@ -264,6 +264,23 @@ impl Harness for CodexHarness {
     fn state_dirs(&self, home: &str) -> Vec<String> {
         vec![format!("{}/.codex", home.trim_end_matches('/'))]
     }
+
+    /// Codex's thread index (`state_*.sqlite`) records each rollout's
+    /// absolute path under the old `CODEX_HOME`; after a move to another
+    /// home `exec resume` finds the thread there, misses the file and fails
+    /// ("no rollout found for thread id"). Dropping the index makes Codex
+    /// rebuild it from the rollout files (which are keyed by date and
+    /// thread, not by path). Rewriting the paths would need `sqlite3` in
+    /// the sandbox, which images do not have.
+    fn relocate_state_script(&self, moved: &StateMove<'_>) -> Option<String> {
+        if moved.old_home.trim_end_matches('/') == moved.home.trim_end_matches('/') {
+            return None;
+        }
+        Some(format!(
+            "rm -f -- {dir}/state_*.sqlite {dir}/state_*.sqlite-wal {dir}/state_*.sqlite-shm\n",
+            dir = shell_quote(&format!("{}/.codex", moved.home.trim_end_matches('/')))
+        ))
+    }
 }
 
 /// `sh -c LAUNCHER PROGRAM ARGS…`: creates `$CODEX_HOME` (Codex needs it
@@ -412,6 +429,31 @@ mod tests {
     #[test]
     fn toml_strings_escape() {
         assert_eq!(toml_string("a\"b\\c\nd\u{1}"), "\"a\\\"b\\\\c\\nd\\u0001\"");
+    }
+
+    #[test]
+    fn relocation_drops_the_thread_index_only_when_the_home_changes() {
+        let h = CodexHarness::new(CodexConfig::default());
+        let moved = |old_home, home| StateMove {
+            old_home,
+            home,
+            old_workdir: "/a/work",
+            workdir: "/workspace",
+        };
+        assert_eq!(
+            h.relocate_state_script(&moved("/root", "/root/")),
+            None,
+            "rollouts are not keyed by cwd"
+        );
+        let script = h.relocate_state_script(&moved("/x/home", "/root")).unwrap();
+        assert!(
+            script.starts_with("rm -f -- /root/.codex/state_*.sqlite "),
+            "{script}"
+        );
+        assert!(
+            script.contains("/root/.codex/state_*.sqlite-wal"),
+            "{script}"
+        );
     }
 
     #[test]

@@ -71,4 +71,29 @@ pub trait Harness: Send + Sync + std::fmt::Debug {
     /// Directories (under `home`) holding the agent's own session state,
     /// which must travel with the working tree.
     fn state_dirs(&self, home: &str) -> Vec<String>;
+
+    /// A shell script that adapts restored agent state to a new place, run
+    /// in the target sandbox after the state directories were restored under
+    /// its home (see `moves::restore_session`; only called when the home or
+    /// the workdir changed). Agents that key state by the working directory
+    /// (Claude Code names its transcript directory after the cwd) or record
+    /// absolute paths under their home (Codex's thread index) fix that here.
+    /// `None` (the default): the state does not depend on either.
+    fn relocate_state_script(&self, moved: &StateMove<'_>) -> Option<String> {
+        let _ = moved;
+        None
+    }
+}
+
+/// Where a session's agent state came from and where it was restored to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StateMove<'a> {
+    /// `$HOME` in the source sandbox.
+    pub old_home: &'a str,
+    /// `$HOME` in the target sandbox (the state dirs are restored under it).
+    pub home: &'a str,
+    /// The source sandbox's working directory.
+    pub old_workdir: &'a str,
+    /// The target sandbox's working directory.
+    pub workdir: &'a str,
 }

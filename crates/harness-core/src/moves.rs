@@ -11,6 +11,11 @@
 //! bounded and guarantees a refused archive changes nothing. The second pass
 //! scans again and the store verifies the content hash on both reads, so an
 //! object swapped between the passes fails instead of being applied.
+//!
+//! `checkpoint_session` / `restore_session` move a whole agent session: the
+//! tree, the agent's state dirs relative to `$HOME`, and a manifest; on
+//! restore the adapter's `Harness::relocate_state_script` adapts the state
+//! to the target's workdir and home.
 
 use std::sync::Arc;
 
@@ -21,7 +26,9 @@ use futures::io::{AsyncRead, AsyncReadExt, BufReader};
 use futures::{StreamExt, TryStreamExt};
 
 use crate::checkpoint::{CheckpointStore, ObjectMeta};
-use crate::sandbox::Sandbox;
+use crate::harness::{Harness, StateMove};
+use crate::sandbox::{shell_quote, Sandbox};
+use crate::slice::home_of;
 use crate::stream::ByteStream;
 use crate::tarscan::{ScanSummary, TarScanner};
 use crate::{Error, Result};
@@ -212,4 +219,339 @@ pub async fn restore(
         p.finish(MovePhase::Import);
     }
     Ok(RestoreInfo { summary })
+}
+
+/// Format version of [`SessionManifest`].
+pub const SESSION_MANIFEST_VERSION: u32 = 1;
+
+/// Largest manifest `restore_session` reads.
+const MANIFEST_LIMIT: usize = 1 << 20;
+
+/// The keys of a session checkpoint under `base`: the working tree, the
+/// agent's state, and the manifest tying them together.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionKeys {
+    /// `<base>/work.tar.zst`: the working directory.
+    pub work: String,
+    /// `<base>/state.tar.zst`: the agent's state dirs, relative to `$HOME`.
+    pub state: String,
+    /// `<base>/manifest.json`: a [`SessionManifest`].
+    pub manifest: String,
+}
+
+impl SessionKeys {
+    /// The keys under `base` (validated).
+    pub fn new(base: &str) -> Result<Self> {
+        crate::checkpoint::validate_key(base)?;
+        Ok(Self {
+            work: format!("{base}/work.tar.zst"),
+            state: format!("{base}/state.tar.zst"),
+            manifest: format!("{base}/manifest.json"),
+        })
+    }
+}
+
+/// What a session checkpoint holds, written last under
+/// [`SessionKeys::manifest`]: a manifest present means both archives were
+/// stored completely, and the recorded hashes tie it to exactly those
+/// archives.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SessionManifest {
+    /// [`SESSION_MANIFEST_VERSION`].
+    pub version: u32,
+    /// The adapter's name (`Harness::name`).
+    pub agent: String,
+    /// The agent's own session id, for `--resume` in the target.
+    pub agent_session_id: Option<String>,
+    /// The source sandbox's working directory.
+    pub workdir: String,
+    /// The source sandbox's `$HOME`.
+    pub home: String,
+    /// The agent's state dirs relative to `home` that existed and were
+    /// stored (empty: no state yet, no state archive).
+    pub state_dirs: Vec<String>,
+    /// The stored working tree.
+    pub work: ObjectMeta,
+    /// The stored state archive, if any state existed.
+    pub state: Option<ObjectMeta>,
+}
+
+/// What [`restore_session`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionRestoreInfo {
+    /// The manifest read.
+    pub manifest: SessionManifest,
+    /// The working tree restore.
+    pub work: RestoreInfo,
+    /// The state restore, if there was state.
+    pub state: Option<RestoreInfo>,
+    /// The target's `$HOME`, under which the state landed.
+    pub home: String,
+    /// True if the adapter's relocation script ran (home or workdir
+    /// changed and the adapter has one).
+    pub relocated: bool,
+}
+
+async fn run_script(sandbox: &dyn Sandbox, script: String, what: &str) -> Result<String> {
+    let out = crate::sandbox::collect_exec(
+        sandbox
+            .exec(crate::sandbox::ExecRequest::shell(script))
+            .await?,
+    )
+    .await?
+    .check(what)?;
+    Ok(out.stdout_str())
+}
+
+/// The state dirs of `harness` relative to `home`; a dir outside `home` is
+/// refused (it could not be restored relative to another home).
+fn relative_state_dirs(harness: &dyn Harness, home: &str) -> Result<Vec<String>> {
+    let home = home.trim_end_matches('/');
+    harness
+        .state_dirs(home)
+        .into_iter()
+        .map(|dir| {
+            let rel = dir
+                .strip_prefix(home)
+                .and_then(|r| r.strip_prefix('/'))
+                .map(|r| r.trim_end_matches('/'))
+                .filter(|r| {
+                    !r.is_empty() && r.split('/').all(|s| !s.is_empty() && s != "." && s != "..")
+                });
+            rel.map(str::to_string).ok_or_else(|| {
+                Error::invalid(format!(
+                    "agent {} state dir {dir:?} is not inside its home {home:?}",
+                    harness.name()
+                ))
+            })
+        })
+        .collect()
+}
+
+/// Checkpoint a whole session: the working tree to `<base>/work.tar.zst`,
+/// the agent's state dirs ([`Harness::state_dirs`], as a tar relative to
+/// `$HOME`, made by `tar` in the sandbox and streamed out) to
+/// `<base>/state.tar.zst`, then the [`SessionManifest`]. Nothing is staged
+/// on the sandbox's disk. Use a fresh `base` per checkpoint.
+pub async fn checkpoint_session(
+    sandbox: &dyn Sandbox,
+    harness: &dyn Harness,
+    agent_session_id: Option<&str>,
+    store: &dyn CheckpointStore,
+    base: &str,
+    progress: Option<Arc<dyn MoveProgress>>,
+) -> Result<SessionManifest> {
+    let keys = SessionKeys::new(base)?;
+    let home = home_of(sandbox).await?;
+    let wanted = relative_state_dirs(harness, &home)?;
+    // Only the dirs that exist: an agent that has not run yet has none.
+    let mut probe = String::new();
+    for dir in &wanted {
+        probe.push_str(&format!(
+            "if [ -d {p} ]; then printf '%s\\n' {d}; fi\n",
+            p = shell_quote(&format!("{home}/{dir}")),
+            d = shell_quote(dir)
+        ));
+    }
+    let present: Vec<String> = if probe.is_empty() {
+        Vec::new()
+    } else {
+        run_script(sandbox, probe, "looking for agent state")
+            .await?
+            .lines()
+            .map(str::to_string)
+            .collect()
+    };
+    let state = if present.is_empty() {
+        None
+    } else {
+        let quoted: Vec<String> = present.iter().map(|d| shell_quote(d)).collect();
+        let script = format!(
+            "exec tar -C {} -cf - -- {}",
+            shell_quote(&home),
+            quoted.join(" ")
+        );
+        let tar = crate::sandbox::exec_stdout_stream(
+            sandbox
+                .exec(crate::sandbox::ExecRequest::shell(script))
+                .await?,
+            format!("agent state under {home}"),
+        );
+        Some(
+            store
+                .put(&keys.state, compress(tar, DEFAULT_ZSTD_LEVEL))
+                .await?,
+        )
+    };
+    let work = checkpoint(sandbox, sandbox.workdir(), store, &keys.work, progress).await?;
+    let manifest = SessionManifest {
+        version: SESSION_MANIFEST_VERSION,
+        agent: harness.name().to_string(),
+        agent_session_id: agent_session_id.map(str::to_string),
+        workdir: sandbox.workdir().to_string(),
+        home,
+        state_dirs: present,
+        work: work.object,
+        state,
+    };
+    store
+        .put(
+            &keys.manifest,
+            crate::stream::once(serde_json::to_vec_pretty(&manifest)?),
+        )
+        .await?;
+    Ok(manifest)
+}
+
+/// Read and check the manifest of the session checkpoint under `base`.
+pub async fn read_session_manifest(
+    store: &dyn CheckpointStore,
+    base: &str,
+) -> Result<SessionManifest> {
+    let keys = SessionKeys::new(base)?;
+    let bytes = crate::stream::collect(store.get(&keys.manifest).await?, MANIFEST_LIMIT).await?;
+    let manifest: SessionManifest = serde_json::from_slice(&bytes).map_err(|e| {
+        Error::corrupt(format!(
+            "session manifest {:?} is not valid: {e}",
+            keys.manifest
+        ))
+    })?;
+    if manifest.version != SESSION_MANIFEST_VERSION {
+        return Err(Error::invalid(format!(
+            "session manifest {:?} has version {}, this build reads {SESSION_MANIFEST_VERSION}",
+            keys.manifest, manifest.version
+        )));
+    }
+    Ok(manifest)
+}
+
+/// Check that the object under `key` is the one the manifest recorded (a
+/// later checkpoint to the same base could have replaced it).
+async fn check_recorded(
+    store: &dyn CheckpointStore,
+    key: &str,
+    recorded: &ObjectMeta,
+) -> Result<()> {
+    let actual = store.head(key).await?;
+    if actual.sha256 != recorded.sha256 || recorded.key != key {
+        return Err(Error::corrupt(format!(
+            "checkpoint {key:?} is not the one its manifest recorded (hash {} != {})",
+            actual.sha256, recorded.sha256
+        )));
+    }
+    Ok(())
+}
+
+/// Restore the session checkpoint under `base` into `sandbox`: the tree onto
+/// its workdir (overlay), the agent state under its `$HOME`, then — if the
+/// workdir or home path differs from the source's — the adapter's
+/// [`Harness::relocate_state_script`]. Both archives are scanned before
+/// either is applied, so an unsafe entry in either changes nothing.
+pub async fn restore_session(
+    store: &dyn CheckpointStore,
+    base: &str,
+    sandbox: &dyn Sandbox,
+    harness: &dyn Harness,
+    progress: Option<Arc<dyn MoveProgress>>,
+) -> Result<SessionRestoreInfo> {
+    let keys = SessionKeys::new(base)?;
+    let manifest = read_session_manifest(store, base).await?;
+    if manifest.agent != harness.name() {
+        return Err(Error::invalid(format!(
+            "session checkpoint {base:?} is of agent {:?}, not {:?}",
+            manifest.agent,
+            harness.name()
+        )));
+    }
+    check_recorded(store, &keys.work, &manifest.work).await?;
+    if let Some(state) = &manifest.state {
+        check_recorded(store, &keys.state, state).await?;
+        // Scan the state now: `restore` of the tree below applies it, and a
+        // state archive refused afterwards would leave half a session.
+        verify(store, &keys.state, None).await?;
+    }
+    let home = home_of(sandbox).await?;
+    let work = restore(store, &keys.work, sandbox, sandbox.workdir(), progress).await?;
+    let state = match &manifest.state {
+        Some(_) => Some(restore(store, &keys.state, sandbox, &home, None).await?),
+        None => None,
+    };
+    let mut relocated = false;
+    if state.is_some() && (manifest.workdir != sandbox.workdir() || manifest.home != home) {
+        let moved = StateMove {
+            old_home: &manifest.home,
+            home: &home,
+            old_workdir: &manifest.workdir,
+            workdir: sandbox.workdir(),
+        };
+        if let Some(script) = harness.relocate_state_script(&moved) {
+            run_script(sandbox, script, "relocating agent state to the new workdir").await?;
+            relocated = true;
+        }
+    }
+    Ok(SessionRestoreInfo {
+        manifest,
+        work,
+        state,
+        home,
+        relocated,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug)]
+    struct Dirs(Vec<&'static str>);
+
+    impl Harness for Dirs {
+        fn name(&self) -> &'static str {
+            "dirs"
+        }
+        fn bootstrap_recipe(&self) -> Result<crate::bootstrap::BootstrapRecipe> {
+            Ok(Default::default())
+        }
+        fn turn_command(
+            &self,
+            _turn: &crate::harness::TurnContext<'_>,
+        ) -> Result<crate::harness::AgentCommand> {
+            Err(Error::invalid("not used"))
+        }
+        fn parser(&self) -> Box<dyn crate::harness::OutputParser> {
+            unreachable!("not used")
+        }
+        fn state_dirs(&self, home: &str) -> Vec<String> {
+            self.0.iter().map(|d| d.replace("$HOME", home)).collect()
+        }
+    }
+
+    #[test]
+    fn session_keys_sit_under_a_valid_base() {
+        let k = SessionKeys::new("sessions/s1/turn-2").unwrap();
+        assert_eq!(k.work, "sessions/s1/turn-2/work.tar.zst");
+        assert_eq!(k.state, "sessions/s1/turn-2/state.tar.zst");
+        assert_eq!(k.manifest, "sessions/s1/turn-2/manifest.json");
+        assert!(SessionKeys::new("../x").is_err());
+        assert!(SessionKeys::new("a/").is_err());
+    }
+
+    #[test]
+    fn state_dirs_are_taken_relative_to_home_and_must_be_inside_it() {
+        let h = Dirs(vec!["$HOME/.claude", "$HOME/.config/agent/"]);
+        assert_eq!(
+            relative_state_dirs(&h, "/home/u/").unwrap(),
+            [".claude", ".config/agent"]
+        );
+        for bad in [
+            "/etc/agent",
+            "$HOME",
+            "$HOME/../other",
+            "$HOMEX/.a",
+            "$HOME//a",
+        ] {
+            let err = relative_state_dirs(&Dirs(vec![bad]), "/home/u").unwrap_err();
+            assert_eq!(err.kind(), crate::ErrorKind::InvalidInput, "{bad}: {err}");
+        }
+    }
 }

@@ -31,6 +31,7 @@ use harness_core::log::{SessionLog, DEFAULT_MAX_FRAME_BYTES};
 use harness_core::SessionId;
 
 mod auth;
+pub mod durable_streams;
 mod error;
 mod http;
 mod hub;
@@ -93,7 +94,7 @@ impl SessionServer {
 
     /// The axum router (mount it under any prefix-free path).
     pub fn router(&self) -> Router {
-        http::router(self.state.clone())
+        http::router(self.state.clone()).merge(durable_streams::server_router(&self.state.config))
     }
 
     /// Sessions whose actor is running right now.

@@ -13,6 +13,8 @@ use sha2::{Digest, Sha256};
 
 pub use harness_testkit::skip_or_fail;
 
+pub mod sandboxes;
+
 /// The S3 endpoint from `HARNESS_S3_ENDPOINT`, if set and accepting
 /// connections; otherwise skip (or fail under CI) and return `None`.
 pub async fn endpoint() -> Option<String> {

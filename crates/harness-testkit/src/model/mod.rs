@@ -132,7 +132,14 @@ impl std::fmt::Debug for ScriptedModel {
 impl ScriptedModel {
     /// Serve `script` on both APIs on `127.0.0.1:<ephemeral port>`.
     pub async fn start(script: Script) -> anyhow::Result<Self> {
-        let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await?;
+        Self::start_on(SocketAddr::from(([127, 0, 0, 1], 0)), script).await
+    }
+
+    /// Serve `script` on `addr` (port 0: an ephemeral port). For clients
+    /// that cannot reach the host's loopback, e.g. a Docker container, which
+    /// reaches the host on its bridge gateway address.
+    pub async fn start_on(addr: SocketAddr, script: Script) -> anyhow::Result<Self> {
+        let listener = tokio::net::TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         let shared = Arc::new(Shared {
             script,

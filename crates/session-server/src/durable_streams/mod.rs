@@ -31,7 +31,7 @@ pub mod store;
 mod util;
 
 pub use store::{
-    AppendOptions, AppendOutcome, CreateOptions, Offset, Producer, StoreError, StoreStreamMeta,
+    AppendOptions, AppendOutcome, CreateOptions, Offset, Producer, StoreError, StreamMeta,
     StreamStore,
 };
 
@@ -126,6 +126,13 @@ pub fn router(state: DurableStreamsState) -> Router {
         .with_state(Arc::new(state))
 }
 
+/// The routes as the session server mounts them
+/// ([`DurableStreamsState::for_server`]). Each call makes a fresh in-memory
+/// stream store, so build the router once per server.
+pub fn server_router(config: &crate::ServerConfig) -> Router {
+    router(DurableStreamsState::for_server(config))
+}
+
 type Shared = Arc<DurableStreamsState>;
 
 /// A response under construction.
@@ -199,7 +206,13 @@ fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
     headers.get(name).and_then(|v| v.to_str().ok())
 }
 
-async fn handle(State(state): State<Shared>, method: Method, uri: Uri, headers: HeaderMap, body: Body) -> Response {
+async fn handle(
+    State(state): State<Shared>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
     let path = uri.path().to_string();
     if method == Method::OPTIONS {
         return Reply::new(StatusCode::NO_CONTENT).finish();
@@ -225,11 +238,19 @@ async fn handle(State(state): State<Shared>, method: Method, uri: Uri, headers: 
             Some(&session),
             &[GrantRole::Client, GrantRole::Runner],
         ) {
-            return Reply::text(e.status(), e.to_string()).finish();
+            return Reply::text(e.status, e.message).finish();
         }
-        return sessions::handle(&state, log.clone(), &session, &path, method, &params, &headers)
-            .await
-            .finish();
+        return sessions::handle(
+            &state,
+            log.clone(),
+            &session,
+            &path,
+            method,
+            &params,
+            &headers,
+        )
+        .await
+        .finish();
     }
     if let Err(e) = authorize(
         &state.auth.tokens,
@@ -238,7 +259,7 @@ async fn handle(State(state): State<Shared>, method: Method, uri: Uri, headers: 
         None,
         &[GrantRole::Host],
     ) {
-        return Reply::text(e.status(), e.to_string()).finish();
+        return Reply::text(e.status, e.message).finish();
     }
     let reply = match method {
         Method::PUT => create(&state, &path, &headers, body).await,
@@ -266,22 +287,26 @@ fn store_error(e: StoreError) -> Reply {
         | StoreError::InvalidForkSubOffset(_)
         | StoreError::InvalidJson
         | StoreError::EmptyArray => StatusCode::BAD_REQUEST,
+        StoreError::Storage(_) => StatusCode::INTERNAL_SERVER_ERROR,
     };
     Reply::text(status, e.to_string())
 }
 
 async fn read_body(body: Body) -> Result<Bytes, Reply> {
-    axum::body::to_bytes(body, MAX_BODY_BYTES).await.map_err(|e| {
-        Reply::text(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            format!("request body unreadable or larger than {MAX_BODY_BYTES} bytes: {e}"),
-        )
-    })
+    axum::body::to_bytes(body, MAX_BODY_BYTES)
+        .await
+        .map_err(|e| {
+            Reply::text(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("request body unreadable or larger than {MAX_BODY_BYTES} bytes: {e}"),
+            )
+        })
 }
 
 /// `^(0|[1-9]\d*)$`
 fn strict_uint(raw: &str) -> Option<u64> {
-    let ok = raw == "0" || (!raw.is_empty() && !raw.starts_with('0') && raw.bytes().all(|b| b.is_ascii_digit()));
+    let ok = raw == "0"
+        || (!raw.is_empty() && !raw.starts_with('0') && raw.bytes().all(|b| b.is_ascii_digit()));
     if ok {
         raw.parse().ok()
     } else {
@@ -291,7 +316,11 @@ fn strict_uint(raw: &str) -> Option<u64> {
 
 /// `^[\w-]+/[\w-]+`: anything else is treated as absent.
 fn valid_content_type(raw: &str) -> bool {
-    let word = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    let word = |s: &str| {
+        !s.is_empty()
+            && s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    };
     let Some((a, rest)) = raw.split_once('/') else {
         return false;
     };
@@ -310,7 +339,9 @@ fn location(headers: &HeaderMap, path: &str) -> String {
 async fn create(state: &DurableStreamsState, path: &str, headers: &HeaderMap, body: Body) -> Reply {
     let forked_from = header_str(headers, FORKED_FROM).map(str::to_string);
     let content_type = match header_str(headers, header::CONTENT_TYPE.as_str()) {
-        Some(ct) if !ct.trim().is_empty() && valid_content_type(ct.trim()) => Some(ct.trim().to_string()),
+        Some(ct) if !ct.trim().is_empty() && valid_content_type(ct.trim()) => {
+            Some(ct.trim().to_string())
+        }
         // Forks inherit the source's type when none is given.
         _ if forked_from.is_some() => None,
         _ => Some("application/octet-stream".to_string()),
@@ -332,7 +363,10 @@ async fn create(state: &DurableStreamsState, path: &str, headers: &HeaderMap, bo
         Some(raw) => match util::parse_rfc3339_ms(raw) {
             Some(ms) => Some((raw.to_string(), ms)),
             None => {
-                return Reply::text(StatusCode::BAD_REQUEST, "Invalid Stream-Expires-At timestamp")
+                return Reply::text(
+                    StatusCode::BAD_REQUEST,
+                    "Invalid Stream-Expires-At timestamp",
+                )
             }
         },
         None => None,
@@ -340,7 +374,9 @@ async fn create(state: &DurableStreamsState, path: &str, headers: &HeaderMap, bo
     let fork_offset = match header_str(headers, FORK_OFFSET) {
         Some(raw) if !raw.is_empty() => match Offset::parse(raw) {
             Some(o) => Some(o),
-            None => return Reply::text(StatusCode::BAD_REQUEST, "Invalid Stream-Fork-Offset format"),
+            None => {
+                return Reply::text(StatusCode::BAD_REQUEST, "Invalid Stream-Fork-Offset format")
+            }
         },
         _ => None,
     };
@@ -356,7 +392,10 @@ async fn create(state: &DurableStreamsState, path: &str, headers: &HeaderMap, bo
             match raw.to_str().ok().and_then(strict_uint) {
                 Some(v) => Some(v),
                 None => {
-                    return Reply::text(StatusCode::BAD_REQUEST, "Invalid Stream-Fork-Sub-Offset format")
+                    return Reply::text(
+                        StatusCode::BAD_REQUEST,
+                        "Invalid Stream-Fork-Sub-Offset format",
+                    )
                 }
             }
         }
@@ -404,7 +443,10 @@ async fn create(state: &DurableStreamsState, path: &str, headers: &HeaderMap, bo
 
 fn etag(path: &str, start: &str, end: Offset, closed: bool) -> String {
     let suffix = if closed { ":c" } else { "" };
-    format!("\"{}:{start}:{end}{suffix}\"", util::base64(path.as_bytes()))
+    format!(
+        "\"{}:{start}:{end}{suffix}\"",
+        util::base64(path.as_bytes())
+    )
 }
 
 fn head(state: &DurableStreamsState, path: &str) -> Reply {
@@ -456,10 +498,16 @@ pub(crate) fn read_params(params: &[(String, String)]) -> Result<ReadParams, Rep
     let offset = offsets.first().map(|s| s.to_string());
     if let Some(o) = &offset {
         if o.is_empty() {
-            return Err(Reply::text(StatusCode::BAD_REQUEST, "Empty offset parameter"));
+            return Err(Reply::text(
+                StatusCode::BAD_REQUEST,
+                "Empty offset parameter",
+            ));
         }
         if o != "-1" && o != "now" && Offset::parse(o).is_none() {
-            return Err(Reply::text(StatusCode::BAD_REQUEST, "Invalid offset format"));
+            return Err(Reply::text(
+                StatusCode::BAD_REQUEST,
+                "Invalid offset format",
+            ));
         }
     }
     let get = |name: &str| {
@@ -484,11 +532,18 @@ pub(crate) fn read_params(params: &[(String, String)]) -> Result<ReadParams, Rep
 
 /// Content types whose SSE payloads go as text; everything else is base64.
 pub(crate) fn text_compatible(content_type: Option<&str>) -> bool {
-    let ct = content_type.map(store::normalize_content_type).unwrap_or_default();
+    let ct = content_type
+        .map(store::normalize_content_type)
+        .unwrap_or_default();
     ct.starts_with("text/") || ct == "application/json"
 }
 
-async fn read(state: &DurableStreamsState, path: &str, params: &[(String, String)], headers: &HeaderMap) -> Reply {
+async fn read(
+    state: &DurableStreamsState,
+    path: &str,
+    params: &[(String, String)],
+    headers: &HeaderMap,
+) -> Reply {
     let Some(meta) = state.store.meta(path) else {
         return Reply::text(StatusCode::NOT_FOUND, "Stream not found");
     };
@@ -554,7 +609,12 @@ async fn read(state: &DurableStreamsState, path: &str, params: &[(String, String
     }
     let end = messages.last().map(|m| m.offset).unwrap_or(meta.tail);
     let at_tail_closed = meta.closed && end == meta.tail;
-    let tag = etag(path, p.offset.as_deref().unwrap_or("-1"), end, at_tail_closed);
+    let tag = etag(
+        path,
+        p.offset.as_deref().unwrap_or("-1"),
+        end,
+        at_tail_closed,
+    );
     if header_str(headers, header::IF_NONE_MATCH.as_str()) == Some(tag.as_str()) {
         return Reply::new(StatusCode::NOT_MODIFIED).header("etag", tag);
     }
@@ -644,7 +704,12 @@ pub(crate) fn sse_event(event: &str, payload: &str) -> Bytes {
     Bytes::from(out)
 }
 
-pub(crate) fn control(offset: Offset, cursor: Option<String>, up_to_date: bool, closed: bool) -> Bytes {
+pub(crate) fn control(
+    offset: Offset,
+    cursor: Option<String>,
+    up_to_date: bool,
+    closed: bool,
+) -> Bytes {
     let mut data = serde_json::Map::new();
     data.insert("streamNextOffset".into(), offset.to_string().into());
     if closed {
@@ -678,7 +743,13 @@ pub(crate) fn channel_body(rx: mpsc::Receiver<Result<Bytes, std::convert::Infall
     }))
 }
 
-fn sse(state: &DurableStreamsState, path: &str, start: Option<Offset>, cursor: Option<String>, meta: &store::StreamMeta) -> Reply {
+fn sse(
+    state: &DurableStreamsState,
+    path: &str,
+    start: Option<Offset>,
+    cursor: Option<String>,
+    meta: &store::StreamMeta,
+) -> Reply {
     let base64 = !text_compatible(meta.content_type.as_deref());
     let json = meta.is_json();
     let (tx, rx) = mpsc::channel(64);
@@ -735,7 +806,13 @@ async fn sse_loop(
             if meta.closed && at == meta.tail {
                 return send(control(at, None, true, true)).await;
             }
-            send(control(at, Some(util::response_cursor(cursor.as_deref())), true, false)).await?;
+            send(control(
+                at,
+                Some(util::response_cursor(cursor.as_deref())),
+                true,
+                false,
+            ))
+            .await?;
         }
         current = Some(at);
         // Wait for more, sending a keep-alive control event on every timeout.
@@ -749,7 +826,13 @@ async fn sse_loop(
                 Waited::Closed => return send(control(at, None, true, true)).await,
                 Waited::Gone => return Ok(()),
                 Waited::TimedOut => {
-                    send(control(at, Some(util::response_cursor(cursor.as_deref())), true, false)).await?;
+                    send(control(
+                        at,
+                        Some(util::response_cursor(cursor.as_deref())),
+                        true,
+                        false,
+                    ))
+                    .await?;
                 }
             }
         }
@@ -771,14 +854,17 @@ fn producer_from(headers: &HeaderMap) -> Result<Option<Producer>, Reply> {
         }
     };
     if id.is_empty() {
-        return Err(Reply::text(StatusCode::BAD_REQUEST, "Invalid Producer-Id: must not be empty"));
+        return Err(Reply::text(
+            StatusCode::BAD_REQUEST,
+            "Invalid Producer-Id: must not be empty",
+        ));
     }
     // Digits only, and within JavaScript's safe integers like the reference.
     let int = |s: &str| {
         (!s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
             .then(|| s.parse::<u64>().ok())
             .flatten()
-            .filter(|v| *v <= (1u64 << 53) - 1)
+            .filter(|v| *v < (1u64 << 53))
     };
     let Some(epoch) = int(epoch) else {
         return Err(Reply::text(
@@ -823,7 +909,8 @@ fn outcome_reply(outcome: AppendOutcome, producer: Option<&Producer>, close_only
             offset,
             closed,
         } => {
-            let mut reply = Reply::new(StatusCode::NO_CONTENT).header(PRODUCER_SEQ, last_seq.to_string());
+            let mut reply =
+                Reply::new(StatusCode::NO_CONTENT).header(PRODUCER_SEQ, last_seq.to_string());
             if let Some(p) = producer {
                 reply = reply.header(PRODUCER_EPOCH, p.epoch.to_string());
             }
@@ -847,9 +934,11 @@ fn outcome_reply(outcome: AppendOutcome, producer: Option<&Producer>, close_only
                 .header(PRODUCER_EXPECTED_SEQ, expected.to_string())
                 .header(PRODUCER_RECEIVED_SEQ, received.to_string())
         }
-        AppendOutcome::StreamClosed { offset } => Reply::text(StatusCode::CONFLICT, "Stream is closed")
-            .header(STREAM_CLOSED, "true")
-            .header(STREAM_NEXT_OFFSET, offset.to_string()),
+        AppendOutcome::StreamClosed { offset } => {
+            Reply::text(StatusCode::CONFLICT, "Stream is closed")
+                .header(STREAM_CLOSED, "true")
+                .header(STREAM_NEXT_OFFSET, offset.to_string())
+        }
     }
 }
 

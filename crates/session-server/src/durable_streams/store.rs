@@ -1,10 +1,16 @@
-//! The storage of generic Durable Streams: an in-memory map of streams.
+//! The storage of generic Durable Streams.
 //!
-//! **Streams stored here live in memory only**: they survive as long as the
-//! server process and no longer. That is what the Durable Streams reference
-//! server does in its default mode and what the conformance suite exercises;
-//! session logs, which must survive restarts, are exposed separately as
-//! read-only streams straight from the [`harness_core::log::SessionLog`].
+//! Every stream is held in memory (the map is what reads are served from);
+//! [`StreamStore::new`] keeps it there only, so streams live as long as the
+//! process, like the reference server's default mode. [`StreamStore::open`]
+//! adds write-through persistence to SQLite (tables `ds_streams` and
+//! `ds_messages`, WAL): every mutation is committed in one transaction
+//! before the request is answered, and opening the file again loads every
+//! stream back. Sliding TTLs restart from the moment of loading (the last
+//! access instant is not persisted).
+//!
+//! Session logs are not stored here: they are exposed as read-only streams
+//! straight from the [`harness_core::log::SessionLog`].
 //!
 //! Every operation runs synchronously under one mutex, so validation of a
 //! producer tuple, the `Stream-Seq` check, the append and the close of a
@@ -13,10 +19,14 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::ops::{Deref, DerefMut};
+use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
+use rusqlite::{params, Connection};
+use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 
 /// Bytes a stored message adds to the offset besides its data: the
@@ -29,7 +39,9 @@ const PRODUCER_STATE_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// A position in a stream: `<read seq>_<byte offset>`, both zero-padded to 16
 /// digits so that offsets compare correctly as strings too.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default, Hash)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default, Hash, Serialize, Deserialize,
+)]
 pub struct Offset {
     /// Kept at 0 by this store (the reference uses it for file rotation).
     pub read_seq: u64,
@@ -103,6 +115,8 @@ pub enum StoreError {
     SeqConflict,
     /// The append's content type differs from the stream's.
     ContentTypeMismatch,
+    /// The SQLite file could not be read or written.
+    Storage(String),
 }
 
 impl fmt::Display for StoreError {
@@ -123,6 +137,7 @@ impl fmt::Display for StoreError {
             StoreError::EmptyArray => "empty arrays are not allowed",
             StoreError::SeqConflict => "Stream-Seq must increase",
             StoreError::ContentTypeMismatch => "content type does not match the stream's",
+            StoreError::Storage(why) => return write!(f, "stream storage failed: {why}"),
         };
         f.write_str(text)
     }
@@ -153,7 +168,7 @@ pub struct CreateOptions {
 }
 
 /// A producer's `(id, epoch, seq)` tuple.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Producer {
     /// `Producer-Id`.
     pub id: String,
@@ -244,7 +259,11 @@ impl StreamMeta {
 
 /// Lower-case media type without parameters.
 pub fn normalize_content_type(ct: &str) -> String {
-    ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase()
+    ct.split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase()
 }
 
 #[derive(Debug, Clone)]
@@ -276,6 +295,63 @@ struct Stream {
 }
 
 impl Stream {
+    fn persisted(&self) -> PersistedStream {
+        PersistedStream {
+            content_type: self.content_type.clone(),
+            tail: self.tail,
+            ttl_seconds: self.ttl_seconds,
+            expires_at: self.expires_at.clone(),
+            closed: self.closed,
+            closed_by: self.closed_by.clone(),
+            ref_count: self.ref_count,
+            soft_deleted: self.soft_deleted,
+            forked_from: self.forked_from.clone(),
+            fork_offset: self.fork_offset,
+            fork_sub_offset: self.fork_sub_offset,
+            last_seq: self.last_seq.clone(),
+            producers: self
+                .producers
+                .iter()
+                .map(|(id, s)| (id.clone(), s.epoch, s.last_seq))
+                .collect(),
+        }
+    }
+
+    fn from_persisted(p: PersistedStream) -> Stream {
+        let now = Instant::now();
+        Stream {
+            content_type: p.content_type,
+            messages: Vec::new(),
+            tail: p.tail,
+            ttl_seconds: p.ttl_seconds,
+            expires_at: p.expires_at,
+            last_access: now,
+            closed: p.closed,
+            closed_by: p.closed_by,
+            ref_count: p.ref_count,
+            soft_deleted: p.soft_deleted,
+            forked_from: p.forked_from,
+            fork_offset: p.fork_offset,
+            fork_sub_offset: p.fork_sub_offset,
+            last_seq: p.last_seq,
+            producers: p
+                .producers
+                .into_iter()
+                .map(|(id, epoch, last_seq)| {
+                    (
+                        id,
+                        ProducerState {
+                            epoch,
+                            last_seq,
+                            updated: now,
+                        },
+                    )
+                })
+                .collect(),
+            notify: Arc::new(Notify::new()),
+        }
+    }
+
     fn meta(&self) -> StreamMeta {
         StreamMeta {
             content_type: self.content_type.clone(),
@@ -324,10 +400,57 @@ impl Stream {
     }
 }
 
-/// The in-memory stream store (see the module docs).
+/// The stream store (see the module docs).
 #[derive(Debug, Default)]
 pub struct StreamStore {
-    streams: Mutex<HashMap<String, Stream>>,
+    streams: Mutex<Inner>,
+}
+
+/// The map plus what the next flush must write.
+#[derive(Debug, Default)]
+struct Inner {
+    map: HashMap<String, Stream>,
+    db: Option<Connection>,
+    /// Streams whose metadata changed (or that were removed).
+    dirty: Vec<String>,
+    /// Messages stored since the last flush.
+    appended: Vec<(String, StoredMessage)>,
+}
+
+impl Deref for Inner {
+    type Target = HashMap<String, Stream>;
+    fn deref(&self) -> &Self::Target {
+        &self.map
+    }
+}
+
+impl DerefMut for Inner {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.map
+    }
+}
+
+/// What SQLite keeps of a stream besides its messages.
+#[derive(Debug, Serialize, Deserialize)]
+struct PersistedStream {
+    content_type: Option<String>,
+    tail: Offset,
+    ttl_seconds: Option<u64>,
+    expires_at: Option<(String, i64)>,
+    closed: bool,
+    closed_by: Option<Producer>,
+    ref_count: usize,
+    soft_deleted: bool,
+    forked_from: Option<String>,
+    fork_offset: Option<Offset>,
+    fork_sub_offset: u64,
+    last_seq: Option<String>,
+    /// `(id, epoch, last seq)`.
+    producers: Vec<(String, u64, u64)>,
+}
+
+fn sql_err(e: rusqlite::Error) -> StoreError {
+    StoreError::Storage(e.to_string())
 }
 
 fn now_ms() -> i64 {
@@ -399,14 +522,202 @@ impl StreamStore {
         Self::default()
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<String, Stream>> {
+    /// A store persisted in the SQLite file at `path` (created if absent),
+    /// with every stream it already holds loaded.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
+        let db = Connection::open(path).map_err(sql_err)?;
+        db.execute_batch(
+            "PRAGMA journal_mode = WAL;
+             PRAGMA synchronous = NORMAL;
+             CREATE TABLE IF NOT EXISTS ds_streams (
+                 path TEXT PRIMARY KEY,
+                 meta TEXT NOT NULL
+             );
+             CREATE TABLE IF NOT EXISTS ds_messages (
+                 path TEXT NOT NULL,
+                 read_seq INTEGER NOT NULL,
+                 byte INTEGER NOT NULL,
+                 data BLOB NOT NULL,
+                 PRIMARY KEY (path, read_seq, byte)
+             );",
+        )
+        .map_err(sql_err)?;
+        let mut map = HashMap::new();
+        {
+            let mut rows = db
+                .prepare("SELECT path, meta FROM ds_streams")
+                .map_err(sql_err)?;
+            let rows = rows
+                .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))
+                .map_err(sql_err)?;
+            for row in rows {
+                let (path, meta) = row.map_err(sql_err)?;
+                let p: PersistedStream = serde_json::from_str(&meta)
+                    .map_err(|e| StoreError::Storage(format!("metadata of {path}: {e}")))?;
+                map.insert(path, Stream::from_persisted(p));
+            }
+            let mut rows = db
+                .prepare("SELECT path, read_seq, byte, data FROM ds_messages ORDER BY path, read_seq, byte")
+                .map_err(sql_err)?;
+            let rows = rows
+                .query_map([], |r| {
+                    Ok((
+                        r.get::<_, String>(0)?,
+                        r.get::<_, i64>(1)?,
+                        r.get::<_, i64>(2)?,
+                        r.get::<_, Vec<u8>>(3)?,
+                    ))
+                })
+                .map_err(sql_err)?;
+            for row in rows {
+                let (path, read_seq, byte, data) = row.map_err(sql_err)?;
+                if let Some(stream) = map.get_mut(&path) {
+                    stream.messages.push(StoredMessage {
+                        data: Bytes::from(data),
+                        offset: Offset {
+                            read_seq: read_seq as u64,
+                            byte: byte as u64,
+                        },
+                    });
+                }
+            }
+        }
+        Ok(Self {
+            streams: Mutex::new(Inner {
+                map,
+                db: Some(db),
+                dirty: Vec::new(),
+                appended: Vec::new(),
+            }),
+        })
+    }
+
+    /// Write what changed since the last flush, in one transaction.
+    fn flush(inner: &mut Inner) -> Result<(), StoreError> {
+        let mut dirty = std::mem::take(&mut inner.dirty);
+        let appended = std::mem::take(&mut inner.appended);
+        let Inner { map, db, .. } = inner;
+        let Some(db) = db.as_mut() else {
+            return Ok(());
+        };
+        if dirty.is_empty() && appended.is_empty() {
+            return Ok(());
+        }
+        dirty.sort();
+        dirty.dedup();
+        let tx = db.transaction().map_err(sql_err)?;
+        for (path, m) in &appended {
+            if map.contains_key(path) {
+                tx.execute(
+                    "INSERT OR REPLACE INTO ds_messages (path, read_seq, byte, data) VALUES (?1, ?2, ?3, ?4)",
+                    params![path, m.offset.read_seq as i64, m.offset.byte as i64, &m.data[..]],
+                )
+                .map_err(sql_err)?;
+            }
+        }
+        for path in &dirty {
+            match map.get(path) {
+                Some(stream) => {
+                    let meta = serde_json::to_string(&stream.persisted())
+                        .map_err(|e| StoreError::Storage(e.to_string()))?;
+                    tx.execute(
+                        "INSERT OR REPLACE INTO ds_streams (path, meta) VALUES (?1, ?2)",
+                        params![path, meta],
+                    )
+                    .map_err(sql_err)?;
+                }
+                None => {
+                    tx.execute("DELETE FROM ds_streams WHERE path = ?1", params![path])
+                        .map_err(sql_err)?;
+                    tx.execute("DELETE FROM ds_messages WHERE path = ?1", params![path])
+                        .map_err(sql_err)?;
+                }
+            }
+        }
+        tx.commit().map_err(sql_err)
+    }
+
+    /// Flush, then answer `result` (a failed write turns into an error).
+    fn finish<T>(inner: &mut Inner, result: Result<T, StoreError>) -> Result<T, StoreError> {
+        let flushed = Self::flush(inner);
+        let value = result?;
+        flushed?;
+        Ok(value)
+    }
+
+    /// Metadata of a stream (soft-deleted streams are reported as such).
+    pub fn meta(&self, path: &str) -> Option<StreamMeta> {
+        let mut inner = self.lock();
+        let meta = Self::meta_locked(&mut inner, path);
+        if let Err(e) = Self::flush(&mut inner) {
+            tracing::warn!(error = %e, "durable streams: persisting an expiry failed");
+        }
+        meta
+    }
+
+    /// `PUT`: create, or confirm an identical existing stream.
+    /// Returns `(created, meta)`.
+    pub fn create(
+        &self,
+        path: &str,
+        opts: CreateOptions,
+    ) -> Result<(bool, StreamMeta), StoreError> {
+        let mut inner = self.lock();
+        let result = Self::create_locked(&mut inner, path, opts);
+        Self::finish(&mut inner, result)
+    }
+
+    /// Everything after `after` (`None` = from the start), inherited
+    /// messages of forks included, plus the stream's metadata.
+    pub fn read(
+        &self,
+        path: &str,
+        after: Option<Offset>,
+    ) -> Result<(Vec<StoredMessage>, StreamMeta), StoreError> {
+        let mut inner = self.lock();
+        let result = Self::read_locked(&mut inner, path, after);
+        Self::finish(&mut inner, result)
+    }
+
+    /// `POST` with a body.
+    pub fn append(
+        &self,
+        path: &str,
+        data: Bytes,
+        opts: AppendOptions,
+    ) -> Result<AppendOutcome, StoreError> {
+        let mut inner = self.lock();
+        let result = Self::append_locked(&mut inner, path, data, opts);
+        Self::finish(&mut inner, result)
+    }
+
+    /// `POST` with an empty body and `Stream-Closed: true`.
+    pub fn close(
+        &self,
+        path: &str,
+        producer: Option<Producer>,
+    ) -> Result<AppendOutcome, StoreError> {
+        let mut inner = self.lock();
+        let result = Self::close_locked(&mut inner, path, producer);
+        Self::finish(&mut inner, result)
+    }
+
+    /// `DELETE`: remove, or soft-delete while forks read through it.
+    /// `Ok(false)` when there was no such stream.
+    pub fn delete(&self, path: &str) -> Result<bool, StoreError> {
+        let mut inner = self.lock();
+        let result = Self::delete_locked(&mut inner, path);
+        Self::finish(&mut inner, result)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
         // A panic while holding the lock leaves plain data behind; keep serving.
         self.streams.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Drop an expired stream (or soft-delete it if forks read from it).
     /// Returns whether the stream is still present.
-    fn check_expiry(map: &mut HashMap<String, Stream>, path: &str) -> bool {
+    fn check_expiry(map: &mut Inner, path: &str) -> bool {
         let now = Instant::now();
         let ms = now_ms();
         let Some(stream) = map.get_mut(path) else {
@@ -416,17 +727,21 @@ impl StreamStore {
             return true;
         }
         if stream.ref_count > 0 {
-            stream.soft_deleted = true;
+            if !stream.soft_deleted {
+                stream.soft_deleted = true;
+                map.dirty.push(path.to_string());
+            }
             return true;
         }
         Self::delete_cascade(map, path);
         false
     }
 
-    fn delete_cascade(map: &mut HashMap<String, Stream>, path: &str) {
+    fn delete_cascade(map: &mut Inner, path: &str) {
         let Some(stream) = map.remove(path) else {
             return;
         };
+        map.dirty.push(path.to_string());
         stream.notify.notify_waiters();
         if let Some(parent_path) = stream.forked_from {
             let cascade = match map.get_mut(&parent_path) {
@@ -436,6 +751,7 @@ impl StreamStore {
                 }
                 None => false,
             };
+            map.dirty.push(parent_path.clone());
             if cascade {
                 Self::delete_cascade(map, &parent_path);
             }
@@ -443,7 +759,7 @@ impl StreamStore {
     }
 
     /// Live (not expired) stream, soft-deleted ones included.
-    fn live<'a>(map: &'a mut HashMap<String, Stream>, path: &str) -> Option<&'a mut Stream> {
+    fn live<'a>(map: &'a mut Inner, path: &str) -> Option<&'a mut Stream> {
         if !Self::check_expiry(map, path) {
             return None;
         }
@@ -451,9 +767,8 @@ impl StreamStore {
     }
 
     /// Metadata of a stream (soft-deleted streams are reported as such).
-    pub fn meta(&self, path: &str) -> Option<StreamMeta> {
-        let mut map = self.lock();
-        Self::live(&mut map, path).map(|s| s.meta())
+    fn meta_locked(map: &mut Inner, path: &str) -> Option<StreamMeta> {
+        Self::live(map, path).map(|s| s.meta())
     }
 
     /// Renew the sliding TTL.
@@ -470,9 +785,12 @@ impl StreamStore {
 
     /// `PUT`: create, or confirm an identical existing stream.
     /// Returns `(created, meta)`.
-    pub fn create(&self, path: &str, opts: CreateOptions) -> Result<(bool, StreamMeta), StoreError> {
-        let mut map = self.lock();
-        if Self::check_expiry(&mut map, path) {
+    fn create_locked(
+        map: &mut Inner,
+        path: &str,
+        opts: CreateOptions,
+    ) -> Result<(bool, StreamMeta), StoreError> {
+        if Self::check_expiry(map, path) {
             let existing = map.get(path).ok_or(StoreError::NotFound)?;
             if existing.soft_deleted {
                 return Err(StoreError::PathHeldByForks);
@@ -487,7 +805,8 @@ impl StreamStore {
             };
             let same = ct(opts.content_type.as_deref()) == ct(existing.content_type.as_deref())
                 && opts.ttl_seconds == existing.ttl_seconds
-                && opts.expires_at.as_ref().map(|e| &e.0) == existing.expires_at.as_ref().map(|e| &e.0)
+                && opts.expires_at.as_ref().map(|e| &e.0)
+                    == existing.expires_at.as_ref().map(|e| &e.0)
                 && opts.closed == existing.closed
                 && opts.forked_from == existing.forked_from
                 && (opts.fork_offset.is_none() || opts.fork_offset == existing.fork_offset)
@@ -519,15 +838,23 @@ impl StreamStore {
         };
 
         if let Some(source_path) = &opts.forked_from {
-            if !Self::check_expiry(&mut map, source_path) {
+            if !Self::check_expiry(map, source_path) {
                 return Err(StoreError::SourceNotFound);
             }
             let source = map.get(source_path).ok_or(StoreError::SourceNotFound)?;
             if source.soft_deleted {
                 return Err(StoreError::SourceGone);
             }
-            if let Some(ct) = opts.content_type.as_deref().filter(|c| !c.trim().is_empty()) {
-                let src = source.content_type.as_deref().map(normalize_content_type).unwrap_or_default();
+            if let Some(ct) = opts
+                .content_type
+                .as_deref()
+                .filter(|c| !c.trim().is_empty())
+            {
+                let src = source
+                    .content_type
+                    .as_deref()
+                    .map(normalize_content_type)
+                    .unwrap_or_default();
                 if normalize_content_type(ct) != src {
                     return Err(StoreError::SourceContentTypeMismatch);
                 }
@@ -539,7 +866,7 @@ impl StreamStore {
             let json = source.is_json();
             let mut prefix = None;
             if let Some(sub) = opts.fork_sub_offset.filter(|s| *s > 0) {
-                let after = Self::read_chain(&map, source_path, Some(fork_offset), source.tail);
+                let after = Self::read_chain(map, source_path, Some(fork_offset), source.tail);
                 let first = after.first().ok_or_else(|| {
                     StoreError::InvalidForkSubOffset("no data past the fork offset".into())
                 })?;
@@ -580,6 +907,13 @@ impl StreamStore {
             }
         }
         let meta = stream.meta();
+        for m in &stream.messages {
+            map.appended.push((path.to_string(), m.clone()));
+        }
+        map.dirty.push(path.to_string());
+        if let Some(source_path) = &opts.forked_from {
+            map.dirty.push(source_path.clone());
+        }
         map.insert(path.to_string(), stream);
         Ok((true, meta))
     }
@@ -618,18 +952,25 @@ impl StreamStore {
 
     /// Everything after `after` (`None` = from the start), inherited
     /// messages of forks included, plus the stream's metadata.
-    pub fn read(&self, path: &str, after: Option<Offset>) -> Result<(Vec<StoredMessage>, StreamMeta), StoreError> {
-        let mut map = self.lock();
-        let stream = Self::live(&mut map, path).ok_or(StoreError::NotFound)?;
+    fn read_locked(
+        map: &mut Inner,
+        path: &str,
+        after: Option<Offset>,
+    ) -> Result<(Vec<StoredMessage>, StreamMeta), StoreError> {
+        let stream = Self::live(map, path).ok_or(StoreError::NotFound)?;
         let meta = stream.meta();
-        let messages = Self::read_chain(&map, path, after, meta.tail);
+        let messages = Self::read_chain(map, path, after, meta.tail);
         Ok((messages, meta))
     }
 
     /// `POST` with a body.
-    pub fn append(&self, path: &str, data: Bytes, opts: AppendOptions) -> Result<AppendOutcome, StoreError> {
-        let mut map = self.lock();
-        let stream = Self::live(&mut map, path).ok_or(StoreError::NotFound)?;
+    fn append_locked(
+        map: &mut Inner,
+        path: &str,
+        data: Bytes,
+        opts: AppendOptions,
+    ) -> Result<AppendOutcome, StoreError> {
+        let stream = Self::live(map, path).ok_or(StoreError::NotFound)?;
         if stream.soft_deleted {
             return Err(StoreError::Gone);
         }
@@ -681,24 +1022,32 @@ impl StreamStore {
             stream.closed_by = opts.producer.clone();
         }
         stream.notify.notify_waiters();
-        Ok(AppendOutcome::Accepted {
-            offset,
-            closed: stream.closed,
-        })
+        let closed = stream.closed;
+        let message = stream.messages.last().cloned();
+        map.dirty.push(path.to_string());
+        if let Some(m) = message {
+            map.appended.push((path.to_string(), m));
+        }
+        Ok(AppendOutcome::Accepted { offset, closed })
     }
 
     /// `POST` with an empty body and `Stream-Closed: true`.
-    pub fn close(&self, path: &str, producer: Option<Producer>) -> Result<AppendOutcome, StoreError> {
-        let mut map = self.lock();
-        let stream = Self::live(&mut map, path).ok_or(StoreError::NotFound)?;
+    fn close_locked(
+        map: &mut Inner,
+        path: &str,
+        producer: Option<Producer>,
+    ) -> Result<AppendOutcome, StoreError> {
+        let stream = Self::live(map, path).ok_or(StoreError::NotFound)?;
         if stream.soft_deleted {
             return Err(StoreError::Gone);
         }
         let Some(p) = producer else {
             stream.closed = true;
             stream.notify.notify_waiters();
+            let offset = stream.tail;
+            map.dirty.push(path.to_string());
             return Ok(AppendOutcome::Accepted {
-                offset: stream.tail,
+                offset,
                 closed: true,
             });
         };
@@ -722,17 +1071,18 @@ impl StreamStore {
         stream.closed = true;
         stream.closed_by = Some(p);
         stream.notify.notify_waiters();
+        let offset = stream.tail;
+        map.dirty.push(path.to_string());
         Ok(AppendOutcome::Accepted {
-            offset: stream.tail,
+            offset,
             closed: true,
         })
     }
 
     /// `DELETE`: remove, or soft-delete while forks read through it.
     /// `Ok(false)` when there was no such stream.
-    pub fn delete(&self, path: &str) -> Result<bool, StoreError> {
-        let mut map = self.lock();
-        if !Self::check_expiry(&mut map, path) {
+    fn delete_locked(map: &mut Inner, path: &str) -> Result<bool, StoreError> {
+        if !Self::check_expiry(map, path) {
             return Ok(false);
         }
         let Some(stream) = map.get_mut(path) else {
@@ -744,9 +1094,10 @@ impl StreamStore {
         if stream.ref_count > 0 {
             stream.soft_deleted = true;
             stream.notify.notify_waiters();
+            map.dirty.push(path.to_string());
             return Ok(true);
         }
-        Self::delete_cascade(&mut map, path);
+        Self::delete_cascade(map, path);
         Ok(true)
     }
 }

@@ -6,7 +6,11 @@ pub fn base64(data: &[u8]) -> String {
     const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     let mut out = String::with_capacity(data.len().div_ceil(3) * 4);
     for chunk in data.chunks(3) {
-        let b = [chunk[0], *chunk.get(1).unwrap_or(&0), *chunk.get(2).unwrap_or(&0)];
+        let b = [
+            chunk[0],
+            *chunk.get(1).unwrap_or(&0),
+            *chunk.get(2).unwrap_or(&0),
+        ];
         let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
         out.push(ALPHABET[(n >> 18) as usize & 63] as char);
         out.push(ALPHABET[(n >> 12) as usize & 63] as char);
@@ -199,8 +203,14 @@ mod tests {
     fn rfc3339_parses_zones_and_rejects_garbage() {
         assert_eq!(parse_rfc3339_ms("1970-01-01T00:00:00Z"), Some(0));
         assert_eq!(parse_rfc3339_ms("1970-01-01T01:00:00+01:00"), Some(0));
-        assert_eq!(parse_rfc3339_ms("2024-10-09T00:00:00.000Z"), Some(CURSOR_EPOCH_MS));
-        assert_eq!(parse_rfc3339_ms("2000-03-01T00:00:00.5Z"), Some(951_868_800_500));
+        assert_eq!(
+            parse_rfc3339_ms("2024-10-09T00:00:00.000Z"),
+            Some(CURSOR_EPOCH_MS)
+        );
+        assert_eq!(
+            parse_rfc3339_ms("2000-03-01T00:00:00.5Z"),
+            Some(951_868_800_500)
+        );
         assert_eq!(parse_rfc3339_ms("not-a-timestamp"), None);
         assert_eq!(parse_rfc3339_ms("2024-13-01T00:00:00Z"), None);
         assert_eq!(parse_rfc3339_ms("2024-01-01T00:00:00Zjunk"), None);

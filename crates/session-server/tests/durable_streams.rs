@@ -1,0 +1,665 @@
+//! The Durable Streams routes over real HTTP: generic streams (create,
+//! append, read, ETag, JSON, producers, close, long-poll, fork, delete) and
+//! session logs (SQLite) exposed as read-only JSON streams.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use harness_core::frame::FrameBody;
+use harness_core::log::{AppendRequest, SessionLog};
+use harness_core::SessionId;
+use reqwest::StatusCode;
+use session_log::SqliteSessionLog;
+use session_server::durable_streams::{router, DurableStreamsState};
+
+struct Server {
+    base: String,
+    http: reqwest::Client,
+    log: Arc<SqliteSessionLog>,
+    _dir: tempfile::TempDir,
+}
+
+async fn start() -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    let log = Arc::new(SqliteSessionLog::open(dir.path().join("log.db")).unwrap());
+    let mut state = DurableStreamsState::new();
+    state.long_poll_timeout = Duration::from_millis(500);
+    state.sessions = Some(log.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router(state)).await.unwrap() });
+    Server {
+        base: format!("http://{addr}/v1/stream"),
+        http: reqwest::Client::new(),
+        log,
+        _dir: dir,
+    }
+}
+
+fn header(r: &reqwest::Response, name: &str) -> Option<String> {
+    r.headers()
+        .get(name)
+        .map(|v| v.to_str().unwrap().to_string())
+}
+
+#[tokio::test]
+async fn create_append_read_with_etag_and_idempotent_create() {
+    let s = start().await;
+    let url = format!("{}/basic", s.base);
+    let r = s
+        .http
+        .put(&url)
+        .header("content-type", "text/plain")
+        .body("hello")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED);
+    assert!(header(&r, "location")
+        .unwrap()
+        .ends_with("/v1/stream/basic"));
+    let after_create = header(&r, "stream-next-offset").unwrap();
+
+    let r = s
+        .http
+        .post(&url)
+        .header("content-type", "text/plain")
+        .body(" world")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::NO_CONTENT);
+    let tail = header(&r, "stream-next-offset").unwrap();
+    assert!(
+        tail > after_create,
+        "offsets grow: {after_create} -> {tail}"
+    );
+
+    let r = s.http.get(format!("{url}?offset=-1")).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(
+        header(&r, "stream-next-offset").as_deref(),
+        Some(tail.as_str())
+    );
+    assert_eq!(header(&r, "stream-up-to-date").as_deref(), Some("true"));
+    assert_eq!(
+        header(&r, "x-content-type-options").as_deref(),
+        Some("nosniff")
+    );
+    let etag = header(&r, "etag").unwrap();
+    assert_eq!(r.text().await.unwrap(), "hello world");
+
+    // Reading from the first append's offset returns only the second.
+    let r = s
+        .http
+        .get(format!("{url}?offset={after_create}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.text().await.unwrap(), " world");
+
+    let r = s
+        .http
+        .get(format!("{url}?offset=-1"))
+        .header("if-none-match", &etag)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::NOT_MODIFIED);
+
+    // Same config: 200; different content type: 409; both TTL forms: 400.
+    let r = s
+        .http
+        .put(&url)
+        .header("content-type", "text/plain")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let r = s
+        .http
+        .put(&url)
+        .header("content-type", "application/json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::CONFLICT);
+    let r = s
+        .http
+        .put(format!("{}/both-ttl", s.base))
+        .header("stream-ttl", "60")
+        .header("stream-expires-at", "2099-01-01T00:00:00Z")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+
+    // Empty append without close is refused and stores nothing.
+    let r = s
+        .http
+        .post(&url)
+        .header("content-type", "text/plain")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    let r = s.http.head(&url).send().await.unwrap();
+    assert_eq!(
+        header(&r, "stream-next-offset").as_deref(),
+        Some(tail.as_str())
+    );
+}
+
+#[tokio::test]
+async fn json_streams_flatten_one_level_and_refuse_bad_bodies() {
+    let s = start().await;
+    let url = format!("{}/json", s.base);
+    let json = "application/json";
+    let r = s
+        .http
+        .put(&url)
+        .header("content-type", json)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED);
+    let r = s
+        .http
+        .post(&url)
+        .header("content-type", json)
+        .body(r#"[1,[2,3]]"#)
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success());
+    let r = s
+        .http
+        .post(&url)
+        .header("content-type", json)
+        .body(r#"{"a":4}"#)
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success());
+    for bad in ["[]", "{not json"] {
+        let r = s
+            .http
+            .post(&url)
+            .header("content-type", json)
+            .body(bad)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), StatusCode::BAD_REQUEST, "body {bad}");
+    }
+    let r = s.http.get(format!("{url}?offset=-1")).send().await.unwrap();
+    let items: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(items, serde_json::json!([1, [2, 3], {"a": 4}]));
+}
+
+#[tokio::test]
+async fn idempotent_producers_dedupe_fence_and_report_gaps() {
+    let s = start().await;
+    let url = format!("{}/producer", s.base);
+    s.http
+        .put(&url)
+        .header("content-type", "text/plain")
+        .send()
+        .await
+        .unwrap();
+    let post = |epoch: u64, seq: u64, body: &'static str| {
+        s.http
+            .post(&url)
+            .header("content-type", "text/plain")
+            .header("producer-id", "p1")
+            .header("producer-epoch", epoch.to_string())
+            .header("producer-seq", seq.to_string())
+            .body(body)
+            .send()
+    };
+    assert_eq!(post(0, 0, "a").await.unwrap().status(), StatusCode::OK);
+    let dup = post(0, 0, "a").await.unwrap();
+    assert_eq!(dup.status(), StatusCode::NO_CONTENT);
+    assert_eq!(header(&dup, "producer-seq").as_deref(), Some("0"));
+    let gap = post(0, 2, "c").await.unwrap();
+    assert_eq!(gap.status(), StatusCode::CONFLICT);
+    assert_eq!(header(&gap, "producer-expected-seq").as_deref(), Some("1"));
+    assert_eq!(header(&gap, "producer-received-seq").as_deref(), Some("2"));
+    assert_eq!(post(1, 0, "b").await.unwrap().status(), StatusCode::OK);
+    let stale = post(0, 1, "x").await.unwrap();
+    assert_eq!(stale.status(), StatusCode::FORBIDDEN);
+    assert_eq!(header(&stale, "producer-epoch").as_deref(), Some("1"));
+
+    let body = s
+        .http
+        .get(format!("{url}?offset=-1"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(
+        body, "ab",
+        "duplicates, gaps and stale epochs store nothing"
+    );
+}
+
+#[tokio::test]
+async fn close_long_poll_and_fork_lifecycle() {
+    let s = start().await;
+    let url = format!("{}/live", s.base);
+    let r = s
+        .http
+        .put(&url)
+        .header("content-type", "text/plain")
+        .body("one")
+        .send()
+        .await
+        .unwrap();
+    let tail = header(&r, "stream-next-offset").unwrap();
+
+    // A long-poll at the tail is woken by an append.
+    let poll = {
+        let http = s.http.clone();
+        let u = format!("{url}?offset={tail}&live=long-poll");
+        tokio::spawn(async move { http.get(u).send().await.unwrap() })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    s.http
+        .post(&url)
+        .header("content-type", "text/plain")
+        .body("two")
+        .send()
+        .await
+        .unwrap();
+    let r = poll.await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    assert!(header(&r, "stream-cursor").is_some());
+    assert_eq!(r.text().await.unwrap(), "two");
+
+    // A fork at the first offset sees only "one", then its own appends.
+    let fork = format!("{}/live-fork", s.base);
+    let r = s
+        .http
+        .put(&fork)
+        .header("stream-forked-from", "/v1/stream/live")
+        .header("stream-fork-offset", &tail)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED);
+    assert_eq!(
+        header(&r, "content-type").as_deref(),
+        Some("text/plain"),
+        "inherited"
+    );
+    s.http
+        .post(&fork)
+        .header("content-type", "text/plain")
+        .body("-fork")
+        .send()
+        .await
+        .unwrap();
+    let body = s
+        .http
+        .get(format!("{fork}?offset=-1"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(body, "one-fork");
+
+    // Append and close atomically; then appends are 409 and a long-poll at
+    // the tail answers at once.
+    let r = s
+        .http
+        .post(&url)
+        .header("content-type", "text/plain")
+        .header("stream-closed", "true")
+        .body("three")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(header(&r, "stream-closed").as_deref(), Some("true"));
+    let end = header(&r, "stream-next-offset").unwrap();
+    let r = s
+        .http
+        .post(&url)
+        .header("content-type", "text/plain")
+        .body("four")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::CONFLICT);
+    let started = std::time::Instant::now();
+    let r = s
+        .http
+        .get(format!("{url}?offset={end}&live=long-poll"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::NO_CONTENT);
+    assert_eq!(header(&r, "stream-closed").as_deref(), Some("true"));
+    assert!(
+        started.elapsed() < Duration::from_millis(400),
+        "no wait on a closed tail"
+    );
+
+    // Deleting the source keeps it for its fork: 410 for the source, the
+    // fork still reads its inherited data.
+    assert_eq!(
+        s.http.delete(&url).send().await.unwrap().status(),
+        StatusCode::NO_CONTENT
+    );
+    assert_eq!(
+        s.http.get(&url).send().await.unwrap().status(),
+        StatusCode::GONE
+    );
+    let body = s
+        .http
+        .get(format!("{fork}?offset=-1"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(body, "one-fork");
+    assert_eq!(
+        s.http.delete(&fork).send().await.unwrap().status(),
+        StatusCode::NO_CONTENT
+    );
+    assert_eq!(
+        s.http.head(&url).send().await.unwrap().status(),
+        StatusCode::NOT_FOUND,
+        "cascaded"
+    );
+}
+
+#[tokio::test]
+async fn session_logs_read_as_json_streams() {
+    let s = start().await;
+    let id = SessionId::parse("ds-session").unwrap();
+    s.log.create(&id).await.unwrap();
+    for text in ["first", "second"] {
+        let body = FrameBody::UserMessage {
+            text: text.into(),
+            turn_id: None,
+        };
+        s.log.append(&id, AppendRequest::new(body)).await.unwrap();
+    }
+    let url = format!("{}/sessions/ds-session", s.base);
+    let r = s.http.get(format!("{url}?offset=-1")).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(
+        header(&r, "content-type").as_deref(),
+        Some("application/json")
+    );
+    let next = header(&r, "stream-next-offset").unwrap();
+    assert_eq!(
+        next, "0000000000000000_0000000000000002",
+        "offset carries the seq"
+    );
+    let frames: Vec<serde_json::Value> = r.json().await.unwrap();
+    assert_eq!(frames.len(), 2);
+    assert_eq!(frames[0]["seq"], 1);
+    assert_eq!(frames[1]["body"]["text"], "second");
+
+    // Caught up: an empty array; a long-poll there times out with 204.
+    let r = s
+        .http
+        .get(format!("{url}?offset={next}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.text().await.unwrap(), "[]");
+    let r = s
+        .http
+        .get(format!("{url}?offset={next}&live=long-poll"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::NO_CONTENT);
+
+    // Read-only, and sealed logs read as closed streams.
+    let r = s
+        .http
+        .post(&url)
+        .header("content-type", "application/json")
+        .body("[1]")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::METHOD_NOT_ALLOWED);
+    s.log.seal(&id).await.unwrap();
+    let r = s
+        .http
+        .get(format!("{url}?offset={next}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(header(&r, "stream-closed").as_deref(), Some("true"));
+    let r = s
+        .http
+        .get(format!("{}/sessions/no-such-session?offset=-1", s.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn mounted_on_the_session_server_with_its_tokens() {
+    use session_server::{GrantRole, Scope, ServerConfig, SessionServer, TokenGrant};
+    let dir = tempfile::tempdir().unwrap();
+    let log = Arc::new(SqliteSessionLog::open(dir.path().join("log.db")).unwrap());
+    let id = SessionId::parse("mounted").unwrap();
+    log.create(&id).await.unwrap();
+    let mut config = ServerConfig::new(log.clone());
+    config
+        .tokens
+        .push(TokenGrant::new("host", Scope::All, GrantRole::Host));
+    config.tokens.push(TokenGrant::new(
+        "reader",
+        Scope::Session(id.clone()),
+        GrantRole::Client,
+    ));
+    let server = SessionServer::new(config);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = server.router();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let http = reqwest::Client::new();
+    let url = format!("http://{addr}/v1/stream/mounted-generic");
+
+    let r = http.put(&url).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::UNAUTHORIZED, "no token");
+    let r = http.put(&url).bearer_auth("reader").send().await.unwrap();
+    assert_eq!(
+        r.status(),
+        StatusCode::FORBIDDEN,
+        "generic streams need host"
+    );
+    let r = http.put(&url).bearer_auth("host").send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED);
+
+    let session_url = format!("http://{addr}/v1/stream/sessions/mounted?offset=-1");
+    let r = http
+        .get(&session_url)
+        .bearer_auth("reader")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(r.text().await.unwrap(), "[]");
+    // The session API itself still answers next to the streams.
+    let r = http
+        .get(format!("http://{addr}/v1/sessions/mounted"))
+        .bearer_auth("host")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+}
+
+#[tokio::test]
+async fn sqlite_store_survives_reopening() {
+    use session_server::durable_streams::store::StreamStore;
+    use session_server::durable_streams::{AppendOptions, AppendOutcome, CreateOptions, Producer};
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("streams.db");
+    let text = || Some("text/plain".to_string());
+    let (tail, fork_tail) = {
+        let store = StreamStore::open(&file).unwrap();
+        let opts = CreateOptions {
+            content_type: text(),
+            initial_data: Some("a".into()),
+            ..CreateOptions::default()
+        };
+        assert!(store.create("/v1/stream/p", opts).unwrap().0);
+        let append = AppendOptions {
+            content_type: text(),
+            producer: Some(Producer {
+                id: "w".into(),
+                epoch: 3,
+                seq: 0,
+            }),
+            close: true,
+            ..AppendOptions::default()
+        };
+        store.append("/v1/stream/p", "b".into(), append).unwrap();
+        let fork = CreateOptions {
+            forked_from: Some("/v1/stream/p".into()),
+            initial_data: Some("c".into()),
+            ..CreateOptions::default()
+        };
+        let (_, fork_meta) = store.create("/v1/stream/f", fork).unwrap();
+        let q = CreateOptions {
+            content_type: text(),
+            ..CreateOptions::default()
+        };
+        store.create("/v1/stream/q", q).unwrap();
+        let first = AppendOptions {
+            content_type: text(),
+            producer: Some(Producer {
+                id: "w".into(),
+                epoch: 3,
+                seq: 0,
+            }),
+            ..AppendOptions::default()
+        };
+        let outcome = store.append("/v1/stream/q", "x".into(), first).unwrap();
+        assert!(matches!(outcome, AppendOutcome::Accepted { .. }));
+        // Deleting the source while the fork lives only soft-deletes it.
+        assert!(store.delete("/v1/stream/p").unwrap());
+        let (_, meta) = store.read("/v1/stream/p", None).unwrap();
+        (meta.tail, fork_meta.tail)
+    };
+
+    let store = StreamStore::open(&file).unwrap();
+    let (messages, meta) = store.read("/v1/stream/p", None).unwrap();
+    assert_eq!(meta.tail, tail);
+    assert!(meta.closed && meta.soft_deleted);
+    let bytes: Vec<u8> = messages.iter().flat_map(|m| m.data.to_vec()).collect();
+    assert_eq!(bytes, b"ab");
+    let (messages, meta) = store.read("/v1/stream/f", None).unwrap();
+    assert_eq!(meta.tail, fork_tail);
+    let bytes: Vec<u8> = messages.iter().flat_map(|m| m.data.to_vec()).collect();
+    assert_eq!(bytes, b"abc", "the fork still reads through its source");
+    // Producer state came back too: a retry is a duplicate, a skip a gap.
+    let producer = |seq: u64| AppendOptions {
+        content_type: text(),
+        producer: Some(Producer {
+            id: "w".into(),
+            epoch: 3,
+            seq,
+        }),
+        ..AppendOptions::default()
+    };
+    let outcome = store
+        .append("/v1/stream/q", "x".into(), producer(0))
+        .unwrap();
+    assert!(
+        matches!(outcome, AppendOutcome::Duplicate { last_seq: 0, .. }),
+        "{outcome:?}"
+    );
+    let outcome = store
+        .append("/v1/stream/q", "z".into(), producer(2))
+        .unwrap();
+    assert!(
+        matches!(
+            outcome,
+            AppendOutcome::SequenceGap {
+                expected: 1,
+                received: 2
+            }
+        ),
+        "{outcome:?}"
+    );
+
+    // Removing the fork cascades to the soft-deleted source, on disk too.
+    assert!(store.delete("/v1/stream/f").unwrap());
+    drop(store);
+    let store = StreamStore::open(&file).unwrap();
+    assert!(store.meta("/v1/stream/p").is_none());
+    assert!(store.meta("/v1/stream/f").is_none());
+}
+
+#[tokio::test]
+async fn session_stream_sse_pairs_frames_with_controls_and_follows_appends() {
+    use futures::StreamExt;
+    let s = start().await;
+    let id = SessionId::parse("ds-sse").unwrap();
+    s.log.create(&id).await.unwrap();
+    let append = |text: &str| {
+        let body = FrameBody::UserMessage {
+            text: text.into(),
+            turn_id: None,
+        };
+        s.log.append(&id, AppendRequest::new(body))
+    };
+    append("before").await.unwrap();
+    let r = s
+        .http
+        .get(format!("{}/sessions/ds-sse?offset=-1&live=sse", s.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        header(&r, "content-type").as_deref(),
+        Some("text/event-stream")
+    );
+    let mut body = r.bytes_stream();
+    let mut text = String::new();
+    let mut appended = false;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    // Read until the frame appended after connecting has arrived.
+    while !text.contains("\"after\"") {
+        let chunk = tokio::time::timeout_at(deadline, body.next())
+            .await
+            .expect("SSE data in time")
+            .expect("stream open")
+            .unwrap();
+        text.push_str(&String::from_utf8_lossy(&chunk));
+        if !appended && text.contains("upToDate") {
+            append("after").await.unwrap();
+            appended = true;
+        }
+    }
+    let events: Vec<&str> = text
+        .split("\n\n")
+        .filter_map(|block| block.lines().next()?.strip_prefix("event: "))
+        .collect();
+    // catch-up data+control, then live data+control; every data event is
+    // followed by a control event.
+    assert_eq!(events[..2], ["data", "control"]);
+    for (i, e) in events.iter().enumerate() {
+        if *e == "data" && i + 1 < events.len() {
+            assert_eq!(events[i + 1], "control", "events: {events:?}");
+        }
+    }
+    assert!(text.contains("\"streamNextOffset\":\"0000000000000000_0000000000000001\""));
+}
