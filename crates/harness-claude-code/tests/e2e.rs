@@ -5,18 +5,15 @@
 //! model server. Skips (prints "skipped: …") without the binary, dockerd or
 //! the test image; fails under `HARNESS_REQUIRE_REAL=1`.
 
-#[macro_use]
-mod support;
-
 use std::collections::BTreeMap;
 
+use harness_agent_e2e::*;
 use harness_claude_code::{ClaudeCodeConfig, ClaudeCodeHarness};
 use harness_core::harness::Harness;
 use harness_core::part::StreamPart;
 use harness_core::sandbox::{collect_exec, ExecRequest, NetworkPolicy, SandboxSpec};
 use harness_core::ErrorKind;
 use harness_testkit::model::*;
-use support::*;
 
 fn harness() -> Option<ClaudeCodeHarness> {
     match ClaudeCodeConfig::from_env() {

@@ -191,12 +191,13 @@ impl ScriptedModel {
         self.addr
     }
 
-    /// `http://127.0.0.1:PORT` — Claude Code's `ANTHROPIC_BASE_URL`.
+    /// `http://<address served>:PORT` (`127.0.0.1` unless started with
+    /// [`ScriptedModel::start_on`]) — Claude Code's `ANTHROPIC_BASE_URL`.
     pub fn base_url(&self) -> String {
         format!("http://{}", self.addr)
     }
 
-    /// `http://127.0.0.1:PORT/v1` — an OpenAI provider `base_url` (Codex).
+    /// [`ScriptedModel::base_url`] + `/v1` — an OpenAI provider `base_url` (Codex).
     pub fn v1_url(&self) -> String {
         format!("{}/v1", self.base_url())
     }

@@ -5,9 +5,9 @@
 //! the cross-process test: re-running this test binary as a child that
 //! resumes a detached sandbox.
 //!
-//! This file is identical in `harness-claude-code` and `harness-codex`.
-
-#![allow(dead_code)]
+//! Used by the end-to-end tests of `harness-claude-code` and `harness-codex`
+//! (as `use harness_agent_e2e::*;`), so both adapters run the same cases on
+//! the same plumbing.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -76,6 +76,7 @@ impl BackendKind {
 
 /// A sandbox provider plus the host address its sandboxes reach the
 /// scripted model on.
+#[derive(Debug)]
 pub struct Backend {
     pub kind: BackendKind,
     pub provider: Box<dyn SandboxProvider>,
@@ -183,6 +184,7 @@ async fn bridge_gateway(provider: &DockerProvider) -> Option<IpAddr> {
 }
 
 /// One session: a sandbox, its home, and the agent's session id.
+#[derive(Debug)]
 pub struct Session {
     pub sandbox: Box<dyn Sandbox>,
     pub home: String,
@@ -240,6 +242,7 @@ impl Drop for Session {
 
 /// Removes a Docker container when dropped (best effort), for a sandbox the
 /// test holds only as a handle; a no-op for other backends.
+#[derive(Debug)]
 pub struct DockerGuard(Option<String>);
 
 impl DockerGuard {
