@@ -15,6 +15,9 @@
 //! - **Turns**: `claude -p --output-format stream-json --verbose
 //!   --include-partial-messages --permission-mode bypassPermissions
 //!   [--resume ID] -- PROMPT`, parsed by [`ClaudeCodeParser`].
+//! - **Permission requests** (opt-in, [`ClaudeCodeConfig::approvals`]): the
+//!   `harness-approval-mcp` server is installed next to the agent and named
+//!   as `--permission-prompt-tool`; see `docs/agents.md`.
 //!
 //! See `docs/agents.md` for the flags and the parser mapping table.
 
@@ -52,7 +55,47 @@ pub struct ClaudeCodeConfig {
     pub permission_mode: String,
     /// Extra arguments appended to every turn's command.
     pub extra_args: Vec<String>,
+    /// Permission requests go to the harness's client: the approval MCP
+    /// server (`harness-approval-mcp`) is installed by the recipe and the
+    /// turn runs with `--permission-mode default --permission-prompt-tool
+    /// mcp__harness__approve` instead of `permission_mode`. `None` (the
+    /// default) keeps the sandbox as the only boundary.
+    pub approvals: Option<ApprovalServer>,
 }
+
+/// The approval MCP server binary on the host (see `harness-approval-mcp`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApprovalServer {
+    /// Path of the `harness-approval-mcp` binary on the host.
+    pub host_path: std::path::PathBuf,
+    /// Its SHA-256 (part of the bootstrap identity).
+    pub sha256: String,
+}
+
+impl ApprovalServer {
+    /// Hash the binary at `path` (cached like the agent binary's digest).
+    pub fn load(path: impl AsRef<std::path::Path>) -> Result<Self> {
+        let host_path = path.as_ref().to_path_buf();
+        if !host_path.is_file() {
+            return Err(Error::not_found(format!(
+                "no approval MCP server binary at {}",
+                host_path.display()
+            )));
+        }
+        let sha256 = sha256_cached(&host_path)?;
+        Ok(Self { host_path, sha256 })
+    }
+}
+
+/// Where the recipe installs the approval MCP server inside a sandbox.
+pub const APPROVAL_SERVER_PATH: &str = "/opt/harness/bin/harness-approval-mcp";
+
+/// The MCP server name in `--mcp-config`; Claude Code calls its tool
+/// `mcp__<server>__<tool>`.
+pub const APPROVAL_MCP_SERVER: &str = "harness";
+
+/// The `--permission-prompt-tool` value.
+pub const APPROVAL_TOOL: &str = "mcp__harness__approve";
 
 impl Default for ClaudeCodeConfig {
     fn default() -> Self {
@@ -62,6 +105,7 @@ impl Default for ClaudeCodeConfig {
             install_path: DEFAULT_INSTALL_PATH.to_string(),
             permission_mode: "bypassPermissions".to_string(),
             extra_args: Vec::new(),
+            approvals: None,
         }
     }
 }
@@ -187,15 +231,26 @@ impl Harness for ClaudeCodeHarness {
             )
         })?;
         let install = &self.config.install_path;
-        Ok(BootstrapRecipe {
-            files: vec![RecipeFile {
-                path: install.clone(),
+        let mut files = vec![RecipeFile {
+            path: install.clone(),
+            mode: 0o755,
+            source: FileSource::HostPath {
+                path: binary.host_path.display().to_string(),
+                sha256: binary.sha256.clone(),
+            },
+        }];
+        if let Some(server) = &self.config.approvals {
+            files.push(RecipeFile {
+                path: APPROVAL_SERVER_PATH.into(),
                 mode: 0o755,
                 source: FileSource::HostPath {
-                    path: binary.host_path.display().to_string(),
-                    sha256: binary.sha256.clone(),
+                    path: server.host_path.display().to_string(),
+                    sha256: server.sha256.clone(),
                 },
-            }],
+            });
+        }
+        Ok(BootstrapRecipe {
+            files,
             // Backends create parent directories and set the mode when they
             // write recipe files, so no mkdir/chmod is needed here.
             bootstrap_pre_commands: Vec::new(),
@@ -218,9 +273,26 @@ impl Harness for ClaudeCodeHarness {
             "--verbose".into(),
             // Live text deltas (stream_event lines), not only whole messages.
             "--include-partial-messages".into(),
-            "--permission-mode".into(),
-            self.config.permission_mode.clone(),
         ];
+        if self.config.approvals.is_some() {
+            let approvals = format!(
+                "{}/approvals",
+                harness_core::slice::spool_dir(turn.home, &turn.state.turn_id)
+            );
+            args.extend([
+                "--permission-mode".into(),
+                "default".into(),
+                "--mcp-config".into(),
+                approval_mcp_config(&approvals),
+                "--permission-prompt-tool".into(),
+                APPROVAL_TOOL.into(),
+            ]);
+        } else {
+            args.extend([
+                "--permission-mode".into(),
+                self.config.permission_mode.clone(),
+            ]);
+        }
         if let Some(id) = &turn.state.agent_session_id {
             args.push("--resume".into());
             args.push(id.clone());
@@ -291,6 +363,28 @@ impl Harness for ClaudeCodeHarness {
             new = shell_quote(&new),
         ))
     }
+}
+
+/// The inline `--mcp-config` JSON for the approval server. The command
+/// goes through `sh` so that, like the agent itself, the server is found
+/// under `$HARNESS_SANDBOX_ROOT` (sandbox-local) first, then at its plain
+/// path (Docker etc.).
+pub fn approval_mcp_config(approvals_dir: &str) -> String {
+    serde_json::json!({
+        "mcpServers": {
+            APPROVAL_MCP_SERVER: {
+                "type": "stdio",
+                "command": "sh",
+                "args": [
+                    "-c",
+                    "p=\"${HARNESS_SANDBOX_ROOT:-}$0\" && { [ -x \"$p\" ] || p=\"$0\"; } && exec \"$p\"",
+                    APPROVAL_SERVER_PATH,
+                ],
+                "env": { "HARNESS_APPROVAL_DIR": approvals_dir },
+            }
+        }
+    })
+    .to_string()
 }
 
 /// Longest project directory name before Claude Code shortens it.
@@ -499,6 +593,60 @@ mod tests {
         let at = args.iter().position(|a| a == "--resume").unwrap();
         assert_eq!(args[at + 1], "sess-1");
         assert_eq!(args[args.len() - 2..], ["--", "again"]);
+    }
+
+    #[test]
+    fn approvals_install_the_server_and_route_prompts_to_it() {
+        let mut config = ClaudeCodeConfig::with_binary(binary());
+        let plain = ClaudeCodeHarness::new(config.clone())
+            .bootstrap_recipe()
+            .unwrap();
+        config.approvals = Some(ApprovalServer {
+            host_path: "/cache/harness-approval-mcp".into(),
+            sha256: "ef".repeat(32),
+        });
+        let h = ClaudeCodeHarness::new(config);
+        let r = h.bootstrap_recipe().unwrap();
+        assert_eq!(r.files.len(), 2);
+        assert_eq!(r.files[1].path, APPROVAL_SERVER_PATH);
+        assert_eq!(r.files[1].mode, 0o755);
+        assert_eq!(
+            r.files[1].source,
+            FileSource::HostPath {
+                path: "/cache/harness-approval-mcp".into(),
+                sha256: "ef".repeat(32)
+            }
+        );
+        assert_ne!(r.identity("img"), plain.identity("img"));
+
+        let state = TurnState::new("s", "t9", "claude-code", "x");
+        let env = BTreeMap::new();
+        let cmd = h.turn_command(&ctx(&state, &env)).unwrap();
+        let args = &cmd.argv[4..];
+        let at = args.iter().position(|a| a == "--permission-mode").unwrap();
+        assert_eq!(args[at + 1], "default");
+        assert!(!args.iter().any(|a| a == "bypassPermissions"));
+        let at = args
+            .iter()
+            .position(|a| a == "--permission-prompt-tool")
+            .unwrap();
+        assert_eq!(args[at + 1], "mcp__harness__approve");
+        let at = args.iter().position(|a| a == "--mcp-config").unwrap();
+        let mcp: serde_json::Value = serde_json::from_str(&args[at + 1]).unwrap();
+        let server = &mcp["mcpServers"]["harness"];
+        assert_eq!(server["command"], "sh");
+        assert_eq!(server["args"][2], APPROVAL_SERVER_PATH);
+        assert_eq!(
+            server["env"]["HARNESS_APPROVAL_DIR"],
+            "/home/s1/.harness/turns/t9/approvals"
+        );
+        assert_eq!(args[args.len() - 2..], ["--", "x"]);
+    }
+
+    #[test]
+    fn a_missing_approval_server_is_a_clear_error() {
+        let err = ApprovalServer::load("/nonexistent/harness-approval-mcp").unwrap_err();
+        assert!(err.message().contains("/nonexistent"), "{err}");
     }
 
     #[test]

@@ -87,6 +87,9 @@ impl std::fmt::Debug for SliceRunner {
 /// Largest spool read per poll, so one slice never holds a huge chunk.
 const READ_LIMIT_HINT: usize = 4 * 1024 * 1024;
 
+/// Least time between two looks at an idle agent's permission requests.
+const APPROVAL_CHECK_MS: u64 = 1000;
+
 /// The spool directory of a turn under `home`.
 pub fn spool_dir(home: &str, turn_id: &str) -> String {
     format!("{}/.harness/turns/{turn_id}", home.trim_end_matches('/'))
@@ -179,6 +182,11 @@ impl SliceRunner {
             Some(p) => p.clone(),
             None => self.start_or_find(sandbox.as_ref(), state).await?,
         };
+        let approvals = approvals_dir(&process);
+        self.deliver_answers(sandbox.as_ref(), state, &approvals)
+            .await?;
+        let mut requests_read = 0u64; // bytes of requests.jsonl seen by this slice
+        let mut last_approval_check: Option<u64> = None;
         let mut parser = self.harness(&state.agent)?.parser();
         let mut cursor = state.cursor; // committed: line boundary, no open block
         let mut read_to = state.cursor; // bytes fetched from the spool
@@ -288,6 +296,44 @@ impl SliceRunner {
                 }
                 _ => {}
             }
+            // An idle agent may be blocked on a permission request (the
+            // approval MCP server waits for an answer file): everything it
+            // printed before asking has been consumed, so surface the first
+            // unanswered request now.
+            // Checked at most once per APPROVAL_CHECK_MS of idleness: on
+            // backends without a native offset read each check is an exec,
+            // and turns without approvals never have a requests file.
+            let now = (self.now_ms)();
+            if !got_any
+                && !parser.in_block()
+                && last_approval_check.is_none_or(|t| now >= t + APPROVAL_CHECK_MS)
+            {
+                last_approval_check = Some(now);
+                if let Some(request) = self
+                    .unanswered_request(sandbox.as_ref(), state, &approvals, &mut requests_read)
+                    .await?
+                {
+                    let part = StreamPart::ToolApprovalRequest {
+                        approval_id: request.approval.approval_id.clone(),
+                        tool_call_id: request.tool_call_id,
+                        tool_name: request.approval.tool_name.clone(),
+                        input: request.approval.input.clone(),
+                    };
+                    let key = format!(
+                        "{}:approval:{}",
+                        state.turn_id, request.approval.approval_id
+                    );
+                    self.sink
+                        .emit(&state.session_id, &state.turn_id, part, key)
+                        .await?;
+                    return Ok(SliceReport {
+                        process: Some(process),
+                        agent_session_id,
+                        cursor,
+                        outcome: SliceOutcome::ApprovalRequested(request.approval),
+                    });
+                }
+            }
             if abort.is_aborted() || (self.now_ms)() >= deadline {
                 return Ok(SliceReport {
                     process: Some(process),
@@ -304,6 +350,108 @@ impl SliceRunner {
                 }
             }
         }
+    }
+}
+
+/// Where an agent's permission requests and their answers are exchanged:
+/// `<spool>/approvals` (the spool being the directory of the stdout file).
+/// Claude Code's approval MCP server (`harness-approval-mcp`) appends
+/// `{"approval_id","tool_name","input","tool_use_id"}` lines to
+/// `requests.jsonl` there and waits for `answers/<approval_id>.json`
+/// (`{"approved","reason"}`).
+pub fn approvals_dir(process: &DetachedProcess) -> String {
+    let stdout = process.stdout_path.as_str();
+    let spool = stdout.rsplit_once('/').map_or(".", |(dir, _)| dir);
+    format!("{spool}/approvals")
+}
+
+/// A request read from `requests.jsonl`.
+struct ApprovalLine {
+    approval: PendingApproval,
+    tool_call_id: String,
+}
+
+impl SliceRunner {
+    /// Hand every answer in the state to the agent: (re)write
+    /// `answers/<id>.json`. Rewriting an existing answer is harmless (same
+    /// content; the server stops reading once it has answered), and saves a
+    /// round trip per answer to check.
+    async fn deliver_answers(
+        &self,
+        sandbox: &dyn Sandbox,
+        state: &TurnState,
+        approvals: &str,
+    ) -> Result<()> {
+        for answer in &state.approval_answers {
+            let body = serde_json::to_vec(&serde_json::json!({
+                "approved": answer.approved,
+                "reason": answer.reason,
+            }))?;
+            let path = format!("{approvals}/answers/{}.json", answer.approval_id);
+            sandbox.write_file(&path, crate::stream::once(body)).await?;
+        }
+        Ok(())
+    }
+
+    /// The first request in `requests.jsonl` past `read` that the state has
+    /// no answer for. No requests file (approvals not enabled, or nothing
+    /// asked yet) means none.
+    async fn unanswered_request(
+        &self,
+        sandbox: &dyn Sandbox,
+        state: &TurnState,
+        approvals: &str,
+        read: &mut u64,
+    ) -> Result<Option<ApprovalLine>> {
+        let path = format!("{approvals}/requests.jsonl");
+        let stream = match sandbox.read_file_from(&path, *read).await {
+            Ok(s) => s,
+            Err(e) if e.kind() == crate::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let bytes = match crate::stream::collect(stream, READ_LIMIT_HINT).await {
+            Ok(b) => b,
+            Err(e) if e.kind() == crate::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        // Only whole lines: the server writes each request in one write,
+        // but a read may still land between two.
+        let Some(end) = bytes.iter().rposition(|&b| b == b'\n') else {
+            return Ok(None);
+        };
+        let mut found = None;
+        for line in bytes[..end].split(|&b| b == b'\n') {
+            if line.iter().all(u8::is_ascii_whitespace) {
+                continue;
+            }
+            let v: serde_json::Value = serde_json::from_slice(line).map_err(|e| {
+                Error::backend(format!("bad permission request line in {path}: {e}"))
+            })?;
+            let field = |k: &str| v.get(k).and_then(|x| x.as_str()).unwrap_or("").to_string();
+            let approval_id = field("approval_id");
+            if approval_id.is_empty()
+                || state
+                    .approval_answers
+                    .iter()
+                    .any(|a| a.approval_id == approval_id)
+            {
+                continue;
+            }
+            found = Some(ApprovalLine {
+                tool_call_id: field("tool_use_id"),
+                approval: PendingApproval {
+                    approval_id,
+                    tool_name: field("tool_name"),
+                    input: v.get("input").cloned().unwrap_or(serde_json::Value::Null),
+                },
+            });
+            break;
+        }
+        if found.is_none() {
+            // Everything up to the last newline was answered already.
+            *read += end as u64 + 1;
+        }
+        Ok(found)
     }
 }
 
@@ -344,5 +492,25 @@ impl SliceExecutor for SliceRunner {
 
     async fn turn_ended(&self, state: &TurnState) -> Result<()> {
         self.sink.turn_status(state).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn approvals_live_next_to_the_stdout_spool() {
+        let p = DetachedProcess {
+            id: "1".into(),
+            stdout_path: "/h/.harness/turns/t1/stdout".into(),
+            stderr_path: "/h/.harness/turns/t1/stderr".into(),
+            exit_path: "/h/.harness/turns/t1/exit".into(),
+        };
+        assert_eq!(approvals_dir(&p), "/h/.harness/turns/t1/approvals");
+        assert_eq!(
+            approvals_dir(&p),
+            format!("{}/approvals", spool_dir("/h/", "t1"))
+        );
     }
 }
