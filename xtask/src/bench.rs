@@ -19,7 +19,8 @@ pub enum Bench {
     /// Engine overhead per slice: direct vs in-process vs Temporal.
     Engine,
     /// Session server: append throughput, live-delivery latency to 1,000 SSE
-    /// readers, replay of 100k frames.
+    /// readers, replay of 100k frames — on our endpoints, then over the
+    /// Durable Streams protocol side by side with the reference server.
     Server,
     /// All of the above, in order.
     All,
@@ -65,14 +66,15 @@ pub fn run(bench: Bench) -> Result<()> {
         vec![bench]
     };
     for b in chosen {
-        let args = command(b);
-        let mut cmd = util::cargo();
-        cmd.args(&args);
-        for (key, value) in crate::env::test_env(true) {
-            cmd.env(key, value);
+        for args in commands(b) {
+            let mut cmd = util::cargo();
+            cmd.args(&args);
+            for (key, value) in crate::env::test_env(true) {
+                cmd.env(key, value);
+            }
+            println!("==== bench {b:?}: cargo {}", args.join(" "));
+            util::run(&mut cmd)?;
         }
-        println!("==== bench {b:?}: cargo {}", args.join(" "));
-        util::run(&mut cmd)?;
     }
     Ok(())
 }
