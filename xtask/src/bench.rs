@@ -26,32 +26,21 @@ pub enum Bench {
     All,
 }
 
-fn command(bench: Bench) -> Vec<&'static str> {
+fn commands(bench: Bench) -> Vec<Vec<&'static str>> {
+    let example = |package, name| vec!["run", "--release", "-p", package, "--example", name];
     match bench {
-        Bench::Docker => vec!["bench", "-p", "sandbox-docker", "--bench", "lifecycle"],
-        Bench::Moves => vec![
-            "run",
-            "--release",
-            "-p",
-            "checkpoint-r2",
-            "--example",
-            "move_bench",
-        ],
-        Bench::Engine => vec![
-            "run",
-            "--release",
-            "-p",
-            "durable-temporal",
-            "--example",
-            "overhead",
-        ],
-        Bench::Server => vec![
-            "run",
-            "--release",
-            "-p",
-            "session-server",
-            "--example",
+        Bench::Docker => vec![vec![
             "bench",
+            "-p",
+            "sandbox-docker",
+            "--bench",
+            "lifecycle",
+        ]],
+        Bench::Moves => vec![example("checkpoint-r2", "move_bench")],
+        Bench::Engine => vec![example("durable-temporal", "overhead")],
+        Bench::Server => vec![
+            example("session-server", "bench"),
+            example("session-server", "ds_bench"),
         ],
         Bench::All => vec![],
     }
