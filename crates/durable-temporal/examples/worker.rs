@@ -5,7 +5,10 @@
 //! - `HARNESS_TEMPORAL_ADDRESS`, `HARNESS_TEMPORAL_NAMESPACE`,
 //!   `HARNESS_TEMPORAL_TASK_QUEUE`: where to poll (see `TemporalConfig`);
 //! - `DT_WORKER_LOG_DB`: the SQLite session log the slices append to;
-//! - `DT_WORKER_SANDBOX_ROOT`: root of the local sandbox provider.
+//! - `DT_WORKER_SANDBOX_ROOT`: root of the local sandbox provider;
+//! - `DT_WORKER_DOCKER_IMAGE` (optional): also serve turns in Docker
+//!   sandboxes (provider `docker`, this image as its default), through the
+//!   local Docker engine.
 //!
 //! It serves the scripted test agent (`agent = "script"`). The worker
 //! future is not `Send`, so it runs on the main task.
@@ -36,6 +39,18 @@ async fn main() -> anyhow::Result<()> {
         sandbox_local::PROVIDER_NAME.into(),
         Arc::new(sandbox_local::LocalProvider::new(root)),
     );
+    // Docker only when asked for: a worker without it needs no engine.
+    if let Some(image) = std::env::var("DT_WORKER_DOCKER_IMAGE")
+        .ok()
+        .filter(|v| !v.is_empty())
+    {
+        let docker = sandbox_docker::DockerProvider::connect(sandbox_docker::DockerConfig {
+            default_image: image,
+            ..sandbox_docker::DockerConfig::default()
+        })
+        .await?;
+        providers.insert(sandbox_docker::PROVIDER_NAME.into(), Arc::new(docker));
+    }
     let mut harnesses: BTreeMap<String, Arc<dyn harness_core::harness::Harness>> = BTreeMap::new();
     harnesses.insert(script::SCRIPT_AGENT.into(), Arc::new(script::ScriptHarness));
     let runner = SliceRunner {

@@ -1,0 +1,366 @@
+//! The in-process engine on the Docker sandbox: a turn killed with `kill -9`
+//! at several points is finished by `harness resume` with a gap-free log and
+//! no duplicated frame, and a turn longer than one slice completes across
+//! slices. Real `claude` inside a real container (`HARNESS_TEST_IMAGE`),
+//! real dockerd, scripted model on the host's bridge gateway address.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use harness_testkit::model::{
+    any, last_is_tool_result_for, Reply, Rule, Script, ScriptedModel, BASH_CALL_ID,
+};
+use harness_testkit::{require_env, skip_or_fail};
+
+const FINAL_CHUNKS: [&str; 6] = ["The slow ", "task ", "is ", "done ", "and ", "verified."];
+
+/// What the tests need from the machine: the claude binary, the image, a
+/// Docker engine, and the bridge gateway address. `None` after a skip (a
+/// failure under `HARNESS_REQUIRE_REAL=1`).
+fn docker_parts() -> Option<(String, IpAddr)> {
+    require_env("HARNESS_CLAUDE_BIN")?;
+    let image = require_env("HARNESS_TEST_IMAGE")?;
+    let inspect = Command::new("docker")
+        .args(["image", "inspect", "--format", "{{.Id}}", &image])
+        .output();
+    match inspect {
+        Ok(out) if out.status.success() => {}
+        Ok(out) => {
+            skip_or_fail(&format!(
+                "docker image {image} is not usable (build it with `cargo xtask image`): {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+            return None;
+        }
+        Err(e) => {
+            skip_or_fail(&format!("no docker CLI: {e}"));
+            return None;
+        }
+    }
+    let Some(gateway) = bridge_gateway() else {
+        skip_or_fail("cannot find the docker bridge gateway address");
+        return None;
+    };
+    Some((image, gateway))
+}
+
+/// The default bridge network's gateway, from `docker network inspect
+/// bridge`; dockerd may leave `Gateway` out, and then uses the first
+/// address of the subnet. The model server binds there, so a wrong guess
+/// fails the bind instead of sending traffic elsewhere.
+fn bridge_gateway() -> Option<IpAddr> {
+    let out = Command::new("docker")
+        .args([
+            "network",
+            "inspect",
+            "bridge",
+            "--format",
+            "{{range .IPAM.Config}}{{.Gateway}}|{{.Subnet}}\n{{end}}",
+        ])
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let configs: Vec<(&str, &str)> = text.lines().filter_map(|l| l.split_once('|')).collect();
+    if let Some(gw) = configs.iter().find_map(|(gw, _)| gw.parse::<IpAddr>().ok()) {
+        return Some(gw);
+    }
+    configs.iter().find_map(|(_, subnet)| {
+        let net: Ipv4Addr = subnet.split_once('/')?.0.parse().ok()?;
+        Some(IpAddr::V4(Ipv4Addr::from(u32::from(net) + 1)))
+    })
+}
+
+/// Removes a container when dropped, so a failing test leaves none behind.
+struct Container(String);
+
+impl Drop for Container {
+    fn drop(&mut self) {
+        let _ = Command::new("docker")
+            .args(["rm", "-f", &self.0])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+/// `docker exec <container> sh -c <script>`: (success, stdout).
+fn docker_sh(container: &str, script: &str) -> (bool, String) {
+    let out = Command::new("docker")
+        .args(["exec", container, "sh", "-c", script])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).to_string(),
+    )
+}
+
+fn harness(home: &Path, model: &ScriptedModel) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_harness"));
+    cmd.arg("--home")
+        .arg(home)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .env("ANTHROPIC_API_KEY", "test-key")
+        // The bridge gateway address: what the container reaches the host on.
+        .env("ANTHROPIC_BASE_URL", model.base_url())
+        .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1");
+    cmd
+}
+
+fn run_args<'a>(image: &'a str, slice_ms: &'a str) -> [&'a str; 7] {
+    [
+        "run",
+        "--sandbox",
+        "docker",
+        "--image",
+        image,
+        "--slice-ms",
+        slice_ms,
+    ]
+}
+
+fn script() -> Script {
+    Script::new()
+        .rule(
+            Rule::new(
+                last_is_tool_result_for(BASH_CALL_ID),
+                Reply::text_chunks(FINAL_CHUNKS).with_delay(400),
+            )
+            .assert_tool_result_contains(BASH_CALL_ID, "slow-done"),
+        )
+        .rule(Rule::new(
+            any(),
+            Reply::shell(
+                BASH_CALL_ID,
+                "sleep 5; echo slow-done > slow.txt; cat slow.txt",
+            ),
+        ))
+}
+
+/// The session record `<home>/sessions/<id>.json`, once `run` wrote it.
+fn session_record(home: &Path) -> Option<serde_json::Value> {
+    let entry = std::fs::read_dir(home.join("sessions"))
+        .ok()?
+        .next()?
+        .ok()?;
+    serde_json::from_slice(&std::fs::read(entry.path()).ok()?).ok()
+}
+
+/// Wait (polling) until `probe` holds, while the run is still alive.
+async fn wait_for(
+    what: &str,
+    child: &mut std::process::Child,
+    mut probe: impl FnMut() -> bool,
+) -> Duration {
+    let started = Instant::now();
+    while !probe() {
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "timed out waiting for: {what}"
+        );
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the run ended before: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    started.elapsed()
+}
+
+/// Where to kill the run, each after the agent process has started (its
+/// claim file exists in the container).
+#[derive(Debug, Clone, Copy)]
+enum KillPoint {
+    /// Shortly after the start: during the first model call or the tool's sleep.
+    AfterStart(u64),
+    /// As soon as the tool's output file appears: around the tool result.
+    AtToolResult,
+    /// This long after the tool's output file appeared: during the final text.
+    AfterToolResult(u64),
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn docker_kill_nine_at_several_points_then_resume_finishes_the_turn_once() {
+    let Some((image, gateway)) = docker_parts() else {
+        return;
+    };
+    for point in [
+        KillPoint::AfterStart(200),
+        KillPoint::AtToolResult,
+        KillPoint::AfterToolResult(1_000),
+    ] {
+        let round = Instant::now();
+        let model = ScriptedModel::start_on(SocketAddr::new(gateway, 0), script())
+            .await
+            .unwrap();
+        let home = tempfile::tempdir().unwrap();
+        let mut child = harness(home.path(), &model)
+            .args(run_args(&image, "1000"))
+            .arg("do the slow thing")
+            .spawn()
+            .unwrap();
+        // The container exists once the session record names it.
+        wait_for("the session record", &mut child, || {
+            session_record(home.path()).is_some()
+        })
+        .await;
+        let record = session_record(home.path()).unwrap();
+        assert_eq!(record["sandbox"]["provider"], "docker", "{record:#}");
+        let container = record["sandbox"]["id"].as_str().unwrap().to_string();
+        let _cleanup = Container(container.clone());
+        let workdir = record["sandbox"]["workdir"].as_str().unwrap().to_string();
+        // The agent's spool lives in the container's $HOME.
+        wait_for("the agent's process record", &mut child, || {
+            docker_sh(
+                &container,
+                "test -f \"$HOME/.harness/turns/t1/process.json\"",
+            )
+            .0
+        })
+        .await;
+        let tool_done = format!("test -f {workdir}/slow.txt");
+        match point {
+            KillPoint::AfterStart(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
+            KillPoint::AtToolResult => {
+                wait_for("the tool's file", &mut child, || {
+                    docker_sh(&container, &tool_done).0
+                })
+                .await;
+            }
+            KillPoint::AfterToolResult(ms) => {
+                wait_for("the tool's file", &mut child, || {
+                    docker_sh(&container, &tool_done).0
+                })
+                .await;
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+            }
+        }
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the turn must still be running at {point:?}"
+        );
+        child.kill().unwrap(); // SIGKILL
+        let killed = child.wait_with_output().unwrap();
+        let killed_stderr = String::from_utf8_lossy(&killed.stderr).to_string();
+
+        let out = harness(home.path(), &model).arg("resume").output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success(),
+            "resume after kill at {point:?} failed:\n{stderr}"
+        );
+        assert!(
+            stderr.contains("resuming 1 unfinished turn"),
+            "{stderr}\nthe killed run said:\n{killed_stderr}"
+        );
+        assert!(stderr.contains("finished"), "{stderr}");
+
+        let session = record["id"].as_str().unwrap().to_string();
+        let out = harness(home.path(), &model)
+            .args(["sessions", "export", &session])
+            .stdout(Stdio::piped())
+            .output()
+            .unwrap();
+        let frames: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let seqs: Vec<u64> = frames.iter().map(|f| f["seq"].as_u64().unwrap()).collect();
+        assert_eq!(
+            seqs,
+            (1..=frames.len() as u64).collect::<Vec<_>>(),
+            "gap-free after kill at {point:?}"
+        );
+        let count = |pred: &dyn Fn(&serde_json::Value) -> bool| {
+            frames.iter().filter(|f| pred(&f["body"])).count()
+        };
+        let context = format!("kill at {point:?}: {frames:#?}");
+        assert_eq!(count(&|b| b["type"] == "user-message"), 1, "{context}");
+        assert_eq!(
+            count(&|b| b["type"] == "part" && b["part"]["type"] == "tool-call"),
+            1,
+            "one tool call: {context}"
+        );
+        assert_eq!(
+            count(&|b| b["type"] == "part" && b["part"]["type"] == "tool-result"),
+            1,
+            "one tool result: {context}"
+        );
+        assert_eq!(
+            count(&|b| b["type"] == "part" && b["part"]["type"] == "finish"),
+            1,
+            "one finish: {context}"
+        );
+        let texts: Vec<&str> = frames
+            .iter()
+            .filter(|f| f["body"]["type"] == "message")
+            .filter_map(|f| f["body"]["text"].as_str())
+            .collect();
+        assert_eq!(
+            texts,
+            vec![FINAL_CHUNKS.concat().as_str()],
+            "the answer stored once and whole: {context}"
+        );
+        assert_eq!(
+            count(&|b| b["type"] == "turn-status" && b["status"] == "finished"),
+            1,
+            "{context}"
+        );
+        model.assert_no_failures();
+        // The agent ran its command in the container: the file is there.
+        let (ok, content) = docker_sh(&container, &format!("cat {workdir}/slow.txt"));
+        assert!(ok, "slow.txt is missing in the container");
+        assert_eq!(content.trim(), "slow-done");
+        eprintln!("kill at {point:?}: round took {:?}", round.elapsed());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn docker_turn_longer_than_one_slice_completes_across_slices() {
+    let Some((image, gateway)) = docker_parts() else {
+        return;
+    };
+    let model = ScriptedModel::start_on(SocketAddr::new(gateway, 0), script())
+        .await
+        .unwrap();
+    let home = tempfile::tempdir().unwrap();
+    let out = harness(home.path(), &model)
+        .args(run_args(&image, "700"))
+        .arg("do the slow thing")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let record = session_record(home.path());
+    let _cleanup = record
+        .as_ref()
+        .and_then(|r| r["sandbox"]["id"].as_str())
+        .map(|id| Container(id.to_string()));
+    assert!(out.status.success(), "{stderr}");
+    let record = record.expect("the run saved its session record");
+    assert_eq!(record["sandbox"]["provider"], "docker", "{record:#}");
+    model.assert_no_failures();
+    let slices: u32 = stderr
+        .split("finished in ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .expect("the summary names the slice count");
+    assert!(
+        slices >= 5,
+        "a ~7 s turn in 0.7 s slices took {slices} slice(s)"
+    );
+    // The tool ran inside the container.
+    let container = record["sandbox"]["id"].as_str().unwrap();
+    let workdir = record["sandbox"]["workdir"].as_str().unwrap();
+    let (ok, content) = docker_sh(container, &format!("cat {workdir}/slow.txt"));
+    assert!(ok, "slow.txt is missing in the container");
+    assert_eq!(content.trim(), "slow-done");
+}
