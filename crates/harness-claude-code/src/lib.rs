@@ -21,7 +21,6 @@
 //!
 //! See `docs/agents.md` for the flags and the parser mapping table.
 
-mod binary;
 mod parser;
 
 use std::collections::BTreeMap;
@@ -31,7 +30,7 @@ use harness_core::harness::{AgentCommand, Harness, OutputParser, StateMove, Turn
 use harness_core::sandbox::shell_quote;
 use harness_core::{Error, Result};
 
-pub use binary::{parse_version, sha256_cached, AgentBinary};
+pub use harness_agent_binary::{parse_version, sha256_cached, AgentBinary};
 pub use parser::ClaudeCodeParser;
 
 /// The Claude Code version these adapters were verified against.

@@ -16,7 +16,6 @@
 //!
 //! See `docs/agents.md` for the flags and the parser mapping table.
 
-mod binary;
 mod parser;
 
 use std::collections::BTreeMap;
@@ -26,7 +25,7 @@ use harness_core::harness::{AgentCommand, Harness, OutputParser, StateMove, Turn
 use harness_core::sandbox::shell_quote;
 use harness_core::{Error, Result};
 
-pub use binary::{parse_version, sha256_cached, AgentBinary};
+pub use harness_agent_binary::{parse_version, sha256_cached, AgentBinary};
 pub use parser::{CodexParser, SHELL_TOOL_NAME};
 
 /// The Codex version this adapter was verified against.

@@ -1,4 +1,9 @@
+//! # harness-agent-binary
+//!
 //! The agent's native executable on the host, identified by its content hash.
+//! Shared by the agent adapters (`harness-claude-code`, `harness-codex`) and
+//! the approval tool, so each adapter stays publishable on its own without
+//! carrying a copy.
 //!
 //! The bootstrap recipe names the binary by SHA-256 (so a sandbox snapshot is
 //! keyed on the exact build), and hashing a 300–400 MB file takes seconds, so
