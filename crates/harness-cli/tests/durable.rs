@@ -2,47 +2,14 @@
 //! is finished by `harness resume` with a gap-free log and no duplicated
 //! frame. Real `claude`, real local sandbox, scripted model.
 
+mod common;
+
+use common::harness;
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use harness_testkit::model::{
-    any, last_is_tool_result_for, Reply, Rule, Script, ScriptedModel, BASH_CALL_ID,
-};
+use harness_testkit::model::ScriptedModel;
 use harness_testkit::require_env;
-
-const FINAL_CHUNKS: [&str; 6] = ["The slow ", "task ", "is ", "done ", "and ", "verified."];
-
-fn harness(home: &Path, model: &ScriptedModel) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_harness"));
-    cmd.arg("--home")
-        .arg(home)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .env("ANTHROPIC_API_KEY", "test-key")
-        .env("ANTHROPIC_BASE_URL", model.base_url())
-        .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1");
-    cmd
-}
-
-fn script() -> Script {
-    Script::new()
-        .rule(
-            Rule::new(
-                last_is_tool_result_for(BASH_CALL_ID),
-                Reply::text_chunks(FINAL_CHUNKS).with_delay(400),
-            )
-            .assert_tool_result_contains(BASH_CALL_ID, "slow-done"),
-        )
-        .rule(Rule::new(
-            any(),
-            Reply::shell(
-                BASH_CALL_ID,
-                "sleep 5; echo slow-done > slow.txt; cat slow.txt",
-            ),
-        ))
-}
 
 /// The agent's process record, once the slice has started it.
 fn agent_started(home: &Path) -> Option<std::path::PathBuf> {
@@ -66,7 +33,7 @@ async fn kill_nine_at_several_points_then_resume_finishes_the_turn_once() {
     // Offsets after the agent process has started (the claim file exists):
     // during the tool's sleep, around its result, during the final text.
     for kill_after_ms in [200u64, 4_500, 6_000] {
-        let model = ScriptedModel::start(script()).await.unwrap();
+        let model = ScriptedModel::start(common::slow_script()).await.unwrap();
         let home = tempfile::tempdir().unwrap();
         let mut child = harness(home.path(), &model)
             .args(["run", "--slice-ms", "1000", "do the slow thing"])
@@ -112,56 +79,8 @@ async fn kill_nine_at_several_points_then_resume_finishes_the_turn_once() {
             .unwrap()
             .path();
         let session = session.file_stem().unwrap().to_string_lossy().to_string();
-        let out = harness(home.path(), &model)
-            .args(["sessions", "export", &session])
-            .stdout(Stdio::piped())
-            .output()
-            .unwrap();
-        let frames: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
-        let seqs: Vec<u64> = frames.iter().map(|f| f["seq"].as_u64().unwrap()).collect();
-        assert_eq!(
-            seqs,
-            (1..=frames.len() as u64).collect::<Vec<_>>(),
-            "gap-free after kill at {kill_after_ms} ms"
-        );
-        let count = |pred: &dyn Fn(&serde_json::Value) -> bool| {
-            frames.iter().filter(|f| pred(&f["body"])).count()
-        };
-        let context = format!("kill at {kill_after_ms} ms: {frames:#?}");
-        assert_eq!(count(&|b| b["type"] == "user-message"), 1, "{context}");
-        assert_eq!(
-            count(&|b| b["type"] == "part" && b["part"]["type"] == "tool-call"),
-            1,
-            "one tool call: {context}"
-        );
-        assert_eq!(
-            count(&|b| b["type"] == "part" && b["part"]["type"] == "tool-result"),
-            1,
-            "one tool result: {context}"
-        );
-        assert_eq!(
-            count(&|b| b["type"] == "part" && b["part"]["type"] == "finish"),
-            1,
-            "one finish: {context}"
-        );
-        let texts: Vec<&str> = frames
-            .iter()
-            .filter(|f| f["body"]["type"] == "message")
-            .filter_map(|f| f["body"]["text"].as_str())
-            .collect();
-        assert_eq!(
-            texts,
-            vec![FINAL_CHUNKS.concat().as_str()],
-            "the answer stored once and whole: {context}"
-        );
-        assert_eq!(
-            count(&|b| b["type"] == "turn-status" && b["status"] == "finished"),
-            1,
-            "{context}"
-        );
+        let frames = common::export(home.path(), &model, &session);
+        common::assert_stored_once(&frames, &format!("kill at {kill_after_ms} ms"));
         assert!(model.failures().is_empty(), "{:?}", model.failures());
         // The agent ran its command once: the tool result is in the log once
         // and the file exists.
@@ -184,7 +103,7 @@ async fn a_turn_longer_than_one_slice_completes_across_slices() {
     if require_env("HARNESS_CLAUDE_BIN").is_none() {
         return;
     }
-    let model = ScriptedModel::start(script()).await.unwrap();
+    let model = ScriptedModel::start(common::slow_script()).await.unwrap();
     let home = tempfile::tempdir().unwrap();
     let out = harness(home.path(), &model)
         .args(["run", "--slice-ms", "700", "do the slow thing"])

@@ -4,17 +4,16 @@
 //! slices. Real `claude` inside a real container (`HARNESS_TEST_IMAGE`),
 //! real dockerd, scripted model on the host's bridge gateway address.
 
+mod common;
+
+use common::harness;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use harness_testkit::model::{
-    any, last_is_tool_result_for, Reply, Rule, Script, ScriptedModel, BASH_CALL_ID,
-};
+use harness_testkit::model::ScriptedModel;
 use harness_testkit::{require_env, skip_or_fail};
-
-const FINAL_CHUNKS: [&str; 6] = ["The slow ", "task ", "is ", "done ", "and ", "verified."];
 
 /// What the tests need from the machine: the claude binary, the image, a
 /// Docker engine, and the bridge gateway address. `None` after a skip (a
@@ -101,20 +100,6 @@ fn docker_sh(container: &str, script: &str) -> (bool, String) {
     )
 }
 
-fn harness(home: &Path, model: &ScriptedModel) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_harness"));
-    cmd.arg("--home")
-        .arg(home)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .env("ANTHROPIC_API_KEY", "test-key")
-        // The bridge gateway address: what the container reaches the host on.
-        .env("ANTHROPIC_BASE_URL", model.base_url())
-        .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1");
-    cmd
-}
-
 fn run_args<'a>(image: &'a str, slice_ms: &'a str) -> [&'a str; 7] {
     [
         "run",
@@ -125,24 +110,6 @@ fn run_args<'a>(image: &'a str, slice_ms: &'a str) -> [&'a str; 7] {
         "--slice-ms",
         slice_ms,
     ]
-}
-
-fn script() -> Script {
-    Script::new()
-        .rule(
-            Rule::new(
-                last_is_tool_result_for(BASH_CALL_ID),
-                Reply::text_chunks(FINAL_CHUNKS).with_delay(400),
-            )
-            .assert_tool_result_contains(BASH_CALL_ID, "slow-done"),
-        )
-        .rule(Rule::new(
-            any(),
-            Reply::shell(
-                BASH_CALL_ID,
-                "sleep 5; echo slow-done > slow.txt; cat slow.txt",
-            ),
-        ))
 }
 
 /// The session record `<home>/sessions/<id>.json`, once `run` wrote it.
@@ -198,7 +165,7 @@ async fn docker_kill_nine_at_several_points_then_resume_finishes_the_turn_once()
         KillPoint::AfterToolResult(1_000),
     ] {
         let round = Instant::now();
-        let model = ScriptedModel::start_on(SocketAddr::new(gateway, 0), script())
+        let model = ScriptedModel::start_on(SocketAddr::new(gateway, 0), common::slow_script())
             .await
             .unwrap();
         let home = tempfile::tempdir().unwrap();
@@ -264,56 +231,8 @@ async fn docker_kill_nine_at_several_points_then_resume_finishes_the_turn_once()
         assert!(stderr.contains("finished"), "{stderr}");
 
         let session = record["id"].as_str().unwrap().to_string();
-        let out = harness(home.path(), &model)
-            .args(["sessions", "export", &session])
-            .stdout(Stdio::piped())
-            .output()
-            .unwrap();
-        let frames: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
-        let seqs: Vec<u64> = frames.iter().map(|f| f["seq"].as_u64().unwrap()).collect();
-        assert_eq!(
-            seqs,
-            (1..=frames.len() as u64).collect::<Vec<_>>(),
-            "gap-free after kill at {point:?}"
-        );
-        let count = |pred: &dyn Fn(&serde_json::Value) -> bool| {
-            frames.iter().filter(|f| pred(&f["body"])).count()
-        };
-        let context = format!("kill at {point:?}: {frames:#?}");
-        assert_eq!(count(&|b| b["type"] == "user-message"), 1, "{context}");
-        assert_eq!(
-            count(&|b| b["type"] == "part" && b["part"]["type"] == "tool-call"),
-            1,
-            "one tool call: {context}"
-        );
-        assert_eq!(
-            count(&|b| b["type"] == "part" && b["part"]["type"] == "tool-result"),
-            1,
-            "one tool result: {context}"
-        );
-        assert_eq!(
-            count(&|b| b["type"] == "part" && b["part"]["type"] == "finish"),
-            1,
-            "one finish: {context}"
-        );
-        let texts: Vec<&str> = frames
-            .iter()
-            .filter(|f| f["body"]["type"] == "message")
-            .filter_map(|f| f["body"]["text"].as_str())
-            .collect();
-        assert_eq!(
-            texts,
-            vec![FINAL_CHUNKS.concat().as_str()],
-            "the answer stored once and whole: {context}"
-        );
-        assert_eq!(
-            count(&|b| b["type"] == "turn-status" && b["status"] == "finished"),
-            1,
-            "{context}"
-        );
+        let frames = common::export(home.path(), &model, &session);
+        common::assert_stored_once(&frames, &format!("kill at {point:?}"));
         model.assert_no_failures();
         // The agent ran its command in the container: the file is there.
         let (ok, content) = docker_sh(&container, &format!("cat {workdir}/slow.txt"));
@@ -328,7 +247,7 @@ async fn docker_turn_longer_than_one_slice_completes_across_slices() {
     let Some((image, gateway)) = docker_parts() else {
         return;
     };
-    let model = ScriptedModel::start_on(SocketAddr::new(gateway, 0), script())
+    let model = ScriptedModel::start_on(SocketAddr::new(gateway, 0), common::slow_script())
         .await
         .unwrap();
     let home = tempfile::tempdir().unwrap();
