@@ -18,6 +18,26 @@ use std::process::Command;
 use harness_core::{Error, Result};
 use sha2::{Digest, Sha256};
 
+/// Find an agent's native binary on this host: the path in `env_var` if
+/// set, else `$HARNESS_CACHE/agents/<cache_relative>` (default cache
+/// `/var/cache/harness`, where `cargo xtask agents` installs them).
+/// `NotFound`, naming both places, when neither exists.
+pub fn locate(env_var: &str, cache_relative: &str, what: &str) -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os(env_var).filter(|p| !p.is_empty()) {
+        return Ok(p.into());
+    }
+    let cache = std::env::var("HARNESS_CACHE").unwrap_or_else(|_| "/var/cache/harness".into());
+    let p = PathBuf::from(cache).join("agents").join(cache_relative);
+    if p.is_file() {
+        Ok(p)
+    } else {
+        Err(Error::not_found(format!(
+            "no {what} binary: set {env_var} or run `cargo xtask agents` (looked at {})",
+            p.display()
+        )))
+    }
+}
+
 /// A native agent executable on the host.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AgentBinary {

@@ -137,21 +137,11 @@ impl ClaudeCodeConfig {
 /// Where the native `claude` is on this host: `$HARNESS_CLAUDE_BIN`, else
 /// `$HARNESS_CACHE/agents/claude-code-<VERIFIED_VERSION>/node_modules/@anthropic-ai/claude-code-linux-x64/claude`.
 pub fn locate_host_binary() -> Result<std::path::PathBuf> {
-    if let Some(p) = std::env::var_os("HARNESS_CLAUDE_BIN").filter(|p| !p.is_empty()) {
-        return Ok(p.into());
-    }
-    let cache = std::env::var("HARNESS_CACHE").unwrap_or_else(|_| "/var/cache/harness".into());
-    let p = std::path::PathBuf::from(format!(
-        "{cache}/agents/claude-code-{VERIFIED_VERSION}/node_modules/@anthropic-ai/claude-code-linux-x64/claude"
-    ));
-    if p.is_file() {
-        Ok(p)
-    } else {
-        Err(Error::not_found(format!(
-            "no claude binary: set HARNESS_CLAUDE_BIN or run `cargo xtask agents` (looked at {})",
-            p.display()
-        )))
-    }
+    harness_agent_binary::locate(
+        "HARNESS_CLAUDE_BIN",
+        &format!("claude-code-{VERIFIED_VERSION}/node_modules/@anthropic-ai/claude-code-linux-x64/claude"),
+        "claude",
+    )
 }
 
 /// The Claude Code adapter.

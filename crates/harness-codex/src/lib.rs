@@ -94,21 +94,11 @@ impl CodexConfig {
 /// Where the native `codex` is on this host: `$HARNESS_CODEX_BIN`, else
 /// `$HARNESS_CACHE/agents/codex-<VERIFIED_VERSION>/node_modules/@openai/codex-linux-x64/vendor/x86_64-unknown-linux-musl/bin/codex`.
 pub fn locate_host_binary() -> Result<std::path::PathBuf> {
-    if let Some(p) = std::env::var_os("HARNESS_CODEX_BIN").filter(|p| !p.is_empty()) {
-        return Ok(p.into());
-    }
-    let cache = std::env::var("HARNESS_CACHE").unwrap_or_else(|_| "/var/cache/harness".into());
-    let p = std::path::PathBuf::from(format!(
-        "{cache}/agents/codex-{VERIFIED_VERSION}/node_modules/@openai/codex-linux-x64/vendor/x86_64-unknown-linux-musl/bin/codex"
-    ));
-    if p.is_file() {
-        Ok(p)
-    } else {
-        Err(Error::not_found(format!(
-            "no codex binary: set HARNESS_CODEX_BIN or run `cargo xtask agents` (looked at {})",
-            p.display()
-        )))
-    }
+    harness_agent_binary::locate(
+        "HARNESS_CODEX_BIN",
+        &format!("codex-{VERIFIED_VERSION}/node_modules/@openai/codex-linux-x64/vendor/x86_64-unknown-linux-musl/bin/codex"),
+        "codex",
+    )
 }
 
 /// A TOML basic string (for `-c key=value` overrides).

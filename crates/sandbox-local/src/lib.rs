@@ -519,10 +519,9 @@ impl Sandbox for LocalSandbox {
     }
 
     async fn kill_detached(&self, process: &DetachedProcess) -> Result<()> {
-        // Native instead of the shell default: the default's `kill -TERM --
-        // -PID` is rejected by dash ("Illegal number"), and killpg needs no
-        // shell at all. The launch script made the process a session and
-        // group leader, so its pid is the group id.
+        // Native instead of the shell default: killpg on the host needs no
+        // shell process per kill. The launch script made the process a
+        // session and group leader, so its pid is the group id.
         let pid: i32 = process.id.parse().map_err(|_| {
             Error::invalid(format!("detached process id {:?} is not a pid", process.id))
         })?;
