@@ -35,24 +35,22 @@ async fn image_exists(provider: &DockerProvider, image: &str) -> Result<bool> {
     }
 }
 
-/// The snapshot image for `recipe` on `base`, building it if needed.
-pub(crate) async fn ensure_snapshot(
+/// Hold the identity's lock: taken by whoever builds the snapshot, by
+/// whoever creates a session container from it (until the container exists,
+/// after which docker itself refuses to remove the image), and by prune
+/// before removing it — so a prune never removes a snapshot between its
+/// commit and the first container made from it.
+pub(crate) async fn lock_identity(
     provider: &DockerProvider,
-    base: &str,
-    recipe: &BootstrapRecipe,
-) -> Result<String> {
-    let identity = recipe.identity(base);
-    let tag = format!("{}:{identity}", provider.config().snapshot_repo);
-    if image_exists(provider, &tag).await? {
-        return Ok(tag);
-    }
+    identity: &str,
+) -> Result<std::fs::File> {
     let lock_path = provider
         .config()
         .lock_dir
         .join(format!("docker-bootstrap-{identity}.lock"));
     // flock blocks the thread: take it off the async runtime. Locks on
     // separate opens conflict within one process too, so threads serialize.
-    let _lock = tokio::task::spawn_blocking(move || -> Result<std::fs::File> {
+    tokio::task::spawn_blocking(move || -> Result<std::fs::File> {
         if let Some(dir) = lock_path.parent() {
             std::fs::create_dir_all(dir)?;
         }
@@ -65,13 +63,24 @@ pub(crate) async fn ensure_snapshot(
         Ok(file)
     })
     .await
-    .map_err(|e| Error::backend(format!("bootstrap lock task failed: {e}")))??;
-    // Someone may have built it while we waited.
-    if image_exists(provider, &tag).await? {
-        return Ok(tag);
+    .map_err(|e| Error::backend(format!("bootstrap lock task failed: {e}")))?
+}
+
+/// The snapshot image for `recipe` on `base`, building it if needed, and the
+/// identity's lock: keep it until a container from the image exists.
+pub(crate) async fn ensure_snapshot(
+    provider: &DockerProvider,
+    base: &str,
+    recipe: &BootstrapRecipe,
+) -> Result<(String, std::fs::File)> {
+    let identity = recipe.identity(base);
+    let tag = format!("{}:{identity}", provider.config().snapshot_repo);
+    let lock = lock_identity(provider, &identity).await?;
+    // Someone may have built it already (or while we waited).
+    if !image_exists(provider, &tag).await? {
+        build(provider, base, recipe, &identity, &tag).await?;
     }
-    build(provider, base, recipe, &identity, &tag).await?;
-    Ok(tag)
+    Ok((tag, lock))
 }
 
 async fn build(
@@ -229,6 +238,8 @@ pub(crate) async fn prune(provider: &DockerProvider, keep: &[String]) -> Result<
         if keep.contains(&snap.identity) {
             continue;
         }
+        // Wait out a session being created from this snapshot right now.
+        let _lock = lock_identity(provider, &snap.identity).await?;
         match provider
             .client()
             .remove_image(

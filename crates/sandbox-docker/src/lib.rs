@@ -435,13 +435,18 @@ impl SandboxProvider for DockerProvider {
             .image
             .clone()
             .unwrap_or_else(|| self.config.default_image.clone());
-        let image = match spec.bootstrap.as_ref().filter(|r| !r.is_empty()) {
-            Some(recipe) => bootstrap::ensure_snapshot(self, &base, recipe).await?,
-            None => base.clone(),
+        let (image, snapshot_lock) = match spec.bootstrap.as_ref().filter(|r| !r.is_empty()) {
+            Some(recipe) => {
+                let (tag, lock) = bootstrap::ensure_snapshot(self, &base, recipe).await?;
+                (tag, Some(lock))
+            }
+            None => (base.clone(), None),
         };
         let id = self
             .run_container(&image, spec, "session", Some(&spec.workdir))
             .await?;
+        // The container now pins the snapshot; prune may proceed.
+        drop(snapshot_lock);
         let data = json!({ "image": image, "wrap": false });
         Ok(Box::new(self.sandbox(id, spec.workdir.clone(), true, data)))
     }
