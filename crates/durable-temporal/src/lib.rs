@@ -5,7 +5,9 @@
 //!   signal approvals and aborts, wait for the result.
 //! - [`TurnWorker`] / [`run_worker`] is the worker side: it runs the
 //!   workflow code and the activities, which do the real work through a
-//!   [`SliceRunner`] (sandbox providers, agent adapters, part sink).
+//!   [`SliceExecutor`] — in practice a `SliceRunner` (sandbox providers,
+//!   agent adapters, and a sink writing as the session's runner, e.g. over
+//!   the runner WebSocket of `harness serve`).
 //!
 //! The Temporal worker future is not `Send`: run it on the main task of a
 //! `#[tokio::main]` (or `block_on`) or inside a [`tokio::task::LocalSet`],
@@ -24,8 +26,9 @@ use temporalio_client::{
 };
 use temporalio_sdk::{Runtime, Worker, WorkerOptions};
 
-use harness_core::engine::DurableEngine;
-use harness_core::slice::SliceRunner;
+use std::sync::Arc;
+
+use harness_core::engine::{DurableEngine, SliceExecutor};
 use harness_core::turn::{ApprovalAnswer, TurnState, TurnStatus};
 use harness_core::{Error, Result};
 
@@ -36,7 +39,8 @@ pub mod workflow;
 
 pub use workflow::{
     AbortRequest, ActivityTuning, HarnessTurnWorkflow, KillInput, SliceInput, TurnActivities,
-    TurnWorkflowInput, KILL_ACTIVITY, SLICE_ACTIVITY, WORKFLOW_TYPE,
+    TurnWorkflowInput, CREATE_SANDBOX_ACTIVITY, KILL_ACTIVITY, RECORD_END_ACTIVITY,
+    SLICE_ACTIVITY, WORKFLOW_TYPE,
 };
 
 /// Default server address (the dev server of `cargo xtask services start`).
@@ -220,10 +224,8 @@ impl DurableEngine for TemporalEngine {
             .id_reuse_policy(WorkflowIdReusePolicy::RejectDuplicate)
             .build();
         let input = TurnWorkflowInput {
-            state,
+            driver: harness_core::turn_driver::TurnDriver::new(state)?,
             tuning: self.config.tuning.clone(),
-            pending_abort: None,
-            pending_approvals: Vec::new(),
         };
         self.client
             .start_workflow(HarnessTurnWorkflow::run, input, options)
@@ -323,12 +325,12 @@ impl std::fmt::Debug for TurnWorker {
 impl TurnWorker {
     /// Connect and register the workflow and activities. Needs a running
     /// tokio runtime.
-    pub async fn new(config: &TemporalConfig, runner: SliceRunner) -> Result<Self> {
+    pub async fn new(config: &TemporalConfig, executor: Arc<dyn SliceExecutor>) -> Result<Self> {
         let runtime = Runtime::from_current_tokio(Default::default())
             .map_err(|e| Error::backend(format!("cannot create the Temporal runtime: {e}")))?;
         let client = connect(config).await?;
         let options = WorkerOptions::new(config.task_queue.clone())
-            .register_activities(TurnActivities::new(runner))
+            .register_activities(TurnActivities::new(executor))
             .register_workflow::<HarnessTurnWorkflow>()
             .map_err(|e| Error::backend(format!("registering the workflow: {e}")))?
             .build();
@@ -355,8 +357,8 @@ impl TurnWorker {
     }
 }
 
-/// Run a worker for `config.task_queue` with `runner` until it is shut down
-/// or fails. The future is not `Send` (see the crate docs).
-pub async fn run_worker(config: TemporalConfig, runner: SliceRunner) -> Result<()> {
-    TurnWorker::new(&config, runner).await?.run().await
+/// Run a worker for `config.task_queue` with `executor` until it is shut
+/// down or fails. The future is not `Send` (see the crate docs).
+pub async fn run_worker(config: TemporalConfig, executor: Arc<dyn SliceExecutor>) -> Result<()> {
+    TurnWorker::new(&config, executor).await?.run().await
 }

@@ -1,14 +1,15 @@
-//! The `harness_turn` workflow and its two activities, `harness:slice` and
-//! `harness:kill-agent`.
+//! The `harness_turn` workflow and its activities: `harness:create-sandbox`,
+//! `harness:slice`, `harness:kill-agent` and `harness:record-end`.
 //!
-//! The workflow is a thin loop around [`harness_core::turn::step`]: it holds
-//! the [`TurnState`], asks [`next_step`] what to do, does it with SDK
-//! primitives only (activities, `wait_condition`, deterministic `select!`,
-//! `workflow_time`), and feeds the result back as a [`TurnEvent`]. Nothing
-//! in it does I/O, reads the clock or spawns tasks, so a replay on another
-//! worker takes exactly the same path.
+//! The workflow is I/O around core's [`TurnDriver`] — the same turn loop the
+//! in-process engine drives. The driver *is* the workflow's state: signals
+//! call [`TurnDriver::answer`] / [`TurnDriver::abort`], the query returns
+//! its state, a continue-as-new carries it whole. Each iteration asks
+//! [`TurnDriver::poll`] what to do and does it with SDK primitives only
+//! (activities, `wait_condition`, deterministic `select!`, `workflow_time`).
+//! Nothing in it does I/O, reads the clock or spawns tasks, so a replay on
+//! another worker takes exactly the same path.
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
 
@@ -23,13 +24,10 @@ use temporalio_sdk::{
 use temporalio_workflow::RetryPolicy;
 
 use harness_core::engine::SliceExecutor;
-use harness_core::sandbox::DetachedProcess;
-use harness_core::slice::SliceRunner;
+use harness_core::sandbox::{DetachedProcess, SandboxHandle};
 use harness_core::stream::AbortSignal;
-use harness_core::turn::{
-    next_step, step, ApprovalAnswer, NextStep, SliceReport, TurnEvent, TurnState,
-};
-use harness_core::ErrorKind;
+use harness_core::turn::{ApprovalAnswer, SliceReport, TurnState};
+use harness_core::turn_driver::{StepFailure, TurnAction, TurnDriver};
 
 /// Workflow type name registered with the server.
 pub const WORKFLOW_TYPE: &str = "harness_turn";
@@ -37,6 +35,10 @@ pub const WORKFLOW_TYPE: &str = "harness_turn";
 pub const SLICE_ACTIVITY: &str = "harness:slice";
 /// Activity type that kills a turn's agent process.
 pub const KILL_ACTIVITY: &str = "harness:kill-agent";
+/// Activity type that creates a session's sandbox (its first turn).
+pub const CREATE_SANDBOX_ACTIVITY: &str = "harness:create-sandbox";
+/// Activity type that records the end of a turn in the session log.
+pub const RECORD_END_ACTIVITY: &str = "harness:record-end";
 /// Signal carrying an [`ApprovalAnswer`].
 pub const APPROVE_SIGNAL: &str = "approve";
 /// Signal carrying an [`AbortRequest`].
@@ -63,8 +65,11 @@ pub struct ActivityTuning {
     /// Attempts per activity before the failure reaches the turn machine
     /// (which then counts a failed slice).
     pub retry_max_attempts: u32,
-    /// Start-to-close timeout of `harness:kill-agent`.
+    /// Start-to-close timeout of `harness:kill-agent` and `harness:record-end`.
     pub kill_timeout_ms: u64,
+    /// Start-to-close timeout of `harness:create-sandbox` (a first sandbox
+    /// of an identity runs its bootstrap: copying the agent binary).
+    pub create_sandbox_timeout_ms: u64,
     /// Continue-as-new after this many slices in one run, so the history
     /// stays small for very long turns (0 = never).
     pub continue_as_new_after_slices: u32,
@@ -78,26 +83,22 @@ impl Default for ActivityTuning {
             retry_initial_interval_ms: 1_000,
             retry_max_attempts: 5,
             kill_timeout_ms: 60_000,
+            create_sandbox_timeout_ms: 600_000,
             continue_as_new_after_slices: 200,
         }
     }
 }
 
-/// The workflow's input: the turn state plus tuning. Continue-as-new also
-/// carries signals received but not yet applied.
+/// The workflow's input: the turn's driver (a fresh one on the first run;
+/// continue-as-new carries the current one, with answers and an abort
+/// received but not applied yet) plus tuning.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TurnWorkflowInput {
-    /// The turn (must be `not_started` on the first run).
-    pub state: TurnState,
+    /// The turn loop's state.
+    pub driver: TurnDriver,
     /// Activity settings.
     #[serde(default)]
     pub tuning: ActivityTuning,
-    /// An abort received before a continue-as-new.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pending_abort: Option<String>,
-    /// Approval answers received before a continue-as-new.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub pending_approvals: Vec<ApprovalAnswer>,
 }
 
 /// Payload of the `abort` signal.
@@ -125,35 +126,55 @@ pub struct KillInput {
     pub process: DetachedProcess,
 }
 
-/// The activities, run by a worker that owns a [`SliceRunner`].
-#[derive(Debug)]
+/// The activities, run by a worker that owns a [`SliceExecutor`] (a
+/// [`SliceRunner`](harness_core::slice::SliceRunner) over its sandbox
+/// providers, agent adapters and runner sink).
 pub struct TurnActivities {
-    runner: SliceRunner,
+    executor: Arc<dyn SliceExecutor>,
 }
 
-impl TurnActivities {
-    /// Activities running slices with `runner`.
-    pub fn new(runner: SliceRunner) -> Self {
-        Self { runner }
+impl std::fmt::Debug for TurnActivities {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TurnActivities").finish_non_exhaustive()
     }
 }
 
+impl TurnActivities {
+    /// Activities doing the work with `executor`.
+    pub fn new(executor: Arc<dyn SliceExecutor>) -> Self {
+        Self { executor }
+    }
+}
+
+/// An error as an activity failure, by core's one rule: what
+/// [`StepFailure`] calls fatal is non-retryable; the rest (a fenced worker
+/// included: another worker takes the activity) is retried by Temporal.
 fn to_activity_error(e: harness_core::Error) -> ActivityError {
     let message = e.to_string();
-    if matches!(
-        e.kind(),
-        ErrorKind::InvalidInput | ErrorKind::Unsafe | ErrorKind::Unauthorized
-    ) {
-        // Retrying cannot help; the workflow reads the flag back and fails
-        // the turn right away.
-        ActivityError::application(ApplicationFailure::non_retryable(message))
-    } else {
-        ActivityError::application(ApplicationFailure::new(message))
+    match StepFailure::from_error(&e) {
+        StepFailure::Fatal(_) => {
+            ActivityError::application(ApplicationFailure::non_retryable(message))
+        }
+        _ => ActivityError::application(ApplicationFailure::new(message)),
     }
 }
 
 #[activities]
 impl TurnActivities {
+    /// `harness:create-sandbox`: create the session's sandbox from the
+    /// turn's sandbox config (its first turn).
+    #[activity(name = "harness:create-sandbox")]
+    pub async fn create_sandbox(
+        self: Arc<Self>,
+        _ctx: ActivityContext,
+        state: TurnState,
+    ) -> Result<SandboxHandle, ActivityError> {
+        self.executor
+            .create_sandbox(&state)
+            .await
+            .map_err(to_activity_error)
+    }
+
     /// `harness:slice`: run one slice with the worker's runner, heartbeating
     /// while it runs. A cancellation (the turn was aborted) fires the
     /// slice's abort signal, so the runner returns its report early and the
@@ -171,7 +192,7 @@ impl TurnActivities {
             .map(|t| t / 4)
             .unwrap_or(Duration::from_secs(5))
             .max(Duration::from_millis(50));
-        let run = self.runner.run(
+        let run = self.executor.run_slice(
             &input.state,
             Duration::from_millis(input.budget_ms),
             abort.clone(),
@@ -205,8 +226,22 @@ impl TurnActivities {
         _ctx: ActivityContext,
         input: KillInput,
     ) -> Result<(), ActivityError> {
-        self.runner
+        self.executor
             .kill_agent(&input.state, &input.process)
+            .await
+            .map_err(to_activity_error)
+    }
+
+    /// `harness:record-end`: record the turn's terminal status in the
+    /// session log (idempotent: keyed by the turn).
+    #[activity(name = "harness:record-end")]
+    pub async fn record_end(
+        self: Arc<Self>,
+        _ctx: ActivityContext,
+        state: TurnState,
+    ) -> Result<(), ActivityError> {
+        self.executor
+            .turn_ended(&state)
             .await
             .map_err(to_activity_error)
     }
@@ -216,10 +251,8 @@ impl TurnActivities {
 #[workflow]
 #[derive(Debug)]
 pub struct HarnessTurnWorkflow {
-    turn: TurnState,
+    driver: TurnDriver,
     tuning: ActivityTuning,
-    abort: Option<String>,
-    approvals: VecDeque<ApprovalAnswer>,
     slices_this_run: u32,
 }
 
@@ -237,7 +270,8 @@ fn retry_policy(tuning: &ActivityTuning) -> RetryPolicy {
         .build()
 }
 
-fn failed_event(error: &ActivityExecutionError) -> TurnEvent {
+/// An activity that failed for good (its retries spent, or non-retryable).
+fn failure(error: &ActivityExecutionError) -> StepFailure {
     let non_retryable = matches!(
         error.cause(),
         Some(temporalio_common::error::IncomingError::Application(app)) if app.is_non_retryable()
@@ -247,14 +281,16 @@ fn failed_event(error: &ActivityExecutionError) -> TurnEvent {
         .map(|c| c.failure().message.clone())
         .filter(|m| !m.is_empty())
         .unwrap_or_else(|| error.to_string());
-    TurnEvent::SliceFailed {
-        error: message,
-        retryable: !non_retryable,
+    if non_retryable {
+        StepFailure::Fatal(message)
+    } else {
+        StepFailure::Retryable(message)
     }
 }
 
-fn terminate(e: harness_core::Error) -> ApplicationFailure {
-    ApplicationFailure::non_retryable(e.to_string())
+/// Kill and record-end already ran Temporal's retries: a failure is final.
+fn final_failure(error: &ActivityExecutionError) -> StepFailure {
+    StepFailure::Fatal(failure(error).message().to_string())
 }
 
 #[workflow_methods]
@@ -263,10 +299,8 @@ impl HarnessTurnWorkflow {
     #[init]
     pub fn new(_ctx: &WorkflowContextView, input: TurnWorkflowInput) -> Self {
         Self {
-            turn: input.state,
+            driver: input.driver,
             tuning: input.tuning,
-            abort: input.pending_abort,
-            approvals: input.pending_approvals.into(),
             slices_this_run: 0,
         }
     }
@@ -275,31 +309,35 @@ impl HarnessTurnWorkflow {
     #[run(name = "harness_turn")]
     pub async fn run(ctx: &mut WorkflowContext<Self>) -> WorkflowResult<TurnState> {
         loop {
-            let (state, abort, tuning) =
-                ctx.state(|s| (s.turn.clone(), s.abort.clone(), s.tuning.clone()));
-            if let Some(reason) = abort {
-                if !state.status.is_terminal() {
-                    let (next, _) = step(state, TurnEvent::Abort { reason }).map_err(terminate)?;
-                    ctx.state_mut(|s| s.turn = next);
-                    continue;
+            let now_ms = workflow_now_ms(ctx);
+            let (action, state, tuning) = ctx.state_mut(|s| {
+                let action = s.driver.poll(now_ms);
+                (action, s.driver.state().clone(), s.tuning.clone())
+            });
+            let options = |timeout_ms: u64| {
+                ActivityOptions::with_start_to_close_timeout(Duration::from_millis(timeout_ms))
+                    .retry_policy(retry_policy(&tuning))
+                    .build()
+            };
+            match action {
+                TurnAction::CreateSandbox => {
+                    let result = ctx
+                        .execute_activity(
+                            TurnActivities::create_sandbox,
+                            state,
+                            options(tuning.create_sandbox_timeout_ms),
+                        )
+                        .await;
+                    ctx.state_mut(|s| s.driver.sandbox_created(result.map_err(|e| failure(&e))));
                 }
-            }
-            match next_step(&state) {
-                NextStep::AwaitStart => {
-                    let now_ms = workflow_now_ms(ctx);
-                    let (next, _) = step(state, TurnEvent::Start { now_ms }).map_err(terminate)?;
-                    ctx.state_mut(|s| s.turn = next);
-                }
-                NextStep::RunSlice { budget_ms } => {
+                TurnAction::RunSlice { budget_ms } => {
                     let done_here = ctx.state(|s| s.slices_this_run);
                     if tuning.continue_as_new_after_slices > 0
                         && done_here >= tuning.continue_as_new_after_slices
                     {
                         let input = ctx.state(|s| TurnWorkflowInput {
-                            state: s.turn.clone(),
+                            driver: s.driver.clone(),
                             tuning: s.tuning.clone(),
-                            pending_abort: s.abort.clone(),
-                            pending_approvals: s.approvals.iter().cloned().collect(),
                         });
                         ctx.continue_as_new(input, ContinueAsNewOptions::default())?;
                     }
@@ -314,15 +352,13 @@ impl HarnessTurnWorkflow {
                     .build();
                     let activity = ctx.execute_activity(
                         TurnActivities::slice,
-                        SliceInput {
-                            state: state.clone(),
-                            budget_ms,
-                        },
+                        SliceInput { state, budget_ms },
                         options,
                     );
                     let mut activity = std::pin::pin!(activity);
                     let first = {
-                        let mut aborted = std::pin::pin!(ctx.wait_condition(|s| s.abort.is_some()));
+                        let mut aborted =
+                            std::pin::pin!(ctx.wait_condition(|s| s.driver.abort_requested()));
                         temporalio_sdk::workflows::select! {
                             result = activity.as_mut() => Some(result),
                             _ = aborted.as_mut() => None,
@@ -336,97 +372,57 @@ impl HarnessTurnWorkflow {
                         }
                     };
                     let now_ms = workflow_now_ms(ctx);
-                    let event = match &result {
-                        Ok(report) => TurnEvent::SliceCompleted {
-                            report: report.clone(),
-                            now_ms,
-                        },
-                        Err(e) => failed_event(e),
-                    };
-                    let next = match step(state.clone(), event) {
-                        Ok((next, _)) => next,
-                        // A report the machine refuses (stale cursor) counts
-                        // as a failed slice, as in the in-process engine.
-                        Err(e) => {
-                            step(
-                                state,
-                                TurnEvent::SliceFailed {
-                                    error: e.to_string(),
-                                    retryable: true,
-                                },
-                            )
-                            .map_err(terminate)?
-                            .0
-                        }
-                    };
                     ctx.state_mut(|s| {
-                        s.turn = next;
+                        s.driver.slice_done(result.map_err(|e| failure(&e)), now_ms);
                         s.slices_this_run += 1;
                     });
                 }
-                NextStep::KillAgent { process } => {
-                    let options = ActivityOptions::with_start_to_close_timeout(
-                        Duration::from_millis(tuning.kill_timeout_ms),
-                    )
-                    .retry_policy(retry_policy(&tuning))
-                    .build();
+                TurnAction::KillAgent { process } => {
                     let result = ctx
                         .execute_activity(
                             TurnActivities::kill_agent,
-                            KillInput {
-                                state: state.clone(),
-                                process,
-                            },
-                            options,
+                            KillInput { state, process },
+                            options(tuning.kill_timeout_ms),
                         )
                         .await;
-                    let (mut next, _) = step(state, TurnEvent::AgentKilled).map_err(terminate)?;
-                    if let Err(e) = result {
-                        // Retries are exhausted (the sandbox may be gone):
-                        // the turn is already terminal, keep why.
-                        next.error = Some(format!(
-                            "{} (and killing the agent failed: {e})",
-                            next.error.unwrap_or_default()
-                        ));
-                    }
-                    ctx.state_mut(|s| s.turn = next);
+                    ctx.state_mut(|s| s.driver.agent_killed(result.map_err(|e| final_failure(&e))));
                 }
-                NextStep::AwaitApproval { approval_id } => {
-                    ctx.wait_condition(|s| s.abort.is_some() || !s.approvals.is_empty())
-                        .await?;
-                    let answer = ctx.state_mut(|s| s.approvals.pop_front());
-                    if let Some(answer) = answer {
-                        if answer.approval_id == approval_id {
-                            if let Ok((next, _)) = step(state, TurnEvent::ApprovalAnswered(answer))
-                            {
-                                ctx.state_mut(|s| s.turn = next);
-                            }
-                        }
-                        // An answer to another request is dropped.
-                    }
+                TurnAction::RecordEnd => {
+                    let result = ctx
+                        .execute_activity(
+                            TurnActivities::record_end,
+                            state,
+                            options(tuning.kill_timeout_ms),
+                        )
+                        .await;
+                    ctx.state_mut(|s| s.driver.end_recorded(result.map_err(|e| final_failure(&e))));
                 }
-                NextStep::Done { .. } => return Ok(state),
+                TurnAction::AwaitInput => {
+                    ctx.wait_condition(|s| s.driver.has_input()).await?;
+                }
+                // Activities never report `Fenced` to the workflow (a fenced
+                // worker's attempt is retried elsewhere), so this is only
+                // reachable if that rule changes; end with what we have.
+                TurnAction::Stop | TurnAction::Done => return Ok(state),
             }
         }
     }
 
-    /// Signal `approve`: queue a client's answer to the pending request.
+    /// Signal `approve`: hand a client's answer to the turn.
     #[signal(name = "approve")]
     pub fn signal_approve(&mut self, _ctx: &mut SyncWorkflowContext<Self>, answer: ApprovalAnswer) {
-        self.approvals.push_back(answer);
+        self.driver.answer(answer);
     }
 
     /// Signal `abort`: abort the turn (the first reason wins).
     #[signal(name = "abort")]
     pub fn signal_abort(&mut self, _ctx: &mut SyncWorkflowContext<Self>, request: AbortRequest) {
-        if self.abort.is_none() {
-            self.abort = Some(request.reason);
-        }
+        self.driver.abort(request.reason);
     }
 
     /// Query `state`: the current turn state.
     #[query(name = "state")]
     pub fn query_state(&self, _ctx: &WorkflowContextView) -> TurnState {
-        self.turn.clone()
+        self.driver.state().clone()
     }
 }

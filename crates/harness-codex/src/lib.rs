@@ -13,8 +13,18 @@
 //! - **Turns**: `codex exec --json --skip-git-repo-check
 //!   --dangerously-bypass-approvals-and-sandbox [-c …] [resume THREAD] --
 //!   PROMPT`, parsed by [`CodexParser`].
+//! - **Approvals** (opt-in, [`CodexConfig::approvals`]): `codex exec` has no
+//!   approval prompt of its own — it forces the approval policy to `never`
+//!   whatever `-a`/`approval_policy` say (observed with 0.171.0), so asking
+//!   for one is refused ([`check_extra_args`]). Instead a `PreToolUse` hook
+//!   (given with `-c hooks.PreToolUse=…`) hands each tool call Codex runs
+//!   hooks for (shell commands, observed; `apply_patch` and MCP tools per
+//!   Codex's documentation) to the harness through the same files as Claude
+//!   Code's approval server and blocks until the harness answers (see
+//!   [`approval_hook_script`]).
 //!
-//! See `docs/agents.md` for the flags and the parser mapping table.
+//! See `docs/agents.md` for the flags, the approval findings and the parser
+//! mapping table.
 
 mod parser;
 
@@ -37,6 +47,53 @@ pub const DEFAULT_INSTALL_PATH: &str = "/opt/harness/bin/codex";
 /// The provider name used when a base URL is configured.
 pub const PROVIDER_NAME: &str = "harness";
 
+/// How long one approval request waits by default before the hook denies
+/// the call itself (24 h).
+pub const DEFAULT_APPROVAL_WAIT_SECS: u64 = 24 * 60 * 60;
+
+/// What Codex's hook timeout adds to [`CodexApprovals::wait_secs`]. A hook
+/// that Codex times out lets the call RUN (observed: a 3 s timeout on a
+/// hook sleeping 10 s, the command ran), so the hook must always answer
+/// first: it denies at `wait_secs`, Codex would only kill it this much later.
+pub const APPROVAL_HOOK_MARGIN_SECS: u64 = 120;
+
+/// The longest wait [`CodexApprovals::wait_secs`] is taken to mean (one
+/// year; a hook timeout of a year was observed to be accepted, and a value
+/// past TOML's integer range would fail Codex's config).
+pub const MAX_APPROVAL_WAIT_SECS: u64 = 365 * 24 * 60 * 60;
+
+/// Per-tool-call permission requests for Codex, answered by the harness's
+/// client like Claude Code's (`tool-approval-request` part, the turn waits
+/// in `awaiting_tool_approval`).
+///
+/// `codex exec` cannot prompt: it runs with the approval policy forced to
+/// `never` (`-a on-request`, `-c approval_policy="on-request"` or
+/// `"on-failure"` are all overridden to `never`; `"untrusted"` is refused
+/// as "no longer supported"), and its only other route,
+/// `--approve-for-me`, sends approvals to a model reviewer. What exec mode
+/// does run is hooks, so with this set each turn gets a `PreToolUse` hook
+/// ([`approval_hook_script`]) that appends the call to
+/// `<spool>/approvals/requests.jsonl`, waits for
+/// `<spool>/approvals/answers/<id>.json` and then lets the call run (exit
+/// 0) or blocks it with the client's reason (exit 2), which the model sees
+/// as the call's output ("Command blocked by PreToolUse hook: <reason>.
+/// Command: …").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CodexApprovals {
+    /// How long one request waits for an answer before the hook denies the
+    /// call itself ("no answer within … s"); at most
+    /// [`MAX_APPROVAL_WAIT_SECS`].
+    pub wait_secs: u64,
+}
+
+impl Default for CodexApprovals {
+    fn default() -> Self {
+        Self {
+            wait_secs: DEFAULT_APPROVAL_WAIT_SECS,
+        }
+    }
+}
+
 /// How to provision and run Codex.
 #[derive(Debug, Clone)]
 pub struct CodexConfig {
@@ -51,8 +108,15 @@ pub struct CodexConfig {
     /// unset, `OPENAI_BASE_URL` from the turn's environment is used; when
     /// neither is set Codex uses its built-in OpenAI provider.
     pub base_url: Option<String>,
-    /// Extra arguments placed after the fixed `exec` options.
+    /// Extra arguments placed after the fixed `exec` options. Arguments
+    /// that ask Codex itself for approvals (`-a`, `--ask-for-approval`,
+    /// `--approve-for-me`, `-c approval_policy=…`) are refused with
+    /// `Unsupported` (see [`check_extra_args`]); use `approvals`.
     pub extra_args: Vec<String>,
+    /// Ask the harness's client before every tool call (off by default:
+    /// the harness sandbox is the boundary and Codex runs with approvals
+    /// and its own sandbox bypassed). See [`CodexApprovals`].
+    pub approvals: Option<CodexApprovals>,
 }
 
 impl Default for CodexConfig {
@@ -63,6 +127,7 @@ impl Default for CodexConfig {
             install_path: DEFAULT_INSTALL_PATH.to_string(),
             base_url: None,
             extra_args: Vec::new(),
+            approvals: None,
         }
     }
 }
@@ -98,6 +163,120 @@ pub fn locate_host_binary() -> Result<std::path::PathBuf> {
         "HARNESS_CODEX_BIN",
         &format!("codex-{VERIFIED_VERSION}/node_modules/@openai/codex-linux-x64/vendor/x86_64-unknown-linux-musl/bin/codex"),
         "codex",
+    )
+}
+
+/// Refuse extra arguments that ask Codex itself for approvals: `codex exec`
+/// forces its approval policy to `never` (observed with 0.171.0: the
+/// model's permissions text says "Approval policy is currently never" and an
+/// escalation request fails with "approval policy is Never; reject
+/// command"), `-a`/`--ask-for-approval` are not `exec` options at all,
+/// `approval_policy="untrusted"` fails the run, and `--approve-for-me`
+/// hands the decision to a model reviewer and conflicts with
+/// `--dangerously-bypass-approvals-and-sandbox`. None of these reach the
+/// harness's client; [`CodexConfig::approvals`] does.
+pub fn check_extra_args(args: &[String]) -> Result<()> {
+    let mut prev: Option<&str> = None;
+    for arg in args {
+        let a = arg.as_str();
+        let asks = matches!(a, "-a" | "--ask-for-approval" | "--approve-for-me")
+            || a.starts_with("--ask-for-approval=")
+            || (a.starts_with("-a") && a.len() > 2 && !a.starts_with("--"))
+            || (matches!(prev, Some("-c" | "--config"))
+                && a.trim_start().starts_with("approval_policy"))
+            || a.starts_with("--config=approval_policy")
+            || (a.starts_with("-capproval_policy"));
+        if asks {
+            return Err(Error::unsupported(format!(
+                "Codex approvals cannot be configured with {a:?}: `codex exec` forces its \
+                 approval policy to `never` and has no prompt the harness could answer; \
+                 set CodexConfig::approvals to route every tool call to the harness's \
+                 client through a PreToolUse hook (see docs/agents.md, \"Codex approvals\")"
+            )));
+        }
+        prev = Some(a);
+    }
+    Ok(())
+}
+
+/// The shell script of the approval `PreToolUse` hook (Codex runs a hook's
+/// `command` with a shell, `$SHELL -c` — `/bin/bash -c` observed; the
+/// script is POSIX sh and needs only `date`, `tr`, `sed`, `mkdir`, `sleep`).
+///
+/// Codex writes the call to the hook's stdin as one JSON object, e.g.
+/// `{"session_id":…,"turn_id":…,"transcript_path":…,"cwd":…,
+/// "hook_event_name":"PreToolUse","model":…,"permission_mode":"bypassPermissions",
+/// "tool_name":"Bash","tool_input":{"command":"echo hi > x"},"tool_use_id":"call_1"}`
+/// (observed). The script
+///
+/// 1. appends that object to `<approvals_dir>/requests.jsonl` as one line,
+///    with `"approval_id":"codex-<pid>-<time>"` first, `tool_input` renamed
+///    `input` and `Bash` named [`SHELL_TOOL_NAME`] — the line format the
+///    slice runner reads (`approval_id`, `tool_name`, `input`,
+///    `tool_use_id`). Appends are serialized with a `mkdir` lock (Codex
+///    runs hooks of parallel calls concurrently);
+/// 2. polls `<approvals_dir>/answers/<approval_id>.json` once a second for
+///    `{"approved":true,…}` or `{"approved":false,"reason":…}` (the slice
+///    runner's format);
+/// 3. exits 0 (the call runs) or prints the reason (`\"` and `\\` decoded,
+///    other JSON escapes kept; "The user denied this tool call." when there
+///    is none) to stderr and exits 2 (the call is blocked and the model gets
+///    "Command blocked by PreToolUse hook: <reason>. Command: <command>").
+///
+/// Codex lets the call run when a hook exits 1, prints output it cannot
+/// parse, exits 2 with an empty stderr, or times out (all observed), so
+/// every failure path of the script is an explicit exit 2 with a message,
+/// and the script gives up (deny) after `wait_secs`, before Codex's
+/// timeout (`wait_secs` + [`APPROVAL_HOOK_MARGIN_SECS`]).
+pub fn approval_hook_script(approvals_dir: &str, wait_secs: u64) -> String {
+    APPROVAL_HOOK_TEMPLATE
+        .replace("@DIR@", &shell_quote(approvals_dir))
+        .replace("@WAIT@", &wait_secs.to_string())
+        .replace("@SHELL_TOOL@", SHELL_TOOL_NAME)
+}
+
+/// See [`approval_hook_script`].
+const APPROVAL_HOOK_TEMPLATE: &str = r#"# harness: ask the harness's client before this tool call runs
+d=@DIR@
+deny() { printf '%s\n' "$1" >&2; exit 2; }
+end=$(( $(date +%s) + @WAIT@ ))
+in=$(tr -d '\n\r') || deny 'harness approval: could not read the tool call'
+case "$in" in '{"'*'}') ;; *) deny 'harness approval: unexpected hook input' ;; esac
+id="codex-$$-$(date +%s)"
+line=$(printf '%s' "$in" | sed -e 's/^{/{"approval_id":"'"$id"'",/' -e 's/"tool_input":/"input":/' -e 's/"tool_name":"Bash"/"tool_name":"@SHELL_TOOL@"/')
+case "$line" in '{"approval_id":"'"$id"'","'*'}') ;; *) deny 'harness approval: could not build the request' ;; esac
+mkdir -p "$d/answers" || deny 'harness approval: cannot create the approvals directory'
+until mkdir "$d/requests.lock" 2>/dev/null; do
+  [ "$(date +%s)" -lt "$end" ] || deny 'harness approval: the request could not be recorded in time'
+  sleep 1
+done
+printf '%s\n' "$line" >> "$d/requests.jsonl"; ok=$?
+rmdir "$d/requests.lock"
+[ "$ok" -eq 0 ] || deny 'harness approval: cannot record the request'
+f="$d/answers/$id.json"
+while :; do
+  if [ -f "$f" ]; then
+    a=$(tr -d '\n\r' < "$f")
+    case "$a" in
+      '{"approved":true,'*'}') exit 0 ;;
+      '{"approved":false,'*'}') break ;;
+    esac
+  fi
+  [ "$(date +%s)" -lt "$end" ] || deny 'harness approval: no answer within @WAIT@ s, so the call was denied'
+  sleep 1
+done
+r=$(printf '%s' "$a" | sed -n -e 's/^{"approved":false,"reason":"\(.*\)"}$/\1/p' | sed -e 's/\\"/"/g' -e 's/\\\\/\\/g')
+case "$r" in *[![:space:]]*) ;; *) r='The user denied this tool call.' ;; esac
+deny "$r"
+"#;
+
+/// The `-c` override that installs the approval hook for every tool.
+fn approval_hook_override(approvals_dir: &str, approvals: &CodexApprovals) -> String {
+    let wait = approvals.wait_secs.min(MAX_APPROVAL_WAIT_SECS);
+    format!(
+        "hooks.PreToolUse=[{{matcher=\"\",hooks=[{{type=\"command\",command={},timeout={}}}]}}]",
+        toml_string(&approval_hook_script(approvals_dir, wait)),
+        wait + APPROVAL_HOOK_MARGIN_SECS
     )
 }
 
@@ -190,6 +369,7 @@ impl Harness for CodexHarness {
                 turn.home
             )));
         }
+        check_extra_args(&self.config.extra_args)?;
         let mut args: Vec<String> = vec![
             "exec".into(),
             // One JSON event per line on stdout.
@@ -197,9 +377,23 @@ impl Harness for CodexHarness {
             // Session workdirs are not git repositories.
             "--skip-git-repo-check".into(),
             // The harness sandbox is the boundary; Codex's own sandbox
-            // (landlock/seccomp) is not available in every backend.
+            // (landlock/seccomp) is not available in every backend, and
+            // exec mode never prompts anyway (its policy is forced to
+            // `never`): approvals, when on, come from the hook below.
             "--dangerously-bypass-approvals-and-sandbox".into(),
         ];
+        if let Some(approvals) = &self.config.approvals {
+            let dir = format!(
+                "{}/approvals",
+                harness_core::slice::spool_dir(turn.home, &turn.state.turn_id)
+            );
+            // A hook given only with -c is "untrusted" and silently skipped
+            // without this (observed); project-local hooks stay off (an
+            // untrusted project's .codex/ is not loaded, observed).
+            args.push("--dangerously-bypass-hook-trust".into());
+            args.push("-c".into());
+            args.push(approval_hook_override(&dir, approvals));
+        }
         let base_url = self
             .config
             .base_url
@@ -413,6 +607,99 @@ mod tests {
         );
         // No base URL anywhere: no provider override.
         assert!(!cmd.argv.iter().any(|a| a.starts_with("model_provider")));
+    }
+
+    #[test]
+    fn approvals_add_the_hook_and_keep_codex_bypassed() {
+        let mut config = CodexConfig::with_binary(binary());
+        config.approvals = Some(CodexApprovals { wait_secs: 300 });
+        let h = CodexHarness::new(config);
+        let env = BTreeMap::new();
+        let mut state = TurnState::new("s", "t9", "codex", "go");
+        state.agent_session_id = Some("th-1".into());
+        let cmd = h.turn_command(&ctx(&state, &env)).unwrap();
+        let args = &cmd.argv[4..];
+        assert_eq!(
+            args[..6],
+            [
+                "exec",
+                "--json",
+                "--skip-git-repo-check",
+                "--dangerously-bypass-approvals-and-sandbox",
+                "--dangerously-bypass-hook-trust",
+                "-c"
+            ]
+        );
+        let hook = &args[6];
+        let script = approval_hook_script("/home/s1/.harness/turns/t9/approvals", 300);
+        assert_eq!(
+            *hook,
+            format!(
+                "hooks.PreToolUse=[{{matcher=\"\",hooks=[{{type=\"command\",command={},timeout=420}}]}}]",
+                toml_string(&script)
+            )
+        );
+        assert!(
+            script.contains("d=/home/s1/.harness/turns/t9/approvals\n"),
+            "{script}"
+        );
+        assert!(script.contains("no answer within 300 s"));
+        assert_eq!(args[7..], ["resume", "th-1", "--", "go"]);
+        // An endless wait is capped (Codex reads the timeout as a TOML integer).
+        let capped = approval_hook_override(
+            "/a",
+            &CodexApprovals {
+                wait_secs: u64::MAX,
+            },
+        );
+        assert!(
+            capped.ends_with(&format!(
+                ",timeout={}}}]}}]",
+                MAX_APPROVAL_WAIT_SECS + APPROVAL_HOOK_MARGIN_SECS
+            )),
+            "{capped}"
+        );
+        // Without approvals nothing of this is there.
+        let plain = CodexHarness::new(CodexConfig::with_binary(binary()))
+            .turn_command(&ctx(&state, &env))
+            .unwrap();
+        assert!(!plain.argv.iter().any(|a| a.contains("hook")));
+    }
+
+    #[test]
+    fn asking_codex_itself_for_approvals_is_unsupported() {
+        let state = TurnState::new("s", "t", "codex", "x");
+        let env = BTreeMap::new();
+        for extra in [
+            &["-a", "on-request"][..],
+            &["--ask-for-approval", "untrusted"],
+            &["--ask-for-approval=on-failure"],
+            &["-aon-request"],
+            &["--approve-for-me"],
+            &["-c", "approval_policy=\"on-request\""],
+            &["--config", "approval_policy=\"on-failure\""],
+            &["--config=approval_policy=\"never\""],
+            &["-capproval_policy=\"on-request\""],
+        ] {
+            let mut config = CodexConfig::preinstalled("/usr/bin/codex");
+            config.extra_args = extra.iter().map(|s| s.to_string()).collect();
+            let err = CodexHarness::new(config)
+                .turn_command(&ctx(&state, &env))
+                .unwrap_err();
+            assert_eq!(
+                err.kind(),
+                harness_core::ErrorKind::Unsupported,
+                "{extra:?}"
+            );
+            assert!(err.message().contains("CodexConfig::approvals"), "{err}");
+            assert!(err.message().contains("`never`"), "{err}");
+        }
+        // Other overrides pass.
+        let mut config = CodexConfig::preinstalled("/usr/bin/codex");
+        config.extra_args = vec!["-c".into(), "model_reasoning_effort=\"low\"".into()];
+        assert!(CodexHarness::new(config)
+            .turn_command(&ctx(&state, &env))
+            .is_ok());
     }
 
     #[test]

@@ -22,6 +22,12 @@ pub const SHELL_TOOL_NAME: &str = "exec_command";
 /// The tool name reported for patches (`file_change` items).
 pub const PATCH_TOOL_NAME: &str = "apply_patch";
 
+/// How the notice Codex prints as an `error` item (twice, observed with
+/// 0.171.0) when it runs with `--dangerously-bypass-hook-trust` begins. The
+/// adapter passes that flag itself for its approval hook, so the notice is
+/// not an error of the turn: it becomes a `raw` part.
+pub const HOOK_TRUST_NOTICE: &str = "`--dangerously-bypass-hook-trust` is enabled";
+
 /// Parser state for one turn of Codex output.
 #[derive(Debug, Default)]
 pub struct CodexParser {
@@ -199,6 +205,13 @@ impl CodexParser {
                         output: item.clone(),
                         is_error: false,
                     });
+                }
+            }
+            Some("error")
+                if str_of(item, "message").is_some_and(|m| m.starts_with(HOOK_TRUST_NOTICE)) =>
+            {
+                if completed || phase == "item.started" {
+                    out.push(raw(event.clone()));
                 }
             }
             Some("error") => {
@@ -560,5 +573,36 @@ mod tests {
         }
         assert!(p.push_line("   ").is_empty());
         assert!(!p.in_block());
+    }
+
+    #[test]
+    fn a_call_the_approval_hook_blocked_leaves_no_item_and_the_trust_notice_is_raw() {
+        // Observed with 0.171.0: `--dangerously-bypass-hook-trust` and a
+        // PreToolUse hook that denied the model's exec_command call. Codex
+        // prints the flag's notice twice as `error` items and nothing at
+        // all for the blocked call (no command_execution item); the model
+        // got the hook's reason as the call's output and answered.
+        let (_, parts) = parse_all(include_str!(
+            "../tests/fixtures/approval-hook-denied-turn.jsonl"
+        ));
+        assert_eq!(
+            types(&parts),
+            [
+                "stream-start",
+                "raw",
+                "raw",
+                "error",
+                "text-start",
+                "text-delta",
+                "text-end",
+                "finish"
+            ]
+        );
+        assert!(
+            matches!(&parts[3], StreamPart::Error { message } if message.starts_with("Model metadata"))
+        );
+        assert!(!parts.iter().any(
+            |p| matches!(p, StreamPart::Error { message } if message.contains(HOOK_TRUST_NOTICE))
+        ));
     }
 }

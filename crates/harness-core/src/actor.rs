@@ -18,17 +18,30 @@
 //!   the attached one, whose later messages are refused; a lower generation
 //!   is refused outright;
 //! - a sealed session refuses every write; oversized frames are refused;
-//!   nothing is stored on a refusal.
+//!   nothing is stored on a refusal;
+//! - one turn at a time: a prompt opens a turn (its id assigned here when
+//!   the client names none), a second prompt while it runs is refused
+//!   (`turn_in_progress`), answers and aborts go to the running turn;
+//! - once a prompt, an answer or an abort is stored, the actor asks its
+//!   host for the matching engine call ([`Output::Dispatch`]); the host
+//!   performs it (`SessionRuntime`) or hands it to a remote runner.
+//!
+//! The actor's durable state is the log's [`SessionMeta`]: it is folded
+//! from each stored frame (by the log, in the same transaction, and by the
+//! actor when the append's result comes back), so a new actor starts from
+//! [`SessionActor::from_info`] without reading the log.
 
 use std::collections::{BTreeMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
 use crate::frame::{Frame, FrameBody, MessageKind};
-use crate::log::{AppendRequest, DEFAULT_MAX_FRAME_BYTES};
+use crate::log::{AppendRequest, LogInfo, DEFAULT_MAX_FRAME_BYTES};
 use crate::part::StreamPart;
+use crate::sandbox::SandboxHandle;
+use crate::session::{SessionMeta, TurnCommand};
 use crate::turn::TurnStatus;
-use crate::Error;
+use crate::{Error, ErrorKind};
 
 /// A connection, numbered by the wrapper.
 pub type ConnId = u64;
@@ -65,13 +78,22 @@ pub enum ClientMessage {
         #[serde(default)]
         key: Option<String>,
     },
-    /// An answer to a permission request.
+    /// An answer to a permission request of the running turn.
     ApprovalResponse {
         /// The request.
         approval_id: String,
         /// Allow or deny.
         approved: bool,
         /// Optional reason.
+        #[serde(default)]
+        reason: Option<String>,
+    },
+    /// Abort the running turn (it ends `failed` with `aborted: <reason>`).
+    Abort {
+        /// The turn (default: the running one); another id is refused.
+        #[serde(default)]
+        turn_id: Option<String>,
+        /// Why.
         #[serde(default)]
         reason: Option<String>,
     },
@@ -106,10 +128,120 @@ pub enum RunnerMessage {
         /// Error text.
         #[serde(default)]
         error: Option<String>,
+        /// The sandbox the turn runs in, for the session's next turn.
+        #[serde(default)]
+        sandbox: Option<SandboxHandle>,
+        /// The agent's own session id, for the session's next turn.
+        #[serde(default)]
+        agent_session_id: Option<String>,
         /// Idempotency key.
         #[serde(default)]
         key: Option<String>,
     },
+}
+
+/// Why the actor refused a message. Stable on the wire (snake_case), and
+/// typed so a driver maps it to an [`ErrorKind`] (or an HTTP status)
+/// without parsing text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// A newer runner generation is attached; this runner must stop.
+    StaleRunner,
+    /// The session is sealed; fork it to continue.
+    Sealed,
+    /// The frame is over the size limit.
+    FrameTooLarge,
+    /// Only the runner sends stream parts.
+    NotARunner,
+    /// Only clients send prompts and answers.
+    NotAClient,
+    /// The message is malformed or breaks a rule.
+    Invalid,
+    /// A turn is running; the prompt was not stored.
+    TurnInProgress,
+    /// No turn is running to answer or abort.
+    NoActiveTurn,
+    /// The log refused the write as conflicting (e.g. an idempotency key
+    /// reused for other content).
+    Conflict,
+    /// The log failed to store the write.
+    AppendFailed,
+    /// Stored frames could not be read back for a replay.
+    ReplayFailed,
+    /// The session does not exist (said by a transport before the actor).
+    NotFound,
+    /// No valid token (said by a transport).
+    Unauthorized,
+    /// The token does not allow this (said by a transport).
+    Forbidden,
+    /// The service could not answer in time or went away.
+    Unavailable,
+    /// A code this version does not know.
+    #[serde(other)]
+    Other,
+}
+
+impl ErrorCode {
+    /// The snake_case name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::StaleRunner => "stale_runner",
+            ErrorCode::Sealed => "sealed",
+            ErrorCode::FrameTooLarge => "frame_too_large",
+            ErrorCode::NotARunner => "not_a_runner",
+            ErrorCode::NotAClient => "not_a_client",
+            ErrorCode::Invalid => "invalid",
+            ErrorCode::TurnInProgress => "turn_in_progress",
+            ErrorCode::NoActiveTurn => "no_active_turn",
+            ErrorCode::Conflict => "conflict",
+            ErrorCode::AppendFailed => "append_failed",
+            ErrorCode::ReplayFailed => "replay_failed",
+            ErrorCode::NotFound => "not_found",
+            ErrorCode::Unauthorized => "unauthorized",
+            ErrorCode::Forbidden => "forbidden",
+            ErrorCode::Unavailable => "unavailable",
+            ErrorCode::Other => "other",
+        }
+    }
+
+    /// The code named `name` ([`ErrorCode::Other`] when unknown).
+    pub fn from_name(name: &str) -> Self {
+        serde_json::from_value(serde_json::Value::String(name.to_string()))
+            .unwrap_or(ErrorCode::Other)
+    }
+
+    /// The error kind a caller sees.
+    pub fn kind(self) -> ErrorKind {
+        match self {
+            ErrorCode::StaleRunner => ErrorKind::Fenced,
+            ErrorCode::Sealed
+            | ErrorCode::TurnInProgress
+            | ErrorCode::NoActiveTurn
+            | ErrorCode::Conflict => ErrorKind::Conflict,
+            ErrorCode::FrameTooLarge | ErrorCode::Invalid => ErrorKind::InvalidInput,
+            ErrorCode::NotARunner
+            | ErrorCode::NotAClient
+            | ErrorCode::Unauthorized
+            | ErrorCode::Forbidden => ErrorKind::Unauthorized,
+            ErrorCode::NotFound => ErrorKind::NotFound,
+            ErrorCode::AppendFailed
+            | ErrorCode::ReplayFailed
+            | ErrorCode::Unavailable
+            | ErrorCode::Other => ErrorKind::Backend,
+        }
+    }
+
+    /// An [`Error`] of this code's kind.
+    pub fn into_error(self, message: impl Into<String>) -> Error {
+        Error::new(self.kind(), message)
+    }
+}
+
+impl std::fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// What the actor sends on a connection.
@@ -133,6 +265,12 @@ pub enum ServerMessage {
         /// The part.
         part: StreamPart,
     },
+    /// The runner's live part (a text or reasoning start or delta) was
+    /// fanned out; it is not stored by itself (its block is, on its end).
+    /// With [`ServerMessage::Ack`] and [`ServerMessage::Error`] this makes
+    /// one answer for every runner message, so a runner knows when the
+    /// actor has taken each one.
+    Received {},
     /// The sender's write was stored (or was a duplicate).
     Ack {
         /// Seq of the stored frame.
@@ -142,18 +280,18 @@ pub enum ServerMessage {
     },
     /// The sender's message was refused; nothing was stored.
     Error {
-        /// Stable code: `stale_runner`, `sealed`, `frame_too_large`,
-        /// `not_a_runner`, `not_a_client`, `invalid`, `append_failed`.
-        code: String,
+        /// Why.
+        code: ErrorCode,
         /// What happened and what to do.
         message: String,
     },
 }
 
 impl ServerMessage {
-    fn error(code: &str, message: impl Into<String>) -> Self {
+    /// A refusal.
+    pub fn error(code: ErrorCode, message: impl Into<String>) -> Self {
         ServerMessage::Error {
-            code: code.to_string(),
+            code,
             message: message.into(),
         }
     }
@@ -200,6 +338,17 @@ pub enum Input {
     },
     /// The oldest pending append failed.
     AppendFailed {
+        /// What kind of failure (a `Conflict` is the writer's, the rest the log's).
+        kind: ErrorKind,
+        /// Why.
+        error: String,
+    },
+    /// The host could not perform a [`TurnCommand::Start`] (engine down,
+    /// unknown agent, …): the turn is recorded as failed so the session can
+    /// take its next prompt.
+    DispatchFailed {
+        /// The turn.
+        turn_id: String,
         /// Why.
         error: String,
     },
@@ -234,6 +383,18 @@ pub enum Output {
         /// Why.
         reason: String,
     },
+    /// A stored client message asks for an engine call: perform it (or
+    /// hand it to the runner that runs this session's turns).
+    Dispatch(TurnCommand),
+}
+
+/// An append in flight: who to acknowledge, and what it stores.
+#[derive(Debug, Clone)]
+struct PendingAppend {
+    reply_to: Option<ConnId>,
+    key: Option<String>,
+    /// Ask the host for the engine call this frame implies once stored.
+    dispatch: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -304,11 +465,11 @@ pub struct SessionActor {
     config: ActorConfig,
     last_seq: u64,
     sealed: bool,
-    generation: u64,
+    meta: SessionMeta,
     runner: Option<ConnId>,
     clients: BTreeMap<ConnId, ()>,
-    /// Appends issued and not yet answered, with the connection to ack.
-    pending: VecDeque<Option<ConnId>>,
+    /// Appends issued and not yet answered.
+    pending: VecDeque<PendingAppend>,
     /// Text/reasoning blocks in progress, in the order they opened.
     open: Vec<OpenBlock>,
 }
@@ -320,7 +481,7 @@ impl SessionActor {
             config,
             last_seq: 0,
             sealed: false,
-            generation: 0,
+            meta: SessionMeta::default(),
             runner: None,
             clients: BTreeMap::new(),
             pending: VecDeque::new(),
@@ -328,17 +489,25 @@ impl SessionActor {
         }
     }
 
-    /// Fold a stored frame into the state (used on start-up to recover from
-    /// the log: last seq, seal, runner generation).
+    /// An actor for a log described by `info` (its last seq, seal and
+    /// folded meta): how a driver starts, without reading frames.
+    pub fn from_info(config: ActorConfig, info: &LogInfo) -> Self {
+        let mut actor = Self::new(config);
+        actor.last_seq = info.last_seq;
+        actor.sealed = info.sealed;
+        actor.meta = info.meta.clone();
+        actor
+    }
+
+    /// Fold one stored frame into the state, for a log that keeps no meta
+    /// (idempotency keys are not in frames, so a prompt retried after such
+    /// a recovery is judged by its content alone).
     pub fn recover(&mut self, frame: &Frame) {
         self.last_seq = self.last_seq.max(frame.seq);
-        match &frame.body {
-            FrameBody::Sealed {} => self.sealed = true,
-            FrameBody::RunnerAttached { generation } => {
-                self.generation = self.generation.max(*generation)
-            }
-            _ => {}
+        if matches!(frame.body, FrameBody::Sealed {}) {
+            self.sealed = true;
         }
+        self.meta.apply(&frame.body, None);
     }
 
     /// Seq of the last stored frame.
@@ -348,7 +517,17 @@ impl SessionActor {
 
     /// The current runner generation.
     pub fn generation(&self) -> u64 {
-        self.generation
+        self.meta.generation
+    }
+
+    /// What the log says about the session (config, latest turn, sandbox).
+    pub fn meta(&self) -> &SessionMeta {
+        &self.meta
+    }
+
+    /// Whether a runner is attached.
+    pub fn has_runner(&self) -> bool {
+        self.runner.is_some()
     }
 
     /// Whether the session is sealed.
@@ -382,11 +561,19 @@ impl SessionActor {
             Input::Client { conn, message } => self.client(conn, message, &mut out),
             Input::Runner { conn, message } => self.runner_message(conn, message, &mut out),
             Input::Appended { frame, duplicate } => {
-                let reply_to = self.pending.pop_front().flatten();
+                let pending = self.pending.pop_front();
+                let reply_to = pending.as_ref().and_then(|p| p.reply_to);
                 if !duplicate {
                     self.last_seq = self.last_seq.max(frame.seq);
                     if matches!(frame.body, FrameBody::Sealed {}) {
                         self.sealed = true;
+                    }
+                    let key = pending.as_ref().and_then(|p| p.key.as_deref());
+                    self.meta.apply(&frame.body, key);
+                    if pending.as_ref().is_some_and(|p| p.dispatch) {
+                        if let Some(command) = self.command_for(&frame.body) {
+                            out.push(Output::Dispatch(command));
+                        }
                     }
                 }
                 if let Some(conn) = reply_to {
@@ -409,19 +596,68 @@ impl SessionActor {
                     }
                 }
             }
-            Input::AppendFailed { error } => {
-                if let Some(Some(conn)) = self.pending.pop_front() {
+            Input::AppendFailed { kind, error } => {
+                if let Some(conn) = self.pending.pop_front().and_then(|p| p.reply_to) {
+                    let code = match kind {
+                        ErrorKind::Conflict => ErrorCode::Conflict,
+                        ErrorKind::InvalidInput => ErrorCode::Invalid,
+                        _ => ErrorCode::AppendFailed,
+                    };
                     out.push(Output::Send {
                         conn,
                         message: ServerMessage::error(
-                            "append_failed",
+                            code,
                             format!("the log refused the write: {error}"),
                         ),
                     });
                 }
             }
+            Input::DispatchFailed { turn_id, error } => {
+                let running = self
+                    .meta
+                    .active_turn()
+                    .is_some_and(|t| t.turn_id == turn_id);
+                if running && !self.sealed {
+                    self.flush_turn(&turn_id, &mut out);
+                    let body = FrameBody::TurnStatus {
+                        turn_id: turn_id.clone(),
+                        status: TurnStatus::Failed,
+                        error: Some(format!("the turn could not be started: {error}")),
+                        sandbox: None,
+                        agent_session_id: None,
+                    };
+                    let key = format!("{turn_id}:dispatch-failed");
+                    self.append(AppendRequest::idempotent(body, key), None, false, &mut out);
+                }
+            }
         }
         out
+    }
+
+    /// The engine call a stored client frame asks for.
+    fn command_for(&self, body: &FrameBody) -> Option<TurnCommand> {
+        let turn = self.meta.active_turn()?;
+        match body {
+            FrameBody::UserMessage { .. } => Some(self.meta.start_command(turn)),
+            FrameBody::ApprovalResponse {
+                approval_id,
+                approved,
+                reason,
+                ..
+            } => Some(TurnCommand::Answer {
+                turn_id: turn.turn_id.clone(),
+                answer: crate::turn::ApprovalAnswer {
+                    approval_id: approval_id.clone(),
+                    approved: *approved,
+                    reason: reason.clone(),
+                },
+            }),
+            FrameBody::AbortRequested { reason, .. } => Some(TurnCommand::Abort {
+                turn_id: turn.turn_id.clone(),
+                reason: reason.clone(),
+            }),
+            _ => None,
+        }
     }
 
     fn connect(&mut self, conn: ConnId, role: Role, after: Option<u64>, out: &mut Vec<Output>) {
@@ -459,15 +695,15 @@ impl SessionActor {
                 }
             }
             Role::Runner { generation } => {
+                let current = self.meta.generation;
                 let current_busy = self.runner.is_some();
-                if generation < self.generation || (generation == self.generation && current_busy) {
+                if generation < current || (generation == current && current_busy) {
                     out.push(Output::Send {
                         conn,
                         message: ServerMessage::error(
-                            "stale_runner",
+                            ErrorCode::StaleRunner,
                             format!(
-                                "runner generation {generation} is fenced: generation {} is current",
-                                self.generation
+                                "runner generation {generation} is fenced: generation {current} is current"
                             ),
                         ),
                     });
@@ -481,7 +717,7 @@ impl SessionActor {
                     out.push(Output::Send {
                         conn: old,
                         message: ServerMessage::error(
-                            "stale_runner",
+                            ErrorCode::StaleRunner,
                             format!("fenced by runner generation {generation}"),
                         ),
                     });
@@ -491,12 +727,16 @@ impl SessionActor {
                     });
                 }
                 self.runner = Some(conn);
-                if generation > self.generation {
-                    self.generation = generation;
+                if generation > current {
+                    // Fence at once, before the frame is stored: a message
+                    // from an older runner queued behind this connect must
+                    // already be refused.
+                    self.meta.generation = generation;
                     if !self.sealed {
                         self.append(
                             AppendRequest::new(FrameBody::RunnerAttached { generation }),
                             None,
+                            false,
                             out,
                         );
                     }
@@ -505,37 +745,27 @@ impl SessionActor {
         }
     }
 
+    fn received(conn: ConnId, out: &mut Vec<Output>) {
+        out.push(Output::Send {
+            conn,
+            message: ServerMessage::Received {},
+        });
+    }
+
+    fn refuse(conn: ConnId, code: ErrorCode, message: impl Into<String>, out: &mut Vec<Output>) {
+        out.push(Output::Send {
+            conn,
+            message: ServerMessage::error(code, message),
+        });
+    }
+
     fn client(&mut self, conn: ConnId, message: ClientMessage, out: &mut Vec<Output>) {
         if !self.clients.contains_key(&conn) {
-            out.push(Output::Send {
-                conn,
-                message: ServerMessage::error(
-                    "not_a_client",
-                    "only client connections send prompts and answers",
-                ),
-            });
-            return;
+            let text = "only client connections send prompts and answers";
+            return Self::refuse(conn, ErrorCode::NotAClient, text, out);
         }
-        let (body, key) = match message {
-            ClientMessage::Prompt { text, turn_id, key } => {
-                (FrameBody::UserMessage { text, turn_id }, key)
-            }
-            ClientMessage::ApprovalResponse {
-                approval_id,
-                approved,
-                reason,
-            } => (
-                FrameBody::ApprovalResponse {
-                    approval_id,
-                    approved,
-                    reason,
-                },
-                None,
-            ),
-            ClientMessage::Seal {} => (FrameBody::Sealed {}, None),
-        };
         if self.sealed {
-            if matches!(body, FrameBody::Sealed {}) {
+            if matches!(message, ClientMessage::Seal {}) {
                 out.push(Output::Send {
                     conn,
                     message: ServerMessage::Ack {
@@ -551,12 +781,79 @@ impl SessionActor {
             }
             return;
         }
+        let active = self.meta.active_turn().map(|t| t.turn_id.clone());
+        let (body, key, dispatch) = match message {
+            ClientMessage::Prompt { text, turn_id, key } => {
+                let latest = self.meta.turn.as_ref();
+                // A retried send of the prompt that opened the latest turn
+                // (same key) is stored under the same turn id, so the log
+                // answers it as a duplicate instead of a new turn.
+                let retried = latest.filter(|t| key.is_some() && t.key == key);
+                let turn_id = match (retried, &active) {
+                    (Some(t), _) => t.turn_id.clone(),
+                    (None, Some(running)) => {
+                        let text = format!(
+                            "turn {running} is still running: wait for it to end or abort it ({{\"type\":\"abort\"}})"
+                        );
+                        return Self::refuse(conn, ErrorCode::TurnInProgress, text, out);
+                    }
+                    (None, None) => match turn_id {
+                        Some(id) if latest.is_some_and(|t| t.turn_id == id) => {
+                            let text = format!("turn id {id:?} was already used in this session");
+                            return Self::refuse(conn, ErrorCode::Conflict, text, out);
+                        }
+                        Some(id) if id.is_empty() || id.len() > 128 => {
+                            let text = "a turn id must be 1-128 characters";
+                            return Self::refuse(conn, ErrorCode::Invalid, text, out);
+                        }
+                        Some(id) => id,
+                        None => self.meta.next_turn_id(),
+                    },
+                };
+                let body = FrameBody::UserMessage {
+                    text,
+                    turn_id: Some(turn_id),
+                };
+                (body, key, true)
+            }
+            ClientMessage::ApprovalResponse {
+                approval_id,
+                approved,
+                reason,
+            } => {
+                let Some(turn_id) = active else {
+                    let text = format!("no turn is running to answer {approval_id:?}");
+                    return Self::refuse(conn, ErrorCode::NoActiveTurn, text, out);
+                };
+                let body = FrameBody::ApprovalResponse {
+                    approval_id,
+                    approved,
+                    reason,
+                    turn_id: Some(turn_id),
+                };
+                (body, None, true)
+            }
+            ClientMessage::Abort { turn_id, reason } => {
+                let running = match (active, turn_id) {
+                    (Some(running), Some(asked)) if asked != running => {
+                        let text = format!("turn {asked} is not running (turn {running} is)");
+                        return Self::refuse(conn, ErrorCode::NoActiveTurn, text, out);
+                    }
+                    (Some(running), _) => running,
+                    (None, _) => {
+                        return Self::refuse(conn, ErrorCode::NoActiveTurn, "no turn is running", out)
+                    }
+                };
+                let body = FrameBody::AbortRequested {
+                    turn_id: running,
+                    reason: reason.unwrap_or_else(|| "aborted by a client".into()),
+                };
+                (body, None, true)
+            }
+            ClientMessage::Seal {} => (FrameBody::Sealed {}, None, false),
+        };
         if let Err(e) = self.check_size(&body) {
-            out.push(Output::Send {
-                conn,
-                message: ServerMessage::error("frame_too_large", e.message()),
-            });
-            return;
+            return Self::refuse(conn, ErrorCode::FrameTooLarge, e.message(), out);
         }
         self.append(
             AppendRequest {
@@ -564,30 +861,28 @@ impl SessionActor {
                 idempotency_key: key,
             },
             Some(conn),
+            dispatch,
             out,
         );
     }
 
     fn runner_message(&mut self, conn: ConnId, message: RunnerMessage, out: &mut Vec<Output>) {
         if self.runner != Some(conn) {
-            let text = if self.clients.contains_key(&conn) {
-                "only the runner sends stream parts".to_string()
+            let (code, text) = if self.clients.contains_key(&conn) {
+                (
+                    ErrorCode::NotARunner,
+                    "only the runner sends stream parts".to_string(),
+                )
             } else {
-                format!(
-                    "this runner was fenced; generation {} is current",
-                    self.generation
+                (
+                    ErrorCode::StaleRunner,
+                    format!(
+                        "this runner was fenced; generation {} is current",
+                        self.meta.generation
+                    ),
                 )
             };
-            let code = if self.clients.contains_key(&conn) {
-                "not_a_runner"
-            } else {
-                "stale_runner"
-            };
-            out.push(Output::Send {
-                conn,
-                message: ServerMessage::error(code, text),
-            });
-            return;
+            return Self::refuse(conn, code, text, out);
         }
         if self.sealed {
             out.push(Output::Send {
@@ -601,6 +896,8 @@ impl SessionActor {
                 turn_id,
                 status,
                 error,
+                sandbox,
+                agent_session_id,
                 key,
             } => {
                 if status.is_terminal() {
@@ -610,6 +907,8 @@ impl SessionActor {
                     turn_id,
                     status,
                     error,
+                    sandbox,
+                    agent_session_id,
                 };
                 self.checked_append(body, key, conn, out);
                 return;
@@ -639,27 +938,22 @@ impl SessionActor {
                     text: String::new(),
                 });
                 self.fanout_live(&turn_id, part, out);
+                Self::received(conn, out);
             }
             (BlockEvent::Delta(_) | BlockEvent::End, None) => {
-                let message = format!("block {id:?} was never started");
-                out.push(Output::Send {
-                    conn,
-                    message: ServerMessage::error("invalid", message),
-                });
+                let text = format!("block {id:?} was never started");
+                Self::refuse(conn, ErrorCode::Invalid, text, out);
             }
             (BlockEvent::Delta(delta), Some(pos)) => {
                 let limit = self.config.max_frame_bytes;
                 let block = &mut self.open[pos];
                 if block.text.len() + delta.len() > limit {
-                    let message = format!("block {id:?} would exceed the {limit}-byte frame limit");
-                    out.push(Output::Send {
-                        conn,
-                        message: ServerMessage::error("frame_too_large", message),
-                    });
-                    return;
+                    let text = format!("block {id:?} would exceed the {limit}-byte frame limit");
+                    return Self::refuse(conn, ErrorCode::FrameTooLarge, text, out);
                 }
                 block.text.push_str(delta);
                 self.fanout_live(&turn_id, part, out);
+                Self::received(conn, out);
             }
             (BlockEvent::End, Some(pos)) => {
                 let block = self.open.remove(pos);
@@ -681,6 +975,7 @@ impl SessionActor {
             self.append(
                 AppendRequest::idempotent(block.into_message(true), key),
                 None,
+                false,
                 out,
             );
         }
@@ -694,11 +989,7 @@ impl SessionActor {
         out: &mut Vec<Output>,
     ) {
         if let Err(e) = self.check_size(&body) {
-            out.push(Output::Send {
-                conn,
-                message: ServerMessage::error("frame_too_large", e.message()),
-            });
-            return;
+            return Self::refuse(conn, ErrorCode::FrameTooLarge, e.message(), out);
         }
         self.append(
             AppendRequest {
@@ -706,6 +997,7 @@ impl SessionActor {
                 idempotency_key: key,
             },
             Some(conn),
+            false,
             out,
         );
     }
@@ -721,8 +1013,18 @@ impl SessionActor {
         Ok(())
     }
 
-    fn append(&mut self, request: AppendRequest, reply_to: Option<ConnId>, out: &mut Vec<Output>) {
-        self.pending.push_back(reply_to);
+    fn append(
+        &mut self,
+        request: AppendRequest,
+        reply_to: Option<ConnId>,
+        dispatch: bool,
+        out: &mut Vec<Output>,
+    ) {
+        self.pending.push_back(PendingAppend {
+            reply_to,
+            key: request.idempotency_key.clone(),
+            dispatch,
+        });
         out.push(Output::Append(request));
     }
 
@@ -742,7 +1044,7 @@ impl SessionActor {
 }
 
 fn sealed_message() -> ServerMessage {
-    ServerMessage::error("sealed", "the session is sealed; fork it to continue")
+    ServerMessage::error(ErrorCode::Sealed, "the session is sealed; fork it to continue")
 }
 
 fn block_parts(block: &OpenBlock) -> (StreamPart, StreamPart) {

@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::stream::ByteStream;
+use crate::maybe::{MaybeSend, MaybeSync};
 use crate::{Error, Result};
 
 /// What a store knows about an object.
@@ -29,8 +30,9 @@ pub struct ObjectMeta {
 }
 
 /// A key-addressed, streamed object store for checkpoints.
-#[async_trait]
-pub trait CheckpointStore: Send + Sync + std::fmt::Debug {
+#[cfg_attr(not(target_arch = "wasm32"), async_trait)]
+#[cfg_attr(target_arch = "wasm32", async_trait(?Send))]
+pub trait CheckpointStore: MaybeSend + MaybeSync + std::fmt::Debug {
     /// Store `content` under `key`, replacing any object there. The object
     /// becomes visible only once the whole stream was stored: a failed put
     /// leaves the previous object (or nothing) in place.
@@ -135,7 +137,8 @@ impl MemoryCheckpointStore {
 /// Chunk size used when serving a stored object as a stream.
 const MEMORY_CHUNK: usize = 64 * 1024;
 
-#[async_trait]
+#[cfg_attr(not(target_arch = "wasm32"), async_trait)]
+#[cfg_attr(target_arch = "wasm32", async_trait(?Send))]
 impl CheckpointStore for MemoryCheckpointStore {
     async fn put(&self, key: &str, mut content: ByteStream) -> Result<ObjectMeta> {
         validate_key(key)?;

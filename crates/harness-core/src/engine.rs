@@ -2,11 +2,12 @@
 //! between them.
 //!
 //! [`DurableEngine`] is what callers use (start, query, answer, abort, wait).
-//! [`SliceExecutor`] is the one piece of real work an engine schedules (run
-//! `harness:slice`, kill the agent). [`TurnStore`] persists the JSON state
-//! after every step. The [`InProcessEngine`] here loops slices on whatever
-//! executor the caller spawns futures on; it resumes unfinished turns from
-//! its store after a restart.
+//! [`SliceExecutor`] is the real work an engine schedules (create the
+//! sandbox, run `harness:slice`, kill the agent, record the end).
+//! [`TurnStore`] persists the JSON state after every step. The
+//! [`InProcessEngine`] here drives [`TurnDriver`] (the one turn loop, shared
+//! with every engine) on whatever executor the caller spawns futures on; it
+//! resumes unfinished turns from its store after a restart.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -14,18 +15,24 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::channel::{mpsc, oneshot};
-use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
 
-use crate::log::now_ms;
-use crate::sandbox::DetachedProcess;
+use crate::clock::Clock;
+use crate::maybe::{BoxFuture, MaybeSend, MaybeSync};
+use crate::sandbox::{DetachedProcess, SandboxHandle};
 use crate::stream::AbortSignal;
-use crate::turn::{next_step, step, ApprovalAnswer, NextStep, SliceReport, TurnEvent, TurnState};
-use crate::{Error, ErrorKind, Result};
+use crate::turn::{next_step, ApprovalAnswer, NextStep, SliceReport, TurnState};
+use crate::turn_driver::{StepFailure, TurnAction, TurnDriver};
+use crate::{Error, Result};
 
 /// Runs the real work of a turn.
-#[async_trait]
-pub trait SliceExecutor: Send + Sync {
+#[cfg_attr(not(target_arch = "wasm32"), async_trait)]
+#[cfg_attr(target_arch = "wasm32", async_trait(?Send))]
+pub trait SliceExecutor: MaybeSend + MaybeSync {
+    /// Create the session's sandbox from the state's `sandbox_config` (the
+    /// first turn of a session) and return its handle, detached.
+    async fn create_sandbox(&self, state: &TurnState) -> Result<SandboxHandle>;
+
     /// Run one slice (`harness:slice`) of at most `budget`. When `abort`
     /// fires the slice returns early with what it has.
     async fn run_slice(
@@ -39,18 +46,22 @@ pub trait SliceExecutor: Send + Sync {
     async fn kill_agent(&self, state: &TurnState, process: &DetachedProcess) -> Result<()>;
 
     /// The turn is over (`state` is terminal): record it where clients see
-    /// it. Must be idempotent (an engine may call it again after a crash).
-    async fn turn_ended(&self, state: &TurnState) -> Result<()> {
-        let _ = state;
-        Ok(())
-    }
+    /// it. Idempotent (an engine calls it again after a crash; the record
+    /// carries [`TurnState::end_key`]).
+    async fn turn_ended(&self, state: &TurnState) -> Result<()>;
 }
 
 /// Persists turn states.
-#[async_trait]
-pub trait TurnStore: Send + Sync + std::fmt::Debug {
-    /// Save (replace) a turn's state.
-    async fn save(&self, state: &TurnState) -> Result<()>;
+///
+/// Saves are fenced: each carries the saving engine's generation, and a
+/// store refuses (with `ErrorKind::Fenced`) a save of a turn last saved by
+/// a higher generation, so an engine that was replaced while it ran (a
+/// paused process that wakes up) cannot overwrite its successor's state.
+#[cfg_attr(not(target_arch = "wasm32"), async_trait)]
+#[cfg_attr(target_arch = "wasm32", async_trait(?Send))]
+pub trait TurnStore: MaybeSend + MaybeSync + std::fmt::Debug {
+    /// Save (replace) a turn's state as engine `generation`.
+    async fn save(&self, state: &TurnState, generation: u64) -> Result<()>;
     /// Load a turn's state.
     async fn load(&self, session_id: &str, turn_id: &str) -> Result<Option<TurnState>>;
     /// Turns whose next step is not `Done`.
@@ -58,11 +69,13 @@ pub trait TurnStore: Send + Sync + std::fmt::Debug {
 }
 
 /// An engine that runs turns durably.
-#[async_trait]
-pub trait DurableEngine: Send + Sync + std::fmt::Debug {
+#[cfg_attr(not(target_arch = "wasm32"), async_trait)]
+#[cfg_attr(target_arch = "wasm32", async_trait(?Send))]
+pub trait DurableEngine: MaybeSend + MaybeSync + std::fmt::Debug {
     /// Engine name (`in-process`, `temporal`, …).
     fn name(&self) -> &'static str;
-    /// Start a turn (its state must be `not_started`).
+    /// Start a turn (its state must be `not_started`); `Conflict` when the
+    /// turn id is already known.
     async fn start_turn(&self, state: TurnState) -> Result<()>;
     /// The turn's current state.
     async fn turn_state(&self, session_id: &str, turn_id: &str) -> Result<TurnState>;
@@ -79,22 +92,34 @@ pub trait DurableEngine: Send + Sync + std::fmt::Debug {
     async fn wait_turn(&self, session_id: &str, turn_id: &str) -> Result<TurnState>;
 }
 
+/// The error for a save refused because a newer engine owns the turn.
+pub fn fenced_save_error(state: &TurnState, stored: u64, generation: u64) -> Error {
+    Error::fenced(format!(
+        "turn {} of session {} is driven by engine generation {stored}; generation {generation} stops",
+        state.turn_id, state.session_id
+    ))
+}
+
+type TurnKey = (String, String);
+
 /// An in-memory [`TurnStore`].
 #[derive(Debug, Default, Clone)]
 pub struct MemoryTurnStore {
-    states: Arc<Mutex<HashMap<(String, String), TurnState>>>,
+    states: Arc<Mutex<HashMap<TurnKey, (TurnState, u64)>>>,
 }
 
-#[async_trait]
+#[cfg_attr(not(target_arch = "wasm32"), async_trait)]
+#[cfg_attr(target_arch = "wasm32", async_trait(?Send))]
 impl TurnStore for MemoryTurnStore {
-    async fn save(&self, state: &TurnState) -> Result<()> {
-        self.states
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(
-                (state.session_id.clone(), state.turn_id.clone()),
-                state.clone(),
-            );
+    async fn save(&self, state: &TurnState, generation: u64) -> Result<()> {
+        let mut states = self.states.lock().unwrap_or_else(|e| e.into_inner());
+        let key = (state.session_id.clone(), state.turn_id.clone());
+        if let Some((_, stored)) = states.get(&key) {
+            if *stored > generation {
+                return Err(fenced_save_error(state, *stored, generation));
+            }
+        }
+        states.insert(key, (state.clone(), generation));
         Ok(())
     }
     async fn load(&self, session_id: &str, turn_id: &str) -> Result<Option<TurnState>> {
@@ -103,7 +128,7 @@ impl TurnStore for MemoryTurnStore {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(&(session_id.to_string(), turn_id.to_string()))
-            .cloned())
+            .map(|(s, _)| s.clone()))
     }
     async fn unfinished(&self) -> Result<Vec<TurnState>> {
         Ok(self
@@ -111,79 +136,122 @@ impl TurnStore for MemoryTurnStore {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .values()
-            .filter(|s| !matches!(next_step(s), NextStep::Done { .. }))
-            .cloned()
+            .filter(|(s, _)| !matches!(next_step(s), NextStep::Done { .. }))
+            .map(|(s, _)| s.clone())
             .collect())
     }
 }
 
 /// Spawns a future on the caller's runtime (tokio natively, the platform's
 /// executor elsewhere).
+#[cfg(not(target_arch = "wasm32"))]
 pub type Spawner = Arc<dyn Fn(BoxFuture<'static, ()>) + Send + Sync>;
+/// Spawns a future on the caller's runtime (the platform's executor).
+#[cfg(target_arch = "wasm32")]
+pub type Spawner = Arc<dyn Fn(BoxFuture<'static, ()>)>;
 
-struct TurnControl {
-    abort: AbortSignal,
-    abort_reason: Mutex<Option<String>>,
-    approvals: mpsc::UnboundedSender<ApprovalAnswer>,
-    waiters: Mutex<Vec<oneshot::Sender<TurnState>>>,
+/// What a running turn's loop receives from callers.
+#[derive(Debug, Default)]
+struct Inbox {
+    abort: Option<String>,
+    answers: Vec<ApprovalAnswer>,
 }
 
-type TurnKey = (String, String);
+struct TurnControl {
+    /// Cuts a running slice short.
+    abort: AbortSignal,
+    inbox: Mutex<Inbox>,
+    /// Wakes a loop parked on [`TurnAction::AwaitInput`].
+    wake: mpsc::UnboundedSender<()>,
+    waiters: Mutex<Vec<oneshot::Sender<Result<TurnState>>>>,
+}
 
-/// Loops slices in this process. See the module docs.
+impl TurnControl {
+    /// Hand what callers sent to the driver.
+    fn drain_into(&self, driver: &mut TurnDriver) {
+        let mut inbox = self.inbox.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(reason) = inbox.abort.take() {
+            driver.abort(reason);
+        }
+        for answer in inbox.answers.drain(..) {
+            driver.answer(answer);
+        }
+    }
+}
+
+/// Drives turns in this process with [`TurnDriver`]. See the module docs.
 #[derive(Clone)]
 pub struct InProcessEngine {
     executor: Arc<dyn SliceExecutor>,
     store: Arc<dyn TurnStore>,
+    clock: Arc<dyn Clock>,
     spawn: Spawner,
+    generation: u64,
     running: Arc<Mutex<HashMap<TurnKey, Arc<TurnControl>>>>,
-    /// Kill attempts before a kill failure fails the turn for good.
-    max_kill_attempts: u32,
 }
 
 impl std::fmt::Debug for InProcessEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("InProcessEngine")
             .field("store", &self.store)
+            .field("generation", &self.generation)
             .finish_non_exhaustive()
     }
 }
 
 impl InProcessEngine {
-    /// An engine running slices on `executor`, saving states in `store`, and
-    /// spawning turn loops with `spawn`.
+    /// An engine running slices on `executor`, saving states in `store`,
+    /// reading time from `clock` and spawning turn loops with `spawn`.
     pub fn new(
         executor: Arc<dyn SliceExecutor>,
         store: Arc<dyn TurnStore>,
+        clock: Arc<dyn Clock>,
         spawn: Spawner,
     ) -> Self {
         Self {
             executor,
             store,
+            clock,
             spawn,
+            generation: 0,
             running: Arc::default(),
-            max_kill_attempts: 5,
         }
+    }
+
+    /// Save turn states as `generation` (use something that grows across
+    /// restarts, e.g. the start time): a store then refuses the saves of an
+    /// older engine still running somewhere, which stops its turns.
+    pub fn with_generation(mut self, generation: u64) -> Self {
+        self.generation = generation;
+        self
+    }
+
+    /// The generation this engine saves as.
+    pub fn generation(&self) -> u64 {
+        self.generation
     }
 
     /// Pick up every unfinished turn in the store (call once at start-up).
     /// Returns how many were resumed.
     pub async fn resume_unfinished(&self) -> Result<usize> {
         let turns = self.store.unfinished().await?;
-        let n = turns.len();
+        let mut n = 0;
         for state in turns {
-            self.launch(state);
+            if self.control(&state.session_id, &state.turn_id).is_none() {
+                self.launch(state);
+                n += 1;
+            }
         }
         Ok(n)
     }
 
     fn launch(&self, state: TurnState) {
         let key = (state.session_id.clone(), state.turn_id.clone());
-        let (tx, rx) = mpsc::unbounded();
+        let (wake, wake_rx) = mpsc::unbounded();
         let control = Arc::new(TurnControl {
             abort: AbortSignal::new(),
-            abort_reason: Mutex::new(None),
-            approvals: tx,
+            inbox: Mutex::default(),
+            wake,
             waiters: Mutex::new(Vec::new()),
         });
         self.running
@@ -192,140 +260,76 @@ impl InProcessEngine {
             .insert(key.clone(), control.clone());
         let engine = self.clone();
         (self.spawn)(Box::pin(async move {
-            let result = engine.drive(state, control.clone(), rx).await;
+            let result = engine.drive(state, control.clone(), wake_rx).await;
             engine
                 .running
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .remove(&key);
-            let final_state = match result {
-                Ok(s) => s,
-                Err(e) => {
-                    // Persisting failed: leave the last saved state for the
-                    // next start-up and report what we have to waiters.
-                    tracing_fallback(&e);
-                    match engine.store.load(&key.0, &key.1).await {
-                        Ok(Some(s)) => s,
-                        _ => return,
-                    }
-                }
-            };
-            for waiter in control
+            let waiters: Vec<_> = control
                 .waiters
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .drain(..)
-            {
-                let _ = waiter.send(final_state.clone());
+                .collect();
+            for waiter in waiters {
+                let answer = match &result {
+                    Ok(state) => Ok(state.clone()),
+                    Err(e) => Err(Error::new(e.kind(), e.message())),
+                };
+                let _ = waiter.send(answer);
             }
         }));
     }
 
+    /// The turn loop: [`TurnDriver`] with this engine's I/O.
     async fn drive(
         &self,
-        mut state: TurnState,
+        state: TurnState,
         control: Arc<TurnControl>,
-        mut approvals: mpsc::UnboundedReceiver<ApprovalAnswer>,
+        mut wake: mpsc::UnboundedReceiver<()>,
     ) -> Result<TurnState> {
-        let mut kill_attempts = 0;
+        let mut driver = TurnDriver::new(state)?;
+        let failure = |e: Error| StepFailure::from_error(&e);
         loop {
-            if control.abort.is_aborted() && !state.status.is_terminal() {
-                let reason = control
-                    .abort_reason
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .clone()
-                    .unwrap_or_default();
-                state = step(state, TurnEvent::Abort { reason })?.0;
+            control.drain_into(&mut driver);
+            let action = driver.poll(self.clock.now_ms());
+            if action == TurnAction::Stop {
+                // Fenced: a newer runner drives this turn; touch nothing.
+                let why = driver.fenced().unwrap_or("fenced").to_string();
+                return Err(Error::fenced(why));
             }
-            self.store.save(&state).await?;
-            match next_step(&state) {
-                NextStep::AwaitStart => {
-                    state = step(state, TurnEvent::Start { now_ms: now_ms() })?.0;
+            self.store.save(driver.state(), self.generation).await?;
+            let state = driver.state().clone();
+            match action {
+                TurnAction::CreateSandbox => {
+                    let result = self.executor.create_sandbox(&state).await;
+                    driver.sandbox_created(result.map_err(failure));
                 }
-                NextStep::RunSlice { budget_ms } => {
-                    let report = self
+                TurnAction::RunSlice { budget_ms } => {
+                    let budget = Duration::from_millis(budget_ms);
+                    let result = self
                         .executor
-                        .run_slice(
-                            &state,
-                            Duration::from_millis(budget_ms),
-                            control.abort.clone(),
-                        )
+                        .run_slice(&state, budget, control.abort.clone())
                         .await;
-                    let event = match report {
-                        Ok(report) => TurnEvent::SliceCompleted {
-                            report,
-                            now_ms: now_ms(),
-                        },
-                        Err(e) => TurnEvent::SliceFailed {
-                            retryable: !matches!(
-                                e.kind(),
-                                ErrorKind::InvalidInput
-                                    | ErrorKind::Unsafe
-                                    | ErrorKind::Unauthorized
-                            ),
-                            error: e.to_string(),
-                        },
-                    };
-                    state = match step(state.clone(), event) {
-                        Ok((s, _)) => s,
-                        // A report the machine refuses (stale cursor) counts as a failed slice.
-                        Err(e) => {
-                            step(
-                                state,
-                                TurnEvent::SliceFailed {
-                                    error: e.to_string(),
-                                    retryable: true,
-                                },
-                            )?
-                            .0
-                        }
-                    };
+                    driver.slice_done(result.map_err(failure), self.clock.now_ms());
                 }
-                NextStep::KillAgent { process } => {
-                    match self.executor.kill_agent(&state, &process).await {
-                        Ok(()) => state = step(state, TurnEvent::AgentKilled)?.0,
-                        Err(e) => {
-                            kill_attempts += 1;
-                            if kill_attempts >= self.max_kill_attempts {
-                                // Give up on the process (the sandbox may be gone);
-                                // the turn is already terminal.
-                                let mut s = step(state, TurnEvent::AgentKilled)?.0;
-                                s.error = Some(format!(
-                                    "{} (and killing the agent failed: {e})",
-                                    s.error.unwrap_or_default()
-                                ));
-                                state = s;
-                            }
-                        }
+                TurnAction::KillAgent { process } => {
+                    let result = self.executor.kill_agent(&state, &process).await;
+                    driver.agent_killed(result.map_err(failure));
+                }
+                TurnAction::RecordEnd => {
+                    let result = self.executor.turn_ended(&state).await;
+                    driver.end_recorded(result.map_err(failure));
+                }
+                TurnAction::AwaitInput => {
+                    futures::select! {
+                        _ = wake.next() => {},
+                        _ = control.abort.aborted().fuse() => {},
                     }
                 }
-                NextStep::AwaitApproval { .. } => {
-                    let abort = control.abort.clone();
-                    let answer = futures::select! {
-                        answer = approvals.next() => answer,
-                        _ = abort.aborted().fuse() => None,
-                    };
-                    if let Some(answer) = answer {
-                        match step(state.clone(), TurnEvent::ApprovalAnswered(answer)) {
-                            Ok((s, _)) => state = s,
-                            Err(_) => continue, // an answer to another request: ignore it
-                        }
-                    }
-                }
-                NextStep::Done { .. } => {
-                    // Best effort: the turn is over whatever the sink says; a
-                    // failure here is retried by the next start-up's resume only
-                    // if the state were unfinished, so report it in the state.
-                    if let Err(e) = self.executor.turn_ended(&state).await {
-                        state.error = Some(match state.error.take() {
-                            Some(prev) => format!("{prev} (and recording the end failed: {e})"),
-                            None => format!("recording the end of the turn failed: {e}"),
-                        });
-                        self.store.save(&state).await?;
-                    }
-                    return Ok(state);
-                }
+                TurnAction::Done => return Ok(driver.into_state()),
+                TurnAction::Stop => unreachable!("handled above"),
             }
         }
     }
@@ -337,14 +341,18 @@ impl InProcessEngine {
             .get(&(session_id.to_string(), turn_id.to_string()))
             .cloned()
     }
+
+    fn running_control(&self, session_id: &str, turn_id: &str) -> Result<Arc<TurnControl>> {
+        self.control(session_id, turn_id).ok_or_else(|| {
+            Error::not_found(format!(
+                "turn {turn_id} of session {session_id} is not running"
+            ))
+        })
+    }
 }
 
-fn tracing_fallback(_e: &Error) {
-    // harness-core has no logging dependency; the engine's callers observe
-    // failures through `wait_turn` and the stored state.
-}
-
-#[async_trait]
+#[cfg_attr(not(target_arch = "wasm32"), async_trait)]
+#[cfg_attr(target_arch = "wasm32", async_trait(?Send))]
 impl DurableEngine for InProcessEngine {
     fn name(&self) -> &'static str {
         "in-process"
@@ -365,7 +373,8 @@ impl DurableEngine for InProcessEngine {
                 existing.status.as_str()
             )));
         }
-        self.store.save(&state).await?;
+        TurnDriver::new(state.clone())?;
+        self.store.save(&state, self.generation).await?;
         self.launch(state);
         Ok(())
     }
@@ -383,23 +392,25 @@ impl DurableEngine for InProcessEngine {
         turn_id: &str,
         answer: ApprovalAnswer,
     ) -> Result<()> {
-        let control = self
-            .control(session_id, turn_id)
-            .ok_or_else(|| Error::not_found(format!("turn {turn_id} is not running")))?;
+        let control = self.running_control(session_id, turn_id)?;
         control
-            .approvals
-            .unbounded_send(answer)
-            .map_err(|_| Error::conflict("the turn has ended"))
+            .inbox
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .answers
+            .push(answer);
+        let _ = control.wake.unbounded_send(());
+        Ok(())
     }
 
     async fn abort_turn(&self, session_id: &str, turn_id: &str, reason: &str) -> Result<()> {
-        let control = self
-            .control(session_id, turn_id)
-            .ok_or_else(|| Error::not_found(format!("turn {turn_id} is not running")))?;
-        *control
-            .abort_reason
+        let control = self.running_control(session_id, turn_id)?;
+        control
+            .inbox
             .lock()
-            .unwrap_or_else(|e| e.into_inner()) = Some(reason.to_string());
+            .unwrap_or_else(|e| e.into_inner())
+            .abort
+            .get_or_insert_with(|| reason.to_string());
         control.abort.abort();
         Ok(())
     }
@@ -418,7 +429,7 @@ impl DurableEngine for InProcessEngine {
             None => return self.turn_state(session_id, turn_id).await,
         };
         match rx.await {
-            Ok(state) => Ok(state),
+            Ok(result) => result,
             // The loop ended between our lookup and registration.
             Err(_) => self.turn_state(session_id, turn_id).await,
         }

@@ -4,7 +4,7 @@
 //! the CLI, HTTP handlers) can react to *what* went wrong without knowing
 //! which backend they talk to: `NotFound` becomes a 404, `Unsupported` lets a
 //! conformance suite accept an optional capability being absent, `Conflict`
-//! covers fencing and sealed logs.
+//! covers sealed logs and busy sessions, `Fenced` a replaced runner.
 
 use std::fmt;
 
@@ -17,9 +17,12 @@ pub enum ErrorKind {
     Unsupported,
     /// The input is malformed or violates a limit; nothing was changed.
     InvalidInput,
-    /// The request conflicts with the current state (sealed log, stale
-    /// runner generation, duplicate id with different content, …).
+    /// The request conflicts with the current state (sealed log, a turn
+    /// already running, duplicate id with different content, …).
     Conflict,
+    /// The caller is a runner that a newer runner generation replaced: it
+    /// must stop writing at once (nothing it sends is stored any more).
+    Fenced,
     /// An archive entry would escape its target, or another safety rule
     /// refused the operation; nothing was changed.
     Unsafe,
@@ -45,6 +48,7 @@ impl ErrorKind {
             ErrorKind::Unsupported => "unsupported",
             ErrorKind::InvalidInput => "invalid_input",
             ErrorKind::Conflict => "conflict",
+            ErrorKind::Fenced => "fenced",
             ErrorKind::Unsafe => "unsafe",
             ErrorKind::Aborted => "aborted",
             ErrorKind::TimedOut => "timed_out",
@@ -116,6 +120,10 @@ impl Error {
     /// Shorthand for [`ErrorKind::Conflict`].
     pub fn conflict(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::Conflict, message)
+    }
+    /// Shorthand for [`ErrorKind::Fenced`].
+    pub fn fenced(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Fenced, message)
     }
     /// Shorthand for [`ErrorKind::Unsafe`].
     pub fn unsafe_entry(message: impl Into<String>) -> Self {

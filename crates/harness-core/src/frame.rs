@@ -4,6 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::part::StreamPart;
+use crate::sandbox::SandboxHandle;
 use crate::turn::TurnStatus;
 
 /// A session id. Kept as a string newtype so ids from any front end fit;
@@ -50,7 +51,7 @@ impl std::fmt::Display for SessionId {
 }
 
 /// Which kind of text a stored message holds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum MessageKind {
     /// Assistant text.
@@ -71,7 +72,8 @@ pub enum FrameBody {
     UserMessage {
         /// The prompt.
         text: String,
-        /// Turn the prompt starts (assigned by the sender, unique per session).
+        /// Turn the prompt starts (chosen by the client or assigned by the
+        /// session actor, `t<n>`; unique per session).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         turn_id: Option<String>,
     },
@@ -84,6 +86,16 @@ pub enum FrameBody {
         /// Optional reason shown to the agent.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         reason: Option<String>,
+        /// The turn it answers (filled in by the session actor).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        turn_id: Option<String>,
+    },
+    /// A client asked to abort the running turn.
+    AbortRequested {
+        /// The turn.
+        turn_id: String,
+        /// Why (ends up in the turn's error as `aborted: <reason>`).
+        reason: String,
     },
     /// A stream part from the runner, stored as is. Text and reasoning deltas
     /// never appear here: they are folded into one [`FrameBody::Message`].
@@ -116,6 +128,12 @@ pub enum FrameBody {
         /// Error message for `failed`/`timed_out`.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         error: Option<String>,
+        /// The sandbox the turn ran in (the next turn continues there).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        sandbox: Option<SandboxHandle>,
+        /// The agent's own session id (the next turn resumes it).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        agent_session_id: Option<String>,
     },
     /// A runner attached with this generation; older generations are fenced.
     RunnerAttached {

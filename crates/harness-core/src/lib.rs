@@ -1,44 +1,57 @@
 //! # harness-core
 //!
-//! The traits, data types and pure state machines of the harness: everything
-//! that decides, nothing that does I/O. Backends (sandboxes, stores, logs,
-//! engines) implement the traits in their own crates; the native server and
-//! the Cloudflare Durable Object drive the same [`actor::SessionActor`]; every
-//! engine drives the same [`turn::run_harness_session`].
+//! The traits, data types and pure state machines of the harness, and the
+//! drivers that join them to I/O they are given: everything that decides,
+//! nothing that does I/O of its own. Backends (sandboxes, stores, logs,
+//! engines) implement the traits in their own crates; every runtime (the
+//! tokio server, a Cloudflare Durable Object) drives the same
+//! [`actor_driver::ActorDriver`]; every engine (in-process, Temporal,
+//! Workflows) drives the same [`turn_driver::TurnDriver`].
 //!
-//! The crate builds for `wasm32-unknown-unknown` with default features off
-//! (the `zstd` feature adds the move pipeline, which needs C code).
+//! No I/O, no clock, no threads: time comes in as a [`clock::Clock`],
+//! storage as traits, spawning as a function. The crate builds for
+//! `wasm32-unknown-unknown` with default features off (the `zstd` feature
+//! adds the move pipeline, which needs C code); there trait futures are not
+//! `Send` ([`maybe`]).
 //!
 //! Map of the crate:
 //! - [`sandbox`]: `SandboxProvider`/`Sandbox`, specs, handles, exec, network policy;
 //! - [`bootstrap`]: recipes and their stable identity;
 //! - [`checkpoint`]: `CheckpointStore` and the in-memory store;
-//! - [`log`]: `SessionLog`, its rules on plain data, the in-memory log;
+//! - [`log`]: `SessionLog` (the directory) and `SessionStore` (one session),
+//!   the log rules on plain data, the in-memory log;
 //! - [`frame`], [`part`]: what a session log holds, in the AI SDK vocabulary;
-//! - [`turn`]: durable turn state and `run_harness_session`;
-//! - [`actor`]: the session actor as a sans-IO machine;
+//! - [`session`]: session config, the meta folded from frames, turn commands
+//!   and `SessionRuntime`, which performs them on an engine;
+//! - [`actor`], [`actor_driver`]: the session actor as a sans-IO machine and its one loop;
+//! - [`turn`], [`turn_driver`]: durable turn state, `run_harness_session`, and the one turn loop;
 //! - [`harness`]: the agent adapter contract;
 //! - [`engine`]: `DurableEngine`, the slice contract and the in-process engine;
-//! - [`slice`]: `harness:slice`, one bounded piece of a turn; [`sink`]: where its parts go;
+//! - [`slice`]: `harness:slice`, one bounded piece of a turn, and where its parts go;
+//! - [`clock`], [`maybe`]: time as an input; `Send` only where there are threads;
 //! - [`tarscan`], `moves`: archive safety and the checkpoint/restore pipeline.
 
 pub mod actor;
+pub mod actor_driver;
 pub mod bootstrap;
 pub mod checkpoint;
+pub mod clock;
 pub mod engine;
 mod error;
 pub mod frame;
 pub mod harness;
 pub mod log;
+pub mod maybe;
 #[cfg(feature = "zstd")]
 pub mod moves;
 pub mod part;
 pub mod sandbox;
-pub mod sink;
+pub mod session;
 pub mod slice;
 pub mod stream;
 pub mod tarscan;
 pub mod turn;
+pub mod turn_driver;
 
 pub use error::{Error, ErrorKind, Result};
 pub use frame::{Frame, FrameBody, SessionId};

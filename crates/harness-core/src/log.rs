@@ -11,6 +11,18 @@
 //! - `fork(until = N)` copies frames `1..=N` (and their idempotency keys) into
 //!   a new log, which then grows on its own; `N` beyond the source's end is
 //!   invalid, an existing target is a `Conflict`.
+//! - An append answers with the frame as stored (seq and `at_ms`), so a
+//!   caller fanning it out never reads it back.
+//! - Each appended frame is folded into the session's [`SessionMeta`]
+//!   (with [`SessionMeta::apply`]) in the same transaction, and
+//!   [`LogInfo::meta`] returns it: recovering a session actor reads that,
+//!   not the whole log.
+//!
+//! Two traits: [`SessionLog`] is the directory of sessions (create, list,
+//! fork) plus per-session operations by id; [`SessionStore`] is *one*
+//! session's log, all a session actor needs — what a Durable Object, which
+//! holds exactly one session, implements. [`LogSession`] adapts the first to
+//! the second.
 //!
 //! [`LogState`] implements these rules on plain data so in-memory backends
 //! (and a Durable Object) reuse them instead of re-deriving them.
@@ -21,7 +33,10 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
+use crate::clock::Clock;
 use crate::frame::{Frame, FrameBody, SessionId};
+use crate::maybe::{MaybeSend, MaybeSync};
+use crate::session::{SessionConfig, SessionMeta};
 use crate::{Error, Result};
 
 /// Largest encoded frame body a log accepts by default (1 MiB).
@@ -58,12 +73,14 @@ impl AppendRequest {
 }
 
 /// The result of an append.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Appended {
     /// The frame's seq (the original one for a duplicate).
     pub seq: u64,
     /// True when the key was seen before and nothing was stored.
     pub duplicate: bool,
+    /// The frame as stored (the original one for a duplicate).
+    pub frame: Frame,
 }
 
 /// Where a forked log came from.
@@ -76,7 +93,7 @@ pub struct ForkOrigin {
 }
 
 /// A log's metadata.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LogInfo {
     /// The session.
     pub session: SessionId,
@@ -87,13 +104,29 @@ pub struct LogInfo {
     /// Set when the log was made by `fork`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub forked_from: Option<ForkOrigin>,
+    /// What the frames say about the session now (config, runner
+    /// generation, latest turn, sandbox).
+    #[serde(default)]
+    pub meta: SessionMeta,
 }
 
 /// An append-only, seq-numbered log per session.
-#[async_trait]
-pub trait SessionLog: Send + Sync + std::fmt::Debug {
-    /// Create an empty log; creating an existing one returns its info.
-    async fn create(&self, session: &SessionId) -> Result<LogInfo>;
+#[cfg_attr(not(target_arch = "wasm32"), async_trait)]
+#[cfg_attr(target_arch = "wasm32", async_trait(?Send))]
+pub trait SessionLog: MaybeSend + MaybeSync + std::fmt::Debug {
+    /// Create an empty log with no configuration (the defaults apply);
+    /// creating an existing one returns its info.
+    async fn create(&self, session: &SessionId) -> Result<LogInfo> {
+        self.create_with(session, None).await
+    }
+
+    /// Create an empty log for a session configured with `config`;
+    /// creating an existing one returns its info unchanged.
+    async fn create_with(
+        &self,
+        session: &SessionId,
+        config: Option<SessionConfig>,
+    ) -> Result<LogInfo>;
 
     /// Metadata. `NotFound` for an unknown session.
     async fn info(&self, session: &SessionId) -> Result<LogInfo>;
@@ -112,6 +145,69 @@ pub trait SessionLog: Send + Sync + std::fmt::Debug {
 
     /// Every log, sorted by session id.
     async fn list(&self) -> Result<Vec<LogInfo>>;
+}
+
+/// One session's log: everything a session actor reads and writes. A
+/// Durable Object, which holds exactly one session, implements this over
+/// its own storage; natively [`LogSession`] adapts any [`SessionLog`].
+#[cfg_attr(not(target_arch = "wasm32"), async_trait)]
+#[cfg_attr(target_arch = "wasm32", async_trait(?Send))]
+pub trait SessionStore: MaybeSend + MaybeSync + std::fmt::Debug {
+    /// The session.
+    fn session(&self) -> &SessionId;
+    /// Metadata, including the folded [`SessionMeta`]. `NotFound` when the
+    /// session does not exist.
+    async fn info(&self) -> Result<LogInfo>;
+    /// Append one frame; the log assigns its seq and answers with the frame
+    /// as stored.
+    async fn append(&self, request: AppendRequest) -> Result<Appended>;
+    /// Frames with `seq > after`, at most `limit` of them, in order.
+    async fn read(&self, after: u64, limit: usize) -> Result<Vec<Frame>>;
+}
+
+/// One session of a [`SessionLog`], as a [`SessionStore`].
+#[derive(Debug, Clone)]
+pub struct LogSession {
+    log: Arc<dyn SessionLog>,
+    session: SessionId,
+}
+
+impl LogSession {
+    /// `session` of `log`.
+    pub fn new(log: Arc<dyn SessionLog>, session: SessionId) -> Self {
+        Self { log, session }
+    }
+}
+
+#[cfg_attr(not(target_arch = "wasm32"), async_trait)]
+#[cfg_attr(target_arch = "wasm32", async_trait(?Send))]
+impl SessionStore for LogSession {
+    fn session(&self) -> &SessionId {
+        &self.session
+    }
+    async fn info(&self) -> Result<LogInfo> {
+        self.log.info(&self.session).await
+    }
+    async fn append(&self, request: AppendRequest) -> Result<Appended> {
+        self.log.append(&self.session, request).await
+    }
+    async fn read(&self, after: u64, limit: usize) -> Result<Vec<Frame>> {
+        self.log.read(&self.session, after, limit).await
+    }
+}
+
+/// Fold frames into the meta of a session configured with `config` (used
+/// when a log's meta must be rebuilt: a fork, or a database written before
+/// meta was stored).
+pub fn fold_meta<'a>(
+    config: Option<SessionConfig>,
+    frames: impl IntoIterator<Item = (&'a FrameBody, Option<&'a str>)>,
+) -> SessionMeta {
+    let mut meta = SessionMeta::new(config);
+    for (body, key) in frames {
+        meta.apply(body, key);
+    }
+    meta
 }
 
 /// Validate an append before storing it: size and key limits.
@@ -160,17 +256,24 @@ pub struct LogState {
     keys: HashMap<String, u64>,
     sealed: bool,
     forked_from: Option<ForkOrigin>,
+    meta: SessionMeta,
 }
 
 impl LogState {
     /// An empty log.
     pub fn new(session: SessionId) -> Self {
+        Self::with_config(session, None)
+    }
+
+    /// An empty log of a session configured with `config`.
+    pub fn with_config(session: SessionId, config: Option<SessionConfig>) -> Self {
         Self {
             session,
             frames: Vec::new(),
             keys: HashMap::new(),
             sealed: false,
             forked_from: None,
+            meta: SessionMeta::new(config),
         }
     }
 
@@ -181,6 +284,7 @@ impl LogState {
             last_seq: self.frames.len() as u64,
             sealed: self.sealed,
             forked_from: self.forked_from.clone(),
+            meta: self.meta.clone(),
         }
     }
 
@@ -194,11 +298,12 @@ impl LogState {
         check_append(&request, max_frame_bytes)?;
         if let Some(key) = &request.idempotency_key {
             if let Some(&seq) = self.keys.get(key) {
-                let stored = &self.frames[(seq - 1) as usize].body;
-                return if *stored == request.body {
+                let stored = &self.frames[(seq - 1) as usize];
+                return if stored.body == request.body {
                     Ok(Appended {
                         seq,
                         duplicate: true,
+                        frame: stored.clone(),
                     })
                 } else {
                     Err(key_reuse_error(key, seq))
@@ -212,17 +317,21 @@ impl LogState {
         if matches!(request.body, FrameBody::Sealed {}) {
             self.sealed = true;
         }
+        self.meta
+            .apply(&request.body, request.idempotency_key.as_deref());
         if let Some(key) = request.idempotency_key {
             self.keys.insert(key, seq);
         }
-        self.frames.push(Frame {
+        let frame = Frame {
             seq,
             at_ms: now_ms,
             body: request.body,
-        });
+        };
+        self.frames.push(frame.clone());
         Ok(Appended {
             seq,
             duplicate: false,
+            frame,
         })
     }
 
@@ -257,6 +366,17 @@ impl LogState {
         let sealed = frames
             .iter()
             .any(|f| matches!(f.body, FrameBody::Sealed {}));
+        let key_of: HashMap<u64, &str> = self
+            .keys
+            .iter()
+            .map(|(k, &s)| (s, k.as_str()))
+            .collect();
+        let meta = fold_meta(
+            self.meta.config.clone(),
+            frames
+                .iter()
+                .map(|f| (&f.body, key_of.get(&f.seq).copied())),
+        );
         Ok(LogState {
             session: target,
             frames,
@@ -266,31 +386,19 @@ impl LogState {
                 session: self.session.clone(),
                 until,
             }),
+            meta,
         })
     }
 }
 
-/// Milliseconds since the Unix epoch; 0 where the target has no clock
-/// (`wasm32-unknown-unknown` without a host).
-pub fn now_ms() -> u64 {
-    #[cfg(not(target_arch = "wasm32"))]
-    {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_millis() as u64)
-            .unwrap_or(0)
-    }
-    #[cfg(target_arch = "wasm32")]
-    {
-        0
-    }
-}
-
-/// An in-memory [`SessionLog`] for tests and single-process use.
+/// An in-memory [`SessionLog`] for tests and single-process use. Frames
+/// are stamped with the clock given to [`MemorySessionLog::with_clock`]
+/// (none by default: `at_ms` is then 0).
 #[derive(Debug, Clone)]
 pub struct MemorySessionLog {
     logs: Arc<Mutex<BTreeMap<SessionId, LogState>>>,
     max_frame_bytes: usize,
+    clock: Option<Arc<dyn Clock>>,
 }
 
 impl Default for MemorySessionLog {
@@ -305,7 +413,18 @@ impl MemorySessionLog {
         Self {
             logs: Arc::default(),
             max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
+            clock: None,
         }
+    }
+
+    /// Stamp frames with `clock`.
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = Some(clock);
+        self
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.clock.as_ref().map_or(0, |c| c.now_ms())
     }
 
     /// Set the frame size limit.
@@ -332,13 +451,18 @@ pub fn unknown_session(session: &SessionId) -> Error {
     Error::not_found(format!("unknown session {session}"))
 }
 
-#[async_trait]
+#[cfg_attr(not(target_arch = "wasm32"), async_trait)]
+#[cfg_attr(target_arch = "wasm32", async_trait(?Send))]
 impl SessionLog for MemorySessionLog {
-    async fn create(&self, session: &SessionId) -> Result<LogInfo> {
+    async fn create_with(
+        &self,
+        session: &SessionId,
+        config: Option<SessionConfig>,
+    ) -> Result<LogInfo> {
         let mut logs = self.logs.lock().unwrap_or_else(|e| e.into_inner());
         Ok(logs
             .entry(session.clone())
-            .or_insert_with(|| LogState::new(session.clone()))
+            .or_insert_with(|| LogState::with_config(session.clone(), config))
             .info())
     }
 
@@ -347,8 +471,8 @@ impl SessionLog for MemorySessionLog {
     }
 
     async fn append(&self, session: &SessionId, request: AppendRequest) -> Result<Appended> {
-        let max = self.max_frame_bytes;
-        self.with_log(session, |log| log.append(request, now_ms(), max))
+        let (max, now) = (self.max_frame_bytes, self.now_ms());
+        self.with_log(session, |log| log.append(request, now, max))
     }
 
     async fn read(&self, session: &SessionId, after: u64, limit: usize) -> Result<Vec<Frame>> {
@@ -356,7 +480,8 @@ impl SessionLog for MemorySessionLog {
     }
 
     async fn seal(&self, session: &SessionId) -> Result<LogInfo> {
-        self.with_log(session, |log| Ok(log.seal(now_ms())))
+        let now = self.now_ms();
+        self.with_log(session, |log| Ok(log.seal(now)))
     }
 
     async fn fork(&self, source: &SessionId, until: u64, target: &SessionId) -> Result<LogInfo> {

@@ -26,6 +26,7 @@ use serde_json::Value;
 
 use crate::bootstrap::BootstrapRecipe;
 use crate::stream::{AbortSignal, ByteStream};
+use crate::maybe::{MaybeSend, MaybeSync};
 use crate::{Error, Result};
 
 /// Network access for a sandbox, fixed at create time.
@@ -247,7 +248,11 @@ pub enum ExecEvent {
 }
 
 /// The events of a running command.
+#[cfg(not(target_arch = "wasm32"))]
 pub type ExecStream = Pin<Box<dyn Stream<Item = Result<ExecEvent>> + Send + 'static>>;
+/// The events of one command (not `Send` on wasm32, where nothing is).
+#[cfg(target_arch = "wasm32")]
+pub type ExecStream = Pin<Box<dyn Stream<Item = Result<ExecEvent>> + 'static>>;
 
 /// A command's collected output.
 #[derive(Debug, Clone)]
@@ -380,8 +385,9 @@ pub struct SnapshotInfo {
 }
 
 /// Creates and resumes sandboxes of one backend.
-#[async_trait]
-pub trait SandboxProvider: Send + Sync + std::fmt::Debug {
+#[cfg_attr(not(target_arch = "wasm32"), async_trait)]
+#[cfg_attr(target_arch = "wasm32", async_trait(?Send))]
+pub trait SandboxProvider: MaybeSend + MaybeSync + std::fmt::Debug {
     /// Short backend name, recorded in handles (`local`, `docker`, …).
     fn name(&self) -> &'static str;
 
@@ -413,8 +419,9 @@ pub trait SandboxProvider: Send + Sync + std::fmt::Debug {
 }
 
 /// A live sandbox.
-#[async_trait]
-pub trait Sandbox: Send + Sync + std::fmt::Debug {
+#[cfg_attr(not(target_arch = "wasm32"), async_trait)]
+#[cfg_attr(target_arch = "wasm32", async_trait(?Send))]
+pub trait Sandbox: MaybeSend + MaybeSync + std::fmt::Debug {
     /// The handle that resumes this sandbox elsewhere.
     fn handle(&self) -> SandboxHandle;
 

@@ -21,23 +21,28 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
 
+use crate::clock::Clock;
 use crate::engine::SliceExecutor;
 use crate::harness::{Harness, TurnContext};
+use crate::maybe::{BoxFuture, MaybeSend, MaybeSync};
 use crate::part::StreamPart;
 use crate::sandbox::{
     collect_exec, shell_quote, DetachedProcess, DetachedRequest, DetachedStatus, ExecRequest,
-    Sandbox, SandboxProvider,
+    Sandbox, SandboxHandle, SandboxProvider, SandboxSpec,
 };
 use crate::stream::AbortSignal;
 use crate::turn::{PendingApproval, SliceOutcome, SliceReport, TurnState};
 use crate::{Error, Result};
 
-/// Where a slice's parts go: the session actor (as the runner), or a log.
-#[async_trait]
-pub trait PartSink: Send + Sync {
+/// Where a slice's parts go: the session actor, as the session's runner
+/// (in-process through the runtime's hub, or over the runner WebSocket).
+/// Both calls return once the actor stored the part (or refused it: a
+/// fenced runner gets `ErrorKind::Fenced` and must stop).
+#[cfg_attr(not(target_arch = "wasm32"), async_trait)]
+#[cfg_attr(target_arch = "wasm32", async_trait(?Send))]
+pub trait PartSink: MaybeSend + MaybeSync {
     /// Emit one part of `turn_id`. `key` is stable across retries.
     async fn emit(
         &self,
@@ -46,12 +51,17 @@ pub trait PartSink: Send + Sync {
         part: StreamPart,
         key: String,
     ) -> Result<()>;
-    /// Record a turn's status change.
+    /// Record a turn's status (with its sandbox and agent session, which the
+    /// session's next turn continues), keyed by [`TurnState::end_key`].
     async fn turn_status(&self, state: &TurnState) -> Result<()>;
 }
 
 /// Sleeps for a duration on the caller's runtime.
+#[cfg(not(target_arch = "wasm32"))]
 pub type Sleeper = Arc<dyn Fn(Duration) -> BoxFuture<'static, ()> + Send + Sync>;
+/// Sleeps for a duration on the caller's runtime.
+#[cfg(target_arch = "wasm32")]
+pub type Sleeper = Arc<dyn Fn(Duration) -> BoxFuture<'static, ()>>;
 
 /// Everything a slice needs besides the turn state.
 #[derive(Clone)]
@@ -70,8 +80,8 @@ pub struct SliceRunner {
     pub poll_interval: Duration,
     /// Timer.
     pub sleep: Sleeper,
-    /// Clock (ms since epoch).
-    pub now_ms: Arc<dyn Fn() -> u64 + Send + Sync>,
+    /// Clock.
+    pub clock: Arc<dyn Clock>,
 }
 
 impl std::fmt::Debug for SliceRunner {
@@ -150,7 +160,7 @@ impl SliceRunner {
             workdir: sandbox.workdir(),
             home: &home,
             env: &self.env,
-            model: self.model.as_deref(),
+            model: state.model.as_deref().or(self.model.as_deref()),
             system_prompt: None,
         })?;
         let process = sandbox
@@ -175,7 +185,7 @@ impl SliceRunner {
         budget: Duration,
         abort: AbortSignal,
     ) -> Result<SliceReport> {
-        let started = (self.now_ms)();
+        let started = self.clock.now_ms();
         let deadline = started + budget.as_millis() as u64;
         let sandbox = self.sandbox(state).await?;
         let process = match &state.process {
@@ -303,7 +313,7 @@ impl SliceRunner {
             // Checked at most once per APPROVAL_CHECK_MS of idleness: on
             // backends without a native offset read each check is an exec,
             // and turns without approvals never have a requests file.
-            let now = (self.now_ms)();
+            let now = self.clock.now_ms();
             if !got_any
                 && !parser.in_block()
                 && last_approval_check.is_none_or(|t| now >= t + APPROVAL_CHECK_MS)
@@ -334,7 +344,7 @@ impl SliceRunner {
                     });
                 }
             }
-            if abort.is_aborted() || (self.now_ms)() >= deadline {
+            if abort.is_aborted() || self.clock.now_ms() >= deadline {
                 return Ok(SliceReport {
                     process: Some(process),
                     agent_session_id,
@@ -473,8 +483,27 @@ pub async fn home_of(sandbox: &dyn Sandbox) -> Result<String> {
     Ok(home)
 }
 
-#[async_trait]
+#[cfg_attr(not(target_arch = "wasm32"), async_trait)]
+#[cfg_attr(target_arch = "wasm32", async_trait(?Send))]
 impl SliceExecutor for SliceRunner {
+    async fn create_sandbox(&self, state: &TurnState) -> Result<SandboxHandle> {
+        let config = state.sandbox_config.as_ref().ok_or_else(|| {
+            Error::invalid(format!(
+                "turn {} has no sandbox config to create its sandbox from",
+                state.turn_id
+            ))
+        })?;
+        let provider = self.provider(&config.provider)?;
+        let harness = self.harness(&state.agent)?;
+        let mut spec = SandboxSpec::new("/workspace");
+        spec.image = config.image.clone();
+        spec.network = config.network.clone();
+        spec.session_id = Some(state.session_id.clone());
+        spec.bootstrap = Some(harness.bootstrap_recipe()?);
+        let sandbox = provider.create(&spec).await?;
+        sandbox.detach().await
+    }
+
     async fn run_slice(
         &self,
         state: &TurnState,

@@ -14,7 +14,11 @@ use crate::{Error, Result};
 /// A stream of byte chunks. Every large payload in the crate (files, tar
 /// archives, checkpoints) travels as one of these so that nothing has to be
 /// held in memory whole.
+#[cfg(not(target_arch = "wasm32"))]
 pub type ByteStream = Pin<Box<dyn Stream<Item = Result<Bytes>> + Send + 'static>>;
+/// A stream of byte chunks (not `Send` on wasm32, where nothing is).
+#[cfg(target_arch = "wasm32")]
+pub type ByteStream = Pin<Box<dyn Stream<Item = Result<Bytes>> + 'static>>;
 
 /// A stream that yields `bytes` as a single chunk.
 pub fn once(bytes: impl Into<Bytes>) -> ByteStream {

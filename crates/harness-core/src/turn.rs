@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::sandbox::{DetachedProcess, SandboxHandle};
+use crate::session::SandboxConfig;
 use crate::{Error, Result};
 
 /// Where a turn is.
@@ -118,6 +119,13 @@ pub struct TurnState {
     /// The sandbox the agent runs in.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sandbox: Option<SandboxHandle>,
+    /// How to make the sandbox when `sandbox` is not set yet (the session's
+    /// first turn): the engine's first step creates it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sandbox_config: Option<SandboxConfig>,
+    /// Model name for the agent (the runner's default when absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
     /// The agent's own session/thread id, carried across turns.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent_session_id: Option<String>,
@@ -151,6 +159,11 @@ pub struct TurnState {
     /// The agent's exit code, once it exited.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub exit_code: Option<i32>,
+    /// The terminal status was recorded in the session log (a terminal turn
+    /// is only `Done` after that, so a crash in between records it on
+    /// resume — and the log's idempotency key keeps it to one frame).
+    #[serde(default)]
+    pub end_recorded: bool,
 }
 
 /// The current format version.
@@ -173,6 +186,8 @@ impl TurnState {
             status: TurnStatus::NotStarted,
             config: TurnConfig::default(),
             sandbox: None,
+            sandbox_config: None,
+            model: None,
             agent_session_id: None,
             process: None,
             cursor: 0,
@@ -184,6 +199,7 @@ impl TurnState {
             kill_pending: false,
             error: None,
             exit_code: None,
+            end_recorded: false,
         }
     }
 
@@ -193,8 +209,16 @@ impl TurnState {
         let mut next = Self::new(self.session_id.clone(), turn_id, self.agent.clone(), prompt);
         next.config = self.config.clone();
         next.sandbox = self.sandbox.clone();
+        next.sandbox_config = self.sandbox_config.clone();
+        next.model = self.model.clone();
         next.agent_session_id = self.agent_session_id.clone();
         next
+    }
+
+    /// The idempotency key of the frame recording this turn's terminal
+    /// status: one per turn, whoever records it and however often.
+    pub fn end_key(&self) -> String {
+        format!("{}:status:{}", self.turn_id, self.status.as_str())
     }
 }
 
@@ -262,12 +286,22 @@ pub enum TurnEvent {
     },
     /// The engine killed the agent process as asked.
     AgentKilled,
+    /// The engine created the turn's sandbox as asked.
+    SandboxCreated {
+        /// Its handle.
+        handle: SandboxHandle,
+    },
+    /// The engine recorded the terminal status in the session log.
+    EndRecorded,
 }
 
 /// What the engine must do next.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "step", rename_all = "snake_case")]
 pub enum NextStep {
+    /// Create the session's sandbox from `sandbox_config`, then report
+    /// [`TurnEvent::SandboxCreated`].
+    CreateSandbox,
     /// Run one slice of at most `budget_ms`.
     RunSlice {
         /// Slice budget in milliseconds.
@@ -285,6 +319,9 @@ pub enum NextStep {
     },
     /// Nothing more to do until [`TurnEvent::Start`].
     AwaitStart,
+    /// Record the terminal status in the session log, then report
+    /// [`TurnEvent::EndRecorded`].
+    RecordEnd,
     /// The turn is over.
     Done {
         /// Its final status.
@@ -303,6 +340,7 @@ pub fn next_step(state: &TurnState) -> NextStep {
     }
     match state.status {
         TurnStatus::NotStarted => NextStep::AwaitStart,
+        TurnStatus::ReadyForNextStep if state.sandbox.is_none() => NextStep::CreateSandbox,
         TurnStatus::ReadyForNextStep => NextStep::RunSlice {
             budget_ms: state.config.slice_ms,
         },
@@ -313,6 +351,7 @@ pub fn next_step(state: &TurnState) -> NextStep {
                 .map(|p| p.approval_id.clone())
                 .unwrap_or_default(),
         },
+        _ if !state.end_recorded => NextStep::RecordEnd,
         status => NextStep::Done { status },
     }
 }
@@ -339,6 +378,16 @@ pub fn step(mut state: TurnState, event: TurnEvent) -> Result<(TurnState, NextSt
         TurnEvent::AgentKilled => {
             state.kill_pending = false;
         }
+        TurnEvent::EndRecorded => {
+            if !terminal {
+                return Err(Error::conflict(format!(
+                    "turn {} is {}: only a finished turn's end is recorded",
+                    state.turn_id,
+                    state.status.as_str()
+                )));
+            }
+            state.end_recorded = true;
+        }
         _ if terminal => {
             return Err(Error::conflict(format!(
                 "turn {} is already {}; start a new turn",
@@ -353,8 +402,23 @@ pub fn step(mut state: TurnState, event: TurnEvent) -> Result<(TurnState, NextSt
                     state.turn_id
                 )));
             }
-            state.status = TurnStatus::ReadyForNextStep;
             state.started_at_ms = Some(now_ms);
+            if state.sandbox.is_none() && state.sandbox_config.is_none() {
+                let error = "the turn has neither a sandbox handle nor a sandbox config".into();
+                fail(&mut state, TurnStatus::Failed, error);
+            } else {
+                state.status = TurnStatus::ReadyForNextStep;
+            }
+        }
+        TurnEvent::SandboxCreated { handle } => {
+            if state.status != TurnStatus::ReadyForNextStep || state.sandbox.is_some() {
+                return Err(Error::conflict(format!(
+                    "turn {} did not ask for a sandbox",
+                    state.turn_id
+                )));
+            }
+            state.sandbox = Some(handle);
+            state.consecutive_failures = 0;
         }
         TurnEvent::SliceCompleted { report, now_ms } => {
             if state.status != TurnStatus::ReadyForNextStep {

@@ -11,6 +11,7 @@ use harness_core::actor::{
 use harness_core::frame::{FrameBody, MessageKind, SessionId};
 use harness_core::log::LogState;
 use harness_core::part::StreamPart;
+use harness_core::session::TurnCommand;
 use harness_core::turn::TurnStatus;
 
 struct Harness {
@@ -18,6 +19,7 @@ struct Harness {
     log: LogState,
     inbox: BTreeMap<ConnId, Vec<ServerMessage>>,
     closed: Vec<ConnId>,
+    dispatched: Vec<TurnCommand>,
 }
 
 impl Harness {
@@ -31,16 +33,14 @@ impl Harness {
             log: LogState::new(SessionId::parse("s").unwrap()),
             inbox: BTreeMap::new(),
             closed: Vec::new(),
+            dispatched: Vec::new(),
         }
     }
 
-    /// Restart: a new actor recovers from the log.
+    /// Restart: a new actor starts from the log's info (its folded meta),
+    /// without reading a frame.
     fn restart(&mut self) {
-        let mut actor = SessionActor::new(ActorConfig::default());
-        for frame in self.log.read(0, usize::MAX) {
-            actor.recover(&frame);
-        }
-        self.actor = actor;
+        self.actor = SessionActor::from_info(ActorConfig::default(), &self.log.info());
     }
 
     fn feed(&mut self, input: Input) {
@@ -51,14 +51,15 @@ impl Harness {
                     let before = self.log.info().last_seq;
                     let input = match self.log.append(req, 0, usize::MAX) {
                         Ok(a) => {
-                            let frame = self.log.read(a.seq - 1, 1).remove(0);
+                            assert_eq!(a.frame, self.log.read(a.seq - 1, 1).remove(0));
                             assert!(a.duplicate || a.seq == before + 1);
                             Input::Appended {
-                                frame,
+                                frame: a.frame,
                                 duplicate: a.duplicate,
                             }
                         }
                         Err(e) => Input::AppendFailed {
+                            kind: e.kind(),
                             error: e.to_string(),
                         },
                     };
@@ -78,6 +79,7 @@ impl Harness {
                 }
                 Output::Send { conn, message } => self.inbox.entry(conn).or_default().push(message),
                 Output::Close { conn, .. } => self.closed.push(conn),
+                Output::Dispatch(command) => self.dispatched.push(command),
             }
         }
     }
@@ -123,6 +125,32 @@ impl Harness {
         });
     }
 
+    /// A client's answer to a permission request (a frame of the running turn).
+    fn answer(&mut self, conn: ConnId, approval_id: &str) {
+        self.feed(Input::Client {
+            conn,
+            message: ClientMessage::ApprovalResponse {
+                approval_id: approval_id.into(),
+                approved: true,
+                reason: None,
+            },
+        });
+    }
+
+    fn status(&mut self, conn: ConnId, turn_id: &str, status: TurnStatus) {
+        self.feed(Input::Runner {
+            conn,
+            message: RunnerMessage::TurnStatus {
+                turn_id: turn_id.into(),
+                status,
+                error: None,
+                sandbox: None,
+                agent_session_id: None,
+                key: None,
+            },
+        });
+    }
+
     fn prompt(&mut self, conn: ConnId, text: &str) {
         self.feed(Input::Client {
             conn,
@@ -137,7 +165,7 @@ impl Harness {
 
 fn error_code(messages: &[ServerMessage]) -> Option<String> {
     messages.iter().find_map(|m| match m {
-        ServerMessage::Error { code, .. } => Some(code.clone()),
+        ServerMessage::Error { code, .. } => Some(code.as_str().to_string()),
         _ => None,
     })
 }
@@ -207,12 +235,13 @@ fn writers_get_acks_and_duplicates_are_not_fanned_out() {
 fn replay_from_a_cursor_then_live() {
     let mut h = Harness::new();
     h.client(1, None);
-    for i in 0..5 {
-        h.prompt(1, &format!("m{i}"));
+    h.prompt(1, "m0");
+    for i in 1..5 {
+        h.answer(1, &format!("a{i}"));
     }
     h.client(2, Some(2));
     assert_eq!(h.seqs(2), vec![3, 4, 5], "replay after 2");
-    h.prompt(1, "live");
+    h.answer(1, "live");
     assert_eq!(h.seqs(2), vec![6], "then live, no gap, no duplicate");
     h.client(3, Some(6));
     assert!(h.seqs(3).is_empty(), "an up-to-date cursor replays nothing");
@@ -345,6 +374,8 @@ fn a_turn_ending_mid_block_stores_the_partial_text() {
     h.feed(Input::Runner {
         conn: 9,
         message: RunnerMessage::TurnStatus {
+            sandbox: None,
+            agent_session_id: None,
             turn_id: "t1".into(),
             status: TurnStatus::Failed,
             error: Some("x".into()),
@@ -466,17 +497,20 @@ fn seal_refuses_later_writes_and_survives_restart() {
 fn fork_until_n_continues_independently() {
     let mut h = Harness::new();
     h.client(1, None);
-    for i in 0..4 {
-        h.prompt(1, &format!("m{i}"));
+    h.prompt(1, "m0");
+    for i in 1..4 {
+        h.answer(1, &format!("a{i}"));
     }
     let fork = h.log.fork(2, SessionId::parse("s-fork").unwrap()).unwrap();
     let mut f = Harness::new();
     f.log = fork;
     f.restart();
     assert_eq!(f.actor.last_seq(), 2);
+    let turn = f.actor.meta().active_turn().expect("the fork's meta is folded");
+    assert_eq!(turn.answers.len(), 1, "only the answer inside the prefix");
     f.client(1, Some(0));
     assert_eq!(f.seqs(1), vec![1, 2]);
-    f.prompt(1, "fork only");
+    f.answer(1, "fork only");
     assert_eq!(f.seqs(1), vec![3]);
     assert_eq!(h.log.info().last_seq, 4, "the source is untouched");
 }
@@ -506,9 +540,154 @@ fn oversized_frames_are_refused_and_nothing_is_stored() {
 fn a_failed_append_is_reported_to_the_writer() {
     let mut h = Harness::new();
     h.client(1, None);
-    // Seal the log behind the actor's back: its next append fails.
+    // Seal the log behind the actor's back: its next append fails, and the
+    // log's reason (a conflict) reaches the writer as a typed code.
     h.log.seal(0);
     h.take(1);
     h.prompt(1, "x");
-    assert_eq!(error_code(&h.take(1)).as_deref(), Some("append_failed"));
+    assert_eq!(error_code(&h.take(1)).as_deref(), Some("conflict"));
+    assert!(h.dispatched.is_empty(), "nothing stored, nothing dispatched");
+}
+
+#[test]
+fn a_prompt_opens_one_turn_and_asks_for_it_to_start() {
+    let mut h = Harness::new();
+    h.client(1, None);
+    h.prompt(1, "first");
+    match h.dispatched.as_slice() {
+        [TurnCommand::Start {
+            turn_id, prompt, ..
+        }] => assert_eq!((turn_id.as_str(), prompt.as_str()), ("t1", "first")),
+        other => panic!("{other:?}"),
+    }
+    let stored = h.log.read(0, 10);
+    assert!(
+        matches!(&stored[0].body, FrameBody::UserMessage { turn_id: Some(t), .. } if t == "t1"),
+        "the assigned turn id is stored: {stored:?}"
+    );
+    h.take(1);
+    // One turn at a time: a second prompt is refused and stores nothing.
+    h.prompt(1, "second");
+    assert_eq!(error_code(&h.take(1)).as_deref(), Some("turn_in_progress"));
+    assert_eq!(h.log.info().last_seq, 1);
+    assert_eq!(h.dispatched.len(), 1);
+    // Answers and aborts reach the running turn.
+    h.answer(1, "ap1");
+    h.feed(Input::Client {
+        conn: 1,
+        message: ClientMessage::Abort {
+            turn_id: None,
+            reason: Some("stop".into()),
+        },
+    });
+    assert!(matches!(&h.dispatched[1], TurnCommand::Answer { turn_id, answer } if turn_id == "t1" && answer.approval_id == "ap1"));
+    assert!(matches!(&h.dispatched[2], TurnCommand::Abort { turn_id, reason } if turn_id == "t1" && reason == "stop"));
+    // The runner records the end: the session takes the next prompt.
+    h.runner(9, 1);
+    h.status(9, "t1", TurnStatus::Failed);
+    h.prompt(1, "second");
+    assert!(matches!(h.dispatched.last(), Some(TurnCommand::Start { turn_id, .. }) if turn_id == "t2"));
+}
+
+#[test]
+fn answers_and_aborts_without_a_running_turn_are_refused() {
+    let mut h = Harness::new();
+    h.client(1, None);
+    h.answer(1, "ap");
+    assert_eq!(error_code(&h.take(1)).as_deref(), Some("no_active_turn"));
+    h.feed(Input::Client {
+        conn: 1,
+        message: ClientMessage::Abort {
+            turn_id: None,
+            reason: None,
+        },
+    });
+    assert_eq!(error_code(&h.take(1)).as_deref(), Some("no_active_turn"));
+    h.prompt(1, "go");
+    h.take(1);
+    h.feed(Input::Client {
+        conn: 1,
+        message: ClientMessage::Abort {
+            turn_id: Some("t7".into()),
+            reason: None,
+        },
+    });
+    assert_eq!(error_code(&h.take(1)).as_deref(), Some("no_active_turn"));
+    assert_eq!(h.log.info().last_seq, 1, "refusals store nothing");
+}
+
+#[test]
+fn a_retried_prompt_is_a_duplicate_and_dispatches_nothing_twice() {
+    let mut h = Harness::new();
+    h.client(1, None);
+    let send = |h: &mut Harness| {
+        h.feed(Input::Client {
+            conn: 1,
+            message: ClientMessage::Prompt {
+                text: "once".into(),
+                turn_id: None,
+                key: Some("k".into()),
+            },
+        })
+    };
+    send(&mut h);
+    h.take(1);
+    send(&mut h); // while its turn runs
+    assert_eq!(
+        h.take(1),
+        vec![ServerMessage::Ack {
+            seq: 1,
+            duplicate: true
+        }]
+    );
+    h.restart(); // the key survives in the log's meta
+    h.client(1, None);
+    send(&mut h);
+    assert_eq!(
+        h.take(1),
+        vec![ServerMessage::Ack {
+            seq: 1,
+            duplicate: true
+        }]
+    );
+    assert_eq!(h.dispatched.len(), 1);
+}
+
+#[test]
+fn a_turn_that_cannot_start_is_recorded_failed() {
+    let mut h = Harness::new();
+    h.client(1, None);
+    h.prompt(1, "go");
+    h.take(1);
+    h.feed(Input::DispatchFailed {
+        turn_id: "t1".into(),
+        error: "no engine".into(),
+    });
+    let last = h.log.read(1, 10).remove(0);
+    match last.body {
+        FrameBody::TurnStatus { status, error, .. } => {
+            assert_eq!(status, TurnStatus::Failed);
+            assert!(error.unwrap().contains("no engine"));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(h.actor.meta().active_turn().is_none());
+    // Clients saw it live.
+    assert_eq!(h.seqs(1), vec![2]);
+}
+
+#[test]
+fn a_restarted_actor_knows_the_generation_and_the_running_turn_from_meta() {
+    let mut h = Harness::new();
+    h.client(1, None);
+    h.runner(9, 4);
+    h.prompt(1, "go");
+    h.restart();
+    assert_eq!(h.actor.generation(), 4);
+    let turn = h.actor.meta().active_turn().expect("running turn");
+    assert_eq!(turn.turn_id, "t1");
+    let pending = h.actor.meta().pending_commands();
+    assert!(matches!(&pending[..], [TurnCommand::Start { prompt, .. }] if prompt == "go"));
+    h.runner(10, 3);
+    assert_eq!(error_code(&h.take(10)).as_deref(), Some("stale_runner"));
 }

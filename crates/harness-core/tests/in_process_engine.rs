@@ -10,10 +10,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use harness_core::clock::ManualClock;
 use harness_core::engine::{
     DurableEngine, InProcessEngine, MemoryTurnStore, SliceExecutor, Spawner, TurnStore,
 };
-use harness_core::sandbox::DetachedProcess;
+use harness_core::sandbox::{DetachedProcess, SandboxHandle};
 use harness_core::stream::AbortSignal;
 use harness_core::turn::{
     ApprovalAnswer, PendingApproval, SliceOutcome, SliceReport, TurnState, TurnStatus,
@@ -25,12 +26,38 @@ struct ScriptedAgent {
     outcomes: Mutex<Vec<SliceOutcome>>,
     slices: AtomicU32,
     kills: AtomicU32,
+    ends: AtomicU32,
     /// When set, a slice waits for the abort signal (an agent that runs on).
     block_until_abort: bool,
 }
 
+fn handle() -> SandboxHandle {
+    SandboxHandle {
+        provider: "test".into(),
+        id: "box".into(),
+        workdir: "/w".into(),
+        owned: true,
+        data: serde_json::Value::Null,
+    }
+}
+
+/// A fresh turn that already has its sandbox.
+fn turn(agent: &str) -> TurnState {
+    let mut state = TurnState::new("s", "t", agent, "p");
+    state.sandbox = Some(handle());
+    state
+}
+
 #[async_trait]
 impl SliceExecutor for ScriptedAgent {
+    async fn create_sandbox(&self, _state: &TurnState) -> harness_core::Result<SandboxHandle> {
+        Ok(handle())
+    }
+    async fn turn_ended(&self, state: &TurnState) -> harness_core::Result<()> {
+        assert!(state.status.is_terminal());
+        self.ends.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
     async fn run_slice(
         &self,
         state: &TurnState,
@@ -78,7 +105,7 @@ fn spawner() -> Spawner {
 }
 
 fn engine(agent: Arc<ScriptedAgent>, store: Arc<MemoryTurnStore>) -> InProcessEngine {
-    InProcessEngine::new(agent, store, spawner())
+    InProcessEngine::new(agent, store, Arc::new(ManualClock::at(1_000)), spawner())
 }
 
 #[tokio::test]
@@ -93,20 +120,22 @@ async fn slices_run_until_the_agent_exits() {
     });
     let store = Arc::new(MemoryTurnStore::default());
     let e = engine(agent.clone(), store.clone());
-    e.start_turn(TurnState::new("s", "t", "codex", "p"))
+    e.start_turn(turn("codex"))
         .await
         .unwrap();
     let done = e.wait_turn("s", "t").await.unwrap();
     assert_eq!(done.status, TurnStatus::Finished);
     assert_eq!(done.slices_run, 3);
     assert_eq!(agent.slices.load(Ordering::SeqCst), 3);
+    assert!(done.end_recorded);
+    assert_eq!(agent.ends.load(Ordering::SeqCst), 1, "the end is recorded once");
     assert_eq!(
         store.load("s", "t").await.unwrap().unwrap(),
         done,
         "final state persisted"
     );
     assert!(
-        e.start_turn(TurnState::new("s", "t", "codex", "p"))
+        e.start_turn(turn("codex"))
             .await
             .is_err(),
         "a turn id is used once"
@@ -121,7 +150,7 @@ async fn abort_stops_a_running_slice_and_kills_the_agent() {
         ..Default::default()
     });
     let e = engine(agent.clone(), Arc::new(MemoryTurnStore::default()));
-    e.start_turn(TurnState::new("s", "t", "codex", "p"))
+    e.start_turn(turn("codex"))
         .await
         .unwrap();
     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -155,7 +184,7 @@ async fn approvals_are_delivered_to_a_waiting_turn() {
         ..Default::default()
     });
     let e = engine(agent, Arc::new(MemoryTurnStore::default()));
-    e.start_turn(TurnState::new("s", "t", "claude-code", "p"))
+    e.start_turn(turn("claude-code"))
         .await
         .unwrap();
     for _ in 0..100 {
@@ -188,12 +217,12 @@ async fn approvals_are_delivered_to_a_waiting_turn() {
 async fn a_restarted_engine_resumes_unfinished_turns_from_its_store() {
     let store = Arc::new(MemoryTurnStore::default());
     // A turn saved mid-way by a previous process.
-    let mut saved = TurnState::new("s", "t", "codex", "p");
+    let mut saved = turn("codex");
     saved.status = TurnStatus::ReadyForNextStep;
     saved.cursor = 40;
     saved.slices_run = 4;
-    saved.started_at_ms = Some(harness_core::log::now_ms());
-    store.save(&saved).await.unwrap();
+    saved.started_at_ms = Some(1_000);
+    store.save(&saved, 0).await.unwrap();
     let agent = Arc::new(ScriptedAgent {
         outcomes: Mutex::new(vec![SliceOutcome::Exited { code: 0 }]),
         ..Default::default()

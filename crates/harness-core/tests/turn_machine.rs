@@ -1,6 +1,7 @@
 //! `run_harness_session` / `step`: every status and transition.
 
-use harness_core::sandbox::DetachedProcess;
+use harness_core::sandbox::{DetachedProcess, SandboxHandle};
+use harness_core::session::SandboxConfig;
 use harness_core::turn::{
     next_step, run_harness_session, step, ApprovalAnswer, NextStep, PendingApproval, SliceOutcome,
     SliceReport, TurnEvent, TurnState, TurnStatus,
@@ -17,8 +18,25 @@ fn process() -> DetachedProcess {
     }
 }
 
+fn handle() -> SandboxHandle {
+    SandboxHandle {
+        provider: "local".into(),
+        id: "box".into(),
+        workdir: "/w".into(),
+        owned: true,
+        data: serde_json::Value::Null,
+    }
+}
+
+/// A turn of a session whose sandbox exists.
+fn fresh(session: &str, turn: &str, agent: &str) -> TurnState {
+    let mut s = TurnState::new(session, turn, agent, "hello");
+    s.sandbox = Some(handle());
+    s
+}
+
 fn started() -> TurnState {
-    let s = TurnState::new("s1", "t1", "claude-code", "hello");
+    let s = fresh("s1", "t1", "claude-code");
     assert_eq!(next_step(&s), NextStep::AwaitStart);
     let (s, next) = step(s, TurnEvent::Start { now_ms: 1_000 }).unwrap();
     assert_eq!(s.status, TurnStatus::ReadyForNextStep);
@@ -53,9 +71,7 @@ fn running_slices_loop_until_the_agent_exits_zero() {
     assert_eq!(s.status, TurnStatus::Finished);
     assert_eq!(
         next,
-        NextStep::Done {
-            status: TurnStatus::Finished
-        }
+        NextStep::RecordEnd
     );
     assert_eq!((s.exit_code, s.slices_run), (Some(0), 2));
 }
@@ -66,9 +82,7 @@ fn nonzero_exit_fails_the_turn() {
     assert_eq!(s.status, TurnStatus::Failed);
     assert_eq!(
         next,
-        NextStep::Done {
-            status: TurnStatus::Failed
-        }
+        NextStep::RecordEnd
     );
     assert!(s.error.unwrap().contains("code 3"));
 }
@@ -80,9 +94,7 @@ fn lost_process_fails_without_a_kill() {
     assert!(!s.kill_pending, "nothing to kill when the process is lost");
     assert_eq!(
         next,
-        NextStep::Done {
-            status: TurnStatus::Failed
-        }
+        NextStep::RecordEnd
     );
 }
 
@@ -98,9 +110,7 @@ fn turn_budget_times_out_and_kills_the_agent() {
     assert!(!s.kill_pending);
     assert_eq!(
         next,
-        NextStep::Done {
-            status: TurnStatus::TimedOut
-        }
+        NextStep::RecordEnd
     );
 }
 
@@ -174,14 +184,12 @@ fn abort_fails_the_turn_and_kills_a_running_agent() {
     let (_, next) = step(s, TurnEvent::AgentKilled).unwrap();
     assert_eq!(
         next,
-        NextStep::Done {
-            status: TurnStatus::Failed
-        }
+        NextStep::RecordEnd
     );
 
     // Aborting before anything ran needs no kill.
     let (s, next) = step(
-        TurnState::new("s", "t", "codex", "p"),
+        fresh("s", "t", "codex"),
         TurnEvent::Abort { reason: "x".into() },
     )
     .unwrap();
@@ -189,9 +197,7 @@ fn abort_fails_the_turn_and_kills_a_running_agent() {
         (s.status, next),
         (
             TurnStatus::Failed,
-            NextStep::Done {
-                status: TurnStatus::Failed
-            }
+            NextStep::RecordEnd
         )
     );
 }
@@ -270,7 +276,7 @@ fn next_turn_carries_the_conversation() {
 
 #[test]
 fn json_entry_point_round_trips_every_status_name() {
-    let state = serde_json::to_value(TurnState::new("s1", "t1", "codex", "p")).unwrap();
+    let state = serde_json::to_value(fresh("s1", "t1", "codex")).unwrap();
     assert_eq!(state["status"], "not_started");
     let out =
         run_harness_session(json!({"state": state, "event": {"event": "start", "now_ms": 1}}))
@@ -302,5 +308,63 @@ fn json_entry_point_round_trips_every_status_name() {
     assert_eq!(err.kind(), ErrorKind::InvalidInput);
     // Without an event it only reports the next step.
     let out = run_harness_session(json!({"state": out["state"]})).unwrap();
+    assert_eq!(out["next"], json!({"step": "record_end"}));
+    let out = run_harness_session(json!({"state": out["state"], "event": {"event": "end_recorded"}}))
+        .unwrap();
     assert_eq!(out["next"], json!({"step": "done", "status": "failed"}));
+}
+
+#[test]
+fn a_first_turn_creates_its_sandbox_then_runs() {
+    let mut s = TurnState::new("s", "t1", "codex", "p");
+    s.sandbox_config = Some(SandboxConfig::default());
+    let (s, next) = step(s, TurnEvent::Start { now_ms: 1 }).unwrap();
+    assert_eq!((s.status, next), (TurnStatus::ReadyForNextStep, NextStep::CreateSandbox));
+    // A failed creation counts like a failed slice.
+    let (s, next) = step(
+        s,
+        TurnEvent::SliceFailed {
+            error: "docker down".into(),
+            retryable: true,
+        },
+    )
+    .unwrap();
+    assert_eq!((s.consecutive_failures, next), (1, NextStep::CreateSandbox));
+    let (s, next) = step(s, TurnEvent::SandboxCreated { handle: handle() }).unwrap();
+    assert!(matches!(next, NextStep::RunSlice { .. }));
+    assert_eq!((s.sandbox.clone(), s.consecutive_failures), (Some(handle()), 0));
+    // Only once.
+    let err = step(s, TurnEvent::SandboxCreated { handle: handle() }).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Conflict);
+}
+
+#[test]
+fn a_turn_with_no_way_to_a_sandbox_fails_at_start() {
+    let (s, next) = step(
+        TurnState::new("s", "t1", "codex", "p"),
+        TurnEvent::Start { now_ms: 1 },
+    )
+    .unwrap();
+    assert_eq!((s.status, next), (TurnStatus::Failed, NextStep::RecordEnd));
+    assert!(s.error.unwrap().contains("sandbox"));
+}
+
+#[test]
+fn the_end_is_recorded_once_and_only_for_a_terminal_turn() {
+    let s = started();
+    assert_eq!(
+        step(s.clone(), TurnEvent::EndRecorded).unwrap_err().kind(),
+        ErrorKind::Conflict
+    );
+    let (s, next) = step(s, report(5, SliceOutcome::Exited { code: 0 })).unwrap();
+    assert_eq!(next, NextStep::RecordEnd);
+    assert_eq!(s.end_key(), "t1:status:finished");
+    let (s, next) = step(s, TurnEvent::EndRecorded).unwrap();
+    assert!(s.end_recorded);
+    assert_eq!(
+        next,
+        NextStep::Done {
+            status: TurnStatus::Finished
+        }
+    );
 }

@@ -2,10 +2,13 @@
 //!
 //! What every backend's tests share (not published):
 //! - [`conformance`]: one suite per core trait, run against every backend;
+//! - [`agent`]: a scripted agent process (a shell script printing JSON
+//!   lines) for the engine suite and engine tests;
 //! - [`model`]: scripted Anthropic Messages and OpenAI Responses servers,
 //!   the one scripted part in end-to-end tests with the real agent CLIs;
 //! - [`real`]: the skip-or-fail rule for tests that need real parts.
 
+pub mod agent;
 pub mod conformance;
 pub mod model;
 pub mod real;

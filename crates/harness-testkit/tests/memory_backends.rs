@@ -7,6 +7,7 @@ use async_trait::async_trait;
 use harness_core::checkpoint::{CheckpointStore, MemoryCheckpointStore, ObjectMeta};
 use harness_core::frame::{Frame, SessionId};
 use harness_core::log::{AppendRequest, Appended, LogInfo, MemorySessionLog, SessionLog};
+use harness_core::session::SessionConfig;
 use harness_core::stream::ByteStream;
 use harness_testkit::conformance::{checkpoint, log};
 
@@ -32,8 +33,12 @@ struct ForgetsKeys(MemorySessionLog);
 
 #[async_trait]
 impl SessionLog for ForgetsKeys {
-    async fn create(&self, s: &SessionId) -> harness_core::Result<LogInfo> {
-        self.0.create(s).await
+    async fn create_with(
+        &self,
+        s: &SessionId,
+        c: Option<SessionConfig>,
+    ) -> harness_core::Result<LogInfo> {
+        self.0.create_with(s, c).await
     }
     async fn info(&self, s: &SessionId) -> harness_core::Result<LogInfo> {
         self.0.info(s).await
@@ -67,8 +72,12 @@ struct SkipsASeq(MemorySessionLog);
 
 #[async_trait]
 impl SessionLog for SkipsASeq {
-    async fn create(&self, s: &SessionId) -> harness_core::Result<LogInfo> {
-        self.0.create(s).await
+    async fn create_with(
+        &self,
+        s: &SessionId,
+        c: Option<SessionConfig>,
+    ) -> harness_core::Result<LogInfo> {
+        self.0.create_with(s, c).await
     }
     async fn info(&self, s: &SessionId) -> harness_core::Result<LogInfo> {
         self.0.info(s).await
@@ -105,6 +114,55 @@ async fn log_suite_catches_a_non_idempotent_append() {
         .await
         .unwrap_err();
     assert!(err.to_string().contains("retry returned"), "{err}");
+}
+
+/// A log that keeps its meta but only folds it on create (a backend that
+/// forgot to fold appends into it).
+#[derive(Debug, Default)]
+struct StaleMeta(MemorySessionLog);
+
+#[async_trait]
+impl SessionLog for StaleMeta {
+    async fn create_with(
+        &self,
+        s: &SessionId,
+        c: Option<SessionConfig>,
+    ) -> harness_core::Result<LogInfo> {
+        self.0.create_with(s, c).await
+    }
+    async fn info(&self, s: &SessionId) -> harness_core::Result<LogInfo> {
+        let mut info = self.0.info(s).await?;
+        info.meta = harness_core::session::SessionMeta::new(info.meta.config.clone());
+        Ok(info)
+    }
+    async fn append(&self, s: &SessionId, r: AppendRequest) -> harness_core::Result<Appended> {
+        self.0.append(s, r).await
+    }
+    async fn read(
+        &self,
+        s: &SessionId,
+        after: u64,
+        limit: usize,
+    ) -> harness_core::Result<Vec<Frame>> {
+        self.0.read(s, after, limit).await
+    }
+    async fn seal(&self, s: &SessionId) -> harness_core::Result<LogInfo> {
+        self.0.seal(s).await
+    }
+    async fn fork(&self, a: &SessionId, u: u64, b: &SessionId) -> harness_core::Result<LogInfo> {
+        self.0.fork(a, u, b).await
+    }
+    async fn list(&self) -> harness_core::Result<Vec<LogInfo>> {
+        self.0.list().await
+    }
+}
+
+#[tokio::test]
+async fn log_suite_catches_a_meta_that_is_not_folded() {
+    let err = log::meta_is_folded_with_every_append(Arc::new(StaleMeta::default()))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("is not the frames folded"), "{err}");
 }
 
 #[tokio::test]

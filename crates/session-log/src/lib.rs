@@ -35,9 +35,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use harness_core::log::{
-    check_append, fork_range_error, key_reuse_error, now_ms, sealed_error, unknown_session,
+    check_append, fold_meta, fork_range_error, key_reuse_error, sealed_error, unknown_session,
     AppendRequest, Appended, ForkOrigin, LogInfo, SessionLog, DEFAULT_MAX_FRAME_BYTES,
 };
+use harness_core::session::{SessionConfig, SessionMeta};
 use harness_core::{Error, Frame, FrameBody, Result, SessionId};
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 
@@ -49,12 +50,25 @@ pub use turn_store::SqliteTurnStore;
 /// process on the same file) before failing.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Milliseconds since the Unix epoch, the stamp of stored frames (this
+/// backend runs natively and keeps time itself; core takes a clock).
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+// `logs.meta` is the session's `SessionMeta` as JSON, folded from every
+// frame in the append's transaction; NULL in databases written before it
+// existed (then folded from the frames when first read).
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS logs (
     session     TEXT PRIMARY KEY NOT NULL,
     sealed      INTEGER NOT NULL DEFAULT 0,
     forked_from TEXT,
-    fork_until  INTEGER
+    fork_until  INTEGER,
+    meta        TEXT
 );
 CREATE TABLE IF NOT EXISTS frames (
     session  TEXT NOT NULL,
@@ -67,13 +81,41 @@ CREATE TABLE IF NOT EXISTS frames (
 CREATE UNIQUE INDEX IF NOT EXISTS frames_idem ON frames (session, idem_key)
     WHERE idem_key IS NOT NULL;
 CREATE TABLE IF NOT EXISTS turns (
-    session TEXT NOT NULL,
-    turn    TEXT NOT NULL,
-    state   TEXT NOT NULL,
-    done    INTEGER NOT NULL,
+    session    TEXT NOT NULL,
+    turn       TEXT NOT NULL,
+    state      TEXT NOT NULL,
+    done       INTEGER NOT NULL,
+    generation INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (session, turn)
 );
 ";
+
+/// Columns added after the first schema, for databases that predate them.
+const MIGRATIONS: &[(&str, &str, &str)] = &[
+    ("logs", "meta", "ALTER TABLE logs ADD COLUMN meta TEXT"),
+    (
+        "turns",
+        "generation",
+        "ALTER TABLE turns ADD COLUMN generation INTEGER NOT NULL DEFAULT 0",
+    ),
+];
+
+fn migrate(conn: &Connection) -> Result<()> {
+    for (table, column, sql) in MIGRATIONS {
+        let mut stmt = conn
+            .prepare(&format!("PRAGMA table_info({table})"))
+            .map_err(db_err)?;
+        let names = stmt
+            .query_map([], |r| r.get::<_, String>(1))
+            .map_err(db_err)?
+            .collect::<rusqlite::Result<Vec<_>>>()
+            .map_err(db_err)?;
+        if !names.iter().any(|n| n == column) {
+            conn.execute_batch(sql).map_err(db_err)?;
+        }
+    }
+    Ok(())
+}
 
 /// Map a SQLite failure onto the crate's error kinds.
 pub(crate) fn db_err(err: rusqlite::Error) -> Error {
@@ -101,6 +143,7 @@ fn configure(conn: &Connection) -> Result<()> {
     conn.execute_batch("PRAGMA synchronous=NORMAL; PRAGMA foreign_keys=ON;")
         .map_err(db_err)?;
     conn.execute_batch(SCHEMA).map_err(db_err)?;
+    migrate(conn)?;
     Ok(())
 }
 
@@ -179,15 +222,20 @@ impl SqliteSessionLog {
 
 /// The `logs` row and last seq of a session, or `NotFound`.
 fn load_info(conn: &Connection, session: &SessionId) -> Result<LogInfo> {
-    let row: Option<(bool, Option<String>, Option<i64>)> = conn
+    type Row = (bool, Option<String>, Option<i64>, Option<String>);
+    let row: Option<Row> = conn
         .query_row(
-            "SELECT sealed, forked_from, fork_until FROM logs WHERE session = ?1",
+            "SELECT sealed, forked_from, fork_until, meta FROM logs WHERE session = ?1",
             params![session.as_str()],
-            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
         )
         .optional()
         .map_err(db_err)?;
-    let (sealed, forked_from, fork_until) = row.ok_or_else(|| unknown_session(session))?;
+    let (sealed, forked_from, fork_until, meta) = row.ok_or_else(|| unknown_session(session))?;
+    let meta = match meta {
+        Some(json) => decode_meta(&json, session)?,
+        None => fold_stored(conn, session, None, u64::MAX)?,
+    };
     let last_seq = last_seq(conn, session)?;
     let forked_from = match (forked_from, fork_until) {
         (Some(source), Some(until)) => Some(ForkOrigin {
@@ -201,7 +249,70 @@ fn load_info(conn: &Connection, session: &SessionId) -> Result<LogInfo> {
         last_seq,
         sealed,
         forked_from,
+        meta,
     })
+}
+
+fn decode_meta(json: &str, session: &SessionId) -> Result<SessionMeta> {
+    serde_json::from_str(json)
+        .map_err(|e| Error::corrupt(format!("the meta of session {session} is unreadable: {e}")))
+}
+
+/// The session's meta, read where stored or folded from its frames.
+fn load_meta(conn: &Connection, session: &SessionId) -> Result<SessionMeta> {
+    let stored: Option<String> = conn
+        .query_row(
+            "SELECT meta FROM logs WHERE session = ?1",
+            params![session.as_str()],
+            |r| r.get(0),
+        )
+        .map_err(db_err)?;
+    match stored {
+        Some(json) => decode_meta(&json, session),
+        None => fold_stored(conn, session, None, u64::MAX),
+    }
+}
+
+/// Fold frames `1..=until` of `session` (with their keys) into a meta.
+fn fold_stored(
+    conn: &Connection,
+    session: &SessionId,
+    config: Option<SessionConfig>,
+    until: u64,
+) -> Result<SessionMeta> {
+    let until = i64::try_from(until).unwrap_or(i64::MAX);
+    let mut stmt = conn
+        .prepare_cached(
+            "SELECT seq, body, idem_key FROM frames WHERE session = ?1 AND seq <= ?2 ORDER BY seq",
+        )
+        .map_err(db_err)?;
+    let rows = stmt
+        .query_map(params![session.as_str(), until], |r| {
+            Ok((
+                r.get::<_, i64>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, Option<String>>(2)?,
+            ))
+        })
+        .map_err(db_err)?;
+    let mut frames = Vec::new();
+    for row in rows {
+        let (seq, body, key) = row.map_err(db_err)?;
+        frames.push((decode_body(&body, session, seq)?, key));
+    }
+    Ok(fold_meta(
+        config,
+        frames.iter().map(|(b, k)| (b, k.as_deref())),
+    ))
+}
+
+fn store_meta(conn: &Connection, session: &SessionId, meta: &SessionMeta) -> Result<()> {
+    conn.execute(
+        "UPDATE logs SET meta = ?2 WHERE session = ?1",
+        params![session.as_str(), serde_json::to_string(meta)?],
+    )
+    .map_err(db_err)?;
+    Ok(())
 }
 
 fn last_seq(conn: &Connection, session: &SessionId) -> Result<u64> {
@@ -243,15 +354,15 @@ fn append_in(
     // A key seen before answers with the original seq even on a sealed log
     // (a retry of the write that was acknowledged just before the seal).
     if let Some(key) = &request.idempotency_key {
-        let found: Option<(i64, String)> = tx
+        let found: Option<(i64, i64, String)> = tx
             .query_row(
-                "SELECT seq, body FROM frames WHERE session = ?1 AND idem_key = ?2",
+                "SELECT seq, at_ms, body FROM frames WHERE session = ?1 AND idem_key = ?2",
                 params![session.as_str(), key],
-                |r| Ok((r.get(0)?, r.get(1)?)),
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
             )
             .optional()
             .map_err(db_err)?;
-        if let Some((seq, stored)) = found {
+        if let Some((seq, at_ms, stored)) = found {
             // Compare decoded bodies, as the memory log does, so JSON
             // formatting differences never turn a retry into a conflict.
             let stored = decode_body(&stored, session, seq)?;
@@ -259,6 +370,11 @@ fn append_in(
                 Ok(Appended {
                     seq: seq as u64,
                     duplicate: true,
+                    frame: Frame {
+                        seq: seq as u64,
+                        at_ms: at_ms as u64,
+                        body: stored,
+                    },
                 })
             } else {
                 Err(key_reuse_error(key, seq as u64))
@@ -287,20 +403,38 @@ fn append_in(
         )
         .map_err(db_err)?;
     }
+    // The meta moves with the frame, in this transaction; most frames
+    // (text, tool calls) cannot change it and skip the read.
+    if SessionMeta::touched_by(&request.body) {
+        let mut meta = load_meta(tx, session)?;
+        if meta.apply(&request.body, request.idempotency_key.as_deref()) {
+            store_meta(tx, session, &meta)?;
+        }
+    }
     Ok(Appended {
         seq,
         duplicate: false,
+        frame: Frame {
+            seq,
+            at_ms: now,
+            body: request.body.clone(),
+        },
     })
 }
 
 #[async_trait]
 impl SessionLog for SqliteSessionLog {
-    async fn create(&self, session: &SessionId) -> Result<LogInfo> {
+    async fn create_with(
+        &self,
+        session: &SessionId,
+        config: Option<SessionConfig>,
+    ) -> Result<LogInfo> {
         let session = session.clone();
+        let meta = serde_json::to_string(&SessionMeta::new(config))?;
         blocking(&self.conn, move |conn| {
             conn.execute(
-                "INSERT OR IGNORE INTO logs (session, sealed) VALUES (?1, 0)",
-                params![session.as_str()],
+                "INSERT OR IGNORE INTO logs (session, sealed, meta) VALUES (?1, 0, ?2)",
+                params![session.as_str(), meta],
             )
             .map_err(db_err)?;
             load_info(conn, &session)
@@ -440,6 +574,9 @@ impl SessionLog for SqliteSessionLog {
                 params![target.as_str(), source.as_str(), until as i64],
             )
             .map_err(db_err)?;
+            // The copy's meta is its own prefix folded, under the source's config.
+            let meta = fold_stored(&tx, &target, src.meta.config.clone(), until)?;
+            store_meta(&tx, &target, &meta)?;
             let info = load_info(&tx, &target)?;
             tx.commit().map_err(db_err)?;
             Ok(info)

@@ -9,7 +9,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use harness_core::engine::TurnStore;
+use harness_core::engine::{fenced_save_error, TurnStore};
 use harness_core::turn::{next_step, NextStep, TurnState};
 use harness_core::{Error, Result};
 use rusqlite::{params, Connection, OptionalExtension};
@@ -42,20 +42,40 @@ fn decode(json: &str) -> Result<TurnState> {
 
 #[async_trait]
 impl TurnStore for SqliteTurnStore {
-    async fn save(&self, state: &TurnState) -> Result<()> {
+    async fn save(&self, state: &TurnState, generation: u64) -> Result<()> {
         let json = serde_json::to_string(state)?;
         let done = matches!(next_step(state), NextStep::Done { .. });
         let (session, turn) = (state.session_id.clone(), state.turn_id.clone());
-        blocking(&self.conn, move |conn| {
-            conn.execute(
-                "INSERT INTO turns (session, turn, state, done) VALUES (?1, ?2, ?3, ?4) \
-                 ON CONFLICT (session, turn) DO UPDATE SET state = excluded.state, done = excluded.done",
-                params![session, turn, json, done],
+        let generation = i64::try_from(generation).unwrap_or(i64::MAX);
+        let stored: Option<i64> = blocking(&self.conn, move |conn| {
+            // One statement: the row is replaced only by an equal or newer
+            // generation, so a replaced engine cannot overwrite its successor.
+            let changed = conn
+                .execute(
+                    "INSERT INTO turns (session, turn, state, done, generation) \
+                     VALUES (?1, ?2, ?3, ?4, ?5) \
+                     ON CONFLICT (session, turn) DO UPDATE SET state = excluded.state, \
+                     done = excluded.done, generation = excluded.generation \
+                     WHERE turns.generation <= excluded.generation",
+                    params![session, turn, json, done, generation],
+                )
+                .map_err(db_err)?;
+            if changed == 1 {
+                return Ok(None);
+            }
+            conn.query_row(
+                "SELECT generation FROM turns WHERE session = ?1 AND turn = ?2",
+                params![session, turn],
+                |r| r.get(0),
             )
-            .map_err(db_err)?;
-            Ok(())
+            .map(Some)
+            .map_err(db_err)
         })
-        .await
+        .await?;
+        match stored {
+            None => Ok(()),
+            Some(stored) => Err(fenced_save_error(state, stored as u64, generation as u64)),
+        }
     }
 
     async fn load(&self, session_id: &str, turn_id: &str) -> Result<Option<TurnState>> {

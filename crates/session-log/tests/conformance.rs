@@ -130,3 +130,63 @@ async fn a_smaller_frame_limit_is_enforced() {
     assert_eq!(err.kind(), ErrorKind::InvalidInput);
     assert_eq!(log.info(&s).await.unwrap().last_seq, 0);
 }
+
+#[tokio::test]
+async fn meta_survives_a_reopen_and_an_old_database_is_migrated() {
+    use harness_core::session::SessionConfig;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("meta.db");
+    let s = SessionId::parse("m").unwrap();
+    {
+        let log = SqliteSessionLog::open(&path).unwrap();
+        log.create_with(&s, Some(SessionConfig::new("codex", "local")))
+            .await
+            .unwrap();
+        log.append(
+            &s,
+            AppendRequest::idempotent(
+                FrameBody::UserMessage {
+                    text: "go".into(),
+                    turn_id: Some("t1".into()),
+                },
+                "p",
+            ),
+        )
+        .await
+        .unwrap();
+    }
+    let log = SqliteSessionLog::open(&path).unwrap();
+    let meta = log.info(&s).await.unwrap().meta;
+    assert_eq!(meta.config.unwrap().agent, "codex");
+    assert_eq!(meta.turn.unwrap().key.as_deref(), Some("p"));
+
+    // A database from before the meta column: the schema of the first
+    // release, one session with a prompt and a runner generation.
+    let old = dir.path().join("old.db");
+    {
+        let conn = rusqlite::Connection::open(&old).unwrap();
+        conn.execute_batch(
+            "CREATE TABLE logs (session TEXT PRIMARY KEY NOT NULL, sealed INTEGER NOT NULL DEFAULT 0, forked_from TEXT, fork_until INTEGER);
+             CREATE TABLE frames (session TEXT NOT NULL, seq INTEGER NOT NULL, at_ms INTEGER NOT NULL, body TEXT NOT NULL, idem_key TEXT, PRIMARY KEY (session, seq)) WITHOUT ROWID;
+             CREATE TABLE turns (session TEXT NOT NULL, turn TEXT NOT NULL, state TEXT NOT NULL, done INTEGER NOT NULL, PRIMARY KEY (session, turn));
+             INSERT INTO logs (session) VALUES ('old');
+             INSERT INTO frames VALUES ('old', 1, 5, '{\"type\":\"runner-attached\",\"generation\":9}', NULL);
+             INSERT INTO frames VALUES ('old', 2, 6, '{\"type\":\"user-message\",\"text\":\"hi\",\"turnId\":\"t1\"}', 'prompt:t1');",
+        )
+        .unwrap();
+    }
+    let log = SqliteSessionLog::open(&old).unwrap();
+    let s = SessionId::parse("old").unwrap();
+    let meta = log.info(&s).await.unwrap().meta;
+    assert_eq!(meta.generation, 9);
+    let turn = meta.active_turn().expect("the prompt's turn is running");
+    assert_eq!((turn.turn_id.as_str(), turn.key.as_deref()), ("t1", Some("prompt:t1")));
+    // The next append that touches the meta stores the folded meta.
+    log.append(
+        &s,
+        AppendRequest::new(FrameBody::RunnerAttached { generation: 10 }),
+    )
+    .await
+    .unwrap();
+    assert_eq!(log.info(&s).await.unwrap().meta.generation, 10);
+}

@@ -4,8 +4,10 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use harness_core::actor::ErrorCode;
 use harness_core::{Error, ErrorKind};
 use serde_json::json;
+use session_runtime::AnswerError;
 
 /// An HTTP error with a stable code.
 #[derive(Debug, Clone)]
@@ -39,21 +41,54 @@ impl ApiError {
         Self::new(StatusCode::PAYLOAD_TOO_LARGE, "frame_too_large", message)
     }
 
-    /// Map an actor's error code (see `harness_core::actor::ServerMessage`)
-    /// to an HTTP error.
-    pub fn from_actor(code: &str, message: &str) -> Self {
+    /// Map an actor's refusal (see `harness_core::actor::ErrorCode`) to an
+    /// HTTP error; the code travels unchanged.
+    pub fn from_code(code: ErrorCode, message: &str) -> Self {
         let status = match code {
-            "frame_too_large" => StatusCode::PAYLOAD_TOO_LARGE,
-            "invalid" => StatusCode::BAD_REQUEST,
-            "sealed" | "stale_runner" => StatusCode::CONFLICT,
-            "not_a_client" | "not_a_runner" => StatusCode::FORBIDDEN,
-            // The log's own refusal: a reused idempotency key is the
-            // caller's conflict, anything else is ours.
-            "append_failed" if message.contains("conflict:") => StatusCode::CONFLICT,
-            "append_failed" if message.contains("invalid_input:") => StatusCode::BAD_REQUEST,
-            _ => StatusCode::INTERNAL_SERVER_ERROR,
+            ErrorCode::FrameTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorCode::Invalid => StatusCode::BAD_REQUEST,
+            ErrorCode::Sealed
+            | ErrorCode::StaleRunner
+            | ErrorCode::TurnInProgress
+            | ErrorCode::NoActiveTurn
+            | ErrorCode::Conflict => StatusCode::CONFLICT,
+            ErrorCode::NotAClient | ErrorCode::NotARunner | ErrorCode::Forbidden => {
+                StatusCode::FORBIDDEN
+            }
+            ErrorCode::NotFound => StatusCode::NOT_FOUND,
+            ErrorCode::Unauthorized => StatusCode::UNAUTHORIZED,
+            ErrorCode::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorCode::AppendFailed | ErrorCode::ReplayFailed | ErrorCode::Other => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
         };
-        Self::new(status, code, message)
+        Self::new(status, code.as_str(), message)
+    }
+
+    /// The error as a WebSocket message.
+    pub fn to_message(&self) -> harness_core::actor::ServerMessage {
+        harness_core::actor::ServerMessage::Error {
+            code: ErrorCode::from_name(&self.code),
+            message: self.message.clone(),
+        }
+    }
+}
+
+impl From<AnswerError> for ApiError {
+    fn from(e: AnswerError) -> Self {
+        match e {
+            AnswerError::Refused { code, message } => ApiError::from_code(code, &message),
+            AnswerError::Closed(reason) => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "closed",
+                format!("the session closed the connection: {reason}"),
+            ),
+            AnswerError::TimedOut => Self::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                "timed_out",
+                "the session did not answer in time",
+            ),
+        }
     }
 }
 
@@ -63,6 +98,7 @@ impl From<Error> for ApiError {
             ErrorKind::NotFound => (StatusCode::NOT_FOUND, "not_found"),
             ErrorKind::InvalidInput | ErrorKind::Unsafe => (StatusCode::BAD_REQUEST, "invalid"),
             ErrorKind::Conflict => (StatusCode::CONFLICT, "conflict"),
+            ErrorKind::Fenced => (StatusCode::CONFLICT, "stale_runner"),
             ErrorKind::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized"),
             ErrorKind::Unsupported => (StatusCode::NOT_IMPLEMENTED, "unsupported"),
             ErrorKind::TimedOut => (StatusCode::GATEWAY_TIMEOUT, "timed_out"),

@@ -20,16 +20,20 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures::{SinkExt, StreamExt};
-use harness_core::actor::{ClientMessage, Role, RunnerMessage, ServerMessage};
+use harness_core::actor::{ClientMessage, ErrorCode, Role, RunnerMessage, ServerMessage};
 use harness_core::frame::{Frame, FrameBody};
 use harness_core::log::LogInfo;
+use harness_core::session::SessionConfig;
 use harness_core::SessionId;
 use serde_json::json;
 use tokio::sync::mpsc;
 
 use crate::auth::{authorize, bearer, GrantRole};
 use crate::error::ApiError;
-use crate::hub::{Connection, Hub, Outbound, PAGE};
+use session_runtime::{Connection, Hub, Outbound};
+
+/// Frames read from the log per page (catch-up, export).
+const PAGE: usize = harness_core::actor_driver::REPLAY_PAGE;
 use crate::ui_stream::{UiStreamMapper, UI_STREAM_HEADER};
 use crate::ServerConfig;
 
@@ -140,25 +144,77 @@ async fn create(
     body: Body,
 ) -> Result<(StatusCode, Json<LogInfo>), ApiError> {
     let bytes = read_body(body, 64 * 1024).await?;
-    let id = if bytes.iter().all(u8::is_ascii_whitespace) {
-        None
+    #[derive(Default, serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct CreateBody {
+        #[serde(default)]
+        id: Option<String>,
+        /// `claude-code` (default) or `codex`.
+        #[serde(default)]
+        agent: Option<String>,
+        /// Sandbox provider: `local` (default), `docker`, …
+        #[serde(default)]
+        sandbox: Option<String>,
+        /// Image, for providers that have images.
+        #[serde(default)]
+        image: Option<String>,
+        /// Model name passed to the agent.
+        #[serde(default)]
+        model: Option<String>,
+        /// Network policy of the sandbox.
+        #[serde(default)]
+        network: Option<harness_core::sandbox::NetworkPolicy>,
+    }
+    let body: CreateBody = if bytes.iter().all(u8::is_ascii_whitespace) {
+        CreateBody::default()
     } else {
-        #[derive(serde::Deserialize)]
-        #[serde(deny_unknown_fields)]
-        struct CreateBody {
-            #[serde(default)]
-            id: Option<String>,
-        }
-        let parsed: CreateBody = serde_json::from_slice(&bytes)
-            .map_err(|e| ApiError::invalid(format!("malformed JSON body: {e}")))?;
-        parsed.id
+        serde_json::from_slice(&bytes)
+            .map_err(|e| ApiError::invalid(format!("malformed JSON body: {e}")))?
     };
-    let id = match id {
-        Some(id) => session_id(&id)?,
+    let id = match &body.id {
+        Some(id) => session_id(id)?,
         None => SessionId::parse(uuid::Uuid::new_v4().simple().to_string())?,
     };
     state.auth(&headers, &params, Some(&id), HOST)?;
-    let info = state.hub.log.create(&id).await?;
+    let mut config = SessionConfig::default();
+    if let Some(agent) = body.agent {
+        config.agent = agent;
+    }
+    if let Some(provider) = body.sandbox {
+        config.sandbox.provider = provider;
+    }
+    config.sandbox.image = body.image;
+    if let Some(network) = body.network {
+        config.sandbox.network = network;
+    }
+    config.model = body.model;
+    let known = |list: &[String], name: &str| list.is_empty() || list.iter().any(|n| n == name);
+    if !known(&state.config.agents, &config.agent) {
+        return Err(ApiError::invalid(format!(
+            "unknown agent {:?}: this server runs {}",
+            config.agent,
+            state.config.agents.join(", ")
+        )));
+    }
+    if !known(&state.config.providers, &config.sandbox.provider) {
+        return Err(ApiError::invalid(format!(
+            "unknown sandbox {:?}: this server offers {}",
+            config.sandbox.provider,
+            state.config.providers.join(", ")
+        )));
+    }
+    let info = state
+        .hub
+        .log()
+        .create_with(&id, Some(config.clone()))
+        .await?;
+    if info.meta.config.as_ref().is_some_and(|c| *c != config) {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "conflict",
+            format!("session {id} already exists with another configuration"),
+        ));
+    }
     Ok((StatusCode::CREATED, Json(info)))
 }
 
@@ -168,7 +224,7 @@ async fn list(
     headers: HeaderMap,
 ) -> Result<Json<Vec<LogInfo>>, ApiError> {
     state.auth(&headers, &params, None, HOST)?;
-    Ok(Json(state.hub.log.list().await?))
+    Ok(Json(state.hub.log().list().await?))
 }
 
 async fn info(
@@ -179,7 +235,7 @@ async fn info(
 ) -> Result<Json<LogInfo>, ApiError> {
     let id = session_id(&id)?;
     state.auth(&headers, &params, Some(&id), READERS)?;
-    Ok(Json(state.hub.log.info(&id).await?))
+    Ok(Json(state.hub.log().info(&id).await?))
 }
 
 async fn frames(
@@ -194,7 +250,7 @@ async fn frames(
     let limit = param_u64(&params, "limit")?
         .map_or(PAGE, |l| usize::try_from(l).unwrap_or(usize::MAX))
         .min(MAX_FRAMES_PAGE);
-    Ok(Json(state.hub.log.read(&id, after, limit).await?))
+    Ok(Json(state.hub.log().read(&id, after, limit).await?))
 }
 
 async fn export(
@@ -205,7 +261,7 @@ async fn export(
 ) -> Result<Json<Vec<Frame>>, ApiError> {
     let id = session_id(&id)?;
     state.auth(&headers, &params, Some(&id), READERS)?;
-    let info = state.hub.log.info(&id).await?;
+    let info = state.hub.log().info(&id).await?;
     let until = param_u64(&params, "until")?.unwrap_or(info.last_seq);
     if until > info.last_seq {
         return Err(ApiError::invalid(format!(
@@ -217,7 +273,7 @@ async fn export(
     let mut cursor = 0;
     while cursor < until {
         let want = usize::try_from(until - cursor).unwrap_or(PAGE).min(PAGE);
-        let page = state.hub.log.read(&id, cursor, want).await?;
+        let page = state.hub.log().read(&id, cursor, want).await?;
         let Some(last) = page.last() else { break };
         cursor = last.seq;
         out.extend(page.into_iter().filter(|f| f.seq <= until));
@@ -244,12 +300,12 @@ async fn fork(
     state.auth(&headers, &params, Some(&target), HOST)?;
     let until = match param_u64(&params, "until")? {
         Some(n) => n,
-        None => state.hub.log.info(&source).await?.last_seq,
+        None => state.hub.log().info(&source).await?.last_seq,
     };
-    let info = state.hub.log.fork(&source, until, &target).await?;
+    let info = state.hub.log().fork(&source, until, &target).await?;
     let info = if param_flag(&params, "seal") && !info.sealed {
         state.hub.seal(&target).await?;
-        state.hub.log.info(&target).await?
+        state.hub.log().info(&target).await?
     } else {
         info
     };
@@ -265,7 +321,7 @@ async fn seal(
     let id = session_id(&id)?;
     state.auth(&headers, &params, Some(&id), HOST)?;
     state.hub.seal(&id).await?;
-    Ok(Json(state.hub.log.info(&id).await?))
+    Ok(Json(state.hub.log().info(&id).await?))
 }
 
 // ---- writes over HTTP ------------------------------------------------------
@@ -285,12 +341,25 @@ async fn post_message(
     if matches!(message, ClientMessage::Seal {}) && grant != GrantRole::Host {
         return Err(seal_forbidden());
     }
+    let is_prompt = matches!(message, ClientMessage::Prompt { .. });
     let mut conn = state.hub.connect(&id, Role::Client, None).await?;
     conn.client(message);
     let (seq, duplicate) = conn.answer(ANSWER_TIMEOUT).await?;
-    Ok(Json(
-        json!({"type": "ack", "seq": seq, "duplicate": duplicate}),
-    ))
+    let mut ack = json!({"type": "ack", "seq": seq, "duplicate": duplicate});
+    if is_prompt {
+        // The turn the prompt opened (its id may have been assigned here),
+        // so the client can follow it.
+        if let Some(frame) = state.hub.log().read(&id, seq - 1, 1).await?.first() {
+            if let FrameBody::UserMessage {
+                turn_id: Some(turn),
+                ..
+            } = &frame.body
+            {
+                ack["turnId"] = json!(turn);
+            }
+        }
+    }
+    Ok(Json(ack))
 }
 
 /// Sealing is a host operation, whichever endpoint carries it.
@@ -319,7 +388,7 @@ where
 {
     let mut cursor = after;
     loop {
-        let page = state.hub.log.read(id, cursor, PAGE).await?;
+        let page = state.hub.log().read(id, cursor, PAGE).await?;
         let Some(last) = page.last() else { break };
         cursor = last.seq;
         for frame in page {
@@ -380,7 +449,7 @@ async fn events(
         Some(n) => n,
         None => param_u64(&params, "after")?.unwrap_or(0),
     };
-    let info = state.hub.log.info(&id).await?;
+    let info = state.hub.log().info(&id).await?;
     let (tx, rx) = mpsc::channel::<Event>(256);
     tokio::spawn(async move {
         let _ = pump_events(&state, &id, after, info.sealed, tx).await;
@@ -402,7 +471,7 @@ async fn pump_events(
     let mut buffered = Vec::new();
     let mut cursor = after;
     loop {
-        let page = state.hub.log.read(id, cursor, PAGE).await?;
+        let page = state.hub.log().read(id, cursor, PAGE).await?;
         let Some(last) = page.last() else { break };
         cursor = last.seq;
         buffered.extend(page);
@@ -442,7 +511,7 @@ async fn pump_events(
             Some(Outbound::Msg(ServerMessage::Error { code, message })) => Event::default()
                 .event("error")
                 .data(json!({"code": code, "message": message}).to_string()),
-            Some(Outbound::Msg(ServerMessage::Ack { .. })) => continue,
+            Some(Outbound::Msg(ServerMessage::Ack { .. } | ServerMessage::Received {})) => continue,
             Some(Outbound::Close(_)) | None => return Ok(()),
         };
         if tx.send(event).await.is_err() {
@@ -459,7 +528,7 @@ async fn ui_stream(
 ) -> Result<Response, ApiError> {
     let id = session_id(&id)?;
     state.auth(&headers, &params, Some(&id), READERS)?;
-    let info = state.hub.log.info(&id).await?;
+    let info = state.hub.log().info(&id).await?;
     // Default: from now on (the turn a client is about to start); pass
     // `?after=<seq of the prompt's ack - 1>` to include a turn already
     // under way.
@@ -564,7 +633,7 @@ async fn websocket(
     let grant = state.auth(&headers, &params, Some(&id), allowed)?;
     let after = param_u64(&params, "after")?;
     // 404 before the upgrade, while we can still answer with a status.
-    state.hub.log.info(&id).await?;
+    state.hub.log().info(&id).await?;
     // Messages a little over the frame limit get a clear error; far over
     // it the socket is closed (1009) without reading them into memory.
     let max_message = state.body_limit().saturating_mul(4);
@@ -592,7 +661,7 @@ async fn run_socket(
         (Role::Client, Some(after)) => {
             let mut cursor = after;
             let caught: Result<u64, ApiError> = loop {
-                let page = match state.hub.log.read(&id, cursor, PAGE).await {
+                let page = match state.hub.log().read(&id, cursor, PAGE).await {
                     Ok(p) => p,
                     Err(e) => break Err(e.into()),
                 };
@@ -615,19 +684,22 @@ async fn run_socket(
                     .hub
                     .connect(&id, role, Some(cursor))
                     .await
-                    .map(|c| (c, cursor)),
+                    .map(|c| (c, cursor))
+                    .map_err(ApiError::from),
                 Err(e) => Err(e),
             }
         }
-        _ => state.hub.connect(&id, role, None).await.map(|c| (c, 0)),
+        _ => state
+            .hub
+            .connect(&id, role, None)
+            .await
+            .map(|c| (c, 0))
+            .map_err(ApiError::from),
     };
     let (mut conn, mut cursor) = match connected {
         Ok(c) => c,
         Err(e) => {
-            let msg = ServerMessage::Error {
-                code: e.code.clone(),
-                message: e.message.clone(),
-            };
+            let msg = e.to_message();
             let _ = sink.send(text(&msg)).await;
             let _ = sink.send(Message::Close(None)).await;
             return;
@@ -667,7 +739,7 @@ async fn run_socket(
                 }
                 Some(Ok(Message::Binary(_))) => {
                     let err = ServerMessage::Error {
-                        code: "invalid".into(),
+                        code: ErrorCode::Invalid,
                         message: "send JSON text messages, not binary".into(),
                     };
                     if sink.send(text(&err)).await.is_err() {
@@ -693,7 +765,7 @@ fn inbound_message(
 ) -> Option<ServerMessage> {
     if raw.len() > limit {
         return Some(ServerMessage::Error {
-            code: "frame_too_large".into(),
+            code: ErrorCode::FrameTooLarge,
             message: format!(
                 "message of {} bytes exceeds the {limit}-byte limit",
                 raw.len()
@@ -701,17 +773,13 @@ fn inbound_message(
         });
     }
     let invalid = |e: serde_json::Error| ServerMessage::Error {
-        code: "invalid".into(),
+        code: ErrorCode::Invalid,
         message: format!("malformed message: {e}"),
     };
     match role {
         Role::Client => match serde_json::from_str::<ClientMessage>(raw) {
             Ok(ClientMessage::Seal {}) if grant != GrantRole::Host => {
-                let e = seal_forbidden();
-                return Some(ServerMessage::Error {
-                    code: e.code,
-                    message: e.message,
-                });
+                return Some(seal_forbidden().to_message());
             }
             Ok(m) => conn.client(m),
             Err(e) => return Some(invalid(e)),

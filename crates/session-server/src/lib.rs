@@ -4,10 +4,12 @@
 //! and WebSocket with axum, on any [`SessionLog`] (SQLite natively, see the
 //! `session-log` crate).
 //!
-//! One tokio task per live session drives the sans-IO
-//! [`harness_core::actor::SessionActor`]: it is the session's only writer,
-//! so seqs are assigned by the log in the order the task appends, and every
-//! connected client receives every stored frame in seq order. See
+//! The actors run in a `session_runtime::Hub` (one tokio task per live
+//! session driving core's `ActorDriver`); this crate is the HTTP shell
+//! around it and has no session semantics of its own. Built with
+//! [`SessionServer::with_hub`] over a `session_runtime::Runtime`'s hub, a
+//! client's prompt runs a turn on the runtime's engine; built with
+//! [`SessionServer::new`], prompts are stored and wait for a runtime. See
 //! `docs/session-server.md` for the endpoints and the design.
 //!
 //! ```no_run
@@ -29,12 +31,12 @@ use axum::Router;
 use harness_core::actor::ActorConfig;
 use harness_core::log::{SessionLog, DEFAULT_MAX_FRAME_BYTES};
 use harness_core::SessionId;
+use session_runtime::{Hub, HubConfig};
 
 mod auth;
 pub mod durable_streams;
 mod error;
 mod http;
-mod hub;
 pub mod ui_stream;
 
 pub use auth::{GrantRole, Scope, TokenGrant};
@@ -55,6 +57,11 @@ pub struct ServerConfig {
     pub max_frame_bytes: usize,
     /// A session actor with no connections stops after this long.
     pub idle_timeout: Duration,
+    /// Agent adapters a new session may name (empty: any name is stored;
+    /// the runtime refuses unknown ones at the first prompt).
+    pub agents: Vec<String>,
+    /// Sandbox providers a new session may name (empty: any).
+    pub providers: Vec<String>,
 }
 
 impl ServerConfig {
@@ -67,6 +74,18 @@ impl ServerConfig {
             insecure_no_auth: false,
             max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
             idle_timeout: Duration::from_secs(30),
+            agents: Vec::new(),
+            providers: Vec::new(),
+        }
+    }
+
+    /// The hub settings this configuration implies.
+    pub fn hub_config(&self) -> HubConfig {
+        HubConfig {
+            actor: ActorConfig {
+                max_frame_bytes: self.max_frame_bytes,
+            },
+            idle_timeout: self.idle_timeout,
         }
     }
 }
@@ -78,15 +97,16 @@ pub struct SessionServer {
 }
 
 impl SessionServer {
-    /// Build the server (no I/O yet).
+    /// Build a server with its own hub and no runtime: prompts are stored
+    /// and wait for one (no I/O yet).
     pub fn new(config: ServerConfig) -> Self {
-        let hub = Arc::new(hub::Hub::new(
-            config.log.clone(),
-            ActorConfig {
-                max_frame_bytes: config.max_frame_bytes,
-            },
-            config.idle_timeout,
-        ));
+        let hub = Hub::new(config.log.clone(), config.hub_config());
+        Self::with_hub(config, hub)
+    }
+
+    /// Build a server over `hub` (a `session_runtime::Runtime`'s, so
+    /// prompts run turns). `hub` must be over `config.log`.
+    pub fn with_hub(config: ServerConfig, hub: Arc<Hub>) -> Self {
         Self {
             state: Arc::new(http::AppState { hub, config }),
         }

@@ -69,7 +69,7 @@ impl UiStreamMapper {
         match message {
             ServerMessage::Live { part, .. } => self.live(part, &mut out),
             ServerMessage::Frame { frame } => self.frame(&frame.body, &mut out),
-            ServerMessage::Ack { .. } | ServerMessage::Error { .. } => {}
+            ServerMessage::Ack { .. } | ServerMessage::Received {} | ServerMessage::Error { .. } => {}
         }
         out
     }
@@ -146,6 +146,7 @@ impl UiStreamMapper {
             }
             FrameBody::UserMessage { .. }
             | FrameBody::ApprovalResponse { .. }
+            | FrameBody::AbortRequested { .. }
             | FrameBody::TurnStatus { .. }
             | FrameBody::RunnerAttached { .. } => {}
         }
@@ -422,6 +423,8 @@ mod tests {
                 turn_id: "t".into(),
                 status: TurnStatus::Failed,
                 error: Some("agent died".into()),
+                sandbox: None,
+                agent_session_id: None,
             },
         ));
         assert_eq!(types(&out), vec!["start", "error", "finish"]);
@@ -435,6 +438,8 @@ mod tests {
                 turn_id: "t".into(),
                 status: TurnStatus::ReadyForNextStep,
                 error: None,
+                sandbox: None,
+                agent_session_id: None,
             },
         ));
         assert!(running.is_empty());

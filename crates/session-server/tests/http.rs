@@ -22,6 +22,17 @@ async fn prompt(srv: &TestServer, id: &str, text: &str) -> reqwest::Response {
         .unwrap()
 }
 
+/// A client frame of the running turn: an answer named `text` (a session
+/// holds one turn at a time, so frames after the first prompt are answers).
+async fn say(srv: &TestServer, id: &str, text: &str) -> reqwest::Response {
+    srv.http
+        .post(format!("{}/v1/sessions/{id}/messages", srv.base))
+        .json(&json!({"type": "approval-response", "approvalId": text, "approved": true}))
+        .send()
+        .await
+        .unwrap()
+}
+
 async fn error_code(r: reqwest::Response) -> String {
     let v: Value = r.json().await.unwrap();
     v["error"]["code"]
@@ -34,8 +45,9 @@ async fn error_code(r: reqwest::Response) -> String {
 async fn fork_until_n_export_and_seal_behave_as_specified() {
     let srv = start(|_| {}).await;
     srv.create("src").await;
-    for i in 1..=5 {
-        assert_eq!(prompt(&srv, "src", &format!("m{i}")).await.status(), 200);
+    assert_eq!(prompt(&srv, "src", "m1").await.status(), 200);
+    for i in 2..=5 {
+        assert_eq!(say(&srv, "src", &format!("m{i}")).await.status(), 200);
     }
     // Fork the first 3 frames, sealed.
     let r = srv
@@ -74,10 +86,10 @@ async fn fork_until_n_export_and_seal_behave_as_specified() {
     assert_eq!(exported[..3], source[..]);
     assert!(matches!(exported[3].body, FrameBody::Sealed {}));
     // The sealed fork refuses writes; the source goes on.
-    let r = prompt(&srv, "dst", "late").await;
+    let r = say(&srv, "dst", "late").await;
     assert_eq!(r.status(), 409);
     assert_eq!(error_code(r).await, "sealed");
-    assert_eq!(prompt(&srv, "src", "m6").await.status(), 200);
+    assert_eq!(say(&srv, "src", "m6").await.status(), 200);
     // An unsealed fork with a generated id grows on its own.
     let r = srv
         .http
@@ -88,7 +100,9 @@ async fn fork_until_n_export_and_seal_behave_as_specified() {
     assert_eq!(r.status(), 201);
     let open: LogInfo = r.json().await.unwrap();
     assert!(!open.sealed && open.last_seq == 2);
-    let ack: Value = prompt(&srv, open.session.as_str(), "fresh")
+    // The fork copied the running turn (its meta is folded), so it takes
+    // that turn's frames.
+    let ack: Value = say(&srv, open.session.as_str(), "fresh")
         .await
         .json()
         .await
@@ -125,7 +139,7 @@ async fn fork_until_n_export_and_seal_behave_as_specified() {
     // Seal: a live client sees the seal frame, later writes are refused,
     // sealing again is a no-op.
     let mut client = ws(&format!("{}/v1/sessions/src/ws", srv.ws_base)).await;
-    send(&mut client, json!({"type": "prompt", "text": "registered"})).await;
+    send(&mut client, json!({"type": "approval-response", "approvalId": "registered", "approved": true})).await;
     let mut seen = Vec::new();
     answer(&mut client, &mut seen).await;
     let r = srv
@@ -144,7 +158,7 @@ async fn fork_until_n_export_and_seal_behave_as_specified() {
             _ => {}
         }
     }
-    assert_eq!(prompt(&srv, "src", "after seal").await.status(), 409);
+    assert_eq!(say(&srv, "src", "after seal").await.status(), 409);
     let again: LogInfo = srv
         .http
         .post(format!("{}/v1/sessions/src/seal", srv.base))
@@ -363,14 +377,14 @@ async fn oversized_malformed_and_unknown_are_refused_with_nothing_written() {
     let mut c = ws(&format!("{}/v1/sessions/l/ws", srv.ws_base)).await;
     send(&mut c, json!({"type": "prompt", "text": "y".repeat(2000)})).await;
     assert!(
-        matches!(recv(&mut c).await, Some(ServerMessage::Error { code, .. }) if code == "frame_too_large")
+        matches!(recv(&mut c).await, Some(ServerMessage::Error { code, .. }) if code.as_str() == "frame_too_large")
     );
     use futures::SinkExt;
     c.send(tokio_tungstenite::tungstenite::Message::Text("[1,2".into()))
         .await
         .unwrap();
     assert!(
-        matches!(recv(&mut c).await, Some(ServerMessage::Error { code, .. }) if code == "invalid")
+        matches!(recv(&mut c).await, Some(ServerMessage::Error { code, .. }) if code.as_str() == "invalid")
     );
     let mut runner = ws(&format!(
         "{}/v1/sessions/l/ws?role=runner&generation=1",
@@ -379,7 +393,7 @@ async fn oversized_malformed_and_unknown_are_refused_with_nothing_written() {
     .await;
     send(&mut runner, json!({"type": "part", "turnId": "t", "part": {"type": "error", "message": "z".repeat(2000)}})).await;
     assert!(
-        matches!(recv(&mut runner).await, Some(ServerMessage::Error { code, .. }) if code == "frame_too_large")
+        matches!(recv(&mut runner).await, Some(ServerMessage::Error { code, .. }) if code.as_str() == "frame_too_large")
     );
     // Only the runner-attached frame was stored.
     let frames = srv.log.read(&sid("l"), 0, 10).await.unwrap();
@@ -544,7 +558,15 @@ async fn acknowledged_frames_survive_a_server_kill() {
         .await
         .unwrap();
     assert_eq!(r.status(), 201);
-    // Four concurrent writers; the server is killed while they write.
+    // One turn opens; four concurrent writers answer in it; the server is
+    // killed while they write.
+    let r = http
+        .post(format!("{base}/v1/sessions/k/messages"))
+        .json(&json!({"type": "prompt", "text": "open"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
     let acked = std::sync::Arc::new(std::sync::Mutex::new(Vec::<(u64, String)>::new()));
     let mut writers = Vec::new();
     for w in 0..4 {
@@ -554,7 +576,7 @@ async fn acknowledged_frames_survive_a_server_kill() {
                 let text = format!("w{w}-{i}");
                 let r = http
                     .post(format!("{base}/v1/sessions/k/messages"))
-                    .json(&json!({"type": "prompt", "text": text}))
+                    .json(&json!({"type": "approval-response", "approvalId": text, "approved": true}))
                     .send()
                     .await;
                 let Ok(r) = r else { return };
@@ -596,7 +618,7 @@ async fn acknowledged_frames_survive_a_server_kill() {
             .get(*seq as usize - 1)
             .unwrap_or_else(|| panic!("acknowledged seq {seq} lost"));
         assert!(
-            matches!(&f.body, FrameBody::UserMessage { text: t, .. } if t == text),
+            matches!(&f.body, FrameBody::ApprovalResponse { approval_id: t, .. } if t == text),
             "seq {seq} holds {:?}",
             f.body
         );
@@ -616,9 +638,15 @@ async fn a_retried_message_with_a_key_is_stored_once() {
             .send()
     };
     let first: Value = send("hello").await.unwrap().json().await.unwrap();
-    assert_eq!(first, json!({"type": "ack", "seq": 1, "duplicate": false}));
+    assert_eq!(
+        first,
+        json!({"type": "ack", "seq": 1, "duplicate": false, "turnId": "t1"})
+    );
     let retry: Value = send("hello").await.unwrap().json().await.unwrap();
-    assert_eq!(retry, json!({"type": "ack", "seq": 1, "duplicate": true}));
+    assert_eq!(
+        retry,
+        json!({"type": "ack", "seq": 1, "duplicate": true, "turnId": "t1"})
+    );
     // The same key for other content is a conflict, and stores nothing.
     let r = send("something else").await.unwrap();
     assert_eq!(r.status(), 409);

@@ -27,9 +27,10 @@ fn frames_of(msgs: &[ServerMessage]) -> Vec<Frame> {
 async fn hundred_clients_see_the_same_gap_free_sequence_while_a_runner_streams() {
     let srv = start(|_| {}).await;
     srv.create("s").await;
-    // Each client registers by storing a prompt and waiting for its ack;
-    // they all ask for the whole history, so prompts stored before they
-    // joined come as replay.
+    // One turn runs; each client registers by storing an answer in it and
+    // waiting for its ack; they all ask for the whole history, so frames
+    // stored before they joined come as replay.
+    post_prompt(&srv, "s", "go").await;
     let mut clients = Vec::new();
     for i in 0..100 {
         let url = format!("{}/v1/sessions/s/ws?after=0", srv.ws_base);
@@ -37,7 +38,7 @@ async fn hundred_clients_see_the_same_gap_free_sequence_while_a_runner_streams()
             let mut c = ws(&url).await;
             send(
                 &mut c,
-                json!({"type": "prompt", "text": format!("hi {i}"), "key": format!("p{i}")}),
+                json!({"type": "approval-response", "approvalId": format!("hi {i}"), "approved": true}),
             )
             .await;
             let mut seen = Vec::new();
@@ -96,12 +97,14 @@ async fn hundred_clients_see_the_same_gap_free_sequence_while_a_runner_streams()
     while acks.len() < 4 {
         match recv(&mut runner).await.expect("runner socket closed") {
             ServerMessage::Ack { seq, .. } => acks.push(seq),
+            // Every live delta is answered too.
+            ServerMessage::Received {} => {}
             other => panic!("runner got {other:?}"),
         }
     }
     let last = srv.last_seq("s").await;
-    // 100 prompts + runner-attached + 4 runner frames.
-    assert_eq!(last, 105);
+    // The prompt, 100 answers, runner-attached and 4 runner frames.
+    assert_eq!(last, 106);
     assert_eq!(*acks.last().unwrap(), last);
     let stored = srv.log.read(&sid("s"), 0, 1000).await.unwrap();
     let handles: Vec<_> = joined
@@ -218,7 +221,16 @@ async fn deltas_are_stored_once_and_a_late_joiner_gets_the_partial_text() {
         part("t", json!({"type": "text-end", "id": "x"})),
     )
     .await;
-    let ack = recv(&mut runner).await.unwrap();
+    // Every start and delta was answered `received` (fanned out, not
+    // stored); the end is acknowledged with the stored message's seq.
+    let mut received = 0;
+    let ack = loop {
+        match recv(&mut runner).await.unwrap() {
+            ServerMessage::Received {} => received += 1,
+            other => break other,
+        }
+    };
+    assert_eq!(received, 6, "text-start and five deltas");
     let ServerMessage::Ack { seq, .. } = ack else {
         panic!("{ack:?}")
     };
@@ -276,7 +288,7 @@ async fn a_fenced_runner_cannot_write() {
     let mut gen2 = ws(&url(2)).await;
     // gen1 hears it was fenced, and its connection is closed.
     match recv(&mut gen1).await {
-        Some(ServerMessage::Error { code, .. }) => assert_eq!(code, "stale_runner"),
+        Some(ServerMessage::Error { code, .. }) => assert_eq!(code.as_str(), "stale_runner"),
         other => panic!("gen1 expected stale_runner, got {other:?}"),
     }
     // A write after the fence: refused at the socket (closed) or by the actor.
@@ -291,14 +303,14 @@ async fn a_fenced_runner_cannot_write() {
     {
         match recv(&mut gen1).await {
             None => {}
-            Some(ServerMessage::Error { code, .. }) => assert_eq!(code, "stale_runner"),
+            Some(ServerMessage::Error { code, .. }) => assert_eq!(code.as_str(), "stale_runner"),
             Some(other) => panic!("a fenced write got {other:?}"),
         }
     }
     // A lower generation is refused outright.
     let mut old = ws(&url(1)).await;
     match recv(&mut old).await {
-        Some(ServerMessage::Error { code, .. }) => assert_eq!(code, "stale_runner"),
+        Some(ServerMessage::Error { code, .. }) => assert_eq!(code.as_str(), "stale_runner"),
         other => panic!("generation 1 after 2 expected stale_runner, got {other:?}"),
     }
     send(
@@ -332,6 +344,18 @@ async fn a_fenced_runner_cannot_write() {
     assert_eq!(gens, vec![1, 2]);
 }
 
+async fn post_answer(srv: &TestServer, id: &str, approval: &str) -> serde_json::Value {
+    let r = srv
+        .http
+        .post(format!("{}/v1/sessions/{id}/messages", srv.base))
+        .json(&json!({"type": "approval-response", "approvalId": approval, "approved": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    r.json().await.unwrap()
+}
+
 async fn post_prompt(srv: &TestServer, id: &str, text: &str) -> serde_json::Value {
     let r = srv
         .http
@@ -349,7 +373,11 @@ async fn sse_resumes_exactly_from_last_event_id() {
     let srv = start(|_| {}).await;
     srv.create("e").await;
     for i in 1..=10 {
-        let ack = post_prompt(&srv, "e", &format!("m{i}")).await;
+        let ack = if i == 1 {
+            post_prompt(&srv, "e", "m1").await
+        } else {
+            post_answer(&srv, "e", &format!("m{i}")).await
+        };
         assert_eq!(ack["seq"], i);
     }
     let url = format!("{}/v1/sessions/e/events", srv.base);
@@ -371,7 +399,7 @@ async fn sse_resumes_exactly_from_last_event_id() {
             for i in 11..=30 {
                 let r = http
                     .post(format!("{srv_base}/v1/sessions/e/messages"))
-                    .json(&json!({"type": "prompt", "text": format!("m{i}")}))
+                    .json(&json!({"type": "approval-response", "approvalId": format!("m{i}"), "approved": true}))
                     .send()
                     .await
                     .unwrap();
@@ -440,7 +468,7 @@ async fn an_idle_actor_stops_and_a_new_one_recovers_from_the_log() {
     ))
     .await;
     assert!(
-        matches!(recv(&mut stale).await, Some(ServerMessage::Error { code, .. }) if code == "stale_runner")
+        matches!(recv(&mut stale).await, Some(ServerMessage::Error { code, .. }) if code.as_str() == "stale_runner")
     );
     let ack = post_prompt(&srv, "idle", "after restart").await;
     assert_eq!(ack["seq"], 3);

@@ -6,7 +6,11 @@ use std::sync::Arc;
 
 use anyhow::{bail, ensure, Context, Result};
 use harness_core::frame::{FrameBody, SessionId};
-use harness_core::log::{AppendRequest, SessionLog};
+use harness_core::log::{fold_meta, AppendRequest, SessionLog};
+use harness_core::part::StreamPart;
+use harness_core::sandbox::SandboxHandle;
+use harness_core::session::SessionConfig;
+use harness_core::turn::TurnStatus;
 use harness_core::ErrorKind;
 
 fn sid(s: &str) -> SessionId {
@@ -50,6 +54,165 @@ where
     concurrent_appends_stay_gap_free(factory().await)
         .await
         .context("concurrent_appends_stay_gap_free")?;
+    appends_answer_with_the_stored_frame(factory().await)
+        .await
+        .context("appends_answer_with_the_stored_frame")?;
+    meta_is_folded_with_every_append(factory().await)
+        .await
+        .context("meta_is_folded_with_every_append")?;
+    Ok(())
+}
+
+/// An append answers with the frame exactly as a read returns it (seq,
+/// `at_ms`, body), and a duplicate with the original frame: a session
+/// actor fans it out without reading it back.
+pub async fn appends_answer_with_the_stored_frame(log: Arc<dyn SessionLog>) -> Result<()> {
+    let s = sid("stored-frame");
+    log.create(&s).await?;
+    let first = log
+        .append(&s, AppendRequest::idempotent(prompt("one"), "k1"))
+        .await?;
+    let second = log.append(&s, AppendRequest::new(prompt("two"))).await?;
+    let stored = log.read(&s, 0, 10).await?;
+    ensure!(
+        stored.len() == 2 && first.frame == stored[0] && second.frame == stored[1],
+        "append answers {:?} / {:?} differ from what is read back {stored:?}",
+        first.frame,
+        second.frame
+    );
+    ensure!(first.seq == first.frame.seq, "seq {} vs frame {:?}", first.seq, first.frame);
+    let retry = log
+        .append(&s, AppendRequest::idempotent(prompt("one"), "k1"))
+        .await?;
+    ensure!(
+        retry.duplicate && retry.frame == stored[0],
+        "a duplicate must answer with the original frame, got {retry:?}"
+    );
+    Ok(())
+}
+
+/// `info().meta` is every frame folded with `SessionMeta::apply` (config
+/// from `create_with`, runner generation, the latest turn with its key,
+/// answers and abort, the sandbox and agent session of its end); a fork's
+/// meta is its own prefix folded under the source's config.
+pub async fn meta_is_folded_with_every_append(log: Arc<dyn SessionLog>) -> Result<()> {
+    let s = sid("meta");
+    let config = SessionConfig::new("codex", "docker");
+    let info = log.create_with(&s, Some(config.clone())).await?;
+    ensure!(
+        info.meta.config.as_ref() == Some(&config) && info.meta.turn.is_none(),
+        "a new log's meta: {:?}",
+        info.meta
+    );
+    let handle = SandboxHandle {
+        provider: "docker".into(),
+        id: "c1".into(),
+        workdir: "/workspace".into(),
+        owned: true,
+        data: serde_json::Value::Null,
+    };
+    let frames: Vec<(FrameBody, Option<&str>)> = vec![
+        (FrameBody::RunnerAttached { generation: 7 }, None),
+        (
+            FrameBody::UserMessage {
+                text: "hi".into(),
+                turn_id: Some("t1".into()),
+            },
+            Some("p1"),
+        ),
+        (
+            FrameBody::Part {
+                turn_id: "t1".into(),
+                part: StreamPart::StreamStart {
+                    agent_session_id: Some("agent-1".into()),
+                },
+            },
+            Some("t1:0:0"),
+        ),
+        (
+            FrameBody::Part {
+                turn_id: "t1".into(),
+                part: StreamPart::ToolApprovalRequest {
+                    approval_id: "ap".into(),
+                    tool_call_id: "c".into(),
+                    tool_name: "Bash".into(),
+                    input: serde_json::json!({}),
+                },
+            },
+            None,
+        ),
+        (
+            FrameBody::ApprovalResponse {
+                approval_id: "ap".into(),
+                approved: true,
+                reason: None,
+                turn_id: Some("t1".into()),
+            },
+            None,
+        ),
+        (
+            FrameBody::AbortRequested {
+                turn_id: "t1".into(),
+                reason: "stop".into(),
+            },
+            None,
+        ),
+        (
+            FrameBody::TurnStatus {
+                turn_id: "t1".into(),
+                status: TurnStatus::Failed,
+                error: Some("aborted: stop".into()),
+                sandbox: Some(handle.clone()),
+                agent_session_id: None,
+            },
+            Some("t1:status:failed"),
+        ),
+    ];
+    let mut after_two = None;
+    for (i, (body, key)) in frames.iter().enumerate() {
+        let request = AppendRequest {
+            body: body.clone(),
+            idempotency_key: key.map(str::to_string),
+        };
+        log.append(&s, request).await?;
+        if i == 1 {
+            after_two = Some(log.info(&s).await?.meta);
+        }
+    }
+    let expected = fold_meta(
+        Some(config.clone()),
+        frames.iter().map(|(b, k)| (b, *k)),
+    );
+    let meta = log.info(&s).await?.meta;
+    ensure!(
+        meta == expected,
+        "stored meta {meta:?} is not the frames folded: {expected:?}"
+    );
+    ensure!(
+        meta.generation == 7
+            && meta.sandbox.as_ref() == Some(&handle)
+            && meta.agent_session_id.as_deref() == Some("agent-1")
+            && meta.active_turn().is_none(),
+        "meta {meta:?}"
+    );
+    let after_two = after_two.expect("recorded");
+    let turn = after_two.active_turn().context("a turn runs after the prompt")?;
+    ensure!(
+        turn.key.as_deref() == Some("p1"),
+        "the prompt's key is kept: {turn:?}"
+    );
+    // A fork of the first two frames: config and the running turn, folded.
+    let f = sid("meta-fork");
+    let forked = log.fork(&s, 2, &f).await?;
+    ensure!(
+        forked.meta == after_two,
+        "fork meta {:?} is not the prefix folded {after_two:?}",
+        forked.meta
+    );
+    ensure!(
+        log.info(&f).await?.meta == after_two,
+        "fork meta changed on read"
+    );
     Ok(())
 }
 

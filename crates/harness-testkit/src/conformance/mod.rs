@@ -4,5 +4,6 @@
 //! `object_store` tests every store with the same functions.
 
 pub mod checkpoint;
+pub mod engine;
 pub mod log;
 pub mod sandbox;

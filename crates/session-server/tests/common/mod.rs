@@ -99,6 +99,8 @@ pub async fn answer(ws: &mut Ws, seen: &mut Vec<ServerMessage>) -> ServerMessage
         let m = recv(ws).await.expect("socket closed before the answer");
         match m {
             ServerMessage::Ack { .. } | ServerMessage::Error { .. } => return m,
+            // A runner's live part is answered with `received`.
+            ServerMessage::Received {} => {}
             other => seen.push(other),
         }
     }

@@ -1,0 +1,159 @@
+//! [`ActorDriver`]: the one loop around the session actor, generic over
+//! where frames are stored ([`SessionStore`]) and how connections are
+//! reached ([`Transport`]).
+//!
+//! Every runtime drives a session's actor with this: the tokio hub of
+//! `harness serve` (one task per live session, transport = per-connection
+//! channels), and a Durable Object (store = the DO's SQLite, transport =
+//! its hibernatable WebSockets). The driver:
+//! - starts from [`SessionStore::info`] (last seq, seal, the folded
+//!   [`SessionMeta`](crate::session::SessionMeta)) — no log scan;
+//! - performs the machine's outputs in order; an append is awaited and its
+//!   stored frame fed back at once (`Input::Appended`), and the outputs that
+//!   produces run before the rest, so fan-out order is seq order and the
+//!   machine never sees two things at once;
+//! - reads replays from the store page by page;
+//! - hands [`TurnCommand`]s to the transport's host.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use crate::actor::{
+    ActorConfig, ConnId, ErrorCode, Input, Output, ServerMessage, SessionActor,
+};
+use crate::log::SessionStore;
+use crate::maybe::MaybeSend;
+use crate::session::TurnCommand;
+use crate::Result;
+
+/// Frames read from the store per page when replaying.
+pub const REPLAY_PAGE: usize = 1000;
+
+/// How an actor reaches its connections and its host. Every call is
+/// synchronous: a transport queues (a channel push, a `WebSocket::send`),
+/// it never waits on a reader.
+pub trait Transport: MaybeSend {
+    /// Queue `message` for `conn`. `false` when the connection is gone or
+    /// was dropped for falling too far behind (a replay then stops).
+    fn send(&mut self, conn: ConnId, message: ServerMessage) -> bool;
+    /// Close `conn` after what was queued.
+    fn close(&mut self, conn: ConnId, reason: &str);
+    /// A stored client message asks for an engine call: perform it (it must
+    /// not block: spawn it), or forward it to the runtime that runs turns.
+    fn dispatch(&mut self, command: TurnCommand);
+}
+
+/// Drives one [`SessionActor`]. See the module docs.
+#[derive(Debug)]
+pub struct ActorDriver<T> {
+    store: Arc<dyn SessionStore>,
+    transport: T,
+    actor: SessionActor,
+}
+
+impl<T: Transport> ActorDriver<T> {
+    /// Start the actor of `store`'s session from its stored info.
+    pub async fn recover(
+        store: Arc<dyn SessionStore>,
+        config: ActorConfig,
+        transport: T,
+    ) -> Result<Self> {
+        let info = store.info().await?;
+        Ok(Self {
+            actor: SessionActor::from_info(config, &info),
+            store,
+            transport,
+        })
+    }
+
+    /// The machine (read-only: feed it through [`handle`](Self::handle)).
+    pub fn actor(&self) -> &SessionActor {
+        &self.actor
+    }
+
+    /// The transport.
+    pub fn transport(&self) -> &T {
+        &self.transport
+    }
+
+    /// The transport, to register connections before their `Connect`.
+    pub fn transport_mut(&mut self) -> &mut T {
+        &mut self.transport
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Arc<dyn SessionStore> {
+        &self.store
+    }
+
+    /// Feed one input and perform everything it leads to.
+    pub async fn handle(&mut self, input: Input) {
+        let outputs = self.actor.handle(input);
+        self.perform(outputs).await;
+    }
+
+    async fn perform(&mut self, outputs: Vec<Output>) {
+        let mut queue: VecDeque<Output> = outputs.into();
+        while let Some(output) = queue.pop_front() {
+            match output {
+                Output::Append(request) => {
+                    let input = match self.store.append(request).await {
+                        Ok(appended) => Input::Appended {
+                            frame: appended.frame,
+                            duplicate: appended.duplicate,
+                        },
+                        Err(e) => Input::AppendFailed {
+                            kind: e.kind(),
+                            error: e.to_string(),
+                        },
+                    };
+                    let more = self.actor.handle(input);
+                    for output in more.into_iter().rev() {
+                        queue.push_front(output);
+                    }
+                }
+                Output::Replay { conn, after, until } => self.replay(conn, after, until).await,
+                Output::Send { conn, message } => {
+                    self.transport.send(conn, message);
+                }
+                Output::Close { conn, reason } => self.transport.close(conn, &reason),
+                Output::Dispatch(command) => self.transport.dispatch(command),
+            }
+        }
+    }
+
+    /// Send stored frames `after < seq <= until` to `conn`.
+    async fn replay(&mut self, conn: ConnId, after: u64, until: u64) {
+        let mut cursor = after;
+        while cursor < until {
+            let want = usize::try_from(until - cursor)
+                .unwrap_or(REPLAY_PAGE)
+                .min(REPLAY_PAGE);
+            match self.store.read(cursor, want).await {
+                Ok(page) if page.is_empty() => break,
+                Ok(page) => {
+                    for frame in page {
+                        if frame.seq > until {
+                            return;
+                        }
+                        cursor = frame.seq;
+                        if !self.transport.send(conn, ServerMessage::Frame { frame }) {
+                            return;
+                        }
+                    }
+                }
+                Err(e) => {
+                    // A reader with a hole in its history must not go on as
+                    // if it had everything: tell it and close.
+                    let message = ServerMessage::error(
+                        ErrorCode::ReplayFailed,
+                        format!("could not read frames after {cursor}: {e}"),
+                    );
+                    self.transport.send(conn, message);
+                    self.transport.close(conn, "replay failed");
+                    return;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,562 @@
+//! [`Hub`]: one tokio task per live session, each running core's
+//! [`ActorDriver`] over the [`SessionLog`] with a channel per connection.
+//!
+//! ## Who sequences, and why there are no locks on the hot path
+//!
+//! The log assigns seqs; the actor task is the only writer of its session,
+//! and it handles one command at a time through the driver, which performs
+//! the machine's outputs in order (an append's stored frame is fed back at
+//! once). Fan-out is a push onto each connection's unbounded channel, so a
+//! slow reader never stalls the actor (it only grows its own queue, up to
+//! [`MAX_QUEUED`]). The only lock is the registry's, held for a map lookup
+//! and a channel send.
+//!
+//! ## Never two actors for one session
+//!
+//! The registry maps a session to the command sender of its one task.
+//! Commands that reach a task (`Connect`, and inputs from the runtime) are
+//! sent *while holding the registry lock*. A task with no connections left
+//! waits `idle_timeout`, then takes the registry lock, and retires only if
+//! its queue is empty: it removes its own entry (matched by epoch) and
+//! closes its queue before releasing the lock. So a command is either
+//! already queued (and the task stays) or arrives after the removal (and
+//! starts a fresh task, which recovers from the log's stored meta).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::time::Duration;
+
+use harness_core::actor::{
+    ActorConfig, ClientMessage, ConnId, ErrorCode, Input, Role, RunnerMessage, ServerMessage,
+};
+use harness_core::actor_driver::{ActorDriver, Transport};
+use harness_core::log::{LogSession, SessionLog, SessionStore};
+use harness_core::session::TurnCommand;
+use harness_core::{Error, SessionId};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::dispatch::Dispatcher;
+
+/// Messages queued for one connection before the actor gives up on it. A
+/// reader this far behind is dropped (its stream ends after the queued
+/// messages) and resumes from its last seq, instead of growing the
+/// server's memory without bound.
+pub const MAX_QUEUED: usize = 10_000;
+
+/// How the hub runs its actors.
+#[derive(Debug, Clone)]
+pub struct HubConfig {
+    /// The actor's limits (frame size).
+    pub actor: ActorConfig,
+    /// A session actor with no connections stops after this long.
+    pub idle_timeout: Duration,
+}
+
+impl Default for HubConfig {
+    fn default() -> Self {
+        Self {
+            actor: ActorConfig::default(),
+            idle_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// The actor's end of a connection's queue, with its depth.
+#[derive(Debug, Clone)]
+struct OutTx {
+    tx: mpsc::UnboundedSender<Outbound>,
+    depth: Arc<AtomicUsize>,
+}
+
+impl OutTx {
+    /// Queue a message; false when the reader is gone or too far behind.
+    fn push(&self, out: Outbound) -> bool {
+        if self.depth.fetch_add(1, Ordering::AcqRel) >= MAX_QUEUED {
+            return false;
+        }
+        self.tx.send(out).is_ok()
+    }
+}
+
+/// What a connection receives.
+#[derive(Debug, Clone)]
+pub enum Outbound {
+    /// A message for the peer.
+    Msg(ServerMessage),
+    /// The actor closed the connection (e.g. a fenced runner).
+    Close(String),
+}
+
+enum Command {
+    Connect {
+        role: Role,
+        after: Option<u64>,
+        out: OutTx,
+        reply: oneshot::Sender<Result<ConnId, Error>>,
+    },
+    Input(Input),
+}
+
+struct Entry {
+    epoch: u64,
+    tx: mpsc::UnboundedSender<Command>,
+}
+
+/// Why a write got no acknowledgement.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AnswerError {
+    /// The actor refused it; nothing was stored.
+    Refused {
+        /// Why.
+        code: ErrorCode,
+        /// What happened and what to do.
+        message: String,
+    },
+    /// The connection closed first (the actor stopped or fenced it).
+    Closed(String),
+    /// No answer within the timeout.
+    TimedOut,
+}
+
+impl std::fmt::Display for AnswerError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AnswerError::Refused { code, message } => write!(f, "{code}: {message}"),
+            AnswerError::Closed(reason) => write!(f, "connection closed: {reason}"),
+            AnswerError::TimedOut => f.write_str("the session did not answer in time"),
+        }
+    }
+}
+
+impl std::error::Error for AnswerError {}
+
+impl From<AnswerError> for Error {
+    fn from(e: AnswerError) -> Self {
+        match e {
+            AnswerError::Refused { code, message } => code.into_error(message),
+            AnswerError::Closed(reason) => {
+                if reason.contains("fenced") || reason.contains("stale runner") {
+                    Error::fenced(reason)
+                } else {
+                    Error::backend(format!("the session connection closed: {reason}"))
+                }
+            }
+            AnswerError::TimedOut => Error::new(
+                harness_core::ErrorKind::TimedOut,
+                "the session did not answer in time",
+            ),
+        }
+    }
+}
+
+/// The registry of live session actors. See the module docs.
+pub struct Hub {
+    log: Arc<dyn SessionLog>,
+    config: HubConfig,
+    registry: Mutex<HashMap<SessionId, Entry>>,
+    epochs: AtomicU64,
+    dispatcher: RwLock<Option<Arc<dyn Dispatcher>>>,
+    /// Where actor tasks run: the runtime the hub was made on, whichever
+    /// thread later opens a connection (a Temporal worker's own runtime
+    /// must not host actors that outlive it).
+    tasks: tokio::runtime::Handle,
+    me: Weak<Hub>,
+}
+
+impl std::fmt::Debug for Hub {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hub")
+            .field("log", &self.log)
+            .field("live", &self.live_sessions())
+            .finish()
+    }
+}
+
+/// One open connection to a session actor. Dropping it disconnects.
+#[derive(Debug)]
+pub struct Connection {
+    id: ConnId,
+    rx: mpsc::UnboundedReceiver<Outbound>,
+    depth: Arc<AtomicUsize>,
+    tx: mpsc::UnboundedSender<Command>,
+}
+
+impl std::fmt::Debug for Command {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Command::Connect { role, after, .. } => f
+                .debug_struct("Connect")
+                .field("role", role)
+                .field("after", after)
+                .finish(),
+            Command::Input(i) => f.debug_tuple("Input").field(i).finish(),
+        }
+    }
+}
+
+impl Connection {
+    /// The connection's id inside its actor.
+    pub fn id(&self) -> ConnId {
+        self.id
+    }
+
+    /// The next message for this connection; `None` when the actor dropped
+    /// it (stopped, or the reader fell [`MAX_QUEUED`] behind).
+    pub async fn recv(&mut self) -> Option<Outbound> {
+        let out = self.rx.recv().await;
+        if out.is_some() {
+            self.depth.fetch_sub(1, Ordering::AcqRel);
+        }
+        out
+    }
+
+    /// Send a client message (the answer arrives on [`recv`](Self::recv)).
+    pub fn client(&self, message: ClientMessage) {
+        let _ = self.tx.send(Command::Input(Input::Client {
+            conn: self.id,
+            message,
+        }));
+    }
+
+    /// Send a runner message.
+    pub fn runner(&self, message: RunnerMessage) {
+        let _ = self.tx.send(Command::Input(Input::Runner {
+            conn: self.id,
+            message,
+        }));
+    }
+
+    /// Wait for the answer (`Ack`, `Received` or `Error`) to the one
+    /// message this connection sent, skipping the frames fanned out
+    /// meanwhile. `(seq, duplicate)`; seq 0 for a live part (`Received`:
+    /// fanned out, stored later as part of its block).
+    pub async fn answer(&mut self, timeout: Duration) -> Result<(u64, bool), AnswerError> {
+        let wait = async {
+            while let Some(out) = self.recv().await {
+                match out {
+                    Outbound::Msg(ServerMessage::Ack { seq, duplicate }) => {
+                        return Ok((seq, duplicate))
+                    }
+                    Outbound::Msg(ServerMessage::Received {}) => return Ok((0, false)),
+                    Outbound::Msg(ServerMessage::Error { code, message }) => {
+                        return Err(AnswerError::Refused { code, message })
+                    }
+                    Outbound::Msg(_) => {}
+                    Outbound::Close(reason) => return Err(AnswerError::Closed(reason)),
+                }
+            }
+            Err(AnswerError::Closed("the session actor stopped".into()))
+        };
+        tokio::time::timeout(timeout, wait)
+            .await
+            .unwrap_or(Err(AnswerError::TimedOut))
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        let _ = self
+            .tx
+            .send(Command::Input(Input::Disconnect { conn: self.id }));
+    }
+}
+
+impl Hub {
+    /// A hub over `log`; turns are dispatched to what
+    /// [`set_dispatcher`](Self::set_dispatcher) installs (nothing until then:
+    /// prompts are stored and wait for a runtime). Must be called inside a
+    /// tokio runtime: actor tasks run on it.
+    pub fn new(log: Arc<dyn SessionLog>, config: HubConfig) -> Arc<Self> {
+        let tasks = tokio::runtime::Handle::current();
+        Arc::new_cyclic(|me| Self {
+            log,
+            config,
+            registry: Mutex::new(HashMap::new()),
+            epochs: AtomicU64::new(1),
+            dispatcher: RwLock::new(None),
+            tasks,
+            me: me.clone(),
+        })
+    }
+
+    /// The runtime the hub's tasks run on.
+    pub fn tasks(&self) -> &tokio::runtime::Handle {
+        &self.tasks
+    }
+
+    /// Where the actors' [`TurnCommand`]s go from now on.
+    pub fn set_dispatcher(&self, dispatcher: Arc<dyn Dispatcher>) {
+        *self.dispatcher.write().unwrap_or_else(|e| e.into_inner()) = Some(dispatcher);
+    }
+
+    /// The log.
+    pub fn log(&self) -> &Arc<dyn SessionLog> {
+        &self.log
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &HubConfig {
+        &self.config
+    }
+
+    pub(crate) fn dispatch(&self, session: &SessionId, command: TurnCommand) {
+        let dispatcher = self
+            .dispatcher
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        match dispatcher {
+            Some(d) => d.dispatch(session, command),
+            None => tracing::debug!(
+                %session,
+                turn = command.turn_id(),
+                "no runtime attached: the command waits in the log for one"
+            ),
+        }
+    }
+
+    /// Sessions with a running actor.
+    pub fn live_sessions(&self) -> Vec<SessionId> {
+        let mut v: Vec<SessionId> = self
+            .registry
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .keys()
+            .cloned()
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// Queue `cmd` for `session`'s actor, starting it if needed; returns
+    /// the queue it went to.
+    fn send(
+        &self,
+        session: &SessionId,
+        mut cmd: Command,
+    ) -> Result<mpsc::UnboundedSender<Command>, Error> {
+        // A retry covers the window where a task retired between our lookup
+        // and the send (its queue is closed then).
+        for _ in 0..3 {
+            let mut registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+            let entry = registry
+                .entry(session.clone())
+                .or_insert_with(|| self.spawn_actor(session.clone()));
+            match entry.tx.send(cmd) {
+                Ok(()) => return Ok(entry.tx.clone()),
+                Err(mpsc::error::SendError(back)) => {
+                    registry.remove(session);
+                    cmd = back;
+                }
+            }
+        }
+        Err(Error::backend(format!(
+            "the actor of session {session} keeps failing"
+        )))
+    }
+
+    /// Open a connection to `session`'s actor, starting it if needed.
+    pub async fn connect(
+        &self,
+        session: &SessionId,
+        role: Role,
+        after: Option<u64>,
+    ) -> Result<Connection, Error> {
+        for _ in 0..3 {
+            let (out_tx, out_rx) = mpsc::unbounded_channel();
+            let depth = Arc::new(AtomicUsize::new(0));
+            let (reply_tx, reply_rx) = oneshot::channel();
+            let cmd = Command::Connect {
+                role,
+                after,
+                out: OutTx {
+                    tx: out_tx,
+                    depth: depth.clone(),
+                },
+                reply: reply_tx,
+            };
+            let tx = self.send(session, cmd)?;
+            match reply_rx.await {
+                Ok(Ok(id)) => {
+                    return Ok(Connection {
+                        id,
+                        rx: out_rx,
+                        depth,
+                        tx,
+                    })
+                }
+                Ok(Err(e)) => return Err(e),
+                // The task died before answering.
+                Err(_) => continue,
+            }
+        }
+        Err(Error::backend(format!(
+            "the actor of session {session} keeps failing"
+        )))
+    }
+
+    /// Feed an input that no connection sends (the runtime reporting a
+    /// command it could not perform).
+    pub fn input(&self, session: &SessionId, input: Input) -> Result<(), Error> {
+        self.send(session, Command::Input(input)).map(|_| ())
+    }
+
+    /// Seal through the actor, so live clients see the seal frame and the
+    /// actor refuses later writes itself.
+    pub async fn seal(&self, session: &SessionId) -> Result<(), Error> {
+        let mut conn = self.connect(session, Role::Client, None).await?;
+        conn.client(ClientMessage::Seal {});
+        conn.answer(Duration::from_secs(30))
+            .await
+            .map(|_| ())
+            .map_err(Error::from)
+    }
+
+    fn spawn_actor(&self, session: SessionId) -> Entry {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let epoch = self.epochs.fetch_add(1, Ordering::Relaxed);
+        let hub = self.me.upgrade().expect("the hub is alive while it spawns");
+        self.tasks.spawn(run_actor(hub, session, epoch, rx));
+        Entry { epoch, tx }
+    }
+
+    /// Remove the task's entry if its queue is empty; true when retired.
+    /// Called with no connections open.
+    fn try_retire(
+        &self,
+        session: &SessionId,
+        epoch: u64,
+        rx: &mut mpsc::UnboundedReceiver<Command>,
+    ) -> bool {
+        let mut registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+        if !rx.is_empty() {
+            return false;
+        }
+        if registry.get(session).is_some_and(|e| e.epoch == epoch) {
+            registry.remove(session);
+        }
+        rx.close();
+        true
+    }
+
+    /// A task that could not start: leave the registry and refuse what was
+    /// queued.
+    fn fail_start(
+        &self,
+        session: &SessionId,
+        epoch: u64,
+        mut rx: mpsc::UnboundedReceiver<Command>,
+        error: &Error,
+    ) {
+        {
+            let mut registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+            if registry.get(session).is_some_and(|e| e.epoch == epoch) {
+                registry.remove(session);
+            }
+            rx.close();
+        }
+        while let Ok(cmd) = rx.try_recv() {
+            if let Command::Connect { reply, .. } = cmd {
+                let _ = reply.send(Err(Error::new(error.kind(), error.message())));
+            }
+        }
+    }
+}
+
+/// The actor task's connections, as the driver's [`Transport`].
+struct ChannelTransport {
+    session: SessionId,
+    conns: HashMap<ConnId, OutTx>,
+    hub: Weak<Hub>,
+}
+
+impl Transport for ChannelTransport {
+    fn send(&mut self, conn: ConnId, message: ServerMessage) -> bool {
+        let Some(tx) = self.conns.get(&conn) else {
+            return false;
+        };
+        if tx.push(Outbound::Msg(message)) {
+            return true;
+        }
+        tracing::warn!(session = %self.session, conn, "dropping a connection that fell behind");
+        self.conns.remove(&conn);
+        false
+    }
+
+    fn close(&mut self, conn: ConnId, reason: &str) {
+        if let Some(tx) = self.conns.get(&conn) {
+            tx.push(Outbound::Close(reason.to_string()));
+        }
+    }
+
+    fn dispatch(&mut self, command: TurnCommand) {
+        if let Some(hub) = self.hub.upgrade() {
+            hub.dispatch(&self.session, command);
+        }
+    }
+}
+
+async fn run_actor(
+    hub: Arc<Hub>,
+    session: SessionId,
+    epoch: u64,
+    mut rx: mpsc::UnboundedReceiver<Command>,
+) {
+    let store: Arc<dyn SessionStore> = Arc::new(LogSession::new(hub.log.clone(), session.clone()));
+    let transport = ChannelTransport {
+        session: session.clone(),
+        conns: HashMap::new(),
+        hub: Arc::downgrade(&hub),
+    };
+    let mut driver = match ActorDriver::recover(store, hub.config.actor.clone(), transport).await {
+        Ok(driver) => driver,
+        Err(e) => {
+            hub.fail_start(&session, epoch, rx, &e);
+            return;
+        }
+    };
+    tracing::debug!(%session, last_seq = driver.actor().last_seq(), "session actor started");
+    let mut next_conn: ConnId = 1;
+    loop {
+        let cmd = if driver.transport().conns.is_empty() {
+            match tokio::time::timeout(hub.config.idle_timeout, rx.recv()).await {
+                Ok(cmd) => cmd,
+                Err(_) => {
+                    if hub.try_retire(&session, epoch, &mut rx) {
+                        tracing::debug!(%session, "session actor stopped (idle)");
+                        return;
+                    }
+                    continue;
+                }
+            }
+        } else {
+            rx.recv().await
+        };
+        // `None` only once the queue is closed, i.e. after retiring.
+        let Some(cmd) = cmd else { return };
+        match cmd {
+            Command::Connect {
+                role,
+                after,
+                out,
+                reply,
+            } => {
+                let conn = next_conn;
+                next_conn += 1;
+                if reply.send(Ok(conn)).is_err() {
+                    // The caller gave up before we answered: nothing to do.
+                    continue;
+                }
+                driver.transport_mut().conns.insert(conn, out);
+                driver.handle(Input::Connect { conn, role, after }).await;
+            }
+            Command::Input(input) => {
+                if let Input::Disconnect { conn } = &input {
+                    driver.transport_mut().conns.remove(conn);
+                }
+                driver.handle(input).await;
+            }
+        }
+    }
+}

@@ -1,0 +1,68 @@
+//! # session-runtime
+//!
+//! The session runtime on tokio: what joins a client's prompt to a turn on
+//! a durable engine, in one process. The logic lives in `harness-core`
+//! (the actor and its [`ActorDriver`](harness_core::actor_driver::ActorDriver),
+//! the turn loop, [`SessionRuntime`](harness_core::session::SessionRuntime));
+//! this crate is the I/O around it:
+//!
+//! - [`hub`]: one tokio task per live session driving its actor, with a
+//!   channel per connection (clients and the runner);
+//! - [`dispatch`]: the actor's turn commands performed on an engine, in
+//!   order per session;
+//! - [`runner`]: the slice runner's sink, writing as the session's runner
+//!   (fenced by generation) in-process or over the runner WebSocket;
+//! - [`runtime`]: all of it assembled ([`Runtime`]), and the client API
+//!   ([`SessionClient`], [`TurnHandle`]) that `harness run` and embedding
+//!   programs use;
+//! - [`follow`]: a client's view of one turn as stream parts.
+//!
+//! `session-server` serves a [`Hub`] over HTTP; `harness serve`,
+//! `harness run` and the `harness` facade's embedding API build a
+//! [`Runtime`].
+//!
+//! ```no_run
+//! # async fn demo(harness: std::sync::Arc<dyn harness_core::harness::Harness>) -> harness_core::Result<()> {
+//! use std::sync::Arc;
+//! use harness_core::log::MemorySessionLog;
+//! use harness_core::session::SessionConfig;
+//! use session_runtime::Runtime;
+//! # let local: Arc<dyn harness_core::sandbox::SandboxProvider> = unimplemented!();
+//! let runtime = Runtime::builder(Arc::new(MemorySessionLog::new()))
+//!     .provider(local)
+//!     .agent(harness)
+//!     .build();
+//! runtime.start().await?;
+//! let session = runtime.create_session(None, SessionConfig::default()).await?;
+//! let outcome = session.prompt("Create hello.txt").await?.finish().await?;
+//! println!("{:?}: {}", outcome.status, outcome.text);
+//! # Ok(()) }
+//! ```
+
+pub mod dispatch;
+pub mod follow;
+pub mod hub;
+pub mod runner;
+pub mod runtime;
+
+pub use dispatch::{Dispatcher, EngineDispatcher};
+pub use follow::{TurnFollower, TurnUpdate};
+pub use hub::{AnswerError, Connection, Hub, HubConfig, Outbound};
+pub use runner::{HubConnector, RunnerConnector, RunnerLink, RunnerSink, WsConnector};
+pub use runtime::{
+    tokio_sleeper, tokio_spawner, EngineChoice, Runtime, RuntimeBuilder, SessionClient, Started,
+    TurnHandle, TurnOutcome,
+};
+
+/// The system clock: milliseconds since the Unix epoch.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SystemClock;
+
+impl harness_core::clock::Clock for SystemClock {
+    fn now_ms(&self) -> u64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0)
+    }
+}
