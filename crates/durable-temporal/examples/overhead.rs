@@ -9,27 +9,32 @@
 //! Temporal dev server at `HARNESS_TEMPORAL_ADDRESS`, default
 //! 127.0.0.1:7233).
 
-#[path = "../tests/common/script.rs"]
-mod script;
-
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use durable_temporal::{TemporalConfig, TemporalEngine, TurnWorker};
+use harness_core::clock::Clock;
 use harness_core::engine::{DurableEngine, InProcessEngine, MemoryTurnStore};
 use harness_core::frame::SessionId;
-use harness_core::log::{now_ms, MemorySessionLog, SessionLog};
+use harness_core::log::{MemorySessionLog, SessionLog};
 use harness_core::sandbox::{SandboxProvider, SandboxSpec};
-use harness_core::sink::LogSink;
 use harness_core::slice::SliceRunner;
 use harness_core::stream::AbortSignal;
 use harness_core::turn::{step, TurnEvent, TurnState};
+use harness_testkit::agent::{ScriptHarness, SCRIPT_AGENT};
+use session_runtime::{Hub, HubConfig, HubConnector, RunnerSink, SystemClock};
 
 /// How long the scripted agent runs in the engine measurements.
 const AGENT_SECONDS: f64 = 4.0;
 
+fn now_ms() -> u64 {
+    SystemClock.now_ms()
+}
+
+/// A runner writing through a hub of session actors over `log` (call
+/// inside the tokio runtime: the actors run on it).
 fn runner(root: &Path, log: Arc<dyn SessionLog>) -> SliceRunner {
     let mut providers: BTreeMap<String, Arc<dyn SandboxProvider>> = BTreeMap::new();
     providers.insert(
@@ -37,16 +42,20 @@ fn runner(root: &Path, log: Arc<dyn SessionLog>) -> SliceRunner {
         Arc::new(sandbox_local::LocalProvider::new(root)),
     );
     let mut harnesses: BTreeMap<String, Arc<dyn harness_core::harness::Harness>> = BTreeMap::new();
-    harnesses.insert(script::SCRIPT_AGENT.into(), Arc::new(script::ScriptHarness));
+    harnesses.insert(SCRIPT_AGENT.into(), Arc::new(ScriptHarness));
+    let hub = Hub::new(log, HubConfig::default());
     SliceRunner {
         providers,
         harnesses,
-        sink: Arc::new(LogSink::new(log, now_ms())),
+        sink: Arc::new(RunnerSink::new(
+            Arc::new(HubConnector::new(hub)),
+            now_ms(),
+        )),
         env: BTreeMap::new(),
         model: None,
         poll_interval: Duration::from_millis(50),
-        sleep: Arc::new(|d| Box::pin(tokio::time::sleep(d))),
-        now_ms: Arc::new(now_ms),
+        sleep: session_runtime::tokio_sleeper(),
+        clock: Arc::new(SystemClock),
     }
 }
 
@@ -60,7 +69,7 @@ async fn turn(
     let sandbox = sandbox_local::LocalProvider::new(root)
         .create(&SandboxSpec::new("/work"))
         .await?;
-    let mut state = TurnState::new(session, "t1", script::SCRIPT_AGENT, prompt);
+    let mut state = TurnState::new(session, "t1", SCRIPT_AGENT, prompt);
     state.sandbox = Some(sandbox.handle());
     // Budget 0: every slice polls once and returns `running`.
     state.config.slice_ms = 0;
@@ -121,9 +130,8 @@ async fn main() -> anyhow::Result<()> {
     let engine = InProcessEngine::new(
         Arc::new(runner.clone()),
         Arc::new(MemoryTurnStore::default()),
-        Arc::new(|f| {
-            tokio::spawn(f);
-        }),
+        Arc::new(SystemClock),
+        session_runtime::tokio_spawner(),
     );
     let state = turn(
         dir.path(),
@@ -153,7 +161,7 @@ async fn main() -> anyhow::Result<()> {
         println!("skipped temporal: no server at {}", config.address);
         return Ok(());
     }
-    let mut worker = TurnWorker::new(&config, runner.clone()).await?;
+    let mut worker = TurnWorker::new(&config, Arc::new(runner.clone())).await?;
     let shutdown = worker.shutdown_handle();
     let local = tokio::task::LocalSet::new();
     let handle = local.spawn_local(async move { worker.run().await });

@@ -10,20 +10,22 @@
 //!   sandboxes (provider `docker`, this image as its default), through the
 //!   local Docker engine.
 //!
-//! It serves the scripted test agent (`agent = "script"`). The worker
-//! future is not `Send`, so it runs on the main task.
-
-#[path = "../tests/common/script.rs"]
-mod script;
+//! It serves the scripted test agent (`agent = "script"`,
+//! `harness_testkit::agent::ScriptHarness`). Parts are written as the
+//! session's runner through a hub of session actors over the log (a real
+//! deployment would use `session_runtime::WsConnector` to the runner
+//! WebSocket of `harness serve` instead). The worker future is not `Send`,
+//! so it runs on the main task.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use harness_core::log::now_ms;
+use harness_core::clock::Clock;
 use harness_core::sandbox::SandboxProvider;
-use harness_core::sink::LogSink;
 use harness_core::slice::SliceRunner;
+use harness_testkit::agent::{ScriptHarness, SCRIPT_AGENT};
+use session_runtime::{Hub, HubConfig, HubConnector, RunnerSink, SystemClock};
 
 fn required(name: &str) -> anyhow::Result<String> {
     std::env::var(name).map_err(|_| anyhow::anyhow!("{name} must be set"))
@@ -33,6 +35,8 @@ fn required(name: &str) -> anyhow::Result<String> {
 async fn main() -> anyhow::Result<()> {
     let config = durable_temporal::TemporalConfig::from_env();
     let log = session_log::SqliteSessionLog::open(required("DT_WORKER_LOG_DB")?)?;
+    // The session actors run on this runtime.
+    let hub = Hub::new(Arc::new(log), HubConfig::default());
     let root = required("DT_WORKER_SANDBOX_ROOT")?;
     let mut providers: BTreeMap<String, Arc<dyn SandboxProvider>> = BTreeMap::new();
     providers.insert(
@@ -52,17 +56,20 @@ async fn main() -> anyhow::Result<()> {
         providers.insert(sandbox_docker::PROVIDER_NAME.into(), Arc::new(docker));
     }
     let mut harnesses: BTreeMap<String, Arc<dyn harness_core::harness::Harness>> = BTreeMap::new();
-    harnesses.insert(script::SCRIPT_AGENT.into(), Arc::new(script::ScriptHarness));
+    harnesses.insert(SCRIPT_AGENT.into(), Arc::new(ScriptHarness));
     let runner = SliceRunner {
         providers,
         harnesses,
         // The start time as generation: a restarted worker fences the old one.
-        sink: Arc::new(LogSink::new(Arc::new(log), now_ms())),
+        sink: Arc::new(RunnerSink::new(
+            Arc::new(HubConnector::new(hub)),
+            SystemClock.now_ms(),
+        )),
         env: BTreeMap::new(),
         model: None,
         poll_interval: Duration::from_millis(50),
-        sleep: Arc::new(|d| Box::pin(tokio::time::sleep(d))),
-        now_ms: Arc::new(now_ms),
+        sleep: session_runtime::tokio_sleeper(),
+        clock: Arc::new(SystemClock),
     };
     eprintln!(
         "worker {} polling {} on {}",
@@ -70,6 +77,6 @@ async fn main() -> anyhow::Result<()> {
         config.task_queue,
         config.address
     );
-    durable_temporal::run_worker(config, runner).await?;
+    durable_temporal::run_worker(config, Arc::new(runner)).await?;
     Ok(())
 }

@@ -1,5 +1,7 @@
 //! The real `claude` binary in a real local sandbox, against the scripted
-//! model streaming slowly, as a Temporal turn longer than one slice.
+//! model streaming slowly, as a Temporal turn longer than one slice. The
+//! turn carries only a sandbox config: the workflow's first step creates
+//! the sandbox (with the adapter's bootstrap, which copies the binary in).
 
 mod common;
 
@@ -10,8 +12,8 @@ use durable_temporal::{TemporalEngine, TurnWorker};
 use harness_claude_code::{ClaudeCodeConfig, ClaudeCodeHarness};
 use harness_core::engine::DurableEngine;
 use harness_core::harness::Harness;
-use harness_core::log::SessionLog;
-use harness_core::sandbox::{SandboxProvider, SandboxSpec};
+use harness_core::sandbox::SandboxProvider;
+use harness_core::session::SandboxConfig;
 use harness_core::turn::{TurnState, TurnStatus};
 use harness_testkit::model::*;
 
@@ -40,26 +42,22 @@ async fn claude_turn_longer_than_one_slice() {
     let root = std::path::PathBuf::from(format!("{cache}/e2e-local-sandboxes"));
     let dir = tempfile::tempdir().unwrap();
     let log = Arc::new(session_log::SqliteSessionLog::open(dir.path().join("log.db")).unwrap());
-    let session = format!("cc{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
-    log.create(&harness_core::frame::SessionId::parse(session.clone()).unwrap())
-        .await
-        .unwrap();
-    let mut spec = SandboxSpec::new("/workspace");
-    spec.session_id = Some(session.clone());
-    spec.bootstrap = Some(harness.bootstrap_recipe().unwrap());
-    let provider = sandbox_local::LocalProvider::new(&root);
-    let sandbox = provider.create(&spec).await.unwrap();
+    let hub = common::hub(log.clone());
+    let session = common::new_session(log.as_ref(), "cc").await;
     let mut state = TurnState::new(session.clone(), "t1", harness.name(), "answer slowly");
-    state.sandbox = Some(sandbox.handle());
+    state.sandbox_config = Some(SandboxConfig {
+        provider: sandbox_local::PROVIDER_NAME.into(),
+        ..SandboxConfig::default()
+    });
     state.config.slice_ms = 1_000;
 
-    let mut runner = common::runner(&root, log.clone());
+    let mut runner = common::runner(&root, hub);
     runner
         .harnesses
         .insert(harness.name().into(), Arc::new(harness.clone()));
     runner.env = server.claude_env().into_iter().collect();
     let engine = TemporalEngine::connect(config.clone()).await.unwrap();
-    let mut worker = TurnWorker::new(&config, runner).await.unwrap();
+    let mut worker = TurnWorker::new(&config, Arc::new(runner)).await.unwrap();
     let shutdown = worker.shutdown_handle();
     let local = tokio::task::LocalSet::new();
     let handle = local.spawn_local(async move { worker.run().await });
@@ -76,6 +74,11 @@ async fn claude_turn_longer_than_one_slice() {
     let _ = local
         .run_until(tokio::time::timeout(Duration::from_secs(20), handle))
         .await;
+    // The sandbox the engine made goes away whatever the verdict.
+    if let Some(handle) = &done.sandbox {
+        let provider = sandbox_local::LocalProvider::new(&root);
+        provider.resume(handle).await.unwrap().destroy().await.unwrap();
+    }
     server.assert_no_failures();
     assert_eq!(done.status, TurnStatus::Finished, "{done:?}");
     assert!(
@@ -84,6 +87,7 @@ async fn claude_turn_longer_than_one_slice() {
         done.slices_run
     );
     assert!(done.agent_session_id.is_some(), "{done:?}");
+    assert!(done.sandbox.is_some(), "the engine created the sandbox");
     let frames = common::frames(log.as_ref(), &session).await;
     let texts = common::messages(&frames, "t1");
     assert_eq!(
@@ -91,7 +95,6 @@ async fn claude_turn_longer_than_one_slice() {
         vec![chunks.concat()],
         "the answer stored once, whole"
     );
-    let seqs: Vec<u64> = frames.iter().map(|f| f.seq).collect();
-    assert_eq!(seqs, (1..=frames.len() as u64).collect::<Vec<_>>());
-    sandbox.destroy().await.unwrap();
+    common::assert_gap_free(&frames);
+    common::assert_end_stored_once(&frames, &done);
 }

@@ -16,9 +16,7 @@ use std::time::{Duration, Instant};
 use durable_temporal::{TemporalConfig, TemporalEngine, TurnWorker};
 use harness_claude_code::{ClaudeCodeConfig, ClaudeCodeHarness};
 use harness_core::engine::DurableEngine;
-use harness_core::frame::SessionId;
 use harness_core::harness::Harness;
-use harness_core::log::SessionLog;
 use harness_core::sandbox::{SandboxProvider, SandboxSpec};
 use harness_core::turn::{TurnState, TurnStatus};
 use harness_testkit::model::*;
@@ -118,10 +116,8 @@ async fn docker_claude_turn_longer_than_one_slice() {
     .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let log = Arc::new(session_log::SqliteSessionLog::open(dir.path().join("log.db")).unwrap());
-    let session = format!("cd{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
-    log.create(&SessionId::parse(session.clone()).unwrap())
-        .await
-        .unwrap();
+    let hub = common::hub(log.clone());
+    let session = common::new_session(log.as_ref(), "cd").await;
     let mut spec = SandboxSpec::new("/workspace");
     spec.session_id = Some(session.clone());
     spec.bootstrap = Some(harness.bootstrap_recipe().unwrap());
@@ -133,7 +129,7 @@ async fn docker_claude_turn_longer_than_one_slice() {
     state.sandbox = Some(handle);
     state.config.slice_ms = 1_000;
 
-    let mut runner = common::runner(dir.path(), log.clone());
+    let mut runner = common::runner(dir.path(), hub);
     runner
         .providers
         .insert(sandbox_docker::PROVIDER_NAME.into(), Arc::new(provider));
@@ -143,7 +139,7 @@ async fn docker_claude_turn_longer_than_one_slice() {
     // The base URL names the gateway address: the agent runs in the container.
     runner.env = server.claude_env().into_iter().collect();
     let engine = TemporalEngine::connect(config.clone()).await.unwrap();
-    let mut worker = TurnWorker::new(&config, runner).await.unwrap();
+    let mut worker = TurnWorker::new(&config, Arc::new(runner)).await.unwrap();
     let shutdown = worker.shutdown_handle();
     let local = tokio::task::LocalSet::new();
     let worker_task = local.spawn_local(async move { worker.run().await });
@@ -184,8 +180,8 @@ async fn docker_claude_turn_longer_than_one_slice() {
         vec![chunks.concat()],
         "the answer stored once, whole"
     );
-    let seqs: Vec<u64> = frames.iter().map(|f| f.seq).collect();
-    assert_eq!(seqs, (1..=frames.len() as u64).collect::<Vec<_>>());
+    common::assert_gap_free(&frames);
+    common::assert_end_stored_once(&frames, &done);
     sandbox.destroy().await.unwrap();
 }
 
@@ -243,10 +239,7 @@ async fn docker_worker_killed_mid_turn() {
     let db = dir.path().join("log.db");
     let log = Arc::new(session_log::SqliteSessionLog::open(&db).unwrap());
     let lines = 30;
-    let session = format!("sd{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
-    log.create(&SessionId::parse(session.clone()).unwrap())
-        .await
-        .unwrap();
+    let session = common::new_session(log.as_ref(), "sd").await;
     let mut spec = SandboxSpec::new("/work");
     spec.session_id = Some(session.clone());
     let sandbox = provider.create(&spec).await.unwrap();
@@ -256,7 +249,7 @@ async fn docker_worker_killed_mid_turn() {
     let mut state = TurnState::new(
         session.clone(),
         "t1",
-        common::script::SCRIPT_AGENT,
+        harness_testkit::agent::SCRIPT_AGENT,
         format!("lines={lines} delay=0.2"),
     );
     state.sandbox = Some(handle);
@@ -304,13 +297,8 @@ async fn docker_worker_killed_mid_turn() {
     assert_eq!(done.status, TurnStatus::Finished, "{done:?}");
     let frames = common::frames(log.as_ref(), &session).await;
     common::assert_lines_once(&frames, &turn, lines);
-    let generations: Vec<u64> = frames
-        .iter()
-        .filter_map(|f| match f.body {
-            harness_core::frame::FrameBody::RunnerAttached { generation } => Some(generation),
-            _ => None,
-        })
-        .collect();
+    common::assert_end_stored_once(&frames, &done);
+    let generations = common::generations(&frames);
     assert!(generations.len() >= 2, "{generations:?}");
     assert!(
         generations.windows(2).all(|w| w[0] < w[1]),

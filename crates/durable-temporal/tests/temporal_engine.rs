@@ -1,5 +1,6 @@
 //! The Temporal engine against the real dev server, with a real local
-//! sandbox, a real SQLite session log and a scripted agent process.
+//! sandbox, a real SQLite session log (written through a hub of session
+//! actors, as the session's runner) and a scripted agent process.
 
 mod common;
 
@@ -7,20 +8,20 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use durable_temporal::{TemporalEngine, TurnWorker};
-use harness_core::engine::DurableEngine;
+use harness_core::engine::{DurableEngine, SliceExecutor};
 use harness_core::turn::TurnStatus;
 use tokio::task::LocalSet;
 
 /// Run `body` while an in-process worker polls `config`'s task queue.
 async fn with_worker<F, T>(
     config: &durable_temporal::TemporalConfig,
-    runner: harness_core::slice::SliceRunner,
+    executor: Arc<dyn SliceExecutor>,
     body: F,
 ) -> T
 where
     F: std::future::Future<Output = T>,
 {
-    let mut worker = TurnWorker::new(config, runner).await.expect("worker");
+    let mut worker = TurnWorker::new(config, executor).await.expect("worker");
     let shutdown = worker.shutdown_handle();
     // The worker future is not Send: it runs on this thread's LocalSet.
     let local = LocalSet::new();
@@ -47,9 +48,12 @@ async fn turn_longer_than_one_slice_completes_across_slices() {
     config.tuning.continue_as_new_after_slices = 2;
     let dir = tempfile::tempdir().unwrap();
     let log = Arc::new(session_log::SqliteSessionLog::open(dir.path().join("log.db")).unwrap());
-    let state = common::new_turn(dir.path(), log.as_ref(), "lines=20 delay=0.2", 1_000).await;
+    let hub = common::hub(log.clone());
+    // Only a sandbox config: the workflow's first step creates the sandbox.
+    let state =
+        common::new_turn_creating_sandbox(log.as_ref(), "lines=20 delay=0.2", 1_000).await;
     let (session, turn) = (state.session_id.clone(), state.turn_id.clone());
-    let runner = common::runner(dir.path(), log.clone());
+    let runner = Arc::new(common::runner(dir.path(), hub));
     let engine = TemporalEngine::connect(config.clone()).await.unwrap();
     let final_state = with_worker(&config, runner, async {
         engine.start_turn(state.clone()).await.unwrap();
@@ -91,8 +95,14 @@ async fn turn_longer_than_one_slice_completes_across_slices() {
     let again = engine.turn_state(&session, &turn).await.unwrap();
     eprintln!("closed-turn state took {:?}", t.elapsed());
     assert_eq!(again.status, TurnStatus::Finished);
+    let sandbox = final_state
+        .sandbox
+        .clone()
+        .expect("the engine created the sandbox");
+    assert_eq!(sandbox.provider, sandbox_local::PROVIDER_NAME);
     let frames = common::frames(log.as_ref(), &session).await;
     common::assert_lines_once(&frames, &turn, 20);
+    common::assert_end_stored_once(&frames, &final_state);
     // A duplicate start is refused.
     let err = engine.start_turn(state).await.unwrap_err();
     assert_eq!(err.kind(), harness_core::ErrorKind::Conflict, "{err}");
@@ -108,9 +118,11 @@ async fn aborted_turn_fails_with_reason_and_session_takes_another_turn() {
     let log = Arc::new(session_log::SqliteSessionLog::open(dir.path().join("log.db")).unwrap());
     // 100 lines at 0.2 s: far longer than the test waits; 30 s slices, so
     // the abort must cancel a running slice activity to be prompt.
+    let hub = common::hub(log.clone());
+    // The turn carries a sandbox made here.
     let state = common::new_turn(dir.path(), log.as_ref(), "lines=100 delay=0.2", 30_000).await;
     let (session, turn) = (state.session_id.clone(), state.turn_id.clone());
-    let runner = common::runner(dir.path(), log.clone());
+    let runner = Arc::new(common::runner(dir.path(), hub));
     let engine = TemporalEngine::connect(config.clone()).await.unwrap();
     with_worker(&config, runner, async {
         // Unknown turns are reported as such.
@@ -159,6 +171,7 @@ async fn aborted_turn_fails_with_reason_and_session_takes_another_turn() {
 
         // The session takes another turn.
         let next = aborted.next_turn("t2", "lines=3 delay=0.05");
+        assert_eq!(next.sandbox, state.sandbox, "the next turn reuses the sandbox");
         engine.start_turn(next).await.unwrap();
         let done = tokio::time::timeout(Duration::from_secs(30), engine.wait_turn(&session, "t2"))
             .await
@@ -172,6 +185,9 @@ async fn aborted_turn_fails_with_reason_and_session_takes_another_turn() {
         );
         // The first turn's output did not grow after the kill.
         assert_eq!(common::messages(&frames, &turn).len(), before);
+        common::assert_gap_free(&frames);
+        common::assert_end_stored_once(&frames, &aborted);
+        common::assert_end_stored_once(&frames, &done);
     })
     .await;
 }
@@ -184,15 +200,12 @@ async fn approval_request_waits_for_the_approve_signal() {
     }
     let dir = tempfile::tempdir().unwrap();
     let log = Arc::new(session_log::SqliteSessionLog::open(dir.path().join("log.db")).unwrap());
-    let state = common::new_turn(
-        dir.path(),
-        log.as_ref(),
-        "lines=4 delay=0.1 approval=1",
-        5_000,
-    )
-    .await;
+    let hub = common::hub(log.clone());
+    let state =
+        common::new_turn_creating_sandbox(log.as_ref(), "lines=4 delay=0.1 approval=1", 5_000)
+            .await;
     let (session, turn) = (state.session_id.clone(), state.turn_id.clone());
-    let runner = common::runner(dir.path(), log.clone());
+    let runner = Arc::new(common::runner(dir.path(), hub));
     let engine = TemporalEngine::connect(config.clone()).await.unwrap();
     with_worker(&config, runner, async {
         engine.start_turn(state).await.unwrap();
@@ -251,7 +264,14 @@ async fn approval_request_waits_for_the_approve_signal() {
         assert_eq!(done.approval_answers.len(), 1);
         assert_eq!(done.approval_answers[0].approval_id, "approve-1");
         let frames = common::frames(log.as_ref(), &session).await;
-        common::assert_lines_once(&frames, &turn, 4);
+        common::assert_gap_free(&frames);
+        // The agent waited for the answer file and saw the approval.
+        assert_eq!(
+            common::messages(&frames, &turn),
+            vec!["line 0", "line 1", "approved 1", "line 2", "line 3"],
+            "every line stored exactly once, in order"
+        );
+        common::assert_end_stored_once(&frames, &done);
     })
     .await;
 }

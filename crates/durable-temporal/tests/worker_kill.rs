@@ -1,6 +1,6 @@
 //! kill -9 of the worker process mid-slice: a new worker process picks the
 //! slice up (after the heartbeat timeout) and the log ends gap-free with
-//! every line exactly once.
+//! every line exactly once and the turn's end stored once.
 
 mod common;
 
@@ -40,9 +40,18 @@ fn spawn_worker(config: &TemporalConfig, db: &Path, root: &Path) -> Child {
         .expect("spawn worker")
 }
 
+/// Where the turn's sandbox comes from.
+#[derive(Debug, Clone, Copy)]
+enum Sandbox {
+    /// Made by the test; the turn carries its handle.
+    Premade,
+    /// The workflow's first step creates it from the turn's sandbox config.
+    CreatedByEngine,
+}
+
 /// One turn: kill -9 the worker `kill_after` into the turn, start a new
 /// worker, and check the turn finishes with a clean log.
-async fn kill_once(kill_after: Duration) {
+async fn kill_once(kill_after: Duration, sandbox: Sandbox) {
     let config = common::test_config();
     if !common::server_or_skip(&config).await {
         return;
@@ -51,13 +60,13 @@ async fn kill_once(kill_after: Duration) {
     let db = dir.path().join("log.db");
     let log = Arc::new(session_log::SqliteSessionLog::open(&db).unwrap());
     let lines = 30;
-    let state = common::new_turn(
-        dir.path(),
-        log.as_ref(),
-        &format!("lines={lines} delay=0.2"),
-        1_000,
-    )
-    .await;
+    let prompt = format!("lines={lines} delay=0.2");
+    let state = match sandbox {
+        Sandbox::Premade => common::new_turn(dir.path(), log.as_ref(), &prompt, 1_000).await,
+        Sandbox::CreatedByEngine => {
+            common::new_turn_creating_sandbox(log.as_ref(), &prompt, 1_000).await
+        }
+    };
     let (session, turn) = (state.session_id.clone(), state.turn_id.clone());
     let engine = TemporalEngine::connect(config.clone()).await.unwrap();
     let mut first = spawn_worker(&config, &db, dir.path());
@@ -100,16 +109,12 @@ async fn kill_once(kill_after: Duration) {
         done.consecutive_failures
     );
     assert_eq!(done.status, TurnStatus::Finished, "{done:?}");
+    assert!(done.sandbox.is_some(), "{done:?}");
     let frames = common::frames(log.as_ref(), &session).await;
     common::assert_lines_once(&frames, &turn, lines);
+    common::assert_end_stored_once(&frames, &done);
     // Both workers attached as runners, the second with a higher generation.
-    let generations: Vec<u64> = frames
-        .iter()
-        .filter_map(|f| match f.body {
-            harness_core::frame::FrameBody::RunnerAttached { generation } => Some(generation),
-            _ => None,
-        })
-        .collect();
+    let generations = common::generations(&frames);
     assert!(generations.len() >= 2, "{generations:?}");
     assert!(
         generations.windows(2).all(|w| w[0] < w[1]),
@@ -119,15 +124,15 @@ async fn kill_once(kill_after: Duration) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_killed_early_in_the_turn() {
-    kill_once(Duration::from_millis(300)).await;
+    kill_once(Duration::from_millis(300), Sandbox::CreatedByEngine).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_killed_mid_turn() {
-    kill_once(Duration::from_millis(1_700)).await;
+    kill_once(Duration::from_millis(1_700), Sandbox::Premade).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_killed_late_in_the_turn() {
-    kill_once(Duration::from_millis(3_900)).await;
+    kill_once(Duration::from_millis(3_900), Sandbox::Premade).await;
 }

@@ -134,7 +134,7 @@ impl Backend {
                     ));
                     return None;
                 }
-                let Some(gateway) = bridge_gateway(&provider).await else {
+                let Some(gateway) = provider.bridge_gateway().await else {
                     harness_testkit::skip_or_fail("cannot find the docker bridge gateway address");
                     return None;
                 };
@@ -153,34 +153,6 @@ impl Backend {
             .await
             .unwrap_or_else(|e| panic!("scripted model on {}: {e}", self.model_host))
     }
-}
-
-/// The default bridge network's gateway: what `docker network inspect
-/// bridge` reports, else the first address of its subnet (dockerd's
-/// default when it leaves `Gateway` out). Binding the model server there
-/// fails if it is not an address of this machine, so a wrong guess cannot
-/// send traffic elsewhere.
-async fn bridge_gateway(provider: &DockerProvider) -> Option<IpAddr> {
-    let net = provider
-        .client()
-        .inspect_network("bridge", None)
-        .await
-        .ok()?;
-    let config = net.ipam?.config?;
-    for c in &config {
-        if let Some(gw) = c.gateway.as_deref().and_then(|g| g.parse::<IpAddr>().ok()) {
-            return Some(gw);
-        }
-    }
-    for c in &config {
-        let Some((addr, _len)) = c.subnet.as_deref().and_then(|s| s.split_once('/')) else {
-            continue;
-        };
-        if let Ok(net) = addr.parse::<Ipv4Addr>() {
-            return Some(IpAddr::V4(Ipv4Addr::from(u32::from(net) + 1)));
-        }
-    }
-    None
 }
 
 /// One session: a sandbox, its home, and the agent's session id.

@@ -15,7 +15,8 @@
 //! - **Turns**: `claude -p --output-format stream-json --verbose
 //!   --include-partial-messages --permission-mode bypassPermissions
 //!   [--resume ID] -- PROMPT`, parsed by [`ClaudeCodeParser`].
-//! - **Permission requests** (opt-in, [`ClaudeCodeConfig::approvals`]): the
+//! - **Permission requests** (opt-in per session, `SessionConfig::approvals`,
+//!   with the server given in [`ClaudeCodeConfig::approvals`]): the
 //!   `harness-approval-mcp` server is installed next to the agent and named
 //!   as `--permission-prompt-tool`; see `docs/agents.md`.
 //!
@@ -54,11 +55,13 @@ pub struct ClaudeCodeConfig {
     pub permission_mode: String,
     /// Extra arguments appended to every turn's command.
     pub extra_args: Vec<String>,
-    /// Permission requests go to the harness's client: the approval MCP
-    /// server (`harness-approval-mcp`) is installed by the recipe and the
-    /// turn runs with `--permission-mode default --permission-prompt-tool
-    /// mcp__harness__approve` instead of `permission_mode`. `None` (the
-    /// default) keeps the sandbox as the only boundary.
+    /// The approval MCP server (`harness-approval-mcp`), installed by the
+    /// recipe when set. A turn whose session asks for approvals
+    /// (`TurnState::approvals`) then runs with `--permission-mode default
+    /// --permission-prompt-tool mcp__harness__approve` instead of
+    /// `permission_mode`, so permission requests go to the harness's
+    /// client; such a turn without a server fails with a clear error.
+    /// `None` (the default) keeps the sandbox as the only boundary.
     pub approvals: Option<ApprovalServer>,
 }
 
@@ -263,7 +266,14 @@ impl Harness for ClaudeCodeHarness {
             // Live text deltas (stream_event lines), not only whole messages.
             "--include-partial-messages".into(),
         ];
-        if self.config.approvals.is_some() {
+        if turn.state.approvals && self.config.approvals.is_none() {
+            return Err(Error::invalid(
+                "this session asks for tool approvals, but the runner has no approval server \
+                 (harness-approval-mcp): build it (`cargo build -p harness-approval-mcp`) next to \
+                 the harness binary or set HARNESS_APPROVAL_MCP_BIN",
+            ));
+        }
+        if turn.state.approvals {
             let approvals = format!(
                 "{}/approvals",
                 harness_core::slice::spool_dir(turn.home, &turn.state.turn_id)
@@ -608,8 +618,17 @@ mod tests {
         );
         assert_ne!(r.identity("img"), plain.identity("img"));
 
-        let state = TurnState::new("s", "t9", "claude-code", "x");
+        let mut state = TurnState::new("s", "t9", "claude-code", "x");
         let env = BTreeMap::new();
+        // Without the session asking, the turn bypasses permissions.
+        let cmd = h.turn_command(&ctx(&state, &env)).unwrap();
+        assert!(cmd.argv.iter().any(|a| a == "bypassPermissions"));
+        state.approvals = true;
+        // A runner without the server refuses such a turn, saying why.
+        let err = ClaudeCodeHarness::new(ClaudeCodeConfig::with_binary(binary()))
+            .turn_command(&ctx(&state, &env))
+            .unwrap_err();
+        assert!(err.to_string().contains("harness-approval-mcp"), "{err}");
         let cmd = h.turn_command(&ctx(&state, &env)).unwrap();
         let args = &cmd.argv[4..];
         let at = args.iter().position(|a| a == "--permission-mode").unwrap();

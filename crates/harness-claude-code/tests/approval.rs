@@ -1,32 +1,31 @@
-//! Permission requests end to end: the real `claude` with
+//! Permission requests end to end, through the session runtime as an
+//! embedding program uses it: the real `claude` with
 //! `--permission-prompt-tool mcp__harness__approve` and the harness's
 //! approval MCP server (`harness-approval-mcp`, installed by the bootstrap
-//! recipe), run by the in-process engine (`InProcessEngine`, `SliceRunner`,
-//! `LogSink` over a `MemorySessionLog`) against the scripted model. The
-//! model asks for a Bash call; the turn must stop at
-//! `awaiting_tool_approval` with a `tool-approval-request` part in the log;
-//! the answer decides whether the command runs. Every case runs on the
-//! local sandbox (`local::…`) and on Docker (`docker::…`). Skips (prints
-//! "skipped: …") without the claude binary, dockerd or the test image;
-//! fails then under `HARNESS_REQUIRE_REAL=1`.
+//! recipe), a session created with `approvals: true`, its prompt sent by a
+//! client (`SessionClient::prompt`), the turn run by the in-process engine
+//! in a sandbox the engine creates, against the scripted model. The model
+//! asks for a Bash call; the client sees a `tool-approval-request` part
+//! while the turn waits (`awaiting_tool_approval`, the command not run);
+//! the client's answer (`SessionClient::answer`) decides whether the
+//! command runs. Every case runs on the local sandbox (`local::…`) and on
+//! Docker (`docker::…`). Skips (prints "skipped: …") without the claude
+//! binary, dockerd or the test image; fails then under
+//! `HARNESS_REQUIRE_REAL=1`.
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use harness_agent_e2e::*;
 use harness_claude_code::{ApprovalServer, ClaudeCodeConfig, ClaudeCodeHarness};
-use harness_core::engine::{DurableEngine, InProcessEngine, MemoryTurnStore, Spawner};
 use harness_core::frame::{FrameBody, SessionId};
-use harness_core::harness::Harness;
-use harness_core::log::{AppendRequest, MemorySessionLog, SessionLog};
+use harness_core::log::{MemorySessionLog, SessionLog};
 use harness_core::part::StreamPart;
 use harness_core::sandbox::{collect_exec, ExecRequest, Sandbox, SandboxProvider};
-use harness_core::sink::LogSink;
-use harness_core::slice::SliceRunner;
-use harness_core::turn::{ApprovalAnswer, TurnState, TurnStatus};
+use harness_core::session::{SandboxConfig, SessionConfig};
+use harness_core::turn::TurnStatus;
 use harness_testkit::model::*;
+use session_runtime::{Runtime, SessionClient, TurnHandle, TurnUpdate};
 
 const CALL_ID: &str = "toolu_needs_permission";
 const DENY_REASON: &str = "the test says no";
@@ -74,62 +73,36 @@ fn harness() -> Option<ClaudeCodeHarness> {
 
 /// Everything one approval case needs.
 struct Rig {
-    engine: InProcessEngine,
+    runtime: Runtime,
+    provider: Arc<dyn SandboxProvider>,
     log: Arc<MemorySessionLog>,
-    session: Session,
-    state: TurnState,
+    session: SessionClient,
 }
 
-async fn rig(b: Backend, h: ClaudeCodeHarness, server: &ScriptedModel, name: &str) -> Rig {
-    let session = new_session(&b, &h, name).await;
-    let session_id = session.id.clone();
-    // The engine resumes the sandbox by handle through the same provider.
+async fn rig(b: Backend, h: ClaudeCodeHarness, server: &ScriptedModel) -> Rig {
     let provider: Arc<dyn SandboxProvider> = Arc::from(b.provider);
-    let handle = session.sandbox.handle();
-    let mut providers = BTreeMap::new();
-    providers.insert(handle.provider.clone(), provider);
-    let mut harnesses: BTreeMap<String, Arc<dyn Harness>> = BTreeMap::new();
-    harnesses.insert(h.name().to_string(), Arc::new(h));
-
     let log = Arc::new(MemorySessionLog::new());
-    let sid = SessionId::parse(&session_id).unwrap();
-    log.create(&sid).await.unwrap();
-    let turn_id = "t1";
-    let prompt = "please make the file";
-    log.append(
-        &sid,
-        AppendRequest::new(FrameBody::UserMessage {
-            text: prompt.into(),
-            turn_id: Some(turn_id.into()),
-        }),
-    )
-    .await
-    .unwrap();
-    let runner = SliceRunner {
-        providers,
-        harnesses,
-        sink: Arc::new(LogSink::new(log.clone(), 1)),
-        env: server.claude_env().into_iter().collect(),
-        model: None,
-        poll_interval: Duration::from_millis(100),
-        sleep: Arc::new(|d| Box::pin(tokio::time::sleep(d))),
-        now_ms: Arc::new(harness_core::log::now_ms),
+    let runtime = Runtime::builder(log.clone())
+        .provider(provider.clone())
+        .agent(Arc::new(h))
+        .env(server.claude_env().into_iter().collect())
+        .poll_interval(std::time::Duration::from_millis(100))
+        .build();
+    runtime.start().await.unwrap();
+    let config = SessionConfig {
+        sandbox: SandboxConfig {
+            provider: provider.name().to_string(),
+            ..SandboxConfig::default()
+        },
+        approvals: true,
+        ..SessionConfig::default()
     };
-    let spawn: Spawner = Arc::new(|f| {
-        tokio::spawn(f);
-    });
-    let engine = InProcessEngine::new(
-        Arc::new(runner),
-        Arc::new(MemoryTurnStore::default()),
-        spawn,
-    );
-    let mut state = TurnState::new(&session_id, turn_id, "claude-code", prompt);
-    state.sandbox = Some(handle);
+    let session = runtime.create_session(None, config).await.unwrap();
     Rig {
-        engine,
+        runtime,
+        provider,
         log,
         session,
-        state,
     }
 }
 
@@ -145,43 +118,78 @@ fn script(expect_in_result: &str) -> Script {
         )
 }
 
-/// Start the turn and wait until it asks for permission; checks the state
-/// and the log, and that the command has not run yet.
-async fn until_approval_requested(rig: &Rig) -> String {
-    let (sid, tid) = (rig.state.session_id.clone(), rig.state.turn_id.clone());
-    rig.engine.start_turn(rig.state.clone()).await.unwrap();
-    let started = Instant::now();
-    let state = loop {
-        let s = rig.engine.turn_state(&sid, &tid).await.unwrap();
-        if s.status == TurnStatus::AwaitingToolApproval || s.status.is_terminal() {
-            break s;
+/// Send the prompt and follow the turn until the client sees the
+/// permission request; checks the engine's state, the log, and that the
+/// command has not run yet.
+async fn until_approval_requested(rig: &Rig) -> (TurnHandle, String, Box<dyn Sandbox>) {
+    let mut turn = rig.session.prompt("please make the file").await.unwrap();
+    let approval_id = tokio::time::timeout(TURN_TIMEOUT, async {
+        while let Some(update) = turn.next().await {
+            match update {
+                TurnUpdate::Part(StreamPart::ToolApprovalRequest {
+                    approval_id,
+                    tool_name,
+                    input,
+                    ..
+                }) => {
+                    assert_eq!(tool_name, "Bash");
+                    assert!(
+                        input["command"]
+                            .as_str()
+                            .is_some_and(|c| c.contains("approved.txt")),
+                        "{input}"
+                    );
+                    return approval_id;
+                }
+                TurnUpdate::Ended { status, error } => {
+                    panic!("the turn ended ({status:?}, {error:?}) without asking")
+                }
+                TurnUpdate::Part(_) => {}
+            }
         }
-        assert!(
-            started.elapsed() < TURN_TIMEOUT,
-            "no permission request within {TURN_TIMEOUT:?}: {s:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+        panic!("the session stream ended")
+    })
+    .await
+    .expect("no permission request in time");
+    let sid = rig.session.id().clone();
+    let state = rig
+        .runtime
+        .engine()
+        .turn_state(sid.as_str(), turn.turn_id())
+        .await
+        .unwrap();
+    // The slice reports the request right after it emitted it; give the
+    // engine a moment to save that.
+    let mut state = state;
+    for _ in 0..50 {
+        if state.status == TurnStatus::AwaitingToolApproval {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        state = rig
+            .runtime
+            .engine()
+            .turn_state(sid.as_str(), turn.turn_id())
+            .await
+            .unwrap();
+    }
+    assert_eq!(state.status, TurnStatus::AwaitingToolApproval, "{state:?}");
     assert_eq!(
-        state.status,
-        TurnStatus::AwaitingToolApproval,
-        "turn ended instead: {state:?}"
+        state.pending_approval.as_ref().map(|p| p.approval_id.clone()),
+        Some(approval_id.clone())
     );
-    let pending = state.pending_approval.clone().expect("pending approval");
-    assert_eq!(pending.tool_name, "Bash");
+    let sandbox = rig
+        .provider
+        .resume(state.sandbox.as_ref().expect("the engine made the sandbox"))
+        .await
+        .unwrap();
     assert!(
-        pending.input["command"]
-            .as_str()
-            .is_some_and(|c| c.contains("approved.txt")),
-        "{pending:?}"
-    );
-    assert!(
-        !exists(rig.session.sandbox.as_ref(), "approved.txt").await,
+        !exists(sandbox.as_ref(), "approved.txt").await,
         "the command ran before it was approved"
     );
     let frames = rig
         .log
-        .read(&SessionId::parse(&sid).unwrap(), 0, 1000)
+        .read(&SessionId::parse(sid.as_str()).unwrap(), 0, 1000)
         .await
         .unwrap();
     let requests: Vec<_> = frames
@@ -192,24 +200,19 @@ async fn until_approval_requested(rig: &Rig) -> String {
                     StreamPart::ToolApprovalRequest {
                         approval_id,
                         tool_call_id,
-                        tool_name,
                         ..
                     },
                 ..
-            } => Some((approval_id.clone(), tool_call_id.clone(), tool_name.clone())),
+            } => Some((approval_id.clone(), tool_call_id.clone())),
             _ => None,
         })
         .collect();
     assert_eq!(
         requests,
-        [(
-            pending.approval_id.clone(),
-            CALL_ID.to_string(),
-            "Bash".to_string()
-        )],
+        [(approval_id.clone(), CALL_ID.to_string())],
         "one tool-approval-request part in the log"
     );
-    pending.approval_id
+    (turn, approval_id, sandbox)
 }
 
 async fn exists(sandbox: &dyn Sandbox, path: &str) -> bool {
@@ -232,30 +235,18 @@ async fn approved_command_runs(kind: BackendKind) {
         return;
     };
     let server = b.model(script("wrote-it")).await;
-    let rig = rig(b, h, &server, "cc-approve-yes").await;
-    let approval_id = until_approval_requested(&rig).await;
-    let (sid, tid) = (rig.state.session_id.clone(), rig.state.turn_id.clone());
-    rig.engine
-        .answer_approval(
-            &sid,
-            &tid,
-            ApprovalAnswer {
-                approval_id,
-                approved: true,
-                reason: None,
-            },
-        )
-        .await
-        .unwrap();
-    let done = tokio::time::timeout(TURN_TIMEOUT, rig.engine.wait_turn(&sid, &tid))
+    let rig = rig(b, h, &server).await;
+    let (turn, approval_id, sandbox) = until_approval_requested(&rig).await;
+    rig.session.answer(approval_id, true, None).await.unwrap();
+    let done = tokio::time::timeout(TURN_TIMEOUT, turn.finish())
         .await
         .expect("turn ends after the answer")
         .unwrap();
     server.assert_no_failures();
     assert_eq!(done.status, TurnStatus::Finished, "{done:?}");
-    assert!(exists(rig.session.sandbox.as_ref(), "approved.txt").await);
-    assert_eq!(done.approval_answers.len(), 1);
-    rig.session.destroy().await;
+    assert!(exists(sandbox.as_ref(), "approved.txt").await);
+    assert!(done.text.contains("All done."), "{done:?}");
+    sandbox.destroy().await.unwrap();
 }
 
 async fn denied_command_does_not_run(kind: BackendKind) {
@@ -266,35 +257,26 @@ async fn denied_command_does_not_run(kind: BackendKind) {
     // The model must be told why: the deny message reaches it as the
     // tool result of the call.
     let server = b.model(script(DENY_REASON)).await;
-    let rig = rig(b, h, &server, "cc-approve-no").await;
-    let approval_id = until_approval_requested(&rig).await;
-    let (sid, tid) = (rig.state.session_id.clone(), rig.state.turn_id.clone());
-    rig.engine
-        .answer_approval(
-            &sid,
-            &tid,
-            ApprovalAnswer {
-                approval_id,
-                approved: false,
-                reason: Some(DENY_REASON.into()),
-            },
-        )
+    let rig = rig(b, h, &server).await;
+    let (turn, approval_id, sandbox) = until_approval_requested(&rig).await;
+    rig.session
+        .answer(approval_id, false, Some(DENY_REASON.into()))
         .await
         .unwrap();
-    let done = tokio::time::timeout(TURN_TIMEOUT, rig.engine.wait_turn(&sid, &tid))
+    let done = tokio::time::timeout(TURN_TIMEOUT, turn.finish())
         .await
         .expect("turn ends after the answer")
         .unwrap();
     server.assert_no_failures();
     assert_eq!(done.status, TurnStatus::Finished, "{done:?}");
-    assert!(!exists(rig.session.sandbox.as_ref(), "approved.txt").await);
+    assert!(!exists(sandbox.as_ref(), "approved.txt").await);
     // The scripted model's rule asserted the tool result carried the
     // reason; the final text came from that rule.
     assert!(
         server.model_requests().len() >= 2,
         "the model was asked again after the denial"
     );
-    rig.session.destroy().await;
+    sandbox.destroy().await.unwrap();
 }
 
 on_both_backends!(approved_command_runs, denied_command_does_not_run);

@@ -97,14 +97,38 @@ pub async fn ensure_binary(home: &Home, kind: AgentKind) -> Result<PathBuf> {
     Ok(binary)
 }
 
-/// The adapter for `kind` around the binary at `path`.
+/// The approval MCP server for Claude Code's permission requests:
+/// `$HARNESS_APPROVAL_MCP_BIN`, else `harness-approval-mcp` next to this
+/// binary (cargo builds both into the same directory:
+/// `cargo build -p harness-cli -p harness-approval-mcp`). `None` when
+/// neither exists: sessions that ask for approvals then fail with a clear
+/// error at their first turn.
+pub fn approval_server() -> Option<PathBuf> {
+    if let Some(path) = std::env::var_os("HARNESS_APPROVAL_MCP_BIN").filter(|p| !p.is_empty()) {
+        return Some(path.into());
+    }
+    let sibling = std::env::current_exe()
+        .ok()?
+        .parent()?
+        .join("harness-approval-mcp");
+    sibling.is_file().then_some(sibling)
+}
+
+/// The adapter for `kind` around the binary at `path` (Claude Code with the
+/// approval server when one is found).
 pub fn adapter(kind: AgentKind, path: PathBuf) -> Result<Arc<dyn Harness>> {
     Ok(match kind {
         AgentKind::ClaudeCode => {
             let binary = harness::claude_code::AgentBinary::load(&path)?;
-            Arc::new(harness::claude_code::ClaudeCodeHarness::new(
-                harness::claude_code::ClaudeCodeConfig::with_binary(binary),
-            ))
+            let mut config = harness::claude_code::ClaudeCodeConfig::with_binary(binary);
+            if let Some(server) = approval_server() {
+                config.approvals = Some(
+                    harness::claude_code::ApprovalServer::load(&server).with_context(|| {
+                        format!("loading the approval server {}", server.display())
+                    })?,
+                );
+            }
+            Arc::new(harness::claude_code::ClaudeCodeHarness::new(config))
         }
         AgentKind::Codex => {
             let binary = harness::codex::AgentBinary::load(&path)?;

@@ -1,32 +1,44 @@
 //! The CLI's state directory: the SQLite database (session log and turn
-//! store), local sandboxes, downloaded agents, and one record per session.
+//! store), local sandboxes, downloaded agents — and who runs the home's
+//! session runtime right now.
+//!
+//! One session has one actor. A home's sessions are driven by exactly one
+//! process at a time: the one holding `runtime.lock` (an exclusive file
+//! lock, released by the kernel when the process dies, even by kill -9).
+//! `harness serve` holds it while it serves and writes `serve.json` (its
+//! address and a local token), so a `harness run` on the same home talks to
+//! the server instead of starting a second actor; a `harness run` without a
+//! server holds the lock itself for the length of its turn.
 
+use std::fs::File;
 use std::path::PathBuf;
+use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
-use harness::core::sandbox::SandboxHandle;
+use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
-
-/// What the CLI remembers about a session between invocations.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct SessionRecord {
-    /// Session id.
-    pub id: String,
-    /// Agent adapter name.
-    pub agent: String,
-    /// The sandbox, resumable from any process.
-    pub sandbox: SandboxHandle,
-    /// Turns started so far.
-    pub turns: u32,
-    /// The agent's own session id, for resuming the conversation.
-    #[serde(default)]
-    pub agent_session_id: Option<String>,
-}
 
 /// The state directory.
 #[derive(Debug, Clone)]
 pub struct Home {
     dir: PathBuf,
+}
+
+/// Proof that this process runs the home's session runtime. Dropping it
+/// (or dying) releases the home.
+#[derive(Debug)]
+pub struct RuntimeLock {
+    _file: File,
+}
+
+/// What a running `harness serve` publishes in the home.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ServeInfo {
+    /// `http://host:port`.
+    pub url: String,
+    /// A host token of the server, for clients on this machine.
+    pub token: String,
+    /// The server's process id.
+    pub pid: u32,
 }
 
 impl Home {
@@ -40,8 +52,7 @@ impl Home {
                 PathBuf::from(base).join(".local/share/harness")
             }
         };
-        std::fs::create_dir_all(dir.join("sessions"))
-            .with_context(|| format!("creating {}", dir.display()))?;
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
         Ok(Self { dir })
     }
 
@@ -60,40 +71,76 @@ impl Home {
         self.dir.join("agents")
     }
 
-    fn record_path(&self, id: &str) -> Result<PathBuf> {
-        harness::core::SessionId::parse(id)?;
-        Ok(self.dir.join("sessions").join(format!("{id}.json")))
+    fn lock_file(&self) -> Result<File> {
+        let path = self.dir.join("runtime.lock");
+        std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .with_context(|| format!("opening {}", path.display()))
     }
 
-    /// Load a session record.
-    pub fn load_session(&self, id: &str) -> Result<SessionRecord> {
-        let path = self.record_path(id)?;
-        let bytes = match std::fs::read(&path) {
-            Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                bail!("unknown session {id:?}: `harness sessions list` shows the known ones")
+    /// Take the home's runtime if nobody holds it.
+    pub fn try_lock_runtime(&self) -> Result<Option<RuntimeLock>> {
+        let file = self.lock_file()?;
+        match file.try_lock() {
+            Ok(()) => Ok(Some(RuntimeLock { _file: file })),
+            Err(std::fs::TryLockError::WouldBlock) => Ok(None),
+            Err(std::fs::TryLockError::Error(e)) => {
+                Err(e).context("locking the home's runtime.lock")
             }
-            Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
-        };
-        serde_json::from_slice(&bytes)
-            .with_context(|| format!("{} is not a session record", path.display()))
+        }
     }
 
-    /// Save a session record (atomically).
-    pub fn save_session(&self, record: &SessionRecord) -> Result<()> {
-        let path = self.record_path(&record.id)?;
+    /// Take the home's runtime, waiting (and saying so) while another
+    /// process holds it.
+    pub async fn lock_runtime(&self, what: &str) -> Result<RuntimeLock> {
+        if let Some(lock) = self.try_lock_runtime()? {
+            return Ok(lock);
+        }
+        eprintln!(
+            "another harness process drives the sessions of {}; {what} waits for it to finish…",
+            self.dir.display()
+        );
+        loop {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            if let Some(lock) = self.try_lock_runtime()? {
+                return Ok(lock);
+            }
+        }
+    }
+
+    fn serve_path(&self) -> PathBuf {
+        self.dir.join("serve.json")
+    }
+
+    /// What the running server published, if a server runs.
+    pub fn serve_info(&self) -> Option<ServeInfo> {
+        let bytes = std::fs::read(self.serve_path()).ok()?;
+        serde_json::from_slice(&bytes).ok()
+    }
+
+    /// Publish this server (readable by the owner only: it holds a token).
+    pub fn write_serve_info(&self, info: &ServeInfo) -> Result<()> {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let path = self.serve_path();
         let tmp = path.with_extension("json.tmp");
-        std::fs::write(&tmp, serde_json::to_vec_pretty(record)?)?;
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(true)
+            .write(true)
+            .mode(0o600)
+            .open(&tmp)
+            .with_context(|| format!("writing {}", tmp.display()))?;
+        file.write_all(&serde_json::to_vec_pretty(info)?)?;
         std::fs::rename(&tmp, &path)?;
         Ok(())
     }
 
-    /// Remove a session record.
-    pub fn forget_session(&self, id: &str) -> Result<()> {
-        let path = self.record_path(id)?;
-        match std::fs::remove_file(path) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e.into()),
-            _ => Ok(()),
-        }
+    /// Withdraw what this server published.
+    pub fn remove_serve_info(&self) {
+        let _ = std::fs::remove_file(self.serve_path());
     }
 }

@@ -9,13 +9,16 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand, ValueEnum};
 
 mod agents;
+mod client;
 mod demo;
 mod home;
+mod local;
 mod moves;
 mod print;
 mod serve;
 mod sessions;
 mod turn;
+mod worker;
 
 /// Run coding agents in sandboxes as durable sessions.
 #[derive(Debug, Parser)]
@@ -69,11 +72,14 @@ pub enum SandboxKind {
     Docker,
 }
 
-/// Which engine runs the turn.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum EngineKind {
-    /// In this process, state persisted in SQLite.
-    Local,
+impl SandboxKind {
+    /// The provider name recorded in session configs.
+    pub fn name(self) -> &'static str {
+        match self {
+            SandboxKind::Local => "local",
+            SandboxKind::Docker => "docker",
+        }
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -89,7 +95,9 @@ enum Command {
         keep: bool,
     },
     /// Run one turn with real credentials from the environment
-    /// (ANTHROPIC_API_KEY for Claude Code, OPENAI_API_KEY for Codex).
+    /// (ANTHROPIC_API_KEY for Claude Code, OPENAI_API_KEY for Codex). When
+    /// a `harness serve` drives this home the turn goes through it (its
+    /// clients see the run live); otherwise it runs in this process.
     Run {
         /// The agent (ignored with --session: the session's agent is used).
         #[arg(long, value_enum, default_value = "claude-code")]
@@ -97,9 +105,10 @@ enum Command {
         /// Sandbox for a new session.
         #[arg(long, value_enum, default_value = "local")]
         sandbox: SandboxKind,
-        /// Engine running the turn.
-        #[arg(long, value_enum, default_value = "local")]
-        engine: EngineKind,
+        /// Ask on the terminal before tools that need permission (a new
+        /// session; Claude Code needs harness-approval-mcp next to harness).
+        #[arg(long)]
+        approvals: bool,
         /// Continue this session (its sandbox and conversation).
         #[arg(long)]
         session: Option<String>,
@@ -118,8 +127,12 @@ enum Command {
     },
     /// Finish turns that an earlier run left unfinished (crash, kill -9).
     Resume,
-    /// Serve sessions over HTTP, WebSocket and SSE.
+    /// Serve sessions over HTTP, WebSocket and SSE; a client's prompt runs
+    /// a turn.
     Serve(serve::ServeArgs),
+    /// Run the slices of a `harness serve --engine temporal` (a Temporal
+    /// worker writing to the server as the session's runner).
+    Worker(worker::WorkerArgs),
     /// List, export and fork sessions.
     Sessions {
         #[command(subcommand)]
@@ -160,7 +173,7 @@ fn main() -> ExitCode {
             Command::Run {
                 agent,
                 sandbox,
-                engine,
+                approvals,
                 session,
                 model,
                 image,
@@ -172,11 +185,11 @@ fn main() -> ExitCode {
                     turn::RunArgs {
                         agent,
                         sandbox,
-                        engine,
                         session,
                         model,
                         image,
                         slice_ms,
+                        approvals,
                         prompt,
                     },
                 )
@@ -184,6 +197,7 @@ fn main() -> ExitCode {
             }
             Command::Resume => turn::resume_command(&home).await,
             Command::Serve(args) => serve::run(&home, args).await,
+            Command::Worker(args) => worker::run(&home, args).await,
             Command::Sessions { command } => sessions::run(&home, command).await,
             Command::Checkpoint(args) => moves::checkpoint(&home, args).await,
             Command::Restore(args) => moves::restore(&home, args).await,

@@ -128,24 +128,44 @@ impl MoveProgress for Bars {
     }
 }
 
+/// A session of the home, as its log tells it (config, sandbox, turns).
+async fn session_info(home: &Home, id: &str) -> Result<harness::core::log::LogInfo> {
+    use harness::core::log::SessionLog;
+    let log = harness::sqlite::SqliteSessionLog::open(home.db())?;
+    let session = harness::core::SessionId::parse(id)?;
+    log.info(&session).await.map_err(|e| {
+        if e.kind() == harness::core::ErrorKind::NotFound {
+            anyhow::anyhow!("unknown session {id:?}: `harness sessions list` shows the known ones")
+        } else {
+            e.into()
+        }
+    })
+}
+
 async fn session_sandbox(
     home: &Home,
     id: &str,
 ) -> Result<Box<dyn harness::core::sandbox::Sandbox>> {
-    let record = home.load_session(id)?;
-    let provider = crate::turn::provider(home, &record.sandbox.provider, None).await?;
+    let info = session_info(home, id).await?;
+    let handle = info.meta.sandbox.clone().with_context(|| {
+        format!("session {id} has no sandbox yet: its first turn makes it (`harness run --session {id} PROMPT`)")
+    })?;
+    let provider = crate::local::provider(home, &handle.provider, None).await?;
     provider
-        .resume(&record.sandbox)
+        .resume(&handle)
         .await
         .with_context(|| format!("reattaching to the sandbox of {id}"))
 }
 
 /// Run `harness checkpoint`.
 pub async fn checkpoint(home: &Home, args: CheckpointArgs) -> Result<()> {
-    let record = home.load_session(&args.session)?;
-    let key = args
-        .key
-        .unwrap_or_else(|| format!("sessions/{}/turn-{}.tar.zst", record.id, record.turns));
+    let info = session_info(home, &args.session).await?;
+    let key = args.key.unwrap_or_else(|| {
+        format!(
+            "sessions/{}/turn-{}.tar.zst",
+            info.session, info.meta.turns
+        )
+    });
     let store = args.store.open().await?;
     let sandbox = session_sandbox(home, &args.session).await?;
     let info = harness::core::moves::checkpoint(

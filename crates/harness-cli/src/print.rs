@@ -1,30 +1,6 @@
 //! Rendering stream parts on the terminal as they arrive.
 
-use std::io::Write;
-use std::sync::Arc;
-
-use async_trait::async_trait;
 use harness::core::part::StreamPart;
-use harness::core::slice::PartSink;
-use harness::core::turn::TurnState;
-
-/// A sink that prints every part, then hands it to the real sink.
-pub struct PrintingSink {
-    inner: Arc<dyn PartSink>,
-}
-
-impl std::fmt::Debug for PrintingSink {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PrintingSink").finish_non_exhaustive()
-    }
-}
-
-impl PrintingSink {
-    /// Print, then forward to `inner`.
-    pub fn new(inner: Arc<dyn PartSink>) -> Self {
-        Self { inner }
-    }
-}
 
 fn one_line(value: &serde_json::Value, max: usize) -> String {
     let text = match value {
@@ -74,26 +50,4 @@ pub fn render(part: &StreamPart) -> Option<String> {
         StreamPart::Error { message } => format!("✖ {message}\n"),
         _ => return None,
     })
-}
-
-#[async_trait]
-impl PartSink for PrintingSink {
-    async fn emit(
-        &self,
-        session_id: &str,
-        turn_id: &str,
-        part: StreamPart,
-        key: String,
-    ) -> harness::core::Result<()> {
-        if let Some(text) = render(&part) {
-            let mut out = std::io::stdout().lock();
-            let _ = out.write_all(text.as_bytes());
-            let _ = out.flush();
-        }
-        self.inner.emit(session_id, turn_id, part, key).await
-    }
-
-    async fn turn_status(&self, state: &TurnState) -> harness::core::Result<()> {
-        self.inner.turn_status(state).await
-    }
 }

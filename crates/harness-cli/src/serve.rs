@@ -1,12 +1,27 @@
-//! `harness serve`: the session server over the CLI's SQLite log.
+//! `harness serve`: the home's session runtime behind the session server.
+//! A client's prompt runs a turn on the configured engine, in the session's
+//! sandbox; approvals and aborts from any client reach it.
 
-use std::sync::Arc;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use harness::server::{GrantRole, Scope, ServerConfig, TokenGrant};
+use harness::server::{GrantRole, Scope, ServerConfig, SessionServer, TokenGrant};
+use harness_testkit::model::ScriptedModel;
 
-use crate::home::Home;
+use crate::home::{Home, ServeInfo};
+use crate::local::{self, EngineSpec};
+use crate::AgentKind;
+
+/// Which engine runs the server's turns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ServeEngine {
+    /// In this process, turn states in the home's SQLite database.
+    InProcess,
+    /// On Temporal (`HARNESS_TEMPORAL_ADDRESS`, default 127.0.0.1:7233):
+    /// run `harness worker --server URL --token T` for the slices.
+    Temporal,
+}
 
 /// `harness serve` arguments.
 #[derive(Debug, clap::Args)]
@@ -25,6 +40,20 @@ pub struct ServeArgs {
     /// Stop an idle session's actor after this many seconds.
     #[arg(long, default_value_t = 30)]
     idle_secs: u64,
+    /// The engine that runs turns.
+    #[arg(long, value_enum, default_value = "in-process")]
+    engine: ServeEngine,
+    /// Run the agents against the built-in scripted model (no key, no
+    /// network): every prompt gets a Bash call writing hello.txt, then an
+    /// answer. Implies --insecure-no-auth when no token is given.
+    #[arg(long)]
+    demo: bool,
+    /// Docker image for docker sessions that name none.
+    #[arg(long)]
+    image: Option<String>,
+    /// Slice length in milliseconds (default 750 s).
+    #[arg(long, hide = true)]
+    slice_ms: Option<u64>,
 }
 
 /// Parse `TOKEN=ROLE[@SESSION]`.
@@ -48,12 +77,23 @@ pub fn parse_grant(text: &str) -> Result<TokenGrant> {
     Ok(TokenGrant::new(token, Scope::parse(scope)?, role))
 }
 
+/// Where the demo's scripted model listens: on the Docker bridge gateway
+/// when Docker is there (an address of this machine that both local
+/// sandboxes and containers reach), else on loopback.
+async fn demo_model() -> Result<ScriptedModel> {
+    let gateway = match harness::docker::DockerProvider::connect(Default::default()).await {
+        Ok(docker) => docker.bridge_gateway().await,
+        Err(_) => None,
+    };
+    let ip = gateway.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
+    ScriptedModel::start_on(SocketAddr::new(ip, 0), crate::demo::script())
+        .await
+        .context("starting the built-in scripted model")
+}
+
 /// Run the server until interrupted.
 pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
-    let log = Arc::new(
-        harness::sqlite::SqliteSessionLog::open(home.db()).context("opening the session log")?,
-    );
-    let mut config = ServerConfig::new(log);
+    let mut config_tokens = Vec::new();
     let env_tokens = std::env::var("HARNESS_TOKENS").unwrap_or_default();
     for grant in args
         .tokens
@@ -61,26 +101,99 @@ pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
         .map(String::as_str)
         .chain(env_tokens.split(',').filter(|s| !s.is_empty()))
     {
-        config.tokens.push(parse_grant(grant)?);
+        config_tokens.push(parse_grant(grant)?);
     }
-    config.insecure_no_auth = args.insecure_no_auth;
-    config.idle_timeout = Duration::from_secs(args.idle_secs);
-    if config.tokens.is_empty() && !config.insecure_no_auth {
+    let insecure = args.insecure_no_auth || (args.demo && config_tokens.is_empty());
+    if config_tokens.is_empty() && !insecure {
         bail!("no tokens: pass --token TOKEN=host (and client/runner grants), or --insecure-no-auth for local development");
     }
+    // Bind first: a taken port is the most common mistake, say it before
+    // anything slow.
     let listener = tokio::net::TcpListener::bind(&args.addr)
         .await
         .with_context(|| format!("binding {}", args.addr))?;
-    eprintln!(
-        "serving sessions on http://{} (log: {})",
-        listener.local_addr()?,
-        home.db().display()
-    );
-    tokio::select! {
-        served = harness::server::serve(listener, config) => served.context("the server stopped")?,
-        _ = tokio::signal::ctrl_c() => eprintln!("shutting down"),
+    let url = format!("http://{}", listener.local_addr()?);
+    let lock = home.lock_runtime("harness serve").await?;
+
+    let model = if args.demo {
+        Some(demo_model().await?)
+    } else {
+        None
+    };
+    let env = match &model {
+        Some(model) => crate::demo::model_env(model),
+        None => local::agent_env(),
+    };
+    let engine = match args.engine {
+        ServeEngine::InProcess => EngineSpec::InProcess,
+        ServeEngine::Temporal => EngineSpec::Temporal(harness::temporal::TemporalConfig::from_env()),
+    };
+    let options = local::Options {
+        agents: vec![AgentKind::ClaudeCode, AgentKind::Codex],
+        env,
+        image: args.image.clone(),
+        slice_ms: args.slice_ms,
+        engine,
+        lenient: true,
+        require_docker: false,
+    };
+    let runtime = local::runtime(home, options).await?;
+    let started = runtime.start().await?;
+    if started.resumed + started.redispatched > 0 {
+        eprintln!(
+            "resumed {} turn(s), re-sent the commands of {} session(s)",
+            started.resumed, started.redispatched
+        );
     }
-    Ok(())
+
+    let log = runtime.hub().log().clone();
+    let mut config = ServerConfig::new(log);
+    config.tokens = config_tokens;
+    config.insecure_no_auth = insecure;
+    config.idle_timeout = Duration::from_secs(args.idle_secs);
+    config.agents = vec!["claude-code".into(), "codex".into()];
+    config.providers = vec!["local".into(), "docker".into()];
+    // A host token for clients on this machine (`harness run`), published
+    // in the home only (mode 0600).
+    let local_token = uuid::Uuid::new_v4().simple().to_string();
+    config
+        .tokens
+        .push(TokenGrant::new(&local_token, Scope::All, GrantRole::Host));
+    let server = SessionServer::with_hub(config, runtime.hub().clone());
+    home.write_serve_info(&ServeInfo {
+        url: url.clone(),
+        token: local_token,
+        pid: std::process::id(),
+    })?;
+    eprintln!(
+        "serving sessions on {url} (log: {}, engine: {})",
+        home.db().display(),
+        runtime.engine().name()
+    );
+    if let Some(model) = &model {
+        eprintln!("demo: the agents talk to the scripted model at {}", model.base_url());
+        eprintln!("  curl -s -XPOST {url}/v1/sessions -d '{{\"id\":\"demo\"}}'");
+        eprintln!(
+            "  curl -s -XPOST {url}/v1/sessions/demo/messages -d '{{\"type\":\"prompt\",\"text\":\"hello\"}}'"
+        );
+        eprintln!("  curl -sN {url}/v1/sessions/demo/events");
+    }
+    if args.engine == ServeEngine::Temporal {
+        eprintln!(
+            "turns run on Temporal: start a worker with `harness worker --server {url} --token <runner token>`"
+        );
+    }
+    let served = tokio::select! {
+        served = server.serve(listener) => served.context("the server stopped"),
+        _ = tokio::signal::ctrl_c() => {
+            eprintln!("shutting down");
+            Ok(())
+        }
+    };
+    home.remove_serve_info();
+    drop(lock);
+    drop(model);
+    served
 }
 
 #[cfg(test)]

@@ -42,17 +42,32 @@ pub async fn run(home: &Home, command: SessionsCommand) -> Result<()> {
     match command {
         SessionsCommand::List => {
             let logs = log.list().await?;
-            println!("{:<24} {:>8} {:>7}  origin", "SESSION", "FRAMES", "SEALED");
+            println!(
+                "{:<32} {:<12} {:<7} {:>6} {:>7} {:>7}  {:<24} origin",
+                "SESSION", "AGENT", "SANDBOX", "TURNS", "FRAMES", "SEALED", "LAST TURN"
+            );
             for info in logs {
                 let origin = info
                     .forked_from
+                    .as_ref()
                     .map(|o| format!("fork of {} until {}", o.session, o.until))
                     .unwrap_or_default();
+                let config = info.meta.config_or_default();
+                let last = info
+                    .meta
+                    .turn
+                    .as_ref()
+                    .map(|t| format!("{} {}", t.turn_id, t.status.as_str()))
+                    .unwrap_or_else(|| "-".into());
                 println!(
-                    "{:<24} {:>8} {:>7}  {origin}",
+                    "{:<32} {:<12} {:<7} {:>6} {:>7} {:>7}  {:<24} {origin}",
                     info.session.to_string(),
+                    config.agent,
+                    config.sandbox.provider,
+                    info.meta.turns,
                     info.last_seq,
-                    if info.sealed { "yes" } else { "no" }
+                    if info.sealed { "yes" } else { "no" },
+                    last
                 );
             }
         }

@@ -1,95 +1,82 @@
-//! Running one turn end to end on the embedded default: a sandbox (local or
-//! Docker), the in-process engine with its state in SQLite, the SQLite
-//! session log, and the session actor's runner side (`LogSink`).
+//! `harness run` and `harness resume`: a turn through the home's session
+//! runtime — in this process when nothing else drives the home, or through
+//! the `harness serve` that does (so one session always has one actor, and
+//! the server's clients see the run live).
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::io::{BufRead, IsTerminal, Write};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use harness::core::engine::{DurableEngine, InProcessEngine, Spawner};
-use harness::core::frame::{FrameBody, SessionId};
-use harness::core::harness::Harness;
-use harness::core::log::{AppendRequest, SessionLog};
-use harness::core::sandbox::{SandboxProvider, SandboxSpec};
-use harness::core::sink::LogSink;
-use harness::core::slice::SliceRunner;
-use harness::core::turn::{TurnState, TurnStatus};
+use harness::core::actor::ClientMessage;
+use harness::core::frame::SessionId;
+use harness::core::part::StreamPart;
+use harness::core::session::{SandboxConfig, SessionConfig};
+use harness::core::turn::TurnStatus;
+use harness::runtime::{Runtime, SessionClient, TurnFollower, TurnHandle, TurnUpdate};
 
-use crate::home::{Home, SessionRecord};
-use crate::print::PrintingSink;
-use crate::{AgentKind, EngineKind, SandboxKind};
+use crate::client::{Events, RemoteClient};
+use crate::home::{Home, RuntimeLock, ServeInfo};
+use crate::local::{self, EngineSpec};
+use crate::print::render;
+use crate::{AgentKind, SandboxKind};
 
 /// `harness run` arguments.
 #[derive(Debug)]
 pub struct RunArgs {
     pub agent: AgentKind,
     pub sandbox: SandboxKind,
-    pub engine: EngineKind,
     pub session: Option<String>,
     pub model: Option<String>,
     pub image: Option<String>,
     pub slice_ms: Option<u64>,
+    pub approvals: bool,
     pub prompt: String,
 }
 
-/// What a turn needs besides the home directory.
-pub struct TurnPlan {
-    /// The agent for a new session.
-    pub agent: AgentKind,
-    /// Its adapter.
-    pub harness: Arc<dyn Harness>,
-    /// Sandbox backend for a new session.
-    pub sandbox: SandboxKind,
-    /// Docker image for a new Docker session.
-    pub image: Option<String>,
-    /// Agent environment (credentials, base URLs).
-    pub env: BTreeMap<String, String>,
-    /// Model override.
-    pub model: Option<String>,
-    /// Continue this session.
-    pub session: Option<String>,
-    /// Slice length override.
-    pub slice_ms: Option<u64>,
-    /// The prompt.
-    pub prompt: String,
+/// Who drives the home's sessions for this command.
+pub enum Driver {
+    /// This process (it holds the home's lock).
+    Local(RuntimeLock),
+    /// The `harness serve` that holds it.
+    Remote(RemoteClient, ServeInfo),
 }
 
-impl std::fmt::Debug for TurnPlan {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TurnPlan")
-            .field("agent", &self.agent)
-            .field("session", &self.session)
-            .finish_non_exhaustive()
-    }
-}
-
-/// A provider for `kind`.
-pub async fn provider(
-    home: &Home,
-    kind: &str,
-    image: Option<&str>,
-) -> Result<Arc<dyn SandboxProvider>> {
-    match kind {
-        "local" => Ok(Arc::new(harness::local::LocalProvider::new(
-            home.sandboxes(),
-        ))),
-        "docker" => {
-            let mut config = harness::docker::DockerConfig::default();
-            if let Some(image) = image {
-                config.default_image = image.to_string();
-            }
-            let provider = harness::docker::DockerProvider::connect(config).await.context(
-                "no Docker engine answered (start dockerd, e.g. `cargo xtask services start`, or use --sandbox local)",
-            )?;
-            Ok(Arc::new(provider))
+/// Take the home, or find the server that has it.
+pub async fn driver(home: &Home, what: &str) -> Result<Driver> {
+    loop {
+        if let Some(lock) = home.try_lock_runtime()? {
+            // A server killed without cleanup leaves its file behind.
+            home.remove_serve_info();
+            return Ok(Driver::Local(lock));
         }
-        other => bail!("unknown sandbox provider {other:?} (this build knows local and docker)"),
+        if let Some(info) = home.serve_info() {
+            let client = RemoteClient::new(&info.url, Some(info.token.clone()));
+            if client.reachable().await {
+                eprintln!(
+                    "harness serve (pid {}) drives this home: {what} goes through {}",
+                    info.pid, info.url
+                );
+                return Ok(Driver::Remote(client, info));
+            }
+        }
+        // Another `harness run` (or a server still starting): wait for it.
+        let lock = home.lock_runtime(what).await?;
+        drop(lock);
     }
 }
 
-fn now_ms() -> u64 {
-    harness::core::log::now_ms()
+/// The session config of a new session from the flags.
+fn new_config(args: &RunArgs) -> SessionConfig {
+    SessionConfig {
+        agent: args.agent.name().to_string(),
+        sandbox: SandboxConfig {
+            provider: args.sandbox.name().to_string(),
+            image: args.image.clone(),
+            ..SandboxConfig::default()
+        },
+        model: args.model.clone(),
+        approvals: args.approvals,
+    }
 }
 
 fn spinner(message: String) -> indicatif::ProgressBar {
@@ -103,288 +90,403 @@ fn spinner(message: String) -> indicatif::ProgressBar {
     bar
 }
 
-/// The in-process engine: slices run by a [`SliceRunner`] whose parts are
-/// printed and then stored through the actor's runner side ([`LogSink`]),
-/// turn states saved in SQLite.
-fn engine(
-    log: Arc<harness::sqlite::SqliteSessionLog>,
-    store: Arc<harness::sqlite::SqliteTurnStore>,
-    providers: BTreeMap<String, Arc<dyn SandboxProvider>>,
-    harnesses: BTreeMap<String, Arc<dyn Harness>>,
-    env: BTreeMap<String, String>,
-    model: Option<String>,
-) -> InProcessEngine {
-    // The start time is the runner generation: a later process fences this one.
-    let sink = Arc::new(PrintingSink::new(Arc::new(LogSink::new(log, now_ms()))));
-    let runner = SliceRunner {
-        providers,
-        harnesses,
-        sink,
-        env,
-        model,
-        poll_interval: Duration::from_millis(150),
-        sleep: Arc::new(|d| Box::pin(tokio::time::sleep(d))),
-        now_ms: Arc::new(now_ms),
-    };
-    let spawn: Spawner = Arc::new(|f| {
-        tokio::spawn(f);
-    });
-    InProcessEngine::new(Arc::new(runner), store, spawn)
-}
-
-/// Credentials and base URLs for agents, from this process's environment.
-fn agent_env() -> BTreeMap<String, String> {
-    [
-        "ANTHROPIC_API_KEY",
-        "ANTHROPIC_BASE_URL",
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC",
-        "OPENAI_API_KEY",
-        "OPENAI_BASE_URL",
-    ]
-    .into_iter()
-    .filter_map(|k| {
-        std::env::var(k)
-            .ok()
-            .filter(|v| !v.is_empty())
-            .map(|v| (k.to_string(), v))
-    })
-    .collect()
-}
-
-/// `harness resume`: finish every unfinished turn.
-pub async fn resume_command(home: &Home) -> Result<()> {
-    use harness::core::engine::TurnStore;
-    let log = Arc::new(
-        harness::sqlite::SqliteSessionLog::open(home.db()).context("opening the session log")?,
-    );
-    let store = Arc::new(log.turn_store());
-    let unfinished = store.unfinished().await?;
-    if unfinished.is_empty() {
-        eprintln!("no unfinished turns");
-        return Ok(());
-    }
-    let mut providers: BTreeMap<String, Arc<dyn SandboxProvider>> = BTreeMap::new();
-    let mut harnesses: BTreeMap<String, Arc<dyn Harness>> = BTreeMap::new();
-    for state in &unfinished {
-        if let Some(handle) = &state.sandbox {
-            if !providers.contains_key(&handle.provider) {
-                providers.insert(
-                    handle.provider.clone(),
-                    provider(home, &handle.provider, None).await?,
-                );
-            }
-        }
-        if !harnesses.contains_key(&state.agent) {
-            let kind = AgentKind::from_name(&state.agent)
-                .with_context(|| format!("unknown agent {:?}", state.agent))?;
-            let binary = crate::agents::ensure_binary(home, kind).await?;
-            harnesses.insert(state.agent.clone(), crate::agents::adapter(kind, binary)?);
-        }
-    }
-    let engine = engine(log, store, providers, harnesses, agent_env(), None);
-    eprintln!(
-        "resuming {} unfinished turn(s)",
-        engine.resume_unfinished().await?
-    );
-    let mut failed = 0;
-    for state in unfinished {
-        let done = engine.wait_turn(&state.session_id, &state.turn_id).await?;
-        if let Ok(mut record) = home.load_session(&done.session_id) {
-            if done.agent_session_id.is_some() {
-                record.agent_session_id = done.agent_session_id.clone();
-                home.save_session(&record)?;
-            }
-        }
-        eprintln!("session {}: {}", done.session_id, summary(&done));
-        failed += usize::from(done.status != TurnStatus::Finished);
-    }
-    if failed > 0 {
-        bail!("{failed} resumed turn(s) did not finish");
-    }
-    Ok(())
-}
-
-/// Run one turn; returns the session record (saved) and the final state.
-pub async fn execute(home: &Home, plan: TurnPlan) -> Result<(SessionRecord, TurnState)> {
-    let log = Arc::new(
-        harness::sqlite::SqliteSessionLog::open(home.db()).context("opening the session log")?,
-    );
-    let store = Arc::new(log.turn_store());
-
-    let mut record = match &plan.session {
-        Some(id) => {
-            let record = home.load_session(id)?;
-            if record.agent != plan.agent.name() && plan.session.is_some() {
-                tracing::info!(agent = %record.agent, "continuing with the session's own agent");
-            }
-            record
-        }
-        None => {
-            let kind = match plan.sandbox {
-                SandboxKind::Local => "local",
-                SandboxKind::Docker => "docker",
-            };
-            let provider = provider(home, kind, plan.image.as_deref()).await?;
-            let id = format!("s-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
-            let mut spec = SandboxSpec::new("/workspace");
-            spec.session_id = Some(id.clone());
-            spec.bootstrap = Some(plan.harness.bootstrap_recipe()?);
-            let bar = spinner(format!(
-                "preparing a {kind} sandbox (the agent is installed once per recipe, then reused)"
-            ));
-            let sandbox = provider.create(&spec).await;
-            bar.finish_and_clear();
-            let sandbox = sandbox.context("creating the sandbox")?;
-            let record = SessionRecord {
-                id: id.clone(),
-                agent: plan.agent.name().to_string(),
-                sandbox: sandbox.detach().await?,
-                turns: 0,
-                agent_session_id: None,
-            };
-            home.save_session(&record)?;
-            eprintln!("session {id} in {kind} sandbox {}", record.sandbox.id);
-            record
-        }
-    };
-    let agent = AgentKind::from_name(&record.agent)
-        .with_context(|| format!("session uses unknown agent {:?}", record.agent))?;
-    if agent != plan.agent {
-        bail!(
-            "session {} runs {}, not {} (drop --agent or pick another session)",
-            record.id,
-            record.agent,
-            plan.agent.name()
-        );
-    }
-    let session = SessionId::parse(&record.id)?;
-    log.create(&session).await?;
-
-    let turn_id = format!("t{}", record.turns + 1);
-    log.append(
-        &session,
-        AppendRequest::idempotent(
-            FrameBody::UserMessage {
-                text: plan.prompt.clone(),
-                turn_id: Some(turn_id.clone()),
-            },
-            format!("prompt:{turn_id}"),
-        ),
-    )
-    .await?;
-
-    let mut providers: BTreeMap<String, Arc<dyn SandboxProvider>> = BTreeMap::new();
-    providers.insert(
-        record.sandbox.provider.clone(),
-        provider(home, &record.sandbox.provider, plan.image.as_deref()).await?,
-    );
-    let mut harnesses: BTreeMap<String, Arc<dyn Harness>> = BTreeMap::new();
-    harnesses.insert(record.agent.clone(), plan.harness.clone());
-    let sink = Arc::new(PrintingSink::new(Arc::new(LogSink::new(
-        log.clone(),
-        now_ms(),
-    ))));
-    let runner = SliceRunner {
-        providers,
-        harnesses,
-        sink,
-        env: plan.env.clone(),
-        model: plan.model.clone(),
-        poll_interval: Duration::from_millis(150),
-        sleep: Arc::new(|d| Box::pin(tokio::time::sleep(d))),
-        now_ms: Arc::new(now_ms),
-    };
-    let spawn: Spawner = Arc::new(|f| {
-        tokio::spawn(f);
-    });
-    let engine = InProcessEngine::new(Arc::new(runner), store, spawn);
-    let resumed = engine.resume_unfinished().await?;
-    if resumed > 0 {
-        eprintln!("resumed {resumed} interrupted turn(s) from an earlier run");
-    }
-
-    let mut state = TurnState::new(
-        record.id.clone(),
-        turn_id.clone(),
-        record.agent.clone(),
-        plan.prompt.clone(),
-    );
-    state.sandbox = Some(record.sandbox.clone());
-    state.agent_session_id = record.agent_session_id.clone();
-    if let Some(ms) = plan.slice_ms {
-        state.config.slice_ms = ms;
-    }
-    engine.start_turn(state).await?;
-    record.turns += 1;
-    home.save_session(&record)?;
-
-    let final_state = tokio::select! {
-        done = engine.wait_turn(&record.id, &turn_id) => done?,
-        _ = tokio::signal::ctrl_c() => {
-            eprintln!("\naborting the turn (the session stays usable)…");
-            engine.abort_turn(&record.id, &turn_id, "interrupted from the terminal").await?;
-            engine.wait_turn(&record.id, &turn_id).await?
-        }
-    };
-    if final_state.agent_session_id.is_some() {
-        record.agent_session_id = final_state.agent_session_id.clone();
-        home.save_session(&record)?;
-    }
-    Ok((record, final_state))
+/// How a followed turn ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ended {
+    pub session: String,
+    pub turn_id: String,
+    pub status: TurnStatus,
+    pub error: Option<String>,
+    pub text: String,
 }
 
 /// Describe how a turn ended.
-pub fn summary(state: &TurnState) -> String {
-    match state.status {
-        TurnStatus::Finished => format!(
-            "turn {} finished in {} slice(s)",
-            state.turn_id, state.slices_run
-        ),
+pub fn summary(ended: &Ended) -> String {
+    match ended.status {
+        TurnStatus::Finished => format!("turn {} finished", ended.turn_id),
         status => format!(
             "turn {} ended {}: {}",
-            state.turn_id,
+            ended.turn_id,
             status.as_str(),
-            state.error.as_deref().unwrap_or("no error recorded")
+            ended.error.as_deref().unwrap_or("no error recorded")
         ),
     }
+}
+
+/// A turn's updates, from a local handle or a server's event stream.
+enum Updates {
+    Local(TurnHandle),
+    Remote(Events, TurnFollower, std::collections::VecDeque<TurnUpdate>),
+}
+
+impl Updates {
+    async fn next(&mut self) -> Result<Option<TurnUpdate>> {
+        match self {
+            Updates::Local(handle) => Ok(handle.next().await),
+            Updates::Remote(events, follower, queued) => loop {
+                if let Some(update) = queued.pop_front() {
+                    return Ok(Some(update));
+                }
+                if follower.is_ended() {
+                    return Ok(None);
+                }
+                match events.next().await {
+                    Some(message) => queued.extend(follower.push(&message?)),
+                    None => return Ok(None),
+                }
+            },
+        }
+    }
+
+    fn text(&self) -> String {
+        match self {
+            Updates::Local(_) => String::new(),
+            Updates::Remote(_, follower, _) => follower.text().to_string(),
+        }
+    }
+}
+
+/// Where answers and aborts go.
+enum Controls {
+    Local(SessionClient),
+    Remote(RemoteClient, String),
+}
+
+impl Controls {
+    async fn send(&self, message: ClientMessage) -> Result<()> {
+        match self {
+            Controls::Local(session) => match message {
+                ClientMessage::ApprovalResponse {
+                    approval_id,
+                    approved,
+                    reason,
+                } => Ok(session.answer(approval_id, approved, reason).await?),
+                ClientMessage::Abort { reason, .. } => Ok(session
+                    .abort(reason.unwrap_or_else(|| "aborted".into()))
+                    .await?),
+                other => bail!("not a turn control: {other:?}"),
+            },
+            Controls::Remote(client, session) => client.post(session, &message).await.map(|_| ()),
+        }
+    }
+}
+
+/// Ask on the terminal whether to allow a tool.
+fn ask(tool: &str, input: &serde_json::Value) -> bool {
+    eprint!("? allow {tool} {input}? [y/N] ");
+    let _ = std::io::stderr().flush();
+    let mut line = String::new();
+    let _ = std::io::stdin().lock().read_line(&mut line);
+    matches!(line.trim(), "y" | "Y" | "yes")
+}
+
+/// Print a turn as it happens until it ends; Ctrl-C aborts it (the session
+/// stays usable); permission requests are asked on the terminal.
+async fn follow(
+    session: &str,
+    turn_id: &str,
+    mut updates: Updates,
+    controls: &Controls,
+) -> Result<Ended> {
+    let mut bar = Some(spinner(
+        "starting the turn (a session's first turn makes its sandbox and installs the agent once)"
+            .into(),
+    ));
+    let mut text = String::new();
+    let mut aborting = false;
+    loop {
+        let update = tokio::select! {
+            update = updates.next() => update?,
+            _ = tokio::signal::ctrl_c(), if !aborting => {
+                aborting = true;
+                eprintln!("\naborting the turn (the session stays usable)…");
+                let abort = ClientMessage::Abort {
+                    turn_id: Some(turn_id.to_string()),
+                    reason: Some("interrupted from the terminal".into()),
+                };
+                if let Err(e) = controls.send(abort).await {
+                    eprintln!("could not abort: {e:#}");
+                }
+                continue;
+            }
+        };
+        let Some(update) = update else {
+            bail!("the session's stream ended before turn {turn_id} did");
+        };
+        if let Some(bar) = bar.take() {
+            bar.finish_and_clear();
+        }
+        match update {
+            TurnUpdate::Part(part) => {
+                if let StreamPart::TextDelta { delta, .. } = &part {
+                    text.push_str(delta);
+                }
+                if let Some(rendered) = render(&part) {
+                    let mut out = std::io::stdout().lock();
+                    let _ = out.write_all(rendered.as_bytes());
+                    let _ = out.flush();
+                }
+                if let StreamPart::ToolApprovalRequest {
+                    approval_id,
+                    tool_name,
+                    input,
+                    ..
+                } = &part
+                {
+                    if std::io::stdin().is_terminal() {
+                        let approved = ask(tool_name, input);
+                        let answer = ClientMessage::ApprovalResponse {
+                            approval_id: approval_id.clone(),
+                            approved,
+                            reason: (!approved).then(|| "denied on the terminal".to_string()),
+                        };
+                        controls.send(answer).await?;
+                    } else {
+                        eprintln!(
+                            "  waiting for a client to answer {approval_id} (POST /v1/sessions/{session}/messages)"
+                        );
+                    }
+                }
+            }
+            TurnUpdate::Ended { status, error } => {
+                let remote_text = updates.text();
+                return Ok(Ended {
+                    session: session.to_string(),
+                    turn_id: turn_id.to_string(),
+                    status,
+                    error,
+                    text: if remote_text.is_empty() {
+                        text
+                    } else {
+                        remote_text
+                    },
+                });
+            }
+        }
+    }
+}
+
+/// Run one prompt in this process on the home's runtime.
+pub async fn run_local(
+    home: &Home,
+    _lock: &RuntimeLock,
+    options: local::Options,
+    session: Option<String>,
+    config: SessionConfig,
+    prompt: String,
+) -> Result<(Runtime, Ended)> {
+    let runtime = local::runtime(home, options).await?;
+    let started = runtime.start().await?;
+    if started.resumed + started.redispatched > 0 {
+        eprintln!(
+            "picked up {} interrupted turn(s) from an earlier run",
+            started.resumed.max(started.redispatched)
+        );
+    }
+    let session = match session {
+        Some(id) => runtime.session(&SessionId::parse(&id)?).await.map_err(|e| {
+            anyhow::anyhow!("unknown session {id:?} ({e}): `harness sessions list` shows the known ones")
+        })?,
+        None => {
+            let session = runtime.create_session(None, config.clone()).await?;
+            eprintln!(
+                "session {} ({} in a {} sandbox)",
+                session.id(),
+                config.agent,
+                config.sandbox.provider
+            );
+            session
+        }
+    };
+    let turn = session.prompt(prompt).await?;
+    let turn_id = turn.turn_id().to_string();
+    let id = session.id().to_string();
+    let ended = follow(
+        &id,
+        &turn_id,
+        Updates::Local(turn),
+        &Controls::Local(session),
+    )
+    .await?;
+    Ok((runtime, ended))
+}
+
+/// Run one prompt through a running server.
+pub async fn run_remote(
+    client: &RemoteClient,
+    session: Option<String>,
+    config: &SessionConfig,
+    prompt: String,
+) -> Result<Ended> {
+    let session = match session {
+        Some(id) => {
+            client.info(&id).await?;
+            id
+        }
+        None => {
+            let info = client.create(config).await?;
+            eprintln!(
+                "session {} ({} in a {} sandbox)",
+                info.session, config.agent, config.sandbox.provider
+            );
+            info.session.to_string()
+        }
+    };
+    let after = client.info(&session).await?.last_seq;
+    let events = client.events(&session, after).await?;
+    let ack = client
+        .post(
+            &session,
+            &ClientMessage::Prompt {
+                text: prompt,
+                turn_id: None,
+                key: None,
+            },
+        )
+        .await?;
+    let turn_id = ack["turnId"]
+        .as_str()
+        .context("the server's ack names no turn")?
+        .to_string();
+    let updates = Updates::Remote(
+        events,
+        TurnFollower::new(turn_id.clone()),
+        Default::default(),
+    );
+    follow(
+        &session,
+        &turn_id,
+        updates,
+        &Controls::Remote(client.clone(), session.clone()),
+    )
+    .await
 }
 
 /// `harness run`.
 pub async fn run_command(home: &Home, args: RunArgs) -> Result<()> {
-    let EngineKind::Local = args.engine;
-    let agent = match &args.session {
-        Some(id) => AgentKind::from_name(&home.load_session(id)?.agent).unwrap_or(args.agent),
-        None => args.agent,
+    let env = local::agent_env();
+    let driver = driver(home, "this run").await?;
+    // The agent of a continued session is the session's own.
+    let agent = match (&args.session, &driver) {
+        (Some(id), Driver::Local(_)) => session_agent(home, id).await?.unwrap_or(args.agent),
+        (Some(id), Driver::Remote(client, _)) => {
+            let info = client.info(id).await?;
+            AgentKind::from_name(&info.meta.config_or_default().agent).unwrap_or(args.agent)
+        }
+        (None, _) => args.agent,
     };
-    let env = agent_env();
-    let key_var = match agent {
-        AgentKind::ClaudeCode => "ANTHROPIC_API_KEY",
-        AgentKind::Codex => "OPENAI_API_KEY",
+    let ended = match driver {
+        Driver::Remote(client, _) => {
+            run_remote(&client, args.session.clone(), &new_config(&args), args.prompt.clone())
+                .await?
+        }
+        Driver::Local(lock) => {
+            let key_var = match agent {
+                AgentKind::ClaudeCode => "ANTHROPIC_API_KEY",
+                AgentKind::Codex => "OPENAI_API_KEY",
+            };
+            if !env.contains_key(key_var) {
+                bail!("{key_var} is not set: export it to run {} for real, or try `harness demo` (no key needed)", agent.name());
+            }
+            let options = local::Options {
+                agents: vec![agent],
+                env,
+                image: args.image.clone(),
+                slice_ms: args.slice_ms,
+                engine: EngineSpec::InProcess,
+                lenient: false,
+                require_docker: args.sandbox == SandboxKind::Docker && args.session.is_none(),
+            };
+            let config = new_config(&args);
+            run_local(home, &lock, options, args.session.clone(), config, args.prompt.clone())
+                .await?
+                .1
+        }
     };
-    if !env.contains_key(key_var) {
-        bail!("{key_var} is not set: export it to run {} for real, or try `harness demo` (no key needed)", agent.name());
-    }
-    let binary = crate::agents::ensure_binary(home, agent).await?;
-    let plan = TurnPlan {
-        agent,
-        harness: crate::agents::adapter(agent, binary)?,
-        sandbox: args.sandbox,
-        image: args.image,
-        env,
-        model: args.model,
-        session: args.session,
-        slice_ms: args.slice_ms,
-        prompt: args.prompt,
-    };
-    let (record, state) = execute(home, plan).await?;
     eprintln!(
         "{} — continue with `harness run --session {} PROMPT`",
-        summary(&state),
-        record.id
+        summary(&ended),
+        ended.session
     );
-    if state.status == TurnStatus::Finished {
+    if ended.status == TurnStatus::Finished {
         Ok(())
     } else {
-        bail!("{}", summary(&state))
+        bail!("{}", summary(&ended))
     }
+}
+
+/// The agent a session of the home runs, if the session exists.
+async fn session_agent(home: &Home, id: &str) -> Result<Option<AgentKind>> {
+    use harness::core::log::SessionLog;
+    let log = harness::sqlite::SqliteSessionLog::open(home.db())?;
+    let session = SessionId::parse(id)?;
+    match log.info(&session).await {
+        Ok(info) => Ok(AgentKind::from_name(&info.meta.config_or_default().agent)),
+        Err(e) if e.kind() == harness::core::ErrorKind::NotFound => bail!(
+            "unknown session {id:?}: `harness sessions list` shows the known ones"
+        ),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// `harness resume`: finish every turn an earlier process left unfinished.
+pub async fn resume_command(home: &Home) -> Result<()> {
+    let lock = match driver(home, "resume").await? {
+        Driver::Local(lock) => lock,
+        Driver::Remote(..) => {
+            eprintln!("the running server resumes unfinished turns itself");
+            return Ok(());
+        }
+    };
+    let options = local::Options {
+        agents: vec![AgentKind::ClaudeCode, AgentKind::Codex],
+        env: local::agent_env(),
+        image: None,
+        slice_ms: None,
+        engine: EngineSpec::InProcess,
+        lenient: true,
+        require_docker: false,
+    };
+    let runtime = local::runtime(home, options).await?;
+    let started = runtime.start().await?;
+    let log = runtime.hub().log().clone();
+    let active = |infos: Vec<harness::core::log::LogInfo>| {
+        infos
+            .into_iter()
+            .filter(|i| i.meta.active_turn().is_some() && !i.sealed)
+            .collect::<Vec<_>>()
+    };
+    let running = active(log.list().await?);
+    if running.is_empty() && started.resumed == 0 {
+        eprintln!("no unfinished turns");
+        return Ok(());
+    }
+    eprintln!("resuming {} unfinished turn(s)", running.len().max(started.resumed));
+    let bar = spinner("waiting for the resumed turns to end".into());
+    let mut failed = 0;
+    for info in &running {
+        loop {
+            let now = log.info(&info.session).await?;
+            let turn = now.meta.turn.clone().context("the turn vanished")?;
+            if !turn.is_active() {
+                bar.suspend(|| {
+                    eprintln!(
+                        "session {}: turn {} ended {}",
+                        info.session,
+                        turn.turn_id,
+                        turn.status.as_str()
+                    )
+                });
+                failed += usize::from(turn.status != TurnStatus::Finished);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+    bar.finish_and_clear();
+    drop(lock);
+    if failed > 0 {
+        bail!("{failed} resumed turn(s) did not finish");
+    }
+    Ok(())
 }

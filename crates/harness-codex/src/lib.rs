@@ -113,9 +113,10 @@ pub struct CodexConfig {
     /// `--approve-for-me`, `-c approval_policy=…`) are refused with
     /// `Unsupported` (see [`check_extra_args`]); use `approvals`.
     pub extra_args: Vec<String>,
-    /// Ask the harness's client before every tool call (off by default:
-    /// the harness sandbox is the boundary and Codex runs with approvals
-    /// and its own sandbox bypassed). See [`CodexApprovals`].
+    /// How approvals work when a turn asks for them (its session's
+    /// `approvals`; off by default: the harness sandbox is the boundary
+    /// and Codex runs with approvals and its own sandbox bypassed). `None`
+    /// uses [`CodexApprovals::default`]. See [`CodexApprovals`].
     pub approvals: Option<CodexApprovals>,
 }
 
@@ -382,7 +383,13 @@ impl Harness for CodexHarness {
             // `never`): approvals, when on, come from the hook below.
             "--dangerously-bypass-approvals-and-sandbox".into(),
         ];
-        if let Some(approvals) = &self.config.approvals {
+        // A turn asks when its session asked for approvals; the config only
+        // tunes how (how long the hook waits).
+        let approvals = turn
+            .state
+            .approvals
+            .then(|| self.config.approvals.clone().unwrap_or_default());
+        if let Some(approvals) = &approvals {
             let dir = format!(
                 "{}/approvals",
                 harness_core::slice::spool_dir(turn.home, &turn.state.turn_id)
@@ -616,6 +623,10 @@ mod tests {
         let h = CodexHarness::new(config);
         let env = BTreeMap::new();
         let mut state = TurnState::new("s", "t9", "codex", "go");
+        // Without the session asking, the hook stays off.
+        let plain = h.turn_command(&ctx(&state, &env)).unwrap();
+        assert!(!plain.argv.iter().any(|a| a == "--dangerously-bypass-hook-trust"));
+        state.approvals = true;
         state.agent_session_id = Some("th-1".into());
         let cmd = h.turn_command(&ctx(&state, &env)).unwrap();
         let args = &cmd.argv[4..];

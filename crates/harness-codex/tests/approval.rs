@@ -142,6 +142,7 @@ async fn rig(b: Backend, h: CodexHarness, server: &ScriptedModel, name: &str) ->
     );
     let mut state = TurnState::new(&session.id, "t1", "codex", "please make the file");
     state.sandbox = Some(handle);
+    state.approvals = true;
     Rig {
         engine,
         sink,

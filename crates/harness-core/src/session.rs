@@ -65,6 +65,12 @@ pub struct SessionConfig {
     /// Model name passed to the agent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
+    /// Ask a client before the agent runs a tool that needs permission
+    /// (`tool-approval-request`, answered with `approval-response`). Off by
+    /// default: the sandbox is the boundary. Claude Code only (see
+    /// `docs/agents.md` for Codex).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub approvals: bool,
 }
 
 fn default_agent() -> String {
@@ -77,6 +83,7 @@ impl Default for SessionConfig {
             agent: default_agent(),
             sandbox: SandboxConfig::default(),
             model: None,
+            approvals: false,
         }
     }
 }
@@ -91,6 +98,7 @@ impl SessionConfig {
                 ..SandboxConfig::default()
             },
             model: None,
+            approvals: false,
         }
     }
 }
@@ -437,6 +445,7 @@ impl SessionRuntime {
         state.sandbox_config = Some(config.sandbox.clone());
         state.agent_session_id = agent_session_id.clone();
         state.model = config.model.clone();
+        state.approvals = config.approvals;
         Some(state)
     }
 

@@ -126,6 +126,10 @@ pub struct TurnState {
     /// Model name for the agent (the runner's default when absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
+    /// Ask a client before tools that need permission (the adapter must
+    /// support it; see [`crate::session::SessionConfig::approvals`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub approvals: bool,
     /// The agent's own session/thread id, carried across turns.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent_session_id: Option<String>,
@@ -188,6 +192,7 @@ impl TurnState {
             sandbox: None,
             sandbox_config: None,
             model: None,
+            approvals: false,
             agent_session_id: None,
             process: None,
             cursor: 0,
@@ -211,6 +216,7 @@ impl TurnState {
         next.sandbox = self.sandbox.clone();
         next.sandbox_config = self.sandbox_config.clone();
         next.model = self.model.clone();
+        next.approvals = self.approvals;
         next.agent_session_id = self.agent_session_id.clone();
         next
     }

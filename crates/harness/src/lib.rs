@@ -11,6 +11,7 @@
 //! | `docker` | [`docker`] | sandbox: a Docker container (bollard) |
 //! | `r2` | [`r2`] | checkpoint store on R2 / any S3 |
 //! | `sqlite` (default) | [`sqlite`] | session log and turn store on SQLite |
+//! | `runtime` (default) | [`runtime`] | the session runtime on tokio: actors, dispatch to an engine, the embedding API |
 //! | `server` | [`server`] | the session server (HTTP, WebSocket, SSE) |
 //! | `claude-code` (default) | [`claude_code`] | the Claude Code adapter |
 //! | `codex` (default) | [`codex`] | the Codex adapter |
@@ -40,6 +41,9 @@ pub use checkpoint_r2 as r2;
 
 #[cfg(feature = "sqlite")]
 pub use session_log as sqlite;
+
+#[cfg(feature = "runtime")]
+pub use session_runtime as runtime;
 
 #[cfg(feature = "server")]
 pub use session_server as server;

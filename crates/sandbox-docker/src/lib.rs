@@ -174,6 +174,30 @@ impl DockerProvider {
         &self.docker
     }
 
+    /// The default bridge network's gateway: an address of this machine
+    /// that containers on the bridge reach (where to bind a host service
+    /// they must call, e.g. a model endpoint). What `docker network
+    /// inspect bridge` reports, else the first address of its subnet
+    /// (dockerd's default when it leaves `Gateway` out). Binding there
+    /// fails if the guess is not an address of this machine, so a wrong
+    /// guess cannot send traffic elsewhere.
+    pub async fn bridge_gateway(&self) -> Option<std::net::IpAddr> {
+        use std::net::{IpAddr, Ipv4Addr};
+        let net = self.docker.inspect_network("bridge", None).await.ok()?;
+        let config = net.ipam?.config?;
+        if let Some(gw) = config
+            .iter()
+            .find_map(|c| c.gateway.as_deref()?.parse::<IpAddr>().ok())
+        {
+            return Some(gw);
+        }
+        config.iter().find_map(|c| {
+            let (addr, _len) = c.subnet.as_deref()?.split_once('/')?;
+            let net: Ipv4Addr = addr.parse().ok()?;
+            Some(IpAddr::V4(Ipv4Addr::from(u32::from(net) + 1)))
+        })
+    }
+
     /// The configuration.
     pub fn config(&self) -> &DockerConfig {
         &self.config

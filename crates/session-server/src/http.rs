@@ -164,6 +164,9 @@ async fn create(
         /// Network policy of the sandbox.
         #[serde(default)]
         network: Option<harness_core::sandbox::NetworkPolicy>,
+        /// Ask clients before tools that need permission.
+        #[serde(default)]
+        approvals: bool,
     }
     let body: CreateBody = if bytes.iter().all(u8::is_ascii_whitespace) {
         CreateBody::default()
@@ -173,7 +176,10 @@ async fn create(
     };
     let id = match &body.id {
         Some(id) => session_id(id)?,
-        None => SessionId::parse(uuid::Uuid::new_v4().simple().to_string())?,
+        None => SessionId::parse(format!(
+            "s-{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..12]
+        ))?,
     };
     state.auth(&headers, &params, Some(&id), HOST)?;
     let mut config = SessionConfig::default();
@@ -188,6 +194,7 @@ async fn create(
         config.sandbox.network = network;
     }
     config.model = body.model;
+    config.approvals = body.approvals;
     let known = |list: &[String], name: &str| list.is_empty() || list.iter().any(|n| n == name);
     if !known(&state.config.agents, &config.agent) {
         return Err(ApiError::invalid(format!(

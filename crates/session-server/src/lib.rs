@@ -117,6 +117,11 @@ impl SessionServer {
         http::router(self.state.clone()).merge(durable_streams::server_router(&self.state.config))
     }
 
+    /// Serve on `listener` until the process ends.
+    pub async fn serve(self, listener: tokio::net::TcpListener) -> std::io::Result<()> {
+        axum::serve(listener, self.router()).await
+    }
+
     /// Sessions whose actor is running right now.
     pub fn live_sessions(&self) -> Vec<SessionId> {
         self.state.hub.live_sessions()

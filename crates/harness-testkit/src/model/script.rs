@@ -552,6 +552,37 @@ impl Script {
             .assert_tool_result_contains(BASH_CALL_ID, expect_output);
         s
     }
+    /// Every turn of a session: the prompt gets a shell call running
+    /// `command` (with a call id of its own per turn, so a resumed
+    /// conversation never repeats an id), its result gets `final_text`.
+    /// What `harness serve --demo` answers any number of prompts with.
+    /// Turns are told apart by how many user texts the request carries
+    /// (up to 1000 turns).
+    pub fn bash_each_turn(command: impl Into<String>, final_text: impl Into<String>) -> Self {
+        let command = command.into();
+        let mut s = Self::new().rule(
+            Rule::new(
+                matcher_fn(|r| {
+                    r.last_tool_results()
+                        .iter()
+                        .any(|t| t.call_id.starts_with("toolu_turn_"))
+                }),
+                Reply::text(final_text),
+            )
+            .named("shell result -> final text"),
+        );
+        for n in 1..=1000usize {
+            s = s.rule(
+                Rule::new(
+                    matcher_fn(move |r| r.last_tool_results().is_empty() && r.user_texts().len() == n),
+                    Reply::shell(format!("toolu_turn_{n}"), command.clone()),
+                )
+                .named(format!("prompt {n} -> shell")),
+            );
+        }
+        s
+    }
+
     /// The first rule (index and rule) matching `req`.
     pub fn select(&self, req: &ModelRequest) -> Option<(usize, &Rule)> {
         self.rules

@@ -1,0 +1,215 @@
+//! A client of a running `harness serve` (what `harness run` uses when a
+//! server drives the home): create a session, post messages, and read the
+//! session's events (SSE) as the actor's `ServerMessage`s, so a turn is
+//! followed exactly as in-process.
+
+use std::collections::VecDeque;
+
+use anyhow::{bail, Context, Result};
+use futures::StreamExt;
+use harness::core::actor::{ClientMessage, ServerMessage};
+use harness::core::frame::Frame;
+use harness::core::log::LogInfo;
+use harness::core::part::StreamPart;
+use harness::core::session::SessionConfig;
+use serde_json::{json, Value};
+
+/// A server and the token to use.
+#[derive(Debug, Clone)]
+pub struct RemoteClient {
+    http: reqwest::Client,
+    base: String,
+    token: Option<String>,
+}
+
+async fn check(response: reqwest::Response, what: &str) -> Result<Value> {
+    let status = response.status();
+    let body: Value = response.json().await.unwrap_or(Value::Null);
+    if !status.is_success() {
+        let message = body["error"]["message"]
+            .as_str()
+            .map(str::to_string)
+            .unwrap_or_else(|| body.to_string());
+        bail!("{what}: the server answered {status}: {message}");
+    }
+    Ok(body)
+}
+
+impl RemoteClient {
+    /// A client of the server at `base`.
+    pub fn new(base: &str, token: Option<String>) -> Self {
+        Self {
+            http: reqwest::Client::new(),
+            base: base.trim_end_matches('/').to_string(),
+            token,
+        }
+    }
+
+    fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        let r = self.http.request(method, format!("{}{path}", self.base));
+        match &self.token {
+            Some(t) => r.bearer_auth(t),
+            None => r,
+        }
+    }
+
+    /// Whether the server answers.
+    pub async fn reachable(&self) -> bool {
+        let probe = self
+            .request(reqwest::Method::GET, "/v1/sessions")
+            .timeout(std::time::Duration::from_secs(3))
+            .send()
+            .await;
+        probe.is_ok()
+    }
+
+    /// Create a session running `config`.
+    pub async fn create(&self, config: &SessionConfig) -> Result<LogInfo> {
+        let mut body = json!({
+            "agent": config.agent,
+            "sandbox": config.sandbox.provider,
+        });
+        if let Some(image) = &config.sandbox.image {
+            body["image"] = json!(image);
+        }
+        if let Some(model) = &config.model {
+            body["model"] = json!(model);
+        }
+        if config.approvals {
+            body["approvals"] = json!(true);
+        }
+        let r = self
+            .request(reqwest::Method::POST, "/v1/sessions")
+            .json(&body)
+            .send()
+            .await
+            .context("creating the session on the server")?;
+        Ok(serde_json::from_value(check(r, "creating the session").await?)?)
+    }
+
+    /// A session's info.
+    pub async fn info(&self, session: &str) -> Result<LogInfo> {
+        let r = self
+            .request(reqwest::Method::GET, &format!("/v1/sessions/{session}"))
+            .send()
+            .await?;
+        Ok(serde_json::from_value(
+            check(r, &format!("reading session {session}")).await?,
+        )?)
+    }
+
+    /// Post a client message; the ack (`{"seq", "duplicate", "turnId"?}`).
+    pub async fn post(&self, session: &str, message: &ClientMessage) -> Result<Value> {
+        let r = self
+            .request(
+                reqwest::Method::POST,
+                &format!("/v1/sessions/{session}/messages"),
+            )
+            .json(message)
+            .send()
+            .await?;
+        check(r, "sending to the session").await
+    }
+
+    /// The session's events after `after`, as the actor's messages.
+    pub async fn events(&self, session: &str, after: u64) -> Result<Events> {
+        let r = self
+            .request(
+                reqwest::Method::GET,
+                &format!("/v1/sessions/{session}/events?after={after}"),
+            )
+            .send()
+            .await?;
+        if !r.status().is_success() {
+            check(r, "opening the session's events").await?;
+            bail!("unreachable");
+        }
+        Ok(Events {
+            body: Box::pin(r.bytes_stream()),
+            buffer: Vec::new(),
+            ready: VecDeque::new(),
+        })
+    }
+}
+
+type Body = std::pin::Pin<
+    Box<dyn futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Send>,
+>;
+
+/// A session's SSE stream (`event: frame|live|error`), parsed.
+pub struct Events {
+    body: Body,
+    buffer: Vec<u8>,
+    ready: VecDeque<ServerMessage>,
+}
+
+impl std::fmt::Debug for Events {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Events").finish_non_exhaustive()
+    }
+}
+
+impl Events {
+    /// The next message; `None` when the stream ended.
+    pub async fn next(&mut self) -> Option<Result<ServerMessage>> {
+        loop {
+            if let Some(m) = self.ready.pop_front() {
+                return Some(Ok(m));
+            }
+            match self.body.next().await? {
+                Ok(chunk) => {
+                    self.buffer.extend_from_slice(&chunk);
+                    self.parse();
+                }
+                Err(e) => return Some(Err(anyhow::anyhow!("the event stream failed: {e}"))),
+            }
+        }
+    }
+
+    /// Split complete events (blank-line separated) off the buffer.
+    fn parse(&mut self) {
+        while let Some(end) = find_blank_line(&self.buffer) {
+            let block: Vec<u8> = self.buffer.drain(..end).collect();
+            let text = String::from_utf8_lossy(&block);
+            let mut event = "message";
+            let mut data = String::new();
+            for line in text.lines() {
+                if let Some(v) = line.strip_prefix("event:") {
+                    event = v.trim();
+                } else if let Some(v) = line.strip_prefix("data:") {
+                    if !data.is_empty() {
+                        data.push('\n');
+                    }
+                    data.push_str(v.strip_prefix(' ').unwrap_or(v));
+                }
+            }
+            let message = match event {
+                "frame" => serde_json::from_str::<Frame>(&data)
+                    .ok()
+                    .map(|frame| ServerMessage::Frame { frame }),
+                "live" => serde_json::from_str::<Value>(&data).ok().and_then(|v| {
+                    let part: StreamPart = serde_json::from_value(v["part"].clone()).ok()?;
+                    Some(ServerMessage::Live {
+                        turn_id: v["turnId"].as_str()?.to_string(),
+                        part,
+                    })
+                }),
+                _ => None,
+            };
+            self.ready.extend(message);
+        }
+    }
+}
+
+/// The end (past the blank line) of the first complete SSE event.
+fn find_blank_line(buffer: &[u8]) -> Option<usize> {
+    let lf = buffer.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
+    let crlf = buffer
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|i| i + 4);
+    match (lf, crlf) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}

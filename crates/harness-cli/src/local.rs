@@ -1,0 +1,155 @@
+//! The session runtime of a home, in this process: the SQLite log and turn
+//! store, the sandbox providers this machine has, the agent adapters, and
+//! the engine — assembled once here for `harness serve`, `run`, `demo` and
+//! `resume`, so they all take the same path.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use harness::core::harness::Harness;
+use harness::core::sandbox::SandboxProvider;
+use harness::core::turn::TurnConfig;
+use harness::runtime::{EngineChoice, Runtime};
+
+use crate::home::Home;
+use crate::AgentKind;
+
+/// Which engine runs the home's turns.
+#[derive(Debug, Clone)]
+pub enum EngineSpec {
+    /// In this process, turn states in the home's SQLite database.
+    InProcess,
+    /// On Temporal: workflows started from here, slices run by
+    /// `harness worker` processes.
+    Temporal(harness::temporal::TemporalConfig),
+}
+
+/// What to assemble.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Agents this runtime runs (each must be available unless `lenient`).
+    pub agents: Vec<AgentKind>,
+    /// Environment every agent gets (credentials, base URLs).
+    pub env: BTreeMap<String, String>,
+    /// The Docker image for sessions that name none.
+    pub image: Option<String>,
+    /// Slice length override in milliseconds.
+    pub slice_ms: Option<u64>,
+    /// The engine.
+    pub engine: EngineSpec,
+    /// Leave out (with a note) an agent or Docker that is not available,
+    /// instead of failing (a server offers what the machine has).
+    pub lenient: bool,
+    /// Fail when Docker is not available (the session runs in Docker).
+    pub require_docker: bool,
+}
+
+/// A provider for `kind` (`local` under the home, or `docker`).
+pub async fn provider(
+    home: &Home,
+    kind: &str,
+    image: Option<&str>,
+) -> Result<Arc<dyn SandboxProvider>> {
+    match kind {
+        "local" => Ok(Arc::new(harness::local::LocalProvider::new(
+            home.sandboxes(),
+        ))),
+        "docker" => {
+            let mut config = harness::docker::DockerConfig::default();
+            if let Some(image) = image {
+                config.default_image = image.to_string();
+            }
+            let connect = harness::docker::DockerProvider::connect(config);
+            let provider = tokio::time::timeout(Duration::from_secs(10), connect)
+                .await
+                .map_err(|_| anyhow::anyhow!("the Docker engine did not answer in 10 s"))?
+                .context(
+                    "no Docker engine answered (start dockerd, e.g. `cargo xtask services start`, or use --sandbox local)",
+                )?;
+            Ok(Arc::new(provider))
+        }
+        other => bail!("unknown sandbox provider {other:?} (this build knows local and docker)"),
+    }
+}
+
+/// The adapters for `kinds`, skipping (with a note) the unavailable ones
+/// when `lenient`.
+pub async fn agents(
+    home: &Home,
+    kinds: &[AgentKind],
+    lenient: bool,
+) -> Result<Vec<Arc<dyn Harness>>> {
+    let mut out = Vec::new();
+    for &kind in kinds {
+        let loaded = async {
+            let binary = crate::agents::ensure_binary(home, kind).await?;
+            crate::agents::adapter(kind, binary)
+        }
+        .await;
+        match loaded {
+            Ok(adapter) => out.push(adapter),
+            Err(e) if lenient => eprintln!("note: {} is not available: {e:#}", kind.name()),
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(out)
+}
+
+/// Assemble the home's runtime. The caller holds the home's
+/// [`RuntimeLock`](crate::home::RuntimeLock).
+pub async fn runtime(home: &Home, options: Options) -> Result<Runtime> {
+    let log = Arc::new(
+        harness::sqlite::SqliteSessionLog::open(home.db()).context("opening the session log")?,
+    );
+    let engine = match &options.engine {
+        EngineSpec::InProcess => EngineChoice::InProcess {
+            store: Arc::new(log.turn_store()),
+        },
+        EngineSpec::Temporal(config) => EngineChoice::External(Arc::new(
+            harness::temporal::TemporalEngine::connect(config.clone())
+                .await
+                .context("connecting to Temporal (start it with `cargo xtask services start`)")?,
+        )),
+    };
+    let mut turn = TurnConfig::default();
+    if let Some(ms) = options.slice_ms {
+        turn.slice_ms = ms;
+    }
+    let mut builder = Runtime::builder(log)
+        .engine(engine)
+        .env(options.env.clone())
+        .turn_config(turn);
+    builder = builder.provider(provider(home, "local", None).await?);
+    match provider(home, "docker", options.image.as_deref()).await {
+        Ok(docker) => builder = builder.provider(docker),
+        Err(e) if options.require_docker => return Err(e),
+        Err(e) if options.lenient => eprintln!("note: docker sandboxes are not available: {e:#}"),
+        // A run in a local sandbox does not need Docker.
+        Err(_) => {}
+    }
+    for adapter in agents(home, &options.agents, options.lenient).await? {
+        builder = builder.agent(adapter);
+    }
+    Ok(builder.build())
+}
+
+/// Credentials and base URLs for agents, from this process's environment.
+pub fn agent_env() -> BTreeMap<String, String> {
+    [
+        "ANTHROPIC_API_KEY",
+        "ANTHROPIC_BASE_URL",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC",
+        "OPENAI_API_KEY",
+        "OPENAI_BASE_URL",
+    ]
+    .into_iter()
+    .filter_map(|k| {
+        std::env::var(k)
+            .ok()
+            .filter(|v| !v.is_empty())
+            .map(|v| (k.to_string(), v))
+    })
+    .collect()
+}
