@@ -74,7 +74,9 @@ pub fn rust() -> Result<()> {
     if missing.is_empty() {
         println!("rustup: targets present ({})", RUST_TARGETS.join(" "));
     } else {
-        run(Command::new("rustup").args(["target", "add"]).args(&missing))?;
+        run(Command::new("rustup")
+            .args(["target", "add"])
+            .args(&missing))?;
     }
     // Idempotent and quick when present.
     run(Command::new("rustup")

@@ -47,10 +47,7 @@ fn runner(root: &Path, log: Arc<dyn SessionLog>) -> SliceRunner {
     SliceRunner {
         providers,
         harnesses,
-        sink: Arc::new(RunnerSink::new(
-            Arc::new(HubConnector::new(hub)),
-            now_ms(),
-        )),
+        sink: Arc::new(RunnerSink::new(Arc::new(HubConnector::new(hub)), now_ms())),
         env: BTreeMap::new(),
         model: None,
         poll_interval: Duration::from_millis(50),

@@ -39,8 +39,8 @@ pub mod workflow;
 
 pub use workflow::{
     AbortRequest, ActivityTuning, HarnessTurnWorkflow, KillInput, SliceInput, TurnActivities,
-    TurnWorkflowInput, CREATE_SANDBOX_ACTIVITY, KILL_ACTIVITY, RECORD_END_ACTIVITY,
-    SLICE_ACTIVITY, WORKFLOW_TYPE,
+    TurnWorkflowInput, CREATE_SANDBOX_ACTIVITY, KILL_ACTIVITY, RECORD_END_ACTIVITY, SLICE_ACTIVITY,
+    WORKFLOW_TYPE,
 };
 
 /// Default server address (the dev server of `cargo xtask services start`).
@@ -74,7 +74,11 @@ impl Default for TemporalConfig {
 
 impl TemporalConfig {
     /// Defaults overridden by `HARNESS_TEMPORAL_ADDRESS`,
-    /// `HARNESS_TEMPORAL_NAMESPACE` and `HARNESS_TEMPORAL_TASK_QUEUE`.
+    /// `HARNESS_TEMPORAL_NAMESPACE`, `HARNESS_TEMPORAL_TASK_QUEUE`, and for
+    /// the activities `HARNESS_TEMPORAL_HEARTBEAT_TIMEOUT_MS` (how soon a
+    /// dead worker's slice moves to another worker) and
+    /// `HARNESS_TEMPORAL_RETRY_INITIAL_MS`. Tuning is read where turns are
+    /// started (it travels in the workflow input).
     pub fn from_env() -> Self {
         let mut config = Self::default();
         let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
@@ -86,6 +90,13 @@ impl TemporalConfig {
         }
         if let Some(queue) = var("HARNESS_TEMPORAL_TASK_QUEUE") {
             config.task_queue = queue;
+        }
+        let ms = |name: &str| var(name).and_then(|v| v.parse::<u64>().ok());
+        if let Some(ms) = ms("HARNESS_TEMPORAL_HEARTBEAT_TIMEOUT_MS") {
+            config.tuning.heartbeat_timeout_ms = ms;
+        }
+        if let Some(ms) = ms("HARNESS_TEMPORAL_RETRY_INITIAL_MS") {
+            config.tuning.retry_initial_interval_ms = ms;
         }
         config
     }

@@ -77,7 +77,13 @@ async fn claude_turn_longer_than_one_slice() {
     // The sandbox the engine made goes away whatever the verdict.
     if let Some(handle) = &done.sandbox {
         let provider = sandbox_local::LocalProvider::new(&root);
-        provider.resume(handle).await.unwrap().destroy().await.unwrap();
+        provider
+            .resume(handle)
+            .await
+            .unwrap()
+            .destroy()
+            .await
+            .unwrap();
     }
     server.assert_no_failures();
     assert_eq!(done.status, TurnStatus::Finished, "{done:?}");

@@ -7,7 +7,7 @@
 
 mod common;
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -48,29 +48,6 @@ async fn docker() -> Option<(String, DockerProvider)> {
     Some((image, provider))
 }
 
-/// The default bridge network's gateway (an address of this machine that
-/// containers reach). dockerd may leave `Gateway` out of the IPAM config and
-/// then uses the subnet's first address; binding there fails if the guess
-/// is not local, so traffic cannot go elsewhere.
-async fn bridge_gateway(provider: &DockerProvider) -> Option<IpAddr> {
-    let net = provider
-        .client()
-        .inspect_network("bridge", None)
-        .await
-        .ok()?;
-    let config = net.ipam?.config?;
-    if let Some(gw) = config
-        .iter()
-        .find_map(|c| c.gateway.as_deref()?.parse::<IpAddr>().ok())
-    {
-        return Some(gw);
-    }
-    config.iter().find_map(|c| {
-        let net: Ipv4Addr = c.subnet.as_deref()?.split_once('/')?.0.parse().ok()?;
-        Some(IpAddr::V4(Ipv4Addr::from(u32::from(net) + 1)))
-    })
-}
-
 /// Removes a container when dropped, so a failing test leaves none behind
 /// (the happy path destroys the sandbox itself).
 struct Cleanup(String);
@@ -94,7 +71,7 @@ async fn docker_claude_turn_longer_than_one_slice() {
     let Some((_image, provider)) = docker().await else {
         return;
     };
-    let Some(gateway) = bridge_gateway(&provider).await else {
+    let Some(gateway) = provider.bridge_gateway().await else {
         skip_or_fail("cannot find the docker bridge gateway address");
         return;
     };

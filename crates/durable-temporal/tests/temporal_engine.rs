@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 
 use durable_temporal::{TemporalEngine, TurnWorker};
 use harness_core::engine::{DurableEngine, SliceExecutor};
+use harness_core::frame::FrameBody;
+use harness_core::part::StreamPart;
 use harness_core::turn::TurnStatus;
 use tokio::task::LocalSet;
 
@@ -50,8 +52,7 @@ async fn turn_longer_than_one_slice_completes_across_slices() {
     let log = Arc::new(session_log::SqliteSessionLog::open(dir.path().join("log.db")).unwrap());
     let hub = common::hub(log.clone());
     // Only a sandbox config: the workflow's first step creates the sandbox.
-    let state =
-        common::new_turn_creating_sandbox(log.as_ref(), "lines=20 delay=0.2", 1_000).await;
+    let state = common::new_turn_creating_sandbox(log.as_ref(), "lines=20 delay=0.2", 1_000).await;
     let (session, turn) = (state.session_id.clone(), state.turn_id.clone());
     let runner = Arc::new(common::runner(dir.path(), hub));
     let engine = TemporalEngine::connect(config.clone()).await.unwrap();
@@ -171,7 +172,10 @@ async fn aborted_turn_fails_with_reason_and_session_takes_another_turn() {
 
         // The session takes another turn.
         let next = aborted.next_turn("t2", "lines=3 delay=0.05");
-        assert_eq!(next.sandbox, state.sandbox, "the next turn reuses the sandbox");
+        assert_eq!(
+            next.sandbox, state.sandbox,
+            "the next turn reuses the sandbox"
+        );
         engine.start_turn(next).await.unwrap();
         let done = tokio::time::timeout(Duration::from_secs(30), engine.wait_turn(&session, "t2"))
             .await
@@ -265,6 +269,15 @@ async fn approval_request_waits_for_the_approve_signal() {
         assert_eq!(done.approval_answers[0].approval_id, "approve-1");
         let frames = common::frames(log.as_ref(), &session).await;
         common::assert_gap_free(&frames);
+        let requests = frames
+            .iter()
+            .filter(|f| {
+                matches!(&f.body, FrameBody::Part {
+                    part: StreamPart::ToolApprovalRequest { approval_id, .. }, ..
+                } if approval_id == "approve-1")
+            })
+            .count();
+        assert_eq!(requests, 1, "the approval request stored once");
         // The agent waited for the answer file and saw the approval.
         assert_eq!(
             common::messages(&frames, &turn),

@@ -175,7 +175,10 @@ async fn until_approval_requested(rig: &Rig) -> (TurnHandle, String, Box<dyn San
     }
     assert_eq!(state.status, TurnStatus::AwaitingToolApproval, "{state:?}");
     assert_eq!(
-        state.pending_approval.as_ref().map(|p| p.approval_id.clone()),
+        state
+            .pending_approval
+            .as_ref()
+            .map(|p| p.approval_id.clone()),
         Some(approval_id.clone())
     );
     let sandbox = rig

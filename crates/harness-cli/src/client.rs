@@ -84,7 +84,9 @@ impl RemoteClient {
             .send()
             .await
             .context("creating the session on the server")?;
-        Ok(serde_json::from_value(check(r, "creating the session").await?)?)
+        Ok(serde_json::from_value(
+            check(r, "creating the session").await?,
+        )?)
     }
 
     /// A session's info.
@@ -132,9 +134,7 @@ impl RemoteClient {
     }
 }
 
-type Body = std::pin::Pin<
-    Box<dyn futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Send>,
->;
+type Body = std::pin::Pin<Box<dyn futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Send>>;
 
 /// A session's SSE stream (`event: frame|live|error`), parsed.
 pub struct Events {

@@ -160,12 +160,9 @@ async fn session_sandbox(
 /// Run `harness checkpoint`.
 pub async fn checkpoint(home: &Home, args: CheckpointArgs) -> Result<()> {
     let info = session_info(home, &args.session).await?;
-    let key = args.key.unwrap_or_else(|| {
-        format!(
-            "sessions/{}/turn-{}.tar.zst",
-            info.session, info.meta.turns
-        )
-    });
+    let key = args
+        .key
+        .unwrap_or_else(|| format!("sessions/{}/turn-{}.tar.zst", info.session, info.meta.turns));
     let store = args.store.open().await?;
     let sandbox = session_sandbox(home, &args.session).await?;
     let info = harness::core::moves::checkpoint(

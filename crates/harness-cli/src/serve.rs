@@ -126,7 +126,9 @@ pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
     };
     let engine = match args.engine {
         ServeEngine::InProcess => EngineSpec::InProcess,
-        ServeEngine::Temporal => EngineSpec::Temporal(harness::temporal::TemporalConfig::from_env()),
+        ServeEngine::Temporal => {
+            EngineSpec::Temporal(harness::temporal::TemporalConfig::from_env())
+        }
     };
     let options = local::Options {
         agents: vec![AgentKind::ClaudeCode, AgentKind::Codex],
@@ -171,7 +173,10 @@ pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
         runtime.engine().name()
     );
     if let Some(model) = &model {
-        eprintln!("demo: the agents talk to the scripted model at {}", model.base_url());
+        eprintln!(
+            "demo: the agents talk to the scripted model at {}",
+            model.base_url()
+        );
         eprintln!("  curl -s -XPOST {url}/v1/sessions -d '{{\"id\":\"demo\"}}'");
         eprintln!(
             "  curl -s -XPOST {url}/v1/sessions/demo/messages -d '{{\"type\":\"prompt\",\"text\":\"hello\"}}'"

@@ -98,13 +98,18 @@ pub struct Ended {
     pub status: TurnStatus,
     pub error: Option<String>,
     pub text: String,
+    /// Slices the turn took (known when the engine runs in this process).
+    pub slices: Option<u32>,
 }
 
 /// Describe how a turn ended.
 pub fn summary(ended: &Ended) -> String {
-    match ended.status {
-        TurnStatus::Finished => format!("turn {} finished", ended.turn_id),
-        status => format!(
+    match (ended.status, ended.slices) {
+        (TurnStatus::Finished, Some(n)) => {
+            format!("turn {} finished in {n} slice(s)", ended.turn_id)
+        }
+        (TurnStatus::Finished, None) => format!("turn {} finished", ended.turn_id),
+        (status, _) => format!(
             "turn {} ended {}: {}",
             ended.turn_id,
             status.as_str(),
@@ -260,6 +265,7 @@ async fn follow(
                     } else {
                         remote_text
                     },
+                    slices: None,
                 });
             }
         }
@@ -284,9 +290,14 @@ pub async fn run_local(
         );
     }
     let session = match session {
-        Some(id) => runtime.session(&SessionId::parse(&id)?).await.map_err(|e| {
-            anyhow::anyhow!("unknown session {id:?} ({e}): `harness sessions list` shows the known ones")
-        })?,
+        Some(id) => runtime
+            .session(&SessionId::parse(&id)?)
+            .await
+            .map_err(|e| {
+                anyhow::anyhow!(
+                    "unknown session {id:?} ({e}): `harness sessions list` shows the known ones"
+                )
+            })?,
         None => {
             let session = runtime.create_session(None, config.clone()).await?;
             eprintln!(
@@ -298,16 +309,43 @@ pub async fn run_local(
             session
         }
     };
+    // A turn of this session still running (an interrupted run picked up
+    // above): finish it first, then send the prompt.
+    let info = session.info().await?;
+    if let Some(running) = info.meta.active_turn() {
+        eprintln!(
+            "turn {} of session {} is still running; finishing it first…",
+            running.turn_id,
+            session.id()
+        );
+        let handle = session
+            .follow(running.turn_id.clone(), info.last_seq)
+            .await?;
+        let earlier = follow(
+            session.id().as_str(),
+            &running.turn_id,
+            Updates::Local(handle),
+            &Controls::Local(session.clone()),
+        )
+        .await?;
+        eprintln!("{}", summary(&earlier));
+    }
     let turn = session.prompt(prompt).await?;
     let turn_id = turn.turn_id().to_string();
     let id = session.id().to_string();
-    let ended = follow(
+    let mut ended = follow(
         &id,
         &turn_id,
         Updates::Local(turn),
         &Controls::Local(session),
     )
     .await?;
+    ended.slices = runtime
+        .engine()
+        .turn_state(&id, &turn_id)
+        .await
+        .ok()
+        .map(|s| s.slices_run);
     Ok((runtime, ended))
 }
 
@@ -332,6 +370,22 @@ pub async fn run_remote(
             info.session.to_string()
         }
     };
+    let info = client.info(&session).await?;
+    if let Some(running) = info.meta.active_turn() {
+        eprintln!(
+            "turn {} of session {session} is still running; finishing it first…",
+            running.turn_id
+        );
+        let events = client.events(&session, info.last_seq).await?;
+        let updates = Updates::Remote(
+            events,
+            TurnFollower::new(running.turn_id.clone()),
+            Default::default(),
+        );
+        let controls = Controls::Remote(client.clone(), session.clone());
+        let earlier = follow(&session, &running.turn_id, updates, &controls).await?;
+        eprintln!("{}", summary(&earlier));
+    }
     let after = client.info(&session).await?.last_seq;
     let events = client.events(&session, after).await?;
     let ack = client
@@ -377,8 +431,13 @@ pub async fn run_command(home: &Home, args: RunArgs) -> Result<()> {
     };
     let ended = match driver {
         Driver::Remote(client, _) => {
-            run_remote(&client, args.session.clone(), &new_config(&args), args.prompt.clone())
-                .await?
+            run_remote(
+                &client,
+                args.session.clone(),
+                &new_config(&args),
+                args.prompt.clone(),
+            )
+            .await?
         }
         Driver::Local(lock) => {
             let key_var = match agent {
@@ -398,9 +457,16 @@ pub async fn run_command(home: &Home, args: RunArgs) -> Result<()> {
                 require_docker: args.sandbox == SandboxKind::Docker && args.session.is_none(),
             };
             let config = new_config(&args);
-            run_local(home, &lock, options, args.session.clone(), config, args.prompt.clone())
-                .await?
-                .1
+            run_local(
+                home,
+                &lock,
+                options,
+                args.session.clone(),
+                config,
+                args.prompt.clone(),
+            )
+            .await?
+            .1
         }
     };
     eprintln!(
@@ -422,15 +488,17 @@ async fn session_agent(home: &Home, id: &str) -> Result<Option<AgentKind>> {
     let session = SessionId::parse(id)?;
     match log.info(&session).await {
         Ok(info) => Ok(AgentKind::from_name(&info.meta.config_or_default().agent)),
-        Err(e) if e.kind() == harness::core::ErrorKind::NotFound => bail!(
-            "unknown session {id:?}: `harness sessions list` shows the known ones"
-        ),
+        Err(e) if e.kind() == harness::core::ErrorKind::NotFound => {
+            bail!("unknown session {id:?}: `harness sessions list` shows the known ones")
+        }
         Err(e) => Err(e.into()),
     }
 }
 
 /// `harness resume`: finish every turn an earlier process left unfinished.
 pub async fn resume_command(home: &Home) -> Result<()> {
+    use harness::core::engine::TurnStore;
+    use harness::core::log::SessionLog;
     let lock = match driver(home, "resume").await? {
         Driver::Local(lock) => lock,
         Driver::Remote(..) => {
@@ -438,6 +506,26 @@ pub async fn resume_command(home: &Home) -> Result<()> {
             return Ok(());
         }
     };
+    // What an earlier process left: turns the engine's store holds
+    // unfinished, and sessions whose log shows a turn still running (its
+    // prompt stored, the engine never told).
+    let log = harness::sqlite::SqliteSessionLog::open(home.db())?;
+    let mut pending: Vec<(SessionId, String)> = Vec::new();
+    for state in log.turn_store().unfinished().await? {
+        pending.push((SessionId::parse(&state.session_id)?, state.turn_id));
+    }
+    for info in log.list().await? {
+        if let Some(turn) = info.meta.active_turn().filter(|_| !info.sealed) {
+            let key = (info.session.clone(), turn.turn_id.clone());
+            if !pending.contains(&key) {
+                pending.push(key);
+            }
+        }
+    }
+    if pending.is_empty() {
+        eprintln!("no unfinished turns");
+        return Ok(());
+    }
     let options = local::Options {
         agents: vec![AgentKind::ClaudeCode, AgentKind::Codex],
         env: local::agent_env(),
@@ -448,40 +536,41 @@ pub async fn resume_command(home: &Home) -> Result<()> {
         require_docker: false,
     };
     let runtime = local::runtime(home, options).await?;
-    let started = runtime.start().await?;
-    let log = runtime.hub().log().clone();
-    let active = |infos: Vec<harness::core::log::LogInfo>| {
-        infos
-            .into_iter()
-            .filter(|i| i.meta.active_turn().is_some() && !i.sealed)
-            .collect::<Vec<_>>()
-    };
-    let running = active(log.list().await?);
-    if running.is_empty() && started.resumed == 0 {
-        eprintln!("no unfinished turns");
-        return Ok(());
-    }
-    eprintln!("resuming {} unfinished turn(s)", running.len().max(started.resumed));
+    runtime.start().await?;
+    eprintln!("resuming {} unfinished turn(s)", pending.len());
     let bar = spinner("waiting for the resumed turns to end".into());
     let mut failed = 0;
-    for info in &running {
-        loop {
-            let now = log.info(&info.session).await?;
-            let turn = now.meta.turn.clone().context("the turn vanished")?;
-            if !turn.is_active() {
-                bar.suspend(|| {
-                    eprintln!(
-                        "session {}: turn {} ended {}",
-                        info.session,
-                        turn.turn_id,
-                        turn.status.as_str()
-                    )
-                });
-                failed += usize::from(turn.status != TurnStatus::Finished);
-                break;
+    for (session, turn_id) in &pending {
+        let (status, error) = loop {
+            let info = log.info(session).await?;
+            match info.meta.turn.as_ref() {
+                Some(t) if t.turn_id == *turn_id && !t.is_active() => {
+                    break (t.status, t.error.clone())
+                }
+                Some(t) if t.turn_id == *turn_id => {}
+                // The log does not follow this turn (a log from before the
+                // session kept its turns): ask the engine.
+                _ => {
+                    let done = runtime
+                        .engine()
+                        .wait_turn(session.as_str(), turn_id)
+                        .await?;
+                    break (done.status, done.error);
+                }
             }
             tokio::time::sleep(Duration::from_millis(250)).await;
-        }
+        };
+        bar.suspend(|| match &error {
+            Some(e) => eprintln!(
+                "session {session}: turn {turn_id} ended {}: {e}",
+                status.as_str()
+            ),
+            None => eprintln!(
+                "session {session}: turn {turn_id} ended {}",
+                status.as_str()
+            ),
+        });
+        failed += usize::from(status != TurnStatus::Finished);
     }
     bar.finish_and_clear();
     drop(lock);

@@ -69,7 +69,9 @@ pub async fn run(home: &Home, args: WorkerArgs) -> Result<()> {
     // The Temporal worker future is not Send: it runs on this (main) task.
     let mut worker = harness::temporal::TurnWorker::new(&config, Arc::new(runner))
         .await
-        .context("starting the Temporal worker (start Temporal with `cargo xtask services start`)")?;
+        .context(
+            "starting the Temporal worker (start Temporal with `cargo xtask services start`)",
+        )?;
     let shutdown = worker.shutdown_handle();
     let run = worker.run();
     tokio::pin!(run);

@@ -1,6 +1,8 @@
 //! Every subcommand, through the built `harness` binary, with the real
 //! agent binaries and real services where the subcommand needs them.
 
+mod common;
+
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
@@ -45,7 +47,11 @@ fn demo_runs_a_real_claude_code_turn() {
         ),
         "{stdout}"
     );
-    assert!(stdout.contains("turn t1 finished"), "{stdout}");
+    // The demo runs in this process: the summary counts the slices.
+    assert!(
+        stdout.contains("turn t1 finished in 1 slice(s)"),
+        "{stdout}"
+    );
 }
 
 #[test]
@@ -145,13 +151,34 @@ async fn run_continues_a_session_and_sessions_commands_read_it() {
 
     let (out, stdout, _) = run(harness(home.path()).args(["sessions", "list"]));
     assert!(out.status.success());
-    assert!(stdout.contains(&session), "{stdout}");
+    let rows = common::parse_sessions(&stdout);
+    let row = rows
+        .iter()
+        .find(|r| r.id == session)
+        .unwrap_or_else(|| panic!("{session} is not listed:\n{stdout}"));
+    // The log's meta: the session's config, both prompts, the latest turn.
+    assert_eq!(
+        (
+            row.agent.as_str(),
+            row.sandbox.as_str(),
+            row.turns,
+            row.last_turn.as_str(),
+            row.sealed
+        ),
+        ("claude-code", "local", 2, "t2 finished", false),
+        "{stdout}"
+    );
     let (out, stdout, _) = run(harness(home.path()).args(["sessions", "export", &session]));
     assert!(out.status.success());
     let frames: Vec<serde_json::Value> = stdout
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
+    assert_eq!(
+        row.frames,
+        frames.len() as u64,
+        "FRAMES is the export's length"
+    );
     let seqs: Vec<u64> = frames.iter().map(|f| f["seq"].as_u64().unwrap()).collect();
     assert_eq!(
         seqs,
@@ -200,12 +227,20 @@ async fn serve_answers_with_auth() {
         .spawn()
         .unwrap();
     let stderr = child.stderr.take().unwrap();
+    // Notes (an agent or Docker this machine lacks) may come first.
     let line = tokio::task::spawn_blocking(move || {
         use std::io::BufRead;
         let mut reader = std::io::BufReader::new(stderr);
-        let mut line = String::new();
-        reader.read_line(&mut line).unwrap();
-        line
+        let mut seen = String::new();
+        loop {
+            let mut line = String::new();
+            let n = reader.read_line(&mut line).unwrap();
+            assert!(n > 0, "serve exited before printing its address:\n{seen}");
+            if line.contains("http://") {
+                return line;
+            }
+            seen.push_str(&line);
+        }
     })
     .await
     .unwrap();
@@ -273,12 +308,31 @@ fn checkpoint_ls_and_restore_move_a_tree_between_sessions() {
             .to_string()
     };
     let a = id(&stdout);
-    let records = home.path().join("sessions");
+    // A session's sandbox is what its turn recorded in the log (the latest
+    // turn-status frame's handle): a local directory under the home's
+    // sandboxes, its tree at work/.
     let workdir = |s: &str| {
-        let record: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(records.join(format!("{s}.json"))).unwrap())
-                .unwrap();
-        std::path::PathBuf::from(record["sandbox"]["workdir"].as_str().unwrap())
+        let (out, stdout, stderr) = run(harness(home.path()).args(["sessions", "export", s]));
+        assert!(out.status.success(), "{stderr}");
+        let handle = stdout
+            .lines()
+            .rev()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|f| f["body"]["type"] == "turn-status")
+            .find_map(|f| (!f["body"]["sandbox"].is_null()).then(|| f["body"]["sandbox"].clone()))
+            .unwrap_or_else(|| panic!("session {s} recorded no sandbox:\n{stdout}"));
+        assert_eq!(handle["provider"], "local", "{handle:#}");
+        let dir = home
+            .path()
+            .join("sandboxes")
+            .join(handle["id"].as_str().unwrap())
+            .join("work");
+        assert_eq!(
+            handle["workdir"].as_str().map(Path::new),
+            Some(dir.as_path()),
+            "{handle:#}"
+        );
+        dir
     };
     std::fs::write(workdir(&a).join("moved.txt"), "made in A").unwrap();
     let bucket = format!("cli-{}", std::process::id());

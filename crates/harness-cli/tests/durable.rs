@@ -25,6 +25,18 @@ fn agent_started(home: &Path) -> Option<std::path::PathBuf> {
     None
 }
 
+/// The sandboxes under the home (not the bootstrap templates).
+fn session_sandboxes(home: &Path) -> Vec<String> {
+    let mut ids: Vec<String> = std::fs::read_dir(home.join("sandboxes"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("sandbox.json").is_file())
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    ids.sort();
+    ids
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn kill_nine_at_several_points_then_resume_finishes_the_turn_once() {
     if require_env("HARNESS_CLAUDE_BIN").is_none() {
@@ -70,27 +82,40 @@ async fn kill_nine_at_several_points_then_resume_finishes_the_turn_once() {
             stderr.contains("resuming 1 unfinished turn"),
             "{stderr}\nthe killed run said:\n{killed_stderr}"
         );
-        assert!(stderr.contains("finished"), "{stderr}");
+        assert!(stderr.contains("turn t1 ended finished"), "{stderr}");
 
-        let session = std::fs::read_dir(home.path().join("sessions"))
-            .unwrap()
-            .next()
-            .unwrap()
-            .unwrap()
-            .path();
-        let session = session.file_stem().unwrap().to_string_lossy().to_string();
-        let frames = common::export(home.path(), &model, &session);
+        // The session, as the log's meta tells it.
+        let row = common::only_session(home.path(), &model).expect("the run made a session");
+        assert_eq!(
+            (row.agent.as_str(), row.sandbox.as_str(), row.turns),
+            ("claude-code", "local", 1),
+            "{row:?}"
+        );
+        assert_eq!(row.last_turn, "t1 finished", "{row:?}");
+        let frames = common::export(home.path(), &model, &row.id);
+        assert_eq!(row.frames, frames.len() as u64, "{row:?}");
         common::assert_stored_once(&frames, &format!("kill at {kill_after_ms} ms"));
         assert!(model.failures().is_empty(), "{:?}", model.failures());
+        // The turn kept the sandbox its first slice made (resume made no
+        // second one), under the home's sandboxes with the tree at work/.
+        let sandbox = common::recorded_sandbox(&frames);
+        assert_eq!(sandbox["provider"], "local", "{sandbox:#}");
+        let id = sandbox["id"].as_str().unwrap();
+        let dir = home.path().join("sandboxes").join(id);
+        assert_eq!(
+            sandbox["workdir"].as_str().map(Path::new),
+            Some(dir.join("work").as_path()),
+            "{sandbox:#}"
+        );
+        assert_eq!(
+            session_sandboxes(home.path()),
+            vec![id.to_string()],
+            "one sandbox for the session"
+        );
         // The agent ran its command once: the tool result is in the log once
         // and the file exists.
-        let record: serde_json::Value = serde_json::from_slice(
-            &std::fs::read(home.path().join(format!("sessions/{session}.json"))).unwrap(),
-        )
-        .unwrap();
-        let workdir = record["sandbox"]["workdir"].as_str().unwrap();
         assert_eq!(
-            std::fs::read_to_string(Path::new(workdir).join("slow.txt"))
+            std::fs::read_to_string(dir.join("work/slow.txt"))
                 .unwrap()
                 .trim(),
             "slow-done"

@@ -8,7 +8,6 @@ mod common;
 
 use common::harness;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -74,16 +73,64 @@ fn bridge_gateway() -> Option<IpAddr> {
     })
 }
 
-/// Removes a container when dropped, so a failing test leaves none behind.
-struct Container(String);
+/// `docker ps` for the session containers the Docker provider made for
+/// `session` (by its labels): full ids.
+fn docker_ps_session(session: &str) -> std::io::Result<std::process::Output> {
+    Command::new("docker")
+        .args([
+            "ps",
+            "-a",
+            "-q",
+            "--no-trunc",
+            "--filter",
+            &format!("label=dev.harness.session-id={session}"),
+            "--filter",
+            "label=dev.harness.role=session",
+        ])
+        .output()
+}
 
-impl Drop for Container {
+/// The session's containers (full ids).
+fn session_containers(session: &str) -> Vec<String> {
+    let out = docker_ps_session(session).unwrap();
+    assert!(
+        out.status.success(),
+        "docker ps: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .map(str::to_string)
+        .collect()
+}
+
+/// A container's working directory (the sandbox's workdir).
+fn container_workdir(container: &str) -> String {
+    let out = Command::new("docker")
+        .args(["inspect", "--format", "{{.Config.WorkingDir}}", container])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "docker inspect {container}");
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+/// Removes a session's containers when dropped, so a failing test leaves
+/// none behind.
+struct SessionContainers(String);
+
+impl Drop for SessionContainers {
     fn drop(&mut self) {
-        let _ = Command::new("docker")
-            .args(["rm", "-f", &self.0])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
+        // No assertion here: this also runs while a failed test unwinds.
+        let Ok(out) = docker_ps_session(&self.0) else {
+            return;
+        };
+        for id in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+            let _ = Command::new("docker")
+                .args(["rm", "-f", id])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        }
     }
 }
 
@@ -110,15 +157,6 @@ fn run_args<'a>(image: &'a str, slice_ms: &'a str) -> [&'a str; 7] {
         "--slice-ms",
         slice_ms,
     ]
-}
-
-/// The session record `<home>/sessions/<id>.json`, once `run` wrote it.
-fn session_record(home: &Path) -> Option<serde_json::Value> {
-    let entry = std::fs::read_dir(home.join("sessions"))
-        .ok()?
-        .next()?
-        .ok()?;
-    serde_json::from_slice(&std::fs::read(entry.path()).ok()?).ok()
 }
 
 /// Wait (polling) until `probe` holds, while the run is still alive.
@@ -174,16 +212,31 @@ async fn docker_kill_nine_at_several_points_then_resume_finishes_the_turn_once()
             .arg("do the slow thing")
             .spawn()
             .unwrap();
-        // The container exists once the session record names it.
-        wait_for("the session record", &mut child, || {
-            session_record(home.path()).is_some()
+        // The run creates the session first (the log's meta names its
+        // config), then the turn makes its container.
+        let mut session = None;
+        wait_for("the session", &mut child, || {
+            session = common::only_session(home.path(), &model);
+            session.is_some()
         })
         .await;
-        let record = session_record(home.path()).unwrap();
-        assert_eq!(record["sandbox"]["provider"], "docker", "{record:#}");
-        let container = record["sandbox"]["id"].as_str().unwrap().to_string();
-        let _cleanup = Container(container.clone());
-        let workdir = record["sandbox"]["workdir"].as_str().unwrap().to_string();
+        let row = session.unwrap();
+        assert_eq!(
+            (row.agent.as_str(), row.sandbox.as_str()),
+            ("claude-code", "docker"),
+            "{row:?}"
+        );
+        let _cleanup = SessionContainers(row.id.clone());
+        let mut containers = Vec::new();
+        wait_for("the session's container", &mut child, || {
+            containers = session_containers(&row.id);
+            !containers.is_empty()
+        })
+        .await;
+        assert_eq!(containers.len(), 1, "one container: {containers:?}");
+        let container = containers[0].clone();
+        let workdir = container_workdir(&container);
+        assert!(workdir.starts_with('/'), "{workdir:?}");
         // The agent's spool lives in the container's $HOME.
         wait_for("the agent's process record", &mut child, || {
             docker_sh(
@@ -228,12 +281,30 @@ async fn docker_kill_nine_at_several_points_then_resume_finishes_the_turn_once()
             stderr.contains("resuming 1 unfinished turn"),
             "{stderr}\nthe killed run said:\n{killed_stderr}"
         );
-        assert!(stderr.contains("finished"), "{stderr}");
+        assert!(stderr.contains("turn t1 ended finished"), "{stderr}");
 
-        let session = record["id"].as_str().unwrap().to_string();
-        let frames = common::export(home.path(), &model, &session);
+        let frames = common::export(home.path(), &model, &row.id);
         common::assert_stored_once(&frames, &format!("kill at {point:?}"));
         model.assert_no_failures();
+        let row = common::only_session(home.path(), &model).unwrap();
+        assert_eq!(
+            (row.turns, row.last_turn.as_str()),
+            (1, "t1 finished"),
+            "{row:?}"
+        );
+        // The turn ended in the container its first slice made: resume
+        // reattached to it and made no second one.
+        let sandbox = common::recorded_sandbox(&frames);
+        assert_eq!(
+            (&sandbox["provider"], &sandbox["id"], &sandbox["workdir"]),
+            (
+                &serde_json::json!("docker"),
+                &serde_json::json!(container),
+                &serde_json::json!(workdir)
+            ),
+            "{sandbox:#}"
+        );
+        assert_eq!(session_containers(&row.id), vec![container.clone()]);
         // The agent ran its command in the container: the file is there.
         let (ok, content) = docker_sh(&container, &format!("cat {workdir}/slow.txt"));
         assert!(ok, "slow.txt is missing in the container");
@@ -257,14 +328,19 @@ async fn docker_turn_longer_than_one_slice_completes_across_slices() {
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
-    let record = session_record(home.path());
-    let _cleanup = record
-        .as_ref()
-        .and_then(|r| r["sandbox"]["id"].as_str())
-        .map(|id| Container(id.to_string()));
+    let row = common::only_session(home.path(), &model);
+    let _cleanup = row.as_ref().map(|r| SessionContainers(r.id.clone()));
     assert!(out.status.success(), "{stderr}");
-    let record = record.expect("the run saved its session record");
-    assert_eq!(record["sandbox"]["provider"], "docker", "{record:#}");
+    let row = row.expect("the run made a session");
+    assert_eq!(
+        (
+            row.agent.as_str(),
+            row.sandbox.as_str(),
+            row.last_turn.as_str()
+        ),
+        ("claude-code", "docker", "t1 finished"),
+        "{row:?}"
+    );
     model.assert_no_failures();
     let slices: u32 = stderr
         .split("finished in ")
@@ -276,9 +352,14 @@ async fn docker_turn_longer_than_one_slice_completes_across_slices() {
         slices >= 5,
         "a ~7 s turn in 0.7 s slices took {slices} slice(s)"
     );
-    // The tool ran inside the container.
-    let container = record["sandbox"]["id"].as_str().unwrap();
-    let workdir = record["sandbox"]["workdir"].as_str().unwrap();
+    // The tool ran inside the session's container, the one the turn
+    // recorded.
+    let frames = common::export(home.path(), &model, &row.id);
+    let sandbox = common::recorded_sandbox(&frames);
+    assert_eq!(sandbox["provider"], "docker", "{sandbox:#}");
+    let container = sandbox["id"].as_str().unwrap();
+    assert_eq!(session_containers(&row.id), vec![container.to_string()]);
+    let workdir = sandbox["workdir"].as_str().unwrap();
     let (ok, content) = docker_sh(container, &format!("cat {workdir}/slow.txt"));
     assert!(ok, "slow.txt is missing in the container");
     assert_eq!(content.trim(), "slow-done");

@@ -625,7 +625,10 @@ mod tests {
         let mut state = TurnState::new("s", "t9", "codex", "go");
         // Without the session asking, the hook stays off.
         let plain = h.turn_command(&ctx(&state, &env)).unwrap();
-        assert!(!plain.argv.iter().any(|a| a == "--dangerously-bypass-hook-trust"));
+        assert!(!plain
+            .argv
+            .iter()
+            .any(|a| a == "--dangerously-bypass-hook-trust"));
         state.approvals = true;
         state.agent_session_id = Some("th-1".into());
         let cmd = h.turn_command(&ctx(&state, &env)).unwrap();

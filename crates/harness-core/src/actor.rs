@@ -841,7 +841,12 @@ impl SessionActor {
                     }
                     (Some(running), _) => running,
                     (None, _) => {
-                        return Self::refuse(conn, ErrorCode::NoActiveTurn, "no turn is running", out)
+                        return Self::refuse(
+                            conn,
+                            ErrorCode::NoActiveTurn,
+                            "no turn is running",
+                            out,
+                        )
                     }
                 };
                 let body = FrameBody::AbortRequested {
@@ -1044,7 +1049,10 @@ impl SessionActor {
 }
 
 fn sealed_message() -> ServerMessage {
-    ServerMessage::error(ErrorCode::Sealed, "the session is sealed; fork it to continue")
+    ServerMessage::error(
+        ErrorCode::Sealed,
+        "the session is sealed; fork it to continue",
+    )
 }
 
 fn block_parts(block: &OpenBlock) -> (StreamPart, StreamPart) {

@@ -18,9 +18,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use crate::actor::{
-    ActorConfig, ConnId, ErrorCode, Input, Output, ServerMessage, SessionActor,
-};
+use crate::actor::{ActorConfig, ConnId, ErrorCode, Input, Output, ServerMessage, SessionActor};
 use crate::log::SessionStore;
 use crate::maybe::MaybeSend;
 use crate::session::TurnCommand;

@@ -14,8 +14,8 @@ use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::stream::ByteStream;
 use crate::maybe::{MaybeSend, MaybeSync};
+use crate::stream::ByteStream;
 use crate::{Error, Result};
 
 /// What a store knows about an object.

@@ -47,7 +47,7 @@ pub trait SliceExecutor: MaybeSend + MaybeSync {
 
     /// The turn is over (`state` is terminal): record it where clients see
     /// it. Idempotent (an engine calls it again after a crash; the record
-    /// carries [`TurnState::end_key`]).
+    /// carries [`TurnState::status_key`]).
     async fn turn_ended(&self, state: &TurnState) -> Result<()>;
 }
 

@@ -366,11 +366,7 @@ impl LogState {
         let sealed = frames
             .iter()
             .any(|f| matches!(f.body, FrameBody::Sealed {}));
-        let key_of: HashMap<u64, &str> = self
-            .keys
-            .iter()
-            .map(|(k, &s)| (s, k.as_str()))
-            .collect();
+        let key_of: HashMap<u64, &str> = self.keys.iter().map(|(k, &s)| (s, k.as_str())).collect();
         let meta = fold_meta(
             self.meta.config.clone(),
             frames

@@ -25,8 +25,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::bootstrap::BootstrapRecipe;
-use crate::stream::{AbortSignal, ByteStream};
 use crate::maybe::{MaybeSend, MaybeSync};
+use crate::stream::{AbortSignal, ByteStream};
 use crate::{Error, Result};
 
 /// Network access for a sandbox, fixed at create time.

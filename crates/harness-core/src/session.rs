@@ -261,15 +261,13 @@ impl SessionMeta {
                 });
                 true
             }
-            FrameBody::AbortRequested { turn_id, reason } => {
-                match self.turn_mut(Some(turn_id)) {
-                    Some(turn) if turn.abort.is_none() => {
-                        turn.abort = Some(reason.clone());
-                        true
-                    }
-                    _ => false,
+            FrameBody::AbortRequested { turn_id, reason } => match self.turn_mut(Some(turn_id)) {
+                Some(turn) if turn.abort.is_none() => {
+                    turn.abort = Some(reason.clone());
+                    true
                 }
-            }
+                _ => false,
+            },
             FrameBody::Part { turn_id, part } => match part {
                 StreamPart::ToolApprovalRequest { approval_id, .. } => {
                     match self.turn_mut(Some(turn_id)) {
@@ -348,6 +346,10 @@ impl SessionMeta {
 }
 
 /// An engine call a stored client message asks for.
+// `Start` carries the session's config and sandbox handle and is much
+// larger than the rest; commands are few (one per prompt, answer or abort)
+// and short-lived, so boxing would only add noise at every use.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(
     tag = "type",
@@ -515,7 +517,10 @@ mod tests {
         let mut meta = SessionMeta::new(Some(SessionConfig::new("codex", "docker")));
         assert!(meta.apply(&prompt("hi", "t1"), Some("k1")));
         let turn = meta.active_turn().expect("active");
-        assert_eq!((turn.turn_id.as_str(), turn.key.as_deref()), ("t1", Some("k1")));
+        assert_eq!(
+            (turn.turn_id.as_str(), turn.key.as_deref()),
+            ("t1", Some("k1"))
+        );
         assert_eq!(meta.next_turn_id(), "t2");
         let request = FrameBody::Part {
             turn_id: "t1".into(),
@@ -538,7 +543,9 @@ mod tests {
         assert_eq!(meta.active_turn().unwrap().approval, None);
         let commands = meta.pending_commands();
         assert_eq!(commands.len(), 2);
-        assert!(matches!(&commands[0], TurnCommand::Start { config, .. } if config.agent == "codex"));
+        assert!(
+            matches!(&commands[0], TurnCommand::Start { config, .. } if config.agent == "codex")
+        );
         assert!(matches!(&commands[1], TurnCommand::Answer { answer, .. } if answer.approved));
         let handle = SandboxHandle {
             provider: "docker".into(),

@@ -51,8 +51,10 @@ pub trait PartSink: MaybeSend + MaybeSync {
         part: StreamPart,
         key: String,
     ) -> Result<()>;
-    /// Record a turn's status (with its sandbox and agent session, which the
-    /// session's next turn continues), keyed by [`TurnState::end_key`].
+    /// Record a turn's status — `ready_for_next_step` once its agent
+    /// started, the terminal one at its end — with its sandbox and agent
+    /// session (which the session's next turn continues), keyed by
+    /// [`TurnState::status_key`].
     async fn turn_status(&self, state: &TurnState) -> Result<()>;
 }
 
@@ -127,12 +129,12 @@ impl SliceRunner {
     }
 
     /// Start the agent for this turn, or find the one a previous attempt
-    /// started.
+    /// started; true when this call started it.
     async fn start_or_find(
         &self,
         sandbox: &dyn Sandbox,
         state: &TurnState,
-    ) -> Result<DetachedProcess> {
+    ) -> Result<(DetachedProcess, bool)> {
         let home = home_of(sandbox).await?;
         let dir = spool_dir(&home, &state.turn_id);
         let claim = format!(
@@ -152,7 +154,7 @@ impl SliceRunner {
                 ))
             })?, 64 * 1024)
             .await?;
-            return Ok(serde_json::from_slice(&bytes)?);
+            return Ok((serde_json::from_slice(&bytes)?, false));
         }
         let harness = self.harness(&state.agent)?;
         let command = harness.turn_command(&TurnContext {
@@ -175,7 +177,7 @@ impl SliceRunner {
         sandbox
             .write_file(&process_file, crate::stream::once(json))
             .await?;
-        Ok(process)
+        Ok((process, true))
     }
 
     /// Run one slice. See the module docs.
@@ -190,7 +192,17 @@ impl SliceRunner {
         let sandbox = self.sandbox(state).await?;
         let process = match &state.process {
             Some(p) => p.clone(),
-            None => self.start_or_find(sandbox.as_ref(), state).await?,
+            None => {
+                let (process, started) = self.start_or_find(sandbox.as_ref(), state).await?;
+                if started {
+                    // Tell clients the turn runs, and where: the session's
+                    // sandbox is on record from now on, not only at the end.
+                    let mut running = state.clone();
+                    running.process = Some(process.clone());
+                    self.sink.turn_status(&running).await?;
+                }
+                process
+            }
         };
         let approvals = approvals_dir(&process);
         self.deliver_answers(sandbox.as_ref(), state, &approvals)

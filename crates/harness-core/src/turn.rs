@@ -221,9 +221,10 @@ impl TurnState {
         next
     }
 
-    /// The idempotency key of the frame recording this turn's terminal
-    /// status: one per turn, whoever records it and however often.
-    pub fn end_key(&self) -> String {
+    /// The idempotency key of the frame recording this turn's current
+    /// status (`<turn>:status:<status>`): one frame per turn and status,
+    /// whoever records it and however often.
+    pub fn status_key(&self) -> String {
         format!("{}:status:{}", self.turn_id, self.status.as_str())
     }
 }

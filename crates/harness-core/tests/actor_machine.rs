@@ -506,7 +506,11 @@ fn fork_until_n_continues_independently() {
     f.log = fork;
     f.restart();
     assert_eq!(f.actor.last_seq(), 2);
-    let turn = f.actor.meta().active_turn().expect("the fork's meta is folded");
+    let turn = f
+        .actor
+        .meta()
+        .active_turn()
+        .expect("the fork's meta is folded");
     assert_eq!(turn.answers.len(), 1, "only the answer inside the prefix");
     f.client(1, Some(0));
     assert_eq!(f.seqs(1), vec![1, 2]);
@@ -546,7 +550,10 @@ fn a_failed_append_is_reported_to_the_writer() {
     h.take(1);
     h.prompt(1, "x");
     assert_eq!(error_code(&h.take(1)).as_deref(), Some("conflict"));
-    assert!(h.dispatched.is_empty(), "nothing stored, nothing dispatched");
+    assert!(
+        h.dispatched.is_empty(),
+        "nothing stored, nothing dispatched"
+    );
 }
 
 #[test]
@@ -580,13 +587,19 @@ fn a_prompt_opens_one_turn_and_asks_for_it_to_start() {
             reason: Some("stop".into()),
         },
     });
-    assert!(matches!(&h.dispatched[1], TurnCommand::Answer { turn_id, answer } if turn_id == "t1" && answer.approval_id == "ap1"));
-    assert!(matches!(&h.dispatched[2], TurnCommand::Abort { turn_id, reason } if turn_id == "t1" && reason == "stop"));
+    assert!(
+        matches!(&h.dispatched[1], TurnCommand::Answer { turn_id, answer } if turn_id == "t1" && answer.approval_id == "ap1")
+    );
+    assert!(
+        matches!(&h.dispatched[2], TurnCommand::Abort { turn_id, reason } if turn_id == "t1" && reason == "stop")
+    );
     // The runner records the end: the session takes the next prompt.
     h.runner(9, 1);
     h.status(9, "t1", TurnStatus::Failed);
     h.prompt(1, "second");
-    assert!(matches!(h.dispatched.last(), Some(TurnCommand::Start { turn_id, .. }) if turn_id == "t2"));
+    assert!(
+        matches!(h.dispatched.last(), Some(TurnCommand::Start { turn_id, .. }) if turn_id == "t2")
+    );
 }
 
 #[test]

@@ -120,24 +120,24 @@ async fn slices_run_until_the_agent_exits() {
     });
     let store = Arc::new(MemoryTurnStore::default());
     let e = engine(agent.clone(), store.clone());
-    e.start_turn(turn("codex"))
-        .await
-        .unwrap();
+    e.start_turn(turn("codex")).await.unwrap();
     let done = e.wait_turn("s", "t").await.unwrap();
     assert_eq!(done.status, TurnStatus::Finished);
     assert_eq!(done.slices_run, 3);
     assert_eq!(agent.slices.load(Ordering::SeqCst), 3);
     assert!(done.end_recorded);
-    assert_eq!(agent.ends.load(Ordering::SeqCst), 1, "the end is recorded once");
+    assert_eq!(
+        agent.ends.load(Ordering::SeqCst),
+        1,
+        "the end is recorded once"
+    );
     assert_eq!(
         store.load("s", "t").await.unwrap().unwrap(),
         done,
         "final state persisted"
     );
     assert!(
-        e.start_turn(turn("codex"))
-            .await
-            .is_err(),
+        e.start_turn(turn("codex")).await.is_err(),
         "a turn id is used once"
     );
 }
@@ -150,9 +150,7 @@ async fn abort_stops_a_running_slice_and_kills_the_agent() {
         ..Default::default()
     });
     let e = engine(agent.clone(), Arc::new(MemoryTurnStore::default()));
-    e.start_turn(turn("codex"))
-        .await
-        .unwrap();
+    e.start_turn(turn("codex")).await.unwrap();
     tokio::time::sleep(Duration::from_millis(50)).await;
     e.abort_turn("s", "t", "stop button").await.unwrap();
     let done = tokio::time::timeout(Duration::from_secs(5), e.wait_turn("s", "t"))
@@ -184,9 +182,7 @@ async fn approvals_are_delivered_to_a_waiting_turn() {
         ..Default::default()
     });
     let e = engine(agent, Arc::new(MemoryTurnStore::default()));
-    e.start_turn(turn("claude-code"))
-        .await
-        .unwrap();
+    e.start_turn(turn("claude-code")).await.unwrap();
     for _ in 0..100 {
         if e.turn_state("s", "t").await.unwrap().status == TurnStatus::AwaitingToolApproval {
             break;

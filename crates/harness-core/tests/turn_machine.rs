@@ -69,10 +69,7 @@ fn running_slices_loop_until_the_agent_exits_zero() {
     assert_eq!(s.process, Some(process()));
     let (s, next) = step(s, report(250, SliceOutcome::Exited { code: 0 })).unwrap();
     assert_eq!(s.status, TurnStatus::Finished);
-    assert_eq!(
-        next,
-        NextStep::RecordEnd
-    );
+    assert_eq!(next, NextStep::RecordEnd);
     assert_eq!((s.exit_code, s.slices_run), (Some(0), 2));
 }
 
@@ -80,10 +77,7 @@ fn running_slices_loop_until_the_agent_exits_zero() {
 fn nonzero_exit_fails_the_turn() {
     let (s, next) = step(started(), report(10, SliceOutcome::Exited { code: 3 })).unwrap();
     assert_eq!(s.status, TurnStatus::Failed);
-    assert_eq!(
-        next,
-        NextStep::RecordEnd
-    );
+    assert_eq!(next, NextStep::RecordEnd);
     assert!(s.error.unwrap().contains("code 3"));
 }
 
@@ -92,10 +86,7 @@ fn lost_process_fails_without_a_kill() {
     let (s, next) = step(started(), report(10, SliceOutcome::Lost)).unwrap();
     assert_eq!(s.status, TurnStatus::Failed);
     assert!(!s.kill_pending, "nothing to kill when the process is lost");
-    assert_eq!(
-        next,
-        NextStep::RecordEnd
-    );
+    assert_eq!(next, NextStep::RecordEnd);
 }
 
 #[test]
@@ -108,10 +99,7 @@ fn turn_budget_times_out_and_kills_the_agent() {
     assert_eq!(next, NextStep::KillAgent { process: process() });
     let (s, next) = step(s, TurnEvent::AgentKilled).unwrap();
     assert!(!s.kill_pending);
-    assert_eq!(
-        next,
-        NextStep::RecordEnd
-    );
+    assert_eq!(next, NextStep::RecordEnd);
 }
 
 #[test]
@@ -182,10 +170,7 @@ fn abort_fails_the_turn_and_kills_a_running_agent() {
         .starts_with("aborted: user pressed stop"));
     assert_eq!(next, NextStep::KillAgent { process: process() });
     let (_, next) = step(s, TurnEvent::AgentKilled).unwrap();
-    assert_eq!(
-        next,
-        NextStep::RecordEnd
-    );
+    assert_eq!(next, NextStep::RecordEnd);
 
     // Aborting before anything ran needs no kill.
     let (s, next) = step(
@@ -193,13 +178,7 @@ fn abort_fails_the_turn_and_kills_a_running_agent() {
         TurnEvent::Abort { reason: "x".into() },
     )
     .unwrap();
-    assert_eq!(
-        (s.status, next),
-        (
-            TurnStatus::Failed,
-            NextStep::RecordEnd
-        )
-    );
+    assert_eq!((s.status, next), (TurnStatus::Failed, NextStep::RecordEnd));
 }
 
 #[test]
@@ -309,8 +288,9 @@ fn json_entry_point_round_trips_every_status_name() {
     // Without an event it only reports the next step.
     let out = run_harness_session(json!({"state": out["state"]})).unwrap();
     assert_eq!(out["next"], json!({"step": "record_end"}));
-    let out = run_harness_session(json!({"state": out["state"], "event": {"event": "end_recorded"}}))
-        .unwrap();
+    let out =
+        run_harness_session(json!({"state": out["state"], "event": {"event": "end_recorded"}}))
+            .unwrap();
     assert_eq!(out["next"], json!({"step": "done", "status": "failed"}));
 }
 
@@ -319,7 +299,10 @@ fn a_first_turn_creates_its_sandbox_then_runs() {
     let mut s = TurnState::new("s", "t1", "codex", "p");
     s.sandbox_config = Some(SandboxConfig::default());
     let (s, next) = step(s, TurnEvent::Start { now_ms: 1 }).unwrap();
-    assert_eq!((s.status, next), (TurnStatus::ReadyForNextStep, NextStep::CreateSandbox));
+    assert_eq!(
+        (s.status, next),
+        (TurnStatus::ReadyForNextStep, NextStep::CreateSandbox)
+    );
     // A failed creation counts like a failed slice.
     let (s, next) = step(
         s,
@@ -332,7 +315,10 @@ fn a_first_turn_creates_its_sandbox_then_runs() {
     assert_eq!((s.consecutive_failures, next), (1, NextStep::CreateSandbox));
     let (s, next) = step(s, TurnEvent::SandboxCreated { handle: handle() }).unwrap();
     assert!(matches!(next, NextStep::RunSlice { .. }));
-    assert_eq!((s.sandbox.clone(), s.consecutive_failures), (Some(handle()), 0));
+    assert_eq!(
+        (s.sandbox.clone(), s.consecutive_failures),
+        (Some(handle()), 0)
+    );
     // Only once.
     let err = step(s, TurnEvent::SandboxCreated { handle: handle() }).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Conflict);
@@ -358,7 +344,7 @@ fn the_end_is_recorded_once_and_only_for_a_terminal_turn() {
     );
     let (s, next) = step(s, report(5, SliceOutcome::Exited { code: 0 })).unwrap();
     assert_eq!(next, NextStep::RecordEnd);
-    assert_eq!(s.end_key(), "t1:status:finished");
+    assert_eq!(s.status_key(), "t1:status:finished");
     let (s, next) = step(s, TurnEvent::EndRecorded).unwrap();
     assert!(s.end_recorded);
     assert_eq!(

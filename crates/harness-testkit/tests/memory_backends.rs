@@ -162,7 +162,10 @@ async fn log_suite_catches_a_meta_that_is_not_folded() {
     let err = log::meta_is_folded_with_every_append(Arc::new(StaleMeta::default()))
         .await
         .unwrap_err();
-    assert!(err.to_string().contains("is not the frames folded"), "{err}");
+    assert!(
+        err.to_string().contains("is not the frames folded"),
+        "{err}"
+    );
 }
 
 #[tokio::test]

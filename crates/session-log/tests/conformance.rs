@@ -180,7 +180,10 @@ async fn meta_survives_a_reopen_and_an_old_database_is_migrated() {
     let meta = log.info(&s).await.unwrap().meta;
     assert_eq!(meta.generation, 9);
     let turn = meta.active_turn().expect("the prompt's turn is running");
-    assert_eq!((turn.turn_id.as_str(), turn.key.as_deref()), ("t1", Some("prompt:t1")));
+    assert_eq!(
+        (turn.turn_id.as_str(), turn.key.as_deref()),
+        ("t1", Some("prompt:t1"))
+    );
     // The next append that touches the meta stores the folded meta.
     log.append(
         &s,

@@ -124,7 +124,10 @@ impl TurnFollower {
                 if self.live.remove(&(*kind, id.clone())) {
                     vec![TurnUpdate::Part(end)]
                 } else {
-                    [start, delta, end].into_iter().map(TurnUpdate::Part).collect()
+                    [start, delta, end]
+                        .into_iter()
+                        .map(TurnUpdate::Part)
+                        .collect()
                 }
             }
             FrameBody::TurnStatus {
@@ -166,7 +169,11 @@ mod tests {
             turn_id: "t1".into(),
             part,
         };
-        assert_eq!(f.push(&live(StreamPart::TextStart { id: "b".into() })).len(), 1);
+        assert_eq!(
+            f.push(&live(StreamPart::TextStart { id: "b".into() }))
+                .len(),
+            1
+        );
         f.push(&live(StreamPart::TextDelta {
             id: "b".into(),
             delta: "Hi".into(),

@@ -78,7 +78,11 @@ struct HubLink(Connection);
 impl RunnerLink for HubLink {
     async fn send(&mut self, message: RunnerMessage) -> Result<()> {
         self.0.runner(message);
-        self.0.answer(ACK_TIMEOUT).await.map(|_| ()).map_err(refusal)
+        self.0
+            .answer(ACK_TIMEOUT)
+            .await
+            .map(|_| ())
+            .map_err(refusal)
     }
 }
 
@@ -119,7 +123,8 @@ impl WsConnector {
         } else {
             self.base.clone()
         };
-        let mut url = format!("{base}/v1/sessions/{session}/ws?role=runner&generation={generation}");
+        let mut url =
+            format!("{base}/v1/sessions/{session}/ws?role=runner&generation={generation}");
         if let Some(token) = &self.token {
             url.push_str("&access_token=");
             url.push_str(token);
@@ -147,9 +152,7 @@ impl RunnerLink for WsLink {
                     msg.map_err(|e| Error::backend(format!("the runner socket failed: {e}")))?;
                 match msg {
                     Message::Text(t) => match serde_json::from_str::<ServerMessage>(t.as_str()) {
-                        Ok(ServerMessage::Ack { .. } | ServerMessage::Received {}) => {
-                            return Ok(())
-                        }
+                        Ok(ServerMessage::Ack { .. } | ServerMessage::Received {}) => return Ok(()),
                         Ok(ServerMessage::Error { code, message }) => {
                             return Err(refusal(AnswerError::Refused { code, message }))
                         }
@@ -285,7 +288,7 @@ impl PartSink for RunnerSink {
             error: state.error.clone(),
             sandbox: state.sandbox.clone(),
             agent_session_id: state.agent_session_id.clone(),
-            key: Some(state.end_key()),
+            key: Some(state.status_key()),
         };
         // The turn is over: let go of the actor so an idle session stops.
         self.send(&state.session_id, message, state.status.is_terminal())

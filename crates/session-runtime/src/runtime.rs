@@ -60,6 +60,9 @@ pub enum EngineChoice {
     External(Arc<dyn DurableEngine>),
 }
 
+/// Wraps the runner sink (e.g. to print parts as the engine emits them).
+type WrapSink = Box<dyn FnOnce(Arc<dyn PartSink>) -> Arc<dyn PartSink> + Send>;
+
 /// Builds a [`Runtime`].
 pub struct RuntimeBuilder {
     log: Arc<dyn SessionLog>,
@@ -73,7 +76,7 @@ pub struct RuntimeBuilder {
     generation: Option<u64>,
     clock: Arc<dyn Clock>,
     poll_interval: Duration,
-    wrap_sink: Option<Box<dyn FnOnce(Arc<dyn PartSink>) -> Arc<dyn PartSink> + Send>>,
+    wrap_sink: Option<WrapSink>,
 }
 
 impl std::fmt::Debug for RuntimeBuilder {
@@ -292,9 +295,16 @@ impl Runtime {
     ) -> Result<SessionClient> {
         let id = match id {
             Some(id) => id,
-            None => SessionId::parse(format!("s-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]))?,
+            None => SessionId::parse(format!(
+                "s-{}",
+                &uuid::Uuid::new_v4().simple().to_string()[..12]
+            ))?,
         };
-        let info = self.hub.log().create_with(&id, Some(config.clone())).await?;
+        let info = self
+            .hub
+            .log()
+            .create_with(&id, Some(config.clone()))
+            .await?;
         if let Some(existing) = &info.meta.config {
             if *existing != config {
                 return Err(Error::conflict(format!(
@@ -365,6 +375,21 @@ impl SessionClient {
                 )))
             }
         };
+        Ok(TurnHandle {
+            follower: TurnFollower::new(turn_id),
+            conn,
+            queued: VecDeque::new(),
+        })
+    }
+
+    /// Follow `turn_id` (a turn already running) from the frames after
+    /// seq `after` on: pass the `last_seq` read together with the turn's
+    /// state, so an end stored in between is not missed.
+    pub async fn follow(&self, turn_id: impl Into<String>, after: u64) -> Result<TurnHandle> {
+        let conn = self
+            .hub
+            .connect(&self.id, Role::Client, Some(after))
+            .await?;
         Ok(TurnHandle {
             follower: TurnFollower::new(turn_id),
             conn,

@@ -69,7 +69,9 @@ impl UiStreamMapper {
         match message {
             ServerMessage::Live { part, .. } => self.live(part, &mut out),
             ServerMessage::Frame { frame } => self.frame(&frame.body, &mut out),
-            ServerMessage::Ack { .. } | ServerMessage::Received {} | ServerMessage::Error { .. } => {}
+            ServerMessage::Ack { .. }
+            | ServerMessage::Received {}
+            | ServerMessage::Error { .. } => {}
         }
         out
     }

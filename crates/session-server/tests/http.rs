@@ -139,7 +139,11 @@ async fn fork_until_n_export_and_seal_behave_as_specified() {
     // Seal: a live client sees the seal frame, later writes are refused,
     // sealing again is a no-op.
     let mut client = ws(&format!("{}/v1/sessions/src/ws", srv.ws_base)).await;
-    send(&mut client, json!({"type": "approval-response", "approvalId": "registered", "approved": true})).await;
+    send(
+        &mut client,
+        json!({"type": "approval-response", "approvalId": "registered", "approved": true}),
+    )
+    .await;
     let mut seen = Vec::new();
     answer(&mut client, &mut seen).await;
     let r = srv
@@ -576,7 +580,9 @@ async fn acknowledged_frames_survive_a_server_kill() {
                 let text = format!("w{w}-{i}");
                 let r = http
                     .post(format!("{base}/v1/sessions/k/messages"))
-                    .json(&json!({"type": "approval-response", "approvalId": text, "approved": true}))
+                    .json(
+                        &json!({"type": "approval-response", "approvalId": text, "approved": true}),
+                    )
                     .send()
                     .await;
                 let Ok(r) = r else { return };

@@ -101,7 +101,10 @@ pub fn runner(root: &Path, hub: Arc<Hub>) -> SliceRunner {
 
 /// A new session in `log` (its id prefixed with `prefix`).
 pub async fn new_session(log: &dyn SessionLog, prefix: &str) -> String {
-    let session = format!("{prefix}{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+    let session = format!(
+        "{prefix}{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    );
     log.create(&SessionId::parse(session.clone()).unwrap())
         .await
         .unwrap();

@@ -1,6 +1,8 @@
 //! What the durability tests share: the slow scripted turn, the `harness`
-//! command aimed at the scripted model, and the check that a turn's log is
-//! gap-free with every part stored exactly once.
+//! command aimed at the scripted model, reading a home's sessions back
+//! through `harness sessions list|export` (the log's per-session meta and
+//! frames), and the check that a turn's log is gap-free with every part
+//! stored exactly once.
 
 #![allow(dead_code)]
 
@@ -61,8 +63,87 @@ pub fn export(home: &Path, model: &ScriptedModel, session: &str) -> Vec<serde_js
         .collect()
 }
 
+/// One row of `harness sessions list` (what the log's per-session meta
+/// says: config, turns, latest turn).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionRow {
+    pub id: String,
+    pub agent: String,
+    pub sandbox: String,
+    pub turns: u64,
+    pub frames: u64,
+    pub sealed: bool,
+    /// `t1 finished`, or `-` before the first prompt.
+    pub last_turn: String,
+}
+
+/// Parse the output of `harness sessions list`.
+pub fn parse_sessions(stdout: &str) -> Vec<SessionRow> {
+    let mut lines = stdout.lines();
+    let header = lines.next().unwrap_or_default();
+    assert!(
+        header.starts_with("SESSION"),
+        "not a session list: {stdout}"
+    );
+    lines
+        .filter(|l| !l.trim().is_empty())
+        .map(|line| {
+            let w: Vec<&str> = line.split_whitespace().collect();
+            assert!(w.len() >= 7, "a short session row: {line:?}");
+            let last_turn = if w[6] == "-" {
+                "-".to_string()
+            } else {
+                format!("{} {}", w[6], w.get(7).copied().unwrap_or_default())
+            };
+            SessionRow {
+                id: w[0].to_string(),
+                agent: w[1].to_string(),
+                sandbox: w[2].to_string(),
+                turns: w[3].parse().unwrap(),
+                frames: w[4].parse().unwrap(),
+                sealed: w[5] == "yes",
+                last_turn,
+            }
+        })
+        .collect()
+}
+
+/// `harness sessions list`, parsed.
+pub fn sessions(home: &Path, model: &ScriptedModel) -> Vec<SessionRow> {
+    let out = harness(home, model)
+        .args(["sessions", "list"])
+        .stdout(Stdio::piped())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "sessions list: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    parse_sessions(&String::from_utf8_lossy(&out.stdout))
+}
+
+/// The home's only session, once `harness sessions list` shows it.
+pub fn only_session(home: &Path, model: &ScriptedModel) -> Option<SessionRow> {
+    let mut rows = sessions(home, model);
+    assert!(rows.len() <= 1, "one run, one session: {rows:?}");
+    rows.pop()
+}
+
+/// The sandbox handle the turn's terminal `turn-status` frame recorded
+/// (what the session's next turn continues in).
+pub fn recorded_sandbox(frames: &[serde_json::Value]) -> serde_json::Value {
+    frames
+        .iter()
+        .rev()
+        .find(|f| f["body"]["type"] == "turn-status" && !f["body"]["sandbox"].is_null())
+        .map(|f| f["body"]["sandbox"].clone())
+        .unwrap_or_else(|| panic!("no turn-status frame records the sandbox: {frames:#?}"))
+}
+
 /// The slow turn's log is gap-free and holds one prompt, one tool call, one
-/// tool result, one finish, the whole answer once and one `finished` status.
+/// tool result, one finish, the whole answer once and exactly one terminal
+/// `turn-status` frame, which says `finished`.
 pub fn assert_stored_once(frames: &[serde_json::Value], what: &str) {
     let seqs: Vec<u64> = frames.iter().map(|f| f["seq"].as_u64().unwrap()).collect();
     assert_eq!(
@@ -91,9 +172,19 @@ pub fn assert_stored_once(frames: &[serde_json::Value], what: &str) {
         vec![FINAL_CHUNKS.concat().as_str()],
         "the answer stored once and whole: {context}"
     );
-    assert_eq!(
-        count(&|b| b["type"] == "turn-status" && b["status"] == "finished"),
-        1,
-        "{context}"
-    );
+    // Exactly one terminal status (a resumed turn must not end twice, nor
+    // once as failed and once as finished), and it is `finished`.
+    let terminal: Vec<&serde_json::Value> = frames
+        .iter()
+        .map(|f| &f["body"])
+        .filter(|b| b["type"] == "turn-status")
+        .filter(|b| {
+            matches!(
+                b["status"].as_str(),
+                Some("finished" | "failed" | "timed_out")
+            )
+        })
+        .collect();
+    assert_eq!(terminal.len(), 1, "one terminal turn-status: {context}");
+    assert_eq!(terminal[0]["status"], "finished", "{context}");
 }

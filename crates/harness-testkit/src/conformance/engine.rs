@@ -57,7 +57,10 @@ pub trait EngineFixture: Send + Sync {
 }
 
 /// Run every check, each on its own session.
-pub async fn run_all(fixture: &dyn EngineFixture, provider: Arc<dyn SandboxProvider>) -> Result<()> {
+pub async fn run_all(
+    fixture: &dyn EngineFixture,
+    provider: Arc<dyn SandboxProvider>,
+) -> Result<()> {
     let rig = Rig::new(provider);
     finishes_a_turn_and_records_its_end_once(fixture, &rig)
         .await
@@ -145,7 +148,10 @@ impl Rig {
 
     /// Every frame of a session.
     pub async fn frames(&self, session: &str) -> Result<Vec<Frame>> {
-        Ok(self.log.read(&SessionId::parse(session)?, 0, 100_000).await?)
+        Ok(self
+            .log
+            .read(&SessionId::parse(session)?, 0, 100_000)
+            .await?)
     }
 }
 
@@ -404,9 +410,7 @@ pub async fn approvals_are_waited_for_and_reach_the_agent(
             )
             .await?;
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let still = engine
-            .turn_state(&state.session_id, &state.turn_id)
-            .await?;
+        let still = engine.turn_state(&state.session_id, &state.turn_id).await?;
         ensure!(
             still.status == TurnStatus::AwaitingToolApproval,
             "a wrong answer moved the turn: {still:?}"
@@ -543,7 +547,10 @@ pub async fn a_retried_end_is_stored_once(fixture: &dyn EngineFixture, rig: &Rig
         "{done:?}"
     );
     let recorded = executor.ends.load(Ordering::SeqCst);
-    ensure!(recorded >= 2, "the end was recorded {recorded} time(s), not retried");
+    ensure!(
+        recorded >= 2,
+        "the end was recorded {recorded} time(s), not retried"
+    );
     let frames = rig.frames(&state.session_id).await?;
     ensure!(
         ends(&frames, "t1").len() == 1,
@@ -575,11 +582,7 @@ pub async fn a_killed_engine_is_resumed_by_the_next(
         "after the kill the log holds {:?}",
         lines(&frames, "t1")
     );
-    ensure!(
-        ends(&frames, "t1").len() == 1,
-        "{:?}",
-        ends(&frames, "t1")
-    );
+    ensure!(ends(&frames, "t1").len() == 1, "{:?}", ends(&frames, "t1"));
     let generations: Vec<u64> = frames
         .iter()
         .filter_map(|f| match f.body {

@@ -80,7 +80,12 @@ pub async fn appends_answer_with_the_stored_frame(log: Arc<dyn SessionLog>) -> R
         first.frame,
         second.frame
     );
-    ensure!(first.seq == first.frame.seq, "seq {} vs frame {:?}", first.seq, first.frame);
+    ensure!(
+        first.seq == first.frame.seq,
+        "seq {} vs frame {:?}",
+        first.seq,
+        first.frame
+    );
     let retry = log
         .append(&s, AppendRequest::idempotent(prompt("one"), "k1"))
         .await?;
@@ -179,10 +184,7 @@ pub async fn meta_is_folded_with_every_append(log: Arc<dyn SessionLog>) -> Resul
             after_two = Some(log.info(&s).await?.meta);
         }
     }
-    let expected = fold_meta(
-        Some(config.clone()),
-        frames.iter().map(|(b, k)| (b, *k)),
-    );
+    let expected = fold_meta(Some(config.clone()), frames.iter().map(|(b, k)| (b, *k)));
     let meta = log.info(&s).await?.meta;
     ensure!(
         meta == expected,
@@ -196,7 +198,9 @@ pub async fn meta_is_folded_with_every_append(log: Arc<dyn SessionLog>) -> Resul
         "meta {meta:?}"
     );
     let after_two = after_two.expect("recorded");
-    let turn = after_two.active_turn().context("a turn runs after the prompt")?;
+    let turn = after_two
+        .active_turn()
+        .context("a turn runs after the prompt")?;
     ensure!(
         turn.key.as_deref() == Some("p1"),
         "the prompt's key is kept: {turn:?}"

@@ -574,7 +574,9 @@ impl Script {
         for n in 1..=1000usize {
             s = s.rule(
                 Rule::new(
-                    matcher_fn(move |r| r.last_tool_results().is_empty() && r.user_texts().len() == n),
+                    matcher_fn(move |r| {
+                        r.last_tool_results().is_empty() && r.user_texts().len() == n
+                    }),
                     Reply::shell(format!("toolu_turn_{n}"), command.clone()),
                 )
                 .named(format!("prompt {n} -> shell")),

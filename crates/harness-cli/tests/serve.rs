@@ -1,0 +1,1076 @@
+//! `harness serve` runs turns: over HTTP only, with the real `claude` and
+//! `codex` against the scripted model, on the local sandbox and on Docker.
+//! A client creates a session, posts a prompt, and an SSE reader and a
+//! WebSocket client both see the live parts and the end; a prompt that
+//! needs permission shows `tool-approval-request` and a client's
+//! `approval-response` lets the command run; a client's abort ends the
+//! turn `failed` with `aborted: …` and the next prompt works. Also: a
+//! `harness serve` killed with SIGKILL mid-turn and started again finishes
+//! the turn with every part once, and a `harness run` on the home of a
+//! running server goes through it (one actor; the server's clients see the
+//! run live).
+//!
+//! Every server is the built `harness` binary in its own home; clients use
+//! only HTTP, SSE and WebSocket. Skips (prints "skipped: …") without the
+//! agent binaries, dockerd or the test image; fails then under
+//! `HARNESS_REQUIRE_REAL=1`.
+
+use std::io::{BufRead, BufReader};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::{SinkExt, StreamExt};
+use harness_testkit::model::{
+    any, last_is_tool_result_for, last_user_text_contains, Reply, Rule, Script, ScriptedModel,
+};
+use harness_testkit::{require_env, skip_or_fail};
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+use tokio_tungstenite::tungstenite::Message;
+
+const HOST: &str = "host-token-0123456789";
+const CLIENT: &str = "client-token-0123456789";
+const RUNNER: &str = "runner-token-0123456789";
+const TURN_TIMEOUT: Duration = Duration::from_secs(180);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Agent {
+    Claude,
+    Codex,
+}
+
+impl Agent {
+    fn name(self) -> &'static str {
+        match self {
+            Agent::Claude => "claude-code",
+            Agent::Codex => "codex",
+        }
+    }
+    fn available(self) -> bool {
+        match self {
+            Agent::Claude => require_env("HARNESS_CLAUDE_BIN").is_some(),
+            Agent::Codex => require_env("HARNESS_CODEX_BIN").is_some(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Backend {
+    Local,
+    Docker,
+}
+
+impl Backend {
+    fn name(self) -> &'static str {
+        match self {
+            Backend::Local => "local",
+            Backend::Docker => "docker",
+        }
+    }
+}
+
+/// The Docker test image and the bridge gateway (where the model listens
+/// so containers reach it), or a skip.
+fn docker_parts() -> Option<(String, IpAddr)> {
+    let image = std::env::var("HARNESS_TEST_IMAGE")
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "harness-test:bookworm".into());
+    let inspect = Command::new("docker")
+        .args(["image", "inspect", &image, "--format", "ok"])
+        .output();
+    if !matches!(&inspect, Ok(o) if o.status.success()) {
+        skip_or_fail(&format!("no Docker engine or no image {image}"));
+        return None;
+    }
+    let out = Command::new("docker")
+        .args([
+            "network",
+            "inspect",
+            "bridge",
+            "--format",
+            "{{range .IPAM.Config}}{{.Gateway}}|{{.Subnet}}\n{{end}}",
+        ])
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let gateway = text.lines().find_map(|l| {
+        let (gw, subnet) = l.split_once('|')?;
+        gw.parse::<IpAddr>().ok().or_else(|| {
+            let net: Ipv4Addr = subnet.split_once('/')?.0.parse().ok()?;
+            Some(IpAddr::V4(Ipv4Addr::from(u32::from(net) + 1)))
+        })
+    });
+    match gateway {
+        Some(gw) => Some((image, gw)),
+        None => {
+            skip_or_fail("cannot find the Docker bridge gateway");
+            None
+        }
+    }
+}
+
+/// The approval MCP server, built into this test's target directory.
+fn approval_server() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("HARNESS_APPROVAL_MCP_BIN").filter(|p| !p.is_empty()) {
+        return Some(p.into());
+    }
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let built = Command::new(cargo)
+        .args(["build", "-q", "-p", "harness-approval-mcp"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .status();
+    if !matches!(built, Ok(s) if s.success()) {
+        skip_or_fail("could not build harness-approval-mcp");
+        return None;
+    }
+    let bin = Path::new(env!("CARGO_BIN_EXE_harness"))
+        .parent()?
+        .join("harness-approval-mcp");
+    bin.is_file().then_some(bin)
+}
+
+/// One `harness serve` child.
+struct Serve {
+    child: Child,
+    base: String,
+    stderr: Arc<Mutex<String>>,
+}
+
+impl Serve {
+    /// Start `harness serve` on a free loopback port in `home`, its agents
+    /// pointed at `model`.
+    fn start(home: &Path, model: &ScriptedModel, extra: &[&str]) -> Serve {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_harness"));
+        cmd.arg("--home")
+            .arg(home)
+            .args(["serve", "--addr", "127.0.0.1:0"])
+            .args(["--token", &format!("{HOST}=host")])
+            .args(["--token", &format!("{CLIENT}=client")])
+            .args(["--token", &format!("{RUNNER}=runner")])
+            .args(extra)
+            .env("ANTHROPIC_API_KEY", "test")
+            .env("ANTHROPIC_BASE_URL", model.base_url())
+            .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1")
+            .env("OPENAI_API_KEY", "test")
+            .env("OPENAI_BASE_URL", model.v1_url())
+            .env_remove("HARNESS_TOKENS")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        if let Some(server) = approval_server() {
+            cmd.env("HARNESS_APPROVAL_MCP_BIN", server);
+        }
+        let mut child = cmd.spawn().expect("harness serve starts");
+        let stderr = child.stderr.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let log = Arc::new(Mutex::new(String::new()));
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Some(url) = line.strip_prefix("serving sessions on ") {
+                    let _ = tx.send(url.split_whitespace().next().unwrap_or("").to_string());
+                }
+                let mut log = sink.lock().unwrap();
+                log.push_str(&line);
+                log.push('\n');
+            }
+        });
+        let base = rx
+            .recv_timeout(Duration::from_secs(120))
+            .unwrap_or_else(|_| panic!("harness serve did not start:\n{}", log.lock().unwrap()));
+        Serve {
+            child,
+            base,
+            stderr: log,
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    fn ws_url(&self, path: &str) -> String {
+        format!("{}{path}", self.base.replacen("http://", "ws://", 1))
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill(); // SIGKILL
+        let _ = self.child.wait();
+    }
+
+    fn log(&self) -> String {
+        self.stderr.lock().unwrap().clone()
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn http() -> reqwest::Client {
+    reqwest::Client::new()
+}
+
+async fn post(url: &str, token: &str, body: Value) -> (u16, Value) {
+    let r = http()
+        .post(url)
+        .bearer_auth(token)
+        .json(&body)
+        .send()
+        .await
+        .expect("the server answers");
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+async fn create(serve: &Serve, body: Value) -> String {
+    let (status, info) = post(&serve.url("/v1/sessions"), HOST, body).await;
+    assert_eq!(status, 201, "create: {info}");
+    info["session"].as_str().unwrap().to_string()
+}
+
+async fn prompt(serve: &Serve, id: &str, text: &str) -> String {
+    let (status, ack) = post(
+        &serve.url(&format!("/v1/sessions/{id}/messages")),
+        CLIENT,
+        json!({"type": "prompt", "text": text}),
+    )
+    .await;
+    assert_eq!(status, 200, "prompt: {ack}");
+    ack["turnId"]
+        .as_str()
+        .expect("the ack names the turn")
+        .to_string()
+}
+
+async fn export(serve: &Serve, id: &str) -> Vec<Value> {
+    http()
+        .get(serve.url(&format!("/v1/sessions/{id}/export")))
+        .bearer_auth(CLIENT)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+/// What a client saw: stored frames (in order) and live parts.
+#[derive(Debug, Default, Clone)]
+struct Seen {
+    frames: Vec<Value>,
+    live: Vec<Value>,
+}
+
+impl Seen {
+    fn push_frame(&mut self, frame: Value) {
+        self.frames.push(frame);
+    }
+
+    /// The terminal status of `turn`, once seen.
+    fn end(&self, turn: &str) -> Option<Value> {
+        self.frames
+            .iter()
+            .find(|f| {
+                let b = &f["body"];
+                b["type"] == "turn-status"
+                    && b["turnId"] == turn
+                    && matches!(
+                        b["status"].as_str(),
+                        Some("finished" | "failed" | "timed_out")
+                    )
+            })
+            .map(|f| f["body"].clone())
+    }
+
+    fn parts(&self, turn: &str, kind: &str) -> Vec<Value> {
+        self.frames
+            .iter()
+            .filter(|f| {
+                f["body"]["type"] == "part"
+                    && f["body"]["turnId"] == turn
+                    && f["body"]["part"]["type"] == kind
+            })
+            .map(|f| f["body"]["part"].clone())
+            .collect()
+    }
+
+    fn live_deltas(&self, turn: &str) -> usize {
+        self.live
+            .iter()
+            .filter(|l| l["turnId"] == turn && l["part"]["type"] == "text-delta")
+            .count()
+    }
+}
+
+/// A client following a session over SSE (`/events?after=0`) in the
+/// background.
+struct SseClient {
+    seen: Arc<Mutex<Seen>>,
+}
+
+impl SseClient {
+    async fn open(serve: &Serve, id: &str) -> SseClient {
+        let response = http()
+            .get(serve.url(&format!("/v1/sessions/{id}/events?after=0")))
+            .bearer_auth(CLIENT)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        let seen = Arc::new(Mutex::new(Seen::default()));
+        let sink = seen.clone();
+        tokio::spawn(async move {
+            let mut body = response.bytes_stream();
+            let mut buffer = String::new();
+            while let Some(Ok(chunk)) = body.next().await {
+                buffer.push_str(&String::from_utf8_lossy(&chunk));
+                while let Some(end) = buffer.find("\n\n") {
+                    let block: String = buffer.drain(..end + 2).collect();
+                    let mut event = "";
+                    let mut data = String::new();
+                    for line in block.lines() {
+                        if let Some(v) = line.strip_prefix("event:") {
+                            event = v.trim();
+                        } else if let Some(v) = line.strip_prefix("data:") {
+                            data.push_str(v.trim_start());
+                        }
+                    }
+                    let Ok(value) = serde_json::from_str::<Value>(&data) else {
+                        continue;
+                    };
+                    let mut seen = sink.lock().unwrap();
+                    match event {
+                        "frame" => seen.push_frame(value),
+                        "live" => seen.live.push(value),
+                        _ => {}
+                    }
+                }
+            }
+        });
+        SseClient { seen }
+    }
+
+    fn seen(&self) -> Seen {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+/// A client following a session over WebSocket (`?after=0`).
+struct WsClient {
+    seen: Arc<Mutex<Seen>>,
+    tx: mpsc::UnboundedSender<Value>,
+}
+
+impl WsClient {
+    async fn open(serve: &Serve, id: &str) -> WsClient {
+        let url = serve.ws_url(&format!(
+            "/v1/sessions/{id}/ws?after=0&access_token={CLIENT}"
+        ));
+        let (socket, _) = tokio_tungstenite::connect_async(&url).await.unwrap();
+        let (mut write, mut read) = socket.split();
+        let (tx, mut rx) = mpsc::unbounded_channel::<Value>();
+        tokio::spawn(async move {
+            while let Some(m) = rx.recv().await {
+                if write.send(Message::text(m.to_string())).await.is_err() {
+                    return;
+                }
+            }
+        });
+        let seen = Arc::new(Mutex::new(Seen::default()));
+        let sink = seen.clone();
+        tokio::spawn(async move {
+            while let Some(Ok(Message::Text(t))) = read.next().await {
+                let Ok(m) = serde_json::from_str::<Value>(t.as_str()) else {
+                    continue;
+                };
+                let mut seen = sink.lock().unwrap();
+                match m["type"].as_str() {
+                    Some("frame") => seen.push_frame(m["frame"].clone()),
+                    Some("live") => seen.live.push(m),
+                    _ => {}
+                }
+            }
+        });
+        WsClient { seen, tx }
+    }
+
+    fn seen(&self) -> Seen {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+/// Wait until `seen()` shows the end of `turn`; panics with the server's
+/// log after the timeout.
+async fn until_end(serve: &Serve, seen: impl Fn() -> Seen, turn: &str) -> Value {
+    let started = Instant::now();
+    loop {
+        if let Some(end) = seen().end(turn) {
+            return end;
+        }
+        assert!(
+            started.elapsed() < TURN_TIMEOUT,
+            "turn {turn} did not end in {TURN_TIMEOUT:?}; the client saw {:#?}\nserver log:\n{}",
+            seen().frames,
+            serve.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn until(serve: &Serve, what: &str, check: impl Fn() -> bool) {
+    let started = Instant::now();
+    while !check() {
+        assert!(
+            started.elapsed() < TURN_TIMEOUT,
+            "{what} did not happen in {TURN_TIMEOUT:?}\nserver log:\n{}",
+            serve.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A scripted model reachable from `backend`'s sandboxes.
+async fn model(backend: Backend, script: Script) -> Option<(ScriptedModel, Option<String>)> {
+    match backend {
+        Backend::Local => Some((ScriptedModel::start(script).await.unwrap(), None)),
+        Backend::Docker => {
+            let (image, gateway) = docker_parts()?;
+            let model = ScriptedModel::start_on(SocketAddr::new(gateway, 0), script)
+                .await
+                .unwrap();
+            Some((model, Some(image)))
+        }
+    }
+}
+
+fn session_body(agent: Agent, backend: Backend, image: &Option<String>, approvals: bool) -> Value {
+    let mut body = json!({"agent": agent.name(), "sandbox": backend.name()});
+    if let Some(image) = image {
+        body["image"] = json!(image);
+    }
+    if approvals {
+        body["approvals"] = json!(true);
+    }
+    body
+}
+
+const CALL_ID: &str = "toolu_serve_1";
+
+/// Text and a tool call stream to an SSE reader and a WebSocket client
+/// alike; both see every stored frame once, in order, as the log holds it.
+async fn text_and_tools_reach_sse_and_websocket(agent: Agent, backend: Backend) {
+    if !agent.available() {
+        return;
+    }
+    let script = Script::new()
+        .rule(
+            Rule::new(
+                last_is_tool_result_for(CALL_ID),
+                Reply::text_chunks(["The file ", "says ", "served."]).with_delay(150),
+            )
+            .assert_tool_result_contains(CALL_ID, "served"),
+        )
+        .on(
+            any(),
+            Reply::shell(CALL_ID, "echo served > served.txt && cat served.txt"),
+        );
+    let Some((model, image)) = model(backend, script).await else {
+        return;
+    };
+    let home = tempfile::tempdir().unwrap();
+    let serve = Serve::start(home.path(), &model, &[]);
+    let id = create(&serve, session_body(agent, backend, &image, false)).await;
+    let sse = SseClient::open(&serve, &id).await;
+    let ws = WsClient::open(&serve, &id).await;
+    let turn = prompt(&serve, &id, "write the file").await;
+    let end = until_end(&serve, || sse.seen(), &turn).await;
+    assert_eq!(end["status"], "finished", "{end}");
+    until_end(&serve, || ws.seen(), &turn).await;
+    model.assert_no_failures();
+
+    let stored = export(&serve, &id).await;
+    let seqs: Vec<u64> = stored.iter().map(|f| f["seq"].as_u64().unwrap()).collect();
+    assert_eq!(
+        seqs,
+        (1..=stored.len() as u64).collect::<Vec<_>>(),
+        "gap-free"
+    );
+    for (who, seen) in [("sse", sse.seen()), ("websocket", ws.seen())] {
+        assert_eq!(
+            seen.frames,
+            stored[..seen.frames.len()].to_vec(),
+            "{who} saw the log's frames, once, in order"
+        );
+        assert!(
+            seen.live_deltas(&turn) > 0,
+            "{who} saw live text deltas: {:?}",
+            seen.live
+        );
+        assert_eq!(seen.parts(&turn, "tool-call").len(), 1, "{who}");
+        let results = seen.parts(&turn, "tool-result");
+        assert_eq!(results.len(), 1, "{who}");
+        assert!(
+            results[0]["output"].to_string().contains("served"),
+            "{results:?}"
+        );
+        assert_eq!(seen.parts(&turn, "finish").len(), 1, "{who}");
+    }
+    let texts: Vec<&str> = stored
+        .iter()
+        .filter(|f| f["body"]["type"] == "message" && f["body"]["kind"] == "text")
+        .filter_map(|f| f["body"]["text"].as_str())
+        .collect();
+    assert_eq!(
+        texts,
+        ["The file says served."],
+        "the answer stored once, whole"
+    );
+    let statuses: Vec<&str> = stored
+        .iter()
+        .filter(|f| f["body"]["type"] == "turn-status")
+        .filter_map(|f| f["body"]["status"].as_str())
+        .collect();
+    assert_eq!(
+        statuses,
+        ["ready_for_next_step", "finished"],
+        "running once its agent started, then one terminal status"
+    );
+    // The end records the sandbox the turn made, for the next turn.
+    assert!(end["sandbox"]["provider"] == backend.name(), "{end}");
+}
+
+/// A prompt that needs permission: the client sees the request, answers
+/// over HTTP, and the command runs.
+async fn a_client_approves_and_the_command_runs(agent: Agent, backend: Backend) {
+    if !agent.available() {
+        return;
+    }
+    let script = Script::new()
+        .rule(
+            Rule::new(last_is_tool_result_for(CALL_ID), Reply::text("All done."))
+                .assert_tool_result_contains(CALL_ID, "wrote-it"),
+        )
+        .on(
+            last_user_text_contains("make the file"),
+            Reply::shell(CALL_ID, "echo ran > approved.txt && echo wrote-it"),
+        );
+    let Some((model, image)) = model(backend, script).await else {
+        return;
+    };
+    let home = tempfile::tempdir().unwrap();
+    let serve = Serve::start(home.path(), &model, &[]);
+    let id = create(&serve, session_body(agent, backend, &image, true)).await;
+    let sse = SseClient::open(&serve, &id).await;
+    let turn = prompt(&serve, &id, "please make the file").await;
+    until(&serve, "a tool-approval-request", || {
+        !sse.seen().parts(&turn, "tool-approval-request").is_empty()
+    })
+    .await;
+    let request = sse.seen().parts(&turn, "tool-approval-request").remove(0);
+    let approval_id = request["approvalId"].as_str().unwrap().to_string();
+    // The turn waits: the session says so, and no tool result yet.
+    let info: Value = http()
+        .get(serve.url(&format!("/v1/sessions/{id}")))
+        .bearer_auth(CLIENT)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        info["meta"]["turn"]["approval"],
+        approval_id.as_str(),
+        "{info}"
+    );
+    assert!(sse.seen().parts(&turn, "tool-result").is_empty());
+    let (status, ack) = post(
+        &serve.url(&format!("/v1/sessions/{id}/messages")),
+        CLIENT,
+        json!({"type": "approval-response", "approvalId": approval_id, "approved": true}),
+    )
+    .await;
+    assert_eq!(status, 200, "{ack}");
+    let end = until_end(&serve, || sse.seen(), &turn).await;
+    assert_eq!(end["status"], "finished", "{end}\n{}", serve.log());
+    model.assert_no_failures();
+    let stored = export(&serve, &id).await;
+    let ran = stored.iter().any(|f| {
+        f["body"]["type"] == "part"
+            && f["body"]["part"]["type"] == "tool-result"
+            && f["body"]["part"]["output"].to_string().contains("wrote-it")
+    });
+    assert!(ran, "the approved command ran: {stored:#?}");
+    assert!(stored
+        .iter()
+        .any(|f| f["body"]["type"] == "approval-response" && f["body"]["approved"] == true));
+}
+
+/// A client's abort ends the turn `failed` with `aborted: …` while the
+/// agent runs a long command; the parts so far are kept; the next prompt
+/// of the session works, in the same sandbox.
+async fn abort_ends_the_turn_and_the_next_prompt_works(agent: Agent, backend: Backend) {
+    if !agent.available() {
+        return;
+    }
+    let script = Script::new()
+        .on(
+            last_user_text_contains("after the abort"),
+            Reply::text("Still here."),
+        )
+        .on(
+            any(),
+            Reply::shell(
+                CALL_ID,
+                "timeout 120 tail -f /dev/null; echo should-never-print",
+            ),
+        );
+    let Some((model, image)) = model(backend, script).await else {
+        return;
+    };
+    let home = tempfile::tempdir().unwrap();
+    let serve = Serve::start(home.path(), &model, &[]);
+    let id = create(&serve, session_body(agent, backend, &image, false)).await;
+    let sse = SseClient::open(&serve, &id).await;
+    let turn = prompt(&serve, &id, "run the long command").await;
+    until(&serve, "the long command's tool call", || {
+        !sse.seen().parts(&turn, "tool-call").is_empty()
+    })
+    .await;
+    // A second prompt while the turn runs is refused, storing nothing.
+    let (status, refused) = post(
+        &serve.url(&format!("/v1/sessions/{id}/messages")),
+        CLIENT,
+        json!({"type": "prompt", "text": "too early"}),
+    )
+    .await;
+    assert_eq!(status, 409, "{refused}");
+    assert_eq!(refused["error"]["code"], "turn_in_progress");
+    // The abort comes from another client, over its WebSocket.
+    let ws = WsClient::open(&serve, &id).await;
+    let asked = Instant::now();
+    ws.tx
+        .send(json!({"type": "abort", "reason": "user pressed stop"}))
+        .unwrap();
+    let end = until_end(&serve, || sse.seen(), &turn).await;
+    until_end(&serve, || ws.seen(), &turn).await;
+    eprintln!("abort to end: {:?}", asked.elapsed());
+    assert!(
+        asked.elapsed() < Duration::from_secs(60),
+        "the abort waited for the command"
+    );
+    assert_eq!(end["status"], "failed", "{end}");
+    assert!(
+        end["error"]
+            .as_str()
+            .is_some_and(|e| e.starts_with("aborted: user pressed stop")),
+        "{end}"
+    );
+    let seen = sse.seen();
+    assert_eq!(
+        seen.parts(&turn, "tool-call").len(),
+        1,
+        "the parts so far are kept"
+    );
+    assert!(
+        seen.parts(&turn, "tool-result").is_empty(),
+        "the command was cut short, it has no result: {:?}",
+        seen.parts(&turn, "tool-result")
+    );
+    // The session takes its next prompt, in the same sandbox.
+    let next = prompt(&serve, &id, "after the abort").await;
+    let end2 = until_end(&serve, || sse.seen(), &next).await;
+    assert_eq!(end2["status"], "finished", "{end2}\n{}", serve.log());
+    assert_eq!(end2["sandbox"], end["sandbox"], "the same sandbox");
+    let stored = export(&serve, &id).await;
+    assert!(stored.iter().any(|f| f["body"]["type"] == "message"
+        && f["body"]["turnId"] == next.as_str()
+        && f["body"]["text"] == "Still here."));
+}
+
+/// The slow turn of the durability cases: a Bash call that sleeps 5 s and
+/// writes `slow.txt`, then the answer streamed in chunks 400 ms apart.
+const SLOW_CHUNKS: [&str; 6] = ["The slow ", "task ", "is ", "done ", "and ", "verified."];
+
+fn slow_script() -> Script {
+    Script::new()
+        .rule(
+            Rule::new(
+                last_is_tool_result_for(CALL_ID),
+                Reply::text_chunks(SLOW_CHUNKS).with_delay(400),
+            )
+            .assert_tool_result_contains(CALL_ID, "slow-done"),
+        )
+        .on(
+            any(),
+            Reply::shell(CALL_ID, "sleep 5; echo slow-done > slow.txt; cat slow.txt"),
+        )
+}
+
+/// The slow turn's log: gap-free, one prompt, one tool call and result,
+/// one finish, the whole answer once, one terminal `finished`.
+fn assert_slow_turn_stored_once(stored: &[Value], what: &str) {
+    let seqs: Vec<u64> = stored.iter().map(|f| f["seq"].as_u64().unwrap()).collect();
+    assert_eq!(
+        seqs,
+        (1..=stored.len() as u64).collect::<Vec<_>>(),
+        "gap-free {what}"
+    );
+    let count = |pred: &dyn Fn(&Value) -> bool| stored.iter().filter(|f| pred(&f["body"])).count();
+    let part =
+        |kind: &'static str| move |b: &Value| b["type"] == "part" && b["part"]["type"] == kind;
+    let context = format!("{what}: {stored:#?}");
+    assert_eq!(count(&|b| b["type"] == "user-message"), 1, "{context}");
+    assert_eq!(count(&part("tool-call")), 1, "{context}");
+    assert_eq!(count(&part("tool-result")), 1, "{context}");
+    assert_eq!(count(&part("finish")), 1, "{context}");
+    let texts: Vec<&str> = stored
+        .iter()
+        .filter(|f| f["body"]["type"] == "message")
+        .filter_map(|f| f["body"]["text"].as_str())
+        .collect();
+    assert_eq!(texts, vec![SLOW_CHUNKS.concat().as_str()], "{context}");
+    let terminal = |b: &Value| {
+        b["type"] == "turn-status"
+            && matches!(
+                b["status"].as_str(),
+                Some("finished" | "failed" | "timed_out")
+            )
+    };
+    assert_eq!(count(&terminal), 1, "{context}");
+    assert_eq!(
+        count(&|b| b["type"] == "turn-status" && b["status"] == "finished"),
+        1,
+        "{context}"
+    );
+}
+
+/// `harness serve` (in-process engine) killed with SIGKILL mid-turn — during
+/// the tool's sleep, then again during the streamed answer — and started
+/// again on the same home: the turn finishes, every part once, one end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_killed_mid_turn_finishes_the_turn_after_a_restart() {
+    if !Agent::Claude.available() {
+        return;
+    }
+    let model = ScriptedModel::start(slow_script()).await.unwrap();
+    let home = tempfile::tempdir().unwrap();
+    let args = ["--slice-ms", "1000"];
+    let mut serve = Serve::start(home.path(), &model, &args);
+    let id = create(&serve, json!({"agent": "claude-code", "sandbox": "local"})).await;
+    let sse = SseClient::open(&serve, &id).await;
+    let turn = prompt(&serve, &id, "do the slow thing").await;
+    until(&serve, "the tool call", || {
+        !sse.seen().parts(&turn, "tool-call").is_empty()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(
+        sse.seen().end(&turn).is_none(),
+        "still running at the first kill"
+    );
+    serve.kill();
+    // Second life: killed while the answer streams.
+    let mut serve = Serve::start(home.path(), &model, &args);
+    let sse = SseClient::open(&serve, &id).await;
+    until(&serve, "the tool result after the restart", || {
+        !sse.seen().parts(&turn, "tool-result").is_empty()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(
+        sse.seen().end(&turn).is_none(),
+        "still running at the second kill"
+    );
+    serve.kill();
+    // Third life: the turn finishes.
+    let serve = Serve::start(home.path(), &model, &args);
+    let sse = SseClient::open(&serve, &id).await;
+    let end = until_end(&serve, || sse.seen(), &turn).await;
+    assert_eq!(end["status"], "finished", "{end}\n{}", serve.log());
+    model.assert_no_failures();
+    let stored = export(&serve, &id).await;
+    assert_slow_turn_stored_once(&stored, "two SIGKILLs of the server");
+    assert!(
+        serve.log().contains("resumed 1 turn"),
+        "the restarted server resumed the turn:\n{}",
+        serve.log()
+    );
+    // Three server lives wrote as three runner generations, in order.
+    let generations: Vec<u64> = stored
+        .iter()
+        .filter(|f| f["body"]["type"] == "runner-attached")
+        .map(|f| f["body"]["generation"].as_u64().unwrap())
+        .collect();
+    assert!(
+        generations.len() >= 2 && generations.windows(2).all(|w| w[0] < w[1]),
+        "{generations:?}"
+    );
+}
+
+/// `harness run` on the home of a running server goes through it: one
+/// actor, and a client of the server sees the run live.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn harness_run_goes_through_the_running_server() {
+    if !Agent::Claude.available() {
+        return;
+    }
+    let script = Script::bash_each_turn("echo via-the-server", "The server ran it.");
+    let model = ScriptedModel::start(script).await.unwrap();
+    let home = tempfile::tempdir().unwrap();
+    let serve = Serve::start(home.path(), &model, &[]);
+    let id = create(&serve, json!({"agent": "claude-code", "sandbox": "local"})).await;
+    let sse = SseClient::open(&serve, &id).await;
+    let out = tokio::task::spawn_blocking({
+        let home = home.path().to_path_buf();
+        let id = id.clone();
+        move || {
+            Command::new(env!("CARGO_BIN_EXE_harness"))
+                .arg("--home")
+                .arg(&home)
+                .args(["run", "--session", &id, "run it through the server"])
+                .env_remove("ANTHROPIC_API_KEY")
+                .env_remove("HARNESS_HOME")
+                .stdin(Stdio::null())
+                .output()
+                .unwrap()
+        }
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}\n{}", serve.log());
+    assert!(stderr.contains("drives this home"), "{stderr}");
+    assert!(stdout.contains("The server ran it."), "{stdout}");
+    // The server's client saw the run live.
+    let seen = sse.seen();
+    let turn = seen
+        .frames
+        .iter()
+        .find(|f| f["body"]["type"] == "user-message")
+        .map(|f| f["body"]["turnId"].as_str().unwrap().to_string())
+        .expect("the client saw the prompt");
+    assert!(
+        seen.live_deltas(&turn) > 0,
+        "live text reached the server's client"
+    );
+    assert_eq!(seen.end(&turn).unwrap()["status"], "finished");
+    // One actor wrote: a single runner generation, the server's.
+    let stored = export(&serve, &id).await;
+    let attached = stored
+        .iter()
+        .filter(|f| f["body"]["type"] == "runner-attached")
+        .count();
+    assert_eq!(attached, 1, "{stored:#?}");
+}
+
+/// A `harness worker` child for a server on Temporal.
+struct Worker {
+    child: Child,
+    stderr: Arc<Mutex<String>>,
+}
+
+impl Worker {
+    fn start(home: &Path, serve: &Serve, model: &ScriptedModel, queue: &str) -> Worker {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_harness"))
+            .arg("--home")
+            .arg(home)
+            .args(["worker", "--server", &serve.base, "--token", RUNNER])
+            .env("HARNESS_TEMPORAL_TASK_QUEUE", queue)
+            .env("ANTHROPIC_API_KEY", "test")
+            .env("ANTHROPIC_BASE_URL", model.base_url())
+            .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("harness worker starts");
+        let stderr = child.stderr.take().unwrap();
+        let log = Arc::new(Mutex::new(String::new()));
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let mut log = sink.lock().unwrap();
+                log.push_str(&line);
+                log.push('\n');
+            }
+        });
+        Worker { child, stderr: log }
+    }
+
+    fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args([signal, &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    fn log(&self) -> String {
+        self.stderr.lock().unwrap().clone()
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The server on Temporal, its Temporal tuned so a dead worker's slice
+/// moves on in seconds; `None` (after skip_or_fail) without Temporal.
+async fn temporal_server(home: &Path, model: &ScriptedModel, queue: &str) -> Option<Serve> {
+    let reachable = tokio::time::timeout(
+        Duration::from_secs(5),
+        tokio::net::TcpStream::connect("127.0.0.1:7233"),
+    )
+    .await;
+    if !matches!(reachable, Ok(Ok(_))) {
+        skip_or_fail("no Temporal server on 127.0.0.1:7233 (cargo xtask services start)");
+        return None;
+    }
+    std::env::set_var("HARNESS_TEMPORAL_TASK_QUEUE", queue);
+    std::env::set_var("HARNESS_TEMPORAL_HEARTBEAT_TIMEOUT_MS", "2000");
+    std::env::set_var("HARNESS_TEMPORAL_RETRY_INITIAL_MS", "300");
+    Some(Serve::start(
+        home,
+        model,
+        &["--engine", "temporal", "--slice-ms", "1000"],
+    ))
+}
+
+/// `harness serve --engine temporal`: the worker running the turn is
+/// killed with SIGKILL mid-turn and a new one started; the turn finishes
+/// with every part once and one end, the server never restarting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_temporal_worker_is_replaced_and_the_turn_finishes() {
+    if !Agent::Claude.available() {
+        return;
+    }
+    let model = ScriptedModel::start(slow_script()).await.unwrap();
+    let home = tempfile::tempdir().unwrap();
+    let queue = format!("serve-test-{}", std::process::id());
+    let Some(serve) = temporal_server(home.path(), &model, &queue).await else {
+        return;
+    };
+    let worker = Worker::start(home.path(), &serve, &model, &queue);
+    let id = create(&serve, json!({"agent": "claude-code", "sandbox": "local"})).await;
+    let sse = SseClient::open(&serve, &id).await;
+    let turn = prompt(&serve, &id, "do the slow thing").await;
+    until(&serve, "the tool call", || {
+        !sse.seen().parts(&turn, "tool-call").is_empty()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(sse.seen().end(&turn).is_none(), "still running at the kill");
+    drop(worker); // SIGKILL
+    let replacement = Worker::start(home.path(), &serve, &model, &queue);
+    let end = until_end(&serve, || sse.seen(), &turn).await;
+    assert_eq!(
+        end["status"],
+        "finished",
+        "{end}\nserver:\n{}\nworker:\n{}",
+        serve.log(),
+        replacement.log()
+    );
+    model.assert_no_failures();
+    let stored = export(&serve, &id).await;
+    assert_slow_turn_stored_once(&stored, "a SIGKILL of the worker");
+    let generations: Vec<u64> = stored
+        .iter()
+        .filter(|f| f["body"]["type"] == "runner-attached")
+        .map(|f| f["body"]["generation"].as_u64().unwrap())
+        .collect();
+    assert!(
+        generations.len() == 2 && generations[0] < generations[1],
+        "the replacement wrote as a newer runner: {generations:?}"
+    );
+}
+
+/// Two workers: the one running the turn is paused (SIGSTOP) and a second
+/// takes the turn over, fencing it; resumed (SIGCONT), the first writes
+/// nothing more (the actor refuses it as a stale runner) and the log holds
+/// every part once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_temporal_worker_is_fenced_by_the_next() {
+    if !Agent::Claude.available() {
+        return;
+    }
+    let model = ScriptedModel::start(slow_script()).await.unwrap();
+    let home = tempfile::tempdir().unwrap();
+    let queue = format!("serve-fence-{}", std::process::id());
+    let Some(serve) = temporal_server(home.path(), &model, &queue).await else {
+        return;
+    };
+    let first = Worker::start(home.path(), &serve, &model, &queue);
+    let id = create(&serve, json!({"agent": "claude-code", "sandbox": "local"})).await;
+    let sse = SseClient::open(&serve, &id).await;
+    let turn = prompt(&serve, &id, "do the slow thing").await;
+    until(&serve, "the tool call", || {
+        !sse.seen().parts(&turn, "tool-call").is_empty()
+    })
+    .await;
+    first.signal("-STOP");
+    let second = Worker::start(home.path(), &serve, &model, &queue);
+    let end = until_end(&serve, || sse.seen(), &turn).await;
+    assert_eq!(
+        end["status"],
+        "finished",
+        "{end}\nsecond worker:\n{}",
+        second.log()
+    );
+    first.signal("-CONT");
+    // Give the first worker time to wake up and try its pending writes.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let stored = export(&serve, &id).await;
+    assert_slow_turn_stored_once(&stored, "a paused worker and its successor");
+    let generations: Vec<u64> = stored
+        .iter()
+        .filter(|f| f["body"]["type"] == "runner-attached")
+        .map(|f| f["body"]["generation"].as_u64().unwrap())
+        .collect();
+    assert_eq!(generations.len(), 2, "{generations:?}");
+    assert!(generations[0] < generations[1]);
+    // Nothing after the second worker attached came from the first: the
+    // frames after its runner-attached frame are the rest of this turn,
+    // each once (checked above), and the first worker was told it is
+    // fenced if it tried to write.
+    let first_log = first.log();
+    if first_log.contains("runner fenced") {
+        eprintln!("the paused worker tried to write and was fenced");
+    } else {
+        eprintln!("the paused worker's slice was cancelled before it wrote again");
+    }
+}
+
+/// One test per (case, agent, backend), named after all three so nextest
+/// reports each on its own.
+macro_rules! case {
+    ($name:ident: $case:ident($agent:expr, $backend:expr)) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $name() {
+            $case($agent, $backend).await
+        }
+    };
+}
+
+case!(claude_local_text_and_tools: text_and_tools_reach_sse_and_websocket(Agent::Claude, Backend::Local));
+case!(claude_docker_text_and_tools: text_and_tools_reach_sse_and_websocket(Agent::Claude, Backend::Docker));
+case!(codex_local_text_and_tools: text_and_tools_reach_sse_and_websocket(Agent::Codex, Backend::Local));
+case!(codex_docker_text_and_tools: text_and_tools_reach_sse_and_websocket(Agent::Codex, Backend::Docker));
+case!(claude_local_approval: a_client_approves_and_the_command_runs(Agent::Claude, Backend::Local));
+case!(claude_docker_approval: a_client_approves_and_the_command_runs(Agent::Claude, Backend::Docker));
+case!(codex_local_approval: a_client_approves_and_the_command_runs(Agent::Codex, Backend::Local));
+case!(claude_local_abort: abort_ends_the_turn_and_the_next_prompt_works(Agent::Claude, Backend::Local));
+case!(claude_docker_abort: abort_ends_the_turn_and_the_next_prompt_works(Agent::Claude, Backend::Docker));
+case!(codex_local_abort: abort_ends_the_turn_and_the_next_prompt_works(Agent::Codex, Backend::Local));
+case!(codex_docker_abort: abort_ends_the_turn_and_the_next_prompt_works(Agent::Codex, Backend::Docker));
