@@ -133,6 +133,10 @@ enum Command {
     /// Run the slices of a `harness serve --engine temporal` (a Temporal
     /// worker writing to the server as the session's runner).
     Worker(worker::WorkerArgs),
+    /// Run the turns of a `harness serve --engine remote` where the
+    /// sandboxes are (an in-process engine attached to the server as its
+    /// runner).
+    Runner(worker::RunnerArgs),
     /// List, export and fork sessions.
     Sessions {
         #[command(subcommand)]
@@ -198,6 +202,7 @@ fn main() -> ExitCode {
             Command::Resume => turn::resume_command(&home).await,
             Command::Serve(args) => serve::run(&home, args).await,
             Command::Worker(args) => worker::run(&home, args).await,
+            Command::Runner(args) => worker::runner(&home, args).await,
             Command::Sessions { command } => sessions::run(&home, command).await,
             Command::Checkpoint(args) => moves::checkpoint(&home, args).await,
             Command::Restore(args) => moves::restore(&home, args).await,

@@ -3,6 +3,7 @@
 //! sandbox; approvals and aborts from any client reach it.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
@@ -21,6 +22,9 @@ pub enum ServeEngine {
     /// On Temporal (`HARNESS_TEMPORAL_ADDRESS`, default 127.0.0.1:7233):
     /// run `harness worker --server URL --token T` for the slices.
     Temporal,
+    /// In a remote runner: run `harness runner --server URL --token T`
+    /// where the sandboxes are; turns wait for it.
+    Remote,
 }
 
 /// `harness serve` arguments.
@@ -125,30 +129,43 @@ pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
         None => local::agent_env(),
     };
     let engine = match args.engine {
-        ServeEngine::InProcess => EngineSpec::InProcess,
+        ServeEngine::InProcess | ServeEngine::Remote => EngineSpec::InProcess,
         ServeEngine::Temporal => {
             EngineSpec::Temporal(harness::temporal::TemporalConfig::from_env())
         }
     };
-    let options = local::Options {
-        agents: vec![AgentKind::ClaudeCode, AgentKind::Codex],
-        env,
-        image: args.image.clone(),
-        slice_ms: args.slice_ms,
-        engine,
-        lenient: true,
-        require_docker: false,
+    // With a remote runner this process runs no engine: the runtime below
+    // is only built for the other two.
+    let runtime = if args.engine == ServeEngine::Remote {
+        None
+    } else {
+        let options = local::Options {
+            agents: vec![AgentKind::ClaudeCode, AgentKind::Codex],
+            env,
+            image: args.image.clone(),
+            slice_ms: args.slice_ms,
+            engine,
+            lenient: true,
+            require_docker: false,
+        };
+        let runtime = local::runtime(home, options).await?;
+        let started = runtime.start().await?;
+        if started.resumed + started.redispatched > 0 {
+            eprintln!(
+                "resumed {} turn(s), re-sent the commands of {} session(s)",
+                started.resumed, started.redispatched
+            );
+        }
+        Some(runtime)
     };
-    let runtime = local::runtime(home, options).await?;
-    let started = runtime.start().await?;
-    if started.resumed + started.redispatched > 0 {
-        eprintln!(
-            "resumed {} turn(s), re-sent the commands of {} session(s)",
-            started.resumed, started.redispatched
-        );
-    }
 
-    let log = runtime.hub().log().clone();
+    let log: Arc<dyn harness::core::log::SessionLog> = match &runtime {
+        Some(runtime) => runtime.hub().log().clone(),
+        None => Arc::new(
+            harness::sqlite::SqliteSessionLog::open(home.db())
+                .context("opening the session log")?,
+        ),
+    };
     let mut config = ServerConfig::new(log);
     config.tokens = config_tokens;
     config.insecure_no_auth = insecure;
@@ -161,16 +178,22 @@ pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
     config
         .tokens
         .push(TokenGrant::new(&local_token, Scope::All, GrantRole::Host));
-    let server = SessionServer::with_hub(config, runtime.hub().clone());
+    let server = match &runtime {
+        Some(runtime) => SessionServer::with_hub(config, runtime.hub().clone()),
+        None => SessionServer::with_remote_runners(config),
+    };
     home.write_serve_info(&ServeInfo {
         url: url.clone(),
         token: local_token,
         pid: std::process::id(),
     })?;
+    let engine_name = match &runtime {
+        Some(runtime) => runtime.engine().name(),
+        None => "remote runner",
+    };
     eprintln!(
-        "serving sessions on {url} (log: {}, engine: {})",
+        "serving sessions on {url} (log: {}, engine: {engine_name})",
         home.db().display(),
-        runtime.engine().name()
     );
     if let Some(model) = &model {
         eprintln!(
@@ -183,10 +206,14 @@ pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
         );
         eprintln!("  curl -sN {url}/v1/sessions/demo/events");
     }
-    if args.engine == ServeEngine::Temporal {
-        eprintln!(
+    match args.engine {
+        ServeEngine::Temporal => eprintln!(
             "turns run on Temporal: start a worker with `harness worker --server {url} --token <runner token>`"
-        );
+        ),
+        ServeEngine::Remote => eprintln!(
+            "turns run in a remote runner: start one with `harness runner --server {url} --token <runner token>`"
+        ),
+        ServeEngine::InProcess => {}
     }
     let served = tokio::select! {
         served = server.serve(listener) => served.context("the server stopped"),

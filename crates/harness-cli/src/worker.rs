@@ -1,8 +1,12 @@
-//! `harness worker`: a Temporal worker for a `harness serve --engine
-//! temporal`. It runs the slices of the server's turns where the sandboxes
-//! are, and writes their parts to the server as the session's runner over
-//! the runner WebSocket, fenced by generation (its start time): a worker
-//! started later fences one that is still writing.
+//! `harness worker` and `harness runner`: the slices of a server's turns,
+//! run where the sandboxes are, their parts written to the server as the
+//! session's runner over the runner WebSocket, fenced by generation (the
+//! process's start time): one started later fences one still writing.
+//!
+//! - `worker`: a Temporal worker for `harness serve --engine temporal`.
+//! - `runner`: the engine itself for `harness serve --engine remote`: it
+//!   takes the server's turn commands on the runner channel and runs the
+//!   turns on an in-process engine whose states live in its own home.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -33,14 +37,17 @@ pub struct WorkerArgs {
     image: Option<String>,
 }
 
-/// Run the worker until interrupted. Temporal's address, namespace and
-/// task queue come from `HARNESS_TEMPORAL_ADDRESS`, `…_NAMESPACE`,
-/// `…_TASK_QUEUE` (the same variables as `harness serve --engine temporal`).
-pub async fn run(home: &Home, args: WorkerArgs) -> Result<()> {
-    let config = harness::temporal::TemporalConfig::from_env();
+/// A slice runner over this machine's sandboxes and agents, writing to
+/// `server` as runner generation = now; and that generation.
+async fn remote_slice_runner(
+    home: &Home,
+    server: &str,
+    token: Option<String>,
+    image: Option<&str>,
+) -> Result<(SliceRunner, u64)> {
     let mut providers: BTreeMap<String, Arc<dyn SandboxProvider>> = BTreeMap::new();
     providers.insert("local".into(), local::provider(home, "local", None).await?);
-    match local::provider(home, "docker", args.image.as_deref()).await {
+    match local::provider(home, "docker", image).await {
         Ok(docker) => {
             providers.insert("docker".into(), docker);
         }
@@ -51,7 +58,7 @@ pub async fn run(home: &Home, args: WorkerArgs) -> Result<()> {
         harnesses.insert(adapter.name().to_string(), adapter);
     }
     let generation = SystemClock.now_ms();
-    let connector = WsConnector::new(args.server.clone(), args.token.clone());
+    let connector = WsConnector::new(server.to_string(), token);
     let runner = SliceRunner {
         providers,
         harnesses,
@@ -62,6 +69,21 @@ pub async fn run(home: &Home, args: WorkerArgs) -> Result<()> {
         sleep: harness::runtime::tokio_sleeper(),
         clock: Arc::new(SystemClock),
     };
+    Ok((runner, generation))
+}
+
+/// Run the worker until interrupted. Temporal's address, namespace and
+/// task queue come from `HARNESS_TEMPORAL_ADDRESS`, `…_NAMESPACE`,
+/// `…_TASK_QUEUE` (the same variables as `harness serve --engine temporal`).
+pub async fn run(home: &Home, args: WorkerArgs) -> Result<()> {
+    let config = harness::temporal::TemporalConfig::from_env();
+    let (runner, generation) = remote_slice_runner(
+        home,
+        &args.server,
+        args.token.clone(),
+        args.image.as_deref(),
+    )
+    .await?;
     eprintln!(
         "worker (runner generation {generation}) for {} on Temporal {} queue {}",
         args.server, config.address, config.task_queue
@@ -84,4 +106,82 @@ pub async fn run(home: &Home, args: WorkerArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `harness runner` arguments.
+#[derive(Debug, clap::Args)]
+pub struct RunnerArgs {
+    /// The server whose turns this runner runs (`http://host:port`), started
+    /// with `--engine remote`.
+    #[arg(long)]
+    server: String,
+    /// A runner (or host) token of the server, for every session.
+    #[arg(long, env = "HARNESS_TOKEN")]
+    token: Option<String>,
+    /// Docker image for docker sessions that name none.
+    #[arg(long)]
+    image: Option<String>,
+    /// Slice length in milliseconds (default 750 s).
+    #[arg(long, hide = true)]
+    slice_ms: Option<u64>,
+}
+
+/// Run the runner until interrupted: the server's turns on an in-process
+/// engine (states in this home's SQLite), resumed after a restart.
+pub async fn runner(home: &Home, args: RunnerArgs) -> Result<()> {
+    use harness::core::engine::InProcessEngine;
+    use harness::core::session::SessionRuntime;
+    // This home's turn states belong to this runner alone.
+    let _lock = home.lock_runtime("harness runner").await?;
+    let log = harness::sqlite::SqliteSessionLog::open(home.db())
+        .context("opening the runner's turn store")?;
+    let (slices, generation) = remote_slice_runner(
+        home,
+        &args.server,
+        args.token.clone(),
+        args.image.as_deref(),
+    )
+    .await?;
+    let engine = InProcessEngine::new(
+        Arc::new(slices),
+        Arc::new(log.turn_store()),
+        Arc::new(SystemClock),
+        harness::runtime::tokio_spawner(),
+    )
+    .with_generation(generation);
+    let resumed = engine.resume_unfinished().await?;
+    if resumed > 0 {
+        eprintln!("resumed {resumed} turn(s) an earlier runner left unfinished");
+    }
+    let mut turn = harness::core::turn::TurnConfig::default();
+    if let Some(ms) = args.slice_ms {
+        turn.slice_ms = ms;
+    }
+    let runtime = SessionRuntime::new(Arc::new(engine)).with_turn_config(turn);
+    eprintln!("runner (generation {generation}) for {}", args.server);
+    let mut backoff = Duration::from_millis(500);
+    loop {
+        let channel = harness::runtime::serve_runner_channel(
+            &args.server,
+            args.token.as_deref(),
+            generation,
+            runtime.clone(),
+        );
+        let ended = tokio::select! {
+            ended = channel => ended,
+            _ = tokio::signal::ctrl_c() => {
+                eprintln!("shutting down the runner (its unfinished turns resume when it starts again)");
+                return Ok(());
+            }
+        };
+        match ended {
+            Ok(reason) if reason.contains("replaced") => {
+                anyhow::bail!("this runner was replaced: {reason}");
+            }
+            Ok(reason) => eprintln!("runner channel closed ({reason}); reconnecting"),
+            Err(e) => eprintln!("{e}; reconnecting in {backoff:?}"),
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(10));
+    }
 }

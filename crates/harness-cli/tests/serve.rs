@@ -880,10 +880,27 @@ struct Worker {
 
 impl Worker {
     fn start(home: &Path, serve: &Serve, model: &ScriptedModel, queue: &str) -> Worker {
+        Self::spawn(home, serve, model, "worker", &[], queue)
+    }
+
+    /// `harness runner` for a server on `--engine remote`.
+    fn runner(home: &Path, serve: &Serve, model: &ScriptedModel) -> Worker {
+        Self::spawn(home, serve, model, "runner", &["--slice-ms", "1000"], "")
+    }
+
+    fn spawn(
+        home: &Path,
+        serve: &Serve,
+        model: &ScriptedModel,
+        command: &str,
+        extra: &[&str],
+        queue: &str,
+    ) -> Worker {
         let mut child = Command::new(env!("CARGO_BIN_EXE_harness"))
             .arg("--home")
             .arg(home)
-            .args(["worker", "--server", &serve.base, "--token", RUNNER])
+            .args([command, "--server", &serve.base, "--token", RUNNER])
+            .args(extra)
             .env("HARNESS_TEMPORAL_TASK_QUEUE", queue)
             .env("ANTHROPIC_API_KEY", "test")
             .env("ANTHROPIC_BASE_URL", model.base_url())
@@ -1050,6 +1067,83 @@ async fn a_paused_temporal_worker_is_fenced_by_the_next() {
     } else {
         eprintln!("the paused worker's slice was cancelled before it wrote again");
     }
+}
+
+/// `harness serve --engine remote` runs no engine: its turns run in a
+/// `harness runner` (its own home, next to the sandboxes). A prompt posted
+/// before any runner attached starts when one does; the runner SIGKILLed
+/// mid-turn and started again resumes the turn from its own turn store;
+/// every part once, one end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remote_runner_runs_the_servers_turns_and_resumes_after_a_kill() {
+    if !Agent::Claude.available() {
+        return;
+    }
+    // The slow turn, then a plain answer to a second prompt.
+    let script = Script::new()
+        .on(last_user_text_contains("again"), Reply::text("Again."))
+        .rule(
+            Rule::new(
+                last_is_tool_result_for(CALL_ID),
+                Reply::text_chunks(SLOW_CHUNKS).with_delay(400),
+            )
+            .assert_tool_result_contains(CALL_ID, "slow-done"),
+        )
+        .on(
+            any(),
+            Reply::shell(CALL_ID, "sleep 5; echo slow-done > slow.txt; cat slow.txt"),
+        );
+    let model = ScriptedModel::start(script).await.unwrap();
+    let server_home = tempfile::tempdir().unwrap();
+    let runner_home = tempfile::tempdir().unwrap();
+    let serve = Serve::start(server_home.path(), &model, &["--engine", "remote"]);
+    let id = create(&serve, json!({"agent": "claude-code", "sandbox": "local"})).await;
+    let sse = SseClient::open(&serve, &id).await;
+    let turn = prompt(&serve, &id, "do the slow thing").await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        sse.seen().parts(&turn, "stream-start").is_empty(),
+        "nothing runs the turn before a runner attaches"
+    );
+    let runner = Worker::runner(runner_home.path(), &serve, &model);
+    until(&serve, "the tool call", || {
+        !sse.seen().parts(&turn, "tool-call").is_empty()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(sse.seen().end(&turn).is_none(), "still running at the kill");
+    drop(runner); // SIGKILL
+    let runner = Worker::runner(runner_home.path(), &serve, &model);
+    let end = until_end(&serve, || sse.seen(), &turn).await;
+    assert_eq!(
+        end["status"],
+        "finished",
+        "{end}\nrunner:\n{}",
+        runner.log()
+    );
+    assert!(runner.log().contains("resumed 1 turn"), "{}", runner.log());
+    model.assert_no_failures();
+    let stored = export(&serve, &id).await;
+    assert_slow_turn_stored_once(&stored, "a SIGKILL of the remote runner");
+    let stored_t1: Vec<Value> = stored.clone();
+    let generations: Vec<u64> = stored
+        .iter()
+        .filter(|f| f["body"]["type"] == "runner-attached")
+        .map(|f| f["body"]["generation"].as_u64().unwrap())
+        .collect();
+    assert!(
+        generations.len() == 2 && generations[0] < generations[1],
+        "{generations:?}"
+    );
+    // The session goes on with the runner: a second prompt.
+    let next = prompt(&serve, &id, "again").await;
+    let end2 = until_end(&serve, || sse.seen(), &next).await;
+    assert_eq!(end2["status"], "finished", "{end2}");
+    let stored = export(&serve, &id).await;
+    assert!(stored.len() > stored_t1.len());
+    assert!(stored.iter().any(|f| f["body"]["type"] == "message"
+        && f["body"]["turnId"] == next.as_str()
+        && f["body"]["text"] == "Again."));
 }
 
 /// One test per (case, agent, backend), named after all three so nextest

@@ -673,11 +673,22 @@ mod tests {
             )),
             "{capped}"
         );
-        // Without approvals nothing of this is there.
+        // A turn that does not ask gets none of this, whatever the config.
+        state.approvals = false;
         let plain = CodexHarness::new(CodexConfig::with_binary(binary()))
             .turn_command(&ctx(&state, &env))
             .unwrap();
         assert!(!plain.argv.iter().any(|a| a.contains("hook")));
+        // A turn that asks gets the hook with the default wait even when
+        // the config names none.
+        state.approvals = true;
+        let default = CodexHarness::new(CodexConfig::with_binary(binary()))
+            .turn_command(&ctx(&state, &env))
+            .unwrap();
+        assert!(default
+            .argv
+            .iter()
+            .any(|a| a == "--dangerously-bypass-hook-trust"));
     }
 
     #[test]

@@ -17,6 +17,30 @@
 //! | `codex` (default) | [`codex`] | the Codex adapter |
 //! | `temporal` | [`temporal`] | the Temporal engine |
 //!
+//! ## Embedding: sessions in five lines
+//!
+//! [`open`] assembles the session runtime on a directory — the SQLite log
+//! and turn store, local sandboxes (and Docker with the `docker` feature),
+//! the agents found on this machine, the in-process engine — and resumes
+//! what an earlier process left unfinished:
+//!
+//! ```no_run
+//! # async fn demo() -> harness::core::Result<()> {
+//! use harness::core::session::SessionConfig;
+//! let harness = harness::open("/var/lib/my-app/harness").await?;
+//! let session = harness.create_session(None, SessionConfig::default()).await?; // Claude Code, local sandbox
+//! let mut turn = session.prompt("Create hello.txt with a greeting").await?;
+//! while let Some(update) = turn.next().await { println!("{update:?}") } // parts, then the end
+//! let later = harness.session(session.id()).await?; // resume it by id, in any process
+//! # let _ = later; Ok(()) }
+//! ```
+//!
+//! `session.answer(id, approved, reason)` answers a permission request and
+//! `session.abort(reason)` stops the running turn; a `harness serve` on the
+//! same directory serves the same sessions over HTTP.
+//!
+//! ## Parts à la carte
+//!
 //! ```no_run
 //! # async fn demo() -> harness::core::Result<()> {
 //! use harness::core::sandbox::{SandboxProvider, SandboxSpec, ExecRequest, collect_exec};
@@ -56,3 +80,8 @@ pub use harness_codex as codex;
 
 #[cfg(feature = "temporal")]
 pub use durable_temporal as temporal;
+
+#[cfg(all(feature = "runtime", feature = "sqlite", feature = "local"))]
+mod embed;
+#[cfg(all(feature = "runtime", feature = "sqlite", feature = "local"))]
+pub use embed::{open, open_with, OpenOptions};

@@ -2,12 +2,14 @@
 //!
 //! [`EngineDispatcher`] performs them with core's [`SessionRuntime`] on an
 //! engine reachable from this process (the in-process engine, or a
-//! Temporal client whose workers run elsewhere). Commands of one session
-//! are performed in the order they were stored (a per-session queue): an
-//! abort sent right after a prompt never overtakes the start. A start or
-//! an abort that cannot be performed is reported back to the actor
-//! (`Input::DispatchFailed`), which records the turn as failed so the
-//! session can take its next prompt.
+//! Temporal client whose workers run elsewhere) — in the server's process,
+//! or in a remote runner that receives them over the runner channel.
+//! Commands of one session are performed in the order they were stored (a
+//! per-session queue): an abort sent right after a prompt never overtakes
+//! the start. A start or an abort that cannot be performed is reported
+//! back to the actor (`Input::DispatchFailed`, directly or through the
+//! runner channel), which records the turn as failed so the session can
+//! take its next prompt.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
@@ -19,6 +21,10 @@ use harness_core::SessionId;
 use tokio::sync::mpsc;
 
 use crate::hub::Hub;
+
+/// Told when a start or an abort could not be performed: `(session, turn,
+/// error)`.
+pub type OnFailure = Arc<dyn Fn(&SessionId, String, String) + Send + Sync>;
 
 /// Receives the commands of every session of a hub. Must not block:
 /// queue the work and return.
@@ -34,20 +40,51 @@ const QUEUE_IDLE: Duration = Duration::from_secs(60);
 type Queues = Arc<Mutex<HashMap<SessionId, (u64, mpsc::UnboundedSender<TurnCommand>)>>>;
 
 /// Performs commands on an engine in this process. See the module docs.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct EngineDispatcher {
     runtime: SessionRuntime,
-    hub: Weak<Hub>,
+    on_failure: OnFailure,
+    tasks: tokio::runtime::Handle,
     queues: Queues,
     next_epoch: Arc<std::sync::atomic::AtomicU64>,
 }
 
+impl std::fmt::Debug for EngineDispatcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineDispatcher")
+            .field("runtime", &self.runtime)
+            .finish_non_exhaustive()
+    }
+}
+
 impl EngineDispatcher {
-    /// Perform `hub`'s commands with `runtime`.
+    /// Perform `hub`'s commands with `runtime`; failures go back to the
+    /// session's actor.
     pub fn new(runtime: SessionRuntime, hub: &Arc<Hub>) -> Self {
+        let weak: Weak<Hub> = Arc::downgrade(hub);
+        let on_failure: OnFailure = Arc::new(move |session, turn_id, error| {
+            if let Some(hub) = weak.upgrade() {
+                let input = Input::DispatchFailed { turn_id, error };
+                if let Err(e) = hub.input(session, input) {
+                    tracing::error!(%session, error = %e, "could not record the failed turn");
+                }
+            }
+        });
+        Self::with_failure(runtime, hub.tasks().clone(), on_failure)
+    }
+
+    /// Perform commands with `runtime` on the runtime `tasks`, telling
+    /// `on_failure` about starts and aborts that could not be performed
+    /// (a remote runner sends them back to its server).
+    pub fn with_failure(
+        runtime: SessionRuntime,
+        tasks: tokio::runtime::Handle,
+        on_failure: OnFailure,
+    ) -> Self {
         Self {
             runtime,
-            hub: Arc::downgrade(hub),
+            on_failure,
+            tasks,
             queues: Arc::default(),
             next_epoch: Arc::default(),
         }
@@ -97,15 +134,7 @@ impl EngineDispatcher {
         if let Err(e) = self.runtime.perform(session, command).await {
             tracing::warn!(%session, turn = %turn_id, error = %e, "could not {what} the turn");
             if reports_failure {
-                if let Some(hub) = self.hub.upgrade() {
-                    let input = Input::DispatchFailed {
-                        turn_id,
-                        error: e.to_string(),
-                    };
-                    if let Err(e) = hub.input(session, input) {
-                        tracing::error!(%session, error = %e, "could not record the failed turn");
-                    }
-                }
+                (self.on_failure)(session, turn_id, e.to_string());
             }
         }
     }
@@ -127,14 +156,7 @@ impl Dispatcher for EngineDispatcher {
             .next_epoch
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         queues.insert(session.clone(), (epoch, tx));
-        let task = self.clone().run_queue(session.clone(), epoch, rx);
-        match self.hub.upgrade() {
-            Some(hub) => {
-                hub.tasks().spawn(task);
-            }
-            None => {
-                tokio::spawn(task);
-            }
-        }
+        self.tasks
+            .spawn(self.clone().run_queue(session.clone(), epoch, rx));
     }
 }

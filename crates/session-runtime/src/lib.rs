@@ -15,7 +15,9 @@
 //! - [`runtime`]: all of it assembled ([`Runtime`]), and the client API
 //!   ([`SessionClient`], [`TurnHandle`]) that `harness run` and embedding
 //!   programs use;
-//! - [`follow`]: a client's view of one turn as stream parts.
+//! - [`follow`]: a client's view of one turn as stream parts;
+//! - [`remote`]: the runner channel, for a server whose turns run in a
+//!   remote runner.
 //!
 //! `session-server` serves a [`Hub`] over HTTP; `harness serve`,
 //! `harness run` and the `harness` facade's embedding API build a
@@ -42,12 +44,14 @@
 pub mod dispatch;
 pub mod follow;
 pub mod hub;
+pub mod remote;
 pub mod runner;
 pub mod runtime;
 
-pub use dispatch::{Dispatcher, EngineDispatcher};
+pub use dispatch::{Dispatcher, EngineDispatcher, OnFailure};
 pub use follow::{TurnFollower, TurnUpdate};
 pub use hub::{AnswerError, Connection, Hub, HubConfig, Outbound};
+pub use remote::{serve_runner_channel, FromRunner, ToRunner};
 pub use runner::{HubConnector, RunnerConnector, RunnerLink, RunnerSink, WsConnector};
 pub use runtime::{
     tokio_sleeper, tokio_spawner, EngineChoice, Runtime, RuntimeBuilder, SessionClient, Started,

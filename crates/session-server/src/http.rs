@@ -50,6 +50,8 @@ const MAX_FRAMES_PAGE: usize = 10_000;
 pub(crate) struct AppState {
     pub(crate) hub: Arc<Hub>,
     pub(crate) config: ServerConfig,
+    /// Set when turns run in a remote runner (`GET /v1/runner`).
+    pub(crate) runners: Option<Arc<crate::runners::RemoteRunners>>,
 }
 
 type Shared = State<Arc<AppState>>;
@@ -67,6 +69,7 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/v1/sessions/{id}/fork", post(fork))
         .route("/v1/sessions/{id}/seal", post(seal))
         .route("/v1/sessions/{id}/ui-stream", get(ui_stream))
+        .route("/v1/runner", get(runner_channel))
         .fallback(|| async {
             ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
         })
@@ -797,4 +800,90 @@ fn inbound_message(
         },
     }
     None
+}
+
+// ---- the runner channel (a remote runner runs this server's turns) ---------
+
+async fn runner_channel(
+    State(state): Shared,
+    Query(params): Params,
+    headers: HeaderMap,
+    ws: WebSocketUpgrade,
+) -> Result<Response, ApiError> {
+    state.auth(&headers, &params, None, &[GrantRole::Runner])?;
+    let generation = param_u64(&params, "generation")?
+        .ok_or_else(|| ApiError::invalid("a runner must say its generation (?generation=N)"))?;
+    let Some(runners) = state.runners.clone() else {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "conflict",
+            "this server runs its turns itself; start it with `--engine remote` to hand them to a runner",
+        ));
+    };
+    let (id, outgoing) = runners.attach(generation).map_err(|current| {
+        ApiError::new(
+            StatusCode::CONFLICT,
+            "stale_runner",
+            format!("runner generation {generation} is older than the attached {current}"),
+        )
+    })?;
+    Ok(ws.on_upgrade(move |socket| serve_runner(state, runners, id, outgoing, socket)))
+}
+
+async fn serve_runner(
+    state: Arc<AppState>,
+    runners: Arc<crate::runners::RemoteRunners>,
+    id: u64,
+    mut outgoing: mpsc::UnboundedReceiver<crate::runners::Outgoing>,
+    socket: WebSocket,
+) {
+    use crate::runners::Outgoing;
+    use session_runtime::{FromRunner, ToRunner};
+    let (mut sink, mut stream) = socket.split();
+    // Catch the runner up: every running turn's commands (idempotent; a
+    // command dispatched meanwhile may come twice).
+    if let Ok(infos) = state.hub.log().list().await {
+        for info in infos.into_iter().filter(|i| !i.sealed) {
+            for command in info.meta.pending_commands() {
+                let message = ToRunner::Command {
+                    session: info.session.clone(),
+                    command,
+                };
+                let text = serde_json::to_string(&message).unwrap_or_default();
+                if sink.send(Message::Text(text.into())).await.is_err() {
+                    runners.detach(id);
+                    return;
+                }
+            }
+        }
+    }
+    loop {
+        tokio::select! {
+            out = outgoing.recv() => match out {
+                Some(Outgoing::Command(message)) => {
+                    let text = serde_json::to_string(&message).unwrap_or_default();
+                    if sink.send(Message::Text(text.into())).await.is_err() {
+                        break;
+                    }
+                }
+                Some(Outgoing::Close(reason)) => {
+                    let frame = CloseFrame { code: 4001, reason: reason.into() };
+                    let _ = sink.send(Message::Close(Some(frame))).await;
+                    break;
+                }
+                None => break,
+            },
+            inbound = stream.next() => match inbound {
+                Some(Ok(Message::Text(t))) => match serde_json::from_str::<FromRunner>(t.as_str()) {
+                    Ok(FromRunner::DispatchFailed { session, turn_id, error }) => {
+                        runners.failed(&session, turn_id, error)
+                    }
+                    Err(e) => tracing::warn!("ignoring a runner-channel message: {e}"),
+                },
+                Some(Ok(Message::Close(_))) | Some(Err(_)) | None => break,
+                Some(Ok(_)) => {}
+            },
+        }
+    }
+    runners.detach(id);
 }

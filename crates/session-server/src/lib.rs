@@ -37,6 +37,7 @@ mod auth;
 pub mod durable_streams;
 mod error;
 mod http;
+mod runners;
 pub mod ui_stream;
 
 pub use auth::{GrantRole, Scope, TokenGrant};
@@ -108,7 +109,26 @@ impl SessionServer {
     /// prompts run turns). `hub` must be over `config.log`.
     pub fn with_hub(config: ServerConfig, hub: Arc<Hub>) -> Self {
         Self {
-            state: Arc::new(http::AppState { hub, config }),
+            state: Arc::new(http::AppState {
+                hub,
+                config,
+                runners: None,
+            }),
+        }
+    }
+
+    /// Build a server whose turns run in a remote runner (`harness runner`)
+    /// attached on `GET /v1/runner`: the hub's commands go to it.
+    pub fn with_remote_runners(config: ServerConfig) -> Self {
+        let hub = Hub::new(config.log.clone(), config.hub_config());
+        let runners = Arc::new(runners::RemoteRunners::new(&hub));
+        hub.set_dispatcher(runners.clone());
+        Self {
+            state: Arc::new(http::AppState {
+                hub,
+                config,
+                runners: Some(runners),
+            }),
         }
     }
 

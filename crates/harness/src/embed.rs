@@ -1,0 +1,120 @@
+//! [`open`]: the session runtime of a directory, assembled from this
+//! crate's backends — what `harness run` and `harness serve` use, for
+//! programs that embed the harness.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use harness_core::turn::TurnConfig;
+use harness_core::{Error, ErrorKind, Result};
+use session_runtime::{EngineChoice, Runtime};
+
+/// How [`open_with`] assembles the runtime.
+#[derive(Debug, Clone, Default)]
+pub struct OpenOptions {
+    /// Environment for the agents (API keys, base URLs). Default: the
+    /// `ANTHROPIC_*`, `CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC` and
+    /// `OPENAI_*` variables of this process.
+    pub env: Option<BTreeMap<String, String>>,
+    /// Turn budgets (slice length, turn length, retries).
+    pub turn: Option<TurnConfig>,
+    /// The Docker image for sessions that name none (feature `docker`).
+    pub docker_image: Option<String>,
+}
+
+/// The session runtime of `dir` with the defaults of [`OpenOptions`].
+pub async fn open(dir: impl AsRef<Path>) -> Result<Runtime> {
+    open_with(dir, OpenOptions::default()).await
+}
+
+/// The session runtime of `dir`: the SQLite log and turn store
+/// (`dir/harness.db`), local sandboxes under `dir/sandboxes`, Docker when
+/// the `docker` feature is on and a Docker engine answers, Claude Code and
+/// Codex when their binaries are found (`HARNESS_CLAUDE_BIN` /
+/// `HARNESS_CODEX_BIN`, the `cargo xtask agents` cache, or `PATH`), the
+/// in-process engine. Unfinished turns of an earlier process are resumed.
+///
+/// One process should drive a directory at a time (`harness serve` and
+/// `harness run` take a lock on it; take the same care in your program).
+pub async fn open_with(dir: impl AsRef<Path>, options: OpenOptions) -> Result<Runtime> {
+    let dir: PathBuf = dir.as_ref().to_path_buf();
+    std::fs::create_dir_all(&dir)?;
+    let log = Arc::new(session_log::SqliteSessionLog::open(dir.join("harness.db"))?);
+    let env = options.env.unwrap_or_else(agent_env);
+    let mut builder = Runtime::builder(log.clone())
+        .engine(EngineChoice::InProcess {
+            store: Arc::new(log.turn_store()),
+        })
+        .env(env)
+        .turn_config(options.turn.unwrap_or_default())
+        .provider(Arc::new(sandbox_local::LocalProvider::new(
+            dir.join("sandboxes"),
+        )));
+    #[cfg(feature = "docker")]
+    {
+        let mut config = sandbox_docker::DockerConfig::default();
+        if let Some(image) = options.docker_image {
+            config.default_image = image;
+        }
+        if let Ok(docker) = sandbox_docker::DockerProvider::connect(config).await {
+            builder = builder.provider(Arc::new(docker));
+        }
+    }
+    #[cfg(not(feature = "docker"))]
+    let _ = options.docker_image;
+    let mut agents = 0;
+    #[cfg(feature = "claude-code")]
+    if let Some(path) = found(harness_claude_code::locate_host_binary())? {
+        let binary = harness_claude_code::AgentBinary::load(&path)?;
+        builder = builder.agent(Arc::new(harness_claude_code::ClaudeCodeHarness::new(
+            harness_claude_code::ClaudeCodeConfig::with_binary(binary),
+        )));
+        agents += 1;
+    }
+    #[cfg(feature = "codex")]
+    if let Some(path) = found(harness_codex::locate_host_binary())? {
+        let binary = harness_codex::AgentBinary::load(&path)?;
+        builder = builder.agent(Arc::new(harness_codex::CodexHarness::new(
+            harness_codex::CodexConfig::with_binary(binary),
+        )));
+        agents += 1;
+    }
+    if agents == 0 {
+        return Err(Error::not_found(
+            "no agent binary found: set HARNESS_CLAUDE_BIN or HARNESS_CODEX_BIN, or put claude/codex on PATH",
+        ));
+    }
+    let runtime = builder.build();
+    runtime.start().await?;
+    Ok(runtime)
+}
+
+/// A located binary, `None` when it is simply not there.
+#[allow(dead_code)]
+fn found(located: Result<PathBuf>) -> Result<Option<PathBuf>> {
+    match located {
+        Ok(path) => Ok(Some(path)),
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// The agents' credentials and base URLs from this process's environment.
+fn agent_env() -> BTreeMap<String, String> {
+    [
+        "ANTHROPIC_API_KEY",
+        "ANTHROPIC_BASE_URL",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC",
+        "OPENAI_API_KEY",
+        "OPENAI_BASE_URL",
+    ]
+    .into_iter()
+    .filter_map(|k| {
+        std::env::var(k)
+            .ok()
+            .filter(|v| !v.is_empty())
+            .map(|v| (k.to_string(), v))
+    })
+    .collect()
+}
