@@ -14,8 +14,8 @@ use tokio::sync::mpsc;
 /// What goes out on the attached runner's socket.
 #[derive(Debug)]
 pub(crate) enum Outgoing {
-    /// A command.
-    Command(ToRunner),
+    /// A command (boxed: a start carries the session's config).
+    Command(Box<ToRunner>),
     /// Close the channel (a newer runner took over).
     Close(String),
 }
@@ -91,10 +91,12 @@ impl Dispatcher for RemoteRunners {
         let current = self.current.lock().unwrap_or_else(|e| e.into_inner());
         match current.as_ref() {
             Some(attached) => {
-                let _ = attached.tx.send(Outgoing::Command(ToRunner::Command {
-                    session: session.clone(),
-                    command,
-                }));
+                let _ = attached
+                    .tx
+                    .send(Outgoing::Command(Box::new(ToRunner::Command {
+                        session: session.clone(),
+                        command,
+                    })));
             }
             None => tracing::info!(
                 %session,
