@@ -137,19 +137,5 @@ pub async fn runtime(home: &Home, options: Options) -> Result<Runtime> {
 
 /// Credentials and base URLs for agents, from this process's environment.
 pub fn agent_env() -> BTreeMap<String, String> {
-    [
-        "ANTHROPIC_API_KEY",
-        "ANTHROPIC_BASE_URL",
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC",
-        "OPENAI_API_KEY",
-        "OPENAI_BASE_URL",
-    ]
-    .into_iter()
-    .filter_map(|k| {
-        std::env::var(k)
-            .ok()
-            .filter(|v| !v.is_empty())
-            .map(|v| (k.to_string(), v))
-    })
-    .collect()
+    harness::runtime::agent_env()
 }

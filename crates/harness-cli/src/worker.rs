@@ -23,13 +23,13 @@ use crate::home::Home;
 use crate::local;
 use crate::AgentKind;
 
-/// `harness worker` arguments.
+/// Where a worker or runner writes, and with what.
 #[derive(Debug, clap::Args)]
-pub struct WorkerArgs {
-    /// The server whose turns this worker runs (`http://host:port`).
+pub struct RemoteArgs {
+    /// The server whose turns this process runs (`http://host:port`).
     #[arg(long)]
     server: String,
-    /// A runner (or host) token of the server.
+    /// A runner (or host) token of the server, for every session.
     #[arg(long, env = "HARNESS_TOKEN")]
     token: Option<String>,
     /// Docker image for docker sessions that name none.
@@ -37,14 +37,17 @@ pub struct WorkerArgs {
     image: Option<String>,
 }
 
+/// `harness worker` arguments.
+#[derive(Debug, clap::Args)]
+pub struct WorkerArgs {
+    #[command(flatten)]
+    remote: RemoteArgs,
+}
+
 /// A slice runner over this machine's sandboxes and agents, writing to
 /// `server` as runner generation = now; and that generation.
-async fn remote_slice_runner(
-    home: &Home,
-    server: &str,
-    token: Option<String>,
-    image: Option<&str>,
-) -> Result<(SliceRunner, u64)> {
+async fn remote_slice_runner(home: &Home, args: &RemoteArgs) -> Result<(SliceRunner, u64)> {
+    let (server, token, image) = (&args.server, args.token.clone(), args.image.as_deref());
     let mut providers: BTreeMap<String, Arc<dyn SandboxProvider>> = BTreeMap::new();
     providers.insert("local".into(), local::provider(home, "local", None).await?);
     match local::provider(home, "docker", image).await {
@@ -77,16 +80,10 @@ async fn remote_slice_runner(
 /// `…_TASK_QUEUE` (the same variables as `harness serve --engine temporal`).
 pub async fn run(home: &Home, args: WorkerArgs) -> Result<()> {
     let config = harness::temporal::TemporalConfig::from_env();
-    let (runner, generation) = remote_slice_runner(
-        home,
-        &args.server,
-        args.token.clone(),
-        args.image.as_deref(),
-    )
-    .await?;
+    let (runner, generation) = remote_slice_runner(home, &args.remote).await?;
     eprintln!(
         "worker (runner generation {generation}) for {} on Temporal {} queue {}",
-        args.server, config.address, config.task_queue
+        args.remote.server, config.address, config.task_queue
     );
     // The Temporal worker future is not Send: it runs on this (main) task.
     let mut worker = harness::temporal::TurnWorker::new(&config, Arc::new(runner))
@@ -108,19 +105,12 @@ pub async fn run(home: &Home, args: WorkerArgs) -> Result<()> {
     Ok(())
 }
 
-/// `harness runner` arguments.
+/// `harness runner` arguments (the server was started with `--engine
+/// remote`).
 #[derive(Debug, clap::Args)]
 pub struct RunnerArgs {
-    /// The server whose turns this runner runs (`http://host:port`), started
-    /// with `--engine remote`.
-    #[arg(long)]
-    server: String,
-    /// A runner (or host) token of the server, for every session.
-    #[arg(long, env = "HARNESS_TOKEN")]
-    token: Option<String>,
-    /// Docker image for docker sessions that name none.
-    #[arg(long)]
-    image: Option<String>,
+    #[command(flatten)]
+    remote: RemoteArgs,
     /// Slice length in milliseconds (default 750 s).
     #[arg(long, hide = true)]
     slice_ms: Option<u64>,
@@ -135,13 +125,7 @@ pub async fn runner(home: &Home, args: RunnerArgs) -> Result<()> {
     let _lock = home.lock_runtime("harness runner").await?;
     let log = harness::sqlite::SqliteSessionLog::open(home.db())
         .context("opening the runner's turn store")?;
-    let (slices, generation) = remote_slice_runner(
-        home,
-        &args.server,
-        args.token.clone(),
-        args.image.as_deref(),
-    )
-    .await?;
+    let (slices, generation) = remote_slice_runner(home, &args.remote).await?;
     let engine = InProcessEngine::new(
         Arc::new(slices),
         Arc::new(log.turn_store()),
@@ -158,15 +142,12 @@ pub async fn runner(home: &Home, args: RunnerArgs) -> Result<()> {
         turn.slice_ms = ms;
     }
     let runtime = SessionRuntime::new(Arc::new(engine)).with_turn_config(turn);
-    eprintln!("runner (generation {generation}) for {}", args.server);
+    let (server, token) = (&args.remote.server, args.remote.token.as_deref());
+    eprintln!("runner (generation {generation}) for {server}");
     let mut backoff = Duration::from_millis(500);
     loop {
-        let channel = harness::runtime::serve_runner_channel(
-            &args.server,
-            args.token.as_deref(),
-            generation,
-            runtime.clone(),
-        );
+        let channel =
+            harness::runtime::serve_runner_channel(server, token, generation, runtime.clone());
         let ended = tokio::select! {
             ended = channel => ended,
             _ = tokio::signal::ctrl_c() => {

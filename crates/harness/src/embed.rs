@@ -41,7 +41,7 @@ pub async fn open_with(dir: impl AsRef<Path>, options: OpenOptions) -> Result<Ru
     let dir: PathBuf = dir.as_ref().to_path_buf();
     std::fs::create_dir_all(&dir)?;
     let log = Arc::new(session_log::SqliteSessionLog::open(dir.join("harness.db"))?);
-    let env = options.env.unwrap_or_else(agent_env);
+    let env = options.env.unwrap_or_else(session_runtime::agent_env);
     let mut builder = Runtime::builder(log.clone())
         .engine(EngineChoice::InProcess {
             store: Arc::new(log.turn_store()),
@@ -98,23 +98,4 @@ fn found(located: Result<PathBuf>) -> Result<Option<PathBuf>> {
         Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
         Err(e) => Err(e),
     }
-}
-
-/// The agents' credentials and base URLs from this process's environment.
-fn agent_env() -> BTreeMap<String, String> {
-    [
-        "ANTHROPIC_API_KEY",
-        "ANTHROPIC_BASE_URL",
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC",
-        "OPENAI_API_KEY",
-        "OPENAI_BASE_URL",
-    ]
-    .into_iter()
-    .filter_map(|k| {
-        std::env::var(k)
-            .ok()
-            .filter(|v| !v.is_empty())
-            .map(|v| (k.to_string(), v))
-    })
-    .collect()
 }

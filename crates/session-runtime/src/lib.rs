@@ -58,6 +58,30 @@ pub use runtime::{
     TurnHandle, TurnOutcome,
 };
 
+/// The environment variables agents take their credentials and endpoints
+/// from (Claude Code: `ANTHROPIC_*`; Codex: `OPENAI_*`).
+pub const AGENT_ENV_VARS: &[&str] = &[
+    "ANTHROPIC_API_KEY",
+    "ANTHROPIC_BASE_URL",
+    "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC",
+    "OPENAI_API_KEY",
+    "OPENAI_BASE_URL",
+];
+
+/// [`AGENT_ENV_VARS`] as set (and not empty) in this process: what a
+/// runtime hands its agents by default.
+pub fn agent_env() -> std::collections::BTreeMap<String, String> {
+    AGENT_ENV_VARS
+        .iter()
+        .filter_map(|k| {
+            std::env::var(k)
+                .ok()
+                .filter(|v| !v.is_empty())
+                .map(|v| (k.to_string(), v))
+        })
+        .collect()
+}
+
 /// The system clock: milliseconds since the Unix epoch.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SystemClock;
