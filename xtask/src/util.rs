@@ -28,9 +28,16 @@ pub fn cache_subdir(sub: &str) -> Result<PathBuf> {
     Ok(dir)
 }
 
-/// The workspace root (the parent of `xtask/`).
+/// The workspace root (the parent of `xtask/`). Read at run time: `cargo
+/// run` sets `CARGO_MANIFEST_DIR` for the checkout it runs in, while the
+/// value baked in at build time names whichever checkout built this binary
+/// (another clone sharing the cached target directory would otherwise run
+/// its own sources).
 pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+    let manifest_dir = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")));
+    Path::new(&manifest_dir)
         .parent()
         .expect("xtask lives one level below the workspace root")
         .to_path_buf()

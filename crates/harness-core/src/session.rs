@@ -121,7 +121,8 @@ pub struct TurnMeta {
     /// The permission request the agent waits on, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub approval: Option<String>,
-    /// Answers clients gave in this turn, in order.
+    /// Answers clients gave to this turn's requests, in order (an answer
+    /// to a request that was not pending is not kept here).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub answers: Vec<ApprovalAnswer>,
     /// An abort a client asked for.
@@ -251,9 +252,14 @@ impl SessionMeta {
                 let Some(turn) = self.turn_mut(turn_id.as_deref()) else {
                     return false;
                 };
-                if turn.approval.as_deref() == Some(approval_id.as_str()) {
-                    turn.approval = None;
+                // Only the answer to the request the turn waits on counts
+                // (and is re-sent after a restart); an answer to anything
+                // else stays in the log as the client's words and changes
+                // nothing — so the meta stays as small as the requests.
+                if turn.approval.as_deref() != Some(approval_id.as_str()) {
+                    return false;
                 }
+                turn.approval = None;
                 turn.answers.push(ApprovalAnswer {
                     approval_id: approval_id.clone(),
                     approved: *approved,

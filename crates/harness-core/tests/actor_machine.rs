@@ -511,7 +511,9 @@ fn fork_until_n_continues_independently() {
         .meta()
         .active_turn()
         .expect("the fork's meta is folded");
-    assert_eq!(turn.answers.len(), 1, "only the answer inside the prefix");
+    assert_eq!(turn.turn_id, "t1");
+    // Those answers named no pending request: kept in the log, not the meta.
+    assert!(turn.answers.is_empty());
     f.client(1, Some(0));
     assert_eq!(f.seqs(1), vec![1, 2]);
     f.answer(1, "fork only");
@@ -599,6 +601,39 @@ fn a_prompt_opens_one_turn_and_asks_for_it_to_start() {
     h.prompt(1, "second");
     assert!(
         matches!(h.dispatched.last(), Some(TurnCommand::Start { turn_id, .. }) if turn_id == "t2")
+    );
+}
+
+#[test]
+fn only_the_answer_to_the_pending_request_is_kept_in_the_meta() {
+    let mut h = Harness::new();
+    h.client(1, None);
+    h.prompt(1, "go");
+    h.runner(9, 1);
+    h.part(
+        9,
+        StreamPart::ToolApprovalRequest {
+            approval_id: "ap1".into(),
+            tool_call_id: "c1".into(),
+            tool_name: "Bash".into(),
+            input: serde_json::json!({}),
+        },
+    );
+    let turn = h.actor.meta().active_turn().unwrap().clone();
+    assert_eq!(turn.approval.as_deref(), Some("ap1"));
+    // Many answers to nothing: stored, folded into nothing.
+    for i in 0..50 {
+        h.answer(1, &format!("bogus{i}"));
+    }
+    assert!(h.actor.meta().active_turn().unwrap().answers.is_empty());
+    h.answer(1, "ap1");
+    let turn = h.actor.meta().active_turn().unwrap().clone();
+    assert_eq!(turn.approval, None);
+    assert_eq!(turn.answers.len(), 1);
+    assert_eq!(
+        h.log.info().meta,
+        *h.actor.meta(),
+        "the log folded the same"
     );
 }
 

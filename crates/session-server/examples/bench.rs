@@ -28,6 +28,19 @@ fn env(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
+/// A runner's part: what most of a session's frames are (they leave the
+/// session's meta alone).
+fn part(i: u64) -> FrameBody {
+    FrameBody::Part {
+        turn_id: "t1".into(),
+        part: harness_core::part::StreamPart::Raw {
+            value: json!({"line": format!("frame {i}: the quick brown fox jumps over the lazy dog")}),
+        },
+    }
+}
+
+/// A prompt: a frame the log folds into the session's meta in the same
+/// transaction (read and rewrite the meta), the worst case per append.
 fn prompt(i: u64) -> FrameBody {
     FrameBody::UserMessage {
         text: format!("frame {i}: the quick brown fox jumps over the lazy dog"),
@@ -69,22 +82,34 @@ async fn main() -> anyhow::Result<()> {
             .send()
     };
 
-    // 1. Direct appends to the SQLite log, one writer.
-    let s = SessionId::parse("direct")?;
-    log.create(&s).await?;
-    let t = Instant::now();
-    for i in 0..direct_n {
-        log.append(&s, AppendRequest::new(prompt(i))).await?;
+    // 1. Direct appends to the SQLite log, one writer: parts (the common
+    // frame), then prompts (folded into the session's meta).
+    for (what, frame) in [("parts", part as fn(u64) -> FrameBody), ("prompts", prompt)] {
+        let s = SessionId::parse(format!("direct-{what}"))?;
+        log.create(&s).await?;
+        let t = Instant::now();
+        for i in 0..direct_n {
+            log.append(&s, AppendRequest::new(frame(i))).await?;
+        }
+        let el = t.elapsed();
+        println!(
+            "direct append of {what} (SqliteSessionLog, 1 writer): {direct_n} frames in {:.2?} = {:.0} frames/s",
+            el,
+            direct_n as f64 / el.as_secs_f64()
+        );
     }
-    let el = t.elapsed();
-    println!(
-        "direct append (SqliteSessionLog, 1 writer): {direct_n} frames in {:.2?} = {:.0} frames/s",
-        el,
-        direct_n as f64 / el.as_secs_f64()
-    );
 
-    // 2. HTTP appends: POST /messages, 16 concurrent writers.
+    // 2. HTTP appends: POST /messages, 16 concurrent writers. A session
+    // holds one turn at a time, so one prompt opens a turn (no runtime runs
+    // it here) and the writers store client answers in it (answers to no
+    // pending request: stored, folded into nothing).
     create("http").await?;
+    let opened = http
+        .post(format!("{base}/v1/sessions/http/messages"))
+        .json(&json!({"type": "prompt", "text": "open"}))
+        .send()
+        .await?;
+    anyhow::ensure!(opened.status() == 200, "status {}", opened.status());
     let t = Instant::now();
     let writers = 16;
     let mut tasks = Vec::new();
@@ -94,7 +119,7 @@ async fn main() -> anyhow::Result<()> {
             for i in 0..http_n / writers {
                 let r = http
                     .post(format!("{base}/v1/sessions/http/messages"))
-                    .json(&json!({"type": "prompt", "text": format!("w{w} m{i}")}))
+                    .json(&json!({"type": "approval-response", "approvalId": format!("w{w} m{i}"), "approved": true}))
                     .send()
                     .await?;
                 anyhow::ensure!(r.status() == 200, "status {}", r.status());
@@ -149,6 +174,12 @@ async fn main() -> anyhow::Result<()> {
 
     // 4. Live-delivery latency to many SSE readers.
     create("live").await?;
+    let opened = reqwest::Client::new()
+        .post(format!("{base}/v1/sessions/live/messages"))
+        .json(&json!({"type": "prompt", "text": "open"}))
+        .send()
+        .await?;
+    anyhow::ensure!(opened.status() == 200);
     let start = Instant::now();
     let mut reader_tasks = Vec::new();
     let (ready_tx, mut ready_rx) = tokio::sync::mpsc::unbounded_channel::<()>();
@@ -175,7 +206,7 @@ async fn main() -> anyhow::Result<()> {
                         continue;
                     };
                     let v: Value = serde_json::from_str(data)?;
-                    if let Some(sent) = v["body"]["text"]
+                    if let Some(sent) = v["body"]["approvalId"]
                         .as_str()
                         .and_then(|s| s.parse::<u128>().ok())
                     {
@@ -206,7 +237,7 @@ async fn main() -> anyhow::Result<()> {
         let sent = start.elapsed().as_micros().to_string();
         let r = writer
             .post(format!("{base}/v1/sessions/live/messages"))
-            .json(&json!({"type": "prompt", "text": sent}))
+            .json(&json!({"type": "approval-response", "approvalId": sent, "approved": true}))
             .send()
             .await?;
         anyhow::ensure!(r.status() == 200);
@@ -229,7 +260,7 @@ async fn main() -> anyhow::Result<()> {
     log.create(&s).await?;
     let t = Instant::now();
     for i in 0..replay_n {
-        log.append(&s, AppendRequest::new(prompt(i))).await?;
+        log.append(&s, AppendRequest::new(part(i))).await?;
     }
     println!("(filled {replay_n} frames in {:.2?})", t.elapsed());
     let t = Instant::now();
