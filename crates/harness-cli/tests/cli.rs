@@ -202,8 +202,8 @@ async fn run_continues_a_session_and_sessions_commands_read_it() {
     let info: serde_json::Value = serde_json::from_str(&stdout).unwrap();
     assert_eq!(
         (info["last_seq"].as_u64(), info["sealed"].as_bool()),
-        (Some(3), Some(true)),
-        "2 frames + the seal: {info}"
+        (Some(4), Some(true)),
+        "2 frames, the frame closing the turn they cut, the seal: {info}"
     );
     let (out, _, stderr) =
         run(harness(home.path()).args(["sessions", "fork", &session, "--until", "9999"]));

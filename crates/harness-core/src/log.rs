@@ -10,7 +10,10 @@
 //!   a `Conflict`. Sealing twice is a no-op.
 //! - `fork(until = N)` copies frames `1..=N` (and their idempotency keys) into
 //!   a new log, which then grows on its own; `N` beyond the source's end is
-//!   invalid, an existing target is a `Conflict`.
+//!   invalid, an existing target is a `Conflict`. When the copy ends inside
+//!   a turn (the prompt is in it, the turn's end is not), the fork appends
+//!   one frame of its own, [`fork_closing_frame`]: that turn never runs in
+//!   the fork, which is ready for a new prompt at once.
 //! - An append answers with the frame as stored (seq and `at_ms`), so a
 //!   caller fanning it out never reads it back.
 //! - Each appended frame is folded into the session's [`SessionMeta`]
@@ -99,6 +102,10 @@ pub struct LogInfo {
     pub session: SessionId,
     /// Seq of the last frame (0 when empty).
     pub last_seq: u64,
+    /// When the last frame was stored (ms since the epoch; 0 when empty or
+    /// when the log keeps no clock): the session's last activity.
+    #[serde(default)]
+    pub last_at_ms: u64,
     /// Whether the log is sealed.
     pub sealed: bool,
     /// Set when the log was made by `fork`.
@@ -140,7 +147,8 @@ pub trait SessionLog: MaybeSend + MaybeSync + std::fmt::Debug {
     /// Seal the log (see the module docs).
     async fn seal(&self, session: &SessionId) -> Result<LogInfo>;
 
-    /// Copy frames `1..=until` into a new log `target`.
+    /// Copy frames `1..=until` into a new log `target` (plus
+    /// [`fork_closing_frame`] when they leave a turn open).
     async fn fork(&self, source: &SessionId, until: u64, target: &SessionId) -> Result<LogInfo>;
 
     /// Every log, sorted by session id.
@@ -248,6 +256,33 @@ pub fn fork_range_error(source: &SessionId, until: u64, last_seq: u64) -> Error 
     ))
 }
 
+/// The frame a fork appends after its copied prefix when the prefix leaves
+/// a turn open: a terminal `turn-status` (failed, saying why) for it.
+/// Without it the fork would refuse every prompt (a turn "is still
+/// running") and a runtime resuming open turns would run the copied prompt
+/// again, in the source's sandbox. `None` when the prefix ends between
+/// turns or is sealed.
+pub fn fork_closing_frame(
+    meta: &SessionMeta,
+    sealed: bool,
+    source: &SessionId,
+    until: u64,
+) -> Option<AppendRequest> {
+    if sealed {
+        return None;
+    }
+    let turn = meta.active_turn()?;
+    Some(AppendRequest::new(FrameBody::TurnStatus {
+        turn_id: turn.turn_id.clone(),
+        status: crate::turn::TurnStatus::Failed,
+        error: Some(format!(
+            "forked from {source} at seq {until}, before this turn ended: it does not run in the fork"
+        )),
+        sandbox: None,
+        agent_session_id: None,
+    }))
+}
+
 /// One log's state, with the rules applied on plain data.
 #[derive(Debug, Clone)]
 pub struct LogState {
@@ -282,6 +317,7 @@ impl LogState {
         LogInfo {
             session: self.session.clone(),
             last_seq: self.frames.len() as u64,
+            last_at_ms: self.frames.last().map_or(0, |f| f.at_ms),
             sealed: self.sealed,
             forked_from: self.forked_from.clone(),
             meta: self.meta.clone(),
@@ -350,8 +386,9 @@ impl LogState {
         self.info()
     }
 
-    /// A new log holding frames `1..=until`.
-    pub fn fork(&self, until: u64, target: SessionId) -> Result<LogState> {
+    /// A new log holding frames `1..=until` (and, when they leave a turn
+    /// open, [`fork_closing_frame`] stamped `now_ms`).
+    pub fn fork(&self, until: u64, target: SessionId, now_ms: u64) -> Result<LogState> {
         let last = self.frames.len() as u64;
         if until > last {
             return Err(fork_range_error(&self.session, until, last));
@@ -373,7 +410,8 @@ impl LogState {
                 .iter()
                 .map(|f| (&f.body, key_of.get(&f.seq).copied())),
         );
-        Ok(LogState {
+        let closing = fork_closing_frame(&meta, sealed, &self.session, until);
+        let mut forked = LogState {
             session: target,
             frames,
             keys,
@@ -383,7 +421,11 @@ impl LogState {
                 until,
             }),
             meta,
-        })
+        };
+        if let Some(closing) = closing {
+            forked.append(closing, now_ms, usize::MAX)?;
+        }
+        Ok(forked)
     }
 }
 
@@ -490,7 +532,7 @@ impl SessionLog for MemorySessionLog {
         let forked = logs
             .get(source)
             .ok_or_else(|| unknown_session(source))?
-            .fork(until, target.clone())?;
+            .fork(until, target.clone(), self.now_ms())?;
         let info = forked.info();
         logs.insert(target.clone(), forked);
         Ok(info)

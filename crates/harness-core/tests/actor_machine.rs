@@ -501,23 +501,31 @@ fn fork_until_n_continues_independently() {
     for i in 1..4 {
         h.answer(1, &format!("a{i}"));
     }
-    let fork = h.log.fork(2, SessionId::parse("s-fork").unwrap()).unwrap();
+    let fork = h
+        .log
+        .fork(2, SessionId::parse("s-fork").unwrap(), 0)
+        .unwrap();
     let mut f = Harness::new();
     f.log = fork;
     f.restart();
-    assert_eq!(f.actor.last_seq(), 2);
+    // The cut is inside turn t1: the fork closed it with a frame of its own.
+    assert_eq!(f.actor.last_seq(), 3);
+    assert!(f.actor.meta().active_turn().is_none());
     let turn = f
         .actor
         .meta()
-        .active_turn()
+        .turn
+        .clone()
         .expect("the fork's meta is folded");
     assert_eq!(turn.turn_id, "t1");
+    assert_eq!(turn.status, TurnStatus::Failed);
     // Those answers named no pending request: kept in the log, not the meta.
     assert!(turn.answers.is_empty());
     f.client(1, Some(0));
-    assert_eq!(f.seqs(1), vec![1, 2]);
-    f.answer(1, "fork only");
-    assert_eq!(f.seqs(1), vec![3]);
+    assert_eq!(f.seqs(1), vec![1, 2, 3]);
+    f.prompt(1, "a new turn in the fork");
+    assert_eq!(f.seqs(1), vec![4]);
+    assert_eq!(f.actor.meta().active_turn().unwrap().turn_id, "t2");
     assert_eq!(h.log.info().last_seq, 4, "the source is untouched");
 }
 

@@ -35,8 +35,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use harness_core::log::{
-    check_append, fold_meta, fork_range_error, key_reuse_error, sealed_error, unknown_session,
-    AppendRequest, Appended, ForkOrigin, LogInfo, SessionLog, DEFAULT_MAX_FRAME_BYTES,
+    check_append, fold_meta, fork_closing_frame, fork_range_error, key_reuse_error, sealed_error,
+    unknown_session, AppendRequest, Appended, ForkOrigin, LogInfo, SessionLog,
+    DEFAULT_MAX_FRAME_BYTES,
 };
 use harness_core::session::{SessionConfig, SessionMeta};
 use harness_core::{Error, Frame, FrameBody, Result, SessionId};
@@ -236,7 +237,7 @@ fn load_info(conn: &Connection, session: &SessionId) -> Result<LogInfo> {
         Some(json) => decode_meta(&json, session)?,
         None => fold_stored(conn, session, None, u64::MAX)?,
     };
-    let last_seq = last_seq(conn, session)?;
+    let (last_seq, last_at_ms) = last_frame(conn, session)?;
     let forked_from = match (forked_from, fork_until) {
         (Some(source), Some(until)) => Some(ForkOrigin {
             session: SessionId::parse(source)?,
@@ -247,6 +248,7 @@ fn load_info(conn: &Connection, session: &SessionId) -> Result<LogInfo> {
     Ok(LogInfo {
         session: session.clone(),
         last_seq,
+        last_at_ms,
         sealed,
         forked_from,
         meta,
@@ -313,6 +315,19 @@ fn store_meta(conn: &Connection, session: &SessionId, meta: &SessionMeta) -> Res
     )
     .map_err(db_err)?;
     Ok(())
+}
+
+/// Seq and stamp of the last frame ((0, 0) when empty).
+fn last_frame(conn: &Connection, session: &SessionId) -> Result<(u64, u64)> {
+    let row: Option<(i64, i64)> = conn
+        .query_row(
+            "SELECT seq, at_ms FROM frames WHERE session = ?1 ORDER BY seq DESC LIMIT 1",
+            params![session.as_str()],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .optional()
+        .map_err(db_err)?;
+    Ok(row.map_or((0, 0), |(s, a)| (s as u64, a as u64)))
 }
 
 fn last_seq(conn: &Connection, session: &SessionId) -> Result<u64> {
@@ -577,6 +592,10 @@ impl SessionLog for SqliteSessionLog {
             // The copy's meta is its own prefix folded, under the source's config.
             let meta = fold_stored(&tx, &target, src.meta.config.clone(), until)?;
             store_meta(&tx, &target, &meta)?;
+            if let Some(closing) = fork_closing_frame(&meta, sealed, &source, until) {
+                let body_json = serde_json::to_string(&closing.body)?;
+                append_in(&tx, &target, &closing, &body_json, now_ms())?;
+            }
             let info = load_info(&tx, &target)?;
             tx.commit().map_err(db_err)?;
             Ok(info)

@@ -85,8 +85,10 @@ async fn frames_keys_seal_and_forks_survive_a_reopen() {
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Conflict);
     let fork = log.info(&f).await.unwrap();
-    assert_eq!(fork.last_seq, 1);
+    // Prompt "a" and the frame that closes its turn in the fork.
+    assert_eq!(fork.last_seq, 2);
     assert!(!fork.sealed);
+    assert!(fork.meta.active_turn().is_none());
     assert_eq!(fork.forked_from.unwrap().session, s);
 }
 
@@ -109,11 +111,14 @@ async fn forking_a_sealed_log_whole_keeps_the_seal_and_a_prefix_does_not() {
         .await
         .unwrap();
     assert!(!prefix.sealed);
+    // The prefix ends inside the prompt's turn: the fork closed it (seq 2).
+    assert_eq!(prefix.last_seq, 2);
+    assert!(prefix.meta.active_turn().is_none());
     let next = log
         .append(&prefix.session, AppendRequest::new(prompt("go on")))
         .await
         .unwrap();
-    assert_eq!(next.seq, 2);
+    assert_eq!(next.seq, 3);
 }
 
 #[tokio::test]

@@ -62,7 +62,10 @@ async fn fork_until_n_export_and_seal_behave_as_specified() {
     assert_eq!(r.status(), 201);
     let info: LogInfo = r.json().await.unwrap();
     assert!(info.sealed);
-    assert_eq!(info.last_seq, 4, "3 copied frames + the seal frame");
+    assert_eq!(
+        info.last_seq, 5,
+        "3 copied frames, the frame closing the turn they cut, the seal frame"
+    );
     assert_eq!(info.forked_from.as_ref().unwrap().until, 3);
     let exported: Vec<Frame> = srv
         .http
@@ -84,7 +87,13 @@ async fn fork_until_n_export_and_seal_behave_as_specified() {
         .unwrap();
     assert_eq!(source.len(), 3);
     assert_eq!(exported[..3], source[..]);
-    assert!(matches!(exported[3].body, FrameBody::Sealed {}));
+    assert!(
+        matches!(&exported[3].body, FrameBody::TurnStatus { turn_id, error: Some(e), .. }
+            if turn_id == "t1" && e.contains("forked from src at seq 3")),
+        "{:?}",
+        exported[3]
+    );
+    assert!(matches!(exported[4].body, FrameBody::Sealed {}));
     // The sealed fork refuses writes; the source goes on.
     let r = say(&srv, "dst", "late").await;
     assert_eq!(r.status(), 409);
@@ -99,15 +108,18 @@ async fn fork_until_n_export_and_seal_behave_as_specified() {
         .unwrap();
     assert_eq!(r.status(), 201);
     let open: LogInfo = r.json().await.unwrap();
-    assert!(!open.sealed && open.last_seq == 2);
-    // The fork copied the running turn (its meta is folded), so it takes
-    // that turn's frames.
-    let ack: Value = say(&srv, open.session.as_str(), "fresh")
+    assert!(!open.sealed && open.last_seq == 3);
+    // The cut turn is closed in the fork: no answers for it, a new prompt
+    // starts a turn of the fork's own.
+    let r = say(&srv, open.session.as_str(), "late answer").await;
+    assert_eq!(r.status(), 409);
+    assert_eq!(error_code(r).await, "no_active_turn");
+    let ack: Value = prompt(&srv, open.session.as_str(), "fresh")
         .await
         .json()
         .await
         .unwrap();
-    assert_eq!(ack["seq"], 3);
+    assert_eq!(ack["seq"], 4);
     // Bad ranges and targets.
     let r = srv
         .http

@@ -5,7 +5,7 @@ use std::future::Future;
 use std::sync::Arc;
 
 use anyhow::{bail, ensure, Context, Result};
-use harness_core::frame::{FrameBody, SessionId};
+use harness_core::frame::{FrameBody, MessageKind, SessionId};
 use harness_core::log::{fold_meta, AppendRequest, SessionLog};
 use harness_core::part::StreamPart;
 use harness_core::sandbox::SandboxHandle;
@@ -15,6 +15,17 @@ use harness_core::ErrorKind;
 
 fn sid(s: &str) -> SessionId {
     SessionId::parse(s).expect("valid test id")
+}
+
+/// A stored message that opens no turn.
+fn said(text: &str) -> FrameBody {
+    FrameBody::Message {
+        turn_id: "t0".into(),
+        id: text.into(),
+        kind: MessageKind::Text,
+        text: text.into(),
+        interrupted: false,
+    }
 }
 
 fn prompt(text: &str) -> FrameBody {
@@ -205,17 +216,55 @@ pub async fn meta_is_folded_with_every_append(log: Arc<dyn SessionLog>) -> Resul
         turn.key.as_deref() == Some("p1"),
         "the prompt's key is kept: {turn:?}"
     );
-    // A fork of the first two frames: config and the running turn, folded.
+    // A fork between turns: its prefix folded under the source's config.
+    let between = log.fork(&s, 1, &sid("meta-fork-between")).await?;
+    let expected = fold_meta(
+        Some(config.clone()),
+        frames[..1].iter().map(|(b, k)| (b, *k)),
+    );
+    ensure!(
+        between.last_seq == 1 && between.meta == expected,
+        "a fork between turns is its prefix folded: {between:?}"
+    );
+    // A fork of the first two frames ends inside turn t1 (its prompt is
+    // copied, its end is not): the fork closes it with one frame of its
+    // own, so the fork takes a new prompt and never runs t1.
     let f = sid("meta-fork");
     let forked = log.fork(&s, 2, &f).await?;
+    let copied = log.read(&f, 0, 10).await?;
     ensure!(
-        forked.meta == after_two,
-        "fork meta {:?} is not the prefix folded {after_two:?}",
+        forked.last_seq == 3 && copied[..2] == log.read(&s, 0, 2).await?[..],
+        "the fork holds the prefix and one closing frame: {copied:?}"
+    );
+    ensure!(
+        forked.forked_from.as_ref().map(|o| o.until) == Some(2),
+        "the fork's origin is the cut, not its own frame: {forked:?}"
+    );
+    match &copied[2].body {
+        FrameBody::TurnStatus {
+            turn_id,
+            status: TurnStatus::Failed,
+            error: Some(error),
+            ..
+        } if turn_id == "t1" && error.contains("forked") => {}
+        other => bail!("a fork inside a turn must end it as failed, got {other:?}"),
+    }
+    ensure!(
+        forked.meta.active_turn().is_none()
+            && forked.meta.turn.as_ref().map(|t| t.turn_id.as_str()) == Some("t1")
+            && forked.meta.turn.as_ref().and_then(|t| t.key.as_deref()) == Some("p1")
+            && forked.meta.generation == 7
+            && forked.meta.config.as_ref() == Some(&config),
+        "fork meta {:?}",
         forked.meta
     );
     ensure!(
-        log.info(&f).await?.meta == after_two,
+        log.info(&f).await?.meta == forked.meta,
         "fork meta changed on read"
+    );
+    ensure!(
+        after_two.active_turn().is_some(),
+        "the source's turn was running at the cut"
     );
     Ok(())
 }
@@ -355,6 +404,8 @@ pub async fn seal_refuses_appends(log: Arc<dyn SessionLog>) -> Result<()> {
 }
 
 /// `fork(until=N)` copies frames 1..=N and keys; the fork grows on its own.
+/// (Frames outside any turn here: a cut inside one is
+/// `meta_is_folded_with_every_append`'s.)
 pub async fn fork_copies_a_prefix(log: Arc<dyn SessionLog>) -> Result<()> {
     let src = sid("fork-src");
     let dst = sid("fork-dst");
@@ -362,7 +413,7 @@ pub async fn fork_copies_a_prefix(log: Arc<dyn SessionLog>) -> Result<()> {
     for i in 1..=5 {
         log.append(
             &src,
-            AppendRequest::idempotent(prompt(&format!("m{i}")), format!("k{i}")),
+            AppendRequest::idempotent(said(&format!("m{i}")), format!("k{i}")),
         )
         .await?;
     }
@@ -383,14 +434,14 @@ pub async fn fork_copies_a_prefix(log: Arc<dyn SessionLog>) -> Result<()> {
     );
     // Keys up to N came along; later keys did not.
     let dup = log
-        .append(&dst, AppendRequest::idempotent(prompt("m2"), "k2"))
+        .append(&dst, AppendRequest::idempotent(said("m2"), "k2"))
         .await?;
     ensure!(
         dup.duplicate && dup.seq == 2,
         "key k2 should be known in the fork: {dup:?}"
     );
     let fresh = log
-        .append(&dst, AppendRequest::idempotent(prompt("m5-in-fork"), "k5"))
+        .append(&dst, AppendRequest::idempotent(said("m5-in-fork"), "k5"))
         .await?;
     ensure!(
         !fresh.duplicate && fresh.seq == 4,
