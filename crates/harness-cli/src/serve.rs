@@ -195,6 +195,7 @@ pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
         "serving sessions on {url} (log: {}, engine: {engine_name})",
         home.db().display(),
     );
+    eprintln!("  the web page: {url}/ (docs/web.md)");
     if let Some(model) = &model {
         eprintln!(
             "demo: the agents talk to the scripted model at {}",

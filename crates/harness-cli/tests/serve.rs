@@ -15,9 +15,11 @@
 //! agent binaries, dockerd or the test image; fails then under
 //! `HARNESS_REQUIRE_REAL=1`.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
-use std::net::{IpAddr, SocketAddr};
-use std::path::{Path, PathBuf};
+use std::net::SocketAddr;
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -26,225 +28,12 @@ use futures::{SinkExt, StreamExt};
 use harness_testkit::model::{
     any, last_is_tool_result_for, last_user_text_contains, Reply, Rule, Script, ScriptedModel,
 };
-use harness_testkit::{require_env, skip_or_fail};
+use harness_testkit::skip_or_fail;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_tungstenite::tungstenite::Message;
 
-const HOST: &str = "host-token-0123456789";
-const CLIENT: &str = "client-token-0123456789";
-const RUNNER: &str = "runner-token-0123456789";
-const TURN_TIMEOUT: Duration = Duration::from_secs(180);
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Agent {
-    Claude,
-    Codex,
-}
-
-impl Agent {
-    fn name(self) -> &'static str {
-        match self {
-            Agent::Claude => "claude-code",
-            Agent::Codex => "codex",
-        }
-    }
-    fn available(self) -> bool {
-        match self {
-            Agent::Claude => require_env("HARNESS_CLAUDE_BIN").is_some(),
-            Agent::Codex => require_env("HARNESS_CODEX_BIN").is_some(),
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Backend {
-    Local,
-    Docker,
-}
-
-impl Backend {
-    fn name(self) -> &'static str {
-        match self {
-            Backend::Local => "local",
-            Backend::Docker => "docker",
-        }
-    }
-}
-
-/// The Docker test image and the bridge gateway (where the model listens
-/// so containers reach it), or a skip.
-async fn docker_parts() -> Option<(String, IpAddr)> {
-    let image = std::env::var("HARNESS_TEST_IMAGE")
-        .ok()
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| "harness-test:bookworm".into());
-    let inspect = Command::new("docker")
-        .args(["image", "inspect", &image, "--format", "ok"])
-        .output();
-    if !matches!(&inspect, Ok(o) if o.status.success()) {
-        skip_or_fail(&format!("no Docker engine or no image {image}"));
-        return None;
-    }
-    let docker = harness::docker::DockerProvider::connect(Default::default())
-        .await
-        .ok()?;
-    match docker.bridge_gateway().await {
-        Some(gw) => Some((image, gw)),
-        None => {
-            skip_or_fail("cannot find the Docker bridge gateway");
-            None
-        }
-    }
-}
-
-/// The approval MCP server, built into this test's target directory.
-fn approval_server() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("HARNESS_APPROVAL_MCP_BIN").filter(|p| !p.is_empty()) {
-        return Some(p.into());
-    }
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let built = Command::new(cargo)
-        .args(["build", "-q", "-p", "harness-approval-mcp"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .status();
-    if !matches!(built, Ok(s) if s.success()) {
-        skip_or_fail("could not build harness-approval-mcp");
-        return None;
-    }
-    let bin = Path::new(env!("CARGO_BIN_EXE_harness"))
-        .parent()?
-        .join("harness-approval-mcp");
-    bin.is_file().then_some(bin)
-}
-
-/// One `harness serve` child.
-struct Serve {
-    child: Child,
-    base: String,
-    stderr: Arc<Mutex<String>>,
-}
-
-impl Serve {
-    /// Start `harness serve` on a free loopback port in `home`, its agents
-    /// pointed at `model`.
-    fn start(home: &Path, model: &ScriptedModel, extra: &[&str]) -> Serve {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_harness"));
-        cmd.arg("--home")
-            .arg(home)
-            .args(["serve", "--addr", "127.0.0.1:0"])
-            .args(["--token", &format!("{HOST}=host")])
-            .args(["--token", &format!("{CLIENT}=client")])
-            .args(["--token", &format!("{RUNNER}=runner")])
-            .args(extra)
-            .env("ANTHROPIC_API_KEY", "test")
-            .env("ANTHROPIC_BASE_URL", model.base_url())
-            .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1")
-            .env("OPENAI_API_KEY", "test")
-            .env("OPENAI_BASE_URL", model.v1_url())
-            .env_remove("HARNESS_TOKENS")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
-        if let Some(server) = approval_server() {
-            cmd.env("HARNESS_APPROVAL_MCP_BIN", server);
-        }
-        let mut child = cmd.spawn().expect("harness serve starts");
-        let stderr = child.stderr.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        let log = Arc::new(Mutex::new(String::new()));
-        let sink = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if let Some(url) = line.strip_prefix("serving sessions on ") {
-                    let _ = tx.send(url.split_whitespace().next().unwrap_or("").to_string());
-                }
-                let mut log = sink.lock().unwrap();
-                log.push_str(&line);
-                log.push('\n');
-            }
-        });
-        let base = rx
-            .recv_timeout(Duration::from_secs(120))
-            .unwrap_or_else(|_| panic!("harness serve did not start:\n{}", log.lock().unwrap()));
-        Serve {
-            child,
-            base,
-            stderr: log,
-        }
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("{}{path}", self.base)
-    }
-
-    fn ws_url(&self, path: &str) -> String {
-        format!("{}{path}", self.base.replacen("http://", "ws://", 1))
-    }
-
-    fn kill(&mut self) {
-        let _ = self.child.kill(); // SIGKILL
-        let _ = self.child.wait();
-    }
-
-    fn log(&self) -> String {
-        self.stderr.lock().unwrap().clone()
-    }
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-fn http() -> reqwest::Client {
-    reqwest::Client::new()
-}
-
-async fn post(url: &str, token: &str, body: Value) -> (u16, Value) {
-    let r = http()
-        .post(url)
-        .bearer_auth(token)
-        .json(&body)
-        .send()
-        .await
-        .expect("the server answers");
-    let status = r.status().as_u16();
-    (status, r.json().await.unwrap_or(Value::Null))
-}
-
-async fn create(serve: &Serve, body: Value) -> String {
-    let (status, info) = post(&serve.url("/v1/sessions"), HOST, body).await;
-    assert_eq!(status, 201, "create: {info}");
-    info["session"].as_str().unwrap().to_string()
-}
-
-async fn prompt(serve: &Serve, id: &str, text: &str) -> String {
-    let (status, ack) = post(
-        &serve.url(&format!("/v1/sessions/{id}/messages")),
-        CLIENT,
-        json!({"type": "prompt", "text": text}),
-    )
-    .await;
-    assert_eq!(status, 200, "prompt: {ack}");
-    ack["turnId"]
-        .as_str()
-        .expect("the ack names the turn")
-        .to_string()
-}
-
-async fn export(serve: &Serve, id: &str) -> Vec<Value> {
-    http()
-        .get(serve.url(&format!("/v1/sessions/{id}/export")))
-        .bearer_auth(CLIENT)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
-}
+use common::server::*;
 
 /// What a client saw: stored frames (in order) and live parts.
 #[derive(Debug, Default, Clone)]

@@ -59,6 +59,11 @@ type Params = Query<HashMap<String, String>>;
 
 pub(crate) fn router(state: Arc<AppState>) -> Router {
     Router::new()
+        .route("/", get(crate::web::index))
+        .route("/index.html", get(crate::web::index))
+        .route("/app.js", get(crate::web::script))
+        .route("/app.css", get(crate::web::style))
+        .route("/favicon.ico", get(crate::web::favicon))
         .route("/v1/sessions", post(create).get(list))
         .route("/v1/sessions/{id}", get(info))
         .route("/v1/sessions/{id}/ws", get(websocket))

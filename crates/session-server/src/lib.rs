@@ -39,6 +39,7 @@ mod error;
 mod http;
 mod runners;
 pub mod ui_stream;
+mod web;
 
 pub use auth::{GrantRole, Scope, TokenGrant};
 pub use error::ApiError;

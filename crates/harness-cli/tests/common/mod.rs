@@ -6,6 +6,8 @@
 
 #![allow(dead_code)]
 
+pub mod server;
+
 use std::path::Path;
 use std::process::{Command, Stdio};
 
