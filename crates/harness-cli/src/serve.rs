@@ -11,6 +11,16 @@ use harness::server::{GrantRole, Scope, ServerConfig, SessionServer, TokenGrant}
 use harness_testkit::model::ScriptedModel;
 
 use crate::home::{Home, ServeInfo};
+
+/// A line for the operator on stderr. Unlike `eprintln!`, a closed stderr
+/// (`harness serve 2>&1 | head`, a parent that stopped reading) does not
+/// take the server down: the line is dropped.
+macro_rules! note {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
 use crate::local::{self, EngineSpec};
 use crate::AgentKind;
 
@@ -151,9 +161,10 @@ pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
         let runtime = local::runtime(home, options).await?;
         let started = runtime.start().await?;
         if started.resumed + started.redispatched > 0 {
-            eprintln!(
+            note!(
                 "resumed {} turn(s), re-sent the commands of {} session(s)",
-                started.resumed, started.redispatched
+                started.resumed,
+                started.redispatched
             );
         }
         Some(runtime)
@@ -191,27 +202,27 @@ pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
         Some(runtime) => runtime.engine().name(),
         None => "remote runner",
     };
-    eprintln!(
+    note!(
         "serving sessions on {url} (log: {}, engine: {engine_name})",
         home.db().display(),
     );
-    eprintln!("  the web page: {url}/ (docs/web.md)");
+    note!("  the web page: {url}/ (docs/web.md)");
     if let Some(model) = &model {
-        eprintln!(
+        note!(
             "demo: the agents talk to the scripted model at {}",
             model.base_url()
         );
-        eprintln!("  curl -s -XPOST {url}/v1/sessions -d '{{\"id\":\"demo\"}}'");
-        eprintln!(
+        note!("  curl -s -XPOST {url}/v1/sessions -d '{{\"id\":\"demo\"}}'");
+        note!(
             "  curl -s -XPOST {url}/v1/sessions/demo/messages -d '{{\"type\":\"prompt\",\"text\":\"hello\"}}'"
         );
-        eprintln!("  curl -sN {url}/v1/sessions/demo/events");
+        note!("  curl -sN {url}/v1/sessions/demo/events");
     }
     match args.engine {
-        ServeEngine::Temporal => eprintln!(
+        ServeEngine::Temporal => note!(
             "turns run on Temporal: start a worker with `harness worker --server {url} --token <runner token>`"
         ),
-        ServeEngine::Remote => eprintln!(
+        ServeEngine::Remote => note!(
             "turns run in a remote runner: start one with `harness runner --server {url} --token <runner token>`"
         ),
         ServeEngine::InProcess => {}
@@ -219,7 +230,7 @@ pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
     let served = tokio::select! {
         served = server.serve(listener) => served.context("the server stopped"),
         _ = tokio::signal::ctrl_c() => {
-            eprintln!("shutting down");
+            note!("shutting down");
             Ok(())
         }
     };

@@ -5,6 +5,7 @@ mod common;
 
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
+use std::time::Duration;
 
 use harness_testkit::model::{last_user_text_contains, Reply, Rule, Script, ScriptedModel};
 use harness_testkit::{require_env, skip_or_fail};
@@ -227,23 +228,29 @@ async fn serve_answers_with_auth() {
         .spawn()
         .unwrap();
     let stderr = child.stderr.take().unwrap();
-    // Notes (an agent or Docker this machine lacks) may come first.
-    let line = tokio::task::spawn_blocking(move || {
+    // Notes (an agent or Docker this machine lacks) may come first. The
+    // reader keeps draining after the address: a closed pipe would make
+    // the server's next line of output fail.
+    let (found, address) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
         use std::io::BufRead;
-        let mut reader = std::io::BufReader::new(stderr);
         let mut seen = String::new();
-        loop {
-            let mut line = String::new();
-            let n = reader.read_line(&mut line).unwrap();
-            assert!(n > 0, "serve exited before printing its address:\n{seen}");
+        for line in std::io::BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
             if line.contains("http://") {
-                return line;
+                let _ = found.send(Ok(line));
+            } else {
+                seen.push_str(&line);
+                seen.push('\n');
             }
-            seen.push_str(&line);
         }
-    })
-    .await
-    .unwrap();
+        let _ = found.send(Err(seen));
+    });
+    let line = match address.recv_timeout(Duration::from_secs(60)) {
+        Ok(Ok(line)) => line,
+        Ok(Err(seen)) => panic!("serve exited before printing its address:\n{seen}"),
+        Err(e) => panic!("serve printed no address in 60 s: {e}"),
+    };
     let url = line
         .split_whitespace()
         .find(|w| w.starts_with("http://"))
