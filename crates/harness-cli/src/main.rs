@@ -137,14 +137,17 @@ enum Command {
     /// sandboxes are (an in-process engine attached to the server as its
     /// runner).
     Runner(worker::RunnerArgs),
-    /// List, export and fork sessions.
+    /// List, show, export and fork sessions.
     Sessions {
         #[command(subcommand)]
         command: sessions::SessionsCommand,
     },
-    /// Checkpoint a session's working tree into an S3/R2 store.
+    /// Checkpoint a whole session (working tree and agent state) into an
+    /// S3/R2 store; --tree-only for the working tree alone.
     Checkpoint(moves::CheckpointArgs),
-    /// Restore a checkpoint into a session's sandbox (overlaying its tree).
+    /// Restore a session checkpoint into a new session (--new-session, any
+    /// sandbox) or an existing one (--session); the next `harness run
+    /// --session` continues the conversation. --tree-only for a tree.
     Restore(moves::RestoreArgs),
     /// List checkpoints in the store.
     Ls(moves::LsArgs),

@@ -1,14 +1,44 @@
-//! `harness checkpoint|restore|ls`: moving a session's working tree through
-//! an S3/R2 store, with progress bars.
+//! `harness checkpoint|restore|ls`: moving a session through an S3/R2
+//! store, with progress bars.
+//!
+//! By default a checkpoint is the whole session — the working tree, the
+//! agent's own state (its conversation, under the sandbox's `$HOME`) and a
+//! manifest (`harness_core::moves::checkpoint_session`) under a base key —
+//! and a restore puts both into a sandbox and relocates the agent's state
+//! to that sandbox's workdir and home (`restore_session`), so the next
+//! `harness run --session` continues the conversation. `--tree-only` moves
+//! the working tree alone (one `.tar.zst` object), as earlier versions did.
+//!
+//! What was moved is recorded in the session's log (what `harness sessions
+//! show` reads): a `raw` part whose value is a [`MoveRecord`]. A restore
+//! also records the sandbox and the agent session it put in place with a
+//! terminal `turn-status` frame of the pseudo turn [`RESTORE_TURN`], the
+//! frame that carries them into the session's meta (the next turn resumes
+//! from it).
 
 use std::sync::Arc;
+use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use harness::core::checkpoint::CheckpointStore;
-use harness::core::moves::{MovePhase, MoveProgress};
+use harness::core::frame::{FrameBody, SessionId};
+use harness::core::harness::Harness;
+use harness::core::log::{AppendRequest, LogInfo, SessionLog};
+use harness::core::moves::{MovePhase, MoveProgress, SessionKeys, SessionManifest};
+use harness::core::part::StreamPart;
+use harness::core::sandbox::{Sandbox, SandboxSpec};
+use harness::core::session::{SandboxConfig, SessionConfig};
+use harness::core::turn::TurnStatus;
+use harness::core::ErrorKind;
 use harness::r2::{S3CheckpointStore, S3Config};
+use harness::sqlite::SqliteSessionLog;
+use serde::{Deserialize, Serialize};
 
 use crate::home::Home;
+use crate::{AgentKind, SandboxKind};
+
+/// The turn id of the frames a restore writes into its target session.
+pub const RESTORE_TURN: &str = "restore";
 
 /// Where the store is.
 #[derive(Debug, clap::Args)]
@@ -50,25 +80,55 @@ impl StoreArgs {
 /// `harness checkpoint`.
 #[derive(Debug, clap::Args)]
 pub struct CheckpointArgs {
-    /// The session whose working tree to checkpoint.
+    /// The session to checkpoint.
     #[arg(long)]
     session: String,
-    /// Checkpoint key (default: sessions/<session>/<turns>.tar.zst).
+    /// Checkpoint key: the base key of a session checkpoint (default
+    /// sessions/<session>/turn-<turns>), the object key with --tree-only
+    /// (default sessions/<session>/turn-<turns>.tar.zst).
     #[arg(long)]
     key: Option<String>,
+    /// Only the working tree, as one .tar.zst object (no agent state: a
+    /// restore cannot continue the conversation).
+    #[arg(long)]
+    tree_only: bool,
     #[command(flatten)]
     store: StoreArgs,
 }
 
 /// `harness restore`.
 #[derive(Debug, clap::Args)]
+#[command(group(
+    clap::ArgGroup::new("target")
+        .required(true)
+        .args(["session", "new_session"])
+))]
 pub struct RestoreArgs {
-    /// The session whose sandbox receives the tree.
+    /// Restore into this session's sandbox (overlaying its tree); a session
+    /// checkpoint also makes the session continue the checkpoint's
+    /// conversation (the agents must match).
     #[arg(long)]
-    session: String,
-    /// Checkpoint key.
+    session: Option<String>,
+    /// Restore into a new session, in a new sandbox (--sandbox, --image),
+    /// running the checkpoint's agent; prints the new session's id.
+    #[arg(long, conflicts_with = "tree_only")]
+    new_session: bool,
+    /// Sandbox of the new session (default local).
+    #[arg(long, value_enum, conflicts_with = "session")]
+    sandbox: Option<SandboxKind>,
+    /// Docker image of the new session's sandbox.
+    #[arg(long, conflicts_with = "session")]
+    image: Option<String>,
+    /// Model name the new session passes to the agent.
+    #[arg(long, conflicts_with = "session")]
+    model: Option<String>,
+    /// Checkpoint key (as `harness checkpoint` printed it).
     #[arg(long)]
     key: String,
+    /// The key is a tree-only checkpoint (`harness checkpoint --tree-only`):
+    /// restore the working tree alone into --session.
+    #[arg(long)]
+    tree_only: bool,
     #[command(flatten)]
     store: StoreArgs,
 }
@@ -83,7 +143,62 @@ pub struct LsArgs {
     store: StoreArgs,
 }
 
-/// Progress bars for the phases of a move.
+/// What a checkpoint or a restore left in a session's log: the value of a
+/// `raw` part (`{"harness": "checkpoint", "key": …}`), read back by
+/// `harness sessions show`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MoveRecord {
+    /// `checkpoint` or `restore`.
+    pub harness: String,
+    /// The checkpoint's key (the base key of a session checkpoint).
+    pub key: String,
+    /// `session` (tree and agent state) or `tree`.
+    pub kind: String,
+    /// The agent whose state moved.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent: Option<String>,
+    /// The agent's own session id that moved.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_session_id: Option<String>,
+    /// Bytes stored (zstd, checkpoint) or restored (files, restore).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<u64>,
+    /// Restore: the workdir the checkpoint was taken in.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_workdir: Option<String>,
+}
+
+impl MoveRecord {
+    /// The record a frame holds, if it holds one.
+    pub fn from_frame(body: &FrameBody) -> Option<Self> {
+        match body {
+            FrameBody::Part {
+                part: StreamPart::Raw { value },
+                ..
+            } if matches!(
+                value.get("harness").and_then(|v| v.as_str()),
+                Some("checkpoint" | "restore")
+            ) =>
+            {
+                serde_json::from_value(value.clone()).ok()
+            }
+            _ => None,
+        }
+    }
+
+    fn frame(&self, turn_id: &str) -> Result<AppendRequest> {
+        Ok(AppendRequest::new(FrameBody::Part {
+            turn_id: turn_id.to_string(),
+            part: StreamPart::Raw {
+                value: serde_json::to_value(self)?,
+            },
+        }))
+    }
+}
+
+/// Progress bars for the phases of a move, under a spinner saying what
+/// runs.
 struct Bars {
     multi: indicatif::MultiProgress,
     bars: std::sync::Mutex<Vec<(MovePhase, indicatif::ProgressBar)>>,
@@ -95,6 +210,18 @@ impl Bars {
             multi: indicatif::MultiProgress::new(),
             bars: std::sync::Mutex::new(Vec::new()),
         }
+    }
+
+    /// A spinner line saying what runs (finish it with `finish_and_clear`).
+    fn step(&self, message: String) -> indicatif::ProgressBar {
+        let bar = self.multi.add(indicatif::ProgressBar::new_spinner());
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{spinner} {msg} [{elapsed}]")
+                .expect("static template"),
+        );
+        bar.set_message(message);
+        bar.enable_steady_tick(Duration::from_millis(120));
+        bar
     }
 
     fn bar(&self, phase: MovePhase) -> indicatif::ProgressBar {
@@ -128,13 +255,15 @@ impl MoveProgress for Bars {
     }
 }
 
+fn open_log(home: &Home) -> Result<SqliteSessionLog> {
+    SqliteSessionLog::open(home.db()).context("opening the session log")
+}
+
 /// A session of the home, as its log tells it (config, sandbox, turns).
-async fn session_info(home: &Home, id: &str) -> Result<harness::core::log::LogInfo> {
-    use harness::core::log::SessionLog;
-    let log = harness::sqlite::SqliteSessionLog::open(home.db())?;
-    let session = harness::core::SessionId::parse(id)?;
+async fn session_info(log: &SqliteSessionLog, id: &str) -> Result<LogInfo> {
+    let session = SessionId::parse(id)?;
     log.info(&session).await.map_err(|e| {
-        if e.kind() == harness::core::ErrorKind::NotFound {
+        if e.kind() == ErrorKind::NotFound {
             anyhow::anyhow!("unknown session {id:?}: `harness sessions list` shows the known ones")
         } else {
             e.into()
@@ -142,11 +271,22 @@ async fn session_info(home: &Home, id: &str) -> Result<harness::core::log::LogIn
     })
 }
 
-async fn session_sandbox(
-    home: &Home,
-    id: &str,
-) -> Result<Box<dyn harness::core::sandbox::Sandbox>> {
-    let info = session_info(home, id).await?;
+/// Refuse a session whose turn is still running (its tree and state are
+/// changing).
+fn idle(info: &LogInfo) -> Result<()> {
+    if let Some(turn) = info.meta.active_turn() {
+        bail!(
+            "turn {} of session {} is still running ({}): wait for it to end (or finish it with `harness resume`)",
+            turn.turn_id,
+            info.session,
+            turn.status.as_str()
+        );
+    }
+    Ok(())
+}
+
+async fn session_sandbox(home: &Home, info: &LogInfo) -> Result<Box<dyn Sandbox>> {
+    let id = &info.session;
     let handle = info.meta.sandbox.clone().with_context(|| {
         format!("session {id} has no sandbox yet: its first turn makes it (`harness run --session {id} PROMPT`)")
     })?;
@@ -154,49 +294,439 @@ async fn session_sandbox(
     provider
         .resume(&handle)
         .await
-        .with_context(|| format!("reattaching to the sandbox of {id}"))
+        .with_context(|| format!("reattaching to the {} sandbox of {id}", handle.provider))
+}
+
+/// The adapter of the agent named `name` (the native binary is found, or
+/// downloaded once, as for `harness run`).
+async fn adapter(home: &Home, name: &str) -> Result<Arc<dyn Harness>> {
+    let kind = AgentKind::from_name(name).with_context(|| {
+        format!("agent {name:?} is not one this build runs (claude-code, codex)")
+    })?;
+    let binary = crate::agents::ensure_binary(home, kind).await?;
+    crate::agents::adapter(kind, binary)
+}
+
+/// The manifest of the session checkpoint `key`, with an error saying what
+/// `key` is when it is not one.
+async fn manifest(store: &dyn CheckpointStore, key: &str) -> Result<SessionManifest> {
+    let keys = SessionKeys::new(key)?;
+    match harness::core::moves::read_session_manifest(store, key).await {
+        Ok(m) => Ok(m),
+        Err(e) if e.kind() == ErrorKind::NotFound => match store.head(key).await {
+            Ok(_) => bail!(
+                "{key} is a tree-only checkpoint (no {} beside it, so no agent state to continue): \
+                 restore its tree with `harness restore --tree-only --session ID --key {key}`",
+                keys.manifest
+            ),
+            Err(e) if e.kind() == ErrorKind::NotFound => bail!(
+                "no checkpoint {key:?} in the store (neither {} nor {key}): `harness ls` lists its keys",
+                keys.manifest
+            ),
+            Err(e) => Err(e).context("reading the checkpoint store"),
+        },
+        Err(e) => Err(e).with_context(|| format!("reading {}", keys.manifest)),
+    }
+}
+
+/// Append `request` to `session`'s log, saying so (and going on) when it
+/// cannot be recorded: the move itself is done.
+async fn record(log: &SqliteSessionLog, session: &SessionId, request: Result<AppendRequest>) {
+    let stored = match request {
+        Ok(request) => log.append(session, request).await.map_err(Into::into),
+        Err(e) => Err(e),
+    };
+    if let Err(e) = stored {
+        eprintln!("note: the move is not recorded in the log of session {session}: {e:#}");
+    }
 }
 
 /// Run `harness checkpoint`.
 pub async fn checkpoint(home: &Home, args: CheckpointArgs) -> Result<()> {
-    let info = session_info(home, &args.session).await?;
-    let key = args
-        .key
-        .unwrap_or_else(|| format!("sessions/{}/turn-{}.tar.zst", info.session, info.meta.turns));
+    let log = open_log(home)?;
+    let info = session_info(&log, &args.session).await?;
+    idle(&info)?;
+    let session = info.session.clone();
+    let base = format!("sessions/{session}/turn-{}", info.meta.turns);
+    let after_turn = info
+        .meta
+        .turn
+        .as_ref()
+        .map(|t| t.turn_id.clone())
+        .unwrap_or_else(|| "checkpoint".into());
     let store = args.store.open().await?;
-    let sandbox = session_sandbox(home, &args.session).await?;
-    let info = harness::core::moves::checkpoint(
+    let sandbox = session_sandbox(home, &info).await?;
+    let bars = Arc::new(Bars::new());
+    // A tree-only checkpoint holds no agent state: it names no agent.
+    let record_of = |kind: &str, key: &str, bytes: u64| MoveRecord {
+        harness: "checkpoint".into(),
+        key: key.to_string(),
+        kind: kind.into(),
+        agent: (kind == "session").then(|| info.meta.config_or_default().agent),
+        agent_session_id: info
+            .meta
+            .agent_session_id
+            .clone()
+            .filter(|_| kind == "session"),
+        bytes: Some(bytes),
+        from_workdir: None,
+    };
+    if args.tree_only {
+        let key = args.key.unwrap_or_else(|| format!("{base}.tar.zst"));
+        let step = bars.step(format!("checkpointing the working tree of {session}"));
+        let stored = harness::core::moves::checkpoint(
+            sandbox.as_ref(),
+            sandbox.workdir(),
+            &store,
+            &key,
+            Some(bars.clone()),
+        )
+        .await
+        .context("checkpointing the working tree");
+        step.finish_and_clear();
+        let stored = stored?;
+        record(
+            &log,
+            &session,
+            record_of("tree", &key, stored.object.size).frame(&after_turn),
+        )
+        .await;
+        println!(
+            "checkpoint {} (tree only): {} bytes of tar as {} bytes of zstd, sha256 {}",
+            stored.object.key, stored.tar_bytes, stored.object.size, stored.object.sha256
+        );
+        println!("restore it with `harness restore --tree-only --session ID --key {key}`");
+        return Ok(());
+    }
+    let key = args.key.unwrap_or(base);
+    SessionKeys::new(&key)?;
+    let config = info.meta.config_or_default();
+    let harness = adapter(home, &config.agent).await?;
+    let step = bars.step(format!(
+        "checkpointing session {session}: {}'s state, then the working tree",
+        config.agent
+    ));
+    let stored = harness::core::moves::checkpoint_session(
         sandbox.as_ref(),
-        sandbox.workdir(),
+        harness.as_ref(),
+        info.meta.agent_session_id.as_deref(),
         &store,
         &key,
-        Some(Arc::new(Bars::new())),
+        Some(bars.clone()),
     )
     .await
-    .context("checkpointing")?;
+    .context("checkpointing the session");
+    step.finish_and_clear();
+    let manifest = stored?;
+    let state_bytes = manifest.state.as_ref().map_or(0, |s| s.size);
+    record(
+        &log,
+        &session,
+        record_of("session", &key, manifest.work.size + state_bytes).frame(&after_turn),
+    )
+    .await;
     println!(
-        "checkpoint {}: {} bytes of tar as {} bytes of zstd, sha256 {}",
-        info.object.key, info.tar_bytes, info.object.size, info.object.sha256
+        "checkpoint {key}: session {session} ({}{}): tree {} bytes of zstd, agent state {}",
+        manifest.agent,
+        manifest
+            .agent_session_id
+            .as_deref()
+            .map(|id| format!(", agent session {id}"))
+            .unwrap_or_default(),
+        manifest.work.size,
+        match &manifest.state {
+            Some(state) => format!(
+                "{} bytes of zstd ({})",
+                state.size,
+                manifest.state_dirs.join(", ")
+            ),
+            None => "none yet".into(),
+        }
+    );
+    println!(
+        "restore it with `harness restore --key {key} --new-session [--sandbox docker]` (or --session ID)"
     );
     Ok(())
 }
 
+/// Take the home's runtime for a restore: it writes the target session's
+/// sandbox and agent session into its log, which no running actor may hold.
+async fn lock_for_restore(home: &Home) -> Result<crate::home::RuntimeLock> {
+    if let Some(lock) = home.try_lock_runtime()? {
+        return Ok(lock);
+    }
+    if let Some(serve) = home.serve_info() {
+        bail!(
+            "harness serve (pid {}) drives this home: stop it before restoring \
+             (a restore writes the session's sandbox and agent session into its log)",
+            serve.pid
+        );
+    }
+    home.lock_runtime("this restore").await
+}
+
 /// Run `harness restore`.
 pub async fn restore(home: &Home, args: RestoreArgs) -> Result<()> {
+    if args.tree_only {
+        return restore_tree(home, args).await;
+    }
+    let _lock = lock_for_restore(home).await?;
+    let log = open_log(home)?;
+    // Check the target before reading the store.
+    let target = match &args.session {
+        Some(id) => {
+            let info = session_info(&log, id).await?;
+            if info.sealed {
+                bail!("session {id} is sealed: restore into a new session (--new-session) instead");
+            }
+            idle(&info)?;
+            Some(info)
+        }
+        None => None,
+    };
     let store = args.store.open().await?;
-    let sandbox = session_sandbox(home, &args.session).await?;
-    let info = harness::core::moves::restore(
+    let manifest = manifest(&store, &args.key).await?;
+    if let Some(info) = &target {
+        let agent = info.meta.config_or_default().agent;
+        if agent != manifest.agent {
+            bail!(
+                "checkpoint {} holds a {} session, and session {} runs {agent}: \
+                 restore it into a new session (--new-session) instead",
+                args.key,
+                manifest.agent,
+                info.session
+            );
+        }
+    }
+    let harness = adapter(home, &manifest.agent).await?;
+    let bars = Arc::new(Bars::new());
+    match target {
+        Some(info) => {
+            let sandbox = session_sandbox(home, &info).await?;
+            let restored =
+                restore_into(&store, &args.key, sandbox.as_ref(), &harness, &bars).await?;
+            let session = info.session;
+            record_restore(&log, &session, &args.key, &restored, None).await;
+            println!(
+                "restored {} into session {session} ({} entries, {} bytes of files{}){}",
+                args.key,
+                restored.work.summary.entries,
+                restored.work.summary.content_bytes,
+                state_note(&restored),
+                resume_note(&restored)
+            );
+            println!("continue with `harness run --session {session} PROMPT`");
+        }
+        None => {
+            let kind = args.sandbox.unwrap_or(SandboxKind::Local);
+            let session = SessionId::parse(format!(
+                "s-{}",
+                &uuid::Uuid::new_v4().simple().to_string()[..12]
+            ))?;
+            let config = SessionConfig {
+                agent: manifest.agent.clone(),
+                sandbox: SandboxConfig {
+                    provider: kind.name().to_string(),
+                    image: args.image.clone(),
+                    ..SandboxConfig::default()
+                },
+                model: args.model.clone(),
+                approvals: false,
+            };
+            let provider = crate::local::provider(home, kind.name(), args.image.as_deref()).await?;
+            // The sandbox a session's first turn would make (see
+            // `SliceRunner::create_sandbox`), with the agent installed.
+            let mut spec = SandboxSpec::new("/workspace");
+            spec.image = config.sandbox.image.clone();
+            spec.network = config.sandbox.network.clone();
+            spec.session_id = Some(session.to_string());
+            spec.bootstrap = Some(harness.bootstrap_recipe()?);
+            let step = bars.step(format!(
+                "creating a {} sandbox for session {session} (the agent is installed once per image)",
+                kind.name()
+            ));
+            let created = provider.create(&spec).await;
+            step.finish_and_clear();
+            let sandbox = created.with_context(|| format!("creating a {} sandbox", kind.name()))?;
+            let restored =
+                match restore_into(&store, &args.key, sandbox.as_ref(), &harness, &bars).await {
+                    Ok(restored) => restored,
+                    Err(e) => {
+                        let _ = sandbox.destroy().await;
+                        return Err(e.context("the new sandbox was removed; no session was made"));
+                    }
+                };
+            let handle = sandbox.detach().await?;
+            log.create_with(&session, Some(config))
+                .await
+                .context("recording the new session")?;
+            record_restore(&log, &session, &args.key, &restored, Some(handle.clone())).await;
+            println!(
+                "session {session} ({} in a {} sandbox, {}) restored from {}: {} entries, {} bytes of files{}{}",
+                manifest.agent,
+                handle.provider,
+                handle.workdir,
+                args.key,
+                restored.work.summary.entries,
+                restored.work.summary.content_bytes,
+                state_note(&restored),
+                resume_note(&restored)
+            );
+            println!("continue with `harness run --session {session} PROMPT`");
+        }
+    }
+    Ok(())
+}
+
+async fn restore_into(
+    store: &dyn CheckpointStore,
+    key: &str,
+    sandbox: &dyn Sandbox,
+    harness: &Arc<dyn Harness>,
+    bars: &Arc<Bars>,
+) -> Result<harness::core::moves::SessionRestoreInfo> {
+    let step = bars.step(format!(
+        "restoring {key} (verified before anything is written)"
+    ));
+    let restored = harness::core::moves::restore_session(
+        store,
+        key,
+        sandbox,
+        harness.as_ref(),
+        Some(bars.clone()),
+    )
+    .await
+    .context("restoring (nothing was changed if the checkpoint was refused)");
+    step.finish_and_clear();
+    restored
+}
+
+fn state_note(restored: &harness::core::moves::SessionRestoreInfo) -> String {
+    match &restored.state {
+        Some(state) => format!(
+            "; agent state {} bytes under {}{}",
+            state.summary.content_bytes,
+            restored.home,
+            if restored.relocated {
+                ", relocated to this sandbox's workdir"
+            } else {
+                ""
+            }
+        ),
+        None => "; no agent state".into(),
+    }
+}
+
+fn resume_note(restored: &harness::core::moves::SessionRestoreInfo) -> String {
+    restored
+        .manifest
+        .agent_session_id
+        .as_deref()
+        .map(|id| format!("; the next turn resumes agent session {id}"))
+        .unwrap_or_default()
+}
+
+/// Record a session restore in the target's log: what was restored, then
+/// the sandbox (a new session's) and the agent session the next turn
+/// continues, in a terminal `turn-status` of the pseudo turn
+/// [`RESTORE_TURN`] (the frame that carries both into the session's meta).
+async fn record_restore(
+    log: &SqliteSessionLog,
+    session: &SessionId,
+    key: &str,
+    restored: &harness::core::moves::SessionRestoreInfo,
+    sandbox: Option<harness::core::sandbox::SandboxHandle>,
+) {
+    let manifest = &restored.manifest;
+    let what = MoveRecord {
+        harness: "restore".into(),
+        key: key.to_string(),
+        kind: "session".into(),
+        agent: Some(manifest.agent.clone()),
+        agent_session_id: manifest.agent_session_id.clone(),
+        bytes: Some(
+            restored.work.summary.content_bytes
+                + restored
+                    .state
+                    .as_ref()
+                    .map_or(0, |s| s.summary.content_bytes),
+        ),
+        from_workdir: Some(manifest.workdir.clone()),
+    };
+    record(log, session, what.frame(RESTORE_TURN)).await;
+    let status = AppendRequest::new(FrameBody::TurnStatus {
+        turn_id: RESTORE_TURN.into(),
+        status: TurnStatus::Finished,
+        error: None,
+        sandbox,
+        agent_session_id: manifest.agent_session_id.clone(),
+    });
+    record(log, session, Ok(status)).await;
+}
+
+/// `harness restore --tree-only`: the working tree alone, into an existing
+/// session's sandbox.
+async fn restore_tree(home: &Home, args: RestoreArgs) -> Result<()> {
+    let Some(id) = &args.session else {
+        bail!("--tree-only restores into an existing session: pass --session ID");
+    };
+    let log = open_log(home)?;
+    let info = session_info(&log, id).await?;
+    idle(&info)?;
+    let store = args.store.open().await?;
+    let sandbox = session_sandbox(home, &info).await?;
+    let bars = Arc::new(Bars::new());
+    let step = bars.step(format!(
+        "restoring the tree {} (verified before anything is written)",
+        args.key
+    ));
+    let restored = harness::core::moves::restore(
         &store,
         &args.key,
         sandbox.as_ref(),
         sandbox.workdir(),
-        Some(Arc::new(Bars::new())),
+        Some(bars.clone()),
     )
-    .await
-    .context("restoring (nothing was changed if the checkpoint was refused)")?;
+    .await;
+    step.finish_and_clear();
+    let restored = match restored {
+        Ok(restored) => restored,
+        Err(e) if e.kind() == ErrorKind::NotFound => {
+            let manifest = SessionKeys::new(&args.key).map(|k| k.manifest);
+            let is_session = match &manifest {
+                Ok(m) => store.head(m).await.is_ok(),
+                Err(_) => false,
+            };
+            if is_session {
+                bail!(
+                    "{} is a session checkpoint (tree and agent state), not a tree-only one: \
+                     restore it without --tree-only",
+                    args.key
+                );
+            }
+            bail!(
+                "no checkpoint {:?} in the store: `harness ls` lists its keys",
+                args.key
+            );
+        }
+        Err(e) => {
+            return Err(anyhow::Error::from(e)
+                .context("restoring (nothing was changed if the checkpoint was refused)"))
+        }
+    };
+    let what = MoveRecord {
+        harness: "restore".into(),
+        key: args.key.clone(),
+        kind: "tree".into(),
+        agent: None,
+        agent_session_id: None,
+        bytes: Some(restored.summary.content_bytes),
+        from_workdir: None,
+    };
+    record(&log, &info.session, what.frame(RESTORE_TURN)).await;
     println!(
-        "restored {} entries ({} bytes of files) into session {}",
-        info.summary.entries, info.summary.content_bytes, args.session
+        "restored {} entries ({} bytes of files) into session {} (tree only)",
+        restored.summary.entries, restored.summary.content_bytes, info.session
     );
     Ok(())
 }

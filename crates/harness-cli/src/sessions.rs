@@ -1,16 +1,29 @@
-//! `harness sessions list|export|fork`, on the CLI's SQLite log.
+//! `harness sessions list|show|export|fork`, on the CLI's SQLite log.
 
 use anyhow::{Context, Result};
-use harness::core::frame::SessionId;
-use harness::core::log::SessionLog;
+use harness::core::frame::{Frame, FrameBody, SessionId};
+use harness::core::log::{LogInfo, SessionLog};
+use harness::core::session::SessionMeta;
+use harness::core::turn::TurnStatus;
+use serde::Serialize;
 
 use crate::home::Home;
+use crate::moves::MoveRecord;
 
 /// `harness sessions …`.
 #[derive(Debug, clap::Subcommand)]
 pub enum SessionsCommand {
     /// List sessions: id, frames, sealed, origin.
     List,
+    /// Show one session: agent, sandbox, status, turns, checkpoints and
+    /// restores, last activity.
+    Show {
+        /// The session.
+        id: String,
+        /// Print it as one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Print a session's frames as JSON lines.
     Export {
         /// The session.
@@ -71,6 +84,25 @@ pub async fn run(home: &Home, command: SessionsCommand) -> Result<()> {
                 );
             }
         }
+        SessionsCommand::Show { id, json } => {
+            let session = SessionId::parse(&id)?;
+            let info = log.info(&session).await.map_err(|e| {
+                if e.kind() == harness::core::ErrorKind::NotFound {
+                    anyhow::anyhow!(
+                        "unknown session {id:?}: `harness sessions list` shows the known ones"
+                    )
+                } else {
+                    e.into()
+                }
+            })?;
+            let frames = read_all(&log, &session, info.last_seq).await?;
+            let shown = Shown::of(&info, &frames);
+            if json {
+                println!("{}", serde_json::to_string_pretty(&shown)?);
+            } else {
+                print!("{}", shown.human());
+            }
+        }
         SessionsCommand::Export { id, until } => {
             let session = SessionId::parse(id)?;
             let info = log.info(&session).await?;
@@ -110,4 +142,321 @@ pub async fn run(home: &Home, command: SessionsCommand) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Frames `1..=until` of `session`.
+async fn read_all(
+    log: &harness::sqlite::SqliteSessionLog,
+    session: &SessionId,
+    until: u64,
+) -> Result<Vec<Frame>> {
+    let mut out = Vec::new();
+    let mut after = 0;
+    while after < until {
+        let frames = log
+            .read(session, after, (until - after).min(1000) as usize)
+            .await?;
+        let Some(last) = frames.last() else { break };
+        after = last.seq;
+        out.extend(frames);
+    }
+    Ok(out)
+}
+
+/// `harness sessions show`: what the log says about one session.
+#[derive(Debug, Serialize)]
+struct Shown {
+    session: String,
+    agent: String,
+    /// The agent's own session id (what the next turn resumes).
+    agent_session_id: Option<String>,
+    model: Option<String>,
+    sandbox: ShownSandbox,
+    /// `idle`, `running` (a turn has not ended) or `sealed`.
+    status: &'static str,
+    turns: Vec<ShownTurn>,
+    /// Checkpoints `harness checkpoint` made of this session.
+    checkpoints: Vec<ShownMove>,
+    /// Checkpoints `harness restore` put into this session.
+    restores: Vec<ShownMove>,
+    forked_from: Option<harness::core::log::ForkOrigin>,
+    frames: u64,
+    /// When the last frame was stored (ms since the epoch; 0: never).
+    last_activity_ms: u64,
+    last_activity: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+struct ShownSandbox {
+    /// The provider the session's config names (`local`, `docker`).
+    provider: String,
+    image: Option<String>,
+    /// The sandbox a turn (or a restore) recorded; `None` before the first
+    /// turn makes it.
+    handle: Option<harness::core::sandbox::SandboxHandle>,
+}
+
+#[derive(Debug, Serialize)]
+struct ShownTurn {
+    id: String,
+    status: TurnStatus,
+    prompt: String,
+    started_ms: u64,
+    ended_ms: Option<u64>,
+    duration_ms: Option<u64>,
+    error: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+struct ShownMove {
+    key: String,
+    /// `session` (tree and agent state) or `tree`.
+    kind: String,
+    at_ms: u64,
+    /// The frame recording it.
+    seq: u64,
+    /// The turn the session had run last when it was made.
+    turn: String,
+    agent_session_id: Option<String>,
+    bytes: Option<u64>,
+}
+
+impl Shown {
+    fn of(info: &LogInfo, frames: &[Frame]) -> Self {
+        let config = info.meta.config_or_default();
+        // The turns, as the log's own fold names them.
+        let mut meta = SessionMeta::new(info.meta.config.clone());
+        let mut turns: Vec<ShownTurn> = Vec::new();
+        let mut checkpoints = Vec::new();
+        let mut restores = Vec::new();
+        for frame in frames {
+            meta.apply(&frame.body, None);
+            match &frame.body {
+                FrameBody::UserMessage { text, .. } => {
+                    if let Some(turn) = &meta.turn {
+                        turns.push(ShownTurn {
+                            id: turn.turn_id.clone(),
+                            status: turn.status,
+                            prompt: text.clone(),
+                            started_ms: frame.at_ms,
+                            ended_ms: None,
+                            duration_ms: None,
+                            error: None,
+                        });
+                    }
+                }
+                FrameBody::TurnStatus {
+                    turn_id,
+                    status,
+                    error,
+                    ..
+                } => {
+                    if let Some(turn) = turns.iter_mut().rev().find(|t| t.id == *turn_id) {
+                        if turn.ended_ms.is_none() {
+                            turn.status = *status;
+                            turn.error = error.clone();
+                            if status.is_terminal() {
+                                turn.ended_ms = Some(frame.at_ms);
+                                turn.duration_ms =
+                                    Some(frame.at_ms.saturating_sub(turn.started_ms));
+                            }
+                        }
+                    }
+                }
+                body => {
+                    if let Some(record) = MoveRecord::from_frame(body) {
+                        let turn = match body {
+                            FrameBody::Part { turn_id, .. } => turn_id.clone(),
+                            _ => String::new(),
+                        };
+                        let shown = ShownMove {
+                            key: record.key,
+                            kind: record.kind,
+                            at_ms: frame.at_ms,
+                            seq: frame.seq,
+                            turn,
+                            agent_session_id: record.agent_session_id,
+                            bytes: record.bytes,
+                        };
+                        if record.harness == "checkpoint" {
+                            checkpoints.push(shown);
+                        } else {
+                            restores.push(shown);
+                        }
+                    }
+                }
+            }
+        }
+        let status = if info.sealed {
+            "sealed"
+        } else if info.meta.active_turn().is_some() {
+            "running"
+        } else {
+            "idle"
+        };
+        Shown {
+            session: info.session.to_string(),
+            agent: config.agent,
+            agent_session_id: info.meta.agent_session_id.clone(),
+            model: config.model,
+            sandbox: ShownSandbox {
+                provider: config.sandbox.provider,
+                image: config.sandbox.image,
+                handle: info.meta.sandbox.clone(),
+            },
+            status,
+            turns,
+            checkpoints,
+            restores,
+            forked_from: info.forked_from.clone(),
+            frames: info.last_seq,
+            last_activity_ms: info.last_at_ms,
+            last_activity: (info.last_at_ms > 0).then(|| utc(info.last_at_ms)),
+        }
+    }
+
+    fn human(&self) -> String {
+        use std::fmt::Write;
+        let mut out = String::new();
+        let w = &mut out;
+        let _ = writeln!(w, "session        {}", self.session);
+        let _ = writeln!(
+            w,
+            "agent          {}{}",
+            self.agent,
+            self.agent_session_id
+                .as_deref()
+                .map(|id| format!(" (agent session {id})"))
+                .unwrap_or_default()
+        );
+        if let Some(model) = &self.model {
+            let _ = writeln!(w, "model          {model}");
+        }
+        let sandbox = match &self.sandbox.handle {
+            Some(h) => format!("{} {} (workdir {})", h.provider, h.id, h.workdir),
+            None => format!(
+                "{} (none yet: the first turn makes it)",
+                self.sandbox.provider
+            ),
+        };
+        let _ = writeln!(w, "sandbox        {sandbox}");
+        if let Some(image) = &self.sandbox.image {
+            let _ = writeln!(w, "image          {image}");
+        }
+        let running = self
+            .turns
+            .last()
+            .filter(|_| self.status == "running")
+            .map(|t| format!(" (turn {} {})", t.id, t.status.as_str()))
+            .unwrap_or_default();
+        let _ = writeln!(w, "status         {}{running}", self.status);
+        if let Some(origin) = &self.forked_from {
+            let _ = writeln!(
+                w,
+                "forked from    {} until frame {}",
+                origin.session, origin.until
+            );
+        }
+        let _ = writeln!(
+            w,
+            "last activity  {} (frame {})",
+            self.last_activity.as_deref().unwrap_or("-"),
+            self.frames
+        );
+        let _ = writeln!(w, "\nturns ({})", self.turns.len());
+        if !self.turns.is_empty() {
+            let _ = writeln!(
+                w,
+                "  {:<8} {:<24} {:<24} {:<24} {:>10}",
+                "TURN", "STATUS", "STARTED", "ENDED", "DURATION"
+            );
+        }
+        for t in &self.turns {
+            let _ = writeln!(
+                w,
+                "  {:<8} {:<24} {:<24} {:<24} {:>10}",
+                t.id,
+                t.status.as_str(),
+                utc(t.started_ms),
+                t.ended_ms.map(utc).unwrap_or_else(|| "-".into()),
+                t.duration_ms.map(duration).unwrap_or_else(|| "-".into())
+            );
+            if let Some(error) = &t.error {
+                let _ = writeln!(w, "           error: {error}");
+            }
+        }
+        for (title, moves) in [
+            ("checkpoints", &self.checkpoints),
+            ("restored from", &self.restores),
+        ] {
+            let _ = writeln!(w, "\n{title} ({})", moves.len());
+            if !moves.is_empty() {
+                let _ = writeln!(
+                    w,
+                    "  {:<8} {:<24} {:<8} {:>12}  KEY",
+                    "TURN", "AT", "KIND", "BYTES"
+                );
+            }
+            for m in moves {
+                let _ = writeln!(
+                    w,
+                    "  {:<8} {:<24} {:<8} {:>12}  {}",
+                    m.turn,
+                    utc(m.at_ms),
+                    m.kind,
+                    m.bytes.map(|b| b.to_string()).unwrap_or_else(|| "-".into()),
+                    m.key
+                );
+            }
+        }
+        out
+    }
+}
+
+/// `2025-01-02 03:04:05 UTC` for milliseconds since the epoch.
+fn utc(ms: u64) -> String {
+    let secs = ms / 1000;
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02} UTC",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+/// `850 ms`, `4.2 s`, `3 m 07 s`, `2 h 05 m`.
+fn duration(ms: u64) -> String {
+    match ms {
+        0..=999 => format!("{ms} ms"),
+        1_000..=59_999 => format!("{:.1} s", ms as f64 / 1000.0),
+        60_000..=3_599_999 => format!("{} m {:02} s", ms / 60_000, ms % 60_000 / 1000),
+        _ => format!("{} h {:02} m", ms / 3_600_000, ms % 3_600_000 / 60_000),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn times_read_as_utc_dates_and_short_durations() {
+        assert_eq!(utc(0), "1970-01-01 00:00:00 UTC");
+        assert_eq!(utc(951_782_400_000), "2000-02-29 00:00:00 UTC");
+        assert_eq!(utc(1_735_787_045_123), "2025-01-02 03:04:05 UTC");
+        assert_eq!(duration(850), "850 ms");
+        assert_eq!(duration(4_240), "4.2 s");
+        assert_eq!(duration(187_000), "3 m 07 s");
+        assert_eq!(duration(7_500_000), "2 h 05 m");
+    }
 }
