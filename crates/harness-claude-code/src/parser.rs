@@ -13,7 +13,7 @@
 use std::collections::{HashMap, HashSet};
 
 use harness_core::harness::OutputParser;
-use harness_core::part::{FileChangeKind, StreamPart, Usage};
+use harness_core::part::{FileChangeKind, StreamPart, Usage, WARNING_MODEL_RETRY};
 use serde_json::Value;
 
 /// Parser state for one turn of Claude Code output.
@@ -35,6 +35,29 @@ pub struct ClaudeCodeParser {
     step_usage: Usage,
     /// Counter for ids when a message has no id.
     anon: u64,
+}
+
+/// A `system/api_retry` line as a [`StreamPart::Warning`].
+fn api_retry_warning(v: &Value) -> StreamPart {
+    let attempt = v.get("attempt").and_then(Value::as_u64).map(|n| n as u32);
+    let max_attempts = v
+        .get("max_retries")
+        .and_then(Value::as_u64)
+        .map(|n| n as u32);
+    let error = v.get("error").and_then(Value::as_str).unwrap_or("unknown");
+    let mut message = match v.get("error_status").and_then(Value::as_u64) {
+        Some(status) => format!("the model request failed (HTTP {status}, {error})"),
+        None => format!("the model request failed ({error}: no HTTP response)"),
+    };
+    if let Some(ms) = v.get("retry_delay_ms").and_then(Value::as_u64) {
+        message.push_str(&format!("; retrying in {:.1} s", ms as f64 / 1000.0));
+    }
+    StreamPart::Warning {
+        code: WARNING_MODEL_RETRY.into(),
+        message,
+        attempt,
+        max_attempts,
+    }
 }
 
 fn raw(value: Value) -> StreamPart {
@@ -133,6 +156,14 @@ impl ClaudeCodeParser {
             }
             // Progress noise: nothing a client needs.
             Some("status") | Some("thinking_tokens") => {}
+            // A request to the model failed and Claude Code retries it
+            // (observed: `{"subtype":"api_retry","attempt":3,"max_retries":10,
+            // "retry_delay_ms":2428,"error_status":null,"error":"unknown"}`
+            // when nothing listens at ANTHROPIC_BASE_URL).
+            Some("api_retry") => {
+                self.start(out);
+                out.push(api_retry_warning(v));
+            }
             Some("compact_boundary") => out.push(StreamPart::Compaction {
                 details: v.get("compact_metadata").cloned().unwrap_or(Value::Null),
             }),
@@ -726,6 +757,28 @@ mod tests {
             }
         );
         assert!(matches!(&ok[0], StreamPart::ToolResult { output, .. } if output == "ok"));
+    }
+
+    #[test]
+    fn api_retries_become_model_retry_warnings() {
+        let mut p = ClaudeCodeParser::new();
+        p.push_line(r#"{"type":"system","subtype":"init","session_id":"s","cwd":"/w"}"#);
+        let parts = p.push_line(r#"{"type":"system","subtype":"api_retry","attempt":3,"max_retries":10,"retry_delay_ms":2428,"error_status":null,"error":"unknown","session_id":"s"}"#);
+        assert_eq!(
+            parts,
+            [StreamPart::Warning {
+                code: "model-retry".into(),
+                message: "the model request failed (unknown: no HTTP response); retrying in 2.4 s"
+                    .into(),
+                attempt: Some(3),
+                max_attempts: Some(10),
+            }]
+        );
+        assert!(!parts[0].is_progress());
+        let http = p.push_line(r#"{"type":"system","subtype":"api_retry","attempt":1,"max_retries":10,"retry_delay_ms":500,"error_status":529,"error":"overloaded"}"#);
+        assert!(
+            matches!(&http[0], StreamPart::Warning { message, .. } if message.contains("HTTP 529, overloaded"))
+        );
     }
 
     #[test]

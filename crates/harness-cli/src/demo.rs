@@ -56,7 +56,7 @@ pub async fn run(home: &Home, agent: AgentKind, keep: bool) -> Result<()> {
         agents: vec![agent],
         env: model_env(&model),
         image: None,
-        slice_ms: None,
+        limits: Default::default(),
         engine: EngineSpec::InProcess,
         lenient: false,
         require_docker: false,

@@ -35,8 +35,8 @@ pub struct Options {
     pub env: BTreeMap<String, String>,
     /// The Docker image for sessions that name none.
     pub image: Option<String>,
-    /// Slice length override in milliseconds.
-    pub slice_ms: Option<u64>,
+    /// Slice length and quiet limit of the turns.
+    pub limits: TurnLimits,
     /// The engine.
     pub engine: EngineSpec,
     /// Leave out (with a note) an agent or Docker that is not available,
@@ -44,6 +44,33 @@ pub struct Options {
     pub lenient: bool,
     /// Fail when Docker is not available (the session runs in Docker).
     pub require_docker: bool,
+}
+
+/// The turn budgets a user sets on the command line.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct TurnLimits {
+    /// Slice length in milliseconds (default 750 s).
+    #[arg(long, hide = true)]
+    pub slice_ms: Option<u64>,
+    /// End a turn `timed_out` when its agent shows no progress (no output
+    /// but warnings such as model retries) for this many seconds; 0 = never.
+    /// Waiting for an approval does not count. [default: 900]
+    #[arg(long, value_name = "SECONDS", env = "HARNESS_QUIET_TIMEOUT")]
+    pub quiet_timeout: Option<u64>,
+}
+
+impl TurnLimits {
+    /// The turn config these limits give.
+    pub fn turn_config(&self) -> TurnConfig {
+        let mut turn = TurnConfig::default();
+        if let Some(ms) = self.slice_ms {
+            turn.slice_ms = ms;
+        }
+        if let Some(secs) = self.quiet_timeout {
+            turn.quiet_ms = secs.saturating_mul(1000);
+        }
+        turn
+    }
 }
 
 /// A provider for `kind` (`local` under the home, or `docker`).
@@ -113,10 +140,7 @@ pub async fn runtime(home: &Home, options: Options) -> Result<Runtime> {
                 .context("connecting to Temporal (start it with `cargo xtask services start`)")?,
         )),
     };
-    let mut turn = TurnConfig::default();
-    if let Some(ms) = options.slice_ms {
-        turn.slice_ms = ms;
-    }
+    let turn = options.limits.turn_config();
     let mut builder = Runtime::builder(log)
         .engine(engine)
         .env(options.env.clone())

@@ -118,10 +118,8 @@ enum Command {
         /// Docker image for a new docker session.
         #[arg(long)]
         image: Option<String>,
-        /// Slice length in milliseconds (default 750 s); each slice is a
-        /// checkpoint of the turn.
-        #[arg(long, hide = true)]
-        slice_ms: Option<u64>,
+        #[command(flatten)]
+        limits: local::TurnLimits,
         /// The prompt.
         prompt: String,
     },
@@ -184,7 +182,7 @@ fn main() -> ExitCode {
                 session,
                 model,
                 image,
-                slice_ms,
+                limits,
                 prompt,
             } => {
                 turn::run_command(
@@ -195,7 +193,7 @@ fn main() -> ExitCode {
                         session,
                         model,
                         image,
-                        slice_ms,
+                        limits,
                         approvals,
                         prompt,
                     },

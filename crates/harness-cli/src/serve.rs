@@ -65,9 +65,8 @@ pub struct ServeArgs {
     /// Docker image for docker sessions that name none.
     #[arg(long)]
     image: Option<String>,
-    /// Slice length in milliseconds (default 750 s).
-    #[arg(long, hide = true)]
-    slice_ms: Option<u64>,
+    #[command(flatten)]
+    limits: local::TurnLimits,
 }
 
 /// Parse `TOKEN=ROLE[@SESSION]`.
@@ -153,7 +152,7 @@ pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
             agents: vec![AgentKind::ClaudeCode, AgentKind::Codex],
             env,
             image: args.image.clone(),
-            slice_ms: args.slice_ms,
+            limits: args.limits.clone(),
             engine,
             lenient: true,
             require_docker: false,

@@ -17,7 +17,7 @@ use harness::runtime::{Runtime, SessionClient, TurnFollower, TurnHandle, TurnUpd
 use crate::client::{Events, RemoteClient};
 use crate::home::{Home, RuntimeLock, ServeInfo};
 use crate::local::{self, EngineSpec};
-use crate::print::render;
+use crate::print::Activity;
 use crate::{AgentKind, SandboxKind};
 
 /// `harness run` arguments.
@@ -28,7 +28,7 @@ pub struct RunArgs {
     pub session: Option<String>,
     pub model: Option<String>,
     pub image: Option<String>,
-    pub slice_ms: Option<u64>,
+    pub limits: local::TurnLimits,
     pub approvals: bool,
     pub prompt: String,
 }
@@ -77,6 +77,16 @@ fn new_config(args: &RunArgs) -> SessionConfig {
         model: args.model.clone(),
         approvals: args.approvals,
     }
+}
+
+/// Where `agent` sends its model requests with `env`: the base URL the
+/// user set, else the provider's public API.
+fn model_url(env: &std::collections::BTreeMap<String, String>, agent: &str) -> Option<String> {
+    let (var, default) = match AgentKind::from_name(agent)? {
+        AgentKind::ClaudeCode => ("ANTHROPIC_BASE_URL", "https://api.anthropic.com"),
+        AgentKind::Codex => ("OPENAI_BASE_URL", "https://api.openai.com/v1"),
+    };
+    Some(env.get(var).cloned().unwrap_or_else(|| default.to_string()))
 }
 
 fn spinner(message: String) -> indicatif::ProgressBar {
@@ -192,11 +202,12 @@ async fn follow(
     turn_id: &str,
     mut updates: Updates,
     controls: &Controls,
+    model_url: Option<String>,
 ) -> Result<Ended> {
-    let mut bar = Some(spinner(
-        "starting the turn (a session's first turn makes its sandbox and installs the agent once)"
-            .into(),
-    ));
+    let mut activity = Activity::new(
+        "starting the turn (a session's first turn makes its sandbox and installs the agent once)",
+        model_url,
+    );
     let mut text = String::new();
     let mut aborting = false;
     loop {
@@ -216,21 +227,15 @@ async fn follow(
             }
         };
         let Some(update) = update else {
+            activity.done();
             bail!("the session's stream ended before turn {turn_id} did");
         };
-        if let Some(bar) = bar.take() {
-            bar.finish_and_clear();
-        }
         match update {
             TurnUpdate::Part(part) => {
                 if let StreamPart::TextDelta { delta, .. } = &part {
                     text.push_str(delta);
                 }
-                if let Some(rendered) = render(&part) {
-                    let mut out = std::io::stdout().lock();
-                    let _ = out.write_all(rendered.as_bytes());
-                    let _ = out.flush();
-                }
+                activity.part(&part);
                 if let StreamPart::ToolApprovalRequest {
                     approval_id,
                     tool_name,
@@ -254,6 +259,7 @@ async fn follow(
                 }
             }
             TurnUpdate::Ended { status, error } => {
+                activity.done();
                 let remote_text = updates.text();
                 return Ok(Ended {
                     session: session.to_string(),
@@ -281,6 +287,7 @@ pub async fn run_local(
     config: SessionConfig,
     prompt: String,
 ) -> Result<(Runtime, Ended)> {
+    let options_env = options.env.clone();
     let runtime = local::runtime(home, options).await?;
     let started = runtime.start().await?;
     if started.resumed + started.redispatched > 0 {
@@ -312,6 +319,7 @@ pub async fn run_local(
     // A turn of this session still running (an interrupted run picked up
     // above): finish it first, then send the prompt.
     let info = session.info().await?;
+    let model_url = model_url(&options_env, &info.meta.config_or_default().agent);
     if let Some(running) = info.meta.active_turn() {
         eprintln!(
             "turn {} of session {} is still running; finishing it first…",
@@ -326,6 +334,7 @@ pub async fn run_local(
             &running.turn_id,
             Updates::Local(handle),
             &Controls::Local(session.clone()),
+            model_url.clone(),
         )
         .await?;
         eprintln!("{}", summary(&earlier));
@@ -338,6 +347,7 @@ pub async fn run_local(
         &turn_id,
         Updates::Local(turn),
         &Controls::Local(session),
+        model_url,
     )
     .await?;
     ended.slices = runtime
@@ -383,7 +393,9 @@ pub async fn run_remote(
             Default::default(),
         );
         let controls = Controls::Remote(client.clone(), session.clone());
-        let earlier = follow(&session, &running.turn_id, updates, &controls).await?;
+        // The server's agents reach the model from its environment, which
+        // this process does not know.
+        let earlier = follow(&session, &running.turn_id, updates, &controls, None).await?;
         eprintln!("{}", summary(&earlier));
     }
     let after = client.info(&session).await?.last_seq;
@@ -412,6 +424,7 @@ pub async fn run_remote(
         &turn_id,
         updates,
         &Controls::Remote(client.clone(), session.clone()),
+        None,
     )
     .await
 }
@@ -451,7 +464,7 @@ pub async fn run_command(home: &Home, args: RunArgs) -> Result<()> {
                 agents: vec![agent],
                 env,
                 image: args.image.clone(),
-                slice_ms: args.slice_ms,
+                limits: args.limits.clone(),
                 engine: EngineSpec::InProcess,
                 lenient: false,
                 require_docker: args.sandbox == SandboxKind::Docker && args.session.is_none(),
@@ -530,7 +543,7 @@ pub async fn resume_command(home: &Home) -> Result<()> {
         agents: vec![AgentKind::ClaudeCode, AgentKind::Codex],
         env: local::agent_env(),
         image: None,
-        slice_ms: None,
+        limits: Default::default(),
         engine: EngineSpec::InProcess,
         lenient: true,
         require_docker: false,

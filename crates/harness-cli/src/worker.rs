@@ -111,9 +111,8 @@ pub async fn run(home: &Home, args: WorkerArgs) -> Result<()> {
 pub struct RunnerArgs {
     #[command(flatten)]
     remote: RemoteArgs,
-    /// Slice length in milliseconds (default 750 s).
-    #[arg(long, hide = true)]
-    slice_ms: Option<u64>,
+    #[command(flatten)]
+    limits: crate::local::TurnLimits,
 }
 
 /// Run the runner until interrupted: the server's turns on an in-process
@@ -137,11 +136,7 @@ pub async fn runner(home: &Home, args: RunnerArgs) -> Result<()> {
     if resumed > 0 {
         eprintln!("resumed {resumed} turn(s) an earlier runner left unfinished");
     }
-    let mut turn = harness::core::turn::TurnConfig::default();
-    if let Some(ms) = args.slice_ms {
-        turn.slice_ms = ms;
-    }
-    let runtime = SessionRuntime::new(Arc::new(engine)).with_turn_config(turn);
+    let runtime = SessionRuntime::new(Arc::new(engine)).with_turn_config(args.limits.turn_config());
     let (server, token) = (&args.remote.server, args.remote.token.as_deref());
     eprintln!("runner (generation {generation}) for {server}");
     let mut backoff = Duration::from_millis(500);

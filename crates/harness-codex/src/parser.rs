@@ -11,7 +11,7 @@
 use std::collections::{HashMap, HashSet};
 
 use harness_core::harness::OutputParser;
-use harness_core::part::{FileChangeKind, StreamPart, Usage};
+use harness_core::part::{FileChangeKind, StreamPart, Usage, WARNING_MODEL_RETRY};
 use serde_json::{json, Value};
 
 /// The tool name reported for Codex shell commands (`command_execution`
@@ -39,6 +39,23 @@ pub struct CodexParser {
     calls: HashSet<String>,
     /// Items already completed (a repeated completion is ignored).
     done: HashSet<String>,
+    /// `Reconnecting...` notices seen (for their attempt number when the
+    /// message carries none).
+    reconnects: u32,
+}
+
+/// Codex's notice that a request to the model failed and is retried, e.g.
+/// `Reconnecting... waiting for network (Connection failed: error sending
+/// request)` (observed with nothing listening at the provider's base URL)
+/// or `Reconnecting... 2/5 (stream disconnected before completion)`.
+const RECONNECTING: &str = "Reconnecting...";
+
+/// The `N/M` right after [`RECONNECTING`], when present.
+fn reconnect_attempt(message: &str) -> Option<(u32, u32)> {
+    let rest = message.strip_prefix(RECONNECTING)?.trim_start();
+    let token = rest.split_whitespace().next()?;
+    let (n, m) = token.split_once('/')?;
+    Some((n.parse().ok()?, m.parse().ok()?))
 }
 
 fn raw(value: Value) -> StreamPart {
@@ -302,6 +319,21 @@ impl OutputParser for CodexParser {
                     usage: v.get("usage").map(usage_from).unwrap_or_default(),
                 });
             }
+            Some("error") if str_of(&v, "message").is_some_and(|m| m.starts_with(RECONNECTING)) => {
+                self.start(&mut out);
+                self.reconnects += 1;
+                let message = str_of(&v, "message").unwrap_or_default();
+                let (attempt, max_attempts) = match reconnect_attempt(message) {
+                    Some((n, m)) => (n, Some(m)),
+                    None => (self.reconnects, None),
+                };
+                out.push(StreamPart::Warning {
+                    code: WARNING_MODEL_RETRY.into(),
+                    message: message.to_string(),
+                    attempt: Some(attempt),
+                    max_attempts,
+                });
+            }
             Some("error") => {
                 self.start(&mut out);
                 out.push(StreamPart::Error {
@@ -549,6 +581,37 @@ mod tests {
                 message: "reconnecting".into()
             }]
         );
+    }
+
+    #[test]
+    fn reconnect_notices_become_model_retry_warnings() {
+        let mut p = CodexParser::new();
+        p.push_line(r#"{"type":"thread.started","thread_id":"t"}"#);
+        p.push_line(r#"{"type":"turn.started"}"#);
+        let dead = r#"{"type":"error","message":"Reconnecting... waiting for network (Connection failed: error sending request)"}"#;
+        for n in 1..=2 {
+            let parts = p.push_line(dead);
+            assert_eq!(
+                parts,
+                [StreamPart::Warning {
+                    code: "model-retry".into(),
+                    message: "Reconnecting... waiting for network (Connection failed: error sending request)".into(),
+                    attempt: Some(n),
+                    max_attempts: None,
+                }]
+            );
+        }
+        let counted = p.push_line(
+            r#"{"type":"error","message":"Reconnecting... 2/5 (stream disconnected before completion)"}"#,
+        );
+        assert!(matches!(
+            &counted[0],
+            StreamPart::Warning {
+                attempt: Some(2),
+                max_attempts: Some(5),
+                ..
+            }
+        ));
     }
 
     #[test]

@@ -483,12 +483,13 @@ async fn network_policy(kind: BackendKind) {
             // Codex does not give up without a network: it reports
             // "Reconnecting... waiting for network (Connection failed: …)"
             // as an error event about every 10 s and keeps waiting (request
-            // and stream retry limits do not end that wait). So the test
-            // waits for that report and then aborts the turn.
+            // and stream retry limits do not end that wait); the parser makes
+            // it a `model-retry` warning. So the test waits for that warning
+            // and then aborts the turn.
             let reported = |parts: &[StreamPart]| {
                 parts.iter().any(|p| {
-                    matches!(p, StreamPart::Error { message }
-                        if message.to_lowercase().contains("connection failed"))
+                    matches!(p, StreamPart::Warning { code, message, .. }
+                        if code == "model-retry" && message.to_lowercase().contains("connection failed"))
                 })
             };
             let proc = start_turn(&mut s, &h, "are you there", &env).await;

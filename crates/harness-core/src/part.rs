@@ -148,6 +148,21 @@ pub enum StreamPart {
         /// Human-readable message.
         message: String,
     },
+    /// The agent reported a problem it is working around — today: a request
+    /// to the model failed and the agent retries it. Not progress: the
+    /// turn's quiet timer keeps running (see `TurnConfig::quiet_ms`).
+    Warning {
+        /// What kind of problem ([`WARNING_MODEL_RETRY`], …).
+        code: String,
+        /// Human-readable message, as the agent gave it.
+        message: String,
+        /// Which retry this is, when the agent counts them.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        attempt: Option<u32>,
+        /// How many retries the agent will make, when it says.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        max_attempts: Option<u32>,
+    },
     /// An event the parser did not understand, passed through unchanged.
     Raw {
         /// The original JSON value (or `{"line": "..."}` for non-JSON).
@@ -155,7 +170,19 @@ pub enum StreamPart {
     },
 }
 
+/// [`StreamPart::Warning`] code: a request to the model failed and the agent
+/// retries it (unreachable endpoint, 5xx, overload).
+pub const WARNING_MODEL_RETRY: &str = "model-retry";
+
 impl StreamPart {
+    /// Whether this part shows the agent making progress: anything but a
+    /// warning or a line the parser did not understand. The quiet timer of
+    /// a turn restarts on progress only, so an agent that does nothing but
+    /// retry an unreachable model still times out.
+    pub fn is_progress(&self) -> bool {
+        !matches!(self, StreamPart::Warning { .. } | StreamPart::Raw { .. })
+    }
+
     /// The wire name of this part's `type`.
     pub fn type_name(&self) -> &'static str {
         match self {
@@ -174,6 +201,7 @@ impl StreamPart {
             StreamPart::FinishStep { .. } => "finish-step",
             StreamPart::Finish { .. } => "finish",
             StreamPart::Error { .. } => "error",
+            StreamPart::Warning { .. } => "warning",
             StreamPart::Raw { .. } => "raw",
         }
     }

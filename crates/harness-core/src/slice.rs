@@ -214,6 +214,11 @@ impl SliceRunner {
         let mut read_to = state.cursor; // bytes fetched from the spool
         let mut pending = Vec::<u8>::new(); // fetched, not yet a full line
         let mut agent_session_id = state.agent_session_id.clone();
+        // The quiet timer (see `TurnConfig::quiet_ms`): progress restarts it,
+        // warnings do not.
+        let mut last_progress = state.last_progress_at_ms.unwrap_or(started);
+        let mut last_warning: Option<String> = None;
+        let quiet_ms = state.config.quiet_ms;
         loop {
             // Probe the status *before* reading, so "exited" plus "nothing
             // new to read" really means the whole output was consumed.
@@ -269,9 +274,12 @@ impl SliceRunner {
                             agent_session_id,
                             cursor: line_start,
                             outcome: SliceOutcome::ApprovalRequested(request),
+                            last_progress_at_ms: Some(last_progress),
+                            last_warning: last_warning.clone(),
                         });
                     }
                     let key = format!("{}:{offset}:{i}", state.turn_id);
+                    note_progress(&part, &*self.clock, &mut last_progress, &mut last_warning);
                     self.sink
                         .emit(&state.session_id, &state.turn_id, part, key)
                         .await?;
@@ -288,6 +296,12 @@ impl SliceRunner {
                         let text = String::from_utf8_lossy(&pending).to_string();
                         let offset = read_to - pending.len() as u64;
                         for (i, part) in parser.push_line(text.trim_end()).into_iter().enumerate() {
+                            note_progress(
+                                &part,
+                                &*self.clock,
+                                &mut last_progress,
+                                &mut last_warning,
+                            );
                             self.sink
                                 .emit(
                                     &state.session_id,
@@ -306,6 +320,8 @@ impl SliceRunner {
                         agent_session_id,
                         cursor: read_to,
                         outcome: SliceOutcome::Exited { code },
+                        last_progress_at_ms: Some(last_progress),
+                        last_warning: last_warning.clone(),
                     });
                 }
                 DetachedStatus::Lost if !got_any => {
@@ -314,6 +330,8 @@ impl SliceRunner {
                         agent_session_id,
                         cursor,
                         outcome: SliceOutcome::Lost,
+                        last_progress_at_ms: Some(last_progress),
+                        last_warning: last_warning.clone(),
                     });
                 }
                 _ => {}
@@ -353,15 +371,21 @@ impl SliceRunner {
                         agent_session_id,
                         cursor,
                         outcome: SliceOutcome::ApprovalRequested(request.approval),
+                        last_progress_at_ms: Some(last_progress),
+                        last_warning: last_warning.clone(),
                     });
                 }
             }
-            if abort.is_aborted() || self.clock.now_ms() >= deadline {
+            let now = self.clock.now_ms();
+            let quiet_for_too_long = quiet_ms > 0 && now >= last_progress.saturating_add(quiet_ms);
+            if abort.is_aborted() || now >= deadline || quiet_for_too_long {
                 return Ok(SliceReport {
                     process: Some(process),
                     agent_session_id,
                     cursor,
                     outcome: SliceOutcome::Running,
+                    last_progress_at_ms: Some(last_progress),
+                    last_warning: last_warning.clone(),
                 });
             }
             if !got_any {
@@ -372,6 +396,27 @@ impl SliceRunner {
                 }
             }
         }
+    }
+}
+
+/// Restart the quiet timer on progress; remember the last warning.
+fn note_progress(
+    part: &StreamPart,
+    clock: &dyn Clock,
+    last_progress: &mut u64,
+    last_warning: &mut Option<String>,
+) {
+    match part {
+        StreamPart::Warning {
+            message, attempt, ..
+        } => {
+            *last_warning = Some(match attempt {
+                Some(n) => format!("{message} (retry {n})"),
+                None => message.clone(),
+            });
+        }
+        part if part.is_progress() => *last_progress = clock.now_ms(),
+        _ => {}
     }
 }
 

@@ -63,6 +63,22 @@ pub struct TurnConfig {
     pub max_turn_ms: u64,
     /// Failed slices in a row before the turn fails (default 3).
     pub max_consecutive_failures: u32,
+    /// Longest the agent may go without progress — a part other than a
+    /// warning — before the turn ends `timed_out`, in milliseconds; 0
+    /// turns the check off. Time spent waiting for a client's approval
+    /// does not count. The default, 15 minutes, is above the longest
+    /// silent stretch a healthy agent has: a tool call reports nothing
+    /// until it returns, and Claude Code's Bash tool stops a command after
+    /// 10 minutes at most.
+    #[serde(default = "default_quiet_ms")]
+    pub quiet_ms: u64,
+}
+
+/// [`TurnConfig::quiet_ms`] by default: 15 minutes.
+pub const DEFAULT_QUIET_MS: u64 = 15 * 60 * 1000;
+
+fn default_quiet_ms() -> u64 {
+    DEFAULT_QUIET_MS
 }
 
 impl Default for TurnConfig {
@@ -71,6 +87,7 @@ impl Default for TurnConfig {
             slice_ms: 750_000,
             max_turn_ms: 2 * 60 * 60 * 1000,
             max_consecutive_failures: 3,
+            quiet_ms: DEFAULT_QUIET_MS,
         }
     }
 }
@@ -148,6 +165,15 @@ pub struct TurnState {
     /// When the turn started (ms since epoch).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub started_at_ms: Option<u64>,
+    /// When the agent last made progress (see [`TurnConfig::quiet_ms`]);
+    /// unset until a slice reports it, and again after an approval (the
+    /// wait for a client is not the agent's silence).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_progress_at_ms: Option<u64>,
+    /// The last warning the agent reported (e.g. that it retries the
+    /// model), kept to say why a quiet turn timed out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_warning: Option<String>,
     /// The permission request the turn waits on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pending_approval: Option<PendingApproval>,
@@ -199,6 +225,8 @@ impl TurnState {
             slices_run: 0,
             consecutive_failures: 0,
             started_at_ms: None,
+            last_progress_at_ms: None,
+            last_warning: None,
             pending_approval: None,
             approval_answers: Vec::new(),
             kill_pending: false,
@@ -259,6 +287,12 @@ pub struct SliceReport {
     pub cursor: u64,
     /// What happened.
     pub outcome: SliceOutcome,
+    /// When the agent last made progress, as far as this slice saw.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_progress_at_ms: Option<u64>,
+    /// The last warning this slice saw.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_warning: Option<String>,
 }
 
 /// Something that happened to a turn.
@@ -452,9 +486,17 @@ pub fn step(mut state: TurnState, event: TurnEvent) -> Result<(TurnState, NextSt
             if report.agent_session_id.is_some() {
                 state.agent_session_id = report.agent_session_id;
             }
+            if report.last_progress_at_ms.is_some() {
+                state.last_progress_at_ms = report.last_progress_at_ms;
+            }
+            if report.last_warning.is_some() {
+                state.last_warning = report.last_warning;
+            }
             match report.outcome {
                 SliceOutcome::Running => {
                     let started = state.started_at_ms.unwrap_or(now_ms);
+                    let quiet = state.config.quiet_ms;
+                    let silent_since = state.last_progress_at_ms.unwrap_or(started);
                     if now_ms.saturating_sub(started) >= state.config.max_turn_ms {
                         let limit = state.config.max_turn_ms;
                         fail(
@@ -462,6 +504,15 @@ pub fn step(mut state: TurnState, event: TurnEvent) -> Result<(TurnState, NextSt
                             TurnStatus::TimedOut,
                             format!("turn exceeded its {limit} ms budget"),
                         );
+                    } else if quiet > 0 && now_ms.saturating_sub(silent_since) >= quiet {
+                        let mut error = format!(
+                            "no output from the agent for {} s (the quiet limit)",
+                            now_ms.saturating_sub(silent_since) / 1000
+                        );
+                        if let Some(warning) = &state.last_warning {
+                            error.push_str(&format!("; its last warning: {warning}"));
+                        }
+                        fail(&mut state, TurnStatus::TimedOut, error);
                     }
                 }
                 SliceOutcome::Exited { code } => {
@@ -514,6 +565,8 @@ pub fn step(mut state: TurnState, event: TurnEvent) -> Result<(TurnState, NextSt
             state.pending_approval = None;
             state.approval_answers.push(answer);
             state.status = TurnStatus::ReadyForNextStep;
+            // The quiet timer starts over with the next slice.
+            state.last_progress_at_ms = None;
         }
         TurnEvent::Abort { reason } => {
             fail(&mut state, TurnStatus::Failed, format!("aborted: {reason}"));

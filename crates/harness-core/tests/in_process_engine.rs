@@ -86,6 +86,8 @@ impl SliceExecutor for ScriptedAgent {
             agent_session_id: Some("agent-1".into()),
             cursor: state.cursor + 10 * u64::from(n + 1),
             outcome,
+            last_progress_at_ms: None,
+            last_warning: None,
         })
     }
     async fn kill_agent(

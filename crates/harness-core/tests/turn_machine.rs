@@ -51,6 +51,8 @@ fn report(cursor: u64, outcome: SliceOutcome) -> TurnEvent {
             agent_session_id: Some("agent-sess".into()),
             cursor,
             outcome,
+            last_progress_at_ms: None,
+            last_warning: None,
         },
         now_ms: 2_000,
     }
@@ -100,6 +102,71 @@ fn turn_budget_times_out_and_kills_the_agent() {
     let (s, next) = step(s, TurnEvent::AgentKilled).unwrap();
     assert!(!s.kill_pending);
     assert_eq!(next, NextStep::RecordEnd);
+}
+
+#[test]
+fn a_quiet_agent_times_out_with_its_last_warning_and_is_killed() {
+    let mut s = started();
+    s.config.quiet_ms = 30_000;
+    // Progress at 20 s, checked at 45 s: 25 s of quiet is within the limit.
+    let quiet = |cursor, progress_at, now_ms, warning: Option<&str>| TurnEvent::SliceCompleted {
+        report: SliceReport {
+            process: Some(process()),
+            agent_session_id: None,
+            cursor,
+            outcome: SliceOutcome::Running,
+            last_progress_at_ms: Some(progress_at),
+            last_warning: warning.map(str::to_string),
+        },
+        now_ms,
+    };
+    let (s, _) = step(s, quiet(10, 20_000, 45_000, None)).unwrap();
+    assert_eq!(s.status, TurnStatus::ReadyForNextStep);
+    assert_eq!(s.last_progress_at_ms, Some(20_000));
+    // A slice that saw only warnings keeps the old progress time: 31 s.
+    let (s, next) = step(
+        s,
+        quiet(
+            20,
+            20_000,
+            51_000,
+            Some("the model request failed (retry 4)"),
+        ),
+    )
+    .unwrap();
+    assert_eq!(s.status, TurnStatus::TimedOut);
+    assert_eq!(
+        s.error.as_deref(),
+        Some("no output from the agent for 31 s (the quiet limit); its last warning: the model request failed (retry 4)")
+    );
+    assert_eq!(next, NextStep::KillAgent { process: process() });
+}
+
+#[test]
+fn the_quiet_limit_can_be_turned_off_and_an_approval_restarts_it() {
+    let mut s = started();
+    s.config.quiet_ms = 0;
+    let (s, _) = step(s, report(10, SliceOutcome::Running)).unwrap();
+    assert_eq!(s.status, TurnStatus::ReadyForNextStep, "0 = no quiet limit");
+    let pending = PendingApproval {
+        approval_id: "ap1".into(),
+        tool_name: "Bash".into(),
+        input: json!({}),
+    };
+    let mut s = s;
+    s.config.quiet_ms = 30_000;
+    s.last_progress_at_ms = Some(1_500);
+    let (s, _) = step(s, report(20, SliceOutcome::ApprovalRequested(pending))).unwrap();
+    let answer = ApprovalAnswer {
+        approval_id: "ap1".into(),
+        approved: true,
+        reason: None,
+    };
+    let (s, _) = step(s, TurnEvent::ApprovalAnswered(answer)).unwrap();
+    assert_eq!(
+        s.last_progress_at_ms, None,
+        "the wait for a client is not quiet"
+    );
 }
 
 #[test]

@@ -226,6 +226,21 @@ impl UiStreamMapper {
                 self.start(out);
                 out.push(json!({"type": "error", "errorText": message}));
             }
+            // Transient: a client shows it while it matters, the message
+            // history does not keep it.
+            StreamPart::Warning {
+                code,
+                message,
+                attempt,
+                max_attempts,
+            } => {
+                self.start(out);
+                out.push(json!({
+                    "type": "data-warning",
+                    "data": {"code": code, "message": message, "attempt": attempt, "maxAttempts": max_attempts},
+                    "transient": true,
+                }));
+            }
             // Deltas never reach the log; compaction and raw events have no
             // UI chunk.
             _ => {}
@@ -403,6 +418,20 @@ mod tests {
             }),
         ));
         assert_eq!(err, vec![json!({"type": "error", "errorText": "bad"})]);
+        let warning = m.map(&frame(
+            4,
+            part(StreamPart::Warning {
+                code: "model-retry".into(),
+                message: "the model request failed".into(),
+                attempt: Some(2),
+                max_attempts: None,
+            }),
+        ));
+        assert_eq!(
+            warning,
+            vec![json!({"type": "data-warning", "transient": true,
+                        "data": {"code": "model-retry", "message": "the model request failed", "attempt": 2, "maxAttempts": null}})]
+        );
         let fin = m.map(&frame(
             5,
             part(StreamPart::Finish {

@@ -423,6 +423,12 @@ function onPart(frame) {
     case "error":
       entry("error", frame.seq, turnId).append(text("p", part.message));
       break;
+    case "warning": {
+      // A model the agent cannot reach shows up at once, not as silence.
+      const retry = part.attempt ? ` (retry ${part.attempt}${part.maxAttempts ? ` of ${part.maxAttempts}` : ""})` : "";
+      entry("warning", frame.seq, turnId).append(text("p", `⚠ ${part.message}${retry}`));
+      break;
+    }
     case "finish": {
       const usage = part.usage || {};
       entry("finish", frame.seq, turnId).append(
