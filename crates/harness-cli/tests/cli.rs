@@ -53,6 +53,7 @@ fn demo_runs_a_real_claude_code_turn() {
         stdout.contains("turn t1 finished in 1 slice(s)"),
         "{stdout}"
     );
+    assert_demo_reported_no_error(home.path(), &stdout, &stderr);
 }
 
 #[test]
@@ -64,6 +65,56 @@ fn demo_runs_a_real_codex_turn() {
     let (out, stdout, stderr) = run(harness(home.path()).args(["demo", "--agent", "codex"]));
     assert!(out.status.success(), "demo failed:\n{stdout}\n{stderr}");
     assert!(stdout.contains("\"hello from the sandbox\""), "{stdout}");
+    assert_demo_reported_no_error(home.path(), &stdout, &stderr);
+}
+
+/// A demo turn that succeeds can still carry errors the agent reported on
+/// the way (e.g. Codex's "✖ Code Mode is unavailable because failed to
+/// spawn code-mode host …" when the recipe shipped `codex` without its
+/// helper binaries): none may be printed (`✖` lines, how the terminal shows
+/// an `error` part) and none may be stored in the session's frames.
+fn assert_demo_reported_no_error(home: &Path, stdout: &str, stderr: &str) {
+    let crossed: Vec<&str> = stdout
+        .lines()
+        .chain(stderr.lines())
+        .filter(|l| l.contains('✖'))
+        .collect();
+    assert!(
+        crossed.is_empty(),
+        "the demo printed errors:\n{}\n--- stdout:\n{stdout}\n--- stderr:\n{stderr}",
+        crossed.join("\n")
+    );
+    // stderr names it: "session s-… (<agent> in a local sandbox)".
+    let session = stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("session "))
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("the demo named no session:\n{stderr}"));
+    let (out, export, err) = run(harness(home).args(["sessions", "export", session]));
+    assert!(out.status.success(), "sessions export {session}: {err}");
+    let frames: Vec<serde_json::Value> = export
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let parts: Vec<&serde_json::Value> = frames
+        .iter()
+        .filter(|f| f["body"]["type"] == "part")
+        .map(|f| &f["body"]["part"])
+        .collect();
+    assert!(
+        parts.iter().any(|p| p["type"] == "finish"),
+        "the export holds the turn's parts:\n{export}"
+    );
+    let errors: Vec<&&serde_json::Value> = parts.iter().filter(|p| p["type"] == "error").collect();
+    assert!(
+        errors.is_empty(),
+        "the demo's turn stored error parts: {errors:#?}\n--- frames:\n{export}"
+    );
+    let failed: Vec<&serde_json::Value> = frames
+        .iter()
+        .filter(|f| f["body"]["type"] == "turn-status" && !f["body"]["error"].is_null())
+        .collect();
+    assert!(failed.is_empty(), "turn errors: {failed:#?}");
 }
 
 #[test]

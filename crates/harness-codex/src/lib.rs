@@ -4,8 +4,11 @@
 //!
 //! - **Provisioning**: the native (static musl) binary from the npm package
 //!   `@openai/codex-linux-x64` is a [`FileSource::HostPath`] file of the
-//!   bootstrap recipe, so it lands in the identity snapshot once. In
-//!   wrap-mode sandboxes with Codex installed, set
+//!   bootstrap recipe, so it lands in the identity snapshot once, together
+//!   with the package files it runs beside ([`PACKAGE_FILES`]: the
+//!   `codex-code-mode-host` its Code Mode spawns, `rg` and the
+//!   `codex-package.json` that makes Codex put `codex-path/` on its
+//!   commands' `PATH`). In wrap-mode sandboxes with Codex installed, set
 //!   [`CodexConfig::preinstalled`] and the recipe is empty.
 //! - **Isolation**: every session runs with its own `HOME` and
 //!   `CODEX_HOME=$HOME/.codex` (created before the run: Codex refuses a
@@ -29,6 +32,7 @@
 mod parser;
 
 use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 
 use harness_core::bootstrap::{BootstrapRecipe, FileSource, RecipeFile};
 use harness_core::harness::{AgentCommand, Harness, OutputParser, StateMove, TurnContext};
@@ -43,6 +47,90 @@ pub const VERIFIED_VERSION: &str = "0.171.0";
 
 /// Where the binary is installed inside a sandbox by default.
 pub const DEFAULT_INSTALL_PATH: &str = "/opt/harness/bin/codex";
+
+/// The files of Codex's npm platform package (`@openai/codex-linux-x64`,
+/// `vendor/x86_64-unknown-linux-musl/`) that the recipe installs beside
+/// `bin/codex`, as `(path relative to the package root, mode)`. The recipe
+/// puts them at the same place relative to the install root (the parent of
+/// [`CodexConfig::install_path`]'s directory: `/opt/harness` by default).
+///
+/// - `bin/codex-code-mode-host`: the process Code Mode runs in. Codex
+///   spawns it from the directory of its own executable; without it every
+///   turn whose model uses Code Mode (the default model of 0.171.0 does)
+///   starts with the error item "Code Mode is unavailable because failed to
+///   spawn code-mode host …: host executable was not found", and the
+///   model's `exec` tool fails (observed). No config turns Code Mode off
+///   cleanly: `features.code_mode_host=false` gives "Code Mode is
+///   unavailable because code-mode host is disabled", `features.code_mode=false`
+///   changes nothing (the model's metadata asks for it).
+/// - `codex-package.json`: with it beside `bin/`, Codex recognizes its
+///   package layout and prepends `codex-path/` to the `PATH` of the commands
+///   it runs (observed: `command -v rg` finds `/opt/harness/codex-path/rg`)
+///   and uses that `rg` for its own file search.
+/// - `codex-path/rg`: ripgrep.
+///
+/// Not installed: `codex-resources/` — `bwrap` is Codex's own Linux
+/// sandbox, which turns bypass (`--dangerously-bypass-approvals-and-sandbox`:
+/// the harness sandbox is the boundary), and `voice/` (50 MB of GStreamer)
+/// serves the interactive app's voice conversations, which `codex exec` has
+/// no way to start. Codex runs without the directory and says nothing.
+pub const PACKAGE_FILES: &[(&str, u32)] = &[
+    ("bin/codex-code-mode-host", 0o755),
+    ("codex-path/rg", 0o755),
+    ("codex-package.json", 0o644),
+];
+
+/// A file of Codex's package on the host that the recipe installs beside
+/// the binary (see [`PACKAGE_FILES`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PackageFile {
+    /// Path relative to the package root, e.g. `bin/codex-code-mode-host`.
+    pub relative: String,
+    /// Where it is on the host.
+    pub host_path: PathBuf,
+    /// Its mode in the sandbox.
+    pub mode: u32,
+}
+
+/// The [`PACKAGE_FILES`] that exist beside the `codex` binary at `codex`
+/// (`<root>/bin/codex` → `<root>/bin/codex-code-mode-host`,
+/// `<root>/codex-path/rg`, `<root>/codex-package.json`). A binary copied
+/// out of its package has none: the recipe then installs it alone and
+/// Codex reports Code Mode unavailable in every turn.
+pub fn package_files_beside(codex: &Path) -> Vec<PackageFile> {
+    let Some(bin_dir) = codex.parent() else {
+        return Vec::new();
+    };
+    let root = bin_dir.parent();
+    PACKAGE_FILES
+        .iter()
+        .filter_map(|&(relative, mode)| {
+            let host_path = match relative.strip_prefix("bin/") {
+                Some(name) => bin_dir.join(name),
+                None => root?.join(relative),
+            };
+            host_path.is_file().then(|| PackageFile {
+                relative: relative.to_string(),
+                host_path,
+                mode,
+            })
+        })
+        .collect()
+}
+
+/// Where `relative` (a path in Codex's package) goes in the sandbox when the
+/// binary is installed at `install`: `bin/…` beside it, the rest under the
+/// parent of its directory.
+fn install_path_of(install: &str, relative: &str) -> String {
+    let bin_dir = install.rsplit_once('/').map_or("", |(dir, _)| dir);
+    match relative.strip_prefix("bin/") {
+        Some(name) => format!("{bin_dir}/{name}"),
+        None => {
+            let root = bin_dir.rsplit_once('/').map_or("", |(dir, _)| dir);
+            format!("{root}/{relative}")
+        }
+    }
+}
 
 /// The provider name used when a base URL is configured.
 pub const PROVIDER_NAME: &str = "harness";
@@ -99,10 +187,18 @@ impl Default for CodexApprovals {
 pub struct CodexConfig {
     /// The native binary on the host (ignored when `preinstalled` is set).
     pub binary: Option<AgentBinary>,
+    /// The package files installed beside the binary (ignored when
+    /// `preinstalled` is set). [`CodexConfig::with_binary`] fills it with
+    /// [`package_files_beside`] the binary; their digests are read (cached
+    /// as `<file>.sha256`, like the binary's) when the recipe is built.
+    pub package_files: Vec<PackageFile>,
     /// Path of an already-installed `codex` inside the sandbox (wrap-mode):
     /// the recipe is then empty and the command runs this path.
     pub preinstalled: Option<String>,
-    /// Where the recipe installs the binary inside the sandbox.
+    /// Where the recipe installs the binary inside the sandbox. Codex
+    /// recognizes its package (and puts `codex-path/` on `PATH`) only when
+    /// this is `<root>/bin/codex`; the Code Mode host works from any
+    /// directory (it sits beside the binary).
     pub install_path: String,
     /// An OpenAI-compatible Responses endpoint (`http://host:port/v1`). When
     /// unset, `OPENAI_BASE_URL` from the turn's environment is used; when
@@ -124,6 +220,7 @@ impl Default for CodexConfig {
     fn default() -> Self {
         Self {
             binary: None,
+            package_files: Vec::new(),
             preinstalled: None,
             install_path: DEFAULT_INSTALL_PATH.to_string(),
             base_url: None,
@@ -134,9 +231,11 @@ impl Default for CodexConfig {
 }
 
 impl CodexConfig {
-    /// Install `binary` at the default path.
+    /// Install `binary` at the default path, with the files of its npm
+    /// package that Codex runs beside ([`package_files_beside`] it).
     pub fn with_binary(binary: AgentBinary) -> Self {
         Self {
+            package_files: package_files_beside(&binary.host_path),
             binary: Some(binary),
             ..Self::default()
         }
@@ -343,15 +442,35 @@ impl Harness for CodexHarness {
             )
         })?;
         let install = &self.config.install_path;
-        Ok(BootstrapRecipe {
-            files: vec![RecipeFile {
-                path: install.clone(),
-                mode: 0o755,
+        let mut files = vec![RecipeFile {
+            path: install.clone(),
+            mode: 0o755,
+            source: FileSource::HostPath {
+                path: binary.host_path.display().to_string(),
+                sha256: binary.sha256.clone(),
+            },
+        }];
+        for file in &self.config.package_files {
+            files.push(RecipeFile {
+                path: install_path_of(install, &file.relative),
+                mode: file.mode,
                 source: FileSource::HostPath {
-                    path: binary.host_path.display().to_string(),
-                    sha256: binary.sha256.clone(),
+                    path: file.host_path.display().to_string(),
+                    sha256: sha256_cached(&file.host_path).map_err(|e| {
+                        Error::new(
+                            e.kind(),
+                            format!(
+                                "Codex package file {}: {}",
+                                file.host_path.display(),
+                                e.message()
+                            ),
+                        )
+                    })?,
                 },
-            }],
+            });
+        }
+        Ok(BootstrapRecipe {
+            files,
             // Backends create parent directories and set the mode when they
             // write recipe files, so no mkdir/chmod is needed here.
             bootstrap_pre_commands: Vec::new(),
@@ -547,6 +666,113 @@ mod tests {
             .unwrap_err()
             .message()
             .contains("HARNESS_CODEX_BIN"));
+    }
+
+    #[test]
+    fn recipe_installs_the_package_files_beside_the_binary() {
+        // A package laid out like `@openai/codex-linux-x64`'s vendor dir.
+        let root = std::env::temp_dir().join(format!("codex-package-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        for (rel, body) in [
+            ("bin/codex", "codex"),
+            ("bin/codex-code-mode-host", "host"),
+            ("codex-path/rg", "rg"),
+            ("codex-package.json", "{}"),
+            ("codex-resources/bwrap", "bwrap"),
+            ("codex-resources/voice/bin/codex-voice-host", "voice"),
+        ] {
+            let path = root.join(rel);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, body).unwrap();
+        }
+        let mut bin = binary();
+        bin.host_path = root.join("bin/codex");
+        let config = CodexConfig::with_binary(bin);
+        assert_eq!(
+            config
+                .package_files
+                .iter()
+                .map(|f| (f.relative.as_str(), f.mode))
+                .collect::<Vec<_>>(),
+            PACKAGE_FILES,
+            "every package file found, nothing from codex-resources"
+        );
+        let recipe = CodexHarness::new(config.clone())
+            .bootstrap_recipe()
+            .unwrap();
+        let placed: Vec<(&str, u32, String, String)> = recipe
+            .files
+            .iter()
+            .map(|f| match &f.source {
+                FileSource::HostPath { path, sha256 } => {
+                    (f.path.as_str(), f.mode, path.clone(), sha256.clone())
+                }
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        let digest = |rel: &str| sha256_cached(&root.join(rel)).unwrap();
+        let host = |rel: &str| root.join(rel).display().to_string();
+        assert_eq!(
+            placed,
+            [
+                (
+                    DEFAULT_INSTALL_PATH,
+                    0o755,
+                    host("bin/codex"),
+                    "ab".repeat(32)
+                ),
+                (
+                    "/opt/harness/bin/codex-code-mode-host",
+                    0o755,
+                    host("bin/codex-code-mode-host"),
+                    digest("bin/codex-code-mode-host")
+                ),
+                (
+                    "/opt/harness/codex-path/rg",
+                    0o755,
+                    host("codex-path/rg"),
+                    digest("codex-path/rg")
+                ),
+                (
+                    "/opt/harness/codex-package.json",
+                    0o644,
+                    host("codex-package.json"),
+                    digest("codex-package.json")
+                ),
+            ]
+        );
+        // The helpers are part of the identity: a new host is a new snapshot.
+        let alone = CodexHarness::new(CodexConfig {
+            package_files: Vec::new(),
+            ..config.clone()
+        })
+        .bootstrap_recipe()
+        .unwrap();
+        assert_eq!(alone.files.len(), 1);
+        assert_ne!(alone.identity("base"), recipe.identity("base"));
+        // Another install path keeps the package's shape around it.
+        let mut moved = config;
+        moved.install_path = "/usr/local/lib/codex/bin/codex".into();
+        let paths: Vec<String> = CodexHarness::new(moved)
+            .bootstrap_recipe()
+            .unwrap()
+            .files
+            .into_iter()
+            .map(|f| f.path)
+            .collect();
+        assert_eq!(
+            paths,
+            [
+                "/usr/local/lib/codex/bin/codex",
+                "/usr/local/lib/codex/bin/codex-code-mode-host",
+                "/usr/local/lib/codex/codex-path/rg",
+                "/usr/local/lib/codex/codex-package.json"
+            ]
+        );
+        // A binary copied out of its package is installed alone.
+        std::fs::copy(root.join("bin/codex"), root.join("loose-codex")).unwrap();
+        assert!(package_files_beside(&root.join("loose-codex")).is_empty());
+        std::fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]
