@@ -358,6 +358,9 @@ fn run_row(row: &Row, require_real: bool, counts: &mut Option<Counts>) -> Result
     if let Some(t) = row.target {
         cmd.args(["--target", t]);
     }
+    if let Some(t) = row.test_binary {
+        cmd.args(["--test", t]);
+    }
     if row.what == What::Test {
         nextest(&mut cmd, require_real, counts)
     } else {

@@ -39,6 +39,8 @@ pub struct Row {
     pub each_feature: bool,
     /// `None`: the host.
     pub target: Option<&'static str>,
+    /// Only this integration test (`--test NAME`) of a test row.
+    pub test_binary: Option<&'static str>,
     pub what: What,
 }
 
@@ -51,6 +53,7 @@ impl Row {
             default_features: true,
             each_feature: false,
             target: None,
+            test_binary: None,
             what,
         }
     }
@@ -77,6 +80,13 @@ impl Row {
     pub const fn each_feature(self) -> Row {
         Row {
             each_feature: true,
+            ..self
+        }
+    }
+    /// Run only the integration test `name` (`--test name`).
+    pub const fn only_test(self, name: &'static str) -> Row {
+        Row {
+            test_binary: Some(name),
             ..self
         }
     }
@@ -110,6 +120,9 @@ impl Row {
         if let Some(t) = self.target {
             s.push_str(&format!(" --target {t}"));
         }
+        if let Some(t) = self.test_binary {
+            s.push_str(&format!(" --test {t}"));
+        }
         s
     }
 
@@ -132,4 +145,7 @@ pub const MATRIX: &[Row] = &[
     // The facade: nothing, then each backend feature alone.
     Row::check("harness").no_default_features(),
     Row::check("harness").no_default_features().each_feature(),
+    // OTLP export is a feature of the binary: its span test runs with it on
+    // (docs/operations.md).
+    Row::test("harness-cli").features("otlp").only_test("otlp"),
 ];

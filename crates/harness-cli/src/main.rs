@@ -17,6 +17,7 @@ mod moves;
 mod print;
 mod serve;
 mod sessions;
+mod telemetry;
 mod turn;
 mod worker;
 
@@ -31,6 +32,16 @@ struct Cli {
     /// Log more (repeat for more detail). Logs go to stderr.
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
     verbose: u8,
+    /// Export spans (session commands, turns, slices, agent starts, sandbox
+    /// execs, log appends, checkpoints) to this OTLP/HTTP endpoint, e.g.
+    /// http://127.0.0.1:4318. Needs a build with the `otlp` feature.
+    #[arg(
+        long,
+        global = true,
+        env = "OTEL_EXPORTER_OTLP_ENDPOINT",
+        value_name = "URL"
+    )]
+    otlp: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -153,17 +164,14 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let filter = match cli.verbose {
-        0 => "warn",
-        1 => "info",
-        _ => "debug",
+    // Dropped last, after the runtime: it flushes the spans still queued.
+    let _telemetry = match telemetry::init(cli.verbose, cli.otlp.as_deref()) {
+        Ok(guard) => guard,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            return ExitCode::FAILURE;
+        }
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| filter.into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {

@@ -16,6 +16,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::channel::{mpsc, oneshot};
 use futures::{FutureExt, StreamExt};
+use tracing::Instrument;
 
 use crate::clock::Clock;
 use crate::maybe::{BoxFuture, MaybeSend, MaybeSync};
@@ -259,8 +260,34 @@ impl InProcessEngine {
             .unwrap_or_else(|e| e.into_inner())
             .insert(key.clone(), control.clone());
         let engine = self.clone();
+        // The turn's root in a trace: a child of the `session` span that
+        // started it (or a root, for a turn resumed after a restart).
+        let turn_span = tracing::info_span!(
+            "turn",
+            session.id = %state.session_id,
+            turn.id = %state.turn_id,
+            agent = %state.agent,
+            engine = "in-process",
+            generation = self.generation,
+            status = tracing::field::Empty,
+            slices = tracing::field::Empty,
+        );
         (self.spawn)(Box::pin(async move {
-            let result = engine.drive(state, control.clone(), wake_rx).await;
+            let result = engine
+                .drive(state, control.clone(), wake_rx)
+                .instrument(turn_span.clone())
+                .await;
+            match &result {
+                Ok(state) => {
+                    turn_span.record("status", state.status.as_str());
+                    turn_span.record("slices", state.slices_run);
+                }
+                Err(e) => {
+                    turn_span.record("status", "stopped");
+                    turn_span.in_scope(|| tracing::warn!(error = %e, "the turn loop stopped"));
+                }
+            }
+            drop(turn_span);
             engine
                 .running
                 .lock()

@@ -128,6 +128,7 @@ pub fn decompress(zst: ByteStream) -> ByteStream {
 }
 
 /// Stream `dir` of `sandbox` into `store` under `key`.
+#[tracing::instrument(name = "checkpoint", skip_all, fields(key = %key, dir = %dir))]
 pub async fn checkpoint(
     sandbox: &dyn Sandbox,
     dir: &str,
@@ -198,6 +199,7 @@ pub async fn verify(
 
 /// Restore the checkpoint under `key` onto `dir` of `sandbox`, overlaying
 /// what is there. Refuses (changing nothing) if any entry is unsafe.
+#[tracing::instrument(name = "restore", skip_all, fields(key = %key, dir = %dir))]
 pub async fn restore(
     store: &dyn CheckpointStore,
     key: &str,
@@ -333,6 +335,7 @@ fn relative_state_dirs(harness: &dyn Harness, home: &str) -> Result<Vec<String>>
 /// `$HOME`, made by `tar` in the sandbox and streamed out) to
 /// `<base>/state.tar.zst`, then the [`SessionManifest`]. Nothing is staged
 /// on the sandbox's disk. Use a fresh `base` per checkpoint.
+#[tracing::instrument(name = "checkpoint.session", skip_all, fields(key = %base, agent_session.id = agent_session_id))]
 pub async fn checkpoint_session(
     sandbox: &dyn Sandbox,
     harness: &dyn Harness,
@@ -447,6 +450,7 @@ async fn check_recorded(
 /// workdir or home path differs from the source's — the adapter's
 /// [`Harness::relocate_state_script`]. Both archives are scanned before
 /// either is applied, so an unsafe entry in either changes nothing.
+#[tracing::instrument(name = "restore.session", skip_all, fields(key = %base))]
 pub async fn restore_session(
     store: &dyn CheckpointStore,
     base: &str,

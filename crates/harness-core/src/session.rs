@@ -24,6 +24,7 @@ use crate::part::StreamPart;
 use crate::sandbox::{NetworkPolicy, SandboxHandle};
 use crate::turn::{ApprovalAnswer, TurnConfig, TurnState, TurnStatus};
 use crate::{Error, ErrorKind, Result};
+use tracing::Instrument;
 
 /// The agent adapter every session runs unless told otherwise.
 pub const DEFAULT_AGENT: &str = "claude-code";
@@ -461,6 +462,26 @@ impl SessionRuntime {
     /// or answering/aborting one that already ended, succeeds without doing
     /// anything.
     pub async fn perform(&self, session: &SessionId, command: TurnCommand) -> Result<()> {
+        // A session lives for days and a span is exported only once it
+        // ends, so the session's part of a trace is one short span per
+        // command; the turn it starts is its child.
+        let span = tracing::info_span!(
+            "session",
+            session.id = %session,
+            turn.id = %command.turn_id(),
+            command = match &command {
+                TurnCommand::Start { .. } => "start",
+                TurnCommand::Answer { .. } => "answer",
+                TurnCommand::Abort { .. } => "abort",
+            },
+            engine = self.engine.name(),
+        );
+        self.perform_command(session, command)
+            .instrument(span)
+            .await
+    }
+
+    async fn perform_command(&self, session: &SessionId, command: TurnCommand) -> Result<()> {
         match &command {
             TurnCommand::Start {
                 turn_id, prompt, ..

@@ -22,6 +22,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::{FutureExt, StreamExt};
+use tracing::{field, Instrument};
 
 use crate::clock::Clock;
 use crate::engine::SliceExecutor;
@@ -142,7 +143,11 @@ impl SliceRunner {
             parent = shell_quote(&format!("{home}/.harness/turns")),
             dir = shell_quote(&dir)
         );
-        let out = collect_exec(sandbox.exec(ExecRequest::shell(claim)).await?)
+        let out = async { collect_exec(sandbox.exec(ExecRequest::shell(claim)).await?).await }
+            .instrument(tracing::info_span!(
+                "sandbox.exec",
+                what = "claim the turn spool"
+            ))
             .await?
             .check("claiming the turn spool")?;
         let process_file = format!("{dir}/process.json");
@@ -193,13 +198,25 @@ impl SliceRunner {
         let process = match &state.process {
             Some(p) => p.clone(),
             None => {
-                let (process, started) = self.start_or_find(sandbox.as_ref(), state).await?;
+                let span = tracing::info_span!("agent.start", agent = %state.agent, started = field::Empty);
+                let (process, started) = self
+                    .start_or_find(sandbox.as_ref(), state)
+                    .instrument(span.clone())
+                    .await?;
+                span.record("started", started);
                 if started {
                     // Tell clients the turn runs, and where: the session's
                     // sandbox is on record from now on, not only at the end.
                     let mut running = state.clone();
                     running.process = Some(process.clone());
-                    self.sink.turn_status(&running).await?;
+                    self.sink
+                        .turn_status(&running)
+                        .instrument(tracing::info_span!(
+                            "log.append",
+                            part = "turn-status",
+                            status = running.status.as_str()
+                        ))
+                        .await?;
                 }
                 process
             }
@@ -266,9 +283,7 @@ impl SliceRunner {
                             tool_name: tool_name.clone(),
                             input: input.clone(),
                         };
-                        self.sink
-                            .emit(&state.session_id, &state.turn_id, part, key)
-                            .await?;
+                        self.append(state, part, key).await?;
                         return Ok(SliceReport {
                             process: Some(process),
                             agent_session_id,
@@ -280,9 +295,7 @@ impl SliceRunner {
                     }
                     let key = format!("{}:{offset}:{i}", state.turn_id);
                     note_progress(&part, &*self.clock, &mut last_progress, &mut last_warning);
-                    self.sink
-                        .emit(&state.session_id, &state.turn_id, part, key)
-                        .await?;
+                    self.append(state, part, key).await?;
                 }
                 if !parser.in_block() {
                     cursor = line_start;
@@ -302,13 +315,7 @@ impl SliceRunner {
                                 &mut last_progress,
                                 &mut last_warning,
                             );
-                            self.sink
-                                .emit(
-                                    &state.session_id,
-                                    &state.turn_id,
-                                    part,
-                                    format!("{}:{offset}:{i}", state.turn_id),
-                                )
+                            self.append(state, part, format!("{}:{offset}:{i}", state.turn_id))
                                 .await?;
                         }
                         if let Some(id) = parser.agent_session_id() {
@@ -363,9 +370,7 @@ impl SliceRunner {
                         "{}:approval:{}",
                         state.turn_id, request.approval.approval_id
                     );
-                    self.sink
-                        .emit(&state.session_id, &state.turn_id, part, key)
-                        .await?;
+                    self.append(state, part, key).await?;
                     return Ok(SliceReport {
                         process: Some(process),
                         agent_session_id,
@@ -439,6 +444,25 @@ struct ApprovalLine {
 }
 
 impl SliceRunner {
+    /// Emit one part to the session's log. A `log.append` span per part
+    /// that is stored (INFO); deltas, which are fanned out live but never
+    /// stored, get DEBUG spans so a default trace is not one span per token.
+    async fn append(&self, state: &TurnState, part: StreamPart, key: String) -> Result<()> {
+        let kind = part.type_name();
+        let span = if matches!(
+            part,
+            StreamPart::TextDelta { .. } | StreamPart::ReasoningDelta { .. }
+        ) {
+            tracing::debug_span!("log.append", part = kind)
+        } else {
+            tracing::info_span!("log.append", part = kind)
+        };
+        self.sink
+            .emit(&state.session_id, &state.turn_id, part, key)
+            .instrument(span)
+            .await
+    }
+
     /// Hand every answer in the state to the agent: (re)write
     /// `answers/<id>.json`. Rewriting an existing answer is harmless (same
     /// content; the server stops reading once it has answered), and saves a
@@ -524,11 +548,15 @@ impl SliceRunner {
 
 /// The sandbox's `$HOME` (each session has its own).
 pub async fn home_of(sandbox: &dyn Sandbox) -> Result<String> {
-    let out = collect_exec(
-        sandbox
-            .exec(ExecRequest::shell("printf %s \"$HOME\""))
-            .await?,
-    )
+    let out = async {
+        collect_exec(
+            sandbox
+                .exec(ExecRequest::shell("printf %s \"$HOME\""))
+                .await?,
+        )
+        .await
+    }
+    .instrument(tracing::info_span!("sandbox.exec", what = "read $HOME"))
     .await?
     .check("reading $HOME")?;
     let home = out.stdout_str();
@@ -557,8 +585,21 @@ impl SliceExecutor for SliceRunner {
         spec.network = config.network.clone();
         spec.session_id = Some(state.session_id.clone());
         spec.bootstrap = Some(harness.bootstrap_recipe()?);
-        let sandbox = provider.create(&spec).await?;
-        sandbox.detach().await
+        let span = tracing::info_span!(
+            "sandbox.create",
+            session.id = %state.session_id,
+            turn.id = %state.turn_id,
+            sandbox.provider = %config.provider,
+            sandbox.id = field::Empty,
+        );
+        async {
+            let sandbox = provider.create(&spec).await?;
+            let handle = sandbox.detach().await?;
+            tracing::Span::current().record("sandbox.id", handle.id.as_str());
+            Ok(handle)
+        }
+        .instrument(span)
+        .await
     }
 
     async fn run_slice(
@@ -567,17 +608,63 @@ impl SliceExecutor for SliceRunner {
         budget: Duration,
         abort: AbortSignal,
     ) -> Result<SliceReport> {
-        let report = self.run(state, budget, abort).await?;
-        Ok(report)
+        let span = tracing::info_span!(
+            "slice",
+            session.id = %state.session_id,
+            turn.id = %state.turn_id,
+            slice = state.slices_run + 1,
+            agent = %state.agent,
+            sandbox.id = state.sandbox.as_ref().map_or("", |s| s.id.as_str()),
+            budget_ms = budget.as_millis() as u64,
+            outcome = field::Empty,
+            cursor = field::Empty,
+        );
+        let report = self
+            .run(state, budget, abort)
+            .instrument(span.clone())
+            .await;
+        match &report {
+            Ok(report) => {
+                let outcome = match &report.outcome {
+                    crate::turn::SliceOutcome::Running => "running",
+                    crate::turn::SliceOutcome::Exited { .. } => "exited",
+                    crate::turn::SliceOutcome::ApprovalRequested(_) => "approval_requested",
+                    crate::turn::SliceOutcome::Lost => "lost",
+                };
+                span.record("outcome", outcome);
+                span.record("cursor", report.cursor);
+            }
+            Err(e) => {
+                span.record("outcome", "error");
+                span.in_scope(|| tracing::warn!(error = %e, "slice failed"));
+            }
+        }
+        report
     }
 
     async fn kill_agent(&self, state: &TurnState, process: &DetachedProcess) -> Result<()> {
-        let sandbox = self.sandbox(state).await?;
-        sandbox.kill_detached(process).await
+        let span = tracing::info_span!(
+            "agent.kill",
+            session.id = %state.session_id,
+            turn.id = %state.turn_id,
+        );
+        async {
+            let sandbox = self.sandbox(state).await?;
+            sandbox.kill_detached(process).await
+        }
+        .instrument(span)
+        .await
     }
 
     async fn turn_ended(&self, state: &TurnState) -> Result<()> {
-        self.sink.turn_status(state).await
+        self.sink
+            .turn_status(state)
+            .instrument(tracing::info_span!(
+                "log.append",
+                part = "turn-status",
+                status = state.status.as_str()
+            ))
+            .await
     }
 }
 

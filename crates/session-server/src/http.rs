@@ -78,7 +78,38 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .fallback(|| async {
             ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
         })
+        .layer(axum::middleware::from_fn(trace_request))
         .with_state(state)
+}
+
+/// One `http.request` span per request, named by its route (not its path:
+/// session ids would make every route a new name) and carrying the session
+/// id and the status. A streamed response's span ends when its headers are
+/// sent; what the stream carries is traced by the turn that writes it.
+async fn trace_request(request: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    use tracing::Instrument;
+    let route = request
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map_or("unmatched", |p| p.as_str())
+        .to_string();
+    let session = request
+        .uri()
+        .path()
+        .strip_prefix("/v1/sessions/")
+        .and_then(|rest| rest.split('/').next())
+        .unwrap_or("")
+        .to_string();
+    let span = tracing::info_span!(
+        "http.request",
+        http.method = %request.method(),
+        http.route = %route,
+        session.id = %session,
+        http.status = tracing::field::Empty,
+    );
+    let response = next.run(request).instrument(span.clone()).await;
+    span.record("http.status", response.status().as_u16());
+    response
 }
 
 const READERS: &[GrantRole] = &[GrantRole::Client, GrantRole::Runner];
