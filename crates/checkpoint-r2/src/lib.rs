@@ -573,8 +573,11 @@ impl CheckpointStore for S3CheckpointStore {
                     continue;
                 };
                 // Temporaries of puts in progress, and foreign objects whose
-                // names no checkpoint key can have, are not checkpoints.
-                if validate_key(key).is_ok() {
+                // names no checkpoint key can have, are not checkpoints. And
+                // the prefix is checked here too: some servers (SeaweedFS)
+                // normalise `//` and `..` in a listing prefix, so `list("/")`
+                // would otherwise answer every key.
+                if validate_key(key).is_ok() && key.starts_with(prefix) {
                     keys.push(key.to_string());
                 }
             }

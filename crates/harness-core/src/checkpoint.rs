@@ -52,21 +52,29 @@ pub trait CheckpointStore: MaybeSend + MaybeSync + std::fmt::Debug {
     async fn delete(&self, key: &str) -> Result<()>;
 }
 
+/// Longest checkpoint key, in bytes.
+pub const MAX_KEY_BYTES: usize = 512;
+
+/// Longest segment of a checkpoint key, in bytes: the file-name limit of
+/// common file systems, which some object stores (SeaweedFS) share.
+pub const MAX_KEY_SEGMENT_BYTES: usize = 255;
+
 /// Validate a checkpoint key: 1–512 bytes of `[A-Za-z0-9._/-]`, no empty,
-/// `.` or `..` segment, no leading or trailing `/`. Keys map onto object-store
-/// paths and file names, so anything that could climb a directory is refused.
+/// `.` or `..` segment, no segment over 255 bytes, no leading or trailing
+/// `/`. Keys map onto object-store paths and file names, so anything that
+/// could climb a directory, or that a store could not hold, is refused.
 pub fn validate_key(key: &str) -> Result<()> {
     let charset_ok = key
         .bytes()
         .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b'/'));
     let segments_ok = key
         .split('/')
-        .all(|s| !s.is_empty() && s != "." && s != "..");
-    if !key.is_empty() && key.len() <= 512 && charset_ok && segments_ok {
+        .all(|s| !s.is_empty() && s.len() <= MAX_KEY_SEGMENT_BYTES && s != "." && s != "..");
+    if !key.is_empty() && key.len() <= MAX_KEY_BYTES && charset_ok && segments_ok {
         Ok(())
     } else {
         Err(Error::invalid(format!(
-            "invalid checkpoint key {key:?}: use '/'-separated segments of A-Z a-z 0-9 . _ - (no '.', '..' or empty segments, at most 512 bytes)"
+            "invalid checkpoint key {key:?}: use '/'-separated segments of A-Z a-z 0-9 . _ - (no '.', '..' or empty segments, segments of at most 255 bytes, at most 512 bytes in all)"
         )))
     }
 }
@@ -234,5 +242,11 @@ mod tests {
         for good in ["a", "sessions/s1/turn-3.tar.zst", "x.y_z-1/2"] {
             validate_key(good).unwrap();
         }
+        validate_key(&"s".repeat(MAX_KEY_SEGMENT_BYTES)).unwrap();
+        assert!(validate_key(&"s".repeat(MAX_KEY_SEGMENT_BYTES + 1)).is_err());
+        let exact = format!("{}/{}/c", "a".repeat(254), "b".repeat(255));
+        assert_eq!(exact.len(), MAX_KEY_BYTES);
+        validate_key(&exact).unwrap();
+        assert!(validate_key(&format!("{exact}b")).is_err());
     }
 }

@@ -245,11 +245,16 @@ impl SessionKeys {
     /// The keys under `base` (validated).
     pub fn new(base: &str) -> Result<Self> {
         crate::checkpoint::validate_key(base)?;
-        Ok(Self {
+        let keys = Self {
             work: format!("{base}/work.tar.zst"),
             state: format!("{base}/state.tar.zst"),
             manifest: format!("{base}/manifest.json"),
-        })
+        };
+        // A base near the length limit leaves no room for the suffixes.
+        for key in [&keys.work, &keys.state, &keys.manifest] {
+            crate::checkpoint::validate_key(key)?;
+        }
+        Ok(keys)
     }
 }
 
@@ -538,6 +543,10 @@ mod tests {
         assert_eq!(k.manifest, "sessions/s1/turn-2/manifest.json");
         assert!(SessionKeys::new("../x").is_err());
         assert!(SessionKeys::new("a/").is_err());
+        // A valid base too long to take the suffixes (found by fuzzing).
+        let long = format!("{}/{}", "a".repeat(250), "b".repeat(250));
+        crate::checkpoint::validate_key(&long).unwrap();
+        assert!(SessionKeys::new(&long).is_err());
     }
 
     #[test]

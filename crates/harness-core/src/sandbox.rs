@@ -439,8 +439,10 @@ pub trait Sandbox: MaybeSend + MaybeSync + std::fmt::Debug {
     /// Read a file from byte `offset` on (for tailing a spool). The default
     /// runs `tail -c` in the sandbox.
     async fn read_file_from(&self, path: &str, offset: u64) -> Result<ByteStream> {
+        // The message quotes the path as one more argument: putting the
+        // quoted path inside another pair of quotes breaks on a `'` in it.
         let script = format!(
-            "test -e {p} || {{ echo 'no such file: {p}' >&2; exit 44; }}; tail -c +{} {p}",
+            "test -e {p} || {{ printf 'no such file: %s\\n' {p} >&2; exit 44; }}; tail -c +{} {p}",
             offset + 1,
             p = shell_quote(path)
         );

@@ -1,10 +1,10 @@
 //! A sans-IO tar scanner that refuses archives which could write outside
-//! their target.
+//! their target, or which different extractors could read differently.
 //!
 //! Feed it bytes as they arrive ([`TarScanner::push`]); it parses each header
 //! (with the `tar` crate's header type, including GNU long names and PAX
-//! `path`/`linkpath` records), skips the data, and fails at the first unsafe
-//! entry. Restores run it over the whole archive *before* touching the
+//! `path`/`linkpath`/`size` records), skips the data, and fails at the first
+//! unsafe entry. Restores run it over the whole archive *before* touching the
 //! target, so a refused archive leaves the target exactly as it was.
 //!
 //! Refused, each with a clear message naming the entry:
@@ -14,18 +14,45 @@
 //! - symlinks whose target is absolute, climbs above the root from the
 //!   link's directory, or uses `..` after a normal component;
 //! - hardlinks whose target path is unsafe by the entry-path rules;
-//! - character and block devices, FIFOs, GNU sparse files and unknown entry
-//!   types.
+//! - setuid and setgid bits on anything but a directory (a restore into a
+//!   container extracts as root: the bit would make a root-owned setuid
+//!   program); sticky bits and setgid directories are fine;
+//! - a path named twice, unless every time as a directory (a later entry
+//!   could change what an earlier one was checked as);
+//! - character and block devices, FIFOs, sparse files (GNU `S` entries and
+//!   PAX `GNU.sparse.*` records, whose `GNU.sparse.name` renames the entry
+//!   behind the scanner's back) and unknown entry types;
+//! - PAX global headers (they change every later entry);
+//!
+//! and, because the scanner only protects the target if it reads the archive
+//! exactly as the extractor will (GNU tar in containers, the `tar` crate on
+//! the host), anything those two read differently:
+//! - a header with a wrong checksum (GNU tar skips it and resynchronises on
+//!   the next valid header, which may sit inside what this scanner took for
+//!   file data);
+//! - a link, symlink or directory entry that claims data (GNU tar reads no
+//!   data for them, the `tar` crate skips `size` bytes);
+//! - two GNU long names, two PAX headers, or a PAX path together with a GNU
+//!   long name for one entry (the extractors pick different ones);
+//! - extension headers without a ustar/GNU magic.
+//!
+//! A PAX `size` record replaces the header's size, as in both extractors.
 
-use std::collections::HashSet;
+use std::collections::hash_map::DefaultHasher;
+use std::collections::{HashMap, HashSet};
+use std::hash::{Hash, Hasher};
 
+use futures::StreamExt;
 use tar::{EntryType, Header};
 
+use crate::stream::ByteStream;
 use crate::{Error, Result};
 
 const BLOCK: usize = 512;
 /// Longest GNU long name or PAX header the scanner buffers.
 const MAX_EXTENSION_BYTES: u64 = 1024 * 1024;
+/// Mode bits that make a program run as its owner or group.
+const SETID_BITS: u32 = 0o6000;
 
 /// What a complete scan saw.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -61,7 +88,6 @@ enum ExtKind {
     LongName,
     LongLink,
     Pax,
-    GlobalPax,
 }
 
 /// The scanner. See the module docs.
@@ -71,9 +97,18 @@ pub struct TarScanner {
     buf: Vec<u8>,
     long_name: Option<Vec<u8>>,
     long_link: Option<Vec<u8>>,
+    /// A PAX header was read for the entry to come.
+    pax_seen: bool,
     pax_path: Option<Vec<u8>>,
     pax_link: Option<Vec<u8>>,
+    pax_size: Option<u64>,
     symlinks: HashSet<String>,
+    /// Judge where symlinks point (off for [`TarScanner::outward_symlinks`]).
+    check_symlink_targets: bool,
+    /// Every entry path seen (by hash, so a huge tree costs a few bytes per
+    /// entry; a collision can only refuse an archive, never pass one), and
+    /// whether every entry of that path was a directory.
+    seen: HashMap<u64, bool>,
     summary: ScanSummary,
 }
 
@@ -81,6 +116,19 @@ impl Default for TarScanner {
     fn default() -> Self {
         Self::new()
     }
+}
+
+fn path_hash(path: &str) -> u64 {
+    let mut h = DefaultHasher::new();
+    path.hash(&mut h);
+    h.finish()
+}
+
+/// The header checksum as the format defines it (the checksum field counted
+/// as spaces).
+fn computed_checksum(block: &[u8]) -> u32 {
+    let sum: u32 = block.iter().map(|&b| u32::from(b)).sum();
+    sum - block[148..156].iter().map(|&b| u32::from(b)).sum::<u32>() + 8 * u32::from(b' ')
 }
 
 impl TarScanner {
@@ -91,11 +139,25 @@ impl TarScanner {
             buf: Vec::with_capacity(BLOCK),
             long_name: None,
             long_link: None,
+            pax_seen: false,
             pax_path: None,
             pax_link: None,
+            pax_size: None,
             symlinks: HashSet::new(),
+            check_symlink_targets: true,
+            seen: HashMap::new(),
             summary: ScanSummary::default(),
         }
+    }
+
+    /// Accept symlinks whatever they point to (absolute, or above the
+    /// tree, like `../shared`), with every other rule kept (nothing is
+    /// accepted *under* such a symlink). For `Sandbox::import_tar`, which
+    /// restores a tree as it was and whose extractors never write through
+    /// a symlink; `moves::restore` uses the full rules.
+    pub fn outward_symlinks(mut self) -> Self {
+        self.check_symlink_targets = false;
+        self
     }
 
     /// Consume the next bytes of the archive.
@@ -146,7 +208,14 @@ impl TarScanner {
     pub fn finish(self) -> Result<ScanSummary> {
         match self.state {
             State::End => Ok(self.summary),
-            State::Header if self.buf.is_empty() => Ok(self.summary),
+            State::Header
+                if self.buf.is_empty()
+                    && !self.pax_seen
+                    && self.long_name.is_none()
+                    && self.long_link.is_none() =>
+            {
+                Ok(self.summary)
+            }
             _ => Err(Error::corrupt(
                 "archive is truncated: it ends in the middle of an entry",
             )),
@@ -159,41 +228,58 @@ impl TarScanner {
             return Ok(());
         }
         let header = Header::from_byte_slice(block);
-        if header.as_ustar().is_none() && header.as_gnu().is_none() {
-            // Old v7 headers carry no magic; accept them only if the checksum
-            // is right, like extractors do.
-            let sum = header
-                .cksum()
-                .map_err(|_| Error::corrupt("tar header has an unreadable checksum"))?;
-            let mut computed: u32 = block.iter().map(|&b| u32::from(b)).sum();
-            computed -= block[148..156].iter().map(|&b| u32::from(b)).sum::<u32>();
-            computed += 8 * u32::from(b' ');
-            if sum != computed {
-                return Err(Error::corrupt("not a tar archive (bad header checksum)"));
-            }
+        // Every header's checksum, whatever its format: GNU tar skips a
+        // header whose checksum is wrong and looks for the next valid one,
+        // which may lie inside what we would skip as its data.
+        let sum = header
+            .cksum()
+            .map_err(|_| Error::corrupt("tar header has an unreadable checksum"))?;
+        if sum != computed_checksum(block) {
+            return Err(Error::corrupt(
+                "not a valid tar archive (bad header checksum)",
+            ));
         }
-        let size = header
+        let has_magic = header.as_ustar().is_some() || header.as_gnu().is_some();
+        let header_size = header
             .entry_size()
             .map_err(|_| Error::corrupt("tar header has an unreadable size"))?;
-        let padded = size.div_ceil(BLOCK as u64) * BLOCK as u64;
         let ext = match header.entry_type() {
+            _ if !has_magic => None,
             EntryType::GNULongName => Some(ExtKind::LongName),
             EntryType::GNULongLink => Some(ExtKind::LongLink),
             EntryType::XHeader => Some(ExtKind::Pax),
-            EntryType::XGlobalHeader => Some(ExtKind::GlobalPax),
+            EntryType::XGlobalHeader => {
+                return Err(Error::unsafe_entry(
+                    "refusing a PAX global header: it would change every later entry (checkpoints never hold one)",
+                ));
+            }
             _ => None,
         };
         if let Some(kind) = ext {
-            if size > MAX_EXTENSION_BYTES {
-                return Err(Error::invalid(format!("tar extension header of {size} bytes is larger than the {MAX_EXTENSION_BYTES}-byte limit")));
+            let twice = match kind {
+                ExtKind::LongName => self.long_name.is_some(),
+                ExtKind::LongLink => self.long_link.is_some(),
+                ExtKind::Pax => self.pax_seen,
+            };
+            if twice {
+                return Err(Error::unsafe_entry(
+                    "refusing two GNU long-name or two PAX headers for one tar entry: extractors disagree on which applies",
+                ));
             }
+            if header_size > MAX_EXTENSION_BYTES {
+                return Err(Error::invalid(format!("tar extension header of {header_size} bytes is larger than the {MAX_EXTENSION_BYTES}-byte limit")));
+            }
+            if kind == ExtKind::Pax {
+                self.pax_seen = true;
+            }
+            let padded = header_size.div_ceil(BLOCK as u64) * BLOCK as u64;
             self.state = if padded == 0 {
                 State::Header
             } else {
                 State::Extension {
                     kind,
-                    size,
-                    pad: padded - size,
+                    size: header_size,
+                    pad: padded - header_size,
                 }
             };
             if padded == 0 {
@@ -202,6 +288,13 @@ impl TarScanner {
             return Ok(());
         }
 
+        if self.pax_path.is_some() && self.long_name.is_some()
+            || self.pax_link.is_some() && self.long_link.is_some()
+        {
+            return Err(Error::unsafe_entry(
+                "refusing a tar entry named by both a PAX header and a GNU long name: extractors disagree on which applies",
+            ));
+        }
         let path = self
             .pax_path
             .take()
@@ -212,8 +305,12 @@ impl TarScanner {
             .take()
             .or_else(|| self.long_link.take())
             .or_else(|| header.link_name_bytes().map(|l| l.into_owned()));
+        // A PAX size replaces the header's, in GNU tar and the tar crate.
+        let size = self.pax_size.take().unwrap_or(header_size);
         self.long_name = None;
         self.long_link = None;
+        self.pax_seen = false;
+        let padded = size.div_ceil(BLOCK as u64) * BLOCK as u64;
         let path = String::from_utf8(path)
             .map_err(|_| Error::unsafe_entry("tar entry path is not UTF-8"))?;
         let normalized = check_entry_path(&path)?;
@@ -225,6 +322,24 @@ impl TarScanner {
             }
         }
         let kind = header.entry_type();
+        let mode = header
+            .mode()
+            .map_err(|_| Error::corrupt(format!("tar entry {path:?} has an unreadable mode")))?;
+        if kind != EntryType::Directory && mode & SETID_BITS != 0 {
+            return Err(Error::unsafe_entry(format!(
+                "refusing tar entry {path:?}: setuid/setgid bits (mode {mode:o}) are not restored; clear them (chmod ug-s) before the checkpoint"
+            )));
+        }
+        if matches!(
+            kind,
+            EntryType::Directory | EntryType::Symlink | EntryType::Link
+        ) && size != 0
+        {
+            return Err(Error::unsafe_entry(format!(
+                "refusing tar entry {path:?}: a {} entry carries {size} bytes of data, which extractors read differently",
+                kind_name(kind)
+            )));
+        }
         match kind {
             EntryType::Regular | EntryType::Continuous => {
                 self.summary.content_bytes += size;
@@ -232,17 +347,29 @@ impl TarScanner {
             EntryType::Directory => {}
             EntryType::Symlink => {
                 let target = link_text(&path, link)?;
-                check_symlink(&path, &normalized, &target)?;
-                self.symlinks.insert(normalized);
+                if self.check_symlink_targets {
+                    check_symlink(&path, &normalized, &target)?;
+                }
             }
             EntryType::Link => {
                 let target = link_text(&path, link)?;
-                check_entry_path(&target).map_err(|e| {
+                let target_normalized = check_entry_path(&target).map_err(|e| {
                     Error::unsafe_entry(format!(
                         "refusing hardlink {path:?} -> {target:?}: {}",
                         e.message()
                     ))
                 })?;
+                // link(2) does not follow the target's last component: a
+                // hardlink to a symlink is that symlink again, now judged
+                // from another directory (and not known as a symlink here).
+                if std::iter::once(target_normalized.as_str())
+                    .chain(ancestors(&target_normalized))
+                    .any(|p| self.symlinks.contains(p))
+                {
+                    return Err(Error::unsafe_entry(format!(
+                        "refusing hardlink {path:?} -> {target:?}: the target is, or is under, a symlink created by the same archive"
+                    )));
+                }
             }
             EntryType::Char | EntryType::Block => {
                 return Err(Error::unsafe_entry(format!(
@@ -265,6 +392,23 @@ impl TarScanner {
                     other.as_byte() as char
                 )));
             }
+        }
+        if !normalized.is_empty() {
+            let is_dir = kind == EntryType::Directory;
+            match self.seen.get_mut(&path_hash(&normalized)) {
+                Some(all_dirs) if *all_dirs && is_dir => {}
+                Some(_) => {
+                    return Err(Error::unsafe_entry(format!(
+                        "refusing tar entry {path:?}: the archive names {normalized:?} twice (a later entry could change what an earlier one was checked as)"
+                    )));
+                }
+                None => {
+                    self.seen.insert(path_hash(&normalized), is_dir);
+                }
+            }
+        }
+        if kind == EntryType::Symlink {
+            self.symlinks.insert(normalized);
         }
         self.summary.entries += 1;
         self.state = if padded == 0 {
@@ -291,25 +435,63 @@ impl TarScanner {
             ExtKind::Pax => {
                 for ext in tar::PaxExtensions::new(&value) {
                     let ext = ext.map_err(|_| Error::corrupt("malformed PAX extended header"))?;
-                    match ext.key() {
-                        Ok("path") => self.pax_path = Some(ext.value_bytes().to_vec()),
-                        Ok("linkpath") => self.pax_link = Some(ext.value_bytes().to_vec()),
+                    let key = ext
+                        .key()
+                        .map_err(|_| Error::corrupt("PAX record key is not UTF-8"))?;
+                    match key {
+                        "path" => self.pax_path = Some(ext.value_bytes().to_vec()),
+                        "linkpath" => self.pax_link = Some(ext.value_bytes().to_vec()),
+                        "size" => {
+                            let size = ext
+                                .value()
+                                .ok()
+                                .and_then(|v| v.parse::<u64>().ok())
+                                .ok_or_else(|| Error::corrupt("PAX size record is not a number"))?;
+                            self.pax_size = Some(size);
+                        }
+                        k if k.starts_with("GNU.sparse.") => {
+                            return Err(Error::unsafe_entry(format!(
+                                "refusing a PAX {k} record: sparse files are not supported"
+                            )));
+                        }
                         _ => {}
-                    }
-                }
-            }
-            ExtKind::GlobalPax => {
-                for ext in tar::PaxExtensions::new(&value) {
-                    let ext = ext.map_err(|_| Error::corrupt("malformed PAX global header"))?;
-                    if matches!(ext.key(), Ok("path") | Ok("linkpath")) {
-                        return Err(Error::unsafe_entry(
-                            "refusing a PAX global header that sets path or linkpath",
-                        ));
                     }
                 }
             }
         }
         Ok(())
+    }
+}
+
+/// `tar` passed through `scanner` chunk by chunk: the stream fails at the
+/// first refused entry (before handing on the chunk that holds its header)
+/// and at a truncated end. What an extractor reading it has written by then
+/// stays: scan the whole archive first where nothing may change.
+pub fn scan_stream(tar: ByteStream, scanner: TarScanner) -> ByteStream {
+    Box::pin(futures::stream::unfold(
+        Some((tar, scanner)),
+        |state| async move {
+            let (mut tar, mut scanner) = state?;
+            match tar.next().await {
+                Some(Ok(chunk)) => match scanner.push(&chunk) {
+                    Ok(()) => Some((Ok(chunk), Some((tar, scanner)))),
+                    Err(e) => Some((Err(e), None)),
+                },
+                Some(Err(e)) => Some((Err(e), None)),
+                None => match scanner.finish() {
+                    Ok(_) => None,
+                    Err(e) => Some((Err(e), None)),
+                },
+            }
+        },
+    ))
+}
+
+fn kind_name(kind: EntryType) -> &'static str {
+    match kind {
+        EntryType::Directory => "directory",
+        EntryType::Symlink => "symlink",
+        _ => "hardlink",
     }
 }
 
@@ -478,6 +660,29 @@ mod tests {
     }
 
     #[test]
+    fn outward_symlinks_are_only_accepted_when_asked_and_never_written_under() {
+        let a = archive(&[
+            ("shared", EntryType::Symlink, b"", Some("../shared")),
+            ("etc", EntryType::Symlink, b"", Some("/etc")),
+        ]);
+        assert!(scan(&a, 512).is_err());
+        let mut s = TarScanner::new().outward_symlinks();
+        s.push(&a).unwrap();
+        assert_eq!(s.finish().unwrap().entries, 2);
+        let under = archive(&[
+            ("etc", EntryType::Symlink, b"", Some("/etc")),
+            ("etc/passwd", EntryType::Regular, b"x", None),
+        ]);
+        let mut s = TarScanner::new().outward_symlinks();
+        let err = s.push(&under).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("symlink created by the same archive"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn writing_through_an_archive_symlink_is_refused() {
         let a = archive(&[
             ("d", EntryType::Symlink, b"", Some(".")),
@@ -523,6 +728,270 @@ mod tests {
         out.extend([0u8; 1024]);
         let err = scan(&out, 512).unwrap_err();
         assert!(err.to_string().contains("pax-escape"), "{err}");
+    }
+
+    /// A header with `mode` (and otherwise like [`header`]).
+    fn header_mode(path: &str, kind: EntryType, size: u64, mode: u32) -> Vec<u8> {
+        let mut h = Header::from_byte_slice(&header(path, kind, size, None)).clone();
+        h.set_mode(mode);
+        h.set_cksum();
+        h.as_bytes().to_vec()
+    }
+
+    /// A PAX extended header (type `x`) holding `records`.
+    fn pax(records: &[(&str, &str)]) -> Vec<u8> {
+        let mut body = Vec::new();
+        for (k, v) in records {
+            let rest = format!(" {k}={v}\n");
+            let mut n = rest.len() + 1;
+            while n.to_string().len() + rest.len() != n {
+                n += 1;
+            }
+            body.extend(format!("{n}{rest}").as_bytes());
+        }
+        let mut out = header("PaxHeader", EntryType::XHeader, body.len() as u64, None);
+        out.extend(&body);
+        out.resize(out.len().div_ceil(BLOCK) * BLOCK, 0);
+        out
+    }
+
+    fn with_data(mut header: Vec<u8>, data: &[u8]) -> Vec<u8> {
+        header.extend_from_slice(data);
+        header.resize(header.len().div_ceil(BLOCK) * BLOCK, 0);
+        header
+    }
+
+    fn end(mut out: Vec<u8>) -> Vec<u8> {
+        out.extend([0u8; 1024]);
+        out
+    }
+
+    /// A character device entry, to hide where only a desynchronised
+    /// scanner would miss it.
+    fn hidden_device() -> Vec<u8> {
+        header("hidden-dev", EntryType::Char, 0, None)
+    }
+
+    fn refused(bytes: &[u8], expect: &str) {
+        for chunk in [1, 100, 512, bytes.len().max(1)] {
+            let err = scan(bytes, chunk).expect_err(expect);
+            assert!(
+                matches!(
+                    err.kind(),
+                    crate::ErrorKind::Unsafe | crate::ErrorKind::Corrupt
+                ),
+                "{expect}: {err}"
+            );
+            assert!(err.to_string().contains(expect), "{expect}: {err}");
+        }
+    }
+
+    #[test]
+    fn setuid_and_setgid_are_refused_on_everything_but_directories() {
+        for (mode, kind) in [
+            (0o4755, EntryType::Regular),
+            (0o2755, EntryType::Regular),
+            (0o6711, EntryType::Continuous),
+            (0o4644, EntryType::Link),
+        ] {
+            let mut out = header_mode("x", kind, 0, mode);
+            if kind == EntryType::Link {
+                out = header("target", EntryType::Regular, 0, None);
+                let mut h = Header::from_byte_slice(&header("x", kind, 0, Some("target"))).clone();
+                h.set_mode(mode);
+                h.set_cksum();
+                out.extend(h.as_bytes());
+            }
+            let err = scan(&end(out), 512).unwrap_err();
+            assert_eq!(err.kind(), crate::ErrorKind::Unsafe, "{mode:o}: {err}");
+            assert!(err.to_string().contains("setuid/setgid"), "{err}");
+        }
+        // A setgid or sticky directory is an ordinary shared directory.
+        let ok = end([
+            header_mode("shared/", EntryType::Directory, 0, 0o2775),
+            header_mode("tmp/", EntryType::Directory, 0, 0o1777),
+            header_mode("shared/run.sh", EntryType::Regular, 0, 0o755),
+        ]
+        .concat());
+        assert_eq!(scan(&ok, 512).unwrap().entries, 3);
+    }
+
+    #[test]
+    fn a_path_named_twice_is_refused_unless_always_a_directory() {
+        let twice = |a: (&str, EntryType, Option<&str>), b: (&str, EntryType, Option<&str>)| {
+            archive(&[(a.0, a.1, b"", a.2), (b.0, b.1, b"", b.2)])
+        };
+        for (a, b) in [
+            (
+                ("f", EntryType::Regular, None),
+                ("f", EntryType::Regular, None),
+            ),
+            (
+                ("d/", EntryType::Directory, None),
+                ("d", EntryType::Symlink, Some(".")),
+            ),
+            (
+                ("l", EntryType::Symlink, Some("sub")),
+                ("l", EntryType::Regular, None),
+            ),
+            (
+                ("f", EntryType::Regular, None),
+                ("./f", EntryType::Link, Some("g")),
+            ),
+            (
+                ("f", EntryType::Regular, None),
+                ("f/", EntryType::Directory, None),
+            ),
+        ] {
+            let err = scan(&twice(a, b), 512).unwrap_err();
+            assert!(err.to_string().contains("twice"), "{a:?} {b:?}: {err}");
+        }
+        let dirs = twice(
+            ("d/", EntryType::Directory, None),
+            ("./d", EntryType::Directory, None),
+        );
+        scan(&dirs, 512).unwrap();
+        // The archive root may come more than once too.
+        scan(
+            &twice(
+                ("./", EntryType::Directory, None),
+                (".", EntryType::Directory, None),
+            ),
+            512,
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn pax_global_headers_are_refused() {
+        for records in [
+            &[("comment", "hello")][..],
+            &[("path", "x")],
+            &[("size", "0")],
+        ] {
+            let mut out = pax(records);
+            out[156] = b'g';
+            let mut h = Header::from_byte_slice(&out[..BLOCK]).clone();
+            h.set_cksum();
+            out[..BLOCK].copy_from_slice(h.as_bytes());
+            out.extend(header("a.txt", EntryType::Regular, 0, None));
+            refused(&end(out), "global header");
+        }
+    }
+
+    #[test]
+    fn sparse_entries_are_refused_in_every_form() {
+        refused(
+            &archive(&[("s", EntryType::GNUSparse, b"", None)]),
+            "sparse",
+        );
+        // PAX sparse (format 1.0), whose GNU.sparse.name GNU tar takes as
+        // the entry's real name.
+        for records in [
+            &[("GNU.sparse.major", "1"), ("GNU.sparse.minor", "0")][..],
+            &[("GNU.sparse.name", "renamed.txt")],
+            &[("GNU.sparse.map", "0,0")],
+        ] {
+            let mut out = pax(records);
+            out.extend(with_data(
+                header("innocent.txt", EntryType::Regular, 3, None),
+                b"abc",
+            ));
+            refused(&end(out), "sparse");
+        }
+    }
+
+    #[test]
+    fn a_pax_size_decides_where_the_next_header_is() {
+        // The header claims 512 bytes of data, which hold a device entry;
+        // the PAX size (0), which extractors obey, puts that entry in plain
+        // sight.
+        let mut out = pax(&[("size", "0")]);
+        out.extend(header("f", EntryType::Regular, BLOCK as u64, None));
+        out.extend(hidden_device());
+        refused(&end(out), "device");
+        // And the other way round: a PAX size that covers the next header.
+        let mut out = pax(&[("size", "512")]);
+        out.extend(header("g", EntryType::Regular, 0, None));
+        out.extend(header("covered", EntryType::Regular, 0, None));
+        let s = scan(&end(out), 512).unwrap();
+        assert_eq!((s.entries, s.content_bytes), (1, 512));
+        refused(&end(with_data(pax(&[("size", "x")]), &[])), "not a number");
+    }
+
+    #[test]
+    fn a_header_with_a_wrong_checksum_is_refused() {
+        // GNU tar skips such a header and reads the next valid one, here
+        // inside what its size field would make data.
+        let mut cover = header("cover", EntryType::Regular, BLOCK as u64, None);
+        cover[148..156].copy_from_slice(b"0000000\0");
+        cover.extend(hidden_device());
+        let err = scan(&end(cover), 512).unwrap_err();
+        assert_eq!(err.kind(), crate::ErrorKind::Corrupt, "{err}");
+        assert!(err.to_string().contains("checksum"), "{err}");
+    }
+
+    #[test]
+    fn links_and_directories_carrying_data_are_refused() {
+        for (kind, link) in [
+            (EntryType::Symlink, Some("x")),
+            (EntryType::Link, Some("x")),
+            (EntryType::Directory, None),
+        ] {
+            let mut out = header("x", EntryType::Regular, 0, None);
+            out.extend(header("e", kind, BLOCK as u64, link));
+            out.extend(hidden_device());
+            refused(&end(out), "carries 512 bytes");
+        }
+    }
+
+    #[test]
+    fn ambiguous_extension_headers_are_refused() {
+        let long = |kind: EntryType, name: &str| {
+            with_data(
+                header("././@LongLink", kind, name.len() as u64 + 1, None),
+                format!("{name}\0").as_bytes(),
+            )
+        };
+        let entry = header("short", EntryType::Regular, 0, None);
+        for (out, expect) in [
+            (
+                [
+                    long(EntryType::GNULongName, "a"),
+                    long(EntryType::GNULongName, "b"),
+                    entry.clone(),
+                ]
+                .concat(),
+                "two GNU long-name or two PAX",
+            ),
+            (
+                [pax(&[("path", "a")]), pax(&[("mtime", "1")]), entry.clone()].concat(),
+                "two GNU long-name or two PAX",
+            ),
+            (
+                [
+                    pax(&[("path", "a")]),
+                    long(EntryType::GNULongName, "b"),
+                    entry.clone(),
+                ]
+                .concat(),
+                "both a PAX header and a GNU long name",
+            ),
+        ] {
+            refused(&end(out), expect);
+        }
+        // A long-name header without a magic is no extension to the tar
+        // crate: an entry of an unknown type here.
+        let mut plain = long(EntryType::GNULongName, "a");
+        plain[257..265].copy_from_slice(&[0; 8]);
+        let mut h = Header::from_byte_slice(&plain[..BLOCK]).clone();
+        h.set_cksum();
+        plain[..BLOCK].copy_from_slice(h.as_bytes());
+        plain.extend(entry);
+        refused(&end(plain), "unknown entry type");
+        // An extension at the very end, describing nothing, is a truncation.
+        let err = scan(&pax(&[("path", "a")]), 512).unwrap_err();
+        assert_eq!(err.kind(), crate::ErrorKind::Corrupt, "{err}");
     }
 
     #[test]

@@ -5,11 +5,12 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use harness_core::checkpoint::{CheckpointStore, MemoryCheckpointStore, ObjectMeta};
+use harness_core::engine::{MemoryTurnStore, TurnStore};
 use harness_core::frame::{Frame, SessionId};
 use harness_core::log::{AppendRequest, Appended, LogInfo, MemorySessionLog, SessionLog};
 use harness_core::session::SessionConfig;
 use harness_core::stream::ByteStream;
-use harness_testkit::conformance::{checkpoint, log};
+use harness_testkit::conformance::{checkpoint, log, turn_store};
 
 #[tokio::test]
 async fn memory_session_log_passes_the_suite() {
@@ -18,13 +19,47 @@ async fn memory_session_log_passes_the_suite() {
         .unwrap();
 }
 
+/// The memory store under test, tampered with through its test hook.
+fn memory_store() -> checkpoint::StoreUnderTest {
+    let store = MemoryCheckpointStore::new();
+    let handle = store.clone();
+    checkpoint::StoreUnderTest::new(
+        Arc::new(store),
+        Arc::new(move |key: String, bytes: bytes::Bytes| {
+            handle.corrupt_for_test(&key, bytes);
+            Box::pin(async { anyhow::Ok(()) })
+        }),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_session_log_handles_share_one_log() {
+    let shared = MemorySessionLog::new();
+    let handles: Vec<Arc<dyn SessionLog>> = (0..3)
+        .map(|_| Arc::new(shared.clone()) as Arc<dyn SessionLog>)
+        .collect();
+    log::handles_on_one_store(handles).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_turn_store_passes_the_suite() {
+    turn_store::run_all(|| async { Arc::new(MemoryTurnStore::default()) as Arc<dyn TurnStore> })
+        .await
+        .unwrap();
+}
+
 #[tokio::test]
 async fn memory_checkpoint_store_passes_the_suite() {
-    checkpoint::run_all(|| async {
-        Arc::new(MemoryCheckpointStore::new()) as Arc<dyn CheckpointStore>
-    })
-    .await
-    .unwrap();
+    checkpoint::run_all(|| async { memory_store() })
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_checkpoint_store_passes_the_race_on_threads() {
+    checkpoint::concurrent_writers_and_readers_on_one_key(memory_store().store)
+        .await
+        .unwrap();
 }
 
 /// A log that forgets idempotency keys: every retry stores a new frame.

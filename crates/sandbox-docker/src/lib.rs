@@ -51,6 +51,7 @@ use harness_core::sandbox::{
     SnapshotInfo,
 };
 use harness_core::stream::ByteStream;
+use harness_core::tarscan;
 use harness_core::{Error, ErrorKind, Result};
 use serde_json::json;
 
@@ -691,6 +692,20 @@ impl Sandbox for DockerSandbox {
         exec::start(&self.docker, &self.id, plan).await
     }
 
+    async fn read_file_from(&self, path: &str, offset: u64) -> Result<ByteStream> {
+        // The core default, with the path quoted once: the default nests the
+        // quoted path inside single quotes, which a name holding a `'`
+        // breaks (a shell syntax error instead of the file).
+        let path = resolve_path(&self.workdir, path);
+        let script = format!(
+            "test -e {p} || {{ echo no such file: {p} >&2; exit 44; }}; exec tail -c +{} {p}",
+            offset + 1,
+            p = shell_quote(&path)
+        );
+        let stream = self.exec(ExecRequest::shell(script)).await?;
+        Ok(exec_stdout_stream(stream, path))
+    }
+
     async fn read_file(&self, path: &str) -> Result<ByteStream> {
         let mut path = resolve_path(&self.workdir, path);
         // Docker archives a symlink as the link itself: follow it (bounded,
@@ -759,7 +774,7 @@ impl Sandbox for DockerSandbox {
         // `tar -C dir .` gives entries relative to dir, as the contract
         // asks (docker's archive endpoint would prefix the dir's own name).
         let script = format!(
-            "test -d {d} || {{ echo 'no such directory: {d}' >&2; exit 44; }}; exec tar -C {d} -cf - .",
+            "test -d {d} || {{ echo no such directory: {d} >&2; exit 44; }}; exec tar -C {d} -cf - .",
             d = shell_quote(&dir)
         );
         let mut stream = exec_stdout_stream(self.exec(ExecRequest::shell(script)).await?, dir);
@@ -781,11 +796,20 @@ impl Sandbox for DockerSandbox {
         // symlink" there); GNU tar keeps every write inside `dir`: it
         // refuses `..` members and hard links out (non-zero exit), strips a
         // leading `/`, and creates symlinks only after the entries that
-        // could be written through them.
+        // could be written through them. Modes are kept exactly (`umask 0`)
+        // but, with `--no-same-permissions`, without setuid, setgid and
+        // sticky bits: tar runs as root here, and `-p` would restore a
+        // root-owned setuid program (`moves::restore` refuses such entries
+        // before this runs; this is the second line).
         let script = format!(
-            "mkdir -p {d} && exec tar -C {d} -xpf - --numeric-owner",
+            "mkdir -p {d} && umask 0 && exec tar -C {d} -xf - --no-same-permissions --numeric-owner",
             d = shell_quote(&dir)
         );
+        // Scanned on the way in: devices, FIFOs, setuid files, `..` and
+        // anything GNU tar would read differently from the scanner stop the
+        // extraction (by failing its stdin, which kills tar) before tar sees
+        // their header. Entries before the refused one stay extracted.
+        let tar = tarscan::scan_stream(tar, tarscan::TarScanner::new().outward_symlinks());
         let plan = exec::ExecPlan {
             argv: vec!["sh".into(), "-c".into(), script],
             env: Vec::new(),

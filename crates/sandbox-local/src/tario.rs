@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
 use harness_core::stream::ByteStream;
-use harness_core::tarscan::check_entry_path;
+use harness_core::tarscan::{check_entry_path, scan_stream, TarScanner};
 use harness_core::{Error, ErrorKind, Result};
 use tokio::sync::mpsc;
 
@@ -127,8 +127,11 @@ impl Read for ChannelReader {
     }
 }
 
-/// Extract `tar` into `dir`, overlaying what is there.
-pub(crate) async fn import(dir: PathBuf, mut tar: ByteStream) -> Result<()> {
+/// Extract `tar` into `dir`, overlaying what is there. The archive is
+/// scanned on the way in (`TarScanner::outward_symlinks`): a refused entry
+/// stops the import before the unpacker sees its header.
+pub(crate) async fn import(dir: PathBuf, tar: ByteStream) -> Result<()> {
+    let mut tar = scan_stream(tar, TarScanner::new().outward_symlinks());
     tokio::fs::create_dir_all(&dir).await?;
     let (tx, rx) = mpsc::channel::<Bytes>(DEPTH);
     let unpacker = tokio::task::spawn_blocking(move || {
@@ -167,7 +170,11 @@ pub(crate) async fn import(dir: PathBuf, mut tar: ByteStream) -> Result<()> {
 
 fn unpack(dir: &Path, reader: ChannelReader) -> Result<()> {
     let mut archive = tar::Archive::new(reader);
-    archive.set_preserve_permissions(true);
+    // Modes are kept (no umask) but without setuid, setgid and sticky bits:
+    // an archive must never leave a program that runs as its owner.
+    // (`moves::restore` refuses such entries outright before this runs.)
+    archive.set_preserve_permissions(false);
+    archive.set_mask(0);
     archive.set_preserve_mtime(true);
     archive.set_overwrite(true);
     archive.set_unpack_xattrs(false);
@@ -208,7 +215,7 @@ fn unpack(dir: &Path, reader: ChannelReader) -> Result<()> {
             )));
         }
         if kind == tar::EntryType::Directory {
-            let mode = entry.header().mode().unwrap_or(0o755) & 0o7777;
+            let mode = entry.header().mode().unwrap_or(0o755) & 0o777;
             if mode & 0o200 == 0 {
                 let path = dir.join(&normalized);
                 std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode | 0o700))?;

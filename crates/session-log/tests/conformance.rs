@@ -5,9 +5,10 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use harness_core::engine::TurnStore;
 use harness_core::log::{AppendRequest, MemorySessionLog, SessionLog};
 use harness_core::{ErrorKind, FrameBody, SessionId};
-use session_log::SqliteSessionLog;
+use session_log::{SqliteSessionLog, SqliteTurnStore};
 
 #[tokio::test]
 async fn sqlite_file_log_passes_the_conformance_suite() {
@@ -21,6 +22,55 @@ async fn sqlite_file_log_passes_the_conformance_suite() {
     })
     .await
     .unwrap();
+}
+
+/// Three connections to one file (what three processes have) written
+/// through at once: one gap-free log, every key once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_connections_on_one_file_share_one_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("shared.db");
+    let handles: Vec<Arc<dyn SessionLog>> = (0..3)
+        .map(|_| Arc::new(SqliteSessionLog::open(&path).unwrap()) as Arc<dyn SessionLog>)
+        .collect();
+    harness_testkit::conformance::log::handles_on_one_store(handles)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_turn_store_passes_the_conformance_suite() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = AtomicUsize::new(0);
+    harness_testkit::conformance::turn_store::run_all(|| {
+        let path = dir
+            .path()
+            .join(format!("turns-{}.db", n.fetch_add(1, Ordering::SeqCst)));
+        async move { Arc::new(SqliteTurnStore::open(path).unwrap()) as Arc<dyn TurnStore> }
+    })
+    .await
+    .unwrap();
+    // Two connections on one file: the fence holds across them.
+    let path = dir.path().join("turns-shared.db");
+    let (a, b) = (
+        SqliteTurnStore::open(&path).unwrap(),
+        SqliteTurnStore::open(&path).unwrap(),
+    );
+    let s = |c| {
+        harness_testkit::conformance::turn_store::state(
+            "s",
+            "t",
+            harness_core::turn::TurnStatus::ReadyForNextStep,
+            c,
+        )
+    };
+    a.save(&s(1), 2).await.unwrap();
+    b.save(&s(2), 3).await.unwrap();
+    assert_eq!(
+        a.save(&s(3), 2).await.unwrap_err().kind(),
+        ErrorKind::Fenced
+    );
+    assert_eq!(a.load("s", "t").await.unwrap().unwrap().cursor, 2);
 }
 
 #[tokio::test]

@@ -1,17 +1,53 @@
 //! The `CheckpointStore` conformance suite. Every backend's tests call
 //! [`run_all`] with a factory that makes a fresh, empty store (for remote
-//! stores: a fresh bucket or prefix).
+//! stores: a fresh bucket or prefix) together with a [`Tamper`]: the
+//! backend's own way to change stored bytes behind the store's back, which
+//! the trait cannot do, so the suite can check that every read verifies
+//! the content it returns.
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{bail, ensure, Context, Result};
 use bytes::Bytes;
+use futures::future::BoxFuture;
 use futures::StreamExt;
 use harness_core::checkpoint::CheckpointStore;
 use harness_core::stream::{self, ByteStream};
 use harness_core::{Error, ErrorKind};
 use sha2::{Digest, Sha256};
+
+/// Replaces the bytes stored under a key with other bytes while the store
+/// keeps the hash (and size) it recorded at `put`: for S3 a raw `PutObject`
+/// with the old `sha256` metadata, for memory a swap of the buffer. It
+/// stands for a disk, a network or an operator changing the object.
+pub type Tamper = Arc<dyn Fn(String, Bytes) -> BoxFuture<'static, Result<()>> + Send + Sync>;
+
+/// One store to test, and the way to tamper with it.
+#[derive(Clone)]
+pub struct StoreUnderTest {
+    /// The store, fresh and empty.
+    pub store: Arc<dyn CheckpointStore>,
+    /// Changes its stored bytes out of band (see [`Tamper`]).
+    pub tamper: Tamper,
+}
+
+impl std::fmt::Debug for StoreUnderTest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreUnderTest")
+            .field("store", &self.store)
+            .finish_non_exhaustive()
+    }
+}
+
+impl StoreUnderTest {
+    /// `store` with its tamper hook.
+    pub fn new(store: Arc<dyn CheckpointStore>, tamper: Tamper) -> Self {
+        Self { store, tamper }
+    }
+}
 
 /// Deterministic pseudo-random content of `len` bytes, produced in chunks
 /// of `chunk` bytes as a stream, never held whole.
@@ -53,35 +89,46 @@ pub async fn digest(mut s: ByteStream) -> harness_core::Result<(String, u64)> {
 pub async fn run_all<F, Fut>(factory: F) -> Result<()>
 where
     F: Fn() -> Fut,
-    Fut: Future<Output = Arc<dyn CheckpointStore>>,
+    Fut: Future<Output = StoreUnderTest>,
 {
-    put_get_round_trip(factory().await)
+    let store = || async { factory().await.store };
+    put_get_round_trip(store().await)
         .await
         .context("put_get_round_trip")?;
-    streamed_multi_chunk(factory().await)
+    streamed_multi_chunk(store().await)
         .await
         .context("streamed_multi_chunk")?;
-    overwrite_replaces(factory().await)
+    overwrite_replaces(store().await)
         .await
         .context("overwrite_replaces")?;
-    missing_key_is_not_found(factory().await)
+    missing_key_is_not_found(store().await)
         .await
         .context("missing_key_is_not_found")?;
-    list_by_prefix(factory().await)
+    list_by_prefix(store().await)
         .await
         .context("list_by_prefix")?;
-    delete_is_idempotent(factory().await)
+    delete_is_idempotent(store().await)
         .await
         .context("delete_is_idempotent")?;
-    failed_put_leaves_previous(factory().await)
+    failed_put_leaves_previous(store().await)
         .await
         .context("failed_put_leaves_previous")?;
-    unsafe_keys_are_refused(factory().await)
+    unsafe_keys_are_refused(store().await)
         .await
         .context("unsafe_keys_are_refused")?;
-    empty_object(factory().await)
+    invalid_keys_are_refused_by_every_call(store().await)
         .await
-        .context("empty_object")?;
+        .context("invalid_keys_are_refused_by_every_call")?;
+    key_length_limit_is_exact(store().await)
+        .await
+        .context("key_length_limit_is_exact")?;
+    empty_object(store().await).await.context("empty_object")?;
+    corruption_is_detected_on_read(factory().await)
+        .await
+        .context("corruption_is_detected_on_read")?;
+    concurrent_writers_and_readers_on_one_key(store().await)
+        .await
+        .context("concurrent_writers_and_readers_on_one_key")?;
     Ok(())
 }
 
@@ -247,5 +294,350 @@ pub async fn empty_object(store: Arc<dyn CheckpointStore>) -> Result<()> {
     ensure!(meta.size == 0, "size {}", meta.size);
     let back = stream::collect(store.get("e/empty").await?, 10).await?;
     ensure!(back.is_empty(), "got {} bytes", back.len());
+    Ok(())
+}
+
+/// Keys no store may accept, each with why.
+pub fn invalid_keys() -> Vec<(String, &'static str)> {
+    vec![
+        (String::new(), "empty"),
+        ("../escape".into(), "leading .."),
+        ("a/../../b".into(), ".. inside"),
+        ("..".into(), "just .."),
+        (".".into(), "just ."),
+        ("a/./b".into(), ". segment"),
+        ("/abs".into(), "absolute"),
+        ("trailing/".into(), "trailing /"),
+        ("a//b".into(), "empty segment"),
+        ("sp ace".into(), "space"),
+        ("back\\slash".into(), "backslash"),
+        ("nul\0byte".into(), "NUL"),
+        ("tilde~partial-1".into(), "~ (S3 temporaries use it)"),
+        ("caf\u{e9}".into(), "non-ASCII"),
+        ("new\nline".into(), "newline"),
+        (
+            format!("long/{}/{}", "x".repeat(255), "y".repeat(252)),
+            "513 bytes",
+        ),
+        (format!("seg/{}", "z".repeat(256)), "a 256-byte segment"),
+    ]
+}
+
+fn invalid<T: std::fmt::Debug>(
+    result: harness_core::Result<T>,
+    call: &str,
+    key: &str,
+    why: &str,
+) -> Result<()> {
+    match result {
+        Err(e) if e.kind() == ErrorKind::InvalidInput => Ok(()),
+        other => bail!(
+            "{call} of an invalid key ({why}: {:?}) must be InvalidInput, got {other:?}",
+            key.chars().take(40).collect::<String>()
+        ),
+    }
+}
+
+/// Every call that takes a key (`put`, `get`, `head`, `delete`) refuses an
+/// invalid one as `InvalidInput` before doing anything, whether or not an
+/// object exists; `list` with a hostile prefix finds nothing.
+pub async fn invalid_keys_are_refused_by_every_call(store: Arc<dyn CheckpointStore>) -> Result<()> {
+    store
+        .put("sessions/keep", stream::once(&b"kept"[..]))
+        .await?;
+    for (key, why) in invalid_keys() {
+        invalid(
+            store.put(&key, stream::once(&b"x"[..])).await,
+            "put",
+            &key,
+            why,
+        )?;
+        invalid(store.get(&key).await.map(|_| ()), "get", &key, why)?;
+        invalid(store.head(&key).await, "head", &key, why)?;
+        invalid(store.delete(&key).await, "delete", &key, why)?;
+    }
+    // Keys that would reach the kept object only by climbing.
+    for key in ["sessions/x/../keep", "./sessions/keep", "sessions//keep"] {
+        invalid(store.get(key).await.map(|_| ()), "get", key, "climbing")?;
+        invalid(store.delete(key).await, "delete", key, "climbing")?;
+    }
+    for prefix in ["../", "/", "sessions/../"] {
+        match store.list(prefix).await {
+            Ok(found) => ensure!(
+                found.is_empty(),
+                "list({prefix:?}) must find nothing, got {found:?}"
+            ),
+            Err(e) if e.kind() == ErrorKind::InvalidInput => {}
+            Err(e) => bail!("list({prefix:?}) must be empty or InvalidInput, got {e}"),
+        }
+    }
+    let all: Vec<String> = store.list("").await?.into_iter().map(|m| m.key).collect();
+    ensure!(
+        all == ["sessions/keep"],
+        "a refused call changed the store: {all:?}"
+    );
+    let back = stream::collect(store.get("sessions/keep").await?, 64).await?;
+    ensure!(&back[..] == b"kept", "the kept object changed: {back:?}");
+    Ok(())
+}
+
+/// A key of exactly the limit (512 bytes, with a segment of exactly the
+/// 255-byte segment limit) works with every call; one byte more, in all or
+/// in a segment, is refused by every call.
+pub async fn key_length_limit_is_exact(store: Arc<dyn CheckpointStore>) -> Result<()> {
+    use harness_core::checkpoint::{MAX_KEY_BYTES, MAX_KEY_SEGMENT_BYTES};
+    let head = format!("limit/{}", "k".repeat(MAX_KEY_SEGMENT_BYTES));
+    let key = format!("{head}/{}", "k".repeat(MAX_KEY_BYTES - head.len() - 1));
+    ensure!(
+        key.len() == MAX_KEY_BYTES,
+        "built a key of {} bytes",
+        key.len()
+    );
+    let meta = store
+        .put(&key, stream::once(&b"at the limit"[..]))
+        .await
+        .context("put of a key of exactly the limit")?;
+    ensure!(meta.key == key, "put answered key {:?}", meta.key);
+    let back = stream::collect(store.get(&key).await?, 64).await?;
+    ensure!(&back[..] == b"at the limit", "got {back:?}");
+    ensure!(store.head(&key).await? == meta, "head differs from put");
+    let listed: Vec<String> = store
+        .list("limit/")
+        .await?
+        .into_iter()
+        .map(|m| m.key)
+        .collect();
+    ensure!(listed == [key.clone()], "list gave {listed:?}");
+    let long_segment = format!("limit/{}", "k".repeat(MAX_KEY_SEGMENT_BYTES + 1));
+    for over in [format!("{key}k"), long_segment] {
+        invalid(
+            store.put(&over, stream::once(&b"x"[..])).await,
+            "put",
+            &over,
+            "one byte over the limit",
+        )?;
+        invalid(store.get(&over).await.map(|_| ()), "get", &over, "over")?;
+        invalid(store.head(&over).await, "head", &over, "over")?;
+        invalid(store.delete(&over).await, "delete", &over, "over")?;
+    }
+    store.delete(&key).await?;
+    ensure!(
+        store.list("").await?.is_empty(),
+        "delete at the limit left something"
+    );
+    Ok(())
+}
+
+/// Read `key` to the end and require the read to fail as `Corrupt` (at
+/// `get` or, at the latest, as the stream's last item).
+async fn expect_corrupt(store: &dyn CheckpointStore, key: &str, what: &str) -> Result<()> {
+    let mut s = match store.get(key).await {
+        Err(e) if e.kind() == ErrorKind::Corrupt => return Ok(()),
+        Err(e) => bail!("{what}: get must fail as Corrupt, got {e}"),
+        Ok(s) => s,
+    };
+    let mut bytes = 0usize;
+    loop {
+        match tokio::time::timeout(Duration::from_secs(60), s.next()).await {
+            Err(_) => bail!("{what}: reading hung"),
+            Ok(None) => bail!(
+                "{what}: the read ended cleanly after {bytes} bytes: content that does not \
+                 match the recorded sha256 was handed out as good"
+            ),
+            Ok(Some(Ok(chunk))) => bytes += chunk.len(),
+            Ok(Some(Err(e))) if e.kind() == ErrorKind::Corrupt => return Ok(()),
+            Ok(Some(Err(e))) => bail!("{what}: the read must fail as Corrupt, got {e}"),
+        }
+    }
+}
+
+/// Bytes changed behind the store's back (one byte flipped anywhere,
+/// truncated, emptied, extended) are never read as good: the read ends in
+/// `Corrupt`. A new put heals the key.
+pub async fn corruption_is_detected_on_read(sut: StoreUnderTest) -> Result<()> {
+    let store = sut.store.as_ref();
+    let key = "tamper/obj.tar.zst";
+    let original = stream::collect(generated(300_017, 10_000, 11), 1 << 20).await?;
+    let meta = store.put(key, stream::once(original.clone())).await?;
+    ensure!(meta.size == original.len() as u64, "put meta {meta:?}");
+    let flipped = |at: usize| {
+        let mut b = original.to_vec();
+        b[at] ^= 0x01;
+        Bytes::from(b)
+    };
+    let n = original.len();
+    let cases: Vec<(&str, Bytes)> = vec![
+        ("one byte flipped in the middle", flipped(n / 2)),
+        ("the first byte flipped", flipped(0)),
+        ("the last byte flipped", flipped(n - 1)),
+        ("truncated by one byte", original.slice(..n - 1)),
+        ("truncated to a third", original.slice(..n / 3)),
+        ("emptied", Bytes::new()),
+        ("one byte appended", {
+            let mut b = original.to_vec();
+            b.push(0);
+            Bytes::from(b)
+        }),
+    ];
+    for (what, bytes) in cases {
+        (sut.tamper)(key.to_string(), bytes)
+            .await
+            .with_context(|| format!("tampering: {what}"))?;
+        expect_corrupt(store, key, what).await?;
+    }
+    // The tamper hook really writes (or the checks above prove nothing):
+    // the original bytes under the old hash read as good again.
+    (sut.tamper)(key.to_string(), original.clone()).await?;
+    let back = stream::collect(store.get(key).await?, 1 << 20).await?;
+    ensure!(
+        back == original,
+        "after putting the original bytes back, the read differs"
+    );
+    store.put(key, stream::once(&b"fresh content"[..])).await?;
+    let back = stream::collect(store.get(key).await?, 64).await?;
+    ensure!(
+        &back[..] == b"fresh content",
+        "a put after tampering: {back:?}"
+    );
+    Ok(())
+}
+
+/// `stream` with a yield before each chunk, so concurrent puts and reads
+/// interleave even on a single-threaded runtime.
+fn interleaved(stream: ByteStream) -> ByteStream {
+    Box::pin(stream.then(|chunk| async move {
+        tokio::task::yield_now().await;
+        chunk
+    }))
+}
+
+/// Several writers replace one key while several readers read it: every
+/// read that succeeds returns exactly one version that some writer put,
+/// whole, with its own hash (never a mix, never a version with another's
+/// hash); no read fails; `NotFound` only before the first put finished.
+/// At the end `head` and `get` agree on one version.
+pub async fn concurrent_writers_and_readers_on_one_key(
+    store: Arc<dyn CheckpointStore>,
+) -> Result<()> {
+    const KEY: &str = "race/one-key";
+    const WRITERS: u64 = 3;
+    const ROUNDS: u64 = 2;
+    // Small and multi-MiB versions alternate, so S3 stores take both the
+    // single-request and the multipart path.
+    let version = |seed: u64| -> (u64, usize) {
+        let len = if seed.is_multiple_of(2) {
+            6 * 1024 * 1024 + seed
+        } else {
+            100_000 + seed
+        };
+        (len, 65_536 + seed as usize)
+    };
+    let mut versions = BTreeMap::new();
+    for seed in 1..=WRITERS * ROUNDS {
+        let (len, chunk) = version(seed);
+        let (sha, _) = digest(generated(len, chunk, seed)).await?;
+        versions.insert(sha, (seed, len));
+    }
+    let versions = Arc::new(versions);
+    let written = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let writers_done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+
+    let mut writers = Vec::new();
+    for w in 0..WRITERS {
+        let (store, versions, written) = (store.clone(), versions.clone(), written.clone());
+        writers.push(tokio::spawn(async move {
+            for round in 0..ROUNDS {
+                let seed = 1 + w + round * WRITERS;
+                let (len, chunk) = version(seed);
+                let meta = store
+                    .put(KEY, interleaved(generated(len, chunk, seed)))
+                    .await
+                    .with_context(|| format!("writer {w} put of version {seed}"))?;
+                ensure!(
+                    versions.get(&meta.sha256) == Some(&(seed, len)) && meta.size == len,
+                    "writer {w}: put of version {seed} answered {meta:?}"
+                );
+                written.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+            anyhow::Ok(())
+        }));
+    }
+    let mut readers = Vec::new();
+    for r in 0..3 {
+        let (store, versions, written, done) = (
+            store.clone(),
+            versions.clone(),
+            written.clone(),
+            writers_done.clone(),
+        );
+        readers.push(tokio::spawn(async move {
+            let mut reads = 0u32;
+            loop {
+                let finished = done.load(std::sync::atomic::Ordering::SeqCst);
+                let before = written.load(std::sync::atomic::Ordering::SeqCst);
+                match store.get(KEY).await {
+                    Err(e) if e.kind() == ErrorKind::NotFound => ensure!(
+                        before == 0,
+                        "reader {r}: NotFound after {before} put(s) had finished"
+                    ),
+                    Err(e) => bail!("reader {r}: get failed while writers ran: {e}"),
+                    Ok(s) => {
+                        let (sha, len) = digest(interleaved(s))
+                            .await
+                            .with_context(|| format!("reader {r}: reading while writers ran"))?;
+                        let Some((seed, want)) = versions.get(&sha) else {
+                            bail!(
+                                "reader {r}: read {len} bytes with hash {sha}, which no writer \
+                                 put (a mix of versions)"
+                            );
+                        };
+                        ensure!(
+                            len == *want,
+                            "reader {r}: version {seed} came back with {len} bytes"
+                        );
+                        reads += 1;
+                    }
+                }
+                match store.head(KEY).await {
+                    Err(e) if e.kind() == ErrorKind::NotFound => {}
+                    Err(e) => bail!("reader {r}: head failed while writers ran: {e}"),
+                    Ok(meta) => ensure!(
+                        versions
+                            .get(&meta.sha256)
+                            .is_some_and(|(_, len)| *len == meta.size),
+                        "reader {r}: head answered {meta:?}, which no writer put"
+                    ),
+                }
+                if finished && reads >= 2 {
+                    return anyhow::Ok(reads);
+                }
+                tokio::task::yield_now().await;
+            }
+        }));
+    }
+    let mut failures = Vec::new();
+    for w in writers {
+        if let Err(e) = w.await.context("writer task")? {
+            failures.push(format!("{e:#}"));
+        }
+    }
+    writers_done.store(true, std::sync::atomic::Ordering::SeqCst);
+    for r in readers {
+        if let Err(e) = r.await.context("reader task")? {
+            failures.push(format!("{e:#}"));
+        }
+    }
+    ensure!(failures.is_empty(), "{}", failures.join("\n"));
+    let head = store.head(KEY).await?;
+    let (sha, len) = digest(store.get(KEY).await?).await?;
+    ensure!(
+        sha == head.sha256 && len == head.size && versions.contains_key(&sha),
+        "after the race head says {head:?} but get read {len} bytes with hash {sha}"
+    );
+    let all = store.list("").await?;
+    ensure!(
+        all.len() == 1 && all[0] == head,
+        "after the race list gives {all:?}"
+    );
     Ok(())
 }

@@ -71,6 +71,15 @@ where
     meta_is_folded_with_every_append(factory().await)
         .await
         .context("meta_is_folded_with_every_append")?;
+    concurrent_retries_store_once(factory().await)
+        .await
+        .context("concurrent_retries_store_once")?;
+    same_key_in_two_sessions(factory().await)
+        .await
+        .context("same_key_in_two_sessions")?;
+    frame_of_exactly_the_limit(factory().await)
+        .await
+        .context("frame_of_exactly_the_limit")?;
     Ok(())
 }
 
@@ -489,9 +498,22 @@ pub async fn unknown_session_is_not_found(log: Arc<dyn SessionLog>) -> Result<()
         matches!(log.read(&s, 0, 1).await, Err(e) if e.kind() == ErrorKind::NotFound),
         "read"
     );
+    match log.seal(&s).await {
+        Err(e) if e.kind() == ErrorKind::NotFound => {}
+        other => bail!("seal of an unknown session must be NotFound, got {other:?}"),
+    }
+    match log.fork(&s, 0, &sid("ghost-fork")).await {
+        Err(e) if e.kind() == ErrorKind::NotFound => {}
+        other => bail!("fork of an unknown session must be NotFound, got {other:?}"),
+    }
+    ensure!(
+        matches!(log.info(&sid("ghost-fork")).await, Err(e) if e.kind() == ErrorKind::NotFound),
+        "a refused fork created its target"
+    );
     ensure!(
         log.list().await?.is_empty(),
-        "a refused append created a log"
+        "a refused append, seal or fork created a log: {:?}",
+        log.list().await?
     );
     Ok(())
 }
@@ -543,5 +565,276 @@ pub async fn concurrent_appends_stay_gap_free(log: Arc<dyn SessionLog>) -> Resul
         all == (1..=200).collect::<Vec<u64>>(),
         "seqs were not exactly 1..=200"
     );
+    Ok(())
+}
+
+/// Many retries of one append (same key, same body) racing each other store
+/// exactly one frame: one answer is the original, every other a duplicate
+/// of it with the same seq and frame. A racing retry with other content is
+/// a `Conflict` (or, if it won, the others are), never a second frame.
+pub async fn concurrent_retries_store_once(log: Arc<dyn SessionLog>) -> Result<()> {
+    let s = sid("retries");
+    log.create(&s).await?;
+    log.append(&s, AppendRequest::new(said("before"))).await?;
+    let retries = (0..16).map(|_| {
+        let (log, s) = (log.clone(), s.clone());
+        async move {
+            log.append(&s, AppendRequest::idempotent(said("once"), "retry-key"))
+                .await
+        }
+    });
+    let answers = futures::future::join_all(retries).await;
+    let mut originals = 0;
+    let mut frames = Vec::new();
+    for a in answers {
+        let a = a.context("a concurrent retry failed")?;
+        if !a.duplicate {
+            originals += 1;
+        }
+        frames.push(a.frame);
+    }
+    ensure!(
+        originals == 1,
+        "{originals} of 16 concurrent retries were stored as new frames"
+    );
+    ensure!(
+        frames.iter().all(|f| f == &frames[0]) && frames[0].seq == 2,
+        "concurrent retries answered different frames: {frames:?}"
+    );
+    ensure!(
+        log.info(&s).await?.last_seq == 2 && log.read(&s, 0, 10).await?.len() == 2,
+        "concurrent retries stored more than one frame"
+    );
+    // The same key with different bodies at once: one frame at most.
+    let racing = (0..8).map(|i| {
+        let (log, s) = (log.clone(), s.clone());
+        async move {
+            log.append(
+                &s,
+                AppendRequest::idempotent(said(&format!("variant-{i}")), "contested"),
+            )
+            .await
+        }
+    });
+    let mut stored = 0;
+    for a in futures::future::join_all(racing).await {
+        match a {
+            Ok(a) if !a.duplicate => stored += 1,
+            Ok(a) => bail!("a retry with other content answered as a duplicate: {a:?}"),
+            Err(e) if e.kind() == ErrorKind::Conflict => {}
+            Err(e) => bail!("a contested key must be stored once or Conflict, got {e}"),
+        }
+    }
+    ensure!(stored == 1, "a contested key was stored {stored} times");
+    ensure!(
+        log.info(&s).await?.last_seq == 3,
+        "a contested key left {} frames",
+        log.info(&s).await?.last_seq
+    );
+    Ok(())
+}
+
+/// Idempotency keys belong to one session: the same key in another session
+/// is a new frame there (even with other content), and a retry in each
+/// session answers that session's own frame.
+pub async fn same_key_in_two_sessions(log: Arc<dyn SessionLog>) -> Result<()> {
+    let (a, b) = (sid("keys-a"), sid("keys-b"));
+    log.create(&a).await?;
+    log.create(&b).await?;
+    log.append(&b, AppendRequest::new(said("b-first"))).await?;
+    let in_a = log
+        .append(&a, AppendRequest::idempotent(said("in a"), "shared-key"))
+        .await?;
+    let in_b = log
+        .append(&b, AppendRequest::idempotent(said("in b"), "shared-key"))
+        .await
+        .context("a key used in another session must be free here")?;
+    ensure!(
+        !in_a.duplicate && !in_b.duplicate && in_a.seq == 1 && in_b.seq == 2,
+        "the same key in two sessions: {in_a:?} / {in_b:?}"
+    );
+    let again_a = log
+        .append(&a, AppendRequest::idempotent(said("in a"), "shared-key"))
+        .await?;
+    let again_b = log
+        .append(&b, AppendRequest::idempotent(said("in b"), "shared-key"))
+        .await?;
+    ensure!(
+        again_a.duplicate && again_a.frame == in_a.frame,
+        "retry in a answered {again_a:?}"
+    );
+    ensure!(
+        again_b.duplicate && again_b.frame == in_b.frame,
+        "retry in b answered {again_b:?}"
+    );
+    match log
+        .append(&a, AppendRequest::idempotent(said("in b"), "shared-key"))
+        .await
+    {
+        Err(e) if e.kind() == ErrorKind::Conflict => {}
+        other => bail!("b's content under the key in a must be a Conflict in a, got {other:?}"),
+    }
+    ensure!(
+        log.info(&a).await?.last_seq == 1 && log.info(&b).await?.last_seq == 2,
+        "retries stored frames"
+    );
+    Ok(())
+}
+
+/// A frame whose encoding is exactly the default limit is stored and read
+/// back whole; one byte more is refused and stores nothing.
+pub async fn frame_of_exactly_the_limit(log: Arc<dyn SessionLog>) -> Result<()> {
+    use harness_core::frame::Frame;
+    use harness_core::log::DEFAULT_MAX_FRAME_BYTES;
+    let s = sid("limit");
+    log.create(&s).await?;
+    let overhead = Frame::encoded_len(&prompt(""));
+    let exact = prompt(&"x".repeat(DEFAULT_MAX_FRAME_BYTES - overhead));
+    ensure!(
+        Frame::encoded_len(&exact) == DEFAULT_MAX_FRAME_BYTES,
+        "test frame is {} bytes",
+        Frame::encoded_len(&exact)
+    );
+    let stored = log
+        .append(&s, AppendRequest::idempotent(exact.clone(), "at-limit"))
+        .await
+        .context("a frame of exactly the limit must be accepted")?;
+    ensure!(stored.seq == 1, "stored {stored:?}");
+    let back = log.read(&s, 0, 10).await?;
+    ensure!(
+        back.len() == 1 && back[0].body == exact,
+        "the frame at the limit did not come back whole"
+    );
+    let retry = log
+        .append(&s, AppendRequest::idempotent(exact, "at-limit"))
+        .await?;
+    ensure!(retry.duplicate, "retry at the limit: {retry:?}");
+    let over = prompt(&"x".repeat(DEFAULT_MAX_FRAME_BYTES - overhead + 1));
+    match log.append(&s, AppendRequest::new(over)).await {
+        Err(e) if e.kind() == ErrorKind::InvalidInput => {}
+        other => bail!("a frame one byte over the limit must be InvalidInput, got {other:?}"),
+    }
+    ensure!(
+        log.info(&s).await?.last_seq == 1,
+        "the frame over the limit was stored"
+    );
+    Ok(())
+}
+
+/// What one writer of [`shared_writer`] was answered: `(key, seq)`.
+pub type WriterRecord = (String, u64);
+
+/// The session [`shared_writer`] writes to.
+pub const SHARED_SESSION: &str = "shared-writers";
+
+/// One of several writers on one store (handles in one process, or in
+/// several processes on one file): `n` rounds of its own frame (key
+/// `<writer>-<i>`), a retry of it, and a frame every writer appends with
+/// the same key and content (`shared-<i>`). Returns every answer, for
+/// [`check_shared_writers`].
+pub async fn shared_writer(
+    log: Arc<dyn SessionLog>,
+    writer: &str,
+    n: usize,
+) -> Result<Vec<WriterRecord>> {
+    let s = sid(SHARED_SESSION);
+    log.create(&s).await?;
+    let mut records = Vec::new();
+    for i in 0..n {
+        let own = format!("{writer}-{i}");
+        let first = log
+            .append(&s, AppendRequest::idempotent(said(&own), own.clone()))
+            .await
+            .with_context(|| format!("{writer}: append {own}"))?;
+        ensure!(
+            !first.duplicate,
+            "{writer}: its own key {own} was a duplicate"
+        );
+        let retry = log
+            .append(&s, AppendRequest::idempotent(said(&own), own.clone()))
+            .await
+            .with_context(|| format!("{writer}: retry {own}"))?;
+        ensure!(
+            retry.duplicate && retry.frame == first.frame,
+            "{writer}: the retry of {own} answered {retry:?}, the append {first:?}"
+        );
+        records.push((own, first.seq));
+        let shared = format!("shared-{i}");
+        let a = log
+            .append(&s, AppendRequest::idempotent(said(&shared), shared.clone()))
+            .await
+            .with_context(|| format!("{writer}: append {shared}"))?;
+        records.push((shared, a.seq));
+        if i % 8 == 0 {
+            tokio::task::yield_now().await;
+        }
+    }
+    Ok(records)
+}
+
+/// Check the log after [`shared_writer`] ran for `writers` writers of `n`
+/// rounds: seqs 1..=N without gaps, every key stored exactly once, and every
+/// answer a writer got names the frame that holds its content.
+pub async fn check_shared_writers(
+    log: Arc<dyn SessionLog>,
+    writers: &[&str],
+    n: usize,
+    records: &[WriterRecord],
+) -> Result<()> {
+    let s = sid(SHARED_SESSION);
+    let frames = log.read(&s, 0, usize::MAX).await?;
+    let want = writers.len() * n + n;
+    ensure!(
+        frames.len() == want,
+        "{} frames stored, expected {want} (each writer's own plus one per shared key)",
+        frames.len()
+    );
+    let mut by_text = std::collections::BTreeMap::new();
+    for (i, f) in frames.iter().enumerate() {
+        ensure!(
+            f.seq == i as u64 + 1,
+            "frame #{i} has seq {}: a gap or a repeat",
+            f.seq
+        );
+        let FrameBody::Message { text, .. } = &f.body else {
+            bail!("unexpected frame {f:?}");
+        };
+        ensure!(
+            by_text.insert(text.clone(), f.seq).is_none(),
+            "{text} was stored twice"
+        );
+    }
+    for (key, seq) in records {
+        ensure!(
+            by_text.get(key) == Some(seq),
+            "a writer was answered seq {seq} for {key}, which is stored at {:?}",
+            by_text.get(key)
+        );
+    }
+    ensure!(
+        log.info(&s).await?.last_seq == want as u64,
+        "info disagrees with the frames"
+    );
+    Ok(())
+}
+
+/// Several handles on one store (clones of a memory log, two connections to
+/// one SQLite file, …) written through at once stay one gap-free log with
+/// every key stored once.
+pub async fn handles_on_one_store(handles: Vec<Arc<dyn SessionLog>>) -> Result<()> {
+    const N: usize = 60;
+    let names: Vec<String> = (0..handles.len()).map(|i| format!("h{i}")).collect();
+    let writers = handles.iter().zip(&names).map(|(log, name)| {
+        let (log, name) = (log.clone(), name.clone());
+        tokio::spawn(async move { shared_writer(log, &name, N).await })
+    });
+    let mut records = Vec::new();
+    for w in futures::future::join_all(writers).await {
+        records.extend(w.context("writer task")??);
+    }
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    for log in &handles {
+        check_shared_writers(log.clone(), &names, N, &records).await?;
+    }
     Ok(())
 }

@@ -7,3 +7,4 @@ pub mod checkpoint;
 pub mod engine;
 pub mod log;
 pub mod sandbox;
+pub mod turn_store;

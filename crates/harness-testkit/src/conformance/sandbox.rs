@@ -124,6 +124,20 @@ pub async fn run_all_with(
         "import_refuses_escaping_entries",
         import_refuses_escaping_entries(sb).await,
     );
+    record(
+        "import_refuses_hostile_entries",
+        import_refuses_hostile_entries(sb).await,
+    );
+    record(
+        "restore_refuses_hostile_archives",
+        restore_refuses_hostile_archives(sb).await,
+    );
+    record("unicode_names", unicode_names(sb).await);
+    record("concurrent_execs", concurrent_execs(sb).await);
+    record(
+        "slow_reader_of_large_output",
+        slow_reader_of_large_output(sb).await,
+    );
     record("detached_processes", detached_processes(sb).await);
     if options.large_file_bytes > 0 {
         record(
@@ -1411,4 +1425,624 @@ pub async fn network_deny_all(
     .await;
     server.abort();
     result
+}
+
+// ---------------------------------------------------------------------------
+// concurrency, large output, names
+
+/// Several commands at once on one sandbox each get exactly their own
+/// stdout, stderr and exit code, and really run at the same time.
+pub async fn concurrent_execs(sb: &dyn Sandbox) -> Result<()> {
+    const N: usize = 6;
+    const LINES: usize = 2000;
+    let started = Instant::now();
+    let runs = (0..N).map(|i| async move {
+        let script = format!(
+            "sleep 2; n=0; while [ $n -lt {LINES} ]; do echo \"cmd-{i}-line-$n\"; n=$((n+1)); done; \
+             echo err-{i} >&2; exit {}",
+            10 + i
+        );
+        run(sb, ExecRequest::shell(script)).await.map(|o| (i, o))
+    });
+    let outs = futures::future::join_all(runs).await;
+    let elapsed = started.elapsed();
+    for out in outs {
+        let (i, out) = out?;
+        let want: String = (0..LINES).map(|n| format!("cmd-{i}-line-{n}\n")).collect();
+        ensure!(
+            out.stdout_str() == want,
+            "command {i} of {N} running at once got other stdout ({} bytes, expected {}; \
+             starts {:?})",
+            out.stdout.len(),
+            want.len(),
+            out.stdout_str().chars().take(40).collect::<String>()
+        );
+        ensure!(
+            out.stderr_str() == format!("err-{i}\n"),
+            "command {i} got stderr {:?}",
+            out.stderr_str()
+        );
+        ensure!(
+            out.status.code == Some(10 + i as i32),
+            "command {i} must exit {}, got {:?}",
+            10 + i,
+            out.status
+        );
+    }
+    ensure!(
+        elapsed < Duration::from_secs(2 * N as u64 - 3),
+        "{N} commands that each sleep 2 s took {elapsed:?}: they ran one after another"
+    );
+    Ok(())
+}
+
+/// A command writing far more than any pipe holds (2 MiB to stderr first,
+/// then 32 MiB to stdout) to a consumer that reads slowly at first: nothing
+/// is lost, reordered or deadlocked, and the exit is clean.
+pub async fn slow_reader_of_large_output(sb: &dyn Sandbox) -> Result<()> {
+    const STDOUT: u64 = 32 * 1024 * 1024;
+    const STDERR: usize = 2 * 1024 * 1024;
+    const LINE: &[u8] = b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\n";
+    let script = format!(
+        "head -c {STDERR} /dev/zero | tr '\\0' e >&2; \
+         yes {} | head -c {STDOUT}; echo done >&2",
+        std::str::from_utf8(&LINE[..LINE.len() - 1])?
+    );
+    let mut stream = sb.exec(ExecRequest::shell(script)).await.context("exec")?;
+    let mut out_bytes = 0u64;
+    let mut err = Vec::new();
+    let mut exits = Vec::new();
+    let mut events = 0u32;
+    let drain = async {
+        while let Some(event) = stream.next().await {
+            events += 1;
+            if events <= 40 {
+                // A slow consumer: the command fills every buffer meanwhile.
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            match event? {
+                ExecEvent::Stdout(b) => {
+                    for (k, byte) in b.iter().enumerate() {
+                        let at = out_bytes + k as u64;
+                        if *byte != LINE[(at % LINE.len() as u64) as usize] {
+                            bail!("stdout differs at byte {at}: a chunk was lost or reordered");
+                        }
+                    }
+                    out_bytes += b.len() as u64;
+                }
+                ExecEvent::Stderr(b) => err.extend_from_slice(&b),
+                ExecEvent::Exit(s) => exits.push(s),
+            }
+        }
+        Ok(())
+    };
+    within(
+        Duration::from_secs(180),
+        "reading 34 MiB of output slowly",
+        drain,
+    )
+    .await??;
+    ensure!(
+        out_bytes == STDOUT,
+        "read {out_bytes} bytes of stdout, the command wrote {STDOUT}"
+    );
+    ensure!(
+        err.len() == STDERR + 5
+            && err[..STDERR].iter().all(|&b| b == b'e')
+            && err.ends_with(b"done\n"),
+        "stderr must be {STDERR} bytes of 'e' then \"done\\n\", got {} bytes",
+        err.len()
+    );
+    ensure!(
+        exits.len() == 1 && exits[0].success(),
+        "one successful Exit expected, got {exits:?}"
+    );
+    Ok(())
+}
+
+/// Unicode (and shell-hostile) file names: written, read (also from an
+/// offset), seen by commands, and carried through export_tar/import_tar
+/// byte for byte, including a name longer than a tar header holds.
+pub async fn unicode_names(sb: &dyn Sandbox) -> Result<()> {
+    let base = scratch("unicode");
+    let long = "é".repeat(90);
+    let names: Vec<String> = vec![
+        "ünïcødé.txt".into(),
+        "日本語/ファイル名.md".into(),
+        "emoji 🦀 crab.rs".into(),
+        "quote's \"and\" $dollar `tick` \\back.txt".into(),
+        "ελληνικά/Ωμέγα".into(),
+        format!("{long}/{long}.txt"),
+    ];
+    let src = format!("{base}/src");
+    for name in &names {
+        let path = format!("{src}/{name}");
+        let content = format!("content of {name}");
+        sb.write_file(&path, harness_core::stream::once(content.clone()))
+            .await
+            .with_context(|| format!("write_file {name:?}"))?;
+        let back = read_file(sb, &path)
+            .await
+            .with_context(|| format!("read_file {name:?}"))?;
+        ensure!(back == content.as_bytes(), "{name:?} read back {back:?}");
+        let tail = read_all(sb.read_file_from(&path, 11).await?, "read_file_from").await?;
+        ensure!(
+            tail == content.as_bytes()[11..],
+            "read_file_from(11) of {name:?} gave {:?}",
+            String::from_utf8_lossy(&tail)
+        );
+        let cat = sh(sb, &format!("cat -- {}", shell_quote(&path))).await?;
+        ensure!(cat == content, "cat of {name:?} printed {cat:?}");
+    }
+    let listed = sh(
+        sb,
+        &format!("cd {} && find . -type f | LC_ALL=C sort", shell_quote(&src)),
+    )
+    .await?;
+    let mut want: Vec<String> = names.iter().map(|n| format!("./{n}")).collect();
+    want.sort();
+    ensure!(
+        listed.lines().collect::<Vec<_>>() == want,
+        "commands see the names {listed:?}, expected {want:?}"
+    );
+    let tar = read_all(sb.export_tar(&src).await?, "export_tar").await?;
+    let mut archive = tar::Archive::new(tar.as_slice());
+    let mut in_tar = Vec::new();
+    for entry in archive.entries()? {
+        let entry = entry?;
+        in_tar.push(
+            String::from_utf8(entry.path_bytes().into_owned())
+                .context("export_tar wrote a name that is not the UTF-8 it was")?,
+        );
+    }
+    for name in &names {
+        ensure!(
+            in_tar.iter().any(|n| n.trim_start_matches("./") == name),
+            "export_tar lacks {name:?}: {in_tar:?}"
+        );
+    }
+    let dst = format!("{base}/dst");
+    sb.import_tar(&dst, harness_core::stream::once(tar))
+        .await
+        .context("import_tar of unicode names")?;
+    for name in &names {
+        let back = read_file(sb, &format!("{dst}/{name}")).await?;
+        ensure!(
+            back == format!("content of {name}").as_bytes(),
+            "{name:?} after a tar round trip: {back:?}"
+        );
+    }
+    sh(sb, &format!("rm -rf {}", shell_quote(&base))).await?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// hostile archives
+
+/// One raw tar header (checksum set) for `path`, written without the tar
+/// crate's own path checks: hostile names are the point.
+fn raw_header(
+    path: &str,
+    kind: tar::EntryType,
+    mode: u32,
+    link: Option<&str>,
+    size: u64,
+) -> tar::Header {
+    let mut h = tar::Header::new_gnu();
+    h.as_old_mut().name[..path.len()].copy_from_slice(path.as_bytes());
+    if let Some(link) = link {
+        h.as_old_mut().linkname[..link.len()].copy_from_slice(link.as_bytes());
+    }
+    h.set_entry_type(kind);
+    h.set_mode(mode);
+    h.set_size(size);
+    h.set_mtime(1_700_000_000);
+    h.set_cksum();
+    h
+}
+
+/// A header block followed by `data`, padded.
+fn raw_entry(header: &tar::Header, data: &[u8]) -> Vec<u8> {
+    let mut out = header.as_bytes().to_vec();
+    out.extend_from_slice(data);
+    out.resize(out.len().div_ceil(512) * 512, 0);
+    out
+}
+
+fn file(path: &str, mode: u32, data: &[u8]) -> Vec<u8> {
+    raw_entry(
+        &raw_header(path, tar::EntryType::Regular, mode, None, data.len() as u64),
+        data,
+    )
+}
+
+fn link(path: &str, kind: tar::EntryType, target: &str) -> Vec<u8> {
+    raw_entry(&raw_header(path, kind, 0o777, Some(target), 0), &[])
+}
+
+fn device(path: &str, kind: tar::EntryType, major: u32, minor: u32) -> Vec<u8> {
+    let mut h = raw_header(path, kind, 0o666, None, 0);
+    h.set_device_major(major).expect("gnu header");
+    h.set_device_minor(minor).expect("gnu header");
+    h.set_cksum();
+    raw_entry(&h, &[])
+}
+
+/// A PAX header (`x`, or `g` for global) with `records`.
+fn pax_header(records: &[(&str, &str)], global: bool) -> Vec<u8> {
+    let mut body = Vec::new();
+    for (k, v) in records {
+        let rest = format!(" {k}={v}\n");
+        let mut n = rest.len() + 1;
+        while n.to_string().len() + rest.len() != n {
+            n += 1;
+        }
+        body.extend(format!("{n}{rest}").as_bytes());
+    }
+    let kind = if global {
+        tar::EntryType::XGlobalHeader
+    } else {
+        tar::EntryType::XHeader
+    };
+    raw_entry(
+        &raw_header("PaxHeader", kind, 0o644, None, body.len() as u64),
+        &body,
+    )
+}
+
+/// The archive's entries, the end marker added.
+fn archive_of(entries: Vec<Vec<u8>>) -> Vec<u8> {
+    let mut out = entries.concat();
+    out.extend_from_slice(&[0u8; 1024]);
+    out
+}
+
+/// A hostile archive: its entries (after a harmless `before.txt`), what it
+/// tries, and whether `import_tar` alone must refuse it too (it may keep a
+/// symlink pointing out of the tree; `moves::restore` may not).
+struct Hostile {
+    name: &'static str,
+    tar: Vec<u8>,
+    import_refuses: bool,
+}
+
+/// The hostile archives, aimed at a target next to `outside.txt` (what
+/// `../` escapes hit); `abs` is a short absolute directory holding another
+/// `outside.txt` and an `outside-dir/` (what absolute paths and links hit).
+fn hostile_archives(abs: &str) -> Vec<Hostile> {
+    use tar::EntryType as T;
+    let before = || file("before.txt", 0o644, b"harmless");
+    let hidden_device = device("hidden-dev", T::Char, 1, 3);
+    let h = |name, entries: Vec<Vec<u8>>, import_refuses| Hostile {
+        name,
+        tar: archive_of([vec![before()], entries].concat()),
+        import_refuses,
+    };
+    vec![
+        h(
+            "dotdot",
+            vec![file("../escaped.txt", 0o644, b"escaped")],
+            true,
+        ),
+        h(
+            "absolute path",
+            vec![file(&format!("{abs}/written.txt"), 0o644, b"absolute")],
+            true,
+        ),
+        h(
+            "setuid file",
+            vec![file("suid", 0o4755, b"#!/bin/sh\nid\n")],
+            true,
+        ),
+        h(
+            "setgid file",
+            vec![file("sgid", 0o2755, b"#!/bin/sh\nid\n")],
+            true,
+        ),
+        h("char device", vec![device("null-dev", T::Char, 1, 3)], true),
+        h(
+            "block device",
+            vec![device("block-dev", T::Block, 7, 0)],
+            true,
+        ),
+        h("fifo", vec![device("fifo", T::Fifo, 0, 0)], true),
+        h(
+            "absolute symlink",
+            vec![link("etc-link", T::Symlink, "/etc")],
+            false,
+        ),
+        h(
+            "climbing symlink",
+            vec![link("up", T::Symlink, "../../..")],
+            false,
+        ),
+        h(
+            "hardlink out",
+            vec![link("hl", T::Link, "../outside.txt")],
+            true,
+        ),
+        h(
+            "hardlink to an absolute path",
+            vec![link("hl-abs", T::Link, &format!("{abs}/outside.txt"))],
+            true,
+        ),
+        h(
+            "hardlink under a symlink",
+            vec![
+                link("via", T::Symlink, &format!("{abs}/outside-dir")),
+                link("via/planted", T::Link, "before.txt"),
+            ],
+            true,
+        ),
+        h(
+            "file under a symlink",
+            vec![
+                link("via2", T::Symlink, &format!("{abs}/outside-dir")),
+                file("via2/planted.txt", 0o644, b"planted"),
+            ],
+            true,
+        ),
+        h(
+            "duplicate entry",
+            vec![
+                link("dup", T::Symlink, "before.txt"),
+                file("dup", 0o644, b"overwrite through the first dup"),
+            ],
+            true,
+        ),
+        h(
+            "gnu sparse",
+            vec![raw_entry(
+                &raw_header("sparse", T::GNUSparse, 0o644, None, 0),
+                &[],
+            )],
+            true,
+        ),
+        h(
+            "pax sparse renaming",
+            vec![
+                pax_header(&[("GNU.sparse.name", "renamed.txt")], false),
+                file("innocent.txt", 0o644, b"abc"),
+            ],
+            true,
+        ),
+        h(
+            "pax global header",
+            vec![
+                pax_header(&[("comment", "global")], true),
+                file("a.txt", 0o644, b"a"),
+            ],
+            true,
+        ),
+        h(
+            "bad checksum hiding a device",
+            vec![{
+                let mut cover = raw_entry(&raw_header("cover", T::Regular, 0o644, None, 512), &[]);
+                cover[148..156].copy_from_slice(b"0000000\0");
+                [cover, hidden_device.clone()].concat()
+            }],
+            true,
+        ),
+        h(
+            "pax size hiding a device",
+            vec![
+                pax_header(&[("size", "0")], false),
+                raw_entry(&raw_header("sized", T::Regular, 0o644, None, 512), &[]),
+                hidden_device.clone(),
+            ],
+            true,
+        ),
+        h(
+            "symlink with data hiding a device",
+            vec![
+                raw_entry(
+                    &raw_header("datalink", T::Symlink, 0o777, Some("before.txt"), 512),
+                    &[],
+                ),
+                hidden_device,
+            ],
+            true,
+        ),
+    ]
+}
+
+/// Everything a hostile archive could hit outside its target: a listing of
+/// `base` (the target pruned) and of `abs`, the sentinels' content and
+/// link counts.
+async fn outside_state(
+    sb: &dyn Sandbox,
+    base: &str,
+    target_name: &str,
+    abs: &str,
+) -> Result<String> {
+    sh(
+        sb,
+        &format!(
+            "cd {b} && find . -path ./{t} -prune -o -print | LC_ALL=C sort; \
+             cat outside.txt; stat -c ' links=%h' outside.txt; \
+             cd {a} && find . | LC_ALL=C sort; cat outside.txt; stat -c ' links=%h' outside.txt",
+            b = shell_quote(base),
+            t = shell_quote(target_name),
+            a = shell_quote(abs)
+        ),
+    )
+    .await
+}
+
+/// No privileged or special file anywhere under `dir`.
+async fn nothing_privileged(sb: &dyn Sandbox, dir: &str, what: &str) -> Result<()> {
+    let found = sh(
+        sb,
+        &format!(
+            "find {} \\( -type b -o -type c -o -type p \\) -print -o ! -type d -perm /6000 -print; true",
+            shell_quote(dir)
+        ),
+    )
+    .await?;
+    ensure!(
+        found.trim().is_empty(),
+        "{what}: left device nodes, FIFOs or setuid/setgid files: {found:?}"
+    );
+    let names = sh(
+        sb,
+        &format!("cd {} && find . | LC_ALL=C sort", shell_quote(dir)),
+    )
+    .await?;
+    for hidden in ["hidden-dev", "renamed.txt", "planted"] {
+        ensure!(
+            !names.contains(hidden),
+            "{what}: an entry the scan never saw was written ({hidden}): {names:?}"
+        );
+    }
+    Ok(())
+}
+
+async fn hostile_scratch(sb: &dyn Sandbox, name: &str) -> Result<(String, String)> {
+    let base = scratch(name);
+    let abs = format!("/tmp/harness-suite-{}", uuid_like());
+    for dir in [&base, &abs] {
+        sh(
+            sb,
+            &format!(
+                "mkdir -p {d}/outside-dir && printf sentinel > {d}/outside.txt",
+                d = shell_quote(dir)
+            ),
+        )
+        .await?;
+    }
+    Ok((base, abs))
+}
+
+/// `import_tar` refuses every hostile archive but those that only hold a
+/// symlink pointing out (which it may restore as it was) with an error, and
+/// whatever it did before refusing, it wrote nothing outside its target,
+/// left no device, FIFO or setuid/setgid file, and never wrote an entry
+/// that a scan of the archive would not have seen.
+pub async fn import_refuses_hostile_entries(sb: &dyn Sandbox) -> Result<()> {
+    let (base, abs) = hostile_scratch(sb, "hostile-import").await?;
+    let mut failures = Vec::new();
+    for (i, case) in hostile_archives(&abs).into_iter().enumerate() {
+        let target_name = format!("t{i}");
+        let target = format!("{base}/{target_name}");
+        let before = outside_state(sb, &base, &target_name, &abs).await?;
+        let result = sb
+            .import_tar(&target, harness_core::stream::once(case.tar))
+            .await;
+        let check = async {
+            if case.import_refuses {
+                ensure!(result.is_err(), "import_tar accepted it");
+            }
+            let after = outside_state(sb, &base, &target_name, &abs).await?;
+            ensure!(
+                after == before,
+                "it changed what lies outside the target:\nbefore:\n{before}\nafter:\n{after}"
+            );
+            sh(sb, &format!("mkdir -p {}", shell_quote(&target))).await?;
+            nothing_privileged(sb, &target, "import_tar").await
+        }
+        .await;
+        if let Err(e) = check {
+            failures.push(format!("{}: {e:#}", case.name));
+        }
+    }
+    sh(
+        sb,
+        &format!("rm -rf {} {}", shell_quote(&base), shell_quote(&abs)),
+    )
+    .await?;
+    ensure!(
+        failures.is_empty(),
+        "hostile archives through import_tar:\n  {}",
+        failures.join("\n  ")
+    );
+    Ok(())
+}
+
+/// `moves::restore` of each hostile archive (stored zstd-compressed in a
+/// memory checkpoint store) into this sandbox fails with a clear `Unsafe`
+/// or `Corrupt` error and leaves the target exactly as it was (the harmless
+/// entry before the hostile one included) and everything outside it too.
+pub async fn restore_refuses_hostile_archives(sb: &dyn Sandbox) -> Result<()> {
+    use harness_core::checkpoint::{CheckpointStore, MemoryCheckpointStore};
+    use harness_core::moves;
+    let (base, abs) = hostile_scratch(sb, "hostile-restore").await?;
+    let target_name = "target";
+    let target = format!("{base}/{target_name}");
+    sh(
+        sb,
+        &format!(
+            "mkdir -p {t}/sub && printf keep > {t}/keep.txt && ln -s keep.txt {t}/keep-link",
+            t = shell_quote(&target)
+        ),
+    )
+    .await?;
+    let store = MemoryCheckpointStore::new();
+    let mut failures = Vec::new();
+    for case in hostile_archives(&abs) {
+        let key = format!("hostile/{}.tar.zst", case.name.replace(' ', "-"));
+        store
+            .put(
+                &key,
+                moves::compress(
+                    harness_core::stream::once(case.tar),
+                    moves::DEFAULT_ZSTD_LEVEL,
+                ),
+            )
+            .await?;
+        let tree = manifest(sb, &target).await?;
+        let outside = outside_state(sb, &base, target_name, &abs).await?;
+        let result = moves::restore(&store, &key, sb, &target, None).await;
+        let check = async {
+            match &result {
+                Ok(info) => bail!("restore accepted it: {info:?}"),
+                Err(e) if matches!(e.kind(), ErrorKind::Unsafe | ErrorKind::Corrupt) => {
+                    ensure!(e.to_string().len() > 20, "an unclear error: {e}");
+                }
+                Err(e) => bail!("restore must refuse as Unsafe or Corrupt, got {e}"),
+            }
+            ensure!(
+                manifest(sb, &target).await? == tree,
+                "the refused restore changed the target"
+            );
+            ensure!(
+                outside_state(sb, &base, target_name, &abs).await? == outside,
+                "the refused restore changed what lies outside the target"
+            );
+            Ok(())
+        }
+        .await;
+        if let Err(e) = check {
+            failures.push(format!("{}: {e:#}", case.name));
+        }
+    }
+    // The control: the same pipeline restores a harmless archive.
+    let key = "hostile/harmless.tar.zst";
+    store
+        .put(
+            key,
+            moves::compress(
+                harness_core::stream::once(archive_of(vec![
+                    file("before.txt", 0o644, b"harmless"),
+                    link("rel-link", tar::EntryType::Symlink, "before.txt"),
+                ])),
+                moves::DEFAULT_ZSTD_LEVEL,
+            ),
+        )
+        .await?;
+    moves::restore(&store, key, sb, &target, None)
+        .await
+        .context("restoring a harmless archive through the same pipeline")?;
+    let back = read_file(sb, &format!("{target}/before.txt")).await?;
+    ensure!(back == b"harmless", "the harmless restore wrote {back:?}");
+    sh(
+        sb,
+        &format!("rm -rf {} {}", shell_quote(&base), shell_quote(&abs)),
+    )
+    .await?;
+    ensure!(
+        failures.is_empty(),
+        "hostile archives through moves::restore:\n  {}",
+        failures.join("\n  ")
+    );
+    Ok(())
 }
