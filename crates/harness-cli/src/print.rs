@@ -91,6 +91,8 @@ pub struct Activity {
     seen_output: bool,
     /// A text or reasoning block is open.
     in_block: bool,
+    /// Tools called and not yet returned, latest last.
+    running_tools: Vec<String>,
     model_url: Option<String>,
 }
 
@@ -109,6 +111,7 @@ impl Activity {
             bar: None,
             seen_output: false,
             in_block: false,
+            running_tools: Vec::new(),
             model_url,
         };
         activity.show(first);
@@ -199,9 +202,20 @@ impl Activity {
                 }
                 match part {
                     StreamPart::ToolCall { tool_name, .. } => {
+                        self.running_tools.push(tool_name.clone());
                         self.show(&format!("running {tool_name}"))
                     }
+                    StreamPart::ToolResult { .. } => {
+                        self.running_tools.pop();
+                        match self.running_tools.last().cloned() {
+                            Some(tool) => self.show(&format!("running {tool}")),
+                            None => self.show("waiting for the model"),
+                        }
+                    }
                     StreamPart::Finish { .. } => self.hide(),
+                    // A step ends when the model asks for a tool, before
+                    // the tool runs: it does not change what the turn does.
+                    _ if !self.running_tools.is_empty() => {}
                     _ => self.show("waiting for the model"),
                 }
             }

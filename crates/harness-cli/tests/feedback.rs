@@ -321,3 +321,56 @@ fn claude_against_the_scripted_model_shows_no_warning() {
 fn codex_against_the_scripted_model_shows_no_warning() {
     healthy_turn_shows_no_warning(Agent::Codex);
 }
+
+/// On a terminal (a pseudo-terminal from util-linux `script`), the status
+/// line under a running turn says what it does and how long since the
+/// agent's last output: "running Bash" while the command sleeps, then
+/// "waiting for the model".
+#[test]
+fn the_status_line_says_what_the_turn_does_on_a_terminal() {
+    if !Agent::Claude.available() {
+        return;
+    }
+    if Command::new("script").arg("--version").output().is_err() {
+        harness_testkit::skip_or_fail("util-linux `script` is not installed (apt bsdutils)");
+        return;
+    }
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let model = rt
+        .block_on(ScriptedModel::start(Script::bash_each_turn(
+            "sleep 3 && echo slept",
+            "Slept well.",
+        )))
+        .unwrap();
+    let home = tempfile::tempdir().unwrap();
+    let typescript = home.path().join("typescript");
+    let command = format!(
+        "{} --home {} run --agent claude-code 'take a nap'",
+        env!("CARGO_BIN_EXE_harness"),
+        home.path().display()
+    );
+    let mut cmd = Command::new("script");
+    cmd.args(["-qec", &command])
+        .arg(&typescript)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .env_remove("HARNESS_HOME")
+        .env("ANTHROPIC_API_KEY", "test-key")
+        .env("ANTHROPIC_BASE_URL", model.base_url())
+        .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1");
+    let (ok, _, _) = watch(cmd, Duration::from_secs(120));
+    let screen = std::fs::read_to_string(&typescript).unwrap_or_default();
+    assert!(ok, "{screen}");
+    assert!(screen.contains("Slept well."), "{screen}");
+    assert!(screen.contains("running Bash"), "{screen}");
+    assert!(screen.contains("waiting for the model"), "{screen}");
+    // The clock since the last output ran while the command slept.
+    assert!(
+        ["1s", "2s", "3s"]
+            .iter()
+            .any(|t| screen.contains(&format!("running Bash · {t} since the last output"))),
+        "{screen}"
+    );
+    drop(model);
+}
