@@ -22,19 +22,9 @@ const SECOND_PROMPT: &str = "now the second question";
 const SECOND_ANSWER: &str = "Second turn answer.";
 
 fn real_bin(var: &str) -> Option<PathBuf> {
-    let require = std::env::var("HARNESS_REQUIRE_REAL").is_ok_and(|v| v == "1");
-    match std::env::var_os(var) {
-        Some(p) if !p.is_empty() => {
-            let p = PathBuf::from(p);
-            assert!(p.is_file(), "{var}={} is not a file", p.display());
-            Some(p)
-        }
-        _ => {
-            assert!(!require, "HARNESS_REQUIRE_REAL=1 but {var} is not set");
-            println!("skipped: {var} not set");
-            None
-        }
-    }
+    let p = PathBuf::from(harness_testkit::require_env(var)?);
+    assert!(p.is_file(), "{var}={} is not a file", p.display());
+    Some(p)
 }
 
 /// The script both CLIs run: turn 1 calls the shell, then answers; turn 2
