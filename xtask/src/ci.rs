@@ -3,13 +3,14 @@
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 
 use crate::matrix::{self, Row, What};
-use crate::{agents, deny, deps, env, image, services, util};
+use crate::{agents, deny, deps, env, fuzz, image, package, services, skips, util};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Step {
@@ -29,10 +30,14 @@ pub enum Step {
     Wasm,
     /// cargo deny --offline check licenses bans sources
     Deny,
+    /// cargo package of every publishable crate (dry run)
+    Package,
     /// cargo nextest run --workspace
     Test,
     /// the rows in xtask/src/matrix.rs
     Matrix,
+    /// every fuzz target for 30 s (`cargo xtask fuzz`)
+    Fuzz,
 }
 
 impl Step {
@@ -155,6 +160,16 @@ fn summary(done: &[(Step, Duration, bool)], total: Duration, counts: Option<Coun
         );
     }
     println!("{:<9} {:<6} {:>8}", "total", "", util::fmt_duration(total));
+    let skipped = SKIPPED.lock().unwrap_or_else(|e| e.into_inner());
+    if skipped.is_empty() {
+        println!("skipped tests: none");
+    } else {
+        println!("skipped tests ({}):", skipped.len());
+        for (test, why) in skipped.iter() {
+            println!("  {test} — {why}");
+        }
+    }
+    drop(skipped);
     if let Some(c) = counts {
         // The plain closing line CI reads: `tests: N passed, N failed, N skipped`.
         println!(
@@ -190,23 +205,128 @@ fn run_step(step: Step, require_real: bool, counts: &mut Option<Counts>) -> Resu
             "--no-default-features",
         ])),
         Step::Deny => deny::check(),
+        Step::Package => package::dry_run(),
         Step::Test => {
             let mut cmd = util::cargo();
             cmd.args(["nextest", "run", "--workspace", "--no-fail-fast"]);
-            nextest(&mut cmd, require_real, counts)
+            let run = nextest(&mut cmd, require_real, counts);
+            let ignored = check_ignored();
+            run.and(ignored)
         }
         Step::Matrix => run_matrix(require_real, counts),
+        Step::Fuzz => fuzz::smoke(),
     }
 }
 
+/// nextest runs so far in this process (each gets its own skip log).
+static RUNS: AtomicU64 = AtomicU64::new(0);
+
+/// Every test that did not run, with why, for the closing summary.
+static SKIPPED: std::sync::Mutex<Vec<(String, String)>> = std::sync::Mutex::new(Vec::new());
+
+/// `#[ignore]`d tests must be exactly the ones `skips::IGNORED` lists: a
+/// new one fails the run until it is listed with its reason, and a listed
+/// one that is gone fails it until it is removed.
+fn check_ignored() -> Result<()> {
+    let out = util::cargo()
+        .args([
+            "nextest",
+            "list",
+            "--workspace",
+            "--run-ignored",
+            "only",
+            "--message-format",
+            "oneline",
+        ])
+        .stderr(Stdio::inherit())
+        .output()
+        .context("listing the ignored tests")?;
+    if !out.status.success() {
+        bail!("`cargo nextest list --run-ignored only` failed");
+    }
+    let found: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .map(str::to_string)
+        .collect();
+    let mut skipped = SKIPPED.lock().unwrap_or_else(|e| e.into_inner());
+    let mut unlisted = Vec::new();
+    for test in &found {
+        match skips::IGNORED.iter().find(|(name, _)| name == test) {
+            Some((_, why)) => skipped.push((test.clone(), format!("#[ignore]: {why}"))),
+            None => unlisted.push(test.as_str()),
+        }
+    }
+    let gone: Vec<&str> = skips::IGNORED
+        .iter()
+        .map(|(name, _)| *name)
+        .filter(|name| !found.iter().any(|f| f == name))
+        .collect();
+    if !unlisted.is_empty() {
+        bail!(
+            "ignored tests not in xtask/src/skips.rs (IGNORED): {} — list each with why it may go unrun, or make it run",
+            unlisted.join(", ")
+        );
+    }
+    if !gone.is_empty() {
+        bail!(
+            "xtask/src/skips.rs lists ignored tests that no longer exist: {}",
+            gone.join(", ")
+        );
+    }
+    Ok(())
+}
+
 /// Run nextest with the test environment, echoing its output and reading
-/// its `Summary` line into `counts` (also when tests failed).
+/// its `Summary` line into `counts` (also when tests failed). Tests that
+/// skip for a missing real part append to a log (see
+/// `harness_testkit::skip_or_fail`); they are named in the summary, and
+/// under `require_real` only `skips::ALLOWED_SKIPS` may skip at all.
 fn nextest(cmd: &mut Command, require_real: bool, counts: &mut Option<Counts>) -> Result<()> {
     let test_env = env::test_env(require_real);
     for (k, v) in &test_env {
         println!("  {k}={v}");
         cmd.env(k, v);
     }
+    let skip_log = util::cache_dir().join("skips").join(format!(
+        "{}-{}.log",
+        std::process::id(),
+        RUNS.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(skip_log.parent().expect("has a parent"))?;
+    let _ = std::fs::remove_file(&skip_log);
+    cmd.env("HARNESS_SKIP_LOG", &skip_log);
+    let allowed: Vec<&str> = skips::ALLOWED_SKIPS.iter().map(|(name, _)| *name).collect();
+    cmd.env("HARNESS_ALLOWED_SKIPS", allowed.join(","));
+    let result = nextest_inner(cmd, counts);
+    let logged = std::fs::read_to_string(&skip_log).unwrap_or_default();
+    let _ = std::fs::remove_file(&skip_log);
+    let mut skipped = SKIPPED.lock().unwrap_or_else(|e| e.into_inner());
+    let mut not_allowed = Vec::new();
+    for line in logged.lines() {
+        let (test, why) = line.split_once('\t').unwrap_or((line, ""));
+        if require_real
+            && !skips::ALLOWED_SKIPS
+                .iter()
+                .any(|(name, _)| test.ends_with(name))
+        {
+            not_allowed.push(test.to_string());
+        }
+        skipped.push((test.to_string(), why.to_string()));
+    }
+    drop(skipped);
+    result?;
+    if !not_allowed.is_empty() {
+        bail!(
+            "tests skipped that xtask/src/skips.rs does not allow: {}",
+            not_allowed.join(", ")
+        );
+    }
+    Ok(())
+}
+
+fn nextest_inner(cmd: &mut Command, counts: &mut Option<Counts>) -> Result<()> {
     println!("$ {}", util::display(cmd));
     let mut child = cmd
         .stderr(Stdio::piped())

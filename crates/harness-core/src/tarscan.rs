@@ -310,7 +310,11 @@ impl TarScanner {
         self.long_name = None;
         self.long_link = None;
         self.pax_seen = false;
-        let padded = size.div_ceil(BLOCK as u64) * BLOCK as u64;
+        // A PAX size is any decimal the archive likes: one near u64::MAX
+        // cannot be padded to a block, and no real entry is that large.
+        let padded = size
+            .checked_next_multiple_of(BLOCK as u64)
+            .ok_or_else(|| Error::corrupt(format!("tar entry size {size} is impossible")))?;
         let path = String::from_utf8(path)
             .map_err(|_| Error::unsafe_entry("tar entry path is not UTF-8"))?;
         let normalized = check_entry_path(&path)?;
@@ -917,6 +921,11 @@ mod tests {
         let s = scan(&end(out), 512).unwrap();
         assert_eq!((s.entries, s.content_bytes), (1, 512));
         refused(&end(with_data(pax(&[("size", "x")]), &[])), "not a number");
+        // Found by the tarscan fuzz target: a size that cannot be padded to
+        // a block overflowed (a panic in debug builds, a wrap in release).
+        let mut out = pax(&[("size", &u64::MAX.to_string())]);
+        out.extend(header("huge", EntryType::Regular, 0, None));
+        refused(&end(out), "impossible");
     }
 
     #[test]

@@ -28,7 +28,9 @@ use crate::auth::{authorize, bearer, GrantRole, TokenGrant};
 
 mod sessions;
 pub mod store;
-mod util;
+// `pub` (hidden) only so the fuzz targets in `fuzz/` reach the parsers.
+#[doc(hidden)]
+pub mod util;
 
 pub use store::{
     AppendOptions, AppendOutcome, CreateOptions, Offset, Producer, StoreError, StreamMeta,
@@ -304,7 +306,8 @@ async fn read_body(body: Body) -> Result<Bytes, Reply> {
 }
 
 /// `^(0|[1-9]\d*)$`
-fn strict_uint(raw: &str) -> Option<u64> {
+#[doc(hidden)]
+pub fn strict_uint(raw: &str) -> Option<u64> {
     let ok = raw == "0"
         || (!raw.is_empty() && !raw.starts_with('0') && raw.bytes().all(|b| b.is_ascii_digit()));
     if ok {
@@ -315,7 +318,8 @@ fn strict_uint(raw: &str) -> Option<u64> {
 }
 
 /// `^[\w-]+/[\w-]+`: anything else is treated as absent.
-fn valid_content_type(raw: &str) -> bool {
+#[doc(hidden)]
+pub fn valid_content_type(raw: &str) -> bool {
     let word = |s: &str| {
         !s.is_empty()
             && s.bytes()
@@ -691,12 +695,19 @@ async fn wait(
 }
 
 /// Split a payload into SSE `data:` lines (every CR, LF or CRLF starts a new
-/// line, so a payload can never inject an event of its own).
-pub(crate) fn sse_event(event: &str, payload: &str) -> Bytes {
+/// line, so a payload can never inject an event of its own). A line that
+/// starts with a space gets one more after `data:`: readers drop the first
+/// space after the colon.
+#[doc(hidden)]
+pub fn sse_event(event: &str, payload: &str) -> Bytes {
     let mut out = format!("event: {event}\n");
     let normalized = payload.replace("\r\n", "\n").replace('\r', "\n");
     for line in normalized.split('\n') {
-        out.push_str("data:");
+        out.push_str(if line.starts_with(' ') {
+            "data: "
+        } else {
+            "data:"
+        });
         out.push_str(line);
         out.push('\n');
     }
@@ -984,5 +995,19 @@ fn delete(state: &DurableStreamsState, path: &str) -> Reply {
         Ok(true) => Reply::new(StatusCode::NO_CONTENT),
         Ok(false) => Reply::text(StatusCode::NOT_FOUND, "Stream not found"),
         Err(e) => store_error(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sse_data_keeps_a_leading_space() {
+        // Found by fuzzing: readers drop the first space after `data:`.
+        assert_eq!(
+            &sse_event("data", " a\nb")[..],
+            b"event: data\ndata:  a\ndata:b\n\n"
+        );
     }
 }

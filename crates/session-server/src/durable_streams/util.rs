@@ -125,7 +125,12 @@ pub fn percent_decode(raw: &str) -> String {
     while i < bytes.len() {
         match bytes[i] {
             b'+' => out.push(b' '),
-            b'%' if i + 2 < bytes.len() => {
+            // Two hex digits, as URL decoders require (`from_str_radix`
+            // alone would also take a sign: `%+1`).
+            b'%' if i + 2 < bytes.len()
+                && bytes[i + 1].is_ascii_hexdigit()
+                && bytes[i + 2].is_ascii_hexdigit() =>
+            {
                 let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap_or("");
                 match u8::from_str_radix(hex, 16) {
                     Ok(b) => {
@@ -180,7 +185,8 @@ pub fn response_cursor(client: Option<&str>) -> String {
             );
             let jitter_s = 1 + (random % 3600) as i64;
             let intervals = (jitter_s + CURSOR_INTERVAL_S - 1) / CURSOR_INTERVAL_S;
-            (c + intervals.max(1)).to_string()
+            // A client may send any i64: saturate rather than overflow.
+            c.saturating_add(intervals.max(1)).to_string()
         }
         _ => current.to_string(),
     }
@@ -214,6 +220,23 @@ mod tests {
         assert_eq!(parse_rfc3339_ms("not-a-timestamp"), None);
         assert_eq!(parse_rfc3339_ms("2024-13-01T00:00:00Z"), None);
         assert_eq!(parse_rfc3339_ms("2024-01-01T00:00:00Zjunk"), None);
+    }
+
+    #[test]
+    fn percent_decode_needs_two_hex_digits() {
+        // Found by fuzzing: `from_str_radix` took `+1` as a number.
+        assert_eq!(percent_decode("%+1x"), "% 1x");
+        assert_eq!(percent_decode("%4"), "%4");
+        assert_eq!(percent_decode("%4g%41"), "%4gA");
+    }
+
+    #[test]
+    fn response_cursor_survives_the_largest_client_cursor() {
+        // Found by fuzzing: adding the jitter overflowed.
+        assert_eq!(
+            response_cursor(Some(&i64::MAX.to_string())),
+            i64::MAX.to_string()
+        );
     }
 
     #[test]
