@@ -350,12 +350,18 @@ pub async fn run_local(
         model_url,
     )
     .await?;
-    ended.slices = runtime
-        .engine()
-        .turn_state(&id, &turn_id)
-        .await
-        .ok()
-        .map(|s| s.slices_run);
+    // The turn's end is in the log once the client sees it, but the engine
+    // still saves its last state: wait for that, so exiting never cuts the
+    // engine short (its next start would finish the turn all over again).
+    let done = tokio::time::timeout(
+        Duration::from_secs(30),
+        runtime.engine().wait_turn(&id, &turn_id),
+    )
+    .await;
+    ended.slices = match done {
+        Ok(Ok(state)) => Some(state.slices_run),
+        _ => None,
+    };
     Ok((runtime, ended))
 }
 
