@@ -157,23 +157,7 @@ pub async fn checkpoint(
 /// Wrap a tar stream so every chunk goes through a [`TarScanner`]; the
 /// stream fails at the first unsafe entry and at a truncated end.
 pub fn scanned(tar: ByteStream) -> ByteStream {
-    Box::pin(futures::stream::unfold(
-        Some((tar, TarScanner::new())),
-        |state| async move {
-            let (mut tar, mut scanner) = state?;
-            match tar.next().await {
-                Some(Ok(chunk)) => match scanner.push(&chunk) {
-                    Ok(()) => Some((Ok(chunk), Some((tar, scanner)))),
-                    Err(e) => Some((Err(e), None)),
-                },
-                Some(Err(e)) => Some((Err(e), None)),
-                None => match scanner.finish() {
-                    Ok(_) => None,
-                    Err(e) => Some((Err(e), None)),
-                },
-            }
-        },
-    ))
+    crate::tarscan::scan_stream(tar, TarScanner::new())
 }
 
 /// Decompress and scan a checkpoint without restoring it.

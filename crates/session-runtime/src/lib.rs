@@ -24,12 +24,14 @@
 //! [`Runtime`].
 //!
 //! ```no_run
-//! # async fn demo(harness: std::sync::Arc<dyn harness_core::harness::Harness>) -> harness_core::Result<()> {
+//! # async fn demo(
+//! #     harness: std::sync::Arc<dyn harness_core::harness::Harness>,
+//! #     local: std::sync::Arc<dyn harness_core::sandbox::SandboxProvider>,
+//! # ) -> harness_core::Result<()> {
 //! use std::sync::Arc;
 //! use harness_core::log::MemorySessionLog;
 //! use harness_core::session::SessionConfig;
 //! use session_runtime::Runtime;
-//! # let local: Arc<dyn harness_core::sandbox::SandboxProvider> = unimplemented!();
 //! let runtime = Runtime::builder(Arc::new(MemorySessionLog::new()))
 //!     .provider(local)
 //!     .agent(harness)
