@@ -7,19 +7,7 @@ use harness_core::ErrorKind;
 use session_log::{SqliteSessionLog, SqliteTurnStore};
 
 fn state(session: &str, turn: &str, status: TurnStatus) -> TurnState {
-    let mut s: TurnState = serde_json::from_value(serde_json::json!({
-        "version": 1,
-        "session_id": session,
-        "turn_id": turn,
-        "agent": "claude-code",
-        "prompt": "hi",
-        "status": "not_started",
-    }))
-    .expect("minimal turn state");
-    s.status = status;
-    // A terminal state here is one whose end was recorded too.
-    s.end_recorded = status.is_terminal();
-    s
+    harness_testkit::conformance::turn_store::state(session, turn, status, 0)
 }
 
 #[tokio::test]
