@@ -482,8 +482,11 @@ pub trait Sandbox: MaybeSend + MaybeSync + std::fmt::Debug {
         let script = format!(
             // `kill -0` succeeds on a zombie, and zombies linger where PID 1
             // does not reap (many containers): a `Z` state counts as gone.
+            // The exit file is read again after the process check: the
+            // process may have written it and exited between the two.
             "if [ -f {exit} ]; then cat {exit}; \
              elif kill -0 {pid} 2>/dev/null && ! grep -q '^[0-9]* ([^)]*) Z' /proc/{pid}/stat 2>/dev/null; then echo running; \
+             elif [ -f {exit} ]; then cat {exit}; \
              else echo lost; fi",
             exit = shell_quote(&process.exit_path),
             pid = process.id

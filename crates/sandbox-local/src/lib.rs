@@ -512,10 +512,18 @@ impl Sandbox for LocalSandbox {
         })?;
         // A zombie is not running: when the init of this machine does not
         // reap orphans, `kill -0` (the shell default) would call it alive.
-        Ok(match process_state(pid).await {
-            Some(state) if state != 'Z' && state != 'X' => DetachedStatus::Running,
-            _ => DetachedStatus::Lost,
-        })
+        match process_state(pid).await {
+            Some(state) if state != 'Z' && state != 'X' => return Ok(DetachedStatus::Running),
+            _ => {}
+        }
+        // Gone — but it may have written its exit file and exited between the
+        // first read and the process check; only a process gone without an
+        // exit file is lost.
+        match tokio::fs::read_to_string(self.resolve(&process.exit_path)).await {
+            Ok(text) => parse_detached_status(&text),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(DetachedStatus::Lost),
+            Err(e) => Err(e.into()),
+        }
     }
 
     async fn kill_detached(&self, process: &DetachedProcess) -> Result<()> {

@@ -127,8 +127,37 @@ pub(crate) fn db_err(err: rusqlite::Error) -> Error {
 /// stores use.
 pub(crate) fn open_connection(path: &Path) -> Result<Connection> {
     let conn = Connection::open(path).map_err(db_err)?;
-    configure(&conn)?;
-    Ok(conn)
+    // Connections that open a file nobody has set up yet race to switch it
+    // to WAL and create the schema; SQLite answers the loser `SQLITE_BUSY`
+    // at once, without waiting on the busy timeout (waiting could deadlock
+    // two lock upgrades). The setup is idempotent, so try again, for as long
+    // as a busy statement would have waited.
+    let started = std::time::Instant::now();
+    let mut pause = Duration::from_millis(5);
+    loop {
+        match configure(&conn) {
+            Err(err) if is_busy(&err) && started.elapsed() < BUSY_TIMEOUT => {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(200));
+            }
+            other => return other.map(|()| conn),
+        }
+    }
+}
+
+/// Whether an error is SQLite's "another connection holds the lock".
+fn is_busy(err: &Error) -> bool {
+    let mut source = std::error::Error::source(err);
+    while let Some(cause) = source {
+        if let Some(rusqlite::Error::SqliteFailure(e, _)) = cause.downcast_ref() {
+            return matches!(
+                e.code,
+                rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked
+            );
+        }
+        source = cause.source();
+    }
+    false
 }
 
 fn configure(conn: &Connection) -> Result<()> {

@@ -248,3 +248,29 @@ async fn meta_survives_a_reopen_and_an_old_database_is_migrated() {
     .unwrap();
     assert_eq!(log.info(&s).await.unwrap().meta.generation, 10);
 }
+
+/// Processes that open a database file nobody has created yet race to make
+/// it (WAL switch, schema): `harness sessions list` run while `harness run`
+/// starts did. Every opener must succeed, each on a new file, several times.
+#[test]
+fn connections_racing_to_create_one_file_all_open_it() {
+    let dir = tempfile::tempdir().unwrap();
+    for round in 0..20 {
+        let path = dir.path().join(format!("fresh-{round}.db"));
+        let barrier = Arc::new(std::sync::Barrier::new(6));
+        let openers: Vec<_> = (0..6)
+            .map(|_| {
+                let path = path.clone();
+                let barrier = barrier.clone();
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    SqliteSessionLog::open(&path).map(|_| ())
+                })
+            })
+            .collect();
+        for opener in openers {
+            let result = opener.join().unwrap();
+            assert!(result.is_ok(), "round {round}: {result:?}");
+        }
+    }
+}
