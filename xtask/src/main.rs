@@ -3,6 +3,7 @@
 
 mod agents;
 mod bench;
+mod chaos;
 mod ci;
 mod deny;
 mod deps;
@@ -63,6 +64,8 @@ enum Cmd {
     Matrix,
     /// Build the fuzz targets in fuzz/ and run each (see docs/fuzzing.md).
     Fuzz(fuzz::FuzzArgs),
+    /// Kill real turns at random phases and check they finish (docs/reliability.md).
+    Chaos(chaos::ChaosArgs),
     /// Run a benchmark (not part of CI): each prints ratios against a baseline.
     Bench {
         #[arg(value_enum)]
@@ -135,6 +138,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Deny => deny::check(),
         Cmd::Package => package::dry_run(),
         Cmd::Fuzz(args) => fuzz::run(args),
+        Cmd::Chaos(args) => chaos::run(args),
         Cmd::Bench { which } => bench::run(which),
         Cmd::Matrix => {
             for row in matrix::MATRIX {

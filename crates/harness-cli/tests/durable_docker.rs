@@ -6,9 +6,10 @@
 
 mod common;
 
+use common::docker::*;
 use common::harness;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use harness_testkit::model::ScriptedModel;
@@ -71,80 +72,6 @@ fn bridge_gateway() -> Option<IpAddr> {
         let net: Ipv4Addr = subnet.split_once('/')?.0.parse().ok()?;
         Some(IpAddr::V4(Ipv4Addr::from(u32::from(net) + 1)))
     })
-}
-
-/// `docker ps` for the session containers the Docker provider made for
-/// `session` (by its labels): full ids.
-fn docker_ps_session(session: &str) -> std::io::Result<std::process::Output> {
-    Command::new("docker")
-        .args([
-            "ps",
-            "-a",
-            "-q",
-            "--no-trunc",
-            "--filter",
-            &format!("label=dev.harness.session-id={session}"),
-            "--filter",
-            "label=dev.harness.role=session",
-        ])
-        .output()
-}
-
-/// The session's containers (full ids).
-fn session_containers(session: &str) -> Vec<String> {
-    let out = docker_ps_session(session).unwrap();
-    assert!(
-        out.status.success(),
-        "docker ps: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout)
-        .split_whitespace()
-        .map(str::to_string)
-        .collect()
-}
-
-/// A container's working directory (the sandbox's workdir).
-fn container_workdir(container: &str) -> String {
-    let out = Command::new("docker")
-        .args(["inspect", "--format", "{{.Config.WorkingDir}}", container])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "docker inspect {container}");
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
-
-/// Removes a session's containers when dropped, so a failing test leaves
-/// none behind.
-struct SessionContainers(String);
-
-impl Drop for SessionContainers {
-    fn drop(&mut self) {
-        // No assertion here: this also runs while a failed test unwinds.
-        let Ok(out) = docker_ps_session(&self.0) else {
-            return;
-        };
-        for id in String::from_utf8_lossy(&out.stdout).split_whitespace() {
-            let _ = Command::new("docker")
-                .args(["rm", "-f", id])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status();
-        }
-    }
-}
-
-/// `docker exec <container> sh -c <script>`: (success, stdout).
-fn docker_sh(container: &str, script: &str) -> (bool, String) {
-    let out = Command::new("docker")
-        .args(["exec", container, "sh", "-c", script])
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).to_string(),
-    )
 }
 
 fn run_args<'a>(image: &'a str, slice_ms: &'a str) -> [&'a str; 7] {

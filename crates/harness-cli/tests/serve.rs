@@ -17,10 +17,8 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -28,7 +26,6 @@ use futures::{SinkExt, StreamExt};
 use harness_testkit::model::{
     any, last_is_tool_result_for, last_user_text_contains, Reply, Rule, Script, ScriptedModel,
 };
-use harness_testkit::skip_or_fail;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_tungstenite::tungstenite::Message;
@@ -660,98 +657,6 @@ async fn harness_run_goes_through_the_running_server() {
 }
 
 /// A `harness worker` child for a server on Temporal.
-struct Worker {
-    child: Child,
-    stderr: Arc<Mutex<String>>,
-}
-
-impl Worker {
-    fn start(home: &Path, serve: &Serve, model: &ScriptedModel, queue: &str) -> Worker {
-        Self::spawn(home, serve, model, "worker", &[], queue)
-    }
-
-    /// `harness runner` for a server on `--engine remote`.
-    fn runner(home: &Path, serve: &Serve, model: &ScriptedModel) -> Worker {
-        Self::spawn(home, serve, model, "runner", &["--slice-ms", "1000"], "")
-    }
-
-    fn spawn(
-        home: &Path,
-        serve: &Serve,
-        model: &ScriptedModel,
-        command: &str,
-        extra: &[&str],
-        queue: &str,
-    ) -> Worker {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_harness"))
-            .arg("--home")
-            .arg(home)
-            .args([command, "--server", &serve.base, "--token", RUNNER])
-            .args(extra)
-            .env("HARNESS_TEMPORAL_TASK_QUEUE", queue)
-            .env("ANTHROPIC_API_KEY", "test")
-            .env("ANTHROPIC_BASE_URL", model.base_url())
-            .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("harness worker starts");
-        let stderr = child.stderr.take().unwrap();
-        let log = Arc::new(Mutex::new(String::new()));
-        let sink = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                let mut log = sink.lock().unwrap();
-                log.push_str(&line);
-                log.push('\n');
-            }
-        });
-        Worker { child, stderr: log }
-    }
-
-    fn signal(&self, signal: &str) {
-        let status = Command::new("kill")
-            .args([signal, &self.child.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(status.success());
-    }
-
-    fn log(&self) -> String {
-        self.stderr.lock().unwrap().clone()
-    }
-}
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// The server on Temporal, its Temporal tuned so a dead worker's slice
-/// moves on in seconds; `None` (after skip_or_fail) without Temporal.
-async fn temporal_server(home: &Path, model: &ScriptedModel, queue: &str) -> Option<Serve> {
-    let reachable = tokio::time::timeout(
-        Duration::from_secs(5),
-        tokio::net::TcpStream::connect("127.0.0.1:7233"),
-    )
-    .await;
-    if !matches!(reachable, Ok(Ok(_))) {
-        skip_or_fail("no Temporal server on 127.0.0.1:7233 (cargo xtask services start)");
-        return None;
-    }
-    std::env::set_var("HARNESS_TEMPORAL_TASK_QUEUE", queue);
-    std::env::set_var("HARNESS_TEMPORAL_HEARTBEAT_TIMEOUT_MS", "2000");
-    std::env::set_var("HARNESS_TEMPORAL_RETRY_INITIAL_MS", "300");
-    Some(Serve::start(
-        home,
-        model,
-        &["--engine", "temporal", "--slice-ms", "1000"],
-    ))
-}
-
 /// `harness serve --engine temporal`: the worker running the turn is
 /// killed with SIGKILL mid-turn and a new one started; the turn finishes
 /// with every part once and one end, the server never restarting.

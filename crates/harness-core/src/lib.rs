@@ -38,6 +38,7 @@ pub mod checkpoint;
 pub mod clock;
 pub mod engine;
 mod error;
+pub mod failpoint;
 pub mod frame;
 pub mod harness;
 pub mod log;

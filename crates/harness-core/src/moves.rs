@@ -376,6 +376,9 @@ pub async fn checkpoint_session(
         )
     };
     let work = checkpoint(sandbox, sandbox.workdir(), store, &keys.work, progress).await?;
+    // Objects stored, manifest not yet: a checkpoint killed here must not
+    // be restorable (no manifest) and must not harm the next one.
+    crate::failpoint::hit("checkpoint-upload");
     let manifest = SessionManifest {
         version: SESSION_MANIFEST_VERSION,
         agent: harness.name().to_string(),

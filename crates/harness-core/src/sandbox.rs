@@ -88,6 +88,13 @@ pub struct SandboxSpec {
     /// The session this sandbox serves (used in names and labels).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session_id: Option<String>,
+    /// A stable name for the sandbox, unique within its session (the turn
+    /// driver passes the turn id). A creator killed after `create` but
+    /// before it recorded the handle leaves a sandbox nothing refers to;
+    /// creating again with the same session and slot replaces that sandbox
+    /// instead of leaving it behind. `None`: a fresh random name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slot: Option<String>,
 }
 
 impl SandboxSpec {
@@ -105,6 +112,7 @@ impl SandboxSpec {
             bootstrap: None,
             wrap: None,
             session_id: None,
+            slot: None,
         }
     }
 }
@@ -351,7 +359,8 @@ pub struct DetachedRequest {
     /// Extra environment.
     pub env: BTreeMap<String, String>,
     /// Directory (inside the sandbox, outside the working tree) that receives
-    /// `stdout`, `stderr` and `exit`.
+    /// `stdout`, `stderr` and `exit`. One process per directory: launching
+    /// into a directory that already had one returns that process.
     pub spool_dir: String,
 }
 
@@ -464,6 +473,10 @@ pub trait Sandbox: MaybeSend + MaybeSync + std::fmt::Debug {
 
     /// Start a process that outlives this call and this process, with stdout
     /// and stderr spooled to files under `request.spool_dir`.
+    ///
+    /// Idempotent per spool directory: a second call with the same
+    /// `spool_dir` returns the first call's process instead of starting
+    /// another, so a caller killed mid-launch can simply launch again.
     async fn spawn_detached(&self, request: DetachedRequest) -> Result<DetachedProcess> {
         let (script, process) = detached_launch_script(&request, self.workdir());
         let out = collect_exec(self.exec(ExecRequest::shell(script)).await?).await?;
@@ -600,10 +613,25 @@ pub fn detached_launch_script(
         err = shell_quote(&process.stderr_path),
         exit = shell_quote(&process.exit_path),
     );
+    // `launch` is created with `mkdir`, which only one caller can win: a
+    // retried launch (its caller killed after the exec started, before it
+    // recorded the pid) finds the first one's pid instead of starting a
+    // second process. The script runs to its end even when the caller dies,
+    // so a `launch` without a `pid` is one about to write it; after 10 s it
+    // is given up on (exit 45: the launcher was killed with the sandbox).
     let script = format!(
-        "set -e; mkdir -p {dir}; rm -f {exit}; : >{out}; : >{err}; \
-         setsid sh -c {inner} >/dev/null 2>&1 </dev/null & echo $!",
+        "set -e; mkdir -p {dir}; \
+         if ! mkdir {launch} 2>/dev/null; then \
+           i=0; while [ ! -f {pid} ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done; \
+           if [ -f {pid} ]; then cat {pid}; exit 0; fi; \
+           echo 'an earlier launch in this spool never recorded its pid' >&2; exit 45; \
+         fi; \
+         rm -f {exit}; : >{out}; : >{err}; \
+         setsid sh -c {inner} >/dev/null 2>&1 </dev/null & p=$!; \
+         echo $p >{pid}.tmp; mv {pid}.tmp {pid}; echo $p",
         dir = shell_quote(dir),
+        launch = shell_quote(&format!("{dir}/launch")),
+        pid = shell_quote(&format!("{dir}/pid")),
         exit = shell_quote(&process.exit_path),
         out = shell_quote(&process.stdout_path),
         err = shell_quote(&process.stderr_path),

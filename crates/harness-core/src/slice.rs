@@ -138,6 +138,7 @@ impl SliceRunner {
     ) -> Result<(DetachedProcess, bool)> {
         let home = home_of(sandbox).await?;
         let dir = spool_dir(&home, &state.turn_id);
+        crate::failpoint::hit("before-claim");
         let claim = format!(
             "mkdir -p {parent} && if mkdir {dir} 2>/dev/null; then echo claimed; else echo exists; fi",
             parent = shell_quote(&format!("{home}/.harness/turns")),
@@ -151,16 +152,28 @@ impl SliceRunner {
             .await?
             .check("claiming the turn spool")?;
         let process_file = format!("{dir}/process.json");
-        if out.stdout_str().trim() == "exists" {
-            let bytes = crate::stream::collect(sandbox.read_file(&process_file).await.map_err(|e| {
-                Error::backend(format!(
-                    "turn {} was started by an earlier slice that died before recording its process ({e}); the agent is treated as lost",
-                    state.turn_id
-                ))
-            })?, 64 * 1024)
-            .await?;
-            return Ok((serde_json::from_slice(&bytes)?, false));
+        let claimed = out.stdout_str().trim() == "claimed";
+        if !claimed {
+            match sandbox.read_file(&process_file).await {
+                Ok(stream) => {
+                    let bytes = crate::stream::collect(stream, 64 * 1024).await?;
+                    return Ok((serde_json::from_slice(&bytes)?, false));
+                }
+                // An earlier slice claimed the spool and died before it
+                // recorded the process: before the launch, during it, or
+                // after it. The launch is idempotent per spool, so launching
+                // again returns the agent it started, or starts the agent
+                // when it never got that far.
+                Err(e) if e.kind() == crate::ErrorKind::NotFound => {
+                    tracing::info!(
+                        turn.id = %state.turn_id,
+                        "the turn's spool was claimed by a slice that died before recording its process; launching again"
+                    );
+                }
+                Err(e) => return Err(e),
+            }
         }
+        crate::failpoint::hit("claim-to-launch");
         let harness = self.harness(&state.agent)?;
         let command = harness.turn_command(&TurnContext {
             state,
@@ -178,6 +191,7 @@ impl SliceRunner {
                 spool_dir: dir,
             })
             .await?;
+        crate::failpoint::hit("launch-to-record");
         let json = serde_json::to_vec(&process)?;
         sandbox
             .write_file(&process_file, crate::stream::once(json))
@@ -584,6 +598,9 @@ impl SliceExecutor for SliceRunner {
         spec.image = config.image.clone();
         spec.network = config.network.clone();
         spec.session_id = Some(state.session_id.clone());
+        // Named after the turn: a retry of this step after a kill replaces
+        // the sandbox the killed attempt made instead of orphaning it.
+        spec.slot = Some(state.turn_id.clone());
         spec.bootstrap = Some(harness.bootstrap_recipe()?);
         let span = tracing::info_span!(
             "sandbox.create",

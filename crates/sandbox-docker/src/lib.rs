@@ -289,7 +289,13 @@ impl DockerProvider {
                 host_config: Some(host_config),
                 ..Default::default()
             };
-            let name = container_name(spec.session_id.as_deref(), role);
+            let slot = spec.slot.as_deref().filter(|_| role == "session");
+            let name = container_name(spec.session_id.as_deref(), role, slot);
+            if slot.is_some() {
+                // A creator killed before it recorded this slot's container
+                // left it: nothing refers to it, so it is replaced.
+                self.remove(&name).await?;
+            }
             let created = self
                 .docker
                 .create_container(
@@ -945,21 +951,26 @@ fn parent_dir(path: &str) -> String {
     }
 }
 
-/// A container name from the session id (sanitized) and a random suffix.
-fn container_name(session: Option<&str>, role: &str) -> String {
-    let suffix = &uuid::Uuid::new_v4().simple().to_string()[..10];
-    let session: String = session
-        .unwrap_or("")
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
-                c
-            } else {
-                '-'
-            }
-        })
-        .take(40)
-        .collect();
+/// A container name from the session id (sanitized) and the slot, or a
+/// random suffix without one.
+fn container_name(session: Option<&str>, role: &str, slot: Option<&str>) -> String {
+    let clean = |s: &str, max: usize| -> String {
+        s.chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                    c
+                } else {
+                    '-'
+                }
+            })
+            .take(max)
+            .collect()
+    };
+    let session = clean(session.unwrap_or(""), 40);
+    let suffix = match slot.map(|s| clean(s, 40)).filter(|s| !s.is_empty()) {
+        Some(slot) if !session.is_empty() => format!("slot-{slot}"),
+        _ => uuid::Uuid::new_v4().simple().to_string()[..10].to_string(),
+    };
     if session.is_empty() {
         format!("harness-{role}-{suffix}")
     } else {
@@ -991,7 +1002,7 @@ mod tests {
 
     #[test]
     fn container_names_are_valid_for_docker() {
-        let name = container_name(Some("s/1 ü"), "session");
+        let name = container_name(Some("s/1 ü"), "session", None);
         assert!(name.starts_with("harness-s-1--"), "{name}");
         assert!(name
             .chars()

@@ -192,12 +192,26 @@ impl SandboxProvider for LocalProvider {
             .map(sanitize)
             .filter(|s| !s.is_empty())
             .unwrap_or_else(|| "sbx".to_string());
-        let id = format!(
-            "{prefix}-{}",
-            &uuid::Uuid::new_v4().simple().to_string()[..12]
-        );
+        let slot = spec
+            .slot
+            .as_deref()
+            .map(sanitize)
+            .filter(|s| !s.is_empty() && spec.session_id.is_some());
+        let id = match &slot {
+            Some(slot) => format!("{prefix}-{slot}"),
+            None => format!(
+                "{prefix}-{}",
+                &uuid::Uuid::new_v4().simple().to_string()[..12]
+            ),
+        };
         let dir = self.sandbox_dir(&id);
         tokio::fs::create_dir_all(&self.root).await?;
+        if slot.is_some() && tokio::fs::symlink_metadata(&dir).await.is_ok() {
+            // A creator killed before it recorded this slot's sandbox left
+            // it: nothing refers to it, so it is replaced, not kept beside.
+            tracing::info!(sandbox.id = %id, "replacing the sandbox a killed creator left in this slot");
+            remove_all(&dir).await?;
+        }
 
         // Start from the bootstrap template when there is one, else empty.
         let mut identity = None;

@@ -6,6 +6,7 @@
 
 #![allow(dead_code)]
 
+pub mod docker;
 pub mod server;
 
 use std::path::Path;
@@ -21,6 +22,11 @@ pub const FINAL_CHUNKS: [&str; 6] = ["The slow ", "task ", "is ", "done ", "and 
 /// A turn of ~7 s: a Bash call that sleeps 5 s and writes `slow.txt`, then
 /// the chunked answer (which asserts the tool result).
 pub fn slow_script() -> Script {
+    slow_script_sleeping(5)
+}
+
+/// [`slow_script`] with a tool that sleeps `seconds`.
+pub fn slow_script_sleeping(seconds: u32) -> Script {
     Script::new()
         .rule(
             Rule::new(
@@ -33,7 +39,7 @@ pub fn slow_script() -> Script {
             any(),
             Reply::shell(
                 BASH_CALL_ID,
-                "sleep 5; echo slow-done > slow.txt; cat slow.txt",
+                format!("sleep {seconds}; echo slow-done > slow.txt; cat slow.txt"),
             ),
         ))
 }

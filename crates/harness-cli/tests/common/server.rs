@@ -113,6 +113,16 @@ impl Serve {
     /// Start `harness serve` on a free loopback port in `home`, its agents
     /// pointed at `model`.
     pub fn start(home: &Path, model: &ScriptedModel, extra: &[&str]) -> Serve {
+        Self::start_with_env(home, model, extra, &[])
+    }
+
+    /// [`Serve::start`] with more environment for the server.
+    pub fn start_with_env(
+        home: &Path,
+        model: &ScriptedModel,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Serve {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_harness"));
         cmd.arg("--home")
             .arg(home)
@@ -127,6 +137,7 @@ impl Serve {
             .env("OPENAI_API_KEY", "test")
             .env("OPENAI_BASE_URL", model.v1_url())
             .env_remove("HARNESS_TOKENS")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
@@ -228,4 +239,130 @@ pub async fn export(serve: &Serve, id: &str) -> Vec<Value> {
         .json()
         .await
         .unwrap()
+}
+
+/// A `harness worker` (Temporal) or `harness runner` (remote engine) child
+/// serving `serve`'s turns.
+pub struct Worker {
+    child: Child,
+    stderr: Arc<Mutex<String>>,
+}
+
+impl Worker {
+    pub fn start(home: &Path, serve: &Serve, model: &ScriptedModel, queue: &str) -> Worker {
+        Self::spawn(home, serve, model, "worker", &[], queue, &[])
+    }
+
+    /// [`Worker::start`] with more environment for the worker.
+    pub fn start_with_env(
+        home: &Path,
+        serve: &Serve,
+        model: &ScriptedModel,
+        queue: &str,
+        env: &[(&str, &str)],
+    ) -> Worker {
+        Self::spawn(home, serve, model, "worker", &[], queue, env)
+    }
+
+    /// `harness runner` for a server on `--engine remote`.
+    pub fn runner(home: &Path, serve: &Serve, model: &ScriptedModel) -> Worker {
+        Self::spawn(
+            home,
+            serve,
+            model,
+            "runner",
+            &["--slice-ms", "1000"],
+            "",
+            &[],
+        )
+    }
+
+    fn spawn(
+        home: &Path,
+        serve: &Serve,
+        model: &ScriptedModel,
+        command: &str,
+        extra: &[&str],
+        queue: &str,
+        env: &[(&str, &str)],
+    ) -> Worker {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_harness"));
+        if let Some(server) = approval_server() {
+            cmd.env("HARNESS_APPROVAL_MCP_BIN", server);
+        }
+        let mut child = cmd
+            .arg("--home")
+            .arg(home)
+            .args([command, "--server", &serve.base, "--token", RUNNER])
+            .args(extra)
+            .env("HARNESS_TEMPORAL_TASK_QUEUE", queue)
+            .env("ANTHROPIC_API_KEY", "test")
+            .env("ANTHROPIC_BASE_URL", model.base_url())
+            .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1")
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("harness worker starts");
+        let stderr = child.stderr.take().unwrap();
+        let log = Arc::new(Mutex::new(String::new()));
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let mut log = sink.lock().unwrap();
+                log.push_str(&line);
+                log.push('\n');
+            }
+        });
+        Worker { child, stderr: log }
+    }
+
+    pub fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args([signal, &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    /// SIGKILL, and wait for the process to be gone.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn log(&self) -> String {
+        self.stderr.lock().unwrap().clone()
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The server on Temporal, its Temporal tuned so a dead worker's slice
+/// moves on in seconds; `None` (after skip_or_fail) without Temporal.
+pub async fn temporal_server(home: &Path, model: &ScriptedModel, queue: &str) -> Option<Serve> {
+    let reachable = tokio::time::timeout(
+        Duration::from_secs(5),
+        tokio::net::TcpStream::connect("127.0.0.1:7233"),
+    )
+    .await;
+    if !matches!(reachable, Ok(Ok(_))) {
+        skip_or_fail("no Temporal server on 127.0.0.1:7233 (cargo xtask services start)");
+        return None;
+    }
+    Some(Serve::start_with_env(
+        home,
+        model,
+        &["--engine", "temporal", "--slice-ms", "1000"],
+        &[
+            ("HARNESS_TEMPORAL_TASK_QUEUE", queue),
+            ("HARNESS_TEMPORAL_HEARTBEAT_TIMEOUT_MS", "2000"),
+            ("HARNESS_TEMPORAL_RETRY_INITIAL_MS", "300"),
+        ],
+    ))
 }

@@ -139,6 +139,10 @@ pub async fn run_all_with(
         slow_reader_of_large_output(sb).await,
     );
     record("detached_processes", detached_processes(sb).await);
+    record(
+        "a_second_launch_in_one_spool_returns_the_first",
+        a_second_launch_in_one_spool_returns_the_first(sb).await,
+    );
     if options.large_file_bytes > 0 {
         record(
             "large_file_round_trip",
@@ -160,6 +164,10 @@ pub async fn run_all_with(
     record(
         "destroy_is_idempotent",
         destroy_is_idempotent(provider, &spec).await,
+    );
+    record(
+        "a_slot_replaces_its_leftover",
+        a_slot_replaces_its_leftover(provider, &spec).await,
     );
     record(
         "port_endpoint",
@@ -1122,8 +1130,130 @@ pub async fn detached_processes(sb: &dyn Sandbox) -> Result<()> {
     Ok(())
 }
 
+/// A launch is idempotent per spool directory: the caller killed after the
+/// launch started launches again and gets the process already running, not
+/// a second one (the turn driver relies on it to start an agent once).
+pub async fn a_second_launch_in_one_spool_returns_the_first(sb: &dyn Sandbox) -> Result<()> {
+    let spool = format!("/tmp/harness-suite-spool-{}", uuid_like());
+    let counter = format!("{spool}-count");
+    let request = DetachedRequest {
+        argv: vec![
+            "sh".into(),
+            "-c".into(),
+            format!("echo run >> {}; sleep 30", shell_quote(&counter)),
+        ],
+        cwd: None,
+        env: BTreeMap::new(),
+        spool_dir: spool.clone(),
+    };
+    let first = sb
+        .spawn_detached(request.clone())
+        .await
+        .context("first launch")?;
+    let second = sb
+        .spawn_detached(request)
+        .await
+        .context("second launch into the same spool")?;
+    let result = async {
+        ensure!(
+            first == second,
+            "a second launch into one spool must return the first process: {first:?} vs {second:?}"
+        );
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while read_file(sb, &counter).await.is_err() {
+            ensure!(Instant::now() < deadline, "the detached process never ran");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        // Time for a second process, were there one, to have written too.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let runs = read_file(sb, &counter).await?;
+        ensure!(
+            runs == b"run\n",
+            "one process must have run, the counter holds {:?}",
+            String::from_utf8_lossy(&runs)
+        );
+        Ok(())
+    }
+    .await;
+    let _ = sb.kill_detached(&first).await;
+    let _ = sh(
+        sb,
+        &format!("rm -rf {} {}", shell_quote(&spool), shell_quote(&counter)),
+    )
+    .await;
+    result
+}
+
 // ---------------------------------------------------------------------------
 // lifecycle
+
+/// `SandboxSpec::slot`: a second create with the session and slot of a
+/// sandbox whose handle was never recorded replaces it (the creator was
+/// killed in between), so a retried create leaves one sandbox, not two.
+/// Without a slot every create is a new sandbox.
+pub async fn a_slot_replaces_its_leftover(
+    provider: &dyn SandboxProvider,
+    spec: &SandboxSpec,
+) -> Result<()> {
+    let mut slotted = spec.clone();
+    slotted.session_id = Some(format!("suite-{}", &uuid_like()[..8]));
+    slotted.slot = Some("t1".into());
+    let leftover = provider.create(&slotted).await.context("first create")?;
+    leftover
+        .write_file("suite-leftover.txt", harness_core::stream::once("old"))
+        .await?;
+    let leftover_handle = leftover.detach().await?;
+    drop(leftover);
+    let again = provider
+        .create(&slotted)
+        .await
+        .context("create again in the slot")?;
+    let result = async {
+        let out = sh(
+            again.as_ref(),
+            "test -e suite-leftover.txt && echo kept || echo fresh",
+        )
+        .await?;
+        ensure!(
+            out.trim() == "fresh",
+            "a create in an occupied slot must start a fresh sandbox, the leftover's file is there"
+        );
+        // The leftover is gone: its handle resumes nothing, or resumes the
+        // replacement (a provider whose ids are the slot's name).
+        if let Ok(old) = provider.resume(&leftover_handle).await {
+            let out = sh(
+                old.as_ref(),
+                "test -e suite-leftover.txt && echo kept || echo gone",
+            )
+            .await;
+            ensure!(
+                !matches!(out.as_deref().map(str::trim), Ok("kept")),
+                "the leftover sandbox must be replaced, its handle still reaches its files"
+            );
+        }
+        let mut plain = spec.clone();
+        plain.session_id = slotted.session_id.clone();
+        let a = provider
+            .create(&plain)
+            .await
+            .context("create without a slot")?;
+        let b = provider
+            .create(&plain)
+            .await
+            .context("create without a slot")?;
+        let distinct = a.handle().id != b.handle().id && a.handle().id != again.handle().id;
+        let _ = a.destroy().await;
+        let _ = b.destroy().await;
+        ensure!(
+            distinct,
+            "creates without a slot must make distinct sandboxes"
+        );
+        Ok(())
+    }
+    .await;
+    let _ = again.destroy().await;
+    result
+}
 
 /// detach → handle JSON → resume (as another process would) sees the same
 /// files and runs commands.

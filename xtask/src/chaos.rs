@@ -1,0 +1,79 @@
+//! `cargo xtask chaos`: many kill trials of real turns (see
+//! docs/reliability.md). The trials are the `chaos` test of harness-cli
+//! (`crates/harness-cli/tests/chaos.rs`), which the ordinary test run
+//! also runs as a 5-trial smoke; this command starts the real parts, runs
+//! that test with the trial count and seed given, and keeps a JSON-lines
+//! report.
+
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use clap::Args;
+
+use crate::{agents, env, image, services, util};
+
+#[derive(Debug, Args)]
+pub struct ChaosArgs {
+    /// How many trials.
+    #[arg(long, default_value_t = 50)]
+    trials: u32,
+    /// The seed every trial draws from (default: from the clock; printed).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Only this trial of the seed (what a failed run prints to replay).
+    #[arg(long)]
+    trial: Option<u32>,
+    /// Only these engines: in-process, serve, temporal (default: all).
+    #[arg(long = "engine", value_delimiter = ',')]
+    engines: Vec<String>,
+    /// Leave the services, image and agents as they are (faster reruns).
+    #[arg(long)]
+    no_setup: bool,
+}
+
+pub fn run(args: ChaosArgs) -> Result<()> {
+    if !args.no_setup {
+        services::start(services::ALL)?;
+        image::build(false)?;
+        agents::install_all()?;
+    }
+    let seed = args.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64 % 1_000_000_007)
+            .unwrap_or(1)
+    });
+    let report = util::cache_subdir("chaos")?.join(format!("seed-{seed}.jsonl"));
+    let _ = std::fs::remove_file(&report);
+    let mut cmd = util::cargo();
+    cmd.args([
+        "nextest",
+        "run",
+        "-p",
+        "harness-cli",
+        "--test",
+        "chaos",
+        "--no-capture",
+    ]);
+    for (k, v) in env::test_env(true) {
+        cmd.env(k, v);
+    }
+    cmd.env("HARNESS_CHAOS_TRIALS", args.trials.to_string())
+        .env("HARNESS_CHAOS_SEED", seed.to_string())
+        .env("HARNESS_CHAOS_REPORT", &report);
+    if let Some(trial) = args.trial {
+        cmd.env("HARNESS_CHAOS_TRIAL", trial.to_string());
+    }
+    if !args.engines.is_empty() {
+        cmd.env("HARNESS_CHAOS_ENGINES", args.engines.join(","));
+    }
+    let started = Instant::now();
+    let result = util::run(&mut cmd);
+    println!(
+        "chaos: seed {seed}, {} in {}; report: {}",
+        if result.is_ok() { "passed" } else { "FAILED" },
+        util::fmt_duration(started.elapsed()),
+        report.display()
+    );
+    result.context("chaos trials failed (each failed trial printed its replay command)")
+}
