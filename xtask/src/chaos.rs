@@ -26,6 +26,9 @@ pub struct ChaosArgs {
     /// Only these engines: in-process, serve, temporal (default: all).
     #[arg(long = "engine", value_delimiter = ',')]
     engines: Vec<String>,
+    /// Only these phases (see docs/reliability.md; default: all).
+    #[arg(long = "phase", value_delimiter = ',')]
+    phases: Vec<String>,
     /// Leave the services, image and agents as they are (faster reruns).
     #[arg(long)]
     no_setup: bool,
@@ -63,6 +66,9 @@ pub fn run(args: ChaosArgs) -> Result<()> {
         .env("HARNESS_CHAOS_REPORT", &report);
     if let Some(trial) = args.trial {
         cmd.env("HARNESS_CHAOS_TRIAL", trial.to_string());
+    }
+    if !args.phases.is_empty() {
+        cmd.env("HARNESS_CHAOS_PHASES", args.phases.join(","));
     }
     if !args.engines.is_empty() {
         cmd.env("HARNESS_CHAOS_ENGINES", args.engines.join(","));

@@ -55,10 +55,11 @@ pub struct ActivityTuning {
     /// Added to the slice budget to get the activity's start-to-close
     /// timeout: time to reattach, flush the last chunk and report.
     pub slice_margin_ms: u64,
-    /// Heartbeat timeout of `harness:slice`. A worker that dies mid-slice
-    /// is noticed after this long and the slice is retried elsewhere. The
-    /// activity heartbeats every quarter of it (the SDK sends at most one
-    /// heartbeat per 0.8 × timeout to the server).
+    /// Heartbeat timeout of every activity. A worker that dies mid-activity
+    /// (a slice, a sandbox create) is noticed after this long and the
+    /// activity is retried elsewhere. Activities heartbeat every quarter of
+    /// it (the SDK sends at most one heartbeat per 0.8 × timeout to the
+    /// server).
     pub heartbeat_timeout_ms: u64,
     /// First retry delay of a failed activity attempt.
     pub retry_initial_interval_ms: u64,
@@ -159,20 +160,53 @@ fn to_activity_error(e: harness_core::Error) -> ActivityError {
     }
 }
 
+/// How often an activity heartbeats: a quarter of its heartbeat timeout.
+fn heartbeat_every(ctx: &ActivityContext) -> Duration {
+    ctx.info()
+        .heartbeat_timeout
+        .map(|t| t / 4)
+        .unwrap_or(Duration::from_secs(5))
+        .max(Duration::from_millis(50))
+}
+
+/// Run `work` while heartbeating, so a worker killed during it is noticed
+/// after the heartbeat timeout and the activity retried on another worker —
+/// not after its start-to-close timeout (ten minutes for a sandbox create).
+async fn heartbeating<T>(
+    ctx: &ActivityContext,
+    work: impl std::future::Future<Output = harness_core::Result<T>>,
+) -> Result<T, ActivityError> {
+    let every = heartbeat_every(ctx);
+    let beat = async {
+        loop {
+            // A failed heartbeat (payload encoding) is not worth failing
+            // the activity over: the heartbeat timeout will tell.
+            let _ = ctx.record_heartbeat(()).await;
+            tokio::time::sleep(every).await;
+        }
+    };
+    tokio::select! {
+        biased;
+        result = work => result.map_err(to_activity_error),
+        _ = beat => Err(ActivityError::application(
+            ApplicationFailure::new("the heartbeat loop of the activity ended"),
+        )),
+    }
+}
+
 #[activities]
 impl TurnActivities {
     /// `harness:create-sandbox`: create the session's sandbox from the
-    /// turn's sandbox config (its first turn).
+    /// turn's sandbox config (its first turn). A retry after a killed
+    /// worker replaces what the killed attempt made (the sandbox is named
+    /// after the turn: `SandboxSpec::slot`).
     #[activity(name = "harness:create-sandbox")]
     pub async fn create_sandbox(
         self: Arc<Self>,
-        _ctx: ActivityContext,
+        ctx: ActivityContext,
         state: TurnState,
     ) -> Result<SandboxHandle, ActivityError> {
-        self.executor
-            .create_sandbox(&state)
-            .await
-            .map_err(to_activity_error)
+        heartbeating(&ctx, self.executor.create_sandbox(&state)).await
     }
 
     /// `harness:slice`: run one slice with the worker's runner, heartbeating
@@ -186,12 +220,7 @@ impl TurnActivities {
         input: SliceInput,
     ) -> Result<SliceReport, ActivityError> {
         let abort = AbortSignal::new();
-        let every = ctx
-            .info()
-            .heartbeat_timeout
-            .map(|t| t / 4)
-            .unwrap_or(Duration::from_secs(5))
-            .max(Duration::from_millis(50));
+        let every = heartbeat_every(&ctx);
         let run = self.executor.run_slice(
             &input.state,
             Duration::from_millis(input.budget_ms),
@@ -223,13 +252,10 @@ impl TurnActivities {
     #[activity(name = "harness:kill-agent")]
     pub async fn kill_agent(
         self: Arc<Self>,
-        _ctx: ActivityContext,
+        ctx: ActivityContext,
         input: KillInput,
     ) -> Result<(), ActivityError> {
-        self.executor
-            .kill_agent(&input.state, &input.process)
-            .await
-            .map_err(to_activity_error)
+        heartbeating(&ctx, self.executor.kill_agent(&input.state, &input.process)).await
     }
 
     /// `harness:record-end`: record the turn's terminal status in the
@@ -237,13 +263,10 @@ impl TurnActivities {
     #[activity(name = "harness:record-end")]
     pub async fn record_end(
         self: Arc<Self>,
-        _ctx: ActivityContext,
+        ctx: ActivityContext,
         state: TurnState,
     ) -> Result<(), ActivityError> {
-        self.executor
-            .turn_ended(&state)
-            .await
-            .map_err(to_activity_error)
+        heartbeating(&ctx, self.executor.turn_ended(&state)).await
     }
 }
 
@@ -314,8 +337,11 @@ impl HarnessTurnWorkflow {
                 let action = s.driver.poll(now_ms);
                 (action, s.driver.state().clone(), s.tuning.clone())
             });
+            // Every activity heartbeats (`heartbeating`): a dead worker's
+            // activity moves on after the heartbeat timeout.
             let options = |timeout_ms: u64| {
                 ActivityOptions::with_start_to_close_timeout(Duration::from_millis(timeout_ms))
+                    .heartbeat_timeout(Duration::from_millis(tuning.heartbeat_timeout_ms))
                     .retry_policy(retry_policy(&tuning))
                     .build()
             };

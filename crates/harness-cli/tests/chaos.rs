@@ -14,7 +14,8 @@
 //!
 //! Environment: `HARNESS_CHAOS_TRIALS` (default 5), `HARNESS_CHAOS_SEED`
 //! (default: from the clock, printed), `HARNESS_CHAOS_TRIAL` (only that
-//! one), `HARNESS_CHAOS_ENGINES` (comma-separated; default all),
+//! one), `HARNESS_CHAOS_ENGINES` and `HARNESS_CHAOS_PHASES`
+//! (comma-separated; default all),
 //! `HARNESS_CHAOS_REPORT` (append one JSON line per trial to this file).
 
 mod common;
@@ -73,6 +74,8 @@ impl Engine {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
+    /// The turn's sandbox is made, its handle not yet in the turn's state.
+    CreateToRecord,
     /// The turn's sandbox exists, its agent's spool is not claimed yet.
     BeforeClaim,
     /// The spool is claimed, the agent not launched.
@@ -92,7 +95,8 @@ enum Phase {
 }
 
 impl Phase {
-    const ALL: [Phase; 7] = [
+    const ALL: [Phase; 8] = [
+        Phase::CreateToRecord,
         Phase::BeforeClaim,
         Phase::ClaimToLaunch,
         Phase::LaunchToRecord,
@@ -104,6 +108,7 @@ impl Phase {
 
     fn name(self) -> &'static str {
         match self {
+            Phase::CreateToRecord => "create-to-record",
             Phase::BeforeClaim => "before-claim",
             Phase::ClaimToLaunch => "claim-to-launch",
             Phase::LaunchToRecord => "launch-to-record",
@@ -118,6 +123,7 @@ impl Phase {
     /// others are reached by watching the log and waiting a drawn delay.
     fn failpoint(self) -> Option<&'static str> {
         match self {
+            Phase::CreateToRecord => Some("create-to-record"),
             Phase::BeforeClaim => Some("before-claim"),
             Phase::ClaimToLaunch => Some("claim-to-launch"),
             Phase::LaunchToRecord => Some("launch-to-record"),
@@ -127,6 +133,9 @@ impl Phase {
     }
 
     fn fits(self, engine: Engine, parts: &Parts) -> bool {
+        if !parts.phases.is_empty() && !parts.phases.contains(&self) {
+            return false;
+        }
         match self {
             Phase::ApprovalWait => engine != Engine::InProcess && parts.approvals,
             Phase::CheckpointUpload => engine == Engine::InProcess && parts.s3.is_some(),
@@ -171,6 +180,8 @@ struct Parts {
     approvals: bool,
     /// An S3 endpoint (checkpoint phases possible).
     s3: Option<String>,
+    /// Only these phases (`HARNESS_CHAOS_PHASES`); empty: all.
+    phases: Vec<Phase>,
 }
 
 #[derive(Debug, Clone)]
@@ -192,6 +203,11 @@ impl Trial {
             .into_iter()
             .filter(|p| p.fits(engine, parts))
             .collect();
+        assert!(
+            !phases.is_empty(),
+            "no phase of HARNESS_CHAOS_PHASES fits the {} engine on this machine",
+            engine.name()
+        );
         let phase = phases[rng.below(phases.len() as u64) as usize];
         let docker = rng.below(2) == 1 && parts.docker.is_some();
         let delay_ms = match phase {
@@ -219,12 +235,16 @@ impl Trial {
     }
 
     fn label(&self) -> String {
+        let victim = if self.phase == Phase::CheckpointUpload {
+            "`harness checkpoint`, then another checkpoint"
+        } else {
+            self.engine.victim()
+        };
         format!(
-            "trial {} ({} on {}, kill {} at {} +{} ms)",
+            "trial {} ({} on {}, kill {victim} at {} +{} ms)",
             self.index,
             self.engine.name(),
             self.sandbox(),
-            self.engine.victim(),
             self.phase.name(),
             self.delay_ms
         )
@@ -285,6 +305,17 @@ async fn chaos_trials() {
         docker: docker_parts().await,
         approvals: common::server::approval_server().is_some(),
         s3: s3_endpoint().await,
+        phases: std::env::var("HARNESS_CHAOS_PHASES")
+            .unwrap_or_default()
+            .split(',')
+            .filter(|name| !name.trim().is_empty())
+            .map(|name| {
+                Phase::ALL
+                    .into_iter()
+                    .find(|p| p.name() == name.trim())
+                    .unwrap_or_else(|| panic!("unknown phase {name:?} in HARNESS_CHAOS_PHASES"))
+            })
+            .collect(),
     };
     println!(
         "chaos: seed {seed}, {} trial(s) on {}; docker: {}, approvals: {}, s3: {}",
@@ -520,28 +551,25 @@ fn ended(frames: &[Value]) -> Option<Value> {
         .cloned()
 }
 
-/// What the log shows, in a few words (the report's "the kill landed …").
+/// What the log shows, in a few words (the report's "the kill landed …"):
+/// the latest of the parts that mark a phase, in log order.
 fn progress(frames: &[Value]) -> String {
-    let mut seen = Vec::new();
-    for (kind, words) in [
-        ("tool-approval-request", "an approval request"),
-        ("tool-call", "the tool call"),
-        ("tool-result", "the tool result"),
-    ] {
-        if has_part(frames, kind) {
-            seen.push(words);
-        }
-    }
-    let running = frames
+    let latest = frames
         .iter()
-        .any(|f| f["body"]["type"] == "turn-status" && f["body"]["status"] == "running");
-    match (seen.last(), running) {
-        (Some(last), _) => format!("after {last} ({} frames)", frames.len()),
-        (None, true) => format!(
-            "with the agent running, no part yet ({} frames)",
+        .filter(|f| f["body"]["type"] == "part")
+        .filter_map(|f| match f["body"]["part"]["type"].as_str()? {
+            "tool-approval-request" => Some("the approval request"),
+            "tool-call" => Some("the tool call"),
+            "tool-result" => Some("the tool result"),
+            _ => None,
+        })
+        .next_back();
+    match latest {
+        Some(last) => format!("after {last} ({} frames)", frames.len()),
+        None => format!(
+            "with no agent output in the log yet ({} frames)",
             frames.len()
         ),
-        (None, false) => format!("before the agent ran ({} frames)", frames.len()),
     }
 }
 
@@ -577,7 +605,10 @@ async fn reach_phase(
             None => Vec::new(),
         };
         let reached = match trial.phase {
-            Phase::BeforeClaim | Phase::ClaimToLaunch | Phase::LaunchToRecord => marker.exists(),
+            Phase::CreateToRecord
+            | Phase::BeforeClaim
+            | Phase::ClaimToLaunch
+            | Phase::LaunchToRecord => marker.exists(),
             Phase::ToolCall => has_part(&seen, "tool-call"),
             Phase::TextStreaming => has_part(&seen, "tool-result"),
             Phase::ApprovalWait => has_part(&seen, "tool-approval-request"),

@@ -14,6 +14,7 @@
 
 /// The points in the code, in the order a turn reaches them.
 pub const POINTS: &[&str] = &[
+    "create-to-record",
     "before-claim",
     "claim-to-launch",
     "launch-to-record",

@@ -612,6 +612,9 @@ impl SliceExecutor for SliceRunner {
         async {
             let sandbox = provider.create(&spec).await?;
             let handle = sandbox.detach().await?;
+            // Made, not yet recorded in the turn's state: a kill here leaves
+            // a sandbox only its slot finds again.
+            crate::failpoint::hit("create-to-record");
             tracing::Span::current().record("sandbox.id", handle.id.as_str());
             Ok(handle)
         }
