@@ -46,7 +46,12 @@ pub fn run(args: ChaosArgs) -> Result<()> {
             .map(|d| d.as_nanos() as u64 % 1_000_000_007)
             .unwrap_or(1)
     });
-    let report = util::cache_subdir("chaos")?.join(format!("seed-{seed}.jsonl"));
+    let scope = if args.engines.is_empty() {
+        String::new()
+    } else {
+        format!("-{}", args.engines.join("-"))
+    };
+    let report = util::cache_subdir("chaos")?.join(format!("seed-{seed}{scope}.jsonl"));
     let _ = std::fs::remove_file(&report);
     let mut cmd = util::cargo();
     cmd.args([

@@ -187,6 +187,9 @@ struct Parts {
 #[derive(Debug, Clone)]
 struct Trial {
     seed: u64,
+    /// The `--engine`/`--phase` filters the draw was made under (a replay
+    /// needs them too).
+    filters: String,
     index: u32,
     engine: Engine,
     docker: bool,
@@ -196,7 +199,7 @@ struct Trial {
 
 impl Trial {
     /// Trial `index` of `seed`: every draw made in one fixed order.
-    fn draw(seed: u64, index: u32, engines: &[Engine], parts: &Parts) -> Trial {
+    fn draw(seed: u64, index: u32, engines: &[Engine], parts: &Parts, filters: &str) -> Trial {
         let mut rng = Rng::for_trial(seed, index);
         let engine = engines[rng.below(engines.len() as u64) as usize];
         let phases: Vec<Phase> = Phase::ALL
@@ -218,6 +221,7 @@ impl Trial {
         };
         Trial {
             seed,
+            filters: filters.to_string(),
             index,
             engine,
             docker,
@@ -252,8 +256,8 @@ impl Trial {
 
     fn replay(&self) -> String {
         format!(
-            "cargo xtask chaos --seed {} --trial {}",
-            self.seed, self.index
+            "cargo xtask chaos --seed {} --trial {}{}",
+            self.seed, self.index, self.filters
         )
     }
 }
@@ -329,13 +333,24 @@ async fn chaos_trials() {
         parts.approvals,
         parts.s3.is_some()
     );
+    let mut filters = String::new();
+    for (flag, var) in [
+        ("engine", "HARNESS_CHAOS_ENGINES"),
+        ("phase", "HARNESS_CHAOS_PHASES"),
+    ] {
+        if let Ok(list) = std::env::var(var) {
+            if !list.trim().is_empty() {
+                filters.push_str(&format!(" --{flag} {}", list.trim()));
+            }
+        }
+    }
     let mut failures = Vec::new();
     let mut passed = Vec::new();
     for index in 1..=trials.max(only.unwrap_or(0)) {
         if only.is_some_and(|k| k != index) {
             continue;
         }
-        let trial = Trial::draw(seed, index, &engines, &parts);
+        let trial = Trial::draw(seed, index, &engines, &parts, &filters);
         println!("{} …", trial.label());
         let started = Instant::now();
         let result = tokio::spawn(run_trial(trial.clone(), parts.clone())).await;

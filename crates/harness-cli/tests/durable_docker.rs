@@ -8,70 +8,16 @@ mod common;
 
 use common::docker::*;
 use common::harness;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::process::Command;
+use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use harness_testkit::model::ScriptedModel;
-use harness_testkit::{require_env, skip_or_fail};
+use harness_testkit::require_env;
 
-/// What the tests need from the machine: the claude binary, the image, a
-/// Docker engine, and the bridge gateway address. `None` after a skip (a
-/// failure under `HARNESS_REQUIRE_REAL=1`).
-fn docker_parts() -> Option<(String, IpAddr)> {
+/// The claude binary and [`docker_parts`], or `None` after a skip.
+fn claude_and_docker() -> Option<(String, IpAddr)> {
     require_env("HARNESS_CLAUDE_BIN")?;
-    let image = require_env("HARNESS_TEST_IMAGE")?;
-    let inspect = Command::new("docker")
-        .args(["image", "inspect", "--format", "{{.Id}}", &image])
-        .output();
-    match inspect {
-        Ok(out) if out.status.success() => {}
-        Ok(out) => {
-            skip_or_fail(&format!(
-                "docker image {image} is not usable (build it with `cargo xtask image`): {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            ));
-            return None;
-        }
-        Err(e) => {
-            skip_or_fail(&format!("no docker CLI: {e}"));
-            return None;
-        }
-    }
-    let Some(gateway) = bridge_gateway() else {
-        skip_or_fail("cannot find the docker bridge gateway address");
-        return None;
-    };
-    Some((image, gateway))
-}
-
-/// The default bridge network's gateway, from `docker network inspect
-/// bridge`; dockerd may leave `Gateway` out, and then uses the first
-/// address of the subnet. The model server binds there, so a wrong guess
-/// fails the bind instead of sending traffic elsewhere.
-fn bridge_gateway() -> Option<IpAddr> {
-    let out = Command::new("docker")
-        .args([
-            "network",
-            "inspect",
-            "bridge",
-            "--format",
-            "{{range .IPAM.Config}}{{.Gateway}}|{{.Subnet}}\n{{end}}",
-        ])
-        .output()
-        .ok()?;
-    if !out.status.success() {
-        return None;
-    }
-    let text = String::from_utf8_lossy(&out.stdout).to_string();
-    let configs: Vec<(&str, &str)> = text.lines().filter_map(|l| l.split_once('|')).collect();
-    if let Some(gw) = configs.iter().find_map(|(gw, _)| gw.parse::<IpAddr>().ok()) {
-        return Some(gw);
-    }
-    configs.iter().find_map(|(_, subnet)| {
-        let net: Ipv4Addr = subnet.split_once('/')?.0.parse().ok()?;
-        Some(IpAddr::V4(Ipv4Addr::from(u32::from(net) + 1)))
-    })
+    docker_parts()
 }
 
 fn run_args<'a>(image: &'a str, slice_ms: &'a str) -> [&'a str; 7] {
@@ -121,7 +67,7 @@ enum KillPoint {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn docker_kill_nine_at_several_points_then_resume_finishes_the_turn_once() {
-    let Some((image, gateway)) = docker_parts() else {
+    let Some((image, gateway)) = claude_and_docker() else {
         return;
     };
     for point in [
@@ -242,7 +188,7 @@ async fn docker_kill_nine_at_several_points_then_resume_finishes_the_turn_once()
 
 #[tokio::test(flavor = "multi_thread")]
 async fn docker_turn_longer_than_one_slice_completes_across_slices() {
-    let Some((image, gateway)) = docker_parts() else {
+    let Some((image, gateway)) = claude_and_docker() else {
         return;
     };
     let model = ScriptedModel::start_on(SocketAddr::new(gateway, 0), common::slow_script())

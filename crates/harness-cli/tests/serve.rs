@@ -258,6 +258,8 @@ async fn text_and_tools_reach_sse_and_websocket(agent: Agent, backend: Backend) 
     let home = tempfile::tempdir().unwrap();
     let serve = Serve::start(home.path(), &model, &[]);
     let id = create(&serve, session_body(agent, backend, &image, false)).await;
+    // The session's container (Docker) goes with the test.
+    let _containers = common::docker::SessionContainers(id.clone());
     let sse = SseClient::open(&serve, &id).await;
     let ws = WsClient::open(&serve, &id).await;
     let turn = prompt(&serve, &id, "write the file").await;
@@ -338,6 +340,8 @@ async fn a_client_approves_and_the_command_runs(agent: Agent, backend: Backend) 
     let home = tempfile::tempdir().unwrap();
     let serve = Serve::start(home.path(), &model, &[]);
     let id = create(&serve, session_body(agent, backend, &image, true)).await;
+    // The session's container (Docker) goes with the test.
+    let _containers = common::docker::SessionContainers(id.clone());
     let sse = SseClient::open(&serve, &id).await;
     let turn = prompt(&serve, &id, "please make the file").await;
     until(&serve, "a tool-approval-request", || {
@@ -409,6 +413,8 @@ async fn abort_ends_the_turn_and_the_next_prompt_works(agent: Agent, backend: Ba
     let home = tempfile::tempdir().unwrap();
     let serve = Serve::start(home.path(), &model, &[]);
     let id = create(&serve, session_body(agent, backend, &image, false)).await;
+    // The session's container (Docker) goes with the test.
+    let _containers = common::docker::SessionContainers(id.clone());
     let sse = SseClient::open(&serve, &id).await;
     let turn = prompt(&serve, &id, "run the long command").await;
     until(&serve, "the long command's tool call", || {

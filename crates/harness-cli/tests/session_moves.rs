@@ -13,15 +13,17 @@
 
 mod common;
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use common::docker::{docker_parts, docker_sh, SessionContainers};
+
+use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 use harness_testkit::model::{
     last_is_tool_result_for, last_user_text_contains, Reply, Rule, Script, ScriptedModel,
 };
-use harness_testkit::{require_env, skip_or_fail};
+use harness_testkit::require_env;
 use serde_json::Value;
 
 /// Turn 1 is told a codeword and writes a note; turn 2's first request must
@@ -144,102 +146,6 @@ fn with<'a>(args: &[&'a str], more: &'a [String]) -> Vec<&'a str> {
         .copied()
         .chain(more.iter().map(String::as_str))
         .collect()
-}
-
-/// The default bridge network's gateway (an address of this machine that
-/// containers reach), as `durable_docker.rs` finds it.
-fn bridge_gateway() -> Option<IpAddr> {
-    let out = Command::new("docker")
-        .args([
-            "network",
-            "inspect",
-            "bridge",
-            "--format",
-            "{{range .IPAM.Config}}{{.Gateway}}|{{.Subnet}}\n{{end}}",
-        ])
-        .output()
-        .ok()?;
-    if !out.status.success() {
-        return None;
-    }
-    let text = String::from_utf8_lossy(&out.stdout).to_string();
-    let configs: Vec<(&str, &str)> = text.lines().filter_map(|l| l.split_once('|')).collect();
-    if let Some(gw) = configs.iter().find_map(|(gw, _)| gw.parse::<IpAddr>().ok()) {
-        return Some(gw);
-    }
-    configs.iter().find_map(|(_, subnet)| {
-        let net: Ipv4Addr = subnet.split_once('/')?.0.parse().ok()?;
-        Some(IpAddr::V4(Ipv4Addr::from(u32::from(net) + 1)))
-    })
-}
-
-/// The test image and the bridge gateway, or `None` after a skip (a
-/// failure under `HARNESS_REQUIRE_REAL=1`).
-fn docker_parts() -> Option<(String, IpAddr)> {
-    let image = require_env("HARNESS_TEST_IMAGE")?;
-    match Command::new("docker")
-        .args(["image", "inspect", "--format", "{{.Id}}", &image])
-        .output()
-    {
-        Ok(out) if out.status.success() => {}
-        Ok(out) => {
-            skip_or_fail(&format!(
-                "docker image {image} is not usable (build it with `cargo xtask image`): {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            ));
-            return None;
-        }
-        Err(e) => {
-            skip_or_fail(&format!("no docker CLI: {e}"));
-            return None;
-        }
-    }
-    let Some(gateway) = bridge_gateway() else {
-        skip_or_fail("cannot find the docker bridge gateway address");
-        return None;
-    };
-    Some((image, gateway))
-}
-
-/// Removes a session's containers (by the Docker provider's labels) when
-/// dropped, also while a failed test unwinds.
-struct SessionContainers(String);
-
-impl Drop for SessionContainers {
-    fn drop(&mut self) {
-        let Ok(out) = Command::new("docker")
-            .args([
-                "ps",
-                "-a",
-                "-q",
-                "--filter",
-                &format!("label=dev.harness.session-id={}", self.0),
-            ])
-            .output()
-        else {
-            return;
-        };
-        for id in String::from_utf8_lossy(&out.stdout).split_whitespace() {
-            let _ = Command::new("docker")
-                .args(["rm", "-f", id])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status();
-        }
-    }
-}
-
-/// `docker exec CONTAINER sh -c SCRIPT`: (success, stdout).
-fn docker_sh(container: &str, script: &str) -> (bool, String) {
-    let out = Command::new("docker")
-        .args(["exec", container, "sh", "-c", script])
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).to_string(),
-    )
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -75,18 +75,31 @@ async fn exec_streams_output_env_cwd_stdin_and_exit_code() {
     .unwrap();
     assert_eq!(out.status.code, Some(127));
 
-    // Output arrives as it is produced, not at the end.
-    let started = Instant::now();
+    // Output arrives as it is produced, not at the end: the command waits
+    // for a gate that is only opened once its first line has arrived (held
+    // back, the line would come after the command gives up, 30 s later).
     let mut stream = sb
-        .exec(ExecRequest::shell("echo first; sleep 2; echo second"))
+        .exec(ExecRequest::shell(
+            "echo first; i=0; while [ ! -e /tmp/gate ] && [ $i -lt 600 ]; do sleep 0.05; i=$((i+1)); done; echo second",
+        ))
         .await
         .unwrap();
-    let first = stream.next().await.unwrap().unwrap();
+    let first = tokio::time::timeout(Duration::from_secs(20), stream.next())
+        .await
+        .expect("the first line was held back")
+        .unwrap()
+        .unwrap();
     assert_eq!(first, ExecEvent::Stdout(Bytes::from_static(b"first\n")));
-    assert!(
-        started.elapsed() < Duration::from_millis(1800),
-        "first line was held back"
-    );
+    let opened = collect_exec(
+        sb.exec(ExecRequest::shell("touch /tmp/gate"))
+            .await
+            .unwrap(),
+    )
+    .await
+    .unwrap();
+    assert!(opened.status.success());
+    let rest = collect_exec(stream).await.unwrap();
+    assert_eq!(rest.stdout_str(), "second\n");
     sb.destroy().await.unwrap();
     sb.destroy().await.unwrap(); // idempotent
 }

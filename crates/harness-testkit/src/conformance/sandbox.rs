@@ -565,49 +565,60 @@ pub async fn exec_stdin(sb: &dyn Sandbox) -> Result<()> {
     Ok(())
 }
 
-/// Output arrives while the command runs, not only when it ends.
+/// Output arrives while the command runs, not only when it ends. Decided by
+/// events, not by the clock: the command prints `a`, then waits for a gate
+/// file that is only made once `a` has arrived, then prints `b`. A backend
+/// that held output back until the exit would deliver nothing until the
+/// command gave up waiting (30 s), and fail here.
 pub async fn exec_streams_before_exit(sb: &dyn Sandbox) -> Result<()> {
-    let start = Instant::now();
-    let mut stream = sb
-        .exec(ExecRequest::shell("echo a; sleep 2; echo b"))
-        .await
-        .context("exec")?;
-    let mut first_chunk: Option<(Duration, Bytes)> = None;
-    let mut exit_at = None;
-    let mut all = Vec::new();
-    let drain = async {
-        while let Some(event) = stream.next().await {
-            match event? {
-                ExecEvent::Stdout(b) => {
-                    if first_chunk.is_none() {
-                        first_chunk = Some((start.elapsed(), b.clone()));
-                    }
-                    all.extend_from_slice(&b);
+    let gate = format!("/tmp/harness-suite-gate-{}", uuid_like());
+    let script = format!(
+        "echo a; i=0; while [ ! -e {g} ] && [ $i -lt 600 ]; do sleep 0.05; i=$((i+1)); done; \
+         if [ -e {g} ]; then echo b; else echo no-gate; fi",
+        g = shell_quote(&gate)
+    );
+    let mut stream = sb.exec(ExecRequest::shell(script)).await.context("exec")?;
+    let first = within(Duration::from_secs(20), "the first line while the command runs", async {
+        loop {
+            match stream.next().await {
+                Some(Ok(ExecEvent::Stdout(b))) => break Ok(b),
+                Some(Ok(ExecEvent::Stderr(_))) => continue,
+                Some(Ok(ExecEvent::Exit(s))) => {
+                    break Err(anyhow!("the command exited ({s:?}) before any output arrived"))
                 }
-                ExecEvent::Stderr(_) => {}
-                ExecEvent::Exit(s) => exit_at = Some((start.elapsed(), s)),
+                Some(Err(e)) => break Err(e.into()),
+                None => break Err(anyhow!("the stream ended without output")),
             }
         }
-        Ok::<_, Error>(())
-    };
-    within(COMMAND_DEADLINE, "streaming command", drain).await??;
-    let (exit_time, status) = exit_at.ok_or_else(|| anyhow!("no Exit event"))?;
-    ensure!(
-        status.success(),
-        "`echo a; sleep 2; echo b` failed: {status:?}"
-    );
-    let (first_time, first) = first_chunk.ok_or_else(|| anyhow!("no stdout at all"))?;
+    })
+    .await
+    .context("output must stream while the command runs (the command waits for a gate only opened once its first line arrived)")??;
     ensure!(
         first.starts_with(b"a"),
         "the first stdout chunk must start with \"a\", got {:?}",
         String::from_utf8_lossy(&first)
     );
-    ensure!(
-        exit_time >= first_time + Duration::from_millis(1500),
-        "output must stream while the command runs: the first chunk came at {first_time:?}, \
-         only {:?} before the exit at {exit_time:?} (the command sleeps 2 s in between)",
-        exit_time.saturating_sub(first_time)
-    );
+    sh(sb, &format!("touch {}", shell_quote(&gate))).await?;
+    let mut all = first.to_vec();
+    let mut status = None;
+    within(
+        COMMAND_DEADLINE,
+        "the rest of the streaming command",
+        async {
+            while let Some(event) = stream.next().await {
+                match event? {
+                    ExecEvent::Stdout(b) => all.extend_from_slice(&b),
+                    ExecEvent::Stderr(_) => {}
+                    ExecEvent::Exit(s) => status = Some(s),
+                }
+            }
+            Ok::<_, Error>(())
+        },
+    )
+    .await??;
+    let _ = sh(sb, &format!("rm -f {}", shell_quote(&gate))).await;
+    let status = status.ok_or_else(|| anyhow!("no Exit event"))?;
+    ensure!(status.success(), "the gated command failed: {status:?}");
     ensure!(
         all == b"a\nb\n",
         "stdout must be \"a\\nb\\n\", got {:?}",
