@@ -10,7 +10,9 @@
 //!
 //! Exactly-once rules:
 //! - the agent is started at most once per turn: `mkdir` of the spool
-//!   directory is the claim, so a retried slice finds it and reattaches;
+//!   directory is the claim, so a retried slice finds it and reattaches
+//!   (through `process.json`, or, when the claiming slice died before
+//!   writing it, by launching again: the launch is idempotent per spool);
 //! - the cursor only advances to a line boundary where no text/reasoning
 //!   block is open, so a retried slice re-sends whole blocks (the actor
 //!   starts a re-sent block over) and every other part carries a key the log
