@@ -148,10 +148,12 @@ impl Phase {
 struct Rng(u64);
 
 impl Rng {
+    /// The stream of trial `trial`: seed and trial go through the mixer
+    /// before they meet, so neighbouring trials' streams are unrelated (a
+    /// plain `seed ^ trial·γ` start made trial k+1's first draw trial k's
+    /// second).
     fn for_trial(seed: u64, trial: u32) -> Rng {
-        let mut rng = Rng(seed ^ u64::from(trial).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        rng.next();
-        rng
+        Rng(Rng(seed).next() ^ Rng(u64::from(trial).wrapping_add(0xD1B5_4A32_D192_ED03)).next())
     }
 
     fn next(&mut self) -> u64 {
@@ -488,12 +490,13 @@ async fn run_trial(trial: Trial, parts: Parts) -> Outcome {
         _ => (ScriptedModel::start(script).await.unwrap(), None),
     };
     let home = tempfile::tempdir().unwrap();
+    // Dropped before `home`: removes the trial's containers however it ends.
+    let _containers = HomeContainers(home.path().to_path_buf());
     let mut killed_at = match trial.engine {
         Engine::InProcess => in_process(&trial, home.path(), &model, &image).await,
         Engine::Serve | Engine::Temporal => on_a_server(&trial, home.path(), &model, &image).await,
     };
     let (session, frames) = only_session(home.path()).await;
-    let _containers = SessionContainers(session.to_string());
     let context = trial.label();
     assert_stored_once(&frames, &context);
     model.assert_no_failures();
@@ -502,6 +505,39 @@ async fn run_trial(trial: Trial, parts: Parts) -> Outcome {
         killed_at = checkpoint_killed(&trial, home.path(), &model, &session, &image, &parts).await;
     }
     Outcome { killed_at }
+}
+
+/// Removes the Docker containers of every session in a trial's home when
+/// dropped — also when the trial fails before it learns its session's id.
+struct HomeContainers(PathBuf);
+
+impl Drop for HomeContainers {
+    fn drop(&mut self) {
+        // No assertion: this also runs while a failed trial unwinds.
+        let Ok(out) = Command::new(env!("CARGO_BIN_EXE_harness"))
+            .arg("--home")
+            .arg(&self.0)
+            .args(["sessions", "list"])
+            .stdin(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .output()
+        else {
+            return;
+        };
+        let listed = String::from_utf8_lossy(&out.stdout);
+        if !out.status.success() || !listed.starts_with("SESSION") {
+            return;
+        }
+        // The first column of each row is the session id (no parsing that
+        // could panic while a failed trial unwinds).
+        for id in listed
+            .lines()
+            .skip(1)
+            .filter_map(|l| l.split_whitespace().next())
+        {
+            drop(SessionContainers(id.to_string()));
+        }
+    }
 }
 
 /// The environment that stops the killed process at the trial's failpoint.
@@ -928,7 +964,6 @@ async fn checkpoint_killed(
     assert_eq!(restored.len(), 1, "{label}: one restored session");
     let frames = frames(&log, &restored[0]).await;
     let sandbox = recorded_sandbox(&frames);
-    let _containers = SessionContainers(restored[0].to_string());
     let text = if trial.docker {
         let id = sandbox["id"].as_str().unwrap();
         let workdir = container_workdir(id);
