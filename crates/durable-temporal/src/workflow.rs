@@ -220,32 +220,25 @@ impl TurnActivities {
         input: SliceInput,
     ) -> Result<SliceReport, ActivityError> {
         let abort = AbortSignal::new();
-        let every = heartbeat_every(&ctx);
         let run = self.executor.run_slice(
             &input.state,
             Duration::from_millis(input.budget_ms),
             abort.clone(),
         );
+        // Never ends by itself: it fires the abort and waits for `run`.
         let watch = async {
             ctx.cancelled().await;
             abort.abort();
-            std::future::pending::<()>().await;
+            std::future::pending::<harness_core::Result<SliceReport>>().await
         };
-        let beat = async {
-            loop {
-                // A failed heartbeat (payload encoding) is not worth failing
-                // the slice over: the heartbeat timeout will tell.
-                let _ = ctx.record_heartbeat(()).await;
-                tokio::time::sleep(every).await;
+        let run = async {
+            tokio::select! {
+                biased;
+                result = run => result,
+                result = watch => result,
             }
         };
-        tokio::select! {
-            biased;
-            result = run => result.map_err(to_activity_error),
-            _ = futures::future::join(watch, beat) => Err(ActivityError::application(
-                ApplicationFailure::new("the heartbeat loop of the slice ended"),
-            )),
-        }
+        heartbeating(&ctx, run).await
     }
 
     /// `harness:kill-agent`: kill the turn's agent process (idempotent).

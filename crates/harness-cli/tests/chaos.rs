@@ -264,15 +264,25 @@ impl Trial {
     }
 }
 
-/// What a trial saw.
-#[derive(Debug)]
-struct Outcome {
-    /// What the log showed when the kill landed.
-    killed_at: String,
-}
-
 fn env_parse<T: std::str::FromStr>(name: &str) -> Option<T> {
     std::env::var(name).ok().and_then(|v| v.trim().parse().ok())
+}
+
+/// The members of `all` the comma-separated variable `var` names (by
+/// `name`); empty when it is unset or empty.
+fn env_list<T: Copy>(var: &str, all: &[T], name: fn(T) -> &'static str) -> Vec<T> {
+    std::env::var(var)
+        .unwrap_or_default()
+        .split(',')
+        .map(str::trim)
+        .filter(|item| !item.is_empty())
+        .map(|item| {
+            all.iter()
+                .copied()
+                .find(|t| name(*t) == item)
+                .unwrap_or_else(|| panic!("unknown name {item:?} in {var}"))
+        })
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -289,17 +299,12 @@ async fn chaos_trials() {
             % 1_000_000_007
     });
     let only: Option<u32> = env_parse("HARNESS_CHAOS_TRIAL");
-    let mut engines: Vec<Engine> = match std::env::var("HARNESS_CHAOS_ENGINES") {
-        Ok(list) if !list.trim().is_empty() => list
-            .split(',')
-            .map(|name| {
-                Engine::ALL
-                    .into_iter()
-                    .find(|e| e.name() == name.trim())
-                    .unwrap_or_else(|| panic!("unknown engine {name:?} in HARNESS_CHAOS_ENGINES"))
-            })
-            .collect(),
-        _ => Engine::ALL.to_vec(),
+    let engine_filter = env_list("HARNESS_CHAOS_ENGINES", &Engine::ALL, Engine::name);
+    let phase_filter = env_list("HARNESS_CHAOS_PHASES", &Phase::ALL, Phase::name);
+    let mut engines = if engine_filter.is_empty() {
+        Engine::ALL.to_vec()
+    } else {
+        engine_filter.clone()
     };
     if engines.contains(&Engine::Temporal) && !temporal_reachable().await {
         skip_or_fail(
@@ -311,17 +316,7 @@ async fn chaos_trials() {
         docker: docker_parts().await,
         approvals: common::server::approval_server().is_some(),
         s3: s3_endpoint().await,
-        phases: std::env::var("HARNESS_CHAOS_PHASES")
-            .unwrap_or_default()
-            .split(',')
-            .filter(|name| !name.trim().is_empty())
-            .map(|name| {
-                Phase::ALL
-                    .into_iter()
-                    .find(|p| p.name() == name.trim())
-                    .unwrap_or_else(|| panic!("unknown phase {name:?} in HARNESS_CHAOS_PHASES"))
-            })
-            .collect(),
+        phases: phase_filter.clone(),
     };
     println!(
         "chaos: seed {seed}, {} trial(s) on {}; docker: {}, approvals: {}, s3: {}",
@@ -335,16 +330,15 @@ async fn chaos_trials() {
         parts.approvals,
         parts.s3.is_some()
     );
+    // What a replay must pass again to draw the same trials.
     let mut filters = String::new();
-    for (flag, var) in [
-        ("engine", "HARNESS_CHAOS_ENGINES"),
-        ("phase", "HARNESS_CHAOS_PHASES"),
-    ] {
-        if let Ok(list) = std::env::var(var) {
-            if !list.trim().is_empty() {
-                filters.push_str(&format!(" --{flag} {}", list.trim()));
-            }
-        }
+    if !engine_filter.is_empty() {
+        let names: Vec<&str> = engine_filter.iter().map(|e| e.name()).collect();
+        filters.push_str(&format!(" --engine {}", names.join(",")));
+    }
+    if !phase_filter.is_empty() {
+        let names: Vec<&str> = phase_filter.iter().map(|p| p.name()).collect();
+        filters.push_str(&format!(" --phase {}", names.join(",")));
     }
     let mut failures = Vec::new();
     let mut passed = Vec::new();
@@ -358,13 +352,10 @@ async fn chaos_trials() {
         let result = tokio::spawn(run_trial(trial.clone(), parts.clone())).await;
         let seconds = started.elapsed().as_secs_f64();
         let record = match result {
-            Ok(outcome) => {
-                println!(
-                    "  ok in {seconds:.1} s; the kill landed {}",
-                    outcome.killed_at
-                );
-                let record = json!({"killedAt": outcome.killed_at, "ok": true});
-                passed.push((trial.clone(), outcome));
+            Ok(killed_at) => {
+                println!("  ok in {seconds:.1} s; the kill landed {}", killed_at);
+                let record = json!({"killedAt": killed_at, "ok": true});
+                passed.push(trial.clone());
                 record
             }
             Err(err) => {
@@ -414,7 +405,7 @@ async fn chaos_trials() {
         for phase in Phase::ALL {
             let ok = passed
                 .iter()
-                .filter(|(t, _)| t.engine == engine && t.phase == phase)
+                .filter(|t: &&Trial| t.engine == engine && t.phase == phase)
                 .count();
             let bad = failures
                 .iter()
@@ -478,7 +469,8 @@ async fn s3_endpoint() -> Option<String> {
     reachable.then_some(endpoint)
 }
 
-async fn run_trial(trial: Trial, parts: Parts) -> Outcome {
+/// Run one trial; what the log showed when the kill landed.
+async fn run_trial(trial: Trial, parts: Parts) -> String {
     let script = common::slow_script_sleeping(TOOL_SLEEP_S);
     let (model, image) = match (&parts.docker, trial.docker) {
         (Some((image, gateway)), true) => (
@@ -504,7 +496,7 @@ async fn run_trial(trial: Trial, parts: Parts) -> Outcome {
     if trial.phase == Phase::CheckpointUpload {
         killed_at = checkpoint_killed(&trial, home.path(), &model, &session, &image, &parts).await;
     }
-    Outcome { killed_at }
+    killed_at
 }
 
 /// Removes the Docker containers of every session in a trial's home when
@@ -721,13 +713,9 @@ async fn in_process(
     let killed = child.wait_with_output().unwrap();
     let mut resume = harness(home, model);
     resume.arg("resume");
-    let out = tokio::task::spawn_blocking(move || resume.output())
-        .await
-        .unwrap()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let (ok, stderr) = run_blocking(resume).await;
     assert!(
-        out.status.success() && stderr.contains("resuming 1 unfinished turn"),
+        ok && stderr.contains("resuming 1 unfinished turn"),
         "{}: resume failed:\n{stderr}\nthe killed run said:\n{}",
         trial.label(),
         String::from_utf8_lossy(&killed.stderr)
@@ -862,7 +850,7 @@ fn the_tree_is_intact(trial: &Trial, home: &Path, session: &SessionId, frames: &
         );
     } else {
         let id = sandbox["id"].as_str().unwrap();
-        let dirs = local_sandboxes(home);
+        let dirs = common::local_sandboxes(home);
         assert_eq!(
             dirs,
             vec![id.to_string()],
@@ -873,20 +861,6 @@ fn the_tree_is_intact(trial: &Trial, home: &Path, session: &SessionId, frames: &
                 .unwrap_or_default();
         assert_eq!(written.trim(), "slow-done", "{label}: the tree");
     }
-}
-
-/// The sandboxes under the home (not the bootstrap templates).
-fn local_sandboxes(home: &Path) -> Vec<String> {
-    let Ok(entries) = std::fs::read_dir(home.join("sandboxes")) else {
-        return Vec::new();
-    };
-    let mut ids: Vec<String> = entries
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.join("sandbox.json").is_file())
-        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
-        .collect();
-    ids.sort();
-    ids
 }
 
 /// `harness checkpoint` killed between its objects and its manifest: that

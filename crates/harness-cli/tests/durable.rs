@@ -25,18 +25,6 @@ fn agent_started(home: &Path) -> Option<std::path::PathBuf> {
     None
 }
 
-/// The sandboxes under the home (not the bootstrap templates).
-fn session_sandboxes(home: &Path) -> Vec<String> {
-    let mut ids: Vec<String> = std::fs::read_dir(home.join("sandboxes"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.join("sandbox.json").is_file())
-        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
-        .collect();
-    ids.sort();
-    ids
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn kill_nine_at_several_points_then_resume_finishes_the_turn_once() {
     if require_env("HARNESS_CLAUDE_BIN").is_none() {
@@ -108,7 +96,7 @@ async fn kill_nine_at_several_points_then_resume_finishes_the_turn_once() {
             "{sandbox:#}"
         );
         assert_eq!(
-            session_sandboxes(home.path()),
+            common::local_sandboxes(home.path()),
             vec![id.to_string()],
             "one sandbox for the session"
         );

@@ -196,3 +196,17 @@ pub fn assert_stored_once(frames: &[serde_json::Value], what: &str) {
     assert_eq!(terminal.len(), 1, "one terminal turn-status: {context}");
     assert_eq!(terminal[0]["status"], "finished", "{context}");
 }
+
+/// The sandboxes under the home (not the bootstrap templates).
+pub fn local_sandboxes(home: &Path) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(home.join("sandboxes")) else {
+        return Vec::new();
+    };
+    let mut ids: Vec<String> = entries
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("sandbox.json").is_file())
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    ids.sort();
+    ids
+}

@@ -104,9 +104,65 @@ pub fn approval_server() -> Option<PathBuf> {
 
 /// One `harness serve` child.
 pub struct Serve {
-    child: Child,
+    process: ChildProcess,
     pub base: String,
+}
+
+/// A `harness` child whose stderr is collected line by line (each line also
+/// shown to `on_line`); SIGKILLed when dropped.
+pub struct ChildProcess {
+    child: Child,
     stderr: Arc<Mutex<String>>,
+}
+
+impl ChildProcess {
+    fn spawn(
+        cmd: &mut Command,
+        what: &str,
+        mut on_line: impl FnMut(&str) + Send + 'static,
+    ) -> Self {
+        let mut child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("{what} does not start: {e}"));
+        let stderr = child.stderr.take().unwrap();
+        let log = Arc::new(Mutex::new(String::new()));
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                on_line(&line);
+                let mut log = sink.lock().unwrap();
+                log.push_str(&line);
+                log.push('\n');
+            }
+        });
+        ChildProcess { child, stderr: log }
+    }
+
+    /// Send `signal` (`-STOP`, `-CONT`, …) with kill(1).
+    pub fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args([signal, &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    /// SIGKILL, and wait for the process to be gone.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Its stderr so far.
+    pub fn log(&self) -> String {
+        self.stderr.lock().unwrap().clone()
+    }
+}
+
+impl Drop for ChildProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
 }
 
 impl Serve {
@@ -144,29 +200,16 @@ impl Serve {
         if let Some(server) = approval_server() {
             cmd.env("HARNESS_APPROVAL_MCP_BIN", server);
         }
-        let mut child = cmd.spawn().expect("harness serve starts");
-        let stderr = child.stderr.take().unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
-        let log = Arc::new(Mutex::new(String::new()));
-        let sink = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if let Some(url) = line.strip_prefix("serving sessions on ") {
-                    let _ = tx.send(url.split_whitespace().next().unwrap_or("").to_string());
-                }
-                let mut log = sink.lock().unwrap();
-                log.push_str(&line);
-                log.push('\n');
+        let process = ChildProcess::spawn(&mut cmd, "harness serve", move |line| {
+            if let Some(url) = line.strip_prefix("serving sessions on ") {
+                let _ = tx.send(url.split_whitespace().next().unwrap_or("").to_string());
             }
         });
         let base = rx
             .recv_timeout(Duration::from_secs(120))
-            .unwrap_or_else(|_| panic!("harness serve did not start:\n{}", log.lock().unwrap()));
-        Serve {
-            child,
-            base,
-            stderr: log,
-        }
+            .unwrap_or_else(|_| panic!("harness serve did not start:\n{}", process.log()));
+        Serve { process, base }
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -177,19 +220,13 @@ impl Serve {
         format!("{}{path}", self.base.replacen("http://", "ws://", 1))
     }
 
+    /// SIGKILL, and wait for the server to be gone.
     pub fn kill(&mut self) {
-        let _ = self.child.kill(); // SIGKILL
-        let _ = self.child.wait();
+        self.process.kill();
     }
 
     pub fn log(&self) -> String {
-        self.stderr.lock().unwrap().clone()
-    }
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        self.kill();
+        self.process.log()
     }
 }
 
@@ -242,15 +279,12 @@ pub async fn export(serve: &Serve, id: &str) -> Vec<Value> {
 }
 
 /// A `harness worker` (Temporal) or `harness runner` (remote engine) child
-/// serving `serve`'s turns.
-pub struct Worker {
-    child: Child,
-    stderr: Arc<Mutex<String>>,
-}
+/// serving a server's turns.
+pub type Worker = ChildProcess;
 
 impl Worker {
     pub fn start(home: &Path, serve: &Serve, model: &ScriptedModel, queue: &str) -> Worker {
-        Self::spawn(home, serve, model, "worker", &[], queue, &[])
+        Self::connect(home, serve, model, "worker", &[], queue, &[])
     }
 
     /// [`Worker::start`] with more environment for the worker.
@@ -261,12 +295,12 @@ impl Worker {
         queue: &str,
         env: &[(&str, &str)],
     ) -> Worker {
-        Self::spawn(home, serve, model, "worker", &[], queue, env)
+        Self::connect(home, serve, model, "worker", &[], queue, env)
     }
 
     /// `harness runner` for a server on `--engine remote`.
     pub fn runner(home: &Path, serve: &Serve, model: &ScriptedModel) -> Worker {
-        Self::spawn(
+        Self::connect(
             home,
             serve,
             model,
@@ -277,7 +311,8 @@ impl Worker {
         )
     }
 
-    fn spawn(
+    /// `harness COMMAND --server …` as a runner of `serve`.
+    fn connect(
         home: &Path,
         serve: &Serve,
         model: &ScriptedModel,
@@ -290,8 +325,7 @@ impl Worker {
         if let Some(server) = approval_server() {
             cmd.env("HARNESS_APPROVAL_MCP_BIN", server);
         }
-        let mut child = cmd
-            .arg("--home")
+        cmd.arg("--home")
             .arg(home)
             .args([command, "--server", &serve.base, "--token", RUNNER])
             .args(extra)
@@ -302,44 +336,8 @@ impl Worker {
             .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("harness worker starts");
-        let stderr = child.stderr.take().unwrap();
-        let log = Arc::new(Mutex::new(String::new()));
-        let sink = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                let mut log = sink.lock().unwrap();
-                log.push_str(&line);
-                log.push('\n');
-            }
-        });
-        Worker { child, stderr: log }
-    }
-
-    pub fn signal(&self, signal: &str) {
-        let status = Command::new("kill")
-            .args([signal, &self.child.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(status.success());
-    }
-
-    /// SIGKILL, and wait for the process to be gone.
-    pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    pub fn log(&self) -> String {
-        self.stderr.lock().unwrap().clone()
-    }
-}
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        self.kill();
+            .stderr(Stdio::piped());
+        ChildProcess::spawn(&mut cmd, command, |_| {})
     }
 }
 
