@@ -43,6 +43,8 @@ const TOOL_SLEEP_S: u32 = 3;
 /// Longest a trial waits for a phase or for the end of the turn.
 const DEADLINE: Duration = Duration::from_secs(180);
 const PROMPT: &str = "do the slow thing";
+/// The file under a trial's home the failpoint writes when it is reached.
+const FAILPOINT_MARKER: &str = "failpoint-reached";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Engine {
@@ -683,7 +685,7 @@ async fn in_process(
     model: &ScriptedModel,
     image: &Option<String>,
 ) -> String {
-    let marker = home.join("failpoint-reached");
+    let marker = home.join(FAILPOINT_MARKER);
     let mut run = harness(home, model);
     run.args(["run", "--slice-ms", "1000"]);
     if let Some(image) = image {
@@ -730,7 +732,7 @@ async fn on_a_server(
     model: &ScriptedModel,
     image: &Option<String>,
 ) -> String {
-    let marker = home.join("failpoint-reached");
+    let marker = home.join(FAILPOINT_MARKER);
     let env = failpoint_env(trial, &marker);
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
     let args = ["--slice-ms", "1000"];
@@ -882,7 +884,7 @@ async fn checkpoint_killed(
         trial.index,
         std::process::id()
     );
-    let marker = home.join("failpoint-reached");
+    let marker = home.join(FAILPOINT_MARKER);
     let checkpoint = |key: &str| {
         let mut cmd = harness(home, model);
         cmd.args(["checkpoint", "--session", session.as_str(), "--key", key])
