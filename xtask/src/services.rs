@@ -115,7 +115,15 @@ impl Service {
                 if !bin.exists() {
                     bail!("{} missing: run `cargo xtask deps`", bin.display());
                 }
+                // A test server: it starts empty every time xtask starts
+                // it. Kept across runs, its data grew by a collection of
+                // volumes per test bucket until no volume slot was left
+                // and every write failed with HTTP 500.
                 let dir = services.join("weed");
+                if dir.exists() {
+                    std::fs::remove_dir_all(&dir)
+                        .with_context(|| format!("clearing {}", dir.display()))?;
+                }
                 std::fs::create_dir_all(&dir)?;
                 let mut c = Command::new(bin);
                 c.arg("server")

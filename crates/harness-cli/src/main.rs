@@ -226,3 +226,16 @@ fn main() -> ExitCode {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    /// Clap's own consistency checks over every subcommand (a flag defined
+    /// twice in one command, e.g. a flattened `--prefix`, fails here rather
+    /// than as a panic when a user runs that command).
+    #[test]
+    fn the_command_line_is_consistent() {
+        super::Cli::command().debug_assert();
+    }
+}

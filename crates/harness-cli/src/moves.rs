@@ -52,6 +52,11 @@ pub struct StoreArgs {
     /// Bucket.
     #[arg(long, env = "HARNESS_S3_BUCKET", default_value = "harness-checkpoints")]
     bucket: String,
+    /// A key prefix inside the bucket that this store keeps to (e.g.
+    /// `staging`): several deployments or test runs share one bucket, each
+    /// seeing only its own keys.
+    #[arg(long, env = "HARNESS_S3_NAMESPACE", default_value = "")]
+    namespace: String,
     /// Region (ignored for R2).
     #[arg(long, env = "AWS_REGION", default_value = "us-east-1")]
     region: String,
@@ -68,6 +73,7 @@ impl StoreArgs {
                 "no checkpoint store: pass --endpoint URL (or $HARNESS_S3_ENDPOINT) for S3, or --r2-account ID for R2"
             ),
         };
+        let config = config.with_prefix(&self.namespace);
         let store = S3CheckpointStore::new(config)?;
         store
             .ensure_bucket()

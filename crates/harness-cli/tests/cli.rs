@@ -393,17 +393,21 @@ fn checkpoint_ls_and_restore_move_a_tree_between_sessions() {
         dir
     };
     std::fs::write(workdir(&a).join("moved.txt"), "made in A").unwrap();
-    let bucket = format!("cli-{}", std::process::id());
     let key = format!("sessions/{a}/cli.tar.zst");
-    let store = ["--endpoint", endpoint.as_str(), "--bucket", bucket.as_str()];
+    let store = common::s3_store_flags(&endpoint, "cli-move");
     let (out, stdout, stderr) = run(harness(home.path())
         .args(["checkpoint", "--session", &a, "--key", &key])
-        .args(store));
+        .args(&store));
     assert!(out.status.success(), "{stdout}\n{stderr}");
     assert!(stdout.contains(&format!("checkpoint {key}")), "{stdout}");
-    let (out, stdout, _) = run(harness(home.path()).arg("ls").args(store));
+    let (out, stdout, _) = run(harness(home.path()).arg("ls").args(&store));
     assert!(out.status.success());
     assert!(stdout.contains(&key), "{stdout}");
+    // Another namespace of the same bucket does not see it.
+    let elsewhere = common::s3_store_flags(&endpoint, "cli-elsewhere");
+    let (out, stdout, _) = run(harness(home.path()).arg("ls").args(&elsewhere));
+    assert!(out.status.success());
+    assert!(!stdout.contains(&key), "{stdout}");
 
     let (out, stdout, stderr) = run(harness(home.path()).args(["demo", "--keep"]));
     assert!(out.status.success(), "{stderr}");
@@ -412,7 +416,7 @@ fn checkpoint_ls_and_restore_move_a_tree_between_sessions() {
     std::fs::write(workdir(&b).join("only-in-b.txt"), "stays").unwrap();
     let (out, stdout, stderr) = run(harness(home.path())
         .args(["restore", "--session", &b, "--key", &key])
-        .args(store));
+        .args(&store));
     assert!(out.status.success(), "{stdout}\n{stderr}");
     assert_eq!(
         std::fs::read_to_string(workdir(&b).join("moved.txt")).unwrap(),

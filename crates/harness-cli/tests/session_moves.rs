@@ -131,16 +131,6 @@ async fn show_json(home: &Path, model: &ScriptedModel, session: &str) -> Value {
         .unwrap_or_else(|e| panic!("sessions show --json is not JSON ({e}):\n{}", ran.stdout))
 }
 
-/// The store flags for a bucket of this test run.
-fn store_args(endpoint: &str, bucket: &str) -> Vec<String> {
-    vec![
-        "--endpoint".into(),
-        endpoint.into(),
-        "--bucket".into(),
-        bucket.into(),
-    ]
-}
-
 fn with<'a>(args: &[&'a str], more: &'a [String]) -> Vec<&'a str> {
     args.iter()
         .copied()
@@ -166,7 +156,7 @@ async fn a_claude_session_moves_from_local_to_a_new_docker_session_and_continues
         .unwrap();
     let home = tempfile::tempdir().unwrap();
     let home = home.path();
-    let store = store_args(&endpoint, &format!("cli-moves-{}", std::process::id()));
+    let store = common::s3_store_flags(&endpoint, "moves");
 
     // Turn 1 in a local sandbox.
     let ran = harness(
@@ -361,7 +351,7 @@ async fn sessions_show_tree_only_moves_and_clear_errors() {
     let model = ScriptedModel::start(script()).await.unwrap();
     let home = tempfile::tempdir().unwrap();
     let home = home.path();
-    let store = store_args(&endpoint, &format!("cli-show-{}", std::process::id()));
+    let store = common::s3_store_flags(&endpoint, "show");
 
     let ran = harness(
         home,

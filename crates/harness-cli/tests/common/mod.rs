@@ -210,3 +210,22 @@ pub fn local_sandboxes(home: &Path) -> Vec<String> {
     ids.sort();
     ids
 }
+
+/// The one S3 bucket the CLI tests share; each test keeps to its own
+/// `--namespace`. SeaweedFS backs every bucket with a collection of its own
+/// volumes, so a bucket per test run used up the server's volume slots
+/// after a few dozen runs ("No writable volumes", HTTP 500).
+pub const S3_TEST_BUCKET: &str = "harness-cli-tests";
+
+/// The store flags for `harness checkpoint|restore|ls`: `endpoint`, the
+/// shared test bucket, and a prefix no other test or run uses.
+pub fn s3_store_flags(endpoint: &str, tag: &str) -> Vec<String> {
+    vec![
+        "--endpoint".into(),
+        endpoint.into(),
+        "--bucket".into(),
+        S3_TEST_BUCKET.into(),
+        "--namespace".into(),
+        format!("tests/{tag}-{}", uuid::Uuid::new_v4().simple()),
+    ]
+}
