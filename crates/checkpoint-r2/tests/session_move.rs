@@ -108,6 +108,7 @@ async fn run_turn(
             env,
             model: None,
             system_prompt: None,
+            relay_dir: None,
         })
         .unwrap();
     let process = sandbox

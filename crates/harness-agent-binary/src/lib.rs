@@ -81,6 +81,32 @@ impl AgentBinary {
     }
 }
 
+/// A small harness program copied into every sandbox next to the agent
+/// (the approval server `harness-approval-mcp`, the host-tool bridge
+/// `harness-relay-mcp`), named by its hash in the bootstrap recipe.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HelperBinary {
+    /// Path on the host.
+    pub host_path: PathBuf,
+    /// Its SHA-256 (part of the bootstrap identity).
+    pub sha256: String,
+}
+
+impl HelperBinary {
+    /// Hash the binary at `path` (cached like the agent binary's digest).
+    pub fn load(path: impl AsRef<Path>) -> Result<Self> {
+        let host_path = path.as_ref().to_path_buf();
+        if !host_path.is_file() {
+            return Err(Error::not_found(format!(
+                "no helper binary at {}",
+                host_path.display()
+            )));
+        }
+        let sha256 = sha256_cached(&host_path)?;
+        Ok(Self { host_path, sha256 })
+    }
+}
+
 /// The SHA-256 of `path`, from `<path>.sha256` when that is newer than the
 /// file, else computed and (best effort) written there.
 pub fn sha256_cached(path: &Path) -> Result<String> {

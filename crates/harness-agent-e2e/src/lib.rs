@@ -332,6 +332,7 @@ pub async fn start_turn(
         env,
         model: None,
         system_prompt: None,
+        relay_dir: None,
     };
     let cmd = harness.turn_command(&ctx).expect("turn command");
     session

@@ -28,10 +28,11 @@ use std::collections::BTreeMap;
 
 use harness_core::bootstrap::{BootstrapRecipe, FileSource, RecipeFile};
 use harness_core::harness::{AgentCommand, Harness, OutputParser, StateMove, TurnContext};
+use harness_core::relay;
 use harness_core::sandbox::shell_quote;
 use harness_core::{Error, Result};
 
-pub use harness_agent_binary::{parse_version, sha256_cached, AgentBinary};
+pub use harness_agent_binary::{parse_version, sha256_cached, AgentBinary, HelperBinary};
 pub use parser::ClaudeCodeParser;
 
 /// The Claude Code version these adapters were verified against.
@@ -63,31 +64,16 @@ pub struct ClaudeCodeConfig {
     /// client; such a turn without a server fails with a clear error.
     /// `None` (the default) keeps the sandbox as the only boundary.
     pub approvals: Option<ApprovalServer>,
+    /// The host-tool bridge (`harness-relay-mcp`), installed by the recipe
+    /// when set. A turn whose session's tool host offers tools
+    /// (`TurnContext::relay_dir`) gets it as MCP server `host` (tools
+    /// `mcp__host__<name>`); such a turn without it fails with a clear
+    /// error.
+    pub relay_bridge: Option<HelperBinary>,
 }
 
 /// The approval MCP server binary on the host (see `harness-approval-mcp`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ApprovalServer {
-    /// Path of the `harness-approval-mcp` binary on the host.
-    pub host_path: std::path::PathBuf,
-    /// Its SHA-256 (part of the bootstrap identity).
-    pub sha256: String,
-}
-
-impl ApprovalServer {
-    /// Hash the binary at `path` (cached like the agent binary's digest).
-    pub fn load(path: impl AsRef<std::path::Path>) -> Result<Self> {
-        let host_path = path.as_ref().to_path_buf();
-        if !host_path.is_file() {
-            return Err(Error::not_found(format!(
-                "no approval MCP server binary at {}",
-                host_path.display()
-            )));
-        }
-        let sha256 = sha256_cached(&host_path)?;
-        Ok(Self { host_path, sha256 })
-    }
-}
+pub type ApprovalServer = HelperBinary;
 
 /// Where the recipe installs the approval MCP server inside a sandbox.
 pub const APPROVAL_SERVER_PATH: &str = "/opt/harness/bin/harness-approval-mcp";
@@ -108,6 +94,7 @@ impl Default for ClaudeCodeConfig {
             permission_mode: "bypassPermissions".to_string(),
             extra_args: Vec::new(),
             approvals: None,
+            relay_bridge: None,
         }
     }
 }
@@ -231,15 +218,21 @@ impl Harness for ClaudeCodeHarness {
                 sha256: binary.sha256.clone(),
             },
         }];
-        if let Some(server) = &self.config.approvals {
-            files.push(RecipeFile {
-                path: APPROVAL_SERVER_PATH.into(),
-                mode: 0o755,
-                source: FileSource::HostPath {
-                    path: server.host_path.display().to_string(),
-                    sha256: server.sha256.clone(),
-                },
-            });
+        let helpers = [
+            (APPROVAL_SERVER_PATH, &self.config.approvals),
+            (relay::files::BRIDGE_PATH, &self.config.relay_bridge),
+        ];
+        for (path, helper) in helpers {
+            if let Some(helper) = helper {
+                files.push(RecipeFile {
+                    path: path.into(),
+                    mode: 0o755,
+                    source: FileSource::HostPath {
+                        path: helper.host_path.display().to_string(),
+                        sha256: helper.sha256.clone(),
+                    },
+                });
+            }
         }
         Ok(BootstrapRecipe {
             files,
@@ -273,16 +266,26 @@ impl Harness for ClaudeCodeHarness {
                  the harness binary or set HARNESS_APPROVAL_MCP_BIN",
             ));
         }
-        if turn.state.approvals {
-            let approvals = format!(
+        if turn.relay_dir.is_some() && self.config.relay_bridge.is_none() {
+            return Err(Error::invalid(
+                "this session's tool host offers tools, but the runner has no host-tool bridge \
+                 (harness-relay-mcp): build it (`cargo build -p harness-relay-mcp`) next to the \
+                 harness binary or set HARNESS_RELAY_MCP_BIN",
+            ));
+        }
+        let approvals = turn.state.approvals.then(|| {
+            format!(
                 "{}/approvals",
                 harness_core::slice::spool_dir(turn.home, &turn.state.turn_id)
-            );
+            )
+        });
+        if let Some(config) = mcp_config(approvals.as_deref(), turn.relay_dir) {
+            args.extend(["--mcp-config".into(), config]);
+        }
+        if turn.state.approvals {
             args.extend([
                 "--permission-mode".into(),
                 "default".into(),
-                "--mcp-config".into(),
-                approval_mcp_config(&approvals),
                 "--permission-prompt-tool".into(),
                 APPROVAL_TOOL.into(),
             ]);
@@ -364,26 +367,38 @@ impl Harness for ClaudeCodeHarness {
     }
 }
 
-/// The inline `--mcp-config` JSON for the approval server. The command
-/// goes through `sh` so that, like the agent itself, the server is found
-/// under `$HARNESS_SANDBOX_ROOT` (sandbox-local) first, then at its plain
-/// path (Docker etc.).
-pub fn approval_mcp_config(approvals_dir: &str) -> String {
-    serde_json::json!({
-        "mcpServers": {
-            APPROVAL_MCP_SERVER: {
-                "type": "stdio",
-                "command": "sh",
-                "args": [
-                    "-c",
-                    "p=\"${HARNESS_SANDBOX_ROOT:-}$0\" && { [ -x \"$p\" ] || p=\"$0\"; } && exec \"$p\"",
-                    APPROVAL_SERVER_PATH,
-                ],
-                "env": { "HARNESS_APPROVAL_DIR": approvals_dir },
-            }
-        }
-    })
-    .to_string()
+/// The inline `--mcp-config` JSON: the approval server when the turn asks
+/// for approvals, the host-tool bridge when its session's host offers
+/// tools; `None` for neither. Each command goes through `sh` so that, like
+/// the agent itself, the server is found under `$HARNESS_SANDBOX_ROOT`
+/// (sandbox-local) first, then at its plain path (Docker etc.).
+pub fn mcp_config(approvals_dir: Option<&str>, relay_dir: Option<&str>) -> Option<String> {
+    let server = |path: &str, var: &str, dir: &str| {
+        serde_json::json!({
+            "type": "stdio",
+            "command": "sh",
+            "args": [
+                "-c",
+                "p=\"${HARNESS_SANDBOX_ROOT:-}$0\" && { [ -x \"$p\" ] || p=\"$0\"; } && exec \"$p\"",
+                path,
+            ],
+            "env": { var: dir },
+        })
+    };
+    let mut servers = serde_json::Map::new();
+    if let Some(dir) = approvals_dir {
+        servers.insert(
+            APPROVAL_MCP_SERVER.into(),
+            server(APPROVAL_SERVER_PATH, "HARNESS_APPROVAL_DIR", dir),
+        );
+    }
+    if let Some(dir) = relay_dir {
+        servers.insert(
+            relay::files::MCP_SERVER_NAME.into(),
+            server(relay::files::BRIDGE_PATH, "HARNESS_RELAY_DIR", dir),
+        );
+    }
+    (!servers.is_empty()).then(|| serde_json::json!({ "mcpServers": servers }).to_string())
 }
 
 /// Longest project directory name before Claude Code shortens it.
@@ -451,6 +466,7 @@ mod tests {
             env,
             model: None,
             system_prompt: None,
+            relay_dir: None,
         }
     }
 

@@ -104,37 +104,54 @@ pub async fn ensure_binary(home: &Home, kind: AgentKind) -> Result<PathBuf> {
 /// neither exists: sessions that ask for approvals then fail with a clear
 /// error at their first turn.
 pub fn approval_server() -> Option<PathBuf> {
-    if let Some(path) = std::env::var_os("HARNESS_APPROVAL_MCP_BIN").filter(|p| !p.is_empty()) {
+    helper("HARNESS_APPROVAL_MCP_BIN", "harness-approval-mcp")
+}
+
+/// The host-tool bridge given to agents whose session has a tool host:
+/// `$HARNESS_RELAY_MCP_BIN`, else `harness-relay-mcp` next to this binary
+/// (`cargo build -p harness-cli -p harness-relay-mcp`). `None` when neither
+/// exists: a turn of a session whose tool host offers tools then fails
+/// with a clear error.
+pub fn relay_bridge() -> Option<PathBuf> {
+    helper("HARNESS_RELAY_MCP_BIN", "harness-relay-mcp")
+}
+
+fn helper(env_var: &str, name: &str) -> Option<PathBuf> {
+    if let Some(path) = std::env::var_os(env_var).filter(|p| !p.is_empty()) {
         return Some(path.into());
     }
-    let sibling = std::env::current_exe()
-        .ok()?
-        .parent()?
-        .join("harness-approval-mcp");
+    let sibling = std::env::current_exe().ok()?.parent()?.join(name);
     sibling.is_file().then_some(sibling)
 }
 
-/// The adapter for `kind` around the binary at `path` (Claude Code with the
-/// approval server when one is found).
+fn load_helper(
+    path: Option<PathBuf>,
+    what: &str,
+) -> Result<Option<harness::claude_code::HelperBinary>> {
+    path.map(|p| {
+        harness::claude_code::HelperBinary::load(&p)
+            .with_context(|| format!("loading the {what} {}", p.display()))
+    })
+    .transpose()
+}
+
+/// The adapter for `kind` around the binary at `path` (with the approval
+/// server and the host-tool bridge when they are found).
 pub fn adapter(kind: AgentKind, path: PathBuf) -> Result<Arc<dyn Harness>> {
+    let bridge = load_helper(relay_bridge(), "host-tool bridge")?;
     Ok(match kind {
         AgentKind::ClaudeCode => {
             let binary = harness::claude_code::AgentBinary::load(&path)?;
             let mut config = harness::claude_code::ClaudeCodeConfig::with_binary(binary);
-            if let Some(server) = approval_server() {
-                config.approvals = Some(
-                    harness::claude_code::ApprovalServer::load(&server).with_context(|| {
-                        format!("loading the approval server {}", server.display())
-                    })?,
-                );
-            }
+            config.approvals = load_helper(approval_server(), "approval server")?;
+            config.relay_bridge = bridge;
             Arc::new(harness::claude_code::ClaudeCodeHarness::new(config))
         }
         AgentKind::Codex => {
             let binary = harness::codex::AgentBinary::load(&path)?;
-            Arc::new(harness::codex::CodexHarness::new(
-                harness::codex::CodexConfig::with_binary(binary),
-            ))
+            let mut config = harness::codex::CodexConfig::with_binary(binary);
+            config.relay_bridge = bridge;
+            Arc::new(harness::codex::CodexHarness::new(config))
         }
     })
 }

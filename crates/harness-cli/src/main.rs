@@ -15,6 +15,7 @@ mod home;
 mod local;
 mod moves;
 mod print;
+mod relay_host;
 mod serve;
 mod sessions;
 mod telemetry;
@@ -160,6 +161,9 @@ enum Command {
     Restore(moves::RestoreArgs),
     /// List checkpoints in the store.
     Ls(moves::LsArgs),
+    /// Serve tools from this machine to one session's agent (MCP tools
+    /// `mcp__host__<name>`), each call run at most once.
+    RelayHost(relay_host::RelayHostArgs),
 }
 
 fn main() -> ExitCode {
@@ -216,6 +220,7 @@ fn main() -> ExitCode {
             Command::Checkpoint(args) => moves::checkpoint(&home, args).await,
             Command::Restore(args) => moves::restore(&home, args).await,
             Command::Ls(args) => moves::ls(args).await,
+            Command::RelayHost(args) => relay_host::run(args).await,
         }
     });
     match result {

@@ -44,7 +44,8 @@ pub struct ServeArgs {
     #[arg(long, default_value = "127.0.0.1:8787")]
     addr: String,
     /// A bearer token grant, `TOKEN=ROLE[@SESSION]` with ROLE one of
-    /// client, runner, host and SESSION a session id or `*` (the default).
+    /// client, runner, tool-host (`harness relay-host`), host (everything)
+    /// and SESSION a session id or `*` (the default).
     /// Repeatable. Also read from $HARNESS_TOKENS (comma-separated).
     #[arg(long = "token", value_name = "TOKEN=ROLE[@SESSION]")]
     tokens: Vec<String>,
@@ -85,7 +86,8 @@ pub fn parse_grant(text: &str) -> Result<TokenGrant> {
         "client" => GrantRole::Client,
         "runner" => GrantRole::Runner,
         "host" => GrantRole::Host,
-        other => bail!("unknown role {other:?}: use client, runner or host"),
+        "tool-host" => GrantRole::ToolHost,
+        other => bail!("unknown role {other:?}: use client, runner, tool-host or host"),
     };
     Ok(TokenGrant::new(token, Scope::parse(scope)?, role))
 }

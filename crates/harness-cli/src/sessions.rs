@@ -230,7 +230,7 @@ impl Shown {
         let mut checkpoints = Vec::new();
         let mut restores = Vec::new();
         for frame in frames {
-            meta.apply(&frame.body, None);
+            meta.apply(frame.seq, &frame.body, None);
             match &frame.body {
                 FrameBody::UserMessage { text, .. } => {
                     if let Some(turn) = &meta.turn {

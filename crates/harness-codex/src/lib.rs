@@ -36,10 +36,11 @@ use std::path::{Path, PathBuf};
 
 use harness_core::bootstrap::{BootstrapRecipe, FileSource, RecipeFile};
 use harness_core::harness::{AgentCommand, Harness, OutputParser, StateMove, TurnContext};
+use harness_core::relay;
 use harness_core::sandbox::shell_quote;
 use harness_core::{Error, Result};
 
-pub use harness_agent_binary::{parse_version, sha256_cached, AgentBinary};
+pub use harness_agent_binary::{parse_version, sha256_cached, AgentBinary, HelperBinary};
 pub use parser::{CodexParser, SHELL_TOOL_NAME};
 
 /// The Codex version this adapter was verified against.
@@ -214,6 +215,12 @@ pub struct CodexConfig {
     /// and Codex runs with approvals and its own sandbox bypassed). `None`
     /// uses [`CodexApprovals::default`]. See [`CodexApprovals`].
     pub approvals: Option<CodexApprovals>,
+    /// The host-tool bridge (`harness-relay-mcp`), installed by the recipe
+    /// when set. A turn whose session's tool host offers tools
+    /// (`TurnContext::relay_dir`) gets it as MCP server `host`
+    /// (`-c mcp_servers.host=…`; tools `mcp__host__<name>`); such a turn
+    /// without it fails with a clear error.
+    pub relay_bridge: Option<HelperBinary>,
 }
 
 impl Default for CodexConfig {
@@ -226,6 +233,7 @@ impl Default for CodexConfig {
             base_url: None,
             extra_args: Vec::new(),
             approvals: None,
+            relay_bridge: None,
         }
     }
 }
@@ -469,6 +477,16 @@ impl Harness for CodexHarness {
                 },
             });
         }
+        if let Some(bridge) = &self.config.relay_bridge {
+            files.push(RecipeFile {
+                path: relay::files::BRIDGE_PATH.into(),
+                mode: 0o755,
+                source: FileSource::HostPath {
+                    path: bridge.host_path.display().to_string(),
+                    sha256: bridge.sha256.clone(),
+                },
+            });
+        }
         Ok(BootstrapRecipe {
             files,
             // Backends create parent directories and set the mode when they
@@ -519,6 +537,17 @@ impl Harness for CodexHarness {
             args.push("--dangerously-bypass-hook-trust".into());
             args.push("-c".into());
             args.push(approval_hook_override(&dir, approvals));
+        }
+        if let Some(dir) = turn.relay_dir {
+            if self.config.relay_bridge.is_none() {
+                return Err(Error::invalid(
+                    "this session's tool host offers tools, but the runner has no host-tool bridge \
+                     (harness-relay-mcp): build it (`cargo build -p harness-relay-mcp`) next to the \
+                     harness binary or set HARNESS_RELAY_MCP_BIN",
+                ));
+            }
+            args.push("-c".into());
+            args.push(relay_mcp_override(dir));
         }
         let base_url = self
             .config
@@ -617,6 +646,23 @@ pub fn launcher_script(state_var: &str) -> String {
     )
 }
 
+/// The `-c` override that gives Codex the host-tool bridge as MCP server
+/// `host`. Like the agent, the bridge is found under
+/// `$HARNESS_SANDBOX_ROOT` (sandbox-local) first, then at its plain path;
+/// Codex starts MCP servers with a cleared environment, so that variable
+/// is passed on by name (`env_vars`).
+pub fn relay_mcp_override(relay_dir: &str) -> String {
+    format!(
+        "mcp_servers.{name}={{command=\"sh\",args=[\"-c\",{script},{path}],env={{HARNESS_RELAY_DIR={dir}}},env_vars=[\"HARNESS_SANDBOX_ROOT\"]}}",
+        name = relay::files::MCP_SERVER_NAME,
+        script = toml_string(
+            "p=\"${HARNESS_SANDBOX_ROOT:-}$0\" && { [ -x \"$p\" ] || p=\"$0\"; } && exec \"$p\""
+        ),
+        path = toml_string(relay::files::BRIDGE_PATH),
+        dir = toml_string(relay_dir),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -638,6 +684,7 @@ mod tests {
             env,
             model: None,
             system_prompt: None,
+            relay_dir: None,
         }
     }
 

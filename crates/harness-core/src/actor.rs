@@ -38,6 +38,7 @@ use serde::{Deserialize, Serialize};
 use crate::frame::{Frame, FrameBody, MessageKind};
 use crate::log::{AppendRequest, LogInfo, DEFAULT_MAX_FRAME_BYTES};
 use crate::part::StreamPart;
+use crate::relay::{HostCall, HostCallRequest, HostMessage, HostOutcome, ToolSpec};
 use crate::sandbox::SandboxHandle;
 use crate::session::{SessionMeta, TurnCommand};
 use crate::turn::TurnStatus;
@@ -56,6 +57,15 @@ pub enum Role {
     Runner {
         /// Its generation.
         generation: u64,
+    },
+    /// The session's tool host (`harness relay-host`): offers tools, runs
+    /// the calls the actor hands it. One at a time: a second host is
+    /// refused (`host_lease_held`) unless it asks to take over.
+    ToolHost {
+        /// Replace the attached host (its calls still out end
+        /// `ambiguous`) instead of being refused.
+        #[serde(default)]
+        takeover: bool,
     },
 }
 
@@ -119,6 +129,19 @@ pub enum RunnerMessage {
         #[serde(default)]
         key: Option<String>,
     },
+    /// The turn's agent calls a host tool. The one answer is the
+    /// [`FrameBody::HostOutcome`] frame (sent once the outcome is stored,
+    /// however long the host takes); a repeated call id gets the recorded
+    /// one.
+    HostCall {
+        /// The turn.
+        turn_id: String,
+        /// The call.
+        call: HostCallRequest,
+    },
+    /// Which tools the attached host offers (answered with
+    /// [`ServerMessage::HostTools`]; empty when no host is attached).
+    HostTools {},
     /// A turn changed status.
     TurnStatus {
         /// The turn.
@@ -177,6 +200,10 @@ pub enum ErrorCode {
     Forbidden,
     /// The service could not answer in time or went away.
     Unavailable,
+    /// Another tool host holds the session's host lease.
+    HostLeaseHeld,
+    /// Only the tool host sends declarations and results.
+    NotAHost,
     /// A code this version does not know.
     #[serde(other)]
     Other,
@@ -201,6 +228,8 @@ impl ErrorCode {
             ErrorCode::Unauthorized => "unauthorized",
             ErrorCode::Forbidden => "forbidden",
             ErrorCode::Unavailable => "unavailable",
+            ErrorCode::HostLeaseHeld => "host_lease_held",
+            ErrorCode::NotAHost => "not_a_host",
             ErrorCode::Other => "other",
         }
     }
@@ -218,10 +247,12 @@ impl ErrorCode {
             ErrorCode::Sealed
             | ErrorCode::TurnInProgress
             | ErrorCode::NoActiveTurn
-            | ErrorCode::Conflict => ErrorKind::Conflict,
+            | ErrorCode::Conflict
+            | ErrorCode::HostLeaseHeld => ErrorKind::Conflict,
             ErrorCode::FrameTooLarge | ErrorCode::Invalid => ErrorKind::InvalidInput,
             ErrorCode::NotARunner
             | ErrorCode::NotAClient
+            | ErrorCode::NotAHost
             | ErrorCode::Unauthorized
             | ErrorCode::Forbidden => ErrorKind::Unauthorized,
             ErrorCode::NotFound => ErrorKind::NotFound,
@@ -278,6 +309,25 @@ pub enum ServerMessage {
         /// True if an idempotency key matched an earlier write.
         duplicate: bool,
     },
+    /// To the tool host: run this call (once; a repeated call id never
+    /// comes again). Answer with [`HostMessage::Result`].
+    HostCall {
+        /// The call.
+        call: HostCall,
+    },
+    /// To the tool host: stop this call (its deadline passed or its turn
+    /// ended); a result sent later is dropped.
+    HostCancel {
+        /// The call.
+        call_id: String,
+        /// Why.
+        reason: String,
+    },
+    /// To a runner: the tools of the attached host.
+    HostTools {
+        /// The tools (empty when no host is attached).
+        tools: Vec<ToolSpec>,
+    },
     /// The sender's message was refused; nothing was stored.
     Error {
         /// Why.
@@ -328,6 +378,20 @@ pub enum Input {
         conn: ConnId,
         /// The message.
         message: RunnerMessage,
+    },
+    /// The tool host's message.
+    ToolHost {
+        /// The connection.
+        conn: ConnId,
+        /// The message.
+        message: HostMessage,
+    },
+    /// The time now (ms since the Unix epoch). The wrapper feeds it at
+    /// least as often as [`SessionActor::next_deadline`] asks: host calls
+    /// past their deadline end `timeout` on it.
+    Tick {
+        /// Now.
+        now_ms: u64,
     },
     /// The result of the oldest [`Output::Append`] still pending.
     Appended {
@@ -393,8 +457,69 @@ pub enum Output {
 struct PendingAppend {
     reply_to: Option<ConnId>,
     key: Option<String>,
-    /// Ask the host for the engine call this frame implies once stored.
-    dispatch: bool,
+    then: Then,
+}
+
+/// What to do once an append is stored.
+#[derive(Debug, Clone, PartialEq)]
+enum Then {
+    Nothing,
+    /// Ask the host for the engine call this frame implies.
+    Dispatch,
+    /// A host call's frame is stored: hand it to the tool host (or record
+    /// it unavailable).
+    CallStored(String),
+    /// A host call's outcome is stored: answer whoever waits for it.
+    OutcomeStored(String),
+}
+
+/// The attached tool host.
+#[derive(Debug, Clone)]
+struct HostLease {
+    conn: ConnId,
+    tools: Vec<ToolSpec>,
+}
+
+/// A host call of the active turn.
+#[derive(Debug, Clone)]
+struct Call {
+    turn_id: String,
+    state: CallState,
+}
+
+#[derive(Debug, Clone)]
+enum CallState {
+    /// Its frame is being stored.
+    Recording { waiter: Option<ConnId> },
+    /// Out at the host.
+    Out {
+        host: ConnId,
+        deadline_at_ms: u64,
+        budget: u64,
+        /// What arrived so far, kept up to the budget.
+        output: String,
+        /// Bytes the host sent in all.
+        total: u64,
+        waiter: Option<ConnId>,
+    },
+    /// Its outcome is being stored.
+    Finishing { waiter: Option<ConnId> },
+    /// Recorded before this actor started, with no outcome: the host it
+    /// went to is gone with the old connection.
+    Orphaned,
+    /// Its outcome frame, answered to every repeat of the call id.
+    Done(Frame),
+}
+
+impl CallState {
+    fn waiter_mut(&mut self) -> Option<&mut Option<ConnId>> {
+        match self {
+            CallState::Recording { waiter }
+            | CallState::Out { waiter, .. }
+            | CallState::Finishing { waiter } => Some(waiter),
+            CallState::Orphaned | CallState::Done(_) => None,
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -472,6 +597,12 @@ pub struct SessionActor {
     pending: VecDeque<PendingAppend>,
     /// Text/reasoning blocks in progress, in the order they opened.
     open: Vec<OpenBlock>,
+    /// The tool host holding the lease.
+    host: Option<HostLease>,
+    /// The active turn's host calls, by call id.
+    calls: BTreeMap<String, Call>,
+    /// The latest time fed ([`Input::Tick`]).
+    now_ms: u64,
 }
 
 impl SessionActor {
@@ -486,6 +617,9 @@ impl SessionActor {
             clients: BTreeMap::new(),
             pending: VecDeque::new(),
             open: Vec::new(),
+            host: None,
+            calls: BTreeMap::new(),
+            now_ms: 0,
         }
     }
 
@@ -507,7 +641,57 @@ impl SessionActor {
         if matches!(frame.body, FrameBody::Sealed {}) {
             self.sealed = true;
         }
-        self.meta.apply(&frame.body, None);
+        self.meta.apply(frame.seq, &frame.body, None);
+        self.recover_turn_frame(frame);
+    }
+
+    /// Fold one stored frame of the active turn (read from its
+    /// `start_seq`) into the host-call state: a call with a stored outcome
+    /// answers repeats with it; a call with none was out when the last
+    /// actor stopped, and ends `ambiguous` when its runner asks again.
+    pub fn recover_turn_frame(&mut self, frame: &Frame) {
+        let Some(active) = self.meta.active_turn() else {
+            return;
+        };
+        match &frame.body {
+            FrameBody::HostCall {
+                turn_id, call_id, ..
+            } if *turn_id == active.turn_id => {
+                self.calls.entry(call_id.clone()).or_insert(Call {
+                    turn_id: turn_id.clone(),
+                    state: CallState::Orphaned,
+                });
+            }
+            FrameBody::HostOutcome {
+                turn_id, call_id, ..
+            } if *turn_id == active.turn_id => {
+                self.calls.insert(
+                    call_id.clone(),
+                    Call {
+                        turn_id: turn_id.clone(),
+                        state: CallState::Done(frame.clone()),
+                    },
+                );
+            }
+            _ => {}
+        }
+    }
+
+    /// The earliest deadline of a host call that is out: feed
+    /// [`Input::Tick`] no later than this.
+    pub fn next_deadline(&self) -> Option<u64> {
+        self.calls
+            .values()
+            .filter_map(|c| match c.state {
+                CallState::Out { deadline_at_ms, .. } => Some(deadline_at_ms),
+                _ => None,
+            })
+            .min()
+    }
+
+    /// Whether a tool host holds the lease.
+    pub fn has_tool_host(&self) -> bool {
+        self.host.is_some()
     }
 
     /// Seq of the last stored frame.
@@ -535,9 +719,9 @@ impl SessionActor {
         self.sealed
     }
 
-    /// Live connections (clients and runner).
+    /// Live connections (clients, runner and tool host).
     pub fn connection_count(&self) -> usize {
-        self.clients.len() + usize::from(self.runner.is_some())
+        self.clients.len() + usize::from(self.runner.is_some()) + usize::from(self.host.is_some())
     }
 
     /// True when appends are in flight (the wrapper must feed their results).
@@ -557,24 +741,47 @@ impl SessionActor {
                     // their start (its cursor never passes an open block).
                     self.runner = None;
                 }
+                for call in self.calls.values_mut() {
+                    if let Some(waiter) = call.state.waiter_mut() {
+                        if *waiter == Some(conn) {
+                            *waiter = None;
+                        }
+                    }
+                }
+                if self.host.as_ref().is_some_and(|h| h.conn == conn) {
+                    self.host = None;
+                    let reason = "the tool host disconnected while the call was running";
+                    self.orphan_host_calls(conn, reason, &mut out);
+                }
             }
+            Input::ToolHost { conn, message } => self.host_message(conn, message, &mut out),
+            Input::Tick { now_ms } => self.tick(now_ms, &mut out),
             Input::Client { conn, message } => self.client(conn, message, &mut out),
             Input::Runner { conn, message } => self.runner_message(conn, message, &mut out),
             Input::Appended { frame, duplicate } => {
                 let pending = self.pending.pop_front();
                 let reply_to = pending.as_ref().and_then(|p| p.reply_to);
+                let then = pending.as_ref().map_or(Then::Nothing, |p| p.then.clone());
                 if !duplicate {
                     self.last_seq = self.last_seq.max(frame.seq);
                     if matches!(frame.body, FrameBody::Sealed {}) {
                         self.sealed = true;
                     }
                     let key = pending.as_ref().and_then(|p| p.key.as_deref());
-                    self.meta.apply(&frame.body, key);
-                    if pending.as_ref().is_some_and(|p| p.dispatch) {
+                    self.meta.apply(frame.seq, &frame.body, key);
+                    if then == Then::Dispatch {
                         if let Some(command) = self.command_for(&frame.body) {
                             out.push(Output::Dispatch(command));
                         }
                     }
+                    self.turn_boundary(&frame.body, &mut out);
+                }
+                match then {
+                    Then::CallStored(call_id) => {
+                        self.call_stored(&call_id, &frame, duplicate, &mut out)
+                    }
+                    Then::OutcomeStored(call_id) => self.outcome_stored(&call_id, &frame, &mut out),
+                    Then::Nothing | Then::Dispatch => {}
                 }
                 if let Some(conn) = reply_to {
                     out.push(Output::Send {
@@ -597,7 +804,18 @@ impl SessionActor {
                 }
             }
             Input::AppendFailed { kind, error } => {
-                if let Some(conn) = self.pending.pop_front().and_then(|p| p.reply_to) {
+                let pending = self.pending.pop_front();
+                // A host call whose frame could not be stored: whoever
+                // waits for it hears why, and the call is forgotten (the
+                // host never saw it).
+                let waiter = match pending.as_ref().map(|p| &p.then) {
+                    Some(Then::CallStored(id) | Then::OutcomeStored(id)) => self
+                        .calls
+                        .remove(id)
+                        .and_then(|mut c| c.state.waiter_mut().and_then(|w| w.take())),
+                    _ => None,
+                };
+                if let Some(conn) = pending.and_then(|p| p.reply_to).or(waiter) {
                     let code = match kind {
                         ErrorKind::Conflict => ErrorCode::Conflict,
                         ErrorKind::InvalidInput => ErrorCode::Invalid,
@@ -693,6 +911,42 @@ impl SessionActor {
                         });
                     }
                 }
+            }
+            Role::ToolHost { takeover } => {
+                if let Some(old) = self.host.as_ref().map(|h| h.conn) {
+                    if !takeover {
+                        out.push(Output::Send {
+                            conn,
+                            message: ServerMessage::error(
+                                ErrorCode::HostLeaseHeld,
+                                "another tool host is attached to this session; connect with takeover to replace it",
+                            ),
+                        });
+                        out.push(Output::Close {
+                            conn,
+                            reason: "host lease held".into(),
+                        });
+                        return;
+                    }
+                    out.push(Output::Send {
+                        conn: old,
+                        message: ServerMessage::error(
+                            ErrorCode::HostLeaseHeld,
+                            "another tool host took over this session",
+                        ),
+                    });
+                    out.push(Output::Close {
+                        conn: old,
+                        reason: "replaced by another tool host".into(),
+                    });
+                    self.host = None;
+                    let reason = "the tool host was replaced while the call was running";
+                    self.orphan_host_calls(old, reason, out);
+                }
+                self.host = Some(HostLease {
+                    conn,
+                    tools: Vec::new(),
+                });
             }
             Role::Runner { generation } => {
                 let current = self.meta.generation;
@@ -889,6 +1143,18 @@ impl SessionActor {
             };
             return Self::refuse(conn, code, text, out);
         }
+        if let RunnerMessage::HostTools {} = message {
+            let tools = self
+                .host
+                .as_ref()
+                .map(|h| h.tools.clone())
+                .unwrap_or_default();
+            out.push(Output::Send {
+                conn,
+                message: ServerMessage::HostTools { tools },
+            });
+            return;
+        }
         if self.sealed {
             out.push(Output::Send {
                 conn,
@@ -897,6 +1163,10 @@ impl SessionActor {
             return;
         }
         let (turn_id, part, key) = match message {
+            RunnerMessage::HostTools {} => return,
+            RunnerMessage::HostCall { turn_id, call } => {
+                return self.host_call(conn, turn_id, call, out);
+            }
             RunnerMessage::TurnStatus {
                 turn_id,
                 status,
@@ -968,6 +1238,358 @@ impl SessionActor {
         }
     }
 
+    /// A runner asks for a host call: answer a known call id from its
+    /// state, else store the call (then hand it to the host).
+    fn host_call(
+        &mut self,
+        conn: ConnId,
+        turn_id: String,
+        call: HostCallRequest,
+        out: &mut Vec<Output>,
+    ) {
+        if let Err(e) = call.validate() {
+            return Self::refuse(conn, ErrorCode::Invalid, e, out);
+        }
+        let active = self.meta.active_turn().map(|t| t.turn_id.clone());
+        if active.as_deref() != Some(turn_id.as_str()) {
+            let text = format!("turn {turn_id} is not running: no host call for it");
+            return Self::refuse(conn, ErrorCode::NoActiveTurn, text, out);
+        }
+        if let Some(known) = self.calls.get_mut(&call.call_id) {
+            if known.turn_id != turn_id {
+                let text = format!(
+                    "call id {:?} belongs to turn {}",
+                    call.call_id, known.turn_id
+                );
+                return Self::refuse(conn, ErrorCode::Conflict, text, out);
+            }
+            match &mut known.state {
+                CallState::Done(frame) => out.push(Output::Send {
+                    conn,
+                    message: ServerMessage::Frame {
+                        frame: frame.clone(),
+                    },
+                }),
+                CallState::Orphaned => {
+                    let outcome = HostOutcome::Ambiguous {
+                        reason: "the session restarted while the call was out at its host".into(),
+                    };
+                    self.finish_call(&call.call_id, outcome, Some(conn), out);
+                }
+                state => {
+                    if let Some(waiter) = state.waiter_mut() {
+                        *waiter = Some(conn);
+                    }
+                }
+            }
+            return;
+        }
+        let body = FrameBody::HostCall {
+            turn_id: turn_id.clone(),
+            call_id: call.call_id.clone(),
+            tool: call.tool.clone(),
+            byte_budget: call.budget(),
+            timeout_ms: call.timeout(),
+            input: call.input,
+        };
+        if let Err(e) = self.check_size(&body) {
+            return Self::refuse(conn, ErrorCode::FrameTooLarge, e.message(), out);
+        }
+        self.calls.insert(
+            call.call_id.clone(),
+            Call {
+                turn_id,
+                state: CallState::Recording { waiter: Some(conn) },
+            },
+        );
+        let key = format!("host-call:{}", call.call_id);
+        self.append_then(
+            AppendRequest::idempotent(body, key),
+            None,
+            Then::CallStored(call.call_id),
+            out,
+        );
+    }
+
+    /// A call's frame is stored: hand it to the host, or record why not.
+    fn call_stored(
+        &mut self,
+        call_id: &str,
+        frame: &Frame,
+        duplicate: bool,
+        out: &mut Vec<Output>,
+    ) {
+        let Some(call) = self.calls.get_mut(call_id) else {
+            return;
+        };
+        let CallState::Recording { waiter } = call.state else {
+            return;
+        };
+        let FrameBody::HostCall {
+            tool,
+            input,
+            byte_budget,
+            timeout_ms,
+            ..
+        } = &frame.body
+        else {
+            return;
+        };
+        if duplicate {
+            // Stored by an earlier actor whose state this one never read:
+            // it may have gone out to a host that is gone now.
+            call.state = CallState::Orphaned;
+            let outcome = HostOutcome::Ambiguous {
+                reason:
+                    "the call was recorded before the session restarted; its host may have run it"
+                        .into(),
+            };
+            return self.finish_call(call_id, outcome, waiter, out);
+        }
+        let unavailable = match &self.host {
+            None => Some("no tool host is attached to this session".to_string()),
+            Some(h) if !h.tools.iter().any(|t| t.name == *tool) => Some(format!(
+                "the attached tool host does not offer {tool:?} (it offers: {})",
+                h.tools
+                    .iter()
+                    .map(|t| t.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )),
+            Some(_) => None,
+        };
+        if let Some(reason) = unavailable {
+            return self.finish_call(call_id, HostOutcome::Unavailable { reason }, waiter, out);
+        }
+        let host = self.host.as_ref().map(|h| h.conn).unwrap_or_default();
+        // The deadline runs from when the call was stored (the log's clock,
+        // the same on every repeat); a log without a clock leaves the
+        // actor's own time.
+        let deadline_at_ms = frame.at_ms.max(self.now_ms).saturating_add(*timeout_ms);
+        out.push(Output::Send {
+            conn: host,
+            message: ServerMessage::HostCall {
+                call: HostCall {
+                    call_id: call_id.to_string(),
+                    tool: tool.clone(),
+                    input: input.clone(),
+                    byte_budget: *byte_budget,
+                    deadline_at_ms,
+                },
+            },
+        });
+        call.state = CallState::Out {
+            host,
+            deadline_at_ms,
+            budget: *byte_budget,
+            output: String::new(),
+            total: 0,
+            waiter,
+        };
+    }
+
+    /// Store a call's one outcome (the host hears nothing more of it).
+    fn finish_call(
+        &mut self,
+        call_id: &str,
+        outcome: HostOutcome,
+        waiter: Option<ConnId>,
+        out: &mut Vec<Output>,
+    ) {
+        let Some(call) = self.calls.get_mut(call_id) else {
+            return;
+        };
+        call.state = CallState::Finishing { waiter };
+        let body = FrameBody::HostOutcome {
+            turn_id: call.turn_id.clone(),
+            call_id: call_id.to_string(),
+            outcome,
+        };
+        let key = format!("host-outcome:{call_id}");
+        self.append_then(
+            AppendRequest::idempotent(body, key),
+            None,
+            Then::OutcomeStored(call_id.to_string()),
+            out,
+        );
+    }
+
+    /// A call's outcome is stored (or was already: the log answers with
+    /// the first one): keep it for repeats and answer the waiting runner.
+    fn outcome_stored(&mut self, call_id: &str, frame: &Frame, out: &mut Vec<Output>) {
+        let Some(call) = self.calls.get_mut(call_id) else {
+            return;
+        };
+        let waiter = call.state.waiter_mut().and_then(|w| w.take());
+        call.state = CallState::Done(frame.clone());
+        if let Some(conn) = waiter {
+            out.push(Output::Send {
+                conn,
+                message: ServerMessage::Frame {
+                    frame: frame.clone(),
+                },
+            });
+        }
+    }
+
+    /// The calls out at `host` end `ambiguous`: it left (or was replaced)
+    /// without answering, and may or may not have run them.
+    fn orphan_host_calls(&mut self, host: ConnId, reason: &str, out: &mut Vec<Output>) {
+        let ids: Vec<(String, Option<ConnId>)> = self
+            .calls
+            .iter()
+            .filter_map(|(id, c)| match c.state {
+                CallState::Out {
+                    host: h, waiter, ..
+                } if h == host => Some((id.clone(), waiter)),
+                _ => None,
+            })
+            .collect();
+        for (id, waiter) in ids {
+            let outcome = HostOutcome::Ambiguous {
+                reason: reason.to_string(),
+            };
+            self.finish_call(&id, outcome, waiter, out);
+        }
+    }
+
+    /// Cancel at the host and record `outcome` for every call out that
+    /// `pick` selects.
+    fn cancel_calls(
+        &mut self,
+        pick: impl Fn(u64) -> bool,
+        reason: &str,
+        outcome: impl Fn(u64) -> HostOutcome,
+        out: &mut Vec<Output>,
+    ) {
+        let due: Vec<(String, ConnId, u64, Option<ConnId>)> = self
+            .calls
+            .iter()
+            .filter_map(|(id, c)| match c.state {
+                CallState::Out {
+                    host,
+                    deadline_at_ms,
+                    waiter,
+                    ..
+                } if pick(deadline_at_ms) => Some((id.clone(), host, deadline_at_ms, waiter)),
+                _ => None,
+            })
+            .collect();
+        for (id, host, deadline, waiter) in due {
+            out.push(Output::Send {
+                conn: host,
+                message: ServerMessage::HostCancel {
+                    call_id: id.clone(),
+                    reason: reason.to_string(),
+                },
+            });
+            self.finish_call(&id, outcome(deadline), waiter, out);
+        }
+    }
+
+    fn tick(&mut self, now_ms: u64, out: &mut Vec<Output>) {
+        self.now_ms = self.now_ms.max(now_ms);
+        let now = self.now_ms;
+        self.cancel_calls(
+            |deadline| deadline <= now,
+            "the call's deadline passed",
+            |deadline_at_ms| HostOutcome::Timeout { deadline_at_ms },
+            out,
+        );
+    }
+
+    /// A turn ended: its calls still out are cancelled (nobody waits for
+    /// them now). A new turn starts: the last turn's calls are forgotten.
+    fn turn_boundary(&mut self, body: &FrameBody, out: &mut Vec<Output>) {
+        match body {
+            FrameBody::TurnStatus { status, .. } if status.is_terminal() => {
+                self.cancel_calls(
+                    |_| true,
+                    "the call's turn ended",
+                    |_| HostOutcome::Ambiguous {
+                        reason: "the turn ended while the call was running".into(),
+                    },
+                    out,
+                );
+            }
+            FrameBody::UserMessage { .. } => self.calls.clear(),
+            _ => {}
+        }
+    }
+
+    /// The tool host's message: a declaration, part of a result, a result.
+    fn host_message(&mut self, conn: ConnId, message: HostMessage, out: &mut Vec<Output>) {
+        let Some(lease) = self.host.as_mut().filter(|h| h.conn == conn) else {
+            let text = "only the session's tool host sends declarations and results";
+            return Self::refuse(conn, ErrorCode::NotAHost, text, out);
+        };
+        match message {
+            HostMessage::Declare { tools } => {
+                if let Err(e) = crate::relay::validate_tools(&tools) {
+                    return Self::refuse(conn, ErrorCode::Invalid, e, out);
+                }
+                lease.tools = tools;
+                Self::received(conn, out);
+            }
+            HostMessage::Chunk { call_id, data } => match self.out_at(conn, &call_id) {
+                Some(CallState::Out {
+                    budget,
+                    output,
+                    total,
+                    ..
+                }) => {
+                    keep_within(output, &data, *budget);
+                    *total += data.len() as u64;
+                    Self::received(conn, out);
+                }
+                _ => Self::not_out(conn, &call_id, out),
+            },
+            HostMessage::Result {
+                call_id,
+                output: rest,
+                is_error,
+            } => {
+                let Some(CallState::Out {
+                    budget,
+                    output,
+                    total,
+                    waiter,
+                    ..
+                }) = self.out_at(conn, &call_id)
+                else {
+                    return Self::not_out(conn, &call_id, out);
+                };
+                keep_within(output, &rest, *budget);
+                let total = *total + rest.len() as u64;
+                let (text, truncated) =
+                    crate::relay::truncate_counted(std::mem::take(output), *budget, total);
+                let outcome = HostOutcome::Completed {
+                    output: text,
+                    is_error,
+                    truncated,
+                };
+                let waiter = *waiter;
+                Self::received(conn, out);
+                self.finish_call(&call_id, outcome, waiter, out);
+            }
+        }
+    }
+
+    /// The state of `call_id` if it is out at host `conn`.
+    fn out_at(&mut self, conn: ConnId, call_id: &str) -> Option<&mut CallState> {
+        self.calls
+            .get_mut(call_id)
+            .map(|c| &mut c.state)
+            .filter(|s| matches!(s, CallState::Out { host, .. } if *host == conn))
+    }
+
+    fn not_out(conn: ConnId, call_id: &str, out: &mut Vec<Output>) {
+        let text = format!(
+            "call {call_id:?} is not out at this host (it timed out, its turn ended, or it was never sent): dropped"
+        );
+        Self::refuse(conn, ErrorCode::Invalid, text, out);
+    }
+
     /// Store what is left of a turn's open blocks, marked interrupted, so a
     /// turn that ends mid-block loses nothing.
     fn flush_turn(&mut self, turn_id: &str, out: &mut Vec<Output>) {
@@ -1025,10 +1647,25 @@ impl SessionActor {
         dispatch: bool,
         out: &mut Vec<Output>,
     ) {
+        let then = if dispatch {
+            Then::Dispatch
+        } else {
+            Then::Nothing
+        };
+        self.append_then(request, reply_to, then, out);
+    }
+
+    fn append_then(
+        &mut self,
+        request: AppendRequest,
+        reply_to: Option<ConnId>,
+        then: Then,
+        out: &mut Vec<Output>,
+    ) {
         self.pending.push_back(PendingAppend {
             reply_to,
             key: request.idempotency_key.clone(),
-            dispatch,
+            then,
         });
         out.push(Output::Append(request));
     }
@@ -1073,4 +1710,21 @@ fn block_parts(block: &OpenBlock) -> (StreamPart, StreamPart) {
             },
         ),
     }
+}
+
+/// Append `data` to `output`, keeping at most `budget` bytes plus one
+/// character (enough for the final cut to see the output was longer).
+fn keep_within(output: &mut String, data: &str, budget: u64) {
+    let room = usize::try_from(budget)
+        .unwrap_or(usize::MAX)
+        .saturating_add(4)
+        .saturating_sub(output.len());
+    if room == 0 {
+        return;
+    }
+    let mut take = room.min(data.len());
+    while !data.is_char_boundary(take) {
+        take -= 1;
+    }
+    output.push_str(&data[..take]);
 }

@@ -7,7 +7,8 @@
 //! channels), and a Durable Object (store = the DO's SQLite, transport =
 //! its hibernatable WebSockets). The driver:
 //! - starts from [`SessionStore::info`] (last seq, seal, the folded
-//!   [`SessionMeta`](crate::session::SessionMeta)) — no log scan;
+//!   [`SessionMeta`](crate::session::SessionMeta)) — no log scan, only the
+//!   running turn's frames for its host calls;
 //! - performs the machine's outputs in order; an append is awaited and its
 //!   stored frame fed back at once (`Input::Appended`), and the outputs that
 //!   produces run before the rest, so fan-out order is seq order and the
@@ -57,8 +58,23 @@ impl<T: Transport> ActorDriver<T> {
         transport: T,
     ) -> Result<Self> {
         let info = store.info().await?;
+        let mut actor = SessionActor::from_info(config, &info);
+        // A running turn's host calls are in its frames, not the meta: read
+        // them (one turn's worth) so a repeated call id is answered with its
+        // recorded outcome and a call that was out is never sent again.
+        if let Some(turn) = info.meta.active_turn() {
+            let mut cursor = turn.start_seq.saturating_sub(1);
+            while cursor < info.last_seq {
+                let page = store.read(cursor, REPLAY_PAGE).await?;
+                let Some(last) = page.last() else { break };
+                cursor = last.seq;
+                for frame in &page {
+                    actor.recover_turn_frame(frame);
+                }
+            }
+        }
         Ok(Self {
-            actor: SessionActor::from_info(config, &info),
+            actor,
             store,
             transport,
         })

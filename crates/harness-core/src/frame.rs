@@ -4,6 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::part::StreamPart;
+use crate::relay::HostOutcome;
 use crate::sandbox::SandboxHandle;
 use crate::turn::TurnStatus;
 
@@ -134,6 +135,32 @@ pub enum FrameBody {
         /// The agent's own session id (the next turn resumes it).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         agent_session_id: Option<String>,
+    },
+    /// A host-tool call of a turn, as the session recorded it before handing
+    /// it to its host (or finding none). Stored once per call id.
+    HostCall {
+        /// The turn whose agent called.
+        turn_id: String,
+        /// The call.
+        call_id: String,
+        /// The tool.
+        tool: String,
+        /// Its arguments.
+        input: serde_json::Value,
+        /// Largest result kept.
+        byte_budget: u64,
+        /// The deadline is this frame's `at_ms` plus this.
+        timeout_ms: u64,
+    },
+    /// How a host-tool call ended: exactly one per call id.
+    HostOutcome {
+        /// The turn.
+        turn_id: String,
+        /// The call.
+        call_id: String,
+        /// The outcome (its fields inline: `outcome`, `output`, …).
+        #[serde(flatten)]
+        outcome: HostOutcome,
     },
     /// A runner attached with this generation; older generations are fenced.
     RunnerAttached {

@@ -25,6 +25,13 @@ pub struct TurnContext<'a> {
     pub model: Option<&'a str>,
     /// Extra system prompt, if any.
     pub system_prompt: Option<&'a str>,
+    /// The turn's relay directory when the session's tool host offers
+    /// tools: the adapter gives the agent the host-tool MCP bridge
+    /// (`harness-relay-mcp`, server name [`MCP_SERVER_NAME`]) with
+    /// `HARNESS_RELAY_DIR` set to it.
+    ///
+    /// [`MCP_SERVER_NAME`]: crate::relay::files::MCP_SERVER_NAME
+    pub relay_dir: Option<&'a str>,
 }
 
 /// A command to run in the sandbox for one turn.

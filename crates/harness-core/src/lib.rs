@@ -56,4 +56,6 @@ pub mod turn_driver;
 
 pub use error::{Error, ErrorKind, Result};
 pub use frame::{Frame, FrameBody, SessionId};
+/// The host-tool wire types (calls, outcomes, tool declarations).
+pub use harness_relay as relay;
 pub use part::StreamPart;

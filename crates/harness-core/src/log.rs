@@ -209,11 +209,11 @@ impl SessionStore for LogSession {
 /// meta was stored).
 pub fn fold_meta<'a>(
     config: Option<SessionConfig>,
-    frames: impl IntoIterator<Item = (&'a FrameBody, Option<&'a str>)>,
+    frames: impl IntoIterator<Item = (u64, &'a FrameBody, Option<&'a str>)>,
 ) -> SessionMeta {
     let mut meta = SessionMeta::new(config);
-    for (body, key) in frames {
-        meta.apply(body, key);
+    for (seq, body, key) in frames {
+        meta.apply(seq, body, key);
     }
     meta
 }
@@ -354,7 +354,7 @@ impl LogState {
             self.sealed = true;
         }
         self.meta
-            .apply(&request.body, request.idempotency_key.as_deref());
+            .apply(seq, &request.body, request.idempotency_key.as_deref());
         if let Some(key) = request.idempotency_key {
             self.keys.insert(key, seq);
         }
@@ -408,7 +408,7 @@ impl LogState {
             self.meta.config.clone(),
             frames
                 .iter()
-                .map(|f| (&f.body, key_of.get(&f.seq).copied())),
+                .map(|f| (f.seq, &f.body, key_of.get(&f.seq).copied())),
         );
         let closing = fork_closing_frame(&meta, sealed, &self.session, until);
         let mut forked = LogState {

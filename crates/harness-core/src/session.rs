@@ -129,6 +129,10 @@ pub struct TurnMeta {
     /// An abort a client asked for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub abort: Option<String>,
+    /// Seq of the prompt that opened the turn (0 in metas stored before it
+    /// was kept): where a recovering actor reads the turn's frames from.
+    #[serde(default)]
+    pub start_seq: u64,
 }
 
 impl TurnMeta {
@@ -207,7 +211,10 @@ impl SessionMeta {
     /// (text messages, most parts), which are nearly all of them.
     pub fn touched_by(body: &FrameBody) -> bool {
         match body {
-            FrameBody::Message { .. } | FrameBody::Sealed {} => false,
+            FrameBody::Message { .. }
+            | FrameBody::Sealed {}
+            | FrameBody::HostCall { .. }
+            | FrameBody::HostOutcome { .. } => false,
             FrameBody::Part { part, .. } => matches!(
                 part,
                 StreamPart::ToolApprovalRequest { .. }
@@ -219,10 +226,10 @@ impl SessionMeta {
         }
     }
 
-    /// Fold one stored frame (with the idempotency key it was stored
-    /// under). Returns whether anything changed, so a backend only rewrites
-    /// its stored meta when needed.
-    pub fn apply(&mut self, body: &FrameBody, key: Option<&str>) -> bool {
+    /// Fold one stored frame (its seq, and the idempotency key it was
+    /// stored under). Returns whether anything changed, so a backend only
+    /// rewrites its stored meta when needed.
+    pub fn apply(&mut self, seq: u64, body: &FrameBody, key: Option<&str>) -> bool {
         match body {
             FrameBody::RunnerAttached { generation } => {
                 let changed = *generation > self.generation;
@@ -241,6 +248,7 @@ impl SessionMeta {
                     approval: None,
                     answers: Vec::new(),
                     abort: None,
+                    start_seq: seq,
                 });
                 true
             }
@@ -315,7 +323,12 @@ impl SessionMeta {
                 }
                 true
             }
-            FrameBody::Message { .. } | FrameBody::Sealed {} => false,
+            // Host calls live in the log, not the meta: a recovering actor
+            // reads the active turn's frames from `start_seq`.
+            FrameBody::Message { .. }
+            | FrameBody::Sealed {}
+            | FrameBody::HostCall { .. }
+            | FrameBody::HostOutcome { .. } => false,
         }
     }
 
@@ -542,7 +555,7 @@ mod tests {
     #[test]
     fn meta_follows_a_turn_from_prompt_to_end() {
         let mut meta = SessionMeta::new(Some(SessionConfig::new("codex", "docker")));
-        assert!(meta.apply(&prompt("hi", "t1"), Some("k1")));
+        assert!(meta.apply(0, &prompt("hi", "t1"), Some("k1")));
         let turn = meta.active_turn().expect("active");
         assert_eq!(
             (turn.turn_id.as_str(), turn.key.as_deref()),
@@ -558,7 +571,7 @@ mod tests {
                 input: serde_json::json!({}),
             },
         };
-        assert!(meta.apply(&request, None));
+        assert!(meta.apply(0, &request, None));
         assert_eq!(meta.active_turn().unwrap().approval.as_deref(), Some("a1"));
         let answer = FrameBody::ApprovalResponse {
             approval_id: "a1".into(),
@@ -566,7 +579,7 @@ mod tests {
             reason: None,
             turn_id: Some("t1".into()),
         };
-        assert!(meta.apply(&answer, None));
+        assert!(meta.apply(0, &answer, None));
         assert_eq!(meta.active_turn().unwrap().approval, None);
         let commands = meta.pending_commands();
         assert_eq!(commands.len(), 2);
@@ -588,12 +601,12 @@ mod tests {
             sandbox: Some(handle.clone()),
             agent_session_id: Some("thread".into()),
         };
-        assert!(meta.apply(&end, None));
+        assert!(meta.apply(0, &end, None));
         assert!(meta.active_turn().is_none());
         assert!(meta.pending_commands().is_empty());
         assert_eq!(meta.sandbox, Some(handle.clone()));
         // The next turn continues in the same sandbox and agent session.
-        meta.apply(&prompt("again", "t2"), None);
+        meta.apply(0, &prompt("again", "t2"), None);
         match meta.start_command(meta.active_turn().unwrap()) {
             TurnCommand::Start {
                 sandbox,
@@ -610,23 +623,23 @@ mod tests {
     #[test]
     fn frames_of_another_turn_do_not_touch_the_latest() {
         let mut meta = SessionMeta::default();
-        meta.apply(&prompt("a", "t1"), None);
+        meta.apply(0, &prompt("a", "t1"), None);
         let stale = FrameBody::AbortRequested {
             turn_id: "t0".into(),
             reason: "late".into(),
         };
-        assert!(!meta.apply(&stale, None));
+        assert!(!meta.apply(0, &stale, None));
         assert_eq!(meta.active_turn().unwrap().abort, None);
-        assert!(!meta.apply(&FrameBody::RunnerAttached { generation: 0 }, None));
-        assert!(meta.apply(&FrameBody::RunnerAttached { generation: 5 }, None));
-        assert!(!meta.apply(&FrameBody::RunnerAttached { generation: 3 }, None));
+        assert!(!meta.apply(0, &FrameBody::RunnerAttached { generation: 0 }, None));
+        assert!(meta.apply(0, &FrameBody::RunnerAttached { generation: 5 }, None));
+        assert!(!meta.apply(0, &FrameBody::RunnerAttached { generation: 3 }, None));
         assert_eq!(meta.generation, 5);
     }
 
     #[test]
     fn assigned_turn_ids_stay_unique_after_a_client_chose_one() {
         let mut meta = SessionMeta::default();
-        meta.apply(&prompt("a", "t2"), None); // a client named its first turn t2
+        meta.apply(0, &prompt("a", "t2"), None); // a client named its first turn t2
         assert_eq!(meta.next_turn_id(), "t2-2");
     }
 }

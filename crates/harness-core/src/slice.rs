@@ -31,13 +31,14 @@ use crate::engine::SliceExecutor;
 use crate::harness::{Harness, TurnContext};
 use crate::maybe::{BoxFuture, MaybeSend, MaybeSync};
 use crate::part::StreamPart;
+use crate::relay;
 use crate::sandbox::{
     collect_exec, shell_quote, DetachedProcess, DetachedRequest, DetachedStatus, ExecRequest,
     Sandbox, SandboxHandle, SandboxProvider, SandboxSpec,
 };
 use crate::stream::AbortSignal;
 use crate::turn::{PendingApproval, SliceOutcome, SliceReport, TurnState};
-use crate::{Error, Result};
+use crate::{Error, ErrorKind, Result};
 
 /// Where a slice's parts go: the session actor, as the session's runner
 /// (in-process through the runtime's hub, or over the runner WebSocket).
@@ -59,6 +60,25 @@ pub trait PartSink: MaybeSend + MaybeSync {
     /// session (which the session's next turn continues), keyed by
     /// [`TurnState::status_key`].
     async fn turn_status(&self, state: &TurnState) -> Result<()>;
+    /// Call a host tool for `turn_id` and wait for its one outcome (the
+    /// session answers a repeated call id with the recorded one). A sink
+    /// with no session behind it has no host: `unavailable`.
+    async fn host_call(
+        &self,
+        session_id: &str,
+        turn_id: &str,
+        call: crate::relay::HostCallRequest,
+    ) -> Result<crate::relay::HostOutcome> {
+        let _ = (session_id, turn_id, call);
+        Ok(crate::relay::HostOutcome::Unavailable {
+            reason: "this runner has no session to reach a tool host through".into(),
+        })
+    }
+    /// The tools of the session's attached host (none without one).
+    async fn host_tools(&self, session_id: &str) -> Result<Vec<crate::relay::ToolSpec>> {
+        let _ = session_id;
+        Ok(Vec::new())
+    }
 }
 
 /// Sleeps for a duration on the caller's runtime.
@@ -176,6 +196,22 @@ impl SliceRunner {
             }
         }
         crate::failpoint::hit("claim-to-launch");
+        // The session's tool host, if one is attached now, lends this turn
+        // its tools: the agent gets the bridge, which lists them from
+        // tools.json. A host attaching later serves the next turn.
+        let tools = self.sink.host_tools(&state.session_id).await?;
+        let relay = if tools.is_empty() {
+            None
+        } else {
+            let relay = format!("{dir}/{}", relay::files::DIR);
+            sandbox
+                .write_file(
+                    &format!("{relay}/{}", relay::files::TOOLS),
+                    crate::stream::once(serde_json::to_vec(&tools)?),
+                )
+                .await?;
+            Some(relay)
+        };
         let harness = self.harness(&state.agent)?;
         let command = harness.turn_command(&TurnContext {
             state,
@@ -184,6 +220,7 @@ impl SliceRunner {
             env: &self.env,
             model: state.model.as_deref().or(self.model.as_deref()),
             system_prompt: None,
+            relay_dir: relay.as_deref(),
         })?;
         let process = sandbox
             .spawn_detached(DetachedRequest {
@@ -240,6 +277,19 @@ impl SliceRunner {
         let approvals = approvals_dir(&process);
         self.deliver_answers(sandbox.as_ref(), state, &approvals)
             .await?;
+        // Host tools: only a turn launched with them has a tools.json (one
+        // look per slice, not per poll). Requests are read from the start
+        // each slice; the answered ones are skipped.
+        let relay = relay_dir(&process);
+        let relay_on = match sandbox
+            .read_file(&format!("{relay}/{}", relay::files::TOOLS))
+            .await
+        {
+            Ok(_) => true,
+            Err(e) if e.kind() == crate::ErrorKind::NotFound => false,
+            Err(e) => return Err(e),
+        };
+        let mut relay_read = 0u64;
         let mut requests_read = 0u64; // bytes of requests.jsonl seen by this slice
         let mut last_approval_check: Option<u64> = None;
         let mut parser = self.harness(&state.agent)?.parser();
@@ -359,6 +409,31 @@ impl SliceRunner {
                 }
                 _ => {}
             }
+            if relay_on {
+                let served = self
+                    .serve_relay(
+                        sandbox.as_ref(),
+                        state,
+                        &relay,
+                        &mut relay_read,
+                        deadline,
+                        &abort,
+                    )
+                    .await?;
+                if !served {
+                    // Aborted or out of budget while a host call was out:
+                    // the next slice asks again (the session answers the
+                    // same call id with its outcome).
+                    return Ok(SliceReport {
+                        process: Some(process),
+                        agent_session_id,
+                        cursor,
+                        outcome: SliceOutcome::Running,
+                        last_progress_at_ms: Some(last_progress),
+                        last_warning: last_warning.clone(),
+                    });
+                }
+            }
             // An idle agent may be blocked on a permission request (the
             // approval MCP server waits for an answer file): everything it
             // printed before asking has been consumed, so surface the first
@@ -453,6 +528,14 @@ pub fn approvals_dir(process: &DetachedProcess) -> String {
     format!("{spool}/approvals")
 }
 
+/// Where an agent's host-tool calls and their outcomes are exchanged with
+/// the bridge (`harness-relay-mcp`): `<spool>/relay`.
+pub fn relay_dir(process: &DetachedProcess) -> String {
+    let stdout = process.stdout_path.as_str();
+    let spool = stdout.rsplit_once('/').map_or(".", |(dir, _)| dir);
+    format!("{spool}/{}", relay::files::DIR)
+}
+
 /// A request read from `requests.jsonl`.
 struct ApprovalLine {
     approval: PendingApproval,
@@ -498,6 +581,101 @@ impl SliceRunner {
             sandbox.write_file(&path, crate::stream::once(body)).await?;
         }
         Ok(())
+    }
+
+    /// Serve the bridge's host-tool requests past `read`: each one without
+    /// an answer file goes to the session (which runs it at most once and
+    /// answers a repeat with the recorded outcome), and its outcome is
+    /// written to `answers/<callId>.json`. False when the slice must end
+    /// first (aborted, or out of budget with a call still out).
+    async fn serve_relay(
+        &self,
+        sandbox: &dyn Sandbox,
+        state: &TurnState,
+        relay_dir: &str,
+        read: &mut u64,
+        deadline: u64,
+        abort: &AbortSignal,
+    ) -> Result<bool> {
+        let path = format!("{relay_dir}/{}", relay::files::REQUESTS);
+        let bytes = match sandbox.read_file_from(&path, *read).await {
+            Ok(stream) => match crate::stream::collect(stream, READ_LIMIT_HINT).await {
+                Ok(b) => b,
+                Err(e) if e.kind() == crate::ErrorKind::NotFound => return Ok(true),
+                Err(e) => return Err(e),
+            },
+            Err(e) if e.kind() == crate::ErrorKind::NotFound => return Ok(true),
+            Err(e) => return Err(e),
+        };
+        // Whole lines only: the bridge writes each request in one write,
+        // but a read may land between two.
+        let Some(end) = bytes.iter().rposition(|&b| b == b'\n') else {
+            return Ok(true);
+        };
+        for line in bytes[..end].split(|&b| b == b'\n') {
+            if line.iter().all(u8::is_ascii_whitespace) {
+                *read += line.len() as u64 + 1;
+                continue;
+            }
+            let parsed = serde_json::from_slice::<relay::files::RelayRequest>(line)
+                .map_err(|e| e.to_string())
+                .and_then(|relay::files::RelayRequest::HostTool(r)| {
+                    relay::validate_call_id(&r.call_id).map(|()| r)
+                });
+            let request = match parsed {
+                Ok(r) => r,
+                Err(e) => {
+                    // No call id we can answer safely (it names a file):
+                    // say so and go on.
+                    tracing::warn!(turn.id = %state.turn_id, "ignoring a bad relay request line: {e}");
+                    *read += line.len() as u64 + 1;
+                    continue;
+                }
+            };
+            let answer = format!(
+                "{relay_dir}/{}",
+                relay::files::answer_path(&request.call_id)
+            );
+            let answered = match sandbox.read_file(&answer).await {
+                Ok(_) => true,
+                Err(e) if e.kind() == crate::ErrorKind::NotFound => false,
+                Err(e) => return Err(e),
+            };
+            if !answered {
+                let call = self
+                    .sink
+                    .host_call(&state.session_id, &state.turn_id, request.clone())
+                    .instrument(tracing::info_span!(
+                        "host.call",
+                        call = %request.call_id,
+                        tool = %request.tool
+                    ));
+                let left = deadline.saturating_sub(self.clock.now_ms());
+                let out_of_time = (self.sleep)(Duration::from_millis(left));
+                let outcome = futures::select! {
+                    outcome = call.fuse() => outcome,
+                    _ = out_of_time.fuse() => return Ok(false),
+                    _ = abort.aborted().fuse() => return Ok(false),
+                };
+                let outcome = match outcome {
+                    Ok(o) => o,
+                    // The session refused the request itself (a budget over
+                    // the limit, a reused id): nothing ran; the agent is
+                    // told why instead of the turn failing.
+                    Err(e) if matches!(e.kind(), ErrorKind::InvalidInput | ErrorKind::Conflict) => {
+                        relay::HostOutcome::Unavailable {
+                            reason: format!("the session refused the call: {}", e.message()),
+                        }
+                    }
+                    Err(e) => return Err(e),
+                };
+                sandbox
+                    .write_file(&answer, crate::stream::once(serde_json::to_vec(&outcome)?))
+                    .await?;
+            }
+            *read += line.len() as u64 + 1;
+        }
+        Ok(true)
     }
 
     /// The first request in `requests.jsonl` past `read` that the state has

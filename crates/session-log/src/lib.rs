@@ -329,11 +329,11 @@ fn fold_stored(
     let mut frames = Vec::new();
     for row in rows {
         let (seq, body, key) = row.map_err(db_err)?;
-        frames.push((decode_body(&body, session, seq)?, key));
+        frames.push((seq as u64, decode_body(&body, session, seq)?, key));
     }
     Ok(fold_meta(
         config,
-        frames.iter().map(|(b, k)| (b, k.as_deref())),
+        frames.iter().map(|(seq, b, k)| (*seq, b, k.as_deref())),
     ))
 }
 
@@ -451,7 +451,7 @@ fn append_in(
     // (text, tool calls) cannot change it and skip the read.
     if SessionMeta::touched_by(&request.body) {
         let mut meta = load_meta(tx, session)?;
-        if meta.apply(&request.body, request.idempotency_key.as_deref()) {
+        if meta.apply(seq, &request.body, request.idempotency_key.as_deref()) {
             store_meta(tx, session, &meta)?;
         }
     }

@@ -32,6 +32,7 @@ use harness_core::actor::{
 };
 use harness_core::actor_driver::{ActorDriver, Transport};
 use harness_core::log::{LogSession, SessionLog, SessionStore};
+use harness_core::relay::HostMessage;
 use harness_core::session::TurnCommand;
 use harness_core::{Error, SessionId};
 use tokio::sync::{mpsc, oneshot};
@@ -225,6 +226,52 @@ impl Connection {
             conn: self.id,
             message,
         }));
+    }
+
+    /// Send a tool host's message (a connection opened as
+    /// [`Role::ToolHost`]).
+    pub fn tool_host(&self, message: HostMessage) {
+        let _ = self.tx.send(Command::Input(Input::ToolHost {
+            conn: self.id,
+            message,
+        }));
+    }
+
+    /// Wait for the reply to the one message this runner or tool-host
+    /// connection sent: `Ack`, `Received`, `Error`, `HostTools`, or the
+    /// outcome frame of a host call (the only frames a runner receives).
+    /// Clients use [`answer`](Self::answer): frames fanned out to them are
+    /// not replies.
+    pub async fn reply(&mut self, timeout: Duration) -> Result<ServerMessage, AnswerError> {
+        let wait = async {
+            while let Some(out) = self.recv().await {
+                match out {
+                    Outbound::Msg(
+                        m @ (ServerMessage::Ack { .. }
+                        | ServerMessage::Received {}
+                        | ServerMessage::HostTools { .. }),
+                    ) => return Ok(m),
+                    Outbound::Msg(ServerMessage::Error { code, message }) => {
+                        return Err(AnswerError::Refused { code, message })
+                    }
+                    Outbound::Msg(
+                        m @ ServerMessage::Frame {
+                            frame:
+                                harness_core::Frame {
+                                    body: harness_core::FrameBody::HostOutcome { .. },
+                                    ..
+                                },
+                        },
+                    ) => return Ok(m),
+                    Outbound::Msg(_) => {}
+                    Outbound::Close(reason) => return Err(AnswerError::Closed(reason)),
+                }
+            }
+            Err(AnswerError::Closed("the session actor stopped".into()))
+        };
+        tokio::time::timeout(timeout, wait)
+            .await
+            .unwrap_or(Err(AnswerError::TimedOut))
     }
 
     /// Wait for the answer (`Ack`, `Received` or `Error`) to the one
@@ -530,6 +577,17 @@ async fn run_actor(
                     continue;
                 }
             }
+        } else if let Some(deadline) = driver.actor().next_deadline() {
+            // A host call is out: wake for its deadline (the actor records
+            // the timeout on the tick).
+            let wait = Duration::from_millis(deadline.saturating_sub(now_ms()));
+            match tokio::time::timeout(wait, rx.recv()).await {
+                Ok(cmd) => cmd,
+                Err(_) => {
+                    driver.handle(Input::Tick { now_ms: now_ms() }).await;
+                    continue;
+                }
+            }
         } else {
             rx.recv().await
         };
@@ -555,8 +613,18 @@ async fn run_actor(
                 if let Input::Disconnect { conn } = &input {
                     driver.transport_mut().conns.remove(conn);
                 }
+                // The actor's idea of now moves with every input, so a call
+                // stored next gets its deadline from the present.
+                driver.handle(Input::Tick { now_ms: now_ms() }).await;
                 driver.handle(input).await;
             }
         }
     }
+}
+
+/// Wall-clock milliseconds since the Unix epoch (the log's clock too).
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }

@@ -49,6 +49,7 @@ pub mod hub;
 pub mod remote;
 pub mod runner;
 pub mod runtime;
+pub mod tool_host;
 
 pub use dispatch::{Dispatcher, EngineDispatcher, OnFailure};
 pub use follow::{TurnFollower, TurnUpdate};
@@ -59,6 +60,7 @@ pub use runtime::{
     tokio_sleeper, tokio_spawner, EngineChoice, Runtime, RuntimeBuilder, SessionClient, Started,
     TurnHandle, TurnOutcome,
 };
+pub use tool_host::{CallContext, CommandTool, HostEvent, HostTool, ToolHost, ToolOutput};
 
 /// The environment variables agents take their credentials and endpoints
 /// from (Claude Code: `ANTHROPIC_*`; Codex: `OPENAI_*`).

@@ -24,9 +24,11 @@ use async_trait::async_trait;
 use futures::{SinkExt, StreamExt};
 use harness_core::actor::{ErrorCode, Role, RunnerMessage, ServerMessage};
 use harness_core::part::StreamPart;
+use harness_core::relay::{HostCallRequest, HostOutcome, ToolSpec};
 use harness_core::slice::PartSink;
 use harness_core::turn::TurnState;
 use harness_core::{Error, ErrorKind, Result, SessionId};
+use harness_core::{Frame, FrameBody};
 use tokio_tungstenite::tungstenite::Message;
 
 use crate::hub::{AnswerError, Connection, Hub};
@@ -34,11 +36,13 @@ use crate::hub::{AnswerError, Connection, Hub};
 /// How long a runner write waits for the actor's acknowledgement.
 pub const ACK_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// A runner's link to one session's actor: send a message, get its ack.
+/// A runner's link to one session's actor: send a message, get its reply.
 #[async_trait]
 pub trait RunnerLink: Send {
-    /// Send `message` and wait until it is stored (or refused).
-    async fn send(&mut self, message: RunnerMessage) -> Result<()>;
+    /// Send `message` and wait up to `timeout` for its reply: `Ack` or
+    /// `Received` once stored, `HostTools`, or a host call's outcome frame
+    /// (a refusal is an error).
+    async fn send(&mut self, message: RunnerMessage, timeout: Duration) -> Result<ServerMessage>;
 }
 
 /// Opens [`RunnerLink`]s.
@@ -76,13 +80,9 @@ struct HubLink(Connection);
 
 #[async_trait]
 impl RunnerLink for HubLink {
-    async fn send(&mut self, message: RunnerMessage) -> Result<()> {
+    async fn send(&mut self, message: RunnerMessage, timeout: Duration) -> Result<ServerMessage> {
         self.0.runner(message);
-        self.0
-            .answer(ACK_TIMEOUT)
-            .await
-            .map(|_| ())
-            .map_err(refusal)
+        self.0.reply(timeout).await.map_err(refusal)
     }
 }
 
@@ -140,7 +140,7 @@ struct WsLink(WsStream);
 
 #[async_trait]
 impl RunnerLink for WsLink {
-    async fn send(&mut self, message: RunnerMessage) -> Result<()> {
+    async fn send(&mut self, message: RunnerMessage, timeout: Duration) -> Result<ServerMessage> {
         let text = serde_json::to_string(&message)?;
         self.0
             .send(Message::text(text))
@@ -152,7 +152,12 @@ impl RunnerLink for WsLink {
                     msg.map_err(|e| Error::backend(format!("the runner socket failed: {e}")))?;
                 match msg {
                     Message::Text(t) => match serde_json::from_str::<ServerMessage>(t.as_str()) {
-                        Ok(ServerMessage::Ack { .. } | ServerMessage::Received {}) => return Ok(()),
+                        Ok(
+                            m @ (ServerMessage::Ack { .. }
+                            | ServerMessage::Received {}
+                            | ServerMessage::HostTools { .. }
+                            | ServerMessage::Frame { .. }),
+                        ) => return Ok(m),
                         Ok(ServerMessage::Error { code, message }) => {
                             return Err(refusal(AnswerError::Refused { code, message }))
                         }
@@ -169,7 +174,7 @@ impl RunnerLink for WsLink {
             }
             Err(Error::backend("the runner socket closed"))
         };
-        tokio::time::timeout(ACK_TIMEOUT, wait)
+        tokio::time::timeout(timeout, wait)
             .await
             .unwrap_or_else(|_| Err(Error::from(AnswerError::TimedOut)))
     }
@@ -238,6 +243,20 @@ impl RunnerSink {
     }
 
     async fn send(&self, session: &str, message: RunnerMessage, release: bool) -> Result<()> {
+        self.request(session, message, release, ACK_TIMEOUT)
+            .await
+            .map(|_| ())
+    }
+
+    /// Send `message` on the session's link (attaching first) and return
+    /// the actor's reply.
+    async fn request(
+        &self,
+        session: &str,
+        message: RunnerMessage,
+        release: bool,
+        timeout: Duration,
+    ) -> Result<ServerMessage> {
         let session = SessionId::parse(session)?;
         let slot = self.slot(&session);
         let mut slot = slot.lock().await;
@@ -248,7 +267,7 @@ impl RunnerSink {
             slot.link = Some(self.connector.attach(&session, self.generation).await?);
         }
         let link = slot.link.as_mut().expect("attached above");
-        let result = link.send(message).await;
+        let result = link.send(message, timeout).await;
         match &result {
             Err(e) if e.kind() == ErrorKind::Fenced => {
                 tracing::warn!(%session, generation = self.generation, "runner fenced: {}", e.message());
@@ -257,8 +276,8 @@ impl RunnerSink {
             }
             // A lost link is reopened by the next write (the slice retries).
             Err(_) => slot.link = None,
-            Ok(()) if release => slot.link = None,
-            Ok(()) => {}
+            Ok(_) if release => slot.link = None,
+            Ok(_) => {}
         }
         result
     }
@@ -293,5 +312,50 @@ impl PartSink for RunnerSink {
         // The turn is over: let go of the actor so an idle session stops.
         self.send(&state.session_id, message, state.status.is_terminal())
             .await
+    }
+
+    async fn host_call(
+        &self,
+        session_id: &str,
+        turn_id: &str,
+        call: HostCallRequest,
+    ) -> Result<HostOutcome> {
+        // The session answers by the call's deadline at the latest (it
+        // records a timeout then); the margin covers the trip.
+        let timeout = Duration::from_millis(call.timeout()) + ACK_TIMEOUT;
+        let call_id = call.call_id.clone();
+        let message = RunnerMessage::HostCall {
+            turn_id: turn_id.to_string(),
+            call,
+        };
+        match self.request(session_id, message, false, timeout).await? {
+            ServerMessage::Frame {
+                frame:
+                    Frame {
+                        body:
+                            FrameBody::HostOutcome {
+                                call_id: answered,
+                                outcome,
+                                ..
+                            },
+                        ..
+                    },
+            } if answered == call_id => Ok(outcome),
+            other => Err(Error::backend(format!(
+                "the session answered host call {call_id} with {other:?}"
+            ))),
+        }
+    }
+
+    async fn host_tools(&self, session_id: &str) -> Result<Vec<ToolSpec>> {
+        match self
+            .request(session_id, RunnerMessage::HostTools {}, false, ACK_TIMEOUT)
+            .await?
+        {
+            ServerMessage::HostTools { tools } => Ok(tools),
+            other => Err(Error::backend(format!(
+                "the session answered a host-tools request with {other:?}"
+            ))),
+        }
     }
 }

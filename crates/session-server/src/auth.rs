@@ -22,6 +22,10 @@ pub enum GrantRole {
     Runner,
     /// Everything: create, list, fork, seal, export, and the other roles.
     Host,
+    /// Attach as the session's tool host (`?role=tool-host`): offer tools
+    /// and run the calls its agent makes; nothing else.
+    #[serde(rename = "tool-host")]
+    ToolHost,
 }
 
 /// Which sessions a grant covers.

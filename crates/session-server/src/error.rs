@@ -51,10 +51,12 @@ impl ApiError {
             | ErrorCode::StaleRunner
             | ErrorCode::TurnInProgress
             | ErrorCode::NoActiveTurn
-            | ErrorCode::Conflict => StatusCode::CONFLICT,
-            ErrorCode::NotAClient | ErrorCode::NotARunner | ErrorCode::Forbidden => {
-                StatusCode::FORBIDDEN
-            }
+            | ErrorCode::Conflict
+            | ErrorCode::HostLeaseHeld => StatusCode::CONFLICT,
+            ErrorCode::NotAClient
+            | ErrorCode::NotARunner
+            | ErrorCode::NotAHost
+            | ErrorCode::Forbidden => StatusCode::FORBIDDEN,
             ErrorCode::NotFound => StatusCode::NOT_FOUND,
             ErrorCode::Unauthorized => StatusCode::UNAUTHORIZED,
             ErrorCode::Unavailable => StatusCode::SERVICE_UNAVAILABLE,

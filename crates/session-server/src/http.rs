@@ -23,6 +23,7 @@ use futures::{SinkExt, StreamExt};
 use harness_core::actor::{ClientMessage, ErrorCode, Role, RunnerMessage, ServerMessage};
 use harness_core::frame::{Frame, FrameBody};
 use harness_core::log::LogInfo;
+use harness_core::relay::HostMessage;
 use harness_core::session::SessionConfig;
 use harness_core::SessionId;
 use serde_json::json;
@@ -557,7 +558,15 @@ async fn pump_events(
             Some(Outbound::Msg(ServerMessage::Error { code, message })) => Event::default()
                 .event("error")
                 .data(json!({"code": code, "message": message}).to_string()),
-            Some(Outbound::Msg(ServerMessage::Ack { .. } | ServerMessage::Received {})) => continue,
+            // Acks and the tool-host and runner messages are never sent
+            // to a client connection.
+            Some(Outbound::Msg(
+                ServerMessage::Ack { .. }
+                | ServerMessage::Received {}
+                | ServerMessage::HostCall { .. }
+                | ServerMessage::HostCancel { .. }
+                | ServerMessage::HostTools { .. },
+            )) => continue,
             Some(Outbound::Close(_)) | None => return Ok(()),
         };
         if tx.send(event).await.is_err() {
@@ -666,15 +675,27 @@ async fn websocket(
                 ApiError::invalid("a runner must say its generation (?generation=N)")
             })?,
         },
+        Some("tool-host") => Role::ToolHost {
+            takeover: match params.get("takeover").map(String::as_str) {
+                None | Some("false") => false,
+                Some("true") => true,
+                Some(other) => {
+                    return Err(ApiError::invalid(format!(
+                        "takeover must be true or false, got {other:?}"
+                    )))
+                }
+            },
+        },
         Some(other) => {
             return Err(ApiError::invalid(format!(
-                "role must be client or runner, got {other:?}"
+                "role must be client, runner or tool-host, got {other:?}"
             )))
         }
     };
     let allowed: &[GrantRole] = match role {
         Role::Client => &[GrantRole::Client],
         Role::Runner { .. } => &[GrantRole::Runner],
+        Role::ToolHost { .. } => &[GrantRole::ToolHost],
     };
     let grant = state.auth(&headers, &params, Some(&id), allowed)?;
     let after = param_u64(&params, "after")?;
@@ -832,6 +853,10 @@ fn inbound_message(
         },
         Role::Runner { .. } => match serde_json::from_str::<RunnerMessage>(raw) {
             Ok(m) => conn.runner(m),
+            Err(e) => return Some(invalid(e)),
+        },
+        Role::ToolHost { .. } => match serde_json::from_str::<HostMessage>(raw) {
+            Ok(m) => conn.tool_host(m),
             Err(e) => return Some(invalid(e)),
         },
     }

@@ -71,7 +71,10 @@ impl UiStreamMapper {
             ServerMessage::Frame { frame } => self.frame(&frame.body, &mut out),
             ServerMessage::Ack { .. }
             | ServerMessage::Received {}
-            | ServerMessage::Error { .. } => {}
+            | ServerMessage::Error { .. }
+            | ServerMessage::HostCall { .. }
+            | ServerMessage::HostCancel { .. }
+            | ServerMessage::HostTools { .. } => {}
         }
         out
     }
@@ -146,6 +149,10 @@ impl UiStreamMapper {
                 self.start(out);
                 self.finish("other", out);
             }
+            // The agent's own tool-call and tool-result parts already show
+            // a host tool's call and answer; these frames are the session's
+            // bookkeeping (in the session's frames, not the UI stream).
+            FrameBody::HostCall { .. } | FrameBody::HostOutcome { .. } => {}
             FrameBody::UserMessage { .. }
             | FrameBody::ApprovalResponse { .. }
             | FrameBody::AbortRequested { .. }

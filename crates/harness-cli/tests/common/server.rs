@@ -18,6 +18,7 @@ use serde_json::{json, Value};
 pub const HOST: &str = "host-token-0123456789";
 pub const CLIENT: &str = "client-token-0123456789";
 pub const RUNNER: &str = "runner-token-0123456789";
+pub const TOOL_HOST: &str = "tool-host-token-0123456789";
 pub const TURN_TIMEOUT: Duration = Duration::from_secs(180);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,22 +85,42 @@ pub async fn docker_parts() -> Option<(String, IpAddr)> {
 
 /// The approval MCP server, built into this test's target directory.
 pub fn approval_server() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("HARNESS_APPROVAL_MCP_BIN").filter(|p| !p.is_empty()) {
+    helper_binary("HARNESS_APPROVAL_MCP_BIN", "harness-approval-mcp")
+}
+
+/// The host-tool bridge, built into this test's target directory.
+pub fn relay_bridge() -> Option<PathBuf> {
+    helper_binary("HARNESS_RELAY_MCP_BIN", "harness-relay-mcp")
+}
+
+/// `$env_var`, else the workspace's `package` binary (built now).
+fn helper_binary(env_var: &str, package: &str) -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os(env_var).filter(|p| !p.is_empty()) {
         return Some(p.into());
     }
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let built = Command::new(cargo)
-        .args(["build", "-q", "-p", "harness-approval-mcp"])
+        .args(["build", "-q", "-p", package])
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .status();
     if !matches!(built, Ok(s) if s.success()) {
-        skip_or_fail("could not build harness-approval-mcp");
+        skip_or_fail(&format!("could not build {package}"));
         return None;
     }
     let bin = Path::new(env!("CARGO_BIN_EXE_harness"))
         .parent()?
-        .join("harness-approval-mcp");
+        .join(package);
     bin.is_file().then_some(bin)
+}
+
+/// Give a harness child both helper binaries.
+fn with_helpers(cmd: &mut Command) {
+    if let Some(server) = approval_server() {
+        cmd.env("HARNESS_APPROVAL_MCP_BIN", server);
+    }
+    if let Some(bridge) = relay_bridge() {
+        cmd.env("HARNESS_RELAY_MCP_BIN", bridge);
+    }
 }
 
 /// One `harness serve` child.
@@ -186,6 +207,7 @@ impl Serve {
             .args(["--token", &format!("{HOST}=host")])
             .args(["--token", &format!("{CLIENT}=client")])
             .args(["--token", &format!("{RUNNER}=runner")])
+            .args(["--token", &format!("{TOOL_HOST}=tool-host")])
             .args(extra)
             .env("ANTHROPIC_API_KEY", "test")
             .env("ANTHROPIC_BASE_URL", model.base_url())
@@ -197,9 +219,7 @@ impl Serve {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
-        if let Some(server) = approval_server() {
-            cmd.env("HARNESS_APPROVAL_MCP_BIN", server);
-        }
+        with_helpers(&mut cmd);
         let (tx, rx) = std::sync::mpsc::channel();
         let process = ChildProcess::spawn(&mut cmd, "harness serve", move |line| {
             if let Some(url) = line.strip_prefix("serving sessions on ") {
@@ -322,9 +342,7 @@ impl Worker {
         env: &[(&str, &str)],
     ) -> Worker {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_harness"));
-        if let Some(server) = approval_server() {
-            cmd.env("HARNESS_APPROVAL_MCP_BIN", server);
-        }
+        with_helpers(&mut cmd);
         cmd.arg("--home")
             .arg(home)
             .args([command, "--server", &serve.base, "--token", RUNNER])
@@ -363,4 +381,35 @@ pub async fn temporal_server(home: &Path, model: &ScriptedModel, queue: &str) ->
             ("HARNESS_TEMPORAL_RETRY_INITIAL_MS", "300"),
         ],
     ))
+}
+
+/// A `harness relay-host` child serving `session` of `serve` with the
+/// tools of `tools_file`; started once it says it is attached.
+pub struct RelayHost {
+    pub process: ChildProcess,
+}
+
+impl RelayHost {
+    pub fn start(serve: &Serve, session: &str, tools_file: &Path, extra: &[&str]) -> RelayHost {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_harness"));
+        cmd.args(["relay-host", "--server", &serve.base, "--token", TOOL_HOST])
+            .args(["--session", session])
+            .arg("--tools")
+            .arg(tools_file)
+            .args(extra)
+            .env_remove("HARNESS_TOKEN")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        let (tx, rx) = std::sync::mpsc::channel();
+        let process = ChildProcess::spawn(&mut cmd, "harness relay-host", move |line| {
+            if line.contains("attached as the tool host") {
+                let _ = tx.send(());
+            }
+        });
+        if rx.recv_timeout(Duration::from_secs(60)).is_err() {
+            panic!("harness relay-host did not attach:\n{}", process.log());
+        }
+        RelayHost { process }
+    }
 }

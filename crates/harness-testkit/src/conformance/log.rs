@@ -204,7 +204,10 @@ pub async fn meta_is_folded_with_every_append(log: Arc<dyn SessionLog>) -> Resul
             after_two = Some(log.info(&s).await?.meta);
         }
     }
-    let expected = fold_meta(Some(config.clone()), frames.iter().map(|(b, k)| (b, *k)));
+    let expected = fold_meta(
+        Some(config.clone()),
+        frames.iter().zip(1..).map(|((b, k), seq)| (seq, b, *k)),
+    );
     let meta = log.info(&s).await?.meta;
     ensure!(
         meta == expected,
@@ -229,7 +232,10 @@ pub async fn meta_is_folded_with_every_append(log: Arc<dyn SessionLog>) -> Resul
     let between = log.fork(&s, 1, &sid("meta-fork-between")).await?;
     let expected = fold_meta(
         Some(config.clone()),
-        frames[..1].iter().map(|(b, k)| (b, *k)),
+        frames[..1]
+            .iter()
+            .zip(1..)
+            .map(|((b, k), seq)| (seq, b, *k)),
     );
     ensure!(
         between.last_seq == 1 && between.meta == expected,

@@ -211,6 +211,16 @@ pub enum ToolKind {
         /// OpenAI function name and arguments.
         openai: (String, Value),
     },
+    /// Anthropic: a tool with JSON input; OpenAI: a custom (freeform) tool
+    /// call, `custom_tool_call` with a string `input` — how Codex's code
+    /// mode is called (`exec` with JavaScript that calls nested tools such
+    /// as MCP tools: `await tools.mcp__host__lookup({...})`).
+    CustomOnOpenAi {
+        /// Anthropic tool name and input.
+        anthropic: (String, Value),
+        /// OpenAI custom tool name and its freeform input.
+        openai: (String, String),
+    },
 }
 
 /// One tool call in a reply.
@@ -259,7 +269,28 @@ impl ToolCall {
             },
         }
     }
-    /// Tool name and JSON input as sent on `api`.
+    /// [`ToolKind::CustomOnOpenAi`].
+    pub fn custom_on_openai(
+        id: impl Into<String>,
+        anthropic: (impl Into<String>, Value),
+        openai: (impl Into<String>, impl Into<String>),
+    ) -> Self {
+        Self {
+            id: id.into(),
+            kind: ToolKind::CustomOnOpenAi {
+                anthropic: (anthropic.0.into(), anthropic.1),
+                openai: (openai.0.into(), openai.1.into()),
+            },
+        }
+    }
+
+    /// Whether the call is a custom (freeform) tool call on `api`.
+    pub fn is_custom(&self, api: Api) -> bool {
+        matches!(self.kind, ToolKind::CustomOnOpenAi { .. }) && api == Api::OpenAi
+    }
+
+    /// Tool name and JSON input as sent on `api` (a custom call's freeform
+    /// input as a JSON string).
     pub fn render(&self, api: Api) -> (String, Value) {
         match (&self.kind, api) {
             (
@@ -278,6 +309,10 @@ impl ToolCall {
             (ToolKind::Named { name, input }, _) => (name.clone(), input.clone()),
             (ToolKind::PerApi { anthropic, .. }, Api::Anthropic) => anthropic.clone(),
             (ToolKind::PerApi { openai, .. }, Api::OpenAi) => openai.clone(),
+            (ToolKind::CustomOnOpenAi { anthropic, .. }, Api::Anthropic) => anthropic.clone(),
+            (ToolKind::CustomOnOpenAi { openai, .. }, Api::OpenAi) => {
+                (openai.0.clone(), Value::String(openai.1.clone()))
+            }
         }
     }
 }

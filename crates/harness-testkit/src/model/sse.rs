@@ -229,6 +229,17 @@ fn openai_item(part: &Part, n: u64, i: usize, done: bool) -> Value {
                 json!([])
             },
         }),
+        Part::Tool(call) if call.is_custom(Api::OpenAi) => {
+            let (name, input) = call.render(Api::OpenAi);
+            json!({
+                "type": "custom_tool_call",
+                "id": format!("ctc_{n}_{i}"),
+                "status": status,
+                "call_id": call.id,
+                "name": name,
+                "input": if done { input.as_str().unwrap_or_default().to_string() } else { String::new() },
+            })
+        }
         Part::Tool(call) => {
             let (name, input) = call.render(Api::OpenAi);
             json!({
@@ -347,6 +358,24 @@ pub fn openai_events(reply: &Reply, meta: &ResponseMeta) -> Vec<SseEvent> {
                     "type": "response.reasoning_summary_part.done", "item_id": item_id,
                     "output_index": i, "summary_index": 0,
                     "part": {"type": "summary_text", "text": text},
+                })));
+            }
+            Part::Tool(call) if call.is_custom(Api::OpenAi) => {
+                let item_id = format!("ctc_{n}_{i}");
+                let (_, input) = call.render(Api::OpenAi);
+                let input = input.as_str().unwrap_or_default().to_string();
+                for c in halves(&input) {
+                    ev.push(
+                        SseEvent::new(json!({
+                            "type": "response.custom_tool_call_input.delta",
+                            "item_id": item_id, "output_index": i, "delta": c,
+                        }))
+                        .delayed(d),
+                    );
+                }
+                ev.push(SseEvent::new(json!({
+                    "type": "response.custom_tool_call_input.done",
+                    "item_id": item_id, "output_index": i, "input": input,
                 })));
             }
             Part::Tool(call) => {
