@@ -237,3 +237,117 @@ async fn codex_local_calls_a_host_tool() {
 async fn codex_docker_calls_a_host_tool() {
     a_host_tool_runs_on_the_host(Agent::Codex, true).await;
 }
+
+/// Wait (bounded) until `path` has a line.
+async fn until_started(path: &Path, what: &str, log: impl Fn() -> String) {
+    let started = Instant::now();
+    while std::fs::read_to_string(path).map_or(true, |s| s.is_empty()) {
+        assert!(
+            started.elapsed() < TURN_TIMEOUT,
+            "{what} never started; log:\n{}",
+            log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The tool host SIGKILLed while its tool runs: the call ends `ambiguous`,
+/// the agent is told it may or may not have run, and it never runs again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tool_host_killed_mid_call_leaves_ambiguous_and_never_reruns() {
+    if !Agent::Claude.available() {
+        return;
+    }
+    let model = ScriptedModel::start(script("may or may not have run", "The outcome is unknown."))
+        .await
+        .unwrap();
+    let home = tempfile::tempdir().unwrap();
+    let host_dir = tempfile::tempdir().unwrap();
+    let tools = tools_file(
+        host_dir.path(),
+        "echo started >> calls.log; sleep 30; echo finished",
+    );
+    let serve = Serve::start(home.path(), &model, &[]);
+    let id = create(&serve, json!({"agent": "claude-code", "sandbox": "local"})).await;
+    let mut host = RelayHost::start(&serve, &id, &tools, &[]);
+    let turn = prompt(&serve, &id, "look up order 4711").await;
+    let calls = host_dir.path().join("calls.log");
+    until_started(&calls, "the host tool", || serve.log()).await;
+    host.process.kill();
+    let frames = until_end(&serve, &id, &turn).await;
+    assert!(
+        status(&frames, &turn).starts_with("\"finished\""),
+        "{}",
+        status(&frames, &turn)
+    );
+    model.assert_no_failures();
+    let outcomes = of_type(&frames, "host-outcome");
+    assert_eq!(outcomes.len(), 1, "{frames:#?}");
+    assert_eq!(outcomes[0]["outcome"], "ambiguous", "{:#}", outcomes[0]);
+    // A new host attaches; nothing is sent to it again.
+    let _again = RelayHost::start(&serve, &id, &tools, &[]);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let log = std::fs::read_to_string(&calls).unwrap();
+    assert_eq!(log.lines().count(), 1, "the tool ran once: {log:?}");
+}
+
+/// The runner (`harness runner` of a `--engine remote` server) SIGKILLed
+/// while a host tool runs: the host finishes, the session records the
+/// outcome, and the restarted runner's slice gets that recorded outcome for
+/// the same call id — the tool ran once and the agent answers with it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_runner_killed_mid_call_gets_the_recorded_outcome_after_restart() {
+    if !Agent::Claude.available() {
+        return;
+    }
+    let model = ScriptedModel::start(script(
+        "ORDER-4711 shipped",
+        "The host says ORDER-4711 shipped.",
+    ))
+    .await
+    .unwrap();
+    let home = tempfile::tempdir().unwrap();
+    let runner_home = tempfile::tempdir().unwrap();
+    let host_dir = tempfile::tempdir().unwrap();
+    let tools = tools_file(
+        host_dir.path(),
+        "echo started >> calls.log; sleep 3; echo 'ORDER-4711 shipped'",
+    );
+    let serve = Serve::start(home.path(), &model, &["--engine", "remote"]);
+    let mut runner = Worker::runner(runner_home.path(), &serve, &model);
+    let id = create(&serve, json!({"agent": "claude-code", "sandbox": "local"})).await;
+    let _host = RelayHost::start(&serve, &id, &tools, &[]);
+    let turn = prompt(&serve, &id, "look up order 4711").await;
+    let calls = host_dir.path().join("calls.log");
+    until_started(&calls, "the host tool", || serve.log()).await;
+    runner.kill();
+    // The host finishes meanwhile; its outcome is stored with no runner.
+    let started = Instant::now();
+    while !export(&serve, &id)
+        .await
+        .iter()
+        .any(|f| f["body"]["type"] == "host-outcome")
+    {
+        assert!(
+            started.elapsed() < TURN_TIMEOUT,
+            "no outcome:\n{}",
+            serve.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _runner = Worker::runner(runner_home.path(), &serve, &model);
+    let frames = until_end(&serve, &id, &turn).await;
+    assert!(
+        status(&frames, &turn).starts_with("\"finished\""),
+        "{}\n{}",
+        status(&frames, &turn),
+        serve.log()
+    );
+    model.assert_no_failures();
+    let log = std::fs::read_to_string(&calls).unwrap();
+    assert_eq!(log.lines().count(), 1, "the tool ran once: {log:?}");
+    let outcomes = of_type(&frames, "host-outcome");
+    assert_eq!(outcomes.len(), 1, "{frames:#?}");
+    assert_eq!(outcomes[0]["outcome"], "completed");
+    assert!(answer_text(&frames).contains("ORDER-4711 shipped"));
+}
