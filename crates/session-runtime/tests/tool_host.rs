@@ -121,13 +121,15 @@ async fn a_thousand_call_ids_asked_three_times_each_run_once() {
             .unwrap();
         assert_eq!(again, expected(&id));
     }
-    let runs = runs.lock().unwrap();
-    assert_eq!(runs.len(), 1000);
-    assert!(
-        runs.values().all(|&n| n == 1),
-        "ran more than once: {:?}",
-        runs.iter().filter(|(_, &n)| n != 1).collect::<Vec<_>>()
-    );
+    {
+        let runs = runs.lock().unwrap();
+        assert_eq!(runs.len(), 1000);
+        assert!(
+            runs.values().all(|&n| n == 1),
+            "ran more than once: {:?}",
+            runs.iter().filter(|(_, &n)| n != 1).collect::<Vec<_>>()
+        );
+    }
     let frames = hub.log().read(&session, 0, 100_000).await.unwrap();
     let outcomes = frames
         .iter()
