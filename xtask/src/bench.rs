@@ -22,6 +22,9 @@ pub enum Bench {
     /// readers, replay of 100k frames — on our endpoints, then over the
     /// Durable Streams protocol side by side with the reference server.
     Server,
+    /// Host-tool round trip (runner → session → tool host → session →
+    /// runner) vs a plain HTTP request to the same server, p50/p99.
+    HostTools,
     /// All of the above, in order.
     All,
 }
@@ -42,13 +45,20 @@ fn commands(bench: Bench) -> Vec<Vec<&'static str>> {
             example("session-server", "bench"),
             example("session-server", "ds_bench"),
         ],
+        Bench::HostTools => vec![example("session-server", "host_tools_bench")],
         Bench::All => vec![],
     }
 }
 
 /// Run one benchmark (or all).
 pub fn run(bench: Bench) -> Result<()> {
-    let all = [Bench::Docker, Bench::Moves, Bench::Engine, Bench::Server];
+    let all = [
+        Bench::Docker,
+        Bench::Moves,
+        Bench::Engine,
+        Bench::Server,
+        Bench::HostTools,
+    ];
     let chosen: Vec<Bench> = if bench == Bench::All {
         all.to_vec()
     } else {

@@ -89,7 +89,8 @@ pub async fn serve_runner_channel(
     runtime: SessionRuntime,
 ) -> Result<String> {
     let url = runner_channel_url(base, generation, token);
-    let (socket, _) = tokio_tungstenite::connect_async(&url)
+    let (socket, _) = // Small messages, each awaited: no Nagle delay.
+        tokio_tungstenite::connect_async_with_config(&url, None, true)
         .await
         .map_err(|e| Error::backend(format!("cannot open the runner channel of {base}: {e}")))?;
     let (mut write, mut read) = socket.split();

@@ -184,7 +184,8 @@ impl RunnerLink for WsLink {
 impl RunnerConnector for WsConnector {
     async fn attach(&self, session: &SessionId, generation: u64) -> Result<Box<dyn RunnerLink>> {
         let url = self.url(session, generation);
-        let (socket, _) = tokio_tungstenite::connect_async(&url).await.map_err(|e| {
+        let (socket, _) = // Small messages, each awaited: no Nagle delay.
+        tokio_tungstenite::connect_async_with_config(&url, None, true).await.map_err(|e| {
             Error::backend(format!(
                 "cannot attach to {} as runner of {session}: {e}",
                 self.base

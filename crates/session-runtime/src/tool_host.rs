@@ -293,7 +293,8 @@ impl ToolHost {
             url.push_str("&access_token=");
             url.push_str(token);
         }
-        let (socket, _) = tokio_tungstenite::connect_async(&url).await.map_err(|e| {
+        let (socket, _) = // Small messages, each awaited: no Nagle delay.
+        tokio_tungstenite::connect_async_with_config(&url, None, true).await.map_err(|e| {
             Error::backend(format!(
                 "cannot attach to {base} as the tool host of {session}: {e}"
             ))
