@@ -5,10 +5,11 @@
 //! whenever a tool needs permission; the server hands the request to the
 //! harness through files and blocks until the harness answers:
 //!
-//! 1. append `{"approval_id","tool_name","input","tool_use_id"}` as one line to
-//!    `$HARNESS_APPROVAL_DIR/requests.jsonl` (the slice runner tails it and
-//!    surfaces a `tool-approval-request` part);
-//! 2. poll `$HARNESS_APPROVAL_DIR/answers/<approval_id>.json`
+//! 1. append `{"kind":"approval","approvalId","toolName","input","toolUseId"}`
+//!    (`harness_relay::files::RelayRequest::Approval`) as one line to
+//!    `$HARNESS_RELAY_DIR/requests.jsonl`, the turn's relay (the slice
+//!    runner tails it and surfaces a `tool-approval-request` part);
+//! 2. poll `$HARNESS_RELAY_DIR/answers/<approvalId>.json`
 //!    (`{"approved": bool, "reason": string?}`, written by the next slice
 //!    once a client answered);
 //! 3. answer Claude Code with the text content
@@ -29,6 +30,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use harness_relay::files::{self, RelayRequest};
+use harness_relay::ApprovalRequest;
 use serde_json::{json, Value};
 
 /// The tool's name; Claude Code sees it as `mcp__<server>__approve`.
@@ -142,13 +145,14 @@ impl Server {
         let input = args.get("input").cloned().unwrap_or(json!({}));
         let tool_use_id = args.get("tool_use_id").and_then(Value::as_str);
         let approval_id = self.next_id(tool_use_id);
-        let request = json!({
-            "approval_id": approval_id,
-            "tool_name": tool_name,
-            "input": input,
-            "tool_use_id": tool_use_id,
+        let request = RelayRequest::Approval(ApprovalRequest {
+            approval_id: approval_id.clone(),
+            tool_name: tool_name.to_string(),
+            input: input.clone(),
+            tool_use_id: tool_use_id.map(str::to_string),
         });
-        append_line(&self.dir.join("requests.jsonl"), &request.to_string())
+        let line = serde_json::to_string(&request).map_err(|e| e.to_string())?;
+        append_line(&self.dir.join(files::REQUESTS), &line)
             .map_err(|e| format!("recording the request in {}: {e}", self.dir.display()))?;
         let answer = self.wait_answer(&approval_id);
         Ok(decision(&answer, input))
@@ -169,7 +173,7 @@ impl Server {
     /// Poll for the answer file. A file that does not parse yet is read
     /// again (a writer may be half-way through it).
     fn wait_answer(&self, approval_id: &str) -> Answer {
-        let path = self.dir.join("answers").join(format!("{approval_id}.json"));
+        let path = self.dir.join(files::answer_path(approval_id));
         loop {
             if let Some(answer) = read_answer(&path) {
                 return answer;
@@ -280,7 +284,8 @@ mod tests {
                 if let Ok(text) = std::fs::read_to_string(&requests) {
                     if let Some(line) = text.lines().next() {
                         let req: Value = serde_json::from_str(line).unwrap();
-                        let id = req["approval_id"].as_str().unwrap().to_string();
+                        assert_eq!(req["kind"], "approval", "{req}");
+                        let id = req["approvalId"].as_str().unwrap().to_string();
                         std::fs::create_dir_all(path.join("answers")).unwrap();
                         std::fs::write(
                             path.join("answers").join(format!("{id}.json")),
@@ -300,10 +305,10 @@ mod tests {
             )
             .unwrap();
         let req = answerer.join().unwrap();
-        assert_eq!(req["tool_name"], "Bash");
+        assert_eq!(req["toolName"], "Bash");
         assert_eq!(req["input"]["command"], "rm x");
-        assert_eq!(req["tool_use_id"], "toolu_1");
-        assert!(req["approval_id"].as_str().unwrap().starts_with("toolu_1-"));
+        assert_eq!(req["toolUseId"], "toolu_1");
+        assert!(req["approvalId"].as_str().unwrap().starts_with("toolu_1-"));
         let text = r["result"]["content"][0]["text"].as_str().unwrap();
         let d: Value = serde_json::from_str(text).unwrap();
         assert_eq!(d, json!({"behavior":"deny","message":"not today"}));

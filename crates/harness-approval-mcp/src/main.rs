@@ -1,8 +1,8 @@
 //! `harness-approval-mcp`: see the library docs.
 
 fn main() {
-    let Some(dir) = std::env::var_os("HARNESS_APPROVAL_DIR").filter(|d| !d.is_empty()) else {
-        eprintln!("harness-approval-mcp: HARNESS_APPROVAL_DIR is not set");
+    let Some(dir) = std::env::var_os("HARNESS_RELAY_DIR").filter(|d| !d.is_empty()) else {
+        eprintln!("harness-approval-mcp: HARNESS_RELAY_DIR is not set");
         std::process::exit(2);
     };
     let server = harness_approval_mcp::Server::new(dir);

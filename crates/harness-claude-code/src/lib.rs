@@ -273,13 +273,13 @@ impl Harness for ClaudeCodeHarness {
                  harness binary or set HARNESS_RELAY_MCP_BIN",
             ));
         }
-        let approvals = turn.state.approvals.then(|| {
-            format!(
-                "{}/approvals",
-                harness_core::slice::spool_dir(turn.home, &turn.state.turn_id)
-            )
-        });
-        if let Some(config) = mcp_config(approvals.as_deref(), turn.relay_dir) {
+        // Permission requests and host-tool calls share the turn's relay.
+        let relay = format!(
+            "{}/{}",
+            harness_core::slice::spool_dir(turn.home, &turn.state.turn_id),
+            relay::files::DIR
+        );
+        if let Some(config) = mcp_config(&relay, turn.state.approvals, turn.relay_dir.is_some()) {
             args.extend(["--mcp-config".into(), config]);
         }
         if turn.state.approvals {
@@ -369,11 +369,12 @@ impl Harness for ClaudeCodeHarness {
 
 /// The inline `--mcp-config` JSON: the approval server when the turn asks
 /// for approvals, the host-tool bridge when its session's host offers
-/// tools; `None` for neither. Each command goes through `sh` so that, like
-/// the agent itself, the server is found under `$HARNESS_SANDBOX_ROOT`
-/// (sandbox-local) first, then at its plain path (Docker etc.).
-pub fn mcp_config(approvals_dir: Option<&str>, relay_dir: Option<&str>) -> Option<String> {
-    let server = |path: &str, var: &str, dir: &str| {
+/// tools, both exchanging files in the turn's `relay_dir`; `None` for
+/// neither. Each command goes through `sh` so that, like the agent itself,
+/// the server is found under `$HARNESS_SANDBOX_ROOT` (sandbox-local) first,
+/// then at its plain path (Docker etc.).
+pub fn mcp_config(relay_dir: &str, approvals: bool, host_tools: bool) -> Option<String> {
+    let server = |path: &str| {
         serde_json::json!({
             "type": "stdio",
             "command": "sh",
@@ -382,20 +383,17 @@ pub fn mcp_config(approvals_dir: Option<&str>, relay_dir: Option<&str>) -> Optio
                 "p=\"${HARNESS_SANDBOX_ROOT:-}$0\" && { [ -x \"$p\" ] || p=\"$0\"; } && exec \"$p\"",
                 path,
             ],
-            "env": { var: dir },
+            "env": { "HARNESS_RELAY_DIR": relay_dir },
         })
     };
     let mut servers = serde_json::Map::new();
-    if let Some(dir) = approvals_dir {
-        servers.insert(
-            APPROVAL_MCP_SERVER.into(),
-            server(APPROVAL_SERVER_PATH, "HARNESS_APPROVAL_DIR", dir),
-        );
+    if approvals {
+        servers.insert(APPROVAL_MCP_SERVER.into(), server(APPROVAL_SERVER_PATH));
     }
-    if let Some(dir) = relay_dir {
+    if host_tools {
         servers.insert(
             relay::files::MCP_SERVER_NAME.into(),
-            server(relay::files::BRIDGE_PATH, "HARNESS_RELAY_DIR", dir),
+            server(relay::files::BRIDGE_PATH),
         );
     }
     (!servers.is_empty()).then(|| serde_json::json!({ "mcpServers": servers }).to_string())
@@ -661,8 +659,8 @@ mod tests {
         assert_eq!(server["command"], "sh");
         assert_eq!(server["args"][2], APPROVAL_SERVER_PATH);
         assert_eq!(
-            server["env"]["HARNESS_APPROVAL_DIR"],
-            "/home/s1/.harness/turns/t9/approvals"
+            server["env"]["HARNESS_RELAY_DIR"],
+            "/home/s1/.harness/turns/t9/relay"
         );
         assert_eq!(args[args.len() - 2..], ["--", "x"]);
     }

@@ -162,8 +162,8 @@ pub const MAX_APPROVAL_WAIT_SECS: u64 = 365 * 24 * 60 * 60;
 /// `--approve-for-me`, sends approvals to a model reviewer. What exec mode
 /// does run is hooks, so with this set each turn gets a `PreToolUse` hook
 /// ([`approval_hook_script`]) that appends the call to
-/// `<spool>/approvals/requests.jsonl`, waits for
-/// `<spool>/approvals/answers/<id>.json` and then lets the call run (exit
+/// `<spool>/relay/requests.jsonl`, waits for
+/// `<spool>/relay/answers/<id>.json` and then lets the call run (exit
 /// 0) or blocks it with the client's reason (exit 2), which the model sees
 /// as the call's output ("Command blocked by PreToolUse hook: <reason>.
 /// Command: …").
@@ -317,13 +317,15 @@ pub fn check_extra_args(args: &[String]) -> Result<()> {
 /// "tool_name":"Bash","tool_input":{"command":"echo hi > x"},"tool_use_id":"call_1"}`
 /// (observed). The script
 ///
-/// 1. appends that object to `<approvals_dir>/requests.jsonl` as one line,
-///    with `"approval_id":"codex-<pid>-<time>"` first, `tool_input` renamed
-///    `input` and `Bash` named [`SHELL_TOOL_NAME`] — the line format the
-///    slice runner reads (`approval_id`, `tool_name`, `input`,
-///    `tool_use_id`). Appends are serialized with a `mkdir` lock (Codex
-///    runs hooks of parallel calls concurrently);
-/// 2. polls `<approvals_dir>/answers/<approval_id>.json` once a second for
+/// 1. appends that object to `<relay_dir>/requests.jsonl` as one line,
+///    with `"kind":"approval","approvalId":"codex-<pid>-<time>"` first,
+///    `tool_input` renamed `input`, `tool_name`/`tool_use_id` renamed
+///    `toolName`/`toolUseId` and `Bash` named [`SHELL_TOOL_NAME`] — a
+///    `harness_relay::files::RelayRequest::Approval`, the line the slice
+///    runner reads (Codex's other fields ride along, ignored). Appends are
+///    serialized with a `mkdir` lock (Codex runs hooks of parallel calls
+///    concurrently);
+/// 2. polls `<relay_dir>/answers/<approvalId>.json` once a second for
 ///    `{"approved":true,…}` or `{"approved":false,"reason":…}` (the slice
 ///    runner's format);
 /// 3. exits 0 (the call runs) or prints the reason (`\"` and `\\` decoded,
@@ -336,9 +338,9 @@ pub fn check_extra_args(args: &[String]) -> Result<()> {
 /// every failure path of the script is an explicit exit 2 with a message,
 /// and the script gives up (deny) after `wait_secs`, before Codex's
 /// timeout (`wait_secs` + [`APPROVAL_HOOK_MARGIN_SECS`]).
-pub fn approval_hook_script(approvals_dir: &str, wait_secs: u64) -> String {
+pub fn approval_hook_script(relay_dir: &str, wait_secs: u64) -> String {
     APPROVAL_HOOK_TEMPLATE
-        .replace("@DIR@", &shell_quote(approvals_dir))
+        .replace("@DIR@", &shell_quote(relay_dir))
         .replace("@WAIT@", &wait_secs.to_string())
         .replace("@SHELL_TOOL@", SHELL_TOOL_NAME)
 }
@@ -351,9 +353,9 @@ end=$(( $(date +%s) + @WAIT@ ))
 in=$(tr -d '\n\r') || deny 'harness approval: could not read the tool call'
 case "$in" in '{"'*'}') ;; *) deny 'harness approval: unexpected hook input' ;; esac
 id="codex-$$-$(date +%s)"
-line=$(printf '%s' "$in" | sed -e 's/^{/{"approval_id":"'"$id"'",/' -e 's/"tool_input":/"input":/' -e 's/"tool_name":"Bash"/"tool_name":"@SHELL_TOOL@"/')
-case "$line" in '{"approval_id":"'"$id"'","'*'}') ;; *) deny 'harness approval: could not build the request' ;; esac
-mkdir -p "$d/answers" || deny 'harness approval: cannot create the approvals directory'
+line=$(printf '%s' "$in" | sed -e 's/^{/{"kind":"approval","approvalId":"'"$id"'",/' -e 's/"tool_input":/"input":/' -e 's/"tool_name":"Bash"/"tool_name":"@SHELL_TOOL@"/' -e 's/"tool_name":/"toolName":/' -e 's/"tool_use_id":/"toolUseId":/')
+case "$line" in '{"kind":"approval","approvalId":"'"$id"'","'*'}') ;; *) deny 'harness approval: could not build the request' ;; esac
+mkdir -p "$d/answers" || deny 'harness approval: cannot create the relay directory'
 until mkdir "$d/requests.lock" 2>/dev/null; do
   [ "$(date +%s)" -lt "$end" ] || deny 'harness approval: the request could not be recorded in time'
   sleep 1
@@ -379,11 +381,11 @@ deny "$r"
 "#;
 
 /// The `-c` override that installs the approval hook for every tool.
-fn approval_hook_override(approvals_dir: &str, approvals: &CodexApprovals) -> String {
+fn approval_hook_override(relay_dir: &str, approvals: &CodexApprovals) -> String {
     let wait = approvals.wait_secs.min(MAX_APPROVAL_WAIT_SECS);
     format!(
         "hooks.PreToolUse=[{{matcher=\"\",hooks=[{{type=\"command\",command={},timeout={}}}]}}]",
-        toml_string(&approval_hook_script(approvals_dir, wait)),
+        toml_string(&approval_hook_script(relay_dir, wait)),
         wait + APPROVAL_HOOK_MARGIN_SECS
     )
 }
@@ -528,8 +530,9 @@ impl Harness for CodexHarness {
             .then(|| self.config.approvals.clone().unwrap_or_default());
         if let Some(approvals) = &approvals {
             let dir = format!(
-                "{}/approvals",
-                harness_core::slice::spool_dir(turn.home, &turn.state.turn_id)
+                "{}/{}",
+                harness_core::slice::spool_dir(turn.home, &turn.state.turn_id),
+                relay::files::DIR
             );
             // A hook given only with -c is "untrusted" and silently skipped
             // without this (observed); project-local hooks stay off (an
@@ -918,7 +921,7 @@ mod tests {
             ]
         );
         let hook = &args[6];
-        let script = approval_hook_script("/home/s1/.harness/turns/t9/approvals", 300);
+        let script = approval_hook_script("/home/s1/.harness/turns/t9/relay", 300);
         assert_eq!(
             *hook,
             format!(
@@ -927,7 +930,7 @@ mod tests {
             )
         );
         assert!(
-            script.contains("d=/home/s1/.harness/turns/t9/approvals\n"),
+            script.contains("d=/home/s1/.harness/turns/t9/relay\n"),
             "{script}"
         );
         assert!(script.contains("no answer within 300 s"));

@@ -1,6 +1,6 @@
 //! Permission requests end to end: the real `codex` with
 //! `CodexConfig::approvals` (a `PreToolUse` hook that hands every tool call
-//! to the harness through `<spool>/approvals/`), run by the in-process
+//! to the harness through `<spool>/relay/`), run by the in-process
 //! engine (`InProcessEngine`, `SliceRunner`) against the scripted model.
 //! The model asks for an `exec_command`; the turn must stop at
 //! `awaiting_tool_approval` with one `tool-approval-request` part; the

@@ -99,24 +99,31 @@ fn finish(child: Child) -> (i32, String) {
 fn request_line_is_what_the_slice_runner_reads_and_approval_lets_the_call_run() {
     for shell in shells() {
         let dir = scratch(&format!("approve-{shell}"));
-        let approvals = dir.join("turn/approvals");
+        let approvals = dir.join("turn/relay");
         let child = start(shell, &approvals, 60, INPUT);
         let req = wait_request(&approvals);
-        let id = req["approval_id"].as_str().unwrap().to_string();
+        let id = req["approvalId"].as_str().unwrap().to_string();
         assert!(id.starts_with("codex-"), "{req}");
         assert!(
             id.chars()
                 .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_'),
             "file-name safe: {id}"
         );
-        assert_eq!(req["tool_name"], SHELL_TOOL_NAME, "{req}");
-        assert_eq!(req["tool_use_id"], "call_plain");
+        assert_eq!(req["toolName"], SHELL_TOOL_NAME, "{req}");
+        assert_eq!(req["toolUseId"], "call_plain");
         // The nested "tool_input": inside the command is data, not the key.
         assert_eq!(
             req["input"],
             json!({"command": "echo \"tool_input\": > x && echo done"})
         );
         assert_eq!(req["hook_event_name"], "PreToolUse");
+        // The line the slice reads: a typed relay request.
+        let typed: harness_core::relay::files::RelayRequest =
+            serde_json::from_value(req.clone()).unwrap();
+        assert!(
+            matches!(&typed, harness_core::relay::files::RelayRequest::Approval(a) if a.approval_id == id && a.tool_name == SHELL_TOOL_NAME),
+            "{typed:?}"
+        );
         answer(&approvals, &id, true, None);
         let (code, stderr) = finish(child);
         assert_eq!((code, stderr.as_str()), (0, ""), "{shell}");
@@ -130,7 +137,7 @@ fn denial_blocks_with_the_reason_on_stderr() {
     for shell in shells() {
         let dir = scratch(&format!("deny-{shell}"));
         let child = start(shell, &dir, 60, INPUT);
-        let id = wait_request(&dir)["approval_id"]
+        let id = wait_request(&dir)["approvalId"]
             .as_str()
             .unwrap()
             .to_string();
@@ -145,7 +152,7 @@ fn denial_blocks_with_the_reason_on_stderr() {
         for (n, none) in [None, Some(""), Some("  ")].into_iter().enumerate() {
             let dir = dir.join(n.to_string());
             let child = start(shell, &dir, 60, INPUT);
-            let id = wait_request(&dir)["approval_id"]
+            let id = wait_request(&dir)["approvalId"]
                 .as_str()
                 .unwrap()
                 .to_string();
@@ -214,13 +221,13 @@ fn concurrent_calls_each_get_a_whole_line_and_their_own_answer() {
         };
         let mut ids: Vec<String> = reqs
             .iter()
-            .map(|r| r["approval_id"].as_str().unwrap().to_string())
+            .map(|r| r["approvalId"].as_str().unwrap().to_string())
             .collect();
         ids.sort();
         ids.dedup();
         assert_eq!(ids.len(), 4, "distinct ids: {ids:?}");
         for r in &reqs {
-            let id = r["approval_id"].as_str().unwrap();
+            let id = r["approvalId"].as_str().unwrap();
             let command = r["input"]["command"].as_str().unwrap();
             let n: usize = command.split("&& echo ").nth(1).unwrap()[..1]
                 .parse()

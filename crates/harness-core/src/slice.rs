@@ -274,13 +274,12 @@ impl SliceRunner {
                 process
             }
         };
-        let approvals = approvals_dir(&process);
-        self.deliver_answers(sandbox.as_ref(), state, &approvals)
+        let relay = relay_dir(&process);
+        self.deliver_answers(sandbox.as_ref(), state, &relay)
             .await?;
         // Host tools: only a turn launched with them has a tools.json (one
         // look per slice, not per poll). Requests are read from the start
         // each slice; the answered ones are skipped.
-        let relay = relay_dir(&process);
         let relay_on = match sandbox
             .read_file(&format!("{relay}/{}", relay::files::TOOLS))
             .await
@@ -448,7 +447,7 @@ impl SliceRunner {
             {
                 last_approval_check = Some(now);
                 if let Some(request) = self
-                    .unanswered_request(sandbox.as_ref(), state, &approvals, &mut requests_read)
+                    .unanswered_request(sandbox.as_ref(), state, &relay, &mut requests_read)
                     .await?
                 {
                     let part = StreamPart::ToolApprovalRequest {
@@ -516,20 +515,12 @@ fn note_progress(
     }
 }
 
-/// Where an agent's permission requests and their answers are exchanged:
-/// `<spool>/approvals` (the spool being the directory of the stdout file).
-/// Claude Code's approval MCP server (`harness-approval-mcp`) appends
-/// `{"approval_id","tool_name","input","tool_use_id"}` lines to
-/// `requests.jsonl` there and waits for `answers/<approval_id>.json`
-/// (`{"approved","reason"}`).
-pub fn approvals_dir(process: &DetachedProcess) -> String {
-    let stdout = process.stdout_path.as_str();
-    let spool = stdout.rsplit_once('/').map_or(".", |(dir, _)| dir);
-    format!("{spool}/approvals")
-}
-
-/// Where an agent's host-tool calls and their outcomes are exchanged with
-/// the bridge (`harness-relay-mcp`): `<spool>/relay`.
+/// The turn's relay directory, `<spool>/relay` (the spool being the
+/// directory of the stdout file): where the agent's side appends its
+/// requests (`requests.jsonl`, one [`relay::files::RelayRequest`] per
+/// line: permission requests from Claude Code's approval server or Codex's
+/// hook, host-tool calls from the bridge) and waits for
+/// `answers/<id>.json`.
 pub fn relay_dir(process: &DetachedProcess) -> String {
     let stdout = process.stdout_path.as_str();
     let spool = stdout.rsplit_once('/').map_or(".", |(dir, _)| dir);
@@ -570,14 +561,23 @@ impl SliceRunner {
         &self,
         sandbox: &dyn Sandbox,
         state: &TurnState,
-        approvals: &str,
+        relay_dir: &str,
     ) -> Result<()> {
         for answer in &state.approval_answers {
-            let body = serde_json::to_vec(&serde_json::json!({
-                "approved": answer.approved,
-                "reason": answer.reason,
-            }))?;
-            let path = format!("{approvals}/answers/{}.json", answer.approval_id);
+            // The id names a file: one that could leave the answers
+            // directory is never written (the request it answers could
+            // not have been read either).
+            if relay::validate_call_id(&answer.approval_id).is_err() {
+                continue;
+            }
+            let body = serde_json::to_vec(&relay::ApprovalAnswer {
+                approved: answer.approved,
+                reason: answer.reason.clone(),
+            })?;
+            let path = format!(
+                "{relay_dir}/{}",
+                relay::files::answer_path(&answer.approval_id)
+            );
             sandbox.write_file(&path, crate::stream::once(body)).await?;
         }
         Ok(())
@@ -617,11 +617,17 @@ impl SliceRunner {
                 *read += line.len() as u64 + 1;
                 continue;
             }
-            let parsed = serde_json::from_slice::<relay::files::RelayRequest>(line)
-                .map_err(|e| e.to_string())
-                .and_then(|relay::files::RelayRequest::HostTool(r)| {
+            let parsed = match serde_json::from_slice::<relay::files::RelayRequest>(line) {
+                Ok(relay::files::RelayRequest::HostTool(r)) => {
                     relay::validate_call_id(&r.call_id).map(|()| r)
-                });
+                }
+                // Approvals are read by `unanswered_request`.
+                Ok(relay::files::RelayRequest::Approval(_)) => {
+                    *read += line.len() as u64 + 1;
+                    continue;
+                }
+                Err(e) => Err(e.to_string()),
+            };
             let request = match parsed {
                 Ok(r) => r,
                 Err(e) => {
@@ -685,10 +691,10 @@ impl SliceRunner {
         &self,
         sandbox: &dyn Sandbox,
         state: &TurnState,
-        approvals: &str,
+        relay_dir: &str,
         read: &mut u64,
     ) -> Result<Option<ApprovalLine>> {
-        let path = format!("{approvals}/requests.jsonl");
+        let path = format!("{relay_dir}/{}", relay::files::REQUESTS);
         let stream = match sandbox.read_file_from(&path, *read).await {
             Ok(s) => s,
             Err(e) if e.kind() == crate::ErrorKind::NotFound => return Ok(None),
@@ -709,25 +715,26 @@ impl SliceRunner {
             if line.iter().all(u8::is_ascii_whitespace) {
                 continue;
             }
-            let v: serde_json::Value = serde_json::from_slice(line).map_err(|e| {
-                Error::backend(format!("bad permission request line in {path}: {e}"))
-            })?;
-            let field = |k: &str| v.get(k).and_then(|x| x.as_str()).unwrap_or("").to_string();
-            let approval_id = field("approval_id");
-            if approval_id.is_empty()
+            let request = match serde_json::from_slice::<relay::files::RelayRequest>(line) {
+                Ok(relay::files::RelayRequest::Approval(r)) => r,
+                // Host-tool calls are served by `serve_relay`.
+                Ok(relay::files::RelayRequest::HostTool(_)) => continue,
+                Err(e) => return Err(Error::backend(format!("bad request line in {path}: {e}"))),
+            };
+            if relay::validate_call_id(&request.approval_id).is_err()
                 || state
                     .approval_answers
                     .iter()
-                    .any(|a| a.approval_id == approval_id)
+                    .any(|a| a.approval_id == request.approval_id)
             {
                 continue;
             }
             found = Some(ApprovalLine {
-                tool_call_id: field("tool_use_id"),
+                tool_call_id: request.tool_use_id.unwrap_or_default(),
                 approval: PendingApproval {
-                    approval_id,
-                    tool_name: field("tool_name"),
-                    input: v.get("input").cloned().unwrap_or(serde_json::Value::Null),
+                    approval_id: request.approval_id,
+                    tool_name: request.tool_name,
+                    input: request.input,
                 },
             });
             break;
@@ -873,17 +880,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn approvals_live_next_to_the_stdout_spool() {
+    fn the_relay_lives_next_to_the_stdout_spool() {
         let p = DetachedProcess {
             id: "1".into(),
             stdout_path: "/h/.harness/turns/t1/stdout".into(),
             stderr_path: "/h/.harness/turns/t1/stderr".into(),
             exit_path: "/h/.harness/turns/t1/exit".into(),
         };
-        assert_eq!(approvals_dir(&p), "/h/.harness/turns/t1/approvals");
-        assert_eq!(
-            approvals_dir(&p),
-            format!("{}/approvals", spool_dir("/h/", "t1"))
-        );
+        assert_eq!(relay_dir(&p), "/h/.harness/turns/t1/relay");
+        assert_eq!(relay_dir(&p), format!("{}/relay", spool_dir("/h/", "t1")));
     }
 }

@@ -186,8 +186,9 @@ fn request_lines(dir: &Path, n: usize) -> Vec<Value> {
 
 /// A request line as the slice reads it, checked for a usable call id.
 fn host_call(line: &Value) -> HostCallRequest {
-    let RelayRequest::HostTool(call) = serde_json::from_value(line.clone())
-        .unwrap_or_else(|e| panic!("not a RelayRequest: {line}: {e}"));
+    let Ok(RelayRequest::HostTool(call)) = serde_json::from_value(line.clone()) else {
+        panic!("not a host-tool RelayRequest: {line}");
+    };
     assert_eq!(line["kind"], "host-tool", "{line}");
     harness_relay::validate_call_id(&call.call_id).unwrap();
     assert!(

@@ -17,6 +17,10 @@
 //! may not have run; never retried). A call id seen before answers with the
 //! outcome recorded for it; the host never receives a call twice.
 //!
+//! Permission requests travel the same relay files: an
+//! [`ApprovalRequest`] line, answered by an [`ApprovalAnswer`] file (see
+//! [`files`]).
+//!
 //! This crate is serde types and small pure helpers only, so the session
 //! actor (in `harness-core`, built for wasm32), the bridge inside the
 //! sandbox and the host all speak the same words.
@@ -339,10 +343,37 @@ pub enum HostMessage {
     },
 }
 
-/// Files the bridge (inside the sandbox) and the slice exchange, under the
-/// turn's relay directory.
+/// A permission request from the agent's side (Claude Code's approval
+/// tool, Codex's `PreToolUse` hook): may this tool call run?
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ApprovalRequest {
+    /// Unique per request; names the answer file.
+    pub approval_id: String,
+    /// The agent's tool.
+    pub tool_name: String,
+    /// Its input.
+    #[serde(default)]
+    pub input: Value,
+    /// The agent's own id of the tool call, when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_use_id: Option<String>,
+}
+
+/// A client's answer to an [`ApprovalRequest`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ApprovalAnswer {
+    /// Allow or deny.
+    pub approved: bool,
+    /// Why (shown to the agent on deny).
+    pub reason: Option<String>,
+}
+
+/// Files the agent's side (the bridge, the approval tool or hook, inside
+/// the sandbox) and the slice exchange, under the turn's relay directory
+/// `<spool>/relay`: requests appended to one file, one answer file each.
 pub mod files {
-    use super::{HostCallRequest, Serialize};
+    use super::{ApprovalRequest, HostCallRequest, Serialize};
     use serde::Deserialize;
 
     /// One line of `requests.jsonl`: what the agent's side asks for.
@@ -352,6 +383,20 @@ pub mod files {
         /// Call a host tool; the answer is `answers/<callId>.json`, a
         /// [`HostOutcome`](super::HostOutcome).
         HostTool(HostCallRequest),
+        /// Ask the session's client whether a tool call may run; the answer
+        /// is `answers/<approvalId>.json`, an
+        /// [`ApprovalAnswer`](super::ApprovalAnswer).
+        Approval(ApprovalRequest),
+    }
+
+    impl RelayRequest {
+        /// The id that names the request's answer file.
+        pub fn id(&self) -> &str {
+            match self {
+                RelayRequest::HostTool(r) => &r.call_id,
+                RelayRequest::Approval(r) => &r.approval_id,
+            }
+        }
     }
 
     /// Requests, one JSON object per line, appended by the bridge.
@@ -396,8 +441,17 @@ mod tests {
             "kind": "host-tool", "callId": "c1", "tool": "t", "input": {"a": 1}
         }))
         .unwrap();
-        let files::RelayRequest::HostTool(r) = r;
+        let files::RelayRequest::HostTool(r) = r else {
+            panic!("{r:?}")
+        };
         assert_eq!(r.budget(), DEFAULT_BYTE_BUDGET);
+        // An approval line as Codex's hook writes it: its own fields stay,
+        // unknown ones are ignored.
+        let a: files::RelayRequest = serde_json::from_str(
+            r#"{"kind":"approval","approvalId":"codex-1-2","session_id":"x","toolName":"exec_command","input":{"cmd":"ls"},"toolUseId":"call_1"}"#,
+        )
+        .unwrap();
+        assert_eq!(a.id(), "codex-1-2");
         assert_eq!(r.timeout(), DEFAULT_TIMEOUT_MS);
     }
 

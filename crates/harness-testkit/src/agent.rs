@@ -9,7 +9,7 @@
 //! `approval=K`, after line K the script prints
 //! `{"type":"approval","id":"approve-K"}` and waits — like Claude Code's
 //! approval tool — for the harness to write the answer file
-//! (`<spool>/approvals/answers/approve-K.json`), then prints `approved K`
+//! (`<spool>/relay/answers/approve-K.json`), then prints `approved K`
 //! or `denied K` as a text line, so a test sees the answer reach the agent.
 
 use harness_core::bootstrap::BootstrapRecipe;
@@ -61,7 +61,7 @@ while [ $i -lt {lines} ]; do
   printf '{{"type":"text","text":"line %d"}}\n' $i
   if [ $i -eq {approval} ]; then
     printf '{{"type":"approval","id":"approve-%d"}}\n' $i
-    ans="$HOME/.harness/turns/$HARNESS_TURN/approvals/answers/approve-$i.json"
+    ans="$HOME/.harness/turns/$HARNESS_TURN/relay/answers/approve-$i.json"
     n=0
     while [ ! -f "$ans" ] && [ $n -lt 12000 ]; do sleep 0.05; n=$((n+1)); done
     if grep -q '"approved":true' "$ans" 2>/dev/null; then verdict=approved; else verdict=denied; fi
