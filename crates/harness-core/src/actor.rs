@@ -1548,6 +1548,7 @@ impl SessionActor {
                 call_id,
                 output: rest,
                 is_error,
+                produced_bytes,
             } => {
                 let Some(CallState::Out {
                     budget,
@@ -1560,7 +1561,7 @@ impl SessionActor {
                     return Self::not_out(conn, &call_id, out);
                 };
                 keep_within(output, &rest, *budget);
-                let total = *total + rest.len() as u64;
+                let total = (*total + rest.len() as u64).max(produced_bytes.unwrap_or(0));
                 let (text, truncated) =
                     crate::relay::truncate_counted(std::mem::take(output), *budget, total);
                 let outcome = HostOutcome::Completed {

@@ -131,6 +131,7 @@ impl Harness {
                 call_id: call_id.into(),
                 output: output.into(),
                 is_error: false,
+                produced_bytes: None,
             },
         });
     }

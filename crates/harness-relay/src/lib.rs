@@ -340,6 +340,10 @@ pub enum HostMessage {
         /// The tool failed.
         #[serde(default)]
         is_error: bool,
+        /// How many bytes the tool produced in all, when the host stopped
+        /// sending at the budget (the truncation marker names this size).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        produced_bytes: Option<u64>,
     },
 }
 

@@ -28,13 +28,17 @@ use tokio_tungstenite::tungstenite::Message;
 
 use crate::hub::{Hub, Outbound};
 
-/// What a tool produced.
+/// What a tool produced (after any chunks it streamed).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ToolOutput {
-    /// The result text.
+    /// The result text (the rest of it, after the chunks).
     pub output: String,
     /// The tool failed (the agent is told so).
     pub is_error: bool,
+    /// How many bytes the tool produced in all, when more than it sent
+    /// (it stopped sending at the budget): the session's truncation
+    /// marker names this size.
+    pub produced_bytes: Option<u64>,
 }
 
 impl ToolOutput {
@@ -43,6 +47,7 @@ impl ToolOutput {
         Self {
             output: output.into(),
             is_error: false,
+            produced_bytes: None,
         }
     }
 
@@ -51,6 +56,7 @@ impl ToolOutput {
         Self {
             output: output.into(),
             is_error: true,
+            produced_bytes: None,
         }
     }
 }
@@ -125,12 +131,16 @@ impl HostTool for CommandTool {
             // Closing stdin tells the tool its input is complete.
             drop(stdin);
         };
-        // Read at most a little past the budget: the session keeps no
-        // more, and a tool that prints gigabytes must not fill our memory.
+        // Stdout streams to the session as it comes, as chunks of whole
+        // characters, up to a little past the budget: the session keeps no
+        // more, and a tool that prints gigabytes must not fill our memory
+        // (the rest is read and counted, not kept).
         let cap = ctx.byte_budget.saturating_add(1);
         let mut stdout = child.stdout.take().expect("piped");
+        let chunks = ctx.clone();
         let read_out = async move {
-            let mut kept = Vec::new();
+            let mut pending = Vec::new();
+            let mut sent = 0u64;
             let mut total = 0u64;
             let mut buf = vec![0u8; 64 * 1024];
             loop {
@@ -138,12 +148,21 @@ impl HostTool for CommandTool {
                     Ok(0) | Err(_) => break,
                     Ok(n) => {
                         total += n as u64;
-                        let room = cap.saturating_sub(kept.len() as u64) as usize;
-                        kept.extend_from_slice(&buf[..n.min(room)]);
+                        let room = cap.saturating_sub(sent + pending.len() as u64) as usize;
+                        pending.extend_from_slice(&buf[..n.min(room)]);
+                        let text = take_utf8(&mut pending, false);
+                        if !text.is_empty() {
+                            sent += text.len() as u64;
+                            chunks.chunk(text);
+                        }
                     }
                 }
             }
-            (kept, total)
+            let rest = take_utf8(&mut pending, true);
+            if !rest.is_empty() {
+                chunks.chunk(rest);
+            }
+            total
         };
         let mut stderr = child.stderr.take().expect("piped");
         let read_err = async move {
@@ -151,20 +170,52 @@ impl HostTool for CommandTool {
             let _ = (&mut stderr).take(16 * 1024).read_to_end(&mut s).await;
             s
         };
-        let ((), (out, total), err) = tokio::join!(feed, read_out, read_err);
+        let ((), total, err) = tokio::join!(feed, read_out, read_err);
         let status = child.wait().await;
-        let mut text = String::from_utf8_lossy(&out).into_owned();
-        if total > out.len() as u64 {
-            // Say how much there was; the session cuts to the budget.
-            text.push_str(&format!("\n[the tool printed {total} bytes]"));
-        }
-        match status {
-            Ok(s) if s.success() => ToolOutput::ok(text),
+        let mut output = match status {
+            Ok(s) if s.success() => ToolOutput::ok(""),
             Ok(s) => {
                 let err = String::from_utf8_lossy(&err);
-                ToolOutput::error(format!("{text}{err}\n[{program} exited with {s}]"))
+                ToolOutput::error(format!("{err}\n[{program} exited with {s}]"))
             }
             Err(e) => ToolOutput::error(format!("waiting for {program:?} failed: {e}")),
+        };
+        output.produced_bytes = Some(total + output.output.len() as u64);
+        output
+    }
+}
+
+/// Take the text at the front of `bytes`: whole UTF-8 characters (an
+/// invalid sequence becomes U+FFFD); an incomplete character at the end
+/// stays for the next read unless `at_end`.
+fn take_utf8(bytes: &mut Vec<u8>, at_end: bool) -> String {
+    let mut out = String::new();
+    loop {
+        match std::str::from_utf8(bytes) {
+            Ok(s) => {
+                out.push_str(s);
+                bytes.clear();
+                return out;
+            }
+            Err(e) => {
+                let good = e.valid_up_to();
+                out.push_str(std::str::from_utf8(&bytes[..good]).unwrap_or_default());
+                match e.error_len() {
+                    Some(bad) => {
+                        out.push(char::REPLACEMENT_CHARACTER);
+                        bytes.drain(..good + bad);
+                    }
+                    None if at_end => {
+                        out.push(char::REPLACEMENT_CHARACTER);
+                        bytes.clear();
+                        return out;
+                    }
+                    None => {
+                        bytes.drain(..good);
+                        return out;
+                    }
+                }
+            }
         }
     }
 }
@@ -365,6 +416,7 @@ impl ToolHost {
                         let Some(tool) = by_name.get(&call.tool).cloned() else {
                             // The session only sends declared tools; answer anyway.
                             let out = ToolOutput::error(format!("this host has no tool {:?}", call.tool));
+                            // (no chunks were sent for it)
                             let _ = done_tx.send((call.call_id.clone(), Some(out)));
                             continue;
                         };
@@ -401,6 +453,7 @@ impl ToolHost {
                             call_id,
                             output: output.output,
                             is_error: output.is_error,
+                            produced_bytes: output.produced_bytes,
                         })
                         .await?;
                     }
@@ -492,5 +545,27 @@ impl HostLink for WsHostLink {
             }
         }
         Ok(None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::take_utf8;
+
+    #[test]
+    fn text_is_taken_in_whole_characters() {
+        // "é" is C3 A9: a read that ends between them keeps C3 for later.
+        let mut bytes = b"caf\xC3".to_vec();
+        assert_eq!(take_utf8(&mut bytes, false), "caf");
+        assert_eq!(bytes, b"\xC3");
+        bytes.extend_from_slice(b"\xA9!");
+        assert_eq!(take_utf8(&mut bytes, false), "\u{e9}!");
+        assert!(bytes.is_empty());
+        // Invalid bytes become U+FFFD; an unfinished character at the end
+        // of the output too.
+        let mut bytes = b"a\xFFb\xE2\x82".to_vec();
+        assert_eq!(take_utf8(&mut bytes, false), "a\u{fffd}b");
+        assert_eq!(take_utf8(&mut bytes, true), "\u{fffd}");
+        assert!(bytes.is_empty());
     }
 }

@@ -278,3 +278,43 @@ async fn a_host_that_goes_away_mid_call_leaves_ambiguous_and_no_rerun() {
     assert_eq!(again.load(Ordering::SeqCst), 0);
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_command_streams_its_output_and_a_long_one_is_cut_naming_its_size() {
+    let (hub, session) = session().await;
+    let host = ToolHost::new().tool(
+        spec("yes"),
+        CommandTool {
+            // 200,000 bytes: "y\n" 100,000 times.
+            argv: vec!["sh".into(), "-c".into(), "yes | head -n 100000".into()],
+            cwd: None,
+            env: BTreeMap::new(),
+        },
+    );
+    let runner = sink(&hub, 1);
+    let _host = attach(&hub, &session, host, &runner).await;
+    let mut long = call("yes-1", "yes");
+    long.byte_budget = Some(1000);
+    match runner
+        .host_call(session.as_str(), "t1", long)
+        .await
+        .unwrap()
+    {
+        HostOutcome::Completed {
+            output,
+            truncated,
+            is_error,
+        } => {
+            assert!(truncated && !is_error);
+            assert!(output.starts_with(&"y\n".repeat(500)), "{}", &output[..40]);
+            assert!(
+                output.contains("1000 of 200000 bytes shown"),
+                "the marker names what the tool printed: {}",
+                &output[1000..]
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    // (A command's result message carries no text of its own: all of the
+    // output above reached the session as chunks while it ran.)
+}
