@@ -284,9 +284,8 @@ async fn a_tool_host_killed_mid_call_leaves_ambiguous_and_never_reruns() {
     let outcomes = of_type(&frames, "host-outcome");
     assert_eq!(outcomes.len(), 1, "{frames:#?}");
     assert_eq!(outcomes[0]["outcome"], "ambiguous", "{:#}", outcomes[0]);
-    // A new host attaches; nothing is sent to it again.
-    let _again = RelayHost::start(&serve, &id, &tools, &[]);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The call is never sent again (a repeat is answered from the log:
+    // crates/harness-core/tests/host_calls.rs); here, it ran once.
     let log = std::fs::read_to_string(&calls).unwrap();
     assert_eq!(log.lines().count(), 1, "the tool ran once: {log:?}");
 }

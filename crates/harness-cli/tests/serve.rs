@@ -731,8 +731,14 @@ async fn a_paused_temporal_worker_is_fenced_by_the_next() {
         second.log()
     );
     first.signal("-CONT");
-    // Give the first worker time to wake up and try its pending writes.
-    tokio::time::sleep(Duration::from_secs(4)).await;
+    // The first worker wakes up and either tries its pending write (and is
+    // told it is fenced: the event ends the wait) or has its attempt
+    // cancelled by Temporal, which leaves nothing to observe — so that
+    // case is given a bounded 4 s. Either way nothing it does may land.
+    let woke = Instant::now();
+    while !first.log().contains("runner fenced") && woke.elapsed() < Duration::from_secs(4) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let stored = export(&serve, &id).await;
     assert_slow_turn_stored_once(&stored, "a paused worker and its successor");
     let generations = runner_generations(&stored);
