@@ -37,6 +37,13 @@
 //! - extension headers without a ustar/GNU magic.
 //!
 //! A PAX `size` record replaces the header's size, as in both extractors.
+//!
+//! And archives bigger than [`ScanLimits`] (by default 8 GiB of file
+//! content or 500,000 entries; `HARNESS_MAX_RESTORE_BYTES` /
+//! `HARNESS_MAX_RESTORE_ENTRIES` change them): a decompression bomb — a
+//! few MB of zstd that expand to 10 GB of zeros, or a million empty files —
+//! is refused at the header that crosses the limit, before its data is
+//! read and before anything is written.
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::{HashMap, HashSet};
@@ -53,6 +60,42 @@ const BLOCK: usize = 512;
 const MAX_EXTENSION_BYTES: u64 = 1024 * 1024;
 /// Mode bits that make a program run as its owner or group.
 const SETID_BITS: u32 = 0o6000;
+
+/// How big an archive may be. A header that would take the archive past a
+/// limit is refused, so a bomb costs a few headers, not its expansion.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScanLimits {
+    /// Most entries (files, directories, links).
+    pub max_entries: u64,
+    /// Most bytes of file content, summed over the entries.
+    pub max_content_bytes: u64,
+}
+
+impl ScanLimits {
+    /// Built in: 500,000 entries, 8 GiB of content.
+    pub const BUILT_IN: ScanLimits = ScanLimits {
+        max_entries: 500_000,
+        max_content_bytes: 8 << 30,
+    };
+}
+
+impl Default for ScanLimits {
+    /// [`ScanLimits::BUILT_IN`], each overridden by
+    /// `HARNESS_MAX_RESTORE_ENTRIES` / `HARNESS_MAX_RESTORE_BYTES` when set
+    /// to a number (so a deployment raises them without a rebuild).
+    fn default() -> Self {
+        let env = |name: &str| {
+            std::env::var(name)
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok())
+        };
+        ScanLimits {
+            max_entries: env("HARNESS_MAX_RESTORE_ENTRIES").unwrap_or(Self::BUILT_IN.max_entries),
+            max_content_bytes: env("HARNESS_MAX_RESTORE_BYTES")
+                .unwrap_or(Self::BUILT_IN.max_content_bytes),
+        }
+    }
+}
 
 /// What a complete scan saw.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -110,6 +153,7 @@ pub struct TarScanner {
     /// whether every entry of that path was a directory.
     seen: HashMap<u64, bool>,
     summary: ScanSummary,
+    limits: ScanLimits,
 }
 
 impl Default for TarScanner {
@@ -147,7 +191,14 @@ impl TarScanner {
             check_symlink_targets: true,
             seen: HashMap::new(),
             summary: ScanSummary::default(),
+            limits: ScanLimits::default(),
         }
+    }
+
+    /// Refuse archives past `limits` (instead of [`ScanLimits::default`]).
+    pub fn with_limits(mut self, limits: ScanLimits) -> Self {
+        self.limits = limits;
+        self
     }
 
     /// Accept symlinks whatever they point to (absolute, or above the
@@ -344,9 +395,22 @@ impl TarScanner {
                 kind_name(kind)
             )));
         }
+        if self.summary.entries >= self.limits.max_entries {
+            return Err(Error::unsafe_entry(format!(
+                "refusing the archive at {path:?}: it has more than {} entries (the limit; HARNESS_MAX_RESTORE_ENTRIES raises it)",
+                self.limits.max_entries
+            )));
+        }
         match kind {
             EntryType::Regular | EntryType::Continuous => {
-                self.summary.content_bytes += size;
+                let total = self.summary.content_bytes.saturating_add(size);
+                if total > self.limits.max_content_bytes {
+                    return Err(Error::unsafe_entry(format!(
+                        "refusing the archive at {path:?}: it expands to more than {} bytes of files (the limit; HARNESS_MAX_RESTORE_BYTES raises it)",
+                        self.limits.max_content_bytes
+                    )));
+                }
+                self.summary.content_bytes = total;
             }
             EntryType::Directory => {}
             EntryType::Symlink => {
@@ -595,6 +659,44 @@ mod tests {
         }
         h.set_cksum();
         h.as_bytes().to_vec()
+    }
+
+    #[test]
+    fn archives_past_the_limits_are_refused_at_the_header() {
+        // A 10 GiB file is refused from its header alone: no data read.
+        let mut s = TarScanner::new().with_limits(ScanLimits::BUILT_IN);
+        let err = s
+            .push(&header("zeros.bin", EntryType::Regular, 10 << 30, None))
+            .unwrap_err();
+        assert_eq!(err.kind(), crate::ErrorKind::Unsafe);
+        assert!(err.message().contains("bytes of files"), "{err}");
+        assert!(err.message().contains("HARNESS_MAX_RESTORE_BYTES"), "{err}");
+        // Entries: the one past the limit is refused; sizes add up.
+        let limits = ScanLimits {
+            max_entries: 3,
+            max_content_bytes: 1000,
+        };
+        let mut s = TarScanner::new().with_limits(limits);
+        for name in ["a", "b", "c"] {
+            s.push(&header(name, EntryType::Regular, 0, None)).unwrap();
+        }
+        let err = s
+            .push(&header("d", EntryType::Regular, 0, None))
+            .unwrap_err();
+        assert!(err.message().contains("more than 3 entries"), "{err}");
+        let mut s = TarScanner::new().with_limits(limits);
+        let mut data = header("a", EntryType::Regular, 600, None);
+        data.extend(vec![0u8; 1024]);
+        s.push(&data).unwrap();
+        let err = s
+            .push(&header("b", EntryType::Regular, 401, None))
+            .unwrap_err();
+        assert!(err.message().contains("more than 1000 bytes"), "{err}");
+        // At the limit exactly: fine.
+        let mut s = TarScanner::new().with_limits(limits);
+        let mut data = header("a", EntryType::Regular, 1000, None);
+        data.extend(vec![0u8; 1024]);
+        s.push(&data).unwrap();
     }
 
     fn archive(entries: &[(&str, EntryType, &[u8], Option<&str>)]) -> Vec<u8> {

@@ -806,9 +806,11 @@ impl Sandbox for DockerSandbox {
         // but, with `--no-same-permissions`, without setuid, setgid and
         // sticky bits: tar runs as root here, and `-p` would restore a
         // root-owned setuid program (`moves::restore` refuses such entries
-        // before this runs; this is the second line).
+        // before this runs; this is the second line). `--no-same-owner`:
+        // root's tar would otherwise give each file the owner the archive
+        // names; everything restored belongs to the extracting user.
         let script = format!(
-            "mkdir -p {d} && umask 0 && exec tar -C {d} -xf - --no-same-permissions --numeric-owner",
+            "mkdir -p {d} && umask 0 && exec tar -C {d} -xf - --no-same-permissions --no-same-owner",
             d = shell_quote(&dir)
         );
         // Scanned on the way in: devices, FIFOs, setuid files, `..` and

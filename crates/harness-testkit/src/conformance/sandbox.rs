@@ -132,6 +132,14 @@ pub async fn run_all_with(
         "restore_refuses_hostile_archives",
         restore_refuses_hostile_archives(sb).await,
     );
+    record(
+        "restore_refuses_decompression_bombs",
+        restore_refuses_decompression_bombs(sb).await,
+    );
+    record(
+        "import_takes_no_owners_from_the_archive",
+        import_takes_no_owners_from_the_archive(sb).await,
+    );
     record("unicode_names", unicode_names(sb).await);
     record("concurrent_execs", concurrent_execs(sb).await);
     record(
@@ -2094,6 +2102,126 @@ pub async fn import_refuses_hostile_entries(sb: &dyn Sandbox) -> Result<()> {
     ensure!(
         failures.is_empty(),
         "hostile archives through import_tar:\n  {}",
+        failures.join("\n  ")
+    );
+    Ok(())
+}
+
+/// `import_tar` of a file the archive says belongs to uid/gid 4242 leaves
+/// it owned by whoever extracts (extractors running as root would
+/// otherwise hand files to any user the archive names).
+pub async fn import_takes_no_owners_from_the_archive(sb: &dyn Sandbox) -> Result<()> {
+    let target = scratch("owners");
+    let mut h = raw_header("owned.txt", tar::EntryType::Regular, 0o644, None, 2);
+    h.set_uid(4242);
+    h.set_gid(4242);
+    h.set_cksum();
+    let tar = archive_of(vec![raw_entry(&h, b"hi")]);
+    sb.import_tar(&target, harness_core::stream::once(tar))
+        .await?;
+    let out = sh(
+        sb,
+        &format!(
+            "stat -c '%u:%g' {}/owned.txt && id -u && id -g",
+            shell_quote(&target)
+        ),
+    )
+    .await?;
+    let lines: Vec<&str> = out.lines().collect();
+    sh(sb, &format!("rm -rf {}", shell_quote(&target))).await?;
+    ensure!(lines.len() == 3, "unexpected output: {out:?}");
+    ensure!(
+        lines[0] == format!("{}:{}", lines[1], lines[2]),
+        "the file belongs to {} (the archive said 4242:4242), not to the extracting user {}:{}",
+        lines[0],
+        lines[1],
+        lines[2]
+    );
+    Ok(())
+}
+
+/// The zstd of `data`, as one frame (frames concatenate: the decompressed
+/// stream is their contents in order).
+async fn zstd_frame(data: Vec<u8>) -> Result<Vec<u8>> {
+    use harness_core::moves;
+    let frame = moves::compress(harness_core::stream::once(data), moves::DEFAULT_ZSTD_LEVEL);
+    Ok(harness_core::stream::collect(frame, usize::MAX)
+        .await?
+        .to_vec())
+}
+
+/// Two decompression bombs, stored as a few MB of zstd in a memory store:
+/// 10 GiB of zeros in one file, and 1,000,000 empty files. `moves::restore`
+/// into this sandbox refuses each with an `Unsafe` error that names the
+/// limit, and leaves the target as it was.
+pub async fn restore_refuses_decompression_bombs(sb: &dyn Sandbox) -> Result<()> {
+    use harness_core::checkpoint::{CheckpointStore, MemoryCheckpointStore};
+    use harness_core::moves;
+    let target = format!("{}/target", scratch("bombs"));
+    sh(
+        sb,
+        &format!(
+            "mkdir -p {t} && printf keep > {t}/keep.txt",
+            t = shell_quote(&target)
+        ),
+    )
+    .await?;
+    let store = MemoryCheckpointStore::new();
+    // 10 GiB of zeros: the header, then 10,240 frames of 1 MiB of zeros
+    // (each a few dozen bytes of zstd), then the end marker.
+    let size = 10u64 << 30;
+    let header = raw_header("zeros.bin", tar::EntryType::Regular, 0o644, None, size);
+    let mut zeros = zstd_frame(header.as_bytes().to_vec()).await?;
+    let mib = zstd_frame(vec![0u8; 1 << 20]).await?;
+    for _ in 0..(size >> 20) {
+        zeros.extend_from_slice(&mib);
+    }
+    zeros.extend(zstd_frame(vec![0u8; 1024]).await?);
+    // 1,000,000 empty files, 10,000 headers to a frame.
+    let mut files = Vec::new();
+    for chunk in 0..100 {
+        let mut tar = Vec::with_capacity(10_000 * 512);
+        for i in 0..10_000 {
+            let name = format!("f{}", chunk * 10_000 + i);
+            tar.extend(file(&name, 0o644, b""));
+        }
+        files.extend(zstd_frame(tar).await?);
+    }
+    files.extend(zstd_frame(vec![0u8; 1024]).await?);
+    let mut failures = Vec::new();
+    for (name, bomb, says) in [
+        ("10 GiB of zeros", zeros, "bytes of files"),
+        ("1,000,000 empty files", files, "entries"),
+    ] {
+        let compressed = bomb.len();
+        let key = format!("bombs/{}.tar.zst", name.replace([' ', ','], "-"));
+        store.put(&key, harness_core::stream::once(bomb)).await?;
+        let before = manifest(sb, &target).await?;
+        let result = moves::restore(&store, &key, sb, &target, None).await;
+        let check = async {
+            match &result {
+                Ok(info) => bail!("restore accepted it: {info:?}"),
+                Err(e) if e.kind() == ErrorKind::Unsafe && e.message().contains(says) => {}
+                Err(e) => bail!("not refused for its size ({says}): {e}"),
+            }
+            let after = manifest(sb, &target).await?;
+            ensure!(
+                after == before,
+                "the target changed:
+{before:?}
+{after:?}"
+            );
+            Ok(())
+        }
+        .await;
+        if let Err(e) = check {
+            failures.push(format!("{name} ({compressed} bytes of zstd): {e:#}"));
+        }
+    }
+    sh(sb, &format!("rm -rf {}", shell_quote(&target))).await?;
+    ensure!(
+        failures.is_empty(),
+        "decompression bombs:\n  {}",
         failures.join("\n  ")
     );
     Ok(())
