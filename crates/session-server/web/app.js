@@ -482,6 +482,21 @@ function onFrame(frame) {
         state.running = body.turnId;
       }
       break;
+    case "host-call":
+      // A host tool the agent called; it runs on the session's tool host.
+      entry("note", frame.seq, body.turnId).append(
+        text("p", `Host tool ${body.tool} called (${body.callId})`),
+      );
+      break;
+    case "host-outcome": {
+      const detail = body.outcome === "completed"
+        ? `${body.isError ? "failed" : "completed"}${body.truncated ? ", output truncated" : ""}`
+        : `${body.outcome}${body.reason ? `: ${body.reason}` : ""}`;
+      entry(`note host-${body.outcome}`, frame.seq, body.turnId).append(
+        text("p", `Host tool call ${body.callId} ${detail}`),
+      );
+      break;
+    }
     case "sealed":
       entry("note", frame.seq).append(text("p", "The session is sealed; fork it to continue."));
       state.sealed = true;
