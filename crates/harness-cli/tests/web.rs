@@ -576,3 +576,54 @@ async fn wrong_tokens_and_forbidden_actions_get_clear_messages() {
     let message = wait_text(&serve, c, "#status", "may not do that").await;
     assert!(message.contains("403"), "{message}");
 }
+
+/// A host-tool call shows as a line when the session records it and one
+/// with its outcome; the agent's answer carries the host's result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_tool_call_and_its_outcome_show_in_the_transcript() {
+    if !claude() {
+        return;
+    }
+    let Some(b) = browser(1100, 900).await else {
+        return;
+    };
+    const CALL_HOST: &str = "toolu_web_host";
+    let script = Script::new()
+        .rule(
+            Rule::new(
+                last_is_tool_result_for(CALL_HOST),
+                Reply::text("The host found order 4711."),
+            )
+            .assert_tool_result_contains(CALL_HOST, "order 4711 found"),
+        )
+        .on(
+            any(),
+            Reply::tool(ToolCall::named(
+                CALL_HOST,
+                "mcp__host__lookup",
+                json!({"q": "4711"}),
+            )),
+        );
+    let model = ScriptedModel::start(script).await.unwrap();
+    let home = tempfile::tempdir().unwrap();
+    let host_dir = tempfile::tempdir().unwrap();
+    let tools = host_dir.path().join("tools.toml");
+    std::fs::write(
+        &tools,
+        "[[tool]]\nname = \"lookup\"\ndescription = \"Look up an order\"\ncommand = [\"sh\", \"-c\", \"cat >/dev/null; echo order 4711 found\"]\n",
+    )
+    .unwrap();
+    let serve = Serve::start(home.path(), &model, &[]);
+    let id = create(&serve, json!({"agent": "claude-code", "sandbox": "local"})).await;
+    let _host = RelayHost::start(&serve, &id, &tools, &[]);
+    let c = &b.client;
+    sign_in(&serve, c, CLIENT, Some(&id)).await;
+    send_prompt(c, "look up order 4711").await;
+    wait_text(&serve, c, ".entry.note", "Host tool lookup called").await;
+    let outcome = wait_text(&serve, c, ".entry.host-completed", "completed").await;
+    assert!(outcome.contains("Host tool call"), "{outcome}");
+    wait_text(&serve, c, ".entry.status.finished", "finished").await;
+    wait_text(&serve, c, "body", "The host found order 4711.").await;
+    model.assert_no_failures();
+    screenshot(c, "host-tool").await;
+}
