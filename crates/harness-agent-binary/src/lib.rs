@@ -8,8 +8,9 @@
 //! The bootstrap recipe names the binary by SHA-256 (so a sandbox snapshot is
 //! keyed on the exact build), and hashing a 300–400 MB file takes seconds, so
 //! the digest is computed once and cached next to the file as
-//! `<path>.sha256` (`sha256sum` format). The cache is trusted only while it
-//! is newer than the binary; a replaced binary is hashed again.
+//! `<path>.sha256` (`sha256sum` format, then the file's size, mtime and
+//! inode). The cache is trusted only for that very file; a replaced binary
+//! is hashed again.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -107,18 +108,43 @@ impl HelperBinary {
     }
 }
 
-/// The SHA-256 of `path`, from `<path>.sha256` when that is newer than the
-/// file, else computed and (best effort) written there.
+/// What identifies one version of a file without reading it: size,
+/// modification time (ns) and, on Unix, device and inode. Cargo replaces a
+/// binary by hard-linking another build in its place, whose mtime can be
+/// *older* than a cache written since (seen: a test's `cargo build -p`
+/// swapped `harness-relay-mcp` for a build with other features, and the
+/// mtime check kept the old digest); the inode changes then.
+fn stat_key(meta: &std::fs::Metadata) -> String {
+    let mtime = meta
+        .modified()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos());
+    #[cfg(unix)]
+    let node = {
+        use std::os::unix::fs::MetadataExt;
+        format!(" dev={} ino={}", meta.dev(), meta.ino())
+    };
+    #[cfg(not(unix))]
+    let node = String::new();
+    format!("size={} mtime_ns={mtime}{node}", meta.len())
+}
+
+/// The SHA-256 of `path`, from `<path>.sha256` when that was written for
+/// this very version of the file (same size, mtime and inode), else
+/// computed and (best effort) written there: `sha256sum` format on the
+/// first line, the file's [`stat_key`] on the second.
 pub fn sha256_cached(path: &Path) -> Result<String> {
     let cache = PathBuf::from(format!("{}.sha256", path.display()));
     let meta = std::fs::metadata(path)?;
-    if let (Ok(cache_meta), Ok(text)) = (std::fs::metadata(&cache), std::fs::read_to_string(&cache))
-    {
-        let fresh = match (cache_meta.modified(), meta.modified()) {
-            (Ok(c), Ok(b)) => c >= b,
-            _ => false,
-        };
-        let digest = text.split_whitespace().next().unwrap_or("");
+    let key = stat_key(&meta);
+    if let Ok(text) = std::fs::read_to_string(&cache) {
+        let mut lines = text.lines();
+        let digest = lines
+            .next()
+            .and_then(|l| l.split_whitespace().next())
+            .unwrap_or("");
+        let fresh = lines.next().map(str::trim) == Some(key.as_str());
         if fresh && digest.len() == 64 && digest.bytes().all(|b| b.is_ascii_hexdigit()) {
             return Ok(digest.to_ascii_lowercase());
         }
@@ -139,7 +165,7 @@ pub fn sha256_cached(path: &Path) -> Result<String> {
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     // A read-only cache directory only costs a re-hash next time.
-    let _ = std::fs::write(&cache, format!("{digest}  {name}\n"));
+    let _ = std::fs::write(&cache, format!("{digest}  {name}\n{key}\n"));
     Ok(digest)
 }
 
@@ -206,12 +232,27 @@ mod tests {
         );
         let cache = dir.join("tool.sha256");
         assert!(std::fs::read_to_string(&cache).unwrap().starts_with(&d));
-        // A cache entry newer than the file is believed (proves it is read).
-        std::fs::write(&cache, format!("{}  tool\n", "0".repeat(64))).unwrap();
+        // A cache entry for this very file is believed (proves it is read).
+        let key = stat_key(&std::fs::metadata(&bin).unwrap());
+        std::fs::write(&cache, format!("{}  tool\n{key}\n", "0".repeat(64))).unwrap();
         assert_eq!(sha256_cached(&bin).unwrap(), "0".repeat(64));
-        // Replace the binary after the cache: the digest is recomputed.
-        std::thread::sleep(std::time::Duration::from_millis(20));
-        std::fs::write(&bin, b"abcd").unwrap();
+        // One without the file's stat key (an old cache) is not.
+        std::fs::write(&cache, format!("{}  tool\n", "0".repeat(64))).unwrap();
+        assert_eq!(sha256_cached(&bin).unwrap(), d);
+        // Another build hard-linked into place with an *older* mtime, as
+        // cargo does: the inode differs, so the digest is recomputed.
+        let other = dir.join("tool-other-build");
+        std::fs::write(&other, b"abcd").unwrap();
+        let old = std::fs::metadata(&bin).unwrap().modified().unwrap()
+            - std::time::Duration::from_secs(3600);
+        std::fs::File::options()
+            .write(true)
+            .open(&other)
+            .unwrap()
+            .set_modified(old)
+            .unwrap();
+        std::fs::remove_file(&bin).unwrap();
+        std::fs::hard_link(&other, &bin).unwrap();
         let d2 = sha256_cached(&bin).unwrap();
         assert_eq!(
             d2,

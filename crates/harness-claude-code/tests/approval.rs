@@ -31,15 +31,21 @@ const CALL_ID: &str = "toolu_needs_permission";
 const DENY_REASON: &str = "the test says no";
 
 /// The approval server binary: `$HARNESS_APPROVAL_MCP_BIN`, else built with
-/// cargo into this test's target directory (a test of another crate cannot
-/// name a binary of this workspace as an artifact).
+/// cargo on its own into `<target>/helpers` (a test of another crate cannot
+/// name a binary of this workspace as an artifact; and the copy in the
+/// target directory proper is swapped for builds with other features,
+/// each a new bootstrap identity).
 fn approval_server_binary() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("HARNESS_APPROVAL_MCP_BIN").filter(|p| !p.is_empty()) {
         return Some(p.into());
     }
+    // target/<profile>/deps/<test exe> → target/helpers
+    let exe = std::env::current_exe().ok()?;
+    let helpers = exe.parent()?.parent()?.parent()?.join("helpers");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let status = std::process::Command::new(cargo)
-        .args(["build", "-q", "-p", "harness-approval-mcp"])
+        .args(["build", "-q", "-p", "harness-approval-mcp", "--target-dir"])
+        .arg(&helpers)
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .status();
     if !matches!(status, Ok(s) if s.success()) {
@@ -48,9 +54,7 @@ fn approval_server_binary() -> Option<PathBuf> {
         ));
         return None;
     }
-    // target/<profile>/deps/<test exe> → target/<profile>/harness-approval-mcp
-    let exe = std::env::current_exe().ok()?;
-    let bin = exe.parent()?.parent()?.join("harness-approval-mcp");
+    let bin = helpers.join("debug").join("harness-approval-mcp");
     if bin.is_file() {
         Some(bin)
     } else {

@@ -93,23 +93,31 @@ pub fn relay_bridge() -> Option<PathBuf> {
     helper_binary("HARNESS_RELAY_MCP_BIN", "harness-relay-mcp")
 }
 
-/// `$env_var`, else the workspace's `package` binary (built now).
+/// `$env_var`, else the workspace's `package` binary, built now on its
+/// own into `<target>/helpers`. Not the copy next to `harness`: cargo
+/// swaps that one for a build with other features whenever another
+/// command builds the package (a helper is hashed into every sandbox's
+/// bootstrap identity, so each swap meant a new bootstrap).
 fn helper_binary(env_var: &str, package: &str) -> Option<PathBuf> {
     if let Some(p) = std::env::var_os(env_var).filter(|p| !p.is_empty()) {
         return Some(p.into());
     }
+    // target/<profile>/harness → target/helpers
+    let target = Path::new(env!("CARGO_BIN_EXE_harness"))
+        .parent()?
+        .parent()?;
+    let helpers = target.join("helpers");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let built = Command::new(cargo)
-        .args(["build", "-q", "-p", package])
+        .args(["build", "-q", "-p", package, "--target-dir"])
+        .arg(&helpers)
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .status();
     if !matches!(built, Ok(s) if s.success()) {
         skip_or_fail(&format!("could not build {package}"));
         return None;
     }
-    let bin = Path::new(env!("CARGO_BIN_EXE_harness"))
-        .parent()?
-        .join(package);
+    let bin = helpers.join("debug").join(package);
     bin.is_file().then_some(bin)
 }
 
