@@ -338,6 +338,20 @@ pub enum ServerMessage {
 }
 
 impl ServerMessage {
+    /// Whether this answers the one message a runner or tool host sent:
+    /// `ack`, `received`, `host-tools`, or a host call's outcome frame
+    /// (the only frames such a connection receives). Errors answer too;
+    /// a transport reports them as refusals.
+    pub fn is_reply(&self) -> bool {
+        match self {
+            ServerMessage::Ack { .. }
+            | ServerMessage::Received {}
+            | ServerMessage::HostTools { .. } => true,
+            ServerMessage::Frame { frame } => matches!(frame.body, FrameBody::HostOutcome { .. }),
+            _ => false,
+        }
+    }
+
     /// A refusal.
     pub fn error(code: ErrorCode, message: impl Into<String>) -> Self {
         ServerMessage::Error {

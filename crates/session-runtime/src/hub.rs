@@ -238,40 +238,10 @@ impl Connection {
     }
 
     /// Wait for the reply to the one message this runner or tool-host
-    /// connection sent: `Ack`, `Received`, `Error`, `HostTools`, or the
-    /// outcome frame of a host call (the only frames a runner receives).
-    /// Clients use [`answer`](Self::answer): frames fanned out to them are
-    /// not replies.
+    /// connection sent ([`ServerMessage::is_reply`]). Clients use
+    /// [`answer`](Self::answer): frames fanned out to them are not replies.
     pub async fn reply(&mut self, timeout: Duration) -> Result<ServerMessage, AnswerError> {
-        let wait = async {
-            while let Some(out) = self.recv().await {
-                match out {
-                    Outbound::Msg(
-                        m @ (ServerMessage::Ack { .. }
-                        | ServerMessage::Received {}
-                        | ServerMessage::HostTools { .. }),
-                    ) => return Ok(m),
-                    Outbound::Msg(ServerMessage::Error { code, message }) => {
-                        return Err(AnswerError::Refused { code, message })
-                    }
-                    Outbound::Msg(
-                        m @ ServerMessage::Frame {
-                            frame:
-                                harness_core::Frame {
-                                    body: harness_core::FrameBody::HostOutcome { .. },
-                                    ..
-                                },
-                        },
-                    ) => return Ok(m),
-                    Outbound::Msg(_) => {}
-                    Outbound::Close(reason) => return Err(AnswerError::Closed(reason)),
-                }
-            }
-            Err(AnswerError::Closed("the session actor stopped".into()))
-        };
-        tokio::time::timeout(timeout, wait)
-            .await
-            .unwrap_or(Err(AnswerError::TimedOut))
+        self.wait_for(timeout, ServerMessage::is_reply).await
     }
 
     /// Wait for the answer (`Ack`, `Received` or `Error`) to the one
@@ -279,16 +249,28 @@ impl Connection {
     /// meanwhile. `(seq, duplicate)`; seq 0 for a live part (`Received`:
     /// fanned out, stored later as part of its block).
     pub async fn answer(&mut self, timeout: Duration) -> Result<(u64, bool), AnswerError> {
+        let acked =
+            |m: &ServerMessage| matches!(m, ServerMessage::Ack { .. } | ServerMessage::Received {});
+        match self.wait_for(timeout, acked).await? {
+            ServerMessage::Ack { seq, duplicate } => Ok((seq, duplicate)),
+            _ => Ok((0, false)),
+        }
+    }
+
+    /// The first message `accept` takes (an `Error` is a refusal), skipping
+    /// the rest.
+    async fn wait_for(
+        &mut self,
+        timeout: Duration,
+        accept: impl Fn(&ServerMessage) -> bool,
+    ) -> Result<ServerMessage, AnswerError> {
         let wait = async {
             while let Some(out) = self.recv().await {
                 match out {
-                    Outbound::Msg(ServerMessage::Ack { seq, duplicate }) => {
-                        return Ok((seq, duplicate))
-                    }
-                    Outbound::Msg(ServerMessage::Received {}) => return Ok((0, false)),
                     Outbound::Msg(ServerMessage::Error { code, message }) => {
                         return Err(AnswerError::Refused { code, message })
                     }
+                    Outbound::Msg(m) if accept(&m) => return Ok(m),
                     Outbound::Msg(_) => {}
                     Outbound::Close(reason) => return Err(AnswerError::Closed(reason)),
                 }

@@ -152,12 +152,7 @@ impl RunnerLink for WsLink {
                     msg.map_err(|e| Error::backend(format!("the runner socket failed: {e}")))?;
                 match msg {
                     Message::Text(t) => match serde_json::from_str::<ServerMessage>(t.as_str()) {
-                        Ok(
-                            m @ (ServerMessage::Ack { .. }
-                            | ServerMessage::Received {}
-                            | ServerMessage::HostTools { .. }
-                            | ServerMessage::Frame { .. }),
-                        ) => return Ok(m),
+                        Ok(m) if m.is_reply() => return Ok(m),
                         Ok(ServerMessage::Error { code, message }) => {
                             return Err(refusal(AnswerError::Refused { code, message }))
                         }
