@@ -49,6 +49,7 @@ fn runner(root: &Path, log: Arc<dyn SessionLog>) -> SliceRunner {
         harnesses,
         sink: Arc::new(RunnerSink::new(Arc::new(HubConnector::new(hub)), now_ms())),
         env: BTreeMap::new(),
+        broker: None,
         model: None,
         poll_interval: Duration::from_millis(50),
         sleep: session_runtime::tokio_sleeper(),

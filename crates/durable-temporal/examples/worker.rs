@@ -66,6 +66,7 @@ async fn main() -> anyhow::Result<()> {
             SystemClock.now_ms(),
         )),
         env: BTreeMap::new(),
+        broker: None,
         model: None,
         poll_interval: Duration::from_millis(50),
         sleep: session_runtime::tokio_sleeper(),

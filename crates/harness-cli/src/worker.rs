@@ -67,6 +67,7 @@ async fn remote_slice_runner(home: &Home, args: &RemoteArgs) -> Result<(SliceRun
         harnesses,
         sink: Arc::new(RunnerSink::new(Arc::new(connector), generation)),
         env: local::agent_env(),
+        broker: None,
         model: None,
         poll_interval: Duration::from_millis(150),
         sleep: harness::runtime::tokio_sleeper(),

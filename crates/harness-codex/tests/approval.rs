@@ -126,6 +126,7 @@ async fn rig(b: Backend, h: CodexHarness, server: &ScriptedModel, name: &str) ->
         harnesses,
         sink: sink.clone(),
         env,
+        broker: None,
         model: None,
         poll_interval: Duration::from_millis(100),
         sleep: Arc::new(|d| Box::pin(tokio::time::sleep(d))),

@@ -34,6 +34,7 @@
 pub mod actor;
 pub mod actor_driver;
 pub mod bootstrap;
+pub mod broker;
 pub mod checkpoint;
 pub mod clock;
 pub mod engine;

@@ -38,18 +38,47 @@ pub enum NetworkPolicy {
     AllowAll,
     /// No network at all (loopback only).
     DenyAll,
-    /// Only the listed destinations, minus the denied ranges.
+    /// Only the listed destinations, minus the denied ranges. Providers
+    /// enforce it with no route out of the sandbox but an egress proxy on
+    /// the host that checks every connection against these lists (see
+    /// `docs/network.md`).
     Custom {
-        /// Host names that may be reached.
+        /// Host names that may be reached: `example.com`, or `*.example.com`
+        /// for every name under it.
         #[serde(default)]
         allowed_hosts: Vec<String>,
-        /// CIDR ranges that may be reached.
+        /// CIDR ranges that may be reached (`10.1.0.0/16`, `::1/128`).
         #[serde(default)]
         allowed_cidrs: Vec<String>,
-        /// CIDR ranges that must not be reached, even if allowed above.
+        /// CIDR ranges that must not be reached, even if allowed above; checked
+        /// against the addresses a host name resolves to.
         #[serde(default)]
         denied_cidrs: Vec<String>,
+        /// Destination ports that may be reached; empty allows every port.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        allowed_ports: Vec<u16>,
     },
+}
+
+/// The loopback port inside a sandbox where the session's model broker
+/// answers (see [`HostForward`]).
+pub const MODEL_BROKER_PORT: u16 = 47811;
+/// The loopback port inside a sandbox where the egress proxy of a `custom`
+/// network policy answers.
+pub const EGRESS_PROXY_PORT: u16 = 47812;
+
+/// A host service a sandbox reaches on its own loopback, whatever its
+/// network policy: inside the sandbox, `127.0.0.1:<port>` connects to the
+/// Unix socket `socket` on the host. This is how an agent with no network
+/// reaches the model broker, and how a `custom` policy's egress proxy is
+/// reached. The socket's directory must hold nothing but sockets: a
+/// provider may mount the whole directory into the sandbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostForward {
+    /// The loopback port inside the sandbox.
+    pub port: u16,
+    /// The host path of the Unix socket it reaches.
+    pub socket: String,
 }
 
 /// How to make a sandbox.
@@ -75,6 +104,11 @@ pub struct SandboxSpec {
     /// Network policy.
     #[serde(default)]
     pub network: NetworkPolicy,
+    /// Host services reachable on the sandbox's loopback under every network
+    /// policy. A provider that cannot provide one refuses the spec with
+    /// `Unsupported`, never drops it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub forwards: Vec<HostForward>,
     /// Labels for bookkeeping (container labels, directory metadata).
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
@@ -108,6 +142,7 @@ impl SandboxSpec {
             memory_mb: None,
             ports: Vec::new(),
             network: NetworkPolicy::AllowAll,
+            forwards: Vec::new(),
             labels: BTreeMap::new(),
             bootstrap: None,
             wrap: None,
@@ -407,6 +442,16 @@ pub trait SandboxProvider: MaybeSend + MaybeSync + std::fmt::Debug {
     /// Reattach to a sandbox from its handle, whether it is running or
     /// stopped (a stopped one is started again).
     async fn resume(&self, handle: &SandboxHandle) -> Result<Box<dyn Sandbox>>;
+
+    /// Whether commands in a sandbox made with this network policy run in
+    /// the host's own network namespace, so the host's loopback is theirs
+    /// (the local provider under `allow-all`). Such a sandbox takes no
+    /// [`SandboxSpec::forwards`]: host services are reached at their host
+    /// address instead.
+    fn shares_host_network(&self, network: &NetworkPolicy) -> bool {
+        let _ = network;
+        false
+    }
 
     /// Bootstrap snapshots this provider keeps. Optional.
     async fn list_snapshots(&self) -> Result<Vec<SnapshotInfo>> {
@@ -736,7 +781,8 @@ mod tests {
             NetworkPolicy::Custom {
                 allowed_hosts: vec!["example.com".into()],
                 allowed_cidrs: vec![],
-                denied_cidrs: vec!["10.0.0.0/8".into()]
+                denied_cidrs: vec!["10.0.0.0/8".into()],
+                allowed_ports: vec![],
             }
         );
         assert_eq!(

@@ -26,6 +26,7 @@ use async_trait::async_trait;
 use futures::{FutureExt, StreamExt};
 use tracing::{field, Instrument};
 
+use crate::broker::{ModelBroker, Reach, CREDENTIAL_ENV_VARS};
 use crate::clock::Clock;
 use crate::engine::SliceExecutor;
 use crate::harness::{Harness, TurnContext};
@@ -97,8 +98,14 @@ pub struct SliceRunner {
     pub harnesses: BTreeMap<String, Arc<dyn Harness>>,
     /// Where parts go.
     pub sink: Arc<dyn PartSink>,
-    /// Caller environment for the agent (API keys, base URLs).
+    /// Caller environment for the agent (API keys, base URLs). With a
+    /// `broker`, its credential variables
+    /// ([`CREDENTIAL_ENV_VARS`](crate::broker::CREDENTIAL_ENV_VARS)) never
+    /// reach the agent.
     pub env: BTreeMap<String, String>,
+    /// The model broker: when set, sandboxes are made with forwards to it
+    /// and agents get a session token instead of the real key.
+    pub broker: Option<Arc<dyn ModelBroker>>,
     /// Model override.
     pub model: Option<String>,
     /// How often to poll the spool while the agent runs.
@@ -149,6 +156,37 @@ impl SliceRunner {
             .as_ref()
             .ok_or_else(|| Error::invalid("turn state has no sandbox handle"))?;
         self.provider(&handle.provider)?.resume(handle).await
+    }
+
+    /// The agent's environment: the caller's, or, with a broker, the
+    /// caller's without its credentials plus the broker's endpoint and the
+    /// session's token.
+    async fn agent_env(&self, state: &TurnState) -> Result<BTreeMap<String, String>> {
+        let Some(broker) = &self.broker else {
+            return Ok(self.env.clone());
+        };
+        let handle = state
+            .sandbox
+            .as_ref()
+            .ok_or_else(|| Error::invalid("turn state has no sandbox handle"))?;
+        let network = state
+            .sandbox_config
+            .as_ref()
+            .map(|c| c.network.clone())
+            .unwrap_or_default();
+        let reach = if self.provider(&handle.provider)?.shares_host_network(&network) {
+            Reach::HostNetwork
+        } else {
+            Reach::Forwarded
+        };
+        let mut env: BTreeMap<String, String> = self
+            .env
+            .iter()
+            .filter(|(k, _)| !CREDENTIAL_ENV_VARS.contains(&k.as_str()))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        env.extend(broker.agent_env(&state.session_id, &network, reach).await?);
+        Ok(env)
     }
 
     /// Start the agent for this turn, or find the one a previous attempt
@@ -213,11 +251,12 @@ impl SliceRunner {
             Some(relay)
         };
         let harness = self.harness(&state.agent)?;
+        let env = self.agent_env(state).await?;
         let command = harness.turn_command(&TurnContext {
             state,
             workdir: sandbox.workdir(),
             home: &home,
-            env: &self.env,
+            env: &env,
             model: state.model.as_deref().or(self.model.as_deref()),
             system_prompt: None,
             relay_dir: relay.as_deref(),
@@ -789,6 +828,11 @@ impl SliceExecutor for SliceRunner {
         // the sandbox the killed attempt made instead of orphaning it.
         spec.slot = Some(state.turn_id.clone());
         spec.bootstrap = Some(harness.bootstrap_recipe()?);
+        if let Some(broker) = &self.broker {
+            if !provider.shares_host_network(&spec.network) {
+                spec.forwards = broker.forwards(&state.session_id, &spec.network).await?;
+            }
+        }
         let span = tracing::info_span!(
             "sandbox.create",
             session.id = %state.session_id,

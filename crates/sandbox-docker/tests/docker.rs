@@ -369,6 +369,7 @@ async fn custom_network_policy_is_refused_not_ignored() {
         allowed_hosts: vec!["example.com".into()],
         allowed_cidrs: vec![],
         denied_cidrs: vec![],
+        allowed_ports: vec![],
     };
     let err = p
         .create(&s)

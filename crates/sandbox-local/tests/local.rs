@@ -319,6 +319,7 @@ async fn deny_all_and_custom_network_are_refused_as_unsupported() {
             allowed_hosts: vec!["example.com".into()],
             allowed_cidrs: vec![],
             denied_cidrs: vec![],
+            allowed_ports: vec![],
         },
     ] {
         let mut spec = SandboxSpec::new("/workspace");

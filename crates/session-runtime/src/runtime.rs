@@ -184,6 +184,7 @@ impl RuntimeBuilder {
                         harnesses: self.harnesses,
                         sink,
                         env: self.env,
+                        broker: None,
                         model: self.model,
                         poll_interval: self.poll_interval,
                         sleep: tokio_sleeper(),

@@ -80,6 +80,7 @@ fn runner(provider: Arc<sandbox_local::LocalProvider>, sink: Arc<dyn PartSink>) 
         harnesses,
         sink,
         env: BTreeMap::new(),
+        broker: None,
         model: None,
         poll_interval: Duration::from_millis(50),
         sleep: tokio_sleeper(),

@@ -92,6 +92,7 @@ pub fn runner(root: &Path, hub: Arc<Hub>) -> SliceRunner {
             next_generation(),
         )),
         env: BTreeMap::new(),
+        broker: None,
         model: None,
         poll_interval: Duration::from_millis(50),
         sleep: session_runtime::tokio_sleeper(),

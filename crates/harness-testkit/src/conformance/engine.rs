@@ -125,6 +125,7 @@ impl Rig {
                 generation,
             )),
             env: BTreeMap::new(),
+            broker: None,
             model: None,
             poll_interval: Duration::from_millis(50),
             sleep: session_runtime::tokio_sleeper(),

@@ -1,0 +1,67 @@
+//! The model broker's contract: how an agent reaches its model without the
+//! key.
+//!
+//! With a broker configured, the slice runner never hands the agent the
+//! real credentials. A sandbox is made with [`HostForward`]s to the broker
+//! (and, for a `custom` network policy, to the egress proxy that enforces
+//! it), and the agent's environment names the broker's endpoint and a
+//! session-scoped token instead of the provider's URL and key. The broker,
+//! on the host, checks the token against the session the endpoint belongs
+//! to, swaps in the real key and forwards the stream.
+//!
+//! The implementation (sockets, HTTP, the real keys) lives outside core, in
+//! the `harness-broker` crate; this trait is what the slice runner calls.
+
+use std::collections::BTreeMap;
+
+use async_trait::async_trait;
+
+use crate::maybe::{MaybeSend, MaybeSync};
+use crate::sandbox::{HostForward, NetworkPolicy};
+use crate::Result;
+
+/// The variables that carry model credentials and endpoints. The slice runner
+/// removes them from the caller's environment before it adds what the broker
+/// gives: with a broker, the agent sees none of the caller's values.
+pub const CREDENTIAL_ENV_VARS: &[&str] = &[
+    "ANTHROPIC_API_KEY",
+    "ANTHROPIC_AUTH_TOKEN",
+    "ANTHROPIC_BASE_URL",
+    "OPENAI_API_KEY",
+    "OPENAI_BASE_URL",
+];
+
+/// How a sandbox's commands reach a host service.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reach {
+    /// Through the sandbox's [`HostForward`]s, on its own loopback.
+    Forwarded,
+    /// Directly: the sandbox shares the host's network namespace
+    /// ([`SandboxProvider::shares_host_network`](crate::sandbox::SandboxProvider::shares_host_network)).
+    HostNetwork,
+}
+
+/// The host side of an agent's model access and egress.
+#[cfg_attr(not(target_arch = "wasm32"), async_trait)]
+#[cfg_attr(target_arch = "wasm32", async_trait(?Send))]
+pub trait ModelBroker: MaybeSend + MaybeSync + std::fmt::Debug {
+    /// The host services a new sandbox of `session_id` with this network
+    /// policy reaches on its loopback: the broker, and the egress proxy when
+    /// the policy is `custom`. Registers the session (and its policy) so
+    /// that both answer from now on, in this process and after a restart.
+    async fn forwards(
+        &self,
+        session_id: &str,
+        network: &NetworkPolicy,
+    ) -> Result<Vec<HostForward>>;
+
+    /// What the agent's environment gets instead of the real credentials:
+    /// the broker's endpoint for this session, the session's token, and
+    /// the proxy variables of a `custom` policy.
+    async fn agent_env(
+        &self,
+        session_id: &str,
+        network: &NetworkPolicy,
+        reach: Reach,
+    ) -> Result<BTreeMap<String, String>>;
+}
