@@ -1,0 +1,540 @@
+//! # harness-broker
+//!
+//! The model broker: the host side of an agent's model access. The agent in
+//! the sandbox holds a session token and the broker's address, never the
+//! real key; the broker checks the token against the session the request
+//! names, swaps in the real key, forwards the request to the provider (or
+//! any `ANTHROPIC_BASE_URL` / `OPENAI_BASE_URL`) and streams the answer back
+//! chunk by chunk, counting what the session used on the way.
+//!
+//! ```text
+//!   sandbox                         host
+//!   agent ──► 127.0.0.1:47811 ──► <dir>/sock/model.sock ──► broker ──► provider
+//!             (the gate's forward)                      token → key
+//! ```
+//!
+//! Where it listens, all under one directory (`<home>/broker` for the CLI):
+//!
+//! ```text
+//! <dir>/secret                 the HMAC key tokens derive from (0600, made once)
+//! <dir>/sock/model.sock        the Unix socket sandboxes reach through a forward
+//!                              (this directory holds sockets only: providers mount it)
+//! <dir>/broker.json            the loopback TCP port, for sandboxes on the host network
+//! <dir>/usage/<session>.json   what each session used
+//! <dir>/revoked/<session>      sessions whose token no longer opens anything
+//! <dir>/policies/<session>.json, <dir>/egress/<session>/proxy.sock
+//!                              a `custom` network policy and its egress proxy
+//! <dir>/lock                   held by the one process that serves
+//! ```
+//!
+//! Several processes may run slices over one directory (a `harness run`
+//! next to a `harness serve`); the first one to take `<dir>/lock` serves,
+//! the others hand out the same tokens and forwards, and take over the
+//! serving when the holder exits (checked at every sandbox creation and
+//! agent start). Tokens derive from the secret, so they survive restarts.
+//!
+//! See `docs/broker.md`.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::Write;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use harness_core::broker::{ModelBroker, Reach};
+use harness_core::sandbox::{
+    HostForward, NetworkPolicy, EGRESS_PROXY_PORT, MODEL_BROKER_PORT,
+};
+use harness_core::{Error, Result, SessionId};
+use serde::{Deserialize, Serialize};
+
+mod egress;
+mod proxy;
+pub mod token;
+pub mod usage;
+
+pub use usage::Usage;
+
+/// The default Anthropic endpoint when `ANTHROPIC_BASE_URL` is unset.
+pub const ANTHROPIC_DEFAULT_URL: &str = "https://api.anthropic.com";
+/// The default OpenAI endpoint when `OPENAI_BASE_URL` is unset.
+pub const OPENAI_DEFAULT_URL: &str = "https://api.openai.com/v1";
+
+/// One provider the broker forwards to.
+#[derive(Clone)]
+pub struct Upstream {
+    /// Where requests go (`https://api.anthropic.com`, or a proxy's URL).
+    pub base_url: String,
+    /// The real key, added on the host side.
+    pub api_key: String,
+}
+
+impl std::fmt::Debug for Upstream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print the key.
+        f.debug_struct("Upstream")
+            .field("base_url", &self.base_url)
+            .finish_non_exhaustive()
+    }
+}
+
+/// How to start a broker.
+#[derive(Debug, Clone)]
+pub struct BrokerConfig {
+    /// The broker's directory (see the crate docs).
+    pub dir: PathBuf,
+    /// Where Claude Code's requests go.
+    pub anthropic: Option<Upstream>,
+    /// Where Codex's requests go.
+    pub openai: Option<Upstream>,
+}
+
+impl BrokerConfig {
+    /// Upstreams from this process's environment: `ANTHROPIC_API_KEY` (and
+    /// `ANTHROPIC_BASE_URL`), `OPENAI_API_KEY` (and `OPENAI_BASE_URL`). A
+    /// provider without a key is not configured; its requests are refused
+    /// with a message that says which variable to set.
+    pub fn from_env(dir: impl Into<PathBuf>) -> Self {
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        let upstream = |key: &str, url: &str, default: &str| {
+            var(key).map(|api_key| Upstream {
+                base_url: var(url).unwrap_or_else(|| default.to_string()),
+                api_key,
+            })
+        };
+        Self {
+            dir: dir.into(),
+            anthropic: upstream("ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL", ANTHROPIC_DEFAULT_URL),
+            openai: upstream("OPENAI_API_KEY", "OPENAI_BASE_URL", OPENAI_DEFAULT_URL),
+        }
+    }
+}
+
+/// What `broker.json` records.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct BrokerState {
+    tcp_port: u16,
+}
+
+/// The model broker. Cheap to clone; once serving, it serves until
+/// [`Broker::shutdown`] or the end of the tokio runtime.
+#[derive(Debug, Clone)]
+pub struct Broker {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    dir: PathBuf,
+    secret: Vec<u8>,
+    anthropic: Option<Upstream>,
+    openai: Option<Upstream>,
+    client: reqwest::Client,
+    /// Serialises usage updates (read, add, write) in this process.
+    usage_lock: Mutex<()>,
+    serving: tokio::sync::Mutex<Option<Serving>>,
+}
+
+impl std::fmt::Debug for Inner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Broker")
+            .field("dir", &self.dir)
+            .field("anthropic", &self.anthropic)
+            .field("openai", &self.openai)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The listeners of the process that holds the lock.
+struct Serving {
+    _lock: File,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    egress: egress::EgressListeners,
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+impl Broker {
+    /// Open the broker directory (making it and its secret when new) and
+    /// serve it, unless another live process already does.
+    pub async fn start(config: BrokerConfig) -> Result<Broker> {
+        let dir = config.dir.clone();
+        for sub in ["", "sock", "usage", "revoked", "policies", "egress"] {
+            std::fs::create_dir_all(dir.join(sub))
+                .map_err(|e| crate::ctx(e, format!("creating {}", dir.join(sub).display())))?;
+        }
+        // The directory holds the secret: only its owner may look in. The
+        // socket directory must be reachable by a sandbox's (possibly
+        // unprivileged) user, hence the search bit for all on the path to it.
+        set_mode(&dir, 0o711)?;
+        set_mode(&dir.join("sock"), 0o755)?;
+        for private in ["usage", "revoked", "policies"] {
+            set_mode(&dir.join(private), 0o700)?;
+        }
+        set_mode(&dir.join("egress"), 0o711)?;
+        let secret = load_or_make_secret(&dir.join("secret"))?;
+        let client = reqwest::Client::builder()
+            .connect_timeout(std::time::Duration::from_secs(30))
+            .build()
+            .map_err(|e| Error::backend(format!("building the broker's HTTP client: {e}")))?;
+        let broker = Broker {
+            inner: Arc::new(Inner {
+                dir,
+                secret,
+                anthropic: config.anthropic,
+                openai: config.openai,
+                client,
+                usage_lock: Mutex::new(()),
+                serving: tokio::sync::Mutex::new(None),
+            }),
+        };
+        broker.ensure_served().await?;
+        Ok(broker)
+    }
+
+    /// The broker directory.
+    pub fn dir(&self) -> &Path {
+        &self.inner.dir
+    }
+
+    /// The Unix socket sandboxes reach through their forward.
+    pub fn socket_path(&self) -> PathBuf {
+        self.inner.dir.join("sock").join("model.sock")
+    }
+
+    /// The token of `session_id`: what that session's agent holds.
+    pub fn token(&self, session_id: &str) -> String {
+        token::token_for(&self.inner.secret, session_id)
+    }
+
+    /// Whether this process is the one serving the directory now.
+    pub async fn is_serving(&self) -> bool {
+        self.inner.serving.lock().await.is_some()
+    }
+
+    /// The loopback TCP address of the broker (for sandboxes on the host
+    /// network), as the serving process recorded it.
+    pub fn tcp_addr(&self) -> Result<std::net::SocketAddr> {
+        let state = read_state(&self.inner.dir)?;
+        if state.tcp_port == 0 {
+            return Err(Error::backend(format!(
+                "the broker in {} has no TCP port on record: no process serves it",
+                self.inner.dir.display()
+            )));
+        }
+        Ok(std::net::SocketAddr::from(([127, 0, 0, 1], state.tcp_port)))
+    }
+
+    /// End `session_id`'s access: its token opens nothing from now on, in
+    /// every process serving this directory. Idempotent.
+    pub fn revoke(&self, session_id: &str) -> Result<()> {
+        let id = SessionId::parse(session_id)?;
+        let path = self.inner.dir.join("revoked").join(id.as_str());
+        std::fs::write(&path, b"")
+            .map_err(|e| crate::ctx(e, format!("writing {}", path.display())))?;
+        let _ = std::fs::remove_file(self.inner.dir.join("policies").join(format!("{}.json", id.as_str())));
+        Ok(())
+    }
+
+    /// What `session_id` used so far.
+    pub fn usage(&self, session_id: &str) -> Result<Usage> {
+        read_usage(&self.inner.dir, session_id)
+    }
+
+    /// Stop serving (close the listeners, release the lock) so another
+    /// process may take over. Tokens and forwards keep working with it.
+    pub async fn shutdown(&self) {
+        self.inner.serving.lock().await.take();
+    }
+
+    /// Serve the directory if no live process does (the lock is free).
+    pub async fn ensure_served(&self) -> Result<()> {
+        let mut serving = self.inner.serving.lock().await;
+        if serving.is_none() {
+            *serving = self.try_serve().await?;
+        }
+        if let Some(s) = serving.as_mut() {
+            s.egress.refresh(&self.inner.dir);
+        }
+        Ok(())
+    }
+
+    async fn try_serve(&self) -> Result<Option<Serving>> {
+        let dir = &self.inner.dir;
+        let lock_path = dir.join("lock");
+        let lock = File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(|e| crate::ctx(e, format!("opening {}", lock_path.display())))?;
+        match lock.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                tracing::debug!(dir = %dir.display(), "another process serves the model broker");
+                return Ok(None);
+            }
+            Err(std::fs::TryLockError::Error(e)) => {
+                return Err(crate::ctx(e, format!("locking {}", lock_path.display())))
+            }
+        }
+        // The holder of the lock owns the socket path: a file there is left
+        // by a process that died.
+        let socket = self.socket_path();
+        let _ = std::fs::remove_file(&socket);
+        let unix = tokio::net::UnixListener::bind(&socket)
+            .map_err(|e| crate::ctx(e, format!("listening on {}", socket.display())))?;
+        // Any user may connect (a container's agent may not be root); the
+        // token is the check.
+        set_mode(&socket, 0o666)?;
+        let previous = read_state(dir).unwrap_or_default().tcp_port;
+        let tcp = match tokio::net::TcpListener::bind(("127.0.0.1", previous)).await {
+            Ok(l) if previous != 0 => l,
+            _ => tokio::net::TcpListener::bind(("127.0.0.1", 0))
+                .await
+                .map_err(|e| crate::ctx(e, "listening on 127.0.0.1"))?,
+        };
+        let tcp_port = tcp.local_addr().map_err(Error::from)?.port();
+        if previous != 0 && previous != tcp_port {
+            tracing::warn!(previous, now = tcp_port, "the broker's TCP port changed: agents on the host network started before this get connection errors until their next turn");
+        }
+        write_state(dir, &BrokerState { tcp_port })?;
+        let app = proxy::router(self.inner.clone());
+        let unix_app = app.clone();
+        // Another process may record a policy (its session's sandbox is made
+        // there); the serving process picks it up within a second.
+        let weak = Arc::downgrade(&self.inner);
+        let tasks = vec![
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                    let Some(inner) = weak.upgrade() else { break };
+                    let mut serving = inner.serving.lock().await;
+                    if let Some(s) = serving.as_mut() {
+                        s.egress.refresh(&inner.dir);
+                    }
+                    drop(serving);
+                }
+            }),
+            tokio::spawn(async move {
+                if let Err(e) = axum::serve(unix, unix_app).await {
+                    tracing::error!(error = %e, "the broker's socket stopped serving");
+                }
+            }),
+            tokio::spawn(async move {
+                if let Err(e) = axum::serve(tcp, app).await {
+                    tracing::error!(error = %e, "the broker's TCP listener stopped serving");
+                }
+            }),
+        ];
+        tracing::info!(dir = %dir.display(), socket = %socket.display(), tcp_port, "model broker serving");
+        Ok(Some(Serving {
+            _lock: lock,
+            tasks,
+            egress: egress::EgressListeners::default(),
+        }))
+    }
+}
+
+#[async_trait]
+impl ModelBroker for Broker {
+    async fn forwards(
+        &self,
+        session_id: &str,
+        network: &NetworkPolicy,
+    ) -> Result<Vec<HostForward>> {
+        let id = SessionId::parse(session_id)?;
+        let mut forwards = vec![HostForward {
+            port: MODEL_BROKER_PORT,
+            socket: self.socket_path().to_string_lossy().into_owned(),
+        }];
+        if let NetworkPolicy::Custom { .. } = network {
+            let socket = egress::register(&self.inner.dir, id.as_str(), network)?;
+            forwards.push(HostForward {
+                port: EGRESS_PROXY_PORT,
+                socket: socket.to_string_lossy().into_owned(),
+            });
+        }
+        self.ensure_served().await?;
+        Ok(forwards)
+    }
+
+    async fn agent_env(
+        &self,
+        session_id: &str,
+        network: &NetworkPolicy,
+        reach: Reach,
+    ) -> Result<BTreeMap<String, String>> {
+        let id = SessionId::parse(session_id)?;
+        self.ensure_served().await?;
+        let base = match reach {
+            Reach::Forwarded => format!("http://127.0.0.1:{MODEL_BROKER_PORT}"),
+            Reach::HostNetwork => format!("http://{}", self.tcp_addr()?),
+        };
+        let base = format!("{base}/s/{}", id.as_str());
+        let token = self.token(id.as_str());
+        let mut env = BTreeMap::from([
+            ("ANTHROPIC_BASE_URL".to_string(), format!("{base}/anthropic")),
+            ("ANTHROPIC_API_KEY".to_string(), token.clone()),
+            ("OPENAI_BASE_URL".to_string(), format!("{base}/openai")),
+            ("OPENAI_API_KEY".to_string(), token),
+        ]);
+        if let NetworkPolicy::Custom { .. } = network {
+            let proxy = format!("http://127.0.0.1:{EGRESS_PROXY_PORT}");
+            for k in ["HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"] {
+                env.insert(k.to_string(), proxy.clone());
+            }
+            for k in ["NO_PROXY", "no_proxy"] {
+                env.insert(k.to_string(), "127.0.0.1,localhost".to_string());
+            }
+        }
+        Ok(env)
+    }
+}
+
+/// What `session_id` used, read from a broker directory (for tools that do
+/// not run a broker themselves, such as `harness usage`).
+pub fn read_usage(dir: &Path, session_id: &str) -> Result<Usage> {
+    let id = SessionId::parse(session_id)?;
+    let path = dir.join("usage").join(format!("{}.json", id.as_str()));
+    match std::fs::read(&path) {
+        Ok(bytes) => serde_json::from_slice(&bytes)
+            .map_err(|e| Error::corrupt(format!("{}: {e}", path.display()))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Usage::default()),
+        Err(e) => Err(crate::ctx(e, format!("reading {}", path.display()))),
+    }
+}
+
+impl Inner {
+    fn is_revoked(&self, session_id: &str) -> bool {
+        self.dir.join("revoked").join(session_id).exists()
+    }
+
+    /// Add one exchange to the session's record (read, add, write, atomic).
+    fn record(&self, session_id: &str, add: &Usage) {
+        let _guard = self.usage_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let mut usage = read_usage(&self.dir, session_id).unwrap_or_default();
+        usage.add(add);
+        let path = self.dir.join("usage").join(format!("{session_id}.json"));
+        if let Err(e) = write_atomic(&path, &serde_json::to_vec_pretty(&usage).unwrap_or_default()) {
+            tracing::warn!(error = %e, session.id = session_id, "could not record the session's model usage");
+        }
+    }
+}
+
+/// An I/O error with what was being done, keeping its kind.
+pub(crate) fn ctx(e: impl Into<Error>, what: impl std::fmt::Display) -> Error {
+    let e: Error = e.into();
+    Error::new(e.kind(), format!("{what}: {}", e.message()))
+}
+
+pub(crate) fn set_mode(path: &Path, mode: u32) -> Result<()> {
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .map_err(|e| crate::ctx(e, format!("setting the mode of {}", path.display())))
+}
+
+fn load_or_make_secret(path: &Path) -> Result<Vec<u8>> {
+    match std::fs::read(path) {
+        Ok(s) if s.len() >= 32 => return Ok(s),
+        Ok(_) => {
+            return Err(Error::corrupt(format!(
+                "{} is shorter than 32 bytes: remove it to make a new one (every session token changes)",
+                path.display()
+            )))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(crate::ctx(e, format!("reading {}", path.display()))),
+    }
+    // Two v4 UUIDs: 244 random bits from the OS generator.
+    let mut secret = uuid::Uuid::new_v4().as_bytes().to_vec();
+    secret.extend_from_slice(uuid::Uuid::new_v4().as_bytes());
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode_0600()
+            .open(&tmp)
+            .map_err(|e| crate::ctx(e, format!("creating {}", tmp.display())))?;
+        f.write_all(&secret).map_err(Error::from)?;
+        f.sync_all().map_err(Error::from)?;
+    }
+    // Another process may have made one meanwhile: the first one wins, so
+    // every process derives the same tokens.
+    match std::fs::hard_link(&tmp, path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(crate::ctx(e, format!("writing {}", path.display())));
+        }
+    }
+    let _ = std::fs::remove_file(&tmp);
+    std::fs::read(path).map_err(Error::from)
+}
+
+trait Mode0600 {
+    fn mode_0600(&mut self) -> &mut Self;
+}
+
+impl Mode0600 for std::fs::OpenOptions {
+    fn mode_0600(&mut self) -> &mut Self {
+        use std::os::unix::fs::OpenOptionsExt;
+        self.mode(0o600)
+    }
+}
+
+fn read_state(dir: &Path) -> Result<BrokerState> {
+    let path = dir.join("broker.json");
+    match std::fs::read(&path) {
+        Ok(b) => serde_json::from_slice(&b).map_err(|e| Error::corrupt(format!("{}: {e}", path.display()))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(BrokerState::default()),
+        Err(e) => Err(Error::from(e)),
+    }
+}
+
+fn write_state(dir: &Path, state: &BrokerState) -> Result<()> {
+    write_atomic(&dir.join("broker.json"), &serde_json::to_vec(state)?)
+}
+
+pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, bytes).map_err(|e| crate::ctx(e, format!("writing {}", tmp.display())))?;
+    std::fs::rename(&tmp, path).map_err(|e| crate::ctx(e, format!("renaming onto {}", path.display())))
+}
+
+/// The variables the broker's env replaces, for callers that build their
+/// own environment.
+pub use harness_core::broker::CREDENTIAL_ENV_VARS;
+
+/// Which upstream a request path names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Api {
+    Anthropic,
+    OpenAi,
+}
+
+impl Api {
+    pub(crate) fn parse(s: &str) -> Option<Api> {
+        match s {
+            "anthropic" => Some(Api::Anthropic),
+            "openai" => Some(Api::OpenAi),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn key_var(self) -> &'static str {
+        match self {
+            Api::Anthropic => "ANTHROPIC_API_KEY",
+            Api::OpenAi => "OPENAI_API_KEY",
+        }
+    }
+}
+
