@@ -21,7 +21,7 @@
 //!                              (this directory holds sockets only: providers mount it)
 //! <dir>/broker.json            the loopback TCP port, for sandboxes on the host network
 //! <dir>/usage/<session>.json   what each session used
-//! <dir>/revoked/<session>      sessions whose token no longer opens anything
+//! <dir>/active/<session>       sessions with a turn running: only their tokens open anything
 //! <dir>/policies/<session>.json, <dir>/egress/<session>/proxy.sock
 //!                              a `custom` network policy and its egress proxy
 //! <dir>/lock                   held by the one process that serves
@@ -97,7 +97,18 @@ impl BrokerConfig {
     /// provider without a key is not configured; its requests are refused
     /// with a message that says which variable to set.
     pub fn from_env(dir: impl Into<PathBuf>) -> Self {
-        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        let env: BTreeMap<String, String> = harness_core::broker::CREDENTIAL_ENV_VARS
+            .iter()
+            .filter_map(|k| std::env::var(k).ok().map(|v| (k.to_string(), v)))
+            .collect();
+        Self::from_vars(dir, &env)
+    }
+
+    /// Upstreams from these variables (the same names as
+    /// [`from_env`](Self::from_env)): what a runtime was given as its agents'
+    /// environment.
+    pub fn from_vars(dir: impl Into<PathBuf>, env: &BTreeMap<String, String>) -> Self {
+        let var = |k: &str| env.get(k).filter(|v| !v.is_empty()).cloned();
         let upstream = |key: &str, url: &str, default: &str| {
             var(key).map(|api_key| Upstream {
                 base_url: var(url).unwrap_or_else(|| default.to_string()),
@@ -166,7 +177,7 @@ impl Broker {
     /// serve it, unless another live process already does.
     pub async fn start(config: BrokerConfig) -> Result<Broker> {
         let dir = config.dir.clone();
-        for sub in ["", "sock", "usage", "revoked", "policies", "egress"] {
+        for sub in ["", "sock", "usage", "active", "policies", "egress"] {
             std::fs::create_dir_all(dir.join(sub))
                 .map_err(|e| crate::ctx(e, format!("creating {}", dir.join(sub).display())))?;
         }
@@ -175,7 +186,7 @@ impl Broker {
         // unprivileged) user, hence the search bit for all on the path to it.
         set_mode(&dir, 0o711)?;
         set_mode(&dir.join("sock"), 0o755)?;
-        for private in ["usage", "revoked", "policies"] {
+        for private in ["usage", "active", "policies"] {
             set_mode(&dir.join(private), 0o700)?;
         }
         set_mode(&dir.join("egress"), 0o711)?;
@@ -232,15 +243,26 @@ impl Broker {
         Ok(std::net::SocketAddr::from(([127, 0, 0, 1], state.tcp_port)))
     }
 
-    /// End `session_id`'s access: its token opens nothing from now on, in
-    /// every process serving this directory. Idempotent.
+    /// Open `session_id`'s endpoint: its token works from now on (a turn's
+    /// agent starts). [`ModelBroker::agent_env`] does this.
+    pub fn activate(&self, session_id: &str) -> Result<()> {
+        let id = SessionId::parse(session_id)?;
+        let path = self.inner.dir.join("active").join(id.as_str());
+        std::fs::write(&path, b"").map_err(|e| ctx(e, format!("writing {}", path.display())))
+    }
+
+    /// Close `session_id`'s endpoint: its token opens nothing, in every
+    /// process serving this directory, until the session's next turn
+    /// starts. [`ModelBroker::turn_ended`] does this; so does the end of
+    /// a session. Idempotent.
     pub fn revoke(&self, session_id: &str) -> Result<()> {
         let id = SessionId::parse(session_id)?;
-        let path = self.inner.dir.join("revoked").join(id.as_str());
-        std::fs::write(&path, b"")
-            .map_err(|e| crate::ctx(e, format!("writing {}", path.display())))?;
-        let _ = std::fs::remove_file(self.inner.dir.join("policies").join(format!("{}.json", id.as_str())));
-        Ok(())
+        let path = self.inner.dir.join("active").join(id.as_str());
+        match std::fs::remove_file(&path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(ctx(e, format!("removing {}", path.display()))),
+        }
     }
 
     /// What `session_id` used so far.
@@ -380,6 +402,7 @@ impl ModelBroker for Broker {
         };
         let base = format!("{base}/s/{}", id.as_str());
         let token = self.token(id.as_str());
+        self.activate(id.as_str())?;
         let mut env = BTreeMap::from([
             ("ANTHROPIC_BASE_URL".to_string(), format!("{base}/anthropic")),
             ("ANTHROPIC_API_KEY".to_string(), token.clone()),
@@ -397,6 +420,10 @@ impl ModelBroker for Broker {
         }
         Ok(env)
     }
+
+    async fn turn_ended(&self, session_id: &str) -> Result<()> {
+        self.revoke(session_id)
+    }
 }
 
 /// What `session_id` used, read from a broker directory (for tools that do
@@ -413,8 +440,8 @@ pub fn read_usage(dir: &Path, session_id: &str) -> Result<Usage> {
 }
 
 impl Inner {
-    fn is_revoked(&self, session_id: &str) -> bool {
-        self.dir.join("revoked").join(session_id).exists()
+    fn is_active(&self, session_id: &str) -> bool {
+        self.dir.join("active").join(session_id).exists()
     }
 
     /// Add one exchange to the session's record (read, add, write, atomic).

@@ -113,11 +113,11 @@ async fn forward(
             "this token does not open this session",
         );
     }
-    if inner.is_revoked(&session) {
+    if !inner.is_active(&session) {
         return refused(
             StatusCode::FORBIDDEN,
             "permission_error",
-            "this session has ended: its token was revoked",
+            "this session has no turn running: its token opens nothing between turns or after the session ends",
         );
     }
     let upstream = match api {

@@ -82,6 +82,16 @@ async fn the_key_is_added_on_the_host_and_tokens_open_their_own_session_only() {
     let token_b = broker.token("session-b");
     assert_ne!(token_a, token_b);
 
+    // Before its turn starts, a session's own token opens nothing.
+    let (status, text) = over_socket(
+        &broker.socket_path(),
+        "/s/session-a/anthropic/v1/messages",
+        &[("x-api-key", &token_a)],
+        &anthropic_body().to_string(),
+    )
+    .await;
+    assert_eq!(status, 403, "{text}");
+
     // The agent's view: what the slice runner puts in its environment.
     let env = broker
         .agent_env("session-a", &NetworkPolicy::DenyAll, Reach::Forwarded)
@@ -178,13 +188,13 @@ async fn the_key_is_added_on_the_host_and_tokens_open_their_own_session_only() {
     // Usage: two forwarded exchanges with the tokens the provider reported.
     let usage = broker.usage("session-a").unwrap();
     assert_eq!(usage.requests, 2, "{usage:?}");
-    assert_eq!(usage.refused, 4, "{usage:?}");
+    assert_eq!(usage.refused, 5, "{usage:?}");
     assert!(usage.input_tokens > 0 && usage.output_tokens > 0, "{usage:?}");
     assert!(usage.response_bytes as usize >= body.len(), "{usage:?}");
     assert_eq!(broker.usage("session-b").unwrap().requests, 0);
 
-    // The session ends: its token opens nothing any more.
-    broker.revoke("session-a").unwrap();
+    // The turn ends: the token opens nothing until the next turn starts.
+    broker.turn_ended("session-a").await.unwrap();
     let (status, text) = over_socket(
         &socket,
         "/s/session-a/anthropic/v1/messages",
@@ -193,7 +203,7 @@ async fn the_key_is_added_on_the_host_and_tokens_open_their_own_session_only() {
     )
     .await;
     assert_eq!(status, 403, "{text}");
-    assert!(text.contains("revoked"), "{text}");
+    assert!(text.contains("no turn running"), "{text}");
     assert_eq!(model.requests().len(), 2);
 }
 
@@ -208,6 +218,7 @@ async fn a_stream_passes_through_as_it_comes() {
     let dir = tempfile::tempdir().unwrap();
     let broker = broker(dir.path(), &model).await;
     let token = broker.token("s1");
+    broker.activate("s1").unwrap();
     let url = format!("http://{}/s/s1/anthropic/v1/messages", broker.tcp_addr().unwrap());
     let started = Instant::now();
     let mut answer = reqwest::Client::new()
@@ -247,6 +258,7 @@ async fn a_second_process_takes_over_when_the_first_lets_go() {
     assert!(!second.is_serving().await, "two processes serve one directory");
     // Same secret, same tokens: an agent started under one works with the other.
     assert_eq!(first.token("s"), second.token("s"));
+    first.activate("s").unwrap();
     first.shutdown().await;
     second.ensure_served().await.unwrap();
     assert!(second.is_serving().await);
@@ -274,6 +286,7 @@ async fn a_provider_without_a_key_is_refused_with_the_variable_to_set() {
     })
     .await
     .unwrap();
+    broker.activate("s").unwrap();
     let (status, text) = over_socket(
         &broker.socket_path(),
         "/s/s/openai/responses",

@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone)]
 pub struct Home {
     dir: PathBuf,
+    direct_model: bool,
 }
 
 /// Proof that this process runs the home's session runtime. Dropping it
@@ -53,7 +54,27 @@ impl Home {
             }
         };
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-        Ok(Self { dir })
+        Ok(Self {
+            dir,
+            direct_model: false,
+        })
+    }
+
+    /// Give agents the model key itself instead of a broker token
+    /// (`--direct-model`).
+    pub fn with_direct_model(mut self, direct: bool) -> Self {
+        self.direct_model = direct;
+        self
+    }
+
+    /// Whether agents get the key itself (`--direct-model`).
+    pub fn direct_model(&self) -> bool {
+        self.direct_model
+    }
+
+    /// The model broker's directory (its socket, secret and usage records).
+    pub fn broker_dir(&self) -> PathBuf {
+        self.dir.join("broker")
     }
 
     /// The SQLite database.

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use harness::core::broker::ModelBroker;
 use harness::core::harness::Harness;
 use harness::core::sandbox::SandboxProvider;
 use harness::core::turn::TurnConfig;
@@ -141,8 +142,15 @@ pub async fn runtime(home: &Home, options: Options) -> Result<Runtime> {
         )),
     };
     let turn = options.limits.turn_config();
+    // Slices run here only on the in-process engine (Temporal's run in
+    // `harness worker`, which has its own broker).
+    let broker = match options.engine {
+        EngineSpec::InProcess => model_broker(home, &options.env).await?,
+        EngineSpec::Temporal(_) => None,
+    };
     let mut builder = Runtime::builder(log)
         .engine(engine)
+        .broker(broker)
         .env(options.env.clone())
         .turn_config(turn);
     builder = builder.provider(provider(home, "local", None).await?);
@@ -157,6 +165,25 @@ pub async fn runtime(home: &Home, options: Options) -> Result<Runtime> {
         builder = builder.agent(adapter);
     }
     Ok(builder.build())
+}
+
+/// The home's model broker over the upstreams in `env`, or `None` with
+/// `--direct-model` (said on stderr: the key then enters every sandbox).
+pub async fn model_broker(
+    home: &Home,
+    env: &BTreeMap<String, String>,
+) -> Result<Option<Arc<dyn ModelBroker>>> {
+    if home.direct_model() {
+        eprintln!(
+            "warning: --direct-model: agents get the model key in their environment; anything they run can read it and send it anywhere"
+        );
+        return Ok(None);
+    }
+    let config = harness::broker::BrokerConfig::from_vars(home.broker_dir(), env);
+    let broker = harness::broker::Broker::start(config)
+        .await
+        .with_context(|| format!("starting the model broker in {}", home.broker_dir().display()))?;
+    Ok(Some(Arc::new(broker)))
 }
 
 /// Credentials and base URLs for agents, from this process's environment.

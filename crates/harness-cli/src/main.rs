@@ -43,6 +43,12 @@ struct Cli {
         value_name = "URL"
     )]
     otlp: Option<String>,
+    /// Give agents the model key and URL themselves, as environment
+    /// variables inside the sandbox (anything the agent runs can read the
+    /// key). Default: agents reach the model through this home's broker
+    /// with a session token and never see the key.
+    #[arg(long, global = true, env = "HARNESS_DIRECT_MODEL")]
+    direct_model: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -184,7 +190,7 @@ fn main() -> ExitCode {
         }
     };
     let result = runtime.block_on(async move {
-        let home = home::Home::open(cli.home)?;
+        let home = home::Home::open(cli.home)?.with_direct_model(cli.direct_model);
         match cli.command {
             Command::Demo { agent, keep } => demo::run(&home, agent, keep).await,
             Command::Run {

@@ -62,12 +62,14 @@ async fn remote_slice_runner(home: &Home, args: &RemoteArgs) -> Result<(SliceRun
     }
     let generation = SystemClock.now_ms();
     let connector = WsConnector::new(server.to_string(), token);
+    let env = local::agent_env();
+    let broker = local::model_broker(home, &env).await?;
     let runner = SliceRunner {
         providers,
         harnesses,
         sink: Arc::new(RunnerSink::new(Arc::new(connector), generation)),
-        env: local::agent_env(),
-        broker: None,
+        env,
+        broker,
         model: None,
         poll_interval: Duration::from_millis(150),
         sleep: harness::runtime::tokio_sleeper(),

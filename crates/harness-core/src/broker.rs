@@ -57,11 +57,18 @@ pub trait ModelBroker: MaybeSend + MaybeSync + std::fmt::Debug {
 
     /// What the agent's environment gets instead of the real credentials:
     /// the broker's endpoint for this session, the session's token, and
-    /// the proxy variables of a `custom` policy.
+    /// the proxy variables of a `custom` policy. Called when a turn's agent
+    /// starts: from then until [`turn_ended`](Self::turn_ended) the token
+    /// opens the session's endpoint.
     async fn agent_env(
         &self,
         session_id: &str,
         network: &NetworkPolicy,
         reach: Reach,
     ) -> Result<BTreeMap<String, String>>;
+
+    /// The session's turn ended (its agent is gone): the session's token
+    /// opens nothing until its next turn starts. The slice runner calls it
+    /// once per turn end; it is idempotent.
+    async fn turn_ended(&self, session_id: &str) -> Result<()>;
 }

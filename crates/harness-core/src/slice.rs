@@ -908,6 +908,10 @@ impl SliceExecutor for SliceRunner {
     }
 
     async fn turn_ended(&self, state: &TurnState) -> Result<()> {
+        if let Some(broker) = &self.broker {
+            // The agent is gone: its token opens nothing until the next turn.
+            broker.turn_ended(&state.session_id).await?;
+        }
         self.sink
             .turn_status(state)
             .instrument(tracing::info_span!(

@@ -21,6 +21,11 @@ pub struct OpenOptions {
     pub turn: Option<TurnConfig>,
     /// The Docker image for sessions that name none (feature `docker`).
     pub docker_image: Option<String>,
+    /// Give agents the credentials in `env` as they are (the key enters the
+    /// sandbox, where anything the agent runs can read it). Default, with
+    /// the `broker` feature: agents reach the model through the model
+    /// broker of `dir/broker` with a session token.
+    pub direct_model: bool,
 }
 
 /// The session runtime of `dir` with the defaults of [`OpenOptions`].
@@ -42,7 +47,20 @@ pub async fn open_with(dir: impl AsRef<Path>, options: OpenOptions) -> Result<Ru
     std::fs::create_dir_all(&dir)?;
     let log = Arc::new(session_log::SqliteSessionLog::open(dir.join("harness.db"))?);
     let env = options.env.unwrap_or_else(session_runtime::agent_env);
+    #[cfg(feature = "broker")]
+    let broker: Option<Arc<dyn harness_core::broker::ModelBroker>> = if options.direct_model {
+        None
+    } else {
+        let config = harness_broker::BrokerConfig::from_vars(dir.join("broker"), &env);
+        Some(Arc::new(harness_broker::Broker::start(config).await?))
+    };
+    #[cfg(not(feature = "broker"))]
+    let broker: Option<Arc<dyn harness_core::broker::ModelBroker>> = {
+        let _ = options.direct_model;
+        None
+    };
     let mut builder = Runtime::builder(log.clone())
+        .broker(broker)
         .engine(EngineChoice::InProcess {
             store: Arc::new(log.turn_store()),
         })

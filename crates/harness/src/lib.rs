@@ -69,6 +69,9 @@ pub use session_log as sqlite;
 #[cfg(feature = "runtime")]
 pub use session_runtime as runtime;
 
+#[cfg(feature = "broker")]
+pub use harness_broker as broker;
+
 #[cfg(feature = "server")]
 pub use session_server as server;
 

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use harness_core::actor::{ClientMessage, Role};
+use harness_core::broker::ModelBroker;
 use harness_core::clock::Clock;
 use harness_core::engine::{DurableEngine, InProcessEngine, Spawner, TurnStore};
 use harness_core::frame::FrameBody;
@@ -70,6 +71,7 @@ pub struct RuntimeBuilder {
     providers: BTreeMap<String, Arc<dyn SandboxProvider>>,
     harnesses: BTreeMap<String, Arc<dyn Harness>>,
     env: BTreeMap<String, String>,
+    broker: Option<Arc<dyn ModelBroker>>,
     model: Option<String>,
     turn: TurnConfig,
     engine: Option<EngineChoice>,
@@ -106,6 +108,15 @@ impl RuntimeBuilder {
     /// Environment every agent gets (API keys, base URLs).
     pub fn env(mut self, env: BTreeMap<String, String>) -> Self {
         self.env = env;
+        self
+    }
+
+    /// Reach the model through `broker`: sandboxes get its forwards and
+    /// agents a session token instead of the credentials in [`env`](Self::env)
+    /// (see `harness_core::broker`). Without one, agents get `env` as it is,
+    /// keys included.
+    pub fn broker(mut self, broker: Option<Arc<dyn ModelBroker>>) -> Self {
+        self.broker = broker;
         self
     }
 
@@ -184,7 +195,7 @@ impl RuntimeBuilder {
                         harnesses: self.harnesses,
                         sink,
                         env: self.env,
-                        broker: None,
+                        broker: self.broker,
                         model: self.model,
                         poll_interval: self.poll_interval,
                         sleep: tokio_sleeper(),
@@ -236,6 +247,7 @@ impl Runtime {
             providers: BTreeMap::new(),
             harnesses: BTreeMap::new(),
             env: BTreeMap::new(),
+            broker: None,
             model: None,
             turn: TurnConfig::default(),
             engine: None,
