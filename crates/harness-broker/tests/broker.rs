@@ -297,3 +297,67 @@ async fn a_provider_without_a_key_is_refused_with_the_variable_to_set() {
     assert_eq!(status, 503, "{text}");
     assert!(text.contains("OPENAI_API_KEY"), "{text}");
 }
+
+#[tokio::test]
+async fn a_custom_policy_gets_its_egress_proxy_and_a_bad_one_is_refused() {
+    use harness_core::sandbox::EGRESS_PROXY_PORT;
+    let model = ScriptedModel::start(Script::text("hi")).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let broker = broker(dir.path(), &model).await;
+    // Two servers on this machine: one the policy allows, one it does not.
+    let allowed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let denied = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let allowed_port = allowed.local_addr().unwrap().port();
+    let denied_port = denied.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = allowed.accept().await {
+            let _ = s.write_all(b"allowed-server-says-hi").await;
+        }
+    });
+    let policy = NetworkPolicy::Custom {
+        allowed_hosts: vec![],
+        allowed_cidrs: vec!["127.0.0.1/32".into()],
+        denied_cidrs: vec![],
+        allowed_ports: vec![allowed_port],
+    };
+    let forwards = broker.forwards("custom-1", &policy).await.unwrap();
+    assert_eq!(forwards.len(), 2, "{forwards:?}");
+    assert_eq!(forwards[1].port, EGRESS_PROXY_PORT);
+    let env = broker
+        .agent_env("custom-1", &policy, Reach::Forwarded)
+        .await
+        .unwrap();
+    assert_eq!(env["HTTPS_PROXY"], format!("http://127.0.0.1:{EGRESS_PROXY_PORT}"));
+    assert!(env["NO_PROXY"].contains("127.0.0.1"));
+
+    let connect = |port: u16| {
+        let socket = forwards[1].socket.clone();
+        async move {
+            let mut s = tokio::net::UnixStream::connect(&socket).await.unwrap();
+            s.write_all(format!("CONNECT 127.0.0.1:{port} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n\r\n").as_bytes())
+                .await
+                .unwrap();
+            let mut out = Vec::new();
+            let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut out)).await;
+            String::from_utf8_lossy(&out).into_owned()
+        }
+    };
+    let yes = connect(allowed_port).await;
+    assert!(yes.starts_with("HTTP/1.1 200"), "{yes}");
+    assert!(yes.contains("allowed-server-says-hi"), "{yes}");
+    let no = connect(denied_port).await;
+    assert!(no.starts_with("HTTP/1.1 403"), "{no}");
+    let accepted = tokio::time::timeout(Duration::from_millis(300), denied.accept()).await;
+    assert!(accepted.is_err(), "the refused destination was dialled");
+
+    // A policy the proxy cannot enforce is refused before any sandbox exists.
+    let bad = NetworkPolicy::Custom {
+        allowed_hosts: vec!["exa mple.com".into()],
+        allowed_cidrs: vec!["10.0.0.0/33".into()],
+        denied_cidrs: vec![],
+        allowed_ports: vec![],
+    };
+    let err = broker.forwards("custom-2", &bad).await.unwrap_err();
+    assert_eq!(err.kind(), harness_core::ErrorKind::InvalidInput, "{err}");
+    assert!(err.to_string().contains("10.0.0.0/33"), "{err}");
+}
