@@ -9,7 +9,7 @@
 //!
 //! ```text
 //!   sandbox                         host
-//!   agent ──► 127.0.0.1:47811 ──► <dir>/sock/model.sock ──► broker ──► provider
+//!   agent ──► 127.0.0.1:47811 ──► <dir>/sessions/<id>/model.sock ──► broker ──► provider
 //!             (the gate's forward)                      token → key
 //! ```
 //!
@@ -17,8 +17,10 @@
 //!
 //! ```text
 //! <dir>/secret                 the HMAC key tokens derive from (0600, made once)
-//! <dir>/sock/model.sock        the Unix socket sandboxes reach through a forward
-//!                              (this directory holds sockets only: providers mount it)
+//! <dir>/sessions/<id>/model.sock  the session's own Unix socket, which its sandboxes
+//!                              reach through a forward (the directory holds that
+//!                              socket only: providers mount it); it answers that
+//!                              session's token alone
 //! <dir>/broker.json            the loopback TCP port, for sandboxes on the host network
 //! <dir>/usage/<session>.json   what each session used
 //! <dir>/active/<session>       sessions with a turn running: only their tokens open anything
@@ -44,13 +46,11 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use harness_core::broker::{ModelBroker, Reach};
-use harness_core::sandbox::{
-    HostForward, NetworkPolicy, EGRESS_PROXY_PORT, MODEL_BROKER_PORT,
-};
+use harness_core::sandbox::{HostForward, NetworkPolicy, EGRESS_PROXY_PORT, MODEL_BROKER_PORT};
 use harness_core::{Error, Result, SessionId};
 use serde::{Deserialize, Serialize};
 
-mod egress;
+mod listeners;
 mod proxy;
 pub mod token;
 pub mod usage;
@@ -117,7 +117,11 @@ impl BrokerConfig {
         };
         Self {
             dir: dir.into(),
-            anthropic: upstream("ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL", ANTHROPIC_DEFAULT_URL),
+            anthropic: upstream(
+                "ANTHROPIC_API_KEY",
+                "ANTHROPIC_BASE_URL",
+                ANTHROPIC_DEFAULT_URL,
+            ),
             openai: upstream("OPENAI_API_KEY", "OPENAI_BASE_URL", OPENAI_DEFAULT_URL),
         }
     }
@@ -161,7 +165,7 @@ impl std::fmt::Debug for Inner {
 struct Serving {
     _lock: File,
     tasks: Vec<tokio::task::JoinHandle<()>>,
-    egress: egress::EgressListeners,
+    listeners: listeners::SessionListeners,
 }
 
 impl Drop for Serving {
@@ -177,7 +181,7 @@ impl Broker {
     /// serve it, unless another live process already does.
     pub async fn start(config: BrokerConfig) -> Result<Broker> {
         let dir = config.dir.clone();
-        for sub in ["", "sock", "usage", "active", "policies", "egress"] {
+        for sub in ["", "sessions", "usage", "active", "policies", "egress"] {
             std::fs::create_dir_all(dir.join(sub))
                 .map_err(|e| crate::ctx(e, format!("creating {}", dir.join(sub).display())))?;
         }
@@ -185,7 +189,7 @@ impl Broker {
         // socket directory must be reachable by a sandbox's (possibly
         // unprivileged) user, hence the search bit for all on the path to it.
         set_mode(&dir, 0o711)?;
-        set_mode(&dir.join("sock"), 0o755)?;
+        set_mode(&dir.join("sessions"), 0o711)?;
         for private in ["usage", "active", "policies"] {
             set_mode(&dir.join(private), 0o700)?;
         }
@@ -215,9 +219,10 @@ impl Broker {
         &self.inner.dir
     }
 
-    /// The Unix socket sandboxes reach through their forward.
-    pub fn socket_path(&self) -> PathBuf {
-        self.inner.dir.join("sock").join("model.sock")
+    /// The Unix socket the sandboxes of `session_id` reach through their
+    /// forward (it answers that session alone).
+    pub fn socket_path(&self, session_id: &str) -> PathBuf {
+        session_socket(&self.inner.dir, session_id)
     }
 
     /// The token of `session_id`: what that session's agent holds.
@@ -283,7 +288,7 @@ impl Broker {
             *serving = self.try_serve().await?;
         }
         if let Some(s) = serving.as_mut() {
-            s.egress.refresh(&self.inner.dir);
+            s.listeners.refresh(&self.inner);
         }
         Ok(())
     }
@@ -307,15 +312,6 @@ impl Broker {
                 return Err(crate::ctx(e, format!("locking {}", lock_path.display())))
             }
         }
-        // The holder of the lock owns the socket path: a file there is left
-        // by a process that died.
-        let socket = self.socket_path();
-        let _ = std::fs::remove_file(&socket);
-        let unix = tokio::net::UnixListener::bind(&socket)
-            .map_err(|e| crate::ctx(e, format!("listening on {}", socket.display())))?;
-        // Any user may connect (a container's agent may not be root); the
-        // token is the check.
-        set_mode(&socket, 0o666)?;
         let previous = read_state(dir).unwrap_or_default().tcp_port;
         let tcp = match tokio::net::TcpListener::bind(("127.0.0.1", previous)).await {
             Ok(l) if previous != 0 => l,
@@ -328,8 +324,7 @@ impl Broker {
             tracing::warn!(previous, now = tcp_port, "the broker's TCP port changed: agents on the host network started before this get connection errors until their next turn");
         }
         write_state(dir, &BrokerState { tcp_port })?;
-        let app = proxy::router(self.inner.clone());
-        let unix_app = app.clone();
+        let app = proxy::router(self.inner.clone(), None);
         // Another process may record a policy (its session's sandbox is made
         // there); the serving process picks it up within a second.
         let weak = Arc::downgrade(&self.inner);
@@ -340,14 +335,9 @@ impl Broker {
                     let Some(inner) = weak.upgrade() else { break };
                     let mut serving = inner.serving.lock().await;
                     if let Some(s) = serving.as_mut() {
-                        s.egress.refresh(&inner.dir);
+                        s.listeners.refresh(&inner);
                     }
                     drop(serving);
-                }
-            }),
-            tokio::spawn(async move {
-                if let Err(e) = axum::serve(unix, unix_app).await {
-                    tracing::error!(error = %e, "the broker's socket stopped serving");
                 }
             }),
             tokio::spawn(async move {
@@ -356,11 +346,11 @@ impl Broker {
                 }
             }),
         ];
-        tracing::info!(dir = %dir.display(), socket = %socket.display(), tcp_port, "model broker serving");
+        tracing::info!(dir = %dir.display(), tcp_port, "model broker serving");
         Ok(Some(Serving {
             _lock: lock,
             tasks,
-            egress: egress::EgressListeners::default(),
+            listeners: listeners::SessionListeners::default(),
         }))
     }
 }
@@ -373,12 +363,13 @@ impl ModelBroker for Broker {
         network: &NetworkPolicy,
     ) -> Result<Vec<HostForward>> {
         let id = SessionId::parse(session_id)?;
+        let socket = listeners::register(&self.inner.dir, id.as_str())?;
         let mut forwards = vec![HostForward {
             port: MODEL_BROKER_PORT,
-            socket: self.socket_path().to_string_lossy().into_owned(),
+            socket: socket.to_string_lossy().into_owned(),
         }];
         if let NetworkPolicy::Custom { .. } = network {
-            let socket = egress::register(&self.inner.dir, id.as_str(), network)?;
+            let socket = listeners::register_policy(&self.inner.dir, id.as_str(), network)?;
             forwards.push(HostForward {
                 port: EGRESS_PROXY_PORT,
                 socket: socket.to_string_lossy().into_owned(),
@@ -404,14 +395,24 @@ impl ModelBroker for Broker {
         let token = self.token(id.as_str());
         self.activate(id.as_str())?;
         let mut env = BTreeMap::from([
-            ("ANTHROPIC_BASE_URL".to_string(), format!("{base}/anthropic")),
+            (
+                "ANTHROPIC_BASE_URL".to_string(),
+                format!("{base}/anthropic"),
+            ),
             ("ANTHROPIC_API_KEY".to_string(), token.clone()),
             ("OPENAI_BASE_URL".to_string(), format!("{base}/openai")),
             ("OPENAI_API_KEY".to_string(), token),
         ]);
         if let NetworkPolicy::Custom { .. } = network {
             let proxy = format!("http://127.0.0.1:{EGRESS_PROXY_PORT}");
-            for k in ["HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"] {
+            for k in [
+                "HTTP_PROXY",
+                "HTTPS_PROXY",
+                "ALL_PROXY",
+                "http_proxy",
+                "https_proxy",
+                "all_proxy",
+            ] {
                 env.insert(k.to_string(), proxy.clone());
             }
             for k in ["NO_PROXY", "no_proxy"] {
@@ -424,6 +425,10 @@ impl ModelBroker for Broker {
     async fn turn_ended(&self, session_id: &str) -> Result<()> {
         self.revoke(session_id)
     }
+}
+
+fn session_socket(dir: &Path, session_id: &str) -> PathBuf {
+    dir.join("sessions").join(session_id).join("model.sock")
 }
 
 /// What `session_id` used, read from a broker directory (for tools that do
@@ -450,7 +455,10 @@ impl Inner {
         let mut usage = read_usage(&self.dir, session_id).unwrap_or_default();
         usage.add(add);
         let path = self.dir.join("usage").join(format!("{session_id}.json"));
-        if let Err(e) = write_atomic(&path, &serde_json::to_vec_pretty(&usage).unwrap_or_default()) {
+        if let Err(e) = write_atomic(
+            &path,
+            &serde_json::to_vec_pretty(&usage).unwrap_or_default(),
+        ) {
             tracing::warn!(error = %e, session.id = session_id, "could not record the session's model usage");
         }
     }
@@ -521,7 +529,8 @@ impl Mode0600 for std::fs::OpenOptions {
 fn read_state(dir: &Path) -> Result<BrokerState> {
     let path = dir.join("broker.json");
     match std::fs::read(&path) {
-        Ok(b) => serde_json::from_slice(&b).map_err(|e| Error::corrupt(format!("{}: {e}", path.display()))),
+        Ok(b) => serde_json::from_slice(&b)
+            .map_err(|e| Error::corrupt(format!("{}: {e}", path.display()))),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(BrokerState::default()),
         Err(e) => Err(Error::from(e)),
     }
@@ -534,7 +543,8 @@ fn write_state(dir: &Path, state: &BrokerState) -> Result<()> {
 pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
     std::fs::write(&tmp, bytes).map_err(|e| crate::ctx(e, format!("writing {}", tmp.display())))?;
-    std::fs::rename(&tmp, path).map_err(|e| crate::ctx(e, format!("renaming onto {}", path.display())))
+    std::fs::rename(&tmp, path)
+        .map_err(|e| crate::ctx(e, format!("renaming onto {}", path.display())))
 }
 
 /// The variables the broker's env replaces, for callers that build their
@@ -564,4 +574,3 @@ impl Api {
         }
     }
 }
-

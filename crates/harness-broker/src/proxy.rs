@@ -25,7 +25,10 @@ use crate::{token, Api, Inner};
 /// few MB; this leaves room and still bounds memory).
 const MAX_REQUEST_BYTES: usize = 64 * 1024 * 1024;
 
-pub(crate) fn router(inner: Arc<Inner>) -> Router {
+/// The broker's routes. `only` set: a session's own socket, which answers
+/// that session's path alone.
+pub(crate) fn router(inner: Arc<Inner>, only: Option<String>) -> Router {
+    let state = Served { inner, only };
     Router::new()
         .route("/health", get(|| async { "ok" }))
         .route("/s/{session}/{api}/{*rest}", any(forward))
@@ -36,7 +39,13 @@ pub(crate) fn router(inner: Arc<Inner>) -> Router {
                 "the model broker serves /s/<session>/anthropic/... and /s/<session>/openai/...",
             )
         })
-        .with_state(inner)
+        .with_state(state)
+}
+
+#[derive(Clone)]
+struct Served {
+    inner: Arc<Inner>,
+    only: Option<String>,
 }
 
 /// A refusal in the shape both SDKs print: `{"type":"error","error":{...}}`.
@@ -45,7 +54,12 @@ fn refuse(status: StatusCode, kind: &str, message: &str) -> Response {
         "type": "error",
         "error": { "type": kind, "message": format!("harness model broker: {message}") },
     });
-    (status, [(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response()
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
 }
 
 /// The token a request carries: `x-api-key` (Anthropic) or a bearer
@@ -57,7 +71,10 @@ fn presented_token(headers: &HeaderMap) -> Option<&str> {
     headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+        .and_then(|v| {
+            v.strip_prefix("Bearer ")
+                .or_else(|| v.strip_prefix("bearer "))
+        })
         .map(str::trim)
 }
 
@@ -84,7 +101,7 @@ fn hop_header(name: &HeaderName) -> bool {
 }
 
 async fn forward(
-    State(inner): State<Arc<Inner>>,
+    State(Served { inner, only }): State<Served>,
     Path((session, api, rest)): Path<(String, String, String)>,
     request: Request,
 ) -> Response {
@@ -92,6 +109,15 @@ async fn forward(
         return refuse(StatusCode::NOT_FOUND, "not_found", "no such session");
     };
     let session = session.as_str().to_string();
+    if only.as_ref().is_some_and(|own| *own != session) {
+        // A sandbox's forward reaches its own session's socket: another
+        // session's path (with that session's token or not) opens nothing.
+        return refuse(
+            StatusCode::UNAUTHORIZED,
+            "authentication_error",
+            "this endpoint serves another session: this token does not open this session",
+        );
+    }
     let Some(api) = Api::parse(&api) else {
         return refuse(
             StatusCode::NOT_FOUND,
@@ -100,7 +126,13 @@ async fn forward(
         );
     };
     let refused = |status, kind, message: &str| {
-        inner.record(&session, &Usage { refused: 1, ..Usage::default() });
+        inner.record(
+            &session,
+            &Usage {
+                refused: 1,
+                ..Usage::default()
+            },
+        );
         tracing::warn!(session.id = %session, status = %status, "{message}");
         refuse(status, kind, message)
     };
@@ -158,7 +190,11 @@ async fn forward(
         }
     }
     let Ok(key) = HeaderValue::from_str(&upstream.api_key) else {
-        return refused(StatusCode::INTERNAL_SERVER_ERROR, "api_error", "the configured key is not a valid header value");
+        return refused(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "api_error",
+            "the configured key is not a valid header value",
+        );
     };
     match api {
         Api::Anthropic => {
@@ -166,7 +202,11 @@ async fn forward(
         }
         Api::OpenAi => {
             let Ok(bearer) = HeaderValue::from_str(&format!("Bearer {}", upstream.api_key)) else {
-                return refused(StatusCode::INTERNAL_SERVER_ERROR, "api_error", "the configured key is not a valid header value");
+                return refused(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "api_error",
+                    "the configured key is not a valid header value",
+                );
             };
             headers.insert(header::AUTHORIZATION, bearer);
         }
@@ -201,11 +241,19 @@ async fn forward(
         session,
         stream: answer.bytes_stream().boxed(),
         scanner: Some(UsageScanner::default()),
-        usage: Usage { requests: 1, request_bytes, ..Usage::default() },
+        usage: Usage {
+            requests: 1,
+            request_bytes,
+            ..Usage::default()
+        },
     };
-    response
-        .body(Body::from_stream(tap))
-        .unwrap_or_else(|e| refuse(StatusCode::BAD_GATEWAY, "api_error", &format!("building the response: {e}")))
+    response.body(Body::from_stream(tap)).unwrap_or_else(|e| {
+        refuse(
+            StatusCode::BAD_GATEWAY,
+            "api_error",
+            &format!("building the response: {e}"),
+        )
+    })
 }
 
 /// The upstream body, passed on chunk by chunk; on its end (or when the

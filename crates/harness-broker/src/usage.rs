@@ -141,10 +141,14 @@ impl UsageScanner {
 /// Anthropic splits input into fresh, cache-read and cache-written tokens;
 /// all three were sent.
 fn anthropic_input(u: &Value) -> u64 {
-    ["input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"]
-        .iter()
-        .filter_map(|k| u.get(*k).and_then(Value::as_u64))
-        .sum()
+    [
+        "input_tokens",
+        "cache_read_input_tokens",
+        "cache_creation_input_tokens",
+    ]
+    .iter()
+    .filter_map(|k| u.get(*k).and_then(Value::as_u64))
+    .sum()
 }
 
 #[cfg(test)]
@@ -176,7 +180,10 @@ mod tests {
                     event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"usage\":{\"input_tokens\":7,\"output_tokens\":9}}}\n\n";
         assert_eq!(scan(&[body]), (7, 9));
         assert_eq!(
-            scan(&["{\"id\":\"x\",\"usage\":{\"input_tokens\":5,", "\"output_tokens\":6}}"]),
+            scan(&[
+                "{\"id\":\"x\",\"usage\":{\"input_tokens\":5,",
+                "\"output_tokens\":6}}"
+            ]),
             (5, 6)
         );
     }

@@ -44,7 +44,12 @@ fn openai_body() -> serde_json::Value {
 
 /// One HTTP/1.1 exchange over the broker's Unix socket (what a sandbox's
 /// forward carries): status and body.
-async fn over_socket(socket: &std::path::Path, path: &str, headers: &[(&str, &str)], body: &str) -> (u16, String) {
+async fn over_socket(
+    socket: &std::path::Path,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> (u16, String) {
     let mut stream = tokio::net::UnixStream::connect(socket).await.unwrap();
     let mut req = format!(
         "POST {path} HTTP/1.1\r\nhost: 127.0.0.1:{MODEL_BROKER_PORT}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n",
@@ -83,8 +88,12 @@ async fn the_key_is_added_on_the_host_and_tokens_open_their_own_session_only() {
     assert_ne!(token_a, token_b);
 
     // Before its turn starts, a session's own token opens nothing.
+    broker
+        .forwards("session-a", &NetworkPolicy::DenyAll)
+        .await
+        .unwrap();
     let (status, text) = over_socket(
-        &broker.socket_path(),
+        &broker.socket_path("session-a"),
         "/s/session-a/anthropic/v1/messages",
         &[("x-api-key", &token_a)],
         &anthropic_body().to_string(),
@@ -103,7 +112,9 @@ async fn the_key_is_added_on_the_host_and_tokens_open_their_own_session_only() {
         env["ANTHROPIC_BASE_URL"],
         format!("http://127.0.0.1:{MODEL_BROKER_PORT}/s/session-a/anthropic")
     );
-    assert!(env.values().all(|v| !v.contains(ANTHROPIC_KEY) && !v.contains(OPENAI_KEY)));
+    assert!(env
+        .values()
+        .all(|v| !v.contains(ANTHROPIC_KEY) && !v.contains(OPENAI_KEY)));
     let forwards = broker
         .forwards("session-a", &NetworkPolicy::DenyAll)
         .await
@@ -116,7 +127,11 @@ async fn the_key_is_added_on_the_host_and_tokens_open_their_own_session_only() {
     for entry in std::fs::read_dir(socket.parent().unwrap()).unwrap() {
         let entry = entry.unwrap();
         use std::os::unix::fs::FileTypeExt;
-        assert!(entry.file_type().unwrap().is_socket(), "{:?} next to the socket", entry.path());
+        assert!(
+            entry.file_type().unwrap().is_socket(),
+            "{:?} next to the socket",
+            entry.path()
+        );
     }
 
     // Anthropic over the socket, with session A's token.
@@ -128,14 +143,20 @@ async fn the_key_is_added_on_the_host_and_tokens_open_their_own_session_only() {
     )
     .await;
     assert_eq!(status, 200, "{text}");
-    assert!(text.contains("hello") && text.contains("message_stop"), "{text}");
+    assert!(
+        text.contains("hello") && text.contains("message_stop"),
+        "{text}"
+    );
     // OpenAI over TCP (what a sandbox on the host network uses).
     let env_host = broker
         .agent_env("session-a", &NetworkPolicy::AllowAll, Reach::HostNetwork)
         .await
         .unwrap();
     let url = format!("{}/responses", env_host["OPENAI_BASE_URL"]);
-    assert!(url.starts_with(&format!("http://{}/s/session-a/openai", broker.tcp_addr().unwrap())));
+    assert!(url.starts_with(&format!(
+        "http://{}/s/session-a/openai",
+        broker.tcp_addr().unwrap()
+    )));
     let answer = reqwest::Client::new()
         .post(&url)
         .bearer_auth(&token_a)
@@ -183,15 +204,44 @@ async fn the_key_is_added_on_the_host_and_tokens_open_their_own_session_only() {
         assert_eq!(status, 401, "{headers:?}: {text}");
         assert!(text.contains("does not open this session"), "{text}");
     }
-    assert_eq!(model.requests().len(), 2);
+    // Session B's own path and token, through session A's socket (what a
+    // sandbox of A reaches): refused too, even while B runs a turn.
+    broker
+        .forwards("session-b", &NetworkPolicy::DenyAll)
+        .await
+        .unwrap();
+    broker.activate("session-b").unwrap();
+    let (status, text) = over_socket(
+        &socket,
+        "/s/session-b/anthropic/v1/messages",
+        &[("x-api-key", &token_b)],
+        &anthropic_body().to_string(),
+    )
+    .await;
+    assert_eq!(status, 401, "{text}");
+    assert!(text.contains("serves another session"), "{text}");
+    // ... while B's own socket serves B.
+    let (status, text) = over_socket(
+        &broker.socket_path("session-b"),
+        "/s/session-b/anthropic/v1/messages",
+        &[("x-api-key", &token_b)],
+        &anthropic_body().to_string(),
+    )
+    .await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(model.requests().len(), 3);
 
     // Usage: two forwarded exchanges with the tokens the provider reported.
     let usage = broker.usage("session-a").unwrap();
     assert_eq!(usage.requests, 2, "{usage:?}");
     assert_eq!(usage.refused, 5, "{usage:?}");
-    assert!(usage.input_tokens > 0 && usage.output_tokens > 0, "{usage:?}");
+    assert!(
+        usage.input_tokens > 0 && usage.output_tokens > 0,
+        "{usage:?}"
+    );
     assert!(usage.response_bytes as usize >= body.len(), "{usage:?}");
-    assert_eq!(broker.usage("session-b").unwrap().requests, 0);
+    assert_eq!(broker.usage("session-b").unwrap().requests, 1);
+    assert_eq!(broker.usage("session-b").unwrap().refused, 0);
 
     // The turn ends: the token opens nothing until the next turn starts.
     broker.turn_ended("session-a").await.unwrap();
@@ -204,14 +254,16 @@ async fn the_key_is_added_on_the_host_and_tokens_open_their_own_session_only() {
     .await;
     assert_eq!(status, 403, "{text}");
     assert!(text.contains("no turn running"), "{text}");
-    assert_eq!(model.requests().len(), 2);
+    assert_eq!(model.requests().len(), 3);
 }
 
 #[tokio::test]
 async fn a_stream_passes_through_as_it_comes() {
     // Eight deltas, 250 ms apart: about 2 s from the first to the last.
-    let reply = Reply::text_chunks(["one ", "two ", "three ", "four ", "five ", "six ", "seven ", "eight"])
-        .with_delay(250);
+    let reply = Reply::text_chunks([
+        "one ", "two ", "three ", "four ", "five ", "six ", "seven ", "eight",
+    ])
+    .with_delay(250);
     let model = ScriptedModel::start(Script::new().on(harness_testkit::model::any(), reply))
         .await
         .unwrap();
@@ -219,7 +271,10 @@ async fn a_stream_passes_through_as_it_comes() {
     let broker = broker(dir.path(), &model).await;
     let token = broker.token("s1");
     broker.activate("s1").unwrap();
-    let url = format!("http://{}/s/s1/anthropic/v1/messages", broker.tcp_addr().unwrap());
+    let url = format!(
+        "http://{}/s/s1/anthropic/v1/messages",
+        broker.tcp_addr().unwrap()
+    );
     let started = Instant::now();
     let mut answer = reqwest::Client::new()
         .post(&url)
@@ -255,15 +310,19 @@ async fn a_second_process_takes_over_when_the_first_lets_go() {
     let first = broker(dir.path(), &model).await;
     let second = broker(dir.path(), &model).await;
     assert!(first.is_serving().await);
-    assert!(!second.is_serving().await, "two processes serve one directory");
+    assert!(
+        !second.is_serving().await,
+        "two processes serve one directory"
+    );
     // Same secret, same tokens: an agent started under one works with the other.
     assert_eq!(first.token("s"), second.token("s"));
+    first.forwards("s", &NetworkPolicy::DenyAll).await.unwrap();
     first.activate("s").unwrap();
     first.shutdown().await;
     second.ensure_served().await.unwrap();
     assert!(second.is_serving().await);
     let (status, text) = over_socket(
-        &second.socket_path(),
+        &second.socket_path("s"),
         "/s/s/anthropic/v1/messages",
         &[("x-api-key", &first.token("s"))],
         &anthropic_body().to_string(),
@@ -286,9 +345,10 @@ async fn a_provider_without_a_key_is_refused_with_the_variable_to_set() {
     })
     .await
     .unwrap();
+    broker.forwards("s", &NetworkPolicy::DenyAll).await.unwrap();
     broker.activate("s").unwrap();
     let (status, text) = over_socket(
-        &broker.socket_path(),
+        &broker.socket_path("s"),
         "/s/s/openai/responses",
         &[("authorization", &format!("Bearer {}", broker.token("s")))],
         &openai_body().to_string(),
@@ -327,16 +387,22 @@ async fn a_custom_policy_gets_its_egress_proxy_and_a_bad_one_is_refused() {
         .agent_env("custom-1", &policy, Reach::Forwarded)
         .await
         .unwrap();
-    assert_eq!(env["HTTPS_PROXY"], format!("http://127.0.0.1:{EGRESS_PROXY_PORT}"));
+    assert_eq!(
+        env["HTTPS_PROXY"],
+        format!("http://127.0.0.1:{EGRESS_PROXY_PORT}")
+    );
     assert!(env["NO_PROXY"].contains("127.0.0.1"));
 
     let connect = |port: u16| {
         let socket = forwards[1].socket.clone();
         async move {
             let mut s = tokio::net::UnixStream::connect(&socket).await.unwrap();
-            s.write_all(format!("CONNECT 127.0.0.1:{port} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n\r\n").as_bytes())
-                .await
-                .unwrap();
+            s.write_all(
+                format!("CONNECT 127.0.0.1:{port} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n\r\n")
+                    .as_bytes(),
+            )
+            .await
+            .unwrap();
             let mut out = Vec::new();
             let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut out)).await;
             String::from_utf8_lossy(&out).into_owned()

@@ -1,0 +1,185 @@
+//! The per-session listeners of the serving process.
+//!
+//! Each session with a sandbox has its own model socket,
+//! `<dir>/sessions/<session>/model.sock`, that answers that session's token
+//! alone: a sandbox's forward reaches its own session's endpoint and no
+//! other, so even a leaked token of another session opens nothing there.
+//! A session under a `custom` network policy also has its egress proxy at
+//! `<dir>/egress/<session>/proxy.sock`, enforcing the policy recorded in
+//! `<dir>/policies/<session>.json` (checked when recorded: a policy the
+//! proxy cannot enforce is refused before any sandbox exists).
+//!
+//! Registering only writes files; the serving process matches its
+//! listeners to them (at once when it registered them, within a second
+//! when another process did), and after a restart serves them all again.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use harness_core::sandbox::NetworkPolicy;
+use harness_core::{Error, Result};
+use harness_egress::{EgressPolicy, EgressProxy};
+
+use crate::Inner;
+
+/// Record `session_id` as one with sandboxes; returns its model socket.
+pub(crate) fn register(dir: &Path, session_id: &str) -> Result<PathBuf> {
+    let socket = crate::session_socket(dir, session_id);
+    let sock_dir = socket.parent().expect("a socket path has a parent");
+    std::fs::create_dir_all(sock_dir)
+        .map_err(|e| crate::ctx(e, format!("creating {}", sock_dir.display())))?;
+    crate::set_mode(sock_dir, 0o755)?;
+    Ok(socket)
+}
+
+/// Record `session_id`'s `custom` policy; returns its egress socket.
+pub(crate) fn register_policy(
+    dir: &Path,
+    session_id: &str,
+    network: &NetworkPolicy,
+) -> Result<PathBuf> {
+    // Refuse what the proxy cannot enforce now, with the proxy's words.
+    EgressPolicy::from_network(network)?;
+    let path = policy_path(dir, session_id);
+    crate::write_atomic(&path, &serde_json::to_vec_pretty(network)?)?;
+    let sock_dir = dir.join("egress").join(session_id);
+    std::fs::create_dir_all(&sock_dir)
+        .map_err(|e| crate::ctx(e, format!("creating {}", sock_dir.display())))?;
+    crate::set_mode(&sock_dir, 0o755)?;
+    Ok(sock_dir.join("proxy.sock"))
+}
+
+fn policy_path(dir: &Path, session_id: &str) -> PathBuf {
+    dir.join("policies").join(format!("{session_id}.json"))
+}
+
+/// The listeners the serving process runs, by session.
+#[derive(Default)]
+pub(crate) struct SessionListeners {
+    model: BTreeMap<String, tokio::task::JoinHandle<()>>,
+    egress: BTreeMap<String, (NetworkPolicy, tokio::task::JoinHandle<()>)>,
+}
+
+impl Drop for SessionListeners {
+    fn drop(&mut self) {
+        for task in self.model.values() {
+            task.abort();
+        }
+        for (_, task) in self.egress.values() {
+            task.abort();
+        }
+    }
+}
+
+/// The names of the entries of `dir` (none when it cannot be read).
+fn names(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+impl SessionListeners {
+    /// Match the listeners to the sessions and policies on record.
+    pub(crate) fn refresh(&mut self, inner: &Arc<Inner>) {
+        let dir = &inner.dir;
+        let sessions = names(&dir.join("sessions"));
+        self.model
+            .retain(|s, task| !task.is_finished() && sessions.contains(s));
+        for session in sessions {
+            if self.model.contains_key(&session) {
+                continue;
+            }
+            match serve_model(inner, &session) {
+                Ok(task) => {
+                    self.model.insert(session, task);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, session.id = %session, "the session's model socket could not start")
+                }
+            }
+        }
+
+        let mut policies = BTreeMap::new();
+        for name in names(&dir.join("policies")) {
+            let Some(session) = name.strip_suffix(".json") else {
+                continue;
+            };
+            let path = policy_path(dir, session);
+            match std::fs::read(&path)
+                .map_err(Error::from)
+                .and_then(|b| Ok(serde_json::from_slice::<NetworkPolicy>(&b)?))
+            {
+                Ok(policy) => {
+                    policies.insert(session.to_string(), policy);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, file = %path.display(), "unreadable egress policy")
+                }
+            }
+        }
+        self.egress.retain(|session, (policy, task)| {
+            let keep = policies.get(session) == Some(policy) && !task.is_finished();
+            if !keep {
+                task.abort();
+            }
+            keep
+        });
+        for (session, network) in policies {
+            if self.egress.contains_key(&session) {
+                continue;
+            }
+            match serve_egress(dir, &session, &network) {
+                Ok(task) => {
+                    self.egress.insert(session, (network, task));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, session.id = %session, "the session's egress proxy could not start")
+                }
+            }
+        }
+    }
+}
+
+/// Bind `socket` afresh: a file there is left by a process that died (the
+/// caller holds the directory's lock, so no live process serves it).
+fn bind(socket: &Path) -> Result<tokio::net::UnixListener> {
+    let _ = std::fs::remove_file(socket);
+    let listener = tokio::net::UnixListener::bind(socket)
+        .map_err(|e| crate::ctx(e, format!("listening on {}", socket.display())))?;
+    // Any user may connect (a container's agent may not be root): the
+    // token, and for the egress proxy the policy, are the checks.
+    crate::set_mode(socket, 0o666)?;
+    Ok(listener)
+}
+
+fn serve_model(inner: &Arc<Inner>, session_id: &str) -> Result<tokio::task::JoinHandle<()>> {
+    let socket = crate::session_socket(&inner.dir, session_id);
+    let listener = bind(&socket)?;
+    let app = crate::proxy::router(inner.clone(), Some(session_id.to_string()));
+    tracing::debug!(session.id = session_id, socket = %socket.display(), "model socket serving");
+    let session = session_id.to_string();
+    Ok(tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!(error = %e, session.id = %session, "the session's model socket stopped serving");
+        }
+    }))
+}
+
+fn serve_egress(
+    dir: &Path,
+    session_id: &str,
+    network: &NetworkPolicy,
+) -> Result<tokio::task::JoinHandle<()>> {
+    let policy = EgressPolicy::from_network(network)?;
+    let sock_dir = dir.join("egress").join(session_id);
+    std::fs::create_dir_all(&sock_dir).map_err(Error::from)?;
+    let listener = bind(&sock_dir.join("proxy.sock"))?;
+    tracing::info!(session.id = session_id, "egress proxy serving");
+    Ok(EgressProxy::new(policy).serve_unix(listener))
+}
