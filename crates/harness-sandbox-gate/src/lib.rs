@@ -32,7 +32,6 @@
 //! See `docs/sandbox-local.md` and `docs/sandbox-docker.md` for what each
 //! provider does with it.
 
-use std::ffi::OsString;
 use std::path::PathBuf;
 
 /// The gate's binary name.
@@ -68,12 +67,12 @@ pub struct Forward {
     /// The loopback port.
     pub port: u16,
     /// The Unix socket's path.
-    pub socket: OsString,
+    pub socket: String,
 }
 
 impl Forward {
     /// A forward of `port` to `socket`.
-    pub fn new(port: u16, socket: impl Into<OsString>) -> Self {
+    pub fn new(port: u16, socket: impl Into<String>) -> Self {
         Self {
             port,
             socket: socket.into(),
@@ -81,26 +80,20 @@ impl Forward {
     }
 
     /// The `PORT=SOCKET_PATH` argument.
-    pub fn arg(&self) -> OsString {
-        let mut arg = OsString::from(format!("{}=", self.port));
-        arg.push(&self.socket);
-        arg
+    pub fn arg(&self) -> String {
+        format!("{}={}", self.port, self.socket)
     }
 }
 
 /// The full command line that runs `command` through `gate`:
 /// `gate [--unshare-net] [--forward P=S]... -- command...`.
-pub fn command_line<G, C>(
-    gate: G,
+pub fn command_line(
+    gate: &str,
     unshare_net: bool,
     forwards: &[Forward],
-    command: &[C],
-) -> Vec<OsString>
-where
-    G: Into<OsString>,
-    C: AsRef<std::ffi::OsStr>,
-{
-    let mut argv = vec![gate.into()];
+    command: &[String],
+) -> Vec<String> {
+    let mut argv = vec![gate.to_string()];
     if unshare_net {
         argv.push("--unshare-net".into());
     }
@@ -109,7 +102,7 @@ where
         argv.push(forward.arg());
     }
     argv.push("--".into());
-    argv.extend(command.iter().map(|c| c.as_ref().to_os_string()));
+    argv.extend(command.iter().cloned());
     argv
 }
 
@@ -119,11 +112,12 @@ mod tests {
 
     #[test]
     fn command_line_puts_options_before_the_program() {
+        let command: Vec<String> = ["sh", "-c", "echo --forward"].map(String::from).to_vec();
         let argv = command_line(
             "/gate",
             true,
             &[Forward::new(47811, "/run/b.sock")],
-            &["sh", "-c", "echo --forward"],
+            &command,
         );
         assert_eq!(
             argv,
@@ -137,9 +131,8 @@ mod tests {
                 "-c",
                 "echo --forward"
             ]
-            .map(OsString::from)
         );
-        let plain = command_line("/gate", false, &[], &["true"]);
-        assert_eq!(plain, ["/gate", "--", "true"].map(OsString::from));
+        let plain = command_line("/gate", false, &[], &["true".to_string()]);
+        assert_eq!(plain, ["/gate", "--", "true"]);
     }
 }

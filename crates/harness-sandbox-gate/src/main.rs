@@ -20,7 +20,29 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use harness_sandbox_gate::{Forward, EXIT_GATE_FAILED, LOG_ENV};
+use harness_sandbox_gate::{EXIT_GATE_FAILED, LOG_ENV};
+
+/// One `--forward` as given (the socket path need not be UTF-8).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Forward {
+    port: u16,
+    socket: OsString,
+}
+
+impl Forward {
+    fn new(port: u16, socket: impl Into<OsString>) -> Self {
+        Self {
+            port,
+            socket: socket.into(),
+        }
+    }
+
+    fn arg(&self) -> OsString {
+        let mut arg = OsString::from(format!("{}=", self.port));
+        arg.push(&self.socket);
+        arg
+    }
+}
 
 /// How long the gate waits for the forward daemon to bind its ports.
 const READY_TIMEOUT: Duration = Duration::from_secs(5);
@@ -493,7 +515,8 @@ fn proxy(tcp: TcpStream, socket: &Path) {
     }
 }
 
-/// Whether any process but this one is in this network namespace.
+/// Whether any process but this one and other forward daemons is in this
+/// network namespace.
 /// Processes whose namespace link cannot be read do not count: for root
 /// those are the non-dumpable ones (a firecracker or gVisor init, setuid
 /// programs), which are never in a namespace the gate made; a non-root
@@ -519,13 +542,22 @@ fn others_share_network() -> bool {
             continue;
         }
         match std::fs::read_link(format!("/proc/{pid}/ns/net")) {
-            Ok(link) if link == mine => return true,
+            // Another forward daemon (a nested gate's) is no user: two of
+            // them must not keep each other alive.
+            Ok(link) if link == mine && !is_forward_daemon(pid) => return true,
             // Another namespace; gone; a zombie (whose namespaces are
             // released); not ours to read.
             Ok(_) | Err(_) => {}
         }
     }
     false
+}
+
+/// Whether `pid` runs the gate's `--serve` mode.
+fn is_forward_daemon(pid: u32) -> bool {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|cmdline| cmdline.split(|&b| b == 0).nth(1) == Some(b"--serve"))
+        .unwrap_or(false)
 }
 
 #[cfg(test)]

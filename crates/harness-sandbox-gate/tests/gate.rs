@@ -288,7 +288,11 @@ fn a_port_already_served_in_the_namespace_is_left_to_its_gate() {
     let first = SocketServer::start("first");
     let second = SocketServer::start("second");
     let third = SocketServer::start("third");
-    let script = format!("{}; echo; {}", http_get(47811), http_get(47812));
+    let script = format!(
+        "readlink /proc/self/ns/net; {}; echo; {}",
+        http_get(47811),
+        http_get(47812)
+    );
     let out = gate(&[
         "--unshare-net",
         "--forward",
@@ -309,6 +313,11 @@ fn a_port_already_served_in_the_namespace_is_left_to_its_gate() {
     assert!(text.contains("\r\n\r\nfirst\n"), "{text:?}");
     assert!(text.ends_with("\r\n\r\nthird"), "{text:?}");
     assert_eq!(second.hits.load(Ordering::SeqCst), 0);
+    // Two daemons share the namespace: neither keeps the other alive.
+    let ns = text.lines().next().unwrap();
+    if let Err(pids) = wait_namespace_empty(ns, Duration::from_secs(5)) {
+        panic!("forward daemons {pids:?} outlived the command in {ns}");
+    }
 }
 
 #[test]
