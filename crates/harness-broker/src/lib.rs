@@ -127,10 +127,42 @@ impl BrokerConfig {
     }
 }
 
+/// Starts a process that serves the broker directory (for example
+/// `harness broker serve --dir DIR` with the upstreams' variables in its
+/// environment); called when no process serves it.
+pub type SpawnServer = Arc<dyn Fn(&BrokerConfig) -> Result<()> + Send + Sync>;
+
 /// What `broker.json` records.
 #[derive(Debug, Default, Serialize, Deserialize)]
 struct BrokerState {
     tcp_port: u16,
+    /// The serving process.
+    #[serde(default)]
+    pid: u32,
+    /// A digest of the serving process's upstreams (URLs and keys): a client
+    /// with other upstreams replaces a detached server.
+    #[serde(default)]
+    upstreams: String,
+}
+
+impl BrokerConfig {
+    /// A short digest of the upstreams (never the keys themselves).
+    fn fingerprint(&self) -> String {
+        use sha2::Digest;
+        let mut h = sha2::Sha256::new();
+        for u in [&self.anthropic, &self.openai] {
+            match u {
+                Some(u) => {
+                    h.update(u.base_url.as_bytes());
+                    h.update([0]);
+                    h.update(u.api_key.as_bytes());
+                    h.update([1]);
+                }
+                None => h.update([2]),
+            }
+        }
+        hex::encode(&h.finalize()[..8])
+    }
 }
 
 /// The model broker. Cheap to clone; once serving, it serves until
@@ -143,6 +175,10 @@ pub struct Broker {
 struct Inner {
     dir: PathBuf,
     secret: Vec<u8>,
+    /// How to start a serving process when none serves; `None`: serve here.
+    spawn: Option<SpawnServer>,
+    config: BrokerConfig,
+    fingerprint: String,
     anthropic: Option<Upstream>,
     openai: Option<Upstream>,
     client: reqwest::Client,
@@ -178,8 +214,26 @@ impl Drop for Serving {
 
 impl Broker {
     /// Open the broker directory (making it and its secret when new) and
-    /// serve it, unless another live process already does.
+    /// serve it in this process, unless another live process already does
+    /// (then take over when that one exits).
     pub async fn start(config: BrokerConfig) -> Result<Broker> {
+        let broker = Self::open(config, None)?;
+        broker.ensure_served().await?;
+        Ok(broker)
+    }
+
+    /// Open the broker directory and have a *detached* process serve it:
+    /// when none does, `spawn` starts one (and one serving other upstreams
+    /// is replaced). The broker then outlives this process, as the agents
+    /// it serves do: a runner killed mid-turn does not cut its agent's
+    /// model stream.
+    pub async fn start_detached(config: BrokerConfig, spawn: SpawnServer) -> Result<Broker> {
+        let broker = Self::open(config, Some(spawn))?;
+        broker.ensure_served().await?;
+        Ok(broker)
+    }
+
+    fn open(config: BrokerConfig, spawn: Option<SpawnServer>) -> Result<Broker> {
         let dir = config.dir.clone();
         for sub in ["", "sessions", "usage", "active", "policies", "egress"] {
             std::fs::create_dir_all(dir.join(sub))
@@ -199,9 +253,13 @@ impl Broker {
             .connect_timeout(std::time::Duration::from_secs(30))
             .build()
             .map_err(|e| Error::backend(format!("building the broker's HTTP client: {e}")))?;
+        let fingerprint = config.fingerprint();
         let broker = Broker {
             inner: Arc::new(Inner {
+                config: config.clone(),
+                fingerprint,
                 dir,
+                spawn,
                 secret,
                 anthropic: config.anthropic,
                 openai: config.openai,
@@ -210,7 +268,6 @@ impl Broker {
                 serving: tokio::sync::Mutex::new(None),
             }),
         };
-        broker.ensure_served().await?;
         Ok(broker)
     }
 
@@ -283,6 +340,9 @@ impl Broker {
 
     /// Serve the directory if no live process does (the lock is free).
     pub async fn ensure_served(&self) -> Result<()> {
+        if let Some(spawn) = &self.inner.spawn {
+            return self.ensure_detached_server(spawn).await;
+        }
         let mut serving = self.inner.serving.lock().await;
         if serving.is_none() {
             *serving = self.try_serve().await?;
@@ -291,6 +351,98 @@ impl Broker {
             s.listeners.refresh(&self.inner);
         }
         Ok(())
+    }
+
+    /// Whether some process holds the directory's lock (serves it).
+    fn lock_is_held(&self) -> Result<bool> {
+        let lock_path = self.inner.dir.join("lock");
+        let lock = File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(|e| crate::ctx(e, format!("opening {}", lock_path.display())))?;
+        match lock.try_lock() {
+            Ok(()) => Ok(false), // free; released as `lock` drops
+            Err(std::fs::TryLockError::WouldBlock) => Ok(true),
+            Err(std::fs::TryLockError::Error(e)) => {
+                Err(crate::ctx(e, format!("locking {}", lock_path.display())))
+            }
+        }
+    }
+
+    async fn ensure_detached_server(&self, spawn: &SpawnServer) -> Result<()> {
+        // One client at a time decides (in this process).
+        let _guard = self.inner.serving.lock().await;
+        if self.lock_is_held()? {
+            let state = read_state(&self.inner.dir).unwrap_or_default();
+            if state.upstreams == self.inner.fingerprint || state.pid == 0 {
+                return Ok(());
+            }
+            // A server with other keys or URLs: replace it (its agents'
+            // streams are cut; they retry against the new one).
+            tracing::info!(
+                pid = state.pid,
+                "the detached model broker serves other upstreams: replacing it"
+            );
+            let _ = std::process::Command::new("kill")
+                .args(["-TERM", &state.pid.to_string()])
+                .status();
+            self.wait_for_lock(false).await?;
+        }
+        spawn(&self.inner.config)?;
+        self.wait_for_lock(true).await
+    }
+
+    /// Wait (at most 10 s) until the lock is `held` or free.
+    async fn wait_for_lock(&self, held: bool) -> Result<()> {
+        for _ in 0..200 {
+            if self.lock_is_held()? == held {
+                return Ok(());
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        Err(Error::backend(format!(
+            "the detached model broker of {} did not {} in 10 s (see {})",
+            self.inner.dir.display(),
+            if held { "start" } else { "stop" },
+            self.inner.dir.join("broker.log").display()
+        )))
+    }
+
+    /// Serve the directory in this process until it is idle (no session
+    /// has a turn running) for `idle_exit`, or the directory is removed:
+    /// the life of a detached broker (`harness broker serve`).
+    pub async fn serve_until_idle(
+        config: BrokerConfig,
+        idle_exit: std::time::Duration,
+    ) -> Result<()> {
+        let broker = Self::open(config, None)?;
+        broker.ensure_served().await?;
+        if !broker.is_serving().await {
+            return Err(Error::conflict(format!(
+                "another process serves the model broker of {}",
+                broker.dir().display()
+            )));
+        }
+        let mut idle_since = std::time::Instant::now();
+        loop {
+            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            if !broker.dir().join("secret").exists() {
+                tracing::info!("the broker directory is gone: stopping");
+                return Ok(());
+            }
+            let busy = std::fs::read_dir(broker.dir().join("active"))
+                .map(|mut d| d.next().is_some())
+                .unwrap_or(false);
+            if busy {
+                idle_since = std::time::Instant::now();
+            } else if idle_since.elapsed() >= idle_exit {
+                tracing::info!(idle = ?idle_exit, "no turn for a while: stopping");
+                broker.shutdown().await;
+                return Ok(());
+            }
+        }
     }
 
     async fn try_serve(&self) -> Result<Option<Serving>> {
@@ -323,15 +475,23 @@ impl Broker {
         if previous != 0 && previous != tcp_port {
             tracing::warn!(previous, now = tcp_port, "the broker's TCP port changed: agents on the host network started before this get connection errors until their next turn");
         }
-        write_state(dir, &BrokerState { tcp_port })?;
+        write_state(
+            dir,
+            &BrokerState {
+                tcp_port,
+                pid: std::process::id(),
+                upstreams: self.inner.fingerprint.clone(),
+            },
+        )?;
         let app = proxy::router(self.inner.clone(), None);
-        // Another process may record a policy (its session's sandbox is made
-        // there); the serving process picks it up within a second.
+        // Another process may register a session or a policy (its
+        // session's sandbox is made there); the serving process picks it up
+        // within a quarter of a second.
         let weak = Arc::downgrade(&self.inner);
         let tasks = vec![
             tokio::spawn(async move {
                 loop {
-                    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                    tokio::time::sleep(std::time::Duration::from_millis(250)).await;
                     let Some(inner) = weak.upgrade() else { break };
                     let mut serving = inner.serving.lock().await;
                     if let Some(s) = serving.as_mut() {
@@ -376,6 +536,17 @@ impl ModelBroker for Broker {
             });
         }
         self.ensure_served().await?;
+        if self.inner.spawn.is_some() {
+            // The detached server binds the new sockets on its next look:
+            // have them before the sandbox is made (bounded; a late socket
+            // only costs the agent a retry).
+            for _ in 0..100 {
+                if forwards.iter().all(|f| Path::new(&f.socket).exists()) {
+                    break;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+        }
         Ok(forwards)
     }
 

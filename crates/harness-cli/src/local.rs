@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use harness::core::broker::ModelBroker;
 use harness::core::harness::Harness;
 use harness::core::sandbox::SandboxProvider;
 use harness::core::turn::TurnConfig;
@@ -167,24 +166,7 @@ pub async fn runtime(home: &Home, options: Options) -> Result<Runtime> {
     Ok(builder.build())
 }
 
-/// The home's model broker over the upstreams in `env`, or `None` with
-/// `--direct-model` (said on stderr: the key then enters every sandbox).
-pub async fn model_broker(
-    home: &Home,
-    env: &BTreeMap<String, String>,
-) -> Result<Option<Arc<dyn ModelBroker>>> {
-    if home.direct_model() {
-        eprintln!(
-            "warning: --direct-model: agents get the model key in their environment; anything they run can read it and send it anywhere"
-        );
-        return Ok(None);
-    }
-    let config = harness::broker::BrokerConfig::from_vars(home.broker_dir(), env);
-    let broker = harness::broker::Broker::start(config)
-        .await
-        .with_context(|| format!("starting the model broker in {}", home.broker_dir().display()))?;
-    Ok(Some(Arc::new(broker)))
-}
+pub use crate::broker::model_broker;
 
 /// Credentials and base URLs for agents, from this process's environment.
 pub fn agent_env() -> BTreeMap<String, String> {

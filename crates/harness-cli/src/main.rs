@@ -9,6 +9,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand, ValueEnum};
 
 mod agents;
+mod broker;
 mod client;
 mod demo;
 mod home;
@@ -167,6 +168,12 @@ enum Command {
     Restore(moves::RestoreArgs),
     /// List checkpoints in the store.
     Ls(moves::LsArgs),
+    /// The home's model broker: `serve` (started by the other commands when
+    /// none runs) and `usage SESSION`.
+    Broker {
+        #[command(subcommand)]
+        command: broker::BrokerCommand,
+    },
     /// Serve tools from this machine to one session's agent (MCP tools
     /// `mcp__host__<name>`), each call run at most once.
     RelayHost(relay_host::RelayHostArgs),
@@ -227,6 +234,7 @@ fn main() -> ExitCode {
             Command::Restore(args) => moves::restore(&home, args).await,
             Command::Ls(args) => moves::ls(args).await,
             Command::RelayHost(args) => relay_host::run(args).await,
+            Command::Broker { command } => broker::run(&home, command).await,
         }
     });
     match result {

@@ -96,7 +96,8 @@ pub async fn run(home: &Home, command: SessionsCommand) -> Result<()> {
                 }
             })?;
             let frames = read_all(&log, &session, info.last_seq).await?;
-            let shown = Shown::of(&info, &frames);
+            let mut shown = Shown::of(&info, &frames);
+            shown.model_usage = harness::broker::read_usage(&home.broker_dir(), &id)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&shown)?);
             } else {
@@ -184,6 +185,8 @@ struct Shown {
     /// When the last frame was stored (ms since the epoch; 0: never).
     last_activity_ms: u64,
     last_activity: Option<String>,
+    /// What the session's agents used through the home's model broker.
+    model_usage: harness::broker::Usage,
 }
 
 #[derive(Debug, Serialize)]
@@ -312,6 +315,7 @@ impl Shown {
             frames: info.last_seq,
             last_activity_ms: info.last_at_ms,
             last_activity: (info.last_at_ms > 0).then(|| utc(info.last_at_ms)),
+            model_usage: Default::default(),
         }
     }
 
@@ -350,6 +354,14 @@ impl Shown {
             .map(|t| format!(" (turn {} {})", t.id, t.status.as_str()))
             .unwrap_or_default();
         let _ = writeln!(w, "status         {}{running}", self.status);
+        let u = &self.model_usage;
+        if u.requests + u.refused > 0 {
+            let _ = writeln!(
+                w,
+                "model use      {} requests, {} input / {} output tokens, {} refused (through the broker)",
+                u.requests, u.input_tokens, u.output_tokens, u.refused
+            );
+        }
         if let Some(origin) = &self.forked_from {
             let _ = writeln!(
                 w,
