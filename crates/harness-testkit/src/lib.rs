@@ -6,11 +6,14 @@
 //!   lines) for the engine suite and engine tests;
 //! - [`model`]: scripted Anthropic Messages and OpenAI Responses servers,
 //!   the one scripted part in end-to-end tests with the real agent CLIs;
-//! - [`real`]: the skip-or-fail rule for tests that need real parts.
+//! - [`real`]: the skip-or-fail rule for tests that need real parts;
+//! - [`gate`]: the sandbox gate binary, built for the tests that need it.
 
 pub mod agent;
 pub mod conformance;
+pub mod gate;
 pub mod model;
 pub mod real;
 
+pub use gate::gate_binary;
 pub use real::{real_parts_required, require_env, skip_or_fail};

@@ -101,6 +101,38 @@ pub(crate) fn spawn(launch: Launch<'_>) -> Result<ExecStream> {
     })))
 }
 
+/// `NotFound` when `argv[0]` names no program: a path (joined onto `cwd`)
+/// that does not exist, or a name in no directory of the command's `PATH`
+/// (the last `PATH` in `env`, else this process's).
+pub(crate) fn check_program(argv: &[String], cwd: &Path, env: &[(String, String)]) -> Result<()> {
+    let Some(program) = argv.first() else {
+        return Err(Error::invalid("exec needs a program: argv is empty"));
+    };
+    let found = if program.contains('/') {
+        cwd.join(program).exists()
+    } else {
+        let path = env
+            .iter()
+            .rev()
+            .find(|(k, _)| k == "PATH")
+            .map(|(_, v)| v.clone())
+            .or_else(|| std::env::var("PATH").ok())
+            .unwrap_or_default();
+        !program.is_empty()
+            && path.split(':').any(|dir| {
+                let dir = if dir.is_empty() { cwd } else { Path::new(dir) };
+                cwd.join(dir).join(program).is_file()
+            })
+    };
+    if found {
+        Ok(())
+    } else {
+        Err(Error::not_found(format!(
+            "cannot run {program:?}: No such file or directory"
+        )))
+    }
+}
+
 /// Forward one pipe as events until it closes or nobody listens.
 async fn pump<R: AsyncRead + Unpin>(
     mut pipe: R,

@@ -3,13 +3,16 @@
 //! A [`SandboxProvider`] whose sandboxes are directories on the host and
 //! whose commands are host processes. It is the fastest backend and the one
 //! to develop against; it is **not a security boundary**: a command can read
-//! and write anything the host user can, and reach any network the host can.
-//! See `docs/sandbox-local.md` for the full story.
+//! and write anything the host user can. Under `allow-all` it reaches any
+//! network the host can; under `deny-all` and `custom` every command runs
+//! through `harness-sandbox-gate` in a fresh network namespace of its own
+//! (loopback only, plus the spec's host forwards), which needs root or
+//! `CAP_SYS_ADMIN`. See `docs/sandbox-local.md` for the full story.
 //!
 //! Layout under the provider root (default `$HARNESS_CACHE/local-sandboxes`):
 //!
 //! ```text
-//! <root>/<id>/sandbox.json   metadata (env, ports, workdir) read by resume
+//! <root>/<id>/sandbox.json   metadata (env, ports, workdir, network, forwards) read by resume
 //! <root>/<id>/work/          the workdir (unless wrap-mode names another)
 //! <root>/<id>/home/          $HOME for every command
 //! <root>/<id>/opt/...        bootstrap recipe files (`/opt/x` lands here)
@@ -44,8 +47,8 @@ use async_trait::async_trait;
 use futures::StreamExt;
 use harness_core::sandbox::{
     parse_detached_status, resolve_path, DetachedProcess, DetachedStatus, ExecRequest, ExecStream,
-    NetworkPolicy, PortEndpoint, Sandbox, SandboxHandle, SandboxProvider, SandboxSpec,
-    SnapshotInfo,
+    HostForward, NetworkPolicy, PortEndpoint, Sandbox, SandboxHandle, SandboxProvider, SandboxSpec,
+    SnapshotInfo, EGRESS_PROXY_PORT,
 };
 use harness_core::stream::ByteStream;
 use harness_core::{Error, ErrorKind, Result};
@@ -68,12 +71,34 @@ const FILE_CHUNK: usize = 256 * 1024;
 #[derive(Debug, Clone)]
 pub struct LocalProvider {
     root: PathBuf,
+    gate: Option<PathBuf>,
 }
 
 impl LocalProvider {
-    /// A provider keeping its sandboxes and templates under `root`.
+    /// A provider keeping its sandboxes and templates under `root`. Its
+    /// deny-all and custom-policy sandboxes use the gate
+    /// [`harness_sandbox_gate::locate`] finds (`$HARNESS_SANDBOX_GATE_BIN`,
+    /// else `harness-sandbox-gate` beside the current executable) unless
+    /// [`with_gate`](Self::with_gate) names one.
     pub fn new(root: impl Into<PathBuf>) -> Self {
-        Self { root: root.into() }
+        Self {
+            root: root.into(),
+            gate: None,
+        }
+    }
+
+    /// Run deny-all and custom-policy commands through this
+    /// `harness-sandbox-gate` binary.
+    pub fn with_gate(mut self, gate: impl Into<PathBuf>) -> Self {
+        self.gate = Some(gate.into());
+        self
+    }
+
+    /// The gate binary this provider uses: the one given to
+    /// [`with_gate`](Self::with_gate), else what
+    /// [`harness_sandbox_gate::locate`] finds now.
+    pub fn gate(&self) -> Option<PathBuf> {
+        self.gate.clone().or_else(harness_sandbox_gate::locate)
     }
 
     /// A provider under the default root: `$HARNESS_CACHE/local-sandboxes`,
@@ -124,6 +149,16 @@ struct Meta {
     labels: BTreeMap<String, String>,
     #[serde(default)]
     bootstrap_identity: Option<String>,
+    /// Metadata written before network policies existed here is allow-all,
+    /// the only policy accepted then.
+    #[serde(default)]
+    network: NetworkPolicy,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    forwards: Vec<HostForward>,
+    /// The gate binary `create` used: `resume` falls back to it when its
+    /// own provider has none configured or found.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    gate: Option<String>,
 }
 
 /// Keep only characters safe in a directory name.
@@ -142,14 +177,132 @@ fn sanitize(s: &str) -> String {
     cleaned.trim_matches('-').to_string()
 }
 
-fn unsupported_network(policy: &NetworkPolicy) -> Option<Error> {
+/// Whether commands under `policy` run in the host's network namespace.
+fn host_network(policy: &NetworkPolicy) -> bool {
+    matches!(policy, NetworkPolicy::AllowAll)
+}
+
+/// What a missing gate means, naming every way to provide one.
+fn no_gate(policy: &NetworkPolicy, detail: &str) -> Error {
+    Error::unsupported(format!(
+        "the local sandbox enforces network policy {} with harness-sandbox-gate (a network \
+         namespace per command), and {detail}: set {}, put {} beside this executable, or use \
+         LocalProvider::with_gate",
+        policy_name(policy),
+        harness_sandbox_gate::BIN_ENV,
+        harness_sandbox_gate::BINARY_NAME,
+    ))
+}
+
+fn policy_name(policy: &NetworkPolicy) -> &'static str {
     match policy {
-        NetworkPolicy::AllowAll => None,
-        other => Some(Error::unsupported(format!(
-            "the local sandbox cannot enforce network policy {other:?}: its commands are plain \
-             host processes with the host's network; use allow-all here, or the docker or microvm \
-             backend to restrict the network"
-        ))),
+        NetworkPolicy::AllowAll => "allow-all",
+        NetworkPolicy::DenyAll => "deny-all",
+        NetworkPolicy::Custom { .. } => "custom",
+    }
+}
+
+/// Check the spec's network, ports and forwards; the gate to run commands
+/// through (`None` under allow-all, where commands are plain host
+/// processes).
+async fn network_plan(spec: &SandboxSpec, gate: Option<PathBuf>) -> Result<Option<PathBuf>> {
+    if host_network(&spec.network) {
+        if !spec.forwards.is_empty() {
+            return Err(Error::unsupported(format!(
+                "the local sandbox under allow-all runs commands in the host's own network \
+                 namespace, so it takes no forwards ({:?}): reach host services at their host \
+                 address instead",
+                spec.forwards.iter().map(|f| f.port).collect::<Vec<_>>()
+            )));
+        }
+        return Ok(None);
+    }
+    let mut ports: Vec<u16> = Vec::new();
+    for forward in &spec.forwards {
+        if forward.port == 0 {
+            return Err(Error::invalid("a forward needs a port from 1 to 65535"));
+        }
+        if ports.contains(&forward.port) {
+            return Err(Error::invalid(format!(
+                "port {} is forwarded twice",
+                forward.port
+            )));
+        }
+        ports.push(forward.port);
+        if !forward.socket.starts_with('/') {
+            return Err(Error::invalid(format!(
+                "forward socket {:?} must be an absolute host path",
+                forward.socket
+            )));
+        }
+    }
+    if matches!(spec.network, NetworkPolicy::Custom { .. }) && !ports.contains(&EGRESS_PROXY_PORT) {
+        return Err(Error::invalid(format!(
+            "custom network policy needs the egress proxy forward on port {EGRESS_PROXY_PORT}; \
+             the harness runtime adds it when a model broker is configured"
+        )));
+    }
+    if !spec.ports.is_empty() {
+        return Err(Error::unsupported(format!(
+            "the local sandbox cannot expose ports {:?} under {}: each command runs in a network \
+             namespace of its own that nothing on the host can reach; use allow-all, or the \
+             docker backend",
+            spec.ports,
+            policy_name(&spec.network)
+        )));
+    }
+    let Some(gate) = gate else {
+        return Err(no_gate(&spec.network, "none was found"));
+    };
+    if !gate.is_file() {
+        return Err(no_gate(
+            &spec.network,
+            &format!("{} does not exist", gate.display()),
+        ));
+    }
+    probe_gate(&gate).await?;
+    Ok(Some(gate))
+}
+
+/// Run `gate --unshare-net -- true` once, so a host where namespaces
+/// cannot be made refuses at `create` rather than failing every command.
+async fn probe_gate(gate: &Path) -> Result<()> {
+    let run = tokio::process::Command::new(gate)
+        .args(["--unshare-net", "--", "true"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .output();
+    let out = match tokio::time::timeout(std::time::Duration::from_secs(20), run).await {
+        Ok(Ok(out)) => out,
+        Ok(Err(e)) => {
+            return Err(Error::unsupported(format!(
+                "cannot run the sandbox gate {}: {e}",
+                gate.display()
+            )))
+        }
+        Err(_) => {
+            return Err(Error::backend(format!(
+                "the sandbox gate {} did not answer within 20 s",
+                gate.display()
+            )))
+        }
+    };
+    if out.status.success() {
+        return Ok(());
+    }
+    let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
+    if out.status.code() == Some(harness_sandbox_gate::EXIT_GATE_FAILED) {
+        // Not allowed to make a namespace, or no `ip`: this host cannot
+        // enforce the policy.
+        Err(Error::unsupported(stderr))
+    } else {
+        Err(Error::backend(format!(
+            "the sandbox gate {} failed its check ({}): {stderr}",
+            gate.display(),
+            out.status
+        )))
     }
 }
 
@@ -159,10 +312,12 @@ impl SandboxProvider for LocalProvider {
         PROVIDER_NAME
     }
 
+    fn shares_host_network(&self, network: &NetworkPolicy) -> bool {
+        host_network(network)
+    }
+
     async fn create(&self, spec: &SandboxSpec) -> Result<Box<dyn Sandbox>> {
-        if let Some(err) = unsupported_network(&spec.network) {
-            return Err(err);
-        }
+        let gate = network_plan(spec, self.gate()).await?;
         let wrap = match &spec.wrap {
             Some(path) => {
                 let path = PathBuf::from(path);
@@ -256,13 +411,16 @@ impl SandboxProvider for LocalProvider {
             owned: wrap.is_none(),
             labels,
             bootstrap_identity: identity,
+            network: spec.network.clone(),
+            forwards: spec.forwards.clone(),
+            gate: gate.as_deref().map(path_string).transpose()?,
         };
         // Written last and atomically: a directory with `sandbox.json` is a
         // complete sandbox, which is what `resume` checks.
         let tmp = dir.join(format!(".{META_FILE}.tmp"));
         tokio::fs::write(&tmp, serde_json::to_vec_pretty(&meta)?).await?;
         tokio::fs::rename(&tmp, dir.join(META_FILE)).await?;
-        Ok(Box::new(LocalSandbox::new(dir, meta)?))
+        Ok(Box::new(LocalSandbox::new(dir, meta, gate)?))
     }
 
     async fn resume(&self, handle: &SandboxHandle) -> Result<Box<dyn Sandbox>> {
@@ -312,7 +470,28 @@ impl SandboxProvider for LocalProvider {
                 meta.workdir, meta.id
             )));
         }
-        Ok(Box::new(LocalSandbox::new(dir, meta)?))
+        // A restricted sandbox never runs a command without its gate: this
+        // provider's, else the one `create` used.
+        let gate = if host_network(&meta.network) {
+            None
+        } else {
+            let gate = self.gate().filter(|g| g.is_file()).or_else(|| {
+                meta.gate
+                    .as_ref()
+                    .map(PathBuf::from)
+                    .filter(|g| g.is_file())
+            });
+            match gate {
+                Some(gate) => Some(gate),
+                None => {
+                    return Err(no_gate(
+                        &meta.network,
+                        &format!("none was found to resume sandbox {}", meta.id),
+                    ))
+                }
+            }
+        };
+        Ok(Box::new(LocalSandbox::new(dir, meta, gate)?))
     }
 
     async fn list_snapshots(&self) -> Result<Vec<SnapshotInfo>> {
@@ -342,12 +521,43 @@ fn path_string(p: &Path) -> Result<String> {
 pub struct LocalSandbox {
     dir: PathBuf,
     meta: Meta,
+    /// Set exactly when the policy is not allow-all: every command runs
+    /// through it.
+    gate: Option<String>,
 }
 
 impl LocalSandbox {
-    fn new(dir: PathBuf, meta: Meta) -> Result<Self> {
+    fn new(dir: PathBuf, meta: Meta, gate: Option<PathBuf>) -> Result<Self> {
         path_string(&dir)?;
-        Ok(Self { dir, meta })
+        let gate = gate.as_deref().map(path_string).transpose()?;
+        Ok(Self { dir, meta, gate })
+    }
+
+    /// The sandbox's network policy.
+    pub fn network(&self) -> &NetworkPolicy {
+        &self.meta.network
+    }
+
+    /// The gate its commands run through (`None` under allow-all).
+    pub fn gate(&self) -> Option<&Path> {
+        self.gate.as_deref().map(Path::new)
+    }
+
+    /// `argv` as it is spawned: through the gate (a network namespace of
+    /// its own, plus the forwards) unless the policy is allow-all.
+    fn gated(&self, argv: Vec<String>) -> Vec<String> {
+        match &self.gate {
+            None => argv,
+            Some(gate) => {
+                let forwards: Vec<harness_sandbox_gate::Forward> = self
+                    .meta
+                    .forwards
+                    .iter()
+                    .map(|f| harness_sandbox_gate::Forward::new(f.port, f.socket.clone()))
+                    .collect();
+                harness_sandbox_gate::command_line(gate, true, &forwards, &argv)
+            }
+        }
     }
 
     /// The sandbox's own directory (`<root>/<id>`), parent of `home/`.
@@ -400,10 +610,17 @@ impl Sandbox for LocalSandbox {
             Some(c) => self.resolve(c),
             None => PathBuf::from(&self.meta.workdir),
         };
+        let env = self.env_for(&request.env);
+        if self.gate.is_some() {
+            // The gate would report a missing program only as exit 127:
+            // say NotFound up front, as an ungated spawn does.
+            exec::check_program(&request.argv, &cwd, &env)?;
+        }
+        let argv = self.gated(request.argv);
         exec::spawn(exec::Launch {
-            argv: &request.argv,
+            argv: &argv,
             cwd: &cwd,
-            env: self.env_for(&request.env),
+            env,
             stdin: request.stdin,
             timeout: request.timeout,
             abort: request.abort,

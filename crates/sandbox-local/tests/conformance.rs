@@ -1,19 +1,25 @@
-//! The shared sandbox conformance suite against the real local provider.
+//! The shared sandbox conformance suite against the real local provider,
+//! with the sandbox gate (deny-all, custom and host forwards need root: a
+//! network namespace per command).
 
-use harness_core::sandbox::SandboxSpec;
+use harness_core::sandbox::{NetworkPolicy, SandboxSpec};
 use harness_testkit::conformance::sandbox as suite;
 use sandbox_local::LocalProvider;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn local_sandbox_passes_the_conformance_suite() {
-    let root = tempfile::tempdir().unwrap();
-    let provider = LocalProvider::new(root.path());
-    let result = suite::run_all(&provider, SandboxSpec::new("/workspace")).await;
-    if let Err(e) = result {
-        panic!("{e:#}");
+/// The provider with the gate, or `None` after a skip (a failure under
+/// `HARNESS_REQUIRE_REAL=1`) when namespaces cannot be made here.
+fn provider(root: &std::path::Path) -> Option<LocalProvider> {
+    if !nix::unistd::geteuid().is_root() {
+        harness_testkit::skip_or_fail(
+            "the local sandbox's network items need root (a network namespace per command)",
+        );
+        return None;
     }
-    // Every sandbox the suite made was destroyed again.
-    let left: Vec<_> = std::fs::read_dir(root.path())
+    Some(LocalProvider::new(root).with_gate(harness_testkit::gate_binary()?))
+}
+
+fn assert_nothing_left(root: &std::path::Path) {
+    let left: Vec<_> = std::fs::read_dir(root)
         .unwrap()
         .map(|e| e.unwrap().file_name())
         .collect();
@@ -21,9 +27,67 @@ async fn local_sandbox_passes_the_conformance_suite() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_sandbox_passes_the_conformance_suite() {
+    let root = tempfile::tempdir().unwrap();
+    let Some(provider) = provider(root.path()) else {
+        return;
+    };
+    let result = suite::run_all(&provider, SandboxSpec::new("/workspace")).await;
+    if let Err(e) = result {
+        panic!("{e:#}");
+    }
+    // Every sandbox the suite made was destroyed again.
+    assert_nothing_left(root.path());
+}
+
+/// The exec, file and detached-process items again with every command
+/// behind the gate (deny-all, with a forward): the gate must keep the
+/// process-group, timeout, abort and detach semantics of a plain exec.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_suite_passes_with_every_command_behind_the_gate() {
+    let root = tempfile::tempdir().unwrap();
+    let Some(provider) = provider(root.path()) else {
+        return;
+    };
+    let server = suite::SocketServer::start("unused").await.unwrap();
+    let mut spec = SandboxSpec::new("/workspace");
+    spec.network = NetworkPolicy::DenyAll;
+    spec.forwards = vec![server.forward(harness_core::sandbox::MODEL_BROKER_PORT)];
+    let sandbox = harness_core::sandbox::SandboxProvider::create(&provider, &spec)
+        .await
+        .unwrap();
+    let sb = sandbox.as_ref();
+    suite::exec_streams_stdout_stderr_and_one_exit(sb)
+        .await
+        .unwrap();
+    suite::exec_exit_codes(sb).await.unwrap();
+    suite::exec_cwd(sb).await.unwrap();
+    suite::exec_stdin(sb).await.unwrap();
+    suite::exec_streams_before_exit(sb).await.unwrap();
+    suite::exec_timeout_kills_tree(sb).await.unwrap();
+    suite::exec_abort_kills_tree(sb).await.unwrap();
+    suite::files_round_trip(sb).await.unwrap();
+    suite::read_file_from_offset(sb).await.unwrap();
+    suite::concurrent_execs(sb).await.unwrap();
+    suite::detached_processes(sb).await.unwrap();
+    suite::a_second_launch_in_one_spool_returns_the_first(sb)
+        .await
+        .unwrap();
+    sandbox.destroy().await.unwrap();
+    suite::exec_env(&provider, &spec).await.unwrap();
+    suite::detach_and_resume(&provider, &spec).await.unwrap();
+    suite::destroy_is_idempotent(&provider, &spec)
+        .await
+        .unwrap();
+    assert_nothing_left(root.path());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn optional_capabilities_are_reported_as_the_docs_say() {
     let root = tempfile::tempdir().unwrap();
-    let provider = LocalProvider::new(root.path());
+    let Some(provider) = provider(root.path()) else {
+        return;
+    };
     let spec = SandboxSpec::new("/workspace");
     assert_eq!(
         suite::port_endpoint(&provider, &spec).await.unwrap(),
@@ -33,14 +97,44 @@ async fn optional_capabilities_are_reported_as_the_docs_say() {
         suite::stop_and_resume(&provider, &spec).await.unwrap(),
         suite::Capability::Unsupported(_)
     ));
-    let net = suite::network_deny_all(&provider, &spec, &suite::SuiteOptions::default())
+    let options = suite::SuiteOptions::default();
+    for (item, capability) in [
+        (
+            "network_deny_all",
+            suite::network_deny_all(&provider, &spec, &options).await,
+        ),
+        ("host_forward", suite::host_forward(&provider, &spec).await),
+        (
+            "network_custom",
+            suite::network_custom(&provider, &spec, &options).await,
+        ),
+    ] {
+        assert_eq!(
+            capability.unwrap_or_else(|e| panic!("{item}: {e:#}")),
+            suite::Capability::Supported,
+            "{item}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_gate_restricted_networks_are_unsupported() {
+    let root = tempfile::tempdir().unwrap();
+    let provider = LocalProvider::new(root.path()).with_gate(root.path().join("no-gate"));
+    let spec = SandboxSpec::new("/workspace");
+    match suite::network_deny_all(&provider, &spec, &suite::SuiteOptions::default())
         .await
-        .unwrap();
-    match net {
+        .unwrap()
+    {
         suite::Capability::Unsupported(msg) => assert!(
-            msg.contains("cannot enforce network policy"),
+            msg.contains("HARNESS_SANDBOX_GATE_BIN"),
             "unclear refusal: {msg}"
         ),
-        other => panic!("local cannot enforce deny-all, yet the suite says {other:?}"),
+        other => panic!("deny-all without a gate cannot be enforced, yet the suite says {other:?}"),
     }
+    assert!(matches!(
+        suite::host_forward(&provider, &spec).await.unwrap(),
+        suite::Capability::Unsupported(_)
+    ));
+    assert_nothing_left(root.path());
 }

@@ -1,7 +1,7 @@
 //! Behaviour specific to the local backend: bootstrap templates (once per
-//! identity across threads and processes), wrap-mode, network policy
-//! refusal, bounded memory for large files, and resume from another
-//! process.
+//! identity across threads and processes), wrap-mode, network policies
+//! through the gate (a network namespace per command; needs root),
+//! bounded memory for large files, and resume from another process.
 //!
 //! Tests that need a second process re-run this test binary with
 //! `SANDBOX_LOCAL_CHILD` set; the ignored test `child_entry` then plays the
@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use harness_core::bootstrap::{BootstrapRecipe, FileSource, RecipeFile};
 use harness_core::sandbox::{
-    collect_exec, ExecRequest, ExitReason, NetworkPolicy, Sandbox, SandboxHandle, SandboxProvider,
-    SandboxSpec,
+    collect_exec, ExecRequest, ExitReason, HostForward, NetworkPolicy, Sandbox, SandboxHandle,
+    SandboxProvider, SandboxSpec, EGRESS_PROXY_PORT, MODEL_BROKER_PORT,
 };
 use harness_core::stream;
 use harness_core::ErrorKind;
@@ -26,6 +26,8 @@ const CHILD_ROLE: &str = "SANDBOX_LOCAL_CHILD";
 const CHILD_ROOT: &str = "SANDBOX_LOCAL_CHILD_ROOT";
 const CHILD_COUNTER: &str = "SANDBOX_LOCAL_CHILD_COUNTER";
 const CHILD_AGENT_FILE: &str = "SANDBOX_LOCAL_CHILD_AGENT_FILE";
+const CHILD_GATE: &str = "SANDBOX_LOCAL_CHILD_GATE";
+const CHILD_SOCKET: &str = "SANDBOX_LOCAL_CHILD_SOCKET";
 
 /// A recipe with an inline file, a host file, and a command that appends
 /// one line to `$COUNTER` (outside the template) each time it runs.
@@ -290,6 +292,17 @@ async fn child_entry() {
                 .await
                 .unwrap()
         }
+        "deny" => {
+            let gate = PathBuf::from(std::env::var(CHILD_GATE).unwrap());
+            let socket = std::env::var(CHILD_SOCKET).unwrap();
+            let mut spec = SandboxSpec::new("/workspace");
+            spec.network = NetworkPolicy::DenyAll;
+            spec.forwards = vec![HostForward {
+                port: MODEL_BROKER_PORT,
+                socket,
+            }];
+            provider.with_gate(gate).create(&spec).await.unwrap()
+        }
         "resume" => {
             let sb = provider
                 .create(&SandboxSpec::new("/workspace"))
@@ -309,32 +322,261 @@ async fn child_entry() {
     println!("HANDLE={}", serde_json::to_string(&handle).unwrap());
 }
 
+/// A provider with the gate, or `None` (skipped, or failed under
+/// `HARNESS_REQUIRE_REAL=1`) when this process may not make network
+/// namespaces or the gate cannot be built.
+fn gated_provider(root: &Path) -> Option<LocalProvider> {
+    if !nix::unistd::geteuid().is_root() {
+        harness_testkit::skip_or_fail(
+            "the local sandbox's deny-all/custom policies need root (a network namespace per command)",
+        );
+        return None;
+    }
+    let gate = harness_testkit::gate_binary()?;
+    Some(LocalProvider::new(root).with_gate(gate))
+}
+
+fn custom_policy() -> NetworkPolicy {
+    NetworkPolicy::Custom {
+        allowed_hosts: vec!["example.com".into()],
+        allowed_cidrs: vec![],
+        denied_cidrs: vec![],
+        allowed_ports: vec![],
+    }
+}
+
+/// A host TCP server on 127.0.0.1 counting connections.
+async fn host_server() -> (u16, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let hits = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = hits.clone();
+    tokio::spawn(async move {
+        while let Ok((conn, _)) = listener.accept().await {
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            drop(conn);
+        }
+    });
+    (port, hits)
+}
+
+/// `connected` or `refused` for a TCP connection to 127.0.0.1:`port`.
+async fn probe(sb: &dyn Sandbox, port: u16) -> String {
+    sh(
+        sb,
+        &format!(
+            "timeout 3 bash -c 'exec 3<>/dev/tcp/127.0.0.1/{port}' 2>/dev/null && echo connected || echo refused"
+        ),
+    )
+    .await
+    .trim()
+    .to_string()
+}
+
+/// One HTTP GET to 127.0.0.1:`port` from inside; the response.
+async fn get(sb: &dyn Sandbox, port: u16) -> String {
+    sh(
+        sb,
+        &format!(
+            "timeout 10 bash -c 'exec 3<>/dev/tcp/127.0.0.1/{port} && printf \"GET / HTTP/1.0\\r\\n\\r\\n\" >&3 && cat <&3' || true"
+        ),
+    )
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn deny_all_and_custom_network_are_refused_as_unsupported() {
+async fn deny_all_runs_every_command_in_a_network_namespace_of_its_own() {
+    let root = tempfile::tempdir().unwrap();
+    let Some(provider) = gated_provider(root.path()) else {
+        return;
+    };
+    let (port, hits) = host_server().await;
+    let mut spec = SandboxSpec::new("/workspace");
+    spec.network = NetworkPolicy::DenyAll;
+    let sb = provider.create(&spec).await.unwrap();
+    assert!(!provider.shares_host_network(&NetworkPolicy::DenyAll));
+    assert_eq!(probe(sb.as_ref(), port).await, "refused");
+    assert_eq!(hits.load(std::sync::atomic::Ordering::SeqCst), 0);
+    // Only loopback, up; not the host's namespace; and no way back.
+    let links = sh(sb.as_ref(), "ip -o link show").await;
+    assert_eq!(links.lines().count(), 1, "{links}");
+    assert!(links.contains("lo:") && links.contains("UP"), "{links}");
+    let host_ns = std::fs::read_link("/proc/self/ns/net").unwrap();
+    let inside = sh(sb.as_ref(), "readlink /proc/self/ns/net").await;
+    assert_ne!(inside.trim(), host_ns.to_string_lossy());
+    let escape = sh(
+        sb.as_ref(),
+        &format!(
+            "nsenter --net={} true 2>/dev/null && echo escaped || echo stayed",
+            Path::new("/proc")
+                .join(std::process::id().to_string())
+                .join("ns/net")
+                .display()
+        ),
+    )
+    .await;
+    assert_eq!(escape.trim(), "stayed");
+    // The process group is still the command's: a timeout kills the tree.
+    let out = collect_exec(
+        sb.exec(ExecRequest::shell("sleep 30 & sleep 30").timeout(Duration::from_millis(500)))
+            .await
+            .unwrap(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(out.status.reason, ExitReason::TimedOut);
+    // A missing program is NotFound, as without the gate.
+    let Err(missing) = sb.exec(ExecRequest::new(["harness-no-such-program"])).await else {
+        panic!("a missing program must be NotFound");
+    };
+    assert_eq!(missing.kind(), ErrorKind::NotFound, "{missing}");
+    sb.destroy().await.unwrap();
+
+    // The control: allow-all reaches the same server.
+    let sb = provider
+        .create(&SandboxSpec::new("/workspace"))
+        .await
+        .unwrap();
+    assert!(provider.shares_host_network(&NetworkPolicy::AllowAll));
+    assert_eq!(probe(sb.as_ref(), port).await, "connected");
+    sb.destroy().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn custom_reaches_only_the_egress_forward() {
+    let root = tempfile::tempdir().unwrap();
+    let Some(provider) = gated_provider(root.path()) else {
+        return;
+    };
+    let (port, hits) = host_server().await;
+    let proxy = harness_testkit::conformance::sandbox::SocketServer::start("egress-proxy-answer")
+        .await
+        .unwrap();
+    let mut spec = SandboxSpec::new("/workspace");
+    spec.network = custom_policy();
+    spec.forwards = vec![proxy.forward(EGRESS_PROXY_PORT)];
+    let sb = provider.create(&spec).await.unwrap();
+    assert_eq!(probe(sb.as_ref(), port).await, "refused");
+    assert_eq!(hits.load(std::sync::atomic::Ordering::SeqCst), 0);
+    let reply = get(sb.as_ref(), EGRESS_PROXY_PORT).await;
+    assert!(reply.ends_with("egress-proxy-answer"), "{reply:?}");
+    assert_eq!(proxy.hits(), 1);
+    sb.destroy().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_the_local_sandbox_cannot_do_is_refused_at_create() {
     let root = tempfile::tempdir().unwrap();
     let provider = LocalProvider::new(root.path());
-    for policy in [
-        NetworkPolicy::DenyAll,
-        NetworkPolicy::Custom {
-            allowed_hosts: vec!["example.com".into()],
-            allowed_cidrs: vec![],
-            denied_cidrs: vec![],
-            allowed_ports: vec![],
-        },
-    ] {
+    let forward = HostForward {
+        port: MODEL_BROKER_PORT,
+        socket: "/tmp/harness-test-broker.sock".into(),
+    };
+    // Allow-all shares the host network: forwards make no sense there.
+    let mut spec = SandboxSpec::new("/workspace");
+    spec.forwards = vec![forward.clone()];
+    let err = provider.create(&spec).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unsupported, "{err}");
+    assert!(err.message().contains("host's own network"), "{err}");
+    // Custom without the egress forward: nothing would enforce its lists.
+    let mut spec = SandboxSpec::new("/workspace");
+    spec.network = custom_policy();
+    spec.forwards = vec![forward.clone()];
+    let err = provider.create(&spec).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+    assert!(
+        err.message().contains("egress proxy forward on port 47812"),
+        "{err}"
+    );
+    // Ports cannot be reached in a namespace per command.
+    let mut spec = SandboxSpec::new("/workspace");
+    spec.network = NetworkPolicy::DenyAll;
+    spec.ports = vec![8080];
+    let err = provider.create(&spec).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unsupported, "{err}");
+    assert!(err.message().contains("cannot expose ports"), "{err}");
+    // A relative socket path.
+    let mut spec = SandboxSpec::new("/workspace");
+    spec.network = NetworkPolicy::DenyAll;
+    spec.forwards = vec![HostForward {
+        port: MODEL_BROKER_PORT,
+        socket: "broker.sock".into(),
+    }];
+    let err = provider.create(&spec).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+    // No gate: refused, naming how to provide one.
+    let without = LocalProvider::new(root.path()).with_gate(root.path().join("no-gate"));
+    for policy in [NetworkPolicy::DenyAll, custom_policy()] {
         let mut spec = SandboxSpec::new("/workspace");
         spec.network = policy.clone();
-        let err = provider.create(&spec).await.unwrap_err();
+        spec.forwards = vec![HostForward {
+            port: EGRESS_PROXY_PORT,
+            socket: "/tmp/harness-test-egress.sock".into(),
+        }];
+        let err = without.create(&spec).await.unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Unsupported, "{policy:?}: {err}");
         assert!(
-            err.message().contains("cannot enforce network policy"),
+            err.message().contains("HARNESS_SANDBOX_GATE_BIN") && err.message().contains("no-gate"),
             "{err}"
         );
     }
     assert!(
-        !root.path().exists() || std::fs::read_dir(root.path()).unwrap().next().is_none(),
+        std::fs::read_dir(root.path()).unwrap().next().is_none(),
         "a refused create leaves nothing behind"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_policy_and_forwards_survive_resume_in_another_process() {
+    let root = tempfile::tempdir().unwrap();
+    let Some(gate) = gated_provider(root.path()).and_then(|p| p.gate()) else {
+        return;
+    };
+    let server = harness_testkit::conformance::sandbox::SocketServer::start("broker-answer")
+        .await
+        .unwrap();
+    let socket = server.socket().to_path_buf();
+    let child = spawn_child(
+        "deny",
+        &[
+            (CHILD_ROOT, root.path()),
+            (CHILD_GATE, gate.as_path()),
+            (CHILD_SOCKET, socket.as_path()),
+        ],
+    );
+    let handle = child_handle(&child.wait_with_output().unwrap());
+    // This process's provider has no usable gate of its own: the one the
+    // sandbox was created with (recorded in sandbox.json) is used.
+    let elsewhere = tempfile::tempdir().unwrap();
+    let provider = LocalProvider::new(elsewhere.path()).with_gate(elsewhere.path().join("none"));
+    let sb = provider.resume(&handle).await.unwrap();
+    let (port, hits) = host_server().await;
+    assert_eq!(probe(sb.as_ref(), port).await, "refused");
+    assert_eq!(hits.load(std::sync::atomic::Ordering::SeqCst), 0);
+    let reply = get(sb.as_ref(), MODEL_BROKER_PORT).await;
+    assert!(reply.ends_with("broker-answer"), "{reply:?}");
+    drop(sb);
+
+    // With no gate anywhere, resume refuses rather than run commands with
+    // the host's network.
+    let meta_path = Path::new(handle.data["dir"].as_str().unwrap()).join("sandbox.json");
+    let mut meta: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&meta_path).unwrap()).unwrap();
+    assert_eq!(meta["network"]["mode"], "deny-all");
+    assert_eq!(meta["forwards"][0]["port"], MODEL_BROKER_PORT);
+    meta["gate"] = "/nonexistent/harness-sandbox-gate".into();
+    std::fs::write(&meta_path, serde_json::to_vec(&meta).unwrap()).unwrap();
+    let err = provider.resume(&handle).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unsupported, "{err}");
+    assert!(err.message().contains("HARNESS_SANDBOX_GATE_BIN"), "{err}");
+    LocalProvider::new(root.path())
+        .with_gate(gate)
+        .resume(&handle)
+        .await
+        .unwrap()
+        .destroy()
+        .await
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

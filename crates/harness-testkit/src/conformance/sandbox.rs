@@ -14,6 +14,9 @@
 //!
 //! Network checks only ever target an address on this machine: the suite
 //! listens on [`SuiteOptions::host_address`] and probes it from inside.
+//! Host forwards ([`host_forward`], [`network_custom`]) reach a small HTTP
+//! server the suite serves on a Unix socket in a directory of its own under
+//! the temp dir, answering a per-test nonce.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -27,7 +30,8 @@ use bytes::Bytes;
 use futures::StreamExt;
 use harness_core::sandbox::{
     collect_exec, shell_quote, DetachedRequest, DetachedStatus, ExecEvent, ExecOutput, ExecRequest,
-    ExitReason, NetworkPolicy, Sandbox, SandboxHandle, SandboxProvider, SandboxSpec,
+    ExitReason, HostForward, NetworkPolicy, Sandbox, SandboxHandle, SandboxProvider, SandboxSpec,
+    EGRESS_PROXY_PORT, MODEL_BROKER_PORT,
 };
 use harness_core::stream::{AbortSignal, ByteStream};
 use harness_core::{Error, ErrorKind};
@@ -188,6 +192,14 @@ pub async fn run_all_with(
     record(
         "network_deny_all",
         network_deny_all(provider, &spec, options).await.map(|_| ()),
+    );
+    record(
+        "host_forward",
+        host_forward(provider, &spec).await.map(|_| ()),
+    );
+    record(
+        "network_custom",
+        network_custom(provider, &spec, options).await.map(|_| ()),
     );
 
     if failures.is_empty() {
@@ -1573,6 +1585,349 @@ pub async fn network_deny_all(
     }
     .await;
     server.abort();
+    result
+}
+
+// ---------------------------------------------------------------------------
+// host forwards
+
+/// An HTTP server on a Unix socket, alone in a fresh directory under the
+/// temp dir (a provider may mount the whole directory), answering every
+/// request with `body`. Stops and removes its directory when dropped.
+#[derive(Debug)]
+pub struct SocketServer {
+    dir: std::path::PathBuf,
+    socket: std::path::PathBuf,
+    hits: Arc<AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl SocketServer {
+    /// Serve `body` on a new socket.
+    pub async fn start(body: &str) -> Result<Self> {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("harness-suite-fwd-{}", uuid_like()));
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))?;
+        let socket = dir.join("suite.sock");
+        let listener = tokio::net::UnixListener::bind(&socket)
+            .with_context(|| format!("binding {}", socket.display()))?;
+        // Any user inside the sandbox may connect (containers may run as
+        // someone else than the test).
+        std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o777))?;
+        let hits = Arc::new(AtomicU64::new(0));
+        let counter = hits.clone();
+        let body = body.to_string();
+        let task = tokio::spawn(async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            while let Ok((mut conn, _)) = listener.accept().await {
+                counter.fetch_add(1, Ordering::SeqCst);
+                let body = body.clone();
+                tokio::spawn(async move {
+                    let mut head = Vec::new();
+                    let mut buf = [0u8; 1024];
+                    let read_head = async {
+                        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 16384 {
+                            match conn.read(&mut buf).await {
+                                Ok(0) | Err(_) => break,
+                                Ok(n) => head.extend_from_slice(&buf[..n]),
+                            }
+                        }
+                    };
+                    let _ = tokio::time::timeout(Duration::from_secs(10), read_head).await;
+                    let reply = format!(
+                        "HTTP/1.0 200 OK\r\ncontent-type: text/plain\r\ncontent-length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = conn.write_all(reply.as_bytes()).await;
+                    let _ = conn.shutdown().await;
+                });
+            }
+        });
+        Ok(Self {
+            dir,
+            socket,
+            hits,
+            task,
+        })
+    }
+
+    /// The socket's host path.
+    pub fn socket(&self) -> &std::path::Path {
+        &self.socket
+    }
+
+    /// A forward of `port` to this server.
+    pub fn forward(&self, port: u16) -> HostForward {
+        HostForward {
+            port,
+            socket: self.socket.to_string_lossy().into_owned(),
+        }
+    }
+
+    /// Connections accepted so far.
+    pub fn hits(&self) -> u64 {
+        self.hits.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for SocketServer {
+    fn drop(&mut self) {
+        self.task.abort();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A shell script that sends one HTTP request to `127.0.0.1:port` and
+/// prints the whole response (or nothing, when nothing answers); exit 97
+/// when the sandbox has no program to do it with.
+fn http_get_script(port: u16) -> String {
+    format!(
+        "if command -v bash >/dev/null 2>&1; then \
+           timeout 10 bash -c 'exec 3<>/dev/tcp/127.0.0.1/{port} && printf \"GET / HTTP/1.0\\r\\n\\r\\n\" >&3 && cat <&3'; \
+         elif command -v python3 >/dev/null 2>&1; then \
+           timeout 10 python3 -c 'import socket,sys; s=socket.create_connection((\"127.0.0.1\", {port}), 8); s.sendall(b\"GET / HTTP/1.0\\r\\n\\r\\n\"); sys.stdout.write(s.makefile(\"rb\").read().decode())'; \
+         else echo 'no bash or python3 in the sandbox to reach a forward' >&2; exit 97; fi; exit 0"
+    )
+}
+
+/// GET through the forward on `port` from inside `sb`; the response.
+async fn get_through_forward(sb: &dyn Sandbox, port: u16) -> Result<String> {
+    let out = run(sb, ExecRequest::shell(http_get_script(port))).await?;
+    ensure!(
+        out.status.success(),
+        "the forward probe failed to run ({:?}): {}",
+        out.status,
+        out.stderr_str().trim()
+    );
+    Ok(out.stdout_str())
+}
+
+/// The forward on `port` answers `nonce` from an exec, from a detached
+/// process that connects after the exec that launched it has ended, and
+/// from the same sandbox resumed from its JSON handle.
+async fn check_forward(
+    provider: &dyn SandboxProvider,
+    sandbox: &dyn Sandbox,
+    port: u16,
+    nonce: &str,
+    what: &str,
+) -> Result<()> {
+    let reply = get_through_forward(sandbox, port).await?;
+    ensure!(
+        reply.ends_with(nonce),
+        "{what}: 127.0.0.1:{port} inside must reach the host socket (the reply must end with the \
+         nonce {nonce:?}), got {reply:?}"
+    );
+
+    // A detached process (an agent) still reaches it after its launch
+    // returned.
+    let spool = format!("/tmp/harness-suite-fwd-{}", uuid_like());
+    let process = sandbox
+        .spawn_detached(DetachedRequest {
+            argv: vec![
+                "sh".into(),
+                "-c".into(),
+                format!("sleep 1.5; {}", http_get_script(port)),
+            ],
+            cwd: None,
+            env: BTreeMap::new(),
+            spool_dir: spool.clone(),
+        })
+        .await
+        .with_context(|| format!("{what}: spawn_detached"))?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        let status = sandbox.detached_status(&process).await?;
+        if status != DetachedStatus::Running || Instant::now() > deadline {
+            break status;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let out = read_file(sandbox, &process.stdout_path)
+        .await
+        .unwrap_or_default();
+    let err = read_file(sandbox, &process.stderr_path)
+        .await
+        .unwrap_or_default();
+    let _ = sandbox.kill_detached(&process).await;
+    let _ = sh(sandbox, &format!("rm -rf {}", shell_quote(&spool))).await;
+    ensure!(
+        status == DetachedStatus::Exited { code: 0 },
+        "{what}: the detached forward probe must exit 0, got {status:?} (stderr {:?})",
+        String::from_utf8_lossy(&err)
+    );
+    ensure!(
+        out.ends_with(nonce.as_bytes()),
+        "{what}: a detached process must reach the forward after its launch returned, got {:?}",
+        String::from_utf8_lossy(&out)
+    );
+
+    // Resumed from JSON (as another process would), the forward holds.
+    let handle: SandboxHandle = serde_json::from_str(&serde_json::to_string(&sandbox.handle())?)?;
+    let resumed = provider
+        .resume(&handle)
+        .await
+        .with_context(|| format!("{what}: resume"))?;
+    let reply = get_through_forward(resumed.as_ref(), port).await?;
+    ensure!(
+        reply.ends_with(nonce),
+        "{what}: after resume, 127.0.0.1:{port} must still reach the host socket, got {reply:?}"
+    );
+    Ok(())
+}
+
+/// Host forwards: with `forwards = [MODEL_BROKER_PORT → a Unix socket the
+/// suite serves]`, a command inside reaches that socket at
+/// `127.0.0.1:MODEL_BROKER_PORT`, under deny-all and under allow-all. A
+/// provider whose allow-all commands share the host's network
+/// ([`SandboxProvider::shares_host_network`]) must refuse forwards there
+/// with `Unsupported`. Optional: a provider may refuse forwards with
+/// `Unsupported` (then the whole item is `Unsupported`).
+pub async fn host_forward(
+    provider: &dyn SandboxProvider,
+    spec: &SandboxSpec,
+) -> Result<Capability> {
+    let nonce = format!("suite-forward-{}", uuid_like());
+    let server = SocketServer::start(&nonce).await?;
+    let mut capability = Capability::Supported;
+    for policy in [NetworkPolicy::DenyAll, NetworkPolicy::AllowAll] {
+        let mut with = spec.clone();
+        with.network = policy.clone();
+        with.forwards = vec![server.forward(MODEL_BROKER_PORT)];
+        let shares = provider.shares_host_network(&policy);
+        let sandbox = match provider.create(&with).await {
+            Err(e) if e.kind() == ErrorKind::Unsupported => {
+                if !shares {
+                    capability = Capability::Unsupported(e.to_string());
+                }
+                continue;
+            }
+            Err(e) => {
+                return Err(anyhow::Error::new(e)
+                    .context(format!("create with a forward under {policy:?}")))
+            }
+            Ok(sandbox) => sandbox,
+        };
+        if shares {
+            let _ = sandbox.destroy().await;
+            bail!(
+                "the provider shares the host network under {policy:?} yet accepted a forward: \
+                 it must refuse forwards there with Unsupported"
+            );
+        }
+        let result = check_forward(
+            provider,
+            sandbox.as_ref(),
+            MODEL_BROKER_PORT,
+            &nonce,
+            &format!("{policy:?}"),
+        )
+        .await;
+        sandbox.destroy().await?;
+        result?;
+    }
+    if capability == Capability::Supported {
+        ensure!(
+            server.hits() >= 3,
+            "the host socket saw {} connections, expected at least 3 per policy",
+            server.hits()
+        );
+    }
+    Ok(capability)
+}
+
+/// Custom network policy: enforced as no route out plus the egress proxy
+/// forward on [`EGRESS_PROXY_PORT`], so a custom spec without that forward
+/// must be refused (`InvalidInput` or `Unsupported`, naming the port). With
+/// it, the sandbox cannot reach [`SuiteOptions::host_address`] directly,
+/// and the forward answers. A provider may refuse custom policies
+/// altogether with `Unsupported`.
+pub async fn network_custom(
+    provider: &dyn SandboxProvider,
+    spec: &SandboxSpec,
+    options: &SuiteOptions,
+) -> Result<Capability> {
+    let mut custom = spec.clone();
+    custom.network = NetworkPolicy::Custom {
+        allowed_hosts: vec!["example.invalid".into()],
+        allowed_cidrs: vec![],
+        denied_cidrs: vec![],
+        allowed_ports: vec![],
+    };
+    custom.forwards.clear();
+    match provider.create(&custom).await {
+        Ok(sandbox) => {
+            let _ = sandbox.destroy().await;
+            bail!(
+                "a custom policy without the egress proxy forward (port {EGRESS_PROXY_PORT}) was \
+                 accepted: nothing would enforce its lists"
+            );
+        }
+        Err(e) if e.kind() == ErrorKind::Unsupported || e.kind() == ErrorKind::InvalidInput => {
+            ensure!(
+                e.message().contains(&EGRESS_PROXY_PORT.to_string()),
+                "refusing a custom policy without the egress forward must name port \
+                 {EGRESS_PROXY_PORT}: {e}"
+            );
+        }
+        Err(e) => bail!(
+            "a custom policy without the egress forward must be refused as InvalidInput or \
+             Unsupported, got {:?}: {e}",
+            e.kind()
+        ),
+    }
+
+    let bind = options
+        .host_address
+        .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
+    let listener = tokio::net::TcpListener::bind(SocketAddr::new(bind, 0))
+        .await
+        .with_context(|| format!("binding a host test server on {bind}"))?;
+    let addr = listener.local_addr()?;
+    let accepted = Arc::new(AtomicU64::new(0));
+    let counter = accepted.clone();
+    let direct = tokio::spawn(async move {
+        while let Ok((conn, _)) = listener.accept().await {
+            counter.fetch_add(1, Ordering::SeqCst);
+            drop(conn);
+        }
+    });
+    let nonce = format!("suite-egress-{}", uuid_like());
+    let proxy = SocketServer::start(&nonce).await?;
+    custom.forwards = vec![proxy.forward(EGRESS_PROXY_PORT)];
+    let result = async {
+        let sandbox = match provider.create(&custom).await {
+            Err(e) if e.kind() == ErrorKind::Unsupported => {
+                return Ok(Capability::Unsupported(e.to_string()))
+            }
+            Err(e) => return Err(anyhow::Error::new(e).context("create with a custom policy")),
+            Ok(sandbox) => sandbox,
+        };
+        let checked = async {
+            ensure!(
+                !probe_connect(sandbox.as_ref(), addr).await?,
+                "a custom-policy sandbox connected to {addr} directly: only the egress proxy may \
+                 be reachable"
+            );
+            ensure!(
+                accepted.load(Ordering::SeqCst) == 0,
+                "the host test server accepted a connection from a custom-policy sandbox"
+            );
+            let reply = get_through_forward(sandbox.as_ref(), EGRESS_PROXY_PORT).await?;
+            ensure!(
+                reply.ends_with(&nonce),
+                "the egress proxy forward on 127.0.0.1:{EGRESS_PROXY_PORT} must reach the host \
+                 socket, got {reply:?}"
+            );
+            Ok(())
+        }
+        .await;
+        sandbox.destroy().await?;
+        checked.map(|()| Capability::Supported)
+    }
+    .await;
+    direct.abort();
     result
 }
 
