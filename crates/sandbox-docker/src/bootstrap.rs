@@ -94,7 +94,7 @@ async fn build(
     spec.labels
         .insert(provider.label("identity"), identity.to_string());
     let id = provider
-        .run_container(base, &spec, "bootstrap", None)
+        .run_container(base, &spec, "bootstrap", None, &[])
         .await?;
     let sandbox = provider.sandbox(id.clone(), "/".into(), true, serde_json::Value::Null);
     let result = async {

@@ -25,8 +25,13 @@
 //! # }
 //! ```
 //!
-//! See `docs/sandbox-docker.md` for the network-policy stance, ports,
-//! wrap-mode, snapshots and resume semantics.
+//! Deny-all and custom policies run the container with `--network none`;
+//! the spec's host forwards reach the container's loopback through
+//! `harness-sandbox-gate`, bind-mounted with the sockets' directories (see
+//! [`DockerConfig::gate`]).
+//!
+//! See `docs/sandbox-docker.md` for the network-policy stance, forwards,
+//! ports, wrap-mode, snapshots and resume semantics.
 
 mod bootstrap;
 mod exec;
@@ -48,7 +53,7 @@ use futures::StreamExt;
 use harness_core::sandbox::{
     collect_exec, exec_stdout_stream, resolve_path, shell_quote, ExecRequest, ExecStream,
     NetworkPolicy, PortEndpoint, Sandbox, SandboxHandle, SandboxProvider, SandboxSpec,
-    SnapshotInfo,
+    SnapshotInfo, EGRESS_PROXY_PORT,
 };
 use harness_core::stream::ByteStream;
 use harness_core::tarscan;
@@ -66,6 +71,12 @@ const INIT_SCRIPT: &str = "trap 'exit 0' TERM; while :; do sleep 3600 & wait; do
 /// Contents up to this size are written with one archive upload; larger
 /// (or unknown-length) ones stream through an exec's stdin.
 const SMALL_WRITE: usize = 1024 * 1024;
+
+/// Where the gate binary is mounted in a container with forwards.
+pub const GATE_IN_CONTAINER: &str = "/run/harness/gate";
+/// Where the directory of the `n`th forwarded socket is mounted:
+/// `<FORWARD_DIRS_IN_CONTAINER>/<n>`.
+pub const FORWARD_DIRS_IN_CONTAINER: &str = "/run/harness/forward";
 
 /// A host path mounted into every container the provider creates.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -104,6 +115,14 @@ pub struct DockerConfig {
     pub bind_mounts: Vec<BindMount>,
     /// Seconds `stop` waits after SIGTERM before SIGKILL.
     pub stop_timeout_secs: i32,
+    /// The `harness-sandbox-gate` binary on the Docker host, mounted
+    /// read-only at [`GATE_IN_CONTAINER`] into containers whose spec has
+    /// forwards (every command there runs through it). It must run in the
+    /// container's image: the gate is a dynamically linked glibc program, so
+    /// the image needs a glibc at least as new as the build host's. `None`:
+    /// [`harness_sandbox_gate::locate`] (`$HARNESS_SANDBOX_GATE_BIN`, else
+    /// `harness-sandbox-gate` beside the current executable).
+    pub gate: Option<PathBuf>,
 }
 
 impl Default for DockerConfig {
@@ -120,6 +139,7 @@ impl Default for DockerConfig {
             lock_dir: cache.join("locks"),
             bind_mounts: Vec::new(),
             stop_timeout_secs: 5,
+            gate: None,
         }
     }
 }
@@ -229,6 +249,7 @@ impl DockerProvider {
         spec: &SandboxSpec,
         role: &str,
         workdir: Option<&str>,
+        extra_binds: &[String],
     ) -> Result<String> {
         let mut last_err = None;
         // Host ports are chosen here and can be taken by someone else before
@@ -260,13 +281,16 @@ impl DockerProvider {
                         if m.read_only { "ro" } else { "rw" }
                     )
                 })
+                .chain(extra_binds.iter().cloned())
                 .collect();
             let host_config = HostConfig {
                 nano_cpus: spec.cpus.map(|c| (c * 1e9) as i64),
                 memory: spec.memory_mb.map(|m| (m * 1024 * 1024) as i64),
+                // Custom is no route out, like deny-all: its egress proxy
+                // is reached through the forward on EGRESS_PROXY_PORT.
                 network_mode: match spec.network {
-                    NetworkPolicy::DenyAll => Some("none".into()),
-                    _ => None,
+                    NetworkPolicy::DenyAll | NetworkPolicy::Custom { .. } => Some("none".into()),
+                    NetworkPolicy::AllowAll => None,
                 },
                 port_bindings: (!bindings.is_empty()).then_some(bindings),
                 binds: (!binds.is_empty()).then_some(binds),
@@ -381,6 +405,7 @@ impl DockerProvider {
             .get("env")
             .and_then(|e| serde_json::from_value::<BTreeMap<String, String>>(e.clone()).ok())
             .unwrap_or_default();
+        let forwards = forwards_in(&data);
         DockerSandbox {
             docker: self.docker.clone(),
             id,
@@ -388,8 +413,53 @@ impl DockerProvider {
             owned,
             data,
             extra_env,
+            forwards,
             stop_timeout_secs: self.config.stop_timeout_secs,
         }
+    }
+
+    /// The gate binary on the host: [`DockerConfig::gate`], else what
+    /// [`harness_sandbox_gate::locate`] finds.
+    fn gate(&self) -> Result<PathBuf> {
+        let gate = self
+            .config
+            .gate
+            .clone()
+            .or_else(harness_sandbox_gate::locate);
+        match gate {
+            Some(gate) if gate.is_file() => Ok(gate),
+            other => Err(Error::unsupported(format!(
+                "the docker sandbox serves forwards through harness-sandbox-gate, and {}: set {}, \
+                 DockerConfig::gate, or put {} beside this executable",
+                match other {
+                    Some(path) => format!("{} does not exist", path.display()),
+                    None => "none was found".to_string(),
+                },
+                harness_sandbox_gate::BIN_ENV,
+                harness_sandbox_gate::BINARY_NAME,
+            ))),
+        }
+    }
+
+    /// Refuse an image the mounted gate cannot run in (no glibc, or an
+    /// older one than the gate was built against) before anything runs
+    /// through it.
+    async fn check_gate(&self, container: &str, image: &str) -> Result<()> {
+        let (code, _, stderr) = exec::run_simple(
+            &self.docker,
+            container,
+            vec![GATE_IN_CONTAINER.into(), "--version".into()],
+        )
+        .await?;
+        if code == 0 {
+            return Ok(());
+        }
+        Err(Error::unsupported(format!(
+            "harness-sandbox-gate cannot run in image {image} (exit {code}: {}); forwards need \
+             an image with a glibc at least as new as the gate's build host, or a gate built for \
+             the image (DockerConfig::gate)",
+            String::from_utf8_lossy(&stderr).trim()
+        )))
     }
 
     async fn create_wrapped(&self, target: &str, spec: &SandboxSpec) -> Result<DockerSandbox> {
@@ -406,7 +476,7 @@ impl DockerProvider {
             .unwrap_or_default();
         // The caller's container keeps its own network: say so rather than
         // pretend a deny-all policy holds.
-        if spec.network == NetworkPolicy::DenyAll && mode != "none" {
+        if spec.network != NetworkPolicy::AllowAll && mode != "none" {
             return Err(Error::unsupported(format!(
                 "wrap-mode cannot change the network of container {target} (network mode {mode:?}); \
                  deny-all needs a container created with --network none"
@@ -447,12 +517,7 @@ impl SandboxProvider for DockerProvider {
     }
 
     async fn create(&self, spec: &SandboxSpec) -> Result<Box<dyn Sandbox>> {
-        if let NetworkPolicy::Custom { .. } = spec.network {
-            return Err(Error::unsupported(
-                "the docker backend does not enforce custom egress rules (allowed hosts/CIDRs); \
-                 use allow-all or deny-all, or a backend that enforces them",
-            ));
-        }
+        let mounts = forward_mounts(spec)?;
         if !spec.workdir.starts_with('/') {
             return Err(Error::invalid(format!(
                 "workdir must be an absolute path, got {:?}",
@@ -460,7 +525,22 @@ impl SandboxProvider for DockerProvider {
             )));
         }
         if let Some(target) = &spec.wrap {
+            if !spec.forwards.is_empty() {
+                return Err(Error::unsupported(format!(
+                    "wrap-mode cannot add forwards ({:?}) to container {target}: the gate and the \
+                     sockets' directories are bind mounts, fixed when a container is created",
+                    spec.forwards.iter().map(|f| f.port).collect::<Vec<_>>()
+                )));
+            }
             return Ok(Box::new(self.create_wrapped(target, spec).await?));
+        }
+        let mut extra_binds = Vec::new();
+        if !mounts.is_empty() {
+            let gate = self.gate()?;
+            extra_binds.push(format!("{}:{GATE_IN_CONTAINER}:ro", gate.display()));
+            for (host_dir, container_dir) in &mounts.dirs {
+                extra_binds.push(format!("{host_dir}:{container_dir}:ro"));
+            }
         }
         let base = spec
             .image
@@ -474,11 +554,20 @@ impl SandboxProvider for DockerProvider {
             None => (base.clone(), None),
         };
         let id = self
-            .run_container(&image, spec, "session", Some(&spec.workdir))
+            .run_container(&image, spec, "session", Some(&spec.workdir), &extra_binds)
             .await?;
         // The container now pins the snapshot; prune may proceed.
         drop(snapshot_lock);
-        let data = json!({ "image": image, "wrap": false });
+        let mut data = json!({ "image": image, "wrap": false });
+        if !mounts.is_empty() {
+            // The handle carries the forwards, so a resume anywhere wraps
+            // every command the same way.
+            data["forwards"] = serde_json::to_value(&mounts.forwards)?;
+            if let Err(e) = self.check_gate(&id, &image).await {
+                let _ = self.remove(&id).await;
+                return Err(e);
+            }
+        }
         Ok(Box::new(self.sandbox(id, spec.workdir.clone(), true, data)))
     }
 
@@ -488,6 +577,12 @@ impl SandboxProvider for DockerProvider {
                 "a {:?} handle cannot be resumed by the docker provider",
                 handle.provider
             )));
+        }
+        if let Some(forwards) = handle.data.get("forwards") {
+            // Never run commands without the forwards the sandbox was made
+            // with: a handle whose record is unreadable is refused.
+            serde_json::from_value::<Vec<ForwardRecord>>(forwards.clone())
+                .map_err(|e| Error::invalid(format!("the handle's forwards are malformed: {e}")))?;
         }
         let id = self.ensure_running(&handle.id).await?;
         Ok(Box::new(self.sandbox(
@@ -518,6 +613,9 @@ pub struct DockerSandbox {
     /// Environment applied per exec (wrap-mode, where the container's own
     /// environment cannot be changed).
     extra_env: BTreeMap<String, String>,
+    /// The spec's forwards with the sockets' paths inside the container:
+    /// every exec runs through the gate when there are any.
+    forwards: Vec<harness_sandbox_gate::Forward>,
     stop_timeout_secs: i32,
 }
 
@@ -685,8 +783,21 @@ impl Sandbox for DockerSandbox {
             .chain(request.env.iter())
             .map(|(k, v)| format!("{k}={v}"))
             .collect();
+        let argv = if self.forwards.is_empty() {
+            request.argv
+        } else {
+            // The container has its own network namespace: the gate only
+            // serves the forwards (a daemon the first exec starts, alive
+            // with the container) and then execs the command.
+            harness_sandbox_gate::command_line(
+                GATE_IN_CONTAINER,
+                false,
+                &self.forwards,
+                &request.argv,
+            )
+        };
         let plan = exec::ExecPlan {
-            argv: request.argv,
+            argv,
             env,
             cwd: Some(cwd),
             stdin: request
@@ -944,6 +1055,97 @@ impl SourceStatus for Error {
             _ => None,
         }
     }
+}
+
+/// The spec's forwards as mounts: each distinct socket directory at
+/// `/run/harness/forward/<n>`, and each socket's path there.
+#[derive(Debug, Default)]
+struct ForwardMounts {
+    /// (host directory, container directory)
+    dirs: Vec<(String, String)>,
+    forwards: Vec<ForwardRecord>,
+}
+
+impl ForwardMounts {
+    fn is_empty(&self) -> bool {
+        self.forwards.is_empty()
+    }
+}
+
+/// A forward as the handle's data records it.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct ForwardRecord {
+    port: u16,
+    /// The socket's path inside the container.
+    path: String,
+}
+
+/// Check the spec's network policy and forwards; where they are mounted.
+fn forward_mounts(spec: &SandboxSpec) -> Result<ForwardMounts> {
+    let mut mounts = ForwardMounts::default();
+    let mut ports = Vec::new();
+    for forward in &spec.forwards {
+        if forward.port == 0 {
+            return Err(Error::invalid("a forward needs a port from 1 to 65535"));
+        }
+        if ports.contains(&forward.port) {
+            return Err(Error::invalid(format!(
+                "port {} is forwarded twice",
+                forward.port
+            )));
+        }
+        ports.push(forward.port);
+        let (dir, file) = match forward.socket.rsplit_once('/') {
+            Some((dir, file)) if forward.socket.starts_with('/') && !file.is_empty() => {
+                (if dir.is_empty() { "/" } else { dir }, file)
+            }
+            _ => {
+                return Err(Error::invalid(format!(
+                    "forward socket {:?} must be an absolute host path naming a socket",
+                    forward.socket
+                )))
+            }
+        };
+        if dir == "/" || dir.contains(':') {
+            // `/` would mount the host's root; `:` breaks the bind syntax.
+            return Err(Error::invalid(format!(
+                "forward socket {:?} must be in a directory of its own (its directory is \
+                 mounted into the container)",
+                forward.socket
+            )));
+        }
+        let n = match mounts.dirs.iter().position(|(host, _)| host == dir) {
+            Some(n) => n,
+            None => {
+                mounts.dirs.push((
+                    dir.to_string(),
+                    format!("{FORWARD_DIRS_IN_CONTAINER}/{}", mounts.dirs.len()),
+                ));
+                mounts.dirs.len() - 1
+            }
+        };
+        mounts.forwards.push(ForwardRecord {
+            port: forward.port,
+            path: format!("{}/{file}", mounts.dirs[n].1),
+        });
+    }
+    if matches!(spec.network, NetworkPolicy::Custom { .. }) && !ports.contains(&EGRESS_PROXY_PORT) {
+        return Err(Error::invalid(format!(
+            "custom network policy needs the egress proxy forward on port {EGRESS_PROXY_PORT}; \
+             the harness runtime adds it when a model broker is configured"
+        )));
+    }
+    Ok(mounts)
+}
+
+/// The forwards a handle's data records, as the gate takes them.
+fn forwards_in(data: &serde_json::Value) -> Vec<harness_sandbox_gate::Forward> {
+    data.get("forwards")
+        .and_then(|f| serde_json::from_value::<Vec<ForwardRecord>>(f.clone()).ok())
+        .unwrap_or_default()
+        .into_iter()
+        .map(|f| harness_sandbox_gate::Forward::new(f.port, f.path))
+        .collect()
 }
 
 fn parent_dir(path: &str) -> String {

@@ -4,6 +4,7 @@ mod common;
 
 use harness_core::sandbox::{SandboxProvider, SandboxSpec};
 use harness_testkit::conformance::sandbox::{self as suite, Capability, SuiteOptions};
+use sandbox_docker::DockerConfig;
 
 /// Whether the test image has a program the suite's port check can serve
 /// with (`python3` or `nc`).
@@ -16,7 +17,16 @@ async fn image_can_serve(provider: &dyn SandboxProvider) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn docker_passes_the_sandbox_conformance_suite() {
-    let Some(provider) = common::provider().await else {
+    // The gate serves the host forwards inside the containers.
+    let Some(gate) = harness_testkit::gate_binary() else {
+        return;
+    };
+    let Some(provider) = common::provider_with(DockerConfig {
+        gate: Some(gate),
+        ..DockerConfig::default()
+    })
+    .await
+    else {
         return;
     };
     let Some(gateway) = common::bridge_gateway(&provider).await else {
@@ -70,10 +80,18 @@ async fn docker_passes_the_sandbox_conformance_suite() {
     }
     let stopped = suite::stop_and_resume(&provider, &spec).await.unwrap();
     assert_eq!(stopped, Capability::Supported);
+    // Deny-all, host forwards and custom policies are all enforced here:
+    // `Unsupported` would be a regression.
     let network = suite::network_deny_all(&provider, &spec, &options)
         .await
         .unwrap();
     assert_eq!(network, Capability::Supported);
+    let forward = suite::host_forward(&provider, &spec).await.unwrap();
+    assert_eq!(forward, Capability::Supported);
+    let custom = suite::network_custom(&provider, &spec, &options)
+        .await
+        .unwrap();
+    assert_eq!(custom, Capability::Supported);
     if !can_serve {
         harness_testkit::skip_or_fail(&format!(
             "image {} has neither python3 nor nc for the suite's port_endpoint item \

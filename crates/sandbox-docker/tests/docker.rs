@@ -8,11 +8,13 @@ use bytes::Bytes;
 use common::{provider, provider_with, sh, sh_ok, Cleanup};
 use futures::StreamExt;
 use harness_core::sandbox::{
-    collect_exec, ExecEvent, ExecRequest, ExitReason, NetworkPolicy, SandboxProvider, SandboxSpec,
+    collect_exec, ExecEvent, ExecRequest, ExitReason, HostForward, NetworkPolicy, SandboxProvider,
+    SandboxSpec, EGRESS_PROXY_PORT, MODEL_BROKER_PORT,
 };
 use harness_core::stream::{collect, once, AbortSignal, ByteStream};
 use harness_core::ErrorKind;
-use sandbox_docker::{BindMount, DockerConfig};
+use harness_testkit::conformance::sandbox::{self as suite, SocketServer};
+use sandbox_docker::{BindMount, DockerConfig, FORWARD_DIRS_IN_CONTAINER, GATE_IN_CONTAINER};
 
 fn spec() -> SandboxSpec {
     let mut spec = SandboxSpec::new("/work/project");
@@ -361,22 +363,202 @@ async fn deny_all_has_no_network_and_allow_all_does() {
     server.abort();
 }
 
-#[tokio::test]
-async fn custom_network_policy_is_refused_not_ignored() {
-    let Some(p) = provider().await else { return };
-    let mut s = spec();
-    s.network = NetworkPolicy::Custom {
+/// A provider whose config names the gate (built for the test), or `None`
+/// after a skip.
+async fn gated_provider() -> Option<sandbox_docker::DockerProvider> {
+    let gate = harness_testkit::gate_binary()?;
+    provider_with(DockerConfig {
+        gate: Some(gate),
+        ..DockerConfig::default()
+    })
+    .await
+}
+
+fn custom_policy() -> NetworkPolicy {
+    NetworkPolicy::Custom {
         allowed_hosts: vec!["example.com".into()],
         allowed_cidrs: vec![],
         denied_cidrs: vec![],
         allowed_ports: vec![],
+    }
+}
+
+#[tokio::test]
+async fn custom_network_policy_needs_the_egress_forward_and_gets_no_network_besides() {
+    let Some(p) = gated_provider().await else {
+        return;
     };
+    // Without the egress proxy forward nothing would enforce the lists.
+    let mut s = spec();
+    s.network = custom_policy();
     let err = p
         .create(&s)
         .await
-        .expect_err("custom policy must be refused");
-    assert_eq!(err.kind(), ErrorKind::Unsupported);
-    assert!(err.message().contains("custom egress"), "{err}");
+        .expect_err("custom without the egress forward must be refused");
+    assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+    assert!(
+        err.message()
+            .contains("custom network policy needs the egress proxy forward on port 47812"),
+        "{err}"
+    );
+    // With it: no network but loopback, and the proxy answers there.
+    let proxy = SocketServer::start("egress-proxy-answer").await.unwrap();
+    s.forwards = vec![proxy.forward(EGRESS_PROXY_PORT)];
+    let sb = p.create(&s).await.unwrap();
+    let _c = Cleanup(Some(sb.handle().id));
+    let info = p
+        .client()
+        .inspect_container(&sb.handle().id, None)
+        .await
+        .unwrap();
+    assert_eq!(
+        info.host_config.unwrap().network_mode.as_deref(),
+        Some("none")
+    );
+    assert_eq!(sh_ok(&*sb, "ls /sys/class/net").await.trim(), "lo");
+    let reply = sh_ok(&*sb, &http_get(EGRESS_PROXY_PORT)).await;
+    assert!(reply.ends_with("egress-proxy-answer"), "{reply:?}");
+    sb.destroy().await.unwrap();
+}
+
+/// One HTTP GET to 127.0.0.1:`port` from inside; the whole response.
+fn http_get(port: u16) -> String {
+    format!(
+        "timeout 10 bash -c 'exec 3<>/dev/tcp/127.0.0.1/{port} && printf \"GET / HTTP/1.0\\r\\n\\r\\n\" >&3 && cat <&3' || true"
+    )
+}
+
+#[tokio::test]
+async fn forwards_mount_only_the_sockets_directory_and_the_gate_read_only() {
+    let Some(p) = gated_provider().await else {
+        return;
+    };
+    let broker = SocketServer::start("broker-answer").await.unwrap();
+    let mut s = spec();
+    s.network = NetworkPolicy::DenyAll;
+    s.forwards = vec![broker.forward(MODEL_BROKER_PORT)];
+    let sb = p.create(&s).await.unwrap();
+    let _c = Cleanup(Some(sb.handle().id));
+    // The handle records the forward at its path inside the container.
+    let data = sb.handle().data;
+    assert_eq!(data["forwards"][0]["port"], MODEL_BROKER_PORT);
+    assert_eq!(
+        data["forwards"][0]["path"],
+        format!("{FORWARD_DIRS_IN_CONTAINER}/0/suite.sock")
+    );
+    let listing = sh_ok(
+        &*sb,
+        &format!("ls -A {FORWARD_DIRS_IN_CONTAINER}/0; test -x {GATE_IN_CONTAINER} && echo gate"),
+    )
+    .await;
+    assert_eq!(listing, "suite.sock\ngate\n");
+    let write = sh(
+        &*sb,
+        &format!("touch {FORWARD_DIRS_IN_CONTAINER}/0/x 2>&1 || echo refused; cat /dev/null > {GATE_IN_CONTAINER} || echo refused"),
+    )
+    .await;
+    assert_eq!(
+        write.stdout_str().matches("refused").count(),
+        2,
+        "{:?}",
+        write.stdout_str()
+    );
+    let reply = sh_ok(&*sb, &http_get(MODEL_BROKER_PORT)).await;
+    assert!(reply.ends_with("broker-answer"), "{reply:?}");
+    // One daemon serves the container, whatever the number of execs.
+    for _ in 0..3 {
+        sh_ok(&*sb, "true").await;
+    }
+    let daemons = sh_ok(
+        &*sb,
+        "for p in /proc/[0-9]*; do [ \"$(tr '\\0' '\\n' < $p/cmdline 2>/dev/null | sed -n 2p)\" = --serve ] && echo $p; done | wc -l",
+    )
+    .await;
+    assert_eq!(daemons.trim(), "1", "forward daemons in the container");
+    sb.destroy().await.unwrap();
+}
+
+#[tokio::test]
+async fn forwards_are_refused_where_they_cannot_be_kept() {
+    let Some(p) = provider_with(DockerConfig {
+        gate: Some("/nonexistent/harness-sandbox-gate".into()),
+        ..DockerConfig::default()
+    })
+    .await
+    else {
+        return;
+    };
+    let forward = HostForward {
+        port: MODEL_BROKER_PORT,
+        socket: "/tmp/harness-test-forward/broker.sock".into(),
+    };
+    // No gate.
+    let mut s = spec();
+    s.forwards = vec![forward.clone()];
+    let err = p.create(&s).await.expect_err("no gate");
+    assert_eq!(err.kind(), ErrorKind::Unsupported, "{err}");
+    assert!(
+        err.message().contains("HARNESS_SANDBOX_GATE_BIN")
+            && err.message().contains("/nonexistent/harness-sandbox-gate"),
+        "{err}"
+    );
+    // Wrap-mode: mounts cannot be added to a running container.
+    let owner = p.create(&spec()).await.unwrap();
+    let _c = Cleanup(Some(owner.handle().id));
+    let mut s = spec();
+    s.wrap = Some(owner.handle().id);
+    s.forwards = vec![forward.clone()];
+    let err = p.create(&s).await.expect_err("wrap with forwards");
+    assert_eq!(err.kind(), ErrorKind::Unsupported, "{err}");
+    assert!(
+        err.message().contains("wrap-mode cannot add forwards"),
+        "{err}"
+    );
+    owner.destroy().await.unwrap();
+    // A socket directly in `/` would mount the host's root.
+    let mut s = spec();
+    s.forwards = vec![HostForward {
+        port: MODEL_BROKER_PORT,
+        socket: "/broker.sock".into(),
+    }];
+    assert_eq!(
+        p.create(&s).await.unwrap_err().kind(),
+        ErrorKind::InvalidInput
+    );
+}
+
+#[tokio::test]
+async fn every_exec_through_the_gate_keeps_the_exec_contract() {
+    let Some(p) = gated_provider().await else {
+        return;
+    };
+    let broker = SocketServer::start("unused").await.unwrap();
+    let mut s = spec();
+    s.network = NetworkPolicy::DenyAll;
+    s.forwards = vec![broker.forward(MODEL_BROKER_PORT)];
+    let sandbox = p.create(&s).await.unwrap();
+    let _c = Cleanup(Some(sandbox.handle().id));
+    let sb = sandbox.as_ref();
+    suite::exec_streams_stdout_stderr_and_one_exit(sb)
+        .await
+        .unwrap();
+    suite::exec_exit_codes(sb).await.unwrap();
+    suite::exec_cwd(sb).await.unwrap();
+    suite::exec_stdin(sb).await.unwrap();
+    suite::exec_streams_before_exit(sb).await.unwrap();
+    suite::exec_timeout_kills_tree(sb).await.unwrap();
+    suite::exec_abort_kills_tree(sb).await.unwrap();
+    suite::detached_processes(sb).await.unwrap();
+    suite::a_second_launch_in_one_spool_returns_the_first(sb)
+        .await
+        .unwrap();
+    sandbox.destroy().await.unwrap();
+    suite::exec_env(&p, &s).await.unwrap();
+    suite::detach_and_resume(&p, &s).await.unwrap();
+    assert_eq!(
+        suite::stop_and_resume(&p, &s).await.unwrap(),
+        suite::Capability::Supported
+    );
 }
 
 #[tokio::test]
