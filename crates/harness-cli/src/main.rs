@@ -138,6 +138,8 @@ enum Command {
         #[arg(long)]
         image: Option<String>,
         #[command(flatten)]
+        network: turn::NetworkArgs,
+        #[command(flatten)]
         limits: local::TurnLimits,
         /// The prompt.
         prompt: String,
@@ -207,6 +209,7 @@ fn main() -> ExitCode {
                 session,
                 model,
                 image,
+                network,
                 limits,
                 prompt,
             } => {
@@ -218,6 +221,7 @@ fn main() -> ExitCode {
                         session,
                         model,
                         image,
+                        network,
                         limits,
                         approvals,
                         prompt,

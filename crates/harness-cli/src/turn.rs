@@ -10,6 +10,7 @@ use anyhow::{bail, Context, Result};
 use harness::core::actor::ClientMessage;
 use harness::core::frame::SessionId;
 use harness::core::part::StreamPart;
+use harness::core::sandbox::NetworkPolicy;
 use harness::core::session::{SandboxConfig, SessionConfig};
 use harness::core::turn::TurnStatus;
 use harness::runtime::{Runtime, SessionClient, TurnFollower, TurnHandle, TurnUpdate};
@@ -28,6 +29,7 @@ pub struct RunArgs {
     pub session: Option<String>,
     pub model: Option<String>,
     pub image: Option<String>,
+    pub network: NetworkArgs,
     pub limits: local::TurnLimits,
     pub approvals: bool,
     pub prompt: String,
@@ -65,18 +67,78 @@ pub async fn driver(home: &Home, what: &str) -> Result<Driver> {
     }
 }
 
+/// The network of a new session's sandbox.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct NetworkArgs {
+    /// Network policy of a new session's sandbox: `allow-all`, `deny-all`
+    /// (nothing but the model, through the broker), or `custom` (only what
+    /// --allow-host / --allow-cidr name, through the egress proxy).
+    #[arg(long, value_enum, default_value = "allow-all")]
+    pub network: NetworkMode,
+    /// With --network custom: a host the sandbox may reach (`example.com`,
+    /// `*.example.com`); repeatable.
+    #[arg(long = "allow-host", value_name = "HOST")]
+    pub allow_hosts: Vec<String>,
+    /// With --network custom: an address range the sandbox may reach
+    /// (`10.1.0.0/16`); repeatable.
+    #[arg(long = "allow-cidr", value_name = "CIDR")]
+    pub allow_cidrs: Vec<String>,
+    /// With --network custom: a range never reached, even when allowed above.
+    #[arg(long = "deny-cidr", value_name = "CIDR")]
+    pub deny_cidrs: Vec<String>,
+    /// With --network custom: the only ports reached (default: any).
+    #[arg(long = "allow-port", value_name = "PORT")]
+    pub allow_ports: Vec<u16>,
+}
+
+/// `--network`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum NetworkMode {
+    /// Unrestricted.
+    #[default]
+    AllowAll,
+    /// Nothing but the model broker.
+    DenyAll,
+    /// The --allow-* lists, through the egress proxy.
+    Custom,
+}
+
+impl NetworkArgs {
+    /// The policy these flags name; lists without `--network custom` are an
+    /// error rather than ignored.
+    pub fn policy(&self) -> Result<NetworkPolicy> {
+        let lists = !(self.allow_hosts.is_empty()
+            && self.allow_cidrs.is_empty()
+            && self.deny_cidrs.is_empty()
+            && self.allow_ports.is_empty());
+        match self.network {
+            NetworkMode::AllowAll | NetworkMode::DenyAll if lists => anyhow::bail!(
+                "--allow-host, --allow-cidr, --deny-cidr and --allow-port need --network custom"
+            ),
+            NetworkMode::AllowAll => Ok(NetworkPolicy::AllowAll),
+            NetworkMode::DenyAll => Ok(NetworkPolicy::DenyAll),
+            NetworkMode::Custom => Ok(NetworkPolicy::Custom {
+                allowed_hosts: self.allow_hosts.clone(),
+                allowed_cidrs: self.allow_cidrs.clone(),
+                denied_cidrs: self.deny_cidrs.clone(),
+                allowed_ports: self.allow_ports.clone(),
+            }),
+        }
+    }
+}
+
 /// The session config of a new session from the flags.
-fn new_config(args: &RunArgs) -> SessionConfig {
-    SessionConfig {
+fn new_config(args: &RunArgs) -> Result<SessionConfig> {
+    Ok(SessionConfig {
         agent: args.agent.name().to_string(),
         sandbox: SandboxConfig {
             provider: args.sandbox.name().to_string(),
             image: args.image.clone(),
-            ..SandboxConfig::default()
+            network: args.network.policy()?,
         },
         model: args.model.clone(),
         approvals: args.approvals,
-    }
+    })
 }
 
 /// Where `agent` sends its model requests with `env`: the base URL the
@@ -453,7 +515,7 @@ pub async fn run_command(home: &Home, args: RunArgs) -> Result<()> {
             run_remote(
                 &client,
                 args.session.clone(),
-                &new_config(&args),
+                &new_config(&args)?,
                 args.prompt.clone(),
             )
             .await?
@@ -475,7 +537,7 @@ pub async fn run_command(home: &Home, args: RunArgs) -> Result<()> {
                 lenient: false,
                 require_docker: args.sandbox == SandboxKind::Docker && args.session.is_none(),
             };
-            let config = new_config(&args);
+            let config = new_config(&args)?;
             run_local(
                 home,
                 &lock,

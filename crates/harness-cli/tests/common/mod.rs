@@ -55,6 +55,7 @@ pub fn harness(home: &Path, model: &ScriptedModel) -> Command {
         .env("ANTHROPIC_API_KEY", "test-key")
         .env("ANTHROPIC_BASE_URL", model.base_url())
         .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1");
+    server::with_helpers(&mut cmd);
     cmd
 }
 

@@ -121,8 +121,17 @@ fn helper_binary(env_var: &str, package: &str) -> Option<PathBuf> {
     bin.is_file().then_some(bin)
 }
 
-/// Give a harness child both helper binaries.
-fn with_helpers(cmd: &mut Command) {
+/// The sandbox gate (forwards to the model broker; deny-all on local),
+/// built into this test's target directory.
+pub fn sandbox_gate() -> Option<PathBuf> {
+    helper_binary("HARNESS_SANDBOX_GATE_BIN", "harness-sandbox-gate")
+}
+
+/// Give a harness child the helper binaries.
+pub fn with_helpers(cmd: &mut Command) {
+    if let Some(gate) = sandbox_gate() {
+        cmd.env("HARNESS_SANDBOX_GATE_BIN", gate);
+    }
     if let Some(server) = approval_server() {
         cmd.env("HARNESS_APPROVAL_MCP_BIN", server);
     }
