@@ -50,6 +50,8 @@ pub(crate) fn spawn(launch: Launch<'_>) -> Result<ExecStream> {
     let mut cmd = tokio::process::Command::new(program);
     cmd.args(args)
         .current_dir(launch.cwd)
+        // Exactly the sandbox's environment (see `INHERITED_ENV`).
+        .env_clear()
         .envs(launch.env)
         .stdin(if launch.stdin.is_some() {
             Stdio::piped()

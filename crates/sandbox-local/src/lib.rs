@@ -60,6 +60,32 @@ mod exec;
 mod tario;
 mod template;
 
+/// The host variables a command inherits; everything else of the host
+/// process's environment is left out (the spec's and the request's `env`
+/// are added on top).
+pub const INHERITED_ENV: &[&str] = &[
+    "PATH",
+    "LANG",
+    "LANGUAGE",
+    "LC_ALL",
+    "LC_CTYPE",
+    "LC_MESSAGES",
+    "TZ",
+    "TERM",
+    "USER",
+    "LOGNAME",
+    "SHELL",
+    "TMPDIR",
+    "SSL_CERT_FILE",
+    "SSL_CERT_DIR",
+    "http_proxy",
+    "https_proxy",
+    "no_proxy",
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "NO_PROXY",
+];
+
 /// The provider name recorded in handles.
 pub const PROVIDER_NAME: &str = "local";
 /// Name of the metadata file in a sandbox directory.
@@ -575,13 +601,20 @@ impl LocalSandbox {
     }
 
     fn env_for(&self, extra: &BTreeMap<String, String>) -> Vec<(String, String)> {
-        let mut env = vec![
+        // Commands start from an empty environment plus these few host
+        // variables: the host process's own environment (model keys among
+        // them) never reaches a sandbox by inheritance.
+        let mut env: Vec<(String, String)> = INHERITED_ENV
+            .iter()
+            .filter_map(|k| std::env::var(k).ok().map(|v| (k.to_string(), v)))
+            .collect();
+        env.extend([
             ("HOME".to_string(), self.meta.home.clone()),
             (
                 "HARNESS_SANDBOX_ROOT".to_string(),
                 self.dir.to_string_lossy().into_owned(),
             ),
-        ];
+        ]);
         // Later entries win: spec env, then the request's.
         env.extend(self.meta.env.iter().map(|(k, v)| (k.clone(), v.clone())));
         env.extend(extra.iter().map(|(k, v)| (k.clone(), v.clone())));

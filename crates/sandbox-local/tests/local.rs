@@ -872,3 +872,24 @@ async fn file_ops_resolve_relative_paths_against_the_workdir_and_keep_modes() {
     assert_eq!(leftovers, "tool\n", "no temporary file is left behind");
     sb.destroy().await.unwrap();
 }
+
+/// The host process's environment (where a model key lives) reaches no
+/// command: commands get the sandbox's environment and a few host
+/// variables (`INHERITED_ENV`), nothing else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commands_do_not_inherit_the_host_environment() {
+    // Set before any command runs in this test binary's process; no other
+    // test here reads it.
+    std::env::set_var("SANDBOX_LOCAL_TEST_SECRET", "host-secret-value-41");
+    let root = tempfile::tempdir().unwrap();
+    let provider = LocalProvider::new(root.path());
+    let mut spec = SandboxSpec::new("/workspace");
+    spec.env.insert("FROM_SPEC".into(), "spec-value".into());
+    let sb = provider.create(&spec).await.unwrap();
+    let env = sh(sb.as_ref(), "env").await;
+    assert!(!env.contains("host-secret-value-41"), "{env}");
+    assert!(env.contains("FROM_SPEC=spec-value"), "{env}");
+    assert!(env.lines().any(|l| l.starts_with("PATH=")), "{env}");
+    assert!(env.lines().any(|l| l.starts_with("HOME=")), "{env}");
+    sb.destroy().await.unwrap();
+}

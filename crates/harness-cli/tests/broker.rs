@@ -1,0 +1,460 @@
+//! Issue 18 end to end: the real `harness serve`, the real `claude` and
+//! `codex`, local and Docker sandboxes under `deny-all`, the model reached
+//! through the broker. The agent's own tool call probes the sandbox from
+//! inside and reports back through the model (the scripted server records
+//! it):
+//!
+//! - the real key is in no process of the sandbox (environment, command
+//!   line) and in no file under its home or working tree;
+//! - a server this test opens on the host, on the address the sandbox
+//!   would use to reach the host, cannot be reached;
+//! - the broker refuses another session's token, and another session's
+//!   endpoint, from this sandbox;
+//!
+//! and, from the outside: the provider saw the real key on every request
+//! and never a token, and the turn finished.
+//!
+//! "A process of the sandbox": in Docker, every process in the container;
+//! for the local provider (not an isolation boundary, see
+//! docs/sandbox-local.md) every process in the sandbox's network
+//! namespace — the host's own processes, the harness among them, are
+//! visible to a local sandbox and hold the key by design.
+
+mod common;
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::server::{create, docker_parts, export, prompt, Agent, Backend, Serve, TURN_TIMEOUT};
+use harness_testkit::model::{any, last_is_tool_result_for, Reply, Rule, Script, ScriptedModel};
+use serde_json::{json, Value};
+
+const REAL_ANTHROPIC_KEY: &str = "sk-ant-api03-e2e-REAL-KEY-9f2c71d04b";
+const REAL_OPENAI_KEY: &str = "sk-proj-e2e-REAL-KEY-5a13e8c77d";
+const PROBE: &str = "toolu_probe_1";
+
+/// A TCP server on `ip` that counts the connections it accepts.
+async fn host_server(ip: IpAddr) -> (SocketAddr, Arc<AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind(SocketAddr::new(ip, 0))
+        .await
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((_s, _)) = listener.accept().await {
+            count.fetch_add(1, Ordering::SeqCst);
+        }
+    });
+    (addr, accepted)
+}
+
+fn base64(bytes: &[u8]) -> String {
+    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for c in bytes.chunks(3) {
+        let n = (c[0] as u32) << 16
+            | (*c.get(1).unwrap_or(&0) as u32) << 8
+            | *c.get(2).unwrap_or(&0) as u32;
+        for i in 0..4 {
+            if i <= c.len() {
+                out.push(T[(n >> (18 - 6 * i) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// The probe the agent runs. The keys travel base64-encoded and are
+/// decoded into a file outside the home and tree, so neither this
+/// command's own command line nor the agent's transcript holds them.
+fn probe(host: SocketAddr, other_session: &str, other_token: &str) -> String {
+    let keys = base64(format!("{REAL_ANTHROPIC_KEY}\n{REAL_OPENAI_KEY}\n").as_bytes());
+    format!(
+        r#"k=/tmp/harness-probe-keys.$$; printf %s '{keys}' | base64 -d > $k
+me=$(readlink /proc/self/ns/net); n=0
+for p in /proc/[0-9]*; do
+  [ "$(readlink $p/ns/net 2>/dev/null)" = "$me" ] || continue
+  n=$((n+1))
+  for f in environ cmdline; do
+    if grep -qaFf $k $p/$f 2>/dev/null; then echo "KEY-IN-PROC $p/$f: $(tr '\0' ' ' < $p/cmdline | head -c 100)"; fi
+  done
+done
+echo "PROCESSES-SEARCHED $n"
+grep -rlaFf $k "$HOME" "$PWD" 2>/dev/null | sed 's/^/KEY-IN-FILE /'
+: > $k
+if timeout 3 bash -c 'exec 3<>/dev/tcp/{ip}/{port}' 2>/dev/null; then echo HOST-REACHED; else echo HOST-BLOCKED; fi
+status() {{ timeout 5 bash -c 'exec 3<>/dev/tcp/127.0.0.1/47811 || exit 1
+  printf "POST %s HTTP/1.1\r\nhost: 127.0.0.1\r\nx-api-key: %s\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{{}}" "$0" "$1" >&3
+  head -1 <&3' "$1" "$2" | cut -d" " -f2; }}
+own=${{ANTHROPIC_BASE_URL#http://127.0.0.1:47811}}
+echo "OTHER-TOKEN-$(status $own/v1/messages '{other_token}')"
+echo "OTHER-SESSION-$(status /s/{other_session}/anthropic/v1/messages '{other_token}')"
+case "$ANTHROPIC_API_KEY" in hsb1_*) echo TOKEN-NOT-KEY;; esac
+echo PROBE-DONE"#,
+        ip = host.ip(),
+        port = host.port(),
+    )
+}
+
+async fn until_end(serve: &Serve, id: &str, turn: &str) -> Value {
+    let started = Instant::now();
+    loop {
+        let frames = export(serve, id).await;
+        if let Some(end) = frames.iter().find(|f| {
+            f["body"]["type"] == "turn-status"
+                && f["body"]["turnId"] == turn
+                && matches!(
+                    f["body"]["status"].as_str(),
+                    Some("finished" | "failed" | "timed_out")
+                )
+        }) {
+            return end["body"].clone();
+        }
+        assert!(
+            started.elapsed() < TURN_TIMEOUT,
+            "turn {turn} did not end in {TURN_TIMEOUT:?}\nserver log:\n{}",
+            serve.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+async fn deny_all_through_the_broker(agent: Agent, backend: Backend) {
+    if !agent.available() {
+        return;
+    }
+    // Where the sandbox would find the host: loopback for the local
+    // provider, the bridge gateway for a container.
+    let (image, host_ip) = match backend {
+        Backend::Local => (None, IpAddr::V4(Ipv4Addr::LOCALHOST)),
+        Backend::Docker => match docker_parts().await {
+            Some((image, gateway)) => (Some(image), gateway),
+            None => return,
+        },
+    };
+    let (host_addr, accepted) = host_server(host_ip).await;
+    let home = tempfile::tempdir().unwrap();
+
+    // Another session, mid-turn, with a valid token: the test is the host,
+    // so it lays down the broker's secret itself and signs one.
+    let broker_dir = home.path().join("broker");
+    std::fs::create_dir_all(broker_dir.join("active")).unwrap();
+    let secret: Vec<u8> = (0..32u8)
+        .map(|i| i.wrapping_mul(37).wrapping_add(11))
+        .collect();
+    std::fs::write(broker_dir.join("secret"), &secret).unwrap();
+    let other_session = "other-session-1";
+    let other_token = harness::broker::token::token_for(&secret, other_session);
+    std::fs::write(broker_dir.join("active").join(other_session), b"").unwrap();
+
+    let script = Script::new()
+        .rule(Rule::new(
+            last_is_tool_result_for(PROBE),
+            Reply::text("probed"),
+        ))
+        .on(
+            any(),
+            Reply::shell(PROBE, probe(host_addr, other_session, &other_token)),
+        );
+    // The model listens on loopback: only the broker, on the host, calls it.
+    let model = ScriptedModel::start(script).await.unwrap();
+    let serve = Serve::start_with_env(
+        home.path(),
+        &model,
+        &[],
+        &[
+            ("ANTHROPIC_API_KEY", REAL_ANTHROPIC_KEY),
+            ("OPENAI_API_KEY", REAL_OPENAI_KEY),
+        ],
+    );
+    let mut body = json!({
+        "agent": agent.name(),
+        "sandbox": backend.name(),
+        "network": {"mode": "deny-all"},
+    });
+    if let Some(image) = &image {
+        body["image"] = json!(image);
+    }
+    let id = create(&serve, body).await;
+    let _containers = common::docker::SessionContainers(id.clone());
+    let turn = prompt(&serve, &id, "probe the sandbox").await;
+    let end = until_end(&serve, &id, &turn).await;
+    assert_eq!(
+        end["status"],
+        "finished",
+        "{end}\nserver log:\n{}",
+        serve.log()
+    );
+
+    // What the probe reported, as the agent sent it back to the model.
+    let requests = model.requests();
+    let report = requests
+        .iter()
+        .filter_map(|r| r.model_request())
+        .find_map(|r| r.tool_result(PROBE))
+        .unwrap_or_else(|| panic!("the probe's result never reached the model: {requests:#?}"))
+        .content;
+    assert!(report.contains("PROBE-DONE"), "{report}");
+    assert!(report.contains("TOKEN-NOT-KEY"), "{report}");
+    assert!(
+        !report.contains("KEY-IN-"),
+        "the real key is inside the sandbox:\n{report}"
+    );
+    let searched: usize = report
+        .lines()
+        .find_map(|l| l.strip_prefix("PROCESSES-SEARCHED "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0);
+    assert!(
+        searched >= 2,
+        "the probe saw {searched} processes: {report}"
+    );
+    assert!(report.contains("HOST-BLOCKED"), "{report}");
+    assert_eq!(
+        accepted.load(Ordering::SeqCst),
+        0,
+        "the host server was reached"
+    );
+    assert!(report.contains("OTHER-TOKEN-401"), "{report}");
+    assert!(report.contains("OTHER-SESSION-401"), "{report}");
+
+    // The provider saw the real key on every request, never a token.
+    let model_requests: Vec<_> = requests.iter().filter(|r| r.api.is_some()).collect();
+    assert!(model_requests.len() >= 2, "{requests:#?}");
+    for r in &model_requests {
+        match agent {
+            Agent::Claude => assert_eq!(r.header("x-api-key"), Some(REAL_ANTHROPIC_KEY)),
+            Agent::Codex => assert_eq!(
+                r.header("authorization"),
+                Some(format!("Bearer {REAL_OPENAI_KEY}").as_str())
+            ),
+        }
+        assert!(
+            r.headers.iter().all(|(_, v)| !v.contains("hsb1_")),
+            "a session token reached the provider: {:?}",
+            r.headers
+        );
+    }
+
+    // From the outside too: no file of the sandbox holds a key after the
+    // turn (the transcript and spool included).
+    let handle = &end["sandbox"];
+    match backend {
+        Backend::Local => {
+            let dir = handle["data"]["dir"]
+                .as_str()
+                .expect("the local handle names its dir");
+            let hits = std::process::Command::new("grep")
+                .args([
+                    "-rlaF",
+                    "-e",
+                    REAL_ANTHROPIC_KEY,
+                    "-e",
+                    REAL_OPENAI_KEY,
+                    dir,
+                ])
+                .output()
+                .unwrap();
+            assert!(
+                hits.stdout.is_empty(),
+                "files holding a key: {}",
+                String::from_utf8_lossy(&hits.stdout)
+            );
+        }
+        Backend::Docker => {
+            let container = handle["id"]
+                .as_str()
+                .expect("the handle names the container");
+            let hits = std::process::Command::new("docker")
+                .args(["exec", container, "sh", "-c"])
+                .arg(format!(
+                    "grep -rlaF -e {REAL_ANTHROPIC_KEY} -e {REAL_OPENAI_KEY} \"$HOME\" /workspace /tmp 2>/dev/null; true"
+                ))
+                .output()
+                .unwrap();
+            assert!(
+                hits.stdout.is_empty(),
+                "files holding a key: {}",
+                String::from_utf8_lossy(&hits.stdout)
+            );
+        }
+    }
+
+    // Through the broker, counted for this session.
+    let usage = std::process::Command::new(env!("CARGO_BIN_EXE_harness"))
+        .arg("--home")
+        .arg(home.path())
+        .args(["broker", "usage", &id])
+        .output()
+        .unwrap();
+    let usage: Value = serde_json::from_slice(&usage.stdout).unwrap();
+    assert_eq!(
+        usage["requests"].as_u64(),
+        Some(model_requests.len() as u64),
+        "{usage}"
+    );
+    assert!(usage["outputTokens"].as_u64().unwrap_or(0) > 0, "{usage}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claude_local_deny_all_through_the_broker() {
+    deny_all_through_the_broker(Agent::Claude, Backend::Local).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codex_local_deny_all_through_the_broker() {
+    deny_all_through_the_broker(Agent::Codex, Backend::Local).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claude_docker_deny_all_through_the_broker() {
+    deny_all_through_the_broker(Agent::Claude, Backend::Docker).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codex_docker_deny_all_through_the_broker() {
+    deny_all_through_the_broker(Agent::Codex, Backend::Docker).await;
+}
+
+/// An HTTP server on loopback answering every request with `body`,
+/// counting connections.
+async fn http_server(body: &'static str) -> (SocketAddr, Arc<AtomicUsize>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            count.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let _ = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await;
+                let reply = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = s.write_all(reply.as_bytes()).await;
+            });
+        }
+    });
+    (addr, accepted)
+}
+
+const CUSTOM_PROBE: &str = "toolu_custom_1";
+
+/// The agent's probe under `custom`: a GET through the proxy the
+/// environment names, to the allowed and to the refused server, and a
+/// direct connection that bypasses the proxy.
+fn custom_probe(allowed: SocketAddr, refused: SocketAddr) -> String {
+    format!(
+        r#"get() {{ p=${{HTTP_PROXY#http://}}; timeout 8 bash -c 'exec 3<>/dev/tcp/${{0%:*}}/${{0#*:}} || exit 9
+  printf "GET http://%s/ HTTP/1.1\r\nhost: %s\r\nconnection: close\r\n\r\n" "$1" "$1" >&3; cat <&3' "$p" "$1" | tr -d '\r' | sed -n '1p;$p' | tr '\n' ' '; }}
+echo "ALLOWED: $(get {allowed})"
+echo "REFUSED: $(get {refused})"
+if timeout 3 bash -c 'exec 3<>/dev/tcp/{aip}/{aport}' 2>/dev/null; then echo DIRECT-REACHED; else echo DIRECT-BLOCKED; fi
+echo PROBE-DONE"#,
+        aip = allowed.ip(),
+        aport = allowed.port(),
+    )
+}
+
+/// `custom`: an allowed server answers through the egress proxy, a
+/// refused one does not, and nothing goes around the proxy.
+async fn custom_policy_through_the_egress_proxy(backend: Backend) {
+    let agent = Agent::Claude;
+    if !agent.available() {
+        return;
+    }
+    let image = match backend {
+        Backend::Local => None,
+        Backend::Docker => match docker_parts().await {
+            Some((image, _)) => Some(image),
+            None => return,
+        },
+    };
+    // Both servers on this machine's loopback: the proxy runs on the host.
+    let (allowed, allowed_hits) = http_server("allowed-server-body").await;
+    let (refused, refused_hits) = http_server("refused-server-body").await;
+    let script = Script::new()
+        .rule(Rule::new(
+            last_is_tool_result_for(CUSTOM_PROBE),
+            Reply::text("probed"),
+        ))
+        .on(
+            any(),
+            Reply::shell(CUSTOM_PROBE, custom_probe(allowed, refused)),
+        );
+    let model = ScriptedModel::start(script).await.unwrap();
+    let home = tempfile::tempdir().unwrap();
+    let serve = Serve::start(home.path(), &model, &[]);
+    let mut body = json!({
+        "agent": agent.name(),
+        "sandbox": backend.name(),
+        "network": {
+            "mode": "custom",
+            "allowed_cidrs": ["127.0.0.1/32"],
+            "allowed_ports": [allowed.port()],
+        },
+    });
+    if let Some(image) = &image {
+        body["image"] = json!(image);
+    }
+    let id = create(&serve, body).await;
+    let _containers = common::docker::SessionContainers(id.clone());
+    let turn = prompt(&serve, &id, "probe the network").await;
+    let end = until_end(&serve, &id, &turn).await;
+    assert_eq!(
+        end["status"],
+        "finished",
+        "{end}\nserver log:\n{}",
+        serve.log()
+    );
+    let report = model
+        .requests()
+        .iter()
+        .filter_map(|r| r.model_request())
+        .find_map(|r| r.tool_result(CUSTOM_PROBE))
+        .expect("the probe's result reached the model")
+        .content;
+    assert!(report.contains("PROBE-DONE"), "{report}");
+    let line = |tag: &str| {
+        report
+            .lines()
+            .find(|l| l.starts_with(tag))
+            .unwrap_or_default()
+            .to_string()
+    };
+    let yes = line("ALLOWED:");
+    assert!(
+        yes.contains("200 OK") && yes.contains("allowed-server-body"),
+        "{report}"
+    );
+    let no = line("REFUSED:");
+    assert!(
+        no.contains("403") && !no.contains("refused-server-body"),
+        "{report}"
+    );
+    assert!(report.contains("DIRECT-BLOCKED"), "{report}");
+    assert!(allowed_hits.load(Ordering::SeqCst) >= 1);
+    assert_eq!(
+        refused_hits.load(Ordering::SeqCst),
+        0,
+        "the refused server was dialled"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_custom_policy_through_the_egress_proxy() {
+    custom_policy_through_the_egress_proxy(Backend::Local).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn docker_custom_policy_through_the_egress_proxy() {
+    custom_policy_through_the_egress_proxy(Backend::Docker).await;
+}
