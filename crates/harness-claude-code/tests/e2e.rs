@@ -411,7 +411,10 @@ async fn config_workdir_and_env(kind: BackendKind) {
     assert_ne!(seen_workdirs[0], seen_workdirs[1]);
 }
 
-/// Network policy. Local: deny-all is refused at create (`Unsupported`).
+/// Network policy, with the key handed to the agent directly (no broker:
+/// `harness-cli/tests/broker.rs` covers the broker). Local: this backend is
+/// made without the sandbox gate, so deny-all is refused at create
+/// (`Unsupported`) rather than run on the host network.
 /// Docker: under deny-all the container cannot reach the model server on
 /// the host, so the turn fails with a connection error and the model sees
 /// no request; the same turn under allow-all succeeds.
