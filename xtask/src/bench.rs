@@ -25,6 +25,10 @@ pub enum Bench {
     /// Host-tool round trip (runner → session → tool host → session →
     /// runner) vs a plain HTTP request to the same server, p50/p99.
     HostTools,
+    /// A streamed model request through the model broker (TCP and a
+    /// session's Unix socket) vs straight to the provider: p50/p99 and
+    /// throughput.
+    Broker,
     /// All of the above, in order.
     All,
 }
@@ -46,6 +50,7 @@ fn commands(bench: Bench) -> Vec<Vec<&'static str>> {
             example("session-server", "ds_bench"),
         ],
         Bench::HostTools => vec![example("session-server", "host_tools_bench")],
+        Bench::Broker => vec![example("harness-broker", "broker_bench")],
         Bench::All => vec![],
     }
 }
@@ -58,6 +63,7 @@ pub fn run(bench: Bench) -> Result<()> {
         Bench::Engine,
         Bench::Server,
         Bench::HostTools,
+        Bench::Broker,
     ];
     let chosen: Vec<Bench> = if bench == Bench::All {
         all.to_vec()

@@ -26,7 +26,7 @@ use harness::core::harness::Harness;
 use harness::core::log::{AppendRequest, LogInfo, SessionLog};
 use harness::core::moves::{MovePhase, MoveProgress, SessionKeys, SessionManifest};
 use harness::core::part::StreamPart;
-use harness::core::sandbox::{Sandbox, SandboxSpec};
+use harness::core::sandbox::Sandbox;
 use harness::core::session::{SandboxConfig, SessionConfig};
 use harness::core::turn::TurnStatus;
 use harness::core::ErrorKind;
@@ -540,13 +540,18 @@ pub async fn restore(home: &Home, args: RestoreArgs) -> Result<()> {
                 approvals: false,
             };
             let provider = crate::local::provider(home, kind.name(), args.image.as_deref()).await?;
-            // The sandbox a session's first turn would make (see
-            // `SliceRunner::create_sandbox`), with the agent installed.
-            let mut spec = SandboxSpec::new("/workspace");
-            spec.image = config.sandbox.image.clone();
-            spec.network = config.sandbox.network.clone();
-            spec.session_id = Some(session.to_string());
-            spec.bootstrap = Some(harness.bootstrap_recipe()?);
+            // The sandbox a session's first turn would make, with the agent
+            // installed and the forwards to the home's model broker.
+            let broker = crate::local::model_broker(home, &crate::local::agent_env()).await?;
+            let spec = harness::core::slice::session_sandbox_spec(
+                provider.as_ref(),
+                &config.sandbox,
+                session.as_str(),
+                None,
+                harness.as_ref(),
+                broker.as_deref(),
+            )
+            .await?;
             let step = bars.step(format!(
                 "creating a {} sandbox for session {session} (the agent is installed once per image)",
                 kind.name()

@@ -786,6 +786,31 @@ impl SliceRunner {
     }
 }
 
+/// The spec of a session's sandbox: what a session's first turn makes, and
+/// what a restore into a new session makes — one recipe, so both get the
+/// agent installed and, with a broker, the broker's forwards.
+pub async fn session_sandbox_spec(
+    provider: &dyn SandboxProvider,
+    config: &crate::session::SandboxConfig,
+    session_id: &str,
+    slot: Option<String>,
+    harness: &dyn Harness,
+    broker: Option<&dyn ModelBroker>,
+) -> Result<SandboxSpec> {
+    let mut spec = SandboxSpec::new("/workspace");
+    spec.image = config.image.clone();
+    spec.network = config.network.clone();
+    spec.session_id = Some(session_id.to_string());
+    spec.slot = slot;
+    spec.bootstrap = Some(harness.bootstrap_recipe()?);
+    if let Some(broker) = broker {
+        if !provider.shares_host_network(&spec.network) {
+            spec.forwards = broker.forwards(session_id, &spec.network).await?;
+        }
+    }
+    Ok(spec)
+}
+
 /// The sandbox's `$HOME` (each session has its own).
 pub async fn home_of(sandbox: &dyn Sandbox) -> Result<String> {
     let out = async {
@@ -820,19 +845,17 @@ impl SliceExecutor for SliceRunner {
         })?;
         let provider = self.provider(&config.provider)?;
         let harness = self.harness(&state.agent)?;
-        let mut spec = SandboxSpec::new("/workspace");
-        spec.image = config.image.clone();
-        spec.network = config.network.clone();
-        spec.session_id = Some(state.session_id.clone());
         // Named after the turn: a retry of this step after a kill replaces
         // the sandbox the killed attempt made instead of orphaning it.
-        spec.slot = Some(state.turn_id.clone());
-        spec.bootstrap = Some(harness.bootstrap_recipe()?);
-        if let Some(broker) = &self.broker {
-            if !provider.shares_host_network(&spec.network) {
-                spec.forwards = broker.forwards(&state.session_id, &spec.network).await?;
-            }
-        }
+        let spec = session_sandbox_spec(
+            provider.as_ref(),
+            config,
+            &state.session_id,
+            Some(state.turn_id.clone()),
+            harness.as_ref(),
+            self.broker.as_deref(),
+        )
+        .await?;
         let span = tracing::info_span!(
             "sandbox.create",
             session.id = %state.session_id,
