@@ -53,22 +53,30 @@ pub struct UsageScanner {
 impl UsageScanner {
     /// Feed the next chunk of the body.
     pub fn feed(&mut self, chunk: &[u8]) {
-        for &b in chunk {
-            if b == b'\n' {
-                if !self.skipping {
-                    let line = std::mem::take(&mut self.line);
-                    self.line_done(&line);
-                }
-                self.line.clear();
-                self.skipping = false;
-            } else if !self.skipping {
-                if self.line.len() >= MAX_LINE {
+        let mut rest = chunk;
+        loop {
+            let (segment, ended) = match rest.iter().position(|&b| b == b'\n') {
+                Some(nl) => (&rest[..nl], true),
+                None => (rest, false),
+            };
+            if !self.skipping {
+                if self.line.len() + segment.len() > MAX_LINE {
                     self.skipping = true;
                     self.line.clear();
                 } else {
-                    self.line.push(b);
+                    self.line.extend_from_slice(segment);
                 }
             }
+            if !ended {
+                return;
+            }
+            if !self.skipping {
+                let line = std::mem::take(&mut self.line);
+                self.line_done(&line);
+            }
+            self.line.clear();
+            self.skipping = false;
+            rest = &rest[segment.len() + 1..];
         }
     }
 
