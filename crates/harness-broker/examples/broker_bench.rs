@@ -25,7 +25,12 @@ enum Path {
     Unix(std::path::PathBuf),
 }
 
-async fn exchange<S: AsyncRead + AsyncWrite + Unpin>(mut s: S, path: &str, token: &str, prompt: &str) -> usize {
+async fn exchange<S: AsyncRead + AsyncWrite + Unpin>(
+    mut s: S,
+    path: &str,
+    token: &str,
+    prompt: &str,
+) -> usize {
     let body = format!(
         r#"{{"model":"m","max_tokens":10,"stream":true,"messages":[{{"role":"user","content":"{prompt}"}}]}}"#
     );
@@ -36,7 +41,11 @@ async fn exchange<S: AsyncRead + AsyncWrite + Unpin>(mut s: S, path: &str, token
     s.write_all(req.as_bytes()).await.unwrap();
     let mut out = Vec::with_capacity(64 * 1024);
     s.read_to_end(&mut out).await.unwrap();
-    assert!(out.starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&out[..out.len().min(300)]));
+    assert!(
+        out.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&out[..out.len().min(300)])
+    );
     out.len()
 }
 
@@ -47,7 +56,15 @@ async fn one(path: &Path, url_path: &str, token: &str, prompt: &str) -> usize {
             s.set_nodelay(true).unwrap();
             exchange(s, url_path, token, prompt).await
         }
-        Path::Unix(p) => exchange(tokio::net::UnixStream::connect(p).await.unwrap(), url_path, token, prompt).await,
+        Path::Unix(p) => {
+            exchange(
+                tokio::net::UnixStream::connect(p).await.unwrap(),
+                url_path,
+                token,
+                prompt,
+            )
+            .await
+        }
     }
 }
 
@@ -57,7 +74,10 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let n: usize = std::env::var("BENCH_REQUESTS").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
+    let n: usize = std::env::var("BENCH_REQUESTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000);
     let big: String = "lorem ipsum dolor sit amet ".repeat(40_000); // ~1 MB of text
     let model = ScriptedModel::start(
         Script::new()
@@ -68,19 +88,39 @@ async fn main() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let broker = Broker::start(BrokerConfig {
         dir: dir.path().join("broker"),
-        anthropic: Some(Upstream { base_url: model.base_url(), api_key: "sk-bench".into() }),
+        anthropic: Some(Upstream {
+            base_url: model.base_url(),
+            api_key: "sk-bench".into(),
+        }),
         openai: None,
     })
     .await?;
     broker.forwards("bench", &NetworkPolicy::DenyAll).await?;
-    broker.agent_env("bench", &NetworkPolicy::DenyAll, Reach::Forwarded).await?;
+    broker
+        .agent_env("bench", &NetworkPolicy::DenyAll, Reach::Forwarded)
+        .await?;
     let token = broker.token("bench");
     let paths = [
-        ("direct to the provider", Path::Tcp(model.addr()), "/v1/messages".to_string()),
-        ("broker, TCP", Path::Tcp(broker.tcp_addr()?), "/s/bench/anthropic/v1/messages".to_string()),
-        ("broker, session socket", Path::Unix(broker.socket_path("bench")), "/s/bench/anthropic/v1/messages".to_string()),
+        (
+            "direct to the provider",
+            Path::Tcp(model.addr()),
+            "/v1/messages".to_string(),
+        ),
+        (
+            "broker, TCP",
+            Path::Tcp(broker.tcp_addr()?),
+            "/s/bench/anthropic/v1/messages".to_string(),
+        ),
+        (
+            "broker, session socket",
+            Path::Unix(broker.socket_path("bench")),
+            "/s/bench/anthropic/v1/messages".to_string(),
+        ),
     ];
-    println!("{n} short streamed answers per path, then 20 answers of {} KB", big.len() / 1024);
+    println!(
+        "{n} short streamed answers per path, then 20 answers of {} KB",
+        big.len() / 1024
+    );
     let mut base: Option<(f64, f64, f64)> = None;
     for (name, path, url) in &paths {
         for _ in 0..20 {
