@@ -49,11 +49,8 @@ pub trait ModelBroker: MaybeSend + MaybeSync + std::fmt::Debug {
     /// policy reaches on its loopback: the broker, and the egress proxy when
     /// the policy is `custom`. Registers the session (and its policy) so
     /// that both answer from now on, in this process and after a restart.
-    async fn forwards(
-        &self,
-        session_id: &str,
-        network: &NetworkPolicy,
-    ) -> Result<Vec<HostForward>>;
+    async fn forwards(&self, session_id: &str, network: &NetworkPolicy)
+        -> Result<Vec<HostForward>>;
 
     /// What the agent's environment gets instead of the real credentials:
     /// the broker's endpoint for this session, the session's token, and

@@ -174,7 +174,10 @@ impl SliceRunner {
             .as_ref()
             .map(|c| c.network.clone())
             .unwrap_or_default();
-        let reach = if self.provider(&handle.provider)?.shares_host_network(&network) {
+        let reach = if self
+            .provider(&handle.provider)?
+            .shares_host_network(&network)
+        {
             Reach::HostNetwork
         } else {
             Reach::Forwarded
