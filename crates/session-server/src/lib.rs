@@ -64,6 +64,10 @@ pub struct ServerConfig {
     pub agents: Vec<String>,
     /// Sandbox providers a new session may name (empty: any).
     pub providers: Vec<String>,
+    /// Where generic Durable Streams (`/v1/stream/*`) live; `None`: a fresh
+    /// in-memory store per router (lost when the process ends). Pass
+    /// [`durable_streams::StreamStore::open`] to keep them in SQLite.
+    pub stream_store: Option<Arc<durable_streams::StreamStore>>,
 }
 
 impl ServerConfig {
@@ -78,6 +82,7 @@ impl ServerConfig {
             idle_timeout: Duration::from_secs(30),
             agents: Vec::new(),
             providers: Vec::new(),
+            stream_store: None,
         }
     }
 
@@ -135,7 +140,10 @@ impl SessionServer {
 
     /// The axum router (mount it under any prefix-free path).
     pub fn router(&self) -> Router {
-        http::router(self.state.clone()).merge(durable_streams::server_router(&self.state.config))
+        http::router(self.state.clone()).merge(durable_streams::server_router(
+            &self.state.config,
+            self.state.hub.clone(),
+        ))
     }
 
     /// Serve on `listener` until the process ends.

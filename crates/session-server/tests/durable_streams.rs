@@ -10,6 +10,7 @@ use harness_core::log::{AppendRequest, SessionLog};
 use harness_core::SessionId;
 use reqwest::StatusCode;
 use session_log::SqliteSessionLog;
+use session_runtime::{Hub, HubConfig};
 use session_server::durable_streams::{router, DurableStreamsState};
 
 /// A long-poll timeout no test waits out.
@@ -19,6 +20,7 @@ struct Server {
     base: String,
     http: reqwest::Client,
     log: Arc<SqliteSessionLog>,
+    hub: Arc<Hub>,
     _dir: tempfile::TempDir,
 }
 
@@ -32,7 +34,8 @@ async fn start_with(long_poll: Duration) -> Server {
     let log = Arc::new(SqliteSessionLog::open(dir.path().join("log.db")).unwrap());
     let mut state = DurableStreamsState::new();
     state.long_poll_timeout = long_poll;
-    state.sessions = Some(log.clone());
+    let hub = Hub::new(log.clone(), HubConfig::default());
+    state.sessions = Some(hub.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, router(state)).await.unwrap() });
@@ -40,6 +43,7 @@ async fn start_with(long_poll: Duration) -> Server {
         base: format!("http://{addr}/v1/stream"),
         http: reqwest::Client::new(),
         log,
+        hub,
         _dir: dir,
     }
 }
@@ -624,14 +628,7 @@ async fn session_stream_sse_pairs_frames_with_controls_and_follows_appends() {
     let s = start().await;
     let id = SessionId::parse("ds-sse").unwrap();
     s.log.create(&id).await.unwrap();
-    let append = |text: &str| {
-        let body = FrameBody::UserMessage {
-            text: text.into(),
-            turn_id: None,
-        };
-        s.log.append(&id, AppendRequest::new(body))
-    };
-    append("before").await.unwrap();
+    prompt(&s.hub, &id, "before").await;
     let r = s
         .http
         .get(format!("{}/sessions/ds-sse?offset=-1&live=sse", s.base))
@@ -655,7 +652,9 @@ async fn session_stream_sse_pairs_frames_with_controls_and_follows_appends() {
             .unwrap();
         text.push_str(&String::from_utf8_lossy(&chunk));
         if !appended && text.contains("upToDate") {
-            append("after").await.unwrap();
+            // Live reads follow the actor: write through it, as the
+            // session API does.
+            prompt(&s.hub, &id, "after").await;
             appended = true;
         }
     }
@@ -672,4 +671,175 @@ async fn session_stream_sse_pairs_frames_with_controls_and_follows_appends() {
         }
     }
     assert!(text.contains("\"streamNextOffset\":\"0000000000000000_0000000000000001\""));
+}
+
+/// Store a prompt through the session's actor (as `POST /messages` does);
+/// its seq.
+async fn prompt(hub: &Hub, id: &SessionId, text: &str) -> u64 {
+    use harness_core::actor::{ClientMessage, Role};
+    let mut conn = hub.connect(id, Role::Client, None).await.unwrap();
+    conn.client(ClientMessage::Prompt {
+        text: text.into(),
+        turn_id: None,
+        key: None,
+    });
+    let (seq, _) = conn.answer(Duration::from_secs(10)).await.unwrap();
+    // No runtime runs the turn: end it as the runtime would when it cannot
+    // start one, so the next prompt is accepted.
+    let frame = hub.log().read(id, seq - 1, 1).await.unwrap().remove(0);
+    let FrameBody::UserMessage {
+        turn_id: Some(turn_id),
+        ..
+    } = frame.body
+    else {
+        panic!("not a prompt: {frame:?}")
+    };
+    hub.input(
+        id,
+        harness_core::actor::Input::DispatchFailed {
+            turn_id,
+            error: "no runtime in this test".into(),
+        },
+    )
+    .unwrap();
+    seq
+}
+
+/// Wait until `hub` runs `id`'s actor and has handled every command queued
+/// so far (a reader's connect included: commands are handled in order).
+async fn actor_settled(hub: &Hub, id: &SessionId) {
+    use harness_core::actor::Role;
+    for _ in 0..1000 {
+        if hub.live_sessions().contains(id) {
+            drop(hub.connect(id, Role::Client, None).await.unwrap());
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("no actor for {id}");
+}
+
+/// Read `body` into `text` until it holds `needle`; false after `within`.
+async fn read_until<S>(body: &mut S, text: &mut String, needle: String, within: Duration) -> bool
+where
+    S: futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Unpin,
+{
+    use futures::StreamExt;
+    let deadline = tokio::time::Instant::now() + within;
+    while !text.contains(&needle) {
+        match tokio::time::timeout_at(deadline, body.next()).await {
+            Ok(chunk) => text.push_str(&String::from_utf8_lossy(
+                &chunk.expect("stream open").unwrap(),
+            )),
+            Err(_) => return false,
+        }
+    }
+    true
+}
+
+/// Live reads are woken by the actor's fan-out, not by a timer looking at
+/// the log: a frame written to the log behind the actor's back stays
+/// unseen by a waiting reader for many times the old 100 ms poll interval
+/// (a polling reader would answer with it within one interval), and shows
+/// up as soon as the actor stores the next frame. Then a live reader gets
+/// each of a run of frames as it is stored; the delivery times are printed,
+/// not asserted (a shared CI machine makes any bound flaky), since the
+/// first half is what tells following from polling.
+#[tokio::test]
+async fn session_stream_live_reads_follow_the_actor_not_a_timer() {
+    let s = start_with(LONG_POLL).await;
+    let id = SessionId::parse("ds-follow").unwrap();
+    s.log.create(&id).await.unwrap();
+    let url = format!("{}/sessions/ds-follow", s.base);
+    let behind_the_actor = |text: &str| {
+        let body = FrameBody::Message {
+            turn_id: "elsewhere".into(),
+            id: "m".into(),
+            kind: harness_core::frame::MessageKind::Text,
+            text: text.into(),
+            interrupted: false,
+        };
+        s.log.append(&id, AppendRequest::new(body))
+    };
+
+    // Long-poll.
+    let http = s.http.clone();
+    let poll_url = format!("{url}?offset=0000000000000000_0000000000000000&live=long-poll");
+    let mut long_poll = tokio::spawn(async move { http.get(poll_url).send().await.unwrap() });
+    actor_settled(&s.hub, &id).await;
+    behind_the_actor("unseen").await.unwrap();
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), &mut long_poll)
+            .await
+            .is_err(),
+        "the long-poll answered without the actor storing anything: it polls the log"
+    );
+    let seq = prompt(&s.hub, &id, "wakes").await;
+    let r = tokio::time::timeout(Duration::from_secs(10), long_poll)
+        .await
+        .expect("the actor's frame wakes the long-poll")
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let frames: Vec<serde_json::Value> = r.json().await.unwrap();
+    assert_eq!(frames[0]["body"]["text"], "unseen");
+    assert_eq!(frames[1]["seq"], seq);
+    assert_eq!(frames[1]["body"]["text"], "wakes");
+
+    // SSE, from the tail.
+    let r = s
+        .http
+        .get(format!("{url}?offset=now&live=sse"))
+        .send()
+        .await
+        .unwrap();
+    let mut body = r.bytes_stream();
+    let mut text = String::new();
+    assert!(
+        read_until(
+            &mut body,
+            &mut text,
+            "upToDate".into(),
+            Duration::from_secs(10)
+        )
+        .await
+    );
+    // The reader is connected once the actor has handled everything queued.
+    actor_settled(&s.hub, &id).await;
+    behind_the_actor("unseen-sse").await.unwrap();
+    assert!(
+        !read_until(
+            &mut body,
+            &mut text,
+            "unseen-sse".into(),
+            Duration::from_millis(500)
+        )
+        .await,
+        "the SSE reader saw a frame the actor never stored: it polls the log"
+    );
+    prompt(&s.hub, &id, "wakes-sse").await;
+    assert!(
+        read_until(
+            &mut body,
+            &mut text,
+            "wakes-sse".into(),
+            Duration::from_secs(10)
+        )
+        .await
+    );
+    assert!(text.find("unseen-sse").unwrap() < text.find("wakes-sse").unwrap());
+
+    let mut delays = Vec::new();
+    for i in 0..20 {
+        let sent = std::time::Instant::now();
+        let needle = format!("live-{i}\"");
+        prompt(&s.hub, &id, &needle[..needle.len() - 1]).await;
+        assert!(read_until(&mut body, &mut text, needle, Duration::from_secs(10)).await);
+        delays.push(sent.elapsed());
+    }
+    delays.sort();
+    eprintln!(
+        "SSE delivery through the actor (append + ack + fan-out): p50 {:?}, max {:?}",
+        delays[delays.len() / 2],
+        delays[delays.len() - 1]
+    );
 }

@@ -2,11 +2,12 @@
 //! durable-streams/durable-streams `PROTOCOL.md` and checked by the npm
 //! suite `@durable-streams/server-conformance-tests`.
 //!
-//! - Generic byte and JSON streams live in a [`StreamStore`] (in memory; see
-//!   [`store`] for why and what that implies).
-//! - When a [`SessionLog`] is attached, `/v1/stream/sessions/<session id>` is
-//!   a read-only JSON stream of that session's frames (offsets carry the
-//!   frame seq), so any Durable Streams client can follow a session.
+//! - Generic byte and JSON streams live in a [`StreamStore`] (in memory, or
+//!   written through to SQLite with [`StreamStore::open`]; see [`store`]).
+//! - When a session [`Hub`] is attached, `/v1/stream/sessions/<session id>`
+//!   is a read-only JSON stream of that session's frames (offsets carry the
+//!   frame seq), so any Durable Streams client can follow a session: catch-up
+//!   reads come from the hub's log, live reads follow the session's actor.
 //!
 //! See `docs/durable-streams.md` for what is implemented and how the
 //! conformance suite is run.
@@ -20,8 +21,8 @@ use axum::http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode,
 use axum::response::Response;
 use axum::routing::any;
 use axum::Router;
-use harness_core::log::SessionLog;
 use harness_core::SessionId;
+use session_runtime::Hub;
 use tokio::sync::mpsc;
 
 use crate::auth::{authorize, bearer, GrantRole, TokenGrant};
@@ -79,8 +80,10 @@ pub struct DurableStreamsState {
     /// How long a long-poll (or an idle SSE connection, between keep-alive
     /// control events) waits for data.
     pub long_poll_timeout: Duration,
-    /// When set, sessions are readable at `/v1/stream/sessions/<id>`.
-    pub sessions: Option<Arc<dyn SessionLog>>,
+    /// When set, sessions are readable at `/v1/stream/sessions/<id>`: read
+    /// from the hub's log, followed live through the hub's actors (so every
+    /// write to those sessions must go through this hub).
+    pub sessions: Option<Arc<Hub>>,
     /// Access control.
     pub auth: StreamAuth,
 }
@@ -100,13 +103,17 @@ impl DurableStreamsState {
         }
     }
 
-    /// The state the session server mounts: its log as session streams and
-    /// its token table for access.
-    pub fn for_server(config: &crate::ServerConfig) -> Self {
+    /// The state the session server mounts: its hub's sessions as session
+    /// streams, its token table for access, and `config.stream_store` (or a
+    /// fresh in-memory store) for generic streams.
+    pub fn for_server(config: &crate::ServerConfig, hub: Arc<Hub>) -> Self {
         Self {
-            store: Arc::new(StreamStore::new()),
+            store: config
+                .stream_store
+                .clone()
+                .unwrap_or_else(|| Arc::new(StreamStore::new())),
             long_poll_timeout: Duration::from_secs(30),
-            sessions: Some(config.log.clone()),
+            sessions: Some(hub),
             auth: StreamAuth {
                 tokens: config.tokens.clone(),
                 insecure_no_auth: config.insecure_no_auth,
@@ -129,10 +136,11 @@ pub fn router(state: DurableStreamsState) -> Router {
 }
 
 /// The routes as the session server mounts them
-/// ([`DurableStreamsState::for_server`]). Each call makes a fresh in-memory
-/// stream store, so build the router once per server.
-pub fn server_router(config: &crate::ServerConfig) -> Router {
-    router(DurableStreamsState::for_server(config))
+/// ([`DurableStreamsState::for_server`]). Without `config.stream_store`,
+/// each call makes a fresh in-memory stream store, so build the router once
+/// per server.
+pub fn server_router(config: &crate::ServerConfig, hub: Arc<Hub>) -> Router {
+    router(DurableStreamsState::for_server(config, hub))
 }
 
 type Shared = Arc<DurableStreamsState>;
@@ -228,7 +236,7 @@ async fn handle(
             .find(|(k, _)| k == "access_token")
             .map(|(_, v)| v.as_str()),
     );
-    if let (Some(log), Some(raw_id)) = (&state.sessions, name.strip_prefix("sessions/")) {
+    if let (Some(hub), Some(raw_id)) = (&state.sessions, name.strip_prefix("sessions/")) {
         let session = match SessionId::parse(raw_id) {
             Ok(s) => s,
             Err(e) => return Reply::text(StatusCode::BAD_REQUEST, e.to_string()).finish(),
@@ -244,7 +252,7 @@ async fn handle(
         }
         return sessions::handle(
             &state,
-            log.clone(),
+            hub.clone(),
             &session,
             &path,
             method,

@@ -7,26 +7,31 @@
 //! the log is sealed. Writes go through the session API (`/v1/sessions`),
 //! never through this route, so `PUT`/`POST`/`DELETE` answer 405.
 //!
-//! The log offers no change notification across processes, so live reads
-//! (long-poll, SSE) poll the log's `info` every [`POLL_INTERVAL`].
+//! Catch-up reads come straight from the log. Live reads (long-poll, SSE)
+//! follow the session's actor, like `/v1/sessions/<id>/events`: the reader
+//! opens a client connection to the [`Hub`] at its offset and is woken by
+//! the actor's fan-out of each stored frame, with no timer involved. Every
+//! write goes through the actor, so nothing is missed; a frame that reaches
+//! the log some other way is picked up with the next frame the actor fans
+//! out (the gap is read from the log).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, Method, StatusCode};
-use harness_core::frame::Frame;
+use futures::FutureExt;
+use harness_core::actor::{Role, ServerMessage};
+use harness_core::frame::{Frame, FrameBody};
 use harness_core::log::{LogInfo, SessionLog};
 use harness_core::{ErrorKind, SessionId};
+use session_runtime::{Connection, Hub, Outbound};
 use tokio::sync::mpsc;
 
 use super::{
     channel_body, control, read_params, sse_event, sse_headers, util, DurableStreamsState, Offset,
     Reply, STREAM_CLOSED, STREAM_CURSOR, STREAM_NEXT_OFFSET, STREAM_UP_TO_DATE,
 };
-
-/// How often a live read looks for new frames.
-pub const POLL_INTERVAL: Duration = Duration::from_millis(100);
 
 /// Frames per catch-up response; a longer log answers without
 /// `Stream-Up-To-Date` and the client reads on from `Stream-Next-Offset`.
@@ -63,21 +68,41 @@ async fn frames_after(
         .map_err(log_error)
 }
 
-/// Poll until the log has frames after `after`, is sealed, or `timeout`.
-async fn poll(
-    log: &Arc<dyn SessionLog>,
+/// The next stored frame the actor fans out to `conn`; `None` when the
+/// actor dropped the connection. Live parts and the rest are skipped.
+async fn next_frame(conn: &mut Connection) -> Option<Frame> {
+    loop {
+        match conn.recv().await? {
+            Outbound::Msg(ServerMessage::Frame { frame }) => return Some(frame),
+            Outbound::Msg(_) => {}
+            Outbound::Close(_) => return None,
+        }
+    }
+}
+
+/// Wait, following the actor, until the log has frames after `after`, is
+/// sealed, or `timeout`; then answer the log's info.
+async fn wait(
+    hub: &Hub,
     session: &SessionId,
     after: u64,
     timeout: Duration,
 ) -> Result<LogInfo, Reply> {
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        let info = log.info(session).await.map_err(log_error)?;
-        if info.last_seq > after || info.sealed || tokio::time::Instant::now() >= deadline {
-            return Ok(info);
+    // The actor replays (after, last] first, so a frame stored between
+    // the caller's look at the log and this connect still wakes us.
+    let mut conn = hub
+        .connect(session, Role::Client, Some(after))
+        .await
+        .map_err(log_error)?;
+    let woken = async {
+        while let Some(frame) = next_frame(&mut conn).await {
+            if frame.seq > after {
+                return;
+            }
         }
-        tokio::time::sleep(POLL_INTERVAL).await;
-    }
+    };
+    let _ = tokio::time::timeout(timeout, woken).await;
+    hub.log().info(session).await.map_err(log_error)
 }
 
 fn seq_of(raw: Option<&str>, tail: u64) -> u64 {
@@ -90,7 +115,7 @@ fn seq_of(raw: Option<&str>, tail: u64) -> u64 {
 
 pub(super) async fn handle(
     state: &DurableStreamsState,
-    log: Arc<dyn SessionLog>,
+    hub: Arc<Hub>,
     session: &SessionId,
     path: &str,
     method: Method,
@@ -103,6 +128,7 @@ pub(super) async fn handle(
             "session streams are read-only: write through /v1/sessions/<id>",
         );
     }
+    let log = hub.log().clone();
     let info = match log.info(session).await {
         Ok(i) => i,
         Err(e) => return log_error(e),
@@ -127,14 +153,14 @@ pub(super) async fn handle(
         let timeout = state.long_poll_timeout;
         let session = session.clone();
         tokio::spawn(async move {
-            let _ = sse_loop(&log, &session, after, p.cursor, timeout, &tx).await;
+            let _ = sse_loop(&hub, &session, after, p.cursor, timeout, &tx).await;
         });
         return sse_headers(Reply::new(StatusCode::OK), false).body(channel_body(rx));
     }
     let mut info = info;
     if p.live.as_deref() == Some("long-poll") && info.last_seq <= after {
         if !info.sealed {
-            info = match poll(&log, session, after, state.long_poll_timeout).await {
+            info = match wait(&hub, session, after, state.long_poll_timeout).await {
                 Ok(i) => i,
                 Err(r) => return r,
             };
@@ -187,16 +213,19 @@ pub(super) async fn handle(
 }
 
 async fn sse_loop(
-    log: &Arc<dyn SessionLog>,
+    hub: &Hub,
     session: &SessionId,
     mut after: u64,
     cursor: Option<String>,
     timeout: Duration,
     tx: &mpsc::Sender<Result<Bytes, std::convert::Infallible>>,
 ) -> Result<(), ()> {
+    let log = hub.log();
     let send = |b: Bytes| async move { tx.send(Ok(b)).await.map_err(|_| ()) };
     let cursor = || Some(util::response_cursor(cursor.as_deref()));
     let mut first = true;
+    // Catch up from the log, then follow the actor; back here when the
+    // actor drops the connection (e.g. the reader fell too far behind).
     loop {
         let frames = frames_after(log, session, after).await.map_err(|_| ())?;
         let info = log.info(session).await.map_err(|_| ())?;
@@ -221,13 +250,56 @@ async fn sse_loop(
         if after < info.last_seq {
             continue;
         }
-        // Wait for more, stopping early when the client is gone.
-        let polled = tokio::select! {
-            r = poll(log, session, after, timeout) => r.map_err(|_| ())?,
-            _ = tx.closed() => return Ok(()),
-        };
-        if polled.last_seq <= after && !polled.sealed {
-            send(control(offset_of(after), cursor(), true, false)).await?;
+        let mut conn = hub
+            .connect(session, Role::Client, Some(after))
+            .await
+            .map_err(|_| ())?;
+        loop {
+            // Wait for the actor's next frame, stopping early when the
+            // client is gone; a quiet spell sends a keep-alive control.
+            let next = tokio::select! {
+                r = tokio::time::timeout(timeout, next_frame(&mut conn)) => r,
+                _ = tx.closed() => return Ok(()),
+            };
+            let frame = match next {
+                Err(_) => {
+                    send(control(offset_of(after), cursor(), true, false)).await?;
+                    continue;
+                }
+                Ok(None) => break,
+                Ok(Some(frame)) => frame,
+            };
+            // The frames the actor has already queued form one batch: the
+            // reader is up to date after its last one.
+            let mut batch = vec![frame];
+            while let Some(Some(more)) = next_frame(&mut conn).now_or_never() {
+                batch.push(more);
+            }
+            let mut pending = Vec::new();
+            for frame in batch {
+                if frame.seq <= after {
+                    continue;
+                }
+                let mut expect = pending.last().map_or(after, |f: &Frame| f.seq);
+                // A frame stored without the actor: read the gap from the log.
+                while frame.seq > expect + 1 {
+                    let gap = frames_after(log, session, expect).await.map_err(|_| ())?;
+                    let gap: Vec<Frame> = gap.into_iter().filter(|f| f.seq < frame.seq).collect();
+                    let Some(last) = gap.last() else { break };
+                    expect = last.seq;
+                    pending.extend(gap);
+                }
+                pending.push(frame);
+            }
+            let count = pending.len();
+            for (i, f) in pending.iter().enumerate() {
+                send(sse_event("data", &frames_json(std::slice::from_ref(f)))).await?;
+                after = f.seq;
+                if matches!(f.body, FrameBody::Sealed {}) {
+                    return send(control(offset_of(after), None, true, true)).await;
+                }
+                send(control(offset_of(after), cursor(), i + 1 == count, false)).await?;
+            }
         }
     }
 }
