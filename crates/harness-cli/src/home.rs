@@ -82,6 +82,12 @@ impl Home {
         self.dir.join("harness.db")
     }
 
+    /// The SQLite database of the generic Durable Streams `harness serve`
+    /// serves under `/v1/stream/*`.
+    pub fn streams_db(&self) -> PathBuf {
+        self.dir.join("streams.db")
+    }
+
     /// Root of local sandboxes.
     pub fn sandboxes(&self) -> PathBuf {
         self.dir.join("sandboxes")

@@ -184,6 +184,11 @@ pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
     config.idle_timeout = Duration::from_secs(args.idle_secs);
     config.agents = vec!["claude-code".into(), "codex".into()];
     config.providers = vec!["local".into(), "docker".into()];
+    // Generic Durable Streams outlive the process: every write is committed
+    // to this file before it is answered.
+    let streams = harness::server::durable_streams::StreamStore::open(home.streams_db())
+        .with_context(|| format!("opening {}", home.streams_db().display()))?;
+    config.stream_store = Some(Arc::new(streams));
     // A host token for clients on this machine (`harness run`), published
     // in the home only (mode 0600).
     let local_token = uuid::Uuid::new_v4().simple().to_string();
@@ -206,6 +211,10 @@ pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
     note!(
         "serving sessions on {url} (log: {}, engine: {engine_name})",
         home.db().display(),
+    );
+    note!(
+        "  Durable Streams: {url}/v1/stream/ (generic streams in {})",
+        home.streams_db().display()
     );
     note!("  the web page: {url}/ (docs/web.md)");
     if let Some(model) = &model {

@@ -8,7 +8,7 @@
 //! `harness serve` killed with SIGKILL mid-turn and started again finishes
 //! the turn with every part once, and a `harness run` on the home of a
 //! running server goes through it (one actor; the server's clients see the
-//! run live).
+//! run live). Generic Durable Streams survive a SIGKILL of the server.
 //!
 //! Every server is the built `harness` binary in its own home; clients use
 //! only HTTP, SSE and WebSocket. Skips (prints "skipped: …") without the
@@ -827,6 +827,77 @@ async fn a_remote_runner_runs_the_servers_turns_and_resumes_after_a_kill() {
     assert!(stored.iter().any(|f| f["body"]["type"] == "message"
         && f["body"]["turnId"] == next.as_str()
         && f["body"]["text"] == "Again."));
+}
+
+/// Generic Durable Streams written through `harness serve` live in the
+/// home (`streams.db`): after a SIGKILL of the server and a restart on the
+/// same home, a read from offset 0 (`-1`) returns the same messages and
+/// the same tail, and appends go on after it. No agent runs here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generic_durable_streams_survive_a_killed_server() {
+    let script = Script::bash_each_turn("true", "unused");
+    let model = ScriptedModel::start(script).await.unwrap();
+    let home = tempfile::tempdir().unwrap();
+    let mut serve = Serve::start(home.path(), &model, &[]);
+    let path = "/v1/stream/kept/across-restarts";
+    let r = http()
+        .put(serve.url(path))
+        .bearer_auth(HOST)
+        .header("content-type", "application/json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201, "{}", serve.log());
+    for body in [r#"{"n":1}"#, r#"[{"n":2},{"n":3}]"#] {
+        let r = http()
+            .post(serve.url(path))
+            .bearer_auth(HOST)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 204, "append {body}");
+    }
+    let read = |serve: &Serve| {
+        let url = serve.url(&format!("{path}?offset=-1"));
+        async move {
+            let r = http().get(url).bearer_auth(HOST).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            let tail = r.headers()["stream-next-offset"]
+                .to_str()
+                .unwrap()
+                .to_string();
+            (r.json::<Value>().await.unwrap(), tail)
+        }
+    };
+    let (before, tail) = read(&serve).await;
+    assert_eq!(before, json!([{"n": 1}, {"n": 2}, {"n": 3}]));
+
+    serve.kill();
+    let serve = Serve::start(home.path(), &model, &[]);
+    let (after, tail_after) = read(&serve).await;
+    assert_eq!(after, before, "the stream's messages after the restart");
+    assert_eq!(tail_after, tail, "the stream's tail after the restart");
+    let r = http()
+        .post(serve.url(path))
+        .bearer_auth(HOST)
+        .header("content-type", "application/json")
+        .body(r#"{"n":4}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204);
+    let next = r.headers()["stream-next-offset"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        next > tail,
+        "appends go on after the restored tail: {next} > {tail}"
+    );
+    let (all, _) = read(&serve).await;
+    assert_eq!(all, json!([{"n": 1}, {"n": 2}, {"n": 3}, {"n": 4}]));
 }
 
 /// One test per (case, agent, backend), named after all three so nextest
