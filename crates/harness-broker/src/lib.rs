@@ -353,15 +353,21 @@ impl Broker {
         Ok(())
     }
 
-    /// Whether some process holds the directory's lock (serves it).
-    fn lock_is_held(&self) -> Result<bool> {
-        let lock_path = self.inner.dir.join("lock");
-        let lock = File::options()
+    /// The directory's lock file (held by the serving process), and its path.
+    fn open_lock(&self) -> Result<(File, PathBuf)> {
+        let path = self.inner.dir.join("lock");
+        let file = File::options()
             .create(true)
             .truncate(false)
             .write(true)
-            .open(&lock_path)
-            .map_err(|e| crate::ctx(e, format!("opening {}", lock_path.display())))?;
+            .open(&path)
+            .map_err(|e| crate::ctx(e, format!("opening {}", path.display())))?;
+        Ok((file, path))
+    }
+
+    /// Whether some process holds the directory's lock (serves it).
+    fn lock_is_held(&self) -> Result<bool> {
+        let (lock, lock_path) = self.open_lock()?;
         match lock.try_lock() {
             Ok(()) => Ok(false), // free; released as `lock` drops
             Err(std::fs::TryLockError::WouldBlock) => Ok(true),
@@ -447,13 +453,7 @@ impl Broker {
 
     async fn try_serve(&self) -> Result<Option<Serving>> {
         let dir = &self.inner.dir;
-        let lock_path = dir.join("lock");
-        let lock = File::options()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&lock_path)
-            .map_err(|e| crate::ctx(e, format!("opening {}", lock_path.display())))?;
+        let (lock, lock_path) = self.open_lock()?;
         match lock.try_lock() {
             Ok(()) => {}
             Err(std::fs::TryLockError::WouldBlock) => {

@@ -124,6 +124,55 @@ async fn until_end(serve: &Serve, id: &str, turn: &str) -> Value {
     }
 }
 
+/// One probed turn: the session, its turn's terminal status, what the
+/// agent's probe sent back to the model, and the guard that removes the
+/// session's container (Docker) when the test ends.
+struct Probed {
+    id: String,
+    end: Value,
+    report: String,
+    _containers: common::docker::SessionContainers,
+}
+
+/// Create a session from `body` (plus `image`), run one prompt, require it
+/// to finish, and read what the agent's `call_id` tool call sent back to
+/// the model.
+async fn run_probe(
+    serve: &Serve,
+    model: &ScriptedModel,
+    mut body: Value,
+    image: &Option<String>,
+    text: &str,
+    call_id: &str,
+) -> Probed {
+    if let Some(image) = image {
+        body["image"] = json!(image);
+    }
+    let id = create(serve, body).await;
+    let containers = common::docker::SessionContainers(id.clone());
+    let turn = prompt(serve, &id, text).await;
+    let end = until_end(serve, &id, &turn).await;
+    assert_eq!(
+        end["status"],
+        "finished",
+        "{end}\nserver log:\n{}",
+        serve.log()
+    );
+    let requests = model.requests();
+    let report = requests
+        .iter()
+        .filter_map(|r| r.model_request())
+        .find_map(|r| r.tool_result(call_id))
+        .unwrap_or_else(|| panic!("the probe's result never reached the model: {requests:#?}"))
+        .content;
+    Probed {
+        id,
+        end,
+        report,
+        _containers: containers,
+    }
+}
+
 async fn deny_all_through_the_broker(agent: Agent, backend: Backend) {
     if !agent.available() {
         return;
@@ -172,33 +221,18 @@ async fn deny_all_through_the_broker(agent: Agent, backend: Backend) {
             ("OPENAI_API_KEY", REAL_OPENAI_KEY),
         ],
     );
-    let mut body = json!({
+    let body = json!({
         "agent": agent.name(),
         "sandbox": backend.name(),
         "network": {"mode": "deny-all"},
     });
-    if let Some(image) = &image {
-        body["image"] = json!(image);
-    }
-    let id = create(&serve, body).await;
-    let _containers = common::docker::SessionContainers(id.clone());
-    let turn = prompt(&serve, &id, "probe the sandbox").await;
-    let end = until_end(&serve, &id, &turn).await;
-    assert_eq!(
-        end["status"],
-        "finished",
-        "{end}\nserver log:\n{}",
-        serve.log()
-    );
-
-    // What the probe reported, as the agent sent it back to the model.
+    let Probed {
+        id,
+        end,
+        report,
+        _containers,
+    } = run_probe(&serve, &model, body, &image, "probe the sandbox", PROBE).await;
     let requests = model.requests();
-    let report = requests
-        .iter()
-        .filter_map(|r| r.model_request())
-        .find_map(|r| r.tool_result(PROBE))
-        .unwrap_or_else(|| panic!("the probe's result never reached the model: {requests:#?}"))
-        .content;
     assert!(report.contains("PROBE-DONE"), "{report}");
     assert!(report.contains("TOKEN-NOT-KEY"), "{report}");
     assert!(
@@ -393,7 +427,7 @@ async fn custom_policy_through_the_egress_proxy(backend: Backend) {
     let model = ScriptedModel::start(script).await.unwrap();
     let home = tempfile::tempdir().unwrap();
     let serve = Serve::start(home.path(), &model, &[]);
-    let mut body = json!({
+    let body = json!({
         "agent": agent.name(),
         "sandbox": backend.name(),
         "network": {
@@ -402,26 +436,15 @@ async fn custom_policy_through_the_egress_proxy(backend: Backend) {
             "allowed_ports": [allowed.port()],
         },
     });
-    if let Some(image) = &image {
-        body["image"] = json!(image);
-    }
-    let id = create(&serve, body).await;
-    let _containers = common::docker::SessionContainers(id.clone());
-    let turn = prompt(&serve, &id, "probe the network").await;
-    let end = until_end(&serve, &id, &turn).await;
-    assert_eq!(
-        end["status"],
-        "finished",
-        "{end}\nserver log:\n{}",
-        serve.log()
-    );
-    let report = model
-        .requests()
-        .iter()
-        .filter_map(|r| r.model_request())
-        .find_map(|r| r.tool_result(CUSTOM_PROBE))
-        .expect("the probe's result reached the model")
-        .content;
+    let Probed { report, .. } = run_probe(
+        &serve,
+        &model,
+        body,
+        &image,
+        "probe the network",
+        CUSTOM_PROBE,
+    )
+    .await;
     assert!(report.contains("PROBE-DONE"), "{report}");
     let line = |tag: &str| {
         report
