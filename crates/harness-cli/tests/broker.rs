@@ -35,7 +35,23 @@ const REAL_ANTHROPIC_KEY: &str = "sk-ant-api03-e2e-REAL-KEY-9f2c71d04b";
 const REAL_OPENAI_KEY: &str = "sk-proj-e2e-REAL-KEY-5a13e8c77d";
 const PROBE: &str = "toolu_probe_1";
 
-/// A TCP server on `ip` that counts the connections it accepts.
+/// What the probes send to the test's own servers. The servers count only
+/// connections that carry it: other tests on this machine may dial a
+/// loopback port that the kernel has just given to one of these servers
+/// (a "dead model" test retries against a port it freed).
+const PROBE_MARK: &str = "harness-probe-7c1e";
+
+/// Whether the connection's first bytes (within 3 s) carry [`PROBE_MARK`].
+async fn carries_the_mark(s: &mut tokio::net::TcpStream) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut buf = [0u8; 4096];
+    match tokio::time::timeout(Duration::from_secs(3), s.read(&mut buf)).await {
+        Ok(Ok(n)) => String::from_utf8_lossy(&buf[..n]).contains(PROBE_MARK),
+        _ => false,
+    }
+}
+
+/// A TCP server on `ip` that counts the probe's connections.
 async fn host_server(ip: IpAddr) -> (SocketAddr, Arc<AtomicUsize>) {
     let listener = tokio::net::TcpListener::bind(SocketAddr::new(ip, 0))
         .await
@@ -44,8 +60,13 @@ async fn host_server(ip: IpAddr) -> (SocketAddr, Arc<AtomicUsize>) {
     let accepted = Arc::new(AtomicUsize::new(0));
     let count = accepted.clone();
     tokio::spawn(async move {
-        while let Ok((_s, _)) = listener.accept().await {
-            count.fetch_add(1, Ordering::SeqCst);
+        while let Ok((mut s, _)) = listener.accept().await {
+            let count = count.clone();
+            tokio::spawn(async move {
+                if carries_the_mark(&mut s).await {
+                    count.fetch_add(1, Ordering::SeqCst);
+                }
+            });
         }
     });
     (addr, accepted)
@@ -87,7 +108,7 @@ done
 echo "PROCESSES-SEARCHED $n"
 grep -rlaFf $k "$HOME" "$PWD" 2>/dev/null | sed 's/^/KEY-IN-FILE /'
 : > $k
-if timeout 3 bash -c 'exec 3<>/dev/tcp/{ip}/{port}' 2>/dev/null; then echo HOST-REACHED; else echo HOST-BLOCKED; fi
+if timeout 3 bash -c 'exec 3<>/dev/tcp/{ip}/{port} && echo {mark} >&3' 2>/dev/null; then echo HOST-REACHED; else echo HOST-BLOCKED; fi
 status() {{ timeout 5 bash -c 'exec 3<>/dev/tcp/127.0.0.1/47811 || exit 1
   printf "POST %s HTTP/1.1\r\nhost: 127.0.0.1\r\nx-api-key: %s\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{{}}" "$0" "$1" >&3
   head -1 <&3' "$1" "$2" | cut -d" " -f2; }}
@@ -98,6 +119,7 @@ case "$ANTHROPIC_API_KEY" in hsb1_*) echo TOKEN-NOT-KEY;; esac
 echo PROBE-DONE"#,
         ip = host.ip(),
         port = host.port(),
+        mark = PROBE_MARK,
     )
 }
 
@@ -356,19 +378,20 @@ async fn codex_docker_deny_all_through_the_broker() {
 }
 
 /// An HTTP server on loopback answering every request with `body`,
-/// counting connections.
+/// counting the probe's requests.
 async fn http_server(body: &'static str) -> (SocketAddr, Arc<AtomicUsize>) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let accepted = Arc::new(AtomicUsize::new(0));
     let count = accepted.clone();
     tokio::spawn(async move {
         while let Ok((mut s, _)) = listener.accept().await {
-            count.fetch_add(1, Ordering::SeqCst);
+            let count = count.clone();
             tokio::spawn(async move {
-                let mut buf = [0u8; 4096];
-                let _ = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await;
+                if carries_the_mark(&mut s).await {
+                    count.fetch_add(1, Ordering::SeqCst);
+                }
                 let reply = format!(
                     "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
                     body.len()
@@ -388,13 +411,14 @@ const CUSTOM_PROBE: &str = "toolu_custom_1";
 fn custom_probe(allowed: SocketAddr, refused: SocketAddr) -> String {
     format!(
         r#"get() {{ p=${{HTTP_PROXY#http://}}; timeout 8 bash -c 'exec 3<>/dev/tcp/${{0%:*}}/${{0#*:}} || exit 9
-  printf "GET http://%s/ HTTP/1.1\r\nhost: %s\r\nconnection: close\r\n\r\n" "$1" "$1" >&3; cat <&3' "$p" "$1" | tr -d '\r' | sed -n '1p;$p' | tr '\n' ' '; }}
+  printf "GET http://%s/{mark} HTTP/1.1\r\nhost: %s\r\nconnection: close\r\n\r\n" "$1" "$1" >&3; cat <&3' "$p" "$1" | tr -d '\r' | sed -n '1p;$p' | tr '\n' ' '; }}
 echo "ALLOWED: $(get {allowed})"
 echo "REFUSED: $(get {refused})"
 if timeout 3 bash -c 'exec 3<>/dev/tcp/{aip}/{aport}' 2>/dev/null; then echo DIRECT-REACHED; else echo DIRECT-BLOCKED; fi
 echo PROBE-DONE"#,
         aip = allowed.ip(),
         aport = allowed.port(),
+        mark = PROBE_MARK,
     )
 }
 
