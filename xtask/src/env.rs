@@ -1,7 +1,7 @@
 //! `cargo xtask env`: the environment the tests read to find the real parts.
 //! `cargo xtask ci` passes exactly this to its test steps.
 
-use crate::{agents, image, services, util};
+use crate::{agents, deps, image, services, util};
 
 /// `(KEY, VALUE)` pairs for the tests. With `require_real`, also
 /// `HARNESS_REQUIRE_REAL=1`: tests then fail instead of skipping when a real
@@ -32,6 +32,12 @@ pub fn test_env(require_real: bool) -> Vec<(String, String)> {
     env.push((
         "HARNESS_TEMPORAL_ADDRESS".to_string(),
         services::TEMPORAL_ADDR.to_string(),
+    ));
+    // The bridge's OpenAPI document (`cargo xtask deps`), for the Cloudflare
+    // provider's contract tests.
+    env.push((
+        "HARNESS_CF_OPENAPI".to_string(),
+        deps::cf_openapi_path().display().to_string(),
     ));
     if require_real {
         env.push(("HARNESS_REQUIRE_REAL".to_string(), "1".to_string()));
