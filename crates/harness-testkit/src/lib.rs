@@ -7,9 +7,13 @@
 //! - [`model`]: scripted Anthropic Messages and OpenAI Responses servers,
 //!   the one scripted part in end-to-end tests with the real agent CLIs;
 //! - [`real`]: the skip-or-fail rule for tests that need real parts;
-//! - [`gate`]: the sandbox gate binary, built for the tests that need it.
+//! - [`gate`]: the sandbox gate binary, built for the tests that need it;
+//! - [`bridge`]: a Cloudflare Sandbox bridge API server over real sandboxes,
+//!   checking every request and response against the bridge's OpenAPI
+//!   document (the `sandbox-cloudflare` provider's tests).
 
 pub mod agent;
+pub mod bridge;
 pub mod conformance;
 pub mod gate;
 pub mod model;
