@@ -625,14 +625,65 @@ async fn bridge_server_serves_real_sandboxes() {
         .unwrap();
     assert_eq!(r.status(), 200);
     let tunnel = r.json::<Value>().await.unwrap();
+    let url = tunnel["url"].as_str().unwrap().to_string();
     assert!(
-        tunnel["url"].as_str().unwrap().starts_with("http://"),
+        url.starts_with("http://") && url.ends_with(":8080"),
         "{tunnel}"
     );
-    assert!(
-        tunnel["url"].as_str().unwrap().ends_with(":8080"),
-        "{tunnel}"
+    // Serve for as long as the exec's stream is held open (the test image's
+    // Python has `socket` but not `http.server`).
+    let serve = r#"import socket
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", 8080))
+s.listen()
+while True:
+    c, _ = s.accept()
+    c.recv(65536)
+    c.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 14\r\n\r\nhello, tunnel\n")
+    c.close()
+"#;
+    let serving = c
+        .req(reqwest::Method::POST, &format!("/v1/sandbox/{id}/exec"))
+        .json(&json!({"argv": ["python3", "-c", serve]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(serving.status(), 200);
+    let mut served = None;
+    for _ in 0..100 {
+        if let Ok(r) = reqwest::get(format!("{url}/")).await {
+            served = Some(r.text().await.unwrap());
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        served.as_deref(),
+        Some("hello, tunnel\n"),
+        "nothing answered at {url}"
     );
+    // A client that goes away ends its command.
+    drop(serving);
+    let mut stopped = false;
+    for _ in 0..100 {
+        if reqwest::get(format!("{url}/")).await.is_err() {
+            stopped = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(stopped, "the server at {url} outlived its exec's client");
+    // Asking again for the port answers the same tunnel.
+    let r = c
+        .req(
+            reqwest::Method::POST,
+            &format!("/v1/sandbox/{id}/tunnel/8080"),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.json::<Value>().await.unwrap(), tunnel);
     let r = c
         .req(
             reqwest::Method::DELETE,
@@ -691,5 +742,115 @@ async fn a_drifted_request_fails_the_check() {
         "{err}"
     );
     assert!(server.sandboxes().is_empty());
+    server.shutdown().await.unwrap();
+}
+
+/// The bridge's limits and refusals, on a server without the referee: some
+/// of them (the 413 of a too-large write, a malformed sandbox id) are the
+/// bridge's real answers but not in its document, so a validating server
+/// would record them as drift.
+#[tokio::test(flavor = "multi_thread")]
+async fn bridge_limits_and_refusals() {
+    let Some(provider) = docker().await else {
+        return;
+    };
+    let server = BridgeServer::start(
+        provider,
+        BridgeServerConfig {
+            token: TOKEN.to_string(),
+            spec: SandboxSpec::new("/ignored"),
+            openapi: None,
+        },
+    )
+    .await
+    .unwrap();
+    let c = Client::new(&server);
+    let id = "limits";
+    let code = |v: Value| v["code"].as_str().unwrap_or_default().to_string();
+
+    let too_big = vec![b'x'; 32 * 1024 * 1024 + 1];
+    let r = c
+        .req(
+            reqwest::Method::PUT,
+            &format!("/v1/sandbox/{id}/file/workspace/big"),
+        )
+        .header("content-type", "application/octet-stream")
+        .body(too_big.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 413);
+    assert_eq!(code(r.json().await.unwrap()), "payload_too_large");
+    let r = c
+        .req(reqwest::Method::POST, &format!("/v1/sandbox/{id}/hydrate"))
+        .header("content-type", "application/octet-stream")
+        .body(too_big)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(code(body.clone()), "invalid_request");
+    assert!(
+        body["error"].as_str().unwrap().contains("too large"),
+        "{body}"
+    );
+    let r = c
+        .req(reqwest::Method::POST, &format!("/v1/sandbox/{id}/hydrate"))
+        .header("content-type", "application/octet-stream")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let r = c
+        .req(reqwest::Method::POST, &format!("/v1/sandbox/{id}/hydrate"))
+        .header("content-type", "application/octet-stream")
+        .body("not a tar archive, not at all, and long enough to be read")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 502);
+    assert_eq!(
+        code(r.json().await.unwrap()),
+        "workspace_archive_write_error"
+    );
+
+    let e = c.exec(id, json!({"argv": []}), None).await;
+    assert_eq!(e.status, 400, "{e:?}");
+    let e = c.exec(id, json!({"argv": ["true"]}), Some("../x")).await;
+    assert_eq!(e.status, 400, "{e:?}");
+    let e = c.exec("Not-An-Id", json!({"argv": ["true"]}), None).await;
+    assert_eq!(e.status, 400, "{e:?}");
+    for port in ["80", "3000", "70000"] {
+        let r = c
+            .req(
+                reqwest::Method::POST,
+                &format!("/v1/sandbox/{id}/tunnel/{port}"),
+            )
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400, "port {port}");
+    }
+    let r = c
+        .req(reqwest::Method::GET, &format!("/v1/sandbox/{id}/pty"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let (status, body) = c
+        .post_json(
+            &format!("/v1/sandbox/{id}/mount"),
+            json!({"mountPath": "/mnt", "options": {}}),
+        )
+        .await;
+    assert_eq!((status, code(body)), (502, "mount_error".to_string()));
+    let r = reqwest::get(format!("{}/v1/openapi.json?token={TOKEN}", server.url()))
+        .await
+        .unwrap();
+    if r.status() == 200 {
+        assert_eq!(r.json::<Value>().await.unwrap()["openapi"], "3.1.0");
+    }
+    assert_eq!(server.sandboxes(), vec![id.to_string()]);
     server.shutdown().await.unwrap();
 }
