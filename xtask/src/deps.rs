@@ -69,7 +69,9 @@ pub fn deps() -> Result<()> {
 
 /// The `@cloudflare/sandbox` release whose bridge API the Cloudflare provider
 /// speaks; its OpenAPI document is the contract the tests check both the
-/// provider and the test kit's bridge server against.
+/// provider and the test kit's bridge server against. Keep
+/// `harness_testkit::bridge::CF_SANDBOX_VERSION` equal: the test kit finds
+/// the document by it.
 pub const CF_SANDBOX_VERSION: &str = "0.12.10";
 
 /// `$HARNESS_CACHE/npm/cloudflare-sandbox-<version>`.

@@ -385,7 +385,10 @@ impl Shared {
             .clone();
         cell.get_or_try_init(|| async {
             let mut spec = self.spec.clone();
-            spec.slot = Some(id.to_string());
+            // No slot: a provider replaces the sandbox of a repeated
+            // (session, slot), and bridge ids repeat across servers (tests
+            // pick fixed ids). The label names the bridge id instead.
+            spec.slot = None;
             spec.labels
                 .insert("harness.bridge-sandbox".to_string(), id.to_string());
             let sandbox = self.provider.create(&spec).await?;
