@@ -106,6 +106,64 @@ impl<T: Transport> ActorDriver<T> {
         self.perform(outputs).await;
     }
 
+    /// Feed several inputs (those that queued up while the last ones were
+    /// handled) with their appends committed as groups
+    /// ([`SessionStore::append_grouped`]): the machine gets every append's
+    /// result at once, as with [`handle`](Self::handle), but every other
+    /// output — acks, fan-out, replays, dispatches — waits, in order, until
+    /// the groups the appends joined are committed. So one commit serves
+    /// many appends, and nothing is acknowledged, shown or dispatched
+    /// before it is durable.
+    ///
+    /// `Err` when a group's commit failed: none of the batch's outputs was
+    /// performed (no ack for a frame that is not stored), and the machine
+    /// has seen appends that are not stored. Drop the driver, close its
+    /// connections and [`recover`](Self::recover) from the store, as after
+    /// a crash.
+    pub async fn handle_batch(&mut self, inputs: Vec<Input>) -> Result<()> {
+        let mut deferred = Vec::new();
+        let mut groups: Vec<u64> = Vec::new();
+        for input in inputs {
+            let mut queue: VecDeque<Output> = self.actor.handle(input).into();
+            while let Some(output) = queue.pop_front() {
+                let Output::Append(request) = output else {
+                    deferred.push(output);
+                    continue;
+                };
+                let input = match self.store.append_grouped(request).await {
+                    Ok((appended, group)) => {
+                        if groups.last() != Some(&group) {
+                            groups.push(group);
+                        }
+                        Input::Appended {
+                            frame: appended.frame,
+                            duplicate: appended.duplicate,
+                        }
+                    }
+                    Err(e) => Input::AppendFailed {
+                        kind: e.kind(),
+                        error: e.to_string(),
+                    },
+                };
+                let more = self.actor.handle(input);
+                for output in more.into_iter().rev() {
+                    queue.push_front(output);
+                }
+            }
+        }
+        for group in groups {
+            self.store.commit_group(group).await?;
+        }
+        self.perform(deferred).await;
+        Ok(())
+    }
+
+    /// The transport back, to close its connections after a failed
+    /// [`handle_batch`](Self::handle_batch) and recover with it.
+    pub fn into_transport(self) -> T {
+        self.transport
+    }
+
     async fn perform(&mut self, outputs: Vec<Output>) {
         let mut queue: VecDeque<Output> = outputs.into();
         while let Some(output) = queue.pop_front() {

@@ -141,6 +141,29 @@ pub trait SessionLog: MaybeSend + MaybeSync + std::fmt::Debug {
     /// Append one frame; the log assigns its seq.
     async fn append(&self, session: &SessionId, request: AppendRequest) -> Result<Appended>;
 
+    /// Append one frame into a *group* of appends committed together (group
+    /// commit): the answer is the frame as it will be stored and the group
+    /// it joined, but it is durable — and may be acknowledged or shown to
+    /// anyone — only once [`commit_group`](Self::commit_group) for that
+    /// group returned `Ok`. If the group's commit fails, none of its frames
+    /// is stored. Later appends see the earlier ones of an open group (seq,
+    /// keys, seal). The default appends durably at once (group 0).
+    async fn append_grouped(
+        &self,
+        session: &SessionId,
+        request: AppendRequest,
+    ) -> Result<(Appended, u64)> {
+        Ok((self.append(session, request).await?, 0))
+    }
+
+    /// Make `group` durable (commit it if it is still open); `Err` when its
+    /// commit failed, i.e. none of its frames is stored. Called by the
+    /// appender of `session` that joined the group.
+    async fn commit_group(&self, session: &SessionId, group: u64) -> Result<()> {
+        let _ = (session, group);
+        Ok(())
+    }
+
     /// Frames with `seq > after`, at most `limit` of them, in order.
     async fn read(&self, session: &SessionId, after: u64, limit: usize) -> Result<Vec<Frame>>;
 
@@ -169,6 +192,16 @@ pub trait SessionStore: MaybeSend + MaybeSync + std::fmt::Debug {
     /// Append one frame; the log assigns its seq and answers with the frame
     /// as stored.
     async fn append(&self, request: AppendRequest) -> Result<Appended>;
+    /// Append into a group committed later ([`SessionLog::append_grouped`]).
+    /// The default appends durably at once (group 0).
+    async fn append_grouped(&self, request: AppendRequest) -> Result<(Appended, u64)> {
+        Ok((self.append(request).await?, 0))
+    }
+    /// Make `group` durable ([`SessionLog::commit_group`]).
+    async fn commit_group(&self, group: u64) -> Result<()> {
+        let _ = group;
+        Ok(())
+    }
     /// Frames with `seq > after`, at most `limit` of them, in order.
     async fn read(&self, after: u64, limit: usize) -> Result<Vec<Frame>>;
 }
@@ -198,6 +231,12 @@ impl SessionStore for LogSession {
     }
     async fn append(&self, request: AppendRequest) -> Result<Appended> {
         self.log.append(&self.session, request).await
+    }
+    async fn append_grouped(&self, request: AppendRequest) -> Result<(Appended, u64)> {
+        self.log.append_grouped(&self.session, request).await
+    }
+    async fn commit_group(&self, group: u64) -> Result<()> {
+        self.log.commit_group(&self.session, group).await
     }
     async fn read(&self, after: u64, limit: usize) -> Result<Vec<Frame>> {
         self.log.read(&self.session, after, limit).await

@@ -11,23 +11,25 @@
 //! ## Durability
 //!
 //! The database runs in WAL mode with `synchronous=NORMAL`. An append returns
-//! only after its transaction committed, i.e. after the commit record was
-//! written to the WAL file with `write(2)`: from then on the frame lives in
-//! the operating system's page cache and survives the death of *this
+//! only after the transaction holding it committed, i.e. after the commit
+//! record was written to the WAL file with `write(2)`: from then on the frame
+//! lives in the operating system's page cache and survives the death of *this
 //! process* (kill -9, panic, OOM kill). What NORMAL gives up compared to FULL
 //! is an `fsync` per commit, so a power loss or kernel crash may drop the
 //! last few acknowledged transactions (never corrupt the database). Use
 //! [`SqliteSessionLog::with_full_sync`] when acknowledged frames must also
-//! survive power loss, at the price of one fsync per append.
+//! survive power loss, at the price of one fsync per commit.
 //!
-//! ## Threads
+//! ## Group commit and threads
 //!
-//! rusqlite is blocking. Each operation runs on tokio's blocking pool
-//! (`spawn_blocking`) and takes the single connection behind a `Mutex`. One
-//! connection serialises all writers, which is what a log needs anyway (seq
-//! assignment is a read-modify-write), and SQLite appends in the tens of
-//! microseconds, so the lock is never held long. The methods therefore need
-//! a tokio runtime.
+//! One thread owns the write connection and commits everything queued
+//! meanwhile in one transaction (`writer` module): concurrent appenders
+//! share a commit, each answered only once it committed; a session actor
+//! batches its own appends with [`SessionLog::append_grouped`] and
+//! [`SessionLog::commit_group`]. A failed commit fails every append in it.
+//! Reads of a file-backed log use a second, read-only connection (they see
+//! committed frames only); an in-memory log reads through the writer. The
+//! methods need a tokio runtime. See `docs/session-log.md`.
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -43,7 +45,10 @@ use harness_core::session::{SessionConfig, SessionMeta};
 use harness_core::{Error, Frame, FrameBody, Result, SessionId};
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 
+use writer::Writer;
+
 pub mod turn_store;
+mod writer;
 
 pub use turn_store::SqliteTurnStore;
 
@@ -53,7 +58,7 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Milliseconds since the Unix epoch, the stamp of stored frames (this
 /// backend runs natively and keeps time itself; core takes a clock).
-fn now_ms() -> u64 {
+pub(crate) fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
@@ -198,7 +203,11 @@ where
 /// A [`SessionLog`] stored in one SQLite database file.
 #[derive(Debug, Clone)]
 pub struct SqliteSessionLog {
-    conn: Arc<Mutex<Connection>>,
+    /// The thread owning the write connection (group commit).
+    writer: Arc<Writer>,
+    /// A second connection for reads, which sees committed data only (WAL);
+    /// `None` for an in-memory database, read through the writer.
+    reader: Option<Arc<Mutex<Connection>>>,
     max_frame_bytes: usize,
 }
 
@@ -206,8 +215,14 @@ impl SqliteSessionLog {
     /// Open (or create) the log database at `path`.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let conn = open_connection(path.as_ref())?;
+        let writer = Writer::start(conn)?;
+        let reader = open_connection(path.as_ref())?;
+        reader
+            .execute_batch("PRAGMA query_only=1")
+            .map_err(db_err)?;
         Ok(Self {
-            conn: Arc::new(Mutex::new(conn)),
+            writer,
+            reader: Some(Arc::new(Mutex::new(reader))),
             max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
         })
     }
@@ -217,7 +232,8 @@ impl SqliteSessionLog {
         let conn = Connection::open_in_memory().map_err(db_err)?;
         configure(&conn)?;
         Ok(Self {
-            conn: Arc::new(Mutex::new(conn)),
+            writer: Writer::start(conn)?,
+            reader: None,
             max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
         })
     }
@@ -229,14 +245,21 @@ impl SqliteSessionLog {
     }
 
     /// Switch to `synchronous=FULL`: every commit is fsynced, so acknowledged
-    /// frames survive power loss too (slower appends).
+    /// frames survive power loss too (one fsync per group of appends).
     pub fn with_full_sync(self) -> Result<Self> {
-        self.conn
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .execute_batch("PRAGMA synchronous=FULL")
-            .map_err(db_err)?;
+        self.writer.exec_blocking(|conn| {
+            conn.execute_batch("PRAGMA synchronous=FULL")
+                .map_err(db_err)
+        })?;
         Ok(self)
+    }
+
+    /// Commit at most `n` appends together (default 1024; 1 commits every
+    /// plain append on its own, as before group commit: a baseline for
+    /// benchmarks). Grouped appends of one appender are not split.
+    pub fn with_max_group(self, n: usize) -> Self {
+        self.writer.set_max_batch(n);
+        self
     }
 
     /// The frame size limit in force.
@@ -246,7 +269,75 @@ impl SqliteSessionLog {
 
     /// A [`SqliteTurnStore`] sharing this log's connection (and file).
     pub fn turn_store(&self) -> SqliteTurnStore {
-        SqliteTurnStore::from_shared(self.conn.clone())
+        SqliteTurnStore::from_writer(self.writer.clone())
+    }
+
+    /// Make the next `n` commits fail (SQLite's commit hook turns them into
+    /// rollbacks): for tests of what a failed group commit does.
+    #[doc(hidden)]
+    pub fn fail_next_commits(&self, n: usize) {
+        self.writer.fail_next_commits(n);
+    }
+
+    /// How many transactions of appends the writer has committed (or
+    /// tried to): fewer than appends when they were grouped.
+    #[doc(hidden)]
+    pub fn group_commits(&self) -> u64 {
+        self.writer.commits()
+    }
+
+    /// Keep the writer busy until the returned guard is dropped, so that
+    /// appends made meanwhile queue up and go into one transaction: for
+    /// tests of group commit.
+    #[doc(hidden)]
+    pub fn hold_writer(&self) -> WriterHold {
+        let (started_tx, started) = std::sync::mpsc::channel();
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        // The job holds the thread until released.
+        self.writer.exec_detached(move |_conn| {
+            let _ = started_tx.send(());
+            let _ = released.recv();
+        });
+        WriterHold {
+            writer: self.writer.clone(),
+            release: Some(release),
+            started,
+        }
+    }
+
+    /// Run read-only work on the read connection (or the writer's, in memory).
+    async fn read_with<T, F>(&self, f: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut Connection) -> Result<T> + Send + 'static,
+    {
+        match &self.reader {
+            Some(reader) => blocking(reader, f).await,
+            None => self.writer.exec(f).await,
+        }
+    }
+}
+
+/// See [`SqliteSessionLog::hold_writer`].
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct WriterHold {
+    #[allow(dead_code)]
+    writer: Arc<Writer>,
+    release: Option<std::sync::mpsc::Sender<()>>,
+    started: std::sync::mpsc::Receiver<()>,
+}
+
+impl WriterHold {
+    /// Wait until the writer is held.
+    pub fn wait(&self) {
+        let _ = self.started.recv();
+    }
+}
+
+impl Drop for WriterHold {
+    fn drop(&mut self) {
+        drop(self.release.take());
     }
 }
 
@@ -379,8 +470,8 @@ fn decode_body(json: &str, session: &SessionId, seq: i64) -> Result<FrameBody> {
 }
 
 /// The append rules of `harness_core::log`, inside one open transaction.
-fn append_in(
-    tx: &rusqlite::Transaction<'_>,
+pub(crate) fn append_in(
+    tx: &Connection,
     session: &SessionId,
     request: &AppendRequest,
     body_json: &str,
@@ -475,43 +566,54 @@ impl SessionLog for SqliteSessionLog {
     ) -> Result<LogInfo> {
         let session = session.clone();
         let meta = serde_json::to_string(&SessionMeta::new(config))?;
-        blocking(&self.conn, move |conn| {
-            conn.execute(
-                "INSERT OR IGNORE INTO logs (session, sealed, meta) VALUES (?1, 0, ?2)",
-                params![session.as_str(), meta],
-            )
-            .map_err(db_err)?;
-            load_info(conn, &session)
-        })
-        .await
+        self.writer
+            .exec(move |conn| {
+                conn.execute(
+                    "INSERT OR IGNORE INTO logs (session, sealed, meta) VALUES (?1, 0, ?2)",
+                    params![session.as_str(), meta],
+                )
+                .map_err(db_err)?;
+                load_info(conn, &session)
+            })
+            .await
     }
 
     async fn info(&self, session: &SessionId) -> Result<LogInfo> {
         let session = session.clone();
-        blocking(&self.conn, move |conn| load_info(conn, &session)).await
+        self.read_with(move |conn| load_info(conn, &session)).await
     }
 
     async fn append(&self, session: &SessionId, request: AppendRequest) -> Result<Appended> {
         check_append(&request, self.max_frame_bytes)?;
         let body_json = serde_json::to_string(&request.body)?;
-        let session = session.clone();
-        blocking(&self.conn, move |conn| {
-            // IMMEDIATE takes the write lock up front, so the seq we read is
-            // still the last one when we insert, even with another process
-            // on the same file.
-            let tx = conn
-                .transaction_with_behavior(TransactionBehavior::Immediate)
-                .map_err(db_err)?;
-            let appended = append_in(&tx, &session, &request, &body_json, now_ms())?;
-            tx.commit().map_err(db_err)?;
-            Ok(appended)
-        })
-        .await
+        // Answered once the transaction holding it committed; appends made
+        // meanwhile by other callers share that transaction (`writer`).
+        let (appended, _group) = self
+            .writer
+            .append(session.clone(), request, body_json, false)
+            .await?;
+        Ok(appended)
+    }
+
+    async fn append_grouped(
+        &self,
+        session: &SessionId,
+        request: AppendRequest,
+    ) -> Result<(Appended, u64)> {
+        check_append(&request, self.max_frame_bytes)?;
+        let body_json = serde_json::to_string(&request.body)?;
+        self.writer
+            .append(session.clone(), request, body_json, true)
+            .await
+    }
+
+    async fn commit_group(&self, session: &SessionId, group: u64) -> Result<()> {
+        self.writer.commit(session.clone(), group).await
     }
 
     async fn read(&self, session: &SessionId, after: u64, limit: usize) -> Result<Vec<Frame>> {
         let session = session.clone();
-        blocking(&self.conn, move |conn| {
+        self.read_with(move |conn| {
             let tx = conn.transaction().map_err(db_err)?;
             let exists: Option<i64> = tx
                 .query_row(
@@ -558,31 +660,32 @@ impl SessionLog for SqliteSessionLog {
     async fn seal(&self, session: &SessionId) -> Result<LogInfo> {
         let session = session.clone();
         let body_json = serde_json::to_string(&FrameBody::Sealed {})?;
-        blocking(&self.conn, move |conn| {
-            let tx = conn
-                .transaction_with_behavior(TransactionBehavior::Immediate)
-                .map_err(db_err)?;
-            let info = load_info(&tx, &session)?;
-            if !info.sealed {
-                append_in(
-                    &tx,
-                    &session,
-                    &AppendRequest::new(FrameBody::Sealed {}),
-                    &body_json,
-                    now_ms(),
-                )?;
-            }
-            let info = load_info(&tx, &session)?;
-            tx.commit().map_err(db_err)?;
-            Ok(info)
-        })
-        .await
+        self.writer
+            .exec(move |conn| {
+                let tx = conn
+                    .transaction_with_behavior(TransactionBehavior::Immediate)
+                    .map_err(db_err)?;
+                let info = load_info(&tx, &session)?;
+                if !info.sealed {
+                    append_in(
+                        &tx,
+                        &session,
+                        &AppendRequest::new(FrameBody::Sealed {}),
+                        &body_json,
+                        now_ms(),
+                    )?;
+                }
+                let info = load_info(&tx, &session)?;
+                tx.commit().map_err(db_err)?;
+                Ok(info)
+            })
+            .await
     }
 
     async fn fork(&self, source: &SessionId, until: u64, target: &SessionId) -> Result<LogInfo> {
         let source = source.clone();
         let target = target.clone();
-        blocking(&self.conn, move |conn| {
+        self.writer.exec(move |conn| {
             let tx = conn
                 .transaction_with_behavior(TransactionBehavior::Immediate)
                 .map_err(db_err)?;
@@ -633,7 +736,7 @@ impl SessionLog for SqliteSessionLog {
     }
 
     async fn list(&self) -> Result<Vec<LogInfo>> {
-        blocking(&self.conn, move |conn| {
+        self.read_with(move |conn| {
             let tx = conn.transaction().map_err(db_err)?;
             let ids: Vec<String> = {
                 let mut stmt = tx

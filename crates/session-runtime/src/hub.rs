@@ -45,6 +45,10 @@ use crate::dispatch::Dispatcher;
 /// server's memory without bound.
 pub const MAX_QUEUED: usize = 10_000;
 
+/// Most commands an actor takes from its queue into one batch (one group
+/// commit of their appends).
+pub const MAX_BATCH: usize = 256;
+
 /// How the hub runs its actors.
 #[derive(Debug, Clone)]
 pub struct HubConfig {
@@ -52,6 +56,10 @@ pub struct HubConfig {
     pub actor: ActorConfig,
     /// A session actor with no connections stops after this long.
     pub idle_timeout: Duration,
+    /// Most queued commands an actor handles as one batch, whose appends
+    /// are committed together ([`MAX_BATCH`]; 1 handles every command on
+    /// its own, each append its own commit).
+    pub max_batch: usize,
 }
 
 impl Default for HubConfig {
@@ -59,6 +67,7 @@ impl Default for HubConfig {
         Self {
             actor: ActorConfig::default(),
             idle_timeout: Duration::from_secs(30),
+            max_batch: MAX_BATCH,
         }
     }
 }
@@ -538,13 +547,14 @@ async fn run_actor(
         conns: HashMap::new(),
         hub: Arc::downgrade(&hub),
     };
-    let mut driver = match ActorDriver::recover(store, hub.config.actor.clone(), transport).await {
-        Ok(driver) => driver,
-        Err(e) => {
-            hub.fail_start(&session, epoch, rx, &e);
-            return;
-        }
-    };
+    let mut driver =
+        match ActorDriver::recover(store.clone(), hub.config.actor.clone(), transport).await {
+            Ok(driver) => driver,
+            Err(e) => {
+                hub.fail_start(&session, epoch, rx, &e);
+                return;
+            }
+        };
     tracing::debug!(%session, last_seq = driver.actor().last_seq(), "session actor started");
     let mut next_conn: ConnId = 1;
     loop {
@@ -575,32 +585,70 @@ async fn run_actor(
         };
         // `None` only once the queue is closed, i.e. after retiring.
         let Some(cmd) = cmd else { return };
-        match cmd {
-            Command::Connect {
-                role,
-                after,
-                out,
-                reply,
-            } => {
-                let conn = next_conn;
-                next_conn += 1;
-                if reply.send(Ok(conn)).is_err() {
-                    // The caller gave up before we answered: nothing to do.
-                    continue;
-                }
-                driver.transport_mut().conns.insert(conn, out);
-                driver.handle(Input::Connect { conn, role, after }).await;
-            }
-            Command::Input(input) => {
-                if let Input::Disconnect { conn } = &input {
-                    driver.transport_mut().conns.remove(conn);
-                }
-                // The actor's idea of now moves with every input, so a call
-                // stored next gets its deadline from the present.
-                driver.handle(Input::Tick { now_ms: now_ms() }).await;
-                driver.handle(input).await;
+        // What queued up meanwhile is handled as one batch: its appends go
+        // into one group commit, and acks and fan-out wait for it.
+        let mut cmds = vec![cmd];
+        while cmds.len() < hub.config.max_batch {
+            match rx.try_recv() {
+                Ok(cmd) => cmds.push(cmd),
+                Err(_) => break,
             }
         }
+        let mut inputs = vec![Input::Tick { now_ms: now_ms() }];
+        for cmd in cmds {
+            match cmd {
+                Command::Connect {
+                    role,
+                    after,
+                    out,
+                    reply,
+                } => {
+                    let conn = next_conn;
+                    next_conn += 1;
+                    if reply.send(Ok(conn)).is_err() {
+                        // The caller gave up before we answered: nothing to do.
+                        continue;
+                    }
+                    driver.transport_mut().conns.insert(conn, out);
+                    inputs.push(Input::Connect { conn, role, after });
+                }
+                Command::Input(input) => {
+                    if let Input::Disconnect { conn } = &input {
+                        driver.transport_mut().conns.remove(conn);
+                    }
+                    inputs.push(input);
+                }
+            }
+        }
+        if inputs.len() <= 2 {
+            // One input: its append commits alone (with whatever other
+            // sessions append meanwhile), acked as soon as it is durable.
+            for input in inputs {
+                driver.handle(input).await;
+            }
+            continue;
+        }
+        let Err(error) = driver.handle_batch(inputs).await else {
+            continue;
+        };
+        // The group commit failed: nothing of the batch was acknowledged or
+        // fanned out, and the machine saw frames the log does not hold.
+        // Start over from the log, as after a crash; every connection is
+        // closed so its peer resumes from what is stored.
+        tracing::error!(%session, %error, "a group commit failed: the session actor restarts from the log");
+        let mut transport = driver.into_transport();
+        let reason = format!("the session log failed to commit ({error}); reconnect");
+        for (_, out) in transport.conns.drain() {
+            out.push(Outbound::Close(reason.clone()));
+        }
+        driver =
+            match ActorDriver::recover(store.clone(), hub.config.actor.clone(), transport).await {
+                Ok(driver) => driver,
+                Err(e) => {
+                    hub.fail_start(&session, epoch, rx, &e);
+                    return;
+                }
+            };
     }
 }
 

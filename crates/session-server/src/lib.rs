@@ -93,6 +93,7 @@ impl ServerConfig {
                 max_frame_bytes: self.max_frame_bytes,
             },
             idle_timeout: self.idle_timeout,
+            ..HubConfig::default()
         }
     }
 }
