@@ -10,7 +10,9 @@
 //! - [`gate`]: the sandbox gate binary, built for the tests that need it;
 //! - [`bridge`]: a Cloudflare Sandbox bridge API server over real sandboxes,
 //!   checking every request and response against the bridge's OpenAPI
-//!   document (the `sandbox-cloudflare` provider's tests).
+//!   document (the `sandbox-cloudflare` provider's tests);
+//! - [`trees`]: the test tree every move test builds, and a listing of a
+//!   tree that means the same on every provider.
 
 pub mod agent;
 pub mod bridge;
@@ -18,6 +20,7 @@ pub mod conformance;
 pub mod gate;
 pub mod model;
 pub mod real;
+pub mod trees;
 
 pub use gate::gate_binary;
 pub use real::{real_parts_required, require_env, skip_or_fail};

@@ -2,7 +2,6 @@
 //! a tree (read through the sandbox's own `exec`), so trees can be compared
 //! across local and Docker sandboxes.
 
-use harness_core::sandbox::{collect_exec, shell_quote, ExecRequest, Sandbox};
 use sandbox_docker::{DockerConfig, DockerProvider};
 
 /// The Docker test image: `HARNESS_TEST_IMAGE`, else `harness-test:bookworm`.
@@ -37,97 +36,9 @@ pub async fn docker() -> Option<DockerProvider> {
     Some(provider)
 }
 
-/// Run a script that must succeed; its stdout.
-pub async fn sh(sandbox: &dyn Sandbox, script: &str) -> String {
-    let out = collect_exec(sandbox.exec(ExecRequest::shell(script)).await.unwrap())
-        .await
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{script:?} failed: {:?} {}",
-        out.status,
-        out.stderr_str()
-    );
-    out.stdout_str()
-}
-
-/// Every entry under `dir`, sorted, one line each: `D path mode`,
-/// `F path mode sha256`, `L path -> target`. Read with find/stat/sha256sum
-/// in the sandbox itself, so it means the same on every provider.
-pub async fn listing(sandbox: &dyn Sandbox, dir: &str) -> Vec<String> {
-    let script = format!(
-        r#"cd {} && find . -mindepth 1 | LC_ALL=C sort | while IFS= read -r f; do
-  if [ -L "$f" ]; then printf 'L %s -> %s\n' "$f" "$(readlink "$f")"
-  elif [ -d "$f" ]; then printf 'D %s %s\n' "$f" "$(stat -c %a "$f")"
-  else printf 'F %s %s %s\n' "$f" "$(stat -c %a "$f")" "$(sha256sum < "$f" | cut -d' ' -f1)"
-  fi
-done"#,
-        shell_quote(dir)
-    );
-    sh(sandbox, &script)
-        .await
-        .lines()
-        .map(str::to_string)
-        .collect()
-}
-
-/// Build the test tree under the sandbox's workdir with shell commands (the
-/// same on every provider): nested text, a 6 MB random binary (several
-/// parts at the 5 MiB part size even compressed), an executable, a
-/// private file, relative symlinks to a file and a directory inside the
-/// tree, an empty directory, names with spaces and non-ASCII.
-pub async fn make_tree(sandbox: &dyn Sandbox) {
-    let script = format!(
-        r#"set -e
-cd {wd}
-mkdir -p src/deep/er empty 'with space/ü'
-i=0; while [ $i -lt 40 ]; do
-  j=0; : > src/deep/er/file$i.rs
-  while [ $j -le $i ]; do echo "fn f$i() -> u32 {{ $j }}" >> src/deep/er/file$i.rs; j=$((j+1)); done
-  i=$((i+1))
-done
-head -c 6000000 /dev/urandom > blob.bin
-printf '#!/bin/sh\necho hi\n' > run.sh; chmod 755 run.sh
-echo secret > private.key; chmod 600 private.key
-echo 'ünïcode' > 'with space/ü/naïve name.txt'
-ln -s src/deep/er/file3.rs link.rs
-ln -s src/deep dir-link
-echo 'from A' > shared.txt
-"#,
-        wd = shell_quote(sandbox.workdir())
-    );
-    sh(sandbox, &script).await;
-}
-
-/// Put the files the target has before the restore: one only B has (must
-/// survive) and one both have (A's version wins).
-pub async fn prepare_target(sandbox: &dyn Sandbox) {
-    let script = format!(
-        "set -e; cd {}; echo 'made in B' > b-only.txt; chmod 644 b-only.txt; echo 'old B version' > shared.txt",
-        shell_quote(sandbox.workdir())
-    );
-    sh(sandbox, &script).await;
-}
-
-/// Assert B's tree is A's tree plus `b-only.txt`.
-pub fn assert_overlaid(a: &[String], b: &[String]) {
-    let b_only: Vec<&String> = b.iter().filter(|l| !a.contains(l)).collect();
-    assert_eq!(b_only.len(), 1, "entries only in B: {b_only:#?}");
-    assert!(
-        b_only[0].starts_with("F ./b-only.txt 644 "),
-        "{:?}",
-        b_only[0]
-    );
-    let missing: Vec<&String> = a.iter().filter(|l| !b.contains(l)).collect();
-    assert!(
-        missing.is_empty(),
-        "A's entries missing or different in B: {missing:#?}"
-    );
-    assert!(
-        a.len() > 45,
-        "the source tree is suspiciously small: {a:#?}"
-    );
-}
+// Not every test binary uses every helper.
+#[allow(unused_imports)]
+pub use harness_testkit::trees::{assert_overlaid, listing, make_tree, prepare_target, sh};
 
 /// A tar whose entries are written with raw header names, so it can hold
 /// what the `tar` crate's safe setters refuse (`..`).

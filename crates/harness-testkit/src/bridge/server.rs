@@ -850,13 +850,17 @@ async fn read_file(
     let failed = |e: harness_core::Error| {
         error_json(502, "exec_transport_error", format!("read failed: {e}"))
     };
-    let mut stream = match inner.sandbox.read_file(&resolved).await {
+    let stream = match inner.sandbox.read_file(&resolved).await {
         Ok(s) => s,
         Err(e) if e.kind() == ErrorKind::NotFound => return not_found(),
         Err(e) => return failed(e),
     };
     // A provider may report a missing file as the stream's first item: look
     // before promising a 200.
+    // Fused: for an empty file the peek below sees the end, and the chain
+    // polls the stream once more (an `unfold` panics if polled after it
+    // ended).
+    let mut stream = stream.fuse();
     let first = match stream.next().await {
         Some(Err(e)) if e.kind() == ErrorKind::NotFound => return not_found(),
         Some(Err(e)) => return failed(e),

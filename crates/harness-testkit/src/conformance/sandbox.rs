@@ -1864,6 +1864,34 @@ pub async fn network_custom(
                  accepted: nothing would enforce its lists"
             );
         }
+        // A provider with no network policy at all refuses `custom` whatever
+        // the forwards (checked again with the forward below).
+        Err(e)
+            if e.kind() == ErrorKind::Unsupported
+                && !e.message().contains(&EGRESS_PROXY_PORT.to_string()) =>
+        {
+            let mut with_forward = custom.clone();
+            with_forward.forwards = vec![HostForward {
+                port: EGRESS_PROXY_PORT,
+                socket: "/nonexistent/harness-suite/proxy.sock".into(),
+            }];
+            match provider.create(&with_forward).await {
+                Err(again) if again.kind() == ErrorKind::Unsupported => {
+                    return Ok(Capability::Unsupported(e.to_string()))
+                }
+                Ok(sandbox) => {
+                    let _ = sandbox.destroy().await;
+                    bail!(
+                        "a custom policy without the egress forward was refused as unsupported \
+                         without naming port {EGRESS_PROXY_PORT}, but accepted with it: {e}"
+                    );
+                }
+                Err(_) => bail!(
+                    "refusing a custom policy without the egress forward must name port \
+                     {EGRESS_PROXY_PORT}: {e}"
+                ),
+            }
+        }
         Err(e) if e.kind() == ErrorKind::Unsupported || e.kind() == ErrorKind::InvalidInput => {
             ensure!(
                 e.message().contains(&EGRESS_PROXY_PORT.to_string()),
