@@ -145,6 +145,11 @@ pub const MATRIX: &[Row] = &[
     // The facade: nothing, then each backend feature alone.
     Row::check("harness").no_default_features(),
     Row::check("harness").no_default_features().each_feature(),
+    // The Cloudflare provider's logic without its reqwest/tokio transport
+    // builds for the Worker target (a Worker supplies the transport).
+    Row::check("sandbox-cloudflare")
+        .no_default_features()
+        .target(WASM),
     // OTLP export is a feature of the binary: its span test runs with it on
     // (docs/operations.md).
     Row::test("harness-cli").features("otlp").only_test("otlp"),

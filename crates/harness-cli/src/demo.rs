@@ -60,6 +60,7 @@ pub async fn run(home: &Home, agent: AgentKind, keep: bool) -> Result<()> {
         engine: EngineSpec::InProcess,
         lenient: false,
         require_docker: false,
+        require_cloudflare: false,
     };
     let config = SessionConfig {
         agent: agent.name().to_string(),

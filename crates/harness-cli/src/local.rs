@@ -44,6 +44,8 @@ pub struct Options {
     pub lenient: bool,
     /// Fail when Docker is not available (the session runs in Docker).
     pub require_docker: bool,
+    /// Fail when no Cloudflare bridge answers (a new session asked for one).
+    pub require_cloudflare: bool,
 }
 
 /// The turn budgets a user sets on the command line.
@@ -97,7 +99,25 @@ pub async fn provider(
                 )?;
             Ok(Arc::new(provider))
         }
-        other => bail!("unknown sandbox provider {other:?} (this build knows local and docker)"),
+        "cloudflare" => {
+            let config = harness::cloudflare::CloudflareConfig::from_env()?;
+            let provider = harness::cloudflare::CloudflareProvider::new(config.clone())?;
+            tokio::time::timeout(Duration::from_secs(10), provider.health())
+                .await
+                .map_err(|_| {
+                    anyhow::anyhow!(
+                        "the Cloudflare bridge at {} did not answer /health in 10 s",
+                        config.url
+                    )
+                })?
+                .with_context(|| {
+                    format!("the Cloudflare bridge at {} is not healthy", config.url)
+                })?;
+            Ok(Arc::new(provider))
+        }
+        other => bail!(
+            "unknown sandbox provider {other:?} (this build knows local, docker and cloudflare)"
+        ),
     }
 }
 
@@ -159,6 +179,14 @@ pub async fn runtime(home: &Home, options: Options) -> Result<Runtime> {
         Err(e) if options.lenient => eprintln!("note: docker sandboxes are not available: {e:#}"),
         // A run in a local sandbox does not need Docker.
         Err(_) => {}
+    }
+    // A bridge is configured by its URL; without one, nothing to add.
+    if options.require_cloudflare || std::env::var_os("HARNESS_CF_BRIDGE_URL").is_some() {
+        match provider(home, "cloudflare", None).await {
+            Ok(cloudflare) => builder = builder.provider(cloudflare),
+            Err(e) if options.require_cloudflare => return Err(e),
+            Err(e) => eprintln!("note: cloudflare sandboxes are not available: {e:#}"),
+        }
     }
     for adapter in agents(home, &options.agents, options.lenient).await? {
         builder = builder.agent(adapter);

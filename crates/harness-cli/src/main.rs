@@ -48,7 +48,14 @@ struct Cli {
     /// variables inside the sandbox (anything the agent runs can read the
     /// key). Default: agents reach the model through this home's broker
     /// with a session token and never see the key.
-    #[arg(long, global = true, env = "HARNESS_DIRECT_MODEL")]
+    /// `HARNESS_DIRECT_MODEL` takes 1/0, true/false, yes/no, on/off.
+    #[arg(
+        long,
+        global = true,
+        env = "HARNESS_DIRECT_MODEL",
+        action = clap::ArgAction::SetTrue,
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
     direct_model: bool,
     #[command(subcommand)]
     command: Command,
@@ -89,6 +96,8 @@ pub enum SandboxKind {
     Local,
     /// A Docker container.
     Docker,
+    /// A Cloudflare Sandbox bridge (HARNESS_CF_BRIDGE_URL, HARNESS_CF_TOKEN).
+    Cloudflare,
 }
 
 impl SandboxKind {
@@ -97,6 +106,7 @@ impl SandboxKind {
         match self {
             SandboxKind::Local => "local",
             SandboxKind::Docker => "docker",
+            SandboxKind::Cloudflare => "cloudflare",
         }
     }
 }
@@ -260,5 +270,28 @@ mod tests {
     #[test]
     fn the_command_line_is_consistent() {
         super::Cli::command().debug_assert();
+    }
+
+    /// The documented `HARNESS_DIRECT_MODEL=1` is accepted (clap's plain
+    /// bool flag took only `true`/`false` from the environment).
+    #[test]
+    fn direct_model_takes_the_documented_env_values() {
+        use clap::Parser;
+        for (value, want) in [
+            ("1", true),
+            ("true", true),
+            ("yes", true),
+            ("0", false),
+            ("false", false),
+        ] {
+            std::env::set_var("HARNESS_DIRECT_MODEL", value);
+            let cli = super::Cli::try_parse_from(["harness", "sessions", "list"]);
+            std::env::remove_var("HARNESS_DIRECT_MODEL");
+            let cli = cli.unwrap_or_else(|e| panic!("HARNESS_DIRECT_MODEL={value}: {e}"));
+            assert_eq!(cli.direct_model, want, "HARNESS_DIRECT_MODEL={value}");
+        }
+        let cli =
+            super::Cli::try_parse_from(["harness", "--direct-model", "sessions", "list"]).unwrap();
+        assert!(cli.direct_model);
     }
 }

@@ -158,6 +158,7 @@ pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
             engine,
             lenient: true,
             require_docker: false,
+            require_cloudflare: false,
         };
         let runtime = local::runtime(home, options).await?;
         let started = runtime.start().await?;

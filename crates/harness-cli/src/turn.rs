@@ -536,6 +536,8 @@ pub async fn run_command(home: &Home, args: RunArgs) -> Result<()> {
                 engine: EngineSpec::InProcess,
                 lenient: false,
                 require_docker: args.sandbox == SandboxKind::Docker && args.session.is_none(),
+                require_cloudflare: args.sandbox == SandboxKind::Cloudflare
+                    && args.session.is_none(),
             };
             let config = new_config(&args)?;
             run_local(
@@ -615,6 +617,7 @@ pub async fn resume_command(home: &Home) -> Result<()> {
         engine: EngineSpec::InProcess,
         lenient: true,
         require_docker: false,
+        require_cloudflare: false,
     };
     let runtime = local::runtime(home, options).await?;
     runtime.start().await?;

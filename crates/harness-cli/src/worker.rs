@@ -56,6 +56,14 @@ async fn remote_slice_runner(home: &Home, args: &RemoteArgs) -> Result<(SliceRun
         }
         Err(e) => eprintln!("note: docker sandboxes are not available: {e:#}"),
     }
+    if std::env::var_os("HARNESS_CF_BRIDGE_URL").is_some() {
+        match local::provider(home, "cloudflare", None).await {
+            Ok(cloudflare) => {
+                providers.insert("cloudflare".into(), cloudflare);
+            }
+            Err(e) => eprintln!("note: cloudflare sandboxes are not available: {e:#}"),
+        }
+    }
     let mut harnesses: BTreeMap<String, Arc<dyn Harness>> = BTreeMap::new();
     for adapter in local::agents(home, &[AgentKind::ClaudeCode, AgentKind::Codex], true).await? {
         harnesses.insert(adapter.name().to_string(), adapter);

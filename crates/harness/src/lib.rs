@@ -9,6 +9,7 @@
 //! |---|---|---|
 //! | `local` (default) | [`local`] | sandbox: a host directory and process groups |
 //! | `docker` | [`docker`] | sandbox: a Docker container (bollard) |
+//! | `cloudflare` | [`cloudflare`] | sandbox: a Cloudflare Sandbox bridge over HTTP |
 //! | `r2` | [`r2`] | checkpoint store on R2 / any S3 |
 //! | `sqlite` (default) | [`sqlite`] | session log and turn store on SQLite |
 //! | `runtime` (default) | [`runtime`] | the session runtime on tokio: actors, dispatch to an engine, the embedding API |
@@ -59,6 +60,9 @@ pub use sandbox_local as local;
 
 #[cfg(feature = "docker")]
 pub use sandbox_docker as docker;
+
+#[cfg(feature = "cloudflare")]
+pub use sandbox_cloudflare as cloudflare;
 
 #[cfg(feature = "r2")]
 pub use checkpoint_r2 as r2;
