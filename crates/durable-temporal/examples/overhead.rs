@@ -5,9 +5,13 @@
 //! 3. through Temporal (`harness_turn` workflow, `harness:slice` activity,
 //!    in-process worker on a `LocalSet`).
 //!
-//! Run: `cargo run -p durable-temporal --example overhead` (needs the
-//! Temporal dev server at `HARNESS_TEMPORAL_ADDRESS`, default
-//! 127.0.0.1:7233).
+//! 4. the baseline: a bare workflow running no-op activities one after the
+//!    other on the same server, in the same run — the least a slice can cost
+//!    on Temporal (a workflow task plus an activity task per activity).
+//!
+//! Run: `cargo run -p durable-temporal --example overhead` or `cargo xtask
+//! bench engine` (needs the Temporal dev server at
+//! `HARNESS_TEMPORAL_ADDRESS`, default 127.0.0.1:7233).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -25,6 +29,95 @@ use harness_core::stream::AbortSignal;
 use harness_core::turn::{step, TurnEvent, TurnState};
 use harness_testkit::agent::{ScriptHarness, SCRIPT_AGENT};
 use session_runtime::{Hub, HubConfig, HubConnector, RunnerSink, SystemClock};
+
+/// The baseline: a workflow that runs `n` no-op activities in a row, with
+/// the same timeouts as a slice, on its own task queue.
+#[allow(missing_debug_implementations)]
+mod bare {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use temporalio_macros::{activities, workflow, workflow_methods};
+    use temporalio_sdk::activities::{ActivityContext, ActivityError};
+    use temporalio_sdk::{ActivityOptions, WorkflowContext, WorkflowContextView, WorkflowResult};
+
+    pub struct NoopActivities;
+
+    #[activities]
+    impl NoopActivities {
+        #[activity(name = "bench:noop")]
+        pub async fn noop(
+            self: Arc<Self>,
+            _ctx: ActivityContext,
+            i: u32,
+        ) -> Result<u32, ActivityError> {
+            Ok(i)
+        }
+    }
+
+    #[workflow]
+    #[derive(Debug)]
+    pub struct NoopLoop {
+        n: u32,
+    }
+
+    #[workflow_methods]
+    impl NoopLoop {
+        #[init]
+        pub fn new(_ctx: &WorkflowContextView, n: u32) -> Self {
+            Self { n }
+        }
+
+        #[run(name = "bench_noop_loop")]
+        pub async fn run(ctx: &mut WorkflowContext<Self>) -> WorkflowResult<u32> {
+            let n = ctx.state(|s| s.n);
+            for i in 0..n {
+                let options = ActivityOptions::with_start_to_close_timeout(Duration::from_secs(60))
+                    .heartbeat_timeout(Duration::from_secs(20))
+                    .build();
+                ctx.execute_activity(NoopActivities::noop, i, options).await?;
+            }
+            Ok(n)
+        }
+    }
+}
+
+/// Per-activity time of the bare no-op loop (`n` activities).
+async fn bare_round_trip(config: &TemporalConfig, n: u32) -> anyhow::Result<Duration> {
+    use temporalio_client::{WorkflowGetResultOptions, WorkflowStartOptions};
+    let queue = format!("dt-bare-{}", uuid::Uuid::new_v4());
+    let runtime = temporalio_sdk::Runtime::from_current_tokio(Default::default())?;
+    let client = durable_temporal::connect(config).await?;
+    let options = temporalio_sdk::WorkerOptions::new(queue.clone())
+        .register_activities(bare::NoopActivities)
+        .register_workflow::<bare::NoopLoop>()?
+        .build();
+    let mut worker = temporalio_sdk::Worker::new(&runtime, client.clone(), options)?;
+    let shutdown = worker.shutdown_handle();
+    let local = tokio::task::LocalSet::new();
+    let handle = local.spawn_local(async move { worker.run().await });
+    let elapsed = local
+        .run_until(async {
+            let id = format!("bench-noop-{}", uuid::Uuid::new_v4());
+            let t = Instant::now();
+            let started = client
+                .start_workflow(
+                    bare::NoopLoop::run,
+                    n,
+                    WorkflowStartOptions::new(queue.clone(), id).build(),
+                )
+                .await?;
+            let done: u32 = started
+                .get_result(WorkflowGetResultOptions::default())
+                .await?;
+            anyhow::ensure!(done == n, "the bare loop ran {done} of {n} activities");
+            anyhow::Ok(t.elapsed())
+        })
+        .await?;
+    shutdown();
+    let _ = local.run_until(handle).await;
+    Ok(elapsed / n)
+}
 
 /// How long the scripted agent runs in the engine measurements.
 const AGENT_SECONDS: f64 = 4.0;
@@ -164,29 +257,36 @@ async fn main() -> anyhow::Result<()> {
     let local = tokio::task::LocalSet::new();
     let handle = local.spawn_local(async move { worker.run().await });
     let engine = TemporalEngine::connect(config.clone()).await?;
-    let state = turn(
-        dir.path(),
-        log.as_ref(),
-        "temporal",
-        &quiet_agent(AGENT_SECONDS),
-    )
-    .await?;
+    // A fresh session id per run: the dev server keeps finished workflows,
+    // and a turn's workflow id is derived from it.
+    let session = format!("temporal-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let state = turn(dir.path(), log.as_ref(), &session, &quiet_agent(AGENT_SECONDS)).await?;
     let (elapsed, done) = local
         .run_until(async {
             let t = Instant::now();
             engine.start_turn(state).await?;
-            let done = engine.wait_turn("temporal", "t1").await?;
+            let done = engine.wait_turn(&session, "t1").await?;
             anyhow::Ok((t.elapsed(), done))
         })
         .await?;
     shutdown();
     let _ = local.run_until(handle).await;
     let per = elapsed / done.slices_run.max(1);
+    let overhead = per.saturating_sub(direct);
     println!(
-        "temporal engine: {per:?} per slice ({} slices, {elapsed:?} total, status {}); overhead {:?}",
+        "temporal engine: {per:?} per slice ({} slices, {elapsed:?} total, status {}); overhead {overhead:?}",
         done.slices_run,
         done.status.as_str(),
-        per.saturating_sub(direct)
+    );
+
+    // 4. The baseline on the same server, in the same run: as many bare
+    // no-op activities as the turn ran slices.
+    let bare = bare_round_trip(&config, done.slices_run.max(10)).await?;
+    println!(
+        "bare no-op activity round trip: {bare:?} per activity; slice overhead / bare = {:.2}, \
+         whole slice / bare = {:.2}",
+        overhead.as_secs_f64() / bare.as_secs_f64(),
+        per.as_secs_f64() / bare.as_secs_f64()
     );
     Ok(())
 }
