@@ -167,6 +167,8 @@ fn is_busy(err: &Error) -> bool {
 
 fn configure(conn: &Connection) -> Result<()> {
     conn.busy_timeout(BUSY_TIMEOUT).map_err(db_err)?;
+    // The append path's statements (and the reads') stay prepared.
+    conn.set_prepared_statement_cache_capacity(64);
     // WAL: readers never block the writer, and a commit is one sequential
     // write to the WAL file. `journal_mode` answers with the mode in force
     // (`memory` for an in-memory database, which has no WAL).
@@ -345,11 +347,11 @@ impl Drop for WriterHold {
 fn load_info(conn: &Connection, session: &SessionId) -> Result<LogInfo> {
     type Row = (bool, Option<String>, Option<i64>, Option<String>);
     let row: Option<Row> = conn
-        .query_row(
-            "SELECT sealed, forked_from, fork_until, meta FROM logs WHERE session = ?1",
-            params![session.as_str()],
-            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
-        )
+        .prepare_cached("SELECT sealed, forked_from, fork_until, meta FROM logs WHERE session = ?1")
+        .map_err(db_err)?
+        .query_row(params![session.as_str()], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
+        })
         .optional()
         .map_err(db_err)?;
     let (sealed, forked_from, fork_until, meta) = row.ok_or_else(|| unknown_session(session))?;
@@ -383,11 +385,9 @@ fn decode_meta(json: &str, session: &SessionId) -> Result<SessionMeta> {
 /// The session's meta, read where stored or folded from its frames.
 fn load_meta(conn: &Connection, session: &SessionId) -> Result<SessionMeta> {
     let stored: Option<String> = conn
-        .query_row(
-            "SELECT meta FROM logs WHERE session = ?1",
-            params![session.as_str()],
-            |r| r.get(0),
-        )
+        .prepare_cached("SELECT meta FROM logs WHERE session = ?1")
+        .map_err(db_err)?
+        .query_row(params![session.as_str()], |r| r.get(0))
         .map_err(db_err)?;
     match stored {
         Some(json) => decode_meta(&json, session),
@@ -429,22 +429,21 @@ fn fold_stored(
 }
 
 fn store_meta(conn: &Connection, session: &SessionId, meta: &SessionMeta) -> Result<()> {
-    conn.execute(
-        "UPDATE logs SET meta = ?2 WHERE session = ?1",
-        params![session.as_str(), serde_json::to_string(meta)?],
-    )
-    .map_err(db_err)?;
+    conn.prepare_cached("UPDATE logs SET meta = ?2 WHERE session = ?1")
+        .map_err(db_err)?
+        .execute(params![session.as_str(), serde_json::to_string(meta)?])
+        .map_err(db_err)?;
     Ok(())
 }
 
 /// Seq and stamp of the last frame ((0, 0) when empty).
 fn last_frame(conn: &Connection, session: &SessionId) -> Result<(u64, u64)> {
     let row: Option<(i64, i64)> = conn
-        .query_row(
+        .prepare_cached(
             "SELECT seq, at_ms FROM frames WHERE session = ?1 ORDER BY seq DESC LIMIT 1",
-            params![session.as_str()],
-            |r| Ok((r.get(0)?, r.get(1)?)),
         )
+        .map_err(db_err)?
+        .query_row(params![session.as_str()], |r| Ok((r.get(0)?, r.get(1)?)))
         .optional()
         .map_err(db_err)?;
     Ok(row.map_or((0, 0), |(s, a)| (s as u64, a as u64)))
@@ -452,11 +451,9 @@ fn last_frame(conn: &Connection, session: &SessionId) -> Result<(u64, u64)> {
 
 fn last_seq(conn: &Connection, session: &SessionId) -> Result<u64> {
     let last: i64 = conn
-        .query_row(
-            "SELECT COALESCE(MAX(seq), 0) FROM frames WHERE session = ?1",
-            params![session.as_str()],
-            |r| r.get(0),
-        )
+        .prepare_cached("SELECT COALESCE(MAX(seq), 0) FROM frames WHERE session = ?1")
+        .map_err(db_err)?
+        .query_row(params![session.as_str()], |r| r.get(0))
         .map_err(db_err)?;
     Ok(last as u64)
 }
@@ -478,11 +475,9 @@ pub(crate) fn append_in(
     now: u64,
 ) -> Result<Appended> {
     let sealed: Option<bool> = tx
-        .query_row(
-            "SELECT sealed FROM logs WHERE session = ?1",
-            params![session.as_str()],
-            |r| r.get(0),
-        )
+        .prepare_cached("SELECT sealed FROM logs WHERE session = ?1")
+        .map_err(db_err)?
+        .query_row(params![session.as_str()], |r| r.get(0))
         .optional()
         .map_err(db_err)?;
     let sealed = sealed.ok_or_else(|| unknown_session(session))?;
@@ -490,11 +485,13 @@ pub(crate) fn append_in(
     // (a retry of the write that was acknowledged just before the seal).
     if let Some(key) = &request.idempotency_key {
         let found: Option<(i64, i64, String)> = tx
-            .query_row(
+            .prepare_cached(
                 "SELECT seq, at_ms, body FROM frames WHERE session = ?1 AND idem_key = ?2",
-                params![session.as_str(), key],
-                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
             )
+            .map_err(db_err)?
+            .query_row(params![session.as_str(), key], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+            })
             .optional()
             .map_err(db_err)?;
         if let Some((seq, at_ms, stored)) = found {
@@ -520,23 +517,23 @@ pub(crate) fn append_in(
         return Err(sealed_error(session));
     }
     let seq = last_seq(tx, session)? + 1;
-    tx.execute(
+    tx.prepare_cached(
         "INSERT INTO frames (session, seq, at_ms, body, idem_key) VALUES (?1, ?2, ?3, ?4, ?5)",
-        params![
-            session.as_str(),
-            seq as i64,
-            now as i64,
-            body_json,
-            request.idempotency_key
-        ],
     )
+    .map_err(db_err)?
+    .execute(params![
+        session.as_str(),
+        seq as i64,
+        now as i64,
+        body_json,
+        request.idempotency_key
+    ])
     .map_err(db_err)?;
     if matches!(request.body, FrameBody::Sealed {}) {
-        tx.execute(
-            "UPDATE logs SET sealed = 1 WHERE session = ?1",
-            params![session.as_str()],
-        )
-        .map_err(db_err)?;
+        tx.prepare_cached("UPDATE logs SET sealed = 1 WHERE session = ?1")
+            .map_err(db_err)?
+            .execute(params![session.as_str()])
+            .map_err(db_err)?;
     }
     // The meta moves with the frame, in this transaction; most frames
     // (text, tool calls) cannot change it and skip the read.

@@ -29,7 +29,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -91,12 +91,17 @@ struct Shared {
     commits: AtomicU64,
     /// Most jobs taken into one transaction.
     max_batch: AtomicUsize,
+    /// Whether a group (transaction) is open.
+    open: AtomicBool,
 }
 
 /// The handle; dropping the last one stops the thread after the queued
 /// jobs (committing what is open).
 pub(crate) struct Writer {
     shared: Arc<Shared>,
+    /// The connection and the open group; the thread holds it while it
+    /// works, a grouped append takes it directly when it is free.
+    state: Arc<Mutex<State>>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -115,6 +120,7 @@ impl Writer {
             fail_commits: Arc::new(AtomicUsize::new(0)),
             commits: AtomicU64::new(0),
             max_batch: AtomicUsize::new(MAX_BATCH),
+            open: AtomicBool::new(false),
         });
         let fail = shared.fail_commits.clone();
         // The hook turns a COMMIT into a ROLLBACK and makes it fail
@@ -133,13 +139,15 @@ impl Writer {
             failed: BTreeMap::new(),
             poisoned: HashMap::new(),
         };
-        let thread_shared = shared.clone();
+        let state = Arc::new(Mutex::new(state));
+        let (thread_shared, thread_state) = (shared.clone(), state.clone());
         let thread = std::thread::Builder::new()
             .name("session-log-writer".into())
-            .spawn(move || run(thread_shared, state))
+            .spawn(move || run(thread_shared, thread_state))
             .map_err(|e| Error::backend(format!("cannot start the log writer thread: {e}")))?;
         Ok(Arc::new(Self {
             shared,
+            state,
             thread: Mutex::new(Some(thread)),
         }))
     }
@@ -166,13 +174,27 @@ impl Writer {
         grouped: bool,
     ) -> Result<(Appended, u64)> {
         let (reply, rx) = oneshot::channel();
-        self.push(Job::Append {
+        let job = Job::Append {
             session,
             request,
             body_json,
             grouped,
             reply,
-        });
+        };
+        // A grouped append into a group that is already open needs no BEGIN
+        // (no lock wait) and no I/O until the commit: when the connection is
+        // free, do it here rather than pay two thread hand-offs. (Jobs still
+        // queued are other callers', concurrent with this one.)
+        let job = match grouped.then(|| self.state.try_lock().ok()).flatten() {
+            Some(mut st) if st.open => {
+                st.job(job);
+                None
+            }
+            _ => Some(job),
+        };
+        if let Some(job) = job {
+            self.push(job);
+        }
         rx.await.unwrap_or_else(|_| Err(stopped()))
     }
 
@@ -288,7 +310,7 @@ impl Drop for Exit {
     }
 }
 
-fn run(shared: Arc<Shared>, mut st: State) {
+fn run(shared: Arc<Shared>, state: Arc<Mutex<State>>) {
     let _exit = Exit(shared.clone());
     loop {
         let (jobs, closed) = {
@@ -297,7 +319,7 @@ fn run(shared: Arc<Shared>, mut st: State) {
                 if !q.jobs.is_empty() || q.closed {
                     break;
                 }
-                if st.open {
+                if shared.open.load(Ordering::Acquire) {
                     let (guard, wait) = shared
                         .wake
                         .wait_timeout(q, IDLE_COMMIT)
@@ -313,6 +335,7 @@ fn run(shared: Arc<Shared>, mut st: State) {
             let n = q.jobs.len().min(shared.max_batch.load(Ordering::Acquire));
             (q.jobs.drain(..n).collect::<Vec<_>>(), q.closed)
         };
+        let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
         if jobs.is_empty() {
             st.commit();
             if closed {
@@ -409,8 +432,9 @@ impl State {
             // IMMEDIATE takes the write lock up front, so the seqs read in
             // the group stay the last ones until it commits, even with
             // another process on the same file.
-            self.conn.execute_batch("BEGIN IMMEDIATE").map_err(db_err)?;
+            self.run("BEGIN IMMEDIATE").map_err(db_err)?;
             self.open = true;
+            self.shared.open.store(true, Ordering::Release);
             self.group += 1;
         }
         Ok(())
@@ -424,10 +448,24 @@ impl State {
         request: &AppendRequest,
         body_json: &str,
     ) -> Result<Appended> {
-        let sp = self.conn.savepoint().map_err(db_err)?;
-        let appended = append_in(&sp, session, request, body_json, now_ms())?;
-        sp.commit().map_err(db_err)?;
-        Ok(appended)
+        self.run("SAVEPOINT append").map_err(db_err)?;
+        match append_in(&self.conn, session, request, body_json, now_ms()) {
+            Ok(appended) => {
+                self.run("RELEASE append").map_err(db_err)?;
+                Ok(appended)
+            }
+            Err(e) => {
+                let _ = self.run("ROLLBACK TO append");
+                let _ = self.run("RELEASE append");
+                Err(e)
+            }
+        }
+    }
+
+    /// One statement without parameters, prepared once.
+    fn run(&self, sql: &str) -> rusqlite::Result<()> {
+        self.conn.prepare_cached(sql)?.execute([])?;
+        Ok(())
     }
 
     /// Commit the open group (if any) and answer its plain appends.
@@ -436,11 +474,11 @@ impl State {
             return;
         }
         self.open = false;
+        self.shared.open.store(false, Ordering::Release);
         let group = self.group;
         self.shared.commits.fetch_add(1, Ordering::AcqRel);
         let result = self
-            .conn
-            .execute_batch("COMMIT")
+            .run("COMMIT")
             .map_err(|e| Error::backend(format!("sqlite: commit failed: {e}")).with_source(e));
         if result.is_err() && !self.conn.is_autocommit() {
             let _ = self.conn.execute_batch("ROLLBACK");

@@ -104,6 +104,10 @@ enum Command {
         after: Option<u64>,
         out: OutTx,
         reply: oneshot::Sender<Result<ConnId, Error>>,
+        /// A client's one message: the connection exists for its answer
+        /// only and is closed once the message is handled
+        /// ([`Hub::request`]).
+        request: Option<ClientMessage>,
     },
     Input(Input),
 }
@@ -190,6 +194,8 @@ pub struct Connection {
     rx: mpsc::UnboundedReceiver<Outbound>,
     depth: Arc<AtomicUsize>,
     tx: mpsc::UnboundedSender<Command>,
+    /// Made by [`Hub::request`]: the actor closes it itself.
+    transient: bool,
 }
 
 impl std::fmt::Debug for Command {
@@ -294,6 +300,9 @@ impl Connection {
 
 impl Drop for Connection {
     fn drop(&mut self) {
+        if self.transient {
+            return;
+        }
         let _ = self
             .tx
             .send(Command::Input(Input::Disconnect { conn: self.id }));
@@ -401,10 +410,33 @@ impl Hub {
         role: Role,
         after: Option<u64>,
     ) -> Result<Connection, Error> {
+        self.open(session, role, after, None).await
+    }
+
+    /// Send one client message on a connection that lasts until it is
+    /// handled (one command to the actor instead of connect, message and
+    /// disconnect): what `POST /messages` does. Wait for the answer with
+    /// [`Connection::answer`]; frames stored meanwhile may come first.
+    pub async fn request(
+        &self,
+        session: &SessionId,
+        message: ClientMessage,
+    ) -> Result<Connection, Error> {
+        self.open(session, Role::Client, None, Some(message)).await
+    }
+
+    async fn open(
+        &self,
+        session: &SessionId,
+        role: Role,
+        after: Option<u64>,
+        request: Option<ClientMessage>,
+    ) -> Result<Connection, Error> {
         for _ in 0..3 {
             let (out_tx, out_rx) = mpsc::unbounded_channel();
             let depth = Arc::new(AtomicUsize::new(0));
             let (reply_tx, reply_rx) = oneshot::channel();
+            let transient = request.is_some();
             let cmd = Command::Connect {
                 role,
                 after,
@@ -413,6 +445,7 @@ impl Hub {
                     depth: depth.clone(),
                 },
                 reply: reply_tx,
+                request: request.clone(),
             };
             let tx = self.send(session, cmd)?;
             match reply_rx.await {
@@ -422,6 +455,7 @@ impl Hub {
                         rx: out_rx,
                         depth,
                         tx,
+                        transient,
                     })
                 }
                 Ok(Err(e)) => return Err(e),
@@ -595,6 +629,8 @@ async fn run_actor(
             }
         }
         let mut inputs = vec![Input::Tick { now_ms: now_ms() }];
+        // Connections of one request, closed once the batch is handled.
+        let mut transient = Vec::new();
         for cmd in cmds {
             match cmd {
                 Command::Connect {
@@ -602,6 +638,7 @@ async fn run_actor(
                     after,
                     out,
                     reply,
+                    request,
                 } => {
                     let conn = next_conn;
                     next_conn += 1;
@@ -611,6 +648,10 @@ async fn run_actor(
                     }
                     driver.transport_mut().conns.insert(conn, out);
                     inputs.push(Input::Connect { conn, role, after });
+                    if let Some(message) = request {
+                        inputs.push(Input::Client { conn, message });
+                        transient.push(conn);
+                    }
                 }
                 Command::Input(input) => {
                     if let Input::Disconnect { conn } = &input {
@@ -620,15 +661,33 @@ async fn run_actor(
                 }
             }
         }
-        if inputs.len() <= 2 {
-            // One input: its append commits alone (with whatever other
-            // sessions append meanwhile), acked as soon as it is durable.
+        // Inputs that may append; with one, there is nothing to group: it
+        // commits at once (possibly with other sessions' appends).
+        let writes = inputs
+            .iter()
+            .filter(|i| {
+                matches!(
+                    i,
+                    Input::Client { .. }
+                        | Input::Runner { .. }
+                        | Input::ToolHost { .. }
+                        | Input::DispatchFailed { .. }
+                )
+            })
+            .count();
+        let result = if writes <= 1 {
             for input in inputs {
                 driver.handle(input).await;
             }
-            continue;
+            Ok(())
+        } else {
+            driver.handle_batch(inputs).await
+        };
+        for conn in transient {
+            driver.transport_mut().conns.remove(&conn);
+            driver.handle(Input::Disconnect { conn }).await;
         }
-        let Err(error) = driver.handle_batch(inputs).await else {
+        let Err(error) = result else {
             continue;
         };
         // The group commit failed: nothing of the batch was acknowledged or

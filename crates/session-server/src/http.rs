@@ -389,8 +389,8 @@ async fn post_message(
         return Err(seal_forbidden());
     }
     let is_prompt = matches!(message, ClientMessage::Prompt { .. });
-    let mut conn = state.hub.connect(&id, Role::Client, None).await?;
-    conn.client(message);
+    // One command to the actor: connect, the message, and close once handled.
+    let mut conn = state.hub.request(&id, message).await?;
     let (seq, duplicate) = conn.answer(ANSWER_TIMEOUT).await?;
     let mut ack = json!({"type": "ack", "seq": seq, "duplicate": duplicate});
     if is_prompt {
