@@ -1,13 +1,34 @@
-//! Session server figures: append throughput (direct and over HTTP /
-//! WebSocket), live-delivery latency to many SSE readers, replay time.
+//! Session log figures (issue 17, "the log keeps up"), each next to a
+//! baseline measured in the same run:
+//!
+//! 1. appends: direct to `SqliteSessionLog` (1 and 16 writers) and over HTTP
+//!    `POST /messages` with 16 writers (one session; 16 sessions), with
+//!    group commit (the default) and without (`HubConfig::max_batch = 1`,
+//!    `SqliteSessionLog::with_max_group(1)`: every append its own commit,
+//!    one actor input at a time — the path before group commit);
+//! 2. live delivery to 1,000 SSE readers while a writer stores 50 and then
+//!    1,000 frames/s, on the session stream (`/v1/sessions/<id>/events`),
+//!    the Durable Streams session stream (`/v1/stream/sessions/<id>`,
+//!    `live=sse`) and, side by side, a generic stream of the reference
+//!    Durable Streams server (npm `@durable-streams/server`); latency = the
+//!    reader's receive time − the writer's send time, per delivery; "lag
+//!    growth" = p50 of the last fifth of the frames sent − p50 of the first
+//!    fifth (≈ 0 when readers keep up);
+//! 3. replay of 100,000 frames on every read path (SSE `/events`, WebSocket
+//!    `after=0`, Durable Streams GET, `/export`, `/frames` pages) against
+//!    `log.read` pages straight from the log.
 //!
 //! ```text
 //! cargo run --release -p session-server --example bench
-//! BENCH_READERS=1000 BENCH_RATE=50 BENCH_SECS=10 BENCH_REPLAY=100000 cargo run --release -p session-server --example bench
+//! # knobs: BENCH_HTTP (20000) BENCH_WRITERS (16) BENCH_DIRECT (20000)
+//! #        BENCH_READERS (1000) BENCH_RATES (50,1000) BENCH_SECS (10)
+//! #        BENCH_REPLAY (100000) BENCH_ONLY (append,live,replay)
+//! #        BENCH_REFERENCE (1; 0 skips the reference server)
 //! ```
 //!
-//! Everything runs in this process against a SQLite log in a temp dir, over
-//! real TCP on 127.0.0.1.
+//! Our servers run on their own 2-thread tokio runtime in this process (the
+//! client has its own), over real TCP on 127.0.0.1, SQLite log in a temp
+//! dir. Results: `docs/session-server.md`, `docs/durable-streams.md`.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -16,10 +37,14 @@ use futures::{SinkExt, StreamExt};
 use harness_core::frame::FrameBody;
 use harness_core::log::{AppendRequest, SessionLog};
 use harness_core::SessionId;
-use serde_json::{json, Value};
+use serde_json::json;
 use session_log::SqliteSessionLog;
+use session_runtime::Hub;
 use session_server::{ServerConfig, SessionServer};
 use tokio_tungstenite::tungstenite::Message;
+
+#[path = "support/servers.rs"]
+mod servers;
 
 fn env(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -28,23 +53,13 @@ fn env(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
-/// A runner's part: what most of a session's frames are (they leave the
-/// session's meta alone).
+/// A runner's part: what most of a session's frames are.
 fn part(i: u64) -> FrameBody {
     FrameBody::Part {
         turn_id: "t1".into(),
         part: harness_core::part::StreamPart::Raw {
             value: json!({"line": format!("frame {i}: the quick brown fox jumps over the lazy dog")}),
         },
-    }
-}
-
-/// A prompt: a frame the log folds into the session's meta in the same
-/// transaction (read and rewrite the meta), the worst case per append.
-fn prompt(i: u64) -> FrameBody {
-    FrameBody::UserMessage {
-        text: format!("frame {i}: the quick brown fox jumps over the lazy dog"),
-        turn_id: None,
     }
 }
 
@@ -56,73 +71,115 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[i]
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let readers = env("BENCH_READERS", 1000);
-    let rate = env("BENCH_RATE", 50);
-    let secs = env("BENCH_SECS", 10);
-    let replay_n = env("BENCH_REPLAY", 100_000);
-    let direct_n = env("BENCH_DIRECT", 20_000);
-    let http_n = env("BENCH_HTTP", 5_000);
+fn sorted(mut v: Vec<f64>) -> Vec<f64> {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+    v
+}
 
-    let dir = tempfile::tempdir()?;
-    let log = Arc::new(SqliteSessionLog::open(dir.path().join("bench.db"))?);
+/// Our server over a SQLite log in `dir`, grouped or not.
+struct Ours {
+    base: String,
+    log: Arc<SqliteSessionLog>,
+    _server: servers::Server,
+}
+
+fn start_ours(dir: &std::path::Path, name: &str, grouped: bool) -> anyhow::Result<Ours> {
+    let mut log = SqliteSessionLog::open(dir.join(format!("{name}.db")))?;
+    if !grouped {
+        log = log.with_max_group(1);
+    }
+    let log = Arc::new(log);
     let mut config = ServerConfig::new(log.clone());
     config.insecure_no_auth = true;
-    let server = SessionServer::new(config);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    let router = server.router();
-    tokio::spawn(async move { axum::serve(listener, router).await });
-    let base = format!("http://{addr}");
-    let http = reqwest::Client::new();
-    let create = |id: &str| {
-        http.post(format!("{base}/v1/sessions"))
-            .json(&json!({"id": id}))
-            .send()
-    };
-
-    // 1. Direct appends to the SQLite log, one writer: parts (the common
-    // frame), then prompts (folded into the session's meta).
-    for (what, frame) in [("parts", part as fn(u64) -> FrameBody), ("prompts", prompt)] {
-        let s = SessionId::parse(format!("direct-{what}"))?;
-        log.create(&s).await?;
-        let t = Instant::now();
-        for i in 0..direct_n {
-            log.append(&s, AppendRequest::new(frame(i))).await?;
-        }
-        let el = t.elapsed();
-        println!(
-            "direct append of {what} (SqliteSessionLog, 1 writer): {direct_n} frames in {:.2?} = {:.0} frames/s",
-            el,
-            direct_n as f64 / el.as_secs_f64()
-        );
+    let mut hub_config = config.hub_config();
+    if !grouped {
+        hub_config.max_batch = 1;
     }
+    // The hub's actors run on the runtime it is made on: the server's.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    listener.set_nonblocking(true)?;
+    let addr = listener.local_addr()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("ours-server")
+        .enable_all()
+        .build()?;
+    let hub_log = log.clone();
+    rt.spawn(async move {
+        let hub = Hub::new(hub_log, hub_config);
+        let app = SessionServer::with_hub(config, hub).router();
+        let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
+        axum::serve(listener, app).await.expect("serve");
+    });
+    Ok(Ours {
+        base: format!("http://{addr}"),
+        log,
+        _server: servers::Server::Ours(Some(rt)),
+    })
+}
 
-    // 2. HTTP appends: POST /messages, 16 concurrent writers. A session
-    // holds one turn at a time, so one prompt opens a turn (no runtime runs
-    // it here) and the writers store client answers in it (answers to no
-    // pending request: stored, folded into nothing).
-    create("http").await?;
-    let opened = http
-        .post(format!("{base}/v1/sessions/http/messages"))
-        .json(&json!({"type": "prompt", "text": "open"}))
+async fn create(http: &reqwest::Client, base: &str, id: &str) -> anyhow::Result<()> {
+    let r = http
+        .post(format!("{base}/v1/sessions"))
+        .json(&json!({"id": id}))
         .send()
         .await?;
-    anyhow::ensure!(opened.status() == 200, "status {}", opened.status());
+    anyhow::ensure!(r.status().is_success(), "create {id}: {}", r.status());
+    Ok(())
+}
+
+async fn post_message(
+    http: &reqwest::Client,
+    base: &str,
+    id: &str,
+    m: serde_json::Value,
+) -> anyhow::Result<()> {
+    let r = http
+        .post(format!("{base}/v1/sessions/{id}/messages"))
+        .json(&m)
+        .send()
+        .await?;
+    anyhow::ensure!(r.status() == 200, "POST {id}/messages: {}", r.status());
+    Ok(())
+}
+
+/// Create `id` with one open turn, so client answers are stored.
+async fn session_with_turn(http: &reqwest::Client, base: &str, id: &str) -> anyhow::Result<()> {
+    create(http, base, id).await?;
+    post_message(http, base, id, json!({"type": "prompt", "text": "open"})).await
+}
+
+fn answer(id: String) -> serde_json::Value {
+    json!({"type": "approval-response", "approvalId": id, "approved": true})
+}
+
+/// `n` answers over HTTP from `writers` concurrent writers, into one
+/// session or one session each. Frames/s.
+async fn http_appends(
+    base: &str,
+    tag: &str,
+    n: u64,
+    writers: u64,
+    spread: bool,
+) -> anyhow::Result<f64> {
+    let http = reqwest::Client::new();
+    let sessions: Vec<String> = if spread {
+        (0..writers).map(|w| format!("{tag}-{w}")).collect()
+    } else {
+        vec![tag.to_string()]
+    };
+    for s in &sessions {
+        session_with_turn(&http, base, s).await?;
+    }
+    let per = n / writers;
     let t = Instant::now();
-    let writers = 16;
     let mut tasks = Vec::new();
     for w in 0..writers {
-        let (http, base) = (http.clone(), base.clone());
+        let (http, base) = (http.clone(), base.to_string());
+        let s = sessions[w as usize % sessions.len()].clone();
         tasks.push(tokio::spawn(async move {
-            for i in 0..http_n / writers {
-                let r = http
-                    .post(format!("{base}/v1/sessions/http/messages"))
-                    .json(&json!({"type": "approval-response", "approvalId": format!("w{w} m{i}"), "approved": true}))
-                    .send()
-                    .await?;
-                anyhow::ensure!(r.status() == 200, "status {}", r.status());
+            for i in 0..per {
+                post_message(&http, &base, &s, answer(format!("w{w} m{i}"))).await?;
             }
             anyhow::Ok(())
         }));
@@ -130,25 +187,113 @@ async fn main() -> anyhow::Result<()> {
     for task in tasks {
         task.await??;
     }
-    let el = t.elapsed();
-    let n = (http_n / writers) * writers;
-    println!(
-        "HTTP append (POST /messages, {writers} writers): {n} frames in {:.2?} = {:.0} frames/s",
-        el,
-        n as f64 / el.as_secs_f64()
-    );
+    Ok((per * writers) as f64 / t.elapsed().as_secs_f64())
+}
 
-    // 3. Runner stream over one WebSocket (pipelined, acks counted).
-    create("ws").await?;
-    let (mut runner, _) = tokio_tungstenite::connect_async(format!(
+/// `n` appends straight to the log from `writers` tasks, one session.
+async fn direct_appends(
+    log: &Arc<SqliteSessionLog>,
+    tag: &str,
+    n: u64,
+    writers: u64,
+) -> anyhow::Result<f64> {
+    let s = SessionId::parse(tag)?;
+    log.create(&s).await?;
+    let per = n / writers;
+    let t = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..writers {
+        let (log, s) = (log.clone(), s.clone());
+        tasks.push(tokio::spawn(async move {
+            for i in 0..per {
+                log.append(&s, AppendRequest::new(part(i))).await?;
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for task in tasks {
+        task.await??;
+    }
+    Ok((per * writers) as f64 / t.elapsed().as_secs_f64())
+}
+
+fn row(label: &str, new: f64, base: f64, unit: &str) {
+    println!(
+        "| {label} | {new:.0} {unit} | {base:.0} {unit} | x{:.2} |",
+        new / base
+    );
+}
+
+async fn bench_appends(dir: &std::path::Path) -> anyhow::Result<()> {
+    let http_n = env("BENCH_HTTP", 20_000);
+    let writers = env("BENCH_WRITERS", 16).max(1);
+    let direct_n = env("BENCH_DIRECT", 20_000);
+    let grouped = start_ours(dir, "append-grouped", true)?;
+    let single = start_ours(dir, "append-single", false)?;
+    // Alternate the two servers so load changes hit both alike.
+    let mut results = Vec::new();
+    for (what, spread) in [("one session", false), ("one session each", true)] {
+        let g = http_appends(
+            &grouped.base,
+            &format!("http-{spread}"),
+            http_n,
+            writers,
+            spread,
+        )
+        .await?;
+        let s = http_appends(
+            &single.base,
+            &format!("http-{spread}"),
+            http_n,
+            writers,
+            spread,
+        )
+        .await?;
+        results.push((
+            format!("HTTP POST /messages, {writers} writers, {what}"),
+            g,
+            s,
+        ));
+    }
+    for w in [1, writers] {
+        let g = direct_appends(&grouped.log, &format!("direct-{w}"), direct_n, w).await?;
+        let s = direct_appends(&single.log, &format!("direct-{w}"), direct_n, w).await?;
+        results.push((
+            format!("direct SqliteSessionLog::append, {w} writer(s)"),
+            g,
+            s,
+        ));
+    }
+    // A runner's parts over one WebSocket, pipelined (acks counted).
+    for (server, slot) in [(&grouped, 0), (&single, 1)] {
+        let v = ws_runner(&server.base, http_n / 4).await?;
+        if slot == 0 {
+            results.push(("WebSocket runner parts, pipelined".into(), v, 0.0));
+        } else if let Some(last) = results.last_mut() {
+            last.2 = v;
+        }
+    }
+    println!();
+    println!("| appends (frames/s) | group commit | one commit per append | ratio |");
+    println!("|---|---:|---:|---:|");
+    for (label, g, s) in results {
+        row(&label, g, s, "/s");
+    }
+    Ok(())
+}
+
+async fn ws_runner(base: &str, n: u64) -> anyhow::Result<f64> {
+    let http = reqwest::Client::new();
+    create(&http, base, "ws").await?;
+    let addr = base.trim_start_matches("http://");
+    let (runner, _) = tokio_tungstenite::connect_async(format!(
         "ws://{addr}/v1/sessions/ws/ws?role=runner&generation=1"
     ))
     .await?;
     let t = Instant::now();
-    let ws_n = http_n;
     let (mut sink, mut stream) = runner.split();
     let sender = tokio::spawn(async move {
-        for i in 0..ws_n {
+        for i in 0..n {
             let m =
                 json!({"type": "part", "turnId": "t", "part": {"type": "raw", "value": {"i": i}}});
             sink.send(Message::Text(m.to_string().into())).await?;
@@ -156,161 +301,528 @@ async fn main() -> anyhow::Result<()> {
         anyhow::Ok(sink)
     });
     let mut acks = 0;
-    while acks < ws_n {
-        if let Some(Ok(Message::Text(t))) = stream.next().await {
-            if t.as_str().contains("\"ack\"") {
-                acks += 1;
-            }
+    while acks < n {
+        match stream.next().await {
+            Some(Ok(Message::Text(t))) if t.as_str().contains("\"ack\"") => acks += 1,
+            Some(Ok(_)) => {}
+            other => anyhow::bail!("runner socket ended: {other:?}"),
         }
     }
     let el = t.elapsed();
-    runner = sender.await??.reunite(stream)?;
-    let _ = runner.close(None).await;
-    println!(
-        "WebSocket runner append (pipelined): {ws_n} frames in {:.2?} = {:.0} frames/s",
-        el,
-        ws_n as f64 / el.as_secs_f64()
-    );
+    let _ = sender.await?;
+    Ok(n as f64 / el.as_secs_f64())
+}
 
-    // 4. Live-delivery latency to many SSE readers.
-    create("live").await?;
-    let opened = reqwest::Client::new()
-        .post(format!("{base}/v1/sessions/live/messages"))
-        .json(&json!({"type": "prompt", "text": "open"}))
-        .send()
-        .await?;
-    anyhow::ensure!(opened.status() == 200);
-    let start = Instant::now();
-    let mut reader_tasks = Vec::new();
-    let (ready_tx, mut ready_rx) = tokio::sync::mpsc::unbounded_channel::<()>();
-    let total = rate * secs;
-    for _ in 0..readers {
-        let http = reqwest::Client::new();
-        let url = format!("{base}/v1/sessions/live/events");
-        let ready = ready_tx.clone();
-        reader_tasks.push(tokio::spawn(async move {
-            let r = http.get(url).send().await?;
-            let _ = ready.send(());
-            let mut body = r.bytes_stream();
-            let mut buf = String::new();
-            let mut lat = Vec::new();
-            let mut got = 0;
-            while got < total {
-                let Some(chunk) = body.next().await else {
-                    break;
-                };
-                buf.push_str(&String::from_utf8_lossy(&chunk?));
-                while let Some(end) = buf.find("\n\n") {
-                    let block: String = buf.drain(..end + 2).collect();
-                    let Some(data) = block.lines().find_map(|l| l.strip_prefix("data: ")) else {
-                        continue;
-                    };
-                    let v: Value = serde_json::from_str(data)?;
-                    if let Some(sent) = v["body"]["approvalId"]
-                        .as_str()
-                        .and_then(|s| s.parse::<u128>().ok())
-                    {
-                        let now = start.elapsed().as_micros();
-                        lat.push((now.saturating_sub(sent)) as f64 / 1000.0);
-                        got += 1;
+// ---- live delivery -----------------------------------------------------------
+
+/// Which stream a reader follows.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Target {
+    /// `GET /v1/sessions/<id>/events` (SSE).
+    SessionSse,
+    /// `GET /v1/stream/sessions/<id>?offset=-1&live=sse`.
+    DsSession,
+    /// A generic stream of the reference Durable Streams server.
+    Reference,
+}
+
+impl Target {
+    fn name(self) -> &'static str {
+        match self {
+            Target::SessionSse => "ours: session SSE /events",
+            Target::DsSession => "ours: DS session stream",
+            Target::Reference => "reference DS server (generic stream)",
+        }
+    }
+}
+
+/// The send stamps (µs since `start`) in an SSE chunk of text: every
+/// number after `marker`.
+fn stamps(text: &str, marker: &str, out: &mut Vec<u64>) {
+    let mut rest = text;
+    while let Some(at) = rest.find(marker) {
+        rest = &rest[at + marker.len()..];
+        let end = rest
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        if let Ok(n) = rest[..end].parse() {
+            out.push(n);
+        }
+        rest = &rest[end..];
+    }
+}
+
+/// Reads one SSE response until `total` stamps arrived or the deadline;
+/// Durable Streams readers reconnect from the last `streamNextOffset`.
+/// Returns (send stamp, latency ms) per delivery.
+async fn live_reader(
+    http: reqwest::Client,
+    url: String,
+    target: Target,
+    start: Instant,
+    total: usize,
+    deadline: tokio::time::Instant,
+    ready: tokio::sync::mpsc::UnboundedSender<()>,
+) -> anyhow::Result<Vec<(u64, f64)>> {
+    let marker = match target {
+        Target::Reference => "\"t\":",
+        _ => "\"approvalId\":\"",
+    };
+    let ds = target != Target::SessionSse;
+    let mut got = Vec::new();
+    let mut offset = "-1".to_string();
+    let mut ready = Some(ready);
+    let mut found = Vec::new();
+    while got.len() < total && tokio::time::Instant::now() < deadline {
+        let url = if ds {
+            format!("{url}?offset={offset}&live=sse")
+        } else {
+            url.clone()
+        };
+        let resp = match tokio::time::timeout_at(deadline, http.get(url).send()).await {
+            Ok(Ok(r)) if r.status() == 200 => r,
+            Ok(Ok(r)) => anyhow::bail!("SSE GET: {}", r.status()),
+            Ok(Err(e)) if ready.is_some() => return Err(e.into()),
+            Ok(Err(_)) => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+            Err(_) => break,
+        };
+        if let Some(r) = ready.take() {
+            let _ = r.send(());
+        }
+        let mut body = resp.bytes_stream();
+        let mut buf = String::new();
+        while got.len() < total {
+            let Ok(Some(Ok(chunk))) = tokio::time::timeout_at(deadline, body.next()).await else {
+                break;
+            };
+            let now = start.elapsed().as_micros() as u64;
+            buf.push_str(&String::from_utf8_lossy(&chunk));
+            // Whole events only (a stamp may be cut by a chunk boundary).
+            let Some(end) = buf.rfind("\n\n") else {
+                continue;
+            };
+            let events: String = buf.drain(..end + 2).collect();
+            found.clear();
+            stamps(&events, marker, &mut found);
+            got.extend(
+                found
+                    .iter()
+                    .map(|&sent| (sent, now.saturating_sub(sent) as f64 / 1000.0)),
+            );
+            if ds {
+                if let Some(at) = events.rfind("\"streamNextOffset\":\"") {
+                    let rest = &events[at + 20..];
+                    if let Some(q) = rest.find('"') {
+                        offset = rest[..q].to_string();
                     }
                 }
             }
-            anyhow::Ok(lat)
-        }));
+        }
+        if !ds {
+            break;
+        }
+    }
+    Ok(got)
+}
+
+#[derive(Debug, Default)]
+struct Live {
+    deliveries: usize,
+    expected: usize,
+    complete: usize,
+    p50: f64,
+    p99: f64,
+    max: f64,
+    lag_growth: f64,
+}
+
+async fn bench_live_one(
+    base: &str,
+    target: Target,
+    readers: u64,
+    rate: u64,
+    secs: u64,
+    tag: &str,
+) -> anyhow::Result<Live> {
+    let http = reqwest::Client::new();
+    let (url, write): (
+        String,
+        Box<dyn Fn(u64) -> reqwest::RequestBuilder + Send + Sync>,
+    ) = match target {
+        Target::SessionSse | Target::DsSession => {
+            session_with_turn(&http, base, tag).await?;
+            let url = if target == Target::SessionSse {
+                format!("{base}/v1/sessions/{tag}/events")
+            } else {
+                format!("{base}/v1/stream/sessions/{tag}")
+            };
+            let (http, post) = (http.clone(), format!("{base}/v1/sessions/{tag}/messages"));
+            (
+                url,
+                Box::new(move |t| http.post(&post).json(&answer(t.to_string()))),
+            )
+        }
+        Target::Reference => {
+            let url = format!("{base}/v1/stream/{tag}");
+            let r = http
+                .put(&url)
+                .header("content-type", "application/json")
+                .send()
+                .await?;
+            anyhow::ensure!(r.status().is_success(), "PUT {url}: {}", r.status());
+            let (http, post) = (http.clone(), url.clone());
+            (
+                url,
+                Box::new(move |t| {
+                    http.post(&post)
+                        .header("content-type", "application/json")
+                        .body(json!({"t": t}).to_string())
+                }),
+            )
+        }
+    };
+    let total = (rate * secs) as usize;
+    let start = Instant::now();
+    let (ready_tx, mut ready_rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut tasks = Vec::new();
+    for _ in 0..readers {
+        // One client (connection pool) per reader: one TCP connection each.
+        let (http, url, ready) = (reqwest::Client::new(), url.clone(), ready_tx.clone());
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(secs + 30);
+        tasks.push(tokio::spawn(live_reader(
+            http, url, target, start, total, deadline, ready,
+        )));
     }
     drop(ready_tx);
-    // Each reader signals once its response head arrived (its sender lives
-    // on in the task, so count rather than wait for the channel to close).
     let mut connected = 0;
     while connected < readers && ready_rx.recv().await.is_some() {
         connected += 1;
     }
-    // The SSE response head arrives before the reader is registered with
-    // the actor; every reader asks for the whole history (after=0), so no
-    // frame is missed either way. Give registration a moment.
+    // Every reader starts at the stream's beginning, so none misses a frame
+    // however late it is registered; this only lets registration settle.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / rate));
-    let writer = reqwest::Client::new();
     for _ in 0..total {
         tick.tick().await;
-        let sent = start.elapsed().as_micros().to_string();
-        let r = writer
-            .post(format!("{base}/v1/sessions/live/messages"))
-            .json(&json!({"type": "approval-response", "approvalId": sent, "approved": true}))
-            .send()
-            .await?;
-        anyhow::ensure!(r.status() == 200);
+        let sent = start.elapsed().as_micros() as u64;
+        let r = write(sent).send().await?;
+        anyhow::ensure!(r.status().is_success(), "write: {}", r.status());
     }
     let mut all = Vec::new();
-    for task in reader_tasks {
-        all.extend(task.await??);
+    let mut complete = 0;
+    for t in tasks {
+        let got = t.await??;
+        complete += usize::from(got.len() >= total);
+        all.extend(got);
     }
-    all.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
-    println!(
-        "live delivery to {connected} SSE readers, {rate} frames/s for {secs} s: {} deliveries, p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
-        all.len(),
-        percentile(&all, 0.5),
-        percentile(&all, 0.99),
-        all.last().copied().unwrap_or(f64::NAN)
-    );
+    // Lag growth: the first fifth of the frames sent against the last.
+    let mut by_sent = all.clone();
+    by_sent.sort_by_key(|(sent, _)| *sent);
+    let fifth = by_sent.len() / 5;
+    let p50_of = |s: &[(u64, f64)]| percentile(&sorted(s.iter().map(|x| x.1).collect()), 0.5);
+    let lag_growth = if fifth > 0 {
+        p50_of(&by_sent[by_sent.len() - fifth..]) - p50_of(&by_sent[..fifth])
+    } else {
+        f64::NAN
+    };
+    let lat = sorted(all.into_iter().map(|x| x.1).collect());
+    Ok(Live {
+        deliveries: lat.len(),
+        expected: total * connected as usize,
+        complete,
+        p50: percentile(&lat, 0.5),
+        p99: percentile(&lat, 0.99),
+        max: lat.last().copied().unwrap_or(f64::NAN),
+        lag_growth,
+    })
+}
 
-    // 5. Replay of a long session.
-    let s = SessionId::parse("replay")?;
-    log.create(&s).await?;
-    let t = Instant::now();
-    for i in 0..replay_n {
-        log.append(&s, AppendRequest::new(part(i))).await?;
+async fn bench_live(dir: &std::path::Path) -> anyhow::Result<()> {
+    let readers = env("BENCH_READERS", 1000);
+    let secs = env("BENCH_SECS", 10);
+    let rates: Vec<u64> = std::env::var("BENCH_RATES")
+        .unwrap_or_else(|_| "50,1000".into())
+        .split(',')
+        .filter_map(|r| r.trim().parse().ok())
+        .filter(|r| *r > 0)
+        .collect();
+    let reference = if env("BENCH_REFERENCE", 1) == 1 {
+        match tokio::task::spawn_blocking(servers::install_reference).await? {
+            Ok(entry) => {
+                let launcher = dir.join("launch.mjs");
+                std::fs::write(&launcher, servers::LAUNCHER)?;
+                Some((entry, launcher))
+            }
+            Err(e) => {
+                println!("reference server not installed ({e:#}): its rows are skipped");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let mut rows = Vec::new();
+    for &rate in &rates {
+        for target in [Target::SessionSse, Target::DsSession, Target::Reference] {
+            // A fresh server per run, so one run's readers do not linger in the next.
+            let result = match target {
+                Target::Reference => match &reference {
+                    None => continue,
+                    Some((entry, launcher)) => {
+                        let (base, _server) = servers::serve_reference(entry, launcher, None)?;
+                        bench_live_one(&base, target, readers, rate, secs, "live").await
+                    }
+                },
+                _ => {
+                    let ours = start_ours(dir, &format!("live-{rate}-{target:?}"), true)?;
+                    bench_live_one(&ours.base, target, readers, rate, secs, "live").await
+                }
+            };
+            match &result {
+                Ok(r) => println!("{} @ {rate}/s: {r:?}", target.name()),
+                Err(e) => println!("{} @ {rate}/s: FAILED {e:#}", target.name()),
+            }
+            rows.push((rate, target, result.ok()));
+        }
     }
-    println!("(filled {replay_n} frames in {:.2?})", t.elapsed());
-    let t = Instant::now();
-    let mut after = 0;
-    loop {
-        let page = log.read(&s, after, 1000).await?;
-        let Some(last) = page.last() else { break };
-        after = last.seq;
+    println!();
+    println!("| live, {readers} SSE readers, {secs} s | frames/s | p50 ms | p99 ms | max ms | lag growth ms | deliveries | readers with all | p99 / reference p99 |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for (rate, target, r) in &rows {
+        let reference = rows
+            .iter()
+            .find(|(r2, t, _)| r2 == rate && *t == Target::Reference)
+            .and_then(|(_, _, r)| r.as_ref())
+            .filter(|r| r.deliveries == r.expected);
+        match r {
+            Some(r) => {
+                let ratio = match reference {
+                    Some(reference) if r.deliveries == r.expected => {
+                        format!("{:.2}", r.p99 / reference.p99)
+                    }
+                    _ => "-".into(),
+                };
+                println!(
+                    "| {} | {rate} | {:.2} | {:.2} | {:.2} | {:+.2} | {}/{} | {}/{readers} | {ratio} |",
+                    target.name(),
+                    r.p50,
+                    r.p99,
+                    r.max,
+                    r.lag_growth,
+                    r.deliveries,
+                    r.expected,
+                    r.complete
+                );
+            }
+            None => println!("| {} | {rate} | failed | | | | | | |", target.name()),
+        }
     }
-    println!(
-        "replay {replay_n} frames, direct log.read pages of 1000: {:.2?}",
-        t.elapsed()
-    );
+    Ok(())
+}
+
+// ---- replay ------------------------------------------------------------------
+
+async fn timed<F, Fut>(f: F) -> anyhow::Result<(f64, u64)>
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<u64>>,
+{
     let t = Instant::now();
-    let frames: Vec<Value> = http
-        .get(format!("{base}/v1/sessions/replay/export"))
-        .send()
-        .await?
-        .json()
-        .await?;
-    anyhow::ensure!(frames.len() as u64 == replay_n);
-    println!(
-        "replay {replay_n} frames, GET /export (one JSON array): {:.2?}",
-        t.elapsed()
-    );
-    let t = Instant::now();
-    let r = http
-        .get(format!("{base}/v1/sessions/replay/events?after=0"))
-        .send()
-        .await?;
-    let mut body = r.bytes_stream();
+    let n = f().await?;
+    Ok((t.elapsed().as_secs_f64(), n))
+}
+
+/// Count `needle` in a streamed body, across chunk boundaries.
+async fn count_in_stream(
+    resp: reqwest::Response,
+    needle: &str,
+    stop_at: u64,
+) -> anyhow::Result<u64> {
+    let mut body = resp.bytes_stream();
     let mut count = 0u64;
     let mut tail = String::new();
-    while count < replay_n {
+    while count < stop_at {
         let Some(chunk) = body.next().await else {
             break;
         };
         tail.push_str(&String::from_utf8_lossy(&chunk?));
-        const MARK: &str = "event: frame";
-        count += tail.matches(MARK).count() as u64;
-        if let Some(pos) = tail.rfind(MARK) {
-            tail.drain(..pos + MARK.len());
+        count += tail.matches(needle).count() as u64;
+        if let Some(pos) = tail.rfind(needle) {
+            tail.drain(..pos + needle.len());
         }
-        // Keep at most a cut marker (shorter than a whole one) for the next chunk.
-        let cut = tail.floor_char_boundary(tail.len().saturating_sub(MARK.len() - 1));
+        let cut = tail.floor_char_boundary(tail.len().saturating_sub(needle.len() - 1));
         tail.drain(..cut);
     }
-    println!(
-        "replay {replay_n} frames, SSE /events?after=0: {:.2?} ({count} events)",
-        t.elapsed()
-    );
+    Ok(count)
+}
+
+async fn bench_replay(dir: &std::path::Path) -> anyhow::Result<()> {
+    let n = env("BENCH_REPLAY", 100_000);
+    let ours = start_ours(dir, "replay", true)?;
+    let (base, log) = (ours.base.clone(), ours.log.clone());
+    let s = SessionId::parse("replay")?;
+    log.create(&s).await?;
+    let t = Instant::now();
+    // Filled by 16 concurrent appenders (group commit); order is irrelevant here.
+    let mut tasks = Vec::new();
+    for w in 0..16 {
+        let (log, s) = (log.clone(), s.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut i = w;
+            while i < n {
+                log.append(&s, AppendRequest::new(part(i))).await?;
+                i += 16;
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for task in tasks {
+        task.await??;
+    }
+    println!("(filled {n} frames in {:.2?})", t.elapsed());
+    let http = reqwest::Client::new();
+    let mut rows: Vec<(&str, f64, u64)> = Vec::new();
+    let (secs, got) = timed(|| async {
+        let mut after = 0;
+        let mut count = 0;
+        loop {
+            let page = log.read(&s, after, 1000).await?;
+            let Some(last) = page.last() else { break };
+            after = last.seq;
+            count += page.len() as u64;
+        }
+        Ok(count)
+    })
+    .await?;
+    rows.push(("log.read, pages of 1000 (baseline)", secs, got));
+    let (secs, got) = timed(|| async {
+        let r = http
+            .get(format!("{base}/v1/sessions/replay/events?after=0"))
+            .send()
+            .await?;
+        count_in_stream(r, "event: frame", n).await
+    })
+    .await?;
+    rows.push(("SSE GET /events?after=0", secs, got));
+    let (secs, got) = timed(|| async {
+        let addr = base.trim_start_matches("http://");
+        let (mut ws, _) = tokio_tungstenite::connect_async(format!(
+            "ws://{addr}/v1/sessions/replay/ws?role=client&after=0"
+        ))
+        .await?;
+        let mut count = 0;
+        while count < n {
+            match ws.next().await {
+                Some(Ok(Message::Text(t))) => {
+                    count += t.as_str().matches("\"type\":\"frame\"").count() as u64
+                }
+                Some(Ok(_)) => {}
+                _ => break,
+            }
+        }
+        let _ = ws.close(None).await;
+        Ok(count)
+    })
+    .await?;
+    rows.push(("WebSocket ?after=0", secs, got));
+    let (secs, got) = timed(|| async {
+        let mut offset = "-1".to_string();
+        let mut count = 0u64;
+        for _ in 0..=n {
+            let r = http
+                .get(format!("{base}/v1/stream/sessions/replay?offset={offset}"))
+                .send()
+                .await?;
+            anyhow::ensure!(r.status() == 200, "DS GET: {}", r.status());
+            let next = r
+                .headers()
+                .get("stream-next-offset")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string);
+            let done = r.headers().contains_key("stream-up-to-date");
+            let body = r.bytes().await?;
+            let k = memchr_count(&body, b"\"seq\":");
+            count += k;
+            if done || k == 0 {
+                break;
+            }
+            offset = next.ok_or_else(|| anyhow::anyhow!("no Stream-Next-Offset"))?;
+        }
+        Ok(count)
+    })
+    .await?;
+    rows.push((
+        "Durable Streams GET /v1/stream/sessions (catch-up pages)",
+        secs,
+        got,
+    ));
+    let (secs, got) = timed(|| async {
+        let body = http
+            .get(format!("{base}/v1/sessions/replay/export"))
+            .send()
+            .await?
+            .bytes()
+            .await?;
+        Ok(memchr_count(&body, b"\"seq\":"))
+    })
+    .await?;
+    rows.push(("GET /export (one JSON array)", secs, got));
+    let (secs, got) = timed(|| async {
+        let mut after = 0u64;
+        let mut count = 0u64;
+        loop {
+            let body = http
+                .get(format!(
+                    "{base}/v1/sessions/replay/frames?after={after}&limit=10000"
+                ))
+                .send()
+                .await?
+                .bytes()
+                .await?;
+            let k = memchr_count(&body, b"\"seq\":");
+            if k == 0 {
+                break;
+            }
+            count += k;
+            after += k;
+        }
+        Ok(count)
+    })
+    .await?;
+    rows.push(("GET /frames, pages of 10000", secs, got));
+    let baseline = rows[0].1;
+    println!();
+    println!("| replay of {n} frames | seconds | frames | / log.read |");
+    println!("|---|---:|---:|---:|");
+    for (label, secs, got) in rows {
+        println!("| {label} | {secs:.3} | {got} | x{:.2} |", secs / baseline);
+    }
+    Ok(())
+}
+
+fn memchr_count(hay: &[u8], needle: &[u8]) -> u64 {
+    hay.windows(needle.len()).filter(|w| *w == needle).count() as u64
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let only = std::env::var("BENCH_ONLY").ok();
+    let wanted = |name: &str| {
+        only.as_deref()
+            .is_none_or(|o| o.split(',').any(|x| x.trim() == name))
+    };
+    if wanted("append") {
+        bench_appends(dir.path()).await?;
+    }
+    if wanted("replay") {
+        bench_replay(dir.path()).await?;
+    }
+    if wanted("live") {
+        bench_live(dir.path()).await?;
+    }
     Ok(())
 }

@@ -32,8 +32,6 @@
 //! cores the client's own SSE parsing for 1000 readers is part of the
 //! measured latency for both servers alike. Results: `docs/durable-streams.md`.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -43,18 +41,9 @@ use session_log::SqliteSessionLog;
 use session_server::durable_streams::{router, DurableStreamsState, StreamStore};
 use session_server::{ServerConfig, SessionServer};
 
-/// The reference server version the numbers in the docs were measured with.
-const REFERENCE_VERSION: &str = "0.3.7";
-
-/// Starts the reference server on an ephemeral port and prints its URL.
-/// The package is imported by absolute file URL so the launcher can live
-/// anywhere.
-const LAUNCHER: &str = r#"const { DurableStreamTestServer } = await import(process.env.DS_REFERENCE_ENTRY)
-const dataDir = process.env.DS_DATA_DIR || undefined
-const server = new DurableStreamTestServer({ port: 0, host: "127.0.0.1", dataDir })
-const url = await server.start()
-console.log("LISTENING " + url)
-"#;
+#[path = "support/servers.rs"]
+mod servers;
+use servers::{install_reference, serve_ours, serve_reference, LAUNCHER};
 
 fn env(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -94,103 +83,6 @@ struct Results {
     replay_fill_s: f64,
     replay_s: f64,
     replay_pages: u64,
-}
-
-/// A running server; dropping it stops it.
-#[derive(Debug)]
-enum Server {
-    Ours(Option<tokio::runtime::Runtime>),
-    Reference(Child),
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        match self {
-            // `shutdown_background` does not block, so this may run inside
-            // the client's runtime (a plain drop of a runtime there panics).
-            Server::Ours(rt) => {
-                if let Some(rt) = rt.take() {
-                    rt.shutdown_background();
-                }
-            }
-            Server::Reference(child) => {
-                let _ = child.kill();
-                let _ = child.wait();
-            }
-        }
-    }
-}
-
-/// Serve `app` on its own 2-thread runtime (like a separate process would).
-fn serve_ours(app: axum::Router) -> anyhow::Result<(String, Server)> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
-    listener.set_nonblocking(true)?;
-    let addr = listener.local_addr()?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_name("ours-server")
-        .enable_all()
-        .build()?;
-    rt.spawn(async move {
-        let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
-        axum::serve(listener, app).await.expect("serve");
-    });
-    Ok((format!("http://{addr}"), Server::Ours(Some(rt))))
-}
-
-/// Install (once) the reference server into the npm cache directory.
-fn install_reference() -> anyhow::Result<PathBuf> {
-    let cache = std::env::var("HARNESS_CACHE").unwrap_or_else(|_| "/var/cache/harness".into());
-    let dir = Path::new(&cache).join("npm").join("ds-reference");
-    let pkg = dir.join("node_modules/@durable-streams/server");
-    let pinned = std::fs::read_to_string(pkg.join("package.json"))
-        .is_ok_and(|s| s.contains(&format!("\"version\": \"{REFERENCE_VERSION}\"")));
-    if !pinned {
-        std::fs::create_dir_all(&dir)?;
-        let status = Command::new("npm")
-            .args(["install", "--no-audit", "--no-fund", "--prefix"])
-            .arg(&dir)
-            .arg(format!("@durable-streams/server@{REFERENCE_VERSION}"))
-            .status()
-            .map_err(|e| anyhow::anyhow!("run npm: {e}"))?;
-        anyhow::ensure!(
-            status.success(),
-            "npm install into {} failed: {status}",
-            dir.display()
-        );
-    }
-    Ok(pkg.join("dist/index.js"))
-}
-
-/// Start the reference server as a Node child and wait for its URL.
-fn serve_reference(
-    entry: &Path,
-    launcher: &Path,
-    data_dir: Option<&Path>,
-) -> anyhow::Result<(String, Server)> {
-    use std::io::BufRead;
-    let mut cmd = Command::new("node");
-    cmd.arg(launcher)
-        .env("DS_REFERENCE_ENTRY", format!("file://{}", entry.display()))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null());
-    if let Some(d) = data_dir {
-        cmd.env("DS_DATA_DIR", d);
-    }
-    let mut child = cmd.spawn().map_err(|e| anyhow::anyhow!("run node: {e}"))?;
-    let stdout = child.stdout.take().expect("piped stdout");
-    let server = Server::Reference(child);
-    // Bounded: the launcher prints one line, or exits (EOF) on failure.
-    let mut lines = std::io::BufReader::new(stdout).lines();
-    for line in lines.by_ref().take(50) {
-        let line = line?;
-        if let Some(url) = line.strip_prefix("LISTENING ") {
-            // Keep draining stdout so the child never blocks on a full pipe.
-            std::thread::spawn(move || for _ in lines {});
-            return Ok((url.trim().to_string(), server));
-        }
-    }
-    anyhow::bail!("the reference server exited without printing its URL")
 }
 
 async fn create(http: &reqwest::Client, url: &str) -> anyhow::Result<()> {
