@@ -3,6 +3,8 @@
 //! Docker, Cloudflare, …) after a move; and the test tree every move test
 //! builds.
 
+use harness_core::checkpoint::CheckpointStore;
+use harness_core::moves;
 use harness_core::sandbox::{collect_exec, shell_quote, ExecRequest, Sandbox};
 
 /// Run a script that must succeed; its stdout.
@@ -95,4 +97,30 @@ pub fn assert_overlaid(a: &[String], b: &[String]) {
         a.len() > 45,
         "the source tree is suspiciously small: {a:#?}"
     );
+}
+
+/// Move `a`'s tree onto `b` through `store` under `key` with the core move
+/// pipeline and assert `b` = `a`'s tree + `b`'s own file (see
+/// [`prepare_target`]); then remove that file again, so `b` can be the next
+/// move's source with only `a`'s tree on it. Returns `b`'s listing after
+/// the move.
+pub async fn move_onto(
+    a: &dyn Sandbox,
+    b: &dyn Sandbox,
+    store: &dyn CheckpointStore,
+    key: &str,
+) -> Vec<String> {
+    prepare_target(b).await;
+    let want = listing(a, a.workdir()).await;
+    let info = moves::checkpoint(a, a.workdir(), store, key, None)
+        .await
+        .unwrap();
+    assert!(info.tar_bytes > 6_000_000, "tar bytes {}", info.tar_bytes);
+    moves::restore(store, key, b, b.workdir(), None)
+        .await
+        .unwrap();
+    let got = listing(b, b.workdir()).await;
+    assert_overlaid(&want, &got);
+    sh(b, &format!("rm {}/b-only.txt", shell_quote(b.workdir()))).await;
+    got
 }

@@ -5,10 +5,9 @@
 
 mod common;
 
-use harness_core::checkpoint::{CheckpointStore, MemoryCheckpointStore};
-use harness_core::moves;
+use harness_core::checkpoint::MemoryCheckpointStore;
 use harness_core::sandbox::{Sandbox, SandboxProvider, SandboxSpec};
-use harness_testkit::trees::{assert_overlaid, listing, make_tree, prepare_target, sh};
+use harness_testkit::trees::{listing, make_tree, move_onto};
 use sandbox_local::LocalProvider;
 
 async fn create(provider: &dyn SandboxProvider) -> Box<dyn Sandbox> {
@@ -16,29 +15,6 @@ async fn create(provider: &dyn SandboxProvider) -> Box<dyn Sandbox> {
         .create(&SandboxSpec::new("/workspace"))
         .await
         .expect("create sandbox")
-}
-
-/// Move `a`'s tree onto `b` through `store`; `b` = `a` + its own file.
-async fn move_onto(
-    a: &dyn Sandbox,
-    b: &dyn Sandbox,
-    store: &dyn CheckpointStore,
-    key: &str,
-) -> Vec<String> {
-    prepare_target(b).await;
-    let want = listing(a, a.workdir()).await;
-    let info = moves::checkpoint(a, a.workdir(), store, key, None)
-        .await
-        .unwrap();
-    assert!(info.tar_bytes > 6_000_000, "tar bytes {}", info.tar_bytes);
-    moves::restore(store, key, b, b.workdir(), None)
-        .await
-        .unwrap();
-    let got = listing(b, b.workdir()).await;
-    assert_overlaid(&want, &got);
-    // B becomes the next move's source: only A's tree travels on.
-    sh(b, &format!("rm {}/b-only.txt", b.workdir())).await;
-    got
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
