@@ -5,102 +5,21 @@
 //! `access_token` query parameter. No token or an unknown token is 401; a
 //! known token without a grant for this session and role is 403. Both are
 //! decided before anything reaches the actor or the log.
+//!
+//! The grants and the decision are `session-api`'s, shared with the
+//! Cloudflare Worker; this is their axum side.
 
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::HeaderMap;
 use harness_core::SessionId;
-use serde::{Deserialize, Serialize};
+
+pub use session_api::auth::{GrantRole, Scope, TokenGrant};
 
 use crate::error::ApiError;
 
-/// What a token may do.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum GrantRole {
-    /// Send prompts and answers, read frames.
-    Client,
-    /// Attach as the runner and send stream parts.
-    Runner,
-    /// Everything: create, list, fork, seal, export, and the other roles.
-    Host,
-    /// Attach as the session's tool host (`?role=tool-host`): offer tools
-    /// and run the calls its agent makes; nothing else.
-    #[serde(rename = "tool-host")]
-    ToolHost,
-}
-
-/// Which sessions a grant covers.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Scope {
-    /// Every session (`*`).
-    All,
-    /// One session.
-    Session(SessionId),
-}
-
-impl Scope {
-    /// Parse `*` or a session id.
-    pub fn parse(s: &str) -> harness_core::Result<Self> {
-        if s == "*" {
-            Ok(Scope::All)
-        } else {
-            SessionId::parse(s).map(Scope::Session)
-        }
-    }
-
-    fn covers(&self, session: Option<&SessionId>) -> bool {
-        match (self, session) {
-            (Scope::All, _) => true,
-            (Scope::Session(s), Some(asked)) => s == asked,
-            // Session-less operations (list, create without id) need `*`.
-            (Scope::Session(_), None) => false,
-        }
-    }
-}
-
-/// One entry of the token table. A token may appear in several grants.
-#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct TokenGrant {
-    /// The secret.
-    pub token: String,
-    /// Sessions it covers.
-    pub scope: Scope,
-    /// What it may do there.
-    pub role: GrantRole,
-}
-
-impl std::fmt::Debug for TokenGrant {
-    // Never print the secret.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TokenGrant")
-            .field("token", &"<redacted>")
-            .field("scope", &self.scope)
-            .field("role", &self.role)
-            .finish()
-    }
-}
-
-impl TokenGrant {
-    /// A grant for `role` on `scope`.
-    pub fn new(token: impl Into<String>, scope: Scope, role: GrantRole) -> Self {
-        Self {
-            token: token.into(),
-            scope,
-            role,
-        }
-    }
-}
-
 /// The token from the `Authorization` header, else from `access_token`.
 pub(crate) fn bearer(headers: &HeaderMap, query_token: Option<&str>) -> Option<String> {
-    if let Some(v) = headers.get(axum::http::header::AUTHORIZATION) {
-        let v = v.to_str().ok()?;
-        let (scheme, rest) = v.split_once(' ')?;
-        return scheme
-            .eq_ignore_ascii_case("bearer")
-            .then(|| rest.trim().to_string());
-    }
-    query_token.map(str::to_string)
+    let header = headers.get(axum::http::header::AUTHORIZATION);
+    session_api::auth::bearer(header.map(|v| v.as_bytes()), query_token)
 }
 
 /// Check that the caller may act as one of `allowed` on `session`. Host
@@ -112,46 +31,8 @@ pub(crate) fn authorize(
     session: Option<&SessionId>,
     allowed: &[GrantRole],
 ) -> Result<GrantRole, ApiError> {
-    if insecure_no_auth {
-        return Ok(GrantRole::Host);
-    }
-    let Some(token) = token else {
-        return Err(ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
-            "missing bearer token: send `Authorization: Bearer <token>` (or ?access_token=)",
-        ));
-    };
-    let mine: Vec<&TokenGrant> = grants
-        .iter()
-        .filter(|g| constant_time_eq(g.token.as_bytes(), token.as_bytes()))
-        .collect();
-    if mine.is_empty() {
-        return Err(ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
-            "unknown bearer token",
-        ));
-    }
-    for g in &mine {
-        if g.scope.covers(session) && (g.role == GrantRole::Host || allowed.contains(&g.role)) {
-            return Ok(g.role);
-        }
-    }
-    let what = session.map_or_else(|| "all sessions".to_string(), |s| format!("session {s}"));
-    Err(ApiError::new(
-        StatusCode::FORBIDDEN,
-        "forbidden",
-        format!("this token may not act as {allowed:?} on {what}"),
-    ))
-}
-
-/// Compare secrets without leaking the position of the first difference.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    session_api::auth::authorize(grants, insecure_no_auth, token, session, allowed)
+        .map_err(ApiError::from)
 }
 
 #[cfg(test)]

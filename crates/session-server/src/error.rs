@@ -1,11 +1,12 @@
 //! JSON errors: every refusal answers `{"error": {"code", "message"}}` with
-//! a status that says whose fault it is.
+//! a status that says whose fault it is (decided in `session-api`, for
+//! this server and the Cloudflare Worker alike).
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use harness_core::actor::ErrorCode;
-use harness_core::{Error, ErrorKind};
+use harness_core::Error;
 use serde_json::json;
 use session_runtime::AnswerError;
 
@@ -42,29 +43,9 @@ impl ApiError {
     }
 
     /// Map an actor's refusal (see `harness_core::actor::ErrorCode`) to an
-    /// HTTP error; the code travels unchanged.
+    /// HTTP error; the code travels unchanged (statuses: `session-api`).
     pub fn from_code(code: ErrorCode, message: &str) -> Self {
-        let status = match code {
-            ErrorCode::FrameTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            ErrorCode::Invalid => StatusCode::BAD_REQUEST,
-            ErrorCode::Sealed
-            | ErrorCode::StaleRunner
-            | ErrorCode::TurnInProgress
-            | ErrorCode::NoActiveTurn
-            | ErrorCode::Conflict
-            | ErrorCode::HostLeaseHeld => StatusCode::CONFLICT,
-            ErrorCode::NotAClient
-            | ErrorCode::NotARunner
-            | ErrorCode::NotAHost
-            | ErrorCode::Forbidden => StatusCode::FORBIDDEN,
-            ErrorCode::NotFound => StatusCode::NOT_FOUND,
-            ErrorCode::Unauthorized => StatusCode::UNAUTHORIZED,
-            ErrorCode::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
-            ErrorCode::AppendFailed | ErrorCode::ReplayFailed | ErrorCode::Other => {
-                StatusCode::INTERNAL_SERVER_ERROR
-            }
-        };
-        Self::new(status, code.as_str(), message)
+        session_api::ApiError::from_code(code, message).into()
     }
 
     /// The error as a WebSocket message.
@@ -96,17 +77,17 @@ impl From<AnswerError> for ApiError {
 
 impl From<Error> for ApiError {
     fn from(err: Error) -> Self {
-        let (status, code) = match err.kind() {
-            ErrorKind::NotFound => (StatusCode::NOT_FOUND, "not_found"),
-            ErrorKind::InvalidInput | ErrorKind::Unsafe => (StatusCode::BAD_REQUEST, "invalid"),
-            ErrorKind::Conflict => (StatusCode::CONFLICT, "conflict"),
-            ErrorKind::Fenced => (StatusCode::CONFLICT, "stale_runner"),
-            ErrorKind::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized"),
-            ErrorKind::Unsupported => (StatusCode::NOT_IMPLEMENTED, "unsupported"),
-            ErrorKind::TimedOut => (StatusCode::GATEWAY_TIMEOUT, "timed_out"),
-            _ => (StatusCode::INTERNAL_SERVER_ERROR, err.kind().as_str()),
-        };
-        Self::new(status, code, err.message())
+        session_api::ApiError::from(err).into()
+    }
+}
+
+impl From<session_api::ApiError> for ApiError {
+    fn from(e: session_api::ApiError) -> Self {
+        Self {
+            status: StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+            code: e.code,
+            message: e.message,
+        }
     }
 }
 

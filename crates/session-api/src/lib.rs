@@ -1,0 +1,27 @@
+//! # session-api
+//!
+//! What the two servers of the session API share, with no runtime and no
+//! HTTP framework: `session-server` (axum, tokio) and the Cloudflare
+//! Worker's session Durable Object (`harness-worker`, wasm32) both answer
+//! the same paths with the same JSON, status codes and bearer roles, so one
+//! client talks to either. Each server keeps only its framing; the rules
+//! live here once:
+//!
+//! - [`auth`]: the token table (`TokenGrant`: token, scope, role), where a
+//!   request's token comes from, and the 401/403 decision;
+//! - [`error`]: `{"error": {"code", "message"}}` and the status of every
+//!   code (the actor's refusals and core's error kinds);
+//! - [`request`]: the `POST /v1/sessions` body, query parameters, the
+//!   `Last-Event-ID` header, page limits, the `POST /messages` ack;
+//! - [`sse`]: the `/events` stream's events (`frame` with the seq as id,
+//!   `live` without one, `error`) and their wire encoding.
+//!
+//! See `docs/session-server.md` for the API itself.
+
+pub mod auth;
+pub mod error;
+pub mod request;
+pub mod sse;
+
+pub use auth::{authorize, bearer, GrantRole, Scope, TokenGrant};
+pub use error::ApiError;

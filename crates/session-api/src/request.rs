@@ -1,0 +1,319 @@
+//! Reading requests: the create body, query parameters, `Last-Event-ID`,
+//! page limits; and the ack a `POST /messages` answers with.
+
+use std::collections::HashMap;
+
+use harness_core::frame::{Frame, FrameBody};
+use harness_core::log::LogInfo;
+use harness_core::session::SessionConfig;
+use harness_core::SessionId;
+use serde::Deserialize;
+use serde_json::json;
+
+use crate::error::ApiError;
+
+/// Frames read from a log per page (catch-up, export) and the default
+/// page of `GET /frames`.
+pub const PAGE: usize = harness_core::actor_driver::REPLAY_PAGE;
+
+/// Largest page `GET /frames` returns.
+pub const MAX_FRAMES_PAGE: usize = 10_000;
+
+/// Room for the JSON envelope around a frame body (message type, keys):
+/// a request body may be this much over the frame limit.
+pub const ENVELOPE_SLACK: usize = 64 * 1024;
+
+/// Largest `POST /v1/sessions` body.
+pub const MAX_CREATE_BODY: usize = 64 * 1024;
+
+/// The largest request body that may carry a frame of `max_frame_bytes`.
+pub fn body_limit(max_frame_bytes: usize) -> usize {
+    max_frame_bytes.saturating_add(ENVELOPE_SLACK)
+}
+
+/// The 413 for a body over `limit`, refused while reading.
+pub fn body_too_large(limit: usize) -> ApiError {
+    ApiError::too_large(format!(
+        "request body exceeds {limit} bytes (frame limit plus envelope)"
+    ))
+}
+
+/// A session id from a path segment (400 when invalid).
+pub fn session_id(raw: &str) -> Result<SessionId, ApiError> {
+    SessionId::parse(raw).map_err(ApiError::from)
+}
+
+/// The id of a session created without one: `s-` and 12 hex digits taken
+/// from `random_hex` (the server's randomness).
+pub fn generated_session_id(random_hex: &str) -> Result<SessionId, ApiError> {
+    let hex: String = random_hex
+        .chars()
+        .filter(char::is_ascii_hexdigit)
+        .take(12)
+        .collect();
+    if hex.len() < 12 {
+        return Err(ApiError::new(
+            500,
+            "internal",
+            "not enough randomness for a session id",
+        ));
+    }
+    session_id(&format!("s-{}", hex.to_ascii_lowercase()))
+}
+
+/// The body of `POST /v1/sessions`.
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSession {
+    /// The session id (generated when absent).
+    #[serde(default)]
+    pub id: Option<String>,
+    /// `claude-code` (default) or `codex`.
+    #[serde(default)]
+    pub agent: Option<String>,
+    /// Sandbox provider: `local` (default), `docker`, …
+    #[serde(default)]
+    pub sandbox: Option<String>,
+    /// Image, for providers that have images.
+    #[serde(default)]
+    pub image: Option<String>,
+    /// Model name passed to the agent.
+    #[serde(default)]
+    pub model: Option<String>,
+    /// Network policy of the sandbox.
+    #[serde(default)]
+    pub network: Option<harness_core::sandbox::NetworkPolicy>,
+    /// Ask clients before tools that need permission.
+    #[serde(default)]
+    pub approvals: bool,
+}
+
+impl CreateSession {
+    /// Parse a body; an empty (or all-whitespace) one asks for the defaults.
+    pub fn parse(bytes: &[u8]) -> Result<Self, ApiError> {
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            return Ok(Self::default());
+        }
+        serde_json::from_slice(bytes)
+            .map_err(|e| ApiError::invalid(format!("malformed JSON body: {e}")))
+    }
+
+    /// The session id asked for, or a generated one.
+    pub fn session_id(&self, random_hex: &str) -> Result<SessionId, ApiError> {
+        match &self.id {
+            Some(id) => session_id(id),
+            None => generated_session_id(random_hex),
+        }
+    }
+
+    /// The configuration it asks for, refused (400) when it names an agent
+    /// or sandbox provider the server does not offer (empty lists: any).
+    pub fn config(
+        &self,
+        agents: &[String],
+        providers: &[String],
+    ) -> Result<SessionConfig, ApiError> {
+        let mut config = SessionConfig::default();
+        if let Some(agent) = &self.agent {
+            config.agent = agent.clone();
+        }
+        if let Some(provider) = &self.sandbox {
+            config.sandbox.provider = provider.clone();
+        }
+        config.sandbox.image = self.image.clone();
+        if let Some(network) = &self.network {
+            config.sandbox.network = network.clone();
+        }
+        config.model = self.model.clone();
+        config.approvals = self.approvals;
+        let known = |list: &[String], name: &str| list.is_empty() || list.iter().any(|n| n == name);
+        if !known(agents, &config.agent) {
+            return Err(ApiError::invalid(format!(
+                "unknown agent {:?}: this server runs {}",
+                config.agent,
+                agents.join(", ")
+            )));
+        }
+        if !known(providers, &config.sandbox.provider) {
+            return Err(ApiError::invalid(format!(
+                "unknown sandbox {:?}: this server offers {}",
+                config.sandbox.provider,
+                providers.join(", ")
+            )));
+        }
+        Ok(config)
+    }
+}
+
+/// 409 when a create found the session already there with another
+/// configuration.
+pub fn check_created(info: &LogInfo, config: &SessionConfig) -> Result<(), ApiError> {
+    if info.meta.config.as_ref().is_some_and(|c| c != config) {
+        return Err(ApiError::new(
+            409,
+            "conflict",
+            format!(
+                "session {} already exists with another configuration",
+                info.session
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// A numeric query parameter (400 when it is not a number).
+pub fn param_u64(params: &HashMap<String, String>, name: &str) -> Result<Option<u64>, ApiError> {
+    params
+        .get(name)
+        .map(|v| {
+            v.parse::<u64>().map_err(|_| {
+                ApiError::invalid(format!("query parameter {name}={v:?} is not a number"))
+            })
+        })
+        .transpose()
+}
+
+/// A flag query parameter (`1`, `true`, `yes`).
+pub fn param_flag(params: &HashMap<String, String>, name: &str) -> bool {
+    params
+        .get(name)
+        .is_some_and(|v| matches!(v.as_str(), "1" | "true" | "yes"))
+}
+
+/// The seq a `Last-Event-ID` header names (400 when it names none).
+pub fn last_event_id(value: Option<&[u8]>) -> Result<Option<u64>, ApiError> {
+    value
+        .map(|v| {
+            std::str::from_utf8(v)
+                .ok()
+                .and_then(|s| s.trim().parse::<u64>().ok())
+                .ok_or_else(|| ApiError::invalid("Last-Event-ID must be a frame seq"))
+        })
+        .transpose()
+}
+
+/// Where `/events` starts: after `Last-Event-ID`, else `?after`, else 0.
+pub fn events_after(
+    last_event_id_header: Option<&[u8]>,
+    params: &HashMap<String, String>,
+) -> Result<u64, ApiError> {
+    match last_event_id(last_event_id_header)? {
+        Some(n) => Ok(n),
+        None => Ok(param_u64(params, "after")?.unwrap_or(0)),
+    }
+}
+
+/// `GET /frames`: `after` (default 0) and `limit` (default [`PAGE`], at
+/// most [`MAX_FRAMES_PAGE`]).
+pub fn frames_page(params: &HashMap<String, String>) -> Result<(u64, usize), ApiError> {
+    let after = param_u64(params, "after")?.unwrap_or(0);
+    let limit = param_u64(params, "limit")?
+        .map_or(PAGE, |l| usize::try_from(l).unwrap_or(usize::MAX))
+        .min(MAX_FRAMES_PAGE);
+    Ok((after, limit))
+}
+
+/// `GET /export`: the last seq to export (default: the log's end; past it
+/// is 400).
+pub fn export_until(params: &HashMap<String, String>, info: &LogInfo) -> Result<u64, ApiError> {
+    let until = param_u64(params, "until")?.unwrap_or(info.last_seq);
+    if until > info.last_seq {
+        return Err(ApiError::invalid(format!(
+            "cannot export {} until={until}: the log ends at seq {}",
+            info.session, info.last_seq
+        )));
+    }
+    Ok(until)
+}
+
+/// The answer to `POST /messages`: `{"type":"ack","seq","duplicate"}`,
+/// plus `turnId` when the stored frame (`prompt`) opened a turn.
+pub fn ack(seq: u64, duplicate: bool, prompt: Option<&Frame>) -> serde_json::Value {
+    let mut ack = json!({"type": "ack", "seq": seq, "duplicate": duplicate});
+    if let Some(Frame {
+        body: FrameBody::UserMessage {
+            turn_id: Some(turn),
+            ..
+        },
+        ..
+    }) = prompt
+    {
+        ack["turnId"] = json!(turn);
+    }
+    ack
+}
+
+/// Parse an `application/x-www-form-urlencoded` query string (for servers
+/// without a framework that does it): `+` is a space, `%XX` a byte; a
+/// malformed escape is kept as it is; a repeated name keeps its last value.
+pub fn parse_query(query: &str) -> HashMap<String, String> {
+    fn decode(s: &str) -> String {
+        let bytes = s.as_bytes();
+        let mut out = Vec::with_capacity(bytes.len());
+        let mut i = 0;
+        while i < bytes.len() {
+            match bytes[i] {
+                b'+' => out.push(b' '),
+                b'%' if i + 2 < bytes.len() => {
+                    let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).ok();
+                    match hex.and_then(|h| u8::from_str_radix(h, 16).ok()) {
+                        Some(b) => {
+                            out.push(b);
+                            i += 3;
+                            continue;
+                        }
+                        None => out.push(b'%'),
+                    }
+                }
+                b => out.push(b),
+            }
+            i += 1;
+        }
+        String::from_utf8_lossy(&out).into_owned()
+    }
+    query
+        .split('&')
+        .filter(|pair| !pair.is_empty())
+        .map(|pair| {
+            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            (decode(k), decode(v))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn create_bodies_are_strict_and_default_when_empty() {
+        assert!(CreateSession::parse(b"  ").unwrap().id.is_none());
+        let e = CreateSession::parse(b"{\"nope\":1}").unwrap_err();
+        assert_eq!((e.status, e.code.as_str()), (400, "invalid"));
+        let c = CreateSession::parse(br#"{"id":"a","agent":"codex"}"#).unwrap();
+        assert_eq!(c.session_id("").unwrap().as_str(), "a");
+        assert_eq!(c.config(&[], &[]).unwrap().agent, "codex");
+        assert_eq!(
+            c.config(&["claude-code".into()], &[]).unwrap_err().status,
+            400
+        );
+        let generated = CreateSession::default()
+            .session_id("0123456789abcdef")
+            .unwrap();
+        assert_eq!(generated.as_str(), "s-0123456789ab");
+    }
+
+    #[test]
+    fn cursors_and_pages() {
+        let p = parse_query("after=3&limit=20000&x=a%20b+c&bad=%zz&t=%4");
+        assert_eq!(frames_page(&p).unwrap(), (3, MAX_FRAMES_PAGE));
+        assert_eq!(p["x"], "a b c");
+        assert_eq!(p["bad"], "%zz");
+        assert_eq!(p["t"], "%4");
+        assert_eq!(events_after(Some(b" 7 "), &p).unwrap(), 7);
+        assert_eq!(events_after(None, &p).unwrap(), 3);
+        assert_eq!(events_after(Some(b"x"), &p).unwrap_err().status, 400);
+        let bad = parse_query("after=-1");
+        assert_eq!(frames_page(&bad).unwrap_err().status, 400);
+    }
+}
