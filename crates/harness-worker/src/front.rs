@@ -1,0 +1,270 @@
+//! The Worker's front: the session API's routes, answered with
+//! `session-api`'s rules exactly as `session-server` answers them (paths,
+//! JSON, statuses, bearer roles), then handed to the session's Durable
+//! Object. A refused request (401, 403, 400, 413) is answered here and never
+//! reaches the object, so it writes nothing.
+//!
+//! Served: `POST /v1/sessions`, `GET /v1/sessions/{id}`, `POST
+//! …/messages`, `GET …/events` (SSE, `Last-Event-ID`), `GET …/frames`,
+//! `GET …/export`, `POST …/seal`. Not yet: `GET /v1/sessions` (there is no
+//! directory of sessions), WebSocket, fork, UI stream, the runner channel
+//! and Durable Streams — they answer 501 `unsupported`.
+
+// `#[event(fetch)]` expands to unsafe blocks: allowed here, denied
+// elsewhere in the crate.
+#![allow(unsafe_code)]
+
+use harness_core::actor::ClientMessage;
+use harness_core::log::DEFAULT_MAX_FRAME_BYTES;
+use harness_core::SessionId;
+use serde::Serialize;
+use session_api::auth::{authorize, bearer, seal_forbidden, GrantRole, CLIENTS, HOST, READERS};
+use session_api::request::{self, CreateSession, MAX_CREATE_BODY};
+use session_api::{ApiError, TokenGrant};
+use worker::{event, Context, Env, Headers, Method, Request, RequestInit, Response};
+
+/// The header carrying the session id from the front to its object.
+pub(crate) const SESSION_HEADER: &str = "x-harness-session";
+
+/// `HARNESS_MAX_FRAME_BYTES`, else 1 MiB.
+pub(crate) fn max_frame_bytes(env: &Env) -> usize {
+    env.var("HARNESS_MAX_FRAME_BYTES")
+        .ok()
+        .and_then(|v| v.to_string().trim().parse().ok())
+        .unwrap_or(DEFAULT_MAX_FRAME_BYTES)
+}
+
+/// A JSON response.
+pub(crate) fn json_response<T: Serialize>(status: u16, value: &T) -> Result<Response, ApiError> {
+    Response::from_json(value)
+        .map(|r| r.with_status(status))
+        .map_err(|e| ApiError::new(500, "internal", e.to_string()))
+}
+
+/// The JSON error every server sends.
+pub(crate) fn error_response(e: &ApiError) -> worker::Result<Response> {
+    Ok(Response::from_json(&e.body())?.with_status(e.status))
+}
+
+#[event(fetch)]
+async fn fetch(req: Request, env: Env, _ctx: Context) -> worker::Result<Response> {
+    match route(req, &env).await {
+        Ok(response) => Ok(response),
+        Err(e) => error_response(&e),
+    }
+}
+
+/// The token table and switches, from the Worker's variables.
+struct Auth {
+    grants: Vec<TokenGrant>,
+    insecure_no_auth: bool,
+}
+
+impl Auth {
+    fn from_env(env: &Env) -> Result<Self, ApiError> {
+        let grants = match env.var("HARNESS_TOKENS") {
+            Ok(v) => serde_json::from_str(&v.to_string()).map_err(|e| {
+                ApiError::new(
+                    500,
+                    "internal",
+                    format!("HARNESS_TOKENS is not a token table: {e}"),
+                )
+            })?,
+            Err(_) => Vec::new(),
+        };
+        let insecure_no_auth = env
+            .var("HARNESS_INSECURE_NO_AUTH")
+            .is_ok_and(|v| v.to_string() == "1");
+        Ok(Self {
+            grants,
+            insecure_no_auth,
+        })
+    }
+}
+
+struct Call<'a> {
+    req: Request,
+    env: &'a Env,
+    auth: Auth,
+    params: std::collections::HashMap<String, String>,
+    query: String,
+}
+
+impl Call<'_> {
+    fn authorize(
+        &self,
+        session: Option<&SessionId>,
+        allowed: &[GrantRole],
+    ) -> Result<GrantRole, ApiError> {
+        let header = self.req.headers().get("authorization").ok().flatten();
+        let token = bearer(
+            header.as_deref().map(str::as_bytes),
+            self.params.get("access_token").map(String::as_str),
+        );
+        authorize(
+            &self.auth.grants,
+            self.auth.insecure_no_auth,
+            token.as_deref(),
+            session,
+            allowed,
+        )
+    }
+
+    /// The body, refusing more than `limit` bytes with the 413 session-server sends.
+    async fn body(&mut self, limit: usize) -> Result<Vec<u8>, ApiError> {
+        let declared = self
+            .req
+            .headers()
+            .get("content-length")
+            .ok()
+            .flatten()
+            .and_then(|v| v.parse::<usize>().ok());
+        if declared.is_some_and(|n| n > limit) {
+            return Err(request::body_too_large(limit));
+        }
+        let bytes = self
+            .req
+            .bytes()
+            .await
+            .map_err(|e| ApiError::invalid(format!("could not read the request body: {e}")))?;
+        if bytes.len() > limit {
+            return Err(request::body_too_large(limit));
+        }
+        Ok(bytes)
+    }
+
+    /// Call `session`'s object on `op` (its query: this request's, or
+    /// `query`), with `body`.
+    async fn object(
+        &self,
+        session: &SessionId,
+        method: Method,
+        op: &str,
+        query: Option<String>,
+        body: Option<Vec<u8>>,
+    ) -> Result<Response, ApiError> {
+        let internal = |e: worker::Error| ApiError::new(500, "internal", e.to_string());
+        let namespace = self.env.durable_object("SESSIONS").map_err(internal)?;
+        let stub = namespace
+            .id_from_name(session.as_str())
+            .and_then(|id| id.get_stub())
+            .map_err(internal)?;
+        let headers = Headers::new();
+        headers
+            .set(SESSION_HEADER, session.as_str())
+            .map_err(internal)?;
+        let mut init = RequestInit::new();
+        init.with_method(method).with_headers(headers);
+        if let Some(body) = body {
+            let array = worker::js_sys::Uint8Array::from(body.as_slice());
+            init.with_body(Some(array.into()));
+        }
+        let query = query.unwrap_or_else(|| self.query.clone());
+        let url = format!("https://session.internal/{op}?{query}");
+        let request = Request::new_with_init(&url, &init).map_err(internal)?;
+        stub.fetch_with_request(request).await.map_err(internal)
+    }
+}
+
+async fn route(req: Request, env: &Env) -> Result<Response, ApiError> {
+    let url = req
+        .url()
+        .map_err(|e| ApiError::new(500, "internal", e.to_string()))?;
+    let query = url.query().unwrap_or("").to_string();
+    let method = req.method();
+    let mut call = Call {
+        params: request::parse_query(&query),
+        req,
+        env,
+        auth: Auth::from_env(env)?,
+        query,
+    };
+    let path = url.path().to_string();
+    let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    let max_frame = max_frame_bytes(env);
+    match (method, segments.as_slice()) {
+        (Method::Post, ["v1", "sessions"]) => {
+            // As session-server: the body is read and checked first, then the token.
+            let bytes = call.body(MAX_CREATE_BODY).await?;
+            let create = CreateSession::parse(&bytes)?;
+            let id = create.session_id(&random_hex())?;
+            call.authorize(Some(&id), HOST)?;
+            let config = create.config(&[], &[])?;
+            let body = serde_json::to_vec(&config).map_err(|e| ApiError::invalid(e.to_string()))?;
+            call.object(&id, Method::Post, "create", Some(String::new()), Some(body))
+                .await
+        }
+        (Method::Get, ["v1", "sessions"]) => {
+            call.authorize(None, HOST)?;
+            Err(unsupported(
+                "listing sessions (a Worker has no directory of its sessions yet)",
+            ))
+        }
+        (Method::Get, ["v1", "sessions", id]) => {
+            let id = request::session_id(id)?;
+            call.authorize(Some(&id), READERS)?;
+            call.object(&id, Method::Get, "info", None, None).await
+        }
+        (Method::Post, ["v1", "sessions", id, "messages"]) => {
+            let id = request::session_id(id)?;
+            let grant = call.authorize(Some(&id), CLIENTS)?;
+            let bytes = call.body(request::body_limit(max_frame)).await?;
+            let message: ClientMessage = serde_json::from_slice(&bytes)
+                .map_err(|e| ApiError::invalid(format!("malformed client message: {e}")))?;
+            if matches!(message, ClientMessage::Seal {}) && grant != GrantRole::Host {
+                return Err(seal_forbidden());
+            }
+            call.object(&id, Method::Post, "messages", None, Some(bytes))
+                .await
+        }
+        (Method::Get, ["v1", "sessions", id, "events"]) => {
+            let id = request::session_id(id)?;
+            call.authorize(Some(&id), READERS)?;
+            let header = call.req.headers().get("last-event-id").ok().flatten();
+            let after = request::events_after(header.as_deref().map(str::as_bytes), &call.params)?;
+            call.object(
+                &id,
+                Method::Get,
+                "events",
+                Some(format!("after={after}")),
+                None,
+            )
+            .await
+        }
+        (Method::Get, ["v1", "sessions", id, op @ ("frames" | "export")]) => {
+            let id = request::session_id(id)?;
+            call.authorize(Some(&id), READERS)?;
+            call.object(&id, Method::Get, op, None, None).await
+        }
+        (Method::Post, ["v1", "sessions", id, "seal"]) => {
+            let id = request::session_id(id)?;
+            call.authorize(Some(&id), HOST)?;
+            call.object(&id, Method::Post, "seal", Some(String::new()), None)
+                .await
+        }
+        (_, ["v1", "sessions", id, op @ ("ws" | "fork" | "ui-stream")]) => {
+            request::session_id(id)?;
+            Err(unsupported(&format!("/{op} on the Worker")))
+        }
+        (_, ["v1", "runner"]) | (_, ["v1", "stream", ..]) => Err(unsupported(
+            "the runner channel and Durable Streams on the Worker",
+        )),
+        (_, ["v1", "sessions", ..]) => Err(ApiError::new(
+            405,
+            "method_not_allowed",
+            "this endpoint does not take that method",
+        )),
+        _ => Err(ApiError::no_route()),
+    }
+}
+
+fn unsupported(what: &str) -> ApiError {
+    ApiError::new(501, "unsupported", format!("{what} is not built yet"))
+}
+
+/// 16 hex digits of randomness (session ids are names, not secrets).
+fn random_hex() -> String {
+    let a = (worker::js_sys::Math::random() * f64::from(u32::MAX)) as u32;
+    let b = (worker::js_sys::Math::random() * f64::from(u32::MAX)) as u32;
+    format!("{a:08x}{b:08x}")
+}

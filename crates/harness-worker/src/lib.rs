@@ -1,0 +1,24 @@
+//! # harness-worker
+//!
+//! The Cloudflare counterpart of `harness serve`: a Worker whose front
+//! (`front`) answers the session API of `session-server` — same paths, JSON,
+//! status codes and bearer roles, decided by the shared `session-api`
+//! crate — and hands each session's requests to that session's Durable
+//! Object (`object::SessionObject`, one per session, named by the session
+//! id). The object drives core's `ActorDriver` over its own SQLite
+//! (`store::DoStore`, a `harness_core::log::SessionStore`), so the actor
+//! rules (seq, idempotency, seal, one turn at a time, fan-out order) are the
+//! ones `harness serve` runs.
+//!
+//! Everything is `cfg(target_arch = "wasm32")`: on the host this crate is
+//! empty, and its test (`tests/wrangler.rs`) runs the built Worker under
+//! `wrangler dev`. See `docs/cloudflare-worker.md`.
+
+#![cfg(target_arch = "wasm32")]
+
+mod front;
+mod object;
+mod store;
+
+pub use object::SessionObject;
+pub use store::DoStore;

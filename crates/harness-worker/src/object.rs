@@ -1,0 +1,397 @@
+//! [`SessionObject`]: the Durable Object of one session — core's
+//! [`ActorDriver`] over the object's SQLite ([`DoStore`]) and a transport of
+//! per-connection channels. The front (`front.rs`) has already checked the
+//! token and parsed the request; it calls the object on internal paths
+//! (`/create`, `/info`, `/messages`, `/events`, `/frames`, `/export`,
+//! `/seal`) with the session id in `x-harness-session`.
+//!
+//! Writes go through the actor (one at a time, behind an async lock);
+//! reads of stored history (`/frames`, `/export`) go to the store directly.
+//! An SSE reader is a connection whose channel feeds the response body;
+//! when the reader goes away its id is queued and the actor hears the
+//! disconnect before its next input.
+
+// `#[durable_object]` expands to an unsafe block (a `&'static self` for the
+// object's promises): allowed here, denied elsewhere in the crate.
+#![allow(unsafe_code)]
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use futures::channel::mpsc::{unbounded, UnboundedReceiver, UnboundedSender};
+use futures::lock::{Mutex, MutexGuard};
+use futures::StreamExt;
+use harness_core::actor::{ActorConfig, ClientMessage, ConnId, Input, Role, ServerMessage};
+use harness_core::actor_driver::{ActorDriver, Transport};
+use harness_core::log::{unknown_session, SessionStore};
+use harness_core::session::{SessionConfig, TurnCommand};
+use harness_core::SessionId;
+use session_api::request::{self, PAGE};
+use session_api::sse::{ends_stream, SseEvent};
+use session_api::ApiError;
+use worker::{durable_object, wasm_bindgen, DurableObject, Env, Headers, Request, Response, State};
+
+use crate::front::{error_response, json_response, max_frame_bytes, SESSION_HEADER};
+use crate::store::DoStore;
+
+/// What the actor sends a connection.
+#[derive(Debug)]
+enum Outbound {
+    Msg(ServerMessage),
+    Close(String),
+}
+
+/// Connections are channels; the host of turn commands is not built yet.
+#[derive(Debug, Default)]
+struct DoTransport {
+    conns: HashMap<ConnId, UnboundedSender<Outbound>>,
+}
+
+impl Transport for DoTransport {
+    fn send(&mut self, conn: ConnId, message: ServerMessage) -> bool {
+        self.conns
+            .get(&conn)
+            .is_some_and(|tx| tx.unbounded_send(Outbound::Msg(message)).is_ok())
+    }
+
+    fn close(&mut self, conn: ConnId, reason: &str) {
+        if let Some(tx) = self.conns.remove(&conn) {
+            let _ = tx.unbounded_send(Outbound::Close(reason.to_string()));
+        }
+    }
+
+    fn dispatch(&mut self, command: TurnCommand) {
+        // No engine runs turns from a Durable Object yet (the Workflows
+        // engine is to come): like `SessionServer::new`, the prompt is
+        // stored and its command waits for a runtime.
+        worker::console_log!("no engine attached; not performing {command:?}");
+    }
+}
+
+#[derive(Debug)]
+struct Live {
+    driver: ActorDriver<DoTransport>,
+    next_conn: ConnId,
+}
+
+impl Live {
+    fn open(&mut self) -> (ConnId, UnboundedReceiver<Outbound>) {
+        let conn = self.next_conn;
+        self.next_conn += 1;
+        let (tx, rx) = unbounded();
+        self.driver.transport_mut().conns.insert(conn, tx);
+        (conn, rx)
+    }
+}
+
+/// The Durable Object of one session.
+#[durable_object]
+pub struct SessionObject {
+    state: State,
+    env: Env,
+    /// The actor, once a request needed it.
+    live: Mutex<Option<Live>>,
+    /// Connections whose reader went away, for the actor to hear.
+    gone: Rc<RefCell<Vec<ConnId>>>,
+    /// Set once the session was found in storage.
+    exists: Cell<bool>,
+}
+
+impl std::fmt::Debug for SessionObject {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SessionObject").finish_non_exhaustive()
+    }
+}
+
+impl DurableObject for SessionObject {
+    fn new(state: State, env: Env) -> Self {
+        Self {
+            state,
+            env,
+            live: Mutex::new(None),
+            gone: Rc::default(),
+            exists: Cell::new(false),
+        }
+    }
+
+    async fn fetch(&self, req: Request) -> worker::Result<Response> {
+        match self.route(req).await {
+            Ok(response) => Ok(response),
+            Err(e) => error_response(&e),
+        }
+    }
+}
+
+impl SessionObject {
+    fn store(&self, session: &SessionId) -> DoStore {
+        DoStore::new(
+            self.state.storage().sql(),
+            session.clone(),
+            max_frame_bytes(&self.env),
+        )
+    }
+
+    /// 404 unless the session was created (nothing is written to find out).
+    fn check_exists(&self, session: &SessionId) -> Result<(), ApiError> {
+        if self.exists.get() {
+            return Ok(());
+        }
+        match DoStore::stored_session(&self.state.storage().sql())? {
+            Some(stored) if &stored == session => {
+                self.exists.set(true);
+                Ok(())
+            }
+            _ => Err(unknown_session(session).into()),
+        }
+    }
+
+    /// The actor, recovered from the store on first use, after it heard
+    /// about every reader that left.
+    async fn actor(&self, session: &SessionId) -> Result<MutexGuard<'_, Option<Live>>, ApiError> {
+        let mut guard = self.live.lock().await;
+        if guard.is_none() {
+            let store: Arc<dyn SessionStore> = Arc::new(self.store(session));
+            let config = ActorConfig {
+                max_frame_bytes: max_frame_bytes(&self.env),
+            };
+            let driver = ActorDriver::recover(store, config, DoTransport::default()).await?;
+            *guard = Some(Live {
+                driver,
+                next_conn: 1,
+            });
+        }
+        let live = guard.as_mut().expect("set above");
+        let gone: Vec<ConnId> = self.gone.borrow_mut().drain(..).collect();
+        for conn in gone {
+            live.driver.transport_mut().conns.remove(&conn);
+            live.driver.handle(Input::Disconnect { conn }).await;
+        }
+        Ok(guard)
+    }
+
+    async fn route(&self, mut req: Request) -> Result<Response, ApiError> {
+        let session = request::session_id(
+            &req.headers()
+                .get(SESSION_HEADER)
+                .ok()
+                .flatten()
+                .unwrap_or_default(),
+        )?;
+        let url = req.url().map_err(internal)?;
+        let params = request::parse_query(url.query().unwrap_or(""));
+        let op = url.path().trim_start_matches('/').to_string();
+        if op == "create" {
+            let bytes = req.bytes().await.map_err(internal)?;
+            let config: SessionConfig = serde_json::from_slice(&bytes)
+                .map_err(|e| ApiError::invalid(format!("malformed session config: {e}")))?;
+            let info = self.store(&session).create(Some(config.clone()))?;
+            request::check_created(&info, &config)?;
+            self.exists.set(true);
+            return json_response(201, &info);
+        }
+        self.check_exists(&session)?;
+        let store = self.store(&session);
+        match op.as_str() {
+            "info" => json_response(200, &store.info().await?),
+            "frames" => {
+                let (after, limit) = request::frames_page(&params)?;
+                json_response(200, &store.read(after, limit).await?)
+            }
+            "export" => {
+                let info = store.info().await?;
+                let until = request::export_until(&params, &info)?;
+                let mut out = Vec::new();
+                let mut cursor = 0;
+                while cursor < until {
+                    let want = usize::try_from(until - cursor).unwrap_or(PAGE).min(PAGE);
+                    let page = store.read(cursor, want).await?;
+                    let Some(last) = page.last() else { break };
+                    cursor = last.seq;
+                    out.extend(page.into_iter().filter(|f| f.seq <= until));
+                }
+                json_response(200, &out)
+            }
+            "messages" => {
+                let bytes = req.bytes().await.map_err(internal)?;
+                let message: ClientMessage = serde_json::from_slice(&bytes)
+                    .map_err(|e| ApiError::invalid(format!("malformed client message: {e}")))?;
+                let is_prompt = matches!(message, ClientMessage::Prompt { .. });
+                let (seq, duplicate) = self.request(&session, message).await?;
+                let prompt = if is_prompt && seq > 0 {
+                    store.read(seq - 1, 1).await?.into_iter().next()
+                } else {
+                    None
+                };
+                json_response(200, &request::ack(seq, duplicate, prompt.as_ref()))
+            }
+            "seal" => {
+                self.request(&session, ClientMessage::Seal {}).await?;
+                json_response(200, &store.info().await?)
+            }
+            "events" => self.events(&session, &store, &params).await,
+            _ => Err(ApiError::no_route()),
+        }
+    }
+
+    /// One client message on a connection that lasts while it is handled;
+    /// the actor's answer (`(seq, duplicate)` of an ack) or its refusal.
+    async fn request(
+        &self,
+        session: &SessionId,
+        message: ClientMessage,
+    ) -> Result<(u64, bool), ApiError> {
+        let mut guard = self.actor(session).await?;
+        let live = guard.as_mut().expect("the actor is live");
+        let (conn, mut rx) = live.open();
+        let driver = &mut live.driver;
+        driver
+            .handle(Input::Connect {
+                conn,
+                role: Role::Client,
+                after: None,
+            })
+            .await;
+        driver.handle(Input::Client { conn, message }).await;
+        driver.handle(Input::Disconnect { conn }).await;
+        driver.transport_mut().conns.remove(&conn);
+        drop(guard);
+        // The store answers at once, so the answer is queued by now.
+        while let Ok(out) = rx.try_recv() {
+            match out {
+                Outbound::Msg(ServerMessage::Ack { seq, duplicate }) => {
+                    return Ok((seq, duplicate))
+                }
+                Outbound::Msg(ServerMessage::Received {}) => return Ok((0, false)),
+                Outbound::Msg(ServerMessage::Error { code, message }) => {
+                    return Err(ApiError::from_code(code, &message))
+                }
+                Outbound::Msg(_) => {}
+                Outbound::Close(reason) => {
+                    return Err(ApiError::new(
+                        503,
+                        "closed",
+                        format!("the session closed the connection: {reason}"),
+                    ))
+                }
+            }
+        }
+        Err(ApiError::new(
+            500,
+            "internal",
+            "the session actor did not answer",
+        ))
+    }
+
+    /// SSE of stored frames after `after`, then live traffic, until the
+    /// session is sealed or the reader leaves.
+    async fn events(
+        &self,
+        session: &SessionId,
+        store: &DoStore,
+        params: &HashMap<String, String>,
+    ) -> Result<Response, ApiError> {
+        let after = request::param_u64(params, "after")?.unwrap_or(0);
+        let info = store.info().await?;
+        let headers = Headers::new();
+        headers
+            .set("content-type", "text/event-stream")
+            .map_err(internal)?;
+        headers.set("cache-control", "no-cache").map_err(internal)?;
+        if info.sealed && after >= info.last_seq {
+            // Nothing will come: the stream is over.
+            let empty = futures::stream::empty::<worker::Result<Vec<u8>>>();
+            return Ok(Response::from_stream(empty)
+                .map_err(internal)?
+                .with_headers(headers));
+        }
+        let mut guard = self.actor(session).await?;
+        let live = guard.as_mut().expect("the actor is live");
+        let (conn, rx) = live.open();
+        // The actor replays (after, last] into the channel, then live frames.
+        live.driver
+            .handle(Input::Connect {
+                conn,
+                role: Role::Client,
+                after: Some(after),
+            })
+            .await;
+        drop(guard);
+        let reader = Reader {
+            rx,
+            cursor: after,
+            done: false,
+            _leave: Leave {
+                conn,
+                gone: self.gone.clone(),
+            },
+        };
+        let body = futures::stream::unfold(reader, |mut reader| async move {
+            let chunk = reader.next_chunk().await?;
+            Some((Ok::<Vec<u8>, worker::Error>(chunk.into_bytes()), reader))
+        });
+        Ok(Response::from_stream(body)
+            .map_err(internal)?
+            .with_headers(headers))
+    }
+}
+
+/// Queues the connection's disconnect when its reader is dropped.
+#[derive(Debug)]
+struct Leave {
+    conn: ConnId,
+    gone: Rc<RefCell<Vec<ConnId>>>,
+}
+
+impl Drop for Leave {
+    fn drop(&mut self) {
+        self.gone.borrow_mut().push(self.conn);
+    }
+}
+
+/// One SSE reader's side of its connection.
+#[derive(Debug)]
+struct Reader {
+    rx: UnboundedReceiver<Outbound>,
+    cursor: u64,
+    done: bool,
+    _leave: Leave,
+}
+
+impl Reader {
+    /// The next event's text; `None` when the stream ends.
+    async fn next_chunk(&mut self) -> Option<String> {
+        if self.done {
+            return None;
+        }
+        loop {
+            let event = match self.rx.next().await? {
+                Outbound::Msg(ServerMessage::Frame { frame }) => {
+                    // The actor replays exactly (cursor, last]; this only
+                    // guards against a duplicate.
+                    if frame.seq <= self.cursor {
+                        continue;
+                    }
+                    self.cursor = frame.seq;
+                    self.done = ends_stream(&frame);
+                    SseEvent::frame(&frame)
+                }
+                Outbound::Msg(ServerMessage::Live { turn_id, part }) => {
+                    SseEvent::live(&turn_id, &part)
+                }
+                Outbound::Msg(ServerMessage::Error { code, message }) => {
+                    SseEvent::error(code, &message)
+                }
+                // Acks and runner/tool-host messages never go to a reader.
+                Outbound::Msg(_) => continue,
+                Outbound::Close(_) => return None,
+            };
+            return Some(event.encode());
+        }
+    }
+}
+
+fn internal(e: worker::Error) -> ApiError {
+    ApiError::new(500, "internal", e.to_string())
+}

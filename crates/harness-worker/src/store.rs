@@ -1,0 +1,296 @@
+//! [`DoStore`]: one session's log in its Durable Object's SQLite — core's
+//! [`SessionStore`], what the actor driver reads and writes.
+//!
+//! The schema mirrors `session-log`'s (`logs`, `frames` with the
+//! idempotency key and its unique index) without the `session` column: a
+//! Durable Object holds exactly one session. The log's row also keeps the
+//! last seq and its time, so an append never scans.
+//!
+//! Atomicity: Durable Object SQL has no `BEGIN`; the runtime commits every
+//! write made without an `await` in between as one implicit transaction,
+//! and holds the object's outgoing messages until it is durable (output
+//! gates). An append's insert and its meta update are made back to back
+//! with no `await`, so they are stored together or not at all, and no
+//! response leaves before they are stored.
+
+use async_trait::async_trait;
+use harness_core::frame::{Frame, FrameBody, SessionId};
+use harness_core::log::{
+    check_append, key_reuse_error, sealed_error, unknown_session, AppendRequest, Appended,
+    ForkOrigin, LogInfo, SessionStore,
+};
+use harness_core::session::{SessionConfig, SessionMeta};
+use harness_core::{Error, Result};
+use serde::Deserialize;
+use worker::{SqlStorage, SqlStorageValue};
+
+const SCHEMA: &[&str] = &[
+    "CREATE TABLE IF NOT EXISTS logs (
+        id          INTEGER PRIMARY KEY CHECK (id = 1),
+        session     TEXT NOT NULL,
+        sealed      INTEGER NOT NULL DEFAULT 0,
+        forked_from TEXT,
+        fork_until  INTEGER,
+        meta        TEXT NOT NULL,
+        last_seq    INTEGER NOT NULL DEFAULT 0,
+        last_at_ms  INTEGER NOT NULL DEFAULT 0
+    )",
+    "CREATE TABLE IF NOT EXISTS frames (
+        seq      INTEGER PRIMARY KEY,
+        at_ms    INTEGER NOT NULL,
+        body     TEXT NOT NULL,
+        idem_key TEXT
+    )",
+    "CREATE UNIQUE INDEX IF NOT EXISTS frames_idem ON frames (idem_key)
+        WHERE idem_key IS NOT NULL",
+];
+
+/// One session's log in a Durable Object's SQLite.
+#[derive(Debug, Clone)]
+pub struct DoStore {
+    sql: SqlStorage,
+    session: SessionId,
+    max_frame_bytes: usize,
+}
+
+#[derive(Deserialize)]
+struct LogRow {
+    session: String,
+    sealed: i64,
+    forked_from: Option<String>,
+    fork_until: Option<i64>,
+    meta: String,
+    last_seq: i64,
+    last_at_ms: i64,
+}
+
+#[derive(Deserialize)]
+struct FrameRow {
+    seq: i64,
+    at_ms: i64,
+    body: String,
+}
+
+fn db_err(e: impl std::fmt::Display) -> Error {
+    Error::backend(format!("durable object sql: {e}"))
+}
+
+fn int(v: u64) -> SqlStorageValue {
+    // Seqs and milliseconds stay far below 2^53 (JavaScript numbers).
+    SqlStorageValue::Integer(i64::try_from(v).unwrap_or(i64::MAX))
+}
+
+impl DoStore {
+    /// The store of `session` over `sql`, refusing frames over
+    /// `max_frame_bytes`.
+    pub fn new(sql: SqlStorage, session: SessionId, max_frame_bytes: usize) -> Self {
+        Self {
+            sql,
+            session,
+            max_frame_bytes,
+        }
+    }
+
+    /// The session id this object holds, if it was created (read without
+    /// creating any table, so asking an unknown session writes nothing).
+    pub fn stored_session(sql: &SqlStorage) -> Result<Option<SessionId>> {
+        #[derive(Deserialize)]
+        struct Name {
+            name: String,
+        }
+        let tables: Vec<Name> = sql
+            .exec(
+                "SELECT name FROM sqlite_master WHERE type = 'table' AND name = 'logs'",
+                None,
+            )
+            .and_then(|c| c.to_array())
+            .map_err(db_err)?;
+        if !tables.iter().any(|t| t.name == "logs") {
+            return Ok(None);
+        }
+        #[derive(Deserialize)]
+        struct Session {
+            session: String,
+        }
+        let rows: Vec<Session> = sql
+            .exec("SELECT session FROM logs WHERE id = 1", None)
+            .and_then(|c| c.to_array())
+            .map_err(db_err)?;
+        rows.into_iter()
+            .next()
+            .map(|r| SessionId::parse(r.session))
+            .transpose()
+    }
+
+    /// Create the log (schema and the log's row) with `config`; an existing
+    /// log is left as it is. Returns its info.
+    pub fn create(&self, config: Option<SessionConfig>) -> Result<LogInfo> {
+        for statement in SCHEMA {
+            self.sql.exec(statement, None).map_err(db_err)?;
+        }
+        let meta = serde_json::to_string(&SessionMeta::new(config)).map_err(db_err)?;
+        self.sql
+            .exec(
+                "INSERT OR IGNORE INTO logs (id, session, meta) VALUES (1, ?, ?)",
+                vec![self.session.as_str().into(), meta.into()],
+            )
+            .map_err(db_err)?;
+        self.load_info()
+    }
+
+    fn load_info(&self) -> Result<LogInfo> {
+        let rows: Vec<LogRow> = self
+            .sql
+            .exec(
+                "SELECT session, sealed, forked_from, fork_until, meta, last_seq, last_at_ms
+                 FROM logs WHERE id = 1",
+                None,
+            )
+            .and_then(|c| c.to_array())
+            .map_err(db_err)?;
+        let row = rows
+            .into_iter()
+            .next()
+            .ok_or_else(|| unknown_session(&self.session))?;
+        if row.session != self.session.as_str() {
+            return Err(Error::conflict(format!(
+                "this durable object holds session {}, not {}",
+                row.session, self.session
+            )));
+        }
+        let meta: SessionMeta = serde_json::from_str(&row.meta).map_err(db_err)?;
+        let forked_from = match (row.forked_from, row.fork_until) {
+            (Some(session), Some(until)) => Some(ForkOrigin {
+                session: SessionId::parse(session)?,
+                until: until as u64,
+            }),
+            _ => None,
+        };
+        Ok(LogInfo {
+            session: self.session.clone(),
+            last_seq: row.last_seq as u64,
+            last_at_ms: row.last_at_ms as u64,
+            sealed: row.sealed != 0,
+            forked_from,
+            meta,
+        })
+    }
+
+    fn frame_by_key(&self, key: &str) -> Result<Option<Frame>> {
+        let rows: Vec<FrameRow> = self
+            .sql
+            .exec(
+                "SELECT seq, at_ms, body FROM frames WHERE idem_key = ?",
+                vec![key.into()],
+            )
+            .and_then(|c| c.to_array())
+            .map_err(db_err)?;
+        rows.into_iter().next().map(decode).transpose()
+    }
+
+    fn read_sync(&self, after: u64, limit: usize) -> Result<Vec<Frame>> {
+        let rows: Vec<FrameRow> = self
+            .sql
+            .exec(
+                "SELECT seq, at_ms, body FROM frames WHERE seq > ? ORDER BY seq LIMIT ?",
+                vec![int(after), int(limit as u64)],
+            )
+            .and_then(|c| c.to_array())
+            .map_err(db_err)?;
+        rows.into_iter().map(decode).collect()
+    }
+
+    fn append_sync(&self, request: AppendRequest, now_ms: u64) -> Result<Appended> {
+        check_append(&request, self.max_frame_bytes)?;
+        let info = self.load_info()?;
+        if let Some(key) = &request.idempotency_key {
+            if let Some(stored) = self.frame_by_key(key)? {
+                return if stored.body == request.body {
+                    Ok(Appended {
+                        seq: stored.seq,
+                        duplicate: true,
+                        frame: stored,
+                    })
+                } else {
+                    Err(key_reuse_error(key, stored.seq))
+                };
+            }
+        }
+        if info.sealed {
+            return Err(sealed_error(&self.session));
+        }
+        let seq = info.last_seq + 1;
+        let sealed = matches!(request.body, FrameBody::Sealed {});
+        let mut meta = info.meta;
+        let before = meta.clone();
+        meta.apply(seq, &request.body, request.idempotency_key.as_deref());
+        let body = serde_json::to_string(&request.body).map_err(db_err)?;
+        // No await from here to the end: one implicit transaction.
+        self.sql
+            .exec(
+                "INSERT INTO frames (seq, at_ms, body, idem_key) VALUES (?, ?, ?, ?)",
+                vec![
+                    int(seq),
+                    int(now_ms),
+                    body.into(),
+                    request.idempotency_key.clone().into(),
+                ],
+            )
+            .map_err(db_err)?;
+        if meta == before {
+            self.sql.exec(
+                "UPDATE logs SET last_seq = ?, last_at_ms = ?, sealed = sealed OR ? WHERE id = 1",
+                vec![int(seq), int(now_ms), sealed.into()],
+            )
+        } else {
+            let meta = serde_json::to_string(&meta).map_err(db_err)?;
+            self.sql.exec(
+                "UPDATE logs SET last_seq = ?, last_at_ms = ?, sealed = sealed OR ?, meta = ? WHERE id = 1",
+                vec![int(seq), int(now_ms), sealed.into(), meta.into()],
+            )
+        }
+        .map_err(db_err)?;
+        Ok(Appended {
+            seq,
+            duplicate: false,
+            frame: Frame {
+                seq,
+                at_ms: now_ms,
+                body: request.body,
+            },
+        })
+    }
+}
+
+fn decode(row: FrameRow) -> Result<Frame> {
+    Ok(Frame {
+        seq: row.seq as u64,
+        at_ms: row.at_ms as u64,
+        body: serde_json::from_str(&row.body).map_err(db_err)?,
+    })
+}
+
+/// Now, in ms since the epoch (the Worker's clock: frozen during a request
+/// in production, which stamps a request's frames alike).
+pub fn now_ms() -> u64 {
+    worker::Date::now().as_millis()
+}
+
+#[async_trait(?Send)]
+impl SessionStore for DoStore {
+    fn session(&self) -> &SessionId {
+        &self.session
+    }
+
+    async fn info(&self) -> Result<LogInfo> {
+        self.load_info()
+    }
+
+    async fn append(&self, request: AppendRequest) -> Result<Appended> {
+        self.append_sync(request, now_ms())
+    }
+
+    async fn read(&self, after: u64, limit: usize) -> Result<Vec<Frame>> {
+        self.read_sync(after, limit)
+    }
+}
