@@ -12,7 +12,9 @@
 //!   checking every request and response against the bridge's OpenAPI
 //!   document (the `sandbox-cloudflare` provider's tests);
 //! - [`trees`]: the test tree every move test builds, and a listing of a
-//!   tree that means the same on every provider.
+//!   tree that means the same on every provider;
+//! - [`wrangler`]: the Cloudflare Worker under `wrangler dev`, for the
+//!   session-API suite ([`conformance::session_api`]).
 
 pub mod agent;
 pub mod bridge;
@@ -21,6 +23,7 @@ pub mod gate;
 pub mod model;
 pub mod real;
 pub mod trees;
+pub mod wrangler;
 
 pub use gate::gate_binary;
 pub use real::{real_parts_required, require_env, skip_or_fail};

@@ -7,4 +7,5 @@ pub mod checkpoint;
 pub mod engine;
 pub mod log;
 pub mod sandbox;
+pub mod session_api;
 pub mod turn_store;

@@ -1,0 +1,712 @@
+//! The session HTTP API, as a client sees it: one suite run against every
+//! server of it — `session-server` (what `harness serve` runs) and the
+//! Cloudflare Worker under `wrangler dev` (`crates/harness-worker`) — by
+//! base URL and tokens, so both answer the same paths with the same JSON,
+//! status codes and bearer roles.
+//!
+//! The server under test is configured with [`token_table`] (a JSON array
+//! of `session_api::TokenGrant`s) and the default 1 MiB frame limit, and
+//! runs no engine (a prompt is stored and its turn stays open), so every
+//! frame in these cases is one the suite wrote. Each case makes its own
+//! sessions, named with [`Target::tag`] so reruns against kept state do not
+//! meet.
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use serde_json::{json, Value};
+
+/// A token with a `host` grant on every session.
+pub const HOST: &str = "suite-host";
+/// A token with a `client` grant on every session.
+pub const CLIENT: &str = "suite-client";
+/// A token with a `runner` grant on every session.
+pub const RUNNER: &str = "suite-runner";
+/// A token with a `client` grant on session [`OTHER_SESSION`] only.
+pub const OTHER_CLIENT: &str = "suite-other-client";
+/// The one session [`OTHER_CLIENT`] may use.
+pub const OTHER_SESSION: &str = "suite-other-session";
+/// A token in no grant.
+pub const UNKNOWN: &str = "suite-unknown";
+
+/// The token table the server under test must hold (`HARNESS_TOKENS` of
+/// the Worker; `ServerConfig::tokens` of session-server, deserialized).
+pub fn token_table() -> Value {
+    json!([
+        {"token": HOST, "scope": "all", "role": "host"},
+        {"token": CLIENT, "scope": "all", "role": "client"},
+        {"token": RUNNER, "scope": "all", "role": "runner"},
+        {"token": OTHER_CLIENT, "scope": {"session": OTHER_SESSION}, "role": "client"},
+    ])
+}
+
+/// The server under test.
+#[derive(Debug, Clone)]
+pub struct Target {
+    /// `http://127.0.0.1:PORT`, no trailing slash.
+    pub base: String,
+    /// Prefix of the session ids the suite makes.
+    pub tag: String,
+    /// The server's frame limit (encoded frame body bytes).
+    pub max_frame_bytes: usize,
+    client: reqwest::Client,
+}
+
+/// One server-sent event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Event {
+    /// `id:`.
+    pub id: Option<String>,
+    /// `event:`.
+    pub event: String,
+    /// `data:` lines joined with `\n`.
+    pub data: String,
+}
+
+/// How long any one read of the suite may take.
+const WAIT: Duration = Duration::from_secs(30);
+
+impl Target {
+    /// A target at `base` with the default 1 MiB frame limit; sessions are
+    /// named `<tag>-<case>`.
+    pub fn new(base: impl Into<String>, tag: impl Into<String>) -> Self {
+        Self {
+            base: base.into().trim_end_matches('/').to_string(),
+            tag: tag.into(),
+            max_frame_bytes: harness_core::log::DEFAULT_MAX_FRAME_BYTES,
+            client: reqwest::Client::new(),
+        }
+    }
+
+    fn id(&self, case: &str) -> String {
+        format!("{}-{case}", self.tag)
+    }
+
+    /// A request with `token` (if any) as bearer.
+    fn request(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        token: Option<&str>,
+    ) -> reqwest::RequestBuilder {
+        let r = self.client.request(method, format!("{}{path}", self.base));
+        match token {
+            Some(t) => r.bearer_auth(t),
+            None => r,
+        }
+    }
+
+    /// Send and read `(status, JSON body or Null)`.
+    async fn call(&self, r: reqwest::RequestBuilder) -> (u16, Value) {
+        let response = tokio::time::timeout(WAIT, r.send())
+            .await
+            .expect("the server answers in time")
+            .expect("the server is reachable");
+        let status = response.status().as_u16();
+        let bytes = response.bytes().await.expect("a whole body");
+        (
+            status,
+            serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+        )
+    }
+
+    async fn post(&self, path: &str, token: Option<&str>, body: Value) -> (u16, Value) {
+        self.call(
+            self.request(reqwest::Method::POST, path, token)
+                .header("content-type", "application/json")
+                .body(body.to_string()),
+        )
+        .await
+    }
+
+    async fn post_raw(&self, path: &str, token: Option<&str>, body: Vec<u8>) -> (u16, Value) {
+        self.call(
+            self.request(reqwest::Method::POST, path, token)
+                .header("content-type", "application/json")
+                .body(body),
+        )
+        .await
+    }
+
+    async fn get(&self, path: &str, token: Option<&str>) -> (u16, Value) {
+        self.call(self.request(reqwest::Method::GET, path, token))
+            .await
+    }
+
+    async fn create(&self, id: &str) -> Value {
+        let (status, info) = self
+            .post("/v1/sessions", Some(HOST), json!({"id": id}))
+            .await;
+        assert_eq!(status, 201, "create {id}: {info}");
+        info
+    }
+
+    async fn message(&self, id: &str, token: &str, message: Value) -> (u16, Value) {
+        self.post(&format!("/v1/sessions/{id}/messages"), Some(token), message)
+            .await
+    }
+
+    async fn answer(&self, id: &str, n: usize) -> Value {
+        let (status, ack) = self
+            .message(
+                id,
+                CLIENT,
+                json!({"type": "approval-response", "approvalId": format!("a{n}"), "approved": true}),
+            )
+            .await;
+        assert_eq!(status, 200, "answer {n}: {ack}");
+        ack
+    }
+
+    async fn info(&self, id: &str) -> Value {
+        let (status, info) = self.get(&format!("/v1/sessions/{id}"), Some(HOST)).await;
+        assert_eq!(status, 200, "info {id}: {info}");
+        info
+    }
+
+    async fn last_seq(&self, id: &str) -> u64 {
+        self.info(id).await["last_seq"].as_u64().expect("last_seq")
+    }
+
+    /// Open `/events` (with `query` and `Last-Event-ID`) and read it to its
+    /// end (the server ends it after the `sealed` frame).
+    pub async fn events_to_end(
+        &self,
+        id: &str,
+        query: &str,
+        last_event_id: Option<&str>,
+    ) -> Vec<Event> {
+        let response = self.open_events(id, query, last_event_id).await;
+        SseReader::new(response).into_events().await
+    }
+
+    async fn open_events(
+        &self,
+        id: &str,
+        query: &str,
+        last_event_id: Option<&str>,
+    ) -> reqwest::Response {
+        let mut r = self.request(
+            reqwest::Method::GET,
+            &format!("/v1/sessions/{id}/events{query}"),
+            Some(CLIENT),
+        );
+        if let Some(last) = last_event_id {
+            r = r.header("last-event-id", last);
+        }
+        let response = tokio::time::timeout(WAIT, r.send())
+            .await
+            .expect("the stream opens in time")
+            .expect("the server is reachable");
+        assert_eq!(response.status().as_u16(), 200, "GET /events{query}");
+        let ct = response
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string();
+        assert!(ct.starts_with("text/event-stream"), "content-type {ct:?}");
+        response
+    }
+}
+
+/// A reader of one event stream.
+struct SseReader {
+    stream: std::pin::Pin<Box<dyn futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Send>>,
+    buf: String,
+}
+
+impl SseReader {
+    fn new(response: reqwest::Response) -> Self {
+        Self {
+            stream: Box::pin(response.bytes_stream()),
+            buf: String::new(),
+        }
+    }
+
+    /// The next event, `None` when the stream ended (within [`WAIT`]).
+    async fn next(&mut self) -> Option<Event> {
+        let read = async {
+            loop {
+                while let Some(end) = self.buf.find("\n\n") {
+                    let block: String = self.buf.drain(..end + 2).collect();
+                    if let Some(event) = parse_event(&block) {
+                        return Some(event);
+                    }
+                }
+                let chunk = self.stream.next().await?.expect("stream bytes");
+                self.buf.push_str(&String::from_utf8_lossy(&chunk));
+            }
+        };
+        tokio::time::timeout(WAIT, read)
+            .await
+            .expect("the next event (or the end) in time")
+    }
+
+    /// Every event to the stream's end.
+    async fn into_events(mut self) -> Vec<Event> {
+        let mut events = Vec::new();
+        while let Some(event) = self.next().await {
+            events.push(event);
+        }
+        events
+    }
+}
+
+/// One event block; `None` for a comment (keep-alive).
+fn parse_event(block: &str) -> Option<Event> {
+    let mut event = Event {
+        id: None,
+        event: "message".into(),
+        data: String::new(),
+    };
+    let mut data = Vec::new();
+    for line in block.lines() {
+        if let Some(v) = line.strip_prefix("id:") {
+            event.id = Some(v.trim().to_string());
+        } else if let Some(v) = line.strip_prefix("event:") {
+            event.event = v.trim().to_string();
+        } else if let Some(v) = line.strip_prefix("data:") {
+            data.push(v.strip_prefix(' ').unwrap_or(v).to_string());
+        }
+    }
+    if data.is_empty() && event.id.is_none() {
+        return None;
+    }
+    event.data = data.join("\n");
+    Some(event)
+}
+
+fn frame_seqs(events: &[Event]) -> Vec<u64> {
+    events
+        .iter()
+        .filter(|e| e.event == "frame")
+        .map(|e| {
+            let frame: Value = serde_json::from_str(&e.data).expect("frame JSON");
+            let seq = frame["seq"].as_u64().expect("seq");
+            assert_eq!(
+                e.id.as_deref(),
+                Some(seq.to_string().as_str()),
+                "id is the seq"
+            );
+            seq
+        })
+        .collect()
+}
+
+fn assert_error(got: &(u16, Value), status: u16, code: &str) {
+    assert_eq!(got.0, status, "status of {}", got.1);
+    assert_eq!(got.1["error"]["code"], code, "code of {}", got.1);
+    assert!(
+        got.1["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()),
+        "a message in {}",
+        got.1
+    );
+}
+
+/// Every case, in order.
+pub async fn run_all(t: &Target) {
+    create_append_read_back(t).await;
+    replay_from_a_cursor_and_last_event_id(t).await;
+    fanout_to_many_sse_clients(t).await;
+    refused_tokens_write_nothing(t).await;
+    oversized_and_malformed_input_is_refused_with_nothing_written(t).await;
+}
+
+/// Create, prompt, answer; read back by `/frames`, `/export` and info.
+pub async fn create_append_read_back(t: &Target) {
+    let id = t.id("rw");
+    let info = t.create(&id).await;
+    assert_eq!(info["session"], id.as_str());
+    assert_eq!(info["last_seq"], 0);
+    assert_eq!(info["sealed"], false);
+    // The same configuration again is fine; another one is a conflict.
+    assert_eq!(
+        t.post("/v1/sessions", Some(HOST), json!({"id": id}))
+            .await
+            .0,
+        201
+    );
+    assert_error(
+        &t.post(
+            "/v1/sessions",
+            Some(HOST),
+            json!({"id": id, "agent": "codex"}),
+        )
+        .await,
+        409,
+        "conflict",
+    );
+
+    let prompt = json!({"type": "prompt", "text": "hello", "key": "k1"});
+    let (status, ack) = t.message(&id, CLIENT, prompt.clone()).await;
+    assert_eq!(status, 200, "{ack}");
+    assert_eq!(
+        ack,
+        json!({"type": "ack", "seq": 1, "duplicate": false, "turnId": "t1"})
+    );
+    // A retry with the same key stores nothing.
+    let (status, ack) = t.message(&id, CLIENT, prompt).await;
+    assert_eq!(
+        (status, ack["seq"].clone(), ack["duplicate"].clone()),
+        (200, json!(1), json!(true))
+    );
+    // One turn at a time.
+    assert_error(
+        &t.message(&id, CLIENT, json!({"type": "prompt", "text": "again"}))
+            .await,
+        409,
+        "turn_in_progress",
+    );
+    let ack = t.answer(&id, 1).await;
+    assert_eq!(ack, json!({"type": "ack", "seq": 2, "duplicate": false}));
+
+    let (status, frames) = t
+        .get(&format!("/v1/sessions/{id}/frames?after=0"), Some(CLIENT))
+        .await;
+    assert_eq!(status, 200);
+    let frames = frames.as_array().expect("an array").clone();
+    assert_eq!(frames.len(), 2);
+    assert_eq!(frames[0]["seq"], 1);
+    assert_eq!(frames[0]["body"]["type"], "user-message");
+    assert_eq!(frames[0]["body"]["text"], "hello");
+    assert_eq!(frames[0]["body"]["turnId"], "t1");
+    assert!(
+        frames[0]["at_ms"].as_u64().is_some_and(|ms| ms > 0),
+        "stamped: {}",
+        frames[0]
+    );
+    assert_eq!(frames[1]["seq"], 2);
+    assert_eq!(frames[1]["body"]["type"], "approval-response");
+    assert_eq!(frames[1]["body"]["approvalId"], "a1");
+
+    let (_, page) = t
+        .get(
+            &format!("/v1/sessions/{id}/frames?after=1&limit=1"),
+            Some(RUNNER),
+        )
+        .await;
+    assert_eq!(page.as_array().map(Vec::len), Some(1));
+    assert_eq!(page[0]["seq"], 2);
+    let (status, all) = t
+        .get(&format!("/v1/sessions/{id}/export"), Some(CLIENT))
+        .await;
+    assert_eq!((status, all.as_array().map(Vec::len)), (200, Some(2)));
+    assert_eq!(all, Value::Array(frames));
+    let (_, one) = t
+        .get(&format!("/v1/sessions/{id}/export?until=1"), Some(CLIENT))
+        .await;
+    assert_eq!(one.as_array().map(Vec::len), Some(1));
+    assert_error(
+        &t.get(&format!("/v1/sessions/{id}/export?until=9"), Some(CLIENT))
+            .await,
+        400,
+        "invalid",
+    );
+
+    let info = t.info(&id).await;
+    assert_eq!(info["last_seq"], 2);
+    assert_eq!(info["meta"]["config"]["agent"], "claude-code");
+}
+
+/// `/events` from the start, from `?after`, and from `Last-Event-ID`
+/// (which wins over `?after`); a sealed stream ends.
+pub async fn replay_from_a_cursor_and_last_event_id(t: &Target) {
+    let id = t.id("replay");
+    t.create(&id).await;
+    let (status, _) = t
+        .message(&id, CLIENT, json!({"type": "prompt", "text": "p"}))
+        .await;
+    assert_eq!(status, 200);
+    for n in 0..4 {
+        t.answer(&id, n).await;
+    }
+    let (status, info) = t
+        .post(&format!("/v1/sessions/{id}/seal"), Some(HOST), json!({}))
+        .await;
+    assert_eq!(status, 200, "{info}");
+    assert_eq!(
+        (info["sealed"].clone(), info["last_seq"].clone()),
+        (json!(true), json!(6))
+    );
+
+    let all = t.events_to_end(&id, "", None).await;
+    assert_eq!(frame_seqs(&all), vec![1, 2, 3, 4, 5, 6]);
+    let last: Value = serde_json::from_str(&all[5].data).unwrap();
+    assert_eq!(last["body"]["type"], "sealed");
+    assert_eq!(
+        frame_seqs(&t.events_to_end(&id, "?after=3", None).await),
+        vec![4, 5, 6]
+    );
+    assert_eq!(
+        frame_seqs(&t.events_to_end(&id, "?after=1", Some("4")).await),
+        vec![5, 6]
+    );
+    assert!(t.events_to_end(&id, "", Some("6")).await.is_empty());
+    let (status, body) = t
+        .call(
+            t.request(
+                reqwest::Method::GET,
+                &format!("/v1/sessions/{id}/events"),
+                Some(CLIENT),
+            )
+            .header("last-event-id", "x"),
+        )
+        .await;
+    assert_error(&(status, body), 400, "invalid");
+    // Sealed: nothing more is stored.
+    assert_error(
+        &t.message(
+            &id,
+            CLIENT,
+            json!({"type": "approval-response", "approvalId": "z", "approved": true}),
+        )
+        .await,
+        409,
+        "sealed",
+    );
+}
+
+/// Several SSE readers, attached before and while frames are written, each
+/// see the same gap-free sequence.
+pub async fn fanout_to_many_sse_clients(t: &Target) {
+    const READERS: usize = 6;
+    const ANSWERS: usize = 20;
+    let id = t.id("fanout");
+    t.create(&id).await;
+    let (status, _) = t
+        .message(&id, CLIENT, json!({"type": "prompt", "text": "p"}))
+        .await;
+    assert_eq!(status, 200);
+    let mut readers = Vec::new();
+    for _ in 0..READERS / 2 {
+        // Each has seen frame 1 before the writes start: attached.
+        let mut reader = SseReader::new(t.open_events(&id, "", None).await);
+        let first = reader.next().await.expect("frame 1");
+        assert_eq!(first.id.as_deref(), Some("1"));
+        readers.push(tokio::spawn(async move {
+            let mut events = vec![first];
+            events.extend(reader.into_events().await);
+            events
+        }));
+    }
+    for n in 0..ANSWERS {
+        t.answer(&id, n).await;
+        if n == ANSWERS / 2 {
+            // Late joiners, from a cursor in the middle.
+            for _ in 0..READERS / 2 {
+                let reader = SseReader::new(t.open_events(&id, "?after=1", None).await);
+                readers.push(tokio::spawn(reader.into_events()));
+            }
+        }
+    }
+    let (status, _) = t
+        .post(&format!("/v1/sessions/{id}/seal"), Some(HOST), json!({}))
+        .await;
+    assert_eq!(status, 200);
+    let last = 1 + ANSWERS as u64 + 1;
+    for (i, reader) in readers.into_iter().enumerate() {
+        let events = reader.await.expect("reader task");
+        let from = if i < READERS / 2 { 1 } else { 2 };
+        let want: Vec<u64> = (from..=last).collect();
+        assert_eq!(frame_seqs(&events), want, "reader {i}");
+    }
+}
+
+/// 401 without a token or with an unknown one, 403 for a grant of another
+/// role or session; nothing is created or written by any of them.
+pub async fn refused_tokens_write_nothing(t: &Target) {
+    let id = t.id("auth");
+    let never = t.id("auth-never");
+    // Create: no token, unknown token, a client's token.
+    assert_error(
+        &t.post("/v1/sessions", None, json!({"id": never})).await,
+        401,
+        "unauthorized",
+    );
+    assert_error(
+        &t.post("/v1/sessions", Some(UNKNOWN), json!({"id": never}))
+            .await,
+        401,
+        "unauthorized",
+    );
+    assert_error(
+        &t.post("/v1/sessions", Some(CLIENT), json!({"id": never}))
+            .await,
+        403,
+        "forbidden",
+    );
+    assert_error(
+        &t.post("/v1/sessions", Some(OTHER_CLIENT), json!({"id": never}))
+            .await,
+        403,
+        "forbidden",
+    );
+    assert_error(
+        &t.get(&format!("/v1/sessions/{never}"), Some(HOST)).await,
+        404,
+        "not_found",
+    );
+
+    t.create(&id).await;
+    let prompt = json!({"type": "prompt", "text": "p"});
+    let messages = format!("/v1/sessions/{id}/messages");
+    assert_error(
+        &t.post(&messages, None, prompt.clone()).await,
+        401,
+        "unauthorized",
+    );
+    assert_error(
+        &t.post(&messages, Some(UNKNOWN), prompt.clone()).await,
+        401,
+        "unauthorized",
+    );
+    assert_error(
+        &t.post(&messages, Some(RUNNER), prompt.clone()).await,
+        403,
+        "forbidden",
+    );
+    assert_error(
+        &t.post(&messages, Some(OTHER_CLIENT), prompt.clone()).await,
+        403,
+        "forbidden",
+    );
+    // Sealing is the host's, by either endpoint.
+    assert_error(
+        &t.post(&messages, Some(CLIENT), json!({"type": "seal"}))
+            .await,
+        403,
+        "forbidden",
+    );
+    assert_error(
+        &t.post(&format!("/v1/sessions/{id}/seal"), Some(CLIENT), json!({}))
+            .await,
+        403,
+        "forbidden",
+    );
+    // Reads.
+    for path in ["", "/frames", "/export", "/events"] {
+        let path = format!("/v1/sessions/{id}{path}");
+        assert_error(&t.get(&path, None).await, 401, "unauthorized");
+        assert_error(&t.get(&path, Some(OTHER_CLIENT)).await, 403, "forbidden");
+    }
+    // The access_token parameter names a token too (EventSource cannot set headers).
+    let (status, _) = t
+        .get(
+            &format!("/v1/sessions/{id}/frames?access_token={CLIENT}"),
+            None,
+        )
+        .await;
+    assert_eq!(status, 200);
+    let info = t.info(&id).await;
+    assert_eq!(
+        (info["last_seq"].clone(), info["sealed"].clone()),
+        (json!(0), json!(false))
+    );
+}
+
+/// Bodies over the limit (413), frames over it (413), malformed JSON and
+/// unknown messages (400), bad ids and cursors (400), unknown sessions
+/// (404): each refused with its error, and nothing stored.
+pub async fn oversized_and_malformed_input_is_refused_with_nothing_written(t: &Target) {
+    let id = t.id("bad");
+    t.create(&id).await;
+    let messages = format!("/v1/sessions/{id}/messages");
+    // A body past the frame limit plus the envelope's room.
+    let huge = vec![b' '; t.max_frame_bytes + 64 * 1024 + 1];
+    assert_error(
+        &t.post_raw(&messages, Some(CLIENT), huge).await,
+        413,
+        "frame_too_large",
+    );
+    // A body within the room whose frame is over the limit.
+    let text = "x".repeat(t.max_frame_bytes);
+    assert_error(
+        &t.message(&id, CLIENT, json!({"type": "prompt", "text": text}))
+            .await,
+        413,
+        "frame_too_large",
+    );
+    assert_error(
+        &t.post_raw(&messages, Some(CLIENT), b"{not json".to_vec())
+            .await,
+        400,
+        "invalid",
+    );
+    assert_error(
+        &t.message(&id, CLIENT, json!({"type": "dance"})).await,
+        400,
+        "invalid",
+    );
+    assert_error(
+        &t.message(&id, CLIENT, json!({"type": "prompt"})).await,
+        400,
+        "invalid",
+    );
+    assert_error(
+        &t.post(
+            "/v1/sessions",
+            Some(HOST),
+            json!({"id": "ok", "colour": "red"}),
+        )
+        .await,
+        400,
+        "invalid",
+    );
+    assert_error(
+        &t.post_raw("/v1/sessions", Some(HOST), b"[1,".to_vec())
+            .await,
+        400,
+        "invalid",
+    );
+    assert_error(
+        &t.post("/v1/sessions", Some(HOST), json!({"id": ".hidden"}))
+            .await,
+        400,
+        "invalid",
+    );
+    assert_error(
+        &t.get(&format!("/v1/sessions/{id}/frames?after=x"), Some(CLIENT))
+            .await,
+        400,
+        "invalid",
+    );
+    assert_error(
+        &t.get(&format!("/v1/sessions/{id}/frames?limit=-1"), Some(CLIENT))
+            .await,
+        400,
+        "invalid",
+    );
+    let unknown = t.id("bad-unknown");
+    assert_error(
+        &t.message(&unknown, CLIENT, json!({"type": "prompt", "text": "p"}))
+            .await,
+        404,
+        "not_found",
+    );
+    assert_error(
+        &t.get(&format!("/v1/sessions/{unknown}/frames"), Some(CLIENT))
+            .await,
+        404,
+        "not_found",
+    );
+    // An answer with no turn running is refused too.
+    assert_error(
+        &t.message(
+            &id,
+            CLIENT,
+            json!({"type": "approval-response", "approvalId": "a", "approved": true}),
+        )
+        .await,
+        409,
+        "no_active_turn",
+    );
+    assert_eq!(t.last_seq(&id).await, 0, "nothing was stored");
+    // And the session still takes a good message.
+    let (status, ack) = t
+        .message(&id, CLIENT, json!({"type": "prompt", "text": "ok"}))
+        .await;
+    assert_eq!((status, ack["seq"].clone()), (200, json!(1)));
+}

@@ -1,0 +1,171 @@
+//! `wrangler dev` for tests: the built Cloudflare Worker
+//! (`crates/harness-worker`, `cargo xtask worker build`) served by workerd
+//! on a loopback port, offline (`WRANGLER_SEND_METRICS=false
+//! CLOUDFLARE_CF_FETCH_ENABLED=false CI=1`), its Durable Objects' state in
+//! a fresh directory. Started with `setsid`, so wrangler, its esbuild and
+//! workerd form one process group, which is stopped as a whole on drop.
+//!
+//! The wrangler executable is `$HARNESS_WRANGLER`, else the one `cargo
+//! xtask worker deps` installs under `$HARNESS_CACHE/tools`.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::real::skip_or_fail;
+
+/// The wrangler release `cargo xtask worker deps` installs.
+pub const WRANGLER_VERSION: &str = "4.86.0";
+
+/// A running `wrangler dev`.
+#[derive(Debug)]
+pub struct WranglerDev {
+    child: Child,
+    /// `http://127.0.0.1:PORT`.
+    pub base: String,
+    state: PathBuf,
+}
+
+/// Where wrangler is: `$HARNESS_WRANGLER`, else the xtask-installed one.
+pub fn wrangler_bin() -> PathBuf {
+    if let Some(bin) = std::env::var_os("HARNESS_WRANGLER").filter(|v| !v.is_empty()) {
+        return PathBuf::from(bin);
+    }
+    let cache = std::env::var_os("HARNESS_CACHE")
+        .filter(|v| !v.is_empty())
+        .map_or_else(|| PathBuf::from("/var/cache/harness"), PathBuf::from);
+    cache
+        .join("tools")
+        .join(format!("wrangler-{WRANGLER_VERSION}"))
+        .join("node_modules/.bin/wrangler")
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}
+
+/// True once `addr` answers an HTTP request with a status line.
+fn http_answers(addr: SocketAddr) -> bool {
+    let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_millis(500)) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    if s.write_all(b"GET /__ready HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        .is_err()
+    {
+        return false;
+    }
+    let mut head = [0u8; 12];
+    s.read_exact(&mut head).is_ok() && head.starts_with(b"HTTP/1.1 ")
+}
+
+impl WranglerDev {
+    /// Serve the Worker in `worker_dir` with `vars` (`--var NAME:VALUE`).
+    /// `None` (after [`skip_or_fail`]) when wrangler or the built Worker is
+    /// missing; panics when wrangler does not come up.
+    pub fn start(worker_dir: &Path, vars: &[(&str, String)]) -> Option<Self> {
+        let wrangler = wrangler_bin();
+        if !wrangler.exists() {
+            skip_or_fail(&format!(
+                "wrangler is not installed at {} (cargo xtask worker deps)",
+                wrangler.display()
+            ));
+            return None;
+        }
+        let index = worker_dir.join("build/index.js");
+        if !index.exists() {
+            skip_or_fail(&format!(
+                "the Worker is not built: {} is missing (cargo xtask worker build)",
+                index.display()
+            ));
+            return None;
+        }
+        let state = std::env::temp_dir().join(format!(
+            "harness-wrangler-{}-{}",
+            std::process::id(),
+            free_port()
+        ));
+        std::fs::create_dir_all(&state).expect("a state directory");
+        let log = std::fs::File::create(state.join("wrangler.log")).expect("a log file");
+        let (port, inspector) = (free_port(), free_port());
+        let mut cmd = Command::new("setsid");
+        cmd.arg(&wrangler)
+            .current_dir(worker_dir)
+            .args(["dev", "--ip", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--inspector-port", &inspector.to_string()])
+            .arg("--persist-to")
+            .arg(state.join("state"))
+            .arg("--show-interactive-dev-session=false")
+            .env("WRANGLER_SEND_METRICS", "false")
+            .env("CLOUDFLARE_CF_FETCH_ENABLED", "false")
+            .env("CI", "1")
+            .env("WRANGLER_LOG_PATH", state.join("logs"))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log);
+        for (name, value) in vars {
+            cmd.arg("--var").arg(format!("{name}:{value}"));
+        }
+        let child = cmd
+            .spawn()
+            .expect("starting wrangler dev (is setsid there?)");
+        let dev = Self {
+            child,
+            base: format!("http://127.0.0.1:{port}"),
+            state,
+        };
+        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+        let started = Instant::now();
+        while !http_answers(addr) {
+            if started.elapsed() > Duration::from_secs(120) {
+                panic!(
+                    "wrangler dev did not answer on {addr} in 120 s:\n{}",
+                    dev.log_tail()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        Some(dev)
+    }
+
+    /// The end of wrangler's output.
+    pub fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(self.state.join("wrangler.log")).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(40)..].join("\n")
+    }
+}
+
+impl Drop for WranglerDev {
+    fn drop(&mut self) {
+        // setsid made wrangler the leader of its own group: stop all of it.
+        // The leader is reaped only at the end, so until then the group id
+        // cannot name anyone else's processes.
+        let pid = self.child.id();
+        let group = format!("-{pid}");
+        let _ = Command::new("kill").args(["-TERM", "--", &group]).status();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline && !exited(pid) {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.state);
+    }
+}
+
+/// True when `pid` is gone or a zombie (exited, not yet reaped).
+fn exited(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_none_or(|state| state == "Z" || state == "X"),
+        Err(_) => true,
+    }
+}
