@@ -15,6 +15,7 @@ mod package;
 mod services;
 mod skips;
 mod util;
+mod worker;
 
 use std::process::ExitCode;
 
@@ -66,11 +67,44 @@ enum Cmd {
     Fuzz(fuzz::FuzzArgs),
     /// Kill real turns at random phases and check they finish (docs/reliability.md).
     Chaos(chaos::ChaosArgs),
+    /// The Cloudflare Worker (crates/harness-worker): install its tools, build
+    /// it for wasm32, run it under `wrangler dev`, run its test there.
+    Worker {
+        #[command(subcommand)]
+        action: WorkerAction,
+    },
     /// Run a benchmark (not part of CI): each prints ratios against a baseline.
     Bench {
         #[arg(value_enum)]
         which: bench::Bench,
     },
+}
+
+#[derive(Debug, Subcommand)]
+enum WorkerAction {
+    /// Install worker-build, wasm-bindgen-cli, wrangler, esbuild and wasm-opt
+    /// into $HARNESS_CACHE/tools (skipped when present at the right version).
+    Deps,
+    /// Build the Worker (worker-build → crates/harness-worker/build/).
+    Build {
+        /// Release profile (runs wasm-opt).
+        #[arg(long)]
+        release: bool,
+    },
+    /// Run the built Worker under `wrangler dev`, locally and offline.
+    Dev {
+        #[arg(long, default_value_t = 8788)]
+        port: u16,
+        /// Where wrangler keeps the Durable Objects' state (default
+        /// $HARNESS_CACHE/worker-dev).
+        #[arg(long)]
+        persist: Option<std::path::PathBuf>,
+        /// The token table, JSON (HARNESS_TOKENS).
+        #[arg(long)]
+        tokens: Option<String>,
+    },
+    /// Build the Worker and run the session-API suite against it under `wrangler dev`.
+    Test,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -140,6 +174,18 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Fuzz(args) => fuzz::run(args),
         Cmd::Chaos(args) => chaos::run(args),
         Cmd::Bench { which } => bench::run(which),
+        Cmd::Worker { action } => match action {
+            WorkerAction::Deps => util::timed("worker deps", worker::deps),
+            WorkerAction::Build { release } => {
+                util::timed("worker build", || worker::build(release))
+            }
+            WorkerAction::Dev {
+                port,
+                persist,
+                tokens,
+            } => worker::dev(port, persist, tokens),
+            WorkerAction::Test => worker::test(),
+        },
         Cmd::Matrix => {
             for row in matrix::MATRIX {
                 println!("{}", row.label());

@@ -1,0 +1,323 @@
+//! `cargo xtask worker deps|build|dev|test`: the Cloudflare Worker
+//! (`crates/harness-worker`) built for wasm32 and run under `wrangler dev`,
+//! locally and offline (docs/cloudflare-worker.md).
+//!
+//! Tools, each installed once into `$HARNESS_CACHE/tools/<name>-<version>`
+//! and skipped when the right version is there:
+//! - `worker-build` (crates.io, `--locked`): builds the cdylib and its JS
+//!   shim;
+//! - `wasm-bindgen-cli` at exactly the `wasm-bindgen` version in
+//!   `Cargo.lock` (without `--locked`: its own lock file does not build);
+//! - `wrangler` from npm (4.86.0: the last release that runs on Node 20),
+//!   which brings `workerd`;
+//! - `esbuild` from npm (`@esbuild/linux-x64` at the version worker-build
+//!   bundles with);
+//! - `wasm-opt` from the Debian `binaryen` package (only `--release` builds
+//!   run it).
+//!
+//! worker-build would download wasm-bindgen, wasm-opt and esbuild from
+//! GitHub; `WASM_BINDGEN_BIN`, `WASM_OPT_BIN` and `ESBUILD_BIN` point it at
+//! these instead. wrangler runs with `WRANGLER_SEND_METRICS=false
+//! CLOUDFLARE_CF_FETCH_ENABLED=false CI=1`: no metrics, no fetch of the
+//! `request.cf` data, no prompts.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+
+use crate::util::{self, run};
+
+pub const WORKER_BUILD_VERSION: &str = "0.8.7";
+pub const WRANGLER_VERSION: &str = "4.86.0";
+/// What worker-build 0.8.7 bundles with (its `CUR_ESBUILD_VERSION`).
+pub const ESBUILD_VERSION: &str = "0.28.2";
+
+/// The Worker crate's directory.
+pub fn worker_dir() -> PathBuf {
+    util::repo_root().join("crates/harness-worker")
+}
+
+fn tools_dir() -> PathBuf {
+    util::cache_dir().join("tools")
+}
+
+pub fn worker_build_bin() -> PathBuf {
+    tools_dir()
+        .join(format!("worker-build-{WORKER_BUILD_VERSION}"))
+        .join("bin/worker-build")
+}
+
+pub fn wasm_bindgen_bin(version: &str) -> PathBuf {
+    tools_dir()
+        .join(format!("wasm-bindgen-{version}"))
+        .join("bin/wasm-bindgen")
+}
+
+fn wrangler_root() -> PathBuf {
+    tools_dir().join(format!("wrangler-{WRANGLER_VERSION}"))
+}
+
+/// The wrangler executable (`HARNESS_WRANGLER` for the tests).
+pub fn wrangler_bin() -> PathBuf {
+    wrangler_root().join("node_modules/.bin/wrangler")
+}
+
+fn esbuild_root() -> PathBuf {
+    tools_dir().join(format!("esbuild-{ESBUILD_VERSION}"))
+}
+
+pub fn esbuild_bin() -> PathBuf {
+    esbuild_root().join("node_modules/@esbuild/linux-x64/bin/esbuild")
+}
+
+/// The `wasm-bindgen` crate's version in the workspace's `Cargo.lock`: the
+/// CLI must be exactly that one.
+pub fn wasm_bindgen_version() -> Result<String> {
+    let lock = util::repo_root().join("Cargo.lock");
+    let text =
+        std::fs::read_to_string(&lock).with_context(|| format!("reading {}", lock.display()))?;
+    let mut lines = text.lines();
+    while let Some(line) = lines.next() {
+        if line.trim() == "name = \"wasm-bindgen\"" {
+            if let Some(version) = lines
+                .next()
+                .and_then(|l| l.trim().strip_prefix("version = \""))
+                .and_then(|v| v.strip_suffix('"'))
+            {
+                return Ok(version.to_string());
+            }
+        }
+    }
+    bail!("no wasm-bindgen package in {}", lock.display())
+}
+
+/// The first line a `--version` run prints, or `None` if it does not run.
+fn version_of(bin: &Path) -> Option<String> {
+    let out = Command::new(bin)
+        .arg("--version")
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .ok()?;
+    out.status.success().then(|| {
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_string()
+    })
+}
+
+/// The version in an installed npm package's `package.json`.
+fn npm_version(package_json: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(package_json).ok()?;
+    let value: serde_json::Value = serde_json::from_str(&text).ok()?;
+    value["version"].as_str().map(str::to_string)
+}
+
+fn cargo_install(krate: &str, version: &str, root: &Path, locked: bool) -> Result<()> {
+    let mut cmd = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    cmd.args(["install", krate, "--version", version, "--root"])
+        .arg(root)
+        .env("CARGO_TARGET_DIR", util::cargo_target_dir());
+    if locked {
+        cmd.arg("--locked");
+    }
+    run(&mut cmd)
+}
+
+fn npm_install(root: &Path, spec: &str) -> Result<()> {
+    std::fs::create_dir_all(root).with_context(|| format!("creating {}", root.display()))?;
+    run(Command::new("npm")
+        .current_dir(root)
+        .args([
+            "install",
+            "--no-audit",
+            "--no-fund",
+            "--no-save",
+            "--prefix",
+            ".",
+        ])
+        .arg(spec)
+        .env("WRANGLER_SEND_METRICS", "false"))
+    .with_context(|| format!("npm install {spec} (is npm installed and the registry reachable?)"))
+}
+
+/// Install every tool that is missing or at another version.
+pub fn deps() -> Result<()> {
+    util::timed("worker: rust target wasm32-unknown-unknown", || {
+        run(Command::new("rustup").args(["target", "add", "wasm32-unknown-unknown"]))
+    })?;
+    util::timed("worker: worker-build", || {
+        let bin = worker_build_bin();
+        let have = version_of(&bin);
+        if have
+            .as_deref()
+            .is_some_and(|v| v.ends_with(WORKER_BUILD_VERSION))
+        {
+            println!("{} is {WORKER_BUILD_VERSION}", bin.display());
+            return Ok(());
+        }
+        let root = bin
+            .parent()
+            .and_then(Path::parent)
+            .expect("bin/ under the root");
+        cargo_install("worker-build", WORKER_BUILD_VERSION, root, true)
+    })?;
+    util::timed("worker: wasm-bindgen-cli", || {
+        let version = wasm_bindgen_version()?;
+        let bin = wasm_bindgen_bin(&version);
+        if version_of(&bin).is_some_and(|v| v == format!("wasm-bindgen {version}")) {
+            println!("{} is {version}", bin.display());
+            return Ok(());
+        }
+        let root = bin
+            .parent()
+            .and_then(Path::parent)
+            .expect("bin/ under the root");
+        // Not --locked: the CLI's own lock file pins crates that no longer build.
+        cargo_install("wasm-bindgen-cli", &version, root, false)
+    })?;
+    util::timed("worker: wrangler (npm)", || {
+        let have = npm_version(&wrangler_root().join("node_modules/wrangler/package.json"));
+        if have.as_deref() == Some(WRANGLER_VERSION) && util::is_executable(&wrangler_bin()) {
+            println!(
+                "wrangler {WRANGLER_VERSION} is in {}",
+                wrangler_root().display()
+            );
+            return Ok(());
+        }
+        npm_install(&wrangler_root(), &format!("wrangler@{WRANGLER_VERSION}"))
+    })?;
+    util::timed("worker: esbuild (npm)", || {
+        if version_of(&esbuild_bin()).as_deref() == Some(ESBUILD_VERSION) {
+            println!(
+                "esbuild {ESBUILD_VERSION} is in {}",
+                esbuild_root().display()
+            );
+            return Ok(());
+        }
+        npm_install(
+            &esbuild_root(),
+            &format!("@esbuild/linux-x64@{ESBUILD_VERSION}"),
+        )
+    })?;
+    util::timed("worker: wasm-opt (apt binaryen)", || {
+        if util::which("wasm-opt").is_some() {
+            println!("wasm-opt is on PATH");
+            return Ok(());
+        }
+        run(Command::new("apt-get").args(["install", "-y", "binaryen"]))
+    })?;
+    Ok(())
+}
+
+/// Fail with what to run when a tool is missing.
+fn require(bin: &Path) -> Result<()> {
+    if !util::is_executable(bin) {
+        bail!(
+            "{} is missing: run `cargo xtask worker deps`",
+            bin.display()
+        );
+    }
+    Ok(())
+}
+
+/// worker-build in the crate's directory → `crates/harness-worker/build/`.
+pub fn build(release: bool) -> Result<()> {
+    let version = wasm_bindgen_version()?;
+    let (worker_build, bindgen, esbuild) = (
+        worker_build_bin(),
+        wasm_bindgen_bin(&version),
+        esbuild_bin(),
+    );
+    for bin in [&worker_build, &bindgen, &esbuild] {
+        require(bin)?;
+    }
+    let mut cmd = Command::new(&worker_build);
+    cmd.current_dir(worker_dir())
+        .arg(if release { "--release" } else { "--dev" })
+        .env("CARGO_TARGET_DIR", util::cargo_target_dir())
+        .env("WASM_BINDGEN_BIN", &bindgen)
+        .env("ESBUILD_BIN", &esbuild);
+    if let Some(wasm_opt) = util::which("wasm-opt") {
+        cmd.env("WASM_OPT_BIN", wasm_opt);
+    } else if release {
+        bail!("wasm-opt is missing: run `cargo xtask worker deps` (apt binaryen)");
+    }
+    run(&mut cmd)?;
+    let out = worker_dir().join("build/index.js");
+    if !out.exists() {
+        bail!("worker-build did not leave {}", out.display());
+    }
+    Ok(())
+}
+
+/// The environment wrangler runs with: offline and quiet.
+pub fn wrangler_env(cmd: &mut Command) -> &mut Command {
+    cmd.env("WRANGLER_SEND_METRICS", "false")
+        .env("CLOUDFLARE_CF_FETCH_ENABLED", "false")
+        .env("CI", "1")
+}
+
+/// `wrangler dev` on 127.0.0.1:`port`, its state in `persist`, started with
+/// `setsid` (its own process group: workerd and the rest die with it) and
+/// stopped by that group when it exits or on Ctrl-C. `tokens`: the token
+/// table (`HARNESS_TOKENS`).
+pub fn dev(port: u16, persist: Option<PathBuf>, tokens: Option<String>) -> Result<()> {
+    require(&wrangler_bin())?;
+    let index = worker_dir().join("build/index.js");
+    if !index.exists() {
+        bail!(
+            "{} is missing: run `cargo xtask worker build`",
+            index.display()
+        );
+    }
+    let persist = match persist {
+        Some(p) => p,
+        None => util::cache_subdir("worker-dev")?,
+    };
+    let mut cmd = Command::new("setsid");
+    cmd.arg(wrangler_bin())
+        .current_dir(worker_dir())
+        .args(["dev", "--ip", "127.0.0.1", "--port", &port.to_string()])
+        .arg("--persist-to")
+        .arg(&persist)
+        .args(["--show-interactive-dev-session=false"]);
+    if let Some(tokens) = tokens {
+        cmd.arg("--var").arg(format!("HARNESS_TOKENS:{tokens}"));
+    }
+    wrangler_env(&mut cmd);
+    println!("$ {}", util::display(&cmd));
+    let mut child = cmd.spawn().context("starting wrangler dev")?;
+    let pgid = child.id();
+    let addr = format!("127.0.0.1:{port}");
+    if util::wait_until(Duration::from_secs(60), || util::tcp_answers(&addr)) {
+        println!(
+            "wrangler dev: http://{addr} (state in {}); Ctrl-C stops it",
+            persist.display()
+        );
+    }
+    let status = child.wait();
+    // The group outlives its leader (workerd); take all of it.
+    let _ = Command::new("kill")
+        .args(["-TERM", "--", &format!("-{pgid}")])
+        .status();
+    status.context("waiting for wrangler dev")?;
+    Ok(())
+}
+
+/// Build the Worker, then run its test (the session-API suite under
+/// `wrangler dev`) with the tools' paths and `HARNESS_REQUIRE_REAL=1`.
+pub fn test() -> Result<()> {
+    util::timed("worker: build", || build(false))?;
+    util::timed("worker: test under wrangler dev", || {
+        run(util::cargo()
+            .args(["test", "-p", "harness-worker", "--test", "wrangler"])
+            .env("HARNESS_WRANGLER", wrangler_bin())
+            .env("HARNESS_REQUIRE_REAL", "1"))
+    })
+}
