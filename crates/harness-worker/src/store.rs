@@ -240,13 +240,13 @@ impl DoStore {
         if meta == before {
             self.sql.exec(
                 "UPDATE logs SET last_seq = ?, last_at_ms = ?, sealed = sealed OR ? WHERE id = 1",
-                vec![int(seq), int(now_ms), sealed.into()],
+                vec![int(seq), int(now_ms), int(u64::from(sealed))],
             )
         } else {
             let meta = serde_json::to_string(&meta).map_err(db_err)?;
             self.sql.exec(
                 "UPDATE logs SET last_seq = ?, last_at_ms = ?, sealed = sealed OR ?, meta = ? WHERE id = 1",
-                vec![int(seq), int(now_ms), sealed.into(), meta.into()],
+                vec![int(seq), int(now_ms), int(u64::from(sealed)), meta.into()],
             )
         }
         .map_err(db_err)?;
