@@ -7,8 +7,17 @@
 //! hash of everything that can change the result, so equal recipes share a
 //! snapshot across processes and machines, and any change makes a new one.
 
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
+
+use crate::maybe::{MaybeSend, MaybeSync};
+use crate::sandbox::{collect_exec, shell_quote, ExecRequest, Sandbox};
+use crate::stream::ByteStream;
+use crate::{Error, Result};
 
 /// Where a recipe file's bytes come from.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -107,6 +116,139 @@ impl BootstrapRecipe {
         let digest = hasher.finalize();
         format!("bs-{}", &hex::encode(digest)[..24])
     }
+}
+
+/// Where a recipe's [`FileSource::HostPath`] files are read: the provider's
+/// own I/O (core reads no files).
+#[cfg_attr(not(target_arch = "wasm32"), async_trait)]
+#[cfg_attr(target_arch = "wasm32", async_trait(?Send))]
+pub trait HostFiles: MaybeSend + MaybeSync {
+    /// The content of the host file at `path`.
+    async fn open(&self, path: &str) -> Result<ByteStream>;
+}
+
+/// Run `recipe` in `sandbox`, the one recipe runner every provider that
+/// bootstraps through its own `Sandbox` uses: each file is streamed in with
+/// `write_file` (a host file's bytes are hashed on the way and must match
+/// the declared SHA-256, else `Corrupt`), given its mode with `chmod`, then
+/// `bootstrap_pre_commands` and `commands` run in order with `sh -c` from
+/// `/`. The first failure stops it, naming the step.
+pub async fn run_recipe(
+    sandbox: &dyn Sandbox,
+    recipe: &BootstrapRecipe,
+    host: &dyn HostFiles,
+) -> Result<()> {
+    for file in &recipe.files {
+        if !file.path.starts_with('/') {
+            return Err(Error::invalid(format!(
+                "recipe file path {:?} must be absolute",
+                file.path
+            )));
+        }
+        match &file.source {
+            FileSource::Inline { text } => {
+                sandbox
+                    .write_file(&file.path, crate::stream::once(text.clone()))
+                    .await
+                    .map_err(|e| context(e, &format!("writing recipe file {}", file.path)))?;
+            }
+            FileSource::HostPath { path, sha256 } => {
+                let body = host
+                    .open(path)
+                    .await
+                    .map_err(|e| context(e, &format!("opening recipe host file {path}")))?;
+                let hasher = Arc::new(Mutex::new(Sha256::new()));
+                let h = hasher.clone();
+                let body: ByteStream = Box::pin(body.map(move |chunk| {
+                    if let Ok(c) = &chunk {
+                        h.lock().unwrap_or_else(|e| e.into_inner()).update(c);
+                    }
+                    chunk
+                }));
+                sandbox
+                    .write_file(&file.path, body)
+                    .await
+                    .map_err(|e| context(e, &format!("writing recipe file {}", file.path)))?;
+                let got = hex::encode(
+                    std::mem::take(&mut *hasher.lock().unwrap_or_else(|e| e.into_inner()))
+                        .finalize(),
+                );
+                if !got.eq_ignore_ascii_case(sha256) {
+                    return Err(Error::corrupt(format!(
+                        "recipe host file {path} has SHA-256 {got}, the recipe declares {sha256}"
+                    )));
+                }
+            }
+        }
+        let chmod = format!("chmod {:o} {}", file.mode & 0o7777, shell_quote(&file.path));
+        run_step(sandbox, &chmod).await?;
+    }
+    for cmd in recipe
+        .bootstrap_pre_commands
+        .iter()
+        .chain(recipe.commands.iter())
+    {
+        run_step(sandbox, cmd).await?;
+    }
+    Ok(())
+}
+
+async fn run_step(sandbox: &dyn Sandbox, cmd: &str) -> Result<()> {
+    let out = collect_exec(sandbox.exec(ExecRequest::shell(cmd).cwd("/")).await?).await?;
+    if out.status.success() {
+        return Ok(());
+    }
+    let stderr = out.stderr_str();
+    let tail: String = {
+        let chars: Vec<char> = stderr.trim().chars().collect();
+        chars[chars.len().saturating_sub(2000)..].iter().collect()
+    };
+    Err(Error::backend(format!(
+        "bootstrap command {cmd:?} failed ({:?}): {tail}",
+        out.status
+    )))
+}
+
+fn context(e: Error, what: &str) -> Error {
+    Error::new(e.kind(), format!("{what}: {}", e.message()))
+}
+
+/// The snapshot side of a provider, as [`ensure_snapshot`] drives it.
+#[cfg_attr(not(target_arch = "wasm32"), async_trait)]
+#[cfg_attr(target_arch = "wasm32", async_trait(?Send))]
+pub trait SnapshotStore: MaybeSend + MaybeSync {
+    /// Held while a snapshot is built, while a sandbox is being made from
+    /// it, and by prune while it removes it (a file lock, …).
+    type Lock: MaybeSend;
+    /// Wait for the identity's exclusive lock.
+    async fn lock(&self, identity: &str) -> Result<Self::Lock>;
+    /// Whether the snapshot of `identity` exists.
+    async fn exists(&self, identity: &str) -> Result<bool>;
+    /// Run `recipe` and keep the result as the snapshot of `identity`.
+    async fn build(&self, identity: &str, recipe: &BootstrapRecipe) -> Result<()>;
+}
+
+/// The bootstrap-once rule: the identity of `recipe` on `base`, its
+/// snapshot built unless it exists, and the identity's lock — still held, so
+/// the caller makes its sandbox from the snapshot before a concurrent prune
+/// can remove it. Concurrent first sessions (threads or processes) wait on
+/// the lock and find the snapshot built, so the recipe runs once.
+pub async fn ensure_snapshot<S: SnapshotStore + ?Sized>(
+    store: &S,
+    base: &str,
+    recipe: &BootstrapRecipe,
+) -> Result<(String, S::Lock)> {
+    let identity = recipe.identity(base);
+    let lock = store.lock(&identity).await?;
+    if !store.exists(&identity).await? {
+        store.build(&identity, recipe).await.map_err(|e| {
+            Error::new(
+                e.kind(),
+                format!("bootstrap {identity} failed: {}", e.message()),
+            )
+        })?;
+    }
+    Ok((identity, lock))
 }
 
 #[cfg(test)]
