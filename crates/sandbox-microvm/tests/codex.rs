@@ -1,0 +1,78 @@
+//! A real `codex` turn inside a microVM: the adapter's bootstrap recipe
+//! copies the static binary in once (a disk snapshot per recipe identity),
+//! the turn runs detached in the guest with its spool tailed through the
+//! agent, and the model is the test kit's scripted server on the host's
+//! loopback, which the guest reaches as 10.0.2.2 (user-mode networking).
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+
+use harness_agent_e2e::{read_all, run_turn, Session};
+use harness_codex::{CodexConfig, CodexHarness};
+use harness_core::sandbox::{SandboxProvider, SandboxSpec};
+use harness_testkit::model::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_codex_turn_runs_inside_the_microvm() {
+    let h = match CodexConfig::from_env() {
+        Ok(c) => CodexHarness::new(c),
+        Err(e) => {
+            harness_testkit::skip_or_fail(&format!("codex binary: {e}"));
+            return;
+        }
+    };
+    // A stable state directory: the codex snapshot (a 300 MB copy into the
+    // guest) is made once per recipe identity and reused by later runs.
+    let cache = std::env::var("HARNESS_CACHE").unwrap_or_else(|_| "/var/cache/harness".into());
+    let Some(provider) = common::provider_in(format!("{cache}/microvm-sandboxes")) else {
+        return;
+    };
+    let server = ScriptedModel::start_on(
+        SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
+        Script::new()
+            .rule(
+                Rule::new(
+                    last_is_tool_result_for(BASH_CALL_ID),
+                    Reply::text("Wrote it."),
+                )
+                .assert_tool_result_contains(BASH_CALL_ID, "agent-was-here"),
+            )
+            .on(
+                last_user_text_contains("write a file"),
+                Reply::shell(
+                    BASH_CALL_ID,
+                    "echo agent-was-here > made.txt && cat made.txt",
+                ),
+            ),
+    )
+    .await
+    .unwrap();
+    let port = server.base_url().rsplit(':').next().unwrap().to_string();
+    let mut env: BTreeMap<String, String> = server.codex_env().into_iter().collect();
+    env.insert(
+        "OPENAI_BASE_URL".into(),
+        format!("http://10.0.2.2:{port}/v1"),
+    );
+
+    let mut spec = SandboxSpec::new("/workspace");
+    spec.session_id = Some("codex-microvm".into());
+    spec.bootstrap = Some(harness_core::harness::Harness::bootstrap_recipe(&h).unwrap());
+    let started = std::time::Instant::now();
+    let sandbox = provider.create(&spec).await.expect("create the microVM");
+    println!("microVM with codex ready in {:?}", started.elapsed());
+    let mut session = Session::resumed(sandbox, "/root".into(), "codex-microvm".into(), None, 0);
+    let started = std::time::Instant::now();
+    let run = run_turn(&mut session, &h, "write a file", &env).await;
+    println!("codex turn took {:?}", started.elapsed());
+    server.assert_no_failures();
+    assert_eq!(run.exit_code, 0, "{}", run.stderr);
+    assert_eq!(run.text(), "Wrote it.");
+    assert!(session.agent_session_id.is_some());
+    assert_eq!(
+        read_all(session.sandbox.as_ref(), "made.txt").await,
+        "agent-was-here\n"
+    );
+    session.destroy().await;
+}
