@@ -29,6 +29,9 @@ pub enum Bench {
     /// session's Unix socket) vs straight to the provider: p50/p99 and
     /// throughput.
     Broker,
+    /// microVM: boot to first exec, exec round trip, file throughput
+    /// through the agent, CPU-bound work against the host.
+    Microvm,
     /// All of the above, in order.
     All,
 }
@@ -51,6 +54,9 @@ fn commands(bench: Bench) -> Vec<Vec<&'static str>> {
         ],
         Bench::HostTools => vec![example("session-server", "host_tools_bench")],
         Bench::Broker => vec![example("harness-broker", "broker_bench")],
+        // Debug build: the time is the guest's, and a release build of the
+        // provider's dependencies would cost minutes for nothing.
+        Bench::Microvm => vec![vec!["run", "-p", "sandbox-microvm", "--example", "bench"]],
         Bench::All => vec![],
     }
 }
@@ -64,6 +70,7 @@ pub fn run(bench: Bench) -> Result<()> {
         Bench::Server,
         Bench::HostTools,
         Bench::Broker,
+        Bench::Microvm,
     ];
     let chosen: Vec<Bench> = if bench == Bench::All {
         all.to_vec()

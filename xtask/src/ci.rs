@@ -10,7 +10,9 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 
 use crate::matrix::{self, Row, What};
-use crate::{agents, deny, deps, env, fuzz, image, package, services, skips, util};
+use crate::{
+    agents, deny, deps, env, fuzz, image, microvm, package, services, skips, util, worker,
+};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Step {
@@ -20,8 +22,14 @@ pub enum Step {
     Services,
     /// the Docker test image (`cargo xtask image`)
     Image,
+    /// the sandbox-microvm guest: kernel, initramfs, root disk (`cargo xtask microvm`)
+    Microvm,
     /// the Claude Code and Codex CLIs (`cargo xtask agents`)
     Agents,
+    /// the Cloudflare Worker's tools and its wasm32 build (`cargo xtask
+    /// worker deps`, `cargo xtask worker build`), for its test under
+    /// `wrangler dev`
+    Worker,
     /// cargo fmt --all -- --check
     Fmt,
     /// cargo clippy --workspace --all-targets -- -D warnings
@@ -50,7 +58,7 @@ impl Step {
     fn needs_real_parts(self) -> bool {
         matches!(
             self,
-            Step::Deps | Step::Services | Step::Image | Step::Agents
+            Step::Deps | Step::Services | Step::Image | Step::Microvm | Step::Agents | Step::Worker
         )
     }
 }
@@ -185,7 +193,9 @@ fn run_step(step: Step, require_real: bool, counts: &mut Option<Counts>) -> Resu
         Step::Deps => deps::deps(),
         Step::Services => services::start(services::ALL),
         Step::Image => image::build(false),
+        Step::Microvm => microvm::build(false).map(|_| ()),
         Step::Agents => agents::install_all().map(|_| ()),
+        Step::Worker => worker::deps().and_then(|()| worker::build(false)),
         Step::Fmt => util::run(util::cargo().args(["fmt", "--all", "--", "--check"]))
             .context("formatting differs: run `cargo fmt --all`"),
         Step::Clippy => util::run(util::cargo().args([

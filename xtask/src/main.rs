@@ -11,6 +11,7 @@ mod env;
 mod fuzz;
 mod image;
 mod matrix;
+mod microvm;
 mod package;
 mod services;
 mod skips;
@@ -51,6 +52,13 @@ enum Cmd {
     },
     /// Install the Claude Code and Codex CLIs from npm and print their native binaries.
     Agents,
+    /// Build the sandbox-microvm guest (kernel, initramfs with the static
+    /// agent, root disk) offline into $HARNESS_CACHE/microvm.
+    Microvm {
+        /// Rebuild even what is cached.
+        #[arg(long)]
+        force: bool,
+    },
     /// Print `export KEY=VALUE` lines for the tests' environment.
     Env {
         /// Leave out HARNESS_REQUIRE_REAL=1 (tests then skip when a real part is missing).
@@ -165,6 +173,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Image { force } => util::timed("image", || image::build(force)),
         Cmd::Agents => agents::install_all().map(|_| ()),
+        Cmd::Microvm { force } => util::timed("microvm", || microvm::build(force).map(|_| ())),
         Cmd::Env { no_require_real } => {
             env::print_exports(&env::test_env(!no_require_real));
             Ok(())

@@ -15,6 +15,10 @@ pub const IGNORED: &[(&str, &str)] = &[
         "started by cross_process_resume: resumes a detached turn from a second process",
     ),
     (
+        "sandbox-microvm::microvm child_creates_a_vm",
+        "started by a_vm_outlives_the_process_that_made_it as the process that makes the VM and exits",
+    ),
+    (
         "sandbox-local::local child_entry",
         "started by the cross-process tests of sandbox-local as their second process",
     ),
