@@ -150,6 +150,10 @@ pub const MATRIX: &[Row] = &[
     Row::check("sandbox-cloudflare")
         .no_default_features()
         .target(WASM),
+    // The Worker (its Durable Object over core's ActorDriver) compiles for
+    // the Worker target; on the host the crate is empty. Its wasm32 build
+    // by worker-build, run under wrangler dev, is the `worker` step.
+    Row::check("harness-worker").target(WASM),
     // OTLP export is a feature of the binary: its span test runs with it on
     // (docs/operations.md).
     Row::test("harness-cli").features("otlp").only_test("otlp"),

@@ -5,7 +5,7 @@
 //! Tools, each installed once into `$HARNESS_CACHE/tools/<name>-<version>`
 //! and skipped when the right version is there:
 //! - `worker-build` (crates.io, `--locked`): builds the cdylib and its JS
-//!   shim;
+//!   shim (both cargo installs are `--debug` builds: see `cargo_install`);
 //! - `wasm-bindgen-cli` at exactly the `wasm-bindgen` version in
 //!   `Cargo.lock` (without `--locked`: its own lock file does not build);
 //! - `wrangler` from npm (4.86.0: the last release that runs on Node 20),
@@ -120,7 +120,11 @@ fn npm_version(package_json: &Path) -> Option<String> {
 
 fn cargo_install(krate: &str, version: &str, root: &Path, locked: bool) -> Result<()> {
     let mut cmd = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
-    cmd.args(["install", krate, "--version", version, "--root"])
+    // --debug: these tools only orchestrate (wasm-bindgen's pass over a
+    // 3.4 MB module takes seconds either way), and an optimised build costs
+    // a cold CI run ~20 min of the 2 cores instead of ~3.5 (measured, see
+    // docs/cloudflare-worker.md).
+    cmd.args(["install", krate, "--version", version, "--debug", "--root"])
         .arg(root)
         .env("CARGO_TARGET_DIR", util::cargo_target_dir());
     if locked {
