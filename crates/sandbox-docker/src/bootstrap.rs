@@ -12,7 +12,7 @@ use bollard::query_parameters::{
     CommitContainerOptionsBuilder, ListImagesOptionsBuilder, RemoveImageOptionsBuilder,
 };
 use futures::StreamExt;
-use harness_core::bootstrap::{BootstrapRecipe, FileSource};
+use harness_core::bootstrap::{BootstrapRecipe, FileSource, SnapshotStore};
 use harness_core::sandbox::{ExecRequest, Sandbox, SandboxSpec, SnapshotInfo};
 use harness_core::{Error, ErrorKind, Result};
 use sha2::{Digest, Sha256};
@@ -67,20 +67,52 @@ pub(crate) async fn lock_identity(
 }
 
 /// The snapshot image for `recipe` on `base`, building it if needed, and the
-/// identity's lock: keep it until a container from the image exists.
+/// identity's lock: keep it until a container from the image exists. The
+/// rule (lock, check again, build once) is core's `ensure_snapshot`.
 pub(crate) async fn ensure_snapshot(
     provider: &DockerProvider,
     base: &str,
     recipe: &BootstrapRecipe,
 ) -> Result<(String, std::fs::File)> {
-    let identity = recipe.identity(base);
-    let tag = format!("{}:{identity}", provider.config().snapshot_repo);
-    let lock = lock_identity(provider, &identity).await?;
-    // Someone may have built it already (or while we waited).
-    if !image_exists(provider, &tag).await? {
-        build(provider, base, recipe, &identity, &tag).await?;
+    let store = Snapshots { provider, base };
+    let (identity, lock) = harness_core::bootstrap::ensure_snapshot(&store, base, recipe).await?;
+    Ok((store.tag(&identity), lock))
+}
+
+/// Snapshot images `<snapshot_repo>:<identity>` of one base image.
+struct Snapshots<'a> {
+    provider: &'a DockerProvider,
+    base: &'a str,
+}
+
+impl Snapshots<'_> {
+    fn tag(&self, identity: &str) -> String {
+        format!("{}:{identity}", self.provider.config().snapshot_repo)
     }
-    Ok((tag, lock))
+}
+
+#[async_trait::async_trait]
+impl SnapshotStore for Snapshots<'_> {
+    type Lock = std::fs::File;
+
+    async fn lock(&self, identity: &str) -> Result<std::fs::File> {
+        lock_identity(self.provider, identity).await
+    }
+
+    async fn exists(&self, identity: &str) -> Result<bool> {
+        image_exists(self.provider, &self.tag(identity)).await
+    }
+
+    async fn build(&self, identity: &str, recipe: &BootstrapRecipe) -> Result<()> {
+        build(
+            self.provider,
+            self.base,
+            recipe,
+            identity,
+            &self.tag(identity),
+        )
+        .await
+    }
 }
 
 async fn build(
@@ -124,6 +156,10 @@ async fn build(
 }
 
 /// Run `recipe` in `sandbox`: files, then pre-commands, then commands.
+/// Unlike core's `bootstrap::run_recipe` (which the microvm provider uses),
+/// files go up through the archive endpoint with their size and mode in the
+/// header: a 300 MB agent binary streams in one request, not through an
+/// exec's stdin.
 pub(crate) async fn run_recipe(sandbox: &DockerSandbox, recipe: &BootstrapRecipe) -> Result<()> {
     for file in &recipe.files {
         match &file.source {
