@@ -24,7 +24,6 @@ use harness_core::actor::{ClientMessage, ErrorCode, Role, RunnerMessage, ServerM
 use harness_core::frame::{Frame, FrameBody};
 use harness_core::log::LogInfo;
 use harness_core::relay::HostMessage;
-use harness_core::session::SessionConfig;
 use harness_core::SessionId;
 use serde_json::json;
 use tokio::sync::mpsc;
@@ -139,25 +138,18 @@ impl AppState {
     }
 }
 
+// Ids, parameters and the create body are read as the Worker reads them
+// (`session-api`).
 fn session_id(raw: &str) -> Result<SessionId, ApiError> {
-    SessionId::parse(raw).map_err(ApiError::from)
+    session_api::request::session_id(raw).map_err(ApiError::from)
 }
 
 fn param_u64(params: &HashMap<String, String>, name: &str) -> Result<Option<u64>, ApiError> {
-    params
-        .get(name)
-        .map(|v| {
-            v.parse::<u64>().map_err(|_| {
-                ApiError::invalid(format!("query parameter {name}={v:?} is not a number"))
-            })
-        })
-        .transpose()
+    session_api::request::param_u64(params, name).map_err(ApiError::from)
 }
 
 fn param_flag(params: &HashMap<String, String>, name: &str) -> bool {
-    params
-        .get(name)
-        .is_some_and(|v| matches!(v.as_str(), "1" | "true" | "yes"))
+    session_api::request::param_flag(params, name)
 }
 
 /// Read a request body, refusing more than `limit` bytes with a JSON 413.
@@ -183,85 +175,17 @@ async fn create(
     headers: HeaderMap,
     body: Body,
 ) -> Result<(StatusCode, Json<LogInfo>), ApiError> {
-    let bytes = read_body(body, 64 * 1024).await?;
-    #[derive(Default, serde::Deserialize)]
-    #[serde(deny_unknown_fields)]
-    struct CreateBody {
-        #[serde(default)]
-        id: Option<String>,
-        /// `claude-code` (default) or `codex`.
-        #[serde(default)]
-        agent: Option<String>,
-        /// Sandbox provider: `local` (default), `docker`, …
-        #[serde(default)]
-        sandbox: Option<String>,
-        /// Image, for providers that have images.
-        #[serde(default)]
-        image: Option<String>,
-        /// Model name passed to the agent.
-        #[serde(default)]
-        model: Option<String>,
-        /// Network policy of the sandbox.
-        #[serde(default)]
-        network: Option<harness_core::sandbox::NetworkPolicy>,
-        /// Ask clients before tools that need permission.
-        #[serde(default)]
-        approvals: bool,
-    }
-    let body: CreateBody = if bytes.iter().all(u8::is_ascii_whitespace) {
-        CreateBody::default()
-    } else {
-        serde_json::from_slice(&bytes)
-            .map_err(|e| ApiError::invalid(format!("malformed JSON body: {e}")))?
-    };
-    let id = match &body.id {
-        Some(id) => session_id(id)?,
-        None => SessionId::parse(format!(
-            "s-{}",
-            &uuid::Uuid::new_v4().simple().to_string()[..12]
-        ))?,
-    };
+    let bytes = read_body(body, session_api::request::MAX_CREATE_BODY).await?;
+    let body = session_api::request::CreateSession::parse(&bytes)?;
+    let id = body.session_id(&uuid::Uuid::new_v4().simple().to_string())?;
     state.auth(&headers, &params, Some(&id), HOST)?;
-    let mut config = SessionConfig::default();
-    if let Some(agent) = body.agent {
-        config.agent = agent;
-    }
-    if let Some(provider) = body.sandbox {
-        config.sandbox.provider = provider;
-    }
-    config.sandbox.image = body.image;
-    if let Some(network) = body.network {
-        config.sandbox.network = network;
-    }
-    config.model = body.model;
-    config.approvals = body.approvals;
-    let known = |list: &[String], name: &str| list.is_empty() || list.iter().any(|n| n == name);
-    if !known(&state.config.agents, &config.agent) {
-        return Err(ApiError::invalid(format!(
-            "unknown agent {:?}: this server runs {}",
-            config.agent,
-            state.config.agents.join(", ")
-        )));
-    }
-    if !known(&state.config.providers, &config.sandbox.provider) {
-        return Err(ApiError::invalid(format!(
-            "unknown sandbox {:?}: this server offers {}",
-            config.sandbox.provider,
-            state.config.providers.join(", ")
-        )));
-    }
+    let config = body.config(&state.config.agents, &state.config.providers)?;
     let info = state
         .hub
         .log()
         .create_with(&id, Some(config.clone()))
         .await?;
-    if info.meta.config.as_ref().is_some_and(|c| *c != config) {
-        return Err(ApiError::new(
-            StatusCode::CONFLICT,
-            "conflict",
-            format!("session {id} already exists with another configuration"),
-        ));
-    }
+    session_api::request::check_created(&info, &config)?;
     Ok((StatusCode::CREATED, Json(info)))
 }
 
