@@ -36,7 +36,7 @@ use async_trait::async_trait;
 use base64::Engine as _;
 use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
-use harness_core::bootstrap::{BootstrapRecipe, FileSource};
+use harness_core::bootstrap::BootstrapRecipe;
 use harness_core::sandbox::{
     collect_exec, exec_stdout_stream, resolve_path, shell_quote, ExecEvent, ExecOutput,
     ExecRequest, ExecStream, ExitReason, ExitStatus, NetworkPolicy, PortEndpoint, Sandbox,
@@ -637,26 +637,7 @@ impl CloudflareSandbox {
             return Ok(());
         }
         tracing::info!(%identity, sandbox = %self.id, "running the bootstrap recipe in the Cloudflare sandbox");
-        for file in &recipe.files {
-            let content: ByteStream = match &file.source {
-                FileSource::Inline { text } => harness_core::stream::once(text.clone()),
-                FileSource::HostPath { path, .. } => host_file(path).await?,
-            };
-            self.write_file(&file.path, content).await?;
-            self.bridge
-                .sh(
-                    &self.id,
-                    format!("chmod {:o} {}", file.mode, shell_quote(&file.path)),
-                )
-                .await?
-                .check("setting a bootstrap file's mode")?;
-        }
-        for command in recipe.bootstrap_pre_commands.iter().chain(&recipe.commands) {
-            self.bridge
-                .sh(&self.id, command.clone())
-                .await?
-                .check(&format!("bootstrap command {command:?}"))?;
-        }
+        harness_core::bootstrap::run_recipe(self, recipe, &HostFs).await?;
         self.bridge
             .sh(
                 &self.id,
@@ -668,6 +649,19 @@ impl CloudflareSandbox {
             .await?
             .check("recording the bootstrap")?;
         Ok(())
+    }
+}
+
+/// Host files of a recipe, read from this machine's disk (a Worker has
+/// none: there, a recipe with host files is refused).
+#[derive(Debug)]
+struct HostFs;
+
+#[cfg_attr(not(target_arch = "wasm32"), async_trait)]
+#[cfg_attr(target_arch = "wasm32", async_trait(?Send))]
+impl harness_core::bootstrap::HostFiles for HostFs {
+    async fn open(&self, path: &str) -> Result<ByteStream> {
+        host_file(path).await
     }
 }
 
