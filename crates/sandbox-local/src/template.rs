@@ -12,7 +12,7 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use harness_core::bootstrap::{BootstrapRecipe, FileSource};
+use harness_core::bootstrap::{BootstrapRecipe, FileSource, SnapshotStore};
 use harness_core::sandbox::SnapshotInfo;
 use harness_core::tarscan::check_entry_path;
 use harness_core::{Error, Result};
@@ -27,10 +27,12 @@ pub(crate) fn templates_dir(root: &Path) -> PathBuf {
 }
 
 /// Make sure the template for `recipe` exists and return its path. The
-/// recipe runs at most once per identity, across threads and processes: the
-/// first caller holds an exclusive `flock` on `<identity>.lock` while it
-/// builds into a temporary directory and renames it into place; the others
-/// wait on the lock and then find the finished template.
+/// recipe runs at most once per identity, across threads and processes, by
+/// core's `ensure_snapshot` rule over [`Templates`]: the first caller holds
+/// an exclusive `flock` on `<identity>.lock` while it builds into a
+/// temporary directory and renames it into place; the others wait on the
+/// lock and then find the finished template. Blocking (the store's steps
+/// are plain file-system calls, driven to completion on this thread).
 pub(crate) fn ensure(
     root: &Path,
     recipe: &BootstrapRecipe,
@@ -43,29 +45,52 @@ pub(crate) fn ensure(
         return Ok((identity, target));
     }
     std::fs::create_dir_all(&templates)?;
-    let lock = File::options()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(templates.join(format!("{identity}.lock")))?;
-    // `File::lock` is flock(LOCK_EX): per open file description, so it also
-    // serialises threads of this process that opened the file separately.
-    lock.lock()?;
-    if target.is_dir() {
-        return Ok((identity, target));
+    let store = Templates { root, env };
+    let (identity, _lock) = futures::executor::block_on(harness_core::bootstrap::ensure_snapshot(
+        &store, BASE, recipe,
+    ))?;
+    Ok((identity, target))
+}
+
+/// Templates as core's snapshot store: `<root>/templates/<identity>`.
+struct Templates<'a> {
+    root: &'a Path,
+    env: &'a BTreeMap<String, String>,
+}
+
+#[async_trait::async_trait]
+impl SnapshotStore for Templates<'_> {
+    type Lock = File;
+
+    async fn lock(&self, identity: &str) -> Result<File> {
+        let lock = File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(templates_dir(self.root).join(format!("{identity}.lock")))?;
+        // `File::lock` is flock(LOCK_EX): per open file description, so it
+        // also serialises threads of this process that opened the file
+        // separately.
+        lock.lock()?;
+        Ok(lock)
     }
-    let tmp = templates.join(format!(".tmp-{identity}-{}", uuid::Uuid::new_v4().simple()));
-    match build(&tmp, recipe, env) {
-        Ok(()) => {
-            std::fs::rename(&tmp, &target)?;
-            Ok((identity, target))
-        }
-        Err(e) => {
-            let _ = std::fs::remove_dir_all(&tmp);
-            Err(Error::new(
-                e.kind(),
-                format!("bootstrap {identity} failed: {}", e.message()),
-            ))
+
+    async fn exists(&self, identity: &str) -> Result<bool> {
+        Ok(templates_dir(self.root).join(identity).is_dir())
+    }
+
+    async fn build(&self, identity: &str, recipe: &BootstrapRecipe) -> Result<()> {
+        let templates = templates_dir(self.root);
+        let tmp = templates.join(format!(".tmp-{identity}-{}", uuid::Uuid::new_v4().simple()));
+        match build(&tmp, recipe, self.env) {
+            Ok(()) => {
+                std::fs::rename(&tmp, templates.join(identity))?;
+                Ok(())
+            }
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&tmp);
+                Err(e)
+            }
         }
     }
 }
