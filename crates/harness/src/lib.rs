@@ -64,6 +64,9 @@ pub use sandbox_docker as docker;
 #[cfg(feature = "cloudflare")]
 pub use sandbox_cloudflare as cloudflare;
 
+#[cfg(feature = "microvm")]
+pub use sandbox_microvm as microvm;
+
 #[cfg(feature = "r2")]
 pub use checkpoint_r2 as r2;
 
