@@ -26,6 +26,8 @@ pub struct WranglerDev {
     /// `http://127.0.0.1:PORT`.
     pub base: String,
     state: PathBuf,
+    /// The state directory was made here (and is removed on drop).
+    owned: bool,
 }
 
 /// Where wrangler is: `$HARNESS_WRANGLER`, else the xtask-installed one.
@@ -65,10 +67,36 @@ fn http_answers(addr: SocketAddr) -> bool {
 }
 
 impl WranglerDev {
-    /// Serve the Worker in `worker_dir` with `vars` (`--var NAME:VALUE`).
-    /// `None` (after [`skip_or_fail`]) when wrangler or the built Worker is
-    /// missing; panics when wrangler does not come up.
+    /// Serve the Worker in `worker_dir` with `vars` (`--var NAME:VALUE`),
+    /// its state in a fresh directory removed on drop. `None` (after
+    /// [`skip_or_fail`]) when wrangler or the built Worker is missing;
+    /// panics when wrangler does not come up.
     pub fn start(worker_dir: &Path, vars: &[(&str, String)]) -> Option<Self> {
+        let state = std::env::temp_dir().join(format!(
+            "harness-wrangler-{}-{}",
+            std::process::id(),
+            free_port()
+        ));
+        Self::start_in(worker_dir, vars, &state, true)
+    }
+
+    /// As [`start`](Self::start), with the Durable Objects' state (and
+    /// wrangler's output) in `state`, which is kept: a later `wrangler dev`
+    /// on the same directory finds the same sessions.
+    pub fn start_with_state(
+        worker_dir: &Path,
+        vars: &[(&str, String)],
+        state: &Path,
+    ) -> Option<Self> {
+        Self::start_in(worker_dir, vars, state, false)
+    }
+
+    fn start_in(
+        worker_dir: &Path,
+        vars: &[(&str, String)],
+        state: &Path,
+        owned: bool,
+    ) -> Option<Self> {
         let wrangler = wrangler_bin();
         if !wrangler.exists() {
             skip_or_fail(&format!(
@@ -85,11 +113,7 @@ impl WranglerDev {
             ));
             return None;
         }
-        let state = std::env::temp_dir().join(format!(
-            "harness-wrangler-{}-{}",
-            std::process::id(),
-            free_port()
-        ));
+        let state = state.to_path_buf();
         std::fs::create_dir_all(&state).expect("a state directory");
         let log = std::fs::File::create(state.join("wrangler.log")).expect("a log file");
         let (port, inspector) = (free_port(), free_port());
@@ -118,6 +142,7 @@ impl WranglerDev {
             child,
             base: format!("http://127.0.0.1:{port}"),
             state,
+            owned,
         };
         let addr: SocketAddr = ([127, 0, 0, 1], port).into();
         let started = Instant::now();
@@ -155,7 +180,9 @@ impl Drop for WranglerDev {
         }
         let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
         let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.state);
+        if self.owned {
+            let _ = std::fs::remove_dir_all(&self.state);
+        }
     }
 }
 

@@ -7,8 +7,9 @@
 
 use std::path::Path;
 
-use harness_testkit::conformance::session_api::{self, Target};
+use harness_testkit::conformance::session_api::{self, Target, CLIENT, HOST};
 use harness_testkit::wrangler::WranglerDev;
+use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_worker_speaks_the_session_api() {
@@ -27,4 +28,85 @@ async fn the_worker_speaks_the_session_api() {
         eprintln!("--- wrangler dev ---\n{}", dev.log_tail());
         std::panic::resume_unwind(e.into_panic());
     }
+}
+
+/// A session's Durable Object keeps its log in its SQLite, and a new
+/// actor recovers from it: after `wrangler dev` is stopped and started
+/// again on the same state, the frames, the idempotency keys, the running
+/// turn (so a second prompt is still refused) and the seal are all there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_worker_recovers_its_sessions_from_sqlite() {
+    let worker_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let state = std::env::temp_dir().join(format!("harness-worker-restart-{}", std::process::id()));
+    let start = || {
+        let state = state.clone();
+        let tokens = session_api::token_table().to_string();
+        tokio::task::spawn_blocking(move || {
+            WranglerDev::start_with_state(worker_dir, &[("HARNESS_TOKENS", tokens)], &state)
+        })
+    };
+    let Some(first) = start().await.expect("start task") else {
+        return;
+    };
+    let t = Target::new(first.base.clone(), "restart");
+    let id = "restart-s";
+    t.create(id).await;
+    let prompt = json!({"type": "prompt", "text": "before", "key": "k1"});
+    let (status, ack) = t.message(id, CLIENT, prompt.clone()).await;
+    assert_eq!((status, ack["seq"].clone()), (200, json!(1)), "{ack}");
+    let answer = json!({"type": "approval-response", "approvalId": "a", "approved": true});
+    assert_eq!(t.message(id, CLIENT, answer.clone()).await.0, 200);
+    drop(first);
+
+    let Some(second) = start().await.expect("start task") else {
+        return;
+    };
+    let t = Target::new(second.base.clone(), "restart");
+    let info = t.info(id).await;
+    assert_eq!(info["last_seq"], 2, "{info}");
+    assert_eq!(info["meta"]["turn"]["turn_id"], "t1", "{info}");
+    // The key is remembered, the turn still runs.
+    let (status, ack) = t.message(id, CLIENT, prompt).await;
+    assert_eq!(
+        (status, ack["duplicate"].clone(), ack["seq"].clone()),
+        (200, json!(true), json!(1))
+    );
+    let (status, refused) = t
+        .message(id, CLIENT, json!({"type": "prompt", "text": "another"}))
+        .await;
+    assert_eq!(
+        (status, refused["error"]["code"].clone()),
+        (409, json!("turn_in_progress")),
+        "{refused}"
+    );
+    let (status, ack) = t.message(id, CLIENT, answer).await;
+    assert_eq!((status, ack["seq"].clone()), (200, json!(3)));
+    let (status, sealed) = t
+        .post(&format!("/v1/sessions/{id}/seal"), Some(HOST), json!({}))
+        .await;
+    assert_eq!((status, sealed["sealed"].clone()), (200, json!(true)));
+    drop(second);
+
+    let Some(third) = start().await.expect("start task") else {
+        return;
+    };
+    let t = Target::new(third.base.clone(), "restart");
+    assert_eq!(t.info(id).await["sealed"], true);
+    let events = t.events_to_end(id, "", None).await;
+    let seqs: Vec<&str> = events.iter().filter_map(|e| e.id.as_deref()).collect();
+    assert_eq!(seqs, ["1", "2", "3", "4"]);
+    let (status, refused) = t
+        .message(
+            id,
+            CLIENT,
+            json!({"type": "approval-response", "approvalId": "b", "approved": true}),
+        )
+        .await;
+    assert_eq!(
+        (status, refused["error"]["code"].clone()),
+        (409, json!("sealed")),
+        "{refused}"
+    );
+    drop(third);
+    let _ = std::fs::remove_dir_all(&state);
 }

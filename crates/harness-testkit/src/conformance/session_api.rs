@@ -110,7 +110,8 @@ impl Target {
         )
     }
 
-    async fn post(&self, path: &str, token: Option<&str>, body: Value) -> (u16, Value) {
+    /// `POST path` with a JSON body: `(status, JSON body or Null)`.
+    pub async fn post(&self, path: &str, token: Option<&str>, body: Value) -> (u16, Value) {
         self.call(
             self.request(reqwest::Method::POST, path, token)
                 .header("content-type", "application/json")
@@ -128,12 +129,14 @@ impl Target {
         .await
     }
 
-    async fn get(&self, path: &str, token: Option<&str>) -> (u16, Value) {
+    /// `GET path`: `(status, JSON body or Null)`.
+    pub async fn get(&self, path: &str, token: Option<&str>) -> (u16, Value) {
         self.call(self.request(reqwest::Method::GET, path, token))
             .await
     }
 
-    async fn create(&self, id: &str) -> Value {
+    /// Create session `id` as host (asserting 201); its info.
+    pub async fn create(&self, id: &str) -> Value {
         let (status, info) = self
             .post("/v1/sessions", Some(HOST), json!({"id": id}))
             .await;
@@ -141,7 +144,8 @@ impl Target {
         info
     }
 
-    async fn message(&self, id: &str, token: &str, message: Value) -> (u16, Value) {
+    /// Post one client message with `token`.
+    pub async fn message(&self, id: &str, token: &str, message: Value) -> (u16, Value) {
         self.post(&format!("/v1/sessions/{id}/messages"), Some(token), message)
             .await
     }
@@ -158,7 +162,8 @@ impl Target {
         ack
     }
 
-    async fn info(&self, id: &str) -> Value {
+    /// A session's info, read as host (asserting 200).
+    pub async fn info(&self, id: &str) -> Value {
         let (status, info) = self.get(&format!("/v1/sessions/{id}"), Some(HOST)).await;
         assert_eq!(status, 200, "info {id}: {info}");
         info
