@@ -296,12 +296,20 @@ pub fn build(force: bool) -> Result<PathBuf> {
 
     // Root disk, from the Docker test image's rootfs tarball.
     let tarball = crate::image::rootfs_tarball(false)?;
+    // A forced rebuild gets a new key: snapshots are qcow2 overlays on the
+    // root disk by path, and `mkfs.ext4` never makes the same bytes twice,
+    // so an image must never be replaced in place.
+    let nonce = if force {
+        format!(" {:?}", std::time::SystemTime::now())
+    } else {
+        String::new()
+    };
     let rkey = util::stable_hash(&format!(
-        "{} {ROOT_DISK_BYTES} v1",
+        "{} {ROOT_DISK_BYTES} v1{nonce}",
         tarball.file_name().unwrap_or_default().to_string_lossy()
     ));
     let rootfs = root.join(format!("rootfs-{rkey}.img"));
-    if force || !rootfs.exists() {
+    if !rootfs.exists() {
         let t = Instant::now();
         let tree = root.join(format!("rootfs-{rkey}.tree"));
         let _ = std::fs::remove_dir_all(&tree);

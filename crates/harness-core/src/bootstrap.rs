@@ -305,4 +305,59 @@ mod tests {
         b.commands.push("x".into());
         assert_ne!(a.identity("i"), b.identity("i"));
     }
+
+    /// A store in memory that counts builds and can be told to fail.
+    struct Store {
+        built: std::sync::Mutex<Vec<String>>,
+        fail: bool,
+    }
+
+    #[async_trait]
+    impl SnapshotStore for Store {
+        type Lock = String;
+        async fn lock(&self, identity: &str) -> Result<String> {
+            Ok(format!("lock:{identity}"))
+        }
+        async fn exists(&self, identity: &str) -> Result<bool> {
+            Ok(self.built.lock().unwrap().iter().any(|i| i == identity))
+        }
+        async fn build(&self, identity: &str, _recipe: &BootstrapRecipe) -> Result<()> {
+            if self.fail {
+                return Err(Error::backend("step 2 broke"));
+            }
+            self.built.lock().unwrap().push(identity.to_string());
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn ensure_snapshot_builds_once_per_identity_and_returns_the_lock() {
+        let store = Store {
+            built: std::sync::Mutex::new(Vec::new()),
+            fail: false,
+        };
+        let r = recipe();
+        let (id, lock) = futures::executor::block_on(ensure_snapshot(&store, "b", &r)).unwrap();
+        assert_eq!(id, r.identity("b"));
+        assert_eq!(lock, format!("lock:{id}"));
+        futures::executor::block_on(ensure_snapshot(&store, "b", &r)).unwrap();
+        assert_eq!(store.built.lock().unwrap().len(), 1, "built once");
+        futures::executor::block_on(ensure_snapshot(&store, "other", &r)).unwrap();
+        assert_eq!(
+            store.built.lock().unwrap().len(),
+            2,
+            "another base, another snapshot"
+        );
+
+        let failing = Store {
+            built: std::sync::Mutex::new(Vec::new()),
+            fail: true,
+        };
+        let err = futures::executor::block_on(ensure_snapshot(&failing, "b", &r)).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains(&format!("bootstrap {id} failed: step 2 broke")),
+            "{err}"
+        );
+    }
 }
