@@ -154,8 +154,14 @@ pub struct MicrovmProvider {
 }
 
 impl MicrovmProvider {
-    /// A provider over `config`.
+    /// A provider over `config`. QEMUs of this provider whose VM directory
+    /// was removed without a `destroy` (unreachable: their socket is gone)
+    /// are killed.
     pub fn new(config: MicrovmConfig) -> Self {
+        let swept = vm::sweep_orphans();
+        if swept > 0 {
+            tracing::warn!("killed {swept} orphaned microVM(s) whose directory was gone");
+        }
         Self {
             config: Arc::new(config),
             accel: Arc::new(tokio::sync::OnceCell::new()),

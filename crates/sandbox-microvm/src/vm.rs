@@ -120,6 +120,50 @@ impl VmDir {
     }
 }
 
+/// The `-name` every VM of this provider runs with (how orphans are found).
+pub(crate) const VM_NAME: &str = "harness-microvm";
+
+/// Kill every QEMU of this provider whose VM directory is gone (its maker
+/// removed the directory without destroying the VM, e.g. a test's temporary
+/// directory after a panic): nothing can reach or resume it any more.
+/// Returns how many were killed.
+pub(crate) fn sweep_orphans() -> usize {
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    let mut killed = 0;
+    for entry in rd.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
+        let args: Vec<String> = cmdline
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        if !args.windows(2).any(|w| w[0] == "-name" && w[1] == VM_NAME) {
+            continue;
+        }
+        let Some(pidfile) = args
+            .windows(2)
+            .find(|w| w[0] == "-pidfile")
+            .map(|w| PathBuf::from(&w[1]))
+        else {
+            continue;
+        };
+        if pidfile.parent().is_some_and(|d| !d.exists()) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+            killed += 1;
+        }
+    }
+    killed
+}
+
 /// Kill the VM's QEMU (SIGKILL) and wait until it is gone (up to 10 s).
 pub(crate) async fn kill(dir: &VmDir) {
     if let Some(pid) = dir.running_pid() {
@@ -146,6 +190,8 @@ pub(crate) async fn wait_gone(dir: &VmDir, limit: Duration) -> bool {
 /// The QEMU command line of `meta`'s VM in `dir`.
 pub(crate) fn qemu_args(config: &MicrovmConfig, dir: &VmDir, meta: &VmMeta) -> Vec<String> {
     let mut args: Vec<String> = vec![
+        "-name".into(),
+        VM_NAME.into(),
         "-M".into(),
         "microvm".into(),
         "-accel".into(),
