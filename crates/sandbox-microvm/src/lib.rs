@@ -182,24 +182,50 @@ impl MicrovmProvider {
                 if let Some(a) = self.config.accel {
                     return a;
                 }
+                // Whether KVM boots a guest depends on the host, QEMU and
+                // the kernel, not on the agent: keyed on those.
                 let key = format!(
                     "{} {}",
-                    self.config.kernel.display(),
-                    self.config.initramfs.display()
+                    self.config.qemu.display(),
+                    self.config.kernel.display()
                 );
-                if let Ok(text) = std::fs::read_to_string(&self.config.probe_cache) {
-                    if let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) {
-                        if v["key"] == key.as_str() {
-                            if let Ok(a) = serde_json::from_value::<Accel>(v["accel"].clone()) {
-                                return a;
-                            }
-                        }
+                let cached = |path: &Path| -> Option<Accel> {
+                    let text = std::fs::read_to_string(path).ok()?;
+                    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+                    if v["key"] != key.as_str() {
+                        return None;
                     }
+                    serde_json::from_value::<Accel>(v["accel"].clone()).ok()
+                };
+                if let Some(a) = cached(&self.config.probe_cache) {
+                    return a;
+                }
+                // One probe at a time across processes (parallel tests):
+                // the others wait and read its answer.
+                let lock_path = self.config.probe_cache.with_extension("lock");
+                let _lock = tokio::task::spawn_blocking(move || {
+                    let f = std::fs::File::options()
+                        .create(true)
+                        .truncate(false)
+                        .write(true)
+                        .open(lock_path)
+                        .ok()?;
+                    f.lock().ok()?;
+                    Some(f)
+                })
+                .await
+                .ok()
+                .flatten();
+                if let Some(a) = cached(&self.config.probe_cache) {
+                    return a;
                 }
                 let (accel, why) = self.probe_kvm().await;
                 tracing::info!("microvm: using {} ({why})", accel.as_str());
                 let record = serde_json::json!({"key": key, "accel": accel, "why": why});
-                let _ = std::fs::write(&self.config.probe_cache, record.to_string());
+                let tmp = self.config.probe_cache.with_extension("tmp");
+                if std::fs::write(&tmp, record.to_string()).is_ok() {
+                    let _ = std::fs::rename(&tmp, &self.config.probe_cache);
+                }
                 accel
             })
             .await
