@@ -58,6 +58,9 @@ async fn a_codex_turn_runs_inside_the_microvm() {
 
     let mut spec = SandboxSpec::new("/workspace");
     spec.session_id = Some("codex-microvm".into());
+    // A fixed slot: a run that died before `destroy` left its VM in the
+    // shared state directory, and this replaces it.
+    spec.slot = Some("t1".into());
     spec.bootstrap = Some(harness_core::harness::Harness::bootstrap_recipe(&h).unwrap());
     let started = std::time::Instant::now();
     let sandbox = provider.create(&spec).await.expect("create the microVM");
