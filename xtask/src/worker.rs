@@ -12,8 +12,10 @@
 //!   which brings `workerd`;
 //! - `esbuild` from npm (`@esbuild/linux-x64` at the version worker-build
 //!   bundles with);
-//! - `wasm-opt` from the Debian `binaryen` package (only `--release` builds
-//!   run it).
+//! - `wasm-opt` from npm `binaryen` (132: the version worker-build 0.8.7
+//!   runs; only `--release` builds use it). Debian's `binaryen` (108)
+//!   cannot parse the module wasm-bindgen 0.2.130 writes ("invalid heap
+//!   type index").
 //!
 //! worker-build would download wasm-bindgen, wasm-opt and esbuild from
 //! GitHub; `WASM_BINDGEN_BIN`, `WASM_OPT_BIN` and `ESBUILD_BIN` point it at
@@ -33,6 +35,9 @@ pub const WORKER_BUILD_VERSION: &str = "0.8.7";
 pub const WRANGLER_VERSION: &str = "4.86.0";
 /// What worker-build 0.8.7 bundles with (its `CUR_ESBUILD_VERSION`).
 pub const ESBUILD_VERSION: &str = "0.28.2";
+/// The wasm-opt worker-build 0.8.7 runs (its `CUR_WASM_OPT_VERSION`), as
+/// npm publishes it.
+pub const BINARYEN_VERSION: &str = "132.0.0";
 
 /// The Worker crate's directory.
 pub fn worker_dir() -> PathBuf {
@@ -70,6 +75,14 @@ fn esbuild_root() -> PathBuf {
 
 pub fn esbuild_bin() -> PathBuf {
     esbuild_root().join("node_modules/@esbuild/linux-x64/bin/esbuild")
+}
+
+fn binaryen_root() -> PathBuf {
+    tools_dir().join(format!("binaryen-{BINARYEN_VERSION}"))
+}
+
+pub fn wasm_opt_bin() -> PathBuf {
+    binaryen_root().join("node_modules/.bin/wasm-opt")
 }
 
 /// The `wasm-bindgen` crate's version in the workspace's `Cargo.lock`: the
@@ -209,12 +222,16 @@ pub fn deps() -> Result<()> {
             &format!("@esbuild/linux-x64@{ESBUILD_VERSION}"),
         )
     })?;
-    util::timed("worker: wasm-opt (apt binaryen)", || {
-        if util::which("wasm-opt").is_some() {
-            println!("wasm-opt is on PATH");
+    util::timed("worker: wasm-opt (npm binaryen)", || {
+        let have = npm_version(&binaryen_root().join("node_modules/binaryen/package.json"));
+        if have.as_deref() == Some(BINARYEN_VERSION) && util::is_executable(&wasm_opt_bin()) {
+            println!(
+                "binaryen {BINARYEN_VERSION} is in {}",
+                binaryen_root().display()
+            );
             return Ok(());
         }
-        run(Command::new("apt-get").args(["install", "-y", "binaryen"]))
+        npm_install(&binaryen_root(), &format!("binaryen@{BINARYEN_VERSION}"))
     })?;
     Ok(())
 }
@@ -247,10 +264,13 @@ pub fn build(release: bool) -> Result<()> {
         .env("CARGO_TARGET_DIR", util::cargo_target_dir())
         .env("WASM_BINDGEN_BIN", &bindgen)
         .env("ESBUILD_BIN", &esbuild);
-    if let Some(wasm_opt) = util::which("wasm-opt") {
-        cmd.env("WASM_OPT_BIN", wasm_opt);
+    if util::is_executable(&wasm_opt_bin()) {
+        cmd.env("WASM_OPT_BIN", wasm_opt_bin());
     } else if release {
-        bail!("wasm-opt is missing: run `cargo xtask worker deps` (apt binaryen)");
+        bail!(
+            "{} is missing: run `cargo xtask worker deps`",
+            wasm_opt_bin().display()
+        );
     }
     run(&mut cmd)?;
     let out = worker_dir().join("build/index.js");
