@@ -288,9 +288,11 @@ pub fn wrangler_env(cmd: &mut Command) -> &mut Command {
 }
 
 /// `wrangler dev` on 127.0.0.1:`port`, its state in `persist`, started with
-/// `setsid` (its own process group: workerd and the rest die with it) and
-/// stopped by that group when it exits or on Ctrl-C. `tokens`: the token
-/// table (`HARNESS_TOKENS`).
+/// `setsid` (its own process group: workerd and the rest go with it) and
+/// stopped by that group. A small `sh` stays in the terminal's foreground
+/// group to do that: Ctrl-C (or SIGTERM/SIGHUP) reaches it, not wrangler's
+/// group, and it signals wrangler's group; it also does when wrangler
+/// exits by itself. `tokens`: the token table (`HARNESS_TOKENS`).
 pub fn dev(port: u16, persist: Option<PathBuf>, tokens: Option<String>) -> Result<()> {
     require(&wrangler_bin())?;
     let index = worker_dir().join("build/index.js");
@@ -304,8 +306,18 @@ pub fn dev(port: u16, persist: Option<PathBuf>, tokens: Option<String>) -> Resul
         Some(p) => p,
         None => util::cache_subdir("worker-dev")?,
     };
-    let mut cmd = Command::new("setsid");
-    cmd.arg(wrangler_bin())
+    // `setsid` in a non-interactive shell's background job is not a group
+    // leader, so it execs in place: `$!` is wrangler, and its group id.
+    // (dash's `kill` takes no `--`: `kill -TERM -<pgid>`.)
+    const SUPERVISE: &str = r#"setsid "$@" & pid=$!
+trap 'kill -TERM "-$pid" 2>/dev/null' INT TERM HUP
+wait "$pid"; status=$?
+kill -TERM "-$pid" 2>/dev/null
+wait "$pid" 2>/dev/null
+exit "$status""#;
+    let mut cmd = Command::new("sh");
+    cmd.args(["-c", SUPERVISE, "sh"])
+        .arg(wrangler_bin())
         .current_dir(worker_dir())
         .args(["dev", "--ip", "127.0.0.1", "--port", &port.to_string()])
         .arg("--persist-to")
@@ -317,7 +329,6 @@ pub fn dev(port: u16, persist: Option<PathBuf>, tokens: Option<String>) -> Resul
     wrangler_env(&mut cmd);
     println!("$ {}", util::display(&cmd));
     let mut child = cmd.spawn().context("starting wrangler dev")?;
-    let pgid = child.id();
     let addr = format!("127.0.0.1:{port}");
     if util::wait_until(Duration::from_secs(60), || util::tcp_answers(&addr)) {
         println!(
@@ -325,12 +336,8 @@ pub fn dev(port: u16, persist: Option<PathBuf>, tokens: Option<String>) -> Resul
             persist.display()
         );
     }
-    let status = child.wait();
-    // The group outlives its leader (workerd); take all of it.
-    let _ = Command::new("kill")
-        .args(["-TERM", "--", &format!("-{pgid}")])
-        .status();
-    status.context("waiting for wrangler dev")?;
+    let status = child.wait().context("waiting for wrangler dev")?;
+    println!("wrangler dev ended ({status})");
     Ok(())
 }
 
