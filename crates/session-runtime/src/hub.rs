@@ -227,6 +227,16 @@ impl Connection {
         out
     }
 
+    /// The next message if one is queued already (`None` when the queue
+    /// is empty or closed).
+    pub fn try_recv(&mut self) -> Option<Outbound> {
+        let out = self.rx.try_recv().ok();
+        if out.is_some() {
+            self.depth.fetch_sub(1, Ordering::AcqRel);
+        }
+        out
+    }
+
     /// Send a client message (the answer arrives on [`recv`](Self::recv)).
     pub fn client(&self, message: ClientMessage) {
         let _ = self.tx.send(Command::Input(Input::Client {

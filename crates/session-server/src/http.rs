@@ -214,14 +214,16 @@ async fn frames(
     Path(id): Path<String>,
     Query(params): Params,
     headers: HeaderMap,
-) -> Result<Json<Vec<Frame>>, ApiError> {
+) -> Result<Response, ApiError> {
     let id = session_id(&id)?;
     state.auth(&headers, &params, Some(&id), READERS)?;
     let after = param_u64(&params, "after")?.unwrap_or(0);
     let limit = param_u64(&params, "limit")?
         .map_or(PAGE, |l| usize::try_from(l).unwrap_or(usize::MAX))
         .min(MAX_FRAMES_PAGE);
-    Ok(Json(state.hub.log().read(&id, after, limit).await?))
+    // The first page answers for the session (404) before the body starts.
+    let first = state.hub.log().read(&id, after, limit.min(PAGE)).await?;
+    Ok(frames_array(state, id, first, u64::MAX, limit))
 }
 
 async fn export(
@@ -229,7 +231,7 @@ async fn export(
     Path(id): Path<String>,
     Query(params): Params,
     headers: HeaderMap,
-) -> Result<Json<Vec<Frame>>, ApiError> {
+) -> Result<Response, ApiError> {
     let id = session_id(&id)?;
     state.auth(&headers, &params, Some(&id), READERS)?;
     let info = state.hub.log().info(&id).await?;
@@ -240,16 +242,102 @@ async fn export(
             info.last_seq
         )));
     }
-    let mut out = Vec::new();
-    let mut cursor = 0;
-    while cursor < until {
-        let want = usize::try_from(until - cursor).unwrap_or(PAGE).min(PAGE);
-        let page = state.hub.log().read(&id, cursor, want).await?;
-        let Some(last) = page.last() else { break };
-        cursor = last.seq;
-        out.extend(page.into_iter().filter(|f| f.seq <= until));
+    let first = read_page(&state, &id, 0, until, usize::MAX).await?;
+    Ok(frames_array(state, id, first, until, usize::MAX))
+}
+
+/// Frames `after < seq <= until`, at most `max` and one page of them.
+async fn read_page(
+    state: &AppState,
+    id: &SessionId,
+    after: u64,
+    until: u64,
+    max: usize,
+) -> Result<Vec<Frame>, ApiError> {
+    if after >= until || max == 0 {
+        return Ok(Vec::new());
     }
-    Ok(Json(out))
+    let want = usize::try_from(until - after)
+        .unwrap_or(PAGE)
+        .min(PAGE)
+        .min(max);
+    let mut page = state.hub.log().read(id, after, want).await?;
+    page.retain(|f| f.seq <= until);
+    Ok(page)
+}
+
+/// A JSON array of frames, `first` (a page already read, so a failing
+/// first read is still an error status) and then the following ones up to
+/// `until`, at most `max` in all, written a page at a time: no array of
+/// 100,000 frames in memory, and the client receives while the server
+/// reads. A read failing midway ends the body early, so the client sees
+/// invalid JSON rather than a short array that parses.
+fn frames_array(
+    state: Arc<AppState>,
+    id: SessionId,
+    first: Vec<Frame>,
+    until: u64,
+    max: usize,
+) -> Response {
+    struct Pages {
+        state: Arc<AppState>,
+        id: SessionId,
+        next: Option<Vec<Frame>>,
+        cursor: u64,
+        left: usize,
+        until: u64,
+        started: bool,
+        done: bool,
+    }
+    let pages = Pages {
+        state,
+        id,
+        next: Some(first),
+        cursor: 0,
+        left: max,
+        until,
+        started: false,
+        done: false,
+    };
+    let body = futures::stream::unfold(pages, |mut p| async move {
+        if p.done {
+            return None;
+        }
+        let page = match p.next.take() {
+            Some(page) => page,
+            None => match read_page(&p.state, &p.id, p.cursor, p.until, p.left).await {
+                Ok(page) => page,
+                Err(e) => return Some((Err(std::io::Error::other(e.message)), p)),
+            },
+        };
+        let mut out = Vec::with_capacity(page.len() * 256 + 2);
+        if !p.started {
+            out.push(b'[');
+        }
+        for frame in page.iter().take(p.left) {
+            if p.started || out.len() > 1 {
+                out.push(b',');
+            }
+            // Frames are plain data: encoding cannot fail.
+            let _ = serde_json::to_writer(&mut out, frame);
+            p.cursor = frame.seq;
+        }
+        p.started = true;
+        p.left = p.left.saturating_sub(page.len());
+        if page.is_empty() || p.left == 0 || p.cursor >= p.until {
+            out.push(b']');
+            p.done = true;
+        }
+        Some((Ok(axum::body::Bytes::from(out)), p))
+    });
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        Body::from_stream(body),
+    )
+        .into_response()
 }
 
 async fn fork(
@@ -384,19 +472,6 @@ fn last_event_id(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
         .transpose()
 }
 
-fn frame_event(frame: &Frame) -> Event {
-    Event::default()
-        .id(frame.seq.to_string())
-        .event("frame")
-        .data(serde_json::to_string(frame).unwrap_or_default())
-}
-
-fn live_event(turn_id: &str, part: &harness_core::StreamPart) -> Event {
-    Event::default()
-        .event("live")
-        .data(json!({"turnId": turn_id, "part": part}).to_string())
-}
-
 /// An SSE body fed by a channel; the producer notices a gone reader through
 /// `Sender::closed`.
 fn sse_from(
@@ -421,81 +496,170 @@ async fn events(
         None => param_u64(&params, "after")?.unwrap_or(0),
     };
     let info = state.hub.log().info(&id).await?;
-    let (tx, rx) = mpsc::channel::<Event>(256);
-    tokio::spawn(async move {
-        let _ = pump_events(&state, &id, after, info.sealed, tx).await;
+    let pump = EventPump {
+        state,
+        id,
+        cursor: after,
+        sealed: info.sealed,
+        conn: None,
+        done: false,
+    };
+    let body = futures::stream::unfold(pump, |mut pump| async move {
+        let chunk = pump.next_chunk().await?;
+        Some((Ok::<_, Infallible>(axum::body::Bytes::from(chunk)), pump))
     });
-    Ok(sse_from(rx).into_response())
+    Ok((
+        [
+            (
+                axum::http::header::CONTENT_TYPE,
+                HeaderValue::from_static("text/event-stream"),
+            ),
+            (
+                axum::http::header::CACHE_CONTROL,
+                HeaderValue::from_static("no-cache"),
+            ),
+        ],
+        Body::from_stream(body),
+    )
+        .into_response())
 }
 
-/// Returns when the reader leaves, the session is sealed, or the actor
-/// closes the connection.
-async fn pump_events(
-    state: &Arc<AppState>,
-    id: &SessionId,
-    after: u64,
+/// What `session_api::sse::SseEvent::frame(frame).encode()` is, written in
+/// place (no intermediate strings): compact JSON has no raw newline, so it
+/// is one data line.
+fn encode_frame_event(frame: &Frame, out: &mut Vec<u8>) {
+    out.extend_from_slice(b"id: ");
+    out.extend_from_slice(frame.seq.to_string().as_bytes());
+    out.extend_from_slice(b"\nevent: frame\ndata: ");
+    // Frames are plain data: encoding cannot fail.
+    let _ = serde_json::to_writer(&mut *out, frame);
+    out.extend_from_slice(b"\n\n");
+}
+
+/// How often an idle SSE stream sends a comment, so proxies keep it open.
+const SSE_KEEP_ALIVE: Duration = Duration::from_secs(15);
+
+/// The body of `GET /events`, produced as the client reads it: stored
+/// frames a page per chunk, then what the actor sends, everything already
+/// queued per chunk. It ends after the `sealed` frame, when the actor closes
+/// the connection, or when a read fails; a gone client drops it (and with
+/// it the connection).
+struct EventPump {
+    state: Arc<AppState>,
+    id: SessionId,
+    /// The last seq sent.
+    cursor: u64,
+    /// Sealed when the request came: nothing live to follow.
     sealed: bool,
-    tx: mpsc::Sender<Event>,
-) -> Result<(), ApiError> {
-    // The catch-up closure is sync; frames go through a small buffer that
-    // is flushed after each page.
-    let mut buffered = Vec::new();
-    let mut cursor = after;
-    loop {
-        let page = state.hub.log().read(id, cursor, PAGE).await?;
-        let Some(last) = page.last() else { break };
-        cursor = last.seq;
-        buffered.extend(page);
-        for frame in buffered.drain(..) {
-            let end = matches!(frame.body, FrameBody::Sealed {});
-            if tx.send(frame_event(&frame)).await.is_err() || end {
-                return Ok(());
+    conn: Option<Connection>,
+    done: bool,
+}
+
+impl EventPump {
+    async fn next_chunk(&mut self) -> Option<Vec<u8>> {
+        if self.done {
+            return None;
+        }
+        let mut out = Vec::new();
+        if self.conn.is_none() {
+            // Catch-up, straight from the log.
+            let page = self
+                .state
+                .hub
+                .log()
+                .read(&self.id, self.cursor, PAGE)
+                .await
+                .ok()?;
+            if !page.is_empty() {
+                out.reserve(page.len() * 256);
+                for frame in &page {
+                    self.frame(frame, &mut out);
+                    if self.done {
+                        break;
+                    }
+                }
+                return Some(out);
+            }
+            if self.sealed {
+                return None;
+            }
+            let conn = self
+                .state
+                .hub
+                .connect(&self.id, Role::Client, Some(self.cursor))
+                .await
+                .ok()?;
+            self.conn = Some(conn);
+        }
+        // Out of `self` while messages are encoded; put back after.
+        let mut conn = self.conn.take()?;
+        loop {
+            let first = tokio::select! {
+                out = conn.recv() => out,
+                _ = tokio::time::sleep(SSE_KEEP_ALIVE) => {
+                    self.conn = Some(conn);
+                    return Some(session_api::sse::KEEP_ALIVE.as_bytes().to_vec());
+                }
+            };
+            // `None`: the actor dropped the connection (it stopped, or this
+            // reader fell too far behind); the client resumes from its
+            // Last-Event-ID.
+            let Some(first) = first else {
+                self.done = true;
+                return (!out.is_empty()).then_some(out);
+            };
+            let mut next = Some(first);
+            while let Some(message) = next {
+                match message {
+                    Outbound::Msg(message) => self.message(message, &mut out),
+                    Outbound::Close(_) => self.done = true,
+                }
+                if self.done {
+                    break;
+                }
+                next = conn.try_recv();
+            }
+            if self.done {
+                return (!out.is_empty()).then_some(out);
+            }
+            if !out.is_empty() {
+                self.conn = Some(conn);
+                return Some(out);
             }
         }
     }
-    if sealed {
-        return Ok(());
+
+    /// Append one stored frame's event (once: the actor replays exactly
+    /// (cursor, last], this only guards against a duplicate).
+    fn frame(&mut self, frame: &Frame, out: &mut Vec<u8>) {
+        if frame.seq <= self.cursor {
+            return;
+        }
+        self.cursor = frame.seq;
+        encode_frame_event(frame, out);
+        if session_api::sse::ends_stream(frame) {
+            self.done = true;
+        }
     }
-    let mut conn = state.hub.connect(id, Role::Client, Some(cursor)).await?;
-    loop {
-        let out = tokio::select! {
-            out = conn.recv() => out,
-            _ = tx.closed() => return Ok(()),
-        };
-        let event = match out {
-            Some(Outbound::Msg(ServerMessage::Frame { frame })) => {
-                // The actor replays exactly (cursor, last]; this guard only
-                // protects against a duplicate if that ever changed.
-                if frame.seq <= cursor {
-                    continue;
-                }
-                cursor = frame.seq;
-                let end = matches!(frame.body, FrameBody::Sealed {});
-                if tx.send(frame_event(&frame)).await.is_err() || end {
-                    return Ok(());
-                }
-                continue;
+
+    fn message(&mut self, message: ServerMessage, out: &mut Vec<u8>) {
+        let event = match message {
+            ServerMessage::Frame { frame } => return self.frame(&frame, out),
+            ServerMessage::Live { turn_id, part } => {
+                session_api::sse::SseEvent::live(&turn_id, &part)
             }
-            Some(Outbound::Msg(ServerMessage::Live { turn_id, part })) => {
-                live_event(&turn_id, &part)
+            ServerMessage::Error { code, message } => {
+                session_api::sse::SseEvent::error(code, &message)
             }
-            Some(Outbound::Msg(ServerMessage::Error { code, message })) => Event::default()
-                .event("error")
-                .data(json!({"code": code, "message": message}).to_string()),
             // Acks and the tool-host and runner messages are never sent
             // to a client connection.
-            Some(Outbound::Msg(
-                ServerMessage::Ack { .. }
-                | ServerMessage::Received {}
-                | ServerMessage::HostCall { .. }
-                | ServerMessage::HostCancel { .. }
-                | ServerMessage::HostTools { .. },
-            )) => continue,
-            Some(Outbound::Close(_)) | None => return Ok(()),
+            ServerMessage::Ack { .. }
+            | ServerMessage::Received {}
+            | ServerMessage::HostCall { .. }
+            | ServerMessage::HostCancel { .. }
+            | ServerMessage::HostTools { .. } => return,
         };
-        if tx.send(event).await.is_err() {
-            return Ok(());
-        }
+        out.extend_from_slice(event.encode().as_bytes());
     }
 }
 
@@ -660,14 +824,18 @@ async fn run_socket(
                     break Ok(cursor);
                 };
                 cursor = last.seq;
+                // Queued without a flush each, then flushed once per page.
                 for frame in page {
                     if sink
-                        .send(text(&ServerMessage::Frame { frame }))
+                        .feed(text(&ServerMessage::Frame { frame }))
                         .await
                         .is_err()
                     {
                         return;
                     }
+                }
+                if sink.flush().await.is_err() {
+                    return;
                 }
             };
             match caught {
@@ -701,15 +869,37 @@ async fn run_socket(
         tokio::select! {
             out = conn.recv() => match out {
                 Some(Outbound::Msg(message)) => {
-                    if let ServerMessage::Frame { frame } = &message {
-                        // The actor replays exactly (cursor, last]; this
-                        // only guards against a duplicate.
-                        if frame.seq <= cursor {
-                            continue;
+                    // This message and whatever else is queued already, in
+                    // one flush.
+                    let mut next = Some(message);
+                    let mut failed = false;
+                    while let Some(message) = next.take() {
+                        let duplicate = match &message {
+                            // The actor replays exactly (cursor, last]; this
+                            // only guards against a duplicate.
+                            ServerMessage::Frame { frame } if frame.seq <= cursor => true,
+                            ServerMessage::Frame { frame } => {
+                                cursor = frame.seq;
+                                false
+                            }
+                            _ => false,
+                        };
+                        if !duplicate && sink.feed(text(&message)).await.is_err() {
+                            failed = true;
+                            break;
                         }
-                        cursor = frame.seq;
+                        match conn.try_recv() {
+                            Some(Outbound::Msg(m)) => next = Some(m),
+                            Some(Outbound::Close(reason)) => {
+                                let frame = CloseFrame { code: 4001, reason: reason.into() };
+                                let _ = sink.feed(Message::Close(Some(frame))).await;
+                                failed = true;
+                            }
+                            None => {}
+                        }
                     }
-                    if sink.send(text(&message)).await.is_err() {
+                    if failed || sink.flush().await.is_err() {
+                        let _ = sink.flush().await;
                         break;
                     }
                 }
@@ -871,4 +1061,37 @@ async fn serve_runner(
         }
     }
     runners.detach(id);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frame_events_are_encoded_as_the_session_api_says() {
+        let frames = [
+            Frame {
+                seq: 7,
+                at_ms: 1_764_443_000_000,
+                body: FrameBody::UserMessage {
+                    text: "two\nlines \"quoted\"".into(),
+                    turn_id: Some("t1".into()),
+                },
+            },
+            Frame {
+                seq: 8,
+                at_ms: 1,
+                body: FrameBody::Sealed {},
+            },
+        ];
+        let mut out = Vec::new();
+        for frame in &frames {
+            encode_frame_event(frame, &mut out);
+        }
+        let expected: String = frames
+            .iter()
+            .map(|f| session_api::sse::SseEvent::frame(f).encode())
+            .collect();
+        assert_eq!(String::from_utf8(out).unwrap(), expected);
+    }
 }
