@@ -75,7 +75,8 @@ mod bare {
                 let options = ActivityOptions::with_start_to_close_timeout(Duration::from_secs(60))
                     .heartbeat_timeout(Duration::from_secs(20))
                     .build();
-                ctx.execute_activity(NoopActivities::noop, i, options).await?;
+                ctx.execute_activity(NoopActivities::noop, i, options)
+                    .await?;
             }
             Ok(n)
         }
@@ -259,8 +260,17 @@ async fn main() -> anyhow::Result<()> {
     let engine = TemporalEngine::connect(config.clone()).await?;
     // A fresh session id per run: the dev server keeps finished workflows,
     // and a turn's workflow id is derived from it.
-    let session = format!("temporal-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
-    let state = turn(dir.path(), log.as_ref(), &session, &quiet_agent(AGENT_SECONDS)).await?;
+    let session = format!(
+        "temporal-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
+    let state = turn(
+        dir.path(),
+        log.as_ref(),
+        &session,
+        &quiet_agent(AGENT_SECONDS),
+    )
+    .await?;
     let (elapsed, done) = local
         .run_until(async {
             let t = Instant::now();
