@@ -396,7 +396,16 @@ pub fn build(force: bool) -> Result<PathBuf> {
         println!("microvm: initramfs cached ({})", initramfs.display());
     }
 
+    // The same static binary on the host: QEMU runs `agent relay SOCKET`
+    // for every guest connection to a host forward.
+    let host_agent = root.join(format!("agent-{}", sha_like(&agent_bytes)));
+    if !host_agent.exists() {
+        let tmp = host_agent.with_extension("tmp");
+        std::fs::copy(&agent, &tmp)?;
+        std::fs::rename(&tmp, &host_agent)?;
+    }
     let manifest = serde_json::json!({
+        "agent": host_agent,
         "kernel": vmlinux,
         "initramfs": initramfs,
         "rootfs": rootfs,
@@ -406,8 +415,10 @@ pub fn build(force: bool) -> Result<PathBuf> {
         &root.join("assets.json"),
         serde_json::to_string_pretty(&manifest)?.as_bytes(),
     )?;
-    // Initramfs files of older agents are small but add up: keep the newest 3.
-    prune_initramfs(&root, &initramfs);
+    // Initramfs files and host agents of older builds add up: keep the
+    // newest 3 of each.
+    prune_old(&root, &initramfs, "initramfs-", ".cpio");
+    prune_old(&root, &host_agent, "agent-", "");
     println!(
         "microvm: assets ready in {} ({})",
         util::fmt_duration(start.elapsed()),
@@ -444,7 +455,7 @@ fn sha_like(data: &[u8]) -> String {
     format!("{h:016x}")
 }
 
-fn prune_initramfs(root: &Path, keep: &Path) {
+fn prune_old(root: &Path, keep: &Path, prefix: &str, suffix: &str) {
     let Ok(rd) = std::fs::read_dir(root) else {
         return;
     };
@@ -455,7 +466,7 @@ fn prune_initramfs(root: &Path, keep: &Path) {
             p != keep
                 && p.file_name().is_some_and(|n| {
                     let n = n.to_string_lossy();
-                    n.starts_with("initramfs-") && n.ends_with(".cpio")
+                    n.starts_with(prefix) && n.ends_with(suffix) && !n.ends_with(".tmp")
                 })
         })
         .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))

@@ -33,6 +33,21 @@ pub const WINDOW: u64 = 1024 * 1024;
 pub const PORT_NAME: &str = "harness.agent";
 /// Protocol version, sent in the agent's hello.
 pub const VERSION: u32 = 1;
+/// The address inside the guest where QEMU's `guestfwd` rules take host
+/// forwards (user-mode networking); the agent relays `127.0.0.1:<port>`
+/// to `FORWARD_ADDR:<port>` for every port in `harness.fwd=` on the kernel
+/// command line.
+pub const FORWARD_ADDR: &str = "10.0.2.100";
+
+/// The ports of `harness.fwd=P1,P2,…` in a kernel command line.
+pub fn forward_ports(cmdline: &str) -> Vec<u16> {
+    cmdline
+        .split_whitespace()
+        .filter_map(|w| w.strip_prefix("harness.fwd="))
+        .flat_map(|v| v.split(','))
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
 
 /// Host to guest.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -175,6 +190,15 @@ impl Decoder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn forward_ports_come_from_the_command_line() {
+        assert_eq!(
+            forward_ports("quiet harness.net=user harness.fwd=47811,47812 x=1"),
+            vec![47811, 47812]
+        );
+        assert!(forward_ports("quiet harness.net=none").is_empty());
+    }
 
     #[test]
     fn frames_round_trip_split_anywhere_and_resync_after_garbage() {

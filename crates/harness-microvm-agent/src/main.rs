@@ -17,7 +17,9 @@ use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use harness_microvm_agent::{encode, Decoder, Guest, Host, CHUNK, PORT_NAME, VERSION, WINDOW};
+use harness_microvm_agent::{
+    encode, forward_ports, Decoder, Guest, Host, CHUNK, FORWARD_ADDR, PORT_NAME, VERSION, WINDOW,
+};
 use nix::sys::signal::{killpg, Signal};
 use nix::sys::wait::{waitpid, WaitStatus};
 use nix::unistd::Pid;
@@ -370,7 +372,118 @@ fn cancel(exec: &Exec) {
     exec.stdin.lock().unwrap_or_else(|e| e.into_inner()).take();
 }
 
-fn main() {
+/// Copy both ways between two byte streams until either side ends; then
+/// shut the other's write half so its reader sees the end too.
+fn splice<A, B>(a: A, b: B)
+where
+    A: Read + Write + Send + 'static + TryCloneShutdown,
+    B: Read + Write + Send + 'static + TryCloneShutdown,
+{
+    let (Ok(mut a2), Ok(mut b2)) = (a.try_clone_box(), b.try_clone_box()) else {
+        return;
+    };
+    let (mut a, mut b) = (a, b);
+    let t = std::thread::spawn(move || {
+        let _ = std::io::copy(&mut a2, &mut b2);
+        b2.shutdown_write();
+    });
+    let _ = std::io::copy(&mut b, &mut a);
+    a.shutdown_write();
+    let _ = t.join();
+}
+
+/// What [`splice`] needs of a socket.
+trait TryCloneShutdown: Sized {
+    fn try_clone_box(&self) -> std::io::Result<Self>;
+    fn shutdown_write(&self);
+}
+
+impl TryCloneShutdown for std::net::TcpStream {
+    fn try_clone_box(&self) -> std::io::Result<Self> {
+        self.try_clone()
+    }
+    fn shutdown_write(&self) {
+        let _ = self.shutdown(std::net::Shutdown::Write);
+    }
+}
+
+impl TryCloneShutdown for std::os::unix::net::UnixStream {
+    fn try_clone_box(&self) -> std::io::Result<Self> {
+        self.try_clone()
+    }
+    fn shutdown_write(&self) {
+        let _ = self.shutdown(std::net::Shutdown::Write);
+    }
+}
+
+/// In the guest: relay `127.0.0.1:<port>` to the `guestfwd` address.
+fn serve_forwards() {
+    let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
+    for port in forward_ports(&cmdline) {
+        match std::net::TcpListener::bind(("127.0.0.1", port)) {
+            Ok(listener) => {
+                std::thread::spawn(move || {
+                    for conn in listener.incoming().flatten() {
+                        std::thread::spawn(move || {
+                            match std::net::TcpStream::connect((FORWARD_ADDR, port)) {
+                                Ok(out) => splice(conn, out),
+                                Err(e) => log(&format!("forward {port}: {e}")),
+                            }
+                        });
+                    }
+                });
+            }
+            Err(e) => log(&format!("forward {port}: cannot listen: {e}")),
+        }
+    }
+}
+
+/// On the host: `harness-microvm-agent relay SOCKET`, the command QEMU runs
+/// for each connection to a `guestfwd` (stdin/stdout are the connection):
+/// relays it to the Unix socket.
+fn relay(socket: &str) -> std::process::ExitCode {
+    let sock = match std::os::unix::net::UnixStream::connect(socket) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("harness-microvm-agent relay: {socket}: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let Ok(mut sock_in) = sock.try_clone() else {
+        return std::process::ExitCode::FAILURE;
+    };
+    let mut sock_out = sock;
+    let t = std::thread::spawn(move || {
+        let _ = std::io::copy(&mut std::io::stdin().lock(), &mut sock_in);
+        let _ = sock_in.shutdown(std::net::Shutdown::Write);
+    });
+    let mut stdout = std::io::stdout().lock();
+    let _ = std::io::copy(&mut sock_out, &mut stdout);
+    let _ = stdout.flush();
+    drop(stdout);
+    // The guest side ended or the socket did: either way the connection is
+    // over (stdin may stay open; do not wait for it).
+    let _ = t.is_finished();
+    std::process::ExitCode::SUCCESS
+}
+
+fn main() -> std::process::ExitCode {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("relay") {
+        return match args.get(2) {
+            Some(socket) => relay(socket),
+            None => {
+                eprintln!("usage: harness-microvm-agent relay SOCKET");
+                std::process::ExitCode::FAILURE
+            }
+        };
+    }
+    serve();
+    std::process::ExitCode::SUCCESS
+}
+
+fn serve() {
+    serve_forwards();
     let path = match find_port() {
         Ok(p) => p,
         Err(e) => {

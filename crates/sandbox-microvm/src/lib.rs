@@ -13,8 +13,10 @@
 //! KVM is used where it can really boot a guest (a short probe boot,
 //! cached); elsewhere the guest runs under TCG. Network: `deny-all` is a VM
 //! without a NIC, `allow-all` user-mode networking (the host's loopback is
-//! `10.0.2.2` inside), `custom` and host forwards are refused. See
-//! `docs/sandbox-microvm.md`.
+//! `10.0.2.2` inside); host forwards are QEMU `guestfwd` rules running the
+//! host copy of the agent as a relay, on restricted user-mode networking
+//! unless allow-all, and `custom` is that plus the egress proxy's forward.
+//! See `docs/sandbox-microvm.md`.
 
 mod conn;
 mod exec;
@@ -31,7 +33,7 @@ use harness_core::bootstrap::{self, BootstrapRecipe, HostFiles, SnapshotStore};
 use harness_core::sandbox::{
     collect_exec, exec_stdout_stream, resolve_path, shell_quote, ExecRequest, ExecStream,
     NetworkPolicy, PortEndpoint, Sandbox, SandboxHandle, SandboxProvider, SandboxSpec,
-    SnapshotInfo,
+    SnapshotInfo, EGRESS_PROXY_PORT,
 };
 use harness_core::stream::ByteStream;
 use harness_core::{tarscan, Error, ErrorKind, Result};
@@ -56,6 +58,10 @@ pub struct MicrovmConfig {
     pub initramfs: PathBuf,
     /// The root disk image (raw ext4) every VM's overlay starts from.
     pub rootfs: PathBuf,
+    /// The agent binary on the host (static), which QEMU runs as
+    /// `agent relay SOCKET` per connection to a host forward. `None`: host
+    /// forwards (and so `custom` networking) are refused.
+    pub agent: Option<PathBuf>,
     /// A key of the root image's content: part of every bootstrap identity.
     pub rootfs_key: String,
     /// VMs (`vms/<id>/`) and bootstrap snapshots (`snapshots/`).
@@ -79,6 +85,8 @@ pub struct MicrovmConfig {
 
 #[derive(Debug, Deserialize)]
 struct Assets {
+    #[serde(default)]
+    agent: Option<PathBuf>,
     kernel: PathBuf,
     initramfs: PathBuf,
     rootfs: PathBuf,
@@ -120,6 +128,7 @@ impl MicrovmConfig {
             kernel: assets.kernel,
             initramfs: assets.initramfs,
             rootfs: assets.rootfs,
+            agent: assets.agent.filter(|a| a.exists()),
             rootfs_key: assets.rootfs_key,
             state_dir: state_dir.into(),
             qemu: "qemu-system-x86_64".into(),
@@ -298,6 +307,8 @@ impl MicrovmProvider {
             accel,
             kernel: self.config.kernel.clone(),
             initramfs: self.config.initramfs.clone(),
+            forwards: Vec::new(),
+            agent: None,
         }
     }
 
@@ -394,7 +405,7 @@ impl MicrovmProvider {
             .unwrap_or(self.config.default_memory_mb)
             .max(128);
         let accel = self.accel().await;
-        let meta = self.meta_for(
+        let mut meta = self.meta_for(
             id,
             spec.workdir.clone(),
             spec.env.clone(),
@@ -404,6 +415,8 @@ impl MicrovmProvider {
             ports,
             accel,
         );
+        meta.forwards = spec.forwards.clone();
+        meta.agent = self.config.agent.clone();
         let result = async {
             vm::overlay(&self.config, backing, &dir.disk()).await?;
             dir.write_meta(&meta)?;
@@ -539,25 +552,51 @@ impl SandboxProvider for MicrovmProvider {
                 "the microvm provider cannot wrap an existing VM",
             ));
         }
-        if !spec.forwards.is_empty() {
+        if !spec.forwards.is_empty() && self.config.agent.is_none() {
             return Err(Error::unsupported(
-                "the microvm provider has no host forwards (no vsock here; see docs/sandbox-microvm.md)",
+                "the microvm provider was given no host agent binary (assets.json `agent`), \
+                 which host forwards run through",
             ));
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for f in &spec.forwards {
+            if !seen.insert(f.port) {
+                return Err(Error::invalid(format!(
+                    "port {} is forwarded twice",
+                    f.port
+                )));
+            }
+            if f.socket.contains(',') || f.socket.contains(char::is_whitespace) {
+                return Err(Error::invalid(format!(
+                    "forward socket path {:?} holds a comma or a space, which QEMU's option \
+                     syntax cannot carry",
+                    f.socket
+                )));
+            }
         }
         match &spec.network {
             NetworkPolicy::AllowAll => {}
             NetworkPolicy::DenyAll => {
                 if !spec.ports.is_empty() {
                     return Err(Error::invalid(format!(
-                        "ports {:?} cannot be exposed from a deny-all microVM (it has no NIC)",
+                        "ports {:?} cannot be exposed from a deny-all microVM",
                         spec.ports
                     )));
                 }
             }
             NetworkPolicy::Custom { .. } => {
-                return Err(Error::unsupported(
-                    "the microvm provider supports allow-all and deny-all networking, not custom",
-                ))
+                if !spec.forwards.iter().any(|f| f.port == EGRESS_PROXY_PORT) {
+                    return Err(Error::invalid(format!(
+                        "a custom network policy needs the egress proxy forward on port \
+                         {EGRESS_PROXY_PORT}: the microVM has no route out but through it"
+                    )));
+                }
+                if !spec.ports.is_empty() {
+                    return Err(Error::invalid(format!(
+                        "ports {:?} cannot be exposed from a custom-policy microVM",
+                        spec.ports
+                    )));
+                }
             }
         }
         if !spec.workdir.starts_with('/') {

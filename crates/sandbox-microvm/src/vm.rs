@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use harness_core::sandbox::NetworkPolicy;
+use harness_core::sandbox::{HostForward, NetworkPolicy};
 use harness_core::{Error, Result};
 use serde::{Deserialize, Serialize};
 
@@ -47,6 +47,22 @@ pub(crate) struct VmMeta {
     pub accel: Accel,
     pub kernel: PathBuf,
     pub initramfs: PathBuf,
+    /// Host services on the guest's loopback (QEMU `guestfwd` rules run
+    /// `agent relay SOCKET` per connection; the agent in the guest relays
+    /// `127.0.0.1:<port>` to them).
+    #[serde(default)]
+    pub forwards: Vec<HostForward>,
+    /// The host agent binary the forwards run.
+    #[serde(default)]
+    pub agent: Option<PathBuf>,
+}
+
+impl VmMeta {
+    /// Whether the VM gets a NIC (user-mode networking): allow-all, or any
+    /// policy with forwards (then restricted: nothing but the forwards).
+    pub fn has_nic(&self) -> bool {
+        self.network == NetworkPolicy::AllowAll || !self.forwards.is_empty()
+    }
 }
 
 /// The files of one VM.
@@ -221,11 +237,19 @@ pub(crate) fn qemu_args(config: &MicrovmConfig, dir: &VmDir, meta: &VmMeta) -> V
         // No PIT/HPET to calibrate the TSC against on microvm under TCG:
         // without a given frequency the kernel waits forever for a timer.
         format!(
-            "console=ttyS0 earlyprintk=serial panic=-1 quiet tsc_early_khz=2000000 harness.net={}",
-            if meta.network == NetworkPolicy::AllowAll {
-                "user"
+            "console=ttyS0 earlyprintk=serial panic=-1 quiet tsc_early_khz=2000000 harness.net={}{}",
+            if meta.has_nic() { "user" } else { "none" },
+            if meta.forwards.is_empty() {
+                String::new()
             } else {
-                "none"
+                format!(
+                    " harness.fwd={}",
+                    meta.forwards
+                        .iter()
+                        .map(|f| f.port.to_string())
+                        .collect::<Vec<_>>()
+                        .join(",")
+                )
             }
         ),
         "-serial".into(),
@@ -250,10 +274,26 @@ pub(crate) fn qemu_args(config: &MicrovmConfig, dir: &VmDir, meta: &VmMeta) -> V
         "-device".into(),
         "virtio-blk-device,drive=root".into(),
     ];
-    if meta.network == NetworkPolicy::AllowAll {
+    if meta.has_nic() {
         let mut netdev = "user,id=n0".to_string();
+        if meta.network != NetworkPolicy::AllowAll {
+            // The guest reaches neither the host nor the outside; the
+            // forwarding rules below still apply.
+            netdev.push_str(",restrict=on");
+        }
         for (guest, host) in &meta.ports {
             netdev.push_str(&format!(",hostfwd=tcp:127.0.0.1:{host}-:{guest}"));
+        }
+        if let Some(agent) = &meta.agent {
+            for f in &meta.forwards {
+                netdev.push_str(&format!(
+                    ",guestfwd=tcp:{}:{}-cmd:{} relay {}",
+                    harness_microvm_agent::FORWARD_ADDR,
+                    f.port,
+                    agent.display(),
+                    f.socket
+                ));
+            }
         }
         args.extend([
             "-netdev".into(),
