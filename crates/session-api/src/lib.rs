@@ -14,7 +14,9 @@
 //! - [`request`]: the `POST /v1/sessions` body, query parameters, the
 //!   `Last-Event-ID` header, page limits, the `POST /messages` ack;
 //! - [`sse`]: the `/events` stream's events (`frame` with the seq as id,
-//!   `live` without one, `error`) and their wire encoding.
+//!   `live` without one, `error`) and their wire encoding;
+//! - [`ui_stream`]: session messages as an AI SDK UI message stream
+//!   (`/ui-stream`), a pure mapping.
 //!
 //! See `docs/session-server.md` for the API itself.
 
@@ -22,6 +24,7 @@ pub mod auth;
 pub mod error;
 pub mod request;
 pub mod sse;
+pub mod ui_stream;
 
 pub use auth::{authorize, bearer, GrantRole, Scope, TokenGrant};
 pub use error::ApiError;

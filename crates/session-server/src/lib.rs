@@ -38,7 +38,9 @@ pub mod durable_streams;
 mod error;
 mod http;
 mod runners;
-pub mod ui_stream;
+/// The AI SDK UI message stream mapping (it lives in `session-api`, shared
+/// with the Cloudflare Worker).
+pub use session_api::ui_stream;
 mod web;
 
 pub use auth::{GrantRole, Scope, TokenGrant};
