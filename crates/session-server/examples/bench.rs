@@ -504,13 +504,32 @@ async fn bench_live_one(
     // Every reader starts at the stream's beginning, so none misses a frame
     // however late it is registered; this only lets registration settle.
     tokio::time::sleep(Duration::from_millis(500)).await;
+    // The writer keeps its rate whatever the server's answer time: each
+    // write is its own task (at most 256 in flight), stamped when issued.
     let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / rate));
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(256));
+    let mut writes = Vec::with_capacity(total);
     for _ in 0..total {
         tick.tick().await;
+        let permit = in_flight.clone().acquire_owned().await?;
         let sent = start.elapsed().as_micros() as u64;
-        let r = write(sent).send().await?;
-        anyhow::ensure!(r.status().is_success(), "write: {}", r.status());
+        let request = write(sent);
+        writes.push(tokio::spawn(async move {
+            let r = request.send().await?;
+            drop(permit);
+            anyhow::ensure!(r.status().is_success(), "write: {}", r.status());
+            anyhow::Ok(())
+        }));
     }
+    let written_in = start.elapsed();
+    for w in writes {
+        w.await??;
+    }
+    println!(
+        "  ({total} writes issued in {:.1} s, all answered after {:.1} s)",
+        written_in.as_secs_f64(),
+        start.elapsed().as_secs_f64()
+    );
     let mut all = Vec::new();
     let mut complete = 0;
     for t in tasks {

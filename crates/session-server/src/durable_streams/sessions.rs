@@ -229,14 +229,20 @@ async fn sse_loop(
     loop {
         let frames = frames_after(log, session, after).await.map_err(|_| ())?;
         let info = log.info(session).await.map_err(|_| ())?;
+        // A page of events in one chunk.
+        let mut page = Vec::with_capacity(frames.len() * 320);
         for f in &frames {
-            send(sse_event("data", &frames_json(std::slice::from_ref(f)))).await?;
+            page.extend_from_slice(&sse_event("data", &frames_json(std::slice::from_ref(f))));
             after = f.seq;
             let at_tail = after >= info.last_seq;
             if at_tail && info.sealed {
-                return send(control(offset_of(after), None, true, true)).await;
+                page.extend_from_slice(&control(offset_of(after), None, true, true));
+                return send(Bytes::from(page)).await;
             }
-            send(control(offset_of(after), cursor(), at_tail, false)).await?;
+            page.extend_from_slice(&control(offset_of(after), cursor(), at_tail, false));
+        }
+        if !page.is_empty() {
+            send(Bytes::from(page)).await?;
         }
         if frames.is_empty() {
             if info.sealed {
@@ -291,14 +297,25 @@ async fn sse_loop(
                 }
                 pending.push(frame);
             }
+            // The batch's events in one chunk.
             let count = pending.len();
+            let mut chunk = Vec::with_capacity(count * 320);
             for (i, f) in pending.iter().enumerate() {
-                send(sse_event("data", &frames_json(std::slice::from_ref(f)))).await?;
+                chunk.extend_from_slice(&sse_event("data", &frames_json(std::slice::from_ref(f))));
                 after = f.seq;
                 if matches!(f.body, FrameBody::Sealed {}) {
-                    return send(control(offset_of(after), None, true, true)).await;
+                    chunk.extend_from_slice(&control(offset_of(after), None, true, true));
+                    return send(Bytes::from(chunk)).await;
                 }
-                send(control(offset_of(after), cursor(), i + 1 == count, false)).await?;
+                chunk.extend_from_slice(&control(
+                    offset_of(after),
+                    cursor(),
+                    i + 1 == count,
+                    false,
+                ));
+            }
+            if !chunk.is_empty() {
+                send(Bytes::from(chunk)).await?;
             }
         }
     }
