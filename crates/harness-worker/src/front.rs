@@ -6,9 +6,9 @@
 //!
 //! Served: `POST /v1/sessions`, `GET /v1/sessions/{id}`, `POST
 //! …/messages`, `GET …/events` (SSE, `Last-Event-ID`), `GET …/frames`,
-//! `GET …/export`, `POST …/seal`. Not yet: `GET /v1/sessions` (there is no
-//! directory of sessions), WebSocket, fork, UI stream, the runner channel
-//! and Durable Streams — they answer 501 `unsupported`.
+//! `GET …/export`, `GET …/ui-stream`, `POST …/seal`. Not yet: `GET
+//! /v1/sessions` (there is no directory of sessions), WebSocket, fork, the
+//! runner channel and Durable Streams — they answer 501 `unsupported`.
 
 // `#[event(fetch)]` expands to unsafe blocks: allowed here, denied
 // elsewhere in the crate.
@@ -231,7 +231,7 @@ async fn route(req: Request, env: &Env) -> Result<Response, ApiError> {
             )
             .await
         }
-        (Method::Get, ["v1", "sessions", id, op @ ("frames" | "export")]) => {
+        (Method::Get, ["v1", "sessions", id, op @ ("frames" | "export" | "ui-stream")]) => {
             let id = request::session_id(id)?;
             call.authorize(Some(&id), READERS)?;
             call.object(&id, Method::Get, op, None, None).await
@@ -242,7 +242,7 @@ async fn route(req: Request, env: &Env) -> Result<Response, ApiError> {
             call.object(&id, Method::Post, "seal", Some(String::new()), None)
                 .await
         }
-        (_, ["v1", "sessions", id, op @ ("ws" | "fork" | "ui-stream")]) => {
+        (_, ["v1", "sessions", id, op @ ("ws" | "fork")]) => {
             request::session_id(id)?;
             Err(unsupported(&format!("/{op} on the Worker")))
         }

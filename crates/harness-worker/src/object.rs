@@ -30,6 +30,7 @@ use harness_core::session::{SessionConfig, TurnCommand};
 use harness_core::SessionId;
 use session_api::request::{self, PAGE};
 use session_api::sse::{ends_stream, SseEvent};
+use session_api::ui_stream::{UiStreamMapper, UI_STREAM_HEADER};
 use session_api::ApiError;
 use worker::{durable_object, wasm_bindgen, DurableObject, Env, Headers, Request, Response, State};
 
@@ -231,6 +232,7 @@ impl SessionObject {
                 json_response(200, &store.info().await?)
             }
             "events" => self.events(&session, &store, &params).await,
+            "ui-stream" => self.ui_stream(&session, &store, &params).await,
             _ => Err(ApiError::no_route()),
         }
     }
@@ -334,6 +336,103 @@ impl SessionObject {
         Ok(Response::from_stream(body)
             .map_err(internal)?
             .with_headers(headers))
+    }
+}
+
+impl SessionObject {
+    /// The AI SDK UI message stream from `after` (default: the log's end
+    /// now) until the turn finishes or the session is sealed, as
+    /// `session-server` answers it (`session_api::ui_stream`).
+    async fn ui_stream(
+        &self,
+        session: &SessionId,
+        store: &DoStore,
+        params: &HashMap<String, String>,
+    ) -> Result<Response, ApiError> {
+        let info = store.info().await?;
+        let after = request::param_u64(params, "after")?.unwrap_or(info.last_seq);
+        let headers = Headers::new();
+        headers
+            .set("content-type", "text/event-stream")
+            .map_err(internal)?;
+        headers.set("cache-control", "no-cache").map_err(internal)?;
+        headers.set(UI_STREAM_HEADER, "v1").map_err(internal)?;
+        let mut guard = self.actor(session).await?;
+        let live = guard.as_mut().expect("the actor is live");
+        let (conn, rx) = live.open();
+        live.driver
+            .handle(Input::Connect {
+                conn,
+                role: Role::Client,
+                after: Some(after),
+            })
+            .await;
+        drop(guard);
+        let reader = UiReader {
+            rx,
+            cursor: after,
+            mapper: UiStreamMapper::new(format!("{session}-{after}")),
+            finished: false,
+            _leave: Leave {
+                conn,
+                gone: self.gone.clone(),
+            },
+        };
+        let body = futures::stream::unfold(reader, |mut reader| async move {
+            let chunk = reader.next_chunk().await?;
+            Some((Ok::<Vec<u8>, worker::Error>(chunk.into_bytes()), reader))
+        });
+        Ok(Response::from_stream(body)
+            .map_err(internal)?
+            .with_headers(headers))
+    }
+}
+
+/// One UI-stream reader: session messages mapped to UI chunks, then
+/// `[DONE]`.
+#[derive(Debug)]
+struct UiReader {
+    rx: UnboundedReceiver<Outbound>,
+    cursor: u64,
+    mapper: UiStreamMapper,
+    finished: bool,
+    _leave: Leave,
+}
+
+impl UiReader {
+    /// The next chunks' text; `None` after `[DONE]`.
+    async fn next_chunk(&mut self) -> Option<String> {
+        if self.finished {
+            return None;
+        }
+        loop {
+            if self.mapper.is_done() {
+                self.finished = true;
+                return Some("data: [DONE]\n\n".to_string());
+            }
+            let message = match self.rx.next().await {
+                Some(Outbound::Msg(message)) => message,
+                Some(Outbound::Close(_)) | None => {
+                    self.finished = true;
+                    return Some("data: [DONE]\n\n".to_string());
+                }
+            };
+            if let ServerMessage::Frame { frame } = &message {
+                if frame.seq <= self.cursor {
+                    continue;
+                }
+                self.cursor = frame.seq;
+            }
+            let chunks = self.mapper.map(&message);
+            if !chunks.is_empty() {
+                return Some(
+                    chunks
+                        .iter()
+                        .map(|c| format!("data: {c}\n\n"))
+                        .collect::<String>(),
+                );
+            }
+        }
     }
 }
 

@@ -316,6 +316,7 @@ pub async fn run_all(t: &Target) {
     create_append_read_back(t).await;
     replay_from_a_cursor_and_last_event_id(t).await;
     fanout_to_many_sse_clients(t).await;
+    ui_stream_of_a_session_to_its_seal(t).await;
     refused_tokens_write_nothing(t).await;
     oversized_and_malformed_input_is_refused_with_nothing_written(t).await;
 }
@@ -518,6 +519,72 @@ pub async fn fanout_to_many_sse_clients(t: &Target) {
         let want: Vec<u64> = (from..=last).collect();
         assert_eq!(frame_seqs(&events), want, "reader {i}");
     }
+}
+
+/// `/ui-stream` (the AI SDK UI message stream) from a cursor: its header,
+/// `start` first, `finish` when the session is sealed, then `[DONE]` and
+/// the end of the stream.
+pub async fn ui_stream_of_a_session_to_its_seal(t: &Target) {
+    let id = t.id("ui");
+    t.create(&id).await;
+    let (status, _) = t
+        .message(&id, CLIENT, json!({"type": "prompt", "text": "p"}))
+        .await;
+    assert_eq!(status, 200);
+    let (status, _) = t
+        .post(&format!("/v1/sessions/{id}/seal"), Some(HOST), json!({}))
+        .await;
+    assert_eq!(status, 200);
+    let response = tokio::time::timeout(
+        WAIT,
+        t.request(
+            reqwest::Method::GET,
+            &format!("/v1/sessions/{id}/ui-stream?after=0"),
+            Some(CLIENT),
+        )
+        .send(),
+    )
+    .await
+    .expect("the stream opens in time")
+    .expect("the server is reachable");
+    assert_eq!(response.status().as_u16(), 200);
+    let header = |name: &str| {
+        response
+            .headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string()
+    };
+    assert_eq!(header("x-vercel-ai-ui-message-stream"), "v1");
+    assert!(header("content-type").starts_with("text/event-stream"));
+    let data: Vec<String> = SseReader::new(response)
+        .into_events()
+        .await
+        .into_iter()
+        .map(|e| e.data)
+        .collect();
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{data:?}");
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).expect("a JSON chunk"))
+        .collect();
+    assert_eq!(
+        chunks.first().map(|c| c["type"].clone()),
+        Some(json!("start")),
+        "{data:?}"
+    );
+    assert_eq!(
+        chunks.last().map(|c| c["type"].clone()),
+        Some(json!("finish")),
+        "{data:?}"
+    );
+    assert_error(
+        &t.get(&format!("/v1/sessions/{id}/ui-stream"), Some(OTHER_CLIENT))
+            .await,
+        403,
+        "forbidden",
+    );
 }
 
 /// 401 without a token or with an unknown one, 403 for a grant of another
