@@ -2,7 +2,9 @@
 //! copies the static binary in once (a disk snapshot per recipe identity),
 //! the turn runs detached in the guest with its spool tailed through the
 //! agent, and the model is the test kit's scripted server on the host's
-//! loopback, which the guest reaches as 10.0.2.2 (user-mode networking).
+//! loopback — reached as 10.0.2.2 under allow-all, and under deny-all only
+//! through a host forward (guest `127.0.0.1:47811` → a Unix socket on the
+//! host, as the model broker is reached).
 
 mod common;
 
@@ -11,11 +13,51 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 use harness_agent_e2e::{read_all, run_turn, Session};
 use harness_codex::{CodexConfig, CodexHarness};
-use harness_core::sandbox::{SandboxProvider, SandboxSpec};
+use harness_core::sandbox::{
+    HostForward, NetworkPolicy, SandboxProvider, SandboxSpec, MODEL_BROKER_PORT,
+};
 use harness_testkit::model::*;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_codex_turn_runs_inside_the_microvm() {
+fn script() -> Script {
+    Script::new()
+        .rule(
+            Rule::new(
+                last_is_tool_result_for(BASH_CALL_ID),
+                Reply::text("Wrote it."),
+            )
+            .assert_tool_result_contains(BASH_CALL_ID, "agent-was-here"),
+        )
+        .on(
+            last_user_text_contains("write a file"),
+            Reply::shell(
+                BASH_CALL_ID,
+                "echo agent-was-here > made.txt && cat made.txt",
+            ),
+        )
+}
+
+/// Relay every connection on a new Unix socket to `target` (TCP); returns
+/// the socket's directory guard and path.
+async fn unix_front(target: SocketAddr) -> (tempfile::TempDir, String) {
+    let dir = tempfile::Builder::new()
+        .prefix("mvmfwd")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let path = dir.path().join("model.sock");
+    let listener = tokio::net::UnixListener::bind(&path).unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                if let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+        }
+    });
+    (dir, path.display().to_string())
+}
+
+async fn codex_turn(network: NetworkPolicy) {
     let h = match CodexConfig::from_env() {
         Ok(c) => CodexHarness::new(c),
         Err(e) => {
@@ -31,33 +73,42 @@ async fn a_codex_turn_runs_inside_the_microvm() {
     };
     let server = ScriptedModel::start_on(
         SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
-        Script::new()
-            .rule(
-                Rule::new(
-                    last_is_tool_result_for(BASH_CALL_ID),
-                    Reply::text("Wrote it."),
-                )
-                .assert_tool_result_contains(BASH_CALL_ID, "agent-was-here"),
-            )
-            .on(
-                last_user_text_contains("write a file"),
-                Reply::shell(
-                    BASH_CALL_ID,
-                    "echo agent-was-here > made.txt && cat made.txt",
-                ),
-            ),
+        script(),
     )
     .await
     .unwrap();
-    let port = server.base_url().rsplit(':').next().unwrap().to_string();
+    let addr: SocketAddr = server
+        .base_url()
+        .trim_start_matches("http://")
+        .parse()
+        .unwrap();
     let mut env: BTreeMap<String, String> = server.codex_env().into_iter().collect();
-    env.insert(
-        "OPENAI_BASE_URL".into(),
-        format!("http://10.0.2.2:{port}/v1"),
-    );
-
     let mut spec = SandboxSpec::new("/workspace");
-    spec.session_id = Some("codex-microvm".into());
+    let _front;
+    let name = match &network {
+        NetworkPolicy::AllowAll => {
+            env.insert(
+                "OPENAI_BASE_URL".into(),
+                format!("http://10.0.2.2:{}/v1", addr.port()),
+            );
+            "codex-allow"
+        }
+        _ => {
+            let (guard, socket) = unix_front(addr).await;
+            _front = guard;
+            spec.forwards = vec![HostForward {
+                port: MODEL_BROKER_PORT,
+                socket,
+            }];
+            env.insert(
+                "OPENAI_BASE_URL".into(),
+                format!("http://127.0.0.1:{MODEL_BROKER_PORT}/v1"),
+            );
+            "codex-deny"
+        }
+    };
+    spec.network = network;
+    spec.session_id = Some(name.into());
     // A fixed slot: a run that died before `destroy` left its VM in the
     // shared state directory, and this replaces it.
     spec.slot = Some("t1".into());
@@ -65,7 +116,7 @@ async fn a_codex_turn_runs_inside_the_microvm() {
     let started = std::time::Instant::now();
     let sandbox = provider.create(&spec).await.expect("create the microVM");
     println!("microVM with codex ready in {:?}", started.elapsed());
-    let mut session = Session::resumed(sandbox, "/root".into(), "codex-microvm".into(), None, 0);
+    let mut session = Session::resumed(sandbox, "/root".into(), name.into(), None, 0);
     let started = std::time::Instant::now();
     let run = run_turn(&mut session, &h, "write a file", &env).await;
     println!("codex turn took {:?}", started.elapsed());
@@ -78,4 +129,14 @@ async fn a_codex_turn_runs_inside_the_microvm() {
         "agent-was-here\n"
     );
     session.destroy().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_codex_turn_runs_inside_the_microvm() {
+    codex_turn(NetworkPolicy::AllowAll).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_codex_turn_runs_in_a_deny_all_microvm_through_a_host_forward() {
+    codex_turn(NetworkPolicy::DenyAll).await;
 }
