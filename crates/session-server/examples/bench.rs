@@ -620,7 +620,7 @@ async fn bench_live(dir: &std::path::Path) -> anyhow::Result<()> {
             Some(r) => {
                 let ratio = match reference {
                     Some(reference) if r.deliveries == r.expected => {
-                        format!("{:.2}", r.p99 / reference.p99)
+                        format!("{:.3}", r.p99 / reference.p99)
                     }
                     _ => "-".into(),
                 };
