@@ -115,9 +115,35 @@ pub async fn provider(
                 })?;
             Ok(Arc::new(provider))
         }
+        "microvm" => {
+            let config = harness::microvm::MicrovmConfig::from_assets(
+                microvm_assets(),
+                microvm_state(home),
+            )?;
+            Ok(Arc::new(harness::microvm::MicrovmProvider::new(config)))
+        }
         other => bail!(
-            "unknown sandbox provider {other:?} (this build knows local, docker and cloudflare)"
+            "unknown sandbox provider {other:?} (this build knows local, docker, cloudflare and microvm)"
         ),
+    }
+}
+
+/// The microVM guest: `HARNESS_MICROVM_ASSETS`, else
+/// `$HARNESS_CACHE/microvm` (where `cargo xtask microvm` builds it).
+fn microvm_assets() -> std::path::PathBuf {
+    if let Some(dir) = std::env::var_os("HARNESS_MICROVM_ASSETS") {
+        return dir.into();
+    }
+    let cache = std::env::var("HARNESS_CACHE").unwrap_or_else(|_| "/var/cache/harness".into());
+    std::path::Path::new(&cache).join("microvm")
+}
+
+/// Where microVMs and their bootstrap snapshots live:
+/// `HARNESS_MICROVM_STATE`, else `<home>/microvm`.
+fn microvm_state(home: &Home) -> std::path::PathBuf {
+    match std::env::var_os("HARNESS_MICROVM_STATE") {
+        Some(dir) => dir.into(),
+        None => home.sandboxes().with_file_name("microvm"),
     }
 }
 
@@ -186,6 +212,13 @@ pub async fn runtime(home: &Home, options: Options) -> Result<Runtime> {
             Ok(cloudflare) => builder = builder.provider(cloudflare),
             Err(e) if options.require_cloudflare => return Err(e),
             Err(e) => eprintln!("note: cloudflare sandboxes are not available: {e:#}"),
+        }
+    }
+    // The microVM guest is found by its assets; without them, nothing to add.
+    if microvm_assets().join("assets.json").exists() {
+        match provider(home, "microvm", None).await {
+            Ok(microvm) => builder = builder.provider(microvm),
+            Err(e) => eprintln!("note: microvm sandboxes are not available: {e:#}"),
         }
     }
     for adapter in agents(home, &options.agents, options.lenient).await? {

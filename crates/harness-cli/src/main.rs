@@ -98,6 +98,8 @@ pub enum SandboxKind {
     Docker,
     /// A Cloudflare Sandbox bridge (HARNESS_CF_BRIDGE_URL, HARNESS_CF_TOKEN).
     Cloudflare,
+    /// A QEMU microVM (the guest `cargo xtask microvm` builds; HARNESS_MICROVM_ASSETS).
+    Microvm,
 }
 
 impl SandboxKind {
@@ -107,6 +109,7 @@ impl SandboxKind {
             SandboxKind::Local => "local",
             SandboxKind::Docker => "docker",
             SandboxKind::Cloudflare => "cloudflare",
+            SandboxKind::Microvm => "microvm",
         }
     }
 }
