@@ -697,6 +697,64 @@ pub fn parse_detached_status(text: &str) -> Result<DetachedStatus> {
     }
 }
 
+/// Export `dir` of `sandbox` as the contract's tar stream with GNU tar run
+/// through its `exec` (`tar -C dir -cf - .`: entries relative to `dir`),
+/// for backends without an archive API of their own. A missing directory
+/// is `NotFound` from this call, not at the consumer's first read.
+pub async fn export_tar_by_exec(sandbox: &dyn Sandbox, dir: &str) -> Result<ByteStream> {
+    let script = format!(
+        "test -d {d} || {{ echo no such directory: {d} >&2; exit 44; }}; exec tar -C {d} -cf - .",
+        d = shell_quote(dir)
+    );
+    let stream = sandbox.exec(ExecRequest::shell(script)).await?;
+    first_error_now(exec_stdout_stream(stream, dir.to_string())).await
+}
+
+/// Wait for `stream`'s first item: an error there is returned now; else the
+/// stream comes back whole (fused: an ended stream is never polled again).
+pub async fn first_error_now(stream: ByteStream) -> Result<ByteStream> {
+    let mut stream = stream.fuse();
+    match stream.next().await {
+        Some(Ok(first)) => Ok(Box::pin(
+            futures::stream::once(async move { Ok(first) }).chain(stream),
+        )),
+        Some(Err(e)) => Err(e),
+        None => Ok(crate::stream::empty()),
+    }
+}
+
+/// The shell script that extracts a tar from stdin into `dir` inside a
+/// sandbox where commands run as root (containers, VMs), and the error its
+/// failure means. GNU tar keeps every write inside `dir`: it refuses `..`
+/// members and hard links out (non-zero exit), strips a leading `/`, and
+/// creates symlinks only after the entries that could be written through
+/// them. Modes are kept exactly (`umask 0`) but, with
+/// `--no-same-permissions`, without setuid, setgid and sticky bits (a
+/// root-owned setuid program must not come out of an archive;
+/// `tarscan` refuses such entries first, this is the second line).
+/// `--no-same-owner`: everything restored belongs to the extracting user,
+/// whatever owners the archive names.
+pub fn extract_tar_script(dir: &str) -> String {
+    format!(
+        "mkdir -p {d} && umask 0 && exec tar -C {d} -xf - --no-same-permissions --no-same-owner",
+        d = shell_quote(dir)
+    )
+}
+
+/// The error of an [`extract_tar_script`] run that did not succeed: `Unsafe`
+/// when tar refused an entry that would escape `dir`, else `Backend`.
+pub fn extract_tar_failure(dir: &str, status: &ExitStatus, stderr: &str) -> Error {
+    let message = format!(
+        "extracting into {dir} failed ({status:?}): {}",
+        stderr.trim()
+    );
+    if stderr.contains("contains '..'") || stderr.contains("hard link") {
+        Error::unsafe_entry(message)
+    } else {
+        Error::backend(message)
+    }
+}
+
 /// Turn an exec stream into a byte stream of its stdout, failing if the
 /// command fails (exit 44 from the default `read_file_from` means NotFound).
 pub fn exec_stdout_stream(stream: ExecStream, what: String) -> ByteStream {

@@ -38,9 +38,9 @@ use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
 use harness_core::bootstrap::BootstrapRecipe;
 use harness_core::sandbox::{
-    collect_exec, exec_stdout_stream, resolve_path, shell_quote, ExecEvent, ExecOutput,
-    ExecRequest, ExecStream, ExitReason, ExitStatus, NetworkPolicy, PortEndpoint, Sandbox,
-    SandboxHandle, SandboxProvider, SandboxSpec,
+    collect_exec, exec_stdout_stream, export_tar_by_exec, extract_tar_failure, extract_tar_script,
+    resolve_path, shell_quote, ExecEvent, ExecOutput, ExecRequest, ExecStream, ExitReason,
+    ExitStatus, NetworkPolicy, PortEndpoint, Sandbox, SandboxHandle, SandboxProvider, SandboxSpec,
 };
 use harness_core::stream::ByteStream;
 use harness_core::{tarscan, Error, ErrorKind, Result};
@@ -411,19 +411,23 @@ impl Bridge {
         self.call(request).await
     }
 
-    /// Run a helper shell script to its end (no abort, no stdin).
-    async fn sh(&self, id: &str, script: String) -> Result<ExecOutput> {
+    /// Start a helper shell script (no wrapper: no abort, no stdin).
+    async fn sh_events(&self, id: &str, script: String) -> Result<ExecStream> {
         let response = self
             .exec_raw(id, vec!["sh".into(), "-c".into(), script], false)
             .await?;
-        collect_exec(exec_events(
+        Ok(exec_events(
             response,
             None,
             self.clone(),
             id.to_string(),
             String::new(),
         ))
-        .await
+    }
+
+    /// Run a helper shell script to its end.
+    async fn sh(&self, id: &str, script: String) -> Result<ExecOutput> {
+        collect_exec(self.sh_events(id, script).await?).await
     }
 
     /// PUT `bytes` to a path under the root (`workspace/...`).
@@ -952,16 +956,6 @@ impl Sandbox for CloudflareSandbox {
             Some(bytes) => {
                 let (abs, _) = self.staging_path("stdin");
                 match self.upload_parts(harness_core::stream::once(bytes)).await {
-                    Ok((parts, _)) if parts.len() == 1 => {
-                        // One part: rename it to the stdin path.
-                        let script =
-                            format!("mv -f {} {}", shell_quote(&parts[0]), shell_quote(&abs));
-                        self.bridge
-                            .sh(&self.id, script)
-                            .await?
-                            .check("staging stdin")?;
-                        Some(abs)
-                    }
                     Ok((parts, _)) => {
                         let list: Vec<String> = parts.iter().map(|p| shell_quote(p)).collect();
                         let script = format!(
@@ -1041,18 +1035,8 @@ impl Sandbox for CloudflareSandbox {
             "test -f {p} || {{ printf 'no such file: %s\\n' {p} >&2; exit 44; }}; exec cat {p}",
             p = shell_quote(&path)
         );
-        let stream = self
-            .bridge
-            .exec_raw(&self.id, vec!["sh".into(), "-c".into(), script], false)
-            .await?;
         Ok(exec_stdout_stream(
-            exec_events(
-                stream,
-                None,
-                self.bridge.clone(),
-                self.id.clone(),
-                String::new(),
-            ),
+            self.bridge.sh_events(&self.id, script).await?,
             path,
         ))
     }
@@ -1101,32 +1085,7 @@ impl Sandbox for CloudflareSandbox {
                 .await?;
             return Ok(response.body);
         }
-        let script = format!(
-            "test -d {d} || {{ echo no such directory: {d} >&2; exit 44; }}; exec tar -C {d} -cf - .",
-            d = shell_quote(&dir)
-        );
-        let response = self
-            .bridge
-            .exec_raw(&self.id, vec!["sh".into(), "-c".into(), script], false)
-            .await?;
-        let mut stream = exec_stdout_stream(
-            exec_events(
-                response,
-                None,
-                self.bridge.clone(),
-                self.id.clone(),
-                String::new(),
-            ),
-            dir,
-        );
-        // Surface a missing directory now, not at the consumer's first read.
-        match stream.next().await {
-            Some(Ok(first)) => Ok(Box::pin(
-                futures::stream::once(async move { Ok(first) }).chain(stream),
-            )),
-            Some(Err(e)) => Err(e),
-            None => Ok(harness_core::stream::empty()),
-        }
+        export_tar_by_exec(self, &dir).await
     }
 
     async fn import_tar(&self, dir: &str, tar: ByteStream) -> Result<()> {
@@ -1134,8 +1093,8 @@ impl Sandbox for CloudflareSandbox {
         // Scanned on the way up: a refused entry stops the upload before
         // anything is extracted, and the parts are removed. Not `hydrate`:
         // its `tar xf` runs as root with the archive's owners and modes and
-        // takes one body of at most 32 MiB; GNU tar below restores the way
-        // the Docker provider does.
+        // takes one body of at most 32 MiB; core's `extract_tar_script`
+        // restores the way the Docker and microVM providers do.
         let tar = tarscan::scan_stream(tar, tarscan::TarScanner::new().outward_symlinks());
         let parts = match self.upload_parts(tar).await {
             Ok((parts, _)) => parts,
@@ -1151,20 +1110,15 @@ impl Sandbox for CloudflareSandbox {
             format!("cat {}", list.join(" "))
         };
         let script = format!(
-            "mkdir -p {d} && umask 0 && {input} | tar -C {d} -xf - --no-same-permissions --no-same-owner; \
-             c=$?; rm -f {l}; {DROP_EMPTY_STAGING}; exit $c",
-            d = shell_quote(&dir),
+            "{input} | sh -c {extract}; c=$?; rm -f {l}; {DROP_EMPTY_STAGING}; exit $c",
+            extract = shell_quote(&extract_tar_script(&dir)),
             l = list.join(" "),
         );
         let out = self.bridge.sh(&self.id, script).await?;
         if out.status.success() {
             return Ok(());
         }
-        Err(Error::backend(format!(
-            "extracting into {dir} failed ({:?}): {}",
-            out.status,
-            out.stderr_str().trim()
-        )))
+        Err(extract_tar_failure(&dir, &out.status, &out.stderr_str()))
     }
 
     async fn port_endpoint(&self, port: u16) -> Result<PortEndpoint> {

@@ -51,9 +51,9 @@ use bollard::Docker;
 use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
 use harness_core::sandbox::{
-    collect_exec, exec_stdout_stream, resolve_path, shell_quote, ExecRequest, ExecStream,
-    NetworkPolicy, PortEndpoint, Sandbox, SandboxHandle, SandboxProvider, SandboxSpec,
-    SnapshotInfo, EGRESS_PROXY_PORT,
+    collect_exec, exec_stdout_stream, export_tar_by_exec, extract_tar_failure, extract_tar_script,
+    resolve_path, shell_quote, ExecRequest, ExecStream, NetworkPolicy, PortEndpoint, Sandbox,
+    SandboxHandle, SandboxProvider, SandboxSpec, SnapshotInfo, EGRESS_PROXY_PORT,
 };
 use harness_core::stream::ByteStream;
 use harness_core::tarscan;
@@ -887,43 +887,18 @@ impl Sandbox for DockerSandbox {
     }
 
     async fn export_tar(&self, dir: &str) -> Result<ByteStream> {
-        let dir = resolve_path(&self.workdir, dir);
         // `tar -C dir .` gives entries relative to dir, as the contract
         // asks (docker's archive endpoint would prefix the dir's own name).
-        let script = format!(
-            "test -d {d} || {{ echo no such directory: {d} >&2; exit 44; }}; exec tar -C {d} -cf - .",
-            d = shell_quote(&dir)
-        );
-        let mut stream = exec_stdout_stream(self.exec(ExecRequest::shell(script)).await?, dir);
-        // Surface a missing directory now, not at the consumer's first read.
-        match stream.next().await {
-            Some(Ok(first)) => Ok(Box::pin(
-                futures::stream::once(async move { Ok(first) }).chain(stream),
-            )),
-            Some(Err(e)) => Err(e),
-            None => Ok(harness_core::stream::empty()),
-        }
+        export_tar_by_exec(self, &resolve_path(&self.workdir, dir)).await
     }
 
     async fn import_tar(&self, dir: &str, tar: ByteStream) -> Result<()> {
         let dir = resolve_path(&self.workdir, dir);
-        // Extracted by GNU tar inside the container, fed through an exec's
-        // stdin. Docker's own archive PUT would refuse legitimate trees (a
-        // symlink pointing above the tree, e.g. `../shared`, is "invalid
-        // symlink" there); GNU tar keeps every write inside `dir`: it
-        // refuses `..` members and hard links out (non-zero exit), strips a
-        // leading `/`, and creates symlinks only after the entries that
-        // could be written through them. Modes are kept exactly (`umask 0`)
-        // but, with `--no-same-permissions`, without setuid, setgid and
-        // sticky bits: tar runs as root here, and `-p` would restore a
-        // root-owned setuid program (`moves::restore` refuses such entries
-        // before this runs; this is the second line). `--no-same-owner`:
-        // root's tar would otherwise give each file the owner the archive
-        // names; everything restored belongs to the extracting user.
-        let script = format!(
-            "mkdir -p {d} && umask 0 && exec tar -C {d} -xf - --no-same-permissions --no-same-owner",
-            d = shell_quote(&dir)
-        );
+        // Extracted by GNU tar inside the container (core's
+        // `extract_tar_script`), fed through an exec's stdin. Docker's own
+        // archive PUT would refuse legitimate trees (a symlink pointing above
+        // the tree, e.g. `../shared`, is "invalid symlink" there).
+        let script = extract_tar_script(&dir);
         // Scanned on the way in: devices, FIFOs, setuid files, `..` and
         // anything GNU tar would read differently from the scanner stop the
         // extraction (by failing its stdin, which kills tar) before tar sees
@@ -941,17 +916,7 @@ impl Sandbox for DockerSandbox {
         if out.status.success() {
             return Ok(());
         }
-        let stderr = out.stderr_str();
-        let message = format!(
-            "extracting into {dir} failed ({:?}): {}",
-            out.status,
-            stderr.trim()
-        );
-        if stderr.contains("contains '..'") || stderr.contains("hard link") {
-            Err(Error::unsafe_entry(message))
-        } else {
-            Err(Error::backend(message))
-        }
+        Err(extract_tar_failure(&dir, &out.status, &out.stderr_str()))
     }
 
     async fn port_endpoint(&self, port: u16) -> Result<PortEndpoint> {

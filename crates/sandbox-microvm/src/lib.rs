@@ -31,9 +31,10 @@ use async_trait::async_trait;
 use futures::StreamExt;
 use harness_core::bootstrap::{self, BootstrapRecipe, HostFiles, SnapshotStore};
 use harness_core::sandbox::{
-    collect_exec, exec_stdout_stream, resolve_path, shell_quote, ExecRequest, ExecStream,
-    NetworkPolicy, PortEndpoint, Sandbox, SandboxHandle, SandboxProvider, SandboxSpec,
-    SnapshotInfo, EGRESS_PROXY_PORT,
+    collect_exec, exec_stdout_stream, export_tar_by_exec, extract_tar_failure, extract_tar_script,
+    first_error_now, resolve_path, shell_quote, ExecRequest, ExecStream, NetworkPolicy,
+    PortEndpoint, Sandbox, SandboxHandle, SandboxProvider, SandboxSpec, SnapshotInfo,
+    EGRESS_PROXY_PORT,
 };
 use harness_core::stream::ByteStream;
 use harness_core::{tarscan, Error, ErrorKind, Result};
@@ -919,13 +920,7 @@ impl Sandbox for MicrovmSandbox {
     }
 
     async fn export_tar(&self, dir: &str) -> Result<ByteStream> {
-        let dir = resolve_path(&self.meta.workdir, dir);
-        let script = format!(
-            "test -d {d} || {{ echo no such directory: {d} >&2; exit 44; }}; exec tar -C {d} -cf - .",
-            d = shell_quote(&dir)
-        );
-        let stream = self.exec(ExecRequest::shell(script)).await?;
-        first_error_now(exec_stdout_stream(stream, dir)).await
+        export_tar_by_exec(self, &resolve_path(&self.meta.workdir, dir)).await
     }
 
     async fn import_tar(&self, dir: &str, tar: ByteStream) -> Result<()> {
@@ -933,10 +928,7 @@ impl Sandbox for MicrovmSandbox {
         // As in the Docker provider: GNU tar in the guest keeps every write
         // inside `dir`, and the scanner stops the stream (killing tar) at
         // the first entry it refuses.
-        let script = format!(
-            "mkdir -p {d} && umask 0 && exec tar -C {d} -xf - --no-same-permissions --no-same-owner",
-            d = shell_quote(&dir)
-        );
+        let script = extract_tar_script(&dir);
         let tar = tarscan::scan_stream(tar, tarscan::TarScanner::new().outward_symlinks());
         let stream = self
             .start(
@@ -952,17 +944,7 @@ impl Sandbox for MicrovmSandbox {
         if out.status.success() {
             return Ok(());
         }
-        let stderr = out.stderr_str();
-        let message = format!(
-            "extracting into {dir} failed ({:?}): {}",
-            out.status,
-            stderr.trim()
-        );
-        if stderr.contains("contains '..'") || stderr.contains("hard link") {
-            Err(Error::unsafe_entry(message))
-        } else {
-            Err(Error::backend(message))
-        }
+        Err(extract_tar_failure(&dir, &out.status, &out.stderr_str()))
     }
 
     async fn port_endpoint(&self, port: u16) -> Result<PortEndpoint> {
@@ -991,17 +973,5 @@ impl Sandbox for MicrovmSandbox {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(e.into()),
         }
-    }
-}
-
-/// Surface a failure that comes before the first byte (a missing file) from
-/// the call itself, not from the consumer's first read.
-async fn first_error_now(mut stream: ByteStream) -> Result<ByteStream> {
-    match stream.next().await {
-        Some(Ok(first)) => Ok(Box::pin(
-            futures::stream::once(async move { Ok(first) }).chain(stream),
-        )),
-        Some(Err(e)) => Err(e),
-        None => Ok(harness_core::stream::empty()),
     }
 }
