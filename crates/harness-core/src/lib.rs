@@ -52,6 +52,8 @@ pub mod session;
 pub mod slice;
 pub mod stream;
 pub mod tarscan;
+#[cfg(feature = "zstd")]
+pub mod tree_checkpoint;
 pub mod turn;
 pub mod turn_driver;
 

@@ -182,7 +182,9 @@ pub async fn verify(
 }
 
 /// Restore the checkpoint under `key` onto `dir` of `sandbox`, overlaying
-/// what is there. Refuses (changing nothing) if any entry is unsafe.
+/// what is there. Refuses (changing nothing) if any entry is unsafe. A
+/// tree checkpoint ([`crate::tree_checkpoint`]) is recognised by its first
+/// bytes and restored by [`crate::tree_checkpoint::restore_manifest`].
 #[tracing::instrument(name = "restore", skip_all, fields(key = %key, dir = %dir))]
 pub async fn restore(
     store: &dyn CheckpointStore,
@@ -192,6 +194,15 @@ pub async fn restore(
     progress: Option<Arc<dyn MoveProgress>>,
 ) -> Result<RestoreInfo> {
     crate::checkpoint::validate_key(key)?;
+    // A tree checkpoint (manifest + blobs) restores by its own path.
+    if let Some(manifest) = crate::tree_checkpoint::read_manifest(store, key).await? {
+        let info =
+            crate::tree_checkpoint::restore_manifest(store, &manifest, sandbox, dir, progress)
+                .await?;
+        return Ok(RestoreInfo {
+            summary: info.summary,
+        });
+    }
     let summary = verify(store, key, progress.clone()).await?;
     let total = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let tar = counting(

@@ -154,7 +154,57 @@ pub struct TarScanner {
     seen: HashMap<u64, bool>,
     summary: ScanSummary,
     limits: ScanLimits,
+    /// Content bytes of the current entry still to come (the rest of
+    /// `State::Data` is block padding).
+    content_left: u64,
 }
+
+/// What kind of entry a [`TarEntry`] is (the kinds the scanner admits).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TarKind {
+    /// A regular file; its content follows as [`TarItem::Data`].
+    File,
+    /// A directory.
+    Dir,
+    /// A symbolic link to `target` (as written, not resolved).
+    Symlink {
+        /// The link text.
+        target: String,
+    },
+    /// A hard link to an earlier entry of the same archive.
+    Hardlink {
+        /// The earlier entry's normalized path.
+        target: String,
+    },
+}
+
+/// One admitted entry, as [`TarScanner::push_entries`] reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TarEntry {
+    /// Normalized path (no `.` segments, no trailing slash; `""` is the root).
+    pub path: String,
+    /// The kind, with a link's target.
+    pub kind: TarKind,
+    /// Permission bits (`0o7777`).
+    pub mode: u32,
+    /// Content bytes (0 but for files).
+    pub size: u64,
+    /// Modification time, seconds since the epoch.
+    pub mtime: u64,
+}
+
+/// What [`TarScanner::push_entries`] hands its sink, in archive order: an
+/// entry, then (for a file) its content in one or more pieces.
+#[derive(Debug)]
+pub enum TarItem<'a> {
+    /// An entry that passed every rule.
+    Entry(TarEntry),
+    /// The next bytes of the current file's content (no padding).
+    Data(&'a [u8]),
+}
+
+/// The sink of [`TarScanner::push_entries`].
+type Sink<'s> = Option<&'s mut dyn FnMut(TarItem<'_>) -> Result<()>>;
 
 impl Default for TarScanner {
     fn default() -> Self {
@@ -192,6 +242,7 @@ impl TarScanner {
             seen: HashMap::new(),
             summary: ScanSummary::default(),
             limits: ScanLimits::default(),
+            content_left: 0,
         }
     }
 
@@ -212,7 +263,43 @@ impl TarScanner {
     }
 
     /// Consume the next bytes of the archive.
-    pub fn push(&mut self, mut data: &[u8]) -> Result<()> {
+    pub fn push(&mut self, data: &[u8]) -> Result<()> {
+        self.push_inner(data, None)
+    }
+
+    /// Consume the next bytes of the archive and hand `sink` every admitted
+    /// entry and its content: a tar *reader* with the scanner's rules, for
+    /// callers that take an archive apart instead of passing it on (the
+    /// content-addressed checkpoints of [`crate::tree_checkpoint`]). An
+    /// error from `sink` stops the scan and is returned.
+    pub fn push_entries(
+        &mut self,
+        data: &[u8],
+        sink: &mut dyn FnMut(TarItem<'_>) -> Result<()>,
+    ) -> Result<()> {
+        self.push_inner(data, Some(sink))
+    }
+
+    /// Admit one entry that does not come from an archive (a manifest's),
+    /// by exactly the rules archive entries meet, limits and duplicate
+    /// paths included. `entry.path` is taken as written.
+    pub fn admit(&mut self, entry: &TarEntry) -> Result<()> {
+        let (kind, link) = match &entry.kind {
+            TarKind::File => (EntryType::Regular, None),
+            TarKind::Dir => (EntryType::Directory, None),
+            TarKind::Symlink { target } => (EntryType::Symlink, Some(target.as_bytes().to_vec())),
+            TarKind::Hardlink { target } => (EntryType::Link, Some(target.as_bytes().to_vec())),
+        };
+        let size = if kind == EntryType::Regular {
+            entry.size
+        } else {
+            0
+        };
+        self.admit_raw(entry.path.clone(), kind, entry.mode, size, link)
+            .map(|_| ())
+    }
+
+    fn push_inner(&mut self, mut data: &[u8], mut sink: Sink<'_>) -> Result<()> {
         self.summary.archive_bytes += data.len() as u64;
         while !data.is_empty() {
             match &mut self.state {
@@ -220,6 +307,11 @@ impl TarScanner {
                 State::Data { remaining } => {
                     let n = (*remaining).min(data.len() as u64) as usize;
                     *remaining -= n as u64;
+                    let content = (self.content_left as usize).min(n);
+                    self.content_left -= content as u64;
+                    if let (Some(sink), true) = (sink.as_mut(), content > 0) {
+                        sink(TarItem::Data(&data[..content]))?;
+                    }
                     data = &data[n..];
                     if *remaining == 0 {
                         self.state = State::Header;
@@ -231,7 +323,7 @@ impl TarScanner {
                     data = &data[n..];
                     if self.buf.len() == BLOCK {
                         let block = std::mem::take(&mut self.buf);
-                        self.header(&block)?;
+                        self.header(&block, &mut sink)?;
                         self.buf = block;
                         self.buf.clear();
                     }
@@ -273,7 +365,7 @@ impl TarScanner {
         }
     }
 
-    fn header(&mut self, block: &[u8]) -> Result<()> {
+    fn header(&mut self, block: &[u8], sink: &mut Sink<'_>) -> Result<()> {
         if block.iter().all(|&b| b == 0) {
             self.state = State::End;
             return Ok(());
@@ -368,6 +460,49 @@ impl TarScanner {
             .ok_or_else(|| Error::corrupt(format!("tar entry size {size} is impossible")))?;
         let path = String::from_utf8(path)
             .map_err(|_| Error::unsafe_entry("tar entry path is not UTF-8"))?;
+        let kind = header.entry_type();
+        let mode = header
+            .mode()
+            .map_err(|_| Error::corrupt(format!("tar entry {path:?} has an unreadable mode")))?;
+        let (normalized, link) = self.admit_raw(path, kind, mode, size, link)?;
+        if let Some(sink) = sink.as_mut() {
+            let kind = match kind {
+                EntryType::Directory => TarKind::Dir,
+                EntryType::Symlink => TarKind::Symlink {
+                    target: link.unwrap_or_default(),
+                },
+                EntryType::Link => TarKind::Hardlink {
+                    target: check_entry_path(&link.unwrap_or_default())?,
+                },
+                _ => TarKind::File,
+            };
+            sink(TarItem::Entry(TarEntry {
+                path: normalized,
+                kind,
+                mode: mode & 0o7777,
+                size,
+                mtime: header.mtime().unwrap_or(0),
+            }))?;
+        }
+        self.content_left = size;
+        self.state = if padded == 0 {
+            State::Header
+        } else {
+            State::Data { remaining: padded }
+        };
+        Ok(())
+    }
+
+    /// Every rule an entry meets, whether it comes from an archive header
+    /// or from a manifest. Returns the normalized path and the link text.
+    fn admit_raw(
+        &mut self,
+        path: String,
+        kind: EntryType,
+        mode: u32,
+        size: u64,
+        link: Option<Vec<u8>>,
+    ) -> Result<(String, Option<String>)> {
         let normalized = check_entry_path(&path)?;
         for ancestor in ancestors(&normalized) {
             if self.symlinks.contains(ancestor) {
@@ -376,10 +511,6 @@ impl TarScanner {
                 )));
             }
         }
-        let kind = header.entry_type();
-        let mode = header
-            .mode()
-            .map_err(|_| Error::corrupt(format!("tar entry {path:?} has an unreadable mode")))?;
         if kind != EntryType::Directory && mode & SETID_BITS != 0 {
             return Err(Error::unsafe_entry(format!(
                 "refusing tar entry {path:?}: setuid/setgid bits (mode {mode:o}) are not restored; clear them (chmod ug-s) before the checkpoint"
@@ -401,6 +532,7 @@ impl TarScanner {
                 self.limits.max_entries
             )));
         }
+        let mut link_target = None;
         match kind {
             EntryType::Regular | EntryType::Continuous => {
                 let total = self.summary.content_bytes.saturating_add(size);
@@ -418,6 +550,7 @@ impl TarScanner {
                 if self.check_symlink_targets {
                     check_symlink(&path, &normalized, &target)?;
                 }
+                link_target = Some(target);
             }
             EntryType::Link => {
                 let target = link_text(&path, link)?;
@@ -438,6 +571,7 @@ impl TarScanner {
                         "refusing hardlink {path:?} -> {target:?}: the target is, or is under, a symlink created by the same archive"
                     )));
                 }
+                link_target = Some(target);
             }
             EntryType::Char | EntryType::Block => {
                 return Err(Error::unsafe_entry(format!(
@@ -476,15 +610,10 @@ impl TarScanner {
             }
         }
         if kind == EntryType::Symlink {
-            self.symlinks.insert(normalized);
+            self.symlinks.insert(normalized.clone());
         }
         self.summary.entries += 1;
-        self.state = if padded == 0 {
-            State::Header
-        } else {
-            State::Data { remaining: padded }
-        };
-        Ok(())
+        Ok((normalized, link_target))
     }
 
     fn extension(&mut self, kind: ExtKind, mut value: Vec<u8>) -> Result<()> {

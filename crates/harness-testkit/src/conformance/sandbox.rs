@@ -124,6 +124,7 @@ pub async fn run_all_with(
     record("files_round_trip", files_round_trip(sb).await);
     record("read_file_from_offset", read_file_from_offset(sb).await);
     record("tar_round_trip", tar_round_trip(sb).await);
+    record("tree_checkpoints", tree_checkpoints(sb).await);
     record(
         "import_refuses_escaping_entries",
         import_refuses_escaping_entries(sb).await,
@@ -947,6 +948,207 @@ pub async fn tar_round_trip(sb: &dyn Sandbox) -> Result<()> {
         missing.is_err(),
         "export_tar of a missing directory must fail"
     );
+    sh(sb, &format!("rm -rf {}", shell_quote(&base))).await?;
+    Ok(())
+}
+
+/// Whether the sandbox has GNU `find` and `tar`, which tree checkpoints use
+/// to read only changed files (elsewhere they read the whole tree).
+async fn has_gnu_tools(sb: &dyn Sandbox) -> Result<bool> {
+    let out = run(
+        sb,
+        ExecRequest::shell(
+            "find . -maxdepth 0 -printf '' >/dev/null 2>&1 && tar --version 2>/dev/null | grep -q 'GNU tar'",
+        ),
+    )
+    .await?;
+    Ok(out.status.success())
+}
+
+/// Tree checkpoints (`harness_core::tree_checkpoint`) through this
+/// sandbox's exec, `export_tar` and `import_tar`: a first checkpoint
+/// restores the tree exactly; after a one-file change, an added and a
+/// removed file, the checkpoint against the first reads and uploads only
+/// the change (where the sandbox has GNU find/tar), and restoring it onto
+/// the first state writes only the change, removes the deleted file, and
+/// keeps a file only the target has; a checkpoint whose blob is missing
+/// restores nothing; garbage collection removes exactly the blobs no
+/// manifest references, and refuses to run during a checkpoint.
+pub async fn tree_checkpoints(sb: &dyn Sandbox) -> Result<()> {
+    use harness_core::checkpoint::{CheckpointStore, MemoryCheckpointStore};
+    use harness_core::clock::{Clock, ManualClock};
+    use harness_core::tree_checkpoint::{self as tc, BLOB_PREFIX};
+
+    let base = scratch("tree");
+    let (a, b, c) = (
+        format!("{base}/a"),
+        format!("{base}/b"),
+        format!("{base}/c"),
+    );
+    sh(
+        sb,
+        &format!(
+            "set -e; mkdir -p {b} {a}/src/deep {a}/empty; echo mine > {b}/user.txt; cd {a}; \
+             i=0; while [ $i -lt 30 ]; do echo \"line $i\" > src/deep/f$i.txt; i=$((i+1)); done; \
+             printf '#!/bin/sh\\necho hi\\n' > run.sh; chmod 755 run.sh; \
+             : > zero; head -c 1500000 /dev/urandom > big.bin; cp big.bin copy.bin; \
+             ln -s src/deep/f1.txt link; echo gone > doomed.txt",
+            a = shell_quote(&a),
+            b = shell_quote(&b),
+        ),
+    )
+    .await?;
+    let gnu = has_gnu_tools(sb).await?;
+    let store = MemoryCheckpointStore::new();
+    let clock = ManualClock::at(1_000_000);
+    let first = tc::checkpoint_tree(sb, &a, &store, "trees/1", None, &clock, None)
+        .await
+        .context("first tree checkpoint")?;
+    ensure!(
+        first.files_read == 35,
+        "the first checkpoint reads every file (35), read {}",
+        first.files_read
+    );
+    // copy.bin has big.bin's content: its chunks are stored once.
+    let blobs = store.list(BLOB_PREFIX).await?.len() as u64;
+    ensure!(
+        blobs == first.chunks_uploaded && blobs < 35 + 2,
+        "content is stored once per hash: {blobs} blobs, {} uploaded",
+        first.chunks_uploaded
+    );
+    let restored = tc::restore_tree(&store, "trees/1", sb, &b, None)
+        .await
+        .context("restoring the first tree checkpoint")?;
+    let want = manifest(sb, &a).await?;
+    let got: Vec<String> = manifest(sb, &b)
+        .await?
+        .into_iter()
+        .filter(|l| !l.contains("user.txt"))
+        .collect();
+    ensure!(
+        got == want,
+        "a restored tree checkpoint must reproduce the tree.\nsource:\n{}\nrestored:\n{}",
+        want.join("\n"),
+        got.join("\n")
+    );
+    ensure!(restored.written >= 38, "wrote {} entries", restored.written);
+
+    // One file changed, one added, one removed.
+    sh(
+        sb,
+        &format!(
+            "set -e; cd {}; echo more >> src/deep/f7.txt; echo new > added.txt; rm doomed.txt",
+            shell_quote(&a)
+        ),
+    )
+    .await?;
+    let second = tc::checkpoint_tree(sb, &a, &store, "trees/2", Some("trees/1"), &clock, None)
+        .await
+        .context("second tree checkpoint")?;
+    ensure!(
+        second.deleted == 1,
+        "one path deleted, got {}",
+        second.deleted
+    );
+    if gnu {
+        // f7 and added.txt, plus the files the racy rule re-reads (those
+        // written in the second the first listing ran: at most all).
+        ensure!(
+            second.files_read >= 2,
+            "the changed and the added file are read, got {}",
+            second.files_read
+        );
+        ensure!(
+            second.chunks_uploaded == 2,
+            "only the two new contents are uploaded, got {}",
+            second.chunks_uploaded
+        );
+    }
+    let onto_first = tc::restore_tree(&store, "trees/2", sb, &b, None)
+        .await
+        .context("restoring the second checkpoint onto the first")?;
+    let want = manifest(sb, &a).await?;
+    let got = manifest(sb, &b).await?;
+    let user: Vec<&String> = got.iter().filter(|l| l.contains("user.txt")).collect();
+    ensure!(user.len() == 1, "a file only the target has stays: {got:?}");
+    let got: Vec<String> = got
+        .into_iter()
+        .filter(|l| !l.contains("user.txt"))
+        .filter(|l| gnu || !l.contains("doomed.txt"))
+        .collect();
+    ensure!(
+        got == want,
+        "restoring onto the parent's state must give the new tree.\nsource:\n{}\nrestored:\n{}",
+        want.join("\n"),
+        got.join("\n")
+    );
+    if gnu {
+        ensure!(
+            onto_first.removed == 1,
+            "the deleted file is removed, got {}",
+            onto_first.removed
+        );
+        ensure!(
+            onto_first.written <= 4,
+            "only what changed is written onto the parent's state (f7, added.txt, and \
+             at most their directories), wrote {}",
+            onto_first.written
+        );
+    }
+
+    // A missing blob: refused before anything is written.
+    sh(sb, &format!("echo lone > {}/lone.txt", shell_quote(&a))).await?;
+    tc::checkpoint_tree(sb, &a, &store, "trees/3", Some("trees/2"), &clock, None).await?;
+    let lone = tc::blob_key(&hex::encode(Sha256::digest(b"lone\n")));
+    store.delete(&lone).await?;
+    let missing = tc::restore_tree(&store, "trees/3", sb, &c, None).await;
+    ensure!(
+        is_kind(&missing, ErrorKind::NotFound),
+        "a checkpoint whose blob is gone must fail NotFound, got {:?}",
+        missing.map(|_| ())
+    );
+    let untouched = run(
+        sb,
+        ExecRequest::shell(format!("test -e {}", shell_quote(&c))),
+    )
+    .await?;
+    ensure!(
+        !untouched.status.success(),
+        "a refused restore must write nothing (the target dir appeared)"
+    );
+
+    // Garbage: with trees/1 and trees/3 gone, the old content of f7 and
+    // doomed.txt's are referenced by no manifest.
+    store.delete("trees/3").await?;
+    store.delete("trees/1").await?;
+    let before = store.list(BLOB_PREFIX).await?.len() as u64;
+    let gc = tc::collect_garbage(&store, &clock).await?;
+    ensure!(
+        gc.manifests == 1 && gc.blobs_deleted == 2 && gc.blobs_kept + 2 == before,
+        "collection keeps what trees/2 references and drops f7's old content and \
+         doomed.txt's: {gc:?} of {before}"
+    );
+    tc::restore_tree(&store, "trees/2", sb, &c, None)
+        .await
+        .context("trees/2 must restore after collection")?;
+    // A checkpoint in progress (its lock) stops a collection.
+    store
+        .put(
+            &format!("locks/checkpoint-{}-x", clock.now_ms()),
+            harness_core::stream::empty(),
+        )
+        .await?;
+    let busy = tc::collect_garbage(&store, &clock).await;
+    ensure!(
+        is_kind(&busy, ErrorKind::Conflict),
+        "collection during a checkpoint must fail Conflict, got {:?}",
+        busy.map(|_| ())
+    );
+    // ... unless that lock is a crashed holder's, past its TTL.
+    clock.advance(tc::LOCK_TTL_MS + 1);
+    tc::collect_garbage(&store, &clock)
+        .await
+        .context("a stale lock must not stop collection")?;
     sh(sb, &format!("rm -rf {}", shell_quote(&base))).await?;
     Ok(())
 }

@@ -1,0 +1,1255 @@
+//! Incremental, content-addressed checkpoints of a working tree.
+//!
+//! A whole-archive checkpoint ([`crate::moves::checkpoint`]) stores the tree
+//! as one zstd tar: a one-file change costs a full upload. A *tree
+//! checkpoint* stores a [`TreeManifest`] at the checkpoint's key (paths,
+//! kinds, modes, sizes, mtimes, and for each file the hashes of its content
+//! chunks) and the content as blobs addressed by their SHA-256 under
+//! `blobs/` of the same store, each stored once per store whichever tree
+//! and checkpoint it came from:
+//!
+//! ```text
+//! <key>                         zstd JSON manifest  {"format":"harness-tree/1",…}
+//! blobs/<h[0..2]>/<h>           zstd of one content chunk whose SHA-256 is h
+//! locks/<kind>-<ms>-<nonce>     a running checkpoint or garbage collection
+//! ```
+//!
+//! Files are cut into content-defined chunks (FastCDC, 512 KiB–4 MiB, 1 MiB
+//! on average), so an edit inside a large file re-stores the chunks around
+//! it, not the file; a file under 512 KiB is one chunk.
+//!
+//! **Checkpoint with a parent** (the previous checkpoint of the same tree):
+//! the tree is listed inside the sandbox (`find -printf`: kind, mode, size,
+//! mtime, path, link); a file whose size, mtime and mode equal the parent's
+//! entry keeps the parent's chunks without being read, unless its mtime is
+//! not older than the second the parent's listing ran (a file changed twice
+//! within that second could keep its size and mtime: such "racy" entries are
+//! always read again, as git does). Only the other files leave the sandbox,
+//! as one `tar --no-recursion -T -` stream; only chunks the store lacks are
+//! uploaded. Without a parent, or where the sandbox has no GNU `find` and
+//! `tar`, the whole tree is read through `export_tar` and hashed on the way.
+//! Paths of the parent that are gone are recorded as `deleted`.
+//!
+//! **Restore** checks every manifest entry by the [`TarScanner`] rules
+//! (nothing unsafe is written, and nothing at all if any entry is refused)
+//! and that every chunk it needs is in the store, before touching the
+//! target. It then lists the target: an entry already there with the same
+//! kind, size, mtime and mode (or link text) is not written, so restoring a
+//! checkpoint onto the state of its parent writes only what changed. What
+//! is written goes to `import_tar` as a tar built from the blobs (each
+//! chunk's hash checked before its bytes are passed on). Files only in the
+//! target stay, as with whole archives; a path the manifest records as
+//! deleted is removed only where the target still holds exactly the
+//! parent's version of it (a file the user made there is never removed).
+//!
+//! **Garbage collection** ([`collect_garbage`]) deletes blobs no manifest
+//! in the store references. A checkpoint may reuse a blob it found in the
+//! store without uploading it, so collection and checkpoints exclude each
+//! other through lock objects: each side writes its own lock, then lists
+//! the other side's; if one is there (and younger than [`LOCK_TTL_MS`], a
+//! crashed holder's lock expires), it removes its own and fails with
+//! `Conflict`. Both may fail; both cannot proceed.
+//!
+//! Whole-archive checkpoints still restore: [`crate::moves::restore`] reads
+//! the first bytes of the object and takes the manifest path only for a
+//! manifest.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use futures::stream::FuturesUnordered;
+use futures::{SinkExt, StreamExt};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::checkpoint::{validate_key, CheckpointStore, ObjectMeta};
+use crate::clock::Clock;
+use crate::moves::{compress, decompress, MovePhase, MoveProgress, DEFAULT_ZSTD_LEVEL};
+use crate::sandbox::{collect_exec, exec_stdout_stream, shell_quote, ExecRequest, Sandbox};
+use crate::stream::ByteStream;
+use crate::tarscan::{ScanSummary, TarEntry, TarItem, TarKind, TarScanner};
+use crate::{Error, ErrorKind, Result};
+
+/// The manifest's `format`, and the prefix a manifest object starts with.
+pub const FORMAT: &str = "harness-tree/1";
+/// Where blobs live in a store.
+pub const BLOB_PREFIX: &str = "blobs/";
+/// Where checkpoint and garbage-collection locks live in a store.
+pub const LOCK_PREFIX: &str = "locks/";
+/// A lock older than this is a crashed holder's and is ignored.
+pub const LOCK_TTL_MS: u64 = 60 * 60 * 1000;
+
+/// Smallest content-defined chunk (and the size under which a file is one).
+pub const MIN_CHUNK: usize = 512 * 1024;
+/// Average content-defined chunk.
+pub const AVG_CHUNK: usize = 1024 * 1024;
+/// Largest content-defined chunk.
+pub const MAX_CHUNK: usize = 4 * 1024 * 1024;
+
+/// Chunks uploaded or fetched at once (each at most [`MAX_CHUNK`] in
+/// memory, so this bounds a move's memory at a few tens of MiB).
+const IN_FLIGHT: usize = 8;
+/// Largest manifest accepted on read (uncompressed): ~100 bytes per entry,
+/// so far above the scanner's 500,000-entry default.
+const MAX_MANIFEST_BYTES: usize = 256 * 1024 * 1024;
+/// The sandbox has no GNU `find`/`tar` (listing falls back to reading all).
+const EXIT_NO_GNU_TOOLS: i32 = 45;
+/// The listed directory does not exist.
+const EXIT_NO_DIR: i32 = 44;
+
+/// A tree checkpoint: what [`checkpoint_tree`] stores at the key.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TreeManifest {
+    /// Always [`FORMAT`]; first, so the object's first bytes identify it.
+    pub format: String,
+    /// The checkpoint this one was made against, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
+    /// The sandbox's clock (seconds) when the tree was listed: entries with
+    /// an mtime at or after it are re-read by the next checkpoint.
+    pub listed_at: u64,
+    /// Every entry of the tree, sorted by path.
+    pub entries: Vec<TreeEntry>,
+    /// The parent's entries whose paths are gone, as the parent had them
+    /// (without their chunks).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub deleted: Vec<TreeEntry>,
+}
+
+/// The kind of a [`TreeEntry`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TreeKind {
+    /// A regular file (hard links are stored as files of the same content).
+    File,
+    /// A directory.
+    Dir,
+    /// A symbolic link.
+    Symlink,
+}
+
+/// One path of a [`TreeManifest`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TreeEntry {
+    /// Relative, normalized path.
+    pub path: String,
+    /// File, directory or symlink.
+    pub kind: TreeKind,
+    /// Permission bits.
+    pub mode: u32,
+    /// Content bytes (files).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub size: u64,
+    /// Modification time, seconds since the epoch.
+    #[serde(default)]
+    pub mtime: u64,
+    /// SHA-256 of each content chunk, in order (files).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub chunks: Vec<String>,
+    /// The link text (symlinks).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target: Option<String>,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+impl TreeEntry {
+    fn as_tar_entry(&self) -> TarEntry {
+        TarEntry {
+            path: self.path.clone(),
+            kind: match self.kind {
+                TreeKind::File => TarKind::File,
+                TreeKind::Dir => TarKind::Dir,
+                TreeKind::Symlink => TarKind::Symlink {
+                    target: self.target.clone().unwrap_or_default(),
+                },
+            },
+            mode: self.mode,
+            size: self.size,
+            mtime: self.mtime,
+        }
+    }
+
+    /// Whether `listed` (from a sandbox listing) is this entry as stored.
+    fn same_as(&self, listed: &Listed) -> bool {
+        match self.kind {
+            TreeKind::File => {
+                listed.kind == 'f'
+                    && listed.size == self.size
+                    && listed.mtime == self.mtime
+                    && listed.mode == self.mode
+            }
+            TreeKind::Dir => listed.kind == 'd' && listed.mode == self.mode,
+            TreeKind::Symlink => {
+                listed.kind == 'l' && Some(listed.link.as_str()) == self.target.as_deref()
+            }
+        }
+    }
+}
+
+/// The key a blob of hash `hash` is stored under.
+pub fn blob_key(hash: &str) -> String {
+    format!("{BLOB_PREFIX}{}/{hash}", &hash[..2])
+}
+
+/// What [`checkpoint_tree`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TreeCheckpointInfo {
+    /// The stored manifest object.
+    pub object: ObjectMeta,
+    /// Entries in the manifest.
+    pub entries: u64,
+    /// Bytes of content in the tree.
+    pub tree_bytes: u64,
+    /// Files read out of the sandbox (the rest kept the parent's chunks).
+    pub files_read: u64,
+    /// Bytes of file content read out of the sandbox.
+    pub bytes_read: u64,
+    /// Chunks uploaded (the rest were in the store already).
+    pub chunks_uploaded: u64,
+    /// Bytes uploaded: compressed chunks plus the compressed manifest.
+    pub bytes_uploaded: u64,
+    /// Paths of the parent that are gone.
+    pub deleted: u64,
+}
+
+/// What [`restore_tree`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TreeRestoreInfo {
+    /// The manifest as the scanner admitted it.
+    pub summary: ScanSummary,
+    /// Entries written (the rest were in the target already).
+    pub written: u64,
+    /// Bytes of file content written.
+    pub bytes_written: u64,
+    /// Paths removed because the checkpoint deleted them.
+    pub removed: u64,
+}
+
+/// Read the object under `key`: `Some` manifest if it is a tree
+/// checkpoint, `None` if it is a whole-archive one.
+pub async fn read_manifest(store: &dyn CheckpointStore, key: &str) -> Result<Option<TreeManifest>> {
+    let mut body = decompress(store.get(key).await?);
+    let mut text = BytesMut::new();
+    let prefix = format!("{{\"format\":\"{FORMAT}\"");
+    while let Some(chunk) = body.next().await {
+        let chunk = match chunk {
+            Ok(c) => c,
+            // Not zstd at all, or a tar that is not a manifest, is not
+            // ours to judge here: the archive path reports it.
+            Err(e) if text.len() < prefix.len() && e.kind() != ErrorKind::NotFound => {
+                return Ok(None)
+            }
+            Err(e) => return Err(e),
+        };
+        text.extend_from_slice(&chunk);
+        if text.len() >= prefix.len() && !text.starts_with(prefix.as_bytes()) {
+            return Ok(None);
+        }
+        if text.len() > MAX_MANIFEST_BYTES {
+            return Err(Error::invalid(format!(
+                "manifest {key} is larger than {MAX_MANIFEST_BYTES} bytes"
+            )));
+        }
+    }
+    if !text.starts_with(prefix.as_bytes()) {
+        return Ok(None);
+    }
+    let manifest: TreeManifest = serde_json::from_slice(&text)
+        .map_err(|e| Error::corrupt(format!("manifest {key} does not parse: {e}")))?;
+    Ok(Some(manifest))
+}
+
+/// Checkpoint `dir` of `sandbox` into `store` under `key` as a tree
+/// checkpoint, against `parent` (the key of an earlier tree checkpoint of
+/// the same tree) when given. See the module docs.
+#[tracing::instrument(name = "checkpoint_tree", skip_all, fields(key = %key, dir = %dir))]
+pub async fn checkpoint_tree(
+    sandbox: &dyn Sandbox,
+    dir: &str,
+    store: &dyn CheckpointStore,
+    key: &str,
+    parent: Option<&str>,
+    clock: &dyn Clock,
+    progress: Option<Arc<dyn MoveProgress>>,
+) -> Result<TreeCheckpointInfo> {
+    validate_key(key)?;
+    if key.starts_with(BLOB_PREFIX) || key.starts_with(LOCK_PREFIX) {
+        return Err(Error::invalid(format!(
+            "checkpoint key {key:?} is inside {BLOB_PREFIX} or {LOCK_PREFIX}, which tree checkpoints keep for themselves"
+        )));
+    }
+    let lock = Lock::take(store, LockKind::Checkpoint, clock).await?;
+    let result = checkpoint_locked(sandbox, dir, store, key, parent, progress).await;
+    lock.release(store).await;
+    result
+}
+
+async fn checkpoint_locked(
+    sandbox: &dyn Sandbox,
+    dir: &str,
+    store: &dyn CheckpointStore,
+    key: &str,
+    parent_key: Option<&str>,
+    progress: Option<Arc<dyn MoveProgress>>,
+) -> Result<TreeCheckpointInfo> {
+    let parent = match parent_key {
+        Some(p) => Some(read_manifest(store, p).await?.ok_or_else(|| {
+            Error::invalid(format!(
+                "parent {p} is a whole-archive checkpoint; make a tree checkpoint without a parent first"
+            ))
+        })?),
+        None => None,
+    };
+    let mut uploader = Uploader::new(store);
+    if let Some(parent) = &parent {
+        for entry in &parent.entries {
+            uploader.known.extend(entry.chunks.iter().cloned());
+        }
+    }
+    let listing = match parent {
+        Some(_) => list_tree(sandbox, dir).await?,
+        None => Listing::Unsupported,
+    };
+    let mut stats = TreeCheckpointInfo {
+        object: ObjectMeta {
+            key: key.to_string(),
+            size: 0,
+            sha256: String::new(),
+        },
+        entries: 0,
+        tree_bytes: 0,
+        files_read: 0,
+        bytes_read: 0,
+        chunks_uploaded: 0,
+        bytes_uploaded: 0,
+        deleted: 0,
+    };
+    let (listed_at, mut entries) = match (&parent, listing) {
+        (_, Listing::Missing) => return Err(Error::not_found(format!("no such directory: {dir}"))),
+        (Some(parent), Listing::Listed { now, entries }) => {
+            let known: HashMap<&str, &TreeEntry> = parent
+                .entries
+                .iter()
+                .map(|e| (e.path.as_str(), e))
+                .collect();
+            let mut out = Vec::with_capacity(entries.len());
+            let mut changed = Vec::new();
+            for listed in entries {
+                match listed.kind {
+                    'd' => out.push(TreeEntry {
+                        path: listed.path,
+                        kind: TreeKind::Dir,
+                        mode: listed.mode,
+                        size: 0,
+                        mtime: listed.mtime,
+                        chunks: Vec::new(),
+                        target: None,
+                    }),
+                    'l' => out.push(TreeEntry {
+                        path: listed.path,
+                        kind: TreeKind::Symlink,
+                        mode: listed.mode,
+                        size: 0,
+                        mtime: listed.mtime,
+                        chunks: Vec::new(),
+                        target: Some(listed.link),
+                    }),
+                    'f' => match known.get(listed.path.as_str()) {
+                        Some(old) if old.same_as(&listed) && old.mtime < parent.listed_at => {
+                            out.push((*old).clone())
+                        }
+                        _ => changed.push(listed.path),
+                    },
+                    // tar skips sockets too.
+                    's' => {}
+                    other => {
+                        return Err(Error::unsafe_entry(format!(
+                            "{dir}/{}: a {} cannot be checkpointed",
+                            listed.path,
+                            match other {
+                                'p' => "FIFO",
+                                'b' | 'c' => "device node",
+                                _ => "file of unknown type",
+                            }
+                        )))
+                    }
+                }
+            }
+            if !changed.is_empty() {
+                let mut list = Vec::new();
+                for path in &changed {
+                    list.extend_from_slice(path.as_bytes());
+                    list.push(0);
+                }
+                let script = format!(
+                    "exec tar -C {} --null --verbatim-files-from --no-recursion -T - -cf -",
+                    shell_quote(dir)
+                );
+                let tar = exec_stdout_stream(
+                    sandbox.exec(ExecRequest::shell(script).stdin(list)).await?,
+                    dir.to_string(),
+                );
+                let read = read_tar(tar, &mut uploader, &mut stats, progress.as_deref()).await?;
+                out.extend(read.into_iter().filter(|e| e.kind == TreeKind::File));
+            }
+            (now, out)
+        }
+        (_, _) => {
+            let now = sandbox_now(sandbox).await?;
+            let tar = sandbox.export_tar(dir).await?;
+            let read = read_tar(tar, &mut uploader, &mut stats, progress.as_deref()).await?;
+            (now, read)
+        }
+    };
+    uploader.finish().await?;
+    if let Some(p) = &progress {
+        p.finish(MovePhase::Export);
+    }
+    entries.sort_by(|a, b| a.path.cmp(&b.path));
+    let deleted: Vec<TreeEntry> = match &parent {
+        Some(parent) => {
+            let now: HashSet<&str> = entries.iter().map(|e| e.path.as_str()).collect();
+            parent
+                .entries
+                .iter()
+                .filter(|e| !now.contains(e.path.as_str()))
+                // What a restore compares, not the content: a deleted
+                // file's blobs are not kept alive by its successor.
+                .map(|e| TreeEntry {
+                    chunks: Vec::new(),
+                    ..e.clone()
+                })
+                .collect()
+        }
+        None => Vec::new(),
+    };
+    stats.entries = entries.len() as u64;
+    stats.tree_bytes = entries.iter().map(|e| e.size).sum();
+    stats.deleted = deleted.len() as u64;
+    stats.chunks_uploaded = uploader.uploaded;
+    stats.bytes_uploaded = uploader.uploaded_bytes.load(Ordering::Relaxed);
+    let manifest = TreeManifest {
+        format: FORMAT.to_string(),
+        parent: parent_key.map(str::to_string),
+        listed_at,
+        entries,
+        deleted,
+    };
+    let json = serde_json::to_vec(&manifest)
+        .map_err(|e| Error::backend(format!("encoding the manifest: {e}")))?;
+    let packed = compressed(Bytes::from(json)).await?;
+    stats.bytes_uploaded += packed.len() as u64;
+    stats.object = store.put(key, crate::stream::once(packed)).await?;
+    Ok(stats)
+}
+
+/// Restore the tree checkpoint under `key` onto `dir` of `sandbox`,
+/// writing only what the target lacks. See the module docs.
+#[tracing::instrument(name = "restore_tree", skip_all, fields(key = %key, dir = %dir))]
+pub async fn restore_tree(
+    store: &dyn CheckpointStore,
+    key: &str,
+    sandbox: &dyn Sandbox,
+    dir: &str,
+    progress: Option<Arc<dyn MoveProgress>>,
+) -> Result<TreeRestoreInfo> {
+    validate_key(key)?;
+    let manifest = read_manifest(store, key)
+        .await?
+        .ok_or_else(|| Error::invalid(format!("{key} is a whole-archive checkpoint")))?;
+    restore_manifest(store, &manifest, sandbox, dir, progress).await
+}
+
+/// [`restore_tree`] of a manifest already read.
+pub async fn restore_manifest(
+    store: &dyn CheckpointStore,
+    manifest: &TreeManifest,
+    sandbox: &dyn Sandbox,
+    dir: &str,
+    progress: Option<Arc<dyn MoveProgress>>,
+) -> Result<TreeRestoreInfo> {
+    if manifest.format != FORMAT {
+        return Err(Error::unsupported(format!(
+            "manifest format {:?} (this build reads {FORMAT})",
+            manifest.format
+        )));
+    }
+    // The archive rules, all entries, before anything is touched.
+    let mut scanner = TarScanner::new();
+    for entry in &manifest.entries {
+        check_chunks(entry)?;
+        scanner.admit(&entry.as_tar_entry())?;
+    }
+    let summary = scanner.finish()?;
+    for entry in &manifest.deleted {
+        crate::tarscan::check_entry_path(&entry.path)?;
+    }
+    let target: HashMap<String, Listed> = match list_tree(sandbox, dir).await? {
+        Listing::Listed { entries, .. } => {
+            entries.into_iter().map(|l| (l.path.clone(), l)).collect()
+        }
+        Listing::Missing | Listing::Unsupported => HashMap::new(),
+    };
+    let needed: Vec<&TreeEntry> = manifest
+        .entries
+        .iter()
+        .filter(|e| !e.path.is_empty())
+        .filter(|e| !target.get(&e.path).is_some_and(|l| e.same_as(l)))
+        .collect();
+    // Every chunk there before the first byte is written.
+    let unique: HashSet<&str> = needed
+        .iter()
+        .flat_map(|e| e.chunks.iter().map(String::as_str))
+        .collect();
+    let mut heads = futures::stream::iter(unique)
+        .map(|hash| async move { store.head(&blob_key(hash)).await.map(|_| ()) })
+        .buffer_unordered(4 * IN_FLIGHT);
+    while let Some(head) = heads.next().await {
+        head.map_err(|e| {
+            if e.kind() == ErrorKind::NotFound {
+                Error::not_found(format!(
+                    "the checkpoint's content is incomplete in the store ({}); nothing was restored",
+                    e.message()
+                ))
+            } else {
+                e
+            }
+        })?;
+    }
+    let bytes_written: u64 = needed.iter().map(|e| e.size).sum();
+    let written = needed.len() as u64;
+    if !needed.is_empty() {
+        let (tx, rx) = futures::channel::mpsc::channel::<Result<Bytes>>(IN_FLIGHT);
+        let produce = produce_tar(store, &needed, tx, progress.clone());
+        let import = sandbox.import_tar(dir, Box::pin(rx));
+        let (produced, imported) = futures::join!(produce, import);
+        // The producer's error is the cause when both failed.
+        produced?;
+        imported?;
+    }
+    if let Some(p) = &progress {
+        p.finish(MovePhase::Import);
+    }
+    // Deletions last: a failed import removes nothing.
+    let mut files = Vec::new();
+    let mut dirs = Vec::new();
+    for gone in &manifest.deleted {
+        if target.get(&gone.path).is_some_and(|l| gone.same_as(l)) {
+            match gone.kind {
+                TreeKind::Dir => dirs.push(gone.path.as_str()),
+                _ => files.push(gone.path.as_str()),
+            }
+        }
+    }
+    let removed = (files.len() + dirs.len()) as u64;
+    if removed > 0 {
+        // Deepest first, so a directory's children go before it; a
+        // directory that still holds anything stays.
+        dirs.sort_by(|a, b| b.cmp(a));
+        let mut list = Vec::new();
+        for p in files.iter().chain(dirs.iter()) {
+            list.extend_from_slice(p.as_bytes());
+            list.push(0);
+        }
+        let script = format!(
+            "cd {} || exit 44; xargs -0 sh -c 'for p; do if [ -d \"$p\" ] && [ ! -L \"$p\" ]; then rmdir \"$p\" 2>/dev/null; else rm -f \"$p\"; fi; done; exit 0' sh",
+            shell_quote(dir)
+        );
+        collect_exec(sandbox.exec(ExecRequest::shell(script).stdin(list)).await?)
+            .await?
+            .check("removing the paths the checkpoint deleted")?;
+    }
+    Ok(TreeRestoreInfo {
+        summary,
+        written,
+        bytes_written,
+        removed,
+    })
+}
+
+fn check_chunks(entry: &TreeEntry) -> Result<()> {
+    let ok = entry
+        .chunks
+        .iter()
+        .all(|h| h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()));
+    let kind_ok = entry.kind == TreeKind::File || entry.chunks.is_empty();
+    if ok && kind_ok {
+        Ok(())
+    } else {
+        Err(Error::corrupt(format!(
+            "manifest entry {:?} has malformed chunk hashes",
+            entry.path
+        )))
+    }
+}
+
+/// Send `entries` as a tar stream, chunks fetched [`IN_FLIGHT`] at a time
+/// in order.
+async fn produce_tar(
+    store: &dyn CheckpointStore,
+    entries: &[&TreeEntry],
+    mut tx: futures::channel::mpsc::Sender<Result<Bytes>>,
+    progress: Option<Arc<dyn MoveProgress>>,
+) -> Result<()> {
+    enum Piece<'a> {
+        Header(&'a TreeEntry),
+        Chunk(&'a str),
+        Bytes(Bytes),
+    }
+    let pieces = entries.iter().flat_map(|entry| {
+        let pad = (512 - (entry.size % 512) as usize) % 512;
+        std::iter::once(Piece::Header(entry))
+            .chain(entry.chunks.iter().map(|h| Piece::Chunk(h.as_str())))
+            .chain((pad > 0).then(|| Piece::Bytes(Bytes::from(vec![0u8; pad]))))
+    });
+    let pieces = pieces.chain(std::iter::once(Piece::Bytes(Bytes::from(vec![0u8; 1024]))));
+    let mut out = futures::stream::iter(pieces)
+        .map(|piece| async move {
+            match piece {
+                Piece::Header(entry) => tar_header(entry),
+                Piece::Chunk(hash) => fetch_chunk(store, hash).await,
+                Piece::Bytes(b) => Ok(b),
+            }
+        })
+        .buffered(IN_FLIGHT);
+    while let Some(piece) = out.next().await {
+        match piece {
+            Ok(bytes) => {
+                if let Some(p) = &progress {
+                    p.advance(MovePhase::Import, bytes.len() as u64);
+                }
+                if tx.send(Ok(bytes)).await.is_err() {
+                    // The importer stopped; its error says why.
+                    return Ok(());
+                }
+            }
+            Err(e) => {
+                let _ = tx
+                    .send(Err(Error::new(e.kind(), e.message().to_string())))
+                    .await;
+                return Err(e);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The header block(s) of one entry: GNU format, with a GNU long name for
+/// paths or link texts over 100 bytes.
+fn tar_header(entry: &TreeEntry) -> Result<Bytes> {
+    let mut out = BytesMut::new();
+    let mut header = tar::Header::new_gnu();
+    let (kind, size) = match entry.kind {
+        TreeKind::File => (tar::EntryType::Regular, entry.size),
+        TreeKind::Dir => (tar::EntryType::Directory, 0),
+        TreeKind::Symlink => (tar::EntryType::Symlink, 0),
+    };
+    header.set_entry_type(kind);
+    header.set_size(size);
+    header.set_mode(entry.mode);
+    header.set_mtime(entry.mtime);
+    let long = |out: &mut BytesMut, kind: tar::EntryType, value: &[u8]| {
+        let mut h = tar::Header::new_gnu();
+        let name = b"././@LongLink";
+        h.as_gnu_mut().expect("gnu header").name[..name.len()].copy_from_slice(name);
+        h.set_entry_type(kind);
+        h.set_mode(0o644);
+        h.set_size(value.len() as u64 + 1);
+        h.set_cksum();
+        out.extend_from_slice(h.as_bytes());
+        out.extend_from_slice(value);
+        out.extend_from_slice(&[0]);
+        let pad = (512 - ((value.len() + 1) % 512)) % 512;
+        out.extend_from_slice(&vec![0u8; pad]);
+    };
+    let path = match entry.kind {
+        TreeKind::Dir => format!("{}/", entry.path),
+        _ => entry.path.clone(),
+    };
+    if path.len() > 100 {
+        long(&mut out, tar::EntryType::GNULongName, path.as_bytes());
+        let name = &mut header.as_gnu_mut().expect("gnu header").name;
+        name.copy_from_slice(&path.as_bytes()[..100]);
+    } else {
+        header.as_gnu_mut().expect("gnu header").name[..path.len()]
+            .copy_from_slice(path.as_bytes());
+    }
+    if let Some(target) = &entry.target {
+        if target.len() > 100 {
+            long(&mut out, tar::EntryType::GNULongLink, target.as_bytes());
+            header
+                .as_gnu_mut()
+                .expect("gnu header")
+                .linkname
+                .copy_from_slice(&target.as_bytes()[..100]);
+        } else {
+            header.as_gnu_mut().expect("gnu header").linkname[..target.len()]
+                .copy_from_slice(target.as_bytes());
+        }
+    }
+    header.set_cksum();
+    out.extend_from_slice(header.as_bytes());
+    Ok(out.freeze())
+}
+
+/// One chunk's content, its hash checked.
+async fn fetch_chunk(store: &dyn CheckpointStore, hash: &str) -> Result<Bytes> {
+    let key = blob_key(hash);
+    let body = decompress(store.get(&key).await?);
+    let content = collect(body).await?;
+    let got = hex::encode(Sha256::digest(&content));
+    if got != hash {
+        return Err(Error::corrupt(format!(
+            "blob {key} holds content with SHA-256 {got}"
+        )));
+    }
+    Ok(content)
+}
+
+async fn collect(mut stream: ByteStream) -> Result<Bytes> {
+    let mut out = BytesMut::new();
+    while let Some(chunk) = stream.next().await {
+        out.extend_from_slice(&chunk?);
+    }
+    Ok(out.freeze())
+}
+
+async fn compressed(content: Bytes) -> Result<Bytes> {
+    collect(compress(crate::stream::once(content), DEFAULT_ZSTD_LEVEL)).await
+}
+
+/// Uploads chunks the store lacks, [`IN_FLIGHT`] at a time.
+struct Uploader<'s> {
+    store: &'s dyn CheckpointStore,
+    /// Chunks known to be stored (the parent's, and this run's).
+    known: HashSet<String>,
+    running: FuturesUnordered<futures::future::BoxFuture<'s, Result<bool>>>,
+    uploaded: u64,
+    uploaded_bytes: Arc<AtomicU64>,
+}
+
+impl<'s> Uploader<'s> {
+    fn new(store: &'s dyn CheckpointStore) -> Self {
+        Self {
+            store,
+            known: HashSet::new(),
+            running: FuturesUnordered::new(),
+            uploaded: 0,
+            uploaded_bytes: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// Store `chunk` unless known; returns its hash.
+    async fn add(&mut self, chunk: Bytes) -> Result<String> {
+        let hash = hex::encode(Sha256::digest(&chunk));
+        if self.known.insert(hash.clone()) {
+            while self.running.len() >= IN_FLIGHT {
+                self.reap_one().await?;
+            }
+            let store = self.store;
+            let key = blob_key(&hash);
+            let bytes = self.uploaded_bytes.clone();
+            self.running.push(Box::pin(async move {
+                match store.head(&key).await {
+                    Ok(_) => return Ok(false),
+                    Err(e) if e.kind() == ErrorKind::NotFound => {}
+                    Err(e) => return Err(e),
+                }
+                let packed = compressed(chunk).await?;
+                bytes.fetch_add(packed.len() as u64, Ordering::Relaxed);
+                store.put(&key, crate::stream::once(packed)).await?;
+                Ok(true)
+            }));
+        }
+        Ok(hash)
+    }
+
+    async fn reap_one(&mut self) -> Result<()> {
+        if let Some(done) = self.running.next().await {
+            if done? {
+                self.uploaded += 1;
+            }
+        }
+        Ok(())
+    }
+
+    async fn finish(&mut self) -> Result<()> {
+        while !self.running.is_empty() {
+            self.reap_one().await?;
+        }
+        Ok(())
+    }
+}
+
+/// Cuts one file's content into content-defined chunks as it arrives.
+struct Chunker {
+    buf: BytesMut,
+}
+
+impl Chunker {
+    fn cut(&self, all: bool) -> Option<usize> {
+        if self.buf.is_empty() || (!all && self.buf.len() < MAX_CHUNK) {
+            return None;
+        }
+        let cdc = fastcdc::v2020::FastCDC::new(&self.buf, MIN_CHUNK, AVG_CHUNK, MAX_CHUNK);
+        let (_, len) = cdc.cut(0, self.buf.len());
+        Some(len.max(1).min(self.buf.len()))
+    }
+}
+
+/// Take a tar stream apart into entries, storing file content as chunks.
+async fn read_tar(
+    mut tar: ByteStream,
+    uploader: &mut Uploader<'_>,
+    stats: &mut TreeCheckpointInfo,
+    progress: Option<&dyn MoveProgress>,
+) -> Result<Vec<TreeEntry>> {
+    enum Item {
+        Entry(TarEntry),
+        Data(Bytes),
+    }
+    // The export is the sandbox's own tree: symlinks may point anywhere
+    // (they are judged again, by the full rules, on restore).
+    let mut scanner = TarScanner::new().outward_symlinks();
+    let mut entries: Vec<TreeEntry> = Vec::new();
+    let mut by_path: HashMap<String, usize> = HashMap::new();
+    let mut current: Option<(TreeEntry, u64)> = None;
+    let mut chunker = Chunker {
+        buf: BytesMut::new(),
+    };
+    while let Some(chunk) = tar.next().await {
+        let chunk = chunk?;
+        if let Some(p) = progress {
+            p.advance(MovePhase::Export, chunk.len() as u64);
+        }
+        let mut items = Vec::new();
+        scanner.push_entries(&chunk, &mut |item| {
+            items.push(match item {
+                TarItem::Entry(e) => Item::Entry(e),
+                TarItem::Data(d) => Item::Data(chunk.slice_ref(d)),
+            });
+            Ok(())
+        })?;
+        for item in items {
+            match item {
+                Item::Entry(entry) => {
+                    let (kind, target, chunks, size) = match entry.kind {
+                        TarKind::File => (TreeKind::File, None, Vec::new(), entry.size),
+                        TarKind::Dir => (TreeKind::Dir, None, Vec::new(), 0),
+                        TarKind::Symlink { target } => {
+                            (TreeKind::Symlink, Some(target), Vec::new(), 0)
+                        }
+                        TarKind::Hardlink { target } => {
+                            let original = by_path
+                                .get(&target)
+                                .map(|&i| &entries[i])
+                                .filter(|e| e.kind == TreeKind::File)
+                                .ok_or_else(|| {
+                                    Error::corrupt(format!(
+                                        "hard link {:?} to {target:?}, which the export did not hold before it",
+                                        entry.path
+                                    ))
+                                })?;
+                            (TreeKind::File, None, original.chunks.clone(), original.size)
+                        }
+                    };
+                    if entry.path.is_empty() {
+                        continue;
+                    }
+                    let tree_entry = TreeEntry {
+                        path: entry.path,
+                        kind,
+                        mode: entry.mode,
+                        size,
+                        mtime: entry.mtime,
+                        chunks,
+                        target,
+                    };
+                    if tree_entry.kind == TreeKind::File && tree_entry.chunks.is_empty() {
+                        stats.files_read += 1;
+                        if tree_entry.size > 0 {
+                            current = Some((tree_entry, 0));
+                            continue;
+                        }
+                    }
+                    by_path.insert(tree_entry.path.clone(), entries.len());
+                    entries.push(tree_entry);
+                }
+                Item::Data(data) => {
+                    let (entry, got) = current
+                        .as_mut()
+                        .ok_or_else(|| Error::corrupt("tar data outside a file"))?;
+                    *got += data.len() as u64;
+                    stats.bytes_read += data.len() as u64;
+                    chunker.buf.extend_from_slice(&data);
+                    let done = *got == entry.size;
+                    while let Some(len) = chunker.cut(done) {
+                        let piece = chunker.buf.split_to(len).freeze();
+                        let hash = uploader.add(piece).await?;
+                        // `current` is borrowed mutably above; re-borrow.
+                        if let Some((entry, _)) = current.as_mut() {
+                            entry.chunks.push(hash);
+                        }
+                    }
+                    if done {
+                        let (entry, _) = current.take().expect("current file");
+                        by_path.insert(entry.path.clone(), entries.len());
+                        entries.push(entry);
+                    }
+                }
+            }
+        }
+    }
+    scanner.finish()?;
+    if current.is_some() {
+        return Err(Error::corrupt("the export ended inside a file"));
+    }
+    Ok(entries)
+}
+
+/// One path of a sandbox listing.
+#[derive(Debug, Clone)]
+struct Listed {
+    /// `f`, `d`, `l`, or another `find -printf %y` letter.
+    kind: char,
+    mode: u32,
+    size: u64,
+    mtime: u64,
+    path: String,
+    link: String,
+}
+
+enum Listing {
+    Listed { now: u64, entries: Vec<Listed> },
+    Missing,
+    Unsupported,
+}
+
+/// List `dir` inside the sandbox with GNU `find`.
+async fn list_tree(sandbox: &dyn Sandbox, dir: &str) -> Result<Listing> {
+    let script = format!(
+        "cd {d} 2>/dev/null || exit {EXIT_NO_DIR}; \
+         {{ find . -maxdepth 0 -printf '' && tar --version | grep -q 'GNU tar'; }} >/dev/null 2>&1 || exit {EXIT_NO_GNU_TOOLS}; \
+         date +%s; exec find . -mindepth 1 -printf '%y %m %s %T@ %P\\0%l\\0'",
+        d = shell_quote(dir)
+    );
+    let out = collect_exec(sandbox.exec(ExecRequest::shell(script)).await?).await?;
+    match out.status.code {
+        Some(0) => {}
+        Some(EXIT_NO_DIR) => return Ok(Listing::Missing),
+        Some(EXIT_NO_GNU_TOOLS) => return Ok(Listing::Unsupported),
+        _ => {
+            let status = out.status;
+            return Err(out
+                .check(&format!("listing {dir}"))
+                .err()
+                .unwrap_or_else(|| {
+                    Error::backend(format!("listing {dir}: unexpected exit {status:?}"))
+                }));
+        }
+    }
+    let text = &out.stdout[..];
+    let newline = text
+        .iter()
+        .position(|&b| b == b'\n')
+        .ok_or_else(|| Error::backend(format!("listing {dir}: no clock reading")))?;
+    let now = std::str::from_utf8(&text[..newline])
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .ok_or_else(|| Error::backend(format!("listing {dir}: unreadable clock")))?;
+    let mut fields = text[newline + 1..].split(|&b| b == 0);
+    let mut entries = Vec::new();
+    let bad = || Error::backend(format!("listing {dir}: unreadable find output"));
+    while let Some(record) = fields.next() {
+        if record.is_empty() {
+            break;
+        }
+        let link = fields.next().ok_or_else(bad)?;
+        let record = std::str::from_utf8(record)
+            .map_err(|_| Error::unsafe_entry(format!("a path under {dir} is not UTF-8")))?;
+        let mut parts = record.splitn(5, ' ');
+        let mut next = || parts.next().ok_or_else(bad);
+        let kind = next()?.chars().next().ok_or_else(bad)?;
+        let mode = u32::from_str_radix(next()?, 8).map_err(|_| bad())?;
+        let size = next()?.parse::<u64>().map_err(|_| bad())?;
+        let mtime = next()?
+            .split('.')
+            .next()
+            .and_then(|s| s.parse::<u64>().ok())
+            .ok_or_else(bad)?;
+        let path = next()?.to_string();
+        entries.push(Listed {
+            kind,
+            mode,
+            size,
+            mtime,
+            path,
+            link: String::from_utf8_lossy(link).into_owned(),
+        });
+    }
+    Ok(Listing::Listed { now, entries })
+}
+
+/// The sandbox's clock, in seconds.
+async fn sandbox_now(sandbox: &dyn Sandbox) -> Result<u64> {
+    let out = collect_exec(sandbox.exec(ExecRequest::shell("date +%s")).await?)
+        .await?
+        .check("reading the sandbox's clock")?;
+    out.stdout_str()
+        .trim()
+        .parse()
+        .map_err(|_| Error::backend("the sandbox's `date +%s` is not a number"))
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LockKind {
+    Checkpoint,
+    Gc,
+}
+
+impl LockKind {
+    fn name(self) -> &'static str {
+        match self {
+            LockKind::Checkpoint => "checkpoint",
+            LockKind::Gc => "gc",
+        }
+    }
+}
+
+/// A lock object in the store (see the module docs).
+struct Lock {
+    key: String,
+}
+
+impl Lock {
+    async fn take(store: &dyn CheckpointStore, kind: LockKind, clock: &dyn Clock) -> Result<Lock> {
+        static NONCE: AtomicU64 = AtomicU64::new(0);
+        let now = clock.now_ms();
+        let mut h = Sha256::new();
+        h.update(now.to_le_bytes());
+        h.update(NONCE.fetch_add(1, Ordering::Relaxed).to_le_bytes());
+        h.update((&h as *const Sha256 as usize).to_le_bytes());
+        let nonce = hex::encode(&h.finalize()[..8]);
+        let key = format!("{LOCK_PREFIX}{}-{now}-{nonce}", kind.name());
+        store.put(&key, crate::stream::empty()).await?;
+        let other = match kind {
+            LockKind::Checkpoint => LockKind::Gc,
+            LockKind::Gc => LockKind::Checkpoint,
+        };
+        let prefix = format!("{LOCK_PREFIX}{}-", other.name());
+        let held = store.list(&prefix).await;
+        let live = held.map(|objects| {
+            objects.into_iter().find(|o| {
+                let started = o.key[prefix.len()..]
+                    .split('-')
+                    .next()
+                    .and_then(|s| s.parse::<u64>().ok())
+                    .unwrap_or(0);
+                started.saturating_add(LOCK_TTL_MS) > now
+            })
+        });
+        let lock = Lock { key };
+        match live {
+            Ok(None) => Ok(lock),
+            Ok(Some(o)) => {
+                lock.release(store).await;
+                Err(Error::conflict(format!(
+                    "a {} is running on this store ({}); try again when it is done",
+                    match other {
+                        LockKind::Gc => "garbage collection",
+                        LockKind::Checkpoint => "tree checkpoint",
+                    },
+                    o.key
+                )))
+            }
+            Err(e) => {
+                lock.release(store).await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn release(self, store: &dyn CheckpointStore) {
+        if let Err(e) = store.delete(&self.key).await {
+            tracing::warn!(key = %self.key, error = %e, "could not remove a checkpoint lock; it expires by itself");
+        }
+    }
+}
+
+/// What [`collect_garbage`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GcInfo {
+    /// Tree manifests found.
+    pub manifests: u64,
+    /// Blobs some manifest references.
+    pub blobs_kept: u64,
+    /// Blobs deleted.
+    pub blobs_deleted: u64,
+    /// Stored bytes deleted.
+    pub bytes_freed: u64,
+}
+
+/// Delete the blobs no tree manifest in `store` references. Fails with
+/// `Conflict` (deleting nothing) while a tree checkpoint runs.
+pub async fn collect_garbage(store: &dyn CheckpointStore, clock: &dyn Clock) -> Result<GcInfo> {
+    let lock = Lock::take(store, LockKind::Gc, clock).await?;
+    let result = collect_locked(store).await;
+    lock.release(store).await;
+    result
+}
+
+async fn collect_locked(store: &dyn CheckpointStore) -> Result<GcInfo> {
+    let mut info = GcInfo::default();
+    let mut referenced: HashSet<String> = HashSet::new();
+    for object in store.list("").await? {
+        if object.key.starts_with(BLOB_PREFIX) || object.key.starts_with(LOCK_PREFIX) {
+            continue;
+        }
+        match read_manifest(store, &object.key).await {
+            Ok(Some(manifest)) => {
+                info.manifests += 1;
+                for entry in &manifest.entries {
+                    referenced.extend(entry.chunks.iter().cloned());
+                }
+            }
+            Ok(None) => {}
+            // A manifest that cannot be read might reference anything:
+            // collecting now could break it further.
+            Err(e) => {
+                return Err(Error::new(
+                    e.kind(),
+                    format!(
+                        "not collecting: {} could not be read ({})",
+                        object.key,
+                        e.message()
+                    ),
+                ))
+            }
+        }
+    }
+    for blob in store.list(BLOB_PREFIX).await? {
+        let hash = blob.key.rsplit('/').next().unwrap_or_default();
+        if referenced.contains(hash) {
+            info.blobs_kept += 1;
+        } else {
+            store.delete(&blob.key).await?;
+            info.blobs_deleted += 1;
+            info.bytes_freed += blob.size;
+        }
+    }
+    Ok(info)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_round_trip_through_the_scanner() {
+        let long = "d/".repeat(80) + "file";
+        let entries = [
+            TreeEntry {
+                path: "a".into(),
+                kind: TreeKind::Dir,
+                mode: 0o755,
+                size: 0,
+                mtime: 7,
+                chunks: vec![],
+                target: None,
+            },
+            TreeEntry {
+                path: long.clone(),
+                kind: TreeKind::File,
+                mode: 0o644,
+                size: 3,
+                mtime: 9,
+                chunks: vec![],
+                target: None,
+            },
+            TreeEntry {
+                path: "a/l".into(),
+                kind: TreeKind::Symlink,
+                mode: 0o777,
+                size: 0,
+                mtime: 9,
+                chunks: vec![],
+                target: Some("../".repeat(40) + "x"),
+            },
+        ];
+        let mut tar = Vec::new();
+        tar.extend_from_slice(&tar_header(&entries[0]).unwrap());
+        tar.extend_from_slice(&tar_header(&entries[1]).unwrap());
+        tar.extend_from_slice(b"abc");
+        tar.extend_from_slice(&[0u8; 509]);
+        tar.extend_from_slice(&tar_header(&entries[2]).unwrap());
+        tar.extend_from_slice(&[0u8; 1024]);
+        let mut seen = Vec::new();
+        let mut data = Vec::new();
+        let mut scanner = TarScanner::new().outward_symlinks();
+        scanner
+            .push_entries(&tar, &mut |item| {
+                match item {
+                    TarItem::Entry(e) => seen.push(e),
+                    TarItem::Data(d) => data.extend_from_slice(d),
+                }
+                Ok(())
+            })
+            .unwrap();
+        scanner.finish().unwrap();
+        assert_eq!(data, b"abc");
+        assert_eq!(
+            seen.iter().map(|e| e.path.as_str()).collect::<Vec<_>>(),
+            ["a", long.as_str(), "a/l"]
+        );
+        assert_eq!(seen[1].mtime, 9);
+        assert_eq!(seen[1].size, 3);
+        assert_eq!(
+            seen[2].kind,
+            TarKind::Symlink {
+                target: "../".repeat(40) + "x"
+            }
+        );
+        // The full rules refuse that symlink, as a manifest restore would.
+        let mut strict = TarScanner::new();
+        assert!(strict.admit(&entries[2].as_tar_entry()).is_err());
+    }
+
+    #[test]
+    fn the_chunker_cuts_large_content_at_content_defined_points() {
+        let mut content = Vec::new();
+        let mut x: u64 = 1;
+        for _ in 0..(10 * 1024 * 1024) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            content.push(x as u8);
+        }
+        let cuts = |content: &[u8]| {
+            let mut chunker = Chunker {
+                buf: BytesMut::from(content),
+            };
+            let mut out = Vec::new();
+            while let Some(len) = chunker.cut(true) {
+                out.push(chunker.buf.split_to(len).freeze());
+            }
+            out
+        };
+        let a = cuts(&content);
+        assert!(a.len() >= 3, "10 MiB in {} chunks", a.len());
+        assert!(a.iter().all(|c| c.len() <= MAX_CHUNK));
+        // One byte changed in the middle: most chunks are the same.
+        content[5 * 1024 * 1024] ^= 0xff;
+        let b = cuts(&content);
+        let same = b.iter().filter(|c| a.contains(c)).count();
+        assert!(
+            same + 2 >= b.len(),
+            "{same} of {} chunks unchanged",
+            b.len()
+        );
+    }
+}
