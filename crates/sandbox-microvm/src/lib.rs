@@ -20,6 +20,8 @@
 
 mod conn;
 mod exec;
+#[cfg(feature = "microsandbox")]
+mod msb;
 mod vm;
 
 use std::collections::BTreeMap;
@@ -40,6 +42,8 @@ use harness_core::stream::ByteStream;
 use harness_core::{tarscan, Error, ErrorKind, Result};
 use serde::Deserialize;
 
+#[cfg(feature = "microsandbox")]
+pub use msb::{MicrosandboxConfig, MicrosandboxProvider, MicrosandboxSandbox, MSB_PROVIDER};
 pub use vm::Accel;
 use vm::{VmDir, VmMeta};
 
