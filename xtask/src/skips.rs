@@ -26,7 +26,12 @@ pub const IGNORED: &[(&str, &str)] = &[
 
 /// Tests allowed to skip for a missing real part while CI requires real
 /// parts (test names, matched at the end: `module::test` is enough).
-/// Empty: every real part the tests use is installed by `cargo xtask deps`.
-/// A provider that needs hardware some CI machines lack (a KVM that can boot
-/// a guest) would be listed here, with the reason.
-pub const ALLOWED_SKIPS: &[(&str, &str)] = &[];
+/// Every real part the tests use is installed by `cargo xtask deps`, except
+/// hardware some machines lack: a provider that needs a KVM that can boot a
+/// guest is listed here, with the reason.
+pub const ALLOWED_SKIPS: &[(&str, &str)] = &[(
+    "microsandbox_passes_the_sandbox_conformance_suite",
+    "sandbox-microvm feature `microsandbox` (not built by ci; `cargo xtask extra` checks it \
+     compiles): libkrun needs a KVM that boots a guest, and the CI machines' kvm_pvm stops \
+     it with KVM_EXIT_INTERNAL_ERROR; the test's boot probe skips with that reason",
+)];
