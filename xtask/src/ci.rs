@@ -223,7 +223,7 @@ fn run_step(step: Step, require_real: bool, counts: &mut Option<Counts>) -> Resu
             let ignored = check_ignored();
             run.and(ignored)
         }
-        Step::Matrix => run_matrix(require_real, counts),
+        Step::Matrix => run_matrix(matrix::MATRIX, require_real, counts),
         Step::Fuzz => fuzz::smoke(),
     }
 }
@@ -409,11 +409,17 @@ fn workspace_packages() -> Result<BTreeMap<String, Vec<String>>> {
     Ok(pkgs)
 }
 
-fn run_matrix(require_real: bool, counts: &mut Option<Counts>) -> Result<()> {
+/// `cargo xtask extra`: the rows of `matrix::EXTRA`, which CI does not run.
+pub fn run_extra() -> Result<()> {
+    let mut counts = None;
+    run_matrix(matrix::EXTRA, false, &mut counts)
+}
+
+fn run_matrix(rows: &[Row], require_real: bool, counts: &mut Option<Counts>) -> Result<()> {
     let pkgs = workspace_packages()?;
     let mut failed = Vec::new();
     let mut ran = 0;
-    for row in matrix::MATRIX {
+    for row in rows {
         let Some(features) = pkgs.get(row.package) else {
             println!(
                 "matrix: skip `{}`: package `{}` not in the workspace yet",
@@ -490,6 +496,9 @@ fn run_row(row: &Row, require_real: bool, counts: &mut Option<Counts>) -> Result
     }
     if let Some(t) = row.test_binary {
         cmd.args(["--test", t]);
+    }
+    if row.all_targets && row.what != What::Test {
+        cmd.arg("--all-targets");
     }
     if row.what == What::Test {
         nextest(&mut cmd, require_real, counts)

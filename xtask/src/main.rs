@@ -69,8 +69,11 @@ enum Cmd {
     Deny,
     /// Package every publishable crate in dependency order (dry run: nothing is uploaded).
     Package,
-    /// Print the CI matrix rows.
+    /// Print the CI matrix rows, then the extra rows CI does not run.
     Matrix,
+    /// Run the extra rows CI does not run (xtask/src/matrix.rs `EXTRA`: the
+    /// microsandbox engine's `cargo check`).
+    Extra,
     /// Build the fuzz targets in fuzz/ and run each (see docs/fuzzing.md).
     Fuzz(fuzz::FuzzArgs),
     /// Kill real turns at random phases and check they finish (docs/reliability.md).
@@ -199,7 +202,11 @@ fn run(cli: Cli) -> Result<()> {
             for row in matrix::MATRIX {
                 println!("{}", row.label());
             }
+            for row in matrix::EXTRA {
+                println!("{} (extra: cargo xtask extra, not in ci)", row.label());
+            }
             Ok(())
         }
+        Cmd::Extra => util::timed("extra", ci::run_extra),
     }
 }

@@ -12,6 +12,9 @@
 //! A row whose package is not (yet) in the workspace, or that names a feature
 //! the package does not have, is skipped with a printed note, so rows can be
 //! added before the crate lands.
+//!
+//! [`EXTRA`] holds rows CI does not run (slow, optional engines): `cargo
+//! xtask extra` runs them, `cargo xtask matrix` lists them after CI's.
 
 /// The wasm target the sans-IO core (and the Cloudflare crates) build for.
 pub const WASM: &str = "wasm32-unknown-unknown";
@@ -41,6 +44,8 @@ pub struct Row {
     pub target: Option<&'static str>,
     /// Only this integration test (`--test NAME`) of a test row.
     pub test_binary: Option<&'static str>,
+    /// `--all-targets` (tests and examples too) for a check or build row.
+    pub all_targets: bool,
     pub what: What,
 }
 
@@ -54,6 +59,7 @@ impl Row {
             each_feature: false,
             target: None,
             test_binary: None,
+            all_targets: false,
             what,
         }
     }
@@ -90,6 +96,13 @@ impl Row {
             ..self
         }
     }
+    /// Check or build every target of the package (`--all-targets`).
+    pub const fn all_targets(self) -> Row {
+        Row {
+            all_targets: true,
+            ..self
+        }
+    }
     pub const fn target(self, target: &'static str) -> Row {
         Row {
             target: Some(target),
@@ -122,6 +135,9 @@ impl Row {
         }
         if let Some(t) = self.test_binary {
             s.push_str(&format!(" --test {t}"));
+        }
+        if self.all_targets {
+            s.push_str(" --all-targets");
         }
         s
     }
@@ -157,4 +173,14 @@ pub const MATRIX: &[Row] = &[
     // OTLP export is a feature of the binary: its span test runs with it on
     // (docs/operations.md).
     Row::test("harness-cli").features("otlp").only_test("otlp"),
+];
+
+/// Rows outside CI, run on demand by `cargo xtask extra`.
+pub const EXTRA: &[Row] = &[
+    // The optional microsandbox engine of sandbox-microvm compiles (its SDK
+    // adds ~230 crates and a few minutes of cold build; its test needs a KVM
+    // that boots a guest, which CI machines lack: docs/sandbox-microvm.md).
+    Row::check("sandbox-microvm")
+        .features("microsandbox")
+        .all_targets(),
 ];
