@@ -183,6 +183,10 @@ enum Command {
     Restore(moves::RestoreArgs),
     /// List checkpoints in the store.
     Ls(moves::LsArgs),
+    /// Delete the content blobs that no tree checkpoint (`harness
+    /// checkpoint --tree-only --incremental`) in the store references.
+    /// Refused while a tree checkpoint runs on the store.
+    Gc(moves::GcArgs),
     /// The home's model broker: `serve` (started by the other commands when
     /// none runs) and `usage SESSION`.
     Broker {
@@ -250,6 +254,7 @@ fn main() -> ExitCode {
             Command::Checkpoint(args) => moves::checkpoint(&home, args).await,
             Command::Restore(args) => moves::restore(&home, args).await,
             Command::Ls(args) => moves::ls(args).await,
+            Command::Gc(args) => moves::gc(args).await,
             Command::RelayHost(args) => relay_host::run(args).await,
             Command::Broker { command } => broker::run(&home, command).await,
         }

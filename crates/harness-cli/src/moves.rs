@@ -31,6 +31,7 @@ use harness::core::session::{SandboxConfig, SessionConfig};
 use harness::core::turn::TurnStatus;
 use harness::core::ErrorKind;
 use harness::r2::{S3CheckpointStore, S3Config};
+use harness::runtime::SystemClock;
 use harness::sqlite::SqliteSessionLog;
 use serde::{Deserialize, Serialize};
 
@@ -98,6 +99,23 @@ pub struct CheckpointArgs {
     /// restore cannot continue the conversation).
     #[arg(long)]
     tree_only: bool,
+    /// With --tree-only: a tree checkpoint (a manifest plus content blobs
+    /// stored once per store, default key …/turn-<turns>.tree) instead of
+    /// one archive; `harness restore --tree-only` reads both.
+    #[arg(long, requires = "tree_only")]
+    incremental: bool,
+    /// With --incremental: an earlier tree checkpoint of this tree. Only the
+    /// files changed since are read and only content the store lacks is
+    /// uploaded; restoring onto that earlier state writes only the change.
+    #[arg(long, requires = "incremental")]
+    parent: Option<String>,
+    #[command(flatten)]
+    store: StoreArgs,
+}
+
+/// `harness gc`.
+#[derive(Debug, clap::Args)]
+pub struct GcArgs {
     #[command(flatten)]
     store: StoreArgs,
 }
@@ -377,6 +395,50 @@ pub async fn checkpoint(home: &Home, args: CheckpointArgs) -> Result<()> {
         bytes: Some(bytes),
         from_workdir: None,
     };
+    if args.incremental {
+        let key = args.key.unwrap_or_else(|| format!("{base}.tree"));
+        let step = bars.step(format!(
+            "checkpointing the working tree of {session} (changed content only)"
+        ));
+        let stored = harness::core::tree_checkpoint::checkpoint_tree(
+            sandbox.as_ref(),
+            sandbox.workdir(),
+            &store,
+            &key,
+            args.parent.as_deref(),
+            &SystemClock,
+            Some(bars.clone()),
+        )
+        .await
+        .context("checkpointing the working tree");
+        step.finish_and_clear();
+        let stored = stored?;
+        record(
+            &log,
+            &session,
+            record_of("tree", &key, stored.bytes_uploaded).frame(&after_turn),
+        )
+        .await;
+        println!(
+            "checkpoint {key} (tree only, incremental): {} entries, {} bytes; read {} files \
+             ({} bytes), uploaded {} new chunks ({} bytes with the manifest){}",
+            stored.entries,
+            stored.tree_bytes,
+            stored.files_read,
+            stored.bytes_read,
+            stored.chunks_uploaded,
+            stored.bytes_uploaded,
+            match &args.parent {
+                Some(p) => format!(", {} paths deleted since {p}", stored.deleted),
+                None => String::new(),
+            }
+        );
+        println!(
+            "restore it with `harness restore --tree-only --session ID --key {key}`; \
+             the next one with `--incremental --parent {key}`"
+        );
+        return Ok(());
+    }
     if args.tree_only {
         let key = args.key.unwrap_or_else(|| format!("{base}.tar.zst"));
         let step = bars.step(format!("checkpointing the working tree of {session}"));
@@ -743,6 +805,20 @@ async fn restore_tree(home: &Home, args: RestoreArgs) -> Result<()> {
 }
 
 /// Run `harness ls`.
+/// `harness gc`: delete the content blobs no tree checkpoint in the store
+/// references.
+pub async fn gc(args: GcArgs) -> Result<()> {
+    let store = args.store.open().await?;
+    let info = harness::core::tree_checkpoint::collect_garbage(&store, &SystemClock)
+        .await
+        .context("collecting unreferenced blobs")?;
+    println!(
+        "{} tree checkpoints reference {} blobs; deleted {} unreferenced blobs ({} bytes)",
+        info.manifests, info.blobs_kept, info.blobs_deleted, info.bytes_freed
+    );
+    Ok(())
+}
+
 pub async fn ls(args: LsArgs) -> Result<()> {
     let store = args.store.open().await?;
     for meta in store.list(&args.prefix).await? {

@@ -489,6 +489,95 @@ async fn sessions_show_tree_only_moves_and_clear_errors() {
         "stays"
     );
 
+    // --incremental: a tree checkpoint (manifest + blobs); against it as
+    // the parent, a one-file change uploads one chunk, and restoring the
+    // parent onto the changed tree writes the old content back.
+    let ran = harness(
+        home,
+        &model,
+        &with(
+            &[
+                "checkpoint",
+                "--session",
+                &a,
+                "--tree-only",
+                "--incremental",
+            ],
+            &store,
+        ),
+    )
+    .await
+    .expect_ok("checkpoint --tree-only --incremental");
+    let first_tree = checkpoint_key(&ran.stdout);
+    assert_eq!(
+        first_tree,
+        format!("sessions/{a}/turn-1.tree"),
+        "{}",
+        ran.stdout
+    );
+    assert!(
+        ran.stdout.contains("(tree only, incremental)"),
+        "{}",
+        ran.stdout
+    );
+    std::fs::write(workdir.join("notes.txt"), "beta-note\n").unwrap();
+    let second_tree = format!("sessions/{a}/second.tree");
+    let ran = harness(
+        home,
+        &model,
+        &with(
+            &[
+                "checkpoint",
+                "--session",
+                &a,
+                "--tree-only",
+                "--incremental",
+                "--key",
+                &second_tree,
+                "--parent",
+                &first_tree,
+            ],
+            &store,
+        ),
+    )
+    .await
+    .expect_ok("checkpoint --incremental --parent");
+    assert!(
+        ran.stdout.contains("uploaded 1 new chunks"),
+        "only notes.txt's new content is uploaded: {}",
+        ran.stdout
+    );
+    harness(
+        home,
+        &model,
+        &with(
+            &[
+                "restore",
+                "--tree-only",
+                "--session",
+                &a,
+                "--key",
+                &first_tree,
+            ],
+            &store,
+        ),
+    )
+    .await
+    .expect_ok("restore --tree-only of a tree checkpoint");
+    assert_eq!(
+        std::fs::read_to_string(workdir.join("notes.txt")).unwrap(),
+        "alpha-note\n"
+    );
+    // Both trees reference what they hold: nothing to collect.
+    let ran = harness(home, &model, &with(&["gc"], &store))
+        .await
+        .expect_ok("gc");
+    assert!(
+        ran.stdout.contains("2 tree checkpoints") && ran.stdout.contains("deleted 0 unreferenced"),
+        "{}",
+        ran.stdout
+    );
+
     // A session checkpoint is not a tree.
     let ran = harness(
         home,
@@ -606,7 +695,8 @@ async fn sessions_show_tree_only_moves_and_clear_errors() {
         "alpha-note\n"
     );
 
-    // What `show` says of A now: its two checkpoints and its tree restore.
+    // What `show` says of A now: its four checkpoints (archive, two tree
+    // checkpoints, session) and its two tree restores.
     let shown = show_json(home, &model, &a).await;
     let moves = |field: &str| -> Vec<(String, String)> {
         shown[field]
@@ -625,20 +715,25 @@ async fn sessions_show_tree_only_moves_and_clear_errors() {
         moves("checkpoints"),
         [
             (tree_key.clone(), "tree".to_string()),
+            (first_tree.clone(), "tree".to_string()),
+            (second_tree.clone(), "tree".to_string()),
             (key.clone(), "session".to_string())
         ],
         "{shown:#}"
     );
     assert_eq!(
         moves("restores"),
-        [(tree_key.clone(), "tree".to_string())],
+        [
+            (tree_key.clone(), "tree".to_string()),
+            (first_tree.clone(), "tree".to_string())
+        ],
         "{shown:#}"
     );
     let text = harness(home, &model, &["sessions", "show", &a])
         .await
         .expect_ok("sessions show")
         .stdout;
-    assert!(text.contains("checkpoints (2)\n"), "{text}");
+    assert!(text.contains("checkpoints (4)\n"), "{text}");
     let row = |key: &str| {
         text.lines()
             .find(|l| l.trim_end().ends_with(&format!(" {key}")))
@@ -654,5 +749,5 @@ async fn sessions_show_tree_only_moves_and_clear_errors() {
         "{text}"
     );
     assert_eq!(row(&tree_key)[4], "tree", "{text}");
-    assert!(text.contains("restored from (1)\n"), "{text}");
+    assert!(text.contains("restored from (2)\n"), "{text}");
 }
