@@ -203,21 +203,43 @@ fn dpkg_installed(pkg: &str) -> bool {
 }
 
 pub fn apt() -> Result<()> {
-    let missing: Vec<&str> = APT_PACKAGES
-        .iter()
-        .copied()
-        .filter(|p| !dpkg_installed(p))
-        .collect();
-    if missing.is_empty() {
+    let missing = || -> Vec<&str> {
+        APT_PACKAGES
+            .iter()
+            .copied()
+            .filter(|p| !dpkg_installed(p))
+            .collect()
+    };
+    let first = missing();
+    if first.is_empty() {
         println!("apt: all present ({})", APT_PACKAGES.join(" "));
         return Ok(());
     }
-    println!("apt: missing {}", missing.join(" "));
+    println!("apt: missing {}", first.join(" "));
     run(Command::new("apt-get").args(["update", "-q"]))?;
-    run(Command::new("apt-get")
-        .env("DEBIAN_FRONTEND", "noninteractive")
-        .args(["install", "-y", "-q", "--no-install-recommends"])
-        .args(&missing))
+    // Two passes: an install can remove a package that was there. Seen on
+    // a fresh machine: its qemu-utils came from bookworm-backports (10.x),
+    // which Debian's qemu-system-x86 (7.2) breaks, so installing QEMU
+    // removed qemu-img; the second pass installs the matching 7.2.
+    let mut pending = first;
+    for pass in 1..=2 {
+        run(Command::new("apt-get")
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .args(["install", "-y", "-q", "--no-install-recommends"])
+            .args(&pending))?;
+        pending = missing();
+        if pending.is_empty() {
+            return Ok(());
+        }
+        println!(
+            "apt: after pass {pass}, missing {} (removed by that install?)",
+            pending.join(" ")
+        );
+    }
+    bail!(
+        "apt: {} still not installed after two passes",
+        pending.join(" ")
+    )
 }
 
 /// A marker in the venv recording what was installed, so a changed pin
