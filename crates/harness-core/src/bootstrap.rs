@@ -7,8 +7,6 @@
 //! hash of everything that can change the result, so equal recipes share a
 //! snapshot across processes and machines, and any change makes a new one.
 
-use std::sync::{Arc, Mutex};
-
 use async_trait::async_trait;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
@@ -129,10 +127,13 @@ pub trait HostFiles: MaybeSend + MaybeSync {
 
 /// Run `recipe` in `sandbox`, the one recipe runner every provider that
 /// bootstraps through its own `Sandbox` uses: each file is streamed in with
-/// `write_file` (a host file's bytes are hashed on the way and must match
-/// the declared SHA-256, else `Corrupt`), given its mode with `chmod`, then
-/// `bootstrap_pre_commands` and `commands` run in order with `sh -c` from
-/// `/`. The first failure stops it, naming the step.
+/// `write_file` (a host file through [`verified_host_file`]: a content
+/// that does not match the declared SHA-256 fails the write, `Corrupt`),
+/// given its mode with `chmod`, then [`run_recipe_commands`]. The first
+/// failure stops it, naming the step. A provider with a faster way in for
+/// files (Docker's archive upload, size and mode in the header) writes them
+/// itself through [`verified_host_file`] and then calls
+/// [`run_recipe_commands`].
 pub async fn run_recipe(
     sandbox: &dyn Sandbox,
     recipe: &BootstrapRecipe,
@@ -145,44 +146,63 @@ pub async fn run_recipe(
                 file.path
             )));
         }
-        match &file.source {
-            FileSource::Inline { text } => {
-                sandbox
-                    .write_file(&file.path, crate::stream::once(text.clone()))
-                    .await
-                    .map_err(|e| context(e, &format!("writing recipe file {}", file.path)))?;
-            }
+        let body = match &file.source {
+            FileSource::Inline { text } => crate::stream::once(text.clone()),
             FileSource::HostPath { path, sha256 } => {
                 let body = host
                     .open(path)
                     .await
                     .map_err(|e| context(e, &format!("opening recipe host file {path}")))?;
-                let hasher = Arc::new(Mutex::new(Sha256::new()));
-                let h = hasher.clone();
-                let body: ByteStream = Box::pin(body.map(move |chunk| {
-                    if let Ok(c) = &chunk {
-                        h.lock().unwrap_or_else(|e| e.into_inner()).update(c);
-                    }
-                    chunk
-                }));
-                sandbox
-                    .write_file(&file.path, body)
-                    .await
-                    .map_err(|e| context(e, &format!("writing recipe file {}", file.path)))?;
-                let got = hex::encode(
-                    std::mem::take(&mut *hasher.lock().unwrap_or_else(|e| e.into_inner()))
-                        .finalize(),
-                );
-                if !got.eq_ignore_ascii_case(sha256) {
-                    return Err(Error::corrupt(format!(
-                        "recipe host file {path} has SHA-256 {got}, the recipe declares {sha256}"
-                    )));
-                }
+                verified_host_file(path, sha256, body)
             }
-        }
+        };
+        sandbox
+            .write_file(&file.path, body)
+            .await
+            .map_err(|e| context(e, &format!("writing recipe file {}", file.path)))?;
         let chmod = format!("chmod {:o} {}", file.mode & 0o7777, shell_quote(&file.path));
         run_step(sandbox, &chmod).await?;
     }
+    run_recipe_commands(sandbox, recipe).await
+}
+
+/// `body` (the content of recipe host file `path`) passed through and
+/// hashed on the way: if it does not match the declared `sha256`, the
+/// stream ends with a `Corrupt` error instead of ending cleanly, so the
+/// write it feeds fails.
+pub fn verified_host_file(path: &str, sha256: &str, body: ByteStream) -> ByteStream {
+    let what = (path.to_string(), sha256.to_ascii_lowercase());
+    Box::pin(futures::stream::unfold(
+        Some((body, Sha256::new(), what)),
+        |state| async move {
+            let (mut body, mut hasher, what) = state?;
+            match body.next().await {
+                Some(Ok(chunk)) => {
+                    hasher.update(&chunk);
+                    Some((Ok(chunk), Some((body, hasher, what))))
+                }
+                Some(Err(e)) => Some((Err(e), None)),
+                None => {
+                    let got = hex::encode(hasher.finalize());
+                    let (path, want) = what;
+                    (got != want).then(|| {
+                        (
+                            Err(Error::corrupt(format!(
+                                "recipe host file {path} has SHA-256 {got}, the recipe declares {want}"
+                            ))),
+                            None,
+                        )
+                    })
+                }
+            }
+        },
+    ))
+}
+
+/// Run the recipe's `bootstrap_pre_commands`, then its `commands`, in
+/// order with `sh -c` from `/`; the first failure stops them, with the tail
+/// of its stderr.
+pub async fn run_recipe_commands(sandbox: &dyn Sandbox, recipe: &BootstrapRecipe) -> Result<()> {
     for cmd in recipe
         .bootstrap_pre_commands
         .iter()
@@ -254,6 +274,28 @@ pub async fn ensure_snapshot<S: SnapshotStore + ?Sized>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn host_files_are_verified_as_they_stream() {
+        let collect = |sha: &str| {
+            let body: ByteStream = Box::pin(futures::stream::iter(vec![
+                Ok(bytes::Bytes::from_static(b"ab")),
+                Ok(bytes::Bytes::from_static(b"c")),
+            ]));
+            futures::executor::block_on(
+                verified_host_file("/h/tool", sha, body).collect::<Vec<_>>(),
+            )
+        };
+        let abc = hex::encode(Sha256::digest(b"abc"));
+        let good = collect(&abc.to_ascii_uppercase());
+        assert_eq!(good.len(), 2, "the content passes through unchanged");
+        assert!(good.iter().all(Result::is_ok));
+        let bad = collect(&"00".repeat(32));
+        assert_eq!(bad.len(), 3, "the content, then the error");
+        let err = bad[2].as_ref().unwrap_err();
+        assert_eq!(err.kind(), crate::ErrorKind::Corrupt);
+        assert!(err.message().contains(&abc), "{err}");
+    }
 
     fn recipe() -> BootstrapRecipe {
         BootstrapRecipe {

@@ -13,9 +13,8 @@ use bollard::query_parameters::{
 };
 use futures::StreamExt;
 use harness_core::bootstrap::{BootstrapRecipe, FileSource, SnapshotStore};
-use harness_core::sandbox::{ExecRequest, Sandbox, SandboxSpec, SnapshotInfo};
+use harness_core::sandbox::{SandboxSpec, SnapshotInfo};
 use harness_core::{Error, ErrorKind, Result};
-use sha2::{Digest, Sha256};
 use tokio_util::io::ReaderStream;
 
 use crate::{docker_err, DockerProvider, DockerSandbox};
@@ -155,11 +154,10 @@ async fn build(
     removed
 }
 
-/// Run `recipe` in `sandbox`: files, then pre-commands, then commands.
-/// Unlike core's `bootstrap::run_recipe` (which the microvm provider uses),
-/// files go up through the archive endpoint with their size and mode in the
-/// header: a 300 MB agent binary streams in one request, not through an
-/// exec's stdin.
+/// Run `recipe` in `sandbox`: core's recipe runner, but files go up
+/// through the archive endpoint with their size and mode in the header (a
+/// 300 MB agent binary streams in one request, not through an exec's
+/// stdin), host files through core's `verified_host_file`.
 pub(crate) async fn run_recipe(sandbox: &DockerSandbox, recipe: &BootstrapRecipe) -> Result<()> {
     for file in &recipe.files {
         match &file.source {
@@ -178,48 +176,20 @@ pub(crate) async fn run_recipe(sandbox: &DockerSandbox, recipe: &BootstrapRecipe
                     Error::from(e).with_context(&format!("opening recipe file {path}"))
                 })?;
                 let size = f.metadata().await?.len();
-                let hasher = std::sync::Arc::new(std::sync::Mutex::new(Sha256::new()));
-                let h = hasher.clone();
-                let body = ReaderStream::with_capacity(f, 256 * 1024).map(move |c| {
-                    let c = c.map_err(Error::from)?;
-                    h.lock().unwrap_or_else(|e| e.into_inner()).update(&c);
-                    Ok(c)
-                });
+                let body =
+                    ReaderStream::with_capacity(f, 256 * 1024).map(|c| c.map_err(Error::from));
                 sandbox
-                    .upload_file(&file.path, size, file.mode, Box::pin(body))
+                    .upload_file(
+                        &file.path,
+                        size,
+                        file.mode,
+                        harness_core::bootstrap::verified_host_file(path, sha256, Box::pin(body)),
+                    )
                     .await?;
-                let got = hex::encode(
-                    std::mem::take(&mut *hasher.lock().unwrap_or_else(|e| e.into_inner()))
-                        .finalize(),
-                );
-                if !got.eq_ignore_ascii_case(sha256) {
-                    return Err(Error::corrupt(format!(
-                        "recipe file {path} has sha256 {got}, the recipe declares {sha256}"
-                    )));
-                }
             }
         }
     }
-    for cmd in recipe
-        .bootstrap_pre_commands
-        .iter()
-        .chain(recipe.commands.iter())
-    {
-        let out = harness_core::sandbox::collect_exec(
-            sandbox
-                .exec(ExecRequest::shell(cmd.clone()).cwd("/"))
-                .await?,
-        )
-        .await?;
-        if !out.status.success() {
-            return Err(Error::backend(format!(
-                "bootstrap command {cmd:?} failed ({:?}): {}",
-                out.status,
-                out.stderr_str().trim()
-            )));
-        }
-    }
-    Ok(())
+    harness_core::bootstrap::run_recipe_commands(sandbox, recipe).await
 }
 
 trait WithContext {
