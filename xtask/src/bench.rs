@@ -56,7 +56,13 @@ fn commands(bench: Bench) -> Vec<Vec<&'static str>> {
         Bench::Broker => vec![example("harness-broker", "broker_bench")],
         // Debug build: the time is the guest's, and a release build of the
         // provider's dependencies would cost minutes for nothing.
-        Bench::Microvm => vec![vec!["run", "-p", "sandbox-microvm", "--example", "bench"]],
+        Bench::Microvm => vec![vec![
+            "run",
+            "-p",
+            "sandbox-microvm",
+            "--example",
+            "microvm_bench",
+        ]],
         Bench::All => vec![],
     }
 }
