@@ -7,6 +7,8 @@
 //! hash of everything that can change the result, so equal recipes share a
 //! snapshot across processes and machines, and any change makes a new one.
 
+use std::sync::{Arc, Mutex};
+
 use async_trait::async_trait;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
@@ -146,20 +148,23 @@ pub async fn run_recipe(
                 file.path
             )));
         }
-        let body = match &file.source {
-            FileSource::Inline { text } => crate::stream::once(text.clone()),
+        let (body, check) = match &file.source {
+            FileSource::Inline { text } => (crate::stream::once(text.clone()), None),
             FileSource::HostPath { path, sha256 } => {
                 let body = host
                     .open(path)
                     .await
                     .map_err(|e| context(e, &format!("opening recipe host file {path}")))?;
-                verified_host_file(path, sha256, body)
+                let (body, check) = verified_host_file(path, sha256, body);
+                (body, Some(check))
             }
         };
-        sandbox
-            .write_file(&file.path, body)
-            .await
-            .map_err(|e| context(e, &format!("writing recipe file {}", file.path)))?;
+        let written = sandbox.write_file(&file.path, body).await;
+        match check {
+            Some(check) => check.judge(written),
+            None => written,
+        }
+        .map_err(|e| context(e, &format!("writing recipe file {}", file.path)))?;
         let chmod = format!("chmod {:o} {}", file.mode & 0o7777, shell_quote(&file.path));
         run_step(sandbox, &chmod).await?;
     }
@@ -169,34 +174,58 @@ pub async fn run_recipe(
 /// `body` (the content of recipe host file `path`) passed through and
 /// hashed on the way: if it does not match the declared `sha256`, the
 /// stream ends with a `Corrupt` error instead of ending cleanly, so the
-/// write it feeds fails.
-pub fn verified_host_file(path: &str, sha256: &str, body: ByteStream) -> ByteStream {
+/// write it feeds fails. A writer may report that failure as its own (an
+/// HTTP client's "request failed"): [`HostFileCheck::judge`] gives the
+/// write's result with the mismatch as its cause.
+pub fn verified_host_file(
+    path: &str,
+    sha256: &str,
+    body: ByteStream,
+) -> (ByteStream, HostFileCheck) {
+    let check = HostFileCheck(Arc::new(Mutex::new(None)));
+    let verdict = check.0.clone();
     let what = (path.to_string(), sha256.to_ascii_lowercase());
-    Box::pin(futures::stream::unfold(
-        Some((body, Sha256::new(), what)),
+    let stream = Box::pin(futures::stream::unfold(
+        Some((body, Sha256::new(), what, verdict)),
         |state| async move {
-            let (mut body, mut hasher, what) = state?;
+            let (mut body, mut hasher, what, verdict) = state?;
             match body.next().await {
                 Some(Ok(chunk)) => {
                     hasher.update(&chunk);
-                    Some((Ok(chunk), Some((body, hasher, what))))
+                    Some((Ok(chunk), Some((body, hasher, what, verdict))))
                 }
                 Some(Err(e)) => Some((Err(e), None)),
                 None => {
                     let got = hex::encode(hasher.finalize());
                     let (path, want) = what;
-                    (got != want).then(|| {
-                        (
-                            Err(Error::corrupt(format!(
-                                "recipe host file {path} has SHA-256 {got}, the recipe declares {want}"
-                            ))),
-                            None,
+                    let mismatch = (got != want).then(|| {
+                        format!(
+                            "recipe host file {path} has SHA-256 {got}, the recipe declares {want}"
                         )
-                    })
+                    });
+                    *verdict.lock().unwrap_or_else(|e| e.into_inner()) =
+                        mismatch.clone().map(Error::corrupt);
+                    mismatch.map(|m| (Err(Error::corrupt(m)), None))
                 }
             }
         },
-    ))
+    ));
+    (stream, check)
+}
+
+/// The verdict of a [`verified_host_file`] stream.
+#[derive(Debug, Clone)]
+pub struct HostFileCheck(Arc<Mutex<Option<Error>>>);
+
+impl HostFileCheck {
+    /// The result of the write the stream fed: the content's mismatch if
+    /// there was one (whatever the writer made of it), else `written`.
+    pub fn judge<T>(&self, written: Result<T>) -> Result<T> {
+        match self.0.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            Some(mismatch) => Err(mismatch),
+            None => written,
+        }
+    }
 }
 
 /// Run the recipe's `bootstrap_pre_commands`, then its `commands`, in
@@ -282,19 +311,23 @@ mod tests {
                 Ok(bytes::Bytes::from_static(b"ab")),
                 Ok(bytes::Bytes::from_static(b"c")),
             ]));
-            futures::executor::block_on(
-                verified_host_file("/h/tool", sha, body).collect::<Vec<_>>(),
-            )
+            let (stream, check) = verified_host_file("/h/tool", sha, body);
+            let items = futures::executor::block_on(stream.collect::<Vec<_>>());
+            let judged = check.judge(Err::<(), _>(Error::backend("the writer's own words")));
+            (items, judged)
         };
         let abc = hex::encode(Sha256::digest(b"abc"));
-        let good = collect(&abc.to_ascii_uppercase());
+        let (good, judged) = collect(&abc.to_ascii_uppercase());
         assert_eq!(good.len(), 2, "the content passes through unchanged");
         assert!(good.iter().all(Result::is_ok));
-        let bad = collect(&"00".repeat(32));
+        assert_eq!(judged.unwrap_err().kind(), crate::ErrorKind::Backend);
+        let (bad, judged) = collect(&"00".repeat(32));
         assert_eq!(bad.len(), 3, "the content, then the error");
         let err = bad[2].as_ref().unwrap_err();
         assert_eq!(err.kind(), crate::ErrorKind::Corrupt);
         assert!(err.message().contains(&abc), "{err}");
+        // Whatever the writer said, the mismatch is the cause.
+        assert_eq!(judged.unwrap_err().kind(), crate::ErrorKind::Corrupt);
     }
 
     fn recipe() -> BootstrapRecipe {

@@ -178,14 +178,9 @@ pub(crate) async fn run_recipe(sandbox: &DockerSandbox, recipe: &BootstrapRecipe
                 let size = f.metadata().await?.len();
                 let body =
                     ReaderStream::with_capacity(f, 256 * 1024).map(|c| c.map_err(Error::from));
-                sandbox
-                    .upload_file(
-                        &file.path,
-                        size,
-                        file.mode,
-                        harness_core::bootstrap::verified_host_file(path, sha256, Box::pin(body)),
-                    )
-                    .await?;
+                let (body, check) =
+                    harness_core::bootstrap::verified_host_file(path, sha256, Box::pin(body));
+                check.judge(sandbox.upload_file(&file.path, size, file.mode, body).await)?;
             }
         }
     }
