@@ -88,9 +88,12 @@ pub const AVG_CHUNK: usize = 1024 * 1024;
 /// Largest content-defined chunk.
 pub const MAX_CHUNK: usize = 4 * 1024 * 1024;
 
-/// Chunks uploaded or fetched at once (each at most [`MAX_CHUNK`] in
-/// memory, so this bounds a move's memory at a few tens of MiB).
-const IN_FLIGHT: usize = 8;
+/// Bytes of chunks being uploaded or fetched at once: what bounds a move's
+/// memory (a few tens of MiB whatever the tree), while many small files
+/// are in flight together (a store round trip each).
+const IN_FLIGHT_BYTES: u64 = 32 * 1024 * 1024;
+/// Requests in flight at once, whatever their size.
+const IN_FLIGHT: usize = 64;
 /// Largest manifest accepted on read (uncompressed): ~100 bytes per entry,
 /// so far above the scanner's 500,000-entry default.
 const MAX_MANIFEST_BYTES: usize = 256 * 1024 * 1024;
@@ -508,7 +511,7 @@ pub async fn restore_manifest(
         .collect();
     let mut heads = futures::stream::iter(unique)
         .map(|hash| async move { store.head(&blob_key(hash)).await.map(|_| ()) })
-        .buffer_unordered(4 * IN_FLIGHT);
+        .buffer_unordered(IN_FLIGHT);
     while let Some(head) = heads.next().await {
         head.map_err(|e| {
             if e.kind() == ErrorKind::NotFound {
@@ -524,7 +527,7 @@ pub async fn restore_manifest(
     let bytes_written: u64 = needed.iter().map(|e| e.size).sum();
     let written = needed.len() as u64;
     if !needed.is_empty() {
-        let (tx, rx) = futures::channel::mpsc::channel::<Result<Bytes>>(IN_FLIGHT);
+        let (tx, rx) = futures::channel::mpsc::channel::<Result<Bytes>>(8);
         let produce = produce_tar(store, &needed, tx, progress.clone());
         let import = sandbox.import_tar(dir, Box::pin(rx));
         let (produced, imported) = futures::join!(produce, import);
@@ -588,8 +591,8 @@ fn check_chunks(entry: &TreeEntry) -> Result<()> {
     }
 }
 
-/// Send `entries` as a tar stream, chunks fetched [`IN_FLIGHT`] at a time
-/// in order.
+/// Send `entries` as a tar stream, chunks fetched ahead in order within
+/// [`IN_FLIGHT_BYTES`] and [`IN_FLIGHT`].
 async fn produce_tar(
     store: &dyn CheckpointStore,
     entries: &[&TreeEntry],
@@ -598,26 +601,55 @@ async fn produce_tar(
 ) -> Result<()> {
     enum Piece<'a> {
         Header(&'a TreeEntry),
-        Chunk(&'a str),
+        /// A chunk's hash and its file's size.
+        Chunk(&'a str, u64),
         Bytes(Bytes),
     }
     let pieces = entries.iter().flat_map(|entry| {
         let pad = (512 - (entry.size % 512) as usize) % 512;
         std::iter::once(Piece::Header(entry))
-            .chain(entry.chunks.iter().map(|h| Piece::Chunk(h.as_str())))
+            .chain(
+                entry
+                    .chunks
+                    .iter()
+                    .map(|h| Piece::Chunk(h.as_str(), entry.size)),
+            )
             .chain((pad > 0).then(|| Piece::Bytes(Bytes::from(vec![0u8; pad]))))
     });
-    let pieces = pieces.chain(std::iter::once(Piece::Bytes(Bytes::from(vec![0u8; 1024]))));
-    let mut out = futures::stream::iter(pieces)
-        .map(|piece| async move {
-            match piece {
-                Piece::Header(entry) => tar_header(entry),
-                Piece::Chunk(hash) => fetch_chunk(store, hash).await,
-                Piece::Bytes(b) => Ok(b),
+    let mut pieces = pieces
+        .chain(std::iter::once(Piece::Bytes(Bytes::from(vec![0u8; 1024]))))
+        .peekable();
+    // Pieces in order, fetched ahead within the byte budget (a chunk costs
+    // at most its file's size and at most MAX_CHUNK).
+    let cost = |piece: &Piece<'_>| match piece {
+        Piece::Chunk(_, size) => (*size).min(MAX_CHUNK as u64),
+        _ => 0,
+    };
+    let mut running = futures::stream::FuturesOrdered::new();
+    let mut costs = std::collections::VecDeque::new();
+    let mut in_flight = 0u64;
+    loop {
+        while running.len() < IN_FLIGHT {
+            let Some(next) = pieces.peek() else { break };
+            let c = cost(next);
+            if !running.is_empty() && in_flight + c > IN_FLIGHT_BYTES {
+                break;
             }
-        })
-        .buffered(IN_FLIGHT);
-    while let Some(piece) = out.next().await {
+            let piece = pieces.next().expect("peeked");
+            in_flight += c;
+            costs.push_back(c);
+            running.push_back(async move {
+                match piece {
+                    Piece::Header(entry) => tar_header(entry),
+                    Piece::Chunk(hash, _) => fetch_chunk(store, hash).await,
+                    Piece::Bytes(b) => Ok(b),
+                }
+            });
+        }
+        let Some(piece) = running.next().await else {
+            break;
+        };
+        in_flight -= costs.pop_front().unwrap_or(0);
         match piece {
             Ok(bytes) => {
                 if let Some(p) = &progress {
@@ -723,12 +755,16 @@ async fn compressed(content: Bytes) -> Result<Bytes> {
     collect(compress(crate::stream::once(content), DEFAULT_ZSTD_LEVEL)).await
 }
 
-/// Uploads chunks the store lacks, [`IN_FLIGHT`] at a time.
+/// Uploads chunks the store lacks, within [`IN_FLIGHT_BYTES`] and
+/// [`IN_FLIGHT`].
 struct Uploader<'s> {
     store: &'s dyn CheckpointStore,
     /// Chunks known to be stored (the parent's, and this run's).
     known: HashSet<String>,
-    running: FuturesUnordered<futures::future::BoxFuture<'s, Result<bool>>>,
+    /// Each upload answers whether it stored the chunk, and its size.
+    running: FuturesUnordered<futures::future::BoxFuture<'s, Result<(bool, u64)>>>,
+    running_bytes: u64,
+    compressing: Arc<futures::lock::Mutex<()>>,
     uploaded: u64,
     uploaded_bytes: Arc<AtomicU64>,
 }
@@ -739,6 +775,8 @@ impl<'s> Uploader<'s> {
             store,
             known: HashSet::new(),
             running: FuturesUnordered::new(),
+            running_bytes: 0,
+            compressing: Arc::new(futures::lock::Mutex::new(())),
             uploaded: 0,
             uploaded_bytes: Arc::new(AtomicU64::new(0)),
         }
@@ -748,22 +786,33 @@ impl<'s> Uploader<'s> {
     async fn add(&mut self, chunk: Bytes) -> Result<String> {
         let hash = hex::encode(Sha256::digest(&chunk));
         if self.known.insert(hash.clone()) {
-            while self.running.len() >= IN_FLIGHT {
+            let len = chunk.len() as u64;
+            while !self.running.is_empty()
+                && (self.running.len() >= IN_FLIGHT || self.running_bytes + len > IN_FLIGHT_BYTES)
+            {
                 self.reap_one().await?;
             }
             let store = self.store;
             let key = blob_key(&hash);
             let bytes = self.uploaded_bytes.clone();
+            let compressing = self.compressing.clone();
+            self.running_bytes += len;
             self.running.push(Box::pin(async move {
                 match store.head(&key).await {
-                    Ok(_) => return Ok(false),
+                    Ok(_) => return Ok((false, len)),
                     Err(e) if e.kind() == ErrorKind::NotFound => {}
                     Err(e) => return Err(e),
                 }
-                let packed = compressed(chunk).await?;
+                // One zstd encoder at a time: each holds a few MiB of
+                // tables whatever the chunk's size, and the uploads share
+                // one task, so more would only add memory, not speed.
+                let packed = {
+                    let _one = compressing.lock().await;
+                    compressed(chunk).await?
+                };
                 bytes.fetch_add(packed.len() as u64, Ordering::Relaxed);
                 store.put(&key, crate::stream::once(packed)).await?;
-                Ok(true)
+                Ok((true, len))
             }));
         }
         Ok(hash)
@@ -771,7 +820,9 @@ impl<'s> Uploader<'s> {
 
     async fn reap_one(&mut self) -> Result<()> {
         if let Some(done) = self.running.next().await {
-            if done? {
+            let (stored, len) = done?;
+            self.running_bytes -= len;
+            if stored {
                 self.uploaded += 1;
             }
         }
