@@ -95,7 +95,12 @@ impl SnapshotStore for Templates<'_> {
     }
 }
 
-/// Run `recipe` with `dir` as the sandbox root.
+/// Run `recipe` with `dir` as the sandbox root. Not core's `run_recipe`
+/// (which the QEMU and Cloudflare providers use, and whose host-file check
+/// and command loop Docker's archive-upload variant shares): a local
+/// template is a directory built before any sandbox exists, so its files are
+/// plain copies (a host file's SHA-256 checked first, nothing staged through
+/// an exec) and its commands run from the template's root on this thread.
 fn build(dir: &Path, recipe: &BootstrapRecipe, env: &BTreeMap<String, String>) -> Result<()> {
     let work = dir.join("work");
     let home = dir.join("home");
