@@ -389,8 +389,11 @@ async fn checkpoint_locked(
                     list.extend_from_slice(path.as_bytes());
                     list.push(0);
                 }
+                // A file removed since the listing (the agent may still be
+                // working) is skipped with a warning, and so recorded as
+                // deleted, instead of failing the checkpoint.
                 let script = format!(
-                    "exec tar -C {} --null --verbatim-files-from --no-recursion -T - -cf -",
+                    "exec tar -C {} --null --verbatim-files-from --no-recursion --ignore-failed-read -T - -cf -",
                     shell_quote(dir)
                 );
                 let tar = exec_stdout_stream(
