@@ -78,6 +78,11 @@ pub(crate) async fn ensure_snapshot(
     Ok((store.tag(&identity), lock))
 }
 
+/// The tag of the snapshot image of `identity`.
+pub(crate) fn snapshot_tag(provider: &DockerProvider, identity: &str) -> String {
+    format!("{}:{identity}", provider.config().snapshot_repo)
+}
+
 /// Snapshot images `<snapshot_repo>:<identity>` of one base image.
 struct Snapshots<'a> {
     provider: &'a DockerProvider,
@@ -86,7 +91,7 @@ struct Snapshots<'a> {
 
 impl Snapshots<'_> {
     fn tag(&self, identity: &str) -> String {
-        format!("{}:{identity}", self.provider.config().snapshot_repo)
+        snapshot_tag(self.provider, identity)
     }
 }
 

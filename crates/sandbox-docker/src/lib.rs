@@ -35,17 +35,21 @@
 
 mod bootstrap;
 mod exec;
+mod pool;
 mod tarfile;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use bollard::errors::Error as BollardError;
 use bollard::models::{ContainerCreateBody, HostConfig, PortBinding};
 use bollard::query_parameters::{
     CreateContainerOptionsBuilder, DownloadFromContainerOptionsBuilder,
-    RemoveContainerOptionsBuilder, StopContainerOptionsBuilder, UploadToContainerOptionsBuilder,
+    RemoveContainerOptionsBuilder, RenameContainerOptionsBuilder, StopContainerOptionsBuilder,
+    UploadToContainerOptionsBuilder,
 };
 use bollard::Docker;
 use bytes::{Bytes, BytesMut};
@@ -123,6 +127,21 @@ pub struct DockerConfig {
     /// [`harness_sandbox_gate::locate`] (`$HARNESS_SANDBOX_GATE_BIN`, else
     /// `harness-sandbox-gate` beside the current executable).
     pub gate: Option<PathBuf>,
+    /// Ready containers kept per spec shape (0, the default: no pool). With
+    /// `n > 0`, after every `create` the provider starts containers of the
+    /// same shape in the background until `n` are ready, and a later
+    /// `create` of exactly that shape (image or bootstrap identity, workdir,
+    /// env, limits, network policy, ports, forwards, labels, session id)
+    /// takes one instead of creating and starting a container. A destroyed
+    /// sandbox never goes back to the pool. Pooled containers are removed by
+    /// [`DockerProvider::shutdown`], best effort when the last clone of the
+    /// provider is dropped, and, when their process died, by the next
+    /// [`DockerProvider::connect`] (see `docs/sandbox-docker.md`, "Pool").
+    pub pool_size: usize,
+    /// At most this many shapes are pooled at once (default 4): a create of
+    /// a new shape beyond it drops the least recently used shape's ready
+    /// containers.
+    pub pool_max_shapes: usize,
 }
 
 impl Default for DockerConfig {
@@ -140,6 +159,8 @@ impl Default for DockerConfig {
             bind_mounts: Vec::new(),
             stop_timeout_secs: 5,
             gate: None,
+            pool_size: 0,
+            pool_max_shapes: 4,
         }
     }
 }
@@ -149,6 +170,8 @@ impl Default for DockerConfig {
 pub struct DockerProvider {
     docker: Docker,
     config: DockerConfig,
+    /// The ready containers (`config.pool_size > 0`), shared by clones.
+    pool: Option<Arc<pool::Pool>>,
 }
 
 /// Map a bollard error onto the core's kinds (404 → NotFound, 409 → Conflict).
@@ -182,12 +205,80 @@ impl DockerProvider {
             .ping()
             .await
             .map_err(|e| docker_err("pinging the engine", e))?;
-        Ok(Self::with_client(docker, config))
+        let provider = Self::with_client(docker, config);
+        if let Err(e) = provider.reap_pool_leftovers().await {
+            tracing::warn!("reaping pooled containers of dead processes failed: {e}");
+        }
+        Ok(provider)
     }
 
-    /// Use an existing client.
+    /// Use an existing client. Unlike [`connect`](Self::connect), this does
+    /// not reap pooled containers left by dead processes; call
+    /// [`reap_pool_leftovers`](Self::reap_pool_leftovers) for that.
     pub fn with_client(docker: Docker, config: DockerConfig) -> Self {
-        Self { docker, config }
+        let pool = (config.pool_size > 0).then(|| {
+            Arc::new(pool::Pool::new(
+                docker.clone(),
+                format!("{}.pool", config.label_prefix),
+                config.pool_size,
+                config.pool_max_shapes,
+            ))
+        });
+        Self {
+            docker,
+            config,
+            pool,
+        }
+    }
+
+    /// A clone without the pool (what background fills work with, so they
+    /// never keep the pool alive).
+    fn bare(&self) -> Self {
+        Self {
+            docker: self.docker.clone(),
+            config: self.config.clone(),
+            pool: None,
+        }
+    }
+
+    /// The pool's instance id (the value of its `<prefix>.pool` label), when
+    /// [`DockerConfig::pool_size`] is set.
+    pub fn pool_instance(&self) -> Option<&str> {
+        self.pool.as_deref().map(|p| p.instance.as_str())
+    }
+
+    /// How many ready containers the pool holds now, over all shapes.
+    pub fn pool_ready(&self) -> usize {
+        self.pool.as_deref().map_or(0, pool::Pool::ready)
+    }
+
+    /// Wait until no background fill is in flight (at most `timeout`);
+    /// whether that happened. Benchmarks and tests use it to measure and
+    /// look at a settled pool.
+    pub async fn pool_settled(&self, timeout: Duration) -> bool {
+        match &self.pool {
+            Some(pool) => pool.settled(timeout).await,
+            None => true,
+        }
+    }
+
+    /// Close the pool and remove its containers (waiting for fills in
+    /// flight); the number removed. Sandboxes taken from the pool are not
+    /// touched. `create` keeps working afterwards, without a pool. Also what
+    /// dropping the last clone does, best effort.
+    pub async fn shutdown(&self) -> Result<usize> {
+        match &self.pool {
+            Some(pool) => pool.shutdown(self).await,
+            None => Ok(0),
+        }
+    }
+
+    /// Remove pooled containers (any provider's) that nobody can take any
+    /// more: those whose owning process is certainly dead (same boot and pid
+    /// namespace, and its pid gone or reused) and stopped ones. `connect`
+    /// does this; the number removed.
+    pub async fn reap_pool_leftovers(&self) -> Result<usize> {
+        pool::reap(self, &self.label("pool")).await
     }
 
     /// The client.
@@ -251,6 +342,48 @@ impl DockerProvider {
         workdir: Option<&str>,
         extra_binds: &[String],
     ) -> Result<String> {
+        self.run_container_as(image, spec, role, workdir, extra_binds, None)
+            .await
+    }
+
+    /// Create and start a pooled container of `plan`'s shape, named `name`
+    /// and carrying `marks` besides the labels a fresh one gets.
+    async fn run_pooled(
+        &self,
+        plan: &pool::Plan,
+        name: &str,
+        marks: &[(String, String)],
+    ) -> Result<String> {
+        let id = self
+            .run_container_as(
+                &plan.image,
+                &plan.spec,
+                "session",
+                Some(&plan.spec.workdir),
+                &plan.extra_binds,
+                Some((name, marks)),
+            )
+            .await?;
+        if plan.check_gate {
+            if let Err(e) = self.check_gate(&id, &plan.image).await {
+                let _ = self.remove(&id).await;
+                return Err(e);
+            }
+        }
+        Ok(id)
+    }
+
+    /// [`run_container`](Self::run_container), optionally as a pooled
+    /// container (its name and extra labels).
+    async fn run_container_as(
+        &self,
+        image: &str,
+        spec: &SandboxSpec,
+        role: &str,
+        workdir: Option<&str>,
+        extra_binds: &[String],
+        pooled: Option<(&str, &[(String, String)])>,
+    ) -> Result<String> {
         let mut last_err = None;
         // Host ports are chosen here and can be taken by someone else before
         // dockerd binds them: retry with fresh ones on that conflict.
@@ -308,13 +441,25 @@ impl DockerProvider {
                 env: Some(spec.env.iter().map(|(k, v)| format!("{k}={v}")).collect()),
                 // Docker creates the working directory when it is missing.
                 working_dir: workdir.map(str::to_string),
-                labels: Some(self.base_labels(spec, role)),
+                labels: Some({
+                    let mut labels = self.base_labels(spec, role);
+                    for (k, v) in pooled.map(|p| p.1).unwrap_or_default() {
+                        labels.insert(k.clone(), v.clone());
+                    }
+                    labels
+                }),
                 exposed_ports: (!exposed.is_empty()).then_some(exposed),
                 host_config: Some(host_config),
                 ..Default::default()
             };
-            let slot = spec.slot.as_deref().filter(|_| role == "session");
-            let name = container_name(spec.session_id.as_deref(), role, slot);
+            let slot = spec
+                .slot
+                .as_deref()
+                .filter(|_| role == "session" && pooled.is_none());
+            let name = match pooled {
+                Some((name, _)) => name.to_string(),
+                None => container_name(spec.session_id.as_deref(), role, slot),
+            };
             if slot.is_some() {
                 // A creator killed before it recorded this slot's container
                 // left it: nothing refers to it, so it is replaced.
@@ -348,29 +493,34 @@ impl DockerProvider {
     }
 
     pub(crate) async fn remove(&self, id: &str) -> Result<()> {
-        match self
+        remove_container(&self.docker, id).await
+    }
+
+    /// Make pooled container `id` the sandbox `spec` asks for: check that it
+    /// still runs (a dockerd restart or a `docker stop` may have stopped
+    /// it), and rename it to the name a fresh container would get
+    /// (replacing a slot's leftover, as a fresh create does). From then on
+    /// it is no longer pooled.
+    async fn adopt(&self, id: &str, spec: &SandboxSpec) -> Result<()> {
+        let info = self
             .docker
-            .remove_container(
-                id,
-                Some(
-                    RemoveContainerOptionsBuilder::new()
-                        .force(true)
-                        .v(true)
-                        .build(),
-                ),
-            )
+            .inspect_container(id, None)
             .await
-        {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                let err = docker_err("removing the container", e);
-                if err.kind() == ErrorKind::NotFound {
-                    Ok(())
-                } else {
-                    Err(err)
-                }
-            }
+            .map_err(|e| docker_err("inspecting a pooled container", e))?;
+        if info.state.and_then(|s| s.running) != Some(true) {
+            return Err(Error::backend(format!(
+                "pooled container {id} is not running"
+            )));
         }
+        let slot = spec.slot.as_deref();
+        let name = container_name(spec.session_id.as_deref(), "session", slot);
+        if slot.is_some() {
+            self.remove(&name).await?;
+        }
+        self.docker
+            .rename_container(id, RenameContainerOptionsBuilder::new().name(&name).build())
+            .await
+            .map_err(|e| docker_err("renaming a pooled container", e))
     }
 
     /// Inspect `id`, starting it when it is not running.
@@ -546,7 +696,55 @@ impl SandboxProvider for DockerProvider {
             .image
             .clone()
             .unwrap_or_else(|| self.config.default_image.clone());
-        let (image, snapshot_lock) = match spec.bootstrap.as_ref().filter(|r| !r.is_empty()) {
+        let recipe = spec.bootstrap.as_ref().filter(|r| !r.is_empty());
+        let mut data = json!({ "image": base, "wrap": false });
+        if !mounts.is_empty() {
+            // The handle carries the forwards, so a resume anywhere wraps
+            // every command the same way.
+            data["forwards"] = serde_json::to_value(&mounts.forwards)?;
+        }
+        let pooled = match &self.pool {
+            Some(pool) => {
+                // The snapshot's tag follows from the identity alone: a
+                // pooled container of it pins the image, so no build or
+                // lock is needed to take one.
+                let image = match recipe {
+                    Some(r) => bootstrap::snapshot_tag(self, &r.identity(&base)),
+                    None => base.clone(),
+                };
+                let plan = pool::Plan {
+                    image,
+                    spec: SandboxSpec {
+                        slot: None,
+                        bootstrap: None,
+                        ..spec.clone()
+                    },
+                    extra_binds: extra_binds.clone(),
+                    check_gate: !mounts.is_empty(),
+                };
+                let key = shape_key(&plan)?;
+                Some((pool.clone(), key, plan))
+            }
+            None => None,
+        };
+        if let Some((pool, key, plan)) = &pooled {
+            while let Some(id) = pool.take(key) {
+                match self.adopt(&id, spec).await {
+                    Ok(()) => {
+                        pool.refill(self, key, Arc::new(plan.clone()));
+                        data["image"] = json!(plan.image);
+                        return Ok(Box::new(self.sandbox(id, spec.workdir.clone(), true, data)));
+                    }
+                    Err(e) => {
+                        // Removed behind our back, or the rename failed:
+                        // never hand out a container we could not adopt.
+                        tracing::warn!("a pooled container could not be taken: {e}");
+                        let _ = self.remove(&id).await;
+                    }
+                }
+            }
+        }
+        let (image, snapshot_lock) = match recipe {
             Some(recipe) => {
                 let (tag, lock) = bootstrap::ensure_snapshot(self, &base, recipe).await?;
                 (tag, Some(lock))
@@ -558,15 +756,16 @@ impl SandboxProvider for DockerProvider {
             .await?;
         // The container now pins the snapshot; prune may proceed.
         drop(snapshot_lock);
-        let mut data = json!({ "image": image, "wrap": false });
+        data["image"] = json!(image);
         if !mounts.is_empty() {
-            // The handle carries the forwards, so a resume anywhere wraps
-            // every command the same way.
-            data["forwards"] = serde_json::to_value(&mounts.forwards)?;
             if let Err(e) = self.check_gate(&id, &image).await {
                 let _ = self.remove(&id).await;
                 return Err(e);
             }
+        }
+        if let Some((pool, key, plan)) = pooled {
+            // The next create of this shape finds a ready container.
+            pool.refill(self, &key, Arc::new(plan));
         }
         Ok(Box::new(self.sandbox(id, spec.workdir.clone(), true, data)))
     }
@@ -982,30 +1181,49 @@ impl Sandbox for DockerSandbox {
         if !self.owned {
             return Ok(());
         }
-        match self
-            .docker
-            .remove_container(
-                &self.id,
-                Some(
-                    RemoveContainerOptionsBuilder::new()
-                        .force(true)
-                        .v(true)
-                        .build(),
-                ),
-            )
-            .await
-        {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                let err = docker_err("removing the container", e);
-                if err.kind() == ErrorKind::NotFound {
-                    Ok(())
-                } else {
-                    Err(err)
-                }
+        remove_container(&self.docker, &self.id).await
+    }
+}
+
+/// Remove container `id` with its anonymous volumes, killing it if it runs;
+/// a missing container is fine.
+pub(crate) async fn remove_container(docker: &Docker, id: &str) -> Result<()> {
+    match docker
+        .remove_container(
+            id,
+            Some(
+                RemoveContainerOptionsBuilder::new()
+                    .force(true)
+                    .v(true)
+                    .build(),
+            ),
+        )
+        .await
+    {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            let err = docker_err("removing the container", e);
+            // Gone, or going (another caller's removal is in progress).
+            if err.kind() == ErrorKind::NotFound
+                || (err.kind() == ErrorKind::Conflict
+                    && err.message().contains("already in progress"))
+            {
+                Ok(())
+            } else {
+                Err(err)
             }
         }
     }
+}
+
+/// The pool key of a shape: everything the container is created with but
+/// its name, canonically serialized (the spec's maps are ordered).
+fn shape_key(plan: &pool::Plan) -> Result<String> {
+    Ok(serde_json::to_string(&json!({
+        "image": plan.image,
+        "spec": plan.spec,
+        "binds": plan.extra_binds,
+    }))?)
 }
 
 trait SourceStatus {

@@ -1,0 +1,491 @@
+//! The pool of ready containers (`DockerConfig::pool_size`): a pooled
+//! create keeps the sandbox contract, the pool refills, only an identical
+//! spec takes a pooled container, and no pooled container outlives
+//! `shutdown`, a dropped provider, or a crashed process.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use common::{sh_ok, Cleanup};
+use harness_core::sandbox::{NetworkPolicy, SandboxProvider, SandboxSpec};
+use harness_testkit::conformance::sandbox::{self as suite, SuiteOptions};
+use sandbox_docker::{DockerConfig, DockerProvider};
+
+const SETTLE: Duration = Duration::from_secs(60);
+
+/// Removes every container of a pool instance when dropped, so a failing
+/// test leaves none behind.
+struct PoolCleanup(String);
+
+impl Drop for PoolCleanup {
+    fn drop(&mut self) {
+        for id in containers(&self.0) {
+            let _ = Command::new("docker").args(["rm", "-f", &id]).output();
+        }
+    }
+}
+
+/// Ids of every container (running or not) labelled with pool `instance`.
+fn containers(instance: &str) -> Vec<String> {
+    let out = Command::new("docker")
+        .args([
+            "ps",
+            "-a",
+            "-q",
+            "--no-trunc",
+            "--filter",
+            &format!("label=dev.harness.pool={instance}"),
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+/// Ids of the containers of pool `instance` still in the pool (named
+/// `harness-pool.…`).
+fn pooled(instance: &str) -> BTreeSet<String> {
+    containers(instance)
+        .into_iter()
+        .filter(|id| name(id).starts_with("harness-pool."))
+        .collect()
+}
+
+fn name(id: &str) -> String {
+    let out = Command::new("docker")
+        .args(["inspect", "-f", "{{.Name}}", id])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .trim_start_matches('/')
+        .to_string()
+}
+
+fn inspect(id: &str) -> serde_json::Value {
+    let out = Command::new("docker")
+        .args(["inspect", id])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    v[0].clone()
+}
+
+fn exists(id: &str) -> bool {
+    Command::new("docker")
+        .args(["inspect", id])
+        .output()
+        .unwrap()
+        .status
+        .success()
+}
+
+async fn pool_provider(size: usize, max_shapes: usize) -> Option<(DockerProvider, PoolCleanup)> {
+    let provider = common::provider_with(DockerConfig {
+        pool_size: size,
+        pool_max_shapes: max_shapes,
+        gate: harness_testkit::gate_binary(),
+        ..DockerConfig::default()
+    })
+    .await?;
+    let instance = provider.pool_instance().unwrap().to_string();
+    Some((provider, PoolCleanup(instance)))
+}
+
+/// The session id is `pool-test` on purpose: its containers are named
+/// `harness-pool-test-…`, which must never pass for pooled ones.
+fn spec() -> SandboxSpec {
+    let mut spec = SandboxSpec::new("/work");
+    spec.session_id = Some("pool-test".into());
+    spec.env.insert("POOL_TEST".into(), "1".into());
+    spec
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pooled_sandbox_keeps_the_sandbox_contract() {
+    let Some(gate) = harness_testkit::gate_binary() else {
+        return;
+    };
+    let Some((provider, cleanup)) = pool_provider(1, 8).await else {
+        return;
+    };
+    let instance = cleanup.0.clone();
+    let Some(gateway) = common::bridge_gateway(&provider).await else {
+        harness_testkit::skip_or_fail("cannot find the docker bridge gateway address");
+        return;
+    };
+    assert!(gate.is_file());
+    // (The gateway probe's shape is pooled too.)
+    assert!(provider.pool_settled(SETTLE).await);
+    let earlier = pooled(&instance);
+    let spec = spec();
+    let first = provider.create(&spec).await.unwrap();
+    let _g1 = Cleanup(Some(first.handle().id.clone()));
+    assert!(provider.pool_settled(SETTLE).await);
+    let ready: BTreeSet<_> = pooled(&instance).difference(&earlier).cloned().collect();
+    assert_eq!(ready.len(), 1, "one container of the shape is ready");
+    assert!(!ready.contains(&first.handle().id));
+    first.destroy().await.unwrap();
+
+    // This create takes the ready container.
+    let sandbox = provider.create(&spec).await.unwrap();
+    let _g2 = Cleanup(Some(sandbox.handle().id.clone()));
+    let id = sandbox.handle().id.clone();
+    assert!(ready.contains(&id), "the create took the pooled container");
+    let taken_name = name(&id);
+    assert!(
+        taken_name.starts_with("harness-pool-test-"),
+        "a taken container gets a session's name, got {taken_name}"
+    );
+    // Same labels, env and workdir as a fresh one.
+    let out = Command::new("docker")
+        .args([
+            "inspect",
+            "-f",
+            "{{index .Config.Labels \"dev.harness.session-id\"}} {{.Config.WorkingDir}}",
+            &id,
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "pool-test /work"
+    );
+    assert_eq!(sh_ok(&*sandbox, "echo $POOL_TEST; pwd").await, "1\n/work\n");
+
+    // The sandbox-level items of the suite, on the pooled sandbox.
+    let sb = sandbox.as_ref();
+    suite::exec_streams_stdout_stderr_and_one_exit(sb)
+        .await
+        .unwrap();
+    suite::exec_exit_codes(sb).await.unwrap();
+    suite::exec_cwd(sb).await.unwrap();
+    suite::exec_stdin(sb).await.unwrap();
+    suite::exec_streams_before_exit(sb).await.unwrap();
+    suite::exec_timeout_kills_tree(sb).await.unwrap();
+    suite::exec_abort_kills_tree(sb).await.unwrap();
+    suite::files_round_trip(sb).await.unwrap();
+    suite::read_file_from_offset(sb).await.unwrap();
+    suite::tar_round_trip(sb).await.unwrap();
+    suite::import_refuses_escaping_entries(sb).await.unwrap();
+    suite::detached_processes(sb).await.unwrap();
+    sandbox.destroy().await.unwrap();
+    assert!(!exists(&id), "destroy removed the taken container");
+
+    // And the whole suite with the pool on: its provider-level items
+    // (detach/resume, stop/resume, destroy, network, forwards, ports) take
+    // pooled containers of their shapes from their second create on.
+    let options = SuiteOptions {
+        host_address: Some(gateway.into()),
+        ..SuiteOptions::default()
+    };
+    if let Err(e) = suite::run_all_with(&provider, spec.clone(), &options).await {
+        panic!("{e:#}");
+    }
+    assert!(provider.pool_settled(SETTLE).await);
+    let removed = provider.shutdown().await.unwrap();
+    assert!(removed >= 1, "the shapes of the suite were pooled");
+    assert_eq!(
+        containers(&instance),
+        Vec::<String>::new(),
+        "after the suite and shutdown no container of the pool is left"
+    );
+}
+
+#[tokio::test]
+async fn the_pool_refills_and_only_an_identical_spec_takes_from_it() {
+    let Some((provider, cleanup)) = pool_provider(2, 16).await else {
+        return;
+    };
+    let instance = cleanup.0.clone();
+    let spec = spec();
+    let first = provider.create(&spec).await.unwrap();
+    let _g = Cleanup(Some(first.handle().id.clone()));
+    sh_ok(&*first, "echo dirty > /work/used.txt").await;
+    assert!(provider.pool_settled(SETTLE).await);
+    let ready = pooled(&instance);
+    assert_eq!(ready.len(), 2);
+    assert_eq!(provider.pool_ready(), 2);
+    let first_id = first.handle().id.clone();
+    first.destroy().await.unwrap();
+    assert!(
+        !pooled(&instance).contains(&first_id),
+        "never back to the pool"
+    );
+
+    // Specs that differ in one thing each never take a pooled container.
+    let mut variants = Vec::new();
+    let mut s = spec.clone();
+    s.env.insert("POOL_TEST".into(), "2".into());
+    variants.push(("env", s));
+    let mut s = spec.clone();
+    s.workdir = "/other".into();
+    variants.push(("workdir", s));
+    let mut s = spec.clone();
+    s.network = NetworkPolicy::DenyAll;
+    variants.push(("network", s));
+    let mut s = spec.clone();
+    s.labels.insert("team".into(), "x".into());
+    variants.push(("labels", s));
+    let mut s = spec.clone();
+    s.session_id = Some("pool-test-other".into());
+    variants.push(("session", s));
+    let mut s = spec.clone();
+    s.memory_mb = Some(256);
+    variants.push(("memory", s));
+    let mut s = spec.clone();
+    s.image = Some("harness-test-pool-other-tag:never".into());
+    variants.push(("image", s));
+    for (what, variant) in variants {
+        match provider.create(&variant).await {
+            Ok(sb) => {
+                let id = sb.handle().id.clone();
+                let _g = Cleanup(Some(id.clone()));
+                assert!(
+                    !ready.contains(&id),
+                    "a spec with another {what} took a pooled container"
+                );
+                sb.destroy().await.unwrap();
+            }
+            // The image variant names an image that does not exist: it must
+            // fail like a fresh create, not succeed with a pooled one.
+            Err(e) => assert_eq!(what, "image", "{what}: {e}"),
+        }
+    }
+    assert!(provider.pool_settled(SETTLE).await);
+    for id in &ready {
+        assert!(
+            name(id).starts_with("harness-pool."),
+            "{id} is still pooled"
+        );
+    }
+    // Now also holding the fills of the variants' shapes.
+    let before = pooled(&instance);
+
+    // The identical spec (a slot only changes the name) takes one, gets a
+    // clean filesystem, and the shape refills.
+    let mut slotted = spec.clone();
+    slotted.slot = Some("t1".into());
+    let taken = provider.create(&slotted).await.unwrap();
+    let taken_id = taken.handle().id.clone();
+    let _g = Cleanup(Some(taken_id.clone()));
+    assert!(ready.contains(&taken_id), "the identical spec took one");
+    assert_eq!(name(&taken_id), "harness-pool-test-slot-t1");
+    assert_eq!(
+        sh_ok(&*taken, "ls -A /work; echo end").await,
+        "end\n",
+        "a pooled container was never used"
+    );
+    assert!(provider.pool_settled(SETTLE).await);
+    let after = pooled(&instance);
+    let gone: Vec<_> = before.difference(&after).cloned().collect();
+    let new: Vec<_> = after.difference(&before).cloned().collect();
+    assert_eq!(gone, vec![taken_id.clone()]);
+    assert_eq!(new.len(), 1, "one container refilled the shape: {new:?}");
+    let info = inspect(&new[0]);
+    let config = &info["Config"];
+    assert!(config["Env"]
+        .as_array()
+        .unwrap()
+        .contains(&"POOL_TEST=1".into()));
+    assert_eq!(config["WorkingDir"], "/work");
+    assert_eq!(config["Image"], common::image());
+    assert_eq!(config["Labels"]["dev.harness.session-id"], "pool-test");
+    assert!(config["Labels"].get("team").is_none());
+    assert_ne!(info["HostConfig"]["NetworkMode"], "none");
+    assert_eq!(info["HostConfig"]["Memory"], 0);
+    taken.destroy().await.unwrap();
+    provider.shutdown().await.unwrap();
+    assert_eq!(containers(&instance), Vec::<String>::new());
+}
+
+#[tokio::test]
+async fn a_stopped_pooled_container_is_never_handed_out() {
+    let Some((provider, cleanup)) = pool_provider(1, 4).await else {
+        return;
+    };
+    let instance = cleanup.0.clone();
+    let spec = spec();
+    provider
+        .create(&spec)
+        .await
+        .unwrap()
+        .destroy()
+        .await
+        .unwrap();
+    assert!(provider.pool_settled(SETTLE).await);
+    let ready: Vec<_> = pooled(&instance).into_iter().collect();
+    assert_eq!(ready.len(), 1);
+    // As a dockerd restart or someone's `docker stop` would.
+    let out = Command::new("docker")
+        .args(["stop", &ready[0]])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let sandbox = provider.create(&spec).await.unwrap();
+    let _g = Cleanup(Some(sandbox.handle().id.clone()));
+    assert_ne!(sandbox.handle().id, ready[0]);
+    assert_eq!(sh_ok(&*sandbox, "echo ok").await, "ok\n");
+    assert!(!exists(&ready[0]), "the stopped one was removed");
+    sandbox.destroy().await.unwrap();
+    provider.shutdown().await.unwrap();
+    assert_eq!(containers(&instance), Vec::<String>::new());
+}
+
+#[tokio::test]
+async fn shutdown_removes_the_pool_and_leaves_taken_sandboxes() {
+    let Some((provider, cleanup)) = pool_provider(2, 4).await else {
+        return;
+    };
+    let instance = cleanup.0.clone();
+    let spec = spec();
+    provider
+        .create(&spec)
+        .await
+        .unwrap()
+        .destroy()
+        .await
+        .unwrap();
+    assert!(provider.pool_settled(SETTLE).await);
+    assert_eq!(pooled(&instance).len(), 2);
+    let taken = provider.create(&spec).await.unwrap();
+    let _g = Cleanup(Some(taken.handle().id.clone()));
+    // No settle: the refill is in flight while we shut down.
+    let removed = provider.shutdown().await.unwrap();
+    assert!(removed >= 1, "removed {removed}");
+    assert_eq!(
+        containers(&instance),
+        vec![taken.handle().id.clone()],
+        "only the taken sandbox is left"
+    );
+    assert_eq!(sh_ok(&*taken, "echo alive").await, "alive\n");
+    // Creates still work, without a pool.
+    let fresh = provider.create(&spec).await.unwrap();
+    let _g2 = Cleanup(Some(fresh.handle().id.clone()));
+    fresh.destroy().await.unwrap();
+    taken.destroy().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(containers(&instance), Vec::<String>::new());
+    assert_eq!(provider.pool_ready(), 0);
+}
+
+#[tokio::test]
+async fn dropping_the_provider_removes_its_pool() {
+    let spec = spec();
+    // Settled pool: the drop removes it before it returns.
+    let Some((provider, cleanup)) = pool_provider(2, 4).await else {
+        return;
+    };
+    let instance = cleanup.0.clone();
+    let clone = provider.clone();
+    provider
+        .create(&spec)
+        .await
+        .unwrap()
+        .destroy()
+        .await
+        .unwrap();
+    assert!(provider.pool_settled(SETTLE).await);
+    assert_eq!(pooled(&instance).len(), 2);
+    drop(provider);
+    assert_eq!(pooled(&instance).len(), 2, "a clone still holds the pool");
+    drop(clone);
+    assert_eq!(containers(&instance), Vec::<String>::new());
+
+    // Fills in flight: each removes its container when it finds the pool
+    // gone.
+    let Some((provider, cleanup)) = pool_provider(2, 4).await else {
+        return;
+    };
+    let instance = cleanup.0.clone();
+    provider
+        .create(&spec)
+        .await
+        .unwrap()
+        .destroy()
+        .await
+        .unwrap();
+    drop(provider);
+    let mut left = containers(&instance);
+    for _ in 0..100 {
+        if left.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        left = containers(&instance);
+    }
+    assert_eq!(left, Vec::<String>::new());
+}
+
+/// The `pool_crash` example binary (built with the tests; on demand
+/// otherwise).
+fn crash_example() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let path = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples")
+        .join("pool_crash");
+    if !path.exists() {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let status = Command::new(cargo)
+            .args(["build", "-p", "sandbox-docker", "--example", "pool_crash"])
+            .status()
+            .unwrap();
+        assert!(status.success(), "building the pool_crash example failed");
+    }
+    path
+}
+
+#[tokio::test]
+async fn a_crashed_process_leaves_its_pool_to_the_next_provider() {
+    // A live provider's pool must survive the reaping.
+    let Some((live, live_cleanup)) = pool_provider(1, 4).await else {
+        return;
+    };
+    live.create(&spec()).await.unwrap().destroy().await.unwrap();
+    assert!(live.pool_settled(SETTLE).await);
+    assert_eq!(pooled(&live_cleanup.0).len(), 1);
+
+    let out = Command::new(crash_example())
+        .arg("2")
+        .env("HARNESS_TEST_IMAGE", common::image())
+        .output()
+        .unwrap();
+    let instance = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let _cleanup = PoolCleanup(instance.clone());
+    // SIGABRT, not an error exit: its pool was full when it crashed.
+    use std::os::unix::process::ExitStatusExt;
+    assert!(
+        out.status.signal() == Some(6) && instance.len() == 12,
+        "the example should fill its pool, print it and abort: {:?} {instance:?} {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // (Another provider connecting meanwhile, in a parallel test, may
+    // already have reaped them.)
+    let left = pooled(&instance).len();
+    assert!(left <= 2, "the crash left {left}");
+
+    // The next provider (pool or not) reaps them at connect.
+    let next = common::provider().await.unwrap();
+    assert_eq!(containers(&instance), Vec::<String>::new());
+    assert_eq!(
+        pooled(&live_cleanup.0).len(),
+        1,
+        "the live provider's pool is kept"
+    );
+    assert_eq!(next.reap_pool_leftovers().await.unwrap(), 0);
+    live.shutdown().await.unwrap();
+    assert_eq!(containers(&live_cleanup.0), Vec::<String>::new());
+}
