@@ -56,6 +56,8 @@ struct Shape {
 #[derive(Debug, Default)]
 struct State {
     closed: bool,
+    /// Fills in flight over all shapes (also those of evicted shapes).
+    in_flight: usize,
     shapes: HashMap<String, Shape>,
     tick: u64,
 }
@@ -144,6 +146,7 @@ impl Pool {
             shape.last_used = tick;
             to_start = self.size.saturating_sub(shape.ready.len() + shape.filling);
             shape.filling += to_start;
+            state.in_flight += to_start;
         }
         let plan = {
             let state = self.state();
@@ -194,7 +197,7 @@ impl Pool {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let notified = self.changed.notified();
-            if self.state().shapes.values().all(|s| s.filling == 0) {
+            if self.state().in_flight == 0 {
                 return true;
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
@@ -251,7 +254,7 @@ impl Drop for Pool {
     fn drop(&mut self) {
         let already = {
             let state = self.state();
-            state.closed && state.shapes.values().all(|s| s.filling == 0)
+            state.closed && state.in_flight == 0
         };
         if already {
             // Shut down, and no fill in flight: nothing can be left.
@@ -302,6 +305,7 @@ async fn finish_fill(bare: &DockerProvider, pool: &Weak<Pool>, key: &str, made: 
     };
     let leftover = {
         let mut state = pool.state();
+        state.in_flight = state.in_flight.saturating_sub(1);
         let closed = state.closed;
         match state.shapes.get_mut(key) {
             Some(shape) => {
