@@ -54,20 +54,9 @@ async fn docker_passes_the_sandbox_conformance_suite() {
         // covers ports with perl meanwhile).
         let sandbox = provider.create(&spec).await.unwrap();
         let sb = sandbox.as_ref();
-        suite::exec_streams_stdout_stderr_and_one_exit(sb)
-            .await
-            .unwrap();
-        suite::exec_exit_codes(sb).await.unwrap();
-        suite::exec_cwd(sb).await.unwrap();
-        suite::exec_stdin(sb).await.unwrap();
-        suite::exec_streams_before_exit(sb).await.unwrap();
-        suite::exec_timeout_kills_tree(sb).await.unwrap();
-        suite::exec_abort_kills_tree(sb).await.unwrap();
-        suite::files_round_trip(sb).await.unwrap();
-        suite::read_file_from_offset(sb).await.unwrap();
+        suite::command_and_file_items(sb).await.unwrap();
         suite::tar_round_trip(sb).await.unwrap();
         suite::import_refuses_escaping_entries(sb).await.unwrap();
-        suite::detached_processes(sb).await.unwrap();
         suite::large_file_round_trip(sb, "suite/large.bin", options.large_file_bytes)
             .await
             .unwrap();

@@ -57,19 +57,8 @@ async fn the_suite_passes_with_every_command_behind_the_gate() {
         .await
         .unwrap();
     let sb = sandbox.as_ref();
-    suite::exec_streams_stdout_stderr_and_one_exit(sb)
-        .await
-        .unwrap();
-    suite::exec_exit_codes(sb).await.unwrap();
-    suite::exec_cwd(sb).await.unwrap();
-    suite::exec_stdin(sb).await.unwrap();
-    suite::exec_streams_before_exit(sb).await.unwrap();
-    suite::exec_timeout_kills_tree(sb).await.unwrap();
-    suite::exec_abort_kills_tree(sb).await.unwrap();
-    suite::files_round_trip(sb).await.unwrap();
-    suite::read_file_from_offset(sb).await.unwrap();
+    suite::command_and_file_items(sb).await.unwrap();
     suite::concurrent_execs(sb).await.unwrap();
-    suite::detached_processes(sb).await.unwrap();
     suite::a_second_launch_in_one_spool_returns_the_first(sb)
         .await
         .unwrap();

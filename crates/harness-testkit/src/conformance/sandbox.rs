@@ -215,6 +215,25 @@ pub async fn run_all_with(
     }
 }
 
+/// The items about one sandbox's commands and files — exec streams, exit
+/// codes, cwd, stdin, streaming before exit, timeout and abort killing the
+/// tree, files, reads from an offset, detached processes — stopping at the
+/// first failure: for a backend's own tests of a sandbox made another way
+/// (behind a gate, taken from a pool) that must keep the same contract.
+pub async fn command_and_file_items(sb: &dyn Sandbox) -> Result<()> {
+    exec_streams_stdout_stderr_and_one_exit(sb).await?;
+    exec_exit_codes(sb).await?;
+    exec_cwd(sb).await?;
+    exec_stdin(sb).await?;
+    exec_streams_before_exit(sb).await?;
+    exec_timeout_kills_tree(sb).await?;
+    exec_abort_kills_tree(sb).await?;
+    files_round_trip(sb).await?;
+    read_file_from_offset(sb).await?;
+    detached_processes(sb).await?;
+    Ok(())
+}
+
 // ---------------------------------------------------------------------------
 // helpers
 
