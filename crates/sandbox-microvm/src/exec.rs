@@ -14,6 +14,7 @@ use harness_microvm_agent::{Host, CHUNK, WINDOW};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::conn::{self, Event, Lease};
+use crate::guest_files::{aborted, sleep_until, stdin_failure};
 
 /// How long a killed command's output may still drain before its exit is
 /// reported without the agent's word.
@@ -112,29 +113,6 @@ impl Running {
                 }
             }
         }
-    }
-}
-
-/// The stdin feeder's error; `None` once it finished without one (then
-/// the slot is emptied and this never resolves again).
-async fn stdin_failure(rx: &mut Option<oneshot::Receiver<Error>>) -> Option<Error> {
-    match rx {
-        Some(r) => r.await.ok(),
-        None => futures::future::pending().await,
-    }
-}
-
-async fn sleep_until(at: Option<tokio::time::Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => futures::future::pending().await,
-    }
-}
-
-async fn aborted(abort: Option<AbortSignal>) {
-    match abort {
-        Some(a) => a.aborted().await,
-        None => futures::future::pending().await,
     }
 }
 

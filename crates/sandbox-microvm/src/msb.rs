@@ -39,15 +39,16 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures::StreamExt;
 use harness_core::sandbox::{
-    collect_exec, exec_stdout_stream, export_tar_by_exec, extract_tar_failure, extract_tar_script,
-    first_error_now, resolve_path, shell_quote, ExecEvent, ExecRequest, ExecStream, ExitReason,
-    ExitStatus, NetworkPolicy, PortEndpoint, Sandbox, SandboxHandle, SandboxProvider, SandboxSpec,
+    collect_exec, exec_stdout_stream, export_tar_by_exec, first_error_now, resolve_path,
+    shell_quote, ExecEvent, ExecRequest, ExecStream, ExitReason, ExitStatus, NetworkPolicy,
+    PortEndpoint, Sandbox, SandboxHandle, SandboxProvider, SandboxSpec,
 };
 use harness_core::stream::{AbortSignal, ByteStream};
-use harness_core::{tarscan, Error, ErrorKind, Result};
+use harness_core::{Error, ErrorKind, Result};
 use microsandbox as sdk;
 use tokio::sync::oneshot;
 
+use crate::guest_files::{self, aborted, sleep_until, stdin_failure};
 use crate::BASE_PATH;
 
 /// The provider name in handles.
@@ -720,27 +721,6 @@ impl Running {
     }
 }
 
-async fn stdin_failure(rx: &mut Option<oneshot::Receiver<Error>>) -> Option<Error> {
-    match rx {
-        Some(r) => r.await.ok(),
-        None => futures::future::pending().await,
-    }
-}
-
-async fn sleep_until(at: Option<tokio::time::Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => futures::future::pending().await,
-    }
-}
-
-async fn aborted(abort: Option<AbortSignal>) {
-    match abort {
-        Some(a) => a.aborted().await,
-        None => futures::future::pending().await,
-    }
-}
-
 /// What kind of KVM this host has, for skip reasons: `kvm_pvm` (a
 /// software scheme that cannot run libkrun guests) or the usual modules.
 fn kvm_kind() -> String {
@@ -757,6 +737,25 @@ fn kvm_kind() -> String {
         "no kvm module in /sys/module".into()
     } else {
         format!("kvm modules: {}", loaded.join(", "))
+    }
+}
+
+#[async_trait]
+impl guest_files::StdinShell for MicrosandboxSandbox {
+    async fn start_script(&self, script: String, stdin: ByteStream) -> Result<ExecStream> {
+        self.start(
+            vec!["sh".into(), "-c".into(), script],
+            Some("/"),
+            &BTreeMap::new(),
+            Some(stdin),
+            None,
+            None,
+        )
+        .await
+    }
+
+    async fn run_quietly(&self, script: String) {
+        let _ = self.sh(&script).await;
     }
 }
 
@@ -806,62 +805,7 @@ impl Sandbox for MicrosandboxSandbox {
     }
 
     async fn write_file(&self, path: &str, content: ByteStream) -> Result<u64> {
-        let path = resolve_path(&self.workdir, path);
-        if path.ends_with('/') {
-            return Err(Error::invalid(format!(
-                "{path} names a directory, not a file"
-            )));
-        }
-        let parent = match path.rsplit_once('/') {
-            Some(("", _)) | None => "/".to_string(),
-            Some((p, _)) => p.to_string(),
-        };
-        let tmp = format!("{path}.harness-tmp-{}", uuid::Uuid::new_v4().simple());
-        let counter = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let c = counter.clone();
-        let counted: ByteStream = Box::pin(content.map(move |chunk| {
-            if let Ok(b) = &chunk {
-                c.fetch_add(b.len() as u64, std::sync::atomic::Ordering::Relaxed);
-            }
-            chunk
-        }));
-        let script = format!(
-            "if [ -d {p} ]; then echo {p} is a directory >&2; exit 45; fi; \
-             mkdir -p {d} && cat > {t} && mv -f {t} {p} || {{ rc=$?; rm -f {t}; exit $rc; }}",
-            p = shell_quote(&path),
-            d = shell_quote(&parent),
-            t = shell_quote(&tmp)
-        );
-        let stream = self
-            .start(
-                vec!["sh".into(), "-c".into(), script],
-                Some("/"),
-                &BTreeMap::new(),
-                Some(counted),
-                None,
-                None,
-            )
-            .await?;
-        let out = match collect_exec(stream).await {
-            Ok(out) => out,
-            Err(e) => {
-                let _ = self.sh(&format!("rm -f {}", shell_quote(&tmp))).await;
-                return Err(e);
-            }
-        };
-        if !out.status.success() {
-            let msg = format!(
-                "writing {path} failed ({:?}): {}",
-                out.status,
-                out.stderr_str().trim()
-            );
-            return Err(if out.status.code == Some(45) {
-                Error::invalid(msg)
-            } else {
-                Error::backend(msg)
-            });
-        }
-        Ok(counter.load(std::sync::atomic::Ordering::Relaxed))
+        guest_files::write_file(self, resolve_path(&self.workdir, path), content).await
     }
 
     async fn export_tar(&self, dir: &str) -> Result<ByteStream> {
@@ -869,24 +813,7 @@ impl Sandbox for MicrosandboxSandbox {
     }
 
     async fn import_tar(&self, dir: &str, tar: ByteStream) -> Result<()> {
-        let dir = resolve_path(&self.workdir, dir);
-        let script = extract_tar_script(&dir);
-        let tar = tarscan::scan_stream(tar, tarscan::TarScanner::new().outward_symlinks());
-        let stream = self
-            .start(
-                vec!["sh".into(), "-c".into(), script],
-                Some("/"),
-                &BTreeMap::new(),
-                Some(tar),
-                None,
-                None,
-            )
-            .await?;
-        let out = collect_exec(stream).await?;
-        if out.status.success() {
-            return Ok(());
-        }
-        Err(extract_tar_failure(&dir, &out.status, &out.stderr_str()))
+        guest_files::import_tar(self, resolve_path(&self.workdir, dir), tar).await
     }
 
     async fn port_endpoint(&self, port: u16) -> Result<PortEndpoint> {
