@@ -18,10 +18,16 @@ use tokio::sync::oneshot;
 /// A guest that runs `sh -c` scripts from `/` with a streamed stdin.
 #[async_trait]
 pub(crate) trait StdinShell: Send + Sync {
-    /// Start `sh -c script` from `/`, `stdin` streamed in.
-    async fn start_script(&self, script: String, stdin: ByteStream) -> Result<ExecStream>;
-    /// Run `sh -c script` to its end, for cleanup (its failure is ignored).
-    async fn run_quietly(&self, script: String);
+    /// Start `sh -c script` from `/`, `stdin` (if any) streamed in.
+    async fn start_script(&self, script: String, stdin: Option<ByteStream>) -> Result<ExecStream>;
+
+    /// Run `sh -c script` to a successful end; its stdout.
+    async fn sh(&self, script: &str) -> Result<String> {
+        let out = collect_exec(self.start_script(script.to_string(), None).await?)
+            .await?
+            .check(script)?;
+        Ok(out.stdout_str())
+    }
 }
 
 /// Write `content` to the absolute `path` in the guest: into a temporary
@@ -57,12 +63,10 @@ pub(crate) async fn write_file(
         d = shell_quote(&parent),
         t = shell_quote(&tmp)
     );
-    let out = match collect_exec(guest.start_script(script, counted).await?).await {
+    let out = match collect_exec(guest.start_script(script, Some(counted)).await?).await {
         Ok(out) => out,
         Err(e) => {
-            guest
-                .run_quietly(format!("rm -f {}", shell_quote(&tmp)))
-                .await;
+            let _ = guest.sh(&format!("rm -f {}", shell_quote(&tmp))).await;
             return Err(e);
         }
     };
@@ -86,7 +90,12 @@ pub(crate) async fn write_file(
 /// stops the stream (killing tar) at the first entry it refuses.
 pub(crate) async fn import_tar(guest: &dyn StdinShell, dir: String, tar: ByteStream) -> Result<()> {
     let tar = tarscan::scan_stream(tar, tarscan::TarScanner::new().outward_symlinks());
-    let out = collect_exec(guest.start_script(extract_tar_script(&dir), tar).await?).await?;
+    let out = collect_exec(
+        guest
+            .start_script(extract_tar_script(&dir), Some(tar))
+            .await?,
+    )
+    .await?;
     if out.status.success() {
         return Ok(());
     }

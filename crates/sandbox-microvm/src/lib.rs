@@ -34,14 +34,15 @@ use async_trait::async_trait;
 use futures::StreamExt;
 use harness_core::bootstrap::{self, BootstrapRecipe, HostFiles, SnapshotStore};
 use harness_core::sandbox::{
-    collect_exec, exec_stdout_stream, export_tar_by_exec, first_error_now, resolve_path,
-    shell_quote, ExecRequest, ExecStream, NetworkPolicy, PortEndpoint, Sandbox, SandboxHandle,
-    SandboxProvider, SandboxSpec, SnapshotInfo, EGRESS_PROXY_PORT,
+    exec_stdout_stream, export_tar_by_exec, first_error_now, resolve_path, shell_quote,
+    ExecRequest, ExecStream, NetworkPolicy, PortEndpoint, Sandbox, SandboxHandle, SandboxProvider,
+    SandboxSpec, SnapshotInfo, EGRESS_PROXY_PORT,
 };
 use harness_core::stream::ByteStream;
 use harness_core::{Error, ErrorKind, Result};
 use serde::Deserialize;
 
+use guest_files::StdinShell as _;
 #[cfg(feature = "microsandbox")]
 pub use msb::{MicrosandboxConfig, MicrosandboxProvider, MicrosandboxSandbox, MSB_PROVIDER};
 pub use vm::Accel;
@@ -777,23 +778,6 @@ impl MicrovmSandbox {
         })
     }
 
-    async fn sh(&self, script: &str) -> Result<String> {
-        let out = collect_exec(
-            self.start(
-                vec!["sh".into(), "-c".into(), script.into()],
-                Some("/"),
-                &BTreeMap::new(),
-                None,
-                None,
-                None,
-            )
-            .await?,
-        )
-        .await?
-        .check(script)?;
-        Ok(out.stdout_str())
-    }
-
     /// Flush the guest's disks and power it off; returns when QEMU is gone.
     async fn poweroff(&self) -> Result<()> {
         if self.dir.running_pid().is_some() {
@@ -812,20 +796,16 @@ impl MicrovmSandbox {
 
 #[async_trait]
 impl guest_files::StdinShell for MicrovmSandbox {
-    async fn start_script(&self, script: String, stdin: ByteStream) -> Result<ExecStream> {
+    async fn start_script(&self, script: String, stdin: Option<ByteStream>) -> Result<ExecStream> {
         self.start(
             vec!["sh".into(), "-c".into(), script],
             Some("/"),
             &BTreeMap::new(),
-            Some(stdin),
+            stdin,
             None,
             None,
         )
         .await
-    }
-
-    async fn run_quietly(&self, script: String) {
-        let _ = self.sh(&script).await;
     }
 }
 

@@ -48,7 +48,7 @@ use harness_core::{Error, ErrorKind, Result};
 use microsandbox as sdk;
 use tokio::sync::oneshot;
 
-use crate::guest_files::{self, aborted, sleep_until, stdin_failure};
+use crate::guest_files::{self, aborted, sleep_until, stdin_failure, StdinShell as _};
 use crate::BASE_PATH;
 
 /// The provider name in handles.
@@ -551,23 +551,6 @@ impl MicrosandboxSandbox {
             },
         )))
     }
-
-    async fn sh(&self, script: &str) -> Result<String> {
-        let out = collect_exec(
-            self.start(
-                vec!["sh".into(), "-c".into(), script.into()],
-                Some("/"),
-                &BTreeMap::new(),
-                None,
-                None,
-                None,
-            )
-            .await?,
-        )
-        .await?
-        .check(script)?;
-        Ok(out.stdout_str())
-    }
 }
 
 /// One running command: SDK exec events as harness events, with the
@@ -742,20 +725,16 @@ fn kvm_kind() -> String {
 
 #[async_trait]
 impl guest_files::StdinShell for MicrosandboxSandbox {
-    async fn start_script(&self, script: String, stdin: ByteStream) -> Result<ExecStream> {
+    async fn start_script(&self, script: String, stdin: Option<ByteStream>) -> Result<ExecStream> {
         self.start(
             vec!["sh".into(), "-c".into(), script],
             Some("/"),
             &BTreeMap::new(),
-            Some(stdin),
+            stdin,
             None,
             None,
         )
         .await
-    }
-
-    async fn run_quietly(&self, script: String) {
-        let _ = self.sh(&script).await;
     }
 }
 
