@@ -4,10 +4,7 @@
 
 use std::process::{Command, Stdio};
 
-use harness_testkit::model::{
-    last_is_tool_result_for, last_user_text_contains, Reply, Rule, Script, ScriptedModel,
-    BASH_CALL_ID,
-};
+use harness_testkit::model::{write_a_file_script, ScriptedModel};
 use harness_testkit::{require_env, skip_or_fail};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -24,25 +21,7 @@ async fn run_in_a_microvm_sandbox_goes_through_the_broker() {
         ));
         return;
     }
-    let model = ScriptedModel::start(
-        Script::new()
-            .rule(
-                Rule::new(
-                    last_is_tool_result_for(BASH_CALL_ID),
-                    Reply::text("Wrote it."),
-                )
-                .assert_tool_result_contains(BASH_CALL_ID, "agent-was-here"),
-            )
-            .on(
-                last_user_text_contains("write a file"),
-                Reply::shell(
-                    BASH_CALL_ID,
-                    "echo agent-was-here > made.txt && cat made.txt",
-                ),
-            ),
-    )
-    .await
-    .unwrap();
+    let model = ScriptedModel::start(write_a_file_script()).await.unwrap();
     let home = tempfile::tempdir().unwrap();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_harness"));
     cmd.arg("--home")

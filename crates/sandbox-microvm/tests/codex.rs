@@ -18,24 +18,6 @@ use harness_core::sandbox::{
 };
 use harness_testkit::model::*;
 
-fn script() -> Script {
-    Script::new()
-        .rule(
-            Rule::new(
-                last_is_tool_result_for(BASH_CALL_ID),
-                Reply::text("Wrote it."),
-            )
-            .assert_tool_result_contains(BASH_CALL_ID, "agent-was-here"),
-        )
-        .on(
-            last_user_text_contains("write a file"),
-            Reply::shell(
-                BASH_CALL_ID,
-                "echo agent-was-here > made.txt && cat made.txt",
-            ),
-        )
-}
-
 /// Relay every connection on a new Unix socket to `target` (TCP); returns
 /// the socket's directory guard and path.
 async fn unix_front(target: SocketAddr) -> (tempfile::TempDir, String) {
@@ -73,7 +55,7 @@ async fn codex_turn(network: NetworkPolicy) {
     };
     let server = ScriptedModel::start_on(
         SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
-        script(),
+        write_a_file_script(),
     )
     .await
     .unwrap();

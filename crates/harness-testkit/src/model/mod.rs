@@ -51,6 +51,27 @@ pub use sse::{
     SseEvent,
 };
 
+/// The smallest real turn: a prompt containing "write a file" gets one
+/// shell call (`echo agent-was-here > made.txt && cat made.txt`), whose
+/// result must contain `agent-was-here`, then the text "Wrote it.".
+pub fn write_a_file_script() -> Script {
+    Script::new()
+        .rule(
+            Rule::new(
+                last_is_tool_result_for(BASH_CALL_ID),
+                Reply::text("Wrote it."),
+            )
+            .assert_tool_result_contains(BASH_CALL_ID, "agent-was-here"),
+        )
+        .on(
+            last_user_text_contains("write a file"),
+            Reply::shell(
+                BASH_CALL_ID,
+                "echo agent-was-here > made.txt && cat made.txt",
+            ),
+        )
+}
+
 /// The text answered (and the failure recorded) when no rule matches.
 pub const NO_MATCH_TEXT: &str = "no scripted reply matched";
 
