@@ -4,10 +4,9 @@
 
 mod common;
 
-use harness_core::checkpoint::{CheckpointStore, MemoryCheckpointStore};
-use harness_core::moves;
+use harness_core::checkpoint::MemoryCheckpointStore;
 use harness_core::sandbox::{Sandbox, SandboxProvider, SandboxSpec};
-use harness_testkit::trees::{assert_overlaid, listing, make_tree, prepare_target, sh};
+use harness_testkit::trees::{listing, make_tree, move_onto};
 use sandbox_docker::{DockerConfig, DockerProvider};
 use sandbox_local::LocalProvider;
 
@@ -16,21 +15,6 @@ async fn create(provider: &dyn SandboxProvider) -> Box<dyn Sandbox> {
         .create(&SandboxSpec::new("/workspace"))
         .await
         .expect("create sandbox")
-}
-
-/// Move `a`'s tree onto `b` through `store`; `b` = `a` + its own file.
-async fn move_onto(a: &dyn Sandbox, b: &dyn Sandbox, store: &dyn CheckpointStore, key: &str) {
-    prepare_target(b).await;
-    let want = listing(a, a.workdir()).await;
-    moves::checkpoint(a, a.workdir(), store, key, None)
-        .await
-        .unwrap();
-    moves::restore(store, key, b, b.workdir(), None)
-        .await
-        .unwrap();
-    let got = listing(b, b.workdir()).await;
-    assert_overlaid(&want, &got);
-    sh(b, &format!("rm {}/b-only.txt", b.workdir())).await;
 }
 
 async fn docker() -> Option<DockerProvider> {
