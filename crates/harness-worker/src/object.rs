@@ -296,11 +296,7 @@ impl SessionObject {
     ) -> Result<Response, ApiError> {
         let after = request::param_u64(params, "after")?.unwrap_or(0);
         let info = store.info().await?;
-        let headers = Headers::new();
-        headers
-            .set("content-type", "text/event-stream")
-            .map_err(internal)?;
-        headers.set("cache-control", "no-cache").map_err(internal)?;
+        let headers = sse_headers()?;
         if info.sealed && after >= info.last_seq {
             // Nothing will come: the stream is over.
             let empty = futures::stream::empty::<worker::Result<Vec<u8>>>();
@@ -308,18 +304,7 @@ impl SessionObject {
                 .map_err(internal)?
                 .with_headers(headers));
         }
-        let mut guard = self.actor(session).await?;
-        let live = guard.as_mut().expect("the actor is live");
-        let (conn, rx) = live.open();
-        // The actor replays (after, last] into the channel, then live frames.
-        live.driver
-            .handle(Input::Connect {
-                conn,
-                role: Role::Client,
-                after: Some(after),
-            })
-            .await;
-        drop(guard);
+        let (conn, rx) = self.connect_reader(session, after).await?;
         let reader = Reader {
             rx,
             cursor: after,
@@ -340,6 +325,26 @@ impl SessionObject {
 }
 
 impl SessionObject {
+    /// Connect a reading client at `after`: the actor replays (after,
+    /// last] into the channel, then every live frame.
+    async fn connect_reader(
+        &self,
+        session: &SessionId,
+        after: u64,
+    ) -> Result<(ConnId, UnboundedReceiver<Outbound>), ApiError> {
+        let mut guard = self.actor(session).await?;
+        let live = guard.as_mut().expect("the actor is live");
+        let (conn, rx) = live.open();
+        live.driver
+            .handle(Input::Connect {
+                conn,
+                role: Role::Client,
+                after: Some(after),
+            })
+            .await;
+        Ok((conn, rx))
+    }
+
     /// The AI SDK UI message stream from `after` (default: the log's end
     /// now) until the turn finishes or the session is sealed, as
     /// `session-server` answers it (`session_api::ui_stream`).
@@ -351,23 +356,9 @@ impl SessionObject {
     ) -> Result<Response, ApiError> {
         let info = store.info().await?;
         let after = request::param_u64(params, "after")?.unwrap_or(info.last_seq);
-        let headers = Headers::new();
-        headers
-            .set("content-type", "text/event-stream")
-            .map_err(internal)?;
-        headers.set("cache-control", "no-cache").map_err(internal)?;
+        let headers = sse_headers()?;
         headers.set(UI_STREAM_HEADER, "v1").map_err(internal)?;
-        let mut guard = self.actor(session).await?;
-        let live = guard.as_mut().expect("the actor is live");
-        let (conn, rx) = live.open();
-        live.driver
-            .handle(Input::Connect {
-                conn,
-                role: Role::Client,
-                after: Some(after),
-            })
-            .await;
-        drop(guard);
+        let (conn, rx) = self.connect_reader(session, after).await?;
         let reader = UiReader {
             rx,
             cursor: after,
@@ -390,6 +381,16 @@ impl SessionObject {
 
 /// One UI-stream reader: session messages mapped to UI chunks, then
 /// `[DONE]`.
+/// The headers of an SSE response.
+fn sse_headers() -> Result<Headers, ApiError> {
+    let headers = Headers::new();
+    headers
+        .set("content-type", "text/event-stream")
+        .map_err(internal)?;
+    headers.set("cache-control", "no-cache").map_err(internal)?;
+    Ok(headers)
+}
+
 #[derive(Debug)]
 struct UiReader {
     rx: UnboundedReceiver<Outbound>,
