@@ -249,6 +249,15 @@ impl Agent {
         })
     }
 
+    /// The running exec `id`, if it is still running.
+    fn exec_of(&self, id: u64) -> Option<Arc<Exec>> {
+        self.execs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&id)
+            .cloned()
+    }
+
     fn handle(self: &Arc<Self>, frame: Host, payload: Vec<u8>) {
         match frame {
             Host::Hello { nonce } => {
@@ -284,13 +293,7 @@ impl Agent {
                 std::thread::spawn(move || agent.exec(id, argv, env, cwd, stdin));
             }
             Host::Stdin { id, eof } => {
-                let exec = self
-                    .execs
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .get(&id)
-                    .cloned();
-                if let Some(exec) = exec {
+                if let Some(exec) = self.exec_of(id) {
                     let tx = exec.stdin.lock().unwrap_or_else(|e| e.into_inner()).clone();
                     if let Some(tx) = tx {
                         let _ = tx.send((payload, eof));
@@ -298,26 +301,14 @@ impl Agent {
                 }
             }
             Host::Credit { id, bytes } => {
-                let exec = self
-                    .execs
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .get(&id)
-                    .cloned();
-                if let Some(exec) = exec {
+                if let Some(exec) = self.exec_of(id) {
                     let mut credit = exec.credit.lock().unwrap_or_else(|e| e.into_inner());
                     *credit = credit.saturating_add(bytes);
                     exec.credit_cv.notify_all();
                 }
             }
             Host::Kill { id } => {
-                let exec = self
-                    .execs
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .get(&id)
-                    .cloned();
-                if let Some(exec) = exec {
+                if let Some(exec) = self.exec_of(id) {
                     let _ = killpg(Pid::from_raw(exec.pgid), Signal::SIGKILL);
                 }
             }
