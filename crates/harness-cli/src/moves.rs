@@ -395,75 +395,72 @@ pub async fn checkpoint(home: &Home, args: CheckpointArgs) -> Result<()> {
         bytes: Some(bytes),
         from_workdir: None,
     };
-    if args.incremental {
-        let key = args.key.unwrap_or_else(|| format!("{base}.tree"));
-        let step = bars.step(format!(
-            "checkpointing the working tree of {session} (changed content only)"
-        ));
-        let stored = harness::core::tree_checkpoint::checkpoint_tree(
-            sandbox.as_ref(),
-            sandbox.workdir(),
-            &store,
-            &key,
-            args.parent.as_deref(),
-            &SystemClock,
-            Some(bars.clone()),
-        )
-        .await
-        .context("checkpointing the working tree");
-        step.finish_and_clear();
-        let stored = stored?;
-        record(
-            &log,
-            &session,
-            record_of("tree", &key, stored.bytes_uploaded).frame(&after_turn),
-        )
-        .await;
-        println!(
-            "checkpoint {key} (tree only, incremental): {} entries, {} bytes; read {} files \
-             ({} bytes), uploaded {} new chunks ({} bytes with the manifest){}",
-            stored.entries,
-            stored.tree_bytes,
-            stored.files_read,
-            stored.bytes_read,
-            stored.chunks_uploaded,
-            stored.bytes_uploaded,
-            match &args.parent {
-                Some(p) => format!(", {} paths deleted since {p}", stored.deleted),
-                None => String::new(),
-            }
-        );
-        println!(
-            "restore it with `harness restore --tree-only --session ID --key {key}`; \
-             the next one with `--incremental --parent {key}`"
-        );
-        return Ok(());
-    }
     if args.tree_only {
-        let key = args.key.unwrap_or_else(|| format!("{base}.tar.zst"));
-        let step = bars.step(format!("checkpointing the working tree of {session}"));
-        let stored = harness::core::moves::checkpoint(
-            sandbox.as_ref(),
-            sandbox.workdir(),
-            &store,
-            &key,
-            Some(bars.clone()),
-        )
-        .await
-        .context("checkpointing the working tree");
-        step.finish_and_clear();
-        let stored = stored?;
+        // One archive, or a tree checkpoint (manifest + blobs): the stored
+        // bytes, and what to say about it.
+        let (key, bytes, said) = if args.incremental {
+            let key = args.key.unwrap_or_else(|| format!("{base}.tree"));
+            let step = bars.step(format!(
+                "checkpointing the working tree of {session} (changed content only)"
+            ));
+            let stored = harness::core::tree_checkpoint::checkpoint_tree(
+                sandbox.as_ref(),
+                sandbox.workdir(),
+                &store,
+                &key,
+                args.parent.as_deref(),
+                &SystemClock,
+                Some(bars.clone()),
+            )
+            .await
+            .context("checkpointing the working tree");
+            step.finish_and_clear();
+            let stored = stored?;
+            let said = format!(
+                "checkpoint {key} (tree only, incremental): {} entries, {} bytes; read {} files \
+                 ({} bytes), uploaded {} new chunks ({} bytes with the manifest){}\n\
+                 restore it with `harness restore --tree-only --session ID --key {key}`; \
+                 the next one with `--incremental --parent {key}`",
+                stored.entries,
+                stored.tree_bytes,
+                stored.files_read,
+                stored.bytes_read,
+                stored.chunks_uploaded,
+                stored.bytes_uploaded,
+                match &args.parent {
+                    Some(p) => format!(", {} paths deleted since {p}", stored.deleted),
+                    None => String::new(),
+                }
+            );
+            (key, stored.bytes_uploaded, said)
+        } else {
+            let key = args.key.unwrap_or_else(|| format!("{base}.tar.zst"));
+            let step = bars.step(format!("checkpointing the working tree of {session}"));
+            let stored = harness::core::moves::checkpoint(
+                sandbox.as_ref(),
+                sandbox.workdir(),
+                &store,
+                &key,
+                Some(bars.clone()),
+            )
+            .await
+            .context("checkpointing the working tree");
+            step.finish_and_clear();
+            let stored = stored?;
+            let said = format!(
+                "checkpoint {} (tree only): {} bytes of tar as {} bytes of zstd, sha256 {}\n\
+                 restore it with `harness restore --tree-only --session ID --key {key}`",
+                stored.object.key, stored.tar_bytes, stored.object.size, stored.object.sha256
+            );
+            (key, stored.object.size, said)
+        };
         record(
             &log,
             &session,
-            record_of("tree", &key, stored.object.size).frame(&after_turn),
+            record_of("tree", &key, bytes).frame(&after_turn),
         )
         .await;
-        println!(
-            "checkpoint {} (tree only): {} bytes of tar as {} bytes of zstd, sha256 {}",
-            stored.object.key, stored.tar_bytes, stored.object.size, stored.object.sha256
-        );
-        println!("restore it with `harness restore --tree-only --session ID --key {key}`");
+        println!("{said}");
         return Ok(());
     }
     let key = args.key.unwrap_or(base);
