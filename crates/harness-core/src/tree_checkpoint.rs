@@ -736,7 +736,8 @@ fn tar_header(entry: &TreeEntry) -> Result<Bytes> {
 async fn fetch_chunk(store: &dyn CheckpointStore, hash: &str) -> Result<Bytes> {
     let key = blob_key(hash);
     let body = decompress(store.get(&key).await?);
-    let content = collect(body).await?;
+    // A chunk is at most MAX_CHUNK: a blob that inflates past it is refused.
+    let content = crate::stream::collect(body, MAX_CHUNK).await?;
     let got = hex::encode(Sha256::digest(&content));
     if got != hash {
         return Err(Error::corrupt(format!(
@@ -746,16 +747,14 @@ async fn fetch_chunk(store: &dyn CheckpointStore, hash: &str) -> Result<Bytes> {
     Ok(content)
 }
 
-async fn collect(mut stream: ByteStream) -> Result<Bytes> {
-    let mut out = BytesMut::new();
-    while let Some(chunk) = stream.next().await {
-        out.extend_from_slice(&chunk?);
-    }
-    Ok(out.freeze())
-}
-
 async fn compressed(content: Bytes) -> Result<Bytes> {
-    collect(compress(crate::stream::once(content), DEFAULT_ZSTD_LEVEL)).await
+    // zstd never grows incompressible data by more than a few bytes per block.
+    let limit = content.len() + content.len() / 8 + 1024;
+    crate::stream::collect(
+        compress(crate::stream::once(content), DEFAULT_ZSTD_LEVEL),
+        limit,
+    )
+    .await
 }
 
 /// Uploads chunks the store lacks, within [`IN_FLIGHT_BYTES`] and
