@@ -1,0 +1,358 @@
+//! The body of a turn's Workflow instance: core's [`TurnDriver`] driven
+//! through durable steps.
+//!
+//! Workflows runs an instance's `run` from the top every time it resumes
+//! it (after a sleep, an eviction, a retry of the whole instance); each
+//! `step.do` whose name was seen before returns its recorded output
+//! without running again. So this loop must take the same path on every
+//! replay, and everything it decides on comes out of a step:
+//!
+//! - the time the driver is fed is the time the previous step *recorded*
+//!   (a step's output is `{at_ms, ok | failure}`), never the clock at
+//!   replay;
+//! - step names are numbered in the order the loop asks for them
+//!   (`0003 slice`), so a replay asks for the same names in the same order;
+//! - the executor runs only inside a step body.
+//!
+//! The seam to the runtime is [`Steps`]: `binding::WorkflowSteps` on wasm32
+//! (a `WorkflowStep`), and a replaying double in this crate's tests.
+
+use std::rc::Rc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::future::LocalBoxFuture;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use harness_core::engine::SliceExecutor;
+use harness_core::sandbox::SandboxHandle;
+use harness_core::stream::AbortSignal;
+use harness_core::turn::{ApprovalAnswer, SliceReport, TurnState};
+use harness_core::turn_driver::{StepFailure, TurnAction, TurnDriver};
+use harness_core::Result;
+
+/// The event type a waiting turn takes its input from
+/// (`instance.sendEvent({type: "turn-input", payload})`), a JSON
+/// [`TurnInput`].
+pub const INPUT_EVENT: &str = "turn-input";
+
+/// What a Workflow instance is created with (its `params`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TurnParams {
+    /// The turn's initial state (`SessionRuntime::initial_state`).
+    pub state: TurnState,
+    /// The runner generation this instance emits parts as: a newer
+    /// instance of the same session fences it.
+    pub generation: u64,
+    /// Retries and timeouts of the steps (in the params, not read from the
+    /// Worker's environment, so a replay schedules the same steps).
+    #[serde(default)]
+    pub tuning: StepTuning,
+}
+
+/// A client's input to a waiting turn.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "kebab-case")]
+pub enum TurnInput {
+    /// An answer to the pending approval.
+    Answer {
+        /// The answer.
+        answer: ApprovalAnswer,
+    },
+    /// Abort the turn.
+    Abort {
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Retries and timeouts of a turn's steps.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct StepTuning {
+    /// Retries of a step that failed retryably (after the first attempt).
+    pub retries: u32,
+    /// Delay before each retry (constant).
+    pub retry_delay_ms: u64,
+    /// Added to the slice budget for the slice step's timeout.
+    pub slice_margin_ms: u64,
+    /// Timeout of the other steps (creating a sandbox runs its bootstrap).
+    pub step_timeout_ms: u64,
+    /// How long a turn waits for an approval answer before it is aborted.
+    pub input_timeout_ms: u64,
+}
+
+impl Default for StepTuning {
+    fn default() -> Self {
+        Self {
+            retries: 3,
+            retry_delay_ms: 2_000,
+            slice_margin_ms: 60_000,
+            step_timeout_ms: 10 * 60_000,
+            input_timeout_ms: 24 * 3_600_000,
+        }
+    }
+}
+
+/// How one step is run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepOptions {
+    /// Timeout of one attempt.
+    pub timeout_ms: u64,
+    /// Retries after the first attempt.
+    pub retries: u32,
+    /// Delay before each retry.
+    pub retry_delay_ms: u64,
+}
+
+/// One attempt of a step: `Ok(json)` is recorded as the step's output;
+/// `Err(message)` fails the attempt, which the runtime retries.
+pub type StepBody = Rc<dyn Fn() -> LocalBoxFuture<'static, std::result::Result<String, String>>>;
+
+/// The durable-step runtime: Workflows' `WorkflowStep` on wasm32.
+#[async_trait(?Send)]
+pub trait Steps {
+    /// Run `body` as the step `name`, or return what it recorded before.
+    /// `Err(message)` when every attempt failed.
+    async fn run(
+        &self,
+        name: &str,
+        options: StepOptions,
+        body: StepBody,
+    ) -> std::result::Result<String, String>;
+
+    /// Wait for a [`INPUT_EVENT`] event (its payload, as JSON), or what
+    /// this wait recorded before. `Err` after `timeout_ms` without one.
+    async fn wait_input(&self, name: &str, timeout_ms: u64) -> std::result::Result<String, String>;
+}
+
+/// What a step records: the result of the action and when it finished.
+#[derive(Debug, Serialize, Deserialize)]
+struct Record<T> {
+    at_ms: u64,
+    #[serde(default = "Option::default")]
+    ok: Option<T>,
+    #[serde(default)]
+    failure: Option<StepFailure>,
+}
+
+/// The step body's verdict on an action's result: success and failures no
+/// attempt can change are recorded; a retryable failure fails the attempt.
+fn record<T: Serialize>(result: Result<T>, at_ms: u64) -> std::result::Result<String, String> {
+    let record = match result {
+        Ok(value) => Record {
+            at_ms,
+            ok: Some(value),
+            failure: None,
+        },
+        Err(e) => match StepFailure::from_error(&e) {
+            StepFailure::Retryable(message) => return Err(message),
+            failure => Record {
+                at_ms,
+                ok: None,
+                failure: Some(failure),
+            },
+        },
+    };
+    serde_json::to_string(&record).map_err(|e| format!("encoding the step's output: {e}"))
+}
+
+/// Run one action as a step and read back its record: the action's result
+/// (a step that failed every attempt is `Retryable` with its last message)
+/// and the time it finished, if it recorded one.
+async fn step<T: DeserializeOwned>(
+    steps: &dyn Steps,
+    name: &str,
+    options: StepOptions,
+    body: StepBody,
+) -> (Option<u64>, std::result::Result<T, StepFailure>) {
+    match steps.run(name, options, body).await {
+        Ok(json) => match serde_json::from_str::<Record<T>>(&json) {
+            Ok(Record {
+                at_ms, ok: Some(v), ..
+            }) => (Some(at_ms), Ok(v)),
+            Ok(Record {
+                at_ms,
+                failure: Some(f),
+                ..
+            }) => (Some(at_ms), Err(f)),
+            Ok(Record { at_ms, .. }) => (
+                Some(at_ms),
+                Err(StepFailure::Fatal(format!(
+                    "step {name} recorded neither a result nor a failure"
+                ))),
+            ),
+            Err(e) => (
+                None,
+                Err(StepFailure::Fatal(format!(
+                    "step {name} recorded an unreadable output: {e}"
+                ))),
+            ),
+        },
+        Err(message) => (None, Err(StepFailure::Retryable(message))),
+    }
+}
+
+/// Drive a turn to its end through `steps`; returns the final state.
+///
+/// `clock` is read only inside step bodies (its readings are recorded).
+/// Parts reach the session through `executor`'s sink as they are parsed,
+/// keyed by spool offset, so a retried or replayed slice re-emits nothing
+/// the log has not deduplicated.
+pub async fn run_turn(
+    params: TurnParams,
+    steps: &dyn Steps,
+    executor: Rc<dyn SliceExecutor>,
+    clock: Rc<dyn Fn() -> u64>,
+) -> Result<TurnState> {
+    let tuning = params.tuning;
+    let mut driver = TurnDriver::new(params.state)?;
+    let mut seq = 0u32;
+    let mut next_name = |what: &str| {
+        seq += 1;
+        format!("{seq:04} {what}")
+    };
+    let options = |timeout_ms: u64| StepOptions {
+        timeout_ms,
+        retries: tuning.retries,
+        retry_delay_ms: tuning.retry_delay_ms,
+    };
+
+    let start_clock = clock.clone();
+    let (at, _) = step::<u64>(
+        steps,
+        &next_name("start"),
+        options(tuning.step_timeout_ms),
+        Rc::new(move || {
+            let now = start_clock();
+            Box::pin(async move { record(Ok(now), now) })
+        }),
+    )
+    .await;
+    let mut now_ms = at.unwrap_or(0);
+
+    loop {
+        let state = driver.state().clone();
+        match driver.poll(now_ms) {
+            TurnAction::CreateSandbox => {
+                let (executor, clock, state) = (executor.clone(), clock.clone(), state.clone());
+                let (at, result) = step::<SandboxHandle>(
+                    steps,
+                    &next_name("create-sandbox"),
+                    options(tuning.step_timeout_ms),
+                    Rc::new(move || {
+                        let (executor, clock, state) =
+                            (executor.clone(), clock.clone(), state.clone());
+                        Box::pin(async move {
+                            let result = executor.create_sandbox(&state).await;
+                            record(result, clock())
+                        })
+                    }),
+                )
+                .await;
+                now_ms = at.unwrap_or(now_ms);
+                driver.sandbox_created(result);
+            }
+            TurnAction::RunSlice { budget_ms } => {
+                let (executor, clock, state) = (executor.clone(), clock.clone(), state.clone());
+                let (at, result) = step::<SliceReport>(
+                    steps,
+                    &next_name("slice"),
+                    options(budget_ms.saturating_add(tuning.slice_margin_ms)),
+                    Rc::new(move || {
+                        let (executor, clock, state) =
+                            (executor.clone(), clock.clone(), state.clone());
+                        Box::pin(async move {
+                            // Aborts reach a waiting turn as events; a
+                            // running slice ends at its budget or the
+                            // agent's exit (docs/durable-workflows.md).
+                            let result = executor
+                                .run_slice(
+                                    &state,
+                                    Duration::from_millis(budget_ms),
+                                    AbortSignal::new(),
+                                )
+                                .await;
+                            record(result, clock())
+                        })
+                    }),
+                )
+                .await;
+                now_ms = at.unwrap_or(now_ms);
+                driver.slice_done(result, now_ms);
+            }
+            TurnAction::KillAgent { process } => {
+                let (executor, clock, state) = (executor.clone(), clock.clone(), state.clone());
+                let (at, result) = step::<()>(
+                    steps,
+                    &next_name("kill-agent"),
+                    options(tuning.step_timeout_ms),
+                    Rc::new(move || {
+                        let (executor, clock, state, process) = (
+                            executor.clone(),
+                            clock.clone(),
+                            state.clone(),
+                            process.clone(),
+                        );
+                        Box::pin(async move {
+                            let result = executor.kill_agent(&state, &process).await;
+                            record(result, clock())
+                        })
+                    }),
+                )
+                .await;
+                now_ms = at.unwrap_or(now_ms);
+                // The step's retries are spent: a failure is final.
+                driver.agent_killed(result.map_err(final_failure));
+            }
+            TurnAction::RecordEnd => {
+                let (executor, clock, state) = (executor.clone(), clock.clone(), state.clone());
+                let (at, result) = step::<()>(
+                    steps,
+                    &next_name("record-end"),
+                    options(tuning.step_timeout_ms),
+                    Rc::new(move || {
+                        let (executor, clock, state) =
+                            (executor.clone(), clock.clone(), state.clone());
+                        Box::pin(async move {
+                            let result = executor.turn_ended(&state).await;
+                            record(result, clock())
+                        })
+                    }),
+                )
+                .await;
+                now_ms = at.unwrap_or(now_ms);
+                driver.end_recorded(result.map_err(final_failure));
+            }
+            TurnAction::AwaitInput => {
+                match steps
+                    .wait_input(&next_name("input"), tuning.input_timeout_ms)
+                    .await
+                {
+                    Ok(json) => match serde_json::from_str::<TurnInput>(&json) {
+                        Ok(TurnInput::Answer { answer }) => driver.answer(answer),
+                        Ok(TurnInput::Abort { reason }) => driver.abort(reason),
+                        // The event is recorded, so a replay ends the same way.
+                        Err(e) => {
+                            driver.abort(format!("a {INPUT_EVENT} event is not a turn input: {e}"))
+                        }
+                    },
+                    Err(message) => driver.abort(format!(
+                        "no answer within {} s ({message})",
+                        tuning.input_timeout_ms / 1000
+                    )),
+                }
+            }
+            TurnAction::Stop | TurnAction::Done => return Ok(driver.into_state()),
+        }
+    }
+}
+
+/// Killing and recording the end already ran the step's retries.
+fn final_failure(failure: StepFailure) -> StepFailure {
+    match failure {
+        StepFailure::Retryable(message) => StepFailure::Fatal(message),
+        other => other,
+    }
+}
