@@ -170,6 +170,9 @@ pub const MATRIX: &[Row] = &[
     // the Worker target; on the host the crate is empty. Its wasm32 build
     // by worker-build, run under wrangler dev, is the `worker` step.
     Row::check("harness-worker").target(WASM),
+    // The Workflows engine: its bindings and engine exist only on wasm32
+    // (the turn loop is tested natively in its own tests).
+    Row::check("durable-workflows").target(WASM),
     // OTLP export is a feature of the binary: its span test runs with it on
     // (docs/operations.md).
     Row::test("harness-cli").features("otlp").only_test("otlp"),

@@ -158,9 +158,14 @@ impl WranglerDev {
         Some(dev)
     }
 
+    /// Everything wrangler (and the Worker's `console`) printed so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.state.join("wrangler.log")).unwrap_or_default()
+    }
+
     /// The end of wrangler's output.
     pub fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(self.state.join("wrangler.log")).unwrap_or_default();
+        let text = self.log();
         let lines: Vec<&str> = text.lines().collect();
         lines[lines.len().saturating_sub(40)..].join("\n")
     }

@@ -19,6 +19,7 @@
 mod front;
 mod object;
 mod store;
+mod turns;
 
 pub use object::SessionObject;
 pub use store::DoStore;

@@ -20,22 +20,27 @@ use std::collections::HashMap;
 use std::rc::Rc;
 use std::sync::Arc;
 
+use durable_workflows::engine::WorkflowsEngine;
 use futures::channel::mpsc::{unbounded, UnboundedReceiver, UnboundedSender};
 use futures::lock::{Mutex, MutexGuard};
 use futures::StreamExt;
-use harness_core::actor::{ActorConfig, ClientMessage, ConnId, Input, Role, ServerMessage};
+use harness_core::actor::{
+    ActorConfig, ClientMessage, ConnId, ErrorCode, Input, Role, ServerMessage,
+};
 use harness_core::actor_driver::{ActorDriver, Transport};
 use harness_core::log::{unknown_session, SessionStore};
-use harness_core::session::{SessionConfig, TurnCommand};
+use harness_core::session::{SessionConfig, SessionRuntime, TurnCommand};
 use harness_core::SessionId;
 use session_api::request::{self, PAGE};
 use session_api::sse::{ends_stream, SseEvent};
 use session_api::ui_stream::{UiStreamMapper, UI_STREAM_HEADER};
 use session_api::ApiError;
+use wasm_bindgen::JsCast;
 use worker::{durable_object, wasm_bindgen, DurableObject, Env, Headers, Request, Response, State};
 
 use crate::front::{error_response, json_response, max_frame_bytes, SESSION_HEADER};
 use crate::store::DoStore;
+use crate::turns::RunnerRequest;
 
 /// What the actor sends a connection.
 #[derive(Debug)]
@@ -44,10 +49,12 @@ enum Outbound {
     Close(String),
 }
 
-/// Connections are channels; the host of turn commands is not built yet.
+/// Connections are channels; turn commands wait in `commands` until the
+/// request that caused them performs them (`SessionObject::perform`).
 #[derive(Debug, Default)]
 struct DoTransport {
     conns: HashMap<ConnId, UnboundedSender<Outbound>>,
+    commands: Vec<TurnCommand>,
 }
 
 impl Transport for DoTransport {
@@ -64,10 +71,10 @@ impl Transport for DoTransport {
     }
 
     fn dispatch(&mut self, command: TurnCommand) {
-        // No engine runs turns from a Durable Object yet (the Workflows
-        // engine is to come): like `SessionServer::new`, the prompt is
-        // stored and its command waits for a runtime.
-        worker::console_log!("no engine attached; not performing {command:?}");
+        // Performed after the actor's lock is released: starting a
+        // Workflow instance is a network call, and the actor must not wait
+        // on it.
+        self.commands.push(command);
     }
 }
 
@@ -78,6 +85,17 @@ struct Live {
 }
 
 impl Live {
+    /// The commands the actor dispatched, with the runner generation a
+    /// Workflow instance started now runs as (one above the current, so it
+    /// fences any older instance of the session).
+    fn take_commands(&mut self) -> (Vec<TurnCommand>, u64) {
+        let generation = self.driver.actor().generation() + 1;
+        (
+            std::mem::take(&mut self.driver.transport_mut().commands),
+            generation,
+        )
+    }
+
     fn open(&mut self) -> (ConnId, UnboundedReceiver<Outbound>) {
         let conn = self.next_conn;
         self.next_conn += 1;
@@ -231,6 +249,13 @@ impl SessionObject {
                 self.request(&session, ClientMessage::Seal {}).await?;
                 json_response(200, &store.info().await?)
             }
+            "runner" => {
+                let bytes = req.bytes().await.map_err(internal)?;
+                let request: RunnerRequest = serde_json::from_slice(&bytes)
+                    .map_err(|e| ApiError::invalid(format!("malformed runner message: {e}")))?;
+                let reply = self.runner(&session, request).await?;
+                json_response(200, &reply)
+            }
             "events" => self.events(&session, &store, &params).await,
             "ui-stream" => self.ui_stream(&session, &store, &params).await,
             _ => Err(ApiError::no_route()),
@@ -258,7 +283,9 @@ impl SessionObject {
         driver.handle(Input::Client { conn, message }).await;
         driver.handle(Input::Disconnect { conn }).await;
         driver.transport_mut().conns.remove(&conn);
+        let commands = live.take_commands();
         drop(guard);
+        self.perform(session, commands).await;
         // The store answers at once, so the answer is queued by now.
         while let Ok(out) = rx.try_recv() {
             match out {
@@ -284,6 +311,111 @@ impl SessionObject {
             "internal",
             "the session actor did not answer",
         ))
+    }
+
+    /// One message of the turn's Workflow instance, as runner
+    /// `generation` on a connection that lasts while it is handled (open
+    /// blocks outlive it: the actor keeps them for the runner's next
+    /// message); the actor's reply, refusals included (`stale_runner` for
+    /// a fenced instance).
+    async fn runner(
+        &self,
+        session: &SessionId,
+        request: RunnerRequest,
+    ) -> Result<ServerMessage, ApiError> {
+        let mut guard = self.actor(session).await?;
+        let live = guard.as_mut().expect("the actor is live");
+        let (conn, mut rx) = live.open();
+        let driver = &mut live.driver;
+        let role = Role::Runner {
+            generation: request.generation,
+        };
+        driver
+            .handle(Input::Connect {
+                conn,
+                role,
+                after: None,
+            })
+            .await;
+        let message = request.message;
+        driver.handle(Input::Runner { conn, message }).await;
+        driver.handle(Input::Disconnect { conn }).await;
+        driver.transport_mut().conns.remove(&conn);
+        let commands = live.take_commands();
+        drop(guard);
+        self.perform(session, commands).await;
+        while let Ok(out) = rx.try_recv() {
+            match out {
+                Outbound::Msg(
+                    reply @ (ServerMessage::Ack { .. }
+                    | ServerMessage::Received {}
+                    | ServerMessage::Error { .. }
+                    | ServerMessage::HostTools { .. }),
+                ) => return Ok(reply),
+                Outbound::Msg(_) => {}
+                Outbound::Close(reason) => {
+                    return Ok(ServerMessage::error(
+                        ErrorCode::StaleRunner,
+                        format!("the session closed the runner's connection: {reason}"),
+                    ))
+                }
+            }
+        }
+        Err(ApiError::new(
+            500,
+            "internal",
+            "the session actor did not answer the runner",
+        ))
+    }
+
+    /// Perform the actor's turn commands on Workflows. A start or abort
+    /// that cannot be performed goes back to the actor, which records the
+    /// turn as failed. Without a sandbox bridge configured
+    /// (`HARNESS_CF_BRIDGE_URL`) nothing runs turns: the prompt is stored
+    /// and waits, as `harness serve` without a runtime does.
+    async fn perform(&self, session: &SessionId, (commands, generation): (Vec<TurnCommand>, u64)) {
+        if commands.is_empty() {
+            return;
+        }
+        let Some(runtime) = self.turn_runtime(generation) else {
+            for command in commands {
+                worker::console_log!("no turn engine configured; not performing {command:?}");
+            }
+            return;
+        };
+        for command in commands {
+            let reports_failure = matches!(
+                command,
+                TurnCommand::Start { .. } | TurnCommand::Abort { .. }
+            );
+            let turn_id = command.turn_id().to_string();
+            if let Err(e) = runtime.perform(session, command).await {
+                worker::console_error!("turn {turn_id} of {session}: {e}");
+                if !reports_failure {
+                    continue;
+                }
+                let error = e.to_string();
+                if let Ok(mut guard) = self.actor(session).await {
+                    let live = guard.as_mut().expect("the actor is live");
+                    live.driver
+                        .handle(Input::DispatchFailed { turn_id, error })
+                        .await;
+                }
+            }
+        }
+    }
+
+    /// Turns run on the `TURNS` Workflow once a sandbox bridge is set.
+    fn turn_runtime(&self, generation: u64) -> Option<SessionRuntime> {
+        let bridge = self.env.var("HARNESS_CF_BRIDGE_URL").ok()?.to_string();
+        if bridge.is_empty() {
+            return None;
+        }
+        let binding = worker::js_sys::Reflect::get(&self.env, &"TURNS".into())
+            .ok()
+            .filter(|b| !b.is_undefined())?;
+        let engine = WorkflowsEngine::new(binding.unchecked_into(), generation);
+        Some(SessionRuntime::new(Arc::new(engine)))
     }
 
     /// SSE of stored frames after `after`, then live traffic, until the

@@ -1,0 +1,367 @@
+//! Turns on Cloudflare Workflows: the Workflow's entry
+//! ([`run_turn_workflow`], called by the `TurnWorkflow` class of
+//! `entry.mjs`) and the I/O a slice needs inside a Worker — the bridge over
+//! the Worker's `fetch` ([`FetchTransport`]) and the session's Durable
+//! Object as the turn's runner ([`ObjectRunnerSink`]).
+//!
+//! The turn loop is `durable_workflows::run_turn` (core's `TurnDriver`);
+//! a slice is core's `SliceRunner` — the same one `harness serve` runs —
+//! with the Cloudflare sandbox provider and the agent adapters.
+
+// `#[wasm_bindgen]` on an exported function expands to an unsafe block.
+#![allow(unsafe_code)]
+
+use std::cell::Cell;
+use std::collections::BTreeMap;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use durable_workflows::binding::{js_message, WorkflowStep, WorkflowSteps};
+use durable_workflows::TurnParams;
+use futures::StreamExt;
+use harness_claude_code::{ClaudeCodeConfig, ClaudeCodeHarness, DEFAULT_INSTALL_PATH};
+use harness_core::actor::{RunnerMessage, ServerMessage};
+use harness_core::clock::FnClock;
+use harness_core::engine::SliceExecutor;
+use harness_core::harness::Harness;
+use harness_core::part::StreamPart;
+use harness_core::sandbox::{DetachedProcess, SandboxHandle, SandboxProvider};
+use harness_core::slice::{PartSink, SliceRunner};
+use harness_core::stream::AbortSignal;
+use harness_core::turn::{SliceReport, TurnState};
+use harness_core::{Error, Result};
+use sandbox_cloudflare::transport::{
+    BridgeRequest, BridgeResponse, BridgeTransport, Method as BridgeMethod, RequestBody,
+};
+use sandbox_cloudflare::CloudflareProvider;
+use serde::{Deserialize, Serialize};
+use wasm_bindgen::prelude::*;
+use worker::{Env, Fetch, Headers, Method, Request, RequestInit, ResponseBody};
+
+use crate::front::SESSION_HEADER;
+
+/// The body of the object's internal `/runner` request.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct RunnerRequest {
+    /// The generation the Workflow instance runs as.
+    pub generation: u64,
+    /// The message.
+    pub message: RunnerMessage,
+}
+
+/// The `run` of the `TurnWorkflow` class (entry.mjs): drive the turn in
+/// `event.payload` (a [`TurnParams`]) to its end through `step`; resolves
+/// to the final `TurnState` as JSON.
+#[wasm_bindgen]
+pub async fn run_turn_workflow(
+    event: JsValue,
+    step: WorkflowStep,
+    env: Env,
+) -> std::result::Result<JsValue, JsValue> {
+    let fail = |message: String| JsValue::from(worker::js_sys::Error::new(&message));
+    let payload = worker::js_sys::Reflect::get(&event, &JsValue::from_str("payload"))
+        .map_err(|e| fail(js_message(&e)))?;
+    let json = worker::js_sys::JSON::stringify(&payload)
+        .map_err(|e| fail(js_message(&e)))?
+        .as_string()
+        .unwrap_or_default();
+    let params: TurnParams = serde_json::from_str(&json)
+        .map_err(|e| fail(format!("the Workflow's params are not a turn: {e}")))?;
+    let executor = executor(&env, &params).map_err(|e| fail(e.to_string()))?;
+    let clock: Rc<dyn Fn() -> u64> = Rc::new(|| worker::js_sys::Date::now() as u64);
+    let state = durable_workflows::run_turn(params, &WorkflowSteps::new(step), executor, clock)
+        .await
+        .map_err(|e| fail(e.to_string()))?;
+    let json = serde_json::to_string(&state).map_err(|e| fail(e.to_string()))?;
+    Ok(JsValue::from_str(&json))
+}
+
+/// A Worker variable, if set and not empty.
+fn var(env: &Env, name: &str) -> Option<String> {
+    env.var(name)
+        .ok()
+        .map(|v| v.to_string())
+        .filter(|v| !v.is_empty())
+}
+
+/// The slice runner of one turn: the Cloudflare provider on the bridge the
+/// Worker is configured with, the agents preinstalled in the bridge's
+/// image, and the session's object as the runner.
+fn executor(env: &Env, params: &TurnParams) -> Result<Rc<dyn SliceExecutor>> {
+    let bridge = var(env, "HARNESS_CF_BRIDGE_URL").ok_or_else(|| {
+        Error::invalid("HARNESS_CF_BRIDGE_URL is not set: turns need a sandbox bridge")
+    })?;
+    let token = var(env, "HARNESS_CF_TOKEN").unwrap_or_default();
+    let transport = FetchTransport {
+        base_url: bridge.trim_end_matches('/').to_string(),
+        token,
+        next: AtomicU64::new(0),
+    };
+    // Core's traits are shared as `Arc<dyn …>`; on wasm32 nothing is `Send`
+    // and there is one thread, so the Arc is only a shared handle.
+    #[allow(clippy::arc_with_non_send_sync)]
+    let provider: Arc<dyn SandboxProvider> = Arc::new(CloudflareProvider::with_transport(
+        Arc::new(transport),
+        sandbox_cloudflare::DEFAULT_PART_BYTES,
+    ));
+    let claude = var(env, "HARNESS_CLAUDE_PATH").unwrap_or_else(|| DEFAULT_INSTALL_PATH.into());
+    let claude: Arc<dyn Harness> = Arc::new(ClaudeCodeHarness::new(
+        ClaudeCodeConfig::preinstalled(claude),
+    ));
+    // The agents' model variables (ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY,
+    // …): a JSON object, set as a secret in a deployment.
+    let agent_env: BTreeMap<String, String> = match var(env, "HARNESS_AGENT_ENV") {
+        Some(json) => serde_json::from_str(&json).map_err(|e| {
+            Error::invalid(format!(
+                "HARNESS_AGENT_ENV is not a JSON object of strings: {e}"
+            ))
+        })?,
+        None => BTreeMap::new(),
+    };
+    let sink = ObjectRunnerSink {
+        env: env.clone(),
+        generation: params.generation,
+    };
+    let runner = SliceRunner {
+        providers: BTreeMap::from([(provider.name().to_string(), provider)]),
+        harnesses: BTreeMap::from([(claude.name().to_string(), claude)]),
+        sink: Arc::new(sink),
+        env: agent_env,
+        broker: None,
+        model: None,
+        poll_interval: Duration::from_millis(250),
+        sleep: Arc::new(|d| Box::pin(worker::Delay::from(d))),
+        clock: Arc::new(FnClock(|| worker::js_sys::Date::now() as u64)),
+    };
+    let failing = var(env, "HARNESS_TEST_FAIL_SLICE")
+        .map(|v| parse_failpoint(&v))
+        .transpose()?;
+    Ok(match failing {
+        Some((slice, attempts)) => Rc::new(FailingSlices {
+            inner: runner,
+            slice,
+            left: Cell::new(attempts),
+        }),
+        None => Rc::new(runner),
+    })
+}
+
+/// `HARNESS_TEST_FAIL_SLICE=<slice>:<attempts>`.
+fn parse_failpoint(value: &str) -> Result<(u32, u32)> {
+    let parsed = value
+        .split_once(':')
+        .and_then(|(s, a)| Some((s.parse().ok()?, a.parse().ok()?)));
+    parsed.ok_or_else(|| {
+        Error::invalid(format!(
+            "HARNESS_TEST_FAIL_SLICE={value:?}: expected <slice>:<attempts>, e.g. 1:1"
+        ))
+    })
+}
+
+/// A test failpoint (`HARNESS_TEST_FAIL_SLICE`): the first `left` attempts
+/// of slice number `slice` run (emitting their parts) and then fail, as a
+/// slice whose sandbox connection drops at its end does; the step retries.
+struct FailingSlices {
+    inner: SliceRunner,
+    slice: u32,
+    left: Cell<u32>,
+}
+
+#[async_trait(?Send)]
+impl SliceExecutor for FailingSlices {
+    async fn create_sandbox(&self, state: &TurnState) -> Result<SandboxHandle> {
+        self.inner.create_sandbox(state).await
+    }
+
+    async fn run_slice(
+        &self,
+        state: &TurnState,
+        budget: Duration,
+        abort: AbortSignal,
+    ) -> Result<SliceReport> {
+        let report = self.inner.run_slice(state, budget, abort).await?;
+        if state.slices_run + 1 == self.slice && self.left.get() > 0 {
+            self.left.set(self.left.get() - 1);
+            let message = format!(
+                "failpoint HARNESS_TEST_FAIL_SLICE: slice {} ran to cursor {} and fails",
+                self.slice, report.cursor
+            );
+            worker::console_error!("{message}");
+            return Err(Error::backend(message));
+        }
+        Ok(report)
+    }
+
+    async fn kill_agent(&self, state: &TurnState, process: &DetachedProcess) -> Result<()> {
+        self.inner.kill_agent(state, process).await
+    }
+
+    async fn turn_ended(&self, state: &TurnState) -> Result<()> {
+        self.inner.turn_ended(state).await
+    }
+}
+
+/// The session's Durable Object as the turn's runner: each message is one
+/// internal `/runner` request, on which the object attaches the instance
+/// as runner `generation`, hands the actor the message and answers with
+/// the actor's reply. A newer instance's generation fences this one.
+struct ObjectRunnerSink {
+    env: Env,
+    generation: u64,
+}
+
+impl ObjectRunnerSink {
+    async fn send(&self, session: &str, message: RunnerMessage) -> Result<ServerMessage> {
+        let backend = |e: worker::Error| Error::backend(format!("the session object: {e}"));
+        let namespace = self.env.durable_object("SESSIONS").map_err(backend)?;
+        let stub = namespace
+            .id_from_name(session)
+            .and_then(|id| id.get_stub())
+            .map_err(backend)?;
+        let body = serde_json::to_vec(&RunnerRequest {
+            generation: self.generation,
+            message,
+        })?;
+        let headers = Headers::new();
+        headers.set(SESSION_HEADER, session).map_err(backend)?;
+        let mut init = RequestInit::new();
+        init.with_method(Method::Post)
+            .with_headers(headers)
+            .with_body(Some(
+                worker::js_sys::Uint8Array::from(body.as_slice()).into(),
+            ));
+        let request =
+            Request::new_with_init("https://session.internal/runner", &init).map_err(backend)?;
+        let mut response = stub.fetch_with_request(request).await.map_err(backend)?;
+        let text = response.text().await.map_err(backend)?;
+        if response.status_code() != 200 {
+            return Err(Error::backend(format!(
+                "the session object answered {}: {text}",
+                response.status_code()
+            )));
+        }
+        let reply: ServerMessage = serde_json::from_str(&text)?;
+        match reply {
+            ServerMessage::Error { code, message } => Err(Error::new(
+                code.kind(),
+                format!("{}: {message}", code.as_str()),
+            )),
+            reply => Ok(reply),
+        }
+    }
+}
+
+#[async_trait(?Send)]
+impl PartSink for ObjectRunnerSink {
+    async fn emit(
+        &self,
+        session_id: &str,
+        turn_id: &str,
+        part: StreamPart,
+        key: String,
+    ) -> Result<()> {
+        let message = RunnerMessage::Part {
+            turn_id: turn_id.to_string(),
+            part,
+            key: Some(key),
+        };
+        self.send(session_id, message).await.map(|_| ())
+    }
+
+    async fn turn_status(&self, state: &TurnState) -> Result<()> {
+        let message = RunnerMessage::TurnStatus {
+            turn_id: state.turn_id.clone(),
+            status: state.status,
+            error: state.error.clone(),
+            sandbox: state.sandbox.clone(),
+            agent_session_id: state.agent_session_id.clone(),
+            key: Some(state.status_key()),
+        };
+        self.send(&state.session_id, message).await.map(|_| ())
+    }
+}
+
+/// The bridge over the Worker's `fetch`.
+#[derive(Debug)]
+struct FetchTransport {
+    base_url: String,
+    token: String,
+    next: AtomicU64,
+}
+
+#[async_trait(?Send)]
+impl BridgeTransport for FetchTransport {
+    async fn send(&self, request: BridgeRequest) -> Result<BridgeResponse> {
+        let what = format!("{} {}", request.method.as_str(), request.path);
+        let failed = |e: worker::Error| {
+            Error::backend(format!("cloudflare bridge: {what} did not answer: {e}"))
+        };
+        let headers = Headers::new();
+        headers
+            .set("authorization", &format!("Bearer {}", self.token))
+            .map_err(failed)?;
+        for (name, value) in &request.headers {
+            headers.set(name, value).map_err(failed)?;
+        }
+        let body = match request.body {
+            RequestBody::Empty => None,
+            RequestBody::Json(value) => {
+                headers
+                    .set("content-type", "application/json")
+                    .map_err(failed)?;
+                Some(Bytes::from(serde_json::to_vec(&value)?))
+            }
+            RequestBody::Bytes(bytes) => {
+                headers
+                    .set("content-type", "application/octet-stream")
+                    .map_err(failed)?;
+                Some(bytes)
+            }
+        };
+        let mut init = RequestInit::new();
+        init.with_method(match request.method {
+            BridgeMethod::Get => Method::Get,
+            BridgeMethod::Post => Method::Post,
+            BridgeMethod::Put => Method::Put,
+            BridgeMethod::Delete => Method::Delete,
+        })
+        .with_headers(headers);
+        if let Some(body) = body {
+            init.with_body(Some(worker::js_sys::Uint8Array::from(body.as_ref()).into()));
+        }
+        let url = format!("{}{}", self.base_url, request.path);
+        let request = Request::new_with_init(&url, &init).map_err(failed)?;
+        let mut response = Fetch::Request(request).send().await.map_err(failed)?;
+        let status = response.status_code();
+        let content_type = response.headers().get("content-type").ok().flatten();
+        let body: harness_core::stream::ByteStream = match response.body() {
+            ResponseBody::Stream(_) => Box::pin(response.stream().map_err(failed)?.map(|chunk| {
+                chunk
+                    .map(Bytes::from)
+                    .map_err(|e| Error::backend(format!("cloudflare bridge: reading a body: {e}")))
+            })),
+            ResponseBody::Body(bytes) => harness_core::stream::once(bytes.clone()),
+            // A 204 (a destroy) has no body at all.
+            ResponseBody::Empty => harness_core::stream::empty(),
+        };
+        Ok(BridgeResponse {
+            status,
+            content_type,
+            body,
+        })
+    }
+
+    async fn sleep(&self, duration: Duration) {
+        worker::Delay::from(duration).await;
+    }
+
+    fn unique(&self) -> String {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        let random = (worker::js_sys::Math::random() * f64::from(u32::MAX)) as u32;
+        format!("{:x}-{random:08x}-{n}", worker::js_sys::Date::now() as u64)
+    }
+}

@@ -1,0 +1,254 @@
+//! A turn on Cloudflare Workflows, end to end: a client's prompt to the
+//! Worker under `wrangler dev` → the session's Durable Object starts a
+//! `TurnWorkflow` instance → its steps (core's `TurnDriver`, one
+//! `harness:slice` per step) run the real `claude` in a sandbox of the
+//! test kit's bridge-compatible server (backed by the real Docker engine,
+//! every request checked against the bridge's pinned OpenAPI document),
+//! against the scripted model → the parts reach the object as the
+//! session's runner → `finished` in the log.
+//!
+//! The first attempt of the first slice fails after it has emitted its
+//! parts (`HARNESS_TEST_FAIL_SLICE=1:1`); Workflows retries the step, the
+//! retried slice re-emits from the same cursor, and the log holds every
+//! frame once.
+
+#![cfg(not(target_arch = "wasm32"))]
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use harness_claude_code::{ClaudeCodeConfig, ClaudeCodeHarness};
+use harness_core::harness::Harness;
+use harness_core::sandbox::SandboxSpec;
+use harness_testkit::bridge::{BridgeServer, BridgeServerConfig, OpenApi};
+use harness_testkit::conformance::session_api::{self, Target, CLIENT, HOST};
+use harness_testkit::model::ScriptedModel;
+use harness_testkit::model::{last_is_tool_result_for, last_user_text_contains, Reply, Script};
+use harness_testkit::wrangler::WranglerDev;
+use harness_testkit::{require_env, skip_or_fail};
+use sandbox_docker::{DockerConfig, DockerProvider};
+use serde_json::{json, Value};
+
+const BRIDGE_TOKEN: &str = "workflows-bridge-token";
+
+fn script() -> Script {
+    Script::new()
+        .on(
+            last_is_tool_result_for("toolu_wf_1"),
+            Reply::text("Done: the note is written."),
+        )
+        .on(
+            last_user_text_contains("write the note"),
+            Reply::shell(
+                "toolu_wf_1",
+                "echo workflow-note > note.txt && echo wrote in $(pwd)",
+            ),
+        )
+}
+
+/// The frames of `id` from the start.
+async fn frames(t: &Target, id: &str) -> Vec<Value> {
+    let (status, frames) = t
+        .get(
+            &format!("/v1/sessions/{id}/frames?after=0&limit=1000"),
+            Some(HOST),
+        )
+        .await;
+    assert_eq!(status, 200, "{frames}");
+    frames.as_array().cloned().unwrap_or_default()
+}
+
+fn terminal_status(frames: &[Value]) -> Option<String> {
+    frames.iter().find_map(|f| {
+        let body = &f["body"];
+        let status = body["status"].as_str()?;
+        (body["type"] == "turn-status" && matches!(status, "finished" | "failed" | "timed_out"))
+            .then(|| status.to_string())
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_runs_a_claude_turn_on_workflows_with_a_retried_step() {
+    let Some(claude) = require_env("HARNESS_CLAUDE_BIN") else {
+        return;
+    };
+    let image = std::env::var("HARNESS_TEST_IMAGE")
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "harness-test:bookworm".into());
+    let docker = match DockerProvider::connect(DockerConfig {
+        default_image: image.clone(),
+        ..DockerConfig::default()
+    })
+    .await
+    {
+        Ok(p) => p,
+        Err(e) => return skip_or_fail(&format!("no docker engine answers: {e}")),
+    };
+    if docker.client().inspect_image(&image).await.is_err() {
+        return skip_or_fail(&format!(
+            "docker image {image} is missing (build it with `cargo xtask image`)"
+        ));
+    }
+    let Some(gateway) = docker.bridge_gateway().await else {
+        return skip_or_fail("cannot find the docker bridge gateway address");
+    };
+    let openapi = match OpenApi::pinned() {
+        Ok(o) => o,
+        Err(e) => return skip_or_fail(&format!("the bridge's OpenAPI document: {e:#}")),
+    };
+    // The bridge's image has `claude` installed, as a production bridge
+    // image bakes it in (docs/sandbox-cloudflare.md): here the Docker
+    // provider runs the Claude Code recipe into an identity snapshot once.
+    let recipe = ClaudeCodeHarness::new(ClaudeCodeConfig::with_binary(
+        harness_agent_binary::AgentBinary::load(&claude).expect("the claude binary"),
+    ))
+    .bootstrap_recipe()
+    .expect("the claude recipe");
+    let mut spec = SandboxSpec::new("/workspace");
+    spec.bootstrap = Some(recipe);
+    let bridge = BridgeServer::start(
+        Arc::new(docker),
+        BridgeServerConfig {
+            token: BRIDGE_TOKEN.into(),
+            spec,
+            openapi: Some(openapi),
+        },
+    )
+    .await
+    .expect("the bridge server");
+    let model = ScriptedModel::start_on(SocketAddr::new(gateway, 0), script())
+        .await
+        .expect("the scripted model");
+
+    let worker_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let agent_env = json!({
+        "ANTHROPIC_BASE_URL": model.base_url(),
+        "ANTHROPIC_API_KEY": "test-key",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+    });
+    let vars = vec![
+        ("HARNESS_TOKENS", session_api::token_table().to_string()),
+        ("HARNESS_CF_BRIDGE_URL", bridge.url()),
+        ("HARNESS_CF_TOKEN", BRIDGE_TOKEN.to_string()),
+        ("HARNESS_AGENT_ENV", agent_env.to_string()),
+        ("HARNESS_TEST_FAIL_SLICE", "1:1".to_string()),
+    ];
+    let Some(dev) = tokio::task::spawn_blocking(move || WranglerDev::start(worker_dir, &vars))
+        .await
+        .expect("start task")
+    else {
+        return;
+    };
+
+    let t = Target::new(dev.base.clone(), "wf");
+    let id = "wf-turn";
+    let (status, info) = t
+        .post(
+            "/v1/sessions",
+            Some(HOST),
+            json!({"id": id, "agent": "claude-code", "sandbox": "cloudflare"}),
+        )
+        .await;
+    assert_eq!(status, 201, "{info}");
+    let (status, ack) = t
+        .message(
+            id,
+            CLIENT,
+            json!({"type": "prompt", "text": "please write the note", "key": "p1"}),
+        )
+        .await;
+    assert_eq!(status, 200, "{ack}");
+    assert_eq!(ack["turnId"], "t1", "{ack}");
+
+    let started = Instant::now();
+    let frames = loop {
+        let frames = frames(&t, id).await;
+        if terminal_status(&frames).is_some() {
+            break frames;
+        }
+        if started.elapsed() > Duration::from_secs(300) {
+            panic!(
+                "no end of the turn in 300 s; frames: {}\n--- wrangler dev ---\n{}",
+                serde_json::to_string_pretty(&frames).unwrap(),
+                dev.log_tail()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    let log = dev.log();
+    let dump = || {
+        format!(
+            "{}\n--- wrangler dev ---\n{log}",
+            serde_json::to_string_pretty(&frames).unwrap()
+        )
+    };
+    assert_eq!(
+        terminal_status(&frames).as_deref(),
+        Some("finished"),
+        "{}",
+        dump()
+    );
+
+    // The agent ran in the bridge's sandbox: its tool result is the
+    // command's output there, and its last words are the model's.
+    let text = serde_json::to_string(&frames).unwrap();
+    assert!(text.contains("wrote in /workspace"), "{}", dump());
+    assert!(text.contains("Done: the note is written."), "{}", dump());
+
+    // The failing attempt ran: its error is in the Worker's log …
+    assert!(
+        log.contains("failpoint HARNESS_TEST_FAIL_SLICE"),
+        "the first attempt of slice 1 did not fail:\n{log}"
+    );
+    // … and nothing it emitted was stored twice: one assistant message per
+    // text, one frame per tool call and result, seqs gap-free.
+    let seqs: Vec<u64> = frames.iter().filter_map(|f| f["seq"].as_u64()).collect();
+    assert_eq!(
+        seqs,
+        (1..=seqs.len() as u64).collect::<Vec<_>>(),
+        "{}",
+        dump()
+    );
+    let mut seen = HashSet::new();
+    for frame in &frames {
+        let mut body = frame["body"].clone();
+        if body["type"] == "runner-attached" {
+            continue;
+        }
+        // Identical bodies would be a duplicate (the times differ).
+        body.as_object_mut().map(|b| b.remove("at_ms"));
+        assert!(
+            seen.insert(body.to_string()),
+            "a frame is stored twice: {body}\n{}",
+            dump()
+        );
+    }
+    let done_texts = text.matches("Done: the note is written.").count();
+    assert_eq!(done_texts, 1, "the final text is stored once\n{}", dump());
+
+    // The turn's end carries the sandbox, for the session's next turn.
+    let info = t.info(id).await;
+    assert_eq!(info["meta"]["turn"]["status"], "finished", "{info}");
+    assert!(
+        info["meta"]["sandbox"]["provider"] == "cloudflare",
+        "{info}"
+    );
+
+    // The agent was started once: the retried slice found it running and
+    // read its spool again instead of asking the model a second time.
+    let prompts = model
+        .requests()
+        .iter()
+        .filter(|r| r.rule == Some(1))
+        .count();
+    assert_eq!(prompts, 1, "the model saw the prompt {prompts} times");
+    model.assert_no_failures();
+    drop(dev);
+    let checked = bridge.check();
+    bridge.shutdown().await.expect("the bridge server stops");
+    checked.expect("every bridge request and response within the OpenAPI contract");
+}
