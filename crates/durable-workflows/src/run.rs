@@ -127,7 +127,8 @@ pub trait Steps {
     async fn wait_input(&self, name: &str, timeout_ms: u64) -> std::result::Result<String, String>;
 }
 
-/// What a step records: the result of the action and when it finished.
+/// What a step records: the result of the action, when it finished and,
+/// for a slice, whether the executor aborted it.
 #[derive(Debug, Serialize, Deserialize)]
 struct Record<T> {
     at_ms: u64,
@@ -135,16 +136,28 @@ struct Record<T> {
     ok: Option<T>,
     #[serde(default)]
     failure: Option<StepFailure>,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    aborted: bool,
 }
 
 /// The step body's verdict on an action's result: success and failures no
 /// attempt can change are recorded; a retryable failure fails the attempt.
 fn record<T: Serialize>(result: Result<T>, at_ms: u64) -> std::result::Result<String, String> {
+    record_slice(result, at_ms, false)
+}
+
+/// [`record`], noting whether the slice's abort signal fired.
+fn record_slice<T: Serialize>(
+    result: Result<T>,
+    at_ms: u64,
+    aborted: bool,
+) -> std::result::Result<String, String> {
     let record = match result {
         Ok(value) => Record {
             at_ms,
             ok: Some(value),
             failure: None,
+            aborted,
         },
         Err(e) => match StepFailure::from_error(&e) {
             StepFailure::Retryable(message) => return Err(message),
@@ -152,6 +165,7 @@ fn record<T: Serialize>(result: Result<T>, at_ms: u64) -> std::result::Result<St
                 at_ms,
                 ok: None,
                 failure: Some(failure),
+                aborted,
             },
         },
     };
@@ -167,30 +181,47 @@ async fn step<T: DeserializeOwned>(
     options: StepOptions,
     body: StepBody,
 ) -> (Option<u64>, std::result::Result<T, StepFailure>) {
+    let (at, result, _) = step_aborted(steps, name, options, body).await;
+    (at, result)
+}
+
+/// [`step`], with whether the recorded attempt was aborted.
+async fn step_aborted<T: DeserializeOwned>(
+    steps: &dyn Steps,
+    name: &str,
+    options: StepOptions,
+    body: StepBody,
+) -> (Option<u64>, std::result::Result<T, StepFailure>, bool) {
     match steps.run(name, options, body).await {
         Ok(json) => match serde_json::from_str::<Record<T>>(&json) {
             Ok(Record {
-                at_ms, ok: Some(v), ..
-            }) => (Some(at_ms), Ok(v)),
+                at_ms,
+                ok: Some(v),
+                aborted,
+                ..
+            }) => (Some(at_ms), Ok(v), aborted),
             Ok(Record {
                 at_ms,
                 failure: Some(f),
+                aborted,
                 ..
-            }) => (Some(at_ms), Err(f)),
+            }) => (Some(at_ms), Err(f), aborted),
             Ok(Record { at_ms, .. }) => (
                 Some(at_ms),
                 Err(StepFailure::Fatal(format!(
                     "step {name} recorded neither a result nor a failure"
                 ))),
+                false,
             ),
             Err(e) => (
                 None,
                 Err(StepFailure::Fatal(format!(
                     "step {name} recorded an unreadable output: {e}"
                 ))),
+                false,
             ),
         },
-        Err(message) => (None, Err(StepFailure::Retryable(message))),
+        Err(message) => (None, Err(StepFailure::Retryable(message)), false),
     }
 }
 
@@ -256,7 +287,7 @@ pub async fn run_turn(
             }
             TurnAction::RunSlice { budget_ms } => {
                 let (executor, clock, state) = (executor.clone(), clock.clone(), state.clone());
-                let (at, result) = step::<SliceReport>(
+                let (at, result, aborted) = step_aborted::<SliceReport>(
                     steps,
                     &next_name("slice"),
                     options(budget_ms.saturating_add(tuning.slice_margin_ms)),
@@ -264,23 +295,23 @@ pub async fn run_turn(
                         let (executor, clock, state) =
                             (executor.clone(), clock.clone(), state.clone());
                         Box::pin(async move {
-                            // Aborts reach a waiting turn as events; a
-                            // running slice ends at its budget or the
-                            // agent's exit (docs/durable-workflows.md).
-                            let result = executor
-                                .run_slice(
-                                    &state,
-                                    Duration::from_millis(budget_ms),
-                                    AbortSignal::new(),
-                                )
-                                .await;
-                            record(result, clock())
+                            // A Workflow cannot signal a running step, so
+                            // the executor watches for an abort itself (the
+                            // Worker asks the session's object) and fires
+                            // this signal; the record says it did.
+                            let abort = AbortSignal::new();
+                            let budget = Duration::from_millis(budget_ms);
+                            let result = executor.run_slice(&state, budget, abort.clone()).await;
+                            record_slice(result, clock(), abort.is_aborted())
                         })
                     }),
                 )
                 .await;
                 now_ms = at.unwrap_or(now_ms);
                 driver.slice_done(result, now_ms);
+                if aborted {
+                    driver.abort("aborted by a client while a slice ran");
+                }
             }
             TurnAction::KillAgent { process } => {
                 let (executor, clock, state) = (executor.clone(), clock.clone(), state.clone());

@@ -98,6 +98,8 @@ struct Agent {
     outcomes: Mutex<VecDeque<std::result::Result<SliceOutcome, Error>>>,
     fail_slice: u32,
     fail_attempts: AtomicU32,
+    /// Slice (1-based) during which the executor sees an abort.
+    abort_slice: u32,
     slices: AtomicU32,
     creates: AtomicU32,
     kills: AtomicU32,
@@ -139,10 +141,13 @@ impl SliceExecutor for Agent {
         &self,
         state: &TurnState,
         _budget: Duration,
-        _abort: AbortSignal,
+        abort: AbortSignal,
     ) -> Result<SliceReport> {
         bump(&self.slices);
         let this_slice = state.slices_run + 1;
+        if this_slice == self.abort_slice {
+            abort.abort();
+        }
         if this_slice == self.fail_slice && count(&self.fail_attempts) > 0 {
             self.fail_attempts.fetch_sub(1, Ordering::SeqCst);
             return Err(Error::backend("the bridge dropped the connection"));
@@ -356,4 +361,28 @@ fn an_approval_waits_for_its_event_and_an_abort_ends_the_turn() {
     assert_eq!(count(&agent.slices), 1, "no slice after the abort");
     assert_eq!(count(&agent.kills), 1, "the waiting agent is killed");
     assert_eq!(agent.ends.lock().unwrap().len(), 1);
+}
+
+#[test]
+fn an_abort_the_executor_sees_during_a_slice_ends_the_turn() {
+    let agent = Rc::new(Agent {
+        outcomes: Mutex::new(VecDeque::from([
+            Ok(SliceOutcome::Running),
+            Ok(SliceOutcome::Running),
+            Ok(SliceOutcome::Exited { code: 0 }),
+        ])),
+        abort_slice: 2,
+        ..Agent::default()
+    });
+    let records = Records::default();
+    let state = run_once(&records, &agent, None).unwrap().unwrap();
+    assert!(state.status.is_terminal());
+    assert_ne!(state.status, TurnStatus::Finished);
+    assert_eq!(count(&agent.slices), 2, "no slice after the aborted one");
+    assert_eq!(count(&agent.kills), 1, "the agent is killed");
+    assert_eq!(*agent.ends.lock().unwrap(), vec![state.status]);
+    // A replay over the records ends the same way without running anything.
+    let replayed = run_once(&records, &agent, None).unwrap().unwrap();
+    assert_eq!(replayed, state);
+    assert_eq!(count(&agent.slices), 2);
 }

@@ -256,6 +256,18 @@ impl SessionObject {
                 let reply = self.runner(&session, request).await?;
                 json_response(200, &reply)
             }
+            "turn-abort" => {
+                // The turn's mailbox for a running slice (turns.rs): the
+                // abort a client asked for, read from the stored meta.
+                let turn = params.get("turn").cloned().unwrap_or_default();
+                let info = store.info().await?;
+                let abort = info
+                    .meta
+                    .active_turn()
+                    .filter(|t| t.turn_id == turn)
+                    .and_then(|t| t.abort.clone());
+                json_response(200, &serde_json::json!({ "abort": abort }))
+            }
             "events" => self.events(&session, &store, &params).await,
             "ui-stream" => self.ui_stream(&session, &store, &params).await,
             _ => Err(ApiError::no_route()),

@@ -140,14 +140,93 @@ fn executor(env: &Env, params: &TurnParams) -> Result<Rc<dyn SliceExecutor>> {
     let failing = var(env, "HARNESS_TEST_FAIL_SLICE")
         .map(|v| parse_failpoint(&v))
         .transpose()?;
-    Ok(match failing {
+    let runner: Rc<dyn SliceExecutor> = match failing {
         Some((slice, attempts)) => Rc::new(FailingSlices {
             inner: runner,
             slice,
             left: Cell::new(attempts),
         }),
         None => Rc::new(runner),
-    })
+    };
+    Ok(Rc::new(AbortWatch {
+        inner: runner,
+        env: env.clone(),
+    }))
+}
+
+/// How often a running slice asks the session's object whether a client
+/// aborted the turn.
+const ABORT_POLL: Duration = Duration::from_secs(1);
+
+/// The session's object as the turn's mailbox while a slice runs: a step
+/// cannot be signalled, so the slice asks the object (`/turn-abort`) every
+/// [`ABORT_POLL`] and fires its abort signal when a client asked; the
+/// abort event the object also sends reaches a turn that waits for input.
+struct AbortWatch {
+    inner: Rc<dyn SliceExecutor>,
+    env: Env,
+}
+
+impl AbortWatch {
+    /// The abort a client asked for, if any (errors count as none: the
+    /// next poll asks again).
+    async fn requested(&self, state: &TurnState) -> Option<String> {
+        let namespace = self.env.durable_object("SESSIONS").ok()?;
+        let stub = namespace
+            .id_from_name(&state.session_id)
+            .and_then(|id| id.get_stub())
+            .ok()?;
+        let headers = Headers::new();
+        headers.set(SESSION_HEADER, &state.session_id).ok()?;
+        let mut init = RequestInit::new();
+        init.with_method(Method::Get).with_headers(headers);
+        let url = format!("https://session.internal/turn-abort?turn={}", state.turn_id);
+        let request = Request::new_with_init(&url, &init).ok()?;
+        let mut response = stub.fetch_with_request(request).await.ok()?;
+        let answer: serde_json::Value = response.json().await.ok()?;
+        answer["abort"].as_str().map(str::to_string)
+    }
+}
+
+#[async_trait(?Send)]
+impl SliceExecutor for AbortWatch {
+    async fn create_sandbox(&self, state: &TurnState) -> Result<SandboxHandle> {
+        self.inner.create_sandbox(state).await
+    }
+
+    async fn run_slice(
+        &self,
+        state: &TurnState,
+        budget: Duration,
+        abort: AbortSignal,
+    ) -> Result<SliceReport> {
+        let slice = self.inner.run_slice(state, budget, abort.clone());
+        // Bounded by the slice: it stops when the slice ends.
+        let watch = async {
+            loop {
+                worker::Delay::from(ABORT_POLL).await;
+                if let Some(reason) = self.requested(state).await {
+                    worker::console_log!("turn {}: abort requested ({reason})", state.turn_id);
+                    abort.abort();
+                    return;
+                }
+            }
+        };
+        futures::pin_mut!(slice, watch);
+        match futures::future::select(slice, watch).await {
+            futures::future::Either::Left((report, _)) => report,
+            // The slice sees the signal and reports what it has.
+            futures::future::Either::Right(((), slice)) => slice.await,
+        }
+    }
+
+    async fn kill_agent(&self, state: &TurnState, process: &DetachedProcess) -> Result<()> {
+        self.inner.kill_agent(state, process).await
+    }
+
+    async fn turn_ended(&self, state: &TurnState) -> Result<()> {
+        self.inner.turn_ended(state).await
+    }
 }
 
 /// `HARNESS_TEST_FAIL_SLICE=<slice>:<attempts>`.

@@ -70,115 +70,159 @@ fn terminal_status(frames: &[Value]) -> Option<String> {
     })
 }
 
+/// The real parts one Workflows turn needs.
+struct Rig {
+    bridge: BridgeServer,
+    model: ScriptedModel,
+    dev: WranglerDev,
+}
+
+impl Rig {
+    /// The bridge server (Docker, the test image plus the Claude Code
+    /// recipe), the scripted model on the Docker bridge gateway and the
+    /// Worker under `wrangler dev` configured for both; `None` after a skip.
+    async fn start(script: Script, extra: &[(&'static str, String)]) -> Option<Rig> {
+        let claude = require_env("HARNESS_CLAUDE_BIN")?;
+        let image = std::env::var("HARNESS_TEST_IMAGE")
+            .ok()
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| "harness-test:bookworm".into());
+        let docker = match DockerProvider::connect(DockerConfig {
+            default_image: image.clone(),
+            ..DockerConfig::default()
+        })
+        .await
+        {
+            Ok(p) => p,
+            Err(e) => {
+                skip_or_fail(&format!("no docker engine answers: {e}"));
+                return None;
+            }
+        };
+        if docker.client().inspect_image(&image).await.is_err() {
+            skip_or_fail(&format!(
+                "docker image {image} is missing (build it with `cargo xtask image`)"
+            ));
+            return None;
+        }
+        let Some(gateway) = docker.bridge_gateway().await else {
+            skip_or_fail("cannot find the docker bridge gateway address");
+            return None;
+        };
+        let openapi = match OpenApi::pinned() {
+            Ok(o) => o,
+            Err(e) => {
+                skip_or_fail(&format!("the bridge's OpenAPI document: {e:#}"));
+                return None;
+            }
+        };
+        // The bridge's image has `claude` installed, as a production bridge
+        // image bakes it in (docs/sandbox-cloudflare.md): here the Docker
+        // provider runs the Claude Code recipe into an identity snapshot once.
+        let recipe = ClaudeCodeHarness::new(ClaudeCodeConfig::with_binary(
+            harness_agent_binary::AgentBinary::load(&claude).expect("the claude binary"),
+        ))
+        .bootstrap_recipe()
+        .expect("the claude recipe");
+        let mut spec = SandboxSpec::new("/workspace");
+        spec.bootstrap = Some(recipe);
+        let bridge = BridgeServer::start(
+            Arc::new(docker),
+            BridgeServerConfig {
+                token: BRIDGE_TOKEN.into(),
+                spec,
+                openapi: Some(openapi),
+            },
+        )
+        .await
+        .expect("the bridge server");
+        let model = ScriptedModel::start_on(SocketAddr::new(gateway, 0), script)
+            .await
+            .expect("the scripted model");
+        let worker_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let agent_env = json!({
+            "ANTHROPIC_BASE_URL": model.base_url(),
+            "ANTHROPIC_API_KEY": "test-key",
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        });
+        let mut vars = vec![
+            ("HARNESS_TOKENS", session_api::token_table().to_string()),
+            ("HARNESS_CF_BRIDGE_URL", bridge.url()),
+            ("HARNESS_CF_TOKEN", BRIDGE_TOKEN.to_string()),
+            ("HARNESS_AGENT_ENV", agent_env.to_string()),
+        ];
+        vars.extend(extra.iter().cloned());
+        let dev = tokio::task::spawn_blocking(move || WranglerDev::start(worker_dir, &vars))
+            .await
+            .expect("start task")?;
+        Some(Rig { bridge, model, dev })
+    }
+
+    /// A session on the Cloudflare provider running Claude Code, and its
+    /// first prompt (asserting turn `t1`).
+    async fn prompt(&self, t: &Target, id: &str, text: &str) {
+        let (status, info) = t
+            .post(
+                "/v1/sessions",
+                Some(HOST),
+                json!({"id": id, "agent": "claude-code", "sandbox": "cloudflare"}),
+            )
+            .await;
+        assert_eq!(status, 201, "{info}");
+        let (status, ack) = t
+            .message(
+                id,
+                CLIENT,
+                json!({"type": "prompt", "text": text, "key": "p1"}),
+            )
+            .await;
+        assert_eq!(status, 200, "{ack}");
+        assert_eq!(ack["turnId"], "t1", "{ack}");
+    }
+
+    /// Poll the frames until one says the turn ended (bounded).
+    async fn until_end(&self, t: &Target, id: &str, limit: Duration) -> Vec<Value> {
+        let started = Instant::now();
+        loop {
+            let frames = frames(t, id).await;
+            if terminal_status(&frames).is_some() {
+                return frames;
+            }
+            if started.elapsed() > limit {
+                panic!(
+                    "no end of the turn in {limit:?}; frames: {}\n--- wrangler dev ---\n{}",
+                    serde_json::to_string_pretty(&frames).unwrap(),
+                    self.dev.log_tail()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+
+    async fn finish(self) {
+        self.model.assert_no_failures();
+        drop(self.dev);
+        let checked = self.bridge.check();
+        self.bridge
+            .shutdown()
+            .await
+            .expect("the bridge server stops");
+        checked.expect("every bridge request and response within the OpenAPI contract");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prompt_runs_a_claude_turn_on_workflows_with_a_retried_step() {
-    let Some(claude) = require_env("HARNESS_CLAUDE_BIN") else {
+    let fail = [("HARNESS_TEST_FAIL_SLICE", "1:1".to_string())];
+    let Some(rig) = Rig::start(script(), &fail).await else {
         return;
     };
-    let image = std::env::var("HARNESS_TEST_IMAGE")
-        .ok()
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| "harness-test:bookworm".into());
-    let docker = match DockerProvider::connect(DockerConfig {
-        default_image: image.clone(),
-        ..DockerConfig::default()
-    })
-    .await
-    {
-        Ok(p) => p,
-        Err(e) => return skip_or_fail(&format!("no docker engine answers: {e}")),
-    };
-    if docker.client().inspect_image(&image).await.is_err() {
-        return skip_or_fail(&format!(
-            "docker image {image} is missing (build it with `cargo xtask image`)"
-        ));
-    }
-    let Some(gateway) = docker.bridge_gateway().await else {
-        return skip_or_fail("cannot find the docker bridge gateway address");
-    };
-    let openapi = match OpenApi::pinned() {
-        Ok(o) => o,
-        Err(e) => return skip_or_fail(&format!("the bridge's OpenAPI document: {e:#}")),
-    };
-    // The bridge's image has `claude` installed, as a production bridge
-    // image bakes it in (docs/sandbox-cloudflare.md): here the Docker
-    // provider runs the Claude Code recipe into an identity snapshot once.
-    let recipe = ClaudeCodeHarness::new(ClaudeCodeConfig::with_binary(
-        harness_agent_binary::AgentBinary::load(&claude).expect("the claude binary"),
-    ))
-    .bootstrap_recipe()
-    .expect("the claude recipe");
-    let mut spec = SandboxSpec::new("/workspace");
-    spec.bootstrap = Some(recipe);
-    let bridge = BridgeServer::start(
-        Arc::new(docker),
-        BridgeServerConfig {
-            token: BRIDGE_TOKEN.into(),
-            spec,
-            openapi: Some(openapi),
-        },
-    )
-    .await
-    .expect("the bridge server");
-    let model = ScriptedModel::start_on(SocketAddr::new(gateway, 0), script())
-        .await
-        .expect("the scripted model");
-
-    let worker_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let agent_env = json!({
-        "ANTHROPIC_BASE_URL": model.base_url(),
-        "ANTHROPIC_API_KEY": "test-key",
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-    });
-    let vars = vec![
-        ("HARNESS_TOKENS", session_api::token_table().to_string()),
-        ("HARNESS_CF_BRIDGE_URL", bridge.url()),
-        ("HARNESS_CF_TOKEN", BRIDGE_TOKEN.to_string()),
-        ("HARNESS_AGENT_ENV", agent_env.to_string()),
-        ("HARNESS_TEST_FAIL_SLICE", "1:1".to_string()),
-    ];
-    let Some(dev) = tokio::task::spawn_blocking(move || WranglerDev::start(worker_dir, &vars))
-        .await
-        .expect("start task")
-    else {
-        return;
-    };
-
-    let t = Target::new(dev.base.clone(), "wf");
+    let t = Target::new(rig.dev.base.clone(), "wf");
     let id = "wf-turn";
-    let (status, info) = t
-        .post(
-            "/v1/sessions",
-            Some(HOST),
-            json!({"id": id, "agent": "claude-code", "sandbox": "cloudflare"}),
-        )
-        .await;
-    assert_eq!(status, 201, "{info}");
-    let (status, ack) = t
-        .message(
-            id,
-            CLIENT,
-            json!({"type": "prompt", "text": "please write the note", "key": "p1"}),
-        )
-        .await;
-    assert_eq!(status, 200, "{ack}");
-    assert_eq!(ack["turnId"], "t1", "{ack}");
-
-    let started = Instant::now();
-    let frames = loop {
-        let frames = frames(&t, id).await;
-        if terminal_status(&frames).is_some() {
-            break frames;
-        }
-        if started.elapsed() > Duration::from_secs(300) {
-            panic!(
-                "no end of the turn in 300 s; frames: {}\n--- wrangler dev ---\n{}",
-                serde_json::to_string_pretty(&frames).unwrap(),
-                dev.log_tail()
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    };
+    rig.prompt(&t, id, "please write the note").await;
+    let frames = rig.until_end(&t, id, Duration::from_secs(300)).await;
+    let dev = &rig.dev;
+    let model = &rig.model;
     let log = dev.log();
     let dump = || {
         format!(
@@ -246,9 +290,69 @@ async fn a_prompt_runs_a_claude_turn_on_workflows_with_a_retried_step() {
         .filter(|r| r.rule == Some(1))
         .count();
     assert_eq!(prompts, 1, "the model saw the prompt {prompts} times");
-    model.assert_no_failures();
-    drop(dev);
-    let checked = bridge.check();
-    bridge.shutdown().await.expect("the bridge server stops");
-    checked.expect("every bridge request and response within the OpenAPI contract");
+    rig.finish().await;
+}
+
+/// A client's abort reaches a running slice through the session's object
+/// (the turn's mailbox): the agent, busy in a two-minute command, is
+/// killed and the turn ends within seconds, not at the slice's budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abort_stops_a_running_slice_on_workflows() {
+    let script = Script::new()
+        .on(
+            last_is_tool_result_for("toolu_wf_sleep"),
+            Reply::text("The wait is over."),
+        )
+        .on(
+            last_user_text_contains("wait a while"),
+            Reply::shell(
+                "toolu_wf_sleep",
+                "timeout 120 tail -f /dev/null; echo waited",
+            ),
+        );
+    let Some(rig) = Rig::start(script, &[]).await else {
+        return;
+    };
+    let t = Target::new(rig.dev.base.clone(), "wf-abort");
+    let id = "wf-abort";
+    rig.prompt(&t, id, "please wait a while").await;
+    // Abort once the agent is in its command.
+    let started = Instant::now();
+    loop {
+        let text = serde_json::to_string(&frames(&t, id).await).unwrap();
+        if text.contains("tail -f /dev/null") {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "the agent never ran its command: {text}\n{}",
+            rig.dev.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let (status, ack) = t
+        .message(
+            id,
+            CLIENT,
+            json!({"type": "abort", "reason": "the user left"}),
+        )
+        .await;
+    assert_eq!(status, 200, "{ack}");
+    let aborted_at = Instant::now();
+    let frames = rig.until_end(&t, id, Duration::from_secs(90)).await;
+    let took = aborted_at.elapsed();
+    let text = serde_json::to_string_pretty(&frames).unwrap();
+    let status = terminal_status(&frames);
+    assert_ne!(status.as_deref(), Some("finished"), "{text}");
+    assert!(
+        took < Duration::from_secs(30),
+        "the turn ended {took:?} after the abort\n{text}"
+    );
+    assert!(!text.contains("The wait is over."), "{text}");
+    assert!(
+        rig.dev.log().contains("abort requested"),
+        "{}",
+        rig.dev.log_tail()
+    );
+    rig.finish().await;
 }
