@@ -226,3 +226,125 @@ async fn hostile_archives_in_the_store_are_refused_and_change_nothing() {
     assert!(!Path::new("/etc/harness-pwned").exists());
     b.destroy().await.unwrap();
 }
+
+/// Checkpoint a tree, then replace the stored bytes without touching the
+/// recorded hash (`swap(key, bytes)`: what a bit flip on the server's disk,
+/// or a tampering writer, does) and restore: a valid archive of other
+/// content, a truncated one and a flipped byte must all fail and leave the
+/// target, and the directory around it, as they were.
+async fn corrupted_checkpoints_restore_nothing<F, Fut>(store: &dyn CheckpointStore, swap: F)
+where
+    F: Fn(String, Vec<u8>) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let root = tempfile::tempdir().unwrap();
+    let provider = LocalProvider::new(root.path());
+    let a = sandbox(&provider).await;
+    let b = sandbox(&provider).await;
+    let src = Path::new(a.workdir());
+    let dst = Path::new(b.workdir());
+    std::fs::create_dir_all(src.join("src")).unwrap();
+    for i in 0..20 {
+        std::fs::write(
+            src.join(format!("src/f{i}.rs")),
+            format!("fn f{i}() {{}}\n"),
+        )
+        .unwrap();
+    }
+    std::fs::write(src.join("shared.txt"), "from A\n").unwrap();
+    std::fs::write(dst.join("shared.txt"), "B's own\n").unwrap();
+    let key = "corrupt/tree.tar.zst";
+    moves::checkpoint(a.as_ref(), a.workdir(), store, key, None)
+        .await
+        .unwrap();
+    let good = common::drain_to_vec(store.get(key).await.unwrap()).await;
+    let before = snapshot(dst);
+    let around = snapshot(root.path());
+
+    // A whole, safe archive of other content: only the hash tells.
+    let other = zstd::encode_all(
+        &raw_tar(&[
+            ("shared.txt", tar::EntryType::Regular, "", b"swapped\n"),
+            ("planted.txt", tar::EntryType::Regular, "", b"planted\n"),
+        ])[..],
+        3,
+    )
+    .unwrap();
+    let mut flipped = good.clone();
+    let mid = flipped.len() / 2;
+    flipped[mid] ^= 0x40;
+    let truncated = good[..good.len() - 7].to_vec();
+    for (name, bytes) in [
+        ("other content", other),
+        ("flipped", flipped),
+        ("truncated", truncated),
+    ] {
+        swap(key.to_string(), bytes).await;
+        let err = moves::restore(store, key, b.as_ref(), b.workdir(), None)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                err.kind(),
+                ErrorKind::Corrupt | ErrorKind::Io | ErrorKind::Backend
+            ),
+            "{name}: {err}"
+        );
+        if name == "other content" {
+            assert_eq!(err.kind(), ErrorKind::Corrupt, "{name}: {err}");
+        }
+        assert_eq!(snapshot(dst), before, "{name}: the target changed");
+        assert_eq!(
+            snapshot(root.path()),
+            around,
+            "{name}: something was left around the target"
+        );
+    }
+    // The genuine bytes back: the restore goes through.
+    swap(key.to_string(), good).await;
+    moves::restore(store, key, b.as_ref(), b.workdir(), None)
+        .await
+        .unwrap();
+    assert_eq!(
+        std::fs::read_to_string(dst.join("shared.txt")).unwrap(),
+        "from A\n"
+    );
+    a.destroy().await.unwrap();
+    b.destroy().await.unwrap();
+}
+
+#[tokio::test]
+async fn corrupted_checkpoints_in_the_memory_store_restore_nothing() {
+    let store = harness_core::checkpoint::MemoryCheckpointStore::new();
+    let swapper = store.clone();
+    corrupted_checkpoints_restore_nothing(&store, |key, bytes| {
+        swapper.corrupt_for_test(&key, bytes.into());
+        async {}
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn corrupted_checkpoints_in_s3_restore_nothing() {
+    let Some(ep) = common::endpoint().await else {
+        return;
+    };
+    let store = common::store(&ep, "corrupt-move").await;
+    let swapper = store.clone();
+    corrupted_checkpoints_restore_nothing(&store, |key, bytes| {
+        let s3 = swapper.clone();
+        async move {
+            let recorded = s3.head(&key).await.unwrap().sha256;
+            s3.client()
+                .put_object()
+                .bucket(&s3.config().bucket)
+                .key(s3.object_key(&key))
+                .metadata(checkpoint_r2::SHA256_METADATA, recorded)
+                .body(bytes.into())
+                .send()
+                .await
+                .unwrap();
+        }
+    })
+    .await;
+}

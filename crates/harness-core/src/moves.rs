@@ -4,13 +4,18 @@
 //! `checkpoint`: `export_tar` → zstd → `put`, as one stream: nothing is staged
 //! on the sandbox's disk or held whole in memory.
 //!
-//! `restore` reads the checkpoint twice: the first pass decompresses it and
-//! runs [`TarScanner`] over every entry without touching the target; only if
-//! the whole archive is safe does the second pass stream it into
-//! `import_tar`. Reading twice costs a second download but keeps memory
-//! bounded and guarantees a refused archive changes nothing. The second pass
-//! scans again and the store verifies the content hash on both reads, so an
-//! object swapped between the passes fails instead of being applied.
+//! `restore` never applies part of a refused archive. On a sandbox with a
+//! staged import ([`Sandbox::stages_tar_imports`]) it reads the checkpoint
+//! once: the store's hash check, zstd and [`TarScanner`] run on the stream
+//! that `import_tar_staged` extracts into a staging directory, and the tree
+//! is moved into place only after the stream ended cleanly — an unsafe
+//! entry or a hash found wrong at the end leaves the target as it was. On
+//! other sandboxes it reads the checkpoint twice: the first pass
+//! decompresses it and scans every entry without touching the target; only
+//! if the whole archive is safe does the second pass stream it into
+//! `import_tar`. The second pass scans again and the store verifies the
+//! content hash on both reads, so an object swapped between the passes
+//! fails instead of being applied. Either way memory stays bounded.
 //!
 //! `checkpoint_session` / `restore_session` move a whole agent session: the
 //! tree, the agent's state dirs relative to `$HOME`, and a manifest; on
@@ -160,6 +165,34 @@ pub fn scanned(tar: ByteStream) -> ByteStream {
     crate::tarscan::scan_stream(tar, TarScanner::new())
 }
 
+/// Like [`scanned`], and the scan's summary is put into `summary` once the
+/// stream ended cleanly.
+fn scanned_into(
+    tar: ByteStream,
+    summary: Arc<std::sync::Mutex<Option<ScanSummary>>>,
+) -> ByteStream {
+    Box::pin(futures::stream::unfold(
+        Some((tar, TarScanner::new(), summary)),
+        |state| async move {
+            let (mut tar, mut scanner, summary) = state?;
+            match tar.next().await {
+                Some(Ok(chunk)) => match scanner.push(&chunk) {
+                    Ok(()) => Some((Ok(chunk), Some((tar, scanner, summary)))),
+                    Err(e) => Some((Err(e), None)),
+                },
+                Some(Err(e)) => Some((Err(e), None)),
+                None => match scanner.finish() {
+                    Ok(done) => {
+                        *summary.lock().unwrap_or_else(|e| e.into_inner()) = Some(done);
+                        None
+                    }
+                    Err(e) => Some((Err(e), None)),
+                },
+            }
+        },
+    ))
+}
+
 /// Decompress and scan a checkpoint without restoring it.
 pub async fn verify(
     store: &dyn CheckpointStore,
@@ -202,6 +235,30 @@ pub async fn restore(
         return Ok(RestoreInfo {
             summary: info.summary,
         });
+    }
+    if sandbox.stages_tar_imports() {
+        // One read: hash (the store's stream), zstd and scanner on the way
+        // into the staging directory; nothing is visible before the end.
+        let summary = Arc::new(std::sync::Mutex::new(None));
+        let total = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let tar = counting(
+            scanned_into(decompress(store.get(key).await?), summary.clone()),
+            MovePhase::Import,
+            progress.clone(),
+            total,
+        );
+        sandbox.import_tar_staged(dir, tar).await?;
+        if let Some(p) = &progress {
+            p.finish(MovePhase::Import);
+        }
+        let summary = summary
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| {
+                Error::backend("the sandbox's staged import did not read the whole archive")
+            })?;
+        return Ok(RestoreInfo { summary });
     }
     let summary = verify(store, key, progress.clone()).await?;
     let total = Arc::new(std::sync::atomic::AtomicU64::new(0));

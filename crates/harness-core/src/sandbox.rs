@@ -516,6 +516,29 @@ pub trait Sandbox: MaybeSend + MaybeSync + std::fmt::Debug {
     /// is there: files not in the archive stay.
     async fn import_tar(&self, dir: &str, tar: ByteStream) -> Result<()>;
 
+    /// True if [`Sandbox::import_tar_staged`] is implemented. `moves::restore`
+    /// then reads a checkpoint once instead of verifying it in a first pass.
+    fn stages_tar_imports(&self) -> bool {
+        false
+    }
+
+    /// Like [`Sandbox::import_tar`], but nothing of the archive becomes
+    /// visible under `dir` unless the whole stream ends without an error:
+    /// the entries land in a staging directory and are moved into place
+    /// (overlaying, as `import_tar` does) only after the stream's last
+    /// item. A stream that fails — a refused entry, a content hash found
+    /// wrong at its end — leaves `dir` as it was and the staging directory
+    /// removed. Only a failure while moving entries into place (an I/O
+    /// error) can leave part of the archive applied.
+    ///
+    /// `Unsupported` unless [`Sandbox::stages_tar_imports`] says otherwise.
+    async fn import_tar_staged(&self, dir: &str, tar: ByteStream) -> Result<()> {
+        let _ = (dir, tar);
+        Err(Error::unsupported(
+            "this sandbox has no staged tar import: verify the archive before import_tar",
+        ))
+    }
+
     /// Start a process that outlives this call and this process, with stdout
     /// and stderr spooled to files under `request.spool_dir`.
     ///

@@ -748,6 +748,14 @@ impl Sandbox for LocalSandbox {
         tario::import(self.resolve(dir), tar).await
     }
 
+    fn stages_tar_imports(&self) -> bool {
+        true
+    }
+
+    async fn import_tar_staged(&self, dir: &str, tar: ByteStream) -> Result<()> {
+        tario::import_staged(self.resolve(dir), tar).await
+    }
+
     async fn port_endpoint(&self, port: u16) -> Result<PortEndpoint> {
         // Commands share the host's network, so a port inside is the same
         // port on the host.

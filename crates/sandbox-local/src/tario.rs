@@ -228,3 +228,141 @@ fn unpack(dir: &Path, reader: ChannelReader) -> Result<()> {
     }
     Ok(())
 }
+
+/// Extract `tar` like [`import`], but into a staging directory beside `dir`
+/// (inside it when no sibling can be made), and move the entries into place
+/// only once the whole stream ended without an error: a refused entry or a
+/// content hash found wrong at the end of the stream leaves `dir` as it was
+/// (not even created) and the staging directory removed.
+pub(crate) async fn import_staged(dir: PathBuf, tar: ByteStream) -> Result<()> {
+    let staging = {
+        let dir = dir.clone();
+        tokio::task::spawn_blocking(move || make_staging(&dir))
+            .await
+            .map_err(|e| Error::backend(format!("tar import task failed: {e}")))??
+    };
+    let imported = import(staging.clone(), tar).await;
+    tokio::task::spawn_blocking(move || {
+        let result = imported.and_then(|()| {
+            std::fs::create_dir_all(&dir)?;
+            commit(&staging, &dir)
+        });
+        remove_tree(&staging);
+        result
+    })
+    .await
+    .map_err(|e| Error::backend(format!("tar import task failed: {e}")))?
+}
+
+/// A fresh directory, readable by its owner only, for the entries of one
+/// import into `dir`: `<parent>/.<name>.harness-import-<uuid>` on the same
+/// file system as `dir` (so entries move by rename), else
+/// `<dir>/.harness-import-<uuid>`.
+fn make_staging(dir: &Path) -> Result<PathBuf> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    let nonce = uuid::Uuid::new_v4().simple();
+    let mut builder = std::fs::DirBuilder::new();
+    builder.mode(0o700);
+    if let (Some(parent), Some(name)) = (dir.parent(), dir.file_name()) {
+        let sibling = parent.join(format!(
+            ".{}.harness-import-{nonce}",
+            name.to_string_lossy()
+        ));
+        let same_fs = match (std::fs::metadata(parent), std::fs::metadata(dir)) {
+            (Ok(p), Ok(d)) => p.dev() == d.dev(),
+            (Ok(_), Err(e)) if e.kind() == std::io::ErrorKind::NotFound => true,
+            (Err(e), _) if e.kind() == std::io::ErrorKind::NotFound => {
+                std::fs::create_dir_all(parent)?;
+                true
+            }
+            _ => false,
+        };
+        if same_fs && builder.create(&sibling).is_ok() {
+            return Ok(sibling);
+        }
+    }
+    std::fs::create_dir_all(dir)?;
+    let inside = dir.join(format!(".harness-import-{nonce}"));
+    builder.create(&inside)?;
+    Ok(inside)
+}
+
+/// Move every entry of `staged` into `dir` (an existing directory),
+/// overlaying: an entry not there is renamed into place whole (a directory
+/// with everything under it); a file or symlink there is replaced; a
+/// directory there is merged into and takes the staged directory's mode. A
+/// symlink in `dir` is never followed: where the archive has a directory,
+/// it replaces the symlink.
+fn commit(staged: &Path, dir: &Path) -> Result<()> {
+    for entry in std::fs::read_dir(staged)? {
+        let name = entry?.file_name();
+        let from = staged.join(&name);
+        let to = dir.join(&name);
+        let from_meta = std::fs::symlink_metadata(&from)?;
+        let to_meta = match std::fs::symlink_metadata(&to) {
+            Ok(meta) => meta,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                std::fs::rename(&from, &to)?;
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
+        match (from_meta.is_dir(), to_meta.is_dir()) {
+            (true, true) => {
+                // Both writable while entries move; then the archive's mode.
+                let mode = from_meta.permissions().mode() & 0o7777;
+                std::fs::set_permissions(&from, std::fs::Permissions::from_mode(mode | 0o700))?;
+                std::fs::set_permissions(&to, std::fs::Permissions::from_mode(mode | 0o700))?;
+                commit(&from, &to)?;
+                std::fs::set_permissions(&to, std::fs::Permissions::from_mode(mode))?;
+                std::fs::remove_dir(&from)?;
+            }
+            (true, false) => {
+                std::fs::remove_file(&to)?;
+                std::fs::rename(&from, &to)?;
+            }
+            (false, true) => {
+                // Only an empty directory gives way to a file (as tar fails
+                // to overwrite a directory with a file).
+                std::fs::remove_dir(&to).map_err(|e| {
+                    Error::new(
+                        ErrorKind::Io,
+                        format!(
+                            "cannot replace directory {} with a file from the archive: {e}",
+                            to.display()
+                        ),
+                    )
+                })?;
+                std::fs::rename(&from, &to)?;
+            }
+            (false, false) => std::fs::rename(&from, &to)?,
+        }
+    }
+    Ok(())
+}
+
+/// Remove a staging directory, whatever modes its directories were left
+/// with. Best effort: a leftover is outside the target's tree.
+fn remove_tree(path: &Path) {
+    if std::fs::remove_dir_all(path).is_ok() {
+        return;
+    }
+    fn unlock(path: &Path) {
+        if let Ok(meta) = std::fs::symlink_metadata(path) {
+            if meta.is_dir() {
+                let mode = meta.permissions().mode();
+                let _ =
+                    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode | 0o700));
+                if let Ok(entries) = std::fs::read_dir(path) {
+                    for entry in entries.flatten() {
+                        unlock(&entry.path());
+                    }
+                }
+            }
+        }
+    }
+    unlock(path);
+    if let Err(e) = std::fs::remove_dir_all(path) {
+        tracing::warn!(path = %path.display(), error = %e, "could not remove a tar import's staging directory");
+    }
+}

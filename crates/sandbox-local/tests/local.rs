@@ -893,3 +893,146 @@ async fn commands_do_not_inherit_the_host_environment() {
     assert!(env.lines().any(|l| l.starts_with("HOME=")), "{env}");
     sb.destroy().await.unwrap();
 }
+
+/// A tar of `(path, kind, link or content)`, directories included.
+fn tar_of(entries: &[(&str, tar::EntryType, &str, u32)]) -> Vec<u8> {
+    let mut builder = tar::Builder::new(Vec::new());
+    for (path, kind, text, mode) in entries {
+        let mut header = tar::Header::new_gnu();
+        header.set_entry_type(*kind);
+        header.set_mode(*mode);
+        header.set_mtime(1_700_000_000);
+        if *kind == tar::EntryType::Symlink {
+            header.set_size(0);
+            builder.append_link(&mut header, path, text).unwrap();
+        } else if *kind == tar::EntryType::Directory {
+            header.set_size(0);
+            builder.append_data(&mut header, path, &b""[..]).unwrap();
+        } else {
+            header.set_size(text.len() as u64);
+            builder
+                .append_data(&mut header, path, text.as_bytes())
+                .unwrap();
+        }
+    }
+    builder.into_inner().unwrap()
+}
+
+fn listing(root: &Path) -> Vec<(String, String)> {
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg("find . -mindepth 1 -printf '%p %y %m %l\\n' | sort")
+        .current_dir(root)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let (p, rest) = l.split_once(' ').unwrap();
+            let content = match std::fs::symlink_metadata(root.join(p)) {
+                Ok(m) if m.is_file() => std::fs::read_to_string(root.join(p)).unwrap_or_default(),
+                _ => String::new(),
+            };
+            (p.to_string(), format!("{rest} {content}"))
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn staged_import_overlays_like_import_and_leaves_nothing_on_failure() {
+    use tar::EntryType::{Directory, Regular, Symlink};
+    let root = tempfile::tempdir().unwrap();
+    let provider = LocalProvider::new(root.path());
+    let sb = provider
+        .create(&SandboxSpec::new("/workspace"))
+        .await
+        .unwrap();
+    assert!(sb.stages_tar_imports());
+    let base = Path::new(sb.workdir());
+    let archive = tar_of(&[
+        ("src", Directory, "", 0o755),
+        ("src/a.rs", Regular, "new a\n", 0o644),
+        ("src/deep", Directory, "", 0o755),
+        ("src/deep/b.rs", Regular, "new b\n", 0o600),
+        ("locked", Directory, "", 0o555),
+        ("locked/in.txt", Regular, "inside a read-only dir\n", 0o644),
+        ("was-link", Directory, "", 0o755),
+        ("was-link/f", Regular, "real dir now\n", 0o644),
+        ("run.sh", Regular, "#!/bin/sh\n", 0o755),
+        ("link", Symlink, "src/a.rs", 0o777),
+    ]);
+    // Into a directory that does not exist yet; and onto both a fresh and
+    // a populated target, the staged result equals import_tar's.
+    for (plain, staged) in [("p1", "s1"), ("p2", "s2")] {
+        for dir in [plain, staged] {
+            if plain == "p2" {
+                let t = base.join(dir);
+                std::fs::create_dir_all(t.join("src/deep")).unwrap();
+                std::fs::write(t.join("src/a.rs"), "old a\n").unwrap();
+                std::fs::write(t.join("src/keep.rs"), "target only\n").unwrap();
+                std::fs::write(t.join("mine.txt"), "target only\n").unwrap();
+                std::fs::write(t.join("run.sh"), "old\n").unwrap();
+            }
+        }
+        sb.import_tar(plain, stream::once(archive.clone()))
+            .await
+            .unwrap();
+        sb.import_tar_staged(staged, stream::once(archive.clone()))
+            .await
+            .unwrap();
+        let want = listing(&base.join(plain));
+        assert_eq!(
+            listing(&base.join(staged)),
+            want,
+            "staged import of {staged}"
+        );
+        if plain == "p2" {
+            assert!(want.iter().any(|(p, _)| p == "./src/keep.rs"));
+        }
+    }
+    // Where the target holds a symlink and the archive a directory (which
+    // import_tar refuses), the staged import replaces the symlink and
+    // writes nothing through it.
+    let outside = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(base.join("s3")).unwrap();
+    std::os::unix::fs::symlink(outside.path(), base.join("s3/was-link")).unwrap();
+    sb.import_tar_staged("s3", stream::once(archive.clone()))
+        .await
+        .unwrap();
+    assert!(base
+        .join("s3/was-link")
+        .symlink_metadata()
+        .unwrap()
+        .is_dir());
+    assert_eq!(
+        std::fs::read_to_string(base.join("s3/was-link/f")).unwrap(),
+        "real dir now\n"
+    );
+    assert_eq!(std::fs::read_dir(outside.path()).unwrap().count(), 0);
+    let leftovers: Vec<_> = std::fs::read_dir(base)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("harness-import"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+
+    // A stream that fails after whole entries went by: nothing visible,
+    // the target not even created, no staging directory left.
+    let parent = base.parent().unwrap().to_path_buf();
+    let before = listing(&parent);
+    let s2_before = listing(&base.join("s2"));
+    for dir in ["fresh", "s2"] {
+        let failing: harness_core::stream::ByteStream = Box::pin(futures::stream::iter(vec![
+            Ok(bytes::Bytes::from(archive.clone())),
+            Err(harness_core::Error::corrupt("hash mismatch at the end")),
+        ]));
+        let err = sb.import_tar_staged(dir, failing).await.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
+    }
+    assert!(!base.join("fresh").exists());
+    assert_eq!(listing(&base.join("s2")), s2_before);
+    assert_eq!(listing(&parent), before);
+    sb.destroy().await.unwrap();
+}
