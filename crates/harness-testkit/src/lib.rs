@@ -17,6 +17,7 @@
 //!   session-API suite ([`conformance::session_api`]).
 
 pub mod agent;
+pub mod ai_sdk;
 pub mod bridge;
 pub mod conformance;
 pub mod gate;

@@ -282,6 +282,28 @@ async fn a_prompt_runs_a_claude_turn_on_workflows_with_a_retried_step() {
         "{info}"
     );
 
+    // The AI SDK reads the turn back from the Worker's UI message stream
+    // and builds the message a chat UI shows: the tool call with its
+    // output, the final text.
+    let url = format!("{}/v1/sessions/{id}/ui-stream?after=0", rig.dev.base);
+    if let Some(message) = harness_testkit::ai_sdk::read_ui_stream(&url, Some(CLIENT))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+    {
+        let parts = message["parts"].as_array().cloned().unwrap_or_default();
+        let tool = parts
+            .iter()
+            .find(|p| p["toolCallId"] == "toolu_wf_1")
+            .unwrap_or_else(|| panic!("no tool part: {message}"));
+        assert_eq!(tool["state"], "output-available", "{message}");
+        assert!(
+            parts
+                .iter()
+                .any(|p| p["type"] == "text" && p["text"] == "Done: the note is written."),
+            "{message}"
+        );
+    }
+
     // The agent was started once: the retried slice found it running and
     // read its spool again instead of asking the model a second time.
     let prompts = model

@@ -4,54 +4,16 @@
 //! `readUIMessageStream`, and asserts the message, live and replayed.
 //!
 //! Needs `node` and `npm`; the packages are installed once into
-//! `$HARNESS_CACHE/npm/ai-sdk-check` (or a temp dir) from the npm registry.
+//! `$HARNESS_CACHE/npm/ai-sdk-check` (or a temp dir) from the npm registry
+//! (`harness_testkit::ai_sdk`).
 
 mod common;
 
-use std::path::PathBuf;
-use std::process::Command;
-
-/// Pinned so a new SDK release cannot change the test under us.
-const PACKAGES: &[&str] = &["ai@7.0.173", "ws@8.18.3"];
-
-fn tool_ok(bin: &str) -> bool {
-    Command::new(bin)
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
-
-fn sdk_dir() -> Result<PathBuf, String> {
-    let root = std::env::var("HARNESS_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| std::env::temp_dir());
-    let dir = root.join("npm").join("ai-sdk-check");
-    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    if !dir.join("node_modules/ai/package.json").exists() {
-        std::fs::write(
-            dir.join("package.json"),
-            r#"{"name":"ai-sdk-check","private":true}"#,
-        )
-        .map_err(|e| e.to_string())?;
-        let out = Command::new("npm")
-            .args(["install", "--no-audit", "--no-fund", "--silent"])
-            .args(PACKAGES)
-            .current_dir(&dir)
-            .output()
-            .map_err(|e| format!("npm: {e}"))?;
-        if !out.status.success() {
-            return Err(format!(
-                "npm install {PACKAGES:?} failed: {}",
-                String::from_utf8_lossy(&out.stderr)
-            ));
-        }
-    }
-    Ok(dir)
-}
+use harness_testkit::ai_sdk::{sdk_dir, tools_ok};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_ai_sdk_accepts_the_ui_message_stream() {
-    if !tool_ok("node") || !tool_ok("npm") {
+    if !tools_ok() {
         harness_testkit::skip_or_fail("node and npm are needed to run the AI SDK check");
         return;
     }
