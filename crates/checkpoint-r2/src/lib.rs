@@ -5,8 +5,8 @@
 //!
 //! - **Streamed both ways.** `put` reads its stream into parts of
 //!   [`S3Config::part_size`] (8 MiB by default) and uploads each part as it
-//!   fills, while the next one fills: memory stays at about two parts
-//!   whatever the object's size. Objects smaller than one part go up with a
+//!   fills, two at a time while the next one fills: memory stays at about
+//!   three parts whatever the object's size. Objects smaller than one part go up with a
 //!   single `PutObject`. `get` hands the response body on chunk by chunk.
 //! - **Integrity.** `put` computes the SHA-256 of the content while
 //!   streaming and records it as the object's user metadata
@@ -62,6 +62,11 @@ const GET_CHUNK: usize = 256 * 1024;
 
 /// S3 allows at most this many parts in one multipart upload.
 const MAX_PARTS: u32 = 10_000;
+
+/// Parts a put uploads at once (one more fills meanwhile). Measured on
+/// SeaweedFS over loopback, 75 MB: 1 → 1.35-1.58 s, 2 → 1.16-1.31 s,
+/// 3 → 1.15-1.34 s.
+const UPLOADS_IN_FLIGHT: usize = 2;
 
 /// How many `HeadObject` requests `list` runs at once to read hashes
 /// (`ListObjectsV2` does not return user metadata).
@@ -266,21 +271,21 @@ impl S3CheckpointStore {
         hasher: &mut Sha256,
     ) -> Result<u64> {
         let mut parts = Vec::new();
+        let mut in_flight = futures::stream::FuturesOrdered::new();
         let mut current = first;
         let mut part_number: u32 = 1;
         let mut size = 0u64;
         loop {
             size += current.len() as u64;
-            let upload = upload_part(
+            in_flight.push_back(upload_part(
                 self.client.clone(),
                 self.config.bucket.clone(),
                 temp.to_string(),
                 upload_id.to_string(),
                 part_number,
                 current,
-            );
+            ));
             if reader.done() {
-                parts.push(upload.await?);
                 break;
             }
             if part_number >= MAX_PARTS {
@@ -289,13 +294,29 @@ impl S3CheckpointStore {
                     self.config.part_size
                 )));
             }
-            // The next part fills while this one uploads: two parts in
-            // memory at most.
-            let (uploaded, next) =
-                futures::join!(upload, reader.fill(self.config.part_size, hasher));
-            parts.push(uploaded?);
-            current = next?;
+            // Wait for the oldest upload while UPLOADS_IN_FLIGHT run.
+            while in_flight.len() >= UPLOADS_IN_FLIGHT {
+                if let Some(done) = in_flight.next().await {
+                    parts.push(done?);
+                }
+            }
+            // The next part fills while the uploads run: at most
+            // UPLOADS_IN_FLIGHT + 1 parts in memory.
+            let mut fill = std::pin::pin!(reader.fill(self.config.part_size, hasher));
+            current = std::future::poll_fn(|cx| {
+                while let std::task::Poll::Ready(Some(done)) = in_flight.poll_next_unpin(cx) {
+                    match done {
+                        Ok(part) => parts.push(part),
+                        Err(e) => return std::task::Poll::Ready(Err(e)),
+                    }
+                }
+                fill.as_mut().poll(cx)
+            })
+            .await?;
             part_number += 1;
+        }
+        while let Some(done) = in_flight.next().await {
+            parts.push(done?);
         }
         self.client
             .complete_multipart_upload()
