@@ -242,9 +242,60 @@ async fn route(req: Request, env: &Env) -> Result<Response, ApiError> {
             call.object(&id, Method::Post, "seal", Some(String::new()), None)
                 .await
         }
-        (_, ["v1", "sessions", id, op @ ("ws" | "fork")]) => {
+        (Method::Post, ["v1", "sessions", id, "fork"]) => {
+            // As session-server: the target (given or generated), the host
+            // on both, then the source's prefix copied into the target's
+            // new object, and an optional seal of the fork.
+            let source = request::session_id(id)?;
+            let target = match call.params.get("target") {
+                Some(t) => request::session_id(t)?,
+                None => {
+                    let base = &source.as_str()[..source.as_str().len().min(80)];
+                    request::session_id(&format!("{base}-fork-{}", random_hex()))?
+                }
+            };
+            call.authorize(Some(&source), HOST)?;
+            call.authorize(Some(&target), HOST)?;
+            let query = match request::param_u64(&call.params, "until")? {
+                Some(until) => format!("until={until}"),
+                None => String::new(),
+            };
+            let mut prefix = call
+                .object(&source, Method::Get, "fork-prefix", Some(query), None)
+                .await?;
+            if prefix.status_code() != 200 {
+                // The source's own answer: 404 unknown, 400 past its end.
+                return Ok(prefix);
+            }
+            let bytes = prefix.bytes().await.map_err(internal)?;
+            let mut created = call
+                .object(
+                    &target,
+                    Method::Post,
+                    "fork-into",
+                    Some(String::new()),
+                    Some(bytes),
+                )
+                .await?;
+            if created.status_code() != 201 || !request::param_flag(&call.params, "seal") {
+                return Ok(created);
+            }
+            let info: serde_json::Value = created.json().await.map_err(internal)?;
+            if info["sealed"] == true {
+                return json_response(201, &info);
+            }
+            let mut sealed = call
+                .object(&target, Method::Post, "seal", Some(String::new()), None)
+                .await?;
+            if sealed.status_code() != 200 {
+                return Ok(sealed);
+            }
+            let info: serde_json::Value = sealed.json().await.map_err(internal)?;
+            json_response(201, &info)
+        }
+        (_, ["v1", "sessions", id, "ws"]) => {
             request::session_id(id)?;
-            Err(unsupported(&format!("/{op} on the Worker")))
+            Err(unsupported("/ws on the Worker"))
         }
         (_, ["v1", "runner"]) | (_, ["v1", "stream", ..]) => Err(unsupported(
             "the runner channel and Durable Streams on the Worker",
@@ -256,6 +307,10 @@ async fn route(req: Request, env: &Env) -> Result<Response, ApiError> {
         )),
         _ => Err(ApiError::no_route()),
     }
+}
+
+fn internal(e: worker::Error) -> ApiError {
+    ApiError::new(500, "internal", e.to_string())
 }
 
 fn unsupported(what: &str) -> ApiError {

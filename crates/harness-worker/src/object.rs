@@ -39,7 +39,7 @@ use wasm_bindgen::JsCast;
 use worker::{durable_object, wasm_bindgen, DurableObject, Env, Headers, Request, Response, State};
 
 use crate::front::{error_response, json_response, max_frame_bytes, SESSION_HEADER};
-use crate::store::DoStore;
+use crate::store::{DoStore, ForkPrefix};
 use crate::turns::RunnerRequest;
 
 /// What the actor sends a connection.
@@ -201,6 +201,15 @@ impl SessionObject {
         let url = req.url().map_err(internal)?;
         let params = request::parse_query(url.query().unwrap_or(""));
         let op = url.path().trim_start_matches('/').to_string();
+        if op == "fork-into" {
+            // This object becomes the fork of the prefix its source sent.
+            let bytes = req.bytes().await.map_err(internal)?;
+            let prefix: ForkPrefix = serde_json::from_slice(&bytes)
+                .map_err(|e| ApiError::invalid(format!("malformed fork prefix: {e}")))?;
+            let info = self.store(&session).create_fork(prefix)?;
+            self.exists.set(true);
+            return json_response(201, &info);
+        }
         if op == "create" {
             let bytes = req.bytes().await.map_err(internal)?;
             let config: SessionConfig = serde_json::from_slice(&bytes)
@@ -255,6 +264,13 @@ impl SessionObject {
                     .map_err(|e| ApiError::invalid(format!("malformed runner message: {e}")))?;
                 let reply = self.runner(&session, request).await?;
                 json_response(200, &reply)
+            }
+            "fork-prefix" => {
+                let until = match request::param_u64(&params, "until")? {
+                    Some(n) => n,
+                    None => store.info().await?.last_seq,
+                };
+                json_response(200, &store.fork_prefix(until)?)
             }
             "turn-abort" => {
                 // The turn's mailbox for a running slice (turns.rs): the

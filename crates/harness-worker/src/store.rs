@@ -16,12 +16,12 @@
 use async_trait::async_trait;
 use harness_core::frame::{Frame, FrameBody, SessionId};
 use harness_core::log::{
-    check_append, key_reuse_error, sealed_error, unknown_session, AppendRequest, Appended,
-    ForkOrigin, LogInfo, SessionStore,
+    check_append, fold_meta, fork_closing_frame, fork_range_error, key_reuse_error, sealed_error,
+    unknown_session, AppendRequest, Appended, ForkOrigin, LogInfo, SessionStore,
 };
 use harness_core::session::{SessionConfig, SessionMeta};
 use harness_core::{Error, Result};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use worker::{SqlStorage, SqlStorageValue};
 
 const SCHEMA: &[&str] = &[
@@ -69,6 +69,30 @@ struct FrameRow {
     seq: i64,
     at_ms: i64,
     body: String,
+}
+
+#[derive(Deserialize)]
+struct KeyedFrameRow {
+    seq: i64,
+    at_ms: i64,
+    body: String,
+    idem_key: Option<String>,
+}
+
+/// What a fork copies from its source: the prefix of the log up to
+/// `until`, with each frame's idempotency key, and the session's config.
+/// (One message: a fork of a very long session is bounded by the
+/// runtime's request size; see docs/cloudflare-worker.md.)
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ForkPrefix {
+    /// The source session.
+    pub source: SessionId,
+    /// The last seq copied.
+    pub until: u64,
+    /// The source's config.
+    pub config: Option<SessionConfig>,
+    /// Frames `1..=until` and their keys.
+    pub frames: Vec<(Frame, Option<String>)>,
 }
 
 fn db_err(e: impl std::fmt::Display) -> Error {
@@ -174,6 +198,104 @@ impl DoStore {
             forked_from,
             meta,
         })
+    }
+
+    /// The prefix of this log a fork up to `until` copies (`InvalidInput`
+    /// past the end, as every log answers).
+    pub fn fork_prefix(&self, until: u64) -> Result<ForkPrefix> {
+        let info = self.load_info()?;
+        if until > info.last_seq {
+            return Err(fork_range_error(&self.session, until, info.last_seq));
+        }
+        let rows: Vec<KeyedFrameRow> = self
+            .sql
+            .exec(
+                "SELECT seq, at_ms, body, idem_key FROM frames WHERE seq <= ? ORDER BY seq",
+                vec![int(until)],
+            )
+            .and_then(|c| c.to_array())
+            .map_err(db_err)?;
+        let frames = rows
+            .into_iter()
+            .map(|r| {
+                let key = r.idem_key;
+                let frame = decode(FrameRow {
+                    seq: r.seq,
+                    at_ms: r.at_ms,
+                    body: r.body,
+                })?;
+                Ok((frame, key))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(ForkPrefix {
+            source: self.session.clone(),
+            until,
+            config: info.meta.config,
+            frames,
+        })
+    }
+
+    /// Create this log as a fork of `prefix`'s source: its frames and keys
+    /// as they were, the meta folded from them, the origin recorded and,
+    /// when the prefix ends inside a running turn, the frame that closes
+    /// it (core's `fork_closing_frame`, as every log does). `Conflict` when
+    /// this session exists. No `await` inside: one implicit transaction.
+    pub fn create_fork(&self, prefix: ForkPrefix) -> Result<LogInfo> {
+        if Self::stored_session(&self.sql)?.is_some() {
+            return Err(Error::conflict(format!(
+                "cannot fork into {}: that session already exists",
+                self.session
+            )));
+        }
+        for statement in SCHEMA {
+            self.sql.exec(statement, None).map_err(db_err)?;
+        }
+        let meta = fold_meta(
+            prefix.config.clone(),
+            prefix
+                .frames
+                .iter()
+                .map(|(f, key)| (f.seq, &f.body, key.as_deref())),
+        );
+        let sealed = prefix
+            .frames
+            .iter()
+            .any(|(f, _)| matches!(f.body, FrameBody::Sealed {}));
+        let last_at_ms = prefix.frames.last().map_or(0, |(f, _)| f.at_ms);
+        for (frame, key) in &prefix.frames {
+            let body = serde_json::to_string(&frame.body).map_err(db_err)?;
+            self.sql
+                .exec(
+                    "INSERT INTO frames (seq, at_ms, body, idem_key) VALUES (?, ?, ?, ?)",
+                    vec![
+                        int(frame.seq),
+                        int(frame.at_ms),
+                        body.into(),
+                        key.clone().into(),
+                    ],
+                )
+                .map_err(db_err)?;
+        }
+        let meta_json = serde_json::to_string(&meta).map_err(db_err)?;
+        self.sql
+            .exec(
+                "INSERT INTO logs (id, session, sealed, forked_from, fork_until, meta, last_seq, last_at_ms)
+                 VALUES (1, ?, ?, ?, ?, ?, ?, ?)",
+                vec![
+                    self.session.as_str().into(),
+                    int(u64::from(sealed)),
+                    prefix.source.as_str().into(),
+                    int(prefix.until),
+                    meta_json.into(),
+                    int(prefix.until),
+                    int(last_at_ms),
+                ],
+            )
+            .map_err(db_err)?;
+        if let Some(closing) = fork_closing_frame(&meta, sealed, &prefix.source, prefix.until) {
+            self.append_sync(closing, now_ms())?;
+        }
+        self.load_info()
     }
 
     fn frame_by_key(&self, key: &str) -> Result<Option<Frame>> {

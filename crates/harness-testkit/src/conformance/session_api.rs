@@ -319,6 +319,7 @@ pub async fn run_all(t: &Target) {
     ui_stream_of_a_session_to_its_seal(t).await;
     refused_tokens_write_nothing(t).await;
     oversized_and_malformed_input_is_refused_with_nothing_written(t).await;
+    fork_copies_a_prefix_and_seals(t).await;
 }
 
 /// Create, prompt, answer; read back by `/frames`, `/export` and info.
@@ -781,4 +782,128 @@ pub async fn oversized_and_malformed_input_is_refused_with_nothing_written(t: &T
         .message(&id, CLIENT, json!({"type": "prompt", "text": "ok"}))
         .await;
     assert_eq!((status, ack["seq"].clone()), (200, json!(1)));
+}
+
+/// `POST /fork`: the target gets the source's frames up to `until` as they
+/// were (bodies, times, idempotency keys), its origin, and — when the
+/// prefix ends inside a running turn — the frame that fails that turn in
+/// the fork; `seal=1` seals the fork. Refusals (another role, an existing
+/// target, `until` past the end, an unknown source) create nothing.
+pub async fn fork_copies_a_prefix_and_seals(t: &Target) {
+    let id = t.id("forksrc");
+    t.create(&id).await;
+    let prompt = json!({"type": "prompt", "text": "fork me", "key": "fk1"});
+    assert_eq!(t.message(&id, CLIENT, prompt.clone()).await.0, 200);
+    t.answer(&id, 1).await;
+    let (_, source_frames) = t
+        .get(&format!("/v1/sessions/{id}/frames?after=0"), Some(HOST))
+        .await;
+
+    // A prefix inside the running turn t1.
+    let target = t.id("forkdst");
+    let (status, info) = t
+        .post(
+            &format!("/v1/sessions/{id}/fork?target={target}&until=1"),
+            Some(HOST),
+            json!({}),
+        )
+        .await;
+    assert_eq!(status, 201, "{info}");
+    assert_eq!(info["session"], target.as_str(), "{info}");
+    assert_eq!(info["forked_from"]["session"], id.as_str(), "{info}");
+    assert_eq!(info["forked_from"]["until"], 1, "{info}");
+    assert_eq!(
+        info["last_seq"], 2,
+        "the prefix and the closing frame: {info}"
+    );
+    let (_, frames) = t
+        .get(&format!("/v1/sessions/{target}/frames?after=0"), Some(HOST))
+        .await;
+    assert_eq!(frames[0], source_frames[0], "copied as it was");
+    assert_eq!(frames[1]["body"]["type"], "turn-status", "{frames}");
+    assert_eq!(frames[1]["body"]["turnId"], "t1", "{frames}");
+    assert_eq!(frames[1]["body"]["status"], "failed", "{frames}");
+    assert!(
+        frames[1]["body"]["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("forked from")),
+        "{frames}"
+    );
+    // The key came along: the same prompt is a duplicate in the fork.
+    let (status, ack) = t.message(&target, CLIENT, prompt).await;
+    assert_eq!(
+        (status, ack["seq"].clone(), ack["duplicate"].clone()),
+        (200, json!(1), json!(true)),
+        "{ack}"
+    );
+    // The turn is over in the fork: a new prompt starts t2 there.
+    let (status, ack) = t
+        .message(&target, CLIENT, json!({"type": "prompt", "text": "go on"}))
+        .await;
+    assert_eq!((status, ack["turnId"].clone()), (200, json!("t2")), "{ack}");
+    // The source is untouched.
+    assert_eq!(t.info(&id).await["last_seq"], 2);
+
+    // The whole log, sealed.
+    let sealed = t.id("forksealed");
+    let (status, info) = t
+        .post(
+            &format!("/v1/sessions/{id}/fork?target={sealed}&seal=1"),
+            Some(HOST),
+            json!({}),
+        )
+        .await;
+    assert_eq!(status, 201, "{info}");
+    assert_eq!(info["sealed"], true, "{info}");
+    assert_eq!(info["forked_from"]["until"], 2, "{info}");
+    assert_error(
+        &t.message(&sealed, CLIENT, json!({"type": "prompt", "text": "no"}))
+            .await,
+        409,
+        "sealed",
+    );
+
+    // Refusals create nothing.
+    let never = t.id("forknever");
+    let fork = |query: String| format!("/v1/sessions/{id}/fork?{query}");
+    assert_error(
+        &t.post(&fork(format!("target={never}")), Some(CLIENT), json!({}))
+            .await,
+        403,
+        "forbidden",
+    );
+    assert_error(
+        &t.post(
+            &fork(format!("target={never}&until=9")),
+            Some(HOST),
+            json!({}),
+        )
+        .await,
+        400,
+        "invalid",
+    );
+    let unknown = t.id("forknosuch");
+    assert_error(
+        &t.post(
+            &format!("/v1/sessions/{unknown}/fork?target={never}"),
+            Some(HOST),
+            json!({}),
+        )
+        .await,
+        404,
+        "not_found",
+    );
+    let (status, _) = t.get(&format!("/v1/sessions/{never}"), Some(HOST)).await;
+    assert_eq!(status, 404, "a refused fork created its target");
+    assert_error(
+        &t.post(&fork(format!("target={target}")), Some(HOST), json!({}))
+            .await,
+        409,
+        "conflict",
+    );
+    assert_eq!(
+        t.info(&target).await["last_seq"],
+        3,
+        "an existing target is left as it was"
+    );
 }
