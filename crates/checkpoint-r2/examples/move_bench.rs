@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! HARNESS_S3_ENDPOINT=http://127.0.0.1:8333 \
-//!   cargo run --release -p checkpoint-r2 --example move_bench [-- --files N --mb M]
+//!   cargo run --release -p checkpoint-r2 --example move_bench [-- --files N --mb M] [--no-tree]
 //! ```
 //!
 //! Each contender runs in its own child process so its peak memory is its
@@ -550,6 +550,9 @@ async fn main() {
     }
     println!("\nratios are against `tar | zstd -1 -T0 | zstd -d | tar x`; shell peak = largest single process of the pipeline (time -v); ours = the child process's VmHWM");
 
+    if args.iter().any(|a| a == "--no-tree") {
+        return;
+    }
     let mut stores = vec!["memory"];
     if std::env::var("HARNESS_S3_ENDPOINT").is_ok_and(|v| !v.is_empty()) {
         stores.push("s3");
