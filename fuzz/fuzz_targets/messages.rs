@@ -150,6 +150,19 @@ impl World {
                         replies += 1;
                     }
                 }
+                Output::SendAll { conns, message } => {
+                    roundtrip(&message);
+                    if watch.is_some_and(|w| conns.contains(&w))
+                        && matches!(
+                            message,
+                            ServerMessage::Ack { .. }
+                                | ServerMessage::Received {}
+                                | ServerMessage::Error { .. }
+                        )
+                    {
+                        replies += 1;
+                    }
+                }
                 Output::Close { conn, .. } => {
                     if self.runner == Some(conn) {
                         self.runner = None;

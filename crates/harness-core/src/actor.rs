@@ -454,6 +454,16 @@ pub enum Output {
         /// The message.
         message: ServerMessage,
     },
+    /// Send one message to each of `conns`, in that order (a stored frame
+    /// or a live part fanned out to every client): the same as a `Send` per
+    /// connection, but the message is made once, so a transport can share
+    /// it (and its encoding) between the connections instead of copying it.
+    SendAll {
+        /// The connections.
+        conns: Vec<ConnId>,
+        /// The message.
+        message: ServerMessage,
+    },
     /// Close a connection.
     Close {
         /// The connection.
@@ -806,15 +816,11 @@ impl SessionActor {
                         },
                     });
                 }
-                if !duplicate {
-                    for &conn in self.clients.keys() {
-                        out.push(Output::Send {
-                            conn,
-                            message: ServerMessage::Frame {
-                                frame: frame.clone(),
-                            },
-                        });
-                    }
+                if !duplicate && !self.clients.is_empty() {
+                    out.push(Output::SendAll {
+                        conns: self.clients.keys().copied().collect(),
+                        message: ServerMessage::Frame { frame },
+                    });
                 }
             }
             Input::AppendFailed { kind, error } => {
@@ -1688,15 +1694,16 @@ impl SessionActor {
     /// Live parts are not acknowledged: they are not stored, and a runner
     /// that retries re-sends whole blocks anyway.
     fn fanout_live(&self, turn_id: &str, part: StreamPart, out: &mut Vec<Output>) {
-        for &conn in self.clients.keys() {
-            out.push(Output::Send {
-                conn,
-                message: ServerMessage::Live {
-                    turn_id: turn_id.to_string(),
-                    part: part.clone(),
-                },
-            });
+        if self.clients.is_empty() {
+            return;
         }
+        out.push(Output::SendAll {
+            conns: self.clients.keys().copied().collect(),
+            message: ServerMessage::Live {
+                turn_id: turn_id.to_string(),
+                part,
+            },
+        });
     }
 }
 

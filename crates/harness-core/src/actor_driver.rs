@@ -35,6 +35,18 @@ pub trait Transport: MaybeSend {
     /// Queue `message` for `conn`. `false` when the connection is gone or
     /// was dropped for falling too far behind (a replay then stops).
     fn send(&mut self, conn: ConnId, message: ServerMessage) -> bool;
+    /// Queue `message` for each of `conns`, in order (a stored frame or a
+    /// live part fanned out to every client). By default a
+    /// [`send`](Self::send) of a copy per connection; a transport with many
+    /// readers shares one message (and its encoding) between them instead.
+    fn send_all(&mut self, conns: &[ConnId], message: ServerMessage) {
+        if let Some((&last, rest)) = conns.split_last() {
+            for &conn in rest {
+                self.send(conn, message.clone());
+            }
+            self.send(last, message);
+        }
+    }
     /// Close `conn` after what was queued.
     fn close(&mut self, conn: ConnId, reason: &str);
     /// A stored client message asks for an engine call: perform it (it must
@@ -188,6 +200,7 @@ impl<T: Transport> ActorDriver<T> {
                 Output::Send { conn, message } => {
                     self.transport.send(conn, message);
                 }
+                Output::SendAll { conns, message } => self.transport.send_all(&conns, message),
                 Output::Close { conn, reason } => self.transport.close(conn, &reason),
                 Output::Dispatch(command) => self.transport.dispatch(command),
             }

@@ -78,6 +78,11 @@ impl Harness {
                     }
                 }
                 Output::Send { conn, message } => self.inbox.entry(conn).or_default().push(message),
+                Output::SendAll { conns, message } => {
+                    for conn in conns {
+                        self.inbox.entry(conn).or_default().push(message.clone());
+                    }
+                }
                 Output::Close { conn, .. } => self.closed.push(conn),
                 Output::Dispatch(command) => self.dispatched.push(command),
             }
