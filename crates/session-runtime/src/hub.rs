@@ -24,13 +24,14 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::time::Duration;
 
 use harness_core::actor::{
     ActorConfig, ClientMessage, ConnId, ErrorCode, Input, Role, RunnerMessage, ServerMessage,
 };
 use harness_core::actor_driver::{ActorDriver, Transport};
+use harness_core::frame::{Frame, FrameBody};
 use harness_core::log::{LogSession, SessionLog, SessionStore};
 use harness_core::relay::HostMessage;
 use harness_core::session::TurnCommand;
@@ -72,30 +73,132 @@ impl Default for HubConfig {
     }
 }
 
-/// The actor's end of a connection's queue, with its depth.
+/// The actor's end of a connection's queue, with its depth (in
+/// messages: a run of frames counts each).
 #[derive(Debug, Clone)]
 struct OutTx {
-    tx: mpsc::UnboundedSender<Outbound>,
+    tx: mpsc::UnboundedSender<Queued>,
     depth: Arc<AtomicUsize>,
 }
 
 impl OutTx {
     /// Queue a message; false when the reader is gone or too far behind.
-    fn push(&self, out: Outbound) -> bool {
-        if self.depth.fetch_add(1, Ordering::AcqRel) >= MAX_QUEUED {
+    fn push(&self, out: Queued) -> bool {
+        if self.depth.fetch_add(out.len(), Ordering::AcqRel) >= MAX_QUEUED {
             return false;
         }
         self.tx.send(out).is_ok()
     }
 }
 
+/// What goes through a connection's queue: a pointer each, so a push
+/// copies little into the queue's blocks.
+#[derive(Debug)]
+enum Queued {
+    /// A message for this connection only.
+    One(Box<Outbound>),
+    /// A stored frame.
+    Frame(SharedFrame),
+    /// Frames fanned out one after the other to the same connections (the
+    /// appends of one batch): one push per reader for all of them. Never
+    /// empty.
+    Frames(Arc<[SharedFrame]>),
+    /// A message fanned out to many (a live part): copied out by each
+    /// reader, on its own task.
+    Shared(Arc<ServerMessage>),
+}
+
+impl Queued {
+    fn one(out: Outbound) -> Self {
+        match out {
+            Outbound::Frame(frame) => Queued::Frame(frame),
+            out => Queued::One(Box::new(out)),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Queued::Frames(frames) => frames.len(),
+            _ => 1,
+        }
+    }
+}
+
 /// What a connection receives.
 #[derive(Debug, Clone)]
 pub enum Outbound {
-    /// A message for the peer.
+    /// A message for the peer (never a stored frame: those come as
+    /// [`Outbound::Frame`]).
     Msg(ServerMessage),
+    /// A stored frame ([`ServerMessage::Frame`]), replayed or fanned out;
+    /// one copy shared by every connection it went to.
+    Frame(SharedFrame),
     /// The actor closed the connection (e.g. a fenced runner).
     Close(String),
+}
+
+impl Outbound {
+    /// The message, a stored frame as [`ServerMessage::Frame`]; `Err` with
+    /// the reason for a close.
+    pub fn into_message(self) -> Result<ServerMessage, String> {
+        match self {
+            Outbound::Msg(message) => Ok(message),
+            Outbound::Frame(frame) => Ok(ServerMessage::Frame {
+                frame: frame.into_frame(),
+            }),
+            Outbound::Close(reason) => Err(reason),
+        }
+    }
+}
+
+/// A stored frame as the actor fans it out: made once and shared by all
+/// its readers, with its JSON encoded once, by the first reader that asks
+/// ([`json`](Self::json)), so a thousand SSE readers cost one encoding.
+#[derive(Clone)]
+pub struct SharedFrame(Arc<SharedInner>);
+
+struct SharedInner {
+    frame: Frame,
+    json: OnceLock<Vec<u8>>,
+}
+
+impl std::fmt::Debug for SharedFrame {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.frame.fmt(f)
+    }
+}
+
+impl SharedFrame {
+    /// Share `frame`.
+    pub fn new(frame: Frame) -> Self {
+        Self(Arc::new(SharedInner {
+            frame,
+            json: OnceLock::new(),
+        }))
+    }
+
+    /// The frame.
+    pub fn frame(&self) -> &Frame {
+        &self.0.frame
+    }
+
+    /// The frame's compact JSON (`serde_json::to_vec(frame)`), encoded on
+    /// the first call and shared from then on.
+    pub fn json(&self) -> &[u8] {
+        self.0.json.get_or_init(|| {
+            // Frames are plain data: encoding cannot fail.
+            serde_json::to_vec(&self.0.frame).unwrap_or_default()
+        })
+    }
+
+    /// The frame, moved out when this is the last reference (a copy
+    /// otherwise).
+    pub fn into_frame(self) -> Frame {
+        match Arc::try_unwrap(self.0) {
+            Ok(inner) => inner.frame,
+            Err(shared) => shared.frame.clone(),
+        }
+    }
 }
 
 enum Command {
@@ -191,7 +294,10 @@ impl std::fmt::Debug for Hub {
 #[derive(Debug)]
 pub struct Connection {
     id: ConnId,
-    rx: mpsc::UnboundedReceiver<Outbound>,
+    rx: mpsc::UnboundedReceiver<Queued>,
+    /// The rest of a run of frames taken from the queue: the run and the
+    /// index of the next.
+    run: Option<(Arc<[SharedFrame]>, usize)>,
     depth: Arc<AtomicUsize>,
     tx: mpsc::UnboundedSender<Command>,
     /// Made by [`Hub::request`]: the actor closes it itself.
@@ -220,21 +326,49 @@ impl Connection {
     /// The next message for this connection; `None` when the actor dropped
     /// it (stopped, or the reader fell [`MAX_QUEUED`] behind).
     pub async fn recv(&mut self) -> Option<Outbound> {
-        let out = self.rx.recv().await;
-        if out.is_some() {
-            self.depth.fetch_sub(1, Ordering::AcqRel);
+        if let Some(out) = self.next_of_run() {
+            return Some(out);
         }
-        out
+        let queued = self.rx.recv().await?;
+        Some(self.unpack(queued))
     }
 
     /// The next message if one is queued already (`None` when the queue
     /// is empty or closed).
     pub fn try_recv(&mut self) -> Option<Outbound> {
-        let out = self.rx.try_recv().ok();
-        if out.is_some() {
-            self.depth.fetch_sub(1, Ordering::AcqRel);
+        if let Some(out) = self.next_of_run() {
+            return Some(out);
         }
-        out
+        let queued = self.rx.try_recv().ok()?;
+        Some(self.unpack(queued))
+    }
+
+    fn next_of_run(&mut self) -> Option<Outbound> {
+        let (frames, next) = self.run.as_mut()?;
+        let frame = frames[*next].clone();
+        *next += 1;
+        if *next == frames.len() {
+            self.run = None;
+        }
+        Some(Outbound::Frame(frame))
+    }
+
+    fn unpack(&mut self, queued: Queued) -> Outbound {
+        self.depth.fetch_sub(queued.len(), Ordering::AcqRel);
+        match queued {
+            Queued::One(out) => *out,
+            Queued::Frame(frame) => Outbound::Frame(frame),
+            Queued::Shared(message) => {
+                Outbound::Msg(Arc::try_unwrap(message).unwrap_or_else(|m| (*m).clone()))
+            }
+            Queued::Frames(frames) => {
+                let first = frames[0].clone();
+                if frames.len() > 1 {
+                    self.run = Some((frames, 1));
+                }
+                Outbound::Frame(first)
+            }
+        }
     }
 
     /// Send a client message (the answer arrives on [`recv`](Self::recv)).
@@ -297,6 +431,19 @@ impl Connection {
                     }
                     Outbound::Msg(m) if accept(&m) => return Ok(m),
                     Outbound::Msg(_) => {}
+                    // Only a host call's outcome frame answers (a runner);
+                    // the frames fanned out to a client are skipped uncopied.
+                    Outbound::Frame(f)
+                        if matches!(f.frame().body, FrameBody::HostOutcome { .. }) =>
+                    {
+                        let m = ServerMessage::Frame {
+                            frame: f.into_frame(),
+                        };
+                        if accept(&m) {
+                            return Ok(m);
+                        }
+                    }
+                    Outbound::Frame(_) => {}
                     Outbound::Close(reason) => return Err(AnswerError::Closed(reason)),
                 }
             }
@@ -463,6 +610,7 @@ impl Hub {
                     return Ok(Connection {
                         id,
                         rx: out_rx,
+                        run: None,
                         depth,
                         tx,
                         transient,
@@ -547,18 +695,29 @@ impl Hub {
 }
 
 /// The actor task's connections, as the driver's [`Transport`].
+///
+/// Frames fanned out one after the other to the same connections (the
+/// appends of a batch, and of the batches after it while commands keep
+/// queuing up) are held and queued as one run per connection
+/// ([`flush`](Self::flush)) — before anything else goes to a connection,
+/// and once the actor has nothing queued (or holds a batch's worth) — so
+/// every connection gets what it got before, in the same order, with one
+/// queue push (and one wake-up) per run instead of per frame.
 struct ChannelTransport {
     session: SessionId,
     conns: HashMap<ConnId, OutTx>,
     hub: Weak<Hub>,
+    /// Frames fanned out and not queued yet, and to whom.
+    fanout: Vec<SharedFrame>,
+    fanout_to: Vec<ConnId>,
 }
 
-impl Transport for ChannelTransport {
-    fn send(&mut self, conn: ConnId, message: ServerMessage) -> bool {
+impl ChannelTransport {
+    fn push(&mut self, conn: ConnId, out: Queued) -> bool {
         let Some(tx) = self.conns.get(&conn) else {
             return false;
         };
-        if tx.push(Outbound::Msg(message)) {
+        if tx.push(out) {
             return true;
         }
         tracing::warn!(session = %self.session, conn, "dropping a connection that fell behind");
@@ -566,9 +725,65 @@ impl Transport for ChannelTransport {
         false
     }
 
+    /// Queue the frames held for fan-out.
+    fn flush(&mut self) {
+        if self.fanout.is_empty() {
+            return;
+        }
+        let to = std::mem::take(&mut self.fanout_to);
+        if self.fanout.len() == 1 {
+            let frame = self.fanout.pop().expect("one frame");
+            for conn in to {
+                self.push(conn, Queued::Frame(frame.clone()));
+            }
+        } else {
+            let frames: Arc<[SharedFrame]> = std::mem::take(&mut self.fanout).into();
+            for conn in to {
+                self.push(conn, Queued::Frames(frames.clone()));
+            }
+        }
+    }
+}
+
+impl Transport for ChannelTransport {
+    fn send(&mut self, conn: ConnId, message: ServerMessage) -> bool {
+        self.flush();
+        let out = match message {
+            ServerMessage::Frame { frame } => Outbound::Frame(SharedFrame::new(frame)),
+            message => Outbound::Msg(message),
+        };
+        self.push(conn, Queued::one(out))
+    }
+
+    /// A stored frame is shared by every connection (one copy, one
+    /// encoding) and held to be queued with the frames fanned out after it
+    /// to the same connections; anything else is copied per connection.
+    fn send_all(&mut self, conns: &[ConnId], message: ServerMessage) {
+        match message {
+            ServerMessage::Frame { frame } => {
+                if !self.fanout.is_empty() && self.fanout_to != conns {
+                    self.flush();
+                }
+                if self.fanout.is_empty() {
+                    self.fanout_to.clear();
+                    self.fanout_to.extend_from_slice(conns);
+                }
+                self.fanout.push(SharedFrame::new(frame));
+            }
+            message => {
+                self.flush();
+                let message = Arc::new(message);
+                for &conn in conns {
+                    self.push(conn, Queued::Shared(message.clone()));
+                }
+            }
+        }
+    }
+
     fn close(&mut self, conn: ConnId, reason: &str) {
+        self.flush();
         if let Some(tx) = self.conns.get(&conn) {
-            tx.push(Outbound::Close(reason.to_string()));
+            tx.push(Queued::one(Outbound::Close(reason.to_string())));
         }
     }
 
@@ -590,6 +805,8 @@ async fn run_actor(
         session: session.clone(),
         conns: HashMap::new(),
         hub: Arc::downgrade(&hub),
+        fanout: Vec::new(),
+        fanout_to: Vec::new(),
     };
     let mut driver =
         match ActorDriver::recover(store.clone(), hub.config.actor.clone(), transport).await {
@@ -621,6 +838,7 @@ async fn run_actor(
                 Ok(cmd) => cmd,
                 Err(_) => {
                     driver.handle(Input::Tick { now_ms: now_ms() }).await;
+                    driver.transport_mut().flush();
                     continue;
                 }
             }
@@ -697,6 +915,12 @@ async fn run_actor(
             driver.transport_mut().conns.remove(&conn);
             driver.handle(Input::Disconnect { conn }).await;
         }
+        // Frames fanned out wait while more commands are queued (their
+        // frames join the same runs: one queue push per reader for many
+        // frames when the actor is busy), up to a batch's worth.
+        if rx.is_empty() || driver.transport().fanout.len() >= hub.config.max_batch {
+            driver.transport_mut().flush();
+        }
         let Err(error) = result else {
             continue;
         };
@@ -707,8 +931,11 @@ async fn run_actor(
         tracing::error!(%session, %error, "a group commit failed: the session actor restarts from the log");
         let mut transport = driver.into_transport();
         let reason = format!("the session log failed to commit ({error}); reconnect");
+        // What is held was stored by earlier batches (a failed batch
+        // performed no output): it goes out before the close.
+        transport.flush();
         for (_, out) in transport.conns.drain() {
-            out.push(Outbound::Close(reason.clone()));
+            out.push(Queued::one(Outbound::Close(reason.clone())));
         }
         driver =
             match ActorDriver::recover(store.clone(), hub.config.actor.clone(), transport).await {

@@ -28,7 +28,7 @@ use harness_core::{Error, Result, SessionId};
 
 use crate::dispatch::EngineDispatcher;
 use crate::follow::{TurnFollower, TurnUpdate};
-use crate::hub::{Connection, Hub, HubConfig, Outbound};
+use crate::hub::{Connection, Hub, HubConfig};
 use crate::runner::{HubConnector, RunnerSink};
 use crate::SystemClock;
 
@@ -471,9 +471,9 @@ impl TurnHandle {
             if self.follower.is_ended() {
                 return None;
             }
-            match self.conn.recv().await? {
-                Outbound::Msg(message) => self.queued.extend(self.follower.push(&message)),
-                Outbound::Close(_) => return None,
+            match self.conn.recv().await?.into_message() {
+                Ok(message) => self.queued.extend(self.follower.push(&message)),
+                Err(_) => return None,
             }
         }
     }

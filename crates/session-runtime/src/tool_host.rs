@@ -26,7 +26,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
 use tokio_tungstenite::tungstenite::Message;
 
-use crate::hub::{Hub, Outbound};
+use crate::hub::Hub;
 
 /// What a tool produced (after any chunks it streamed).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -506,10 +506,7 @@ impl HostLink for HubHostLink {
     }
 
     async fn recv(&mut self) -> Result<Option<ServerMessage>> {
-        Ok(match self.0.recv().await {
-            Some(Outbound::Msg(m)) => Some(m),
-            Some(Outbound::Close(_)) | None => None,
-        })
+        Ok(self.0.recv().await.and_then(|out| out.into_message().ok()))
     }
 }
 

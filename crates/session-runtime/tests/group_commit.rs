@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use harness_core::actor::{ClientMessage, Role, ServerMessage};
+use harness_core::actor::{ClientMessage, Role};
 use harness_core::frame::{FrameBody, SessionId};
 use harness_core::log::SessionLog;
 use session_log::SqliteSessionLog;
@@ -86,7 +86,7 @@ async fn concurrent_writers_share_commits_and_every_ack_is_stored_in_reader_orde
     let mut seen = Vec::new();
     while seen.len() < total as usize + 1 {
         match tokio::time::timeout(WAIT, reader.recv()).await.unwrap() {
-            Some(Outbound::Msg(ServerMessage::Frame { frame })) => seen.push(frame),
+            Some(Outbound::Frame(frame)) => seen.push(frame.into_frame()),
             Some(Outbound::Msg(_)) => {}
             other => panic!("reader ended: {other:?}"),
         }
@@ -166,7 +166,7 @@ async fn a_failed_group_commit_acknowledges_and_shows_nothing_of_its_batch() {
     // batch fails, or it saw nothing at all).
     while let Ok(Some(out)) = tokio::time::timeout(Duration::from_millis(300), reader.recv()).await
     {
-        if let Outbound::Msg(ServerMessage::Frame { frame }) = out {
+        if let Outbound::Frame(frame) = out {
             panic!("a reader was shown a frame that is not stored: {frame:?}");
         }
     }

@@ -30,7 +30,7 @@ use tokio::sync::mpsc;
 
 use crate::auth::{authorize, bearer, GrantRole};
 use crate::error::ApiError;
-use session_runtime::{Connection, Hub, Outbound};
+use session_runtime::{Connection, Hub, Outbound, SharedFrame};
 
 /// Frames read from the log per page (catch-up, export).
 const PAGE: usize = harness_core::actor_driver::REPLAY_PAGE;
@@ -503,6 +503,8 @@ async fn events(
         sealed: info.sealed,
         conn: None,
         done: false,
+        keep_alive: Box::pin(tokio::time::sleep(SSE_KEEP_ALIVE)),
+        last_sent: tokio::time::Instant::now(),
     };
     let body = futures::stream::unfold(pump, |mut pump| async move {
         let chunk = pump.next_chunk().await?;
@@ -528,12 +530,26 @@ async fn events(
 /// place (no intermediate strings): compact JSON has no raw newline, so it
 /// is one data line.
 fn encode_frame_event(frame: &Frame, out: &mut Vec<u8>) {
-    out.extend_from_slice(b"id: ");
-    out.extend_from_slice(frame.seq.to_string().as_bytes());
-    out.extend_from_slice(b"\nevent: frame\ndata: ");
+    frame_event_head(frame.seq, out);
     // Frames are plain data: encoding cannot fail.
     let _ = serde_json::to_writer(&mut *out, frame);
     out.extend_from_slice(b"\n\n");
+}
+
+/// [`encode_frame_event`] of a shared frame, around its JSON encoded once
+/// for all readers.
+fn encode_shared_frame_event(frame: &SharedFrame, out: &mut Vec<u8>) {
+    let json = frame.json();
+    out.reserve(json.len() + 40);
+    frame_event_head(frame.frame().seq, out);
+    out.extend_from_slice(json);
+    out.extend_from_slice(b"\n\n");
+}
+
+fn frame_event_head(seq: u64, out: &mut Vec<u8>) {
+    out.extend_from_slice(b"id: ");
+    crate::durable_streams::util::push_decimal(out, seq, 0);
+    out.extend_from_slice(b"\nevent: frame\ndata: ");
 }
 
 /// How often an idle SSE stream sends a comment, so proxies keep it open.
@@ -553,6 +569,11 @@ struct EventPump {
     sealed: bool,
     conn: Option<Connection>,
     done: bool,
+    /// Fires [`SSE_KEEP_ALIVE`] after `last_sent` (re-armed only when it
+    /// fires, not per chunk).
+    keep_alive: std::pin::Pin<Box<tokio::time::Sleep>>,
+    /// When the last chunk went out.
+    last_sent: tokio::time::Instant,
 }
 
 impl EventPump {
@@ -595,8 +616,18 @@ impl EventPump {
         let mut conn = self.conn.take()?;
         loop {
             let first = tokio::select! {
+                biased;
                 out = conn.recv() => out,
-                _ = tokio::time::sleep(SSE_KEEP_ALIVE) => {
+                _ = &mut self.keep_alive => {
+                    let due = self.last_sent + SSE_KEEP_ALIVE;
+                    let now = tokio::time::Instant::now();
+                    if now < due {
+                        // Something was sent since the timer was armed.
+                        self.keep_alive.as_mut().reset(due);
+                        continue;
+                    }
+                    self.last_sent = now;
+                    self.keep_alive.as_mut().reset(now + SSE_KEEP_ALIVE);
                     self.conn = Some(conn);
                     return Some(session_api::sse::KEEP_ALIVE.as_bytes().to_vec());
                 }
@@ -611,6 +642,7 @@ impl EventPump {
             let mut next = Some(first);
             while let Some(message) = next {
                 match message {
+                    Outbound::Frame(frame) => self.shared_frame(&frame, &mut out),
                     Outbound::Msg(message) => self.message(message, &mut out),
                     Outbound::Close(_) => self.done = true,
                 }
@@ -623,6 +655,7 @@ impl EventPump {
                 return (!out.is_empty()).then_some(out);
             }
             if !out.is_empty() {
+                self.last_sent = tokio::time::Instant::now();
                 self.conn = Some(conn);
                 return Some(out);
             }
@@ -638,6 +671,19 @@ impl EventPump {
         self.cursor = frame.seq;
         encode_frame_event(frame, out);
         if session_api::sse::ends_stream(frame) {
+            self.done = true;
+        }
+    }
+
+    /// [`frame`](Self::frame) of a frame the actor shares between readers.
+    fn shared_frame(&mut self, frame: &SharedFrame, out: &mut Vec<u8>) {
+        let seq = frame.frame().seq;
+        if seq <= self.cursor {
+            return;
+        }
+        self.cursor = seq;
+        encode_shared_frame_event(frame, out);
+        if session_api::sse::ends_stream(frame.frame()) {
             self.done = true;
         }
     }
@@ -724,9 +770,8 @@ async fn pump_ui(
             out = conn.recv() => out,
             _ = tx.closed() => return,
         };
-        let message = match out {
-            Some(Outbound::Msg(m)) => m,
-            Some(Outbound::Close(_)) | None => return,
+        let Some(Ok(message)) = out.map(Outbound::into_message) else {
+            return;
         };
         if let ServerMessage::Frame { frame } = &message {
             if frame.seq <= cursor {
@@ -801,6 +846,18 @@ fn text(message: &ServerMessage) -> Message {
     Message::Text(serde_json::to_string(message).unwrap_or_default().into())
 }
 
+/// `text(&ServerMessage::Frame { frame })` of a shared frame, around its
+/// JSON encoded once for all readers.
+fn frame_text(frame: &SharedFrame) -> Message {
+    let json = frame.json();
+    let mut out = Vec::with_capacity(json.len() + 27);
+    out.extend_from_slice(b"{\"type\":\"frame\",\"frame\":");
+    out.extend_from_slice(json);
+    out.push(b'}');
+    // Built from UTF-8 JSON and ASCII.
+    Message::Text(String::from_utf8(out).unwrap_or_default().into())
+}
+
 async fn run_socket(
     state: Arc<AppState>,
     id: SessionId,
@@ -868,45 +925,45 @@ async fn run_socket(
     loop {
         tokio::select! {
             out = conn.recv() => match out {
-                Some(Outbound::Msg(message)) => {
+                Some(Outbound::Close(reason)) => {
+                    let frame = CloseFrame { code: 4001, reason: reason.into() };
+                    let _ = sink.send(Message::Close(Some(frame))).await;
+                    break;
+                }
+                Some(first) => {
                     // This message and whatever else is queued already, in
                     // one flush.
-                    let mut next = Some(message);
+                    let mut next = Some(first);
                     let mut failed = false;
-                    while let Some(message) = next.take() {
-                        let duplicate = match &message {
+                    while let Some(out) = next.take() {
+                        let message = match out {
                             // The actor replays exactly (cursor, last]; this
                             // only guards against a duplicate.
-                            ServerMessage::Frame { frame } if frame.seq <= cursor => true,
-                            ServerMessage::Frame { frame } => {
-                                cursor = frame.seq;
-                                false
+                            Outbound::Frame(f) if f.frame().seq <= cursor => None,
+                            Outbound::Frame(f) => {
+                                cursor = f.frame().seq;
+                                Some(frame_text(&f))
                             }
-                            _ => false,
-                        };
-                        if !duplicate && sink.feed(text(&message)).await.is_err() {
-                            failed = true;
-                            break;
-                        }
-                        match conn.try_recv() {
-                            Some(Outbound::Msg(m)) => next = Some(m),
-                            Some(Outbound::Close(reason)) => {
+                            Outbound::Msg(m) => Some(text(&m)),
+                            Outbound::Close(reason) => {
                                 let frame = CloseFrame { code: 4001, reason: reason.into() };
                                 let _ = sink.feed(Message::Close(Some(frame))).await;
                                 failed = true;
+                                break;
                             }
-                            None => {}
+                        };
+                        if let Some(message) = message {
+                            if sink.feed(message).await.is_err() {
+                                failed = true;
+                                break;
+                            }
                         }
+                        next = conn.try_recv();
                     }
                     if failed || sink.flush().await.is_err() {
                         let _ = sink.flush().await;
                         break;
                     }
-                }
-                Some(Outbound::Close(reason)) => {
-                    let frame = CloseFrame { code: 4001, reason: reason.into() };
-                    let _ = sink.send(Message::Close(Some(frame))).await;
-                    break;
                 }
                 None => break,
             },
@@ -1085,13 +1142,37 @@ mod tests {
             },
         ];
         let mut out = Vec::new();
+        let mut shared = Vec::new();
         for frame in &frames {
             encode_frame_event(frame, &mut out);
+            encode_shared_frame_event(&SharedFrame::new(frame.clone()), &mut shared);
         }
         let expected: String = frames
             .iter()
             .map(|f| session_api::sse::SseEvent::frame(f).encode())
             .collect();
         assert_eq!(String::from_utf8(out).unwrap(), expected);
+        assert_eq!(String::from_utf8(shared).unwrap(), expected);
+    }
+
+    #[test]
+    fn a_shared_frame_goes_on_a_websocket_as_its_server_message() {
+        let frame = Frame {
+            seq: 3,
+            at_ms: 9,
+            body: FrameBody::Part {
+                turn_id: "t1".into(),
+                part: harness_core::part::StreamPart::Raw {
+                    value: json!({"line": "a \"quoted\" ünïcode\nline"}),
+                },
+            },
+        };
+        let Message::Text(built) = frame_text(&SharedFrame::new(frame.clone())) else {
+            panic!("not text");
+        };
+        let Message::Text(expected) = text(&ServerMessage::Frame { frame }) else {
+            panic!("not text");
+        };
+        assert_eq!(built.as_str(), expected.as_str());
     }
 }

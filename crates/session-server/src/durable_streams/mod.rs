@@ -729,19 +729,43 @@ pub(crate) fn control(
     up_to_date: bool,
     closed: bool,
 ) -> Bytes {
-    let mut data = serde_json::Map::new();
-    data.insert("streamNextOffset".into(), offset.to_string().into());
+    let mut out = Vec::with_capacity(120);
+    control_into(offset, cursor.as_deref(), up_to_date, closed, &mut out);
+    Bytes::from(out)
+}
+
+/// The control event (`event: control`, one `data:` line of JSON:
+/// `streamNextOffset`, then `streamClosed` or `streamCursor`/`upToDate`)
+/// appended to `out`: written in place, since an SSE reader gets one after
+/// every data event.
+pub(crate) fn control_into(
+    offset: Offset,
+    cursor: Option<&str>,
+    up_to_date: bool,
+    closed: bool,
+    out: &mut Vec<u8>,
+) {
+    // Offsets are digits and `_` (as `Offset`'s Display writes them). The
+    // JSON starts with `{`, so `data:` takes no extra space.
+    out.extend_from_slice(b"event: control\ndata:{\"streamNextOffset\":\"");
+    util::push_decimal(out, offset.read_seq, 16);
+    out.push(b'_');
+    util::push_decimal(out, offset.byte, 16);
+    out.push(b'"');
     if closed {
-        data.insert("streamClosed".into(), true.into());
+        out.extend_from_slice(b",\"streamClosed\":true");
     } else {
         if let Some(c) = cursor {
-            data.insert("streamCursor".into(), c.into());
+            out.extend_from_slice(b",\"streamCursor\":");
+            // A cursor echoes what a client sent: escaped as JSON (which
+            // also keeps it on one line).
+            let _ = serde_json::to_writer(&mut *out, c);
         }
         if up_to_date {
-            data.insert("upToDate".into(), true.into());
+            out.extend_from_slice(b",\"upToDate\":true");
         }
     }
-    sse_event("control", &serde_json::Value::Object(data).to_string())
+    out.extend_from_slice(b"}\n\n");
 }
 
 pub(crate) fn sse_headers(reply: Reply, base64: bool) -> Reply {
@@ -1009,6 +1033,48 @@ fn delete(state: &DurableStreamsState, path: &str) -> Reply {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn control_events_are_one_data_line_of_json() {
+        use serde_json::json;
+        let offset = Offset {
+            read_seq: 0,
+            byte: 42,
+        };
+        let cases = [
+            (
+                None,
+                false,
+                false,
+                json!({"streamNextOffset": offset.to_string()}),
+            ),
+            (
+                Some("7\n\"x"),
+                true,
+                false,
+                json!({"streamNextOffset": offset.to_string(), "streamCursor": "7\n\"x", "upToDate": true}),
+            ),
+            (
+                Some("7"),
+                true,
+                true,
+                json!({"streamNextOffset": offset.to_string(), "streamClosed": true}),
+            ),
+        ];
+        for (cursor, up_to_date, closed, expected) in cases {
+            let event = control(offset, cursor.map(str::to_string), up_to_date, closed);
+            let text = std::str::from_utf8(&event).unwrap();
+            let data = text
+                .strip_prefix("event: control\ndata:")
+                .and_then(|t| t.strip_suffix("\n\n"))
+                .unwrap_or_else(|| panic!("not one control event: {text:?}"));
+            assert!(!data.contains('\n'), "{text:?}");
+            let got: serde_json::Value = serde_json::from_str(data).unwrap();
+            assert_eq!(got, expected);
+            // The same as the generic SSE encoding of that payload.
+            assert_eq!(&sse_event("control", data)[..], &event[..]);
+        }
+    }
 
     #[test]
     fn sse_data_keeps_a_leading_space() {

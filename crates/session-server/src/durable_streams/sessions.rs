@@ -20,17 +20,15 @@ use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, Method, StatusCode};
-use futures::FutureExt;
-use harness_core::actor::{Role, ServerMessage};
+use harness_core::actor::Role;
 use harness_core::frame::{Frame, FrameBody};
 use harness_core::log::{LogInfo, SessionLog};
 use harness_core::{ErrorKind, SessionId};
-use session_runtime::{Connection, Hub, Outbound};
-use tokio::sync::mpsc;
+use session_runtime::{Connection, Hub, Outbound, SharedFrame};
 
 use super::{
-    channel_body, control, read_params, sse_event, sse_headers, util, DurableStreamsState, Offset,
-    Reply, STREAM_CLOSED, STREAM_CURSOR, STREAM_NEXT_OFFSET, STREAM_UP_TO_DATE,
+    control, control_into, read_params, sse_headers, util, DurableStreamsState, Offset, Reply,
+    STREAM_CLOSED, STREAM_CURSOR, STREAM_NEXT_OFFSET, STREAM_UP_TO_DATE,
 };
 
 /// Frames per catch-up response; a longer log answers without
@@ -70,10 +68,10 @@ async fn frames_after(
 
 /// The next stored frame the actor fans out to `conn`; `None` when the
 /// actor dropped the connection. Live parts and the rest are skipped.
-async fn next_frame(conn: &mut Connection) -> Option<Frame> {
+async fn next_frame(conn: &mut Connection) -> Option<SharedFrame> {
     loop {
         match conn.recv().await? {
-            Outbound::Msg(ServerMessage::Frame { frame }) => return Some(frame),
+            Outbound::Frame(frame) => return Some(frame),
             Outbound::Msg(_) => {}
             Outbound::Close(_) => return None,
         }
@@ -96,7 +94,7 @@ async fn wait(
         .map_err(log_error)?;
     let woken = async {
         while let Some(frame) = next_frame(&mut conn).await {
-            if frame.seq > after {
+            if frame.frame().seq > after {
                 return;
             }
         }
@@ -149,13 +147,24 @@ pub(super) async fn handle(
     };
     let after = seq_of(p.offset.as_deref(), info.last_seq);
     if p.live.as_deref() == Some("sse") {
-        let (tx, rx) = mpsc::channel(64);
         let timeout = state.long_poll_timeout;
-        let session = session.clone();
-        tokio::spawn(async move {
-            let _ = sse_loop(&hub, &session, after, p.cursor, timeout, &tx).await;
+        let pump = SsePump {
+            hub,
+            session: session.clone(),
+            after,
+            cursor: p.cursor,
+            first: true,
+            conn: None,
+            done: false,
+            timeout,
+            keep_alive: Box::pin(tokio::time::sleep(timeout)),
+            last_sent: tokio::time::Instant::now(),
+        };
+        let body = futures::stream::unfold(pump, |mut pump| async move {
+            let chunk = pump.next_chunk().await?;
+            Some((Ok::<_, std::convert::Infallible>(chunk), pump))
         });
-        return sse_headers(Reply::new(StatusCode::OK), false).body(channel_body(rx));
+        return sse_headers(Reply::new(StatusCode::OK), false).body(Body::from_stream(body));
     }
     let mut info = info;
     if p.live.as_deref() == Some("long-poll") && info.last_seq <= after {
@@ -212,111 +221,257 @@ pub(super) async fn handle(
     reply
 }
 
-async fn sse_loop(
-    hub: &Hub,
-    session: &SessionId,
-    mut after: u64,
+/// The data event of one frame (`event: data`, `data:[<frame JSON>]`: a
+/// JSON stream's items go as an array), appended to `out`.
+fn data_event_into(json: &[u8], out: &mut Vec<u8>) {
+    // Compact JSON has no raw line break, so it is one data line; it starts
+    // with `[`, so `data:` takes no extra space.
+    out.reserve(json.len() + 22);
+    out.extend_from_slice(b"event: data\ndata:[");
+    out.extend_from_slice(json);
+    out.extend_from_slice(b"]\n\n");
+}
+
+fn frame_data_event(frame: &Frame, out: &mut Vec<u8>) {
+    // Frames are plain data: encoding cannot fail.
+    data_event_into(&serde_json::to_vec(frame).unwrap_or_default(), out);
+}
+
+/// The body of a `live=sse` read, produced as the client reads it (no task
+/// or channel in between): catch up from the log a page per chunk, then
+/// follow the actor, every frame it has queued in one chunk, each data
+/// event (its frame's JSON encoded once for all readers) followed by its
+/// control event. Back to catching up when the actor drops the connection
+/// (e.g. the reader fell too far behind); a gone client drops it.
+struct SsePump {
+    hub: Arc<Hub>,
+    session: SessionId,
+    /// The last seq sent.
+    after: u64,
+    /// The client's cursor, echoed (advanced) in control events.
     cursor: Option<String>,
+    first: bool,
+    conn: Option<Connection>,
+    done: bool,
+    /// A quiet spell this long sends a keep-alive control event.
     timeout: Duration,
-    tx: &mpsc::Sender<Result<Bytes, std::convert::Infallible>>,
-) -> Result<(), ()> {
-    let log = hub.log();
-    let send = |b: Bytes| async move { tx.send(Ok(b)).await.map_err(|_| ()) };
-    let cursor = || Some(util::response_cursor(cursor.as_deref()));
-    let mut first = true;
-    // Catch up from the log, then follow the actor; back here when the
-    // actor drops the connection (e.g. the reader fell too far behind).
-    loop {
-        let frames = frames_after(log, session, after).await.map_err(|_| ())?;
-        let info = log.info(session).await.map_err(|_| ())?;
-        // A page of events in one chunk.
-        let mut page = Vec::with_capacity(frames.len() * 320);
-        for f in &frames {
-            page.extend_from_slice(&sse_event("data", &frames_json(std::slice::from_ref(f))));
-            after = f.seq;
-            let at_tail = after >= info.last_seq;
-            if at_tail && info.sealed {
-                page.extend_from_slice(&control(offset_of(after), None, true, true));
-                return send(Bytes::from(page)).await;
-            }
-            page.extend_from_slice(&control(offset_of(after), cursor(), at_tail, false));
+    /// Fires `timeout` after `last_sent` (re-armed only when it fires).
+    keep_alive: std::pin::Pin<Box<tokio::time::Sleep>>,
+    last_sent: tokio::time::Instant,
+}
+
+impl SsePump {
+    fn cursor(&self) -> String {
+        util::response_cursor(self.cursor.as_deref())
+    }
+
+    async fn next_chunk(&mut self) -> Option<Bytes> {
+        if self.done {
+            return None;
         }
-        if !page.is_empty() {
-            send(Bytes::from(page)).await?;
+        let chunk = self.produce().await;
+        if chunk.is_none() {
+            self.done = true;
         }
-        if frames.is_empty() {
-            if info.sealed {
-                return send(control(offset_of(after), None, true, true)).await;
-            }
-            if first {
-                send(control(offset_of(after), cursor(), true, false)).await?;
-            }
-        }
-        first = false;
-        if after < info.last_seq {
-            continue;
-        }
-        let mut conn = hub
-            .connect(session, Role::Client, Some(after))
-            .await
-            .map_err(|_| ())?;
+        self.last_sent = tokio::time::Instant::now();
+        chunk.map(Bytes::from)
+    }
+
+    /// The next chunk; `None` ends the stream.
+    async fn produce(&mut self) -> Option<Vec<u8>> {
         loop {
-            // Wait for the actor's next frame, stopping early when the
-            // client is gone; a quiet spell sends a keep-alive control.
-            let next = tokio::select! {
-                r = tokio::time::timeout(timeout, next_frame(&mut conn)) => r,
-                _ = tx.closed() => return Ok(()),
+            let next = if self.conn.is_none() {
+                self.catch_up().await?
+            } else {
+                self.follow().await?
             };
-            let frame = match next {
-                Err(_) => {
-                    send(control(offset_of(after), cursor(), true, false)).await?;
-                    continue;
-                }
-                Ok(None) => break,
-                Ok(Some(frame)) => frame,
-            };
-            // The frames the actor has already queued form one batch: the
-            // reader is up to date after its last one.
-            let mut batch = vec![frame];
-            while let Some(Some(more)) = next_frame(&mut conn).now_or_never() {
-                batch.push(more);
-            }
-            let mut pending = Vec::new();
-            for frame in batch {
-                if frame.seq <= after {
-                    continue;
-                }
-                let mut expect = pending.last().map_or(after, |f: &Frame| f.seq);
-                // A frame stored without the actor: read the gap from the log.
-                while frame.seq > expect + 1 {
-                    let gap = frames_after(log, session, expect).await.map_err(|_| ())?;
-                    let gap: Vec<Frame> = gap.into_iter().filter(|f| f.seq < frame.seq).collect();
-                    let Some(last) = gap.last() else { break };
-                    expect = last.seq;
-                    pending.extend(gap);
-                }
-                pending.push(frame);
-            }
-            // The batch's events in one chunk.
-            let count = pending.len();
-            let mut chunk = Vec::with_capacity(count * 320);
-            for (i, f) in pending.iter().enumerate() {
-                chunk.extend_from_slice(&sse_event("data", &frames_json(std::slice::from_ref(f))));
-                after = f.seq;
-                if matches!(f.body, FrameBody::Sealed {}) {
-                    chunk.extend_from_slice(&control(offset_of(after), None, true, true));
-                    return send(Bytes::from(chunk)).await;
-                }
-                chunk.extend_from_slice(&control(
-                    offset_of(after),
-                    cursor(),
-                    i + 1 == count,
-                    false,
-                ));
-            }
-            if !chunk.is_empty() {
-                send(Bytes::from(chunk)).await?;
+            if let Some(chunk) = next {
+                return Some(chunk);
             }
         }
+    }
+
+    /// One page from the log, or a control event; `Ok(None)` once
+    /// connected to the actor.
+    async fn catch_up(&mut self) -> Option<Option<Vec<u8>>> {
+        let log = self.hub.log().clone();
+        let frames = frames_after(&log, &self.session, self.after).await.ok()?;
+        let info = log.info(&self.session).await.ok()?;
+        let first = std::mem::replace(&mut self.first, false);
+        if !frames.is_empty() {
+            // A page of events in one chunk.
+            let cursor = self.cursor();
+            let mut page = Vec::with_capacity(frames.len() * 320);
+            for f in &frames {
+                frame_data_event(f, &mut page);
+                self.after = f.seq;
+                let at_tail = self.after >= info.last_seq;
+                if at_tail && info.sealed {
+                    control_into(offset_of(self.after), None, true, true, &mut page);
+                    self.done = true;
+                    return Some(Some(page));
+                }
+                control_into(
+                    offset_of(self.after),
+                    Some(&cursor),
+                    at_tail,
+                    false,
+                    &mut page,
+                );
+            }
+            return Some(Some(page));
+        }
+        if info.sealed {
+            self.done = true;
+            return Some(Some(
+                control(offset_of(self.after), None, true, true).to_vec(),
+            ));
+        }
+        if first {
+            // Up to date from the start.
+            let cursor = self.cursor();
+            return Some(Some(
+                control(offset_of(self.after), Some(cursor), true, false).to_vec(),
+            ));
+        }
+        if self.after < info.last_seq {
+            // Frames came meanwhile: read on.
+            return Some(None);
+        }
+        let conn = self
+            .hub
+            .connect(&self.session, Role::Client, Some(self.after))
+            .await
+            .ok()?;
+        self.conn = Some(conn);
+        Some(None)
+    }
+
+    /// What the actor has queued (waiting for the first), as one chunk;
+    /// `Some(None)` when the actor dropped the connection.
+    async fn follow(&mut self) -> Option<Option<Vec<u8>>> {
+        let mut conn = self.conn.take()?;
+        let first = loop {
+            tokio::select! {
+                biased;
+                out = conn.recv() => match out {
+                    Some(Outbound::Frame(frame)) => break frame,
+                    Some(Outbound::Msg(_)) => {}
+                    // Dropped by the actor: catch up from the log again.
+                    Some(Outbound::Close(_)) | None => return Some(None),
+                },
+                _ = &mut self.keep_alive => {
+                    let due = self.last_sent + self.timeout;
+                    let now = tokio::time::Instant::now();
+                    if now < due {
+                        // Something was sent since the timer was armed.
+                        self.keep_alive.as_mut().reset(due);
+                        continue;
+                    }
+                    self.keep_alive.as_mut().reset(now + self.timeout);
+                    self.conn = Some(conn);
+                    let cursor = self.cursor();
+                    return Some(Some(
+                        control(offset_of(self.after), Some(cursor), true, false).to_vec(),
+                    ));
+                }
+            }
+        };
+        // The frames the actor has already queued form one batch: the
+        // reader is up to date after its last one.
+        let mut batch = vec![first];
+        let mut dropped = false;
+        loop {
+            match conn.try_recv() {
+                Some(Outbound::Frame(frame)) => batch.push(frame),
+                Some(Outbound::Msg(_)) => {}
+                Some(Outbound::Close(_)) => {
+                    dropped = true;
+                    break;
+                }
+                None => break,
+            }
+        }
+        let log = self.hub.log().clone();
+        let mut expect = self.after;
+        let mut events: Vec<Pending> = Vec::with_capacity(batch.len());
+        for frame in batch {
+            let seq = frame.frame().seq;
+            if seq <= expect {
+                continue;
+            }
+            // A frame stored without the actor: read the gap from the log.
+            while seq > expect + 1 {
+                let gap = frames_after(&log, &self.session, expect).await.ok()?;
+                let gap: Vec<Frame> = gap.into_iter().filter(|f| f.seq < seq).collect();
+                let Some(last) = gap.last() else { break };
+                expect = last.seq;
+                events.extend(gap.into_iter().map(Pending::Read));
+            }
+            expect = seq;
+            events.push(Pending::Shared(frame));
+        }
+        let count = events.len();
+        let cursor = self.cursor();
+        let mut chunk = Vec::with_capacity(count * 320);
+        for (i, event) in events.iter().enumerate() {
+            let frame = match event {
+                Pending::Shared(f) => {
+                    data_event_into(f.json(), &mut chunk);
+                    f.frame()
+                }
+                Pending::Read(f) => {
+                    frame_data_event(f, &mut chunk);
+                    f
+                }
+            };
+            self.after = frame.seq;
+            if matches!(frame.body, FrameBody::Sealed {}) {
+                control_into(offset_of(self.after), None, true, true, &mut chunk);
+                self.done = true;
+                return Some(Some(chunk));
+            }
+            control_into(
+                offset_of(self.after),
+                Some(&cursor),
+                i + 1 == count,
+                false,
+                &mut chunk,
+            );
+        }
+        if !dropped {
+            self.conn = Some(conn);
+        }
+        Some((!chunk.is_empty()).then_some(chunk))
+    }
+}
+
+/// A frame of a follow batch: shared by the actor, or read from the log.
+enum Pending {
+    Shared(SharedFrame),
+    Read(Frame),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_frame_data_event_is_the_generic_sse_encoding_of_its_json_array() {
+        let frame = Frame {
+            seq: 5,
+            at_ms: 1,
+            body: FrameBody::UserMessage {
+                text: "two\nlines\r\n \"quoted\"".into(),
+                turn_id: Some("t1".into()),
+            },
+        };
+        let expected = super::super::sse_event("data", &frames_json(std::slice::from_ref(&frame)));
+        let mut read = Vec::new();
+        frame_data_event(&frame, &mut read);
+        let mut shared = Vec::new();
+        data_event_into(SharedFrame::new(frame).json(), &mut shared);
+        assert_eq!(read, &expected[..]);
+        assert_eq!(shared, &expected[..]);
     }
 }

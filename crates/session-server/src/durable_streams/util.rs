@@ -192,9 +192,39 @@ pub fn response_cursor(client: Option<&str>) -> String {
     }
 }
 
+/// Append `n` in decimal, at least `width` digits (zero-padded): what
+/// `write!(out, "{n:0width$}")` writes, without the formatting machinery
+/// (SSE ids and offsets are written for every frame and reader).
+pub(crate) fn push_decimal(out: &mut Vec<u8>, mut n: u64, width: usize) {
+    let mut digits = [b'0'; 20];
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    let len = digits.len() - at;
+    out.extend(std::iter::repeat_n(b'0', width.saturating_sub(len)));
+    out.extend_from_slice(&digits[at..]);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn decimals_are_written_as_format_writes_them() {
+        for n in [0, 7, 10, 99, 1234, u64::MAX / 3, u64::MAX] {
+            for width in [0, 1, 16, 25] {
+                let mut out = Vec::new();
+                push_decimal(&mut out, n, width);
+                assert_eq!(String::from_utf8(out).unwrap(), format!("{n:0width$}"));
+            }
+        }
+    }
 
     #[test]
     fn base64_matches_known_vectors() {
