@@ -107,9 +107,12 @@ fn start_ours(dir: &std::path::Path, name: &str, grouped: bool) -> anyhow::Resul
     let hub_log = log.clone();
     rt.spawn(async move {
         let hub = Hub::new(hub_log, hub_config);
-        let app = SessionServer::with_hub(config, hub).router();
         let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
-        axum::serve(listener, app).await.expect("serve");
+        // As `harness serve` serves it (TCP_NODELAY on every connection).
+        SessionServer::with_hub(config, hub)
+            .serve(listener)
+            .await
+            .expect("serve");
     });
     Ok(Ours {
         base: format!("http://{addr}"),
@@ -336,89 +339,195 @@ impl Target {
     }
 }
 
-/// The send stamps (µs since `start`) in an SSE chunk of text: every
-/// number after `marker`.
-fn stamps(text: &str, marker: &str, out: &mut Vec<u64>) {
+/// Every number after `marker` in `text`, in order.
+fn numbers_after(text: &str, marker: &str, mut each: impl FnMut(u64)) {
     let mut rest = text;
     while let Some(at) = rest.find(marker) {
         rest = &rest[at + marker.len()..];
         let end = rest
-            .find(|c: char| !c.is_ascii_digit())
+            .bytes()
+            .position(|c| !c.is_ascii_digit())
             .unwrap_or(rest.len());
         if let Ok(n) = rest[..end].parse() {
-            out.push(n);
+            each(n);
         }
         rest = &rest[end..];
     }
 }
 
-/// Reads one SSE response until `total` stamps arrived or the deadline;
-/// Durable Streams readers reconnect from the last `streamNextOffset`.
-/// Returns (send stamp, latency ms) per delivery.
+/// A chunked transfer-coding decoder (sizes, data, CRLFs; trailers are
+/// not expected on an endless SSE body).
+#[derive(Default)]
+struct Chunked {
+    /// Data bytes left in the current chunk.
+    left: usize,
+    /// The CRLF after a chunk's data is still to skip.
+    crlf: bool,
+    ended: bool,
+}
+
+impl Chunked {
+    /// Decode what `raw` holds into `out`; consumed bytes are removed.
+    fn feed(&mut self, raw: &mut Vec<u8>, out: &mut Vec<u8>) -> anyhow::Result<()> {
+        let mut pos = 0;
+        while pos < raw.len() && !self.ended {
+            if self.left > 0 {
+                let n = self.left.min(raw.len() - pos);
+                out.extend_from_slice(&raw[pos..pos + n]);
+                pos += n;
+                self.left -= n;
+                self.crlf = self.left == 0;
+            } else if self.crlf {
+                if raw.len() - pos < 2 {
+                    break;
+                }
+                anyhow::ensure!(&raw[pos..pos + 2] == b"\r\n", "bad chunk end");
+                pos += 2;
+                self.crlf = false;
+            } else {
+                let Some(eol) = raw[pos..].windows(2).position(|w| w == b"\r\n") else {
+                    break;
+                };
+                let line = std::str::from_utf8(&raw[pos..pos + eol])?;
+                let hex = line.split(';').next().unwrap_or("").trim();
+                let size = usize::from_str_radix(hex, 16)?;
+                pos += eol + 2;
+                if size == 0 {
+                    self.ended = true;
+                } else {
+                    self.left = size;
+                }
+            }
+        }
+        raw.drain(..pos);
+        Ok(())
+    }
+}
+
+/// One SSE reader on its own TCP connection, as lean as a client can be so
+/// that 1,000 of them measure the server rather than themselves: a raw
+/// HTTP/1.1 GET, the chunked body decoded by hand, whole events scanned
+/// for the writer's send stamps (after `marker`) without an SSE parser.
+/// Our streams' frames must arrive gap-free and in order (`"seq":`, checked
+/// from 1); Durable Streams readers reconnect from the last
+/// `streamNextOffset`. Returns (send stamp, latency ms) per delivery.
 async fn live_reader(
-    http: reqwest::Client,
-    url: String,
+    base: String,
+    path: String,
     target: Target,
     start: Instant,
     total: usize,
     deadline: tokio::time::Instant,
     ready: tokio::sync::mpsc::UnboundedSender<()>,
 ) -> anyhow::Result<Vec<(u64, f64)>> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let marker = match target {
         Target::Reference => "\"t\":",
         _ => "\"approvalId\":\"",
     };
     let ds = target != Target::SessionSse;
-    let mut got = Vec::new();
+    let addr = base
+        .trim_start_matches("http://")
+        .split('/')
+        .next()
+        .unwrap_or_default()
+        .to_string();
+    let mut got = Vec::with_capacity(total);
+    let mut last_seq = 0u64;
     let mut offset = "-1".to_string();
     let mut ready = Some(ready);
-    let mut found = Vec::new();
+    let mut raw = Vec::with_capacity(64 * 1024);
+    let mut events = Vec::with_capacity(64 * 1024);
     while got.len() < total && tokio::time::Instant::now() < deadline {
-        let url = if ds {
-            format!("{url}?offset={offset}&live=sse")
+        let target_path = if ds {
+            format!("{path}?offset={offset}&live=sse")
         } else {
-            url.clone()
+            path.clone()
         };
-        let resp = match tokio::time::timeout_at(deadline, http.get(url).send()).await {
-            Ok(Ok(r)) if r.status() == 200 => r,
-            Ok(Ok(r)) => anyhow::bail!("SSE GET: {}", r.status()),
-            Ok(Err(e)) if ready.is_some() => return Err(e.into()),
+        let connected = tokio::time::timeout_at(deadline, async {
+            let mut tcp = tokio::net::TcpStream::connect(&addr).await?;
+            tcp.set_nodelay(true)?;
+            let request = format!(
+                "GET {target_path} HTTP/1.1\r\nHost: {addr}\r\nAccept: text/event-stream\r\n\r\n"
+            );
+            tcp.write_all(request.as_bytes()).await?;
+            anyhow::Ok(tcp)
+        })
+        .await;
+        let mut tcp = match connected {
+            Ok(Ok(tcp)) => tcp,
+            Ok(Err(e)) if ready.is_some() => return Err(e),
             Ok(Err(_)) => {
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }
             Err(_) => break,
         };
+        // The response head.
+        raw.clear();
+        events.clear();
+        let head_end = loop {
+            if let Some(at) = raw.windows(4).position(|w| w == b"\r\n\r\n") {
+                break Some(at + 4);
+            }
+            match tokio::time::timeout_at(deadline, tcp.read_buf(&mut raw)).await {
+                Ok(Ok(n)) if n > 0 => {}
+                _ => break None,
+            }
+        };
+        let Some(head_end) = head_end else { continue };
+        let head = String::from_utf8_lossy(&raw[..head_end]).to_ascii_lowercase();
+        anyhow::ensure!(
+            head.starts_with("http/1.1 200"),
+            "SSE GET: {}",
+            head.lines().next().unwrap_or("")
+        );
+        let mut chunked = head
+            .contains("transfer-encoding: chunked")
+            .then(Chunked::default);
+        raw.drain(..head_end);
         if let Some(r) = ready.take() {
             let _ = r.send(());
         }
-        let mut body = resp.bytes_stream();
-        let mut buf = String::new();
-        while got.len() < total {
-            let Ok(Some(Ok(chunk))) = tokio::time::timeout_at(deadline, body.next()).await else {
-                break;
-            };
-            let now = start.elapsed().as_micros() as u64;
-            buf.push_str(&String::from_utf8_lossy(&chunk));
+        let mut now = start.elapsed().as_micros() as u64;
+        loop {
+            match &mut chunked {
+                Some(c) => c.feed(&mut raw, &mut events)?,
+                None => events.append(&mut raw),
+            }
             // Whole events only (a stamp may be cut by a chunk boundary).
-            let Some(end) = buf.rfind("\n\n") else {
-                continue;
-            };
-            let events: String = buf.drain(..end + 2).collect();
-            found.clear();
-            stamps(&events, marker, &mut found);
-            got.extend(
-                found
-                    .iter()
-                    .map(|&sent| (sent, now.saturating_sub(sent) as f64 / 1000.0)),
-            );
-            if ds {
-                if let Some(at) = events.rfind("\"streamNextOffset\":\"") {
-                    let rest = &events[at + 20..];
-                    if let Some(q) = rest.find('"') {
-                        offset = rest[..q].to_string();
+            if let Some(end) = events.windows(2).rposition(|w| w == b"\n\n") {
+                let text = std::str::from_utf8(&events[..end + 2])?;
+                if !ds || target == Target::DsSession {
+                    let mut order = Ok(());
+                    numbers_after(text, "{\"seq\":", |seq| {
+                        if order.is_ok() && seq != last_seq + 1 {
+                            order = Err(anyhow::anyhow!("frame {seq} after {last_seq}"));
+                        }
+                        last_seq = seq;
+                    });
+                    order?;
+                }
+                numbers_after(text, marker, |sent| {
+                    got.push((sent, now.saturating_sub(sent) as f64 / 1000.0))
+                });
+                if ds {
+                    let key = "\"streamNextOffset\":\"";
+                    if let Some(at) = text.rfind(key) {
+                        let rest = &text[at + key.len()..];
+                        if let Some(q) = rest.find('"') {
+                            offset = rest[..q].to_string();
+                        }
                     }
                 }
+                events.drain(..end + 2);
+            }
+            if got.len() >= total || chunked.as_ref().is_some_and(|c| c.ended) {
+                break;
+            }
+            match tokio::time::timeout_at(deadline, tcp.read_buf(&mut raw)).await {
+                Ok(Ok(n)) if n > 0 => now = start.elapsed().as_micros() as u64,
+                _ => break,
             }
         }
         if !ds {
@@ -437,6 +546,9 @@ struct Live {
     p99: f64,
     max: f64,
     lag_growth: f64,
+    /// The writes' answer times (issue → response), ms.
+    write_p50: f64,
+    write_p99: f64,
 }
 
 async fn bench_live_one(
@@ -489,11 +601,12 @@ async fn bench_live_one(
     let (ready_tx, mut ready_rx) = tokio::sync::mpsc::unbounded_channel();
     let mut tasks = Vec::new();
     for _ in 0..readers {
-        // One client (connection pool) per reader: one TCP connection each.
-        let (http, url, ready) = (reqwest::Client::new(), url.clone(), ready_tx.clone());
+        // One TCP connection per reader.
+        let path = url[base.len()..].to_string();
+        let (base, ready) = (base.to_string(), ready_tx.clone());
         let deadline = tokio::time::Instant::now() + Duration::from_secs(secs + 30);
         tasks.push(tokio::spawn(live_reader(
-            http, url, target, start, total, deadline, ready,
+            base, path, target, start, total, deadline, ready,
         )));
     }
     drop(ready_tx);
@@ -515,16 +628,20 @@ async fn bench_live_one(
         let sent = start.elapsed().as_micros() as u64;
         let request = write(sent);
         writes.push(tokio::spawn(async move {
+            let issued = Instant::now();
             let r = request.send().await?;
+            let answered = issued.elapsed().as_secs_f64() * 1000.0;
             drop(permit);
             anyhow::ensure!(r.status().is_success(), "write: {}", r.status());
-            anyhow::Ok(())
+            anyhow::Ok(answered)
         }));
     }
     let written_in = start.elapsed();
+    let mut answers = Vec::with_capacity(writes.len());
     for w in writes {
-        w.await??;
+        answers.push(w.await??);
     }
+    let answers = sorted(answers);
     println!(
         "  ({total} writes issued in {:.1} s, all answered after {:.1} s)",
         written_in.as_secs_f64(),
@@ -556,6 +673,8 @@ async fn bench_live_one(
         p99: percentile(&lat, 0.99),
         max: lat.last().copied().unwrap_or(f64::NAN),
         lag_growth,
+        write_p50: percentile(&answers, 0.5),
+        write_p99: percentile(&answers, 0.99),
     })
 }
 
@@ -608,8 +727,8 @@ async fn bench_live(dir: &std::path::Path) -> anyhow::Result<()> {
         }
     }
     println!();
-    println!("| live, {readers} SSE readers, {secs} s | frames/s | p50 ms | p99 ms | max ms | lag growth ms | deliveries | readers with all | p99 / reference p99 |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("| live, {readers} SSE readers, {secs} s | frames/s | p50 ms | p99 ms | max ms | lag growth ms | deliveries | readers with all | p99 / reference p99 | write answered p50 / p99 ms |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for (rate, target, r) in &rows {
         let reference = rows
             .iter()
@@ -625,7 +744,7 @@ async fn bench_live(dir: &std::path::Path) -> anyhow::Result<()> {
                     _ => "-".into(),
                 };
                 println!(
-                    "| {} | {rate} | {:.2} | {:.2} | {:.2} | {:+.2} | {}/{} | {}/{readers} | {ratio} |",
+                    "| {} | {rate} | {:.2} | {:.2} | {:.2} | {:+.2} | {}/{} | {}/{readers} | {ratio} | {:.2} / {:.2} |",
                     target.name(),
                     r.p50,
                     r.p99,
@@ -633,10 +752,12 @@ async fn bench_live(dir: &std::path::Path) -> anyhow::Result<()> {
                     r.lag_growth,
                     r.deliveries,
                     r.expected,
-                    r.complete
+                    r.complete,
+                    r.write_p50,
+                    r.write_p99
                 );
             }
-            None => println!("| {} | {rate} | failed | | | | | | |", target.name()),
+            None => println!("| {} | {rate} | failed | | | | | | | |", target.name()),
         }
     }
     Ok(())

@@ -56,7 +56,10 @@ pub fn serve_ours(app: axum::Router) -> anyhow::Result<(String, Server)> {
         .build()?;
     rt.spawn(async move {
         let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
-        axum::serve(listener, app).await.expect("serve");
+        // As `SessionServer::serve` does: TCP_NODELAY on every connection.
+        axum::serve(session_server::no_delay(listener), app)
+            .await
+            .expect("serve");
     });
     Ok((format!("http://{addr}"), Server::Ours(Some(rt))))
 }
