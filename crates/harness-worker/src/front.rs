@@ -20,11 +20,14 @@ use harness_core::SessionId;
 use serde::Serialize;
 use session_api::auth::{authorize, bearer, seal_forbidden, GrantRole, CLIENTS, HOST, READERS};
 use session_api::request::{self, CreateSession, MAX_CREATE_BODY};
-use session_api::{ApiError, TokenGrant};
+use session_api::{ws, ApiError, TokenGrant};
 use worker::{event, Context, Env, Headers, Method, Request, RequestInit, Response};
 
 /// The header carrying the session id from the front to its object.
 pub(crate) const SESSION_HEADER: &str = "x-harness-session";
+/// Set by the front on a forwarded WebSocket upgrade: "1" when the token
+/// holds the host grant (a client socket of a host may seal).
+pub(crate) const GRANT_HOST_HEADER: &str = "x-harness-grant-host";
 
 /// `HARNESS_MAX_FRAME_BYTES`, else 1 MiB.
 pub(crate) fn max_frame_bytes(env: &Env) -> usize {
@@ -293,9 +296,26 @@ async fn route(req: Request, env: &Env) -> Result<Response, ApiError> {
             let info: serde_json::Value = sealed.json().await.map_err(internal)?;
             json_response(201, &info)
         }
-        (_, ["v1", "sessions", id, "ws"]) => {
-            request::session_id(id)?;
-            Err(unsupported("/ws on the Worker"))
+        (Method::Get, ["v1", "sessions", id, "ws"]) => {
+            // The token and role are checked here; the upgrade itself goes
+            // to the session's object, which holds the socket.
+            let id = request::session_id(id)?;
+            let role = ws::role(&call.params)?;
+            let grant = call.authorize(Some(&id), ws::grants_for(role))?;
+            let headers = call.req.headers().clone();
+            headers.set(SESSION_HEADER, id.as_str()).map_err(internal)?;
+            let host = if grant == GrantRole::Host { "1" } else { "0" };
+            headers.set(GRANT_HOST_HEADER, host).map_err(internal)?;
+            let mut init = RequestInit::new();
+            init.with_method(Method::Get).with_headers(headers);
+            let url = format!("https://session.internal/ws?{}", call.query);
+            let request = Request::new_with_init(&url, &init).map_err(internal)?;
+            let namespace = call.env.durable_object("SESSIONS").map_err(internal)?;
+            let stub = namespace
+                .id_from_name(id.as_str())
+                .and_then(|i| i.get_stub())
+                .map_err(internal)?;
+            stub.fetch_with_request(request).await.map_err(internal)
         }
         (_, ["v1", "runner"]) | (_, ["v1", "stream", ..]) => Err(unsupported(
             "the runner channel and Durable Streams on the Worker",

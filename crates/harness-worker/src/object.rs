@@ -31,14 +31,21 @@ use harness_core::actor_driver::{ActorDriver, Transport};
 use harness_core::log::{unknown_session, SessionStore};
 use harness_core::session::{SessionConfig, SessionRuntime, TurnCommand};
 use harness_core::SessionId;
+use serde::{Deserialize, Serialize};
 use session_api::request::{self, PAGE};
 use session_api::sse::{ends_stream, SseEvent};
 use session_api::ui_stream::{UiStreamMapper, UI_STREAM_HEADER};
-use session_api::ApiError;
+use session_api::ws::{self, Inbound};
+use session_api::{ApiError, GrantRole};
 use wasm_bindgen::JsCast;
-use worker::{durable_object, wasm_bindgen, DurableObject, Env, Headers, Request, Response, State};
+use worker::{
+    durable_object, wasm_bindgen, DurableObject, Env, Headers, Request, Response, State, WebSocket,
+    WebSocketIncomingMessage, WebSocketPair,
+};
 
-use crate::front::{error_response, json_response, max_frame_bytes, SESSION_HEADER};
+use crate::front::{
+    error_response, json_response, max_frame_bytes, GRANT_HOST_HEADER, SESSION_HEADER,
+};
 use crate::store::{DoStore, ForkPrefix};
 use crate::turns::RunnerRequest;
 
@@ -49,24 +56,46 @@ enum Outbound {
     Close(String),
 }
 
-/// Connections are channels; turn commands wait in `commands` until the
-/// request that caused them performs them (`SessionObject::perform`).
+/// Where the actor's messages to one connection go.
+#[derive(Debug)]
+enum Peer {
+    /// An HTTP request of this object (an SSE reader, a `POST /messages`,
+    /// a runner message of the turn's Workflow), through its channel.
+    Channel(UnboundedSender<Outbound>),
+    /// A WebSocket the object accepted with the hibernation API.
+    Socket(WebSocket),
+}
+
+/// Connections; turn commands wait in `commands` until the request that
+/// caused them performs them (`SessionObject::perform`).
 #[derive(Debug, Default)]
 struct DoTransport {
-    conns: HashMap<ConnId, UnboundedSender<Outbound>>,
+    conns: HashMap<ConnId, Peer>,
     commands: Vec<TurnCommand>,
 }
 
 impl Transport for DoTransport {
     fn send(&mut self, conn: ConnId, message: ServerMessage) -> bool {
-        self.conns
-            .get(&conn)
-            .is_some_and(|tx| tx.unbounded_send(Outbound::Msg(message)).is_ok())
+        match self.conns.get(&conn) {
+            Some(Peer::Channel(tx)) => tx.unbounded_send(Outbound::Msg(message)).is_ok(),
+            Some(Peer::Socket(ws)) => {
+                serde_json::to_string(&message).is_ok_and(|text| ws.send_with_str(text).is_ok())
+            }
+            None => false,
+        }
     }
 
     fn close(&mut self, conn: ConnId, reason: &str) {
-        if let Some(tx) = self.conns.remove(&conn) {
-            let _ = tx.unbounded_send(Outbound::Close(reason.to_string()));
+        match self.conns.remove(&conn) {
+            Some(Peer::Channel(tx)) => {
+                let _ = tx.unbounded_send(Outbound::Close(reason.to_string()));
+            }
+            Some(Peer::Socket(ws)) => {
+                // Close reasons are at most 123 bytes.
+                let reason: String = reason.chars().take(100).collect();
+                let _ = ws.close(Some(ws::CLOSED_BY_SESSION), Some(reason));
+            }
+            None => {}
         }
     }
 
@@ -76,6 +105,15 @@ impl Transport for DoTransport {
         // on it.
         self.commands.push(command);
     }
+}
+
+/// What a hibernating socket remembers about itself (its attachment): the
+/// actor's connection id, its role, and whether its token is the host's.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+struct SocketTag {
+    conn: ConnId,
+    role: Role,
+    host: bool,
 }
 
 #[derive(Debug)]
@@ -100,7 +138,10 @@ impl Live {
         let conn = self.next_conn;
         self.next_conn += 1;
         let (tx, rx) = unbounded();
-        self.driver.transport_mut().conns.insert(conn, tx);
+        self.driver
+            .transport_mut()
+            .conns
+            .insert(conn, Peer::Channel(tx));
         (conn, rx)
     }
 }
@@ -141,6 +182,160 @@ impl DurableObject for SessionObject {
             Err(e) => error_response(&e),
         }
     }
+
+    async fn websocket_message(
+        &self,
+        ws: WebSocket,
+        message: WebSocketIncomingMessage,
+    ) -> worker::Result<()> {
+        self.socket_message(&ws, message).await;
+        Ok(())
+    }
+
+    async fn websocket_close(
+        &self,
+        ws: WebSocket,
+        _code: usize,
+        _reason: String,
+        _was_clean: bool,
+    ) -> worker::Result<()> {
+        self.socket_gone(&ws).await;
+        Ok(())
+    }
+
+    async fn websocket_error(&self, ws: WebSocket, _error: worker::Error) -> worker::Result<()> {
+        self.socket_gone(&ws).await;
+        Ok(())
+    }
+}
+
+/// Send one server message on a socket (best effort: a socket that is
+/// gone is noticed by its close event).
+fn send_on(ws: &WebSocket, message: &ServerMessage) {
+    if let Ok(text) = serde_json::to_string(message) {
+        let _ = ws.send_with_str(text);
+    }
+}
+
+impl SessionObject {
+    /// Accept a WebSocket (the front checked its token and role): the
+    /// hibernation API holds it, its attachment remembers who it is, and
+    /// the actor hears it connect (a client with `after` gets the frames
+    /// since then first, as on `session-server`).
+    async fn accept_socket(
+        &self,
+        session: &SessionId,
+        req: &Request,
+        params: &HashMap<String, String>,
+    ) -> Result<Response, ApiError> {
+        let upgrade = req
+            .headers()
+            .get("upgrade")
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        if !upgrade.eq_ignore_ascii_case("websocket") {
+            return Err(ApiError::new(
+                426,
+                "upgrade_required",
+                "GET /ws takes a WebSocket upgrade",
+            ));
+        }
+        let role = ws::role(params)?;
+        let after = match role {
+            Role::Client => request::param_u64(params, "after")?,
+            _ => None,
+        };
+        let host = req
+            .headers()
+            .get(GRANT_HOST_HEADER)
+            .ok()
+            .flatten()
+            .as_deref()
+            == Some("1");
+        // The actor first: made now, it would take an accepted socket
+        // without its attachment for a stale one.
+        let mut guard = self.actor(session).await?;
+        let live = guard.as_mut().expect("the actor is live");
+        let pair = WebSocketPair::new().map_err(internal)?;
+        self.state.accept_web_socket(&pair.server);
+        let conn = live.next_conn;
+        live.next_conn += 1;
+        pair.server
+            .serialize_attachment(SocketTag { conn, role, host })
+            .map_err(internal)?;
+        live.driver
+            .transport_mut()
+            .conns
+            .insert(conn, Peer::Socket(pair.server.clone()));
+        live.driver
+            .handle(Input::Connect { conn, role, after })
+            .await;
+        let commands = live.take_commands();
+        drop(guard);
+        self.perform(session, commands).await;
+        Response::from_websocket(pair.client).map_err(internal)
+    }
+
+    /// One message on a socket: typed by its role and handed to the actor,
+    /// or refused on the socket with nothing stored.
+    async fn socket_message(&self, socket: &WebSocket, message: WebSocketIncomingMessage) {
+        let session = match DoStore::stored_session(&self.state.storage().sql()) {
+            Ok(Some(session)) => session,
+            _ => {
+                let _ = socket.close(Some(1011), Some("this object holds no session"));
+                return;
+            }
+        };
+        let mut guard = match self.actor(&session).await {
+            Ok(guard) => guard,
+            Err(e) => return send_on(socket, &e.to_message()),
+        };
+        let live = guard.as_mut().expect("the actor is live");
+        let Ok(Some(tag)) = socket.deserialize_attachment::<SocketTag>() else {
+            let _ = socket.close(Some(1011), Some("lost its session state"));
+            return;
+        };
+        let text = match message {
+            WebSocketIncomingMessage::String(text) => text,
+            WebSocketIncomingMessage::Binary(_) => return send_on(socket, &ws::binary_refused()),
+        };
+        let grant = if tag.host {
+            GrantRole::Host
+        } else {
+            GrantRole::Client
+        };
+        let limit = request::body_limit(max_frame_bytes(&self.env));
+        let conn = tag.conn;
+        let input = match ws::parse_inbound(tag.role, grant, &text, limit) {
+            Ok(Inbound::Client(message)) => Input::Client { conn, message },
+            Ok(Inbound::Runner(message)) => Input::Runner { conn, message },
+            Ok(Inbound::ToolHost(message)) => Input::ToolHost { conn, message },
+            Err(refusal) => return send_on(socket, &refusal),
+        };
+        live.driver.handle(input).await;
+        let commands = live.take_commands();
+        drop(guard);
+        self.perform(&session, commands).await;
+    }
+
+    /// A socket closed or failed: the actor hears the disconnect.
+    async fn socket_gone(&self, socket: &WebSocket) {
+        let _ = socket.close(Some(1000), Some("closed"));
+        let Ok(Some(session)) = DoStore::stored_session(&self.state.storage().sql()) else {
+            return;
+        };
+        let Ok(mut guard) = self.actor(&session).await else {
+            return;
+        };
+        let live = guard.as_mut().expect("the actor is live");
+        if let Ok(Some(tag)) = socket.deserialize_attachment::<SocketTag>() {
+            live.driver.transport_mut().conns.remove(&tag.conn);
+            live.driver
+                .handle(Input::Disconnect { conn: tag.conn })
+                .await;
+        }
+    }
 }
 
 impl SessionObject {
@@ -176,10 +371,38 @@ impl SessionObject {
                 max_frame_bytes: max_frame_bytes(&self.env),
             };
             let driver = ActorDriver::recover(store, config, DoTransport::default()).await?;
-            *guard = Some(Live {
+            let mut live = Live {
                 driver,
                 next_conn: 1,
-            });
+            };
+            // Sockets outlive an evicted object (hibernation): the new
+            // actor hears them connect again. Nothing was appended while
+            // the object was away, so they need no replay.
+            for ws in self.state.get_websockets() {
+                let Ok(Some(tag)) = ws.deserialize_attachment::<SocketTag>() else {
+                    let _ = ws.close(Some(1011), Some("lost its session state"));
+                    continue;
+                };
+                let conn = live.next_conn;
+                live.next_conn += 1;
+                let tag = SocketTag { conn, ..tag };
+                if ws.serialize_attachment(tag).is_err() {
+                    let _ = ws.close(Some(1011), Some("lost its session state"));
+                    continue;
+                }
+                live.driver
+                    .transport_mut()
+                    .conns
+                    .insert(conn, Peer::Socket(ws));
+                live.driver
+                    .handle(Input::Connect {
+                        conn,
+                        role: tag.role,
+                        after: None,
+                    })
+                    .await;
+            }
+            *guard = Some(live);
         }
         let live = guard.as_mut().expect("set above");
         let gone: Vec<ConnId> = self.gone.borrow_mut().drain(..).collect();
@@ -284,6 +507,7 @@ impl SessionObject {
                     .and_then(|t| t.abort.clone());
                 json_response(200, &serde_json::json!({ "abort": abort }))
             }
+            "ws" => self.accept_socket(&session, &req, &params).await,
             "events" => self.events(&session, &store, &params).await,
             "ui-stream" => self.ui_stream(&session, &store, &params).await,
             _ => Err(ApiError::no_route()),

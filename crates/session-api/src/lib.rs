@@ -16,7 +16,9 @@
 //! - [`sse`]: the `/events` stream's events (`frame` with the seq as id,
 //!   `live` without one, `error`) and their wire encoding;
 //! - [`ui_stream`]: session messages as an AI SDK UI message stream
-//!   (`/ui-stream`), a pure mapping.
+//!   (`/ui-stream`), a pure mapping;
+//! - [`ws`]: the session WebSocket's roles, their grants, and inbound
+//!   messages typed or refused.
 //!
 //! See `docs/session-server.md` for the API itself.
 
@@ -25,6 +27,7 @@ pub mod error;
 pub mod request;
 pub mod sse;
 pub mod ui_stream;
+pub mod ws;
 
 pub use auth::{authorize, bearer, GrantRole, Scope, TokenGrant};
 pub use error::ApiError;

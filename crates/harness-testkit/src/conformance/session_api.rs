@@ -320,6 +320,7 @@ pub async fn run_all(t: &Target) {
     refused_tokens_write_nothing(t).await;
     oversized_and_malformed_input_is_refused_with_nothing_written(t).await;
     fork_copies_a_prefix_and_seals(t).await;
+    runners_are_fenced_by_generation_over_websocket(t).await;
 }
 
 /// Create, prompt, answer; read back by `/frames`, `/export` and info.
@@ -905,5 +906,176 @@ pub async fn fork_copies_a_prefix_and_seals(t: &Target) {
         t.info(&target).await["last_seq"],
         3,
         "an existing target is left as it was"
+    );
+}
+
+type Socket =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+impl Target {
+    /// Open `/ws` with `query` (token as `access_token`); the HTTP status
+    /// when the upgrade is refused.
+    pub async fn socket(&self, id: &str, query: &str, token: &str) -> Result<Socket, u16> {
+        let url = format!(
+            "{}/v1/sessions/{id}/ws?{query}&access_token={token}",
+            self.base.replacen("http", "ws", 1)
+        );
+        match tokio::time::timeout(WAIT, tokio_tungstenite::connect_async(url)).await {
+            Ok(Ok((socket, _))) => Ok(socket),
+            Ok(Err(tokio_tungstenite::tungstenite::Error::Http(response))) => {
+                Err(response.status().as_u16())
+            }
+            Ok(Err(e)) => panic!("the WebSocket failed: {e}"),
+            Err(_) => panic!("the WebSocket did not open in time"),
+        }
+    }
+}
+
+/// The next JSON message on `socket`, or `None` once it closed (bounded).
+async fn next_json(socket: &mut Socket) -> Option<Value> {
+    use futures::StreamExt;
+    use tokio_tungstenite::tungstenite::Message;
+    loop {
+        let message = tokio::time::timeout(WAIT, socket.next())
+            .await
+            .expect("a message or the close in time");
+        match message {
+            Some(Ok(Message::Text(text))) => {
+                return Some(serde_json::from_str(text.as_str()).expect("JSON"))
+            }
+            Some(Ok(Message::Close(_))) | None | Some(Err(_)) => return None,
+            Some(Ok(_)) => {}
+        }
+    }
+}
+
+async fn send_json(socket: &mut Socket, value: Value) {
+    use futures::SinkExt;
+    socket
+        .send(tokio_tungstenite::tungstenite::Message::Text(
+            value.to_string().into(),
+        ))
+        .await
+        .expect("send on the socket");
+}
+
+/// The session WebSocket: one runner at a time, fenced by generation (a
+/// newer runner closes the older one, an older one is refused), parts
+/// acknowledged as stored; a client socket replays from `after` and sees
+/// live frames; the wrong role's token is refused before the upgrade.
+pub async fn runners_are_fenced_by_generation_over_websocket(t: &Target) {
+    let id = t.id("fence");
+    t.create(&id).await;
+    let (status, ack) = t
+        .message(&id, CLIENT, json!({"type": "prompt", "text": "go"}))
+        .await;
+    assert_eq!((status, ack["turnId"].clone()), (200, json!("t1")), "{ack}");
+    let part = |n: u64| {
+        json!({"type": "part", "turnId": "t1", "key": format!("p{n}"),
+               "part": {"type": "tool-call", "toolCallId": format!("c{n}"), "toolName": "Bash", "input": {}}})
+    };
+
+    // The wrong role's token is refused before the upgrade; so is a bad role.
+    assert_eq!(
+        t.socket(&id, "role=runner&generation=1", CLIENT)
+            .await
+            .err(),
+        Some(403)
+    );
+    assert_eq!(t.socket(&id, "role=admin", CLIENT).await.err(), Some(400));
+
+    let mut first = t
+        .socket(&id, "role=runner&generation=1", RUNNER)
+        .await
+        .expect("runner 1 connects");
+    send_json(&mut first, part(1)).await;
+    let ack = next_json(&mut first).await.expect("an ack");
+    assert_eq!(
+        (ack["type"].clone(), ack["duplicate"].clone()),
+        (json!("ack"), json!(false)),
+        "{ack}"
+    );
+    // The same key again is a duplicate, not a second frame.
+    send_json(&mut first, part(1)).await;
+    let again = next_json(&mut first).await.expect("an ack");
+    assert_eq!(
+        (again["seq"].clone(), again["duplicate"].clone()),
+        (ack["seq"].clone(), json!(true)),
+        "{again}"
+    );
+
+    // A client following from the start sees the history, then live frames.
+    let mut reader = t
+        .socket(&id, "role=client&after=0", CLIENT)
+        .await
+        .expect("a client connects");
+    let mut seen = Vec::new();
+    while seen.len() < 3 {
+        let m = next_json(&mut reader).await.expect("replayed frames");
+        if m["type"] == "frame" {
+            seen.push(m["frame"]["seq"].as_u64().unwrap());
+        }
+    }
+    assert_eq!(seen, vec![1, 2, 3], "prompt, runner-attached, part");
+
+    // Generation 2 takes over: runner 1 is told and closed.
+    let mut second = t
+        .socket(&id, "role=runner&generation=2", RUNNER)
+        .await
+        .expect("runner 2 connects");
+    let fenced = next_json(&mut first).await.expect("runner 1 hears why");
+    assert_eq!(fenced["code"], "stale_runner", "{fenced}");
+    assert!(next_json(&mut first).await.is_none(), "runner 1 is closed");
+    send_json(&mut second, part(2)).await;
+    let ack2 = next_json(&mut second).await.expect("an ack");
+    assert_eq!(ack2["type"], "ack", "{ack2}");
+    // An older generation is refused and closed.
+    let mut stale = t
+        .socket(&id, "role=runner&generation=1", RUNNER)
+        .await
+        .expect("the upgrade itself is accepted");
+    let refused = next_json(&mut stale).await.expect("a refusal");
+    assert_eq!(refused["code"], "stale_runner", "{refused}");
+    assert!(
+        next_json(&mut stale).await.is_none(),
+        "the stale runner is closed"
+    );
+
+    // The reader saw generation 2 attach and its part, live.
+    let mut live = Vec::new();
+    while live.len() < 2 {
+        let m = next_json(&mut reader).await.expect("live frames");
+        if m["type"] == "frame" {
+            live.push(m["frame"]["body"]["type"].as_str().unwrap().to_string());
+        }
+    }
+    assert_eq!(live, vec!["runner-attached", "part"]);
+    // A client's own messages go through the socket too.
+    send_json(&mut reader, json!({"type": "prompt", "text": "another"})).await;
+    loop {
+        let m = next_json(&mut reader).await.expect("an answer");
+        if m["type"] == "error" {
+            assert_eq!(m["code"], "turn_in_progress", "{m}");
+            break;
+        }
+    }
+    let (_, frames) = t
+        .get(&format!("/v1/sessions/{id}/frames?after=0"), Some(HOST))
+        .await;
+    let kinds: Vec<&str> = frames
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["body"]["type"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        kinds,
+        vec![
+            "user-message",
+            "runner-attached",
+            "part",
+            "runner-attached",
+            "part"
+        ]
     );
 }
