@@ -560,10 +560,8 @@ async fn bench_live_one(
     tag: &str,
 ) -> anyhow::Result<Live> {
     let http = reqwest::Client::new();
-    let (url, write): (
-        String,
-        Box<dyn Fn(u64) -> reqwest::RequestBuilder + Send + Sync>,
-    ) = match target {
+    type Write = Box<dyn Fn(&reqwest::Client, u64) -> reqwest::RequestBuilder + Send + Sync>;
+    let (url, write): (String, Write) = match target {
         Target::SessionSse | Target::DsSession => {
             session_with_turn(&http, base, tag).await?;
             let url = if target == Target::SessionSse {
@@ -571,10 +569,10 @@ async fn bench_live_one(
             } else {
                 format!("{base}/v1/stream/sessions/{tag}")
             };
-            let (http, post) = (http.clone(), format!("{base}/v1/sessions/{tag}/messages"));
+            let post = format!("{base}/v1/sessions/{tag}/messages");
             (
                 url,
-                Box::new(move |t| http.post(&post).json(&answer(t.to_string()))),
+                Box::new(move |http, t| http.post(&post).json(&answer(t.to_string()))),
             )
         }
         Target::Reference => {
@@ -585,10 +583,10 @@ async fn bench_live_one(
                 .send()
                 .await?;
             anyhow::ensure!(r.status().is_success(), "PUT {url}: {}", r.status());
-            let (http, post) = (http.clone(), url.clone());
+            let post = url.clone();
             (
                 url,
-                Box::new(move |t| {
+                Box::new(move |http, t| {
                     http.post(&post)
                         .header("content-type", "application/json")
                         .body(json!({"t": t}).to_string())
@@ -619,28 +617,42 @@ async fn bench_live_one(
     tokio::time::sleep(Duration::from_millis(500)).await;
     // The writer keeps its rate whatever the server's answer time: each
     // write is its own task (at most 256 in flight), stamped when issued.
-    let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / rate));
-    let in_flight = Arc::new(tokio::sync::Semaphore::new(256));
-    let mut writes = Vec::with_capacity(total);
-    for _ in 0..total {
-        tick.tick().await;
-        let permit = in_flight.clone().acquire_owned().await?;
-        let sent = start.elapsed().as_micros() as u64;
-        let request = write(sent);
-        writes.push(tokio::spawn(async move {
-            let issued = Instant::now();
-            let r = request.send().await?;
-            let answered = issued.elapsed().as_secs_f64() * 1000.0;
-            drop(permit);
-            anyhow::ensure!(r.status().is_success(), "write: {}", r.status());
-            anyhow::Ok(answered)
-        }));
-    }
-    let written_in = start.elapsed();
-    let mut answers = Vec::with_capacity(writes.len());
-    for w in writes {
-        answers.push(w.await??);
-    }
+    // It runs on a thread and runtime of its own, as a separate client
+    // would, so its writes are not issued late behind the readers' tasks.
+    let writer = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        rt.block_on(async move {
+            let http = reqwest::Client::new();
+            let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / rate));
+            let in_flight = Arc::new(tokio::sync::Semaphore::new(256));
+            let mut writes = Vec::with_capacity(total);
+            for _ in 0..total {
+                tick.tick().await;
+                let permit = in_flight.clone().acquire_owned().await?;
+                let sent = start.elapsed().as_micros() as u64;
+                let request = write(&http, sent);
+                writes.push(tokio::spawn(async move {
+                    let issued = Instant::now();
+                    let r = request.send().await?;
+                    let answered = issued.elapsed().as_secs_f64() * 1000.0;
+                    drop(permit);
+                    anyhow::ensure!(r.status().is_success(), "write: {}", r.status());
+                    anyhow::Ok(answered)
+                }));
+            }
+            let written_in = start.elapsed();
+            let mut answers = Vec::with_capacity(writes.len());
+            for w in writes {
+                answers.push(w.await??);
+            }
+            anyhow::Ok((written_in, answers))
+        })
+    });
+    let (written_in, answers) = tokio::task::spawn_blocking(move || writer.join())
+        .await?
+        .map_err(|_| anyhow::anyhow!("the writer panicked"))??;
     let answers = sorted(answers);
     println!(
         "  ({total} writes issued in {:.1} s, all answered after {:.1} s)",
