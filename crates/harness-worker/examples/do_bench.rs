@@ -52,7 +52,8 @@ struct Run {
     p99_ms: f64,
 }
 
-/// `clients` posting to session `id` at `base` for `secs`.
+/// `clients` posting to session `id` at `base` for `secs` (answers to the
+/// running turn's approvals: each is stored as a frame).
 async fn hammer(base: &str, id: &str, clients: usize, secs: u64) -> Run {
     let http = reqwest::Client::new();
     let stop = Arc::new(AtomicBool::new(false));
@@ -114,6 +115,15 @@ async fn create(base: &str, id: &str, token: Option<&str>) {
     }
     let response = request.send().await.expect("create");
     assert_eq!(response.status(), 201, "{}", response.text().await.unwrap());
+    // A running turn for the answers (no engine runs it: the prompt waits).
+    let response = reqwest::Client::new()
+        .post(format!("{base}/v1/sessions/{id}/messages"))
+        .bearer_auth(token.unwrap_or(CLIENT))
+        .json(&json!({"type": "prompt", "text": "bench"}))
+        .send()
+        .await
+        .expect("prompt");
+    assert_eq!(response.status(), 200, "{}", response.text().await.unwrap());
 }
 
 /// The Durable Objects' SQLite files under wrangler's state directory
