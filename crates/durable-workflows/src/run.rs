@@ -26,7 +26,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use harness_core::engine::SliceExecutor;
-use harness_core::sandbox::SandboxHandle;
+use harness_core::sandbox::{DetachedProcess, SandboxHandle};
 use harness_core::stream::AbortSignal;
 use harness_core::turn::{ApprovalAnswer, SliceReport, TurnState};
 use harness_core::turn_driver::{StepFailure, TurnAction, TurnDriver};
@@ -265,46 +265,38 @@ pub async fn run_turn(
 
     loop {
         let state = driver.state().clone();
+        // One step body per action: the executor call on this state,
+        // recorded with the time it finished.
+        let body = |action: Action| -> StepBody {
+            let (executor, clock, state) = (executor.clone(), clock.clone(), state.clone());
+            Rc::new(move || {
+                let (executor, clock, state, action) = (
+                    executor.clone(),
+                    clock.clone(),
+                    state.clone(),
+                    action.clone(),
+                );
+                Box::pin(async move { action.perform(executor.as_ref(), &state, clock).await })
+            })
+        };
         match driver.poll(now_ms) {
             TurnAction::CreateSandbox => {
-                let (executor, clock, state) = (executor.clone(), clock.clone(), state.clone());
                 let (at, result) = step::<SandboxHandle>(
                     steps,
                     &next_name("create-sandbox"),
                     options(tuning.step_timeout_ms),
-                    Rc::new(move || {
-                        let (executor, clock, state) =
-                            (executor.clone(), clock.clone(), state.clone());
-                        Box::pin(async move {
-                            let result = executor.create_sandbox(&state).await;
-                            record(result, clock())
-                        })
-                    }),
+                    body(Action::CreateSandbox),
                 )
                 .await;
                 now_ms = at.unwrap_or(now_ms);
                 driver.sandbox_created(result);
             }
             TurnAction::RunSlice { budget_ms } => {
-                let (executor, clock, state) = (executor.clone(), clock.clone(), state.clone());
                 let (at, result, aborted) = step_aborted::<SliceReport>(
                     steps,
                     &next_name("slice"),
                     options(budget_ms.saturating_add(tuning.slice_margin_ms)),
-                    Rc::new(move || {
-                        let (executor, clock, state) =
-                            (executor.clone(), clock.clone(), state.clone());
-                        Box::pin(async move {
-                            // A Workflow cannot signal a running step, so
-                            // the executor watches for an abort itself (the
-                            // Worker asks the session's object) and fires
-                            // this signal; the record says it did.
-                            let abort = AbortSignal::new();
-                            let budget = Duration::from_millis(budget_ms);
-                            let result = executor.run_slice(&state, budget, abort.clone()).await;
-                            record_slice(result, clock(), abort.is_aborted())
-                        })
-                    }),
+                    body(Action::RunSlice { budget_ms }),
                 )
                 .await;
                 now_ms = at.unwrap_or(now_ms);
@@ -314,23 +306,11 @@ pub async fn run_turn(
                 }
             }
             TurnAction::KillAgent { process } => {
-                let (executor, clock, state) = (executor.clone(), clock.clone(), state.clone());
                 let (at, result) = step::<()>(
                     steps,
                     &next_name("kill-agent"),
                     options(tuning.step_timeout_ms),
-                    Rc::new(move || {
-                        let (executor, clock, state, process) = (
-                            executor.clone(),
-                            clock.clone(),
-                            state.clone(),
-                            process.clone(),
-                        );
-                        Box::pin(async move {
-                            let result = executor.kill_agent(&state, &process).await;
-                            record(result, clock())
-                        })
-                    }),
+                    body(Action::KillAgent(process)),
                 )
                 .await;
                 now_ms = at.unwrap_or(now_ms);
@@ -338,19 +318,11 @@ pub async fn run_turn(
                 driver.agent_killed(result.map_err(final_failure));
             }
             TurnAction::RecordEnd => {
-                let (executor, clock, state) = (executor.clone(), clock.clone(), state.clone());
                 let (at, result) = step::<()>(
                     steps,
                     &next_name("record-end"),
                     options(tuning.step_timeout_ms),
-                    Rc::new(move || {
-                        let (executor, clock, state) =
-                            (executor.clone(), clock.clone(), state.clone());
-                        Box::pin(async move {
-                            let result = executor.turn_ended(&state).await;
-                            record(result, clock())
-                        })
-                    }),
+                    body(Action::RecordEnd),
                 )
                 .await;
                 now_ms = at.unwrap_or(now_ms);
@@ -376,6 +348,43 @@ pub async fn run_turn(
                 }
             }
             TurnAction::Stop | TurnAction::Done => return Ok(driver.into_state()),
+        }
+    }
+}
+
+/// The executor call one step makes.
+#[derive(Debug, Clone)]
+enum Action {
+    CreateSandbox,
+    RunSlice { budget_ms: u64 },
+    KillAgent(DetachedProcess),
+    RecordEnd,
+}
+
+impl Action {
+    /// Make the call and record its result (see [`record`]).
+    async fn perform(
+        &self,
+        executor: &dyn SliceExecutor,
+        state: &TurnState,
+        clock: Rc<dyn Fn() -> u64>,
+    ) -> std::result::Result<String, String> {
+        match self {
+            Action::CreateSandbox => record(executor.create_sandbox(state).await, clock()),
+            Action::RunSlice { budget_ms } => {
+                // A Workflow cannot signal a running step, so the executor
+                // watches for an abort itself (the Worker asks the
+                // session's object) and fires this signal; the record says
+                // it did.
+                let abort = AbortSignal::new();
+                let budget = Duration::from_millis(*budget_ms);
+                let result = executor.run_slice(state, budget, abort.clone()).await;
+                record_slice(result, clock(), abort.is_aborted())
+            }
+            Action::KillAgent(process) => {
+                record(executor.kill_agent(state, process).await, clock())
+            }
+            Action::RecordEnd => record(executor.turn_ended(state).await, clock()),
         }
     }
 }

@@ -163,6 +163,22 @@ pub enum RunnerMessage {
     },
 }
 
+impl RunnerMessage {
+    /// The turn-status message a runner sends for `state` (its status,
+    /// error, sandbox and agent session, keyed by
+    /// [`TurnState::status_key`](crate::turn::TurnState::status_key)).
+    pub fn turn_status_of(state: &crate::turn::TurnState) -> Self {
+        RunnerMessage::TurnStatus {
+            turn_id: state.turn_id.clone(),
+            status: state.status,
+            error: state.error.clone(),
+            sandbox: state.sandbox.clone(),
+            agent_session_id: state.agent_session_id.clone(),
+            key: Some(state.status_key()),
+        }
+    }
+}
+
 /// Why the actor refused a message. Stable on the wire (snake_case), and
 /// typed so a driver maps it to an [`ErrorKind`] (or an HTTP status)
 /// without parsing text.

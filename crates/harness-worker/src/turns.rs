@@ -137,59 +137,95 @@ fn executor(env: &Env, params: &TurnParams) -> Result<Rc<dyn SliceExecutor>> {
         sleep: Arc::new(|d| Box::pin(worker::Delay::from(d))),
         clock: Arc::new(FnClock(|| worker::js_sys::Date::now() as u64)),
     };
-    let failing = var(env, "HARNESS_TEST_FAIL_SLICE")
+    let failpoint = var(env, "HARNESS_TEST_FAIL_SLICE")
         .map(|v| parse_failpoint(&v))
-        .transpose()?;
-    let runner: Rc<dyn SliceExecutor> = match failing {
-        Some((slice, attempts)) => Rc::new(FailingSlices {
-            inner: runner,
-            slice,
-            left: Cell::new(attempts),
-        }),
-        None => Rc::new(runner),
-    };
-    Ok(Rc::new(AbortWatch {
+        .transpose()?
+        .map(|(slice, attempts)| (slice, Cell::new(attempts)));
+    Ok(Rc::new(WorkerSlices {
         inner: runner,
         env: env.clone(),
+        failpoint,
     }))
+}
+
+/// One request to the internal path `path_and_query` of `session`'s
+/// object (`https://session.internal/…`).
+async fn object_request(
+    env: &Env,
+    session: &str,
+    method: Method,
+    path_and_query: &str,
+    body: Option<Vec<u8>>,
+) -> worker::Result<worker::Response> {
+    let namespace = env.durable_object("SESSIONS")?;
+    let stub = namespace.id_from_name(session)?.get_stub()?;
+    let headers = Headers::new();
+    headers.set(SESSION_HEADER, session)?;
+    let mut init = RequestInit::new();
+    init.with_method(method).with_headers(headers);
+    if let Some(body) = body {
+        init.with_body(Some(
+            worker::js_sys::Uint8Array::from(body.as_slice()).into(),
+        ));
+    }
+    let url = format!("https://session.internal/{path_and_query}");
+    stub.fetch_with_request(Request::new_with_init(&url, &init)?)
+        .await
 }
 
 /// How often a running slice asks the session's object whether a client
 /// aborted the turn.
 const ABORT_POLL: Duration = Duration::from_secs(1);
 
-/// The session's object as the turn's mailbox while a slice runs: a step
-/// cannot be signalled, so the slice asks the object (`/turn-abort`) every
-/// [`ABORT_POLL`] and fires its abort signal when a client asked; the
-/// abort event the object also sends reaches a turn that waits for input.
-struct AbortWatch {
-    inner: Rc<dyn SliceExecutor>,
+/// Core's slice runner as the Worker runs it:
+///
+/// - the session's object is the turn's mailbox while a slice runs: a step
+///   cannot be signalled, so the slice asks the object (`/turn-abort`)
+///   every [`ABORT_POLL`] and fires its abort signal when a client asked
+///   (the abort event the object also sends reaches a turn that waits for
+///   input);
+/// - a test failpoint (`HARNESS_TEST_FAIL_SLICE=<slice>:<attempts>`): the
+///   first attempts of that slice run, emitting their parts, and then
+///   fail, as a slice whose sandbox connection drops at its end does; the
+///   step retries.
+struct WorkerSlices {
+    inner: SliceRunner,
     env: Env,
+    failpoint: Option<(u32, Cell<u32>)>,
 }
 
-impl AbortWatch {
+impl WorkerSlices {
     /// The abort a client asked for, if any (errors count as none: the
     /// next poll asks again).
-    async fn requested(&self, state: &TurnState) -> Option<String> {
-        let namespace = self.env.durable_object("SESSIONS").ok()?;
-        let stub = namespace
-            .id_from_name(&state.session_id)
-            .and_then(|id| id.get_stub())
+    async fn abort_requested(&self, state: &TurnState) -> Option<String> {
+        let path = format!("turn-abort?turn={}", state.turn_id);
+        let mut response = object_request(&self.env, &state.session_id, Method::Get, &path, None)
+            .await
             .ok()?;
-        let headers = Headers::new();
-        headers.set(SESSION_HEADER, &state.session_id).ok()?;
-        let mut init = RequestInit::new();
-        init.with_method(Method::Get).with_headers(headers);
-        let url = format!("https://session.internal/turn-abort?turn={}", state.turn_id);
-        let request = Request::new_with_init(&url, &init).ok()?;
-        let mut response = stub.fetch_with_request(request).await.ok()?;
         let answer: serde_json::Value = response.json().await.ok()?;
         answer["abort"].as_str().map(str::to_string)
+    }
+
+    /// The failpoint's verdict on a slice that ran.
+    fn fail_after(&self, state: &TurnState, report: &SliceReport) -> Result<()> {
+        let Some((slice, left)) = &self.failpoint else {
+            return Ok(());
+        };
+        if state.slices_run + 1 != *slice || left.get() == 0 {
+            return Ok(());
+        }
+        left.set(left.get() - 1);
+        let message = format!(
+            "failpoint HARNESS_TEST_FAIL_SLICE: slice {slice} ran to cursor {} and fails",
+            report.cursor
+        );
+        worker::console_error!("{message}");
+        Err(Error::backend(message))
     }
 }
 
 #[async_trait(?Send)]
-impl SliceExecutor for AbortWatch {
+impl SliceExecutor for WorkerSlices {
     async fn create_sandbox(&self, state: &TurnState) -> Result<SandboxHandle> {
         self.inner.create_sandbox(state).await
     }
@@ -205,7 +241,7 @@ impl SliceExecutor for AbortWatch {
         let watch = async {
             loop {
                 worker::Delay::from(ABORT_POLL).await;
-                if let Some(reason) = self.requested(state).await {
+                if let Some(reason) = self.abort_requested(state).await {
                     worker::console_log!("turn {}: abort requested ({reason})", state.turn_id);
                     abort.abort();
                     return;
@@ -213,11 +249,13 @@ impl SliceExecutor for AbortWatch {
             }
         };
         futures::pin_mut!(slice, watch);
-        match futures::future::select(slice, watch).await {
+        let report = match futures::future::select(slice, watch).await {
             futures::future::Either::Left((report, _)) => report,
             // The slice sees the signal and reports what it has.
             futures::future::Either::Right(((), slice)) => slice.await,
-        }
+        }?;
+        self.fail_after(state, &report)?;
+        Ok(report)
     }
 
     async fn kill_agent(&self, state: &TurnState, process: &DetachedProcess) -> Result<()> {
@@ -241,49 +279,6 @@ fn parse_failpoint(value: &str) -> Result<(u32, u32)> {
     })
 }
 
-/// A test failpoint (`HARNESS_TEST_FAIL_SLICE`): the first `left` attempts
-/// of slice number `slice` run (emitting their parts) and then fail, as a
-/// slice whose sandbox connection drops at its end does; the step retries.
-struct FailingSlices {
-    inner: SliceRunner,
-    slice: u32,
-    left: Cell<u32>,
-}
-
-#[async_trait(?Send)]
-impl SliceExecutor for FailingSlices {
-    async fn create_sandbox(&self, state: &TurnState) -> Result<SandboxHandle> {
-        self.inner.create_sandbox(state).await
-    }
-
-    async fn run_slice(
-        &self,
-        state: &TurnState,
-        budget: Duration,
-        abort: AbortSignal,
-    ) -> Result<SliceReport> {
-        let report = self.inner.run_slice(state, budget, abort).await?;
-        if state.slices_run + 1 == self.slice && self.left.get() > 0 {
-            self.left.set(self.left.get() - 1);
-            let message = format!(
-                "failpoint HARNESS_TEST_FAIL_SLICE: slice {} ran to cursor {} and fails",
-                self.slice, report.cursor
-            );
-            worker::console_error!("{message}");
-            return Err(Error::backend(message));
-        }
-        Ok(report)
-    }
-
-    async fn kill_agent(&self, state: &TurnState, process: &DetachedProcess) -> Result<()> {
-        self.inner.kill_agent(state, process).await
-    }
-
-    async fn turn_ended(&self, state: &TurnState) -> Result<()> {
-        self.inner.turn_ended(state).await
-    }
-}
-
 /// The session's Durable Object as the turn's runner: each message is one
 /// internal `/runner` request, on which the object attaches the instance
 /// as runner `generation`, hands the actor the message and answers with
@@ -296,26 +291,13 @@ struct ObjectRunnerSink {
 impl ObjectRunnerSink {
     async fn send(&self, session: &str, message: RunnerMessage) -> Result<ServerMessage> {
         let backend = |e: worker::Error| Error::backend(format!("the session object: {e}"));
-        let namespace = self.env.durable_object("SESSIONS").map_err(backend)?;
-        let stub = namespace
-            .id_from_name(session)
-            .and_then(|id| id.get_stub())
-            .map_err(backend)?;
         let body = serde_json::to_vec(&RunnerRequest {
             generation: self.generation,
             message,
         })?;
-        let headers = Headers::new();
-        headers.set(SESSION_HEADER, session).map_err(backend)?;
-        let mut init = RequestInit::new();
-        init.with_method(Method::Post)
-            .with_headers(headers)
-            .with_body(Some(
-                worker::js_sys::Uint8Array::from(body.as_slice()).into(),
-            ));
-        let request =
-            Request::new_with_init("https://session.internal/runner", &init).map_err(backend)?;
-        let mut response = stub.fetch_with_request(request).await.map_err(backend)?;
+        let mut response = object_request(&self.env, session, Method::Post, "runner", Some(body))
+            .await
+            .map_err(backend)?;
         let text = response.text().await.map_err(backend)?;
         if response.status_code() != 200 {
             return Err(Error::backend(format!(
@@ -352,14 +334,7 @@ impl PartSink for ObjectRunnerSink {
     }
 
     async fn turn_status(&self, state: &TurnState) -> Result<()> {
-        let message = RunnerMessage::TurnStatus {
-            turn_id: state.turn_id.clone(),
-            status: state.status,
-            error: state.error.clone(),
-            sandbox: state.sandbox.clone(),
-            agent_session_id: state.agent_session_id.clone(),
-            key: Some(state.status_key()),
-        };
+        let message = RunnerMessage::turn_status_of(state);
         self.send(&state.session_id, message).await.map(|_| ())
     }
 }

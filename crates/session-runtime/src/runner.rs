@@ -297,14 +297,7 @@ impl PartSink for RunnerSink {
     }
 
     async fn turn_status(&self, state: &TurnState) -> Result<()> {
-        let message = RunnerMessage::TurnStatus {
-            turn_id: state.turn_id.clone(),
-            status: state.status,
-            error: state.error.clone(),
-            sandbox: state.sandbox.clone(),
-            agent_session_id: state.agent_session_id.clone(),
-            key: Some(state.status_key()),
-        };
+        let message = RunnerMessage::turn_status_of(state);
         // The turn is over: let go of the actor so an idle session stops.
         self.send(&state.session_id, message, state.status.is_terminal())
             .await
