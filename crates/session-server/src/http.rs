@@ -20,10 +20,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures::{SinkExt, StreamExt};
-use harness_core::actor::{ClientMessage, ErrorCode, Role, RunnerMessage, ServerMessage};
+use harness_core::actor::{ClientMessage, Role, ServerMessage};
 use harness_core::frame::{Frame, FrameBody};
 use harness_core::log::LogInfo;
-use harness_core::relay::HostMessage;
 use harness_core::SessionId;
 use serde_json::json;
 use tokio::sync::mpsc;
@@ -36,6 +35,7 @@ use session_runtime::{Connection, Hub, Outbound, SharedFrame};
 const PAGE: usize = harness_core::actor_driver::REPLAY_PAGE;
 use crate::ui_stream::{UiStreamMapper, UI_STREAM_HEADER};
 use crate::ServerConfig;
+use session_api::ws::{self, Inbound};
 
 /// Room for the JSON envelope around a frame body (message type, keys).
 const ENVELOPE_SLACK: usize = 64 * 1024;
@@ -801,35 +801,8 @@ async fn websocket(
     ws: WebSocketUpgrade,
 ) -> Result<Response, ApiError> {
     let id = session_id(&id)?;
-    let role = match params.get("role").map(String::as_str) {
-        None | Some("client") => Role::Client,
-        Some("runner") => Role::Runner {
-            generation: param_u64(&params, "generation")?.ok_or_else(|| {
-                ApiError::invalid("a runner must say its generation (?generation=N)")
-            })?,
-        },
-        Some("tool-host") => Role::ToolHost {
-            takeover: match params.get("takeover").map(String::as_str) {
-                None | Some("false") => false,
-                Some("true") => true,
-                Some(other) => {
-                    return Err(ApiError::invalid(format!(
-                        "takeover must be true or false, got {other:?}"
-                    )))
-                }
-            },
-        },
-        Some(other) => {
-            return Err(ApiError::invalid(format!(
-                "role must be client, runner or tool-host, got {other:?}"
-            )))
-        }
-    };
-    let allowed: &[GrantRole] = match role {
-        Role::Client => &[GrantRole::Client],
-        Role::Runner { .. } => &[GrantRole::Runner],
-        Role::ToolHost { .. } => &[GrantRole::ToolHost],
-    };
+    let role = ws::role(&params)?;
+    let allowed = ws::grants_for(role);
     let grant = state.auth(&headers, &params, Some(&id), allowed)?;
     let after = param_u64(&params, "after")?;
     // 404 before the upgrade, while we can still answer with a status.
@@ -926,7 +899,7 @@ async fn run_socket(
         tokio::select! {
             out = conn.recv() => match out {
                 Some(Outbound::Close(reason)) => {
-                    let frame = CloseFrame { code: 4001, reason: reason.into() };
+                    let frame = CloseFrame { code: ws::CLOSED_BY_SESSION, reason: reason.into() };
                     let _ = sink.send(Message::Close(Some(frame))).await;
                     break;
                 }
@@ -946,7 +919,7 @@ async fn run_socket(
                             }
                             Outbound::Msg(m) => Some(text(&m)),
                             Outbound::Close(reason) => {
-                                let frame = CloseFrame { code: 4001, reason: reason.into() };
+                                let frame = CloseFrame { code: ws::CLOSED_BY_SESSION, reason: reason.into() };
                                 let _ = sink.feed(Message::Close(Some(frame))).await;
                                 failed = true;
                                 break;
@@ -976,11 +949,7 @@ async fn run_socket(
                     }
                 }
                 Some(Ok(Message::Binary(_))) => {
-                    let err = ServerMessage::Error {
-                        code: ErrorCode::Invalid,
-                        message: "send JSON text messages, not binary".into(),
-                    };
-                    if sink.send(text(&err)).await.is_err() {
+                    if sink.send(text(&ws::binary_refused())).await.is_err() {
                         break;
                     }
                 }
@@ -1001,35 +970,11 @@ fn inbound_message(
     raw: &str,
     limit: usize,
 ) -> Option<ServerMessage> {
-    if raw.len() > limit {
-        return Some(ServerMessage::Error {
-            code: ErrorCode::FrameTooLarge,
-            message: format!(
-                "message of {} bytes exceeds the {limit}-byte limit",
-                raw.len()
-            ),
-        });
-    }
-    let invalid = |e: serde_json::Error| ServerMessage::Error {
-        code: ErrorCode::Invalid,
-        message: format!("malformed message: {e}"),
-    };
-    match role {
-        Role::Client => match serde_json::from_str::<ClientMessage>(raw) {
-            Ok(ClientMessage::Seal {}) if grant != GrantRole::Host => {
-                return Some(seal_forbidden().to_message());
-            }
-            Ok(m) => conn.client(m),
-            Err(e) => return Some(invalid(e)),
-        },
-        Role::Runner { .. } => match serde_json::from_str::<RunnerMessage>(raw) {
-            Ok(m) => conn.runner(m),
-            Err(e) => return Some(invalid(e)),
-        },
-        Role::ToolHost { .. } => match serde_json::from_str::<HostMessage>(raw) {
-            Ok(m) => conn.tool_host(m),
-            Err(e) => return Some(invalid(e)),
-        },
+    match ws::parse_inbound(role, grant, raw, limit) {
+        Ok(Inbound::Client(m)) => conn.client(m),
+        Ok(Inbound::Runner(m)) => conn.runner(m),
+        Ok(Inbound::ToolHost(m)) => conn.tool_host(m),
+        Err(refusal) => return Some(refusal),
     }
     None
 }
@@ -1099,7 +1044,7 @@ async fn serve_runner(
                     }
                 }
                 Some(Outgoing::Close(reason)) => {
-                    let frame = CloseFrame { code: 4001, reason: reason.into() };
+                    let frame = CloseFrame { code: ws::CLOSED_BY_SESSION, reason: reason.into() };
                     let _ = sink.send(Message::Close(Some(frame))).await;
                     break;
                 }
