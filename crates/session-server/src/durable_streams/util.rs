@@ -1,162 +1,55 @@
 //! Small helpers the protocol needs: base64 (SSE over binary streams),
-//! RFC 3339 timestamps (`Stream-Expires-At`), query strings and cursors.
+//! RFC 3339 timestamps (`Stream-Expires-At`), query strings (the `base64`,
+//! `chrono`, `percent-encoding` and `form_urlencoded` crates underneath)
+//! and cursors.
 
 /// Standard base64 with padding.
 pub fn base64(data: &[u8]) -> String {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::with_capacity(data.len().div_ceil(3) * 4);
-    for chunk in data.chunks(3) {
-        let b = [
-            chunk[0],
-            *chunk.get(1).unwrap_or(&0),
-            *chunk.get(2).unwrap_or(&0),
-        ];
-        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
-        out.push(ALPHABET[(n >> 18) as usize & 63] as char);
-        out.push(ALPHABET[(n >> 12) as usize & 63] as char);
-        out.push(if chunk.len() > 1 {
-            ALPHABET[(n >> 6) as usize & 63] as char
-        } else {
-            '='
-        });
-        out.push(if chunk.len() > 2 {
-            ALPHABET[n as usize & 63] as char
-        } else {
-            '='
-        });
-    }
-    out
-}
-
-/// Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's
-/// `days_from_civil`).
-fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = if y >= 0 { y } else { y - 399 } / 400;
-    let yoe = y - era * 400;
-    let mp = (m + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(data)
 }
 
 /// Parse an RFC 3339 / ISO 8601 timestamp (`2026-01-02T03:04:05.678Z`,
-/// `…+01:00`, seconds and fraction optional) into milliseconds since the
-/// Unix epoch. `None` for anything else.
+/// `…+01:00`) into milliseconds since the Unix epoch, also taking the
+/// shorter forms ECMAScript's `Date.parse` takes (no seconds, no zone — read
+/// as UTC, since a server has no meaningful local zone — or a date alone).
+/// `None` for anything else.
 pub fn parse_rfc3339_ms(raw: &str) -> Option<i64> {
-    let s = raw.trim().as_bytes();
-    let num = |range: std::ops::Range<usize>| -> Option<i64> {
-        let part = s.get(range)?;
-        if part.is_empty() || !part.iter().all(u8::is_ascii_digit) {
-            return None;
-        }
-        std::str::from_utf8(part).ok()?.parse().ok()
-    };
-    let year = num(0..4)?;
-    if s.get(4) != Some(&b'-') || s.get(7) != Some(&b'-') {
-        return None;
+    use chrono::{DateTime, NaiveDate, NaiveDateTime};
+    let s = raw.trim();
+    if let Ok(t) = DateTime::parse_from_rfc3339(s) {
+        return Some(t.timestamp_millis());
     }
-    let month = num(5..7)?;
-    let day = num(8..10)?;
-    if !(1..=12).contains(&month) || !(1..=31).contains(&day) {
-        return None;
-    }
-    let date_ms = days_from_civil(year, month, day) * 86_400_000;
-    if s.len() == 10 {
-        return Some(date_ms);
-    }
-    if !matches!(s.get(10), Some(b'T' | b't' | b' ')) || s.get(13) != Some(&b':') {
-        return None;
-    }
-    let hour = num(11..13)?;
-    let minute = num(14..16)?;
-    let mut i = 16;
-    let mut second = 0;
-    let mut millis = 0;
-    if s.get(i) == Some(&b':') {
-        second = num(i + 1..i + 3)?;
-        i += 3;
-        if s.get(i) == Some(&b'.') {
-            let start = i + 1;
-            let mut end = start;
-            while s.get(end).is_some_and(u8::is_ascii_digit) {
-                end += 1;
-            }
-            if end == start {
-                return None;
-            }
-            let frac = std::str::from_utf8(&s[start..end]).ok()?;
-            let padded = format!("{frac:0<3}");
-            millis = padded[..3].parse::<i64>().ok()?;
-            i = end;
+    // chrono's formats take the same separators RFC 3339 allows.
+    let s = s.replacen(['t', ' '], "T", 1);
+    let s = s.strip_suffix(['Z', 'z']).map_or(s.clone(), |u| format!("{u}+00:00"));
+    for format in ["%Y-%m-%dT%H:%M%:z", "%Y-%m-%dT%H:%M:%S%.f%:z"] {
+        if let Ok(t) = DateTime::parse_from_str(&s, format) {
+            return Some(t.timestamp_millis());
         }
     }
-    if hour > 23 || minute > 59 || second > 60 {
-        return None;
-    }
-    let offset_min = match s.get(i) {
-        Some(b'Z' | b'z') if s.len() == i + 1 => 0,
-        Some(sign @ (b'+' | b'-')) => {
-            if s.len() != i + 6 || s[i + 3] != b':' {
-                return None;
-            }
-            let h = num(i + 1..i + 3)?;
-            let m = num(i + 4..i + 6)?;
-            let total = h * 60 + m;
-            if *sign == b'+' {
-                total
-            } else {
-                -total
-            }
+    for format in ["%Y-%m-%dT%H:%M:%S%.f", "%Y-%m-%dT%H:%M"] {
+        if let Ok(t) = NaiveDateTime::parse_from_str(&s, format) {
+            return Some(t.and_utc().timestamp_millis());
         }
-        // No zone: ECMAScript reads a date-time without offset as local
-        // time; servers have no meaningful local zone, so take UTC.
-        None => 0,
-        _ => return None,
-    };
-    Some(date_ms + ((hour * 60 + minute - offset_min) * 60 + second) * 1000 + millis)
+    }
+    let date = NaiveDate::parse_from_str(&s, "%Y-%m-%d").ok()?;
+    Some(date.and_hms_opt(0, 0, 0)?.and_utc().timestamp_millis())
 }
 
-/// Decode `%XX` and `+` in a query component.
+/// Decode `%XX` (two hex digits; anything else stays as it is) and `+`
+/// in a query component.
 pub fn percent_decode(raw: &str) -> String {
-    let bytes = raw.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        match bytes[i] {
-            b'+' => out.push(b' '),
-            // Two hex digits, as URL decoders require (`from_str_radix`
-            // alone would also take a sign: `%+1`).
-            b'%' if i + 2 < bytes.len()
-                && bytes[i + 1].is_ascii_hexdigit()
-                && bytes[i + 2].is_ascii_hexdigit() =>
-            {
-                let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap_or("");
-                match u8::from_str_radix(hex, 16) {
-                    Ok(b) => {
-                        out.push(b);
-                        i += 2;
-                    }
-                    Err(_) => out.push(b'%'),
-                }
-            }
-            b => out.push(b),
-        }
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
+    percent_encoding::percent_decode_str(&raw.replace('+', " "))
+        .decode_utf8_lossy()
+        .into_owned()
 }
 
-/// All `(name, value)` pairs of a query string, in order, decoded.
+/// All `(name, value)` pairs of a query string, in order, decoded
+/// (`application/x-www-form-urlencoded`).
 pub fn query_pairs(query: Option<&str>) -> Vec<(String, String)> {
-    query
-        .unwrap_or("")
-        .split('&')
-        .filter(|p| !p.is_empty())
-        .map(|p| {
-            let (k, v) = p.split_once('=').unwrap_or((p, ""));
-            (percent_decode(k), percent_decode(v))
-        })
+    form_urlencoded::parse(query.unwrap_or("").as_bytes())
+        .map(|(k, v)| (k.into_owned(), v.into_owned()))
         .collect()
 }
 
@@ -247,6 +140,13 @@ mod tests {
             parse_rfc3339_ms("2000-03-01T00:00:00.5Z"),
             Some(951_868_800_500)
         );
+        assert_eq!(parse_rfc3339_ms("1970-01-01t00:01:00z"), Some(60_000));
+        assert_eq!(parse_rfc3339_ms("1970-01-01 00:01:00.25Z"), Some(60_250));
+        assert_eq!(parse_rfc3339_ms("1970-01-01T00:01Z"), Some(60_000));
+        assert_eq!(parse_rfc3339_ms("1970-01-01T01:01+01:00"), Some(60_000));
+        assert_eq!(parse_rfc3339_ms("1970-01-01T00:01:00"), Some(60_000));
+        assert_eq!(parse_rfc3339_ms("1970-01-01T00:01"), Some(60_000));
+        assert_eq!(parse_rfc3339_ms("1970-01-02"), Some(86_400_000));
         assert_eq!(parse_rfc3339_ms("not-a-timestamp"), None);
         assert_eq!(parse_rfc3339_ms("2024-13-01T00:00:00Z"), None);
         assert_eq!(parse_rfc3339_ms("2024-01-01T00:00:00Zjunk"), None);
