@@ -22,7 +22,9 @@ pub fn parse_rfc3339_ms(raw: &str) -> Option<i64> {
     }
     // chrono's formats take the same separators RFC 3339 allows.
     let s = s.replacen(['t', ' '], "T", 1);
-    let s = s.strip_suffix(['Z', 'z']).map_or(s.clone(), |u| format!("{u}+00:00"));
+    let s = s
+        .strip_suffix(['Z', 'z'])
+        .map_or(s.clone(), |u| format!("{u}+00:00"));
     for format in ["%Y-%m-%dT%H:%M%:z", "%Y-%m-%dT%H:%M:%S%.f%:z"] {
         if let Ok(t) = DateTime::parse_from_str(&s, format) {
             return Some(t.timestamp_millis());
