@@ -514,6 +514,36 @@ impl SessionObject {
         }
     }
 
+    /// One input on a connection that lasts while it is handled: connect
+    /// as `role`, hand the actor `input(conn)`, disconnect, then perform the
+    /// turn commands it dispatched. The store answers at once, so the
+    /// actor's answers are queued on the returned receiver by then.
+    async fn one_shot(
+        &self,
+        session: &SessionId,
+        role: Role,
+        input: impl FnOnce(ConnId) -> Input,
+    ) -> Result<UnboundedReceiver<Outbound>, ApiError> {
+        let mut guard = self.actor(session).await?;
+        let live = guard.as_mut().expect("the actor is live");
+        let (conn, rx) = live.open();
+        let driver = &mut live.driver;
+        driver
+            .handle(Input::Connect {
+                conn,
+                role,
+                after: None,
+            })
+            .await;
+        driver.handle(input(conn)).await;
+        driver.handle(Input::Disconnect { conn }).await;
+        driver.transport_mut().conns.remove(&conn);
+        let commands = live.take_commands();
+        drop(guard);
+        self.perform(session, commands).await;
+        Ok(rx)
+    }
+
     /// One client message on a connection that lasts while it is handled;
     /// the actor's answer (`(seq, duplicate)` of an ack) or its refusal.
     async fn request(
@@ -521,24 +551,12 @@ impl SessionObject {
         session: &SessionId,
         message: ClientMessage,
     ) -> Result<(u64, bool), ApiError> {
-        let mut guard = self.actor(session).await?;
-        let live = guard.as_mut().expect("the actor is live");
-        let (conn, mut rx) = live.open();
-        let driver = &mut live.driver;
-        driver
-            .handle(Input::Connect {
+        let mut rx = self
+            .one_shot(session, Role::Client, |conn| Input::Client {
                 conn,
-                role: Role::Client,
-                after: None,
+                message,
             })
-            .await;
-        driver.handle(Input::Client { conn, message }).await;
-        driver.handle(Input::Disconnect { conn }).await;
-        driver.transport_mut().conns.remove(&conn);
-        let commands = live.take_commands();
-        drop(guard);
-        self.perform(session, commands).await;
-        // The store answers at once, so the answer is queued by now.
+            .await?;
         while let Ok(out) = rx.try_recv() {
             match out {
                 Outbound::Msg(ServerMessage::Ack { seq, duplicate }) => {
@@ -575,27 +593,13 @@ impl SessionObject {
         session: &SessionId,
         request: RunnerRequest,
     ) -> Result<ServerMessage, ApiError> {
-        let mut guard = self.actor(session).await?;
-        let live = guard.as_mut().expect("the actor is live");
-        let (conn, mut rx) = live.open();
-        let driver = &mut live.driver;
         let role = Role::Runner {
             generation: request.generation,
         };
-        driver
-            .handle(Input::Connect {
-                conn,
-                role,
-                after: None,
-            })
-            .await;
         let message = request.message;
-        driver.handle(Input::Runner { conn, message }).await;
-        driver.handle(Input::Disconnect { conn }).await;
-        driver.transport_mut().conns.remove(&conn);
-        let commands = live.take_commands();
-        drop(guard);
-        self.perform(session, commands).await;
+        let mut rx = self
+            .one_shot(session, role, |conn| Input::Runner { conn, message })
+            .await?;
         while let Ok(out) = rx.try_recv() {
             match out {
                 Outbound::Msg(
