@@ -94,6 +94,40 @@ pub fn docker_image() -> String {
         .unwrap_or_else(|| "harness-test:bookworm".into())
 }
 
+/// A Docker provider on the test image ([`docker_image`]) and the bridge
+/// gateway its containers reach this machine at; `None` after
+/// `skip_or_fail` when dockerd, the image or the gateway is missing.
+pub async fn docker_test_provider() -> Option<(DockerProvider, IpAddr)> {
+    let config = DockerConfig {
+        default_image: docker_image(),
+        ..DockerConfig::default()
+    };
+    let provider = match DockerProvider::connect(config).await {
+        Ok(p) => p,
+        Err(e) => {
+            harness_testkit::skip_or_fail(&format!("no docker engine answers: {e}"));
+            return None;
+        }
+    };
+    if provider
+        .client()
+        .inspect_image(&docker_image())
+        .await
+        .is_err()
+    {
+        harness_testkit::skip_or_fail(&format!(
+            "docker image {} is missing (build it with `cargo xtask image`)",
+            docker_image()
+        ));
+        return None;
+    }
+    let Some(gateway) = provider.bridge_gateway().await else {
+        harness_testkit::skip_or_fail("cannot find the docker bridge gateway address");
+        return None;
+    };
+    Some((provider, gateway))
+}
+
 impl Backend {
     /// The backend, or `None` after `skip_or_fail` when its real part
     /// (dockerd, the test image) is missing.
@@ -111,33 +145,7 @@ impl Backend {
                 })
             }
             BackendKind::Docker => {
-                let config = DockerConfig {
-                    default_image: docker_image(),
-                    ..DockerConfig::default()
-                };
-                let provider = match DockerProvider::connect(config).await {
-                    Ok(p) => p,
-                    Err(e) => {
-                        harness_testkit::skip_or_fail(&format!("no docker engine answers: {e}"));
-                        return None;
-                    }
-                };
-                if provider
-                    .client()
-                    .inspect_image(&docker_image())
-                    .await
-                    .is_err()
-                {
-                    harness_testkit::skip_or_fail(&format!(
-                        "docker image {} is missing (build it with `cargo xtask image`)",
-                        docker_image()
-                    ));
-                    return None;
-                }
-                let Some(gateway) = provider.bridge_gateway().await else {
-                    harness_testkit::skip_or_fail("cannot find the docker bridge gateway address");
-                    return None;
-                };
+                let (provider, gateway) = docker_test_provider().await?;
                 Some(Backend {
                     kind,
                     provider: Box::new(provider),

@@ -164,6 +164,15 @@ pub enum RunnerMessage {
 }
 
 impl RunnerMessage {
+    /// A part of `turn_id` keyed by `key` (stable across retries).
+    pub fn keyed_part(turn_id: &str, part: StreamPart, key: String) -> Self {
+        RunnerMessage::Part {
+            turn_id: turn_id.to_string(),
+            part,
+            key: Some(key),
+        }
+    }
+
     /// The turn-status message a runner sends for `state` (its status,
     /// error, sandbox and agent session, keyed by
     /// [`TurnState::status_key`](crate::turn::TurnState::status_key)).

@@ -29,7 +29,6 @@ use harness_testkit::model::ScriptedModel;
 use harness_testkit::model::{last_is_tool_result_for, last_user_text_contains, Reply, Script};
 use harness_testkit::wrangler::WranglerDev;
 use harness_testkit::{require_env, skip_or_fail};
-use sandbox_docker::{DockerConfig, DockerProvider};
 use serde_json::{json, Value};
 
 const BRIDGE_TOKEN: &str = "workflows-bridge-token";
@@ -83,32 +82,7 @@ impl Rig {
     /// Worker under `wrangler dev` configured for both; `None` after a skip.
     async fn start(script: Script, extra: &[(&'static str, String)]) -> Option<Rig> {
         let claude = require_env("HARNESS_CLAUDE_BIN")?;
-        let image = std::env::var("HARNESS_TEST_IMAGE")
-            .ok()
-            .filter(|s| !s.is_empty())
-            .unwrap_or_else(|| "harness-test:bookworm".into());
-        let docker = match DockerProvider::connect(DockerConfig {
-            default_image: image.clone(),
-            ..DockerConfig::default()
-        })
-        .await
-        {
-            Ok(p) => p,
-            Err(e) => {
-                skip_or_fail(&format!("no docker engine answers: {e}"));
-                return None;
-            }
-        };
-        if docker.client().inspect_image(&image).await.is_err() {
-            skip_or_fail(&format!(
-                "docker image {image} is missing (build it with `cargo xtask image`)"
-            ));
-            return None;
-        }
-        let Some(gateway) = docker.bridge_gateway().await else {
-            skip_or_fail("cannot find the docker bridge gateway address");
-            return None;
-        };
+        let (docker, gateway) = harness_agent_e2e::docker_test_provider().await?;
         let openapi = match OpenApi::pinned() {
             Ok(o) => o,
             Err(e) => {

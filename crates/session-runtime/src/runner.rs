@@ -288,11 +288,7 @@ impl PartSink for RunnerSink {
         part: StreamPart,
         key: String,
     ) -> Result<()> {
-        let message = RunnerMessage::Part {
-            turn_id: turn_id.to_string(),
-            part,
-            key: Some(key),
-        };
+        let message = RunnerMessage::keyed_part(turn_id, part, key);
         self.send(session_id, message, false).await
     }
 
