@@ -207,7 +207,9 @@ fuzz_target!(|data: &[u8]| {
         text.split('&').filter(|p| !p.is_empty()).count()
     );
 
-    let cursor = response_cursor(Some(first));
+    // The clock and the jitter are inputs: take both from the input too.
+    let now = 1_728_432_000_000 + (data.len() as i64) * 997_000;
+    let cursor = response_cursor(Some(first), now, text.len() as u64);
     assert!(
         cursor.parse::<i64>().is_ok(),
         "cursor {cursor:?} for {first:?}"

@@ -521,7 +521,7 @@ async fn mounted_on_the_session_server_with_its_tokens() {
 
 #[tokio::test]
 async fn sqlite_store_survives_reopening() {
-    use session_server::durable_streams::store::StreamStore;
+    use session_server::durable_streams::StreamStore;
     use session_server::durable_streams::{AppendOptions, AppendOutcome, CreateOptions, Producer};
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("streams.db");

@@ -27,7 +27,8 @@ use harness_core::{ErrorKind, SessionId};
 use session_runtime::{Connection, Hub, Outbound, SharedFrame};
 
 use super::{
-    control, control_into, read_params, sse_headers, util, DurableStreamsState, Offset, Reply,
+    control, control_into, cursor, read_params, sse_headers, util, DurableStreamsState, Offset,
+    Reply,
     STREAM_CLOSED, STREAM_CURSOR, STREAM_NEXT_OFFSET, STREAM_UP_TO_DATE,
 };
 
@@ -143,7 +144,7 @@ pub(super) async fn handle(
     }
     let p = match read_params(params) {
         Ok(p) => p,
-        Err(r) => return r,
+        Err(r) => return r.into(),
     };
     let after = seq_of(p.offset.as_deref(), info.last_seq);
     if p.live.as_deref() == Some("sse") {
@@ -164,7 +165,11 @@ pub(super) async fn handle(
             let chunk = pump.next_chunk().await?;
             Some((Ok::<_, std::convert::Infallible>(chunk), pump))
         });
-        return sse_headers(Reply::new(StatusCode::OK), false).body(Body::from_stream(body));
+        return Reply::from(sse_headers(
+            ::durable_streams::Reply::new(StatusCode::OK),
+            false,
+        ))
+        .body(Body::from_stream(body));
     }
     let mut info = info;
     if p.live.as_deref() == Some("long-poll") && info.last_seq <= after {
@@ -178,7 +183,7 @@ pub(super) async fn handle(
             let mut reply = Reply::new(StatusCode::NO_CONTENT)
                 .header(STREAM_NEXT_OFFSET, offset_of(after).to_string())
                 .header(STREAM_UP_TO_DATE, "true")
-                .header(STREAM_CURSOR, util::response_cursor(p.cursor.as_deref()));
+                .header(STREAM_CURSOR, cursor(p.cursor.as_deref()));
             if info.sealed {
                 reply = reply.header(STREAM_CLOSED, "true");
             }
@@ -216,7 +221,7 @@ pub(super) async fn handle(
         reply = reply.header(STREAM_CLOSED, "true");
     }
     if p.live.as_deref() == Some("long-poll") {
-        reply = reply.header(STREAM_CURSOR, util::response_cursor(p.cursor.as_deref()));
+        reply = reply.header(STREAM_CURSOR, cursor(p.cursor.as_deref()));
     }
     reply
 }
@@ -262,7 +267,7 @@ struct SsePump {
 
 impl SsePump {
     fn cursor(&self) -> String {
-        util::response_cursor(self.cursor.as_deref())
+        cursor(self.cursor.as_deref())
     }
 
     async fn next_chunk(&mut self) -> Option<Bytes> {
@@ -331,7 +336,7 @@ impl SsePump {
             // Up to date from the start.
             let cursor = self.cursor();
             return Some(Some(
-                control(offset_of(self.after), Some(cursor), true, false).to_vec(),
+                control(offset_of(self.after), Some(&cursor), true, false).to_vec(),
             ));
         }
         if self.after < info.last_seq {
@@ -372,7 +377,7 @@ impl SsePump {
                     self.conn = Some(conn);
                     let cursor = self.cursor();
                     return Some(Some(
-                        control(offset_of(self.after), Some(cursor), true, false).to_vec(),
+                        control(offset_of(self.after), Some(&cursor), true, false).to_vec(),
                     ));
                 }
             }

@@ -60,24 +60,15 @@ const CURSOR_EPOCH_MS: i64 = 1_728_432_000_000;
 /// Length of one cursor interval.
 const CURSOR_INTERVAL_S: i64 = 20;
 
-/// The `Stream-Cursor` to answer with (protocol §8.1): the current 20-second
-/// interval number, or, when the client already sent a cursor at or past
-/// it, that cursor plus a random jitter so caches never collapse a client
-/// onto its own previous response.
-pub fn response_cursor(client: Option<&str>) -> String {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0);
-    let current = (now - CURSOR_EPOCH_MS) / (CURSOR_INTERVAL_S * 1000);
+/// The `Stream-Cursor` to answer with (protocol §8.1) at `now_ms`: the
+/// current 20-second interval number, or, when the client already sent a
+/// cursor at or past it, that cursor plus a jitter drawn from `random` so
+/// caches never collapse a client onto its own previous response.
+pub fn response_cursor(client: Option<&str>, now_ms: i64, random: u64) -> String {
+    let current = (now_ms - CURSOR_EPOCH_MS) / (CURSOR_INTERVAL_S * 1000);
     match client.and_then(|c| c.parse::<i64>().ok()) {
         Some(c) if c >= current => {
             // 1..=3600 seconds of jitter, in whole intervals (at least one).
-            let random = u64::from_le_bytes(
-                uuid::Uuid::new_v4().as_bytes()[..8]
-                    .try_into()
-                    .unwrap_or([0; 8]),
-            );
             let jitter_s = 1 + (random % 3600) as i64;
             let intervals = (jitter_s + CURSOR_INTERVAL_S - 1) / CURSOR_INTERVAL_S;
             // A client may send any i64: saturate rather than overflow.
@@ -90,7 +81,7 @@ pub fn response_cursor(client: Option<&str>) -> String {
 /// Append `n` in decimal, at least `width` digits (zero-padded): what
 /// `write!(out, "{n:0width$}")` writes, without the formatting machinery
 /// (SSE ids and offsets are written for every frame and reader).
-pub(crate) fn push_decimal(out: &mut Vec<u8>, mut n: u64, width: usize) {
+pub fn push_decimal(out: &mut Vec<u8>, mut n: u64, width: usize) {
     let mut digits = [b'0'; 20];
     let mut at = digits.len();
     loop {
@@ -166,9 +157,21 @@ mod tests {
     fn response_cursor_survives_the_largest_client_cursor() {
         // Found by fuzzing: adding the jitter overflowed.
         assert_eq!(
-            response_cursor(Some(&i64::MAX.to_string())),
+            response_cursor(Some(&i64::MAX.to_string()), CURSOR_EPOCH_MS, 7),
             i64::MAX.to_string()
         );
+    }
+
+    #[test]
+    fn response_cursor_counts_intervals_and_jumps_a_current_client() {
+        let now = CURSOR_EPOCH_MS + 41_000;
+        assert_eq!(response_cursor(None, now, 0), "2");
+        assert_eq!(response_cursor(Some("1"), now, 0), "2");
+        // A client at the current interval moves on by 1..=180 intervals.
+        for random in [0, 19, 20, 3599, u64::MAX] {
+            let next: i64 = response_cursor(Some("2"), now, random).parse().unwrap();
+            assert!((3..=182).contains(&next), "{random}: {next}");
+        }
     }
 
     #[test]

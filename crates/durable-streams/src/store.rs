@@ -1,33 +1,30 @@
-//! The storage of generic Durable Streams.
+//! Generic Durable Streams: [`Streams`], the protocol's state machine over
+//! every stream of one server.
 //!
-//! Every stream is held in memory (the map is what reads are served from);
-//! [`StreamStore::new`] keeps it there only, so streams live as long as the
-//! process, like the reference server's default mode. [`StreamStore::open`]
-//! adds write-through persistence to SQLite (tables `ds_streams` and
-//! `ds_messages`, WAL): every mutation is committed in one transaction
-//! before the request is answered, and opening the file again loads every
-//! stream back. Sliding TTLs restart from the moment of loading (the last
-//! access instant is not persisted).
+//! Runtime-free: no locks, no clock of its own (time comes from the
+//! [`Clock`] it is given), no I/O. Every stream is held in memory (the map
+//! is what reads are served from); a host that persists hands each
+//! operation's [`Changes`] to its SQLite before it answers the request:
+//! `rusqlite` in [`crate::native::StreamStore`], the Durable Object's SQLite
+//! in the Worker. Both use the same tables ([`SCHEMA`]), so a store written by
+//! one loads in the other. Loading ([`Streams::load`]) restarts sliding TTLs
+//! (the last access instant is not persisted).
 //!
-//! Session logs are not stored here: they are exposed as read-only streams
-//! straight from the [`harness_core::log::SessionLog`].
+//! Session logs are not stored here: servers expose them as read-only
+//! streams straight from their session logs.
 //!
-//! Every operation runs synchronously under one mutex, so validation of a
-//! producer tuple, the `Stream-Seq` check, the append and the close of a
-//! request happen atomically with respect to every other request; waiters
-//! (long-poll, SSE) are woken through a per-stream [`Notify`].
+//! Every operation takes `&mut self`, so validation of a producer tuple, the
+//! `Stream-Seq` check, the append and the close of a request happen
+//! atomically with respect to every other request; waking waiters
+//! (long-poll, SSE) is the host's job, after each request that writes.
 
 use std::collections::HashMap;
 use std::fmt;
-use std::ops::{Deref, DerefMut};
-use std::path::Path;
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
 
-use axum::body::Bytes;
-use rusqlite::{params, Connection};
+use bytes::Bytes;
+use harness_core::clock::Clock;
 use serde::{Deserialize, Serialize};
-use tokio::sync::Notify;
 
 /// Bytes a stored message adds to the offset besides its data: the
 /// reference server's framing (4-byte length prefix + newline). Keeping the
@@ -35,7 +32,7 @@ use tokio::sync::Notify;
 const FRAME_OVERHEAD: u64 = 5;
 
 /// Producer state older than this is forgotten (as in the reference server).
-const PRODUCER_STATE_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
+const PRODUCER_STATE_TTL_MS: u64 = 7 * 24 * 3600 * 1000;
 
 /// A position in a stream: `<read seq>_<byte offset>`, both zero-padded to 16
 /// digits so that offsets compare correctly as strings too.
@@ -270,9 +267,11 @@ pub fn normalize_content_type(ct: &str) -> String {
 struct ProducerState {
     epoch: u64,
     last_seq: u64,
-    updated: Instant,
+    /// Milliseconds since the Unix epoch.
+    updated: u64,
 }
 
+/// One stream: its messages and everything the protocol tracks about it.
 #[derive(Debug)]
 struct Stream {
     content_type: Option<String>,
@@ -280,7 +279,8 @@ struct Stream {
     tail: Offset,
     ttl_seconds: Option<u64>,
     expires_at: Option<(String, i64)>,
-    last_access: Instant,
+    /// Milliseconds since the Unix epoch.
+    last_access: u64,
     closed: bool,
     closed_by: Option<Producer>,
     /// Number of forks reading through this stream.
@@ -291,7 +291,6 @@ struct Stream {
     fork_sub_offset: u64,
     last_seq: Option<String>,
     producers: HashMap<String, ProducerState>,
-    notify: Arc<Notify>,
 }
 
 impl Stream {
@@ -317,8 +316,7 @@ impl Stream {
         }
     }
 
-    fn from_persisted(p: PersistedStream) -> Stream {
-        let now = Instant::now();
+    fn from_persisted(p: PersistedStream, now: u64) -> Stream {
         Stream {
             content_type: p.content_type,
             messages: Vec::new(),
@@ -348,7 +346,6 @@ impl Stream {
                     )
                 })
                 .collect(),
-            notify: Arc::new(Notify::new()),
         }
     }
 
@@ -369,14 +366,14 @@ impl Stream {
             .is_some_and(|ct| normalize_content_type(ct) == "application/json")
     }
 
-    fn expired(&self, now: Instant, now_ms: i64) -> bool {
+    fn expired(&self, now: u64) -> bool {
         if let Some((_, at)) = &self.expires_at {
-            if now_ms >= *at {
+            if now as i64 >= *at {
                 return true;
             }
         }
         if let Some(ttl) = self.ttl_seconds {
-            if now.duration_since(self.last_access) >= Duration::from_secs(ttl) {
+            if now.saturating_sub(self.last_access) >= ttl.saturating_mul(1000) {
                 return true;
             }
         }
@@ -400,33 +397,26 @@ impl Stream {
     }
 }
 
-/// The stream store (see the module docs).
-#[derive(Debug, Default)]
-pub struct StreamStore {
-    streams: Mutex<Inner>,
-}
-
-/// The map plus what the next flush must write.
-#[derive(Debug, Default)]
-struct Inner {
+/// Every generic stream of one server, in memory, with what changed since
+/// the host last persisted (see the module docs).
+pub struct Streams {
     map: HashMap<String, Stream>,
-    db: Option<Connection>,
+    clock: Arc<dyn Clock>,
     /// Streams whose metadata changed (or that were removed).
     dirty: Vec<String>,
-    /// Messages stored since the last flush.
+    /// Messages stored since the last [`Streams::take_changes`].
     appended: Vec<(String, StoredMessage)>,
+    /// State of the cursor jitter's generator (splitmix64).
+    jitter: u64,
 }
 
-impl Deref for Inner {
-    type Target = HashMap<String, Stream>;
-    fn deref(&self) -> &Self::Target {
-        &self.map
-    }
-}
-
-impl DerefMut for Inner {
-    fn deref_mut(&mut self) -> &mut Self::Target {
-        &mut self.map
+impl fmt::Debug for Streams {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Streams")
+            .field("streams", &self.map.len())
+            .field("dirty", &self.dirty.len())
+            .field("appended", &self.appended.len())
+            .finish_non_exhaustive()
     }
 }
 
@@ -449,15 +439,59 @@ struct PersistedStream {
     producers: Vec<(String, u64, u64)>,
 }
 
-fn sql_err(e: rusqlite::Error) -> StoreError {
-    StoreError::Storage(e.to_string())
+/// What to write so the storage matches memory again: the rows of the
+/// tables in [`SCHEMA`], as [`Streams::take_changes`] hands them over.
+#[derive(Debug, Default)]
+pub struct Changes {
+    /// `ds_messages` rows to insert: `(path, message)`.
+    pub messages: Vec<(String, StoredMessage)>,
+    /// `ds_streams` rows to insert or replace: `(path, metadata JSON)`.
+    pub upserts: Vec<(String, String)>,
+    /// Streams to delete, with their messages.
+    pub removed: Vec<String>,
 }
 
-fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
+impl Changes {
+    /// Nothing to write.
+    pub fn is_empty(&self) -> bool {
+        self.messages.is_empty() && self.upserts.is_empty() && self.removed.is_empty()
+    }
+}
+
+/// The tables a persisted store keeps, the same in every SQLite the
+/// streams are stored in (a file through `rusqlite`, a Durable Object's
+/// database): one row of metadata JSON per stream, one row per message.
+pub const SCHEMA: &[&str] = &[
+    "CREATE TABLE IF NOT EXISTS ds_streams (
+         path TEXT PRIMARY KEY,
+         meta TEXT NOT NULL
+     )",
+    "CREATE TABLE IF NOT EXISTS ds_messages (
+         path TEXT NOT NULL,
+         read_seq INTEGER NOT NULL,
+         byte INTEGER NOT NULL,
+         data BLOB NOT NULL,
+         PRIMARY KEY (path, read_seq, byte)
+     )",
+];
+
+/// Statements over [`SCHEMA`], with positional parameters.
+pub mod sql {
+    /// Every stream's metadata: `(path, meta)`.
+    pub const SELECT_STREAMS: &str = "SELECT path, meta FROM ds_streams";
+    /// Every message in order: `(path, read_seq, byte, data)`.
+    pub const SELECT_MESSAGES: &str =
+        "SELECT path, read_seq, byte, data FROM ds_messages ORDER BY path, read_seq, byte";
+    /// `(path, read_seq, byte, data)`.
+    pub const INSERT_MESSAGE: &str =
+        "INSERT OR REPLACE INTO ds_messages (path, read_seq, byte, data) VALUES (?1, ?2, ?3, ?4)";
+    /// `(path, meta)`.
+    pub const UPSERT_STREAM: &str =
+        "INSERT OR REPLACE INTO ds_streams (path, meta) VALUES (?1, ?2)";
+    /// `(path)`.
+    pub const DELETE_STREAM: &str = "DELETE FROM ds_streams WHERE path = ?1";
+    /// `(path)`.
+    pub const DELETE_MESSAGES: &str = "DELETE FROM ds_messages WHERE path = ?1";
 }
 
 /// Validate a JSON body and flatten a top-level array one level, returning
@@ -516,214 +550,100 @@ pub fn format_body(json: bool, messages: &[StoredMessage]) -> Bytes {
     Bytes::from(out)
 }
 
-impl StreamStore {
-    /// An empty store.
-    pub fn new() -> Self {
-        Self::default()
+impl Streams {
+    /// No streams; time from `clock`, cursor jitter seeded with `seed`.
+    pub fn new(clock: Arc<dyn Clock>, seed: u64) -> Self {
+        Self {
+            map: HashMap::new(),
+            clock,
+            dirty: Vec::new(),
+            appended: Vec::new(),
+            jitter: seed,
+        }
     }
 
-    /// A store persisted in the SQLite file at `path` (created if absent),
-    /// with every stream it already holds loaded.
-    pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
-        let db = Connection::open(path).map_err(sql_err)?;
-        db.execute_batch(
-            "PRAGMA journal_mode = WAL;
-             PRAGMA synchronous = NORMAL;
-             CREATE TABLE IF NOT EXISTS ds_streams (
-                 path TEXT PRIMARY KEY,
-                 meta TEXT NOT NULL
-             );
-             CREATE TABLE IF NOT EXISTS ds_messages (
-                 path TEXT NOT NULL,
-                 read_seq INTEGER NOT NULL,
-                 byte INTEGER NOT NULL,
-                 data BLOB NOT NULL,
-                 PRIMARY KEY (path, read_seq, byte)
-             );",
-        )
-        .map_err(sql_err)?;
-        let mut map = HashMap::new();
-        {
-            let mut rows = db
-                .prepare("SELECT path, meta FROM ds_streams")
-                .map_err(sql_err)?;
-            let rows = rows
-                .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))
-                .map_err(sql_err)?;
-            for row in rows {
-                let (path, meta) = row.map_err(sql_err)?;
-                let p: PersistedStream = serde_json::from_str(&meta)
-                    .map_err(|e| StoreError::Storage(format!("metadata of {path}: {e}")))?;
-                map.insert(path, Stream::from_persisted(p));
-            }
-            let mut rows = db
-                .prepare("SELECT path, read_seq, byte, data FROM ds_messages ORDER BY path, read_seq, byte")
-                .map_err(sql_err)?;
-            let rows = rows
-                .query_map([], |r| {
-                    Ok((
-                        r.get::<_, String>(0)?,
-                        r.get::<_, i64>(1)?,
-                        r.get::<_, i64>(2)?,
-                        r.get::<_, Vec<u8>>(3)?,
-                    ))
-                })
-                .map_err(sql_err)?;
-            for row in rows {
-                let (path, read_seq, byte, data) = row.map_err(sql_err)?;
-                if let Some(stream) = map.get_mut(&path) {
-                    stream.messages.push(StoredMessage {
-                        data: Bytes::from(data),
-                        offset: Offset {
-                            read_seq: read_seq as u64,
-                            byte: byte as u64,
-                        },
-                    });
-                }
+    /// The streams a storage holds: its `ds_streams` rows (`(path, meta)`)
+    /// and its `ds_messages` rows in offset order. Sliding TTLs restart now
+    /// (the last access is not persisted).
+    pub fn load(
+        clock: Arc<dyn Clock>,
+        seed: u64,
+        streams: impl IntoIterator<Item = (String, String)>,
+        messages: impl IntoIterator<Item = (String, StoredMessage)>,
+    ) -> Result<Self, StoreError> {
+        let mut this = Self::new(clock, seed);
+        let now = this.now();
+        for (path, meta) in streams {
+            let p: PersistedStream = serde_json::from_str(&meta)
+                .map_err(|e| StoreError::Storage(format!("metadata of {path}: {e}")))?;
+            this.map.insert(path, Stream::from_persisted(p, now));
+        }
+        for (path, message) in messages {
+            if let Some(stream) = this.map.get_mut(&path) {
+                stream.messages.push(message);
             }
         }
-        Ok(Self {
-            streams: Mutex::new(Inner {
-                map,
-                db: Some(db),
-                dirty: Vec::new(),
-                appended: Vec::new(),
-            }),
-        })
+        Ok(this)
     }
 
-    /// Write what changed since the last flush, in one transaction.
-    fn flush(inner: &mut Inner) -> Result<(), StoreError> {
-        let mut dirty = std::mem::take(&mut inner.dirty);
-        let appended = std::mem::take(&mut inner.appended);
-        let Inner { map, db, .. } = inner;
-        let Some(db) = db.as_mut() else {
-            return Ok(());
-        };
-        if dirty.is_empty() && appended.is_empty() {
-            return Ok(());
-        }
+    /// Milliseconds since the Unix epoch, from the clock.
+    pub fn now(&self) -> u64 {
+        self.clock.now_ms()
+    }
+
+    /// The `Stream-Cursor` to answer a client that sent `client`
+    /// ([`crate::util::response_cursor`], jittered from this store's
+    /// generator).
+    pub fn cursor(&mut self, client: Option<&str>) -> String {
+        // splitmix64: a few bits of spread, not secrecy.
+        self.jitter = self.jitter.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.jitter;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        let random = z ^ (z >> 31);
+        crate::util::response_cursor(client, self.now() as i64, random)
+    }
+
+    /// What changed since the last call: write it (in one transaction)
+    /// before answering the request that changed it.
+    pub fn take_changes(&mut self) -> Changes {
+        let mut dirty = std::mem::take(&mut self.dirty);
+        let appended = std::mem::take(&mut self.appended);
         dirty.sort();
         dirty.dedup();
-        let tx = db.transaction().map_err(sql_err)?;
-        for (path, m) in &appended {
-            if map.contains_key(path) {
-                tx.execute(
-                    "INSERT OR REPLACE INTO ds_messages (path, read_seq, byte, data) VALUES (?1, ?2, ?3, ?4)",
-                    params![path, m.offset.read_seq as i64, m.offset.byte as i64, &m.data[..]],
-                )
-                .map_err(sql_err)?;
-            }
-        }
-        for path in &dirty {
-            match map.get(path) {
+        let mut changes = Changes {
+            messages: appended
+                .into_iter()
+                .filter(|(path, _)| self.map.contains_key(path))
+                .collect(),
+            ..Changes::default()
+        };
+        for path in dirty {
+            match self.map.get(&path) {
                 Some(stream) => {
-                    let meta = serde_json::to_string(&stream.persisted())
-                        .map_err(|e| StoreError::Storage(e.to_string()))?;
-                    tx.execute(
-                        "INSERT OR REPLACE INTO ds_streams (path, meta) VALUES (?1, ?2)",
-                        params![path, meta],
-                    )
-                    .map_err(sql_err)?;
+                    // Plain data: encoding cannot fail.
+                    let meta = serde_json::to_string(&stream.persisted()).unwrap_or_default();
+                    changes.upserts.push((path, meta));
                 }
-                None => {
-                    tx.execute("DELETE FROM ds_streams WHERE path = ?1", params![path])
-                        .map_err(sql_err)?;
-                    tx.execute("DELETE FROM ds_messages WHERE path = ?1", params![path])
-                        .map_err(sql_err)?;
-                }
+                None => changes.removed.push(path),
             }
         }
-        tx.commit().map_err(sql_err)
-    }
-
-    /// Flush, then answer `result` (a failed write turns into an error).
-    fn finish<T>(inner: &mut Inner, result: Result<T, StoreError>) -> Result<T, StoreError> {
-        let flushed = Self::flush(inner);
-        let value = result?;
-        flushed?;
-        Ok(value)
+        changes
     }
 
     /// Metadata of a stream (soft-deleted streams are reported as such).
-    pub fn meta(&self, path: &str) -> Option<StreamMeta> {
-        let mut inner = self.lock();
-        let meta = Self::meta_locked(&mut inner, path);
-        if let Err(e) = Self::flush(&mut inner) {
-            tracing::warn!(error = %e, "durable streams: persisting an expiry failed");
-        }
-        meta
-    }
-
-    /// `PUT`: create, or confirm an identical existing stream.
-    /// Returns `(created, meta)`.
-    pub fn create(
-        &self,
-        path: &str,
-        opts: CreateOptions,
-    ) -> Result<(bool, StreamMeta), StoreError> {
-        let mut inner = self.lock();
-        let result = Self::create_locked(&mut inner, path, opts);
-        Self::finish(&mut inner, result)
-    }
-
-    /// Everything after `after` (`None` = from the start), inherited
-    /// messages of forks included, plus the stream's metadata.
-    pub fn read(
-        &self,
-        path: &str,
-        after: Option<Offset>,
-    ) -> Result<(Vec<StoredMessage>, StreamMeta), StoreError> {
-        let mut inner = self.lock();
-        let result = Self::read_locked(&mut inner, path, after);
-        Self::finish(&mut inner, result)
-    }
-
-    /// `POST` with a body.
-    pub fn append(
-        &self,
-        path: &str,
-        data: Bytes,
-        opts: AppendOptions,
-    ) -> Result<AppendOutcome, StoreError> {
-        let mut inner = self.lock();
-        let result = Self::append_locked(&mut inner, path, data, opts);
-        Self::finish(&mut inner, result)
-    }
-
-    /// `POST` with an empty body and `Stream-Closed: true`.
-    pub fn close(
-        &self,
-        path: &str,
-        producer: Option<Producer>,
-    ) -> Result<AppendOutcome, StoreError> {
-        let mut inner = self.lock();
-        let result = Self::close_locked(&mut inner, path, producer);
-        Self::finish(&mut inner, result)
-    }
-
-    /// `DELETE`: remove, or soft-delete while forks read through it.
-    /// `Ok(false)` when there was no such stream.
-    pub fn delete(&self, path: &str) -> Result<bool, StoreError> {
-        let mut inner = self.lock();
-        let result = Self::delete_locked(&mut inner, path);
-        Self::finish(&mut inner, result)
-    }
-
-    fn lock(&self) -> MutexGuard<'_, Inner> {
-        // A panic while holding the lock leaves plain data behind; keep serving.
-        self.streams.lock().unwrap_or_else(|e| e.into_inner())
+    pub fn meta(&mut self, path: &str) -> Option<StreamMeta> {
+        Self::live(self, path).map(|s| s.meta())
     }
 
     /// Drop an expired stream (or soft-delete it if forks read from it).
     /// Returns whether the stream is still present.
-    fn check_expiry(map: &mut Inner, path: &str) -> bool {
-        let now = Instant::now();
-        let ms = now_ms();
-        let Some(stream) = map.get_mut(path) else {
+    fn check_expiry(map: &mut Streams, path: &str) -> bool {
+        let now = map.now();
+        let Some(stream) = map.map.get_mut(path) else {
             return false;
         };
-        if !stream.expired(now, ms) {
+        if !stream.expired(now) {
             return true;
         }
         if stream.ref_count > 0 {
@@ -737,14 +657,13 @@ impl StreamStore {
         false
     }
 
-    fn delete_cascade(map: &mut Inner, path: &str) {
-        let Some(stream) = map.remove(path) else {
+    fn delete_cascade(map: &mut Streams, path: &str) {
+        let Some(stream) = map.map.remove(path) else {
             return;
         };
         map.dirty.push(path.to_string());
-        stream.notify.notify_waiters();
         if let Some(parent_path) = stream.forked_from {
-            let cascade = match map.get_mut(&parent_path) {
+            let cascade = match map.map.get_mut(&parent_path) {
                 Some(parent) => {
                     parent.ref_count = parent.ref_count.saturating_sub(1);
                     parent.ref_count == 0 && parent.soft_deleted
@@ -759,39 +678,31 @@ impl StreamStore {
     }
 
     /// Live (not expired) stream, soft-deleted ones included.
-    fn live<'a>(map: &'a mut Inner, path: &str) -> Option<&'a mut Stream> {
+    fn live<'a>(map: &'a mut Streams, path: &str) -> Option<&'a mut Stream> {
         if !Self::check_expiry(map, path) {
             return None;
         }
-        map.get_mut(path)
-    }
-
-    /// Metadata of a stream (soft-deleted streams are reported as such).
-    fn meta_locked(map: &mut Inner, path: &str) -> Option<StreamMeta> {
-        Self::live(map, path).map(|s| s.meta())
+        map.map.get_mut(path)
     }
 
     /// Renew the sliding TTL.
-    pub fn touch(&self, path: &str) {
-        if let Some(s) = self.lock().get_mut(path) {
-            s.last_access = Instant::now();
+    pub fn touch(&mut self, path: &str) {
+        let now = self.now();
+        if let Some(s) = self.map.get_mut(path) {
+            s.last_access = now;
         }
-    }
-
-    /// The notifier woken on every append, close and delete of `path`.
-    pub fn notifier(&self, path: &str) -> Option<Arc<Notify>> {
-        self.lock().get(path).map(|s| s.notify.clone())
     }
 
     /// `PUT`: create, or confirm an identical existing stream.
     /// Returns `(created, meta)`.
-    fn create_locked(
-        map: &mut Inner,
+    pub fn create(
+        &mut self,
         path: &str,
         opts: CreateOptions,
     ) -> Result<(bool, StreamMeta), StoreError> {
+        let map = self;
         if Self::check_expiry(map, path) {
-            let existing = map.get(path).ok_or(StoreError::NotFound)?;
+            let existing = map.map.get(path).ok_or(StoreError::NotFound)?;
             if existing.soft_deleted {
                 return Err(StoreError::PathHeldByForks);
             }
@@ -824,7 +735,7 @@ impl StreamStore {
             tail: Offset::ZERO,
             ttl_seconds: opts.ttl_seconds,
             expires_at: opts.expires_at.clone(),
-            last_access: Instant::now(),
+            last_access: map.now(),
             closed: opts.closed,
             closed_by: None,
             ref_count: 0,
@@ -834,14 +745,13 @@ impl StreamStore {
             fork_sub_offset: 0,
             last_seq: None,
             producers: HashMap::new(),
-            notify: Arc::new(Notify::new()),
         };
 
         if let Some(source_path) = &opts.forked_from {
             if !Self::check_expiry(map, source_path) {
                 return Err(StoreError::SourceNotFound);
             }
-            let source = map.get(source_path).ok_or(StoreError::SourceNotFound)?;
+            let source = map.map.get(source_path).ok_or(StoreError::SourceNotFound)?;
             if source.soft_deleted {
                 return Err(StoreError::SourceGone);
             }
@@ -866,7 +776,7 @@ impl StreamStore {
             let json = source.is_json();
             let mut prefix = None;
             if let Some(sub) = opts.fork_sub_offset.filter(|s| *s > 0) {
-                let after = Self::read_chain(map, source_path, Some(fork_offset), source.tail);
+                let after = Self::read_chain(&map.map, source_path, Some(fork_offset), source.tail);
                 let first = after.first().ok_or_else(|| {
                     StoreError::InvalidForkSubOffset("no data past the fork offset".into())
                 })?;
@@ -902,7 +812,7 @@ impl StreamStore {
         }
 
         if let Some(source_path) = &opts.forked_from {
-            if let Some(source) = map.get_mut(source_path) {
+            if let Some(source) = map.map.get_mut(source_path) {
                 source.ref_count += 1;
             }
         }
@@ -914,7 +824,7 @@ impl StreamStore {
         if let Some(source_path) = &opts.forked_from {
             map.dirty.push(source_path.clone());
         }
-        map.insert(path.to_string(), stream);
+        map.map.insert(path.to_string(), stream);
         Ok((true, meta))
     }
 
@@ -952,24 +862,27 @@ impl StreamStore {
 
     /// Everything after `after` (`None` = from the start), inherited
     /// messages of forks included, plus the stream's metadata.
-    fn read_locked(
-        map: &mut Inner,
+    pub fn read(
+        &mut self,
         path: &str,
         after: Option<Offset>,
     ) -> Result<(Vec<StoredMessage>, StreamMeta), StoreError> {
+        let map = self;
         let stream = Self::live(map, path).ok_or(StoreError::NotFound)?;
         let meta = stream.meta();
-        let messages = Self::read_chain(map, path, after, meta.tail);
+        let messages = Self::read_chain(&map.map, path, after, meta.tail);
         Ok((messages, meta))
     }
 
     /// `POST` with a body.
-    fn append_locked(
-        map: &mut Inner,
+    pub fn append(
+        &mut self,
         path: &str,
         data: Bytes,
         opts: AppendOptions,
     ) -> Result<AppendOutcome, StoreError> {
+        let map = self;
+        let now = map.now();
         let stream = Self::live(map, path).ok_or(StoreError::NotFound)?;
         if stream.soft_deleted {
             return Err(StoreError::Gone);
@@ -993,7 +906,7 @@ impl StreamStore {
             }
         }
         let accepted = match &opts.producer {
-            Some(p) => match validate_producer(stream, p) {
+            Some(p) => match validate_producer(stream, p, now) {
                 Ok(state) => Some(state),
                 Err(outcome) => return Ok(outcome),
             },
@@ -1010,7 +923,7 @@ impl StreamStore {
             data
         };
         let offset = stream.push(data);
-        stream.last_access = Instant::now();
+        stream.last_access = now;
         if let (Some(p), Some(state)) = (&opts.producer, accepted) {
             stream.producers.insert(p.id.clone(), state);
         }
@@ -1021,7 +934,6 @@ impl StreamStore {
             stream.closed = true;
             stream.closed_by = opts.producer.clone();
         }
-        stream.notify.notify_waiters();
         let closed = stream.closed;
         let message = stream.messages.last().cloned();
         map.dirty.push(path.to_string());
@@ -1032,18 +944,19 @@ impl StreamStore {
     }
 
     /// `POST` with an empty body and `Stream-Closed: true`.
-    fn close_locked(
-        map: &mut Inner,
+    pub fn close(
+        &mut self,
         path: &str,
         producer: Option<Producer>,
     ) -> Result<AppendOutcome, StoreError> {
+        let map = self;
+        let now = map.now();
         let stream = Self::live(map, path).ok_or(StoreError::NotFound)?;
         if stream.soft_deleted {
             return Err(StoreError::Gone);
         }
         let Some(p) = producer else {
             stream.closed = true;
-            stream.notify.notify_waiters();
             let offset = stream.tail;
             map.dirty.push(path.to_string());
             return Ok(AppendOutcome::Accepted {
@@ -1063,14 +976,13 @@ impl StreamStore {
                 offset: stream.tail,
             });
         }
-        let state = match validate_producer(stream, &p) {
+        let state = match validate_producer(stream, &p, now) {
             Ok(state) => state,
             Err(outcome) => return Ok(outcome),
         };
         stream.producers.insert(p.id.clone(), state);
         stream.closed = true;
         stream.closed_by = Some(p);
-        stream.notify.notify_waiters();
         let offset = stream.tail;
         map.dirty.push(path.to_string());
         Ok(AppendOutcome::Accepted {
@@ -1081,11 +993,12 @@ impl StreamStore {
 
     /// `DELETE`: remove, or soft-delete while forks read through it.
     /// `Ok(false)` when there was no such stream.
-    fn delete_locked(map: &mut Inner, path: &str) -> Result<bool, StoreError> {
+    pub fn delete(&mut self, path: &str) -> Result<bool, StoreError> {
+        let map = self;
         if !Self::check_expiry(map, path) {
             return Ok(false);
         }
-        let Some(stream) = map.get_mut(path) else {
+        let Some(stream) = map.map.get_mut(path) else {
             return Ok(false);
         };
         if stream.soft_deleted {
@@ -1093,7 +1006,6 @@ impl StreamStore {
         }
         if stream.ref_count > 0 {
             stream.soft_deleted = true;
-            stream.notify.notify_waiters();
             map.dirty.push(path.to_string());
             return Ok(true);
         }
@@ -1131,11 +1043,14 @@ fn sub_prefix(data: &[u8], sub: u64, json: bool) -> Result<Bytes, StoreError> {
 }
 
 /// Check a producer tuple; `Ok` carries the state to commit on success.
-fn validate_producer(stream: &mut Stream, p: &Producer) -> Result<ProducerState, AppendOutcome> {
-    let now = Instant::now();
+fn validate_producer(
+    stream: &mut Stream,
+    p: &Producer,
+    now: u64,
+) -> Result<ProducerState, AppendOutcome> {
     stream
         .producers
-        .retain(|_, s| now.duration_since(s.updated) <= PRODUCER_STATE_TTL);
+        .retain(|_, s| now.saturating_sub(s.updated) <= PRODUCER_STATE_TTL_MS);
     let fresh = ProducerState {
         epoch: p.epoch,
         last_seq: p.seq,
