@@ -317,9 +317,11 @@ async fn route(req: Request, env: &Env) -> Result<Response, ApiError> {
                 .map_err(internal)?;
             stub.fetch_with_request(request).await.map_err(internal)
         }
-        (_, ["v1", "runner"]) | (_, ["v1", "stream", ..]) => Err(unsupported(
-            "the runner channel and Durable Streams on the Worker",
+        (_, ["v1", "stream", "sessions", ..]) => Err(unsupported(
+            "session streams on the Worker (generic streams are served)",
         )),
+        (method, ["v1", "stream", _, ..]) => streams(call, method, &path).await,
+        (_, ["v1", "runner"]) => Err(unsupported("the runner channel on the Worker")),
         (_, ["v1", "sessions", ..]) => Err(ApiError::new(
             405,
             "method_not_allowed",
@@ -327,6 +329,56 @@ async fn route(req: Request, env: &Env) -> Result<Response, ApiError> {
         )),
         _ => Err(ApiError::no_route()),
     }
+}
+
+/// A generic Durable Stream: `OPTIONS` answered here (CORS needs no
+/// token), everything else checked as `session-server` checks it (a host
+/// grant, the body under the protocol's limit) and forwarded to the streams
+/// object. Refusals are the protocol's plain-text answers.
+async fn streams(mut call: Call<'_>, method: Method, path: &str) -> Result<Response, ApiError> {
+    use durable_streams::protocol::{body_too_large, Reply};
+    let refuse = |status: u16, message: String| {
+        let status = http::StatusCode::from_u16(status).unwrap_or(http::StatusCode::FORBIDDEN);
+        crate::streams::respond(Reply::text(status, message)).map_err(internal)
+    };
+    if method == Method::Options {
+        return crate::streams::respond(Reply::new(http::StatusCode::NO_CONTENT)).map_err(internal);
+    }
+    if let Err(e) = call.authorize(None, HOST) {
+        return refuse(e.status, e.message);
+    }
+    let body = if matches!(method, Method::Put | Method::Post) {
+        let limit = crate::streams::max_body_bytes(call.env);
+        match call.body(limit).await {
+            Ok(b) => Some(b),
+            Err(e) if e.status == 413 => {
+                return crate::streams::respond(body_too_large(limit)).map_err(internal)
+            }
+            Err(e) => return refuse(e.status, e.message),
+        }
+    } else {
+        None
+    };
+    let headers = call.req.headers().clone();
+    let mut init = RequestInit::new();
+    init.with_method(method).with_headers(headers);
+    if let Some(body) = body {
+        let array = worker::js_sys::Uint8Array::from(body.as_slice());
+        init.with_body(Some(array.into()));
+    }
+    let query = if call.query.is_empty() {
+        String::new()
+    } else {
+        format!("?{}", call.query)
+    };
+    let url = format!("https://streams.internal{path}{query}");
+    let request = Request::new_with_init(&url, &init).map_err(internal)?;
+    let namespace = call.env.durable_object("STREAMS").map_err(internal)?;
+    let stub = namespace
+        .id_from_name(crate::streams::STREAMS_OBJECT)
+        .and_then(|i| i.get_stub())
+        .map_err(internal)?;
+    stub.fetch_with_request(request).await.map_err(internal)
 }
 
 fn internal(e: worker::Error) -> ApiError {

@@ -10,6 +10,10 @@
 //! rules (seq, idempotency, seal, one turn at a time, fan-out order) are the
 //! ones `harness serve` runs.
 //!
+//! Generic Durable Streams (`/v1/stream/*`) are served by one more object,
+//! `streams::StreamsObject`, with the `durable-streams` crate's protocol
+//! over its SQLite, as `session-server` serves them natively.
+//!
 //! Everything is `cfg(target_arch = "wasm32")`: on the host this crate is
 //! empty, and its test (`tests/wrangler.rs`) runs the built Worker under
 //! `wrangler dev`. See `docs/cloudflare-worker.md`.
@@ -19,7 +23,9 @@
 mod front;
 mod object;
 mod store;
+mod streams;
 mod turns;
 
 pub use object::SessionObject;
 pub use store::DoStore;
+pub use streams::StreamsObject;

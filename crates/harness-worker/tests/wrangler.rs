@@ -110,3 +110,44 @@ async fn a_restarted_worker_recovers_its_sessions_from_sqlite() {
     drop(third);
     let _ = std::fs::remove_dir_all(&state);
 }
+
+/// The official Durable Streams conformance suite against the Worker's
+/// `/v1/stream/*` (the streams object over its SQLite), with the floor
+/// `session-server` meets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_worker_passes_the_durable_streams_conformance_suite() {
+    use harness_testkit::conformance::durable_streams as suite;
+    let dir = match tokio::task::spawn_blocking(suite::available)
+        .await
+        .expect("install task")
+    {
+        Ok(d) => d,
+        Err(why) => {
+            harness_testkit::skip_or_fail(&why);
+            return;
+        }
+    };
+    let worker_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let Some(dev) = tokio::task::spawn_blocking(move || {
+        // The suite sends no token; it waits up to 5 s for a long-poll.
+        WranglerDev::start(
+            worker_dir,
+            &[
+                ("HARNESS_INSECURE_NO_AUTH", "1".to_string()),
+                ("HARNESS_DS_LONG_POLL_MS", "2000".to_string()),
+            ],
+        )
+    })
+    .await
+    .expect("start task") else {
+        return;
+    };
+    let base = dev.base.clone();
+    let counts = tokio::task::spawn_blocking(move || suite::run(&dir, &base))
+        .await
+        .expect("suite task");
+    if counts.passed < suite::MIN_PASSED {
+        eprintln!("--- wrangler dev ---\n{}", dev.log_tail());
+    }
+    suite::check("worker (Durable Object SQLite)", &counts);
+}

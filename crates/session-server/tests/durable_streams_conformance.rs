@@ -1,131 +1,18 @@
 //! Runs the official Durable Streams conformance suite
-//! (`@durable-streams/server-conformance-tests` from npm, under vitest)
-//! against the real `/v1/stream/*` router on a real TCP port.
-//!
-//! The npm packages are installed once into
-//! `$HARNESS_CACHE/npm/durable-streams` (default `/var/cache/harness`);
-//! node and npm are the real parts this test needs: without them it prints
-//! `skipped: …`, or fails under `HARNESS_REQUIRE_REAL=1`.
-//!
-//! The test fails when fewer than [`MIN_PASSED`] suite tests pass (see
-//! `docs/durable-streams.md` for the measured counts and the known
-//! failures).
+//! (`harness_testkit::conformance::durable_streams`) against the real
+//! `/v1/stream/*` router on a real TCP port, with the in-memory and the
+//! SQLite store. The Worker runs the same suite (harness-worker's
+//! tests/wrangler.rs).
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use harness_testkit::conformance::durable_streams as suite;
 use session_server::durable_streams::{router, DurableStreamsState, StreamStore};
 
-/// Suite tests that must pass, per store. Measured (suite 0.3.6, memory and
-/// SQLite stores alike): 332 of 338 passed, 0 failed, 6 skipped (the suite
-/// skips its optional subscription/webhook APIs unless asked to run them).
-/// The floor is the measured number: any regression fails this test.
-const MIN_PASSED: u64 = 332;
-
-/// Pinned versions, so a new suite release cannot silently move the floor.
-const SUITE_VERSION: &str = "0.3.6";
-const VITEST_VERSION: &str = "4.1.12";
-
-/// The vitest file: the suite is a function to call inside a test file
-/// (the package's own CLI finds no test files when run from node_modules).
-const TEST_FILE: &str = r#"import { runConformanceTests } from "@durable-streams/server-conformance-tests"
-const baseUrl = process.env.DS_BASE_URL
-if (!baseUrl) throw new Error("DS_BASE_URL is required")
-// The server's long-poll timeout is 2 s; the suite waits up to this + 1 s.
-runConformanceTests({ baseUrl, longPollTimeoutMs: 5000 })
-"#;
-
-const VITEST_CONFIG: &str = r#"export default { test: { include: ["conformance.test.mjs"], testTimeout: 30000, hookTimeout: 30000 } }
-"#;
-
-fn found(program: &str) -> bool {
-    Command::new(program)
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
-
-/// Install (once) the suite and vitest into the cache directory.
-fn install_dir() -> Result<PathBuf, String> {
-    let cache = std::env::var("HARNESS_CACHE").unwrap_or_else(|_| "/var/cache/harness".into());
-    let dir = Path::new(&cache).join("npm").join("durable-streams");
-    let marker = dir
-        .join("node_modules")
-        .join("@durable-streams")
-        .join("server-conformance-tests")
-        .join("package.json");
-    let vitest = dir.join("node_modules").join(".bin").join("vitest");
-    let pinned = std::fs::read_to_string(&marker)
-        .is_ok_and(|s| s.contains(&format!("\"version\": \"{SUITE_VERSION}\"")));
-    if !pinned || !vitest.exists() {
-        std::fs::create_dir_all(&dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
-        let status = Command::new("npm")
-            .arg("install")
-            .arg("--no-audit")
-            .arg("--no-fund")
-            .arg("--prefix")
-            .arg(&dir)
-            .arg(format!(
-                "@durable-streams/server-conformance-tests@{SUITE_VERSION}"
-            ))
-            .arg(format!("vitest@{VITEST_VERSION}"))
-            .status()
-            .map_err(|e| format!("run npm: {e}"))?;
-        if !status.success() {
-            return Err(format!(
-                "npm install into {} failed: {status}",
-                dir.display()
-            ));
-        }
-    }
-    let run = dir.join("run");
-    std::fs::create_dir_all(&run).map_err(|e| e.to_string())?;
-    std::fs::write(run.join("conformance.test.mjs"), TEST_FILE).map_err(|e| e.to_string())?;
-    std::fs::write(run.join("vitest.config.mjs"), VITEST_CONFIG).map_err(|e| e.to_string())?;
-    Ok(dir)
-}
-
-#[derive(Debug)]
-struct Counts {
-    passed: u64,
-    failed: u64,
-    skipped: u64,
-    total: u64,
-    failures: Vec<String>,
-}
-
-fn parse_report(path: &Path) -> Result<Counts, String> {
-    let text =
-        std::fs::read_to_string(path).map_err(|e| format!("read {}: {e}", path.display()))?;
-    let report: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| format!("vitest JSON report: {e}"))?;
-    let num = |k: &str| {
-        report
-            .get(k)
-            .and_then(serde_json::Value::as_u64)
-            .unwrap_or(0)
-    };
-    let mut failures = Vec::new();
-    for file in report["testResults"].as_array().into_iter().flatten() {
-        for t in file["assertionResults"].as_array().into_iter().flatten() {
-            if t["status"] == "failed" {
-                failures.push(t["fullName"].as_str().unwrap_or("?").to_string());
-            }
-        }
-    }
-    Ok(Counts {
-        passed: num("numPassedTests"),
-        failed: num("numFailedTests"),
-        skipped: num("numPendingTests") + num("numTodoTests"),
-        total: num("numTotalTests"),
-        failures,
-    })
-}
-
 /// Serve `state` on a real port and run the suite against it.
-async fn run_suite(dir: &Path, state: DurableStreamsState) -> Counts {
+async fn run_suite(dir: &Path, state: DurableStreamsState) -> suite::Counts {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
@@ -133,81 +20,39 @@ async fn run_suite(dir: &Path, state: DurableStreamsState) -> Counts {
     let server = tokio::spawn(async move {
         axum::serve(listener, router(state)).await.expect("serve");
     });
-
-    let report = dir.join("run").join("report.json");
-    let _ = std::fs::remove_file(&report);
-    let vitest = dir.join("node_modules").join(".bin").join("vitest");
-    let run_dir = dir.join("run");
-    let report_arg = report.clone();
-    let output = tokio::task::spawn_blocking(move || {
-        Command::new(vitest)
-            .current_dir(run_dir)
-            .args(["run", "--config", "vitest.config.mjs", "--reporter=json"])
-            .arg(format!("--outputFile={}", report_arg.display()))
-            .env("DS_BASE_URL", format!("http://{addr}"))
-            .output()
-    })
-    .await
-    .expect("vitest task")
-    .expect("run vitest");
+    let dir = dir.to_path_buf();
+    let counts = tokio::task::spawn_blocking(move || suite::run(&dir, &format!("http://{addr}")))
+        .await
+        .expect("suite task");
     server.abort();
-
-    match parse_report(&report) {
-        Ok(c) => c,
-        Err(e) => panic!(
-            "no vitest report ({e}); vitest stderr:\n{}",
-            String::from_utf8_lossy(&output.stderr)
-        ),
-    }
-}
-
-fn check(store: &str, counts: &Counts) {
-    println!(
-        "durable-streams conformance: {} passed, {} failed, {} skipped (of {}, {store} store)",
-        counts.passed, counts.failed, counts.skipped, counts.total
-    );
-    for name in &counts.failures {
-        println!("  failed: {name}");
-    }
-    assert!(counts.total > 0, "the suite ran no tests");
-    assert!(
-        counts.passed >= MIN_PASSED,
-        "durable-streams conformance ({store} store) regressed: {} passed < floor {MIN_PASSED}; failures: {:#?}",
-        counts.passed,
-        counts.failures
-    );
+    counts
 }
 
 /// One test runs both stores one after the other: two suites at once on a
 /// two-core machine would turn timing tests flaky.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn durable_streams_conformance_suite() {
-    if !found("node") || !found("npm") {
-        harness_testkit::skip_or_fail(
-            "node and npm are needed to run the Durable Streams conformance suite",
-        );
-        return;
-    }
-    let dir = match tokio::task::spawn_blocking(install_dir)
+    let dir = match tokio::task::spawn_blocking(suite::available)
         .await
         .expect("install task")
     {
         Ok(d) => d,
-        Err(e) => {
-            harness_testkit::skip_or_fail(&format!("cannot install the conformance suite: {e}"));
+        Err(why) => {
+            harness_testkit::skip_or_fail(&why);
             return;
         }
     };
 
+    // The suite waits up to 5 s for a long-poll: the server answers in 2.
     let mut memory = DurableStreamsState::new();
     memory.long_poll_timeout = Duration::from_secs(2);
     let counts = run_suite(&dir, memory).await;
-    check("memory", &counts);
+    suite::check("memory", &counts);
 
     let db = tempfile::tempdir().expect("tempdir");
     let mut sqlite = DurableStreamsState::new();
     sqlite.long_poll_timeout = Duration::from_secs(2);
     sqlite.store = Arc::new(StreamStore::open(db.path().join("streams.db")).expect("open store"));
     let counts = run_suite(&dir, sqlite).await;
-    check("sqlite", &counts);
+    suite::check("sqlite", &counts);
 }

@@ -4,6 +4,7 @@
 //! `object_store` tests every store with the same functions.
 
 pub mod checkpoint;
+pub mod durable_streams;
 pub mod engine;
 pub mod log;
 pub mod sandbox;

@@ -239,7 +239,10 @@ async fn handle(
     }
     let body = match axum::body::to_bytes(body, MAX_BODY_BYTES).await {
         Ok(b) => b,
-        Err(_) => return Reply::from(::durable_streams::protocol::body_too_large(MAX_BODY_BYTES)).finish(),
+        Err(_) => {
+            return Reply::from(::durable_streams::protocol::body_too_large(MAX_BODY_BYTES))
+                .finish()
+        }
     };
     let request = Request {
         method: &method,
@@ -251,13 +254,9 @@ async fn handle(
     let handled = state.store.handle(&request);
     match handled {
         Handled::Reply(reply) => Reply::from(reply).finish(),
-        Handled::LongPoll(poll) => Reply::from(
-            state
-                .store
-                .long_poll(poll, state.long_poll_timeout)
-                .await,
-        )
-        .finish(),
+        Handled::LongPoll(poll) => {
+            Reply::from(state.store.long_poll(poll, state.long_poll_timeout).await).finish()
+        }
         Handled::Sse { head, feed } => {
             let body = state.store.sse_body(feed, state.long_poll_timeout);
             let body = futures::StreamExt::map(body, Ok::<Bytes, std::convert::Infallible>);

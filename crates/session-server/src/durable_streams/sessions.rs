@@ -28,8 +28,7 @@ use session_runtime::{Connection, Hub, Outbound, SharedFrame};
 
 use super::{
     control, control_into, cursor, read_params, sse_headers, util, DurableStreamsState, Offset,
-    Reply,
-    STREAM_CLOSED, STREAM_CURSOR, STREAM_NEXT_OFFSET, STREAM_UP_TO_DATE,
+    Reply, STREAM_CLOSED, STREAM_CURSOR, STREAM_NEXT_OFFSET, STREAM_UP_TO_DATE,
 };
 
 /// Frames per catch-up response; a longer log answers without
