@@ -151,3 +151,102 @@ async fn the_worker_passes_the_durable_streams_conformance_suite() {
     }
     suite::check("worker (Durable Object SQLite)", &counts);
 }
+
+/// Generic streams live in the streams object's SQLite: after `wrangler
+/// dev` restarts on the same state, a stream's messages and its producer
+/// state (a retried append is still a duplicate, the next seq appends) are
+/// there. A body over the Worker's limit gets 413 and writes nothing; a
+/// client grant gets 403.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generic_streams_survive_a_restart_and_refuse_oversized_bodies() {
+    let worker_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let state = std::env::temp_dir().join(format!("harness-worker-ds-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&state);
+    let start = || {
+        let state = state.clone();
+        tokio::task::spawn_blocking(move || {
+            WranglerDev::start_with_state(
+                worker_dir,
+                &[
+                    ("HARNESS_TOKENS", session_api::token_table().to_string()),
+                    ("HARNESS_DS_MAX_BODY_BYTES", "4096".to_string()),
+                ],
+                &state,
+            )
+        })
+    };
+    let Some(first) = start().await.expect("start task") else {
+        return;
+    };
+    let http = reqwest::Client::new();
+    let url = format!("{}/v1/stream/restart/log", first.base);
+    let host = format!("Bearer {HOST}");
+    let client = format!("Bearer {CLIENT}");
+
+    // A client grant may not touch generic streams; nothing is created.
+    let refused = http
+        .put(&url)
+        .header("authorization", &client)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 403);
+    let created = http
+        .put(&url)
+        .header("authorization", &host)
+        .header("content-type", "text/plain")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(created.status(), 201);
+    let append = |seq: u64, body: &'static str| {
+        http.post(&url)
+            .header("authorization", &host)
+            .header("content-type", "text/plain")
+            .header("producer-id", "p")
+            .header("producer-epoch", "0")
+            .header("producer-seq", seq.to_string())
+            .body(body)
+            .send()
+    };
+    assert_eq!(append(0, "one ").await.unwrap().status(), 200);
+    assert_eq!(append(1, "two").await.unwrap().status(), 200);
+    let oversized = http
+        .post(&url)
+        .header("authorization", &host)
+        .header("content-type", "text/plain")
+        .body(vec![b'x'; 5000])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(oversized.status(), 413);
+    drop(first);
+
+    let Some(second) = start().await.expect("start task") else {
+        return;
+    };
+    let url = format!("{}/v1/stream/restart/log", second.base);
+    let post = |seq: &str, body: &'static str| {
+        http.post(&url)
+            .header("authorization", &host)
+            .header("content-type", "text/plain")
+            .header("producer-id", "p")
+            .header("producer-epoch", "0")
+            .header("producer-seq", seq)
+            .body(body)
+            .send()
+    };
+    // Seq 1 is remembered: its retry is a duplicate, seq 2 appends.
+    assert_eq!(post("1", "two").await.unwrap().status(), 204);
+    assert_eq!(post("2", " three").await.unwrap().status(), 200);
+    let read = http
+        .get(format!("{url}?offset=-1"))
+        .header("authorization", &host)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(read.status(), 200);
+    assert_eq!(read.text().await.unwrap(), "one two three");
+    drop(second);
+    let _ = std::fs::remove_dir_all(&state);
+}
