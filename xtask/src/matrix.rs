@@ -173,6 +173,9 @@ pub const MATRIX: &[Row] = &[
     // The Workflows engine: its bindings and engine exist only on wasm32
     // (the turn loop is tested natively in its own tests).
     Row::check("durable-workflows").target(WASM),
+    // The Durable Streams protocol without its native store: what the
+    // Worker's streams object serves.
+    Row::check("durable-streams").target(WASM),
     // OTLP export is a feature of the binary: its span test runs with it on
     // (docs/operations.md).
     Row::test("harness-cli").features("otlp").only_test("otlp"),
