@@ -18,6 +18,7 @@
 //! against both servers (`docs/durable-streams.md`).
 
 pub mod protocol;
+pub mod sessions;
 pub mod store;
 // `pub` (hidden) so the fuzz targets in `fuzz/` reach the parsers.
 #[doc(hidden)]

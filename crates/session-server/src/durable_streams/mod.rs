@@ -148,11 +148,6 @@ impl Reply {
         ::durable_streams::Reply::text(status, message).into()
     }
 
-    pub(crate) fn header(mut self, name: &str, value: impl AsRef<str>) -> Self {
-        self.head = self.head.header(name, value);
-        self
-    }
-
     pub(crate) fn body(mut self, body: Body) -> Self {
         self.stream = Some(body);
         self

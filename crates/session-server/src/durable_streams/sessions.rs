@@ -21,26 +21,17 @@ use std::time::Duration;
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, Method, StatusCode};
 use harness_core::actor::Role;
-use harness_core::frame::{Frame, FrameBody};
+use harness_core::frame::Frame;
 use harness_core::log::{LogInfo, SessionLog};
 use harness_core::{ErrorKind, SessionId};
 use session_runtime::{Connection, Hub, Outbound, SharedFrame};
 
-use super::{
-    control, control_into, cursor, read_params, sse_headers, util, DurableStreamsState, Offset,
-    Reply, STREAM_CLOSED, STREAM_CURSOR, STREAM_NEXT_OFFSET, STREAM_UP_TO_DATE,
+use ::durable_streams::sessions::{
+    data_event_into, frame_control_into, frame_data_event, offset_of, seq_of, FramesRead,
+    MAX_FRAMES_PER_READ,
 };
 
-/// Frames per catch-up response; a longer log answers without
-/// `Stream-Up-To-Date` and the client reads on from `Stream-Next-Offset`.
-const MAX_FRAMES_PER_READ: usize = 1000;
-
-fn offset_of(seq: u64) -> Offset {
-    Offset {
-        read_seq: 0,
-        byte: seq,
-    }
-}
+use super::{control, control_into, cursor, read_params, sse_headers, DurableStreamsState, Reply};
 
 fn log_error(e: harness_core::Error) -> Reply {
     let status = match e.kind() {
@@ -49,10 +40,6 @@ fn log_error(e: harness_core::Error) -> Reply {
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
     Reply::text(status, e.to_string())
-}
-
-fn frames_json(frames: &[Frame]) -> String {
-    serde_json::to_string(frames).unwrap_or_else(|_| "[]".into())
 }
 
 /// Read up to [`MAX_FRAMES_PER_READ`] frames after `after`.
@@ -103,14 +90,6 @@ async fn wait(
     hub.log().info(session).await.map_err(log_error)
 }
 
-fn seq_of(raw: Option<&str>, tail: u64) -> u64 {
-    match raw {
-        None | Some("-1") => 0,
-        Some("now") => tail,
-        Some(o) => Offset::parse(o).map(|o| o.byte).unwrap_or(0),
-    }
-}
-
 pub(super) async fn handle(
     state: &DurableStreamsState,
     hub: Arc<Hub>,
@@ -121,10 +100,7 @@ pub(super) async fn handle(
     headers: &HeaderMap,
 ) -> Reply {
     if method != Method::GET && method != Method::HEAD {
-        return Reply::text(
-            StatusCode::METHOD_NOT_ALLOWED,
-            "session streams are read-only: write through /v1/sessions/<id>",
-        );
+        return ::durable_streams::sessions::read_only().into();
     }
     let log = hub.log().clone();
     let info = match log.info(session).await {
@@ -132,14 +108,7 @@ pub(super) async fn handle(
         Err(e) => return log_error(e),
     };
     if method == Method::HEAD {
-        let mut reply = Reply::new(StatusCode::OK)
-            .header("content-type", "application/json")
-            .header(STREAM_NEXT_OFFSET, offset_of(info.last_seq).to_string())
-            .header("cache-control", "no-store");
-        if info.sealed {
-            reply = reply.header(STREAM_CLOSED, "true");
-        }
-        return reply;
+        return ::durable_streams::sessions::head(info.last_seq, info.sealed).into();
     }
     let p = match read_params(params) {
         Ok(p) => p,
@@ -179,66 +148,24 @@ pub(super) async fn handle(
             };
         }
         if info.last_seq <= after {
-            let mut reply = Reply::new(StatusCode::NO_CONTENT)
-                .header(STREAM_NEXT_OFFSET, offset_of(after).to_string())
-                .header(STREAM_UP_TO_DATE, "true")
-                .header(STREAM_CURSOR, cursor(p.cursor.as_deref()));
-            if info.sealed {
-                reply = reply.header(STREAM_CLOSED, "true");
-            }
-            return reply;
+            let cursor = cursor(p.cursor.as_deref());
+            return ::durable_streams::sessions::nothing_new(after, &cursor, info.sealed).into();
         }
     }
     let frames = match frames_after(&log, session, after).await {
         Ok(f) => f,
         Err(r) => return r,
     };
-    let end = frames.last().map(|f| f.seq).unwrap_or(after);
-    // Frames may have been appended after `info` was taken.
-    let tail = info.last_seq.max(end);
-    let up_to_date = end >= tail;
-    let closed = info.sealed && up_to_date;
-    let tag = format!(
-        "\"{}:{}:{}{}\"",
-        util::base64(path.as_bytes()),
-        p.offset.as_deref().unwrap_or("-1"),
-        offset_of(end),
-        if closed { ":c" } else { "" }
-    );
-    if headers.get("if-none-match").and_then(|v| v.to_str().ok()) == Some(tag.as_str()) {
-        return Reply::new(StatusCode::NOT_MODIFIED).header("etag", tag);
-    }
-    let mut reply = Reply::new(StatusCode::OK)
-        .header("content-type", "application/json")
-        .header(STREAM_NEXT_OFFSET, offset_of(end).to_string())
-        .header("etag", tag)
-        .body(Body::from(frames_json(&frames)));
-    if up_to_date {
-        reply = reply.header(STREAM_UP_TO_DATE, "true");
-    }
-    if closed {
-        reply = reply.header(STREAM_CLOSED, "true");
-    }
-    if p.live.as_deref() == Some("long-poll") {
-        reply = reply.header(STREAM_CURSOR, cursor(p.cursor.as_deref()));
-    }
-    reply
-}
-
-/// The data event of one frame (`event: data`, `data:[<frame JSON>]`: a
-/// JSON stream's items go as an array), appended to `out`.
-fn data_event_into(json: &[u8], out: &mut Vec<u8>) {
-    // Compact JSON has no raw line break, so it is one data line; it starts
-    // with `[`, so `data:` takes no extra space.
-    out.reserve(json.len() + 22);
-    out.extend_from_slice(b"event: data\ndata:[");
-    out.extend_from_slice(json);
-    out.extend_from_slice(b"]\n\n");
-}
-
-fn frame_data_event(frame: &Frame, out: &mut Vec<u8>) {
-    // Frames are plain data: encoding cannot fail.
-    data_event_into(&serde_json::to_vec(frame).unwrap_or_default(), out);
+    let read = FramesRead {
+        path,
+        offset: p.offset.as_deref(),
+        after,
+        last_seq: info.last_seq,
+        sealed: info.sealed,
+        cursor: (p.live.as_deref() == Some("long-poll")).then(|| cursor(p.cursor.as_deref())),
+        if_none_match: headers.get("if-none-match").and_then(|v| v.to_str().ok()),
+    };
+    read.reply(&frames).into()
 }
 
 /// The body of a `live=sse` read, produced as the client reads it (no task
@@ -430,18 +357,10 @@ impl SsePump {
                 }
             };
             self.after = frame.seq;
-            if matches!(frame.body, FrameBody::Sealed {}) {
-                control_into(offset_of(self.after), None, true, true, &mut chunk);
+            if frame_control_into(frame, &cursor, i + 1 == count, &mut chunk) {
                 self.done = true;
                 return Some(Some(chunk));
             }
-            control_into(
-                offset_of(self.after),
-                Some(&cursor),
-                i + 1 == count,
-                false,
-                &mut chunk,
-            );
         }
         if !dropped {
             self.conn = Some(conn);
@@ -454,28 +373,4 @@ impl SsePump {
 enum Pending {
     Shared(SharedFrame),
     Read(Frame),
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_frame_data_event_is_the_generic_sse_encoding_of_its_json_array() {
-        let frame = Frame {
-            seq: 5,
-            at_ms: 1,
-            body: FrameBody::UserMessage {
-                text: "two\nlines\r\n \"quoted\"".into(),
-                turn_id: Some("t1".into()),
-            },
-        };
-        let expected = super::super::sse_event("data", &frames_json(std::slice::from_ref(&frame)));
-        let mut read = Vec::new();
-        frame_data_event(&frame, &mut read);
-        let mut shared = Vec::new();
-        data_event_into(SharedFrame::new(frame).json(), &mut shared);
-        assert_eq!(read, &expected[..]);
-        assert_eq!(shared, &expected[..]);
-    }
 }
