@@ -6,9 +6,11 @@
 //!
 //! Served: `POST /v1/sessions`, `GET /v1/sessions/{id}`, `POST
 //! …/messages`, `GET …/events` (SSE, `Last-Event-ID`), `GET …/frames`,
-//! `GET …/export`, `GET …/ui-stream`, `POST …/seal`. Not yet: `GET
-//! /v1/sessions` (there is no directory of sessions), WebSocket, fork, the
-//! runner channel and Durable Streams — they answer 501 `unsupported`.
+//! `GET …/export`, `GET …/ui-stream`, `POST …/seal`, fork, WebSocket, and
+//! Durable Streams (`/v1/stream/*`: generic streams in the streams object,
+//! session streams in the session's object). Not yet: `GET /v1/sessions`
+//! (there is no directory of sessions) and the runner channel `/v1/runner`
+//! — they answer 501 `unsupported`.
 
 // `#[event(fetch)]` expands to unsafe blocks: allowed here, denied
 // elsewhere in the crate.
@@ -317,9 +319,7 @@ async fn route(req: Request, env: &Env) -> Result<Response, ApiError> {
                 .map_err(internal)?;
             stub.fetch_with_request(request).await.map_err(internal)
         }
-        (_, ["v1", "stream", "sessions", ..]) => Err(unsupported(
-            "session streams on the Worker (generic streams are served)",
-        )),
+        (method, ["v1", "stream", "sessions", id]) => session_stream(call, method, id, &path).await,
         (method, ["v1", "stream", _, ..]) => streams(call, method, &path).await,
         (_, ["v1", "runner"]) => Err(unsupported("the runner channel on the Worker")),
         (_, ["v1", "sessions", ..]) => Err(ApiError::new(
@@ -376,6 +376,47 @@ async fn streams(mut call: Call<'_>, method: Method, path: &str) -> Result<Respo
     let namespace = call.env.durable_object("STREAMS").map_err(internal)?;
     let stub = namespace
         .id_from_name(crate::streams::STREAMS_OBJECT)
+        .and_then(|i| i.get_stub())
+        .map_err(internal)?;
+    stub.fetch_with_request(request).await.map_err(internal)
+}
+
+/// A session's log as a Durable Stream: checked as `session-server`
+/// checks it (a client or runner grant on the session), answered by the
+/// session's object (read-only: writes get 405).
+async fn session_stream(
+    call: Call<'_>,
+    method: Method,
+    id: &str,
+    path: &str,
+) -> Result<Response, ApiError> {
+    use durable_streams::protocol::Reply;
+    let refuse = |status: u16, message: String| {
+        let status = http::StatusCode::from_u16(status).unwrap_or(http::StatusCode::FORBIDDEN);
+        crate::streams::respond(Reply::text(status, message)).map_err(internal)
+    };
+    if method == Method::Options {
+        return crate::streams::respond(Reply::new(http::StatusCode::NO_CONTENT)).map_err(internal);
+    }
+    let id = match SessionId::parse(id) {
+        Ok(id) => id,
+        Err(e) => return refuse(400, e.to_string()),
+    };
+    if let Err(e) = call.authorize(Some(&id), &[GrantRole::Client, GrantRole::Runner]) {
+        return refuse(e.status, e.message);
+    }
+    let headers = call.req.headers().clone();
+    headers.set(SESSION_HEADER, id.as_str()).map_err(internal)?;
+    headers
+        .set(crate::session_streams::PATH_HEADER, path)
+        .map_err(internal)?;
+    let mut init = RequestInit::new();
+    init.with_method(method).with_headers(headers);
+    let url = format!("https://session.internal/stream?{}", call.query);
+    let request = Request::new_with_init(&url, &init).map_err(internal)?;
+    let namespace = call.env.durable_object("SESSIONS").map_err(internal)?;
+    let stub = namespace
+        .id_from_name(id.as_str())
         .and_then(|i| i.get_stub())
         .map_err(internal)?;
     stub.fetch_with_request(request).await.map_err(internal)

@@ -12,7 +12,8 @@
 //!
 //! Generic Durable Streams (`/v1/stream/*`) are served by one more object,
 //! `streams::StreamsObject`, with the `durable-streams` crate's protocol
-//! over its SQLite, as `session-server` serves them natively.
+//! over its SQLite, as `session-server` serves them natively; a session's
+//! own stream (`/v1/stream/sessions/<id>`) is answered by its object.
 //!
 //! Everything is `cfg(target_arch = "wasm32")`: on the host this crate is
 //! empty, and its test (`tests/wrangler.rs`) runs the built Worker under
@@ -22,6 +23,7 @@
 
 mod front;
 mod object;
+mod session_streams;
 mod store;
 mod streams;
 mod turns;

@@ -51,7 +51,7 @@ use crate::turns::RunnerRequest;
 
 /// What the actor sends a connection.
 #[derive(Debug)]
-enum Outbound {
+pub(crate) enum Outbound {
     Msg(ServerMessage),
     Close(String),
 }
@@ -150,11 +150,11 @@ impl Live {
 #[durable_object]
 pub struct SessionObject {
     state: State,
-    env: Env,
+    pub(crate) env: Env,
     /// The actor, once a request needed it.
     live: Mutex<Option<Live>>,
     /// Connections whose reader went away, for the actor to hear.
-    gone: Rc<RefCell<Vec<ConnId>>>,
+    pub(crate) gone: Rc<RefCell<Vec<ConnId>>>,
     /// Set once the session was found in storage.
     exists: Cell<bool>,
 }
@@ -509,6 +509,7 @@ impl SessionObject {
             }
             "ws" => self.accept_socket(&session, &req, &params).await,
             "events" => self.events(&session, &store, &params).await,
+            "stream" => self.session_stream(&session, &store, &req).await,
             "ui-stream" => self.ui_stream(&session, &store, &params).await,
             _ => Err(ApiError::no_route()),
         }
@@ -715,7 +716,7 @@ impl SessionObject {
 impl SessionObject {
     /// Connect a reading client at `after`: the actor replays (after,
     /// last] into the channel, then every live frame.
-    async fn connect_reader(
+    pub(crate) async fn connect_reader(
         &self,
         session: &SessionId,
         after: u64,
@@ -827,9 +828,9 @@ impl UiReader {
 
 /// Queues the connection's disconnect when its reader is dropped.
 #[derive(Debug)]
-struct Leave {
-    conn: ConnId,
-    gone: Rc<RefCell<Vec<ConnId>>>,
+pub(crate) struct Leave {
+    pub(crate) conn: ConnId,
+    pub(crate) gone: Rc<RefCell<Vec<ConnId>>>,
 }
 
 impl Drop for Leave {

@@ -18,8 +18,9 @@
 //! One object holds every generic stream (forks read through their source,
 //! so streams that fork from one another must share a store). That bounds a
 //! deployment's generic streams to what one object sustains
-//! (`docs/cloudflare-worker.md`); session streams
-//! (`/v1/stream/sessions/<id>`) are not served here yet.
+//! (`docs/cloudflare-worker.md`). Session streams
+//! (`/v1/stream/sessions/<id>`) are served by each session's own object
+//! (`session_streams.rs`).
 
 // `#[durable_object]` expands to an unsafe block: allowed here, denied
 // elsewhere in the crate.
@@ -60,7 +61,7 @@ pub(crate) const STREAMS_OBJECT: &str = "streams";
 
 /// Long-poll deadline and SSE keep-alive: `HARNESS_DS_LONG_POLL_MS`, else
 /// 30 s (as `session-server`).
-fn long_poll_timeout(env: &Env) -> Duration {
+pub(crate) fn long_poll_timeout(env: &Env) -> Duration {
     let ms = env
         .var("HARNESS_DS_LONG_POLL_MS")
         .ok()

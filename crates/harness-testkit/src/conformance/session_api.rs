@@ -321,6 +321,7 @@ pub async fn run_all(t: &Target) {
     oversized_and_malformed_input_is_refused_with_nothing_written(t).await;
     fork_copies_a_prefix_and_seals(t).await;
     runners_are_fenced_by_generation_over_websocket(t).await;
+    durable_streams_follow_a_session(t).await;
 }
 
 /// Create, prompt, answer; read back by `/frames`, `/export` and info.
@@ -1078,4 +1079,175 @@ pub async fn runners_are_fenced_by_generation_over_websocket(t: &Target) {
             "part"
         ]
     );
+}
+
+/// The Durable Streams offset after frame `seq` of a session stream.
+fn stream_offset(seq: u64) -> String {
+    format!("{:016}_{seq:016}", 0)
+}
+
+/// `/v1/stream/sessions/<id>`: the session read as a Durable Stream —
+/// `HEAD`, a catch-up read with its etag (304 when unchanged), a long-poll
+/// woken by a write, an SSE reader from an offset to the seal (every data
+/// event followed by its control event, the close last), writes refused
+/// with 405 and wrong tokens with 401/403, nothing written by a refusal.
+pub async fn durable_streams_follow_a_session(t: &Target) {
+    let id = t.id("ds");
+    t.create(&id).await;
+    let (status, _) = t
+        .message(&id, CLIENT, json!({"type": "prompt", "text": "p"}))
+        .await;
+    assert_eq!(status, 200);
+    t.answer(&id, 0).await;
+    let path = format!("/v1/stream/sessions/{id}");
+    let header = |r: &reqwest::Response, name: &str| {
+        r.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    };
+    let send = |r: reqwest::RequestBuilder| async move {
+        tokio::time::timeout(WAIT, r.send())
+            .await
+            .expect("the server answers in time")
+            .expect("the server is reachable")
+    };
+
+    let head = send(t.request(reqwest::Method::HEAD, &path, Some(CLIENT))).await;
+    assert_eq!(head.status().as_u16(), 200);
+    assert_eq!(header(&head, "stream-next-offset"), Some(stream_offset(2)));
+    assert_eq!(header(&head, "stream-closed"), None);
+
+    let read = send(t.request(
+        reqwest::Method::GET,
+        &format!("{path}?offset=-1"),
+        Some(CLIENT),
+    ))
+    .await;
+    assert_eq!(read.status().as_u16(), 200);
+    assert_eq!(header(&read, "stream-next-offset"), Some(stream_offset(2)));
+    assert_eq!(header(&read, "stream-up-to-date").as_deref(), Some("true"));
+    let tag = header(&read, "etag").expect("an etag");
+    let frames: Value = read.json().await.expect("a JSON array");
+    let seqs: Vec<u64> = frames
+        .as_array()
+        .expect("an array")
+        .iter()
+        .map(|f| f["seq"].as_u64().expect("a seq"))
+        .collect();
+    assert_eq!(seqs, vec![1, 2]);
+    let again = send(
+        t.request(
+            reqwest::Method::GET,
+            &format!("{path}?offset=-1"),
+            Some(CLIENT),
+        )
+        .header("if-none-match", &tag),
+    )
+    .await;
+    assert_eq!(again.status().as_u16(), 304);
+
+    // Refusals write nothing.
+    let write = send(
+        t.request(reqwest::Method::POST, &path, Some(HOST))
+            .header("content-type", "application/json")
+            .body("[1]"),
+    )
+    .await;
+    assert_eq!(write.status().as_u16(), 405);
+    let other = send(t.request(
+        reqwest::Method::GET,
+        &format!("{path}?offset=-1"),
+        Some(OTHER_CLIENT),
+    ))
+    .await;
+    assert_eq!(other.status().as_u16(), 403);
+    let anonymous = send(t.request(reqwest::Method::GET, &format!("{path}?offset=-1"), None)).await;
+    assert_eq!(anonymous.status().as_u16(), 401);
+    assert_eq!(t.info(&id).await["last_seq"], 2);
+
+    // A long-poll at the tail answers with the next frame.
+    let poll = t
+        .request(
+            reqwest::Method::GET,
+            &format!("{path}?offset={}&live=long-poll", stream_offset(2)),
+            Some(CLIENT),
+        )
+        .send();
+    let poll = tokio::spawn(poll);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    t.answer(&id, 1).await;
+    let polled = tokio::time::timeout(WAIT, poll)
+        .await
+        .expect("the long-poll answers in time")
+        .expect("poll task")
+        .expect("the server is reachable");
+    assert_eq!(polled.status().as_u16(), 200);
+    assert_eq!(
+        header(&polled, "stream-next-offset"),
+        Some(stream_offset(3))
+    );
+    assert!(header(&polled, "stream-cursor").is_some());
+    let frames: Value = polled.json().await.expect("a JSON array");
+    assert_eq!(frames[0]["seq"], 3, "{frames}");
+
+    // SSE from frame 1 to the seal.
+    let sse = send(t.request(
+        reqwest::Method::GET,
+        &format!("{path}?offset={}&live=sse", stream_offset(1)),
+        Some(CLIENT),
+    ))
+    .await;
+    assert_eq!(sse.status().as_u16(), 200);
+    assert_eq!(
+        header(&sse, "content-type").as_deref(),
+        Some("text/event-stream")
+    );
+    let reader = tokio::spawn(SseReader::new(sse).into_events());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (status, _) = t
+        .post(&format!("/v1/sessions/{id}/seal"), Some(HOST), json!({}))
+        .await;
+    assert_eq!(status, 200);
+    let events = reader.await.expect("reader task");
+    let mut seqs = Vec::new();
+    let mut pending_data = false;
+    let mut closed = false;
+    for event in &events {
+        match event.event.as_str() {
+            "data" => {
+                assert!(
+                    !pending_data,
+                    "two data events without a control: {events:?}"
+                );
+                let items: Value = serde_json::from_str(&event.data).expect("data is JSON");
+                seqs.extend(
+                    items
+                        .as_array()
+                        .expect("an array")
+                        .iter()
+                        .map(|f| f["seq"].as_u64().unwrap()),
+                );
+                pending_data = true;
+            }
+            "control" => {
+                let control: Value = serde_json::from_str(&event.data).expect("control is JSON");
+                if pending_data {
+                    let last = *seqs.last().expect("a seq");
+                    assert_eq!(
+                        control["streamNextOffset"],
+                        stream_offset(last),
+                        "{events:?}"
+                    );
+                }
+                pending_data = false;
+                closed = control["streamClosed"] == true;
+            }
+            other => panic!("unexpected event {other:?}"),
+        }
+    }
+    assert_eq!(seqs, vec![2, 3, 4], "{events:?}");
+    assert!(closed, "the stream ends with its close: {events:?}");
+    let head = send(t.request(reqwest::Method::HEAD, &path, Some(CLIENT))).await;
+    assert_eq!(header(&head, "stream-closed").as_deref(), Some("true"));
 }
