@@ -117,12 +117,133 @@ fn stream_reader(stream: ByteStream) -> impl futures::io::AsyncBufRead + Unpin +
     )
 }
 
-/// Compress a tar stream with zstd at `level`.
+/// Compress a tar stream with zstd at `level`, on the calling thread.
+///
+/// For small inputs (the tree checkpoints' chunks) and tests; whole
+/// archives go through [`compress_archive`].
 pub fn compress(tar: ByteStream, level: i32) -> ByteStream {
     reader_stream(ZstdEncoder::with_quality(
         stream_reader(tar),
         Level::Precise(level),
     ))
+}
+
+/// Most worker threads libzstd is given for one archive.
+const MAX_ZSTD_WORKERS: usize = 4;
+
+/// Bytes each libzstd worker compresses at a time. zstd's own choice at
+/// level 3 is 8 MiB (four windows), and its ring of input buffers holds
+/// about `workers + 3` jobs, which would put tens of MiB beside a move;
+/// 2 MiB jobs keep that near 10 MiB. Each job after the first still sees
+/// the end of the one before (zstd's overlap), so the ratio barely moves.
+const ZSTD_JOB_BYTES: u32 = 2 << 20;
+
+/// How many worker threads libzstd may use: the available cores, at most
+/// [`MAX_ZSTD_WORKERS`]; none (compression on the calling thread) on one
+/// core, where a worker would only add a thread switch.
+fn zstd_workers() -> u32 {
+    static WORKERS: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *WORKERS.get_or_init(
+        || match std::thread::available_parallelism().map_or(1, |n| n.get()) {
+            0 | 1 => 0,
+            n => n.min(MAX_ZSTD_WORKERS) as u32,
+        },
+    )
+}
+
+/// Compress a whole archive with zstd at `level`, letting libzstd spread
+/// the work over its own worker threads (its multithreaded mode, `zstdmt`).
+///
+/// Those threads live inside the C library behind the one encoder: this
+/// crate spawns nothing and owns no runtime. The output is one ordinary
+/// zstd frame that any decoder reads. Memory stays bounded: each worker
+/// holds one job of [`ZSTD_JOB_BYTES`] plus its tables.
+///
+/// The encoder is driven here rather than through `async-compression`'s
+/// reader, which flushes whenever its input is momentarily empty: with
+/// workers, a flush closes the job being filled and waits for every job in
+/// flight, so a source only slightly faster than the compressor (a `tar`
+/// reading the page cache) would leave the workers idle most of the time.
+/// This flushes only at the end.
+pub fn compress_archive(tar: ByteStream, level: i32) -> ByteStream {
+    use async_compression::codecs::{EncodeV2, ZstdEncoder as Codec};
+    use async_compression::core::util::{PartialBuffer, WriteBuffer};
+    use async_compression::zstd::CParameter;
+
+    enum Phase {
+        Reading,
+        Finishing,
+        Done,
+    }
+    struct State {
+        input: ByteStream,
+        current: Bytes,
+        pos: usize,
+        codec: Codec,
+        phase: Phase,
+    }
+
+    let workers = zstd_workers();
+    if workers == 0 {
+        return compress(tar, level);
+    }
+    let codec = Codec::new_with_params(
+        level,
+        &[
+            CParameter::nb_workers(workers),
+            CParameter::job_size(ZSTD_JOB_BYTES),
+        ],
+    );
+    let state = State {
+        input: tar,
+        current: Bytes::new(),
+        pos: 0,
+        codec,
+        phase: Phase::Reading,
+    };
+    Box::pin(futures::stream::try_unfold(state, |mut s| async move {
+        let mut out = vec![0u8; CHUNK];
+        let mut buf = WriteBuffer::new_initialized(&mut out);
+        loop {
+            match s.phase {
+                Phase::Done => break,
+                Phase::Finishing => {
+                    if s.codec.finish(&mut buf)? {
+                        s.phase = Phase::Done;
+                    } else if buf.has_no_spare_space() {
+                        break;
+                    }
+                }
+                Phase::Reading if s.pos == s.current.len() => {
+                    // Hand on what is compressed before waiting for input.
+                    if buf.written_len() > 0 {
+                        break;
+                    }
+                    match s.input.next().await {
+                        Some(chunk) => {
+                            s.current = chunk?;
+                            s.pos = 0;
+                        }
+                        None => s.phase = Phase::Finishing,
+                    }
+                }
+                Phase::Reading => {
+                    let mut input = PartialBuffer::new(&s.current[s.pos..]);
+                    s.codec.encode(&mut input, &mut buf)?;
+                    s.pos += input.written_len();
+                    if buf.has_no_spare_space() {
+                        break;
+                    }
+                }
+            }
+        }
+        let n = buf.written_len();
+        if n == 0 {
+            return Ok(None);
+        }
+        out.truncate(n);
+        Ok(Some((Bytes::from(out), s)))
+    }))
 }
 
 /// Decompress a zstd stream.
@@ -149,7 +270,9 @@ pub async fn checkpoint(
         progress.clone(),
         total.clone(),
     );
-    let object = store.put(key, compress(tar, DEFAULT_ZSTD_LEVEL)).await?;
+    let object = store
+        .put(key, compress_archive(tar, DEFAULT_ZSTD_LEVEL))
+        .await?;
     if let Some(p) = &progress {
         p.finish(MovePhase::Export);
     }
@@ -439,7 +562,7 @@ pub async fn checkpoint_session(
         );
         Some(
             store
-                .put(&keys.state, compress(tar, DEFAULT_ZSTD_LEVEL))
+                .put(&keys.state, compress_archive(tar, DEFAULT_ZSTD_LEVEL))
                 .await?,
         )
     };
