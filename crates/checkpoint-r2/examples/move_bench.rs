@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! HARNESS_S3_ENDPOINT=http://127.0.0.1:8333 \
-//!   cargo run --release -p checkpoint-r2 --example move_bench [-- --files N --mb M] [--repeat R] [--no-tree]
+//!   cargo run --release -p checkpoint-r2 --example move_bench [-- --files N --mb M] [--repeat R] [--no-tree | --tree-only]
 //! ```
 //!
 //! Each contender runs in its own child process so its peak memory is its
@@ -510,69 +510,72 @@ async fn main() {
     if !s3 {
         println!("skipped the S3 store: HARNESS_S3_ENDPOINT is not set");
     }
-    let mut rows: Vec<Row> = Vec::new();
-    for round in 0..repeat {
-        let dst = |name: &str| scratch.path().join(format!("{name}-{round}"));
-        let mut runs = vec![
-            run_shell(
-                "tar czf | tar xzf (gzip)",
-                "cd {src} && tar czf - . | tar xzf - -C {dst}",
-                &src,
-                &dst("dst-gz"),
-            ),
-            run_shell(
-                "tar | zstd -1 -T0 | zstd -d | tar x",
-                "cd {src} && tar cf - . | zstd -q -1 -T0 | zstd -q -d | tar xf - -C {dst}",
-                &src,
-                &dst("dst-zstd"),
-            ),
-            run_child("memory", &src, scratch.path()),
-        ];
-        if s3 {
-            runs.push(run_child("s3", &src, scratch.path()));
-        }
-        if rows.is_empty() {
-            rows = runs;
-            continue;
-        }
-        for (row, run) in rows.iter_mut().zip(runs) {
-            row.peak_kb = row.peak_kb.max(run.peak_kb);
-            if run.secs < row.secs {
-                row.secs = run.secs;
-                row.note = run.note;
+    // `--tree-only`: only the incremental tree checkpoints below.
+    if !args.iter().any(|a| a == "--tree-only") {
+        let mut rows: Vec<Row> = Vec::new();
+        for round in 0..repeat {
+            let dst = |name: &str| scratch.path().join(format!("{name}-{round}"));
+            let mut runs = vec![
+                run_shell(
+                    "tar czf | tar xzf (gzip)",
+                    "cd {src} && tar czf - . | tar xzf - -C {dst}",
+                    &src,
+                    &dst("dst-gz"),
+                ),
+                run_shell(
+                    "tar | zstd -1 -T0 | zstd -d | tar x",
+                    "cd {src} && tar cf - . | zstd -q -1 -T0 | zstd -q -d | tar xf - -C {dst}",
+                    &src,
+                    &dst("dst-zstd"),
+                ),
+                run_child("memory", &src, scratch.path()),
+            ];
+            if s3 {
+                runs.push(run_child("s3", &src, scratch.path()));
+            }
+            if rows.is_empty() {
+                rows = runs;
+                continue;
+            }
+            for (row, run) in rows.iter_mut().zip(runs) {
+                row.peak_kb = row.peak_kb.max(run.peak_kb);
+                if run.secs < row.secs {
+                    row.secs = run.secs;
+                    row.note = run.note;
+                }
             }
         }
-    }
-    if repeat > 1 {
-        println!("best of {repeat} runs per contender");
-    }
+        if repeat > 1 {
+            println!("best of {repeat} runs per contender");
+        }
 
-    let reference = rows[1].secs;
-    let reference_kb = rows[1].peak_kb;
-    println!(
-        "\n{:<40} {:>8} {:>10} {:>9} {:>9}  notes",
-        "pipeline", "wall s", "peak MiB", "x time", "x mem"
-    );
-    for r in &rows {
-        let peak = r
-            .peak_kb
-            .map(|k| format!("{:.1}", k as f64 / 1024.0))
-            .unwrap_or_else(|| "n/a".into());
-        let mem_ratio = match (r.peak_kb, reference_kb) {
-            (Some(a), Some(b)) if b > 0 => format!("{:.2}", a as f64 / b as f64),
-            _ => "n/a".into(),
-        };
+        let reference = rows[1].secs;
+        let reference_kb = rows[1].peak_kb;
         println!(
-            "{:<40} {:>8.2} {:>10} {:>9.2} {:>9}  {}",
-            r.name,
-            r.secs,
-            peak,
-            r.secs / reference,
-            mem_ratio,
-            r.note
+            "\n{:<40} {:>8} {:>10} {:>9} {:>9}  notes",
+            "pipeline", "wall s", "peak MiB", "x time", "x mem"
         );
+        for r in &rows {
+            let peak = r
+                .peak_kb
+                .map(|k| format!("{:.1}", k as f64 / 1024.0))
+                .unwrap_or_else(|| "n/a".into());
+            let mem_ratio = match (r.peak_kb, reference_kb) {
+                (Some(a), Some(b)) if b > 0 => format!("{:.2}", a as f64 / b as f64),
+                _ => "n/a".into(),
+            };
+            println!(
+                "{:<40} {:>8.2} {:>10} {:>9.2} {:>9}  {}",
+                r.name,
+                r.secs,
+                peak,
+                r.secs / reference,
+                mem_ratio,
+                r.note
+            );
+        }
+        println!("\nratios are against `tar | zstd -1 -T0 | zstd -d | tar x`; shell peak = largest single process of the pipeline (time -v); ours = the child process's VmHWM");
     }
-    println!("\nratios are against `tar | zstd -1 -T0 | zstd -d | tar x`; shell peak = largest single process of the pipeline (time -v); ours = the child process's VmHWM");
 
     if args.iter().any(|a| a == "--no-tree") {
         return;
@@ -581,7 +584,11 @@ async fn main() {
     if std::env::var("HARNESS_S3_ENDPOINT").is_ok_and(|v| !v.is_empty()) {
         stores.push("s3");
     }
-    for store_kind in stores {
+    // `--repeat R` runs the tree comparison R times per store, too.
+    for store_kind in stores
+        .iter()
+        .flat_map(|s| std::iter::repeat_n(*s, repeat as usize))
+    {
         let out = Command::new(std::env::current_exe().unwrap())
             .args(["--child-tree", store_kind])
             .arg(&src)
@@ -589,6 +596,7 @@ async fn main() {
             .output()
             .unwrap();
         print!("{}", String::from_utf8_lossy(&out.stdout));
+        eprint!("{}", String::from_utf8_lossy(&out.stderr));
         assert!(
             out.status.success(),
             "tree run ({store_kind}) failed: {}",

@@ -20,15 +20,23 @@
 //!
 //! **Checkpoint with a parent** (the previous checkpoint of the same tree):
 //! the tree is listed inside the sandbox (`find -printf`: kind, mode, size,
-//! mtime, path, link); a file whose size, mtime and mode equal the parent's
-//! entry keeps the parent's chunks without being read, unless its mtime is
-//! not older than the second the parent's listing ran (a file changed twice
-//! within that second could keep its size and mtime: such "racy" entries are
-//! always read again, as git does). Only the other files leave the sandbox,
-//! as one `tar --no-recursion -T -` stream; only chunks the store lacks are
-//! uploaded. Without a parent, or where the sandbox has no GNU `find` and
-//! `tar`, the whole tree is read through `export_tar` and hashed on the way.
-//! Paths of the parent that are gone are recorded as `deleted`.
+//! mtime, inode, ctime, path, link) while the parent's manifest is read; a
+//! file whose whole stat — size, mtime, mode, inode and ctime — equals the
+//! one the parent recorded keeps the parent's chunks without being read,
+//! unless its mtime is not older than the second the parent's listing ran
+//! (a file changed twice within that second could keep its size and mtime:
+//! such "racy" entries are always read again, as git does). The ctime is
+//! what no tool can set back (`touch -d`, `cp -p` and `tar x` move it), so
+//! a file rewritten with its old size and mtime is read too. Only the
+//! other files leave the sandbox, as one `tar --no-recursion -T -` stream;
+//! only chunks the store lacks are uploaded. Without a parent the tree is
+//! listed too (the stats recorded for the next checkpoint are taken before
+//! the read, so a file changing during it is read again next time) and
+//! read whole through `export_tar`, hashed on the way; where the sandbox
+//! has no GNU `find` and `tar`, it is read whole every time. Paths of the
+//! parent that are gone are recorded as `deleted`. A tree restored from a
+//! checkpoint has new inodes and ctimes: its first re-checkpoint reads
+//! every file (uploading only what the store lacks).
 //!
 //! **Restore** checks every manifest entry by the [`TarScanner`] rules
 //! (nothing unsafe is written, and nothing at all if any entry is refused)
@@ -66,7 +74,9 @@ use sha2::{Digest, Sha256};
 
 use crate::checkpoint::{validate_key, CheckpointStore, ObjectMeta};
 use crate::clock::Clock;
-use crate::moves::{compress, decompress, MovePhase, MoveProgress, DEFAULT_ZSTD_LEVEL};
+use crate::moves::{
+    compress, compress_archive, decompress, MovePhase, MoveProgress, DEFAULT_ZSTD_LEVEL,
+};
 use crate::sandbox::{collect_exec, exec_stdout_stream, shell_quote, ExecRequest, Sandbox};
 use crate::stream::ByteStream;
 use crate::tarscan::{ScanSummary, TarEntry, TarItem, TarKind, TarScanner};
@@ -154,6 +164,15 @@ pub struct TreeEntry {
     /// The link text (symlinks).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target: Option<String>,
+    /// The file's inode number when the checkpoint listed it (0: not
+    /// known). With `ctime_ns`, part of the stat a re-checkpoint compares.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub ino: u64,
+    /// The file's status-change time (nanoseconds since the epoch) when
+    /// the checkpoint listed it (0: not known). No tool can set it back:
+    /// any write, `chmod` or `touch` moves it.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub ctime_ns: u64,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -174,6 +193,33 @@ impl TreeEntry {
             mode: self.mode,
             size: self.size,
             mtime: self.mtime,
+        }
+    }
+
+    /// Whether a re-checkpoint may keep this file's chunks without reading
+    /// it: its whole stat as listed now — size, mtime, mode, inode and
+    /// ctime — is the one recorded when the parent listed it, and the
+    /// parent's listing ran in a later second than the mtime (else the
+    /// file is "racy": written again within that second, it could keep
+    /// its size and mtime). An entry with no recorded inode or ctime is
+    /// always read.
+    fn unchanged_since(&self, listed: &Listed, parent_listed_at: u64) -> bool {
+        self.kind == TreeKind::File
+            && self.same_as(listed)
+            && self.ino != 0
+            && self.ctime_ns != 0
+            && listed.ino == self.ino
+            && listed.ctime_ns == self.ctime_ns
+            && self.mtime < parent_listed_at
+    }
+
+    /// Record `listed`'s inode and ctime, if it is this file as read (a
+    /// file changed between the listing and the read keeps none, so the
+    /// next checkpoint reads it again).
+    fn stamp_from(&mut self, listed: Option<&Listed>) {
+        if let Some(l) = listed.filter(|l| self.kind == TreeKind::File && self.same_as(l)) {
+            self.ino = l.ino;
+            self.ctime_ns = l.ctime_ns;
         }
     }
 
@@ -300,24 +346,30 @@ async fn checkpoint_locked(
     parent_key: Option<&str>,
     progress: Option<Arc<dyn MoveProgress>>,
 ) -> Result<TreeCheckpointInfo> {
-    let parent = match parent_key {
-        Some(p) => Some(read_manifest(store, p).await?.ok_or_else(|| {
-            Error::invalid(format!(
-                "parent {p} is a whole-archive checkpoint; make a tree checkpoint without a parent first"
-            ))
-        })?),
-        None => None,
+    // The sandbox lists the tree while the parent's manifest is fetched
+    // and parsed: the listing waits on the sandbox, the parse on the CPU.
+    let read_parent = async {
+        match parent_key {
+            Some(p) => Some(read_manifest(store, p).await?.ok_or_else(|| {
+                Error::invalid(format!(
+                    "parent {p} is a whole-archive checkpoint; make a tree checkpoint without a parent first"
+                ))
+            }))
+            .transpose(),
+            None => Ok(None),
+        }
     };
+    // Listed without a parent too: the stats it records (taken before the
+    // read) are what the next checkpoint compares.
+    let (parent, listing) = futures::join!(read_parent, list_tree(sandbox, dir));
+    let parent: Option<TreeManifest> = parent?;
+    let listing = listing?;
     let mut uploader = Uploader::new(store);
     if let Some(parent) = &parent {
         for entry in &parent.entries {
             uploader.known.extend(entry.chunks.iter().cloned());
         }
     }
-    let listing = match parent {
-        Some(_) => list_tree(sandbox, dir).await?,
-        None => Listing::Unsupported,
-    };
     let mut stats = TreeCheckpointInfo {
         object: ObjectMeta {
             key: key.to_string(),
@@ -332,17 +384,40 @@ async fn checkpoint_locked(
         bytes_uploaded: 0,
         deleted: 0,
     };
-    let (listed_at, mut entries) = match (&parent, listing) {
-        (_, Listing::Missing) => return Err(Error::not_found(format!("no such directory: {dir}"))),
-        (Some(parent), Listing::Listed { now, entries }) => {
-            let known: HashMap<&str, &TreeEntry> = parent
+    // The parent's entries by path, taken out as the listing finds them:
+    // what is left at the end is gone (`deleted`).
+    let (parent_listed_at, mut gone): (u64, HashMap<String, TreeEntry>) = match parent {
+        Some(parent) => (
+            parent.listed_at,
+            parent
                 .entries
-                .iter()
-                .map(|e| (e.path.as_str(), e))
-                .collect();
+                .into_iter()
+                .map(|e| (e.path.clone(), e))
+                .collect(),
+        ),
+        None => (0, HashMap::new()),
+    };
+    let has_parent = parent_key.is_some();
+    let (listed_at, mut entries) = match listing {
+        Listing::Missing => return Err(Error::not_found(format!("no such directory: {dir}"))),
+        Listing::Listed { now, entries } if !has_parent => {
+            let tar = sandbox.export_tar(dir).await?;
+            let mut read = read_tar(tar, &mut uploader, &mut stats, progress.as_deref()).await?;
+            let listed: HashMap<&str, &Listed> =
+                entries.iter().map(|l| (l.path.as_str(), l)).collect();
+            for entry in &mut read {
+                entry.stamp_from(listed.get(entry.path.as_str()).copied());
+            }
+            (now, read)
+        }
+        Listing::Listed { now, entries } => {
+            // Changed files the parent had: if one vanishes before it is
+            // read, the parent's entry goes back among the deleted.
+            let mut changed_known: HashMap<String, TreeEntry> = HashMap::new();
             let mut out = Vec::with_capacity(entries.len());
             let mut changed = Vec::new();
             for listed in entries {
+                let old = gone.remove(listed.path.as_str());
                 match listed.kind {
                     'd' => out.push(TreeEntry {
                         path: listed.path,
@@ -352,6 +427,8 @@ async fn checkpoint_locked(
                         mtime: listed.mtime,
                         chunks: Vec::new(),
                         target: None,
+                        ino: 0,
+                        ctime_ns: 0,
                     }),
                     'l' => out.push(TreeEntry {
                         path: listed.path,
@@ -361,15 +438,26 @@ async fn checkpoint_locked(
                         mtime: listed.mtime,
                         chunks: Vec::new(),
                         target: Some(listed.link),
+                        ino: 0,
+                        ctime_ns: 0,
                     }),
-                    'f' => match known.get(listed.path.as_str()) {
-                        Some(old) if old.same_as(&listed) && old.mtime < parent.listed_at => {
-                            out.push((*old).clone())
+                    'f' => match old {
+                        Some(old) if old.unchanged_since(&listed, parent_listed_at) => {
+                            out.push(old)
                         }
-                        _ => changed.push(listed.path),
+                        Some(old) => {
+                            changed_known.insert(old.path.clone(), old);
+                            changed.push(listed);
+                        }
+                        None => changed.push(listed),
                     },
-                    // tar skips sockets too.
-                    's' => {}
+                    // tar skips sockets too (a file the parent had there
+                    // is gone).
+                    's' => {
+                        if let Some(old) = old {
+                            gone.insert(old.path.clone(), old);
+                        }
+                    }
                     other => {
                         return Err(Error::unsafe_entry(format!(
                             "{dir}/{}: a {} cannot be checkpointed",
@@ -385,8 +473,8 @@ async fn checkpoint_locked(
             }
             if !changed.is_empty() {
                 let mut list = Vec::new();
-                for path in &changed {
-                    list.extend_from_slice(path.as_bytes());
+                for listed in &changed {
+                    list.extend_from_slice(listed.path.as_bytes());
                     list.push(0);
                 }
                 // A file removed since the listing (the agent may still be
@@ -401,11 +489,19 @@ async fn checkpoint_locked(
                     dir.to_string(),
                 );
                 let read = read_tar(tar, &mut uploader, &mut stats, progress.as_deref()).await?;
-                out.extend(read.into_iter().filter(|e| e.kind == TreeKind::File));
+                let listed: HashMap<&str, &Listed> =
+                    changed.iter().map(|l| (l.path.as_str(), l)).collect();
+                for mut entry in read.into_iter().filter(|e| e.kind == TreeKind::File) {
+                    changed_known.remove(entry.path.as_str());
+                    entry.stamp_from(listed.get(entry.path.as_str()).copied());
+                    out.push(entry);
+                }
             }
+            // Read by nobody: removed between the listing and the read.
+            gone.extend(changed_known);
             (now, out)
         }
-        (_, _) => {
+        Listing::Unsupported => {
             let now = sandbox_now(sandbox).await?;
             let tar = sandbox.export_tar(dir).await?;
             let read = read_tar(tar, &mut uploader, &mut stats, progress.as_deref()).await?;
@@ -417,22 +513,24 @@ async fn checkpoint_locked(
         p.finish(MovePhase::Export);
     }
     entries.sort_by(|a, b| a.path.cmp(&b.path));
-    let deleted: Vec<TreeEntry> = match &parent {
-        Some(parent) => {
-            let now: HashSet<&str> = entries.iter().map(|e| e.path.as_str()).collect();
-            parent
-                .entries
-                .iter()
-                .filter(|e| !now.contains(e.path.as_str()))
-                // What a restore compares, not the content: a deleted
-                // file's blobs are not kept alive by its successor.
-                .map(|e| TreeEntry {
-                    chunks: Vec::new(),
-                    ..e.clone()
-                })
-                .collect()
-        }
-        None => Vec::new(),
+    let deleted: Vec<TreeEntry> = if has_parent {
+        let present: HashSet<&str> = entries.iter().map(|e| e.path.as_str()).collect();
+        let mut deleted: Vec<TreeEntry> = gone
+            .into_values()
+            .filter(|e| !present.contains(e.path.as_str()))
+            // What a restore compares, not the content: a deleted file's
+            // blobs are not kept alive by its successor.
+            .map(|e| TreeEntry {
+                chunks: Vec::new(),
+                ino: 0,
+                ctime_ns: 0,
+                ..e
+            })
+            .collect();
+        deleted.sort_by(|a, b| a.path.cmp(&b.path));
+        deleted
+    } else {
+        Vec::new()
     };
     stats.entries = entries.len() as u64;
     stats.tree_bytes = entries.iter().map(|e| e.size).sum();
@@ -448,7 +546,13 @@ async fn checkpoint_locked(
     };
     let json = serde_json::to_vec(&manifest)
         .map_err(|e| Error::backend(format!("encoding the manifest: {e}")))?;
-    let packed = compressed(Bytes::from(json)).await?;
+    // A few MiB for a large tree: libzstd's workers share it.
+    let limit = json.len() + json.len() / 8 + 1024;
+    let packed = crate::stream::collect(
+        compress_archive(crate::stream::once(json), DEFAULT_ZSTD_LEVEL),
+        limit,
+    )
+    .await?;
     stats.bytes_uploaded += packed.len() as u64;
     stats.object = store.put(key, crate::stream::once(packed)).await?;
     Ok(stats)
@@ -465,10 +569,19 @@ pub async fn restore_tree(
     progress: Option<Arc<dyn MoveProgress>>,
 ) -> Result<TreeRestoreInfo> {
     validate_key(key)?;
-    let manifest = read_manifest(store, key)
-        .await?
-        .ok_or_else(|| Error::invalid(format!("{key} is a whole-archive checkpoint")))?;
-    restore_manifest(store, &manifest, sandbox, dir, progress).await
+    // The target is listed while the manifest is fetched, parsed and
+    // admitted: the listing waits on the sandbox, the rest on the store
+    // and the CPU. Nothing is written before both are done.
+    let read = async {
+        let manifest = read_manifest(store, key)
+            .await?
+            .ok_or_else(|| Error::invalid(format!("{key} is a whole-archive checkpoint")))?;
+        let summary = admit(&manifest)?;
+        Ok::<_, Error>((manifest, summary))
+    };
+    let (listing, read) = futures::join!(list_tree(sandbox, dir), read);
+    let (manifest, summary) = read?;
+    apply_manifest(store, &manifest, summary, listing?, sandbox, dir, progress).await
 }
 
 /// [`restore_tree`] of a manifest already read.
@@ -479,13 +592,19 @@ pub async fn restore_manifest(
     dir: &str,
     progress: Option<Arc<dyn MoveProgress>>,
 ) -> Result<TreeRestoreInfo> {
+    let (listing, summary) = futures::join!(list_tree(sandbox, dir), async { admit(manifest) });
+    let summary = summary?;
+    apply_manifest(store, manifest, summary, listing?, sandbox, dir, progress).await
+}
+
+/// The archive rules, for all entries, before anything is touched.
+fn admit(manifest: &TreeManifest) -> Result<ScanSummary> {
     if manifest.format != FORMAT {
         return Err(Error::unsupported(format!(
             "manifest format {:?} (this build reads {FORMAT})",
             manifest.format
         )));
     }
-    // The archive rules, all entries, before anything is touched.
     let mut scanner = TarScanner::new();
     for entry in &manifest.entries {
         check_chunks(entry)?;
@@ -495,17 +614,30 @@ pub async fn restore_manifest(
     for entry in &manifest.deleted {
         crate::tarscan::check_entry_path(&entry.path)?;
     }
-    let target: HashMap<String, Listed> = match list_tree(sandbox, dir).await? {
-        Listing::Listed { entries, .. } => {
-            entries.into_iter().map(|l| (l.path.clone(), l)).collect()
-        }
-        Listing::Missing | Listing::Unsupported => HashMap::new(),
+    Ok(summary)
+}
+
+/// Write what the target (as `listing` found it) lacks of an admitted
+/// manifest, then remove what it deleted.
+async fn apply_manifest(
+    store: &dyn CheckpointStore,
+    manifest: &TreeManifest,
+    summary: ScanSummary,
+    listing: Listing,
+    sandbox: &dyn Sandbox,
+    dir: &str,
+    progress: Option<Arc<dyn MoveProgress>>,
+) -> Result<TreeRestoreInfo> {
+    let listed = match listing {
+        Listing::Listed { entries, .. } => entries,
+        Listing::Missing | Listing::Unsupported => Vec::new(),
     };
+    let target: HashMap<&str, &Listed> = listed.iter().map(|l| (l.path.as_str(), l)).collect();
     let needed: Vec<&TreeEntry> = manifest
         .entries
         .iter()
         .filter(|e| !e.path.is_empty())
-        .filter(|e| !target.get(&e.path).is_some_and(|l| e.same_as(l)))
+        .filter(|e| !target.get(e.path.as_str()).is_some_and(|l| e.same_as(l)))
         .collect();
     // Every chunk there before the first byte is written.
     let unique: HashSet<&str> = needed
@@ -545,7 +677,10 @@ pub async fn restore_manifest(
     let mut files = Vec::new();
     let mut dirs = Vec::new();
     for gone in &manifest.deleted {
-        if target.get(&gone.path).is_some_and(|l| gone.same_as(l)) {
+        if target
+            .get(gone.path.as_str())
+            .is_some_and(|l| gone.same_as(l))
+        {
             match gone.kind {
                 TreeKind::Dir => dirs.push(gone.path.as_str()),
                 _ => files.push(gone.path.as_str()),
@@ -764,7 +899,7 @@ struct Uploader<'s> {
     /// Chunks known to be stored (the parent's, and this run's).
     known: HashSet<String>,
     /// Each upload answers whether it stored the chunk, and its size.
-    running: FuturesUnordered<futures::future::BoxFuture<'s, Result<(bool, u64)>>>,
+    running: FuturesUnordered<crate::maybe::BoxFuture<'s, Result<(bool, u64)>>>,
     running_bytes: u64,
     compressing: Arc<futures::lock::Mutex<()>>,
     uploaded: u64,
@@ -922,6 +1057,8 @@ async fn read_tar(
                         mtime: entry.mtime,
                         chunks,
                         target,
+                        ino: 0,
+                        ctime_ns: 0,
                     };
                     if tree_entry.kind == TreeKind::File && tree_entry.chunks.is_empty() {
                         stats.files_read += 1;
@@ -973,6 +1110,10 @@ struct Listed {
     mode: u32,
     size: u64,
     mtime: u64,
+    /// Inode number.
+    ino: u64,
+    /// Status-change time, nanoseconds since the epoch.
+    ctime_ns: u64,
     path: String,
     link: String,
 }
@@ -988,7 +1129,7 @@ async fn list_tree(sandbox: &dyn Sandbox, dir: &str) -> Result<Listing> {
     let script = format!(
         "cd {d} 2>/dev/null || exit {EXIT_NO_DIR}; \
          {{ find . -maxdepth 0 -printf '' && tar --version | grep -q 'GNU tar'; }} >/dev/null 2>&1 || exit {EXIT_NO_GNU_TOOLS}; \
-         date +%s; exec find . -mindepth 1 -printf '%y %m %s %T@ %P\\0%l\\0'",
+         date +%s; exec find . -mindepth 1 -printf '%y %m %s %T@ %i %C@ %P\\0%l\\0'",
         d = shell_quote(dir)
     );
     let out = collect_exec(sandbox.exec(ExecRequest::shell(script)).await?).await?;
@@ -1025,7 +1166,7 @@ async fn list_tree(sandbox: &dyn Sandbox, dir: &str) -> Result<Listing> {
         let link = fields.next().ok_or_else(bad)?;
         let record = std::str::from_utf8(record)
             .map_err(|_| Error::unsafe_entry(format!("a path under {dir} is not UTF-8")))?;
-        let mut parts = record.splitn(5, ' ');
+        let mut parts = record.splitn(7, ' ');
         let mut next = || parts.next().ok_or_else(bad);
         let kind = next()?.chars().next().ok_or_else(bad)?;
         let mode = u32::from_str_radix(next()?, 8).map_err(|_| bad())?;
@@ -1035,17 +1176,35 @@ async fn list_tree(sandbox: &dyn Sandbox, dir: &str) -> Result<Listing> {
             .next()
             .and_then(|s| s.parse::<u64>().ok())
             .ok_or_else(bad)?;
+        let ino = next()?.parse::<u64>().map_err(|_| bad())?;
+        let ctime_ns = nanos(next()?).ok_or_else(bad)?;
         let path = next()?.to_string();
         entries.push(Listed {
             kind,
             mode,
             size,
             mtime,
+            ino,
+            ctime_ns,
             path,
             link: String::from_utf8_lossy(link).into_owned(),
         });
     }
     Ok(Listing::Listed { now, entries })
+}
+
+/// `find`'s `%C@` (seconds, a dot, a fraction) as nanoseconds.
+fn nanos(text: &str) -> Option<u64> {
+    let (secs, frac) = text.split_once('.').unwrap_or((text, ""));
+    if !frac.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let secs = secs.parse::<u64>().ok()?;
+    let frac = frac.as_bytes();
+    let ns = (0..9).fold(0u64, |ns, i| {
+        ns * 10 + u64::from(frac.get(i).copied().unwrap_or(b'0') - b'0')
+    });
+    secs.checked_mul(1_000_000_000)?.checked_add(ns)
 }
 
 /// The sandbox's clock, in seconds.
@@ -1203,6 +1362,18 @@ mod tests {
     use super::*;
 
     #[test]
+    fn find_times_read_as_nanoseconds() {
+        assert_eq!(
+            nanos("1796144891.1234567890"),
+            Some(1_796_144_891_123_456_789)
+        );
+        assert_eq!(nanos("12.5"), Some(12_500_000_000));
+        assert_eq!(nanos("12"), Some(12_000_000_000));
+        assert_eq!(nanos("12.x"), None);
+        assert_eq!(nanos("-1.0"), None);
+    }
+
+    #[test]
     fn headers_round_trip_through_the_scanner() {
         let long = "d/".repeat(80) + "file";
         let entries = [
@@ -1214,6 +1385,8 @@ mod tests {
                 mtime: 7,
                 chunks: vec![],
                 target: None,
+                ino: 0,
+                ctime_ns: 0,
             },
             TreeEntry {
                 path: long.clone(),
@@ -1223,6 +1396,8 @@ mod tests {
                 mtime: 9,
                 chunks: vec![],
                 target: None,
+                ino: 0,
+                ctime_ns: 0,
             },
             TreeEntry {
                 path: "a/l".into(),
@@ -1232,6 +1407,8 @@ mod tests {
                 mtime: 9,
                 chunks: vec![],
                 target: Some("../".repeat(40) + "x"),
+                ino: 0,
+                ctime_ns: 0,
             },
         ];
         let mut tar = Vec::new();
