@@ -19,6 +19,11 @@ use crate::run::{StepBody, StepOptions, Steps, INPUT_EVENT};
 
 #[wasm_bindgen]
 extern "C" {
+    /// `console.log`: a line in the Worker's log per step, so a turn's
+    /// progress can be followed (`wrangler tail`, `wrangler dev`).
+    #[wasm_bindgen(js_namespace = console, js_name = log)]
+    fn console_log(line: &str);
+
     /// The `step` argument of a `WorkflowEntrypoint`'s `run`.
     #[derive(Debug, Clone)]
     pub type WorkflowStep;
@@ -181,6 +186,10 @@ impl Steps for WorkflowSteps {
         )
         .await;
         drop(callback);
+        match &output {
+            Ok(_) => console_log(&format!("workflow step {name}: done")),
+            Err(e) => console_log(&format!("workflow step {name}: failed: {e}")),
+        }
         let output = output?;
         output
             .as_string()
@@ -192,7 +201,12 @@ impl Steps for WorkflowSteps {
             ("type", JsValue::from_str(INPUT_EVENT)),
             ("timeout", JsValue::from_f64(timeout_ms as f64)),
         ]);
-        let event = settle(self.step.wait_for_event(name, &options)).await?;
+        console_log(&format!("workflow step {name}: waiting for a {INPUT_EVENT} event"));
+        let event = settle(self.step.wait_for_event(name, &options)).await;
+        if let Err(e) = &event {
+            console_log(&format!("workflow step {name}: no event: {e}"));
+        }
+        let event = event?;
         let payload =
             Reflect::get(&event, &JsValue::from_str("payload")).map_err(|e| js_message(&e))?;
         payload

@@ -264,6 +264,9 @@ pub async fn run_turn(
     let mut now_ms = at.unwrap_or(0);
 
     loop {
+        // Poll first: polling applies what waited (the start, a client's
+        // answer), and the step must run on the state that results.
+        let next = driver.poll(now_ms);
         let state = driver.state().clone();
         // One step body per action: the executor call on this state,
         // recorded with the time it finished.
@@ -279,7 +282,7 @@ pub async fn run_turn(
                 Box::pin(async move { action.perform(executor.as_ref(), &state, clock).await })
             })
         };
-        match driver.poll(now_ms) {
+        match next {
             TurnAction::CreateSandbox => {
                 let (at, result) = step::<SandboxHandle>(
                     steps,

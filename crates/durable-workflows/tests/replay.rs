@@ -104,6 +104,8 @@ struct Agent {
     creates: AtomicU32,
     kills: AtomicU32,
     ends: Mutex<Vec<TurnStatus>>,
+    /// The approval answers each slice's state carried.
+    answers_seen: Mutex<Vec<Vec<String>>>,
 }
 
 fn bump(counter: &AtomicU32) {
@@ -144,6 +146,13 @@ impl SliceExecutor for Agent {
         abort: AbortSignal,
     ) -> Result<SliceReport> {
         bump(&self.slices);
+        self.answers_seen.lock().unwrap().push(
+            state
+                .approval_answers
+                .iter()
+                .map(|a| a.approval_id.clone())
+                .collect(),
+        );
         let this_slice = state.slices_run + 1;
         if this_slice == self.abort_slice {
             abort.abort();
@@ -344,6 +353,11 @@ fn an_approval_waits_for_its_event_and_an_abort_ends_the_turn() {
     let state = run_once(&records, &agent, None).unwrap().unwrap();
     assert_eq!(state.status, TurnStatus::Finished);
     assert_eq!(count(&agent.slices), 2, "the agent ran on after the answer");
+    // The slice after the answer hands it to the agent.
+    assert_eq!(
+        *agent.answers_seen.lock().unwrap(),
+        vec![Vec::<String>::new(), vec!["ap-1".to_string()]]
+    );
     assert!(records.outputs.borrow().contains_key("0004 input"));
 
     let agent = asks();
