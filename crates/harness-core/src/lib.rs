@@ -44,7 +44,7 @@ pub mod frame;
 pub mod harness;
 pub mod log;
 pub mod maybe;
-#[cfg(feature = "zstd")]
+#[cfg(any(feature = "zstd", feature = "zstd-rust"))]
 pub mod moves;
 pub mod part;
 pub mod sandbox;
@@ -52,10 +52,12 @@ pub mod session;
 pub mod slice;
 pub mod stream;
 pub mod tarscan;
-#[cfg(feature = "zstd")]
+#[cfg(any(feature = "zstd", feature = "zstd-rust"))]
 pub mod tree_checkpoint;
 pub mod turn;
 pub mod turn_driver;
+#[cfg(feature = "zstd-rust")]
+pub mod zstd_rust;
 
 pub use error::{Error, ErrorKind, Result};
 pub use frame::{Frame, FrameBody, SessionId};

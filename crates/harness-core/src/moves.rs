@@ -24,9 +24,13 @@
 
 use std::sync::Arc;
 
+#[cfg(feature = "zstd")]
 use async_compression::futures::bufread::{ZstdDecoder, ZstdEncoder};
+#[cfg(feature = "zstd")]
 use async_compression::Level;
+#[cfg(feature = "zstd")]
 use bytes::Bytes;
+#[cfg(feature = "zstd")]
 use futures::io::{AsyncRead, AsyncReadExt, BufReader};
 use futures::{StreamExt, TryStreamExt};
 
@@ -39,6 +43,7 @@ use crate::tarscan::{ScanSummary, TarScanner};
 use crate::{Error, Result};
 
 /// Chunk size of the streams the pipeline produces.
+#[cfg(feature = "zstd")]
 const CHUNK: usize = 256 * 1024;
 
 /// A phase of a move, for progress reporting.
@@ -95,6 +100,7 @@ fn counting(
     }))
 }
 
+#[cfg(feature = "zstd")]
 fn reader_stream<R: AsyncRead + Unpin + Send + 'static>(reader: R) -> ByteStream {
     Box::pin(futures::stream::try_unfold(
         reader,
@@ -110,6 +116,7 @@ fn reader_stream<R: AsyncRead + Unpin + Send + 'static>(reader: R) -> ByteStream
     ))
 }
 
+#[cfg(feature = "zstd")]
 fn stream_reader(stream: ByteStream) -> impl futures::io::AsyncBufRead + Unpin + Send {
     BufReader::with_capacity(
         CHUNK,
@@ -121,6 +128,7 @@ fn stream_reader(stream: ByteStream) -> impl futures::io::AsyncBufRead + Unpin +
 ///
 /// For small inputs (the tree checkpoints' chunks) and tests; whole
 /// archives go through [`compress_archive`].
+#[cfg(feature = "zstd")]
 pub fn compress(tar: ByteStream, level: i32) -> ByteStream {
     reader_stream(ZstdEncoder::with_quality(
         stream_reader(tar),
@@ -129,6 +137,7 @@ pub fn compress(tar: ByteStream, level: i32) -> ByteStream {
 }
 
 /// Most worker threads libzstd is given for one archive.
+#[cfg(feature = "zstd")]
 const MAX_ZSTD_WORKERS: usize = 4;
 
 /// Bytes each libzstd worker compresses at a time. zstd's own choice at
@@ -136,11 +145,13 @@ const MAX_ZSTD_WORKERS: usize = 4;
 /// about `workers + 3` jobs, which would put tens of MiB beside a move;
 /// 2 MiB jobs keep that near 10 MiB. Each job after the first still sees
 /// the end of the one before (zstd's overlap), so the ratio barely moves.
+#[cfg(feature = "zstd")]
 const ZSTD_JOB_BYTES: u32 = 2 << 20;
 
 /// How many worker threads libzstd may use: the available cores, at most
 /// [`MAX_ZSTD_WORKERS`]; none (compression on the calling thread) on one
 /// core, where a worker would only add a thread switch.
+#[cfg(feature = "zstd")]
 fn zstd_workers() -> u32 {
     static WORKERS: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
     *WORKERS.get_or_init(
@@ -165,6 +176,7 @@ fn zstd_workers() -> u32 {
 /// flight, so a source only slightly faster than the compressor (a `tar`
 /// reading the page cache) would leave the workers idle most of the time.
 /// This flushes only at the end.
+#[cfg(feature = "zstd")]
 pub fn compress_archive(tar: ByteStream, level: i32) -> ByteStream {
     use async_compression::codecs::{EncodeV2, ZstdEncoder as Codec};
     use async_compression::core::util::{PartialBuffer, WriteBuffer};
@@ -246,7 +258,29 @@ pub fn compress_archive(tar: ByteStream, level: i32) -> ByteStream {
     }))
 }
 
-/// Decompress a zstd stream.
+/// Without libzstd (wasm32: a Worker), the pipeline compresses with
+/// [`crate::zstd_rust`]: concatenated frames at about level 1, which any
+/// zstd decoder reads. `level` is not used there.
+#[cfg(not(feature = "zstd"))]
+pub fn compress(tar: ByteStream, level: i32) -> ByteStream {
+    let _ = level;
+    crate::zstd_rust::compress(tar)
+}
+
+/// Without libzstd, the same as [`compress`].
+#[cfg(not(feature = "zstd"))]
+pub fn compress_archive(tar: ByteStream, level: i32) -> ByteStream {
+    compress(tar, level)
+}
+
+/// Decompress a zstd stream (one frame or many), with [`crate::zstd_rust`].
+#[cfg(not(feature = "zstd"))]
+pub fn decompress(zst: ByteStream) -> ByteStream {
+    crate::zstd_rust::decompress(zst)
+}
+
+/// Decompress a zstd stream (one frame or many).
+#[cfg(feature = "zstd")]
 pub fn decompress(zst: ByteStream) -> ByteStream {
     let mut decoder = ZstdDecoder::new(stream_reader(zst));
     decoder.multiple_members(true);
