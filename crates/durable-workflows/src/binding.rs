@@ -201,7 +201,9 @@ impl Steps for WorkflowSteps {
             ("type", JsValue::from_str(INPUT_EVENT)),
             ("timeout", JsValue::from_f64(timeout_ms as f64)),
         ]);
-        console_log(&format!("workflow step {name}: waiting for a {INPUT_EVENT} event"));
+        console_log(&format!(
+            "workflow step {name}: waiting for a {INPUT_EVENT} event"
+        ));
         let event = settle(self.step.wait_for_event(name, &options)).await;
         if let Err(e) = &event {
             console_log(&format!("workflow step {name}: no event: {e}"));
