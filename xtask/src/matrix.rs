@@ -158,6 +158,13 @@ pub const MATRIX: &[Row] = &[
     Row::check("harness-core")
         .no_default_features()
         .features("zstd"),
+    // The move pipeline on pure-Rust zstd, for the Worker target, and its
+    // tests natively (they read and write libzstd's streams too).
+    Row::check("harness-core")
+        .no_default_features()
+        .features("zstd-rust")
+        .target(WASM),
+    Row::test("harness-core").features("zstd-rust"),
     // The facade: nothing, then each backend feature alone.
     Row::check("harness").no_default_features(),
     Row::check("harness").no_default_features().each_feature(),

@@ -106,6 +106,17 @@ impl HelperBinary {
         let sha256 = sha256_cached(&host_path)?;
         Ok(Self { host_path, sha256 })
     }
+
+    /// A helper already installed at `path` in the sandbox's image, for an
+    /// agent that is preinstalled there too (a Cloudflare bridge image):
+    /// the recipe of such an agent installs nothing, so there is nothing to
+    /// copy or hash.
+    pub fn preinstalled(path: impl Into<PathBuf>) -> Self {
+        Self {
+            host_path: path.into(),
+            sha256: String::new(),
+        }
+    }
 }
 
 /// What identifies one version of a file without reading it: size,

@@ -17,13 +17,17 @@
 #![allow(unsafe_code)]
 
 use harness_core::actor::ClientMessage;
+use harness_core::checkpoint::CheckpointStore;
 use harness_core::log::DEFAULT_MAX_FRAME_BYTES;
+use harness_core::stream::ByteStream;
 use harness_core::SessionId;
 use serde::Serialize;
 use session_api::auth::{authorize, bearer, seal_forbidden, GrantRole, CLIENTS, HOST, READERS};
 use session_api::request::{self, CreateSession, MAX_CREATE_BODY};
 use session_api::{ws, ApiError, TokenGrant};
 use worker::{event, Context, Env, Headers, Method, Request, RequestInit, Response};
+
+use crate::checkpoints::R2Store;
 
 /// The header carrying the session id from the front to its object.
 pub(crate) const SESSION_HEADER: &str = "x-harness-session";
@@ -321,6 +325,20 @@ async fn route(req: Request, env: &Env) -> Result<Response, ApiError> {
         }
         (method, ["v1", "stream", "sessions", id]) => session_stream(call, method, id, &path).await,
         (method, ["v1", "stream", _, ..]) => streams(call, method, &path).await,
+        (Method::Get, ["v1", "checkpoints", "objects"]) => {
+            call.authorize(None, HOST)?;
+            let store = R2Store::from_env(call.env)?;
+            let prefix = call.params.get("prefix").cloned().unwrap_or_default();
+            json_response(200, &store.list(&prefix).await?)
+        }
+        (method, ["v1", "checkpoints", "objects", key @ ..]) => {
+            call.authorize(None, HOST)?;
+            checkpoint_object(call, method, &key.join("/")).await
+        }
+        (Method::Post, ["v1", "checkpoints", op @ ("checkpoint" | "restore")]) => {
+            call.authorize(None, HOST)?;
+            checkpoint_move(call, op).await
+        }
         (_, ["v1", "runner"]) => Err(unsupported("the runner channel on the Worker")),
         (_, ["v1", "sessions", ..]) => Err(ApiError::new(
             405,
@@ -420,6 +438,116 @@ async fn session_stream(
         .and_then(|i| i.get_stub())
         .map_err(internal)?;
     stub.fetch_with_request(request).await.map_err(internal)
+}
+
+/// One checkpoint object in R2 (`checkpoints.rs`): `PUT` stores the body
+/// (answering its metadata), `GET` streams it back verified, `HEAD`
+/// answers its size and hash as headers, `DELETE` removes it.
+async fn checkpoint_object(
+    mut call: Call<'_>,
+    method: Method,
+    key: &str,
+) -> Result<Response, ApiError> {
+    let store = R2Store::from_env(call.env)?;
+    match method {
+        Method::Put => {
+            let body = call.body(store.max_bytes()).await?;
+            let content: ByteStream =
+                Box::pin(futures::stream::iter([Ok(bytes::Bytes::from(body))]));
+            json_response(200, &store.put(key, content).await?)
+        }
+        Method::Get => {
+            let meta = store.head(key).await?;
+            let stream = store.get(key).await?;
+            let body = futures::StreamExt::map(stream, |chunk| {
+                chunk
+                    .map(|b| b.to_vec())
+                    .map_err(|e| worker::Error::RustError(e.to_string()))
+            });
+            let headers = checkpoint_headers(&meta)?;
+            Ok(Response::from_stream(body)
+                .map_err(internal)?
+                .with_headers(headers))
+        }
+        Method::Head => {
+            let meta = store.head(key).await?;
+            Ok(Response::empty()
+                .map_err(internal)?
+                .with_headers(checkpoint_headers(&meta)?))
+        }
+        Method::Delete => {
+            store.delete(key).await?;
+            Ok(Response::empty().map_err(internal)?.with_status(204))
+        }
+        _ => Err(ApiError::new(
+            405,
+            "method_not_allowed",
+            "checkpoint objects take PUT, GET, HEAD and DELETE",
+        )),
+    }
+}
+
+fn checkpoint_headers(meta: &harness_core::checkpoint::ObjectMeta) -> Result<Headers, ApiError> {
+    let headers = Headers::new();
+    headers
+        .set("x-checkpoint-size", &meta.size.to_string())
+        .map_err(internal)?;
+    headers
+        .set("x-checkpoint-sha256", &meta.sha256)
+        .map_err(internal)?;
+    Ok(headers)
+}
+
+/// What `POST /v1/checkpoints/checkpoint|restore` takes.
+#[derive(serde::Deserialize)]
+struct MoveRequest {
+    /// A sandbox of the Worker's bridge.
+    sandbox: harness_core::sandbox::SandboxHandle,
+    /// The directory to checkpoint or restore onto.
+    dir: String,
+    /// The checkpoint key in R2.
+    key: String,
+}
+
+/// Core's move pipeline between a bridge sandbox and R2, in the Worker.
+async fn checkpoint_move(mut call: Call<'_>, op: &str) -> Result<Response, ApiError> {
+    let body = call.body(64 * 1024).await?;
+    let request: MoveRequest = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::invalid(format!("malformed move request: {e}")))?;
+    let store = R2Store::from_env(call.env)?;
+    let provider = crate::turns::bridge_provider(call.env)?;
+    let sandbox = provider.resume(&request.sandbox).await?;
+    if op == "checkpoint" {
+        let info = harness_core::moves::checkpoint(
+            sandbox.as_ref(),
+            &request.dir,
+            &store,
+            &request.key,
+            None,
+        )
+        .await?;
+        json_response(
+            200,
+            &serde_json::json!({"object": info.object, "tar_bytes": info.tar_bytes}),
+        )
+    } else {
+        let info = harness_core::moves::restore(
+            &store,
+            &request.key,
+            sandbox.as_ref(),
+            &request.dir,
+            None,
+        )
+        .await?;
+        json_response(
+            200,
+            &serde_json::json!({
+                "entries": info.summary.entries,
+                "content_bytes": info.summary.content_bytes,
+                "archive_bytes": info.summary.archive_bytes,
+            }),
+        )
+    }
 }
 
 fn internal(e: worker::Error) -> ApiError {

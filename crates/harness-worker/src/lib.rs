@@ -21,6 +21,7 @@
 
 #![cfg(target_arch = "wasm32")]
 
+mod checkpoints;
 mod front;
 mod object;
 mod session_streams;

@@ -646,6 +646,12 @@ impl SessionObject {
                 TurnCommand::Start { .. } | TurnCommand::Abort { .. }
             );
             let turn_id = command.turn_id().to_string();
+            let kind = match &command {
+                TurnCommand::Start { .. } => "start",
+                TurnCommand::Answer { .. } => "answer",
+                TurnCommand::Abort { .. } => "abort",
+            };
+            worker::console_log!("turn {turn_id} of {session}: {kind}");
             if let Err(e) = runtime.perform(session, command).await {
                 worker::console_error!("turn {turn_id} of {session}: {e}");
                 if !reports_failure {

@@ -23,7 +23,9 @@ use bytes::Bytes;
 use durable_workflows::binding::{js_message, WorkflowStep, WorkflowSteps};
 use durable_workflows::TurnParams;
 use futures::StreamExt;
-use harness_claude_code::{ClaudeCodeConfig, ClaudeCodeHarness, DEFAULT_INSTALL_PATH};
+use harness_claude_code::{
+    ApprovalServer, ClaudeCodeConfig, ClaudeCodeHarness, APPROVAL_SERVER_PATH, DEFAULT_INSTALL_PATH,
+};
 use harness_core::actor::{RunnerMessage, ServerMessage};
 use harness_core::clock::FnClock;
 use harness_core::engine::SliceExecutor;
@@ -88,12 +90,11 @@ fn var(env: &Env, name: &str) -> Option<String> {
         .filter(|v| !v.is_empty())
 }
 
-/// The slice runner of one turn: the Cloudflare provider on the bridge the
-/// Worker is configured with, the agents preinstalled in the bridge's
-/// image, and the session's object as the runner.
-fn executor(env: &Env, params: &TurnParams) -> Result<Rc<dyn SliceExecutor>> {
+/// The Cloudflare sandbox provider on the bridge the Worker is configured
+/// with (`HARNESS_CF_BRIDGE_URL`, `HARNESS_CF_TOKEN`), over its `fetch`.
+pub(crate) fn bridge_provider(env: &Env) -> Result<Arc<dyn SandboxProvider>> {
     let bridge = var(env, "HARNESS_CF_BRIDGE_URL").ok_or_else(|| {
-        Error::invalid("HARNESS_CF_BRIDGE_URL is not set: turns need a sandbox bridge")
+        Error::invalid("HARNESS_CF_BRIDGE_URL is not set: sandboxes need a sandbox bridge")
     })?;
     let token = var(env, "HARNESS_CF_TOKEN").unwrap_or_default();
     let transport = FetchTransport {
@@ -108,10 +109,22 @@ fn executor(env: &Env, params: &TurnParams) -> Result<Rc<dyn SliceExecutor>> {
         Arc::new(transport),
         sandbox_cloudflare::DEFAULT_PART_BYTES,
     ));
+    Ok(provider)
+}
+
+/// The slice runner of one turn: the Cloudflare provider on the bridge the
+/// Worker is configured with, the agents preinstalled in the bridge's
+/// image, and the session's object as the runner.
+fn executor(env: &Env, params: &TurnParams) -> Result<Rc<dyn SliceExecutor>> {
+    let provider = bridge_provider(env)?;
     let claude = var(env, "HARNESS_CLAUDE_PATH").unwrap_or_else(|| DEFAULT_INSTALL_PATH.into());
-    let claude: Arc<dyn Harness> = Arc::new(ClaudeCodeHarness::new(
-        ClaudeCodeConfig::preinstalled(claude),
-    ));
+    let mut config = ClaudeCodeConfig::preinstalled(claude);
+    // Approvals need the approval MCP server in the bridge's image, where
+    // the Claude Code adapter runs it from (APPROVAL_SERVER_PATH).
+    if var(env, "HARNESS_APPROVALS").as_deref() == Some("1") {
+        config.approvals = Some(ApprovalServer::preinstalled(APPROVAL_SERVER_PATH));
+    }
+    let claude: Arc<dyn Harness> = Arc::new(ClaudeCodeHarness::new(config));
     // The agents' model variables (ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY,
     // …): a JSON object, set as a secret in a deployment.
     let agent_env: BTreeMap<String, String> = match var(env, "HARNESS_AGENT_ENV") {
@@ -254,6 +267,12 @@ impl SliceExecutor for WorkerSlices {
             // The slice sees the signal and reports what it has.
             futures::future::Either::Right(((), slice)) => slice.await,
         }?;
+        worker::console_log!(
+            "turn {}: slice ended {:?} (answers {})",
+            state.turn_id,
+            report.outcome,
+            state.approval_answers.len()
+        );
         self.fail_after(state, &report)?;
         Ok(report)
     }

@@ -20,7 +20,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use harness_claude_code::{ClaudeCodeConfig, ClaudeCodeHarness};
+use harness_claude_code::{ApprovalServer, ClaudeCodeConfig, ClaudeCodeHarness};
 use harness_core::harness::Harness;
 use harness_core::sandbox::SandboxSpec;
 use harness_testkit::bridge::{BridgeServer, BridgeServerConfig, OpenApi};
@@ -81,6 +81,17 @@ impl Rig {
     /// recipe), the scripted model on the Docker bridge gateway and the
     /// Worker under `wrangler dev` configured for both; `None` after a skip.
     async fn start(script: Script, extra: &[(&'static str, String)]) -> Option<Rig> {
+        Self::start_with(script, extra, false).await
+    }
+
+    /// As [`Rig::start`]; with `approvals`, the bridge's image also holds
+    /// the approval MCP server and the Worker is told so
+    /// (`HARNESS_APPROVALS=1`).
+    async fn start_with(
+        script: Script,
+        extra: &[(&'static str, String)],
+        approvals: bool,
+    ) -> Option<Rig> {
         let claude = require_env("HARNESS_CLAUDE_BIN")?;
         let (docker, gateway) = harness_agent_e2e::docker_test_provider().await?;
         let openapi = match OpenApi::pinned() {
@@ -93,11 +104,16 @@ impl Rig {
         // The bridge's image has `claude` installed, as a production bridge
         // image bakes it in (docs/sandbox-cloudflare.md): here the Docker
         // provider runs the Claude Code recipe into an identity snapshot once.
-        let recipe = ClaudeCodeHarness::new(ClaudeCodeConfig::with_binary(
+        let mut config = ClaudeCodeConfig::with_binary(
             harness_agent_binary::AgentBinary::load(&claude).expect("the claude binary"),
-        ))
-        .bootstrap_recipe()
-        .expect("the claude recipe");
+        );
+        if approvals {
+            let server = harness_agent_e2e::approval_server_binary()?;
+            config.approvals = Some(ApprovalServer::load(server).expect("the approval server"));
+        }
+        let recipe = ClaudeCodeHarness::new(config)
+            .bootstrap_recipe()
+            .expect("the claude recipe");
         let mut spec = SandboxSpec::new("/workspace");
         spec.bootstrap = Some(recipe);
         let bridge = BridgeServer::start(
@@ -125,6 +141,9 @@ impl Rig {
             ("HARNESS_CF_TOKEN", BRIDGE_TOKEN.to_string()),
             ("HARNESS_AGENT_ENV", agent_env.to_string()),
         ];
+        if approvals {
+            vars.push(("HARNESS_APPROVALS", "1".to_string()));
+        }
         vars.extend(extra.iter().cloned());
         let dev = tokio::task::spawn_blocking(move || WranglerDev::start(worker_dir, &vars))
             .await
@@ -135,11 +154,16 @@ impl Rig {
     /// A session on the Cloudflare provider running Claude Code, and its
     /// first prompt (asserting turn `t1`).
     async fn prompt(&self, t: &Target, id: &str, text: &str) {
+        self.prompt_with(t, id, text, false).await;
+    }
+
+    /// As [`Rig::prompt`], for a session created with `approvals`.
+    async fn prompt_with(&self, t: &Target, id: &str, text: &str, approvals: bool) {
         let (status, info) = t
             .post(
                 "/v1/sessions",
                 Some(HOST),
-                json!({"id": id, "agent": "claude-code", "sandbox": "cloudflare"}),
+                json!({"id": id, "agent": "claude-code", "sandbox": "cloudflare", "approvals": approvals}),
             )
             .await;
         assert_eq!(status, 201, "{info}");
@@ -350,5 +374,88 @@ async fn an_abort_stops_a_running_slice_on_workflows() {
         "{}",
         rig.dev.log_tail()
     );
+    rig.finish().await;
+}
+
+/// A tool approval reaches a Workflows turn: the agent's Bash call waits
+/// for the client (the turn parks at `awaiting_tool_approval`, the command
+/// not run, the instance waiting for its event); the client's answer
+/// goes to the session's object, which sends it to the instance; the next
+/// slice hands it to the agent, the command runs and the turn finishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approval_reaches_a_claude_turn_on_workflows() {
+    let script = Script::new()
+        .on(
+            last_is_tool_result_for("toolu_wf_approve"),
+            Reply::text("Approved and done."),
+        )
+        .on(
+            last_user_text_contains("make the file"),
+            Reply::shell(
+                "toolu_wf_approve",
+                "echo ran > approved.txt && echo wrote-it",
+            ),
+        );
+    let Some(rig) = Rig::start_with(script, &[], true).await else {
+        return;
+    };
+    let t = Target::new(rig.dev.base.clone(), "wf-approve");
+    let id = "wf-approve";
+    rig.prompt_with(&t, id, "please make the file", true).await;
+    // The request reaches the log; the command has not run.
+    let started = Instant::now();
+    let approval_id = loop {
+        let frames = frames(&t, id).await;
+        let request = frames.iter().find_map(|f| {
+            let body = &f["body"];
+            let part = if body["type"] == "tool-approval-request" {
+                body
+            } else {
+                &body["part"]
+            };
+            (part["type"] == "tool-approval-request")
+                .then(|| part["approvalId"].as_str().map(str::to_string))
+                .flatten()
+        });
+        if let Some(id) = request {
+            // The call's input names the command; no result of it exists.
+            let ran = frames.iter().any(|f| {
+                let body = &f["body"];
+                let part = if body["type"] == "tool-result" {
+                    body
+                } else {
+                    &body["part"]
+                };
+                part["type"] == "tool-result"
+            });
+            assert!(!ran, "the command ran unapproved: {frames:?}");
+            break id;
+        }
+        assert!(
+            terminal_status(&frames).is_none() && started.elapsed() < Duration::from_secs(120),
+            "no approval request: {}\n{}",
+            serde_json::to_string_pretty(&frames).unwrap(),
+            rig.dev.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    let (status, ack) = t
+        .message(
+            id,
+            CLIENT,
+            json!({"type": "approval-response", "approvalId": approval_id, "approved": true}),
+        )
+        .await;
+    assert_eq!(status, 200, "{ack}");
+    let frames = rig.until_end(&t, id, Duration::from_secs(180)).await;
+    let text = serde_json::to_string_pretty(&frames).unwrap();
+    assert_eq!(
+        terminal_status(&frames).as_deref(),
+        Some("finished"),
+        "{text}\n{}",
+        rig.dev.log_tail()
+    );
+    assert!(text.contains("wrote-it"), "{text}");
+    assert!(text.contains("Approved and done."), "{text}");
     rig.finish().await;
 }

@@ -1,0 +1,258 @@
+//! Checkpoints through the Worker's R2 binding (`src/checkpoints.rs`),
+//! end to end: a tree checkpointed on a laptop (a local sandbox, core's move
+//! pipeline with libzstd) is stored in the Worker's R2 bucket and restored
+//! by the Worker itself into a sandbox of the test kit's bridge-compatible
+//! server (real Docker); the Worker checkpoints that sandbox after a change
+//! (core's pipeline in wasm32, pure-Rust zstd) and the laptop restores it.
+//! Trees are compared through each sandbox's find/stat/sha256sum.
+//!
+//! Real parts: `wrangler dev` (its local R2 bucket), Docker, the bridge's
+//! OpenAPI document; without them it skips, or fails under
+//! `HARNESS_REQUIRE_REAL=1`.
+
+#![cfg(not(target_arch = "wasm32"))]
+
+use std::path::Path;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use harness_core::checkpoint::{CheckpointStore, MemoryCheckpointStore};
+use harness_core::moves;
+use harness_core::sandbox::{Sandbox, SandboxProvider, SandboxSpec};
+use harness_testkit::bridge::{BridgeServer, BridgeServerConfig, OpenApi};
+use harness_testkit::conformance::session_api::{self, CLIENT, HOST};
+use harness_testkit::skip_or_fail;
+use harness_testkit::trees::{listing, make_tree, sh};
+use harness_testkit::wrangler::WranglerDev;
+use sandbox_cloudflare::{CloudflareConfig, CloudflareProvider};
+use sandbox_local::LocalProvider;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+const BRIDGE_TOKEN: &str = "checkpoints-bridge-token";
+
+async fn create(provider: &dyn SandboxProvider) -> Box<dyn Sandbox> {
+    provider
+        .create(&SandboxSpec::new("/workspace"))
+        .await
+        .expect("create sandbox")
+}
+
+async fn all_bytes(store: &dyn CheckpointStore, key: &str) -> Vec<u8> {
+    let mut stream = store.get(key).await.expect("get");
+    let mut out = Vec::new();
+    while let Some(chunk) = stream.next().await {
+        out.extend_from_slice(&chunk.expect("a verified chunk"));
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tree_moves_laptop_to_a_cloudflare_sandbox_and_back_through_the_workers_r2() {
+    let Some((docker, _gateway)) = harness_agent_e2e::docker_test_provider().await else {
+        return;
+    };
+    let openapi = match OpenApi::pinned() {
+        Ok(o) => o,
+        Err(e) => {
+            skip_or_fail(&format!("the bridge's OpenAPI document: {e:#}"));
+            return;
+        }
+    };
+    let bridge = BridgeServer::start(
+        Arc::new(docker),
+        BridgeServerConfig {
+            token: BRIDGE_TOKEN.into(),
+            spec: SandboxSpec::new("/workspace"),
+            openapi: Some(openapi),
+        },
+    )
+    .await
+    .expect("the bridge server");
+    let worker_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let vars = vec![
+        ("HARNESS_TOKENS", session_api::token_table().to_string()),
+        ("HARNESS_CF_BRIDGE_URL", bridge.url()),
+        ("HARNESS_CF_TOKEN", BRIDGE_TOKEN.to_string()),
+    ];
+    let Some(dev) = tokio::task::spawn_blocking(move || WranglerDev::start(worker_dir, &vars))
+        .await
+        .expect("start task")
+    else {
+        return;
+    };
+    let http = reqwest::Client::new();
+    let base = dev.base.clone();
+    let objects = format!("{base}/v1/checkpoints/objects");
+
+    // The laptop checkpoints natively (libzstd) into memory.
+    let root = tempfile::tempdir().unwrap();
+    let local = LocalProvider::new(root.path());
+    let laptop = create(&local).await;
+    make_tree(laptop.as_ref()).await;
+    let start = listing(laptop.as_ref(), laptop.workdir()).await;
+    let memory = MemoryCheckpointStore::new();
+    let made = moves::checkpoint(
+        laptop.as_ref(),
+        laptop.workdir(),
+        &memory,
+        "laptop/tree.tar.zst",
+        None,
+    )
+    .await
+    .expect("the laptop's checkpoint");
+    let archive = all_bytes(&memory, "laptop/tree.tar.zst").await;
+
+    // Into the Worker's bucket: only a host may write.
+    let refused = http
+        .put(format!("{objects}/laptop/tree.tar.zst"))
+        .bearer_auth(CLIENT)
+        .body(archive.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 403);
+    let put = http
+        .put(format!("{objects}/laptop/tree.tar.zst"))
+        .bearer_auth(HOST)
+        .body(archive.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(put.status(), 200);
+    let meta: Value = put.json().await.unwrap();
+    assert_eq!(meta["sha256"], made.object.sha256.as_str(), "{meta}");
+    assert_eq!(meta["size"], made.object.size, "{meta}");
+
+    // The Worker restores it into a bridge sandbox, in the Worker.
+    let cloud_provider = CloudflareProvider::new(CloudflareConfig::new(bridge.url(), BRIDGE_TOKEN))
+        .expect("the native Cloudflare provider");
+    let cloud = create(&cloud_provider).await;
+    let restored = http
+        .post(format!("{base}/v1/checkpoints/restore"))
+        .bearer_auth(HOST)
+        .json(&json!({"sandbox": cloud.handle(), "dir": cloud.workdir(), "key": "laptop/tree.tar.zst"}))
+        .send()
+        .await
+        .unwrap();
+    let status = restored.status();
+    let summary: Value = restored.json().await.unwrap_or(Value::Null);
+    assert_eq!(status, 200, "{summary}\n{}", dev.log_tail());
+    assert!(summary["entries"].as_u64().unwrap_or(0) > 10, "{summary}");
+    assert_eq!(
+        listing(cloud.as_ref(), cloud.workdir()).await,
+        start,
+        "the Cloudflare sandbox holds the laptop's tree"
+    );
+
+    // A change in the cloud; the Worker checkpoints the sandbox (zstd in
+    // wasm32) into its bucket.
+    sh(
+        cloud.as_ref(),
+        &format!(
+            "cd {} && echo changed-in-the-cloud > cloud-note.txt",
+            cloud.workdir()
+        ),
+    )
+    .await;
+    let in_cloud = listing(cloud.as_ref(), cloud.workdir()).await;
+    assert_ne!(in_cloud, start);
+    let checkpointed = http
+        .post(format!("{base}/v1/checkpoints/checkpoint"))
+        .bearer_auth(HOST)
+        .json(&json!({"sandbox": cloud.handle(), "dir": cloud.workdir(), "key": "cloud/tree.tar.zst"}))
+        .send()
+        .await
+        .unwrap();
+    let status = checkpointed.status();
+    let info: Value = checkpointed.json().await.unwrap_or(Value::Null);
+    assert_eq!(status, 200, "{info}\n{}", dev.log_tail());
+    assert!(
+        info["tar_bytes"].as_u64().unwrap_or(0) > 6_000_000,
+        "{info}"
+    );
+
+    // Listed with its hash; read back, verified by the Worker and here.
+    let listed: Value = http
+        .get(format!("{objects}?prefix=cloud/"))
+        .bearer_auth(HOST)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(listed[0]["key"], "cloud/tree.tar.zst", "{listed}");
+    let got = http
+        .get(format!("{objects}/cloud/tree.tar.zst"))
+        .bearer_auth(HOST)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(got.status(), 200);
+    let sha = got
+        .headers()
+        .get("x-checkpoint-sha256")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
+        .expect("the recorded hash");
+    let bytes = got.bytes().await.unwrap();
+    assert_eq!(hex::encode(Sha256::digest(&bytes)), sha);
+    assert_eq!(listed[0]["sha256"], sha.as_str());
+    assert_eq!(listed[0]["size"], bytes.len() as u64);
+
+    // The laptop restores the Worker's checkpoint natively (libzstd reads
+    // the Worker's frames).
+    let memory_back = MemoryCheckpointStore::new();
+    let stream: harness_core::stream::ByteStream =
+        Box::pin(futures::stream::iter([Ok(Bytes::from(bytes.to_vec()))]));
+    memory_back.put("cloud/tree.tar.zst", stream).await.unwrap();
+    let laptop_back = create(&local).await;
+    moves::restore(
+        &memory_back,
+        "cloud/tree.tar.zst",
+        laptop_back.as_ref(),
+        laptop_back.workdir(),
+        None,
+    )
+    .await
+    .expect("the laptop restores the Worker's checkpoint");
+    assert_eq!(
+        listing(laptop_back.as_ref(), laptop_back.workdir()).await,
+        in_cloud,
+        "the laptop holds the cloud's tree"
+    );
+
+    // Refusals: an unknown key, an unsafe key, a client grant.
+    let missing = http
+        .get(format!("{objects}/no/such.tar.zst"))
+        .bearer_auth(HOST)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(missing.status(), 404);
+    let unsafe_key = http
+        .post(format!("{base}/v1/checkpoints/checkpoint"))
+        .bearer_auth(HOST)
+        .json(&json!({"sandbox": cloud.handle(), "dir": cloud.workdir(), "key": "../escape"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(unsafe_key.status(), 400);
+    let client = http
+        .get(format!("{objects}?prefix="))
+        .bearer_auth(CLIENT)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(client.status(), 403);
+
+    for sb in [laptop, cloud, laptop_back] {
+        sb.destroy().await.unwrap();
+    }
+    bridge
+        .check()
+        .expect("every bridge request matched the OpenAPI document");
+    drop(dev);
+}
