@@ -309,19 +309,9 @@ async fn route(req: Request, env: &Env) -> Result<Response, ApiError> {
             let role = ws::role(&call.params)?;
             let grant = call.authorize(Some(&id), ws::grants_for(role))?;
             let headers = call.req.headers().clone();
-            headers.set(SESSION_HEADER, id.as_str()).map_err(internal)?;
             let host = if grant == GrantRole::Host { "1" } else { "0" };
             headers.set(GRANT_HOST_HEADER, host).map_err(internal)?;
-            let mut init = RequestInit::new();
-            init.with_method(Method::Get).with_headers(headers);
-            let url = format!("https://session.internal/ws?{}", call.query);
-            let request = Request::new_with_init(&url, &init).map_err(internal)?;
-            let namespace = call.env.durable_object("SESSIONS").map_err(internal)?;
-            let stub = namespace
-                .id_from_name(id.as_str())
-                .and_then(|i| i.get_stub())
-                .map_err(internal)?;
-            stub.fetch_with_request(request).await.map_err(internal)
+            forward_to_session(&call, &id, Method::Get, "ws", headers).await
         }
         (method, ["v1", "stream", "sessions", id]) => session_stream(call, method, id, &path).await,
         (method, ["v1", "stream", _, ..]) => streams(call, method, &path).await,
@@ -424,13 +414,26 @@ async fn session_stream(
         return refuse(e.status, e.message);
     }
     let headers = call.req.headers().clone();
-    headers.set(SESSION_HEADER, id.as_str()).map_err(internal)?;
     headers
         .set(crate::session_streams::PATH_HEADER, path)
         .map_err(internal)?;
+    forward_to_session(&call, &id, method, "stream", headers).await
+}
+
+/// Hand this request to `id`'s object at `op`, with `headers` (plus the
+/// session header) and this request's query: for what the object answers
+/// from the client's own request (a WebSocket upgrade, a stream read).
+async fn forward_to_session(
+    call: &Call<'_>,
+    id: &SessionId,
+    method: Method,
+    op: &str,
+    headers: Headers,
+) -> Result<Response, ApiError> {
+    headers.set(SESSION_HEADER, id.as_str()).map_err(internal)?;
     let mut init = RequestInit::new();
     init.with_method(method).with_headers(headers);
-    let url = format!("https://session.internal/stream?{}", call.query);
+    let url = format!("https://session.internal/{op}?{}", call.query);
     let request = Request::new_with_init(&url, &init).map_err(internal)?;
     let namespace = call.env.durable_object("SESSIONS").map_err(internal)?;
     let stub = namespace
