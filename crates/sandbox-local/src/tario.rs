@@ -131,17 +131,26 @@ impl Read for ChannelReader {
 /// scanned on the way in (`TarScanner::outward_symlinks`): a refused entry
 /// stops the import before the unpacker sees its header.
 pub(crate) async fn import(dir: PathBuf, tar: ByteStream) -> Result<()> {
+    import_into(dir, tar, false).await
+}
+
+/// [`import`]; `fresh`: `dir` was just made by this import (empty, private),
+/// so [`unpack_fresh`] may skip what only protects a directory with entries
+/// of its own.
+async fn import_into(dir: PathBuf, tar: ByteStream, fresh: bool) -> Result<()> {
     let mut tar = scan_stream(tar, TarScanner::new().outward_symlinks());
     tokio::fs::create_dir_all(&dir).await?;
     let (tx, rx) = mpsc::channel::<Bytes>(DEPTH);
     let unpacker = tokio::task::spawn_blocking(move || {
-        unpack(
-            &dir,
-            ChannelReader {
-                rx,
-                cur: Bytes::new(),
-            },
-        )
+        let reader = ChannelReader {
+            rx,
+            cur: Bytes::new(),
+        };
+        if fresh {
+            unpack_fresh(&dir, reader)
+        } else {
+            unpack(&dir, reader)
+        }
     });
     let mut stream_error = None;
     while let Some(chunk) = tar.next().await {
@@ -168,7 +177,7 @@ pub(crate) async fn import(dir: PathBuf, tar: ByteStream) -> Result<()> {
     unpacked
 }
 
-fn unpack(dir: &Path, reader: ChannelReader) -> Result<()> {
+fn unpack(dir: &Path, reader: impl Read) -> Result<()> {
     let mut archive = tar::Archive::new(reader);
     // Modes are kept (no umask) but without setuid, setgid and sticky bits:
     // an archive must never leave a program that runs as its owner.
@@ -229,6 +238,166 @@ fn unpack(dir: &Path, reader: ChannelReader) -> Result<()> {
     Ok(())
 }
 
+/// Unpack into `dir`, a directory this import just made: empty and
+/// private, so every entry below it is the archive's own. The tar crate's
+/// `unpack_in` resolves each entry's parent on disk (a `realpath` of the
+/// parent and of `dir`, a dozen system calls per entry) to catch a symlink
+/// that leads out; here the only symlinks are the archive's, so entries are
+/// checked against the set of symlinks it made (the scanner in front of
+/// [`import_into`] refuses those entries first; this is the second line),
+/// each directory is made once, and each file is written with one open, its
+/// data, its times and its mode.
+fn unpack_fresh(dir: &Path, reader: impl Read) -> Result<()> {
+    use std::collections::HashSet;
+    use std::os::unix::fs::OpenOptionsExt;
+
+    let mut archive = tar::Archive::new(reader);
+    // Paths (relative, normalized) of the symlinks the archive made.
+    let mut symlinks: HashSet<String> = HashSet::new();
+    // Directories known to exist.
+    let mut made: HashSet<PathBuf> = HashSet::from([dir.to_path_buf()]);
+    let mut dir_modes: Vec<(PathBuf, u32)> = Vec::new();
+    let unsafe_entry =
+        |raw: &str, why: &str| Error::unsafe_entry(format!("refusing tar entry {raw:?}: {why}"));
+    let under_symlink = |symlinks: &HashSet<String>, path: &str| {
+        path.match_indices('/')
+            .any(|(i, _)| symlinks.contains(&path[..i]))
+    };
+    let io_error = |raw: &str, e: std::io::Error| {
+        let kind = match e.kind() {
+            std::io::ErrorKind::NotFound => ErrorKind::NotFound,
+            _ => ErrorKind::Io,
+        };
+        Error::new(kind, format!("unpacking tar entry {raw:?}: {e}"))
+    };
+    for entry in archive
+        .entries()
+        .map_err(|e| Error::corrupt(format!("reading tar: {e}")))?
+    {
+        let mut entry = entry.map_err(|e| Error::corrupt(format!("reading tar entry: {e}")))?;
+        let raw = String::from_utf8_lossy(&entry.path_bytes()).into_owned();
+        let normalized = check_entry_path(&raw)?;
+        if normalized.is_empty() {
+            // The archive root itself: `dir` already exists.
+            continue;
+        }
+        if under_symlink(&symlinks, &normalized) {
+            return Err(unsafe_entry(&raw, "it lies under a symlink of the archive"));
+        }
+        let path = dir.join(&normalized);
+        if let Some(parent) = path.parent() {
+            if !made.contains(parent) {
+                std::fs::create_dir_all(parent).map_err(|e| io_error(&raw, e))?;
+                let mut at = parent;
+                while made.insert(at.to_path_buf()) {
+                    match at.parent() {
+                        Some(up) => at = up,
+                        None => break,
+                    }
+                }
+            }
+        }
+        // An entry replaces an earlier one of the same path (as tar does),
+        // except a directory, which a later directory entry merges into.
+        let header = entry.header();
+        let kind = header.entry_type();
+        let mode = header.mode().unwrap_or(0o644) & 0o777;
+        let mtime = header.mtime().ok();
+        let replace = |path: &Path| match std::fs::symlink_metadata(path) {
+            Ok(meta) if meta.is_dir() => std::fs::remove_dir(path),
+            Ok(_) => std::fs::remove_file(path),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(e),
+        };
+        match kind {
+            tar::EntryType::Directory => {
+                if symlinks.remove(&normalized) {
+                    replace(&path).map_err(|e| io_error(&raw, e))?;
+                }
+                match std::fs::create_dir(&path) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && path.is_dir() => {}
+                    Err(e) => return Err(io_error(&raw, e)),
+                }
+                made.insert(path.clone());
+                // Writable while its entries land; its own mode at the end.
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode | 0o700))?;
+                dir_modes.push((path, mode));
+            }
+            tar::EntryType::Regular | tar::EntryType::Continuous => {
+                symlinks.remove(&normalized);
+                let open = || {
+                    std::fs::OpenOptions::new()
+                        .write(true)
+                        .create_new(true)
+                        .mode(0o600)
+                        .open(&path)
+                };
+                let mut file = match open() {
+                    Ok(f) => f,
+                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                        replace(&path).map_err(|e| io_error(&raw, e))?;
+                        open().map_err(|e| io_error(&raw, e))?
+                    }
+                    Err(e) => return Err(io_error(&raw, e)),
+                };
+                std::io::copy(&mut entry, &mut file).map_err(|e| io_error(&raw, e))?;
+                if let Some(secs) = mtime {
+                    let at = std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs);
+                    file.set_times(std::fs::FileTimes::new().set_accessed(at).set_modified(at))
+                        .map_err(|e| io_error(&raw, e))?;
+                }
+                // No setuid, setgid or sticky bit: an archive must never
+                // leave a program that runs as its owner.
+                file.set_permissions(std::fs::Permissions::from_mode(mode))
+                    .map_err(|e| io_error(&raw, e))?;
+            }
+            tar::EntryType::Symlink => {
+                let target = entry
+                    .link_name()
+                    .map_err(|e| Error::corrupt(format!("reading tar entry {raw:?}: {e}")))?
+                    .ok_or_else(|| unsafe_entry(&raw, "a symlink without a target"))?;
+                replace(&path).map_err(|e| io_error(&raw, e))?;
+                std::os::unix::fs::symlink(&target, &path).map_err(|e| io_error(&raw, e))?;
+                symlinks.insert(normalized);
+            }
+            tar::EntryType::Link => {
+                let target = entry
+                    .link_name_bytes()
+                    .map(|b| String::from_utf8_lossy(&b).into_owned())
+                    .ok_or_else(|| unsafe_entry(&raw, "a hard link without a target"))?;
+                let target = check_entry_path(&target)?;
+                if target.is_empty() || under_symlink(&symlinks, &target) {
+                    return Err(unsafe_entry(
+                        &raw,
+                        "its link target is not a file of the archive",
+                    ));
+                }
+                replace(&path).map_err(|e| io_error(&raw, e))?;
+                std::fs::hard_link(dir.join(&target), &path).map_err(|e| io_error(&raw, e))?;
+            }
+            tar::EntryType::Char | tar::EntryType::Block | tar::EntryType::Fifo => {
+                return Err(unsafe_entry(
+                    &raw,
+                    "device files and FIFOs are not imported",
+                ));
+            }
+            // Extension records are read by `entries()`; anything else
+            // (sparse files, vendor types) is not something we write.
+            other => {
+                return Err(unsafe_entry(
+                    &raw,
+                    &format!("entry type {other:?} is not imported"),
+                ));
+            }
+        }
+    }
+    for (path, mode) in dir_modes.into_iter().rev() {
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))?;
+    }
+    Ok(())
+}
+
 /// Extract `tar` like [`import`], but into a staging directory beside `dir`
 /// (inside it when no sibling can be made), and move the entries into place
 /// only once the whole stream ended without an error: a refused entry or a
@@ -241,7 +410,7 @@ pub(crate) async fn import_staged(dir: PathBuf, tar: ByteStream) -> Result<()> {
             .await
             .map_err(|e| Error::backend(format!("tar import task failed: {e}")))??
     };
-    let imported = import(staging.clone(), tar).await;
+    let imported = import_into(staging.clone(), tar, true).await;
     tokio::task::spawn_blocking(move || {
         let result = imported.and_then(|()| {
             std::fs::create_dir_all(&dir)?;
@@ -364,5 +533,159 @@ fn remove_tree(path: &Path) {
     unlock(path);
     if let Err(e) = std::fs::remove_dir_all(path) {
         tracing::warn!(path = %path.display(), error = %e, "could not remove a tar import's staging directory");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+
+    use super::*;
+
+    /// A tar of the given entries: `(path, kind, mode, data or link target)`.
+    fn archive(entries: &[(&str, tar::EntryType, u32, &str)]) -> Vec<u8> {
+        let mut builder = tar::Builder::new(Vec::new());
+        for (path, kind, mode, data) in entries {
+            let mut header = tar::Header::new_gnu();
+            header.set_entry_type(*kind);
+            header.set_mode(*mode);
+            header.set_mtime(1_700_000_000);
+            match kind {
+                tar::EntryType::Symlink | tar::EntryType::Link => {
+                    header.set_size(0);
+                    builder.append_link(&mut header, path, data).unwrap();
+                }
+                _ => {
+                    header.set_size(data.len() as u64);
+                    builder
+                        .append_data(&mut header, path, data.as_bytes())
+                        .unwrap();
+                }
+            }
+        }
+        builder.into_inner().unwrap()
+    }
+
+    /// Every entry under `dir`: path, kind, mode, file mtime, content or
+    /// link target.
+    fn listing(dir: &Path) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut stack = vec![dir.to_path_buf()];
+        while let Some(at) = stack.pop() {
+            for entry in std::fs::read_dir(&at).unwrap() {
+                let path = entry.unwrap().path();
+                let meta = std::fs::symlink_metadata(&path).unwrap();
+                let rel = path.strip_prefix(dir).unwrap().display().to_string();
+                let mode = meta.permissions().mode() & 0o7777;
+                if meta.is_symlink() {
+                    out.push(format!(
+                        "{rel} -> {}",
+                        std::fs::read_link(&path).unwrap().display()
+                    ));
+                } else if meta.is_dir() {
+                    out.push(format!("{rel}/ {mode:o}"));
+                    stack.push(path);
+                } else {
+                    let data = std::fs::read_to_string(&path).unwrap();
+                    out.push(format!(
+                        "{rel} {mode:o} {} {} {data}",
+                        meta.mtime(),
+                        meta.nlink()
+                    ));
+                }
+            }
+        }
+        out.sort();
+        out
+    }
+
+    #[test]
+    fn the_fresh_unpack_writes_what_the_tar_crate_writes() {
+        use tar::EntryType as T;
+        let tar = archive(&[
+            ("./", T::Directory, 0o755, ""),
+            ("a/", T::Directory, 0o750, ""),
+            ("a/run.sh", T::Regular, 0o4755, "#!/bin/sh\n"),
+            ("a/ro.txt", T::Regular, 0o444, "read only"),
+            ("deep/er/still/f.txt", T::Regular, 0o644, "implied parents"),
+            ("locked/", T::Directory, 0o555, ""),
+            ("locked/inside.txt", T::Regular, 0o600, "in a read-only dir"),
+            ("a/ro.txt", T::Regular, 0o640, "replaced by a later entry"),
+            ("link", T::Symlink, 0o777, "a/run.sh"),
+            ("hard", T::Link, 0o644, "a/ro.txt"),
+        ]);
+        let (old, new) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        unpack(old.path(), &tar[..]).unwrap();
+        unpack_fresh(new.path(), &tar[..]).unwrap();
+        let (want, got) = (listing(old.path()), listing(new.path()));
+        assert_eq!(got, want);
+        // The setuid bit is dropped; the later entry won.
+        assert!(
+            got.contains(&"a/run.sh 755 1700000000 1 #!/bin/sh\n".to_string()),
+            "{got:#?}"
+        );
+        assert!(
+            got.iter()
+                .any(|l| l.starts_with("a/ro.txt 640 1700000000 2 replaced")),
+            "{got:#?}"
+        );
+        for dir in [old.path(), new.path()] {
+            let locked = dir.join("locked");
+            std::fs::set_permissions(&locked, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+    }
+
+    #[test]
+    fn the_fresh_unpack_refuses_entries_under_the_archives_own_symlinks() {
+        use tar::EntryType as T;
+        let outside = tempfile::tempdir().unwrap();
+        let target = outside.path().display().to_string();
+        for (what, tar) in [
+            (
+                "a file",
+                archive(&[
+                    ("out", T::Symlink, 0o777, &target),
+                    ("out/evil", T::Regular, 0o644, "x"),
+                ]),
+            ),
+            (
+                "a directory",
+                archive(&[
+                    ("out", T::Symlink, 0o777, &target),
+                    ("out/d/", T::Directory, 0o755, ""),
+                ]),
+            ),
+            (
+                "a hard link to a path through it",
+                archive(&[
+                    ("out", T::Symlink, 0o777, &target),
+                    ("h", T::Link, 0o644, "out/secret"),
+                ]),
+            ),
+            (
+                "a climbing hard link",
+                archive(&[("h", T::Link, 0o644, "../secret")]),
+            ),
+            ("a FIFO", archive(&[("p", T::Fifo, 0o644, "")])),
+        ] {
+            std::fs::write(outside.path().join("secret"), "keep").unwrap();
+            let dir = tempfile::tempdir().unwrap();
+            let err = unpack_fresh(dir.path(), &tar[..]).unwrap_err();
+            assert!(
+                matches!(err.kind(), ErrorKind::Unsafe | ErrorKind::InvalidInput),
+                "{what}: {err}"
+            );
+            let mut left: Vec<_> = std::fs::read_dir(outside.path())
+                .unwrap()
+                .map(|e| e.unwrap().file_name())
+                .collect();
+            left.sort();
+            assert_eq!(left, vec![std::ffi::OsString::from("secret")], "{what}");
+            assert_eq!(
+                std::fs::read_to_string(outside.path().join("secret")).unwrap(),
+                "keep",
+                "{what}"
+            );
+        }
     }
 }
