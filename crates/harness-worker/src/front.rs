@@ -8,9 +8,9 @@
 //! …/messages`, `GET …/events` (SSE, `Last-Event-ID`), `GET …/frames`,
 //! `GET …/export`, `GET …/ui-stream`, `POST …/seal`, fork, WebSocket, and
 //! Durable Streams (`/v1/stream/*`: generic streams in the streams object,
-//! session streams in the session's object). Not yet: `GET /v1/sessions`
-//! (there is no directory of sessions) and the runner channel `/v1/runner`
-//! — they answer 501 `unsupported`.
+//! session streams in the session's object), and `GET /v1/sessions` (the
+//! directory object's ids, each session's info from its object). Not yet:
+//! the runner channel `/v1/runner` — it answers 501 `unsupported`.
 
 // `#[event(fetch)]` expands to unsafe blocks: allowed here, denied
 // elsewhere in the crate.
@@ -199,15 +199,15 @@ async fn route(req: Request, env: &Env) -> Result<Response, ApiError> {
             let id = create.session_id(&random_hex())?;
             call.authorize(Some(&id), HOST)?;
             let config = create.config(&[], &[])?;
+            // Listed before it exists, so it is never missing from the list.
+            record_session(call.env, &id).await?;
             let body = serde_json::to_vec(&config).map_err(|e| ApiError::invalid(e.to_string()))?;
             call.object(&id, Method::Post, "create", Some(String::new()), Some(body))
                 .await
         }
         (Method::Get, ["v1", "sessions"]) => {
             call.authorize(None, HOST)?;
-            Err(unsupported(
-                "listing sessions (a Worker has no directory of its sessions yet)",
-            ))
+            list_sessions(&call).await
         }
         (Method::Get, ["v1", "sessions", id]) => {
             let id = request::session_id(id)?;
@@ -265,6 +265,7 @@ async fn route(req: Request, env: &Env) -> Result<Response, ApiError> {
             };
             call.authorize(Some(&source), HOST)?;
             call.authorize(Some(&target), HOST)?;
+            record_session(call.env, &target).await?;
             let query = match request::param_u64(&call.params, "until")? {
                 Some(until) => format!("until={until}"),
                 None => String::new(),
@@ -551,6 +552,66 @@ async fn checkpoint_move(mut call: Call<'_>, op: &str) -> Result<Response, ApiEr
             }),
         )
     }
+}
+
+/// The directory object (`directory.rs`) at `path`.
+async fn directory(env: &Env, method: Method, path: &str) -> Result<Response, ApiError> {
+    let namespace = env.durable_object("DIRECTORY").map_err(internal)?;
+    let stub = namespace
+        .id_from_name(crate::directory::DIRECTORY_OBJECT)
+        .and_then(|i| i.get_stub())
+        .map_err(internal)?;
+    let mut init = RequestInit::new();
+    init.with_method(method);
+    let url = format!("https://directory.internal{path}");
+    let request = Request::new_with_init(&url, &init).map_err(internal)?;
+    stub.fetch_with_request(request).await.map_err(internal)
+}
+
+/// Record `id` in the directory of sessions.
+async fn record_session(env: &Env, id: &SessionId) -> Result<(), ApiError> {
+    let path = format!("/add?id={}", id.as_str());
+    let answer = directory(env, Method::Post, &path).await?;
+    if answer.status_code() != 204 {
+        return Err(ApiError::new(
+            500,
+            "internal",
+            format!(
+                "the session directory refused {id}: {}",
+                answer.status_code()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// `GET /v1/sessions`: every listed session's info, by id, as
+/// `session-server` lists its log's sessions. One request to each
+/// session's object; an id whose creation failed (404) is left out.
+async fn list_sessions(call: &Call<'_>) -> Result<Response, ApiError> {
+    let mut ids = directory(call.env, Method::Get, "/list").await?;
+    let ids: Vec<String> = ids.json().await.map_err(internal)?;
+    let mut infos = Vec::with_capacity(ids.len());
+    for id in ids {
+        let Ok(id) = SessionId::parse(id) else {
+            continue;
+        };
+        let mut info = call
+            .object(&id, Method::Get, "info", Some(String::new()), None)
+            .await?;
+        match info.status_code() {
+            200 => infos.push(info.json::<serde_json::Value>().await.map_err(internal)?),
+            404 => {}
+            status => {
+                return Err(ApiError::new(
+                    500,
+                    "internal",
+                    format!("the info of session {id} answered {status}"),
+                ))
+            }
+        }
+    }
+    json_response(200, &infos)
 }
 
 fn internal(e: worker::Error) -> ApiError {

@@ -22,6 +22,7 @@
 #![cfg(target_arch = "wasm32")]
 
 mod checkpoints;
+mod directory;
 mod front;
 mod object;
 mod session_streams;
@@ -29,6 +30,7 @@ mod store;
 mod streams;
 mod turns;
 
+pub use directory::SessionDirectory;
 pub use object::SessionObject;
 pub use store::DoStore;
 pub use streams::StreamsObject;

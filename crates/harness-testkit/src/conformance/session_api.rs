@@ -322,6 +322,7 @@ pub async fn run_all(t: &Target) {
     fork_copies_a_prefix_and_seals(t).await;
     runners_are_fenced_by_generation_over_websocket(t).await;
     durable_streams_follow_a_session(t).await;
+    sessions_are_listed_for_a_host(t).await;
 }
 
 /// Create, prompt, answer; read back by `/frames`, `/export` and info.
@@ -1250,4 +1251,36 @@ pub async fn durable_streams_follow_a_session(t: &Target) {
     assert!(closed, "the stream ends with its close: {events:?}");
     let head = send(t.request(reqwest::Method::HEAD, &path, Some(CLIENT))).await;
     assert_eq!(header(&head, "stream-closed").as_deref(), Some("true"));
+}
+
+/// `GET /v1/sessions`: a host sees every session with its info, in id
+/// order; a client grant gets 403, no token 401.
+pub async fn sessions_are_listed_for_a_host(t: &Target) {
+    let (a, b) = (t.id("list-a"), t.id("list-b"));
+    t.create(&b).await;
+    t.create(&a).await;
+    let (status, _) = t
+        .message(&a, CLIENT, json!({"type": "prompt", "text": "p"}))
+        .await;
+    assert_eq!(status, 200);
+    let (status, list) = t.get("/v1/sessions", Some(HOST)).await;
+    assert_eq!(status, 200, "{list}");
+    let list = list.as_array().cloned().expect("an array");
+    let ids: Vec<&str> = list
+        .iter()
+        .map(|i| i["session"].as_str().expect("a session id"))
+        .collect();
+    let mut sorted = ids.clone();
+    sorted.sort();
+    assert_eq!(ids, sorted, "listed in id order");
+    let find = |id: &str| {
+        list.iter()
+            .find(|i| i["session"] == id)
+            .cloned()
+            .unwrap_or_else(|| panic!("{id} is not listed: {ids:?}"))
+    };
+    assert_eq!(find(&a)["last_seq"], 1);
+    assert_eq!(find(&b)["last_seq"], 0);
+    assert_error(&t.get("/v1/sessions", Some(CLIENT)).await, 403, "forbidden");
+    assert_error(&t.get("/v1/sessions", None).await, 401, "unauthorized");
 }
