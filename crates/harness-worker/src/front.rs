@@ -346,24 +346,18 @@ async fn route(req: Request, env: &Env) -> Result<Response, ApiError> {
 /// object. Refusals are the protocol's plain-text answers.
 async fn streams(mut call: Call<'_>, method: Method, path: &str) -> Result<Response, ApiError> {
     use durable_streams::protocol::{body_too_large, Reply};
-    let refuse = |status: u16, message: String| {
-        let status = http::StatusCode::from_u16(status).unwrap_or(http::StatusCode::FORBIDDEN);
-        crate::streams::respond(Reply::text(status, message)).map_err(internal)
-    };
     if method == Method::Options {
-        return crate::streams::respond(Reply::new(http::StatusCode::NO_CONTENT)).map_err(internal);
+        return stream_reply(Reply::new(http::StatusCode::NO_CONTENT));
     }
     if let Err(e) = call.authorize(None, HOST) {
-        return refuse(e.status, e.message);
+        return stream_refusal(e.status, e.message);
     }
     let body = if matches!(method, Method::Put | Method::Post) {
         let limit = crate::streams::max_body_bytes(call.env);
         match call.body(limit).await {
             Ok(b) => Some(b),
-            Err(e) if e.status == 413 => {
-                return crate::streams::respond(body_too_large(limit)).map_err(internal)
-            }
-            Err(e) => return refuse(e.status, e.message),
+            Err(e) if e.status == 413 => return stream_reply(body_too_large(limit)),
+            Err(e) => return stream_refusal(e.status, e.message),
         }
     } else {
         None
@@ -390,6 +384,18 @@ async fn streams(mut call: Call<'_>, method: Method, path: &str) -> Result<Respo
     stub.fetch_with_request(request).await.map_err(internal)
 }
 
+/// A Durable Streams answer (CORS headers included).
+fn stream_reply(reply: durable_streams::protocol::Reply) -> Result<Response, ApiError> {
+    crate::streams::respond(reply).map_err(internal)
+}
+
+/// A refusal as Durable Streams answers one: the status and a plain-text
+/// message, not the session API's JSON error.
+fn stream_refusal(status: u16, message: String) -> Result<Response, ApiError> {
+    let status = http::StatusCode::from_u16(status).unwrap_or(http::StatusCode::FORBIDDEN);
+    stream_reply(durable_streams::protocol::Reply::text(status, message))
+}
+
 /// A session's log as a Durable Stream: checked as `session-server`
 /// checks it (a client or runner grant on the session), answered by the
 /// session's object (read-only: writes get 405).
@@ -400,19 +406,15 @@ async fn session_stream(
     path: &str,
 ) -> Result<Response, ApiError> {
     use durable_streams::protocol::Reply;
-    let refuse = |status: u16, message: String| {
-        let status = http::StatusCode::from_u16(status).unwrap_or(http::StatusCode::FORBIDDEN);
-        crate::streams::respond(Reply::text(status, message)).map_err(internal)
-    };
     if method == Method::Options {
-        return crate::streams::respond(Reply::new(http::StatusCode::NO_CONTENT)).map_err(internal);
+        return stream_reply(Reply::new(http::StatusCode::NO_CONTENT));
     }
     let id = match SessionId::parse(id) {
         Ok(id) => id,
-        Err(e) => return refuse(400, e.to_string()),
+        Err(e) => return stream_refusal(400, e.to_string()),
     };
     if let Err(e) = call.authorize(Some(&id), &[GrantRole::Client, GrantRole::Runner]) {
-        return refuse(e.status, e.message);
+        return stream_refusal(e.status, e.message);
     }
     let headers = call.req.headers().clone();
     headers

@@ -133,6 +133,11 @@ pub fn available() -> Result<PathBuf, String> {
     install_dir().map_err(|e| format!("cannot install the conformance suite: {e}"))
 }
 
+/// [`available`], or `None` after `skip_or_fail` with the reason.
+pub fn available_or_skip() -> Option<PathBuf> {
+    available().map_err(|why| crate::skip_or_fail(&why)).ok()
+}
+
 /// Run the suite (installed in `dir`) against the server at `base_url`
 /// (`http://host:port`, streams under `/v1/stream/`), blocking. The
 /// server's long-poll timeout must be under 5 s (the suite waits that long).
