@@ -94,10 +94,9 @@ pub fn docker_image() -> String {
         .unwrap_or_else(|| "harness-test:bookworm".into())
 }
 
-/// A Docker provider on the test image ([`docker_image`]) and the bridge
-/// gateway its containers reach this machine at; `None` after
-/// `skip_or_fail` when dockerd, the image or the gateway is missing.
-pub async fn docker_test_provider() -> Option<(DockerProvider, IpAddr)> {
+/// A Docker provider on the test image ([`docker_image`]); `None` after
+/// `skip_or_fail` when dockerd or the image is missing.
+pub async fn docker_image_provider() -> Option<DockerProvider> {
     let config = DockerConfig {
         default_image: docker_image(),
         ..DockerConfig::default()
@@ -121,6 +120,13 @@ pub async fn docker_test_provider() -> Option<(DockerProvider, IpAddr)> {
         ));
         return None;
     }
+    Some(provider)
+}
+
+/// [`docker_image_provider`] and the bridge gateway its containers reach
+/// this machine at; `None` after `skip_or_fail` when any is missing.
+pub async fn docker_test_provider() -> Option<(DockerProvider, IpAddr)> {
+    let provider = docker_image_provider().await?;
     let Some(gateway) = provider.bridge_gateway().await else {
         harness_testkit::skip_or_fail("cannot find the docker bridge gateway address");
         return None;

@@ -10,38 +10,12 @@ use std::sync::Arc;
 use harness_core::sandbox::SandboxSpec;
 use harness_testkit::bridge::{BridgeServer, BridgeServerConfig, OpenApi};
 use sandbox_cloudflare::{CloudflareConfig, CloudflareProvider};
-use sandbox_docker::{DockerConfig, DockerProvider};
-
-/// The Docker test image: `HARNESS_TEST_IMAGE`, else `harness-test:bookworm`.
-pub fn image() -> String {
-    std::env::var("HARNESS_TEST_IMAGE")
-        .ok()
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| "harness-test:bookworm".into())
-}
+use sandbox_docker::DockerProvider;
 
 /// A Docker provider on the test image, or `None` after a skip (a failure
 /// under `HARNESS_REQUIRE_REAL=1`).
 pub async fn docker() -> Option<DockerProvider> {
-    let config = DockerConfig {
-        default_image: image(),
-        ..DockerConfig::default()
-    };
-    let provider = match DockerProvider::connect(config).await {
-        Ok(p) => p,
-        Err(e) => {
-            harness_testkit::skip_or_fail(&format!("no docker engine answers: {e}"));
-            return None;
-        }
-    };
-    if provider.client().inspect_image(&image()).await.is_err() {
-        harness_testkit::skip_or_fail(&format!(
-            "docker image {} is missing (build it with `cargo xtask image`)",
-            image()
-        ));
-        return None;
-    }
-    Some(provider)
+    harness_agent_e2e::docker_image_provider().await
 }
 
 /// A bridge and a provider talking to it.
