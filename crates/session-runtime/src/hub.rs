@@ -213,6 +213,9 @@ enum Command {
         request: Option<ClientMessage>,
     },
     Input(Input),
+    /// How many connections the actor holds once the commands queued
+    /// before this one are handled.
+    CountConnections(oneshot::Sender<usize>),
 }
 
 struct Entry {
@@ -313,6 +316,7 @@ impl std::fmt::Debug for Command {
                 .field("after", after)
                 .finish(),
             Command::Input(i) => f.debug_tuple("Input").field(i).finish(),
+            Command::CountConnections(_) => f.write_str("CountConnections"),
         }
     }
 }
@@ -531,6 +535,31 @@ impl Hub {
             .collect();
         v.sort();
         v
+    }
+
+    /// How many connections (clients, runner, tool host) `session`'s actor
+    /// holds once it has handled everything queued before this call; 0
+    /// when no actor runs. A connection counts from the moment
+    /// [`connect`](Self::connect) returns it until it is dropped, so this
+    /// tells whether a live reader is following the actor yet.
+    pub async fn connection_count(&self, session: &SessionId) -> usize {
+        let running = self
+            .registry
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(session);
+        if !running {
+            return 0;
+        }
+        let (reply, answer) = oneshot::channel();
+        if self
+            .send(session, Command::CountConnections(reply))
+            .is_err()
+        {
+            return 0;
+        }
+        // The task died before answering: it holds nothing.
+        answer.await.unwrap_or(0)
     }
 
     /// Queue `cmd` for `session`'s actor, starting it if needed; returns
@@ -859,6 +888,7 @@ async fn run_actor(
         let mut inputs = vec![Input::Tick { now_ms: now_ms() }];
         // Connections of one request, closed once the batch is handled.
         let mut transient = Vec::new();
+        let mut counts = Vec::new();
         for cmd in cmds {
             match cmd {
                 Command::Connect {
@@ -887,6 +917,7 @@ async fn run_actor(
                     }
                     inputs.push(input);
                 }
+                Command::CountConnections(reply) => counts.push(reply),
             }
         }
         // Inputs that may append; with one, there is nothing to group: it
@@ -914,6 +945,9 @@ async fn run_actor(
         for conn in transient {
             driver.transport_mut().conns.remove(&conn);
             driver.handle(Input::Disconnect { conn }).await;
+        }
+        for reply in counts {
+            let _ = reply.send(driver.actor().connection_count());
         }
         // Frames fanned out wait while more commands are queued (their
         // frames join the same runs: one queue push per reader for many

@@ -145,3 +145,25 @@ async fn a_reader_too_far_behind_is_dropped_after_what_was_queued_without_a_gap(
     let seqs: Vec<u64> = rest.iter().map(|f| f.frame().seq).collect();
     assert_eq!(seqs, (k + 1..=last).collect::<Vec<_>>());
 }
+
+/// The count a live reader's test waits on: every connection from the
+/// moment `connect` returns until it is dropped, nothing once no actor
+/// runs.
+#[tokio::test]
+async fn connection_count_follows_connects_and_drops() {
+    let (_dir, hub, s) = setup("count").await;
+    let other = SessionId::parse("count-none").unwrap();
+    assert_eq!(hub.connection_count(&other).await, 0, "no actor runs");
+    assert_eq!(
+        hub.connection_count(&s).await,
+        0,
+        "the request's one closed"
+    );
+    let a = hub.connect(&s, Role::Client, None).await.unwrap();
+    let b = hub.connect(&s, Role::Client, Some(0)).await.unwrap();
+    assert_eq!(hub.connection_count(&s).await, 2);
+    drop(a);
+    assert_eq!(hub.connection_count(&s).await, 1);
+    drop(b);
+    assert_eq!(hub.connection_count(&s).await, 0);
+}

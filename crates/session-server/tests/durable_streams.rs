@@ -705,18 +705,18 @@ async fn prompt(hub: &Hub, id: &SessionId, text: &str) -> u64 {
     seq
 }
 
-/// Wait until `hub` runs `id`'s actor and has handled every command queued
-/// so far (a reader's connect included: commands are handled in order).
-async fn actor_settled(hub: &Hub, id: &SessionId) {
-    use harness_core::actor::Role;
+/// Wait until a live reader follows `id`'s actor: the one connection the
+/// actor holds once the test's own (dropped) ones are gone. A reader that
+/// has not connected yet still reads the log, and would see a frame
+/// written behind the actor's back whether or not it polls.
+async fn reader_follows(hub: &Hub, id: &SessionId) {
     for _ in 0..1000 {
-        if hub.live_sessions().contains(id) {
-            drop(hub.connect(id, Role::Client, None).await.unwrap());
+        if hub.connection_count(id).await >= 1 {
             return;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    panic!("no actor for {id}");
+    panic!("no reader connected to the actor of {id} within 10 s");
 }
 
 /// Read `body` into `text` until it holds `needle`; false after `within`.
@@ -766,7 +766,7 @@ async fn session_stream_live_reads_follow_the_actor_not_a_timer() {
     let http = s.http.clone();
     let poll_url = format!("{url}?offset=0000000000000000_0000000000000000&live=long-poll");
     let mut long_poll = tokio::spawn(async move { http.get(poll_url).send().await.unwrap() });
-    actor_settled(&s.hub, &id).await;
+    reader_follows(&s.hub, &id).await;
     behind_the_actor("unseen").await.unwrap();
     assert!(
         tokio::time::timeout(Duration::from_millis(500), &mut long_poll)
@@ -803,8 +803,7 @@ async fn session_stream_live_reads_follow_the_actor_not_a_timer() {
         )
         .await
     );
-    // The reader is connected once the actor has handled everything queued.
-    actor_settled(&s.hub, &id).await;
+    reader_follows(&s.hub, &id).await;
     behind_the_actor("unseen-sse").await.unwrap();
     assert!(
         !read_until(
