@@ -42,20 +42,19 @@ use aws_sdk_s3::primitives::ByteStream as S3Body;
 use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart, MetadataDirective};
 use bytes::{Bytes, BytesMut};
 use futures::{StreamExt, TryStreamExt};
-use harness_core::checkpoint::{validate_key, verify_stream, CheckpointStore, ObjectMeta};
+use harness_core::checkpoint::{
+    recorded_sha256, validate_key, verify_stream, CheckpointStore, ObjectMeta, PARTIAL_MARK,
+};
 use harness_core::stream::ByteStream;
 use harness_core::{Error, ErrorKind, Result};
 use sha2::{Digest, Sha256};
 
 pub use config::{S3Config, DEFAULT_PART_SIZE, MAX_PART_SIZE, MAX_SINGLE_COPY, MIN_PART_SIZE};
 
-/// The user-metadata name under which the content hash is recorded
-/// (sent as the header `x-amz-meta-sha256`).
-pub const SHA256_METADATA: &str = "sha256";
-
-/// Marks temporary upload keys. `~` is outside the checkpoint key alphabet,
-/// so no checkpoint key can contain it.
-const PARTIAL_MARK: &str = "~partial-";
+/// The user-metadata name under which the content hash is recorded (sent
+/// as the header `x-amz-meta-sha256`); the Worker's R2 binding uses the
+/// same one.
+pub use harness_core::checkpoint::SHA256_METADATA;
 
 /// Chunk size of the streams `get` returns.
 const GET_CHUNK: usize = 256 * 1024;
@@ -633,18 +632,8 @@ fn recorded_sha(
     key: &str,
     metadata: Option<&std::collections::HashMap<String, String>>,
 ) -> Result<String> {
-    let sha = metadata
-        .and_then(|m| m.get(SHA256_METADATA))
-        .map(|s| s.to_ascii_lowercase());
-    match sha {
-        Some(s) if s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit()) => Ok(s),
-        Some(s) => Err(Error::corrupt(format!(
-            "checkpoint {key:?} records a malformed sha256 {s:?}"
-        ))),
-        None => Err(Error::corrupt(format!(
-            "checkpoint {key:?} has no recorded sha256 (x-amz-meta-{SHA256_METADATA}): it was not written by this store and cannot be verified"
-        ))),
-    }
+    let recorded = metadata.and_then(|m| m.get(SHA256_METADATA));
+    recorded_sha256(key, recorded.map(String::as_str), "x-amz-meta-sha256")
 }
 
 /// Cuts a byte stream into parts of a fixed size, hashing as it goes.

@@ -79,6 +79,35 @@ pub fn validate_key(key: &str) -> Result<()> {
     }
 }
 
+/// The metadata name object stores record a checkpoint's SHA-256 under:
+/// `x-amz-meta-sha256` to an S3 client, custom metadata `sha256` through an
+/// R2 binding. Every object store writes and reads it the same way, so a
+/// checkpoint written through one restores through the other.
+pub const SHA256_METADATA: &str = "sha256";
+
+/// Marks the temporary keys of multipart puts in progress, which are never
+/// listed as checkpoints. `~` is outside the key alphabet
+/// ([`validate_key`]), so no checkpoint key can contain it.
+pub const PARTIAL_MARK: &str = "~partial-";
+
+/// The hash an object store `recorded` for `key` under [`SHA256_METADATA`],
+/// lowercased; `Corrupt` when there is none (an object something else
+/// wrote: it cannot be verified) or it is not 64 hex digits. `looked_in`
+/// names where it was looked for, for the message.
+pub fn recorded_sha256(key: &str, recorded: Option<&str>, looked_in: &str) -> Result<String> {
+    match recorded {
+        Some(s) if s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit()) => {
+            Ok(s.to_ascii_lowercase())
+        }
+        Some(s) => Err(Error::corrupt(format!(
+            "checkpoint {key:?} records a malformed sha256 {s:?}"
+        ))),
+        None => Err(Error::corrupt(format!(
+            "checkpoint {key:?} has no recorded sha256 ({looked_in}): it was not written by a checkpoint store and cannot be verified"
+        ))),
+    }
+}
+
 /// The key prefix for a session's checkpoints: `sessions/<id>/`.
 pub fn session_prefix(session: &crate::SessionId) -> String {
     format!("sessions/{session}/")
@@ -223,6 +252,23 @@ impl CheckpointStore for MemoryCheckpointStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_recorded_hash_must_be_64_hex_digits() {
+        let upper = "AB".repeat(32);
+        assert_eq!(
+            recorded_sha256("k", Some(&upper), "here").unwrap(),
+            "ab".repeat(32)
+        );
+        for bad in ["", "abc", &"g".repeat(64), &"a".repeat(65)] {
+            let e = recorded_sha256("k", Some(bad), "here").unwrap_err();
+            assert_eq!(e.kind(), crate::ErrorKind::Corrupt, "{bad:?}");
+            assert!(e.message().contains("malformed sha256"), "{e}");
+        }
+        let e = recorded_sha256("k", None, "custom metadata sha256").unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::Corrupt);
+        assert!(e.message().contains("(custom metadata sha256)"), "{e}");
+    }
 
     #[test]
     fn keys_that_could_climb_are_refused() {

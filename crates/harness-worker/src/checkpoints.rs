@@ -24,18 +24,14 @@ use std::collections::HashMap;
 use async_trait::async_trait;
 use bytes::Bytes;
 use futures::StreamExt;
-use harness_core::checkpoint::{validate_key, verify_stream, CheckpointStore, ObjectMeta};
+use harness_core::checkpoint::{
+    recorded_sha256, validate_key, verify_stream, CheckpointStore, ObjectMeta, PARTIAL_MARK,
+    SHA256_METADATA,
+};
 use harness_core::stream::ByteStream;
 use harness_core::{Error, Result};
 use sha2::{Digest, Sha256};
 use worker::{Bucket, Env, Include};
-
-/// The custom-metadata name of the content hash (as `checkpoint-r2`'s
-/// `SHA256_METADATA`).
-pub(crate) const SHA256_METADATA: &str = "sha256";
-
-/// Marks temporary keys of `checkpoint-r2`'s multipart puts; never listed.
-const PARTIAL_MARK: &str = "~partial-";
 
 /// The binding's name in `wrangler.toml`.
 pub(crate) const BINDING: &str = "CHECKPOINTS";
@@ -105,24 +101,13 @@ impl R2Store {
         Ok(ObjectMeta {
             key: key.to_string(),
             size: object.size(),
-            sha256: recorded_sha(key, &metadata)?,
+            sha256: recorded_sha256(
+                key,
+                metadata.get(SHA256_METADATA).map(String::as_str),
+                "custom metadata sha256",
+            )?,
         })
     }
-}
-
-/// The hash an object records, checked for shape.
-fn recorded_sha(key: &str, metadata: &HashMap<String, String>) -> Result<String> {
-    let Some(sha) = metadata.get(SHA256_METADATA) else {
-        return Err(Error::corrupt(format!(
-            "checkpoint {key:?} has no recorded sha256 (custom metadata {SHA256_METADATA}): it was not written by a checkpoint store and cannot be verified"
-        )));
-    };
-    if sha.len() != 64 || !sha.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return Err(Error::corrupt(format!(
-            "checkpoint {key:?} records a malformed sha256 {sha:?}"
-        )));
-    }
-    Ok(sha.to_ascii_lowercase())
 }
 
 #[async_trait(?Send)]
