@@ -472,6 +472,40 @@ pub trait SandboxProvider: MaybeSend + MaybeSync + std::fmt::Debug {
     }
 }
 
+/// One path under a listed directory, with the stat a tree checkpoint
+/// compares against its parent's (`lstat`: a symlink is not followed).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListedEntry {
+    /// GNU `find -printf %y`'s letter: `f` file, `d` directory, `l`
+    /// symlink, `s` socket, `p` FIFO, `c`/`b` device node.
+    pub kind: char,
+    /// Permission bits, setuid/setgid/sticky included (`%m`).
+    pub mode: u32,
+    /// Size in bytes (`%s`; a symlink's is its text's length).
+    pub size: u64,
+    /// Modification time, whole seconds since the epoch.
+    pub mtime: u64,
+    /// Inode number.
+    pub ino: u64,
+    /// Status-change time, nanoseconds since the epoch.
+    pub ctime_ns: u64,
+    /// Path relative to the listed directory, `/`-separated.
+    pub path: String,
+    /// A symlink's text; empty for anything else.
+    pub link: String,
+}
+
+/// Every path under a directory, as [`Sandbox::list_tree`] answers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TreeListing {
+    /// The sandbox's clock when the listing began, whole seconds since the
+    /// epoch: a file modified in this second or later may change again
+    /// without its stat showing it (the racy-second rule).
+    pub now_secs: u64,
+    /// The paths, in no particular order.
+    pub entries: Vec<ListedEntry>,
+}
+
 /// A live sandbox.
 #[cfg_attr(not(target_arch = "wasm32"), async_trait)]
 #[cfg_attr(target_arch = "wasm32", async_trait(?Send))]
@@ -536,6 +570,23 @@ pub trait Sandbox: MaybeSend + MaybeSync + std::fmt::Debug {
         let _ = (dir, tar);
         Err(Error::unsupported(
             "this sandbox has no staged tar import: verify the archive before import_tar",
+        ))
+    }
+
+    /// List every path under `dir` (not `dir` itself) with its stat, for
+    /// tree checkpoints (`harness_core::tree_checkpoint`). `NotFound` when
+    /// `dir` is not a directory.
+    ///
+    /// `Unsupported` by default: tree checkpoints then run GNU `find`
+    /// inside the sandbox, which costs an exec and the formatting and
+    /// parsing of every path. A provider that can `lstat` the sandbox's
+    /// files from where it runs (the local sandbox) answers directly. A
+    /// provider answering here also promises that the sandbox has GNU
+    /// `tar` (tree checkpoints read the changed files with `tar -T -`).
+    async fn list_tree(&self, dir: &str) -> Result<TreeListing> {
+        let _ = dir;
+        Err(Error::unsupported(
+            "this sandbox has no native tree listing: list it with GNU find inside",
         ))
     }
 

@@ -19,8 +19,9 @@
 //! it, not the file; a file under 512 KiB is one chunk.
 //!
 //! **Checkpoint with a parent** (the previous checkpoint of the same tree):
-//! the tree is listed inside the sandbox (`find -printf`: kind, mode, size,
-//! mtime, inode, ctime, path, link) while the parent's manifest is read; a
+//! the tree is listed (kind, mode, size, mtime, inode, ctime, path, link:
+//! by the provider itself where it can, [`Sandbox::list_tree`], else with
+//! `find -printf` inside the sandbox) while the parent's manifest is read; a
 //! file whose whole stat — size, mtime, mode, inode and ctime — equals the
 //! one the parent recorded keeps the parent's chunks without being read,
 //! unless its mtime is not older than the second the parent's listing ran
@@ -77,7 +78,9 @@ use crate::clock::Clock;
 use crate::moves::{
     compress, compress_archive, decompress, MovePhase, MoveProgress, DEFAULT_ZSTD_LEVEL,
 };
-use crate::sandbox::{collect_exec, exec_stdout_stream, shell_quote, ExecRequest, Sandbox};
+use crate::sandbox::{
+    collect_exec, exec_stdout_stream, shell_quote, ExecRequest, ListedEntry, Sandbox,
+};
 use crate::stream::ByteStream;
 use crate::tarscan::{ScanSummary, TarEntry, TarItem, TarKind, TarScanner};
 use crate::{Error, ErrorKind, Result};
@@ -203,7 +206,7 @@ impl TreeEntry {
     /// file is "racy": written again within that second, it could keep
     /// its size and mtime). An entry with no recorded inode or ctime is
     /// always read.
-    fn unchanged_since(&self, listed: &Listed, parent_listed_at: u64) -> bool {
+    fn unchanged_since(&self, listed: &ListedEntry, parent_listed_at: u64) -> bool {
         self.kind == TreeKind::File
             && self.same_as(listed)
             && self.ino != 0
@@ -216,7 +219,7 @@ impl TreeEntry {
     /// Record `listed`'s inode and ctime, if it is this file as read (a
     /// file changed between the listing and the read keeps none, so the
     /// next checkpoint reads it again).
-    fn stamp_from(&mut self, listed: Option<&Listed>) {
+    fn stamp_from(&mut self, listed: Option<&ListedEntry>) {
         if let Some(l) = listed.filter(|l| self.kind == TreeKind::File && self.same_as(l)) {
             self.ino = l.ino;
             self.ctime_ns = l.ctime_ns;
@@ -224,7 +227,7 @@ impl TreeEntry {
     }
 
     /// Whether `listed` (from a sandbox listing) is this entry as stored.
-    fn same_as(&self, listed: &Listed) -> bool {
+    fn same_as(&self, listed: &ListedEntry) -> bool {
         match self.kind {
             TreeKind::File => {
                 listed.kind == 'f'
@@ -403,7 +406,7 @@ async fn checkpoint_locked(
         Listing::Listed { now, entries } if !has_parent => {
             let tar = sandbox.export_tar(dir).await?;
             let mut read = read_tar(tar, &mut uploader, &mut stats, progress.as_deref()).await?;
-            let listed: HashMap<&str, &Listed> =
+            let listed: HashMap<&str, &ListedEntry> =
                 entries.iter().map(|l| (l.path.as_str(), l)).collect();
             for entry in &mut read {
                 entry.stamp_from(listed.get(entry.path.as_str()).copied());
@@ -489,7 +492,7 @@ async fn checkpoint_locked(
                     dir.to_string(),
                 );
                 let read = read_tar(tar, &mut uploader, &mut stats, progress.as_deref()).await?;
-                let listed: HashMap<&str, &Listed> =
+                let listed: HashMap<&str, &ListedEntry> =
                     changed.iter().map(|l| (l.path.as_str(), l)).collect();
                 for mut entry in read.into_iter().filter(|e| e.kind == TreeKind::File) {
                     changed_known.remove(entry.path.as_str());
@@ -632,7 +635,7 @@ async fn apply_manifest(
         Listing::Listed { entries, .. } => entries,
         Listing::Missing | Listing::Unsupported => Vec::new(),
     };
-    let target: HashMap<&str, &Listed> = listed.iter().map(|l| (l.path.as_str(), l)).collect();
+    let target: HashMap<&str, &ListedEntry> = listed.iter().map(|l| (l.path.as_str(), l)).collect();
     let needed: Vec<&TreeEntry> = manifest
         .entries
         .iter()
@@ -1102,30 +1105,28 @@ async fn read_tar(
     Ok(entries)
 }
 
-/// One path of a sandbox listing.
-#[derive(Debug, Clone)]
-struct Listed {
-    /// `f`, `d`, `l`, or another `find -printf %y` letter.
-    kind: char,
-    mode: u32,
-    size: u64,
-    mtime: u64,
-    /// Inode number.
-    ino: u64,
-    /// Status-change time, nanoseconds since the epoch.
-    ctime_ns: u64,
-    path: String,
-    link: String,
-}
-
 enum Listing {
-    Listed { now: u64, entries: Vec<Listed> },
+    Listed { now: u64, entries: Vec<ListedEntry> },
     Missing,
     Unsupported,
 }
 
-/// List `dir` inside the sandbox with GNU `find`.
+/// List `dir`: natively where the provider can
+/// ([`Sandbox::list_tree`]), else with GNU `find` inside the sandbox.
 async fn list_tree(sandbox: &dyn Sandbox, dir: &str) -> Result<Listing> {
+    match sandbox.list_tree(dir).await {
+        Ok(listing) => Ok(Listing::Listed {
+            now: listing.now_secs,
+            entries: listing.entries,
+        }),
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok(Listing::Missing),
+        Err(e) if e.kind() == ErrorKind::Unsupported => find_tree(sandbox, dir).await,
+        Err(e) => Err(e),
+    }
+}
+
+/// List `dir` inside the sandbox with GNU `find`.
+async fn find_tree(sandbox: &dyn Sandbox, dir: &str) -> Result<Listing> {
     let script = format!(
         "cd {d} 2>/dev/null || exit {EXIT_NO_DIR}; \
          {{ find . -maxdepth 0 -printf '' && tar --version | grep -q 'GNU tar'; }} >/dev/null 2>&1 || exit {EXIT_NO_GNU_TOOLS}; \
@@ -1179,7 +1180,7 @@ async fn list_tree(sandbox: &dyn Sandbox, dir: &str) -> Result<Listing> {
         let ino = next()?.parse::<u64>().map_err(|_| bad())?;
         let ctime_ns = nanos(next()?).ok_or_else(bad)?;
         let path = next()?.to_string();
-        entries.push(Listed {
+        entries.push(ListedEntry {
             kind,
             mode,
             size,

@@ -48,7 +48,7 @@ use futures::StreamExt;
 use harness_core::sandbox::{
     parse_detached_status, resolve_path, DetachedProcess, DetachedStatus, ExecRequest, ExecStream,
     HostForward, NetworkPolicy, PortEndpoint, Sandbox, SandboxHandle, SandboxProvider, SandboxSpec,
-    SnapshotInfo, EGRESS_PROXY_PORT,
+    SnapshotInfo, TreeListing, EGRESS_PROXY_PORT,
 };
 use harness_core::stream::ByteStream;
 use harness_core::{Error, ErrorKind, Result};
@@ -57,6 +57,7 @@ use tokio::io::{AsyncSeekExt, AsyncWriteExt};
 use tokio_util::io::ReaderStream;
 
 mod exec;
+mod listing;
 mod tario;
 mod template;
 
@@ -750,6 +751,23 @@ impl Sandbox for LocalSandbox {
 
     fn stages_tar_imports(&self) -> bool {
         true
+    }
+
+    /// `lstat` in-process, on a few threads. `Unsupported` when the
+    /// sandbox's `tar` is not GNU tar (the trait's promise).
+    async fn list_tree(&self, dir: &str) -> Result<TreeListing> {
+        let full = self.resolve(dir);
+        let env = self.env_for(&BTreeMap::new());
+        tokio::task::spawn_blocking(move || {
+            if !listing::has_gnu_tar(&env) {
+                return Err(Error::unsupported(
+                    "the sandbox's tar is not GNU tar: tree checkpoints read whole trees here",
+                ));
+            }
+            listing::list_tree(&full)
+        })
+        .await
+        .map_err(|e| Error::backend(format!("tree listing task failed: {e}")))?
     }
 
     async fn import_tar_staged(&self, dir: &str, tar: ByteStream) -> Result<()> {

@@ -126,6 +126,10 @@ pub async fn run_all_with(
     record("tar_round_trip", tar_round_trip(sb).await);
     record("tree_checkpoints", tree_checkpoints(sb).await);
     record(
+        "native_listing_matches_find",
+        native_listing_matches_find(sb).await,
+    );
+    record(
         "import_refuses_escaping_entries",
         import_refuses_escaping_entries(sb).await,
     );
@@ -982,6 +986,107 @@ async fn has_gnu_tools(sb: &dyn Sandbox) -> Result<bool> {
     )
     .await?;
     Ok(out.status.success())
+}
+
+/// A provider's native tree listing ([`Sandbox::list_tree`]) says what GNU
+/// `find -printf` inside the sandbox says, field for field: kind, mode
+/// (setuid included), size, mtime, inode, ctime to the nanosecond, path and
+/// link text, for files, directories, symlinks (dangling too), a hard
+/// link, a FIFO and a name with spaces and non-ASCII; its clock reading is
+/// the sandbox's; a missing directory or a file is `NotFound`. A provider
+/// without one answers `Unsupported` (the default) and is not checked
+/// further.
+pub async fn native_listing_matches_find(sb: &dyn Sandbox) -> Result<()> {
+    let base = scratch("listing");
+    match sb.list_tree(&base).await {
+        Err(e) if e.kind() == ErrorKind::Unsupported => return Ok(()),
+        Err(e) if e.kind() == ErrorKind::NotFound => {}
+        other => bail!("listing {base} before it exists: {other:?}, expected NotFound"),
+    }
+    sh(
+        sb,
+        &format!(
+            "set -e; mkdir -p {b}/a/b {b}/empty; cd {b}; \
+             printf hello > a/b/file.txt; chmod 640 a/b/file.txt; \
+             printf run > tool; chmod 4755 tool; : > zero; \
+             printf x > 'sp ace é'; ln a/b/file.txt hard; \
+             ln -s a/b/file.txt link; ln -s ../nowhere dangling; mkfifo pipe; \
+             touch -d '2001-02-03 04:05:06' a/b/file.txt",
+            b = shell_quote(&base)
+        ),
+    )
+    .await?;
+    if !has_gnu_tools(sb).await? {
+        bail!("the sandbox lists natively but has no GNU find/tar (list_tree promises GNU tar)");
+    }
+    let before = sh(sb, "date +%s").await?.trim().parse::<u64>()?;
+    let listing = sb
+        .list_tree(&base)
+        .await
+        .with_context(|| format!("listing {base}"))?;
+    let after = sh(sb, "date +%s").await?.trim().parse::<u64>()?;
+    ensure!(
+        (before..=after).contains(&listing.now_secs),
+        "the listing's clock {} is not the sandbox's ({before}..={after})",
+        listing.now_secs
+    );
+    let out = run(
+        sb,
+        ExecRequest::shell(format!(
+            "cd {} && find . -mindepth 1 -printf '%y %m %s %T@ %i %C@ %P\\0%l\\0'",
+            shell_quote(&base)
+        )),
+    )
+    .await?;
+    ensure!(out.status.success(), "find failed: {}", out.stderr_str());
+    let mut found = Vec::new();
+    let mut fields = out.stdout.split(|&b| b == 0);
+    while let Some(record) = fields.next().filter(|r| !r.is_empty()) {
+        let link = String::from_utf8(fields.next().context("a record without its link")?.to_vec())?;
+        let record = std::str::from_utf8(record)?;
+        let parts: Vec<&str> = record.splitn(7, ' ').collect();
+        ensure!(parts.len() == 7, "unreadable find record {record:?}");
+        let (secs, frac) = parts[5].split_once('.').unwrap_or((parts[5], ""));
+        let frac = format!("{frac:0<9}");
+        found.push(harness_core::sandbox::ListedEntry {
+            kind: parts[0].chars().next().context("no kind")?,
+            mode: u32::from_str_radix(parts[1], 8)?,
+            size: parts[2].parse()?,
+            mtime: parts[3].split('.').next().unwrap_or_default().parse()?,
+            ino: parts[4].parse()?,
+            ctime_ns: secs.parse::<u64>()? * 1_000_000_000 + frac[..9].parse::<u64>()?,
+            path: parts[6].to_string(),
+            link,
+        });
+    }
+    let mut native = listing.entries;
+    native.sort_by(|a, b| a.path.cmp(&b.path));
+    found.sort_by(|a, b| a.path.cmp(&b.path));
+    ensure!(
+        found.len() == 11,
+        "find listed {} paths, expected 11",
+        found.len()
+    );
+    for (n, f) in native.iter().zip(&found) {
+        ensure!(n == f, "the native listing says {n:?}, find says {f:?}");
+    }
+    ensure!(
+        native.len() == found.len(),
+        "the native listing has {} paths, find {}",
+        native.len(),
+        found.len()
+    );
+    let file = sb
+        .list_tree(&format!("{base}/zero"))
+        .await
+        .err()
+        .map(|e| e.kind());
+    ensure!(
+        file == Some(ErrorKind::NotFound),
+        "listing a file: {file:?}, expected NotFound"
+    );
+    sh(sb, &format!("rm -rf {}", shell_quote(&base))).await?;
+    Ok(())
 }
 
 /// Tree checkpoints (`harness_core::tree_checkpoint`) through this
