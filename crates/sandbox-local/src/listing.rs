@@ -51,7 +51,7 @@ pub(crate) fn list_tree(root: &Path) -> Result<TreeListing> {
             .map(|n| n.get())
             .unwrap_or(1),
     );
-    let mut entries = std::thread::scope(|scope| {
+    let entries = std::thread::scope(|scope| {
         let workers: Vec<_> = (0..threads).map(|_| scope.spawn(|| walk.work())).collect();
         let mut all = Vec::new();
         for worker in workers {
@@ -67,8 +67,6 @@ pub(crate) fn list_tree(root: &Path) -> Result<TreeListing> {
     {
         return Err(error);
     }
-    // Deterministic for callers that print or diff it.
-    entries.sort_unstable_by(|a, b| a.path.cmp(&b.path));
     Ok(TreeListing { now_secs, entries })
 }
 
