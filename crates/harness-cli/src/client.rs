@@ -56,7 +56,7 @@ impl RemoteClient {
     /// Whether the server answers.
     pub async fn reachable(&self) -> bool {
         let probe = self
-            .request(reqwest::Method::GET, "/v1/sessions")
+            .request(reqwest::Method::GET, "/v1/sessions?limit=1")
             .timeout(std::time::Duration::from_secs(3))
             .send()
             .await;

@@ -29,7 +29,7 @@ struct Row {
 }
 
 /// The directory (see the module docs). Internal paths: `POST /add?id=`,
-/// `GET /list`.
+/// `GET /list?after=&limit=`.
 #[durable_object]
 pub struct SessionDirectory {
     sql: SqlStorage,
@@ -68,9 +68,22 @@ impl DurableObject for SessionDirectory {
                 Response::empty().map(|r| r.with_status(204))
             }
             "/list" => {
+                // `?after=<id>&limit=<n>`: ids after `after`, by id.
+                let param = |name: &str| {
+                    url.query_pairs()
+                        .find(|(k, _)| k == name)
+                        .map(|(_, v)| v.into_owned())
+                };
+                let after = param("after").unwrap_or_default();
+                let limit = param("limit")
+                    .and_then(|v| v.parse::<i64>().ok())
+                    .unwrap_or(i64::MAX);
                 let rows: Vec<Row> = self
                     .sql
-                    .exec("SELECT id FROM sessions ORDER BY id", None)?
+                    .exec(
+                        "SELECT id FROM sessions WHERE id > ?1 ORDER BY id LIMIT ?2",
+                        Some(vec![after.into(), limit.into()]),
+                    )?
                     .to_array()?;
                 let ids: Vec<String> = rows.into_iter().map(|r| r.id).collect();
                 Response::from_json(&ids)

@@ -587,29 +587,40 @@ async fn record_session(env: &Env, id: &SessionId) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// `GET /v1/sessions`: every listed session's info, by id, as
-/// `session-server` lists its log's sessions. One request to each
-/// session's object; an id whose creation failed (404) is left out.
+/// `GET /v1/sessions`: a page of the listed sessions' info, by id, as
+/// `session-server` pages its log's sessions
+/// (`session_api::request::sessions_page`). One request to each session's
+/// object; an id whose creation failed (404) is left out, and the next ids
+/// of the directory fill its place, so a page is short only at the end.
 async fn list_sessions(call: &Call<'_>) -> Result<Response, ApiError> {
-    let mut ids = directory(call.env, Method::Get, "/list").await?;
-    let ids: Vec<String> = ids.json().await.map_err(internal)?;
-    let mut infos = Vec::with_capacity(ids.len());
-    for id in ids {
-        let Ok(id) = SessionId::parse(id) else {
-            continue;
-        };
-        let mut info = call
-            .object(&id, Method::Get, "info", Some(String::new()), None)
-            .await?;
-        match info.status_code() {
-            200 => infos.push(info.json::<serde_json::Value>().await.map_err(internal)?),
-            404 => {}
-            status => {
-                return Err(ApiError::new(
-                    500,
-                    "internal",
-                    format!("the info of session {id} answered {status}"),
-                ))
+    let (after, limit) = request::sessions_page(&call.params)?;
+    let mut cursor = after.map(|a| a.as_str().to_string()).unwrap_or_default();
+    let mut infos = Vec::with_capacity(limit);
+    while infos.len() < limit {
+        let path = format!("/list?after={cursor}&limit={}", limit - infos.len());
+        let mut ids = directory(call.env, Method::Get, &path).await?;
+        let ids: Vec<String> = ids.json().await.map_err(internal)?;
+        if ids.is_empty() {
+            break;
+        }
+        for id in ids {
+            cursor.clone_from(&id);
+            let Ok(id) = SessionId::parse(id) else {
+                continue;
+            };
+            let mut info = call
+                .object(&id, Method::Get, "info", Some(String::new()), None)
+                .await?;
+            match info.status_code() {
+                200 => infos.push(info.json::<serde_json::Value>().await.map_err(internal)?),
+                404 => {}
+                status => {
+                    return Err(ApiError::new(
+                        500,
+                        "internal",
+                        format!("the info of session {id} answered {status}"),
+                    ))
+                }
             }
         }
     }

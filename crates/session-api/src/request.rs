@@ -19,6 +19,12 @@ pub const PAGE: usize = harness_core::actor_driver::REPLAY_PAGE;
 /// Largest page `GET /frames` returns.
 pub const MAX_FRAMES_PAGE: usize = 10_000;
 
+/// Sessions `GET /v1/sessions` answers by default.
+pub const SESSIONS_PAGE: usize = 100;
+
+/// Most sessions `GET /v1/sessions` answers at once.
+pub const MAX_SESSIONS_PAGE: usize = 1_000;
+
 /// Room for the JSON envelope around a frame body (message type, keys):
 /// a request body may be this much over the frame limit.
 pub const ENVELOPE_SLACK: usize = 64 * 1024;
@@ -213,6 +219,27 @@ pub fn frames_page(params: &HashMap<String, String>) -> Result<(u64, usize), Api
     Ok((after, limit))
 }
 
+/// `GET /v1/sessions`: the sessions whose id sorts after `after` (from the
+/// first without it), at most `limit` of them (default [`SESSIONS_PAGE`],
+/// between 1 and [`MAX_SESSIONS_PAGE`]), by id. A client pages by passing
+/// the last id it got as `after` until a page comes back empty.
+pub fn sessions_page(
+    params: &HashMap<String, String>,
+) -> Result<(Option<SessionId>, usize), ApiError> {
+    let after = params
+        .get("after")
+        .map(|v| {
+            SessionId::parse(v.as_str()).map_err(|_| {
+                ApiError::invalid(format!("query parameter after={v:?} is not a session id"))
+            })
+        })
+        .transpose()?;
+    let limit = param_u64(params, "limit")?
+        .map_or(SESSIONS_PAGE, |l| usize::try_from(l).unwrap_or(usize::MAX))
+        .clamp(1, MAX_SESSIONS_PAGE);
+    Ok((after, limit))
+}
+
 /// `GET /export`: the last seq to export (default: the log's end; past it
 /// is 400).
 pub fn export_until(params: &HashMap<String, String>, info: &LogInfo) -> Result<u64, ApiError> {
@@ -307,6 +334,22 @@ mod tests {
     fn cursors_and_pages() {
         let p = parse_query("after=3&limit=20000&x=a%20b+c&bad=%zz&t=%4");
         assert_eq!(frames_page(&p).unwrap(), (3, MAX_FRAMES_PAGE));
+        let page = |pairs: &[(&str, &str)]| {
+            let p: HashMap<String, String> = pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            sessions_page(&p).map(|(a, l)| (a.map(|a| a.as_str().to_string()), l))
+        };
+        assert_eq!(page(&[]).unwrap(), (None, SESSIONS_PAGE));
+        assert_eq!(
+            page(&[("after", "s-1"), ("limit", "5")]).unwrap(),
+            (Some("s-1".into()), 5)
+        );
+        assert_eq!(page(&[("limit", "0")]).unwrap().1, 1);
+        assert_eq!(page(&[("limit", "99999")]).unwrap().1, MAX_SESSIONS_PAGE);
+        assert_eq!(page(&[("limit", "x")]).unwrap_err().status, 400);
+        assert_eq!(page(&[("after", "../x")]).unwrap_err().status, 400);
         assert_eq!(p["x"], "a b c");
         assert_eq!(p["bad"], "%zz");
         assert_eq!(p["t"], "%4");

@@ -195,7 +195,21 @@ async fn list(
     headers: HeaderMap,
 ) -> Result<Json<Vec<LogInfo>>, ApiError> {
     state.auth(&headers, &params, None, HOST)?;
-    Ok(Json(state.hub.log().list().await?))
+    let (after, limit) = session_api::request::sessions_page(&params)?;
+    let page = state
+        .hub
+        .log()
+        .list()
+        .await?
+        .into_iter()
+        .filter(|info| {
+            after
+                .as_ref()
+                .is_none_or(|a| info.session.as_str() > a.as_str())
+        })
+        .take(limit)
+        .collect();
+    Ok(Json(page))
 }
 
 async fn info(

@@ -96,7 +96,7 @@ async function signIn(event) {
     if (session) {
       await api(`/v1/sessions/${encodeURIComponent(session)}`);
     } else {
-      await api("/v1/sessions");
+      await api("/v1/sessions?limit=1");
     }
   } catch (e) {
     if (e.status === 403 && !session) {
@@ -125,11 +125,25 @@ function relative(ms) {
   return new Date(ms).toLocaleString();
 }
 
+// Every session, page by page: the server answers at most 1,000 at a
+// time, by id, and an empty page ends the list.
+async function allSessions() {
+  const all = [];
+  for (let page = 0; page < 100; page++) {
+    const last = all.length ? all[all.length - 1].session : null;
+    const after = last ? `&after=${encodeURIComponent(last)}` : "";
+    const next = await api(`/v1/sessions?limit=1000${after}`);
+    if (!next.length) break;
+    all.push(...next);
+  }
+  return all;
+}
+
 async function loadSessions() {
   const body = $("#sessions tbody");
   let list;
   try {
-    list = await api("/v1/sessions");
+    list = await allSessions();
   } catch (e) {
     body.replaceChildren();
     if (e.status !== 403) say(e.message);
@@ -541,7 +555,7 @@ async function route() {
   if (!state.token && !state.open) {
     // Does this server want a token at all?
     try {
-      await api("/v1/sessions");
+      await api("/v1/sessions?limit=1");
       state.open = true;
     } catch (_) {
       closeSession();

@@ -1254,7 +1254,9 @@ pub async fn durable_streams_follow_a_session(t: &Target) {
 }
 
 /// `GET /v1/sessions`: a host sees every session with its info, in id
-/// order; a client grant gets 403, no token 401.
+/// order, in pages (`limit`, `after` the last id seen, until an empty
+/// page); a bad `limit` or `after` is 400; a client grant gets 403, no
+/// token 401.
 pub async fn sessions_are_listed_for_a_host(t: &Target) {
     let (a, b) = (t.id("list-a"), t.id("list-b"));
     t.create(&b).await;
@@ -1263,7 +1265,7 @@ pub async fn sessions_are_listed_for_a_host(t: &Target) {
         .message(&a, CLIENT, json!({"type": "prompt", "text": "p"}))
         .await;
     assert_eq!(status, 200);
-    let (status, list) = t.get("/v1/sessions", Some(HOST)).await;
+    let (status, list) = t.get("/v1/sessions?limit=1000", Some(HOST)).await;
     assert_eq!(status, 200, "{list}");
     let list = list.as_array().cloned().expect("an array");
     let ids: Vec<&str> = list
@@ -1281,6 +1283,52 @@ pub async fn sessions_are_listed_for_a_host(t: &Target) {
     };
     assert_eq!(find(&a)["last_seq"], 1);
     assert_eq!(find(&b)["last_seq"], 0);
+
+    // Pages: `limit` sessions after `after`, by id, until an empty page.
+    let page = |query: String| async move {
+        let (status, page) = t.get(&format!("/v1/sessions?{query}"), Some(HOST)).await;
+        assert_eq!(status, 200, "{query}: {page}");
+        page.as_array()
+            .expect("an array")
+            .iter()
+            .map(|i| i["session"].as_str().expect("a session id").to_string())
+            .collect::<Vec<String>>()
+    };
+    assert_eq!(page(format!("after={a}&limit=1")).await, vec![b.clone()]);
+    assert_eq!(page("limit=1".into()).await, vec![ids[0].to_string()]);
+    if ids.len() < 1000 {
+        let mut walked: Vec<String> = Vec::new();
+        for _ in 0..1000 {
+            let query = match walked.last() {
+                Some(last) => format!("after={last}&limit=3"),
+                None => "limit=3".into(),
+            };
+            let next = page(query).await;
+            assert!(next.len() <= 3, "a page of 3 has {}", next.len());
+            if next.is_empty() {
+                break;
+            }
+            walked.extend(next);
+        }
+        // Sessions other tests create meanwhile may join the walk.
+        for id in &ids {
+            assert!(walked.contains(&id.to_string()), "{id} was not paged");
+        }
+        let mut sorted = walked.clone();
+        sorted.sort();
+        sorted.dedup();
+        assert_eq!(walked, sorted, "pages in id order, none twice");
+    }
+    assert_error(
+        &t.get("/v1/sessions?limit=x", Some(HOST)).await,
+        400,
+        "invalid",
+    );
+    assert_error(
+        &t.get("/v1/sessions?after=..%2Fx", Some(HOST)).await,
+        400,
+        "invalid",
+    );
     assert_error(&t.get("/v1/sessions", Some(CLIENT)).await, 403, "forbidden");
     assert_error(&t.get("/v1/sessions", None).await, 401, "unauthorized");
 }
