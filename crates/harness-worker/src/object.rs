@@ -33,7 +33,7 @@ use harness_core::session::{SessionConfig, SessionRuntime, TurnCommand};
 use harness_core::SessionId;
 use serde::{Deserialize, Serialize};
 use session_api::request::{self, PAGE};
-use session_api::sse::{ends_stream, SseEvent};
+use session_api::sse::{EventsReader, EventsStep, KEEP_ALIVE, KEEP_ALIVE_INTERVAL};
 use session_api::ui_stream::{UiStreamMapper, UI_STREAM_HEADER};
 use session_api::ws::{self, Inbound};
 use session_api::{ApiError, GrantRole};
@@ -699,19 +699,32 @@ impl SessionObject {
                 .map_err(internal)?
                 .with_headers(headers));
         }
-        let (conn, rx) = self.connect_reader(session, after).await?;
+        // Connected first, at the log's end (the body cannot reach the
+        // object once the response is out): the actor holds what comes
+        // meanwhile, and the stored frames are read page by page from the
+        // store, so a reader from 0 never has the whole history in memory.
+        let mut events = EventsReader::new(after, info.sealed);
+        let follow = if info.sealed {
+            None
+        } else {
+            let (conn, rx) = self.connect_reader(session, info.last_seq).await?;
+            events.connected(info.last_seq);
+            Some((
+                rx,
+                Leave {
+                    conn,
+                    gone: self.gone.clone(),
+                },
+            ))
+        };
         let reader = Reader {
-            rx,
-            cursor: after,
-            done: false,
-            _leave: Leave {
-                conn,
-                gone: self.gone.clone(),
-            },
+            events,
+            store: store.clone(),
+            follow,
         };
         let body = futures::stream::unfold(reader, |mut reader| async move {
             let chunk = reader.next_chunk().await?;
-            Some((Ok::<Vec<u8>, worker::Error>(chunk.into_bytes()), reader))
+            Some((Ok::<Vec<u8>, worker::Error>(chunk), reader))
         });
         Ok(Response::from_stream(body)
             .map_err(internal)?
@@ -845,44 +858,66 @@ impl Drop for Leave {
     }
 }
 
-/// One SSE reader's side of its connection.
+/// One SSE reader: the steps of a `session_api::sse::EventsReader` over
+/// the store's pages and its connection's channel, with a keep-alive
+/// comment after [`KEEP_ALIVE_INTERVAL`] of quiet.
 #[derive(Debug)]
 struct Reader {
-    rx: UnboundedReceiver<Outbound>,
-    cursor: u64,
-    done: bool,
-    _leave: Leave,
+    events: EventsReader,
+    store: DoStore,
+    /// The connection (none for a session sealed when the request came).
+    follow: Option<(UnboundedReceiver<Outbound>, Leave)>,
 }
 
 impl Reader {
-    /// The next event's text; `None` when the stream ends.
-    async fn next_chunk(&mut self) -> Option<String> {
-        if self.done {
-            return None;
-        }
+    /// The next chunk; `None` when the stream ends.
+    async fn next_chunk(&mut self) -> Option<Vec<u8>> {
+        let mut out = Vec::new();
         loop {
-            let event = match self.rx.next().await? {
-                Outbound::Msg(ServerMessage::Frame { frame }) => {
-                    // The actor replays exactly (cursor, last]; this only
-                    // guards against a duplicate.
-                    if frame.seq <= self.cursor {
-                        continue;
+            match self.events.next() {
+                EventsStep::ReadPage { after } => {
+                    let page = self.store.read(after, PAGE).await.ok()?;
+                    self.events.page(&page, &mut out);
+                    if !out.is_empty() {
+                        return Some(out);
                     }
-                    self.cursor = frame.seq;
-                    self.done = ends_stream(&frame);
-                    SseEvent::frame(&frame)
                 }
-                Outbound::Msg(ServerMessage::Live { turn_id, part }) => {
-                    SseEvent::live(&turn_id, &part)
+                // Connected before the first step, or sealed (no step
+                // connects then).
+                EventsStep::Connect { .. } | EventsStep::End => {
+                    return (!out.is_empty()).then_some(out)
                 }
-                Outbound::Msg(ServerMessage::Error { code, message }) => {
-                    SseEvent::error(code, &message)
+                EventsStep::Follow => {
+                    let (rx, _) = self.follow.as_mut()?;
+                    let quiet = worker::Delay::from(KEEP_ALIVE_INTERVAL);
+                    let first = match futures::future::select(rx.next(), quiet).await {
+                        futures::future::Either::Left((message, _)) => message,
+                        futures::future::Either::Right(_) => {
+                            return Some(KEEP_ALIVE.as_bytes().to_vec())
+                        }
+                    };
+                    // Everything already queued goes in one chunk.
+                    let mut next = first;
+                    loop {
+                        match next {
+                            Some(Outbound::Msg(message)) => self.events.message(&message, &mut out),
+                            Some(Outbound::Close(_)) | None => self.events.dropped(),
+                        }
+                        if self.events.is_done() {
+                            break;
+                        }
+                        // Empty or closed: a closed channel answers `None`
+                        // on the next wait.
+                        match rx.try_recv() {
+                            Ok(message) => next = Some(message),
+                            Err(_) => break,
+                        }
+                    }
+                    if !out.is_empty() {
+                        return Some(out);
+                    }
                 }
-                // Acks and runner/tool-host messages never go to a reader.
-                Outbound::Msg(_) => continue,
-                Outbound::Close(_) => return None,
-            };
-            return Some(event.encode());
+            }
         }
     }
 }

@@ -14,7 +14,9 @@
 //! - [`request`]: the `POST /v1/sessions` body, query parameters, the
 //!   `Last-Event-ID` header, page limits, the `POST /messages` ack;
 //! - [`sse`]: the `/events` stream's events (`frame` with the seq as id,
-//!   `live` without one, `error`) and their wire encoding;
+//!   `live` without one, `error`), their wire encoding, and its reader as
+//!   a state machine each server drives (`EventsReader`: the log a page at
+//!   a time, then the actor; keep-alives);
 //! - [`ui_stream`]: session messages as an AI SDK UI message stream
 //!   (`/ui-stream`), a pure mapping;
 //! - [`ws`]: the session WebSocket's roles, their grants, and inbound

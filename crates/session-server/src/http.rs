@@ -35,6 +35,7 @@ use session_runtime::{Connection, Hub, Outbound, SharedFrame};
 const PAGE: usize = harness_core::actor_driver::REPLAY_PAGE;
 use crate::ui_stream::{UiStreamMapper, UI_STREAM_HEADER};
 use crate::ServerConfig;
+use session_api::sse::{EventsReader, EventsStep, KEEP_ALIVE_INTERVAL};
 use session_api::ws::{self, Inbound};
 
 /// Room for the JSON envelope around a frame body (message type, keys).
@@ -494,7 +495,7 @@ fn sse_from(
     let stream = futures::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|e| (Ok::<_, Infallible>(e), rx))
     });
-    Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+    Sse::new(stream).keep_alive(KeepAlive::new().interval(KEEP_ALIVE_INTERVAL))
 }
 
 async fn events(
@@ -513,11 +514,9 @@ async fn events(
     let pump = EventPump {
         state,
         id,
-        cursor: after,
-        sealed: info.sealed,
+        reader: EventsReader::new(after, info.sealed),
         conn: None,
-        done: false,
-        keep_alive: Box::pin(tokio::time::sleep(SSE_KEEP_ALIVE)),
+        keep_alive: Box::pin(tokio::time::sleep(KEEP_ALIVE_INTERVAL)),
         last_sent: tokio::time::Instant::now(),
     };
     let body = futures::stream::unfold(pump, |mut pump| async move {
@@ -540,51 +539,18 @@ async fn events(
         .into_response())
 }
 
-/// What `session_api::sse::SseEvent::frame(frame).encode()` is, written in
-/// place (no intermediate strings): compact JSON has no raw newline, so it
-/// is one data line.
-fn encode_frame_event(frame: &Frame, out: &mut Vec<u8>) {
-    frame_event_head(frame.seq, out);
-    // Frames are plain data: encoding cannot fail.
-    let _ = serde_json::to_writer(&mut *out, frame);
-    out.extend_from_slice(b"\n\n");
-}
-
-/// [`encode_frame_event`] of a shared frame, around its JSON encoded once
-/// for all readers.
-fn encode_shared_frame_event(frame: &SharedFrame, out: &mut Vec<u8>) {
-    let json = frame.json();
-    out.reserve(json.len() + 40);
-    frame_event_head(frame.frame().seq, out);
-    out.extend_from_slice(json);
-    out.extend_from_slice(b"\n\n");
-}
-
-fn frame_event_head(seq: u64, out: &mut Vec<u8>) {
-    out.extend_from_slice(b"id: ");
-    crate::durable_streams::util::push_decimal(out, seq, 0);
-    out.extend_from_slice(b"\nevent: frame\ndata: ");
-}
-
-/// How often an idle SSE stream sends a comment, so proxies keep it open.
-const SSE_KEEP_ALIVE: Duration = Duration::from_secs(15);
-
-/// The body of `GET /events`, produced as the client reads it: stored
-/// frames a page per chunk, then what the actor sends, everything already
-/// queued per chunk. It ends after the `sealed` frame, when the actor closes
-/// the connection, or when a read fails; a gone client drops it (and with
+/// The body of `GET /events`, produced as the client reads it: the steps of
+/// a `session_api::sse::EventsReader` (stored frames a page per chunk, then
+/// what the actor sends, everything already queued per chunk), with a
+/// keep-alive comment after a quiet spell. A gone client drops it (and with
 /// it the connection).
 struct EventPump {
     state: Arc<AppState>,
     id: SessionId,
-    /// The last seq sent.
-    cursor: u64,
-    /// Sealed when the request came: nothing live to follow.
-    sealed: bool,
+    reader: EventsReader,
     conn: Option<Connection>,
-    done: bool,
-    /// Fires [`SSE_KEEP_ALIVE`] after `last_sent` (re-armed only when it
-    /// fires, not per chunk).
+    /// Fires [`KEEP_ALIVE_INTERVAL`] after `last_sent` (re-armed only when
+    /// it fires, not per chunk).
     keep_alive: std::pin::Pin<Box<tokio::time::Sleep>>,
     /// When the last chunk went out.
     last_sent: tokio::time::Instant,
@@ -592,40 +558,45 @@ struct EventPump {
 
 impl EventPump {
     async fn next_chunk(&mut self) -> Option<Vec<u8>> {
-        if self.done {
-            return None;
-        }
         let mut out = Vec::new();
-        if self.conn.is_none() {
-            // Catch-up, straight from the log.
-            let page = self
-                .state
-                .hub
-                .log()
-                .read(&self.id, self.cursor, PAGE)
-                .await
-                .ok()?;
-            if !page.is_empty() {
-                out.reserve(page.len() * 256);
-                for frame in &page {
-                    self.frame(frame, &mut out);
-                    if self.done {
-                        break;
+        loop {
+            match self.reader.next() {
+                EventsStep::End => return (!out.is_empty()).then_some(out),
+                EventsStep::ReadPage { after } => {
+                    let page = self
+                        .state
+                        .hub
+                        .log()
+                        .read(&self.id, after, PAGE)
+                        .await
+                        .ok()?;
+                    self.reader.page(&page, &mut out);
+                    if !out.is_empty() {
+                        return Some(out);
                     }
                 }
-                return Some(out);
+                EventsStep::Connect { after } => {
+                    let conn = self
+                        .state
+                        .hub
+                        .connect(&self.id, Role::Client, Some(after))
+                        .await
+                        .ok()?;
+                    self.conn = Some(conn);
+                    self.reader.connected(after);
+                }
+                EventsStep::Follow => {
+                    if let Some(chunk) = self.follow(&mut out).await {
+                        return Some(chunk);
+                    }
+                }
             }
-            if self.sealed {
-                return None;
-            }
-            let conn = self
-                .state
-                .hub
-                .connect(&self.id, Role::Client, Some(self.cursor))
-                .await
-                .ok()?;
-            self.conn = Some(conn);
         }
+    }
+
+    /// What the actor has queued (waiting for the first), as one chunk, or
+    /// a keep-alive; `None` when the reader ended without output.
+    async fn follow(&mut self, out: &mut Vec<u8>) -> Option<Vec<u8>> {
         // Out of `self` while messages are encoded; put back after.
         let mut conn = self.conn.take()?;
         loop {
@@ -633,7 +604,7 @@ impl EventPump {
                 biased;
                 out = conn.recv() => out,
                 _ = &mut self.keep_alive => {
-                    let due = self.last_sent + SSE_KEEP_ALIVE;
+                    let due = self.last_sent + KEEP_ALIVE_INTERVAL;
                     let now = tokio::time::Instant::now();
                     if now < due {
                         // Something was sent since the timer was armed.
@@ -641,85 +612,37 @@ impl EventPump {
                         continue;
                     }
                     self.last_sent = now;
-                    self.keep_alive.as_mut().reset(now + SSE_KEEP_ALIVE);
+                    self.keep_alive.as_mut().reset(now + KEEP_ALIVE_INTERVAL);
                     self.conn = Some(conn);
                     return Some(session_api::sse::KEEP_ALIVE.as_bytes().to_vec());
                 }
             };
-            // `None`: the actor dropped the connection (it stopped, or this
-            // reader fell too far behind); the client resumes from its
-            // Last-Event-ID.
-            let Some(first) = first else {
-                self.done = true;
-                return (!out.is_empty()).then_some(out);
-            };
-            let mut next = Some(first);
-            while let Some(message) = next {
-                match message {
-                    Outbound::Frame(frame) => self.shared_frame(&frame, &mut out),
-                    Outbound::Msg(message) => self.message(message, &mut out),
-                    Outbound::Close(_) => self.done = true,
+            let mut next = first;
+            loop {
+                match next {
+                    Some(Outbound::Frame(frame)) => {
+                        self.reader.frame(frame.frame(), Some(frame.json()), out)
+                    }
+                    Some(Outbound::Msg(message)) => self.reader.message(&message, out),
+                    // Dropped by the actor (it stopped, or this reader fell
+                    // too far behind): the client resumes from its
+                    // Last-Event-ID.
+                    Some(Outbound::Close(_)) | None => self.reader.dropped(),
                 }
-                if self.done {
-                    break;
+                if self.reader.is_done() {
+                    return (!out.is_empty()).then(|| std::mem::take(out));
                 }
-                next = conn.try_recv();
-            }
-            if self.done {
-                return (!out.is_empty()).then_some(out);
+                match conn.try_recv() {
+                    Some(message) => next = Some(message),
+                    None => break,
+                }
             }
             if !out.is_empty() {
                 self.last_sent = tokio::time::Instant::now();
                 self.conn = Some(conn);
-                return Some(out);
+                return Some(std::mem::take(out));
             }
         }
-    }
-
-    /// Append one stored frame's event (once: the actor replays exactly
-    /// (cursor, last], this only guards against a duplicate).
-    fn frame(&mut self, frame: &Frame, out: &mut Vec<u8>) {
-        if frame.seq <= self.cursor {
-            return;
-        }
-        self.cursor = frame.seq;
-        encode_frame_event(frame, out);
-        if session_api::sse::ends_stream(frame) {
-            self.done = true;
-        }
-    }
-
-    /// [`frame`](Self::frame) of a frame the actor shares between readers.
-    fn shared_frame(&mut self, frame: &SharedFrame, out: &mut Vec<u8>) {
-        let seq = frame.frame().seq;
-        if seq <= self.cursor {
-            return;
-        }
-        self.cursor = seq;
-        encode_shared_frame_event(frame, out);
-        if session_api::sse::ends_stream(frame.frame()) {
-            self.done = true;
-        }
-    }
-
-    fn message(&mut self, message: ServerMessage, out: &mut Vec<u8>) {
-        let event = match message {
-            ServerMessage::Frame { frame } => return self.frame(&frame, out),
-            ServerMessage::Live { turn_id, part } => {
-                session_api::sse::SseEvent::live(&turn_id, &part)
-            }
-            ServerMessage::Error { code, message } => {
-                session_api::sse::SseEvent::error(code, &message)
-            }
-            // Acks and the tool-host and runner messages are never sent
-            // to a client connection.
-            ServerMessage::Ack { .. }
-            | ServerMessage::Received {}
-            | ServerMessage::HostCall { .. }
-            | ServerMessage::HostCancel { .. }
-            | ServerMessage::HostTools { .. } => return,
-        };
-        out.extend_from_slice(event.encode().as_bytes());
     }
 }
 
@@ -1103,8 +1026,11 @@ mod tests {
         let mut out = Vec::new();
         let mut shared = Vec::new();
         for frame in &frames {
-            encode_frame_event(frame, &mut out);
-            encode_shared_frame_event(&SharedFrame::new(frame.clone()), &mut shared);
+            let mut reader = EventsReader::new(frame.seq - 1, false);
+            reader.frame(frame, None, &mut out);
+            let shared_frame = SharedFrame::new(frame.clone());
+            let mut reader = EventsReader::new(frame.seq - 1, false);
+            reader.frame(frame, Some(shared_frame.json()), &mut shared);
         }
         let expected: String = frames
             .iter()

@@ -323,6 +323,7 @@ pub async fn run_all(t: &Target) {
     runners_are_fenced_by_generation_over_websocket(t).await;
     durable_streams_follow_a_session(t).await;
     sessions_are_listed_for_a_host(t).await;
+    an_idle_event_stream_is_kept_alive(t).await;
 }
 
 /// Create, prompt, answer; read back by `/frames`, `/export` and info.
@@ -1331,4 +1332,46 @@ pub async fn sessions_are_listed_for_a_host(t: &Target) {
     );
     assert_error(&t.get("/v1/sessions", Some(CLIENT)).await, 403, "forbidden");
     assert_error(&t.get("/v1/sessions", None).await, 401, "unauthorized");
+}
+
+/// An `/events` stream with nothing to send gets a comment after
+/// `session_api::sse::KEEP_ALIVE_INTERVAL` (so proxies keep it open), and
+/// still carries the next frame after it.
+pub async fn an_idle_event_stream_is_kept_alive(t: &Target) {
+    let id = t.id("idle");
+    t.create(&id).await;
+    let response = t.open_events(&id, "?after=0", None).await;
+    let mut stream = Box::pin(response.bytes_stream());
+    let mut text = String::new();
+    let started = std::time::Instant::now();
+    let limit = session_api::sse::KEEP_ALIVE_INTERVAL + Duration::from_secs(10);
+    while !text.contains(":\n\n") {
+        let chunk = tokio::time::timeout(limit.saturating_sub(started.elapsed()), stream.next())
+            .await
+            .unwrap_or_else(|_| panic!("no keep-alive within {limit:?}: {text:?}"))
+            .expect("the stream stays open")
+            .expect("stream bytes");
+        text.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    assert!(
+        started.elapsed() >= session_api::sse::KEEP_ALIVE_INTERVAL - Duration::from_secs(2),
+        "a keep-alive only after a quiet spell, not at once ({:?})",
+        started.elapsed()
+    );
+    assert!(!text.contains("event: frame"), "{text:?}");
+    let (status, _) = t
+        .message(
+            &id,
+            CLIENT,
+            json!({"type": "prompt", "text": "after the quiet"}),
+        )
+        .await;
+    assert_eq!(status, 200);
+    let mut reader = SseReader {
+        stream,
+        buf: String::new(),
+    };
+    let event = reader.next().await.expect("the prompt's frame");
+    assert_eq!(event.event, "frame");
+    assert!(event.data.contains("after the quiet"), "{}", event.data);
 }
