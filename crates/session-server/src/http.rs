@@ -35,17 +35,12 @@ use session_runtime::{Connection, Hub, Outbound, SharedFrame};
 const PAGE: usize = harness_core::actor_driver::REPLAY_PAGE;
 use crate::ui_stream::{UiStreamMapper, UI_STREAM_HEADER};
 use crate::ServerConfig;
+use session_api::request::ENVELOPE_SLACK;
 use session_api::sse::{EventsReader, EventsStep, KEEP_ALIVE_INTERVAL};
 use session_api::ws::{self, Inbound};
 
-/// Room for the JSON envelope around a frame body (message type, keys).
-const ENVELOPE_SLACK: usize = 64 * 1024;
-
 /// How long an HTTP write waits for the actor's answer.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Largest page `GET /frames` returns.
-const MAX_FRAMES_PAGE: usize = 10_000;
 
 #[derive(Debug)]
 pub(crate) struct AppState {
@@ -232,10 +227,7 @@ async fn frames(
 ) -> Result<Response, ApiError> {
     let id = session_id(&id)?;
     state.auth(&headers, &params, Some(&id), READERS)?;
-    let after = param_u64(&params, "after")?.unwrap_or(0);
-    let limit = param_u64(&params, "limit")?
-        .map_or(PAGE, |l| usize::try_from(l).unwrap_or(usize::MAX))
-        .min(MAX_FRAMES_PAGE);
+    let (after, limit) = session_api::request::frames_page(&params)?;
     // The first page answers for the session (404) before the body starts.
     let first = state.hub.log().read(&id, after, limit.min(PAGE)).await?;
     Ok(frames_array(state, id, first, u64::MAX, limit))
@@ -475,18 +467,6 @@ where
     Ok(Some((conn, cursor)))
 }
 
-fn last_event_id(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
-    headers
-        .get("last-event-id")
-        .map(|v| {
-            v.to_str()
-                .ok()
-                .and_then(|s| s.trim().parse::<u64>().ok())
-                .ok_or_else(|| ApiError::invalid("Last-Event-ID must be a frame seq"))
-        })
-        .transpose()
-}
-
 /// An SSE body fed by a channel; the producer notices a gone reader through
 /// `Sender::closed`.
 fn sse_from(
@@ -506,10 +486,10 @@ async fn events(
 ) -> Result<Response, ApiError> {
     let id = session_id(&id)?;
     state.auth(&headers, &params, Some(&id), READERS)?;
-    let after = match last_event_id(&headers)? {
-        Some(n) => n,
-        None => param_u64(&params, "after")?.unwrap_or(0),
-    };
+    let after = session_api::request::events_after(
+        headers.get("last-event-id").map(|v| v.as_bytes()),
+        &params,
+    )?;
     let info = state.hub.log().info(&id).await?;
     let pump = EventPump {
         state,
