@@ -295,14 +295,16 @@ async fn abort_keeps_parts_and_the_session_goes_on(kind: BackendKind) {
     assert!(!run.text().contains("slow39"), "the turn was cut short");
     assert_eq!(run.finish_reason(), None);
     // Codex persists its rollout lazily: a turn killed this early leaves a
-    // thread id that `exec resume` refuses ("no rollout found"). The next
-    // turn then starts a new thread in the same sandbox (documented in
-    // docs/agents.md); when the rollout exists, it resumes.
+    // thread id that `exec resume` refuses — "no rollout found" when the
+    // file is missing, "rollout … is empty" when it was created but not
+    // written yet. The next turn then starts a new thread in the same
+    // sandbox (documented in docs/agents.md); when the rollout has content,
+    // it resumes.
     let thread = s.agent_session_id.clone().expect("thread id");
     let found = collect_exec(
         s.sandbox
             .exec(ExecRequest::shell(format!(
-                "find {}/sessions -name '*{thread}*.jsonl' 2>/dev/null",
+                "find {}/sessions -name '*{thread}*.jsonl' -size +0c 2>/dev/null",
                 h.state_dirs(&s.home)[0]
             )))
             .await
@@ -312,7 +314,7 @@ async fn abort_keeps_parts_and_the_session_goes_on(kind: BackendKind) {
     .unwrap()
     .stdout_str();
     if found.trim().is_empty() {
-        println!("aborted thread {thread} has no rollout: next turn starts a new thread");
+        println!("aborted thread {thread} has no written rollout: next turn starts a new thread");
         s.agent_session_id = None;
     }
     // The next turn in the same session works.
