@@ -341,13 +341,16 @@ exit "$status""#;
     Ok(())
 }
 
-/// Build the Worker, then run its test (the session-API suite under
-/// `wrangler dev`) with the tools' paths and `HARNESS_REQUIRE_REAL=1`.
+/// Build the Worker, then run its tests that need only wrangler (the
+/// session-API and Durable Streams suites, and the engine suite on
+/// Workflows, under `wrangler dev`) with the tools' paths and
+/// `HARNESS_REQUIRE_REAL=1`.
 pub fn test() -> Result<()> {
     util::timed("worker: build", || build(false))?;
     util::timed("worker: test under wrangler dev", || {
         run(util::cargo()
             .args(["test", "-p", "harness-worker", "--test", "wrangler"])
+            .args(["--test", "engine"])
             .env("HARNESS_WRANGLER", wrangler_bin())
             .env("HARNESS_REQUIRE_REAL", "1"))
     })

@@ -28,6 +28,7 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod remote;
 pub mod run;
 
 #[cfg(target_arch = "wasm32")]

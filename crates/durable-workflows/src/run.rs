@@ -28,7 +28,7 @@ use serde::{Deserialize, Serialize};
 use harness_core::engine::SliceExecutor;
 use harness_core::sandbox::{DetachedProcess, SandboxHandle};
 use harness_core::stream::AbortSignal;
-use harness_core::turn::{ApprovalAnswer, SliceReport, TurnState};
+use harness_core::turn::{ApprovalAnswer, SliceReport, TurnState, TurnStatus};
 use harness_core::turn_driver::{StepFailure, TurnAction, TurnDriver};
 use harness_core::Result;
 
@@ -36,6 +36,11 @@ use harness_core::Result;
 /// (`instance.sendEvent({type: "turn-input", payload})`), a JSON
 /// [`TurnInput`].
 pub const INPUT_EVENT: &str = "turn-input";
+
+/// How long a turn whose slice was aborted waits for the abort's event,
+/// which carries the client's reason (it was sent with the abort, so it is
+/// normally there already).
+pub const ABORT_REASON_WAIT_MS: u64 = 10_000;
 
 /// What a Workflow instance is created with (its `params`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -125,18 +130,65 @@ pub trait Steps {
     /// Wait for a [`INPUT_EVENT`] event (its payload, as JSON), or what
     /// this wait recorded before. `Err` after `timeout_ms` without one.
     async fn wait_input(&self, name: &str, timeout_ms: u64) -> std::result::Result<String, String>;
+
+    /// The turn's state changed (its status, or the approval it waits
+    /// for): publish it where `turn_state` can read it while the instance
+    /// runs (an instance shows no output before its end). Not a step: a
+    /// replay publishes again, ending at the same state. By default
+    /// nothing is published.
+    async fn progress(&self, _state: &TurnState) {}
 }
 
 /// What a step records: the result of the action, when it finished and,
 /// for a slice, whether the executor aborted it.
-#[derive(Debug, Serialize, Deserialize)]
+///
+/// Read back with [`read_record`]: `ok` is present for a success even when
+/// the result is `()` (JSON `null`), so a unit success is not mistaken for
+/// a record of nothing.
+#[derive(Debug, Serialize)]
 struct Record<T> {
     at_ms: u64,
-    #[serde(default = "Option::default")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     ok: Option<T>,
-    #[serde(default)]
+    #[serde(skip_serializing_if = "Option::is_none")]
     failure: Option<StepFailure>,
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    aborted: bool,
+}
+
+/// A step's recorded output: when it finished, the action's result (a
+/// failure, else the `ok` value, which may be `null` for `()`), and whether
+/// the slice was aborted. Records written before `ok` and `failure` were
+/// left out when empty (`"ok": null, "failure": null` for a unit success)
+/// read the same way.
+fn read_record<T: DeserializeOwned>(json: &str) -> std::result::Result<ReadRecord<T>, String> {
+    let value: serde_json::Value = serde_json::from_str(json).map_err(|e| e.to_string())?;
+    let at_ms = value["at_ms"]
+        .as_u64()
+        .ok_or_else(|| "no at_ms".to_string())?;
+    let aborted = value["aborted"].as_bool().unwrap_or(false);
+    let result = match (value.get("failure"), value.get("ok")) {
+        (Some(failure), _) if !failure.is_null() => Some(Err(serde_json::from_value(
+            failure.clone(),
+        )
+        .map_err(|e| e.to_string())?)),
+        (_, Some(ok)) => Some(Ok(
+            serde_json::from_value(ok.clone()).map_err(|e| e.to_string())?
+        )),
+        _ => None,
+    };
+    Ok(ReadRecord {
+        at_ms,
+        result,
+        aborted,
+    })
+}
+
+/// A [`Record`] as read back.
+struct ReadRecord<T> {
+    at_ms: u64,
+    /// `None`: the record holds neither a result nor a failure.
+    result: Option<std::result::Result<T, StepFailure>>,
     aborted: bool,
 }
 
@@ -193,20 +245,17 @@ async fn step_aborted<T: DeserializeOwned>(
     body: StepBody,
 ) -> (Option<u64>, std::result::Result<T, StepFailure>, bool) {
     match steps.run(name, options, body).await {
-        Ok(json) => match serde_json::from_str::<Record<T>>(&json) {
-            Ok(Record {
+        Ok(json) => match read_record::<T>(&json) {
+            Ok(ReadRecord {
                 at_ms,
-                ok: Some(v),
+                result: Some(result),
                 aborted,
-                ..
-            }) => (Some(at_ms), Ok(v), aborted),
-            Ok(Record {
+            }) => (Some(at_ms), result, aborted),
+            Ok(ReadRecord {
                 at_ms,
-                failure: Some(f),
-                aborted,
+                result: None,
                 ..
-            }) => (Some(at_ms), Err(f), aborted),
-            Ok(Record { at_ms, .. }) => (
+            }) => (
                 Some(at_ms),
                 Err(StepFailure::Fatal(format!(
                     "step {name} recorded neither a result nor a failure"
@@ -262,12 +311,24 @@ pub async fn run_turn(
     )
     .await;
     let mut now_ms = at.unwrap_or(0);
+    let mut published: Option<(TurnStatus, Option<String>)> = None;
 
     loop {
         // Poll first: polling applies what waited (the start, a client's
         // answer), and the step must run on the state that results.
         let next = driver.poll(now_ms);
         let state = driver.state().clone();
+        let shown = (
+            state.status,
+            state
+                .pending_approval
+                .as_ref()
+                .map(|p| p.approval_id.clone()),
+        );
+        if published.as_ref() != Some(&shown) {
+            steps.progress(&state).await;
+            published = Some(shown);
+        }
         // One step body per action: the executor call on this state,
         // recorded with the time it finished.
         let body = |action: Action| -> StepBody {
@@ -305,7 +366,16 @@ pub async fn run_turn(
                 now_ms = at.unwrap_or(now_ms);
                 driver.slice_done(result, now_ms);
                 if aborted {
-                    driver.abort("aborted by a client while a slice ran");
+                    // The reason travels as the abort event the engine sent
+                    // beside the mailbox (`abort_turn`): take it, recorded.
+                    let waited = steps
+                        .wait_input(&next_name("abort-reason"), ABORT_REASON_WAIT_MS)
+                        .await;
+                    let reason = match waited.map(|json| serde_json::from_str::<TurnInput>(&json)) {
+                        Ok(Ok(TurnInput::Abort { reason })) => reason,
+                        _ => "aborted by a client while a slice ran".to_string(),
+                    };
+                    driver.abort(reason);
                 }
             }
             TurnAction::KillAgent { process } => {

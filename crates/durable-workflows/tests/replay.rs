@@ -29,6 +29,8 @@ struct Records {
     attempts: RefCell<Vec<String>>,
     /// Inputs not yet taken by a wait.
     inputs: RefCell<VecDeque<String>>,
+    /// What `run` published as its progress: status and awaited approval.
+    progress: RefCell<Vec<(TurnStatus, Option<String>)>>,
 }
 
 /// One run of `run`: evicted (its future never completes) once it has run
@@ -88,6 +90,17 @@ impl Steps for Run<'_> {
             .borrow_mut()
             .insert(name.to_string(), input.clone());
         input
+    }
+
+    async fn progress(&self, state: &TurnState) {
+        let approval = state
+            .pending_approval
+            .as_ref()
+            .map(|p| p.approval_id.clone());
+        self.records
+            .progress
+            .borrow_mut()
+            .push((state.status, approval));
     }
 }
 
@@ -241,6 +254,8 @@ fn a_turn_runs_to_its_end_and_a_failed_attempt_is_retried() {
     assert_eq!(state.status, TurnStatus::Finished);
     assert_eq!(state.slices_run, 2);
     assert_eq!(state.cursor, 200);
+    // The end's `()` result is read back as recorded.
+    assert!(state.end_recorded && state.error.is_none(), "{state:?}");
     assert_eq!(*agent.ends.lock().unwrap(), vec![TurnStatus::Finished]);
     assert_eq!(
         *records.attempts.borrow(),
@@ -359,6 +374,20 @@ fn an_approval_waits_for_its_event_and_an_abort_ends_the_turn() {
         vec![Vec::<String>::new(), vec!["ap-1".to_string()]]
     );
     assert!(records.outputs.borrow().contains_key("0004 input"));
+    // While it waited, the turn published the state `turn_state` shows:
+    // awaiting that approval; then ready for its next slice after the answer.
+    let progress = records.progress.borrow().clone();
+    let waiting = (TurnStatus::AwaitingToolApproval, Some("ap-1".to_string()));
+    let at = progress
+        .iter()
+        .position(|p| *p == waiting)
+        .unwrap_or_else(|| panic!("no awaiting state published: {progress:?}"));
+    assert!(
+        progress[at + 1..]
+            .iter()
+            .any(|p| p.0 == TurnStatus::ReadyForNextStep),
+        "the answered turn was not published as ready again: {progress:?}"
+    );
 
     let agent = asks();
     let records = Records::default();
@@ -389,9 +418,22 @@ fn an_abort_the_executor_sees_during_a_slice_ends_the_turn() {
         ..Agent::default()
     });
     let records = Records::default();
+    // The engine sends the abort's event beside the mailbox the executor
+    // watches; its reason becomes the turn's error.
+    let abort = TurnInput::Abort {
+        reason: "stop pressed".into(),
+    };
+    records
+        .inputs
+        .borrow_mut()
+        .push_back(serde_json::to_string(&abort).unwrap());
     let state = run_once(&records, &agent, None).unwrap().unwrap();
     assert!(state.status.is_terminal());
     assert_ne!(state.status, TurnStatus::Finished);
+    // Killing the agent and recording the end (both `()` results) are
+    // read back as done, not as records of nothing.
+    assert_eq!(state.error.as_deref(), Some("aborted: stop pressed"));
+    assert!(state.end_recorded, "{state:?}");
     assert_eq!(count(&agent.slices), 2, "no slice after the aborted one");
     assert_eq!(count(&agent.kills), 1, "the agent is killed");
     assert_eq!(*agent.ends.lock().unwrap(), vec![state.status]);

@@ -8,8 +8,10 @@
 
 use std::fmt;
 
-/// What kind of failure an [`Error`] is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// What kind of failure an [`Error`] is. On the wire (a remote executor's
+/// or engine's error body) it is its [`as_str`](ErrorKind::as_str) name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum ErrorKind {
     /// The named thing (sandbox, key, session, file) does not exist.
     NotFound,
@@ -178,5 +180,34 @@ impl From<Error> for std::io::Error {
             _ => std::io::ErrorKind::Other,
         };
         std::io::Error::new(kind, err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ErrorKind;
+
+    /// The wire name of every kind is its `as_str` name, both ways.
+    #[test]
+    fn kinds_travel_by_their_names() {
+        let kinds = [
+            ErrorKind::NotFound,
+            ErrorKind::Unsupported,
+            ErrorKind::InvalidInput,
+            ErrorKind::Conflict,
+            ErrorKind::Fenced,
+            ErrorKind::Unsafe,
+            ErrorKind::Aborted,
+            ErrorKind::TimedOut,
+            ErrorKind::Corrupt,
+            ErrorKind::Unauthorized,
+            ErrorKind::Backend,
+            ErrorKind::Io,
+        ];
+        for kind in kinds {
+            let json = serde_json::to_value(kind).unwrap();
+            assert_eq!(json, serde_json::Value::from(kind.as_str()));
+            assert_eq!(serde_json::from_value::<ErrorKind>(json).unwrap(), kind);
+        }
     }
 }

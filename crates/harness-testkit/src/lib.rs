@@ -14,12 +14,16 @@
 //! - [`trees`]: the test tree every move test builds, and a listing of a
 //!   tree that means the same on every provider;
 //! - [`wrangler`]: the Cloudflare Worker under `wrangler dev`, for the
-//!   session-API suite ([`conformance::session_api`]).
+//!   session-API suite ([`conformance::session_api`]);
+//! - [`engine_bridge`]: the engine suite against the Workflows engine in
+//!   that Worker (the suite's executor served to its steps over HTTP, and
+//!   the Worker's engine API as a `DurableEngine`).
 
 pub mod agent;
 pub mod ai_sdk;
 pub mod bridge;
 pub mod conformance;
+pub mod engine_bridge;
 pub mod gate;
 pub mod model;
 pub mod real;

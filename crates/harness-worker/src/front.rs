@@ -331,6 +331,15 @@ async fn route(req: Request, env: &Env) -> Result<Response, ApiError> {
             checkpoint_move(call, op).await
         }
         (_, ["v1", "runner"]) => Err(unsupported("the runner channel on the Worker")),
+        (Method::Post, ["v1", "test", "engine", op]) if crate::engine_api::enabled(call.env) => {
+            // The engine conformance suite's way in (engine_api.rs); a
+            // runner's grant, as starting and steering turns is a runner's.
+            call.authorize(None, &[GrantRole::Runner])?;
+            let body = call.body(max_frame).await?;
+            crate::engine_api::serve(call.env, op, &body)
+                .await
+                .map_err(internal)
+        }
         (_, ["v1", "sessions", ..]) => Err(ApiError::new(
             405,
             "method_not_allowed",

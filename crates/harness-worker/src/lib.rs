@@ -23,6 +23,7 @@
 
 mod checkpoints;
 mod directory;
+mod engine_api;
 mod front;
 mod object;
 mod session_streams;

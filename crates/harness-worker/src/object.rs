@@ -39,8 +39,8 @@ use session_api::ws::{self, Inbound};
 use session_api::{ApiError, GrantRole};
 use wasm_bindgen::JsCast;
 use worker::{
-    durable_object, wasm_bindgen, DurableObject, Env, Headers, Request, Response, State, WebSocket,
-    WebSocketIncomingMessage, WebSocketPair,
+    durable_object, wasm_bindgen, DurableObject, Env, Headers, Method, Request, Response, State,
+    WebSocket, WebSocketIncomingMessage, WebSocketPair,
 };
 
 use crate::front::{
@@ -442,6 +442,9 @@ impl SessionObject {
             self.exists.set(true);
             return json_response(201, &info);
         }
+        if op == "turn-abort" || op == "turn-progress" {
+            return self.turn_mailbox(&session, &op, &mut req, &params).await;
+        }
         self.check_exists(&session)?;
         let store = self.store(&session);
         match op.as_str() {
@@ -495,22 +498,80 @@ impl SessionObject {
                 };
                 json_response(200, &store.fork_prefix(until)?)
             }
-            "turn-abort" => {
-                // The turn's mailbox for a running slice (turns.rs): the
-                // abort a client asked for, read from the stored meta.
-                let turn = params.get("turn").cloned().unwrap_or_default();
-                let info = store.info().await?;
-                let abort = info
-                    .meta
-                    .active_turn()
-                    .filter(|t| t.turn_id == turn)
-                    .and_then(|t| t.abort.clone());
-                json_response(200, &serde_json::json!({ "abort": abort }))
-            }
             "ws" => self.accept_socket(&session, &req, &params).await,
             "events" => self.events(&session, &store, &params).await,
             "stream" => self.session_stream(&session, &store, &req).await,
             "ui-stream" => self.ui_stream(&session, &store, &params).await,
+            _ => Err(ApiError::no_route()),
+        }
+    }
+
+    /// The turn's mailbox and progress board, kept by the session's object
+    /// for the Workflow instance that runs the turn (turns.rs):
+    ///
+    /// - `GET turn-abort?turn=`: the abort a client asked for — from the
+    ///   stored meta when this object holds the session, else from the
+    ///   mailbox `POST turn-abort?turn=` `{"reason"}` wrote (the engine API
+    ///   aborts turns of sessions that live elsewhere, engine.rs);
+    /// - `POST turn-progress?turn=` (a `TurnState`): the state the instance
+    ///   published (it shows no output before its end); `GET` reads it.
+    async fn turn_mailbox(
+        &self,
+        session: &SessionId,
+        op: &str,
+        req: &mut Request,
+        params: &HashMap<String, String>,
+    ) -> Result<Response, ApiError> {
+        let turn = params.get("turn").cloned().unwrap_or_default();
+        if turn.is_empty() {
+            return Err(ApiError::invalid(format!("{op} needs ?turn=<turn id>")));
+        }
+        let storage = self.state.storage();
+        let key = format!("{op}:{turn}");
+        match (req.method(), op) {
+            (Method::Get, "turn-abort") => {
+                let mut abort = None;
+                if self.check_exists(session).is_ok() {
+                    let info = self.store(session).info().await?;
+                    abort = info
+                        .meta
+                        .active_turn()
+                        .filter(|t| t.turn_id == turn)
+                        .and_then(|t| t.abort.clone());
+                }
+                if abort.is_none() {
+                    abort = storage.get::<String>(&key).await.map_err(internal)?;
+                }
+                json_response(200, &serde_json::json!({ "abort": abort }))
+            }
+            (Method::Post, "turn-abort") => {
+                let bytes = req.bytes().await.map_err(internal)?;
+                let body: serde_json::Value = serde_json::from_slice(&bytes)
+                    .map_err(|e| ApiError::invalid(format!("malformed abort: {e}")))?;
+                let reason = body["reason"].as_str().unwrap_or("aborted").to_string();
+                storage.put(&key, reason).await.map_err(internal)?;
+                json_response(200, &serde_json::json!({ "abort": true }))
+            }
+            (Method::Get, _) => match storage.get::<String>(&key).await.map_err(internal)? {
+                Some(json) => {
+                    let state: serde_json::Value = serde_json::from_str(&json).map_err(|e| {
+                        ApiError::new(500, "internal", format!("stored progress: {e}"))
+                    })?;
+                    json_response(200, &state)
+                }
+                None => Err(ApiError::new(
+                    404,
+                    "not_found",
+                    format!("turn {turn} of {session} published no progress"),
+                )),
+            },
+            (Method::Post, _) => {
+                let bytes = req.bytes().await.map_err(internal)?;
+                let json = String::from_utf8(bytes)
+                    .map_err(|e| ApiError::invalid(format!("progress is not UTF-8: {e}")))?;
+                storage.put(&key, json).await.map_err(internal)?;
+                json_response(200, &serde_json::json!({ "stored": true }))
+            }
             _ => Err(ApiError::no_route()),
         }
     }

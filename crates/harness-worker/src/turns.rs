@@ -21,7 +21,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 use durable_workflows::binding::{js_message, WorkflowStep, WorkflowSteps};
-use durable_workflows::TurnParams;
+use durable_workflows::{StepBody, StepOptions, Steps, TurnParams};
 use futures::StreamExt;
 use harness_claude_code::{
     ApprovalServer, ClaudeCodeConfig, ClaudeCodeHarness, APPROVAL_SERVER_PATH, DEFAULT_INSTALL_PATH,
@@ -75,7 +75,11 @@ pub async fn run_turn_workflow(
         .map_err(|e| fail(format!("the Workflow's params are not a turn: {e}")))?;
     let executor = executor(&env, &params).map_err(|e| fail(e.to_string()))?;
     let clock: Rc<dyn Fn() -> u64> = Rc::new(|| worker::js_sys::Date::now() as u64);
-    let state = durable_workflows::run_turn(params, &WorkflowSteps::new(step), executor, clock)
+    let steps = ObjectSteps {
+        inner: WorkflowSteps::new(step),
+        env: env.clone(),
+    };
+    let state = durable_workflows::run_turn(params, &steps, executor, clock)
         .await
         .map_err(|e| fail(e.to_string()))?;
     let json = serde_json::to_string(&state).map_err(|e| fail(e.to_string()))?;
@@ -83,7 +87,7 @@ pub async fn run_turn_workflow(
 }
 
 /// A Worker variable, if set and not empty.
-fn var(env: &Env, name: &str) -> Option<String> {
+pub(crate) fn var(env: &Env, name: &str) -> Option<String> {
     env.var(name)
         .ok()
         .map(|v| v.to_string())
@@ -112,10 +116,76 @@ pub(crate) fn bridge_provider(env: &Env) -> Result<Arc<dyn SandboxProvider>> {
     Ok(provider)
 }
 
-/// The slice runner of one turn: the Cloudflare provider on the bridge the
-/// Worker is configured with, the agents preinstalled in the bridge's
-/// image, and the session's object as the runner.
+/// A Workflow's steps, with the turn's progress published to the session's
+/// object (`turn-progress`), where the engine API reads a running turn's
+/// state (`engine_api.rs`). A failed publish is logged and the turn goes on:
+/// progress is a view, the step records are the turn.
+struct ObjectSteps {
+    inner: WorkflowSteps,
+    env: Env,
+}
+
+#[async_trait(?Send)]
+impl Steps for ObjectSteps {
+    async fn run(
+        &self,
+        name: &str,
+        options: StepOptions,
+        body: StepBody,
+    ) -> std::result::Result<String, String> {
+        self.inner.run(name, options, body).await
+    }
+
+    async fn wait_input(&self, name: &str, timeout_ms: u64) -> std::result::Result<String, String> {
+        self.inner.wait_input(name, timeout_ms).await
+    }
+
+    async fn progress(&self, state: &TurnState) {
+        if let Err(e) = publish_progress(&self.env, state).await {
+            worker::console_error!("turn {}: publishing its progress: {e}", state.turn_id);
+        }
+    }
+}
+
+/// Store `state` as the turn's progress in its session's object.
+pub(crate) async fn publish_progress(env: &Env, state: &TurnState) -> Result<()> {
+    let body = serde_json::to_vec(state)?;
+    let path = format!("turn-progress?turn={}", state.turn_id);
+    let response = object_request(env, &state.session_id, Method::Post, &path, Some(body))
+        .await
+        .map_err(|e| Error::backend(format!("the session object: {e}")))?;
+    match response.status_code() {
+        200 => Ok(()),
+        status => Err(Error::backend(format!(
+            "the session object answered {status} to {path}"
+        ))),
+    }
+}
+
+/// The slice executor of one turn: with `HARNESS_TEST_EXECUTOR_URL` set
+/// (the engine conformance suite), the test's executor over HTTP
+/// (`engine_api::RemoteExecutor`); otherwise [`slice_runner`]. Either way
+/// the object is the turn's abort mailbox ([`WorkerSlices`]).
 fn executor(env: &Env, params: &TurnParams) -> Result<Rc<dyn SliceExecutor>> {
+    let inner: Rc<dyn SliceExecutor> = match var(env, crate::engine_api::EXECUTOR_URL_VAR) {
+        Some(url) => Rc::new(crate::engine_api::RemoteExecutor::new(&url)),
+        None => Rc::new(slice_runner(env, params)?),
+    };
+    let failpoint = var(env, "HARNESS_TEST_FAIL_SLICE")
+        .map(|v| parse_failpoint(&v))
+        .transpose()?
+        .map(|(slice, attempts)| (slice, Cell::new(attempts)));
+    Ok(Rc::new(WorkerSlices {
+        inner,
+        env: env.clone(),
+        failpoint,
+    }))
+}
+
+/// Core's slice runner for one turn: the Cloudflare provider on the bridge
+/// the Worker is configured with, the agents preinstalled in the bridge's
+/// image, and the session's object as the runner.
+fn slice_runner(env: &Env, params: &TurnParams) -> Result<SliceRunner> {
     let provider = bridge_provider(env)?;
     let claude = var(env, "HARNESS_CLAUDE_PATH").unwrap_or_else(|| DEFAULT_INSTALL_PATH.into());
     let mut config = ClaudeCodeConfig::preinstalled(claude);
@@ -139,7 +209,7 @@ fn executor(env: &Env, params: &TurnParams) -> Result<Rc<dyn SliceExecutor>> {
         env: env.clone(),
         generation: params.generation,
     };
-    let runner = SliceRunner {
+    Ok(SliceRunner {
         providers: BTreeMap::from([(provider.name().to_string(), provider)]),
         harnesses: BTreeMap::from([(claude.name().to_string(), claude)]),
         sink: Arc::new(sink),
@@ -149,21 +219,12 @@ fn executor(env: &Env, params: &TurnParams) -> Result<Rc<dyn SliceExecutor>> {
         poll_interval: Duration::from_millis(250),
         sleep: Arc::new(|d| Box::pin(worker::Delay::from(d))),
         clock: Arc::new(FnClock(|| worker::js_sys::Date::now() as u64)),
-    };
-    let failpoint = var(env, "HARNESS_TEST_FAIL_SLICE")
-        .map(|v| parse_failpoint(&v))
-        .transpose()?
-        .map(|(slice, attempts)| (slice, Cell::new(attempts)));
-    Ok(Rc::new(WorkerSlices {
-        inner: runner,
-        env: env.clone(),
-        failpoint,
-    }))
+    })
 }
 
 /// One request to the internal path `path_and_query` of `session`'s
 /// object (`https://session.internal/…`).
-async fn object_request(
+pub(crate) async fn object_request(
     env: &Env,
     session: &str,
     method: Method,
@@ -190,7 +251,7 @@ async fn object_request(
 /// aborted the turn.
 const ABORT_POLL: Duration = Duration::from_secs(1);
 
-/// Core's slice runner as the Worker runs it:
+/// A turn's slices as the Worker runs them:
 ///
 /// - the session's object is the turn's mailbox while a slice runs: a step
 ///   cannot be signalled, so the slice asks the object (`/turn-abort`)
@@ -202,7 +263,7 @@ const ABORT_POLL: Duration = Duration::from_secs(1);
 ///   fail, as a slice whose sandbox connection drops at its end does; the
 ///   step retries.
 struct WorkerSlices {
-    inner: SliceRunner,
+    inner: Rc<dyn SliceExecutor>,
     env: Env,
     failpoint: Option<(u32, Cell<u32>)>,
 }

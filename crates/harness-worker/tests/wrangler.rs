@@ -28,6 +28,19 @@ async fn the_worker_speaks_the_session_api() {
         eprintln!("--- wrangler dev ---\n{}", dev.log_tail());
         std::panic::resume_unwind(e.into_panic());
     }
+    // The engine API (tests/engine.rs) exists only with its variable set.
+    let absent = reqwest::Client::new()
+        .post(format!("{}/v1/test/engine/wait", dev.base))
+        .bearer_auth(session_api::RUNNER)
+        .json(&json!({"session_id": "w-none", "turn_id": "t1"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        absent.status(),
+        404,
+        "the engine API answers without HARNESS_TEST_EXECUTOR_URL"
+    );
 }
 
 /// A session's Durable Object keeps its log in its SQLite, and a new
