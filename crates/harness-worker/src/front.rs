@@ -10,7 +10,9 @@
 //! Durable Streams (`/v1/stream/*`: generic streams in the streams object,
 //! session streams in the session's object), and `GET /v1/sessions` (the
 //! directory object's ids, each session's info from its object). Not yet:
-//! the runner channel `/v1/runner` — it answers 501 `unsupported`.
+//! the runner channel `/v1/runner` — it answers 501 `unsupported`. Tests
+//! only, with `HARNESS_TEST_EXECUTOR_URL` set: the engine API `POST
+//! /v1/test/engine/<op>` (`engine_api.rs`).
 
 // `#[event(fetch)]` expands to unsafe blocks: allowed here, denied
 // elsewhere in the crate.
