@@ -285,7 +285,34 @@ pub struct TreeRestoreInfo {
 /// Read the object under `key`: `Some` manifest if it is a tree
 /// checkpoint, `None` if it is a whole-archive one.
 pub async fn read_manifest(store: &dyn CheckpointStore, key: &str) -> Result<Option<TreeManifest>> {
-    let mut body = decompress(store.get(key).await?);
+    Ok(read_manifest_hashed(store, key).await?.0)
+}
+
+/// [`read_manifest`], with the SHA-256 of the stored object's bytes as
+/// read (what the store checked them against).
+async fn read_manifest_hashed(
+    store: &dyn CheckpointStore,
+    key: &str,
+) -> Result<(Option<TreeManifest>, String)> {
+    let hasher = Arc::new(std::sync::Mutex::new(Sha256::new()));
+    let hashing = hasher.clone();
+    let stored = store.get(key).await?.map(move |chunk| {
+        if let Ok(bytes) = &chunk {
+            hashing
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .update(bytes);
+        }
+        chunk
+    });
+    let manifest = parse_manifest(key, decompress(Box::pin(stored))).await?;
+    let sha = hex::encode(
+        std::mem::take(&mut *hasher.lock().unwrap_or_else(|e| e.into_inner())).finalize(),
+    );
+    Ok((manifest, sha))
+}
+
+async fn parse_manifest(key: &str, mut body: ByteStream) -> Result<Option<TreeManifest>> {
     let mut text = BytesMut::new();
     let prefix = format!("{{\"format\":\"{FORMAT}\"");
     while let Some(chunk) = body.next().await {
@@ -314,6 +341,138 @@ pub async fn read_manifest(store: &dyn CheckpointStore, key: &str) -> Result<Opt
     let manifest: TreeManifest = serde_json::from_slice(&text)
         .map_err(|e| Error::corrupt(format!("manifest {key} does not parse: {e}")))?;
     Ok(Some(manifest))
+}
+
+/// A manifest as read or written by this process, with what is derived
+/// from it once: its admission by the restore rules and the set of its
+/// chunk hashes.
+#[derive(Debug)]
+struct KnownManifest {
+    manifest: TreeManifest,
+    admitted: std::sync::OnceLock<ScanSummary>,
+    chunks: std::sync::OnceLock<HashSet<[u8; 32]>>,
+}
+
+impl KnownManifest {
+    fn new(manifest: TreeManifest) -> Self {
+        Self {
+            manifest,
+            admitted: std::sync::OnceLock::new(),
+            chunks: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// [`admit`], once.
+    fn admitted(&self) -> Result<ScanSummary> {
+        if let Some(summary) = self.admitted.get() {
+            return Ok(*summary);
+        }
+        let summary = admit(&self.manifest)?;
+        Ok(*self.admitted.get_or_init(|| summary))
+    }
+
+    /// Whether one of the manifest's files has the chunk `hash` (hex).
+    fn has_chunk(&self, hash: &str) -> bool {
+        let chunks = self.chunks.get_or_init(|| {
+            self.manifest
+                .entries
+                .iter()
+                .flat_map(|e| e.chunks.iter())
+                .filter_map(|h| chunk_bytes(h))
+                .collect()
+        });
+        chunk_bytes(hash).is_some_and(|h| chunks.contains(&h))
+    }
+}
+
+fn chunk_bytes(hex_hash: &str) -> Option<[u8; 32]> {
+    let mut out = [0u8; 32];
+    hex::decode_to_slice(hex_hash, &mut out).ok()?;
+    Some(out)
+}
+
+/// Manifests this process read or wrote, by the SHA-256 of their stored
+/// object: a re-checkpoint against its parent, and the restore of a
+/// checkpoint onto the state of its parent, skip fetching, parsing and
+/// admitting the 20,000-entry manifest they used a moment ago (the bulk
+/// of their time, `docs/tree-checkpoints.md`). A manifest object is
+/// looked up by the hash its store reports (`head`), so a key that now
+/// holds another object is read again; what is cached was parsed from
+/// bytes whose hash is that key, or is what was written under it. Bounded
+/// by [`CACHED_MANIFESTS`] manifests and [`CACHED_ENTRIES`] entries in
+/// all, the least recently used going first.
+mod known {
+    use std::collections::VecDeque;
+    use std::sync::{Arc, Mutex, OnceLock};
+
+    use super::KnownManifest;
+
+    /// Manifests kept at most.
+    pub(super) const CACHED_MANIFESTS: usize = 4;
+    /// Entries kept at most, over all kept manifests (~200 bytes each).
+    pub(super) const CACHED_ENTRIES: usize = 250_000;
+
+    type Kept = VecDeque<(String, Arc<KnownManifest>)>;
+
+    fn kept() -> &'static Mutex<Kept> {
+        static KEPT: OnceLock<Mutex<Kept>> = OnceLock::new();
+        KEPT.get_or_init(|| Mutex::new(VecDeque::new()))
+    }
+
+    fn valid(sha: &str) -> bool {
+        sha.len() == 64 && sha.bytes().all(|b| b.is_ascii_hexdigit())
+    }
+
+    /// The manifest stored as the object whose SHA-256 is `sha`, if kept.
+    pub(super) fn get(sha: &str) -> Option<Arc<KnownManifest>> {
+        if !valid(sha) {
+            return None;
+        }
+        let mut kept = kept().lock().unwrap_or_else(|e| e.into_inner());
+        let at = kept.iter().position(|(s, _)| s == sha)?;
+        let hit = kept.remove(at)?;
+        let manifest = hit.1.clone();
+        kept.push_front(hit);
+        Some(manifest)
+    }
+
+    /// Keep `manifest` as the object whose SHA-256 is `sha`.
+    pub(super) fn put(sha: &str, manifest: Arc<KnownManifest>) {
+        let size = manifest.manifest.entries.len() + manifest.manifest.deleted.len();
+        if !valid(sha) || size > CACHED_ENTRIES {
+            return;
+        }
+        let mut kept = kept().lock().unwrap_or_else(|e| e.into_inner());
+        kept.retain(|(s, _)| s != sha);
+        kept.push_front((sha.to_string(), manifest));
+        let entries = |k: &Kept| {
+            k.iter()
+                .map(|(_, m)| m.manifest.entries.len() + m.manifest.deleted.len())
+                .sum::<usize>()
+        };
+        while kept.len() > CACHED_MANIFESTS || entries(&kept) > CACHED_ENTRIES {
+            kept.pop_back();
+        }
+    }
+}
+
+/// The tree manifest under `key`: the kept one when the store's object is
+/// one this process read or wrote, else fetched, parsed and kept. `None`
+/// for a whole-archive checkpoint.
+async fn load_manifest(
+    store: &dyn CheckpointStore,
+    key: &str,
+) -> Result<Option<Arc<KnownManifest>>> {
+    let meta = store.head(key).await?;
+    if let Some(hit) = known::get(&meta.sha256) {
+        return Ok(Some(hit));
+    }
+    let (manifest, sha) = read_manifest_hashed(store, key).await?;
+    Ok(manifest.map(|manifest| {
+        let manifest = Arc::new(KnownManifest::new(manifest));
+        known::put(&sha, manifest.clone());
+        manifest
+    }))
 }
 
 /// Checkpoint `dir` of `sandbox` into `store` under `key` as a tree
@@ -350,10 +509,12 @@ async fn checkpoint_locked(
     progress: Option<Arc<dyn MoveProgress>>,
 ) -> Result<TreeCheckpointInfo> {
     // The sandbox lists the tree while the parent's manifest is fetched
-    // and parsed: the listing waits on the sandbox, the parse on the CPU.
+    // and parsed (or found kept): the listing waits on the sandbox, the
+    // parse on the CPU. The listing is polled first, so it has started
+    // before a parse that never yields holds the task.
     let read_parent = async {
         match parent_key {
-            Some(p) => Some(read_manifest(store, p).await?.ok_or_else(|| {
+            Some(p) => Some(load_manifest(store, p).await?.ok_or_else(|| {
                 Error::invalid(format!(
                     "parent {p} is a whole-archive checkpoint; make a tree checkpoint without a parent first"
                 ))
@@ -364,15 +525,11 @@ async fn checkpoint_locked(
     };
     // Listed without a parent too: the stats it records (taken before the
     // read) are what the next checkpoint compares.
-    let (parent, listing) = futures::join!(read_parent, list_tree(sandbox, dir));
-    let parent: Option<TreeManifest> = parent?;
+    let (listing, parent) = futures::join!(list_tree(sandbox, dir), read_parent);
+    let parent: Option<Arc<KnownManifest>> = parent?;
     let listing = listing?;
     let mut uploader = Uploader::new(store);
-    if let Some(parent) = &parent {
-        for entry in &parent.entries {
-            uploader.known.extend(entry.chunks.iter().cloned());
-        }
-    }
+    uploader.parent = parent.clone();
     let mut stats = TreeCheckpointInfo {
         object: ObjectMeta {
             key: key.to_string(),
@@ -387,19 +544,13 @@ async fn checkpoint_locked(
         bytes_uploaded: 0,
         deleted: 0,
     };
-    // The parent's entries by path, taken out as the listing finds them:
-    // what is left at the end is gone (`deleted`).
-    let (parent_listed_at, mut gone): (u64, HashMap<String, TreeEntry>) = match parent {
-        Some(parent) => (
-            parent.listed_at,
-            parent
-                .entries
-                .into_iter()
-                .map(|e| (e.path.clone(), e))
-                .collect(),
-        ),
-        None => (0, HashMap::new()),
-    };
+    // The parent's entries (sorted by path), each marked when the listing
+    // finds its path: what is unmarked at the end is gone (`deleted`).
+    let old_entries: &[TreeEntry] = parent
+        .as_deref()
+        .map_or(&[], |p| p.manifest.entries.as_slice());
+    let parent_listed_at = parent.as_deref().map_or(0, |p| p.manifest.listed_at);
+    let mut found = vec![false; old_entries.len()];
     let has_parent = parent_key.is_some();
     let (listed_at, mut entries) = match listing {
         Listing::Missing => return Err(Error::not_found(format!("no such directory: {dir}"))),
@@ -413,14 +564,30 @@ async fn checkpoint_locked(
             }
             (now, read)
         }
-        Listing::Listed { now, entries } => {
+        Listing::Listed { now, mut entries } => {
+            // Both sides in path order: one merge pass pairs each listed
+            // path with the parent's entry, with no map of either.
+            entries.sort_unstable_by(|a, b| a.path.cmp(&b.path));
             // Changed files the parent had: if one vanishes before it is
             // read, the parent's entry goes back among the deleted.
-            let mut changed_known: HashMap<String, TreeEntry> = HashMap::new();
+            let mut changed_known: HashMap<String, usize> = HashMap::new();
             let mut out = Vec::with_capacity(entries.len());
             let mut changed = Vec::new();
+            let mut next_old = 0;
             for listed in entries {
-                let old = gone.remove(listed.path.as_str());
+                while old_entries
+                    .get(next_old)
+                    .is_some_and(|e| e.path.as_str() < listed.path.as_str())
+                {
+                    next_old += 1;
+                }
+                let old = old_entries
+                    .get(next_old)
+                    .filter(|e| e.path == listed.path)
+                    .map(|e| (next_old, e));
+                if let Some((i, _)) = old {
+                    found[i] = true;
+                }
                 match listed.kind {
                     'd' => out.push(TreeEntry {
                         path: listed.path,
@@ -445,11 +612,11 @@ async fn checkpoint_locked(
                         ctime_ns: 0,
                     }),
                     'f' => match old {
-                        Some(old) if old.unchanged_since(&listed, parent_listed_at) => {
-                            out.push(old)
+                        Some((_, old)) if old.unchanged_since(&listed, parent_listed_at) => {
+                            out.push(old.clone())
                         }
-                        Some(old) => {
-                            changed_known.insert(old.path.clone(), old);
+                        Some((i, old)) => {
+                            changed_known.insert(old.path.clone(), i);
                             changed.push(listed);
                         }
                         None => changed.push(listed),
@@ -457,8 +624,8 @@ async fn checkpoint_locked(
                     // tar skips sockets too (a file the parent had there
                     // is gone).
                     's' => {
-                        if let Some(old) = old {
-                            gone.insert(old.path.clone(), old);
+                        if let Some((i, _)) = old {
+                            found[i] = false;
                         }
                     }
                     other => {
@@ -501,7 +668,9 @@ async fn checkpoint_locked(
                 }
             }
             // Read by nobody: removed between the listing and the read.
-            gone.extend(changed_known);
+            for i in changed_known.into_values() {
+                found[i] = false;
+            }
             (now, out)
         }
         Listing::Unsupported => {
@@ -517,9 +686,20 @@ async fn checkpoint_locked(
     }
     entries.sort_by(|a, b| a.path.cmp(&b.path));
     let deleted: Vec<TreeEntry> = if has_parent {
-        let present: HashSet<&str> = entries.iter().map(|e| e.path.as_str()).collect();
+        let gone: Vec<&TreeEntry> = old_entries
+            .iter()
+            .zip(&found)
+            .filter(|(_, found)| !**found)
+            .map(|(e, _)| e)
+            .collect();
+        // Only when something is gone: whether its path is back.
+        let present: HashSet<&str> = if gone.is_empty() {
+            HashSet::new()
+        } else {
+            entries.iter().map(|e| e.path.as_str()).collect()
+        };
         let mut deleted: Vec<TreeEntry> = gone
-            .into_values()
+            .into_iter()
             .filter(|e| !present.contains(e.path.as_str()))
             // What a restore compares, not the content: a deleted file's
             // blobs are not kept alive by its successor.
@@ -527,7 +707,7 @@ async fn checkpoint_locked(
                 chunks: Vec::new(),
                 ino: 0,
                 ctime_ns: 0,
-                ..e
+                ..e.clone()
             })
             .collect();
         deleted.sort_by(|a, b| a.path.cmp(&b.path));
@@ -558,6 +738,9 @@ async fn checkpoint_locked(
     .await?;
     stats.bytes_uploaded += packed.len() as u64;
     stats.object = store.put(key, crate::stream::once(packed)).await?;
+    // The next checkpoint of this tree, or a restore of this one, finds
+    // it parsed.
+    known::put(&stats.object.sha256, Arc::new(KnownManifest::new(manifest)));
     Ok(stats)
 }
 
@@ -576,15 +759,24 @@ pub async fn restore_tree(
     // admitted: the listing waits on the sandbox, the rest on the store
     // and the CPU. Nothing is written before both are done.
     let read = async {
-        let manifest = read_manifest(store, key)
+        let manifest = load_manifest(store, key)
             .await?
             .ok_or_else(|| Error::invalid(format!("{key} is a whole-archive checkpoint")))?;
-        let summary = admit(&manifest)?;
+        let summary = manifest.admitted()?;
         Ok::<_, Error>((manifest, summary))
     };
     let (listing, read) = futures::join!(list_tree(sandbox, dir), read);
     let (manifest, summary) = read?;
-    apply_manifest(store, &manifest, summary, listing?, sandbox, dir, progress).await
+    apply_manifest(
+        store,
+        &manifest.manifest,
+        summary,
+        listing?,
+        sandbox,
+        dir,
+        progress,
+    )
+    .await
 }
 
 /// [`restore_tree`] of a manifest already read.
@@ -899,7 +1091,9 @@ async fn compressed(content: Bytes) -> Result<Bytes> {
 /// [`IN_FLIGHT`].
 struct Uploader<'s> {
     store: &'s dyn CheckpointStore,
-    /// Chunks known to be stored (the parent's, and this run's).
+    /// The parent's manifest: its chunks are stored.
+    parent: Option<Arc<KnownManifest>>,
+    /// Chunks this run found or stored.
     known: HashSet<String>,
     /// Each upload answers whether it stored the chunk, and its size.
     running: FuturesUnordered<crate::maybe::BoxFuture<'s, Result<(bool, u64)>>>,
@@ -913,6 +1107,7 @@ impl<'s> Uploader<'s> {
     fn new(store: &'s dyn CheckpointStore) -> Self {
         Self {
             store,
+            parent: None,
             known: HashSet::new(),
             running: FuturesUnordered::new(),
             running_bytes: 0,
@@ -925,7 +1120,8 @@ impl<'s> Uploader<'s> {
     /// Store `chunk` unless known; returns its hash.
     async fn add(&mut self, chunk: Bytes) -> Result<String> {
         let hash = hex::encode(Sha256::digest(&chunk));
-        if self.known.insert(hash.clone()) {
+        let in_parent = self.parent.as_ref().is_some_and(|p| p.has_chunk(&hash));
+        if !in_parent && self.known.insert(hash.clone()) {
             let len = chunk.len() as u64;
             while !self.running.is_empty()
                 && (self.running.len() >= IN_FLIGHT || self.running_bytes + len > IN_FLIGHT_BYTES)
@@ -1361,6 +1557,110 @@ async fn collect_locked(store: &dyn CheckpointStore) -> Result<GcInfo> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::checkpoint::MemoryCheckpointStore;
+
+    fn manifest_of(paths: &[&str]) -> TreeManifest {
+        TreeManifest {
+            format: FORMAT.to_string(),
+            parent: None,
+            listed_at: 1,
+            entries: paths
+                .iter()
+                .map(|p| TreeEntry {
+                    path: p.to_string(),
+                    kind: TreeKind::Dir,
+                    mode: 0o755,
+                    size: 0,
+                    mtime: 1,
+                    chunks: vec![],
+                    target: None,
+                    ino: 0,
+                    ctime_ns: 0,
+                })
+                .collect(),
+            deleted: vec![],
+        }
+    }
+
+    async fn put_manifest(store: &MemoryCheckpointStore, key: &str, m: &TreeManifest) -> String {
+        let json = serde_json::to_vec(m).unwrap();
+        let packed = crate::stream::collect(
+            compress_archive(crate::stream::once(json), DEFAULT_ZSTD_LEVEL),
+            1 << 20,
+        )
+        .await
+        .unwrap();
+        store
+            .put(key, crate::stream::once(packed))
+            .await
+            .unwrap()
+            .sha256
+    }
+
+    /// A kept manifest is found by its object's hash; the key holding
+    /// another object is read again; nothing is kept under a hash that is
+    /// not one; the least recently used goes first.
+    #[tokio::test]
+    async fn manifests_are_kept_by_the_hash_of_their_object() {
+        let store = MemoryCheckpointStore::new();
+        let first = manifest_of(&["a", "b"]);
+        let sha1 = put_manifest(&store, "kept/t", &first).await;
+        let loaded = load_manifest(&store, "kept/t").await.unwrap().unwrap();
+        assert_eq!(loaded.manifest, first);
+        let again = load_manifest(&store, "kept/t").await.unwrap().unwrap();
+        assert!(Arc::ptr_eq(&loaded, &again), "the second load parsed again");
+        // The key now holds another manifest: its hash differs, it is read.
+        let second = manifest_of(&["c"]);
+        let sha2 = put_manifest(&store, "kept/t", &second).await;
+        assert_ne!(sha1, sha2);
+        let reloaded = load_manifest(&store, "kept/t").await.unwrap().unwrap();
+        assert_eq!(reloaded.manifest, second);
+        assert!(known::get(&sha1).is_some() && known::get(&sha2).is_some());
+
+        known::put(
+            "not-a-hash",
+            Arc::new(KnownManifest::new(manifest_of(&["x"]))),
+        );
+        assert!(known::get("not-a-hash").is_none());
+        let shas: Vec<String> = (0..=known::CACHED_MANIFESTS)
+            .map(|i| format!("{i:064x}"))
+            .collect();
+        for sha in &shas {
+            known::put(sha, Arc::new(KnownManifest::new(manifest_of(&["y"]))));
+        }
+        assert!(known::get(&shas[0]).is_none(), "the oldest was not dropped");
+        assert!(known::get(&shas[known::CACHED_MANIFESTS]).is_some());
+        let huge = manifest_of(&vec!["z"; known::CACHED_ENTRIES + 1]);
+        let huge_sha = format!("{:064x}", 99);
+        known::put(&huge_sha, Arc::new(KnownManifest::new(huge)));
+        assert!(
+            known::get(&huge_sha).is_none(),
+            "a manifest over the bound was kept"
+        );
+    }
+
+    /// The chunk set answers for the manifest's chunks only.
+    #[test]
+    fn a_kept_manifest_knows_its_chunks() {
+        let hash = "ab".repeat(32);
+        let mut m = manifest_of(&[]);
+        m.entries.push(TreeEntry {
+            path: "f".into(),
+            kind: TreeKind::File,
+            mode: 0o644,
+            size: 1,
+            mtime: 1,
+            chunks: vec![hash.clone()],
+            target: None,
+            ino: 0,
+            ctime_ns: 0,
+        });
+        let known = KnownManifest::new(m);
+        assert!(known.has_chunk(&hash));
+        assert!(!known.has_chunk(&"cd".repeat(32)));
+        assert!(!known.has_chunk("not hex"));
+        assert!(known.admitted().is_ok());
+    }
 
     #[test]
     fn find_times_read_as_nanoseconds() {
