@@ -590,6 +590,20 @@ pub trait Sandbox: MaybeSend + MaybeSync + std::fmt::Debug {
         ))
     }
 
+    /// A tar stream of exactly `paths` (relative to `dir`; a directory
+    /// without its contents), each as what it is — a symlink as a symlink,
+    /// never followed. A path that no longer exists is left out (the tree
+    /// may change under a running agent). Tree checkpoints read the files
+    /// that changed since their parent with it.
+    ///
+    /// By default GNU `tar --no-recursion -T -` runs inside the sandbox
+    /// ([`export_paths_with_tar`]): an exec per checkpoint. A provider that
+    /// reads the sandbox's files from where it runs (the local sandbox)
+    /// builds the archive in-process.
+    async fn export_paths_tar(&self, dir: &str, paths: &[String]) -> Result<ByteStream> {
+        export_paths_with_tar(self, dir, paths).await
+    }
+
     /// Start a process that outlives this call and this process, with stdout
     /// and stderr spooled to files under `request.spool_dir`.
     ///
@@ -831,6 +845,28 @@ pub fn extract_tar_failure(dir: &str, status: &ExitStatus, stderr: &str) -> Erro
 
 /// Turn an exec stream into a byte stream of its stdout, failing if the
 /// command fails (exit 44 from the default `read_file_from` means NotFound).
+/// [`Sandbox::export_paths_tar`] by GNU `tar` inside the sandbox: `tar -C
+/// dir --null --verbatim-files-from --no-recursion --ignore-failed-read -T
+/// -` with the paths on stdin (a path removed meanwhile is skipped with a
+/// warning on tar's stderr).
+pub async fn export_paths_with_tar<S: Sandbox + ?Sized>(
+    sandbox: &S,
+    dir: &str,
+    paths: &[String],
+) -> Result<ByteStream> {
+    let mut list = Vec::new();
+    for path in paths {
+        list.extend_from_slice(path.as_bytes());
+        list.push(0);
+    }
+    let script = format!(
+        "exec tar -C {} --null --verbatim-files-from --no-recursion --ignore-failed-read -T - -cf -",
+        shell_quote(dir)
+    );
+    let stream = sandbox.exec(ExecRequest::shell(script).stdin(list)).await?;
+    Ok(exec_stdout_stream(stream, dir.to_string()))
+}
+
 pub fn exec_stdout_stream(stream: ExecStream, what: String) -> ByteStream {
     let mut stderr = BytesMut::new();
     Box::pin(futures::stream::unfold(

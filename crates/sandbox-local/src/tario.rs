@@ -43,6 +43,65 @@ pub(crate) fn export(dir: PathBuf) -> ByteStream {
     Box::pin(futures::stream::poll_fn(move |cx| rx.poll_recv(cx)))
 }
 
+/// A tar of exactly `paths` under `dir` (no recursion; symlinks not
+/// followed; a path gone meanwhile left out), built in-process
+/// (`Sandbox::export_paths_tar`).
+pub(crate) fn export_paths(dir: PathBuf, paths: Vec<String>) -> ByteStream {
+    let (tx, mut rx) = mpsc::channel::<Result<Bytes>>(DEPTH);
+    tokio::task::spawn_blocking(move || {
+        let mut writer = ChannelWriter {
+            tx: tx.clone(),
+            buf: BytesMut::with_capacity(CHUNK),
+        };
+        let result = (|| -> Result<()> {
+            let mut builder = tar::Builder::new(&mut writer);
+            builder.follow_symlinks(false);
+            for path in &paths {
+                let rel = Path::new(path);
+                if rel.is_absolute()
+                    || rel
+                        .components()
+                        .any(|c| !matches!(c, std::path::Component::Normal(_)))
+                {
+                    return Err(Error::invalid(format!(
+                        "{path:?} is not a relative path inside the exported directory"
+                    )));
+                }
+                let full = dir.join(rel);
+                let meta = match std::fs::symlink_metadata(&full) {
+                    Ok(m) => m,
+                    // Removed since it was listed: left out, as GNU tar's
+                    // --ignore-failed-read does.
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                    Err(e) => return Err(e.into()),
+                };
+                let ft = meta.file_type();
+                let appended = if ft.is_dir() {
+                    builder.append_dir(rel, &full)
+                } else if ft.is_file() || ft.is_symlink() {
+                    builder.append_path_with_name(&full, rel)
+                } else {
+                    tracing::warn!(path = %full.display(), "skipping special file in tar export");
+                    Ok(())
+                };
+                match appended {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            builder.finish()?;
+            drop(builder);
+            writer.flush()?;
+            Ok(())
+        })();
+        if let Err(e) = result {
+            let _ = tx.blocking_send(Err(e));
+        }
+    });
+    Box::pin(futures::stream::poll_fn(move |cx| rx.poll_recv(cx)))
+}
+
 fn append_tree<W: Write>(builder: &mut tar::Builder<W>, root: &Path, rel: &Path) -> Result<()> {
     let dir = root.join(rel);
     let mut names: Vec<_> = std::fs::read_dir(&dir)?

@@ -130,6 +130,10 @@ pub async fn run_all_with(
         native_listing_matches_find(sb).await,
     );
     record(
+        "paths_export_matches_gnu_tar",
+        paths_export_matches_gnu_tar(sb).await,
+    );
+    record(
         "import_refuses_escaping_entries",
         import_refuses_escaping_entries(sb).await,
     );
@@ -986,6 +990,99 @@ async fn has_gnu_tools(sb: &dyn Sandbox) -> Result<bool> {
     )
     .await?;
     Ok(out.status.success())
+}
+
+/// `export_paths_tar` archives exactly the named paths as GNU `tar
+/// --no-recursion -T -` does inside the sandbox (the trait's default, and
+/// the oracle here): same paths, kinds, permission bits, sizes, mtimes,
+/// link texts and contents. A directory comes without its contents, a
+/// symlink as a symlink (a dangling one too), a missing path is left out.
+/// Passes trivially for a provider that keeps the default.
+pub async fn paths_export_matches_gnu_tar(sb: &dyn Sandbox) -> Result<()> {
+    if !has_gnu_tools(sb).await? {
+        return Ok(());
+    }
+    let base = scratch("paths-export");
+    sh(
+        sb,
+        &format!(
+            "set -e; mkdir -p {b}/a/b; cd {b}; \
+             printf hello > a/b/file.txt; chmod 640 a/b/file.txt; \
+             printf inside > a/b/not-asked; printf x > 'sp ace é'; : > zero; \
+             ln -s a/b/file.txt link; ln -s ../nowhere dangling; \
+             touch -d '2001-02-03 04:05:06' a/b/file.txt",
+            b = shell_quote(&base)
+        ),
+    )
+    .await?;
+    let paths: Vec<String> = [
+        "a",
+        "a/b/file.txt",
+        "sp ace é",
+        "zero",
+        "link",
+        "dangling",
+        "gone",
+    ]
+    .iter()
+    .map(|p| p.to_string())
+    .collect();
+    let native = sb
+        .export_paths_tar(&base, &paths)
+        .await
+        .context("export_paths_tar")?;
+    let gnu = harness_core::sandbox::export_paths_with_tar(sb, &base, &paths).await?;
+    let (native, gnu) = (
+        tar_entries(read_all(native, "export_paths_tar").await?)?,
+        tar_entries(read_all(gnu, "GNU tar -T -").await?)?,
+    );
+    let names: Vec<&str> = native.iter().map(|e| e.0.as_str()).collect();
+    ensure!(
+        names == ["a", "a/b/file.txt", "dangling", "link", "sp ace é", "zero"],
+        "exported {names:?}"
+    );
+    ensure!(
+        native == gnu,
+        "export_paths_tar gave {native:?}, GNU tar {gnu:?}"
+    );
+    sh(sb, &format!("rm -rf {}", shell_quote(&base))).await?;
+    Ok(())
+}
+
+/// (path without a trailing `/`, entry type, permission bits, size, mtime,
+/// link text, SHA-256 of the content) of every entry, sorted by path.
+type TarRow = (String, u8, u32, u64, u64, String, String);
+
+fn tar_entries(bytes: Vec<u8>) -> Result<Vec<TarRow>> {
+    use std::io::Read;
+    let mut archive = tar::Archive::new(std::io::Cursor::new(bytes));
+    let mut rows = Vec::new();
+    for entry in archive.entries()? {
+        let mut entry = entry?;
+        let header = entry.header().clone();
+        let path = entry
+            .path()?
+            .to_string_lossy()
+            .trim_end_matches('/')
+            .to_string();
+        let link = entry
+            .link_name()?
+            .map(|l| l.to_string_lossy().to_string())
+            .unwrap_or_default();
+        let mut content = Vec::new();
+        entry.read_to_end(&mut content)?;
+        rows.push((
+            path,
+            header.entry_type().as_byte(),
+            header.mode()? & 0o7777,
+            header.size()?,
+            header.mtime()?,
+            link,
+            hex::encode(Sha256::digest(&content)),
+        ));
+    }
+    rows.sort();
+    Ok(rows)
 }
 
 /// A provider's native tree listing ([`Sandbox::list_tree`]) says what GNU
