@@ -567,7 +567,6 @@ async fn checkpoint_locked(
     progress: Option<Arc<dyn MoveProgress>>,
 ) -> Result<TreeCheckpointInfo> {
     let mut uploader = Uploader::new(store);
-    uploader.parent = parent.clone();
     let mut stats = TreeCheckpointInfo {
         object: ObjectMeta {
             key: key.to_string(),
@@ -679,6 +678,12 @@ async fn checkpoint_locked(
                     }
                 }
             }
+            // Many files to read (a tree just restored, with new inodes):
+            // the parent's chunk set spares a store request per chunk it
+            // holds. A few: asking the store is cheaper than the set.
+            if changed.len() >= PARENT_CHUNK_SET_FILES {
+                uploader.parent = parent.clone();
+            }
             if !changed.is_empty() {
                 // A file removed since the listing (the agent may still be
                 // working) is left out, and so recorded as deleted,
@@ -768,6 +773,11 @@ async fn checkpoint_locked(
     known::put(&stats.object.sha256, manifest);
     Ok(stats)
 }
+
+/// Changed files from which a re-checkpoint consults the parent's chunk
+/// set (built once per manifest, ~10 ms for 20,000 files) instead of
+/// asking the store whether each chunk is there.
+const PARENT_CHUNK_SET_FILES: usize = 256;
 
 /// Entries encoded per piece of [`manifest_json`].
 const JSON_BATCH: usize = 2048;
