@@ -176,6 +176,20 @@ pub trait SessionLog: MaybeSend + MaybeSync + std::fmt::Debug {
 
     /// Every log, sorted by session id.
     async fn list(&self) -> Result<Vec<LogInfo>>;
+
+    /// At most `limit` logs whose session id sorts after `after` (from the
+    /// first without it), sorted by session id: one page of
+    /// [`list`](Self::list). By default a filter of `list`; a store that
+    /// can seek (an index on the id) reads only the page.
+    async fn list_page(&self, after: Option<&SessionId>, limit: usize) -> Result<Vec<LogInfo>> {
+        Ok(self
+            .list()
+            .await?
+            .into_iter()
+            .filter(|info| after.is_none_or(|a| info.session.as_str() > a.as_str()))
+            .take(limit)
+            .collect())
+    }
 }
 
 /// One session's log: everything a session actor reads and writes. A
@@ -584,6 +598,17 @@ impl SessionLog for MemorySessionLog {
             .unwrap_or_else(|e| e.into_inner())
             .values()
             .map(LogState::info)
+            .collect())
+    }
+
+    async fn list_page(&self, after: Option<&SessionId>, limit: usize) -> Result<Vec<LogInfo>> {
+        use std::ops::Bound;
+        let logs = self.logs.lock().unwrap_or_else(|e| e.into_inner());
+        let from = after.map_or(Bound::Unbounded, Bound::Excluded);
+        Ok(logs
+            .range::<SessionId, _>((from, Bound::Unbounded))
+            .take(limit)
+            .map(|(_, log)| log.info())
             .collect())
     }
 }

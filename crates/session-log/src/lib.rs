@@ -748,4 +748,30 @@ impl SessionLog for SqliteSessionLog {
         })
         .await
     }
+
+    /// One page through the primary key: `session > ?` in id order,
+    /// `LIMIT`, so a page costs its own rows whatever the log count.
+    async fn list_page(&self, after: Option<&SessionId>, limit: usize) -> Result<Vec<LogInfo>> {
+        let after = after.map(|a| a.as_str().to_string());
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        self.read_with(move |conn| {
+            let tx = conn.transaction().map_err(db_err)?;
+            let ids: Vec<String> = {
+                let mut stmt = tx
+                    .prepare(
+                        "SELECT session FROM logs WHERE ?1 IS NULL OR session > ?1 \
+                         ORDER BY session LIMIT ?2",
+                    )
+                    .map_err(db_err)?;
+                let rows = stmt
+                    .query_map(rusqlite::params![after, limit], |r| r.get(0))
+                    .map_err(db_err)?;
+                rows.collect::<rusqlite::Result<_>>().map_err(db_err)?
+            };
+            ids.into_iter()
+                .map(|id| load_info(&tx, &SessionId::parse(id)?))
+                .collect()
+        })
+        .await
+    }
 }

@@ -192,19 +192,7 @@ async fn list(
 ) -> Result<Json<Vec<LogInfo>>, ApiError> {
     state.auth(&headers, &params, None, HOST)?;
     let (after, limit) = session_api::request::sessions_page(&params)?;
-    let page = state
-        .hub
-        .log()
-        .list()
-        .await?
-        .into_iter()
-        .filter(|info| {
-            after
-                .as_ref()
-                .is_none_or(|a| info.session.as_str() > a.as_str())
-        })
-        .take(limit)
-        .collect();
+    let page = state.hub.log().list_page(after.as_ref(), limit).await?;
     Ok(Json(page))
 }
 

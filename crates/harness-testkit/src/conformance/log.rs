@@ -80,6 +80,48 @@ where
     frame_of_exactly_the_limit(factory().await)
         .await
         .context("frame_of_exactly_the_limit")?;
+    list_pages_in_id_order(factory().await)
+        .await
+        .context("list_pages_in_id_order")?;
+    Ok(())
+}
+
+/// `list_page` walks `list` in id order: pages of at most `limit`,
+/// each after the last id of the one before, concatenating to `list`;
+/// `after` need not be an existing id.
+pub async fn list_pages_in_id_order(log: Arc<dyn SessionLog>) -> Result<()> {
+    for id in ["page-c", "page-a", "page-e", "page-b", "page-d"] {
+        log.create(&SessionId::parse(id)?).await?;
+    }
+    let all: Vec<String> = log
+        .list()
+        .await?
+        .into_iter()
+        .map(|i| i.session.as_str().to_string())
+        .collect();
+    let mut walked = Vec::new();
+    let mut after: Option<SessionId> = None;
+    for _ in 0..=all.len() {
+        let page = log.list_page(after.as_ref(), 2).await?;
+        ensure!(page.len() <= 2, "a page of limit 2 held {}", page.len());
+        let Some(last) = page.last() else { break };
+        after = Some(last.session.clone());
+        walked.extend(page.into_iter().map(|i| i.session.as_str().to_string()));
+    }
+    ensure!(
+        walked == all,
+        "the pages walked {walked:?}, list has {all:?}"
+    );
+    let between = log
+        .list_page(Some(&SessionId::parse("page-bb")?), 2)
+        .await?;
+    let ids: Vec<&str> = between.iter().map(|i| i.session.as_str()).collect();
+    ensure!(ids == ["page-c", "page-d"], "after page-bb came {ids:?}");
+    let first = log.list_page(None, 1).await?;
+    ensure!(
+        first.len() == 1 && first[0].session.as_str() == all[0],
+        "the first page of one is {first:?}"
+    );
     Ok(())
 }
 
