@@ -21,7 +21,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use durable_workflows::engine::WorkflowsEngine;
-use futures::channel::mpsc::{unbounded, UnboundedReceiver, UnboundedSender};
+use futures::channel::mpsc::{unbounded, TryRecvError, UnboundedReceiver, UnboundedSender};
 use futures::lock::{Mutex, MutexGuard};
 use futures::StreamExt;
 use harness_core::actor::{
@@ -56,28 +56,93 @@ pub(crate) enum Outbound {
     Close(String),
 }
 
+/// Most messages queued for one HTTP reader of this object by default
+/// (`HARNESS_MAX_QUEUED`): a reader further behind is dropped — its stream
+/// ends, and it resumes from its last event id — instead of holding an
+/// ever longer queue in the object's memory. `harness serve` drops at the
+/// same depth (`session_runtime::MAX_QUEUED`).
+pub(crate) const MAX_QUEUED: usize = 10_000;
+
+/// The reading end of a connection's channel, counting what it takes off
+/// the queue the actor's end counts onto.
+#[derive(Debug)]
+pub(crate) struct Inbox {
+    rx: UnboundedReceiver<Outbound>,
+    depth: Rc<Cell<usize>>,
+}
+
+impl Inbox {
+    /// A message already queued, if any.
+    pub(crate) fn try_recv(&mut self) -> Result<Outbound, TryRecvError> {
+        let message = self.rx.try_recv()?;
+        self.depth.set(self.depth.get().saturating_sub(1));
+        Ok(message)
+    }
+}
+
+impl futures::Stream for Inbox {
+    type Item = Outbound;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Outbound>> {
+        let polled = self.rx.poll_next_unpin(cx);
+        if let std::task::Poll::Ready(Some(_)) = &polled {
+            self.depth.set(self.depth.get().saturating_sub(1));
+        }
+        polled
+    }
+}
+
 /// Where the actor's messages to one connection go.
 #[derive(Debug)]
 enum Peer {
     /// An HTTP request of this object (an SSE reader, a `POST /messages`,
-    /// a runner message of the turn's Workflow), through its channel.
-    Channel(UnboundedSender<Outbound>),
+    /// a runner message of the turn's Workflow), through its channel, and
+    /// how many messages wait in it.
+    Channel(UnboundedSender<Outbound>, Rc<Cell<usize>>),
     /// A WebSocket the object accepted with the hibernation API.
     Socket(WebSocket),
 }
 
 /// Connections; turn commands wait in `commands` until the request that
 /// caused them performs them (`SessionObject::perform`).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct DoTransport {
     conns: HashMap<ConnId, Peer>,
     commands: Vec<TurnCommand>,
+    /// A channel reader this many messages behind is dropped.
+    max_queued: usize,
+}
+
+impl DoTransport {
+    fn new(max_queued: usize) -> Self {
+        Self {
+            conns: HashMap::new(),
+            commands: Vec::new(),
+            max_queued,
+        }
+    }
 }
 
 impl Transport for DoTransport {
     fn send(&mut self, conn: ConnId, message: ServerMessage) -> bool {
         match self.conns.get(&conn) {
-            Some(Peer::Channel(tx)) => tx.unbounded_send(Outbound::Msg(message)).is_ok(),
+            Some(Peer::Channel(_, depth)) if depth.get() >= self.max_queued => {
+                // Too far behind: its channel closes once drained, its
+                // stream ends, and it resumes from its last event id.
+                worker::console_log!(
+                    "dropping connection {conn}: {} messages behind",
+                    depth.get()
+                );
+                self.conns.remove(&conn);
+                false
+            }
+            Some(Peer::Channel(tx, depth)) => {
+                depth.set(depth.get() + 1);
+                tx.unbounded_send(Outbound::Msg(message)).is_ok()
+            }
             Some(Peer::Socket(ws)) => {
                 serde_json::to_string(&message).is_ok_and(|text| ws.send_with_str(text).is_ok())
             }
@@ -87,7 +152,7 @@ impl Transport for DoTransport {
 
     fn close(&mut self, conn: ConnId, reason: &str) {
         match self.conns.remove(&conn) {
-            Some(Peer::Channel(tx)) => {
+            Some(Peer::Channel(tx, _)) => {
                 let _ = tx.unbounded_send(Outbound::Close(reason.to_string()));
             }
             Some(Peer::Socket(ws)) => {
@@ -134,15 +199,16 @@ impl Live {
         )
     }
 
-    fn open(&mut self) -> (ConnId, UnboundedReceiver<Outbound>) {
+    fn open(&mut self) -> (ConnId, Inbox) {
         let conn = self.next_conn;
         self.next_conn += 1;
         let (tx, rx) = unbounded();
+        let depth = Rc::new(Cell::new(0));
         self.driver
             .transport_mut()
             .conns
-            .insert(conn, Peer::Channel(tx));
-        (conn, rx)
+            .insert(conn, Peer::Channel(tx, depth.clone()));
+        (conn, Inbox { rx, depth })
     }
 }
 
@@ -370,7 +436,14 @@ impl SessionObject {
             let config = ActorConfig {
                 max_frame_bytes: max_frame_bytes(&self.env),
             };
-            let driver = ActorDriver::recover(store, config, DoTransport::default()).await?;
+            let max_queued = self
+                .env
+                .var("HARNESS_MAX_QUEUED")
+                .ok()
+                .and_then(|v| v.to_string().parse::<usize>().ok())
+                .filter(|n| *n > 0)
+                .unwrap_or(MAX_QUEUED);
+            let driver = ActorDriver::recover(store, config, DoTransport::new(max_queued)).await?;
             let mut live = Live {
                 driver,
                 next_conn: 1,
@@ -585,7 +658,7 @@ impl SessionObject {
         session: &SessionId,
         role: Role,
         input: impl FnOnce(ConnId) -> Input,
-    ) -> Result<UnboundedReceiver<Outbound>, ApiError> {
+    ) -> Result<Inbox, ApiError> {
         let mut guard = self.actor(session).await?;
         let live = guard.as_mut().expect("the actor is live");
         let (conn, rx) = live.open();
@@ -800,7 +873,7 @@ impl SessionObject {
         &self,
         session: &SessionId,
         after: u64,
-    ) -> Result<(ConnId, UnboundedReceiver<Outbound>), ApiError> {
+    ) -> Result<(ConnId, Inbox), ApiError> {
         let mut guard = self.actor(session).await?;
         let live = guard.as_mut().expect("the actor is live");
         let (conn, rx) = live.open();
@@ -862,7 +935,7 @@ fn sse_headers() -> Result<Headers, ApiError> {
 
 #[derive(Debug)]
 struct UiReader {
-    rx: UnboundedReceiver<Outbound>,
+    rx: Inbox,
     cursor: u64,
     mapper: UiStreamMapper,
     finished: bool,
@@ -927,7 +1000,7 @@ struct Reader {
     events: EventsReader,
     store: DoStore,
     /// The connection (none for a session sealed when the request came).
-    follow: Option<(UnboundedReceiver<Outbound>, Leave)>,
+    follow: Option<(Inbox, Leave)>,
 }
 
 impl Reader {

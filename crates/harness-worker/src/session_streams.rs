@@ -13,7 +13,6 @@ use durable_streams::sessions::{
     FramesRead, MAX_FRAMES_PER_READ,
 };
 use durable_streams::util;
-use futures::channel::mpsc::UnboundedReceiver;
 use futures::future::{select, Either};
 use futures::StreamExt;
 use harness_core::actor::ServerMessage;
@@ -23,7 +22,7 @@ use harness_core::SessionId;
 use session_api::ApiError;
 use worker::{Method, Request, Response};
 
-use crate::object::{Leave, Outbound, SessionObject};
+use crate::object::{Inbox, Leave, Outbound, SessionObject};
 use crate::store::DoStore;
 use crate::streams::{long_poll_timeout, respond};
 
@@ -43,7 +42,7 @@ fn cursor(client: Option<&str>) -> String {
 
 /// The next frame the actor sends a reader; `None` when it closed the
 /// connection.
-async fn next_frame(rx: &mut UnboundedReceiver<Outbound>) -> Option<Frame> {
+async fn next_frame(rx: &mut Inbox) -> Option<Frame> {
     loop {
         match rx.next().await? {
             Outbound::Msg(ServerMessage::Frame { frame }) => return Some(frame),
@@ -187,7 +186,7 @@ impl SessionObject {
 /// One SSE reader of a session stream.
 #[derive(Debug)]
 struct StreamReader {
-    rx: UnboundedReceiver<Outbound>,
+    rx: Inbox,
     /// The last seq sent.
     after: u64,
     /// The log's last seq when the reader connected.

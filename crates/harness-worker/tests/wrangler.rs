@@ -259,3 +259,131 @@ async fn generic_streams_survive_a_restart_and_refuse_oversized_bodies() {
     drop(second);
     let _ = std::fs::remove_dir_all(&state);
 }
+
+/// A live SSE reader that stops reading falls behind; more than
+/// `HARNESS_MAX_QUEUED` messages behind (8 here, 10,000 by default), the
+/// object drops it instead of queueing without bound: its stream ends
+/// before the last frame. It resumes from its `Last-Event-ID` and gets
+/// the rest, so nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_too_far_behind_is_dropped_and_resumes() {
+    use futures::{SinkExt, StreamExt};
+    use std::time::Duration;
+    use tokio_tungstenite::tungstenite::Message;
+
+    let worker_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let tokens = session_api::token_table().to_string();
+    let Some(dev) = tokio::task::spawn_blocking(move || {
+        WranglerDev::start(
+            worker_dir,
+            &[
+                ("HARNESS_TOKENS", tokens),
+                ("HARNESS_MAX_QUEUED", "8".into()),
+            ],
+        )
+    })
+    .await
+    .expect("start task") else {
+        return;
+    };
+    let t = Target::new(dev.base.clone(), "lag");
+    let id = "lag-behind";
+    t.create(id).await;
+    let (status, ack) = t
+        .message(id, CLIENT, json!({"type": "prompt", "text": "go"}))
+        .await;
+    assert_eq!(status, 200, "{ack}");
+    let events = |extra: Option<u64>| {
+        let request = reqwest::Client::new()
+            .get(format!("{}/v1/sessions/{id}/events?after=0", dev.base))
+            .bearer_auth(CLIENT);
+        match extra {
+            Some(last) => request.header("last-event-id", last.to_string()),
+            None => request,
+        }
+        .send()
+    };
+    // Connected, then not read while the runner writes ~20 MB: more than
+    // the sockets between hold, so the object's queue for it grows.
+    let slow = events(None).await.unwrap();
+    assert_eq!(slow.status(), 200);
+    let mut runner = t
+        .socket(id, "role=runner&generation=1", session_api::RUNNER)
+        .await
+        .expect("the runner connects");
+    let blob = "x".repeat(200_000);
+    const PARTS: u64 = 100;
+    for n in 0..PARTS {
+        let part = json!({"type": "part", "turnId": "t1", "key": format!("p{n}"),
+            "part": {"type": "tool-call", "toolCallId": format!("c{n}"), "toolName": "Bash",
+                     "input": {"blob": blob}}});
+        runner
+            .send(Message::Text(part.to_string().into()))
+            .await
+            .unwrap();
+        loop {
+            let reply = tokio::time::timeout(Duration::from_secs(30), runner.next())
+                .await
+                .expect("an ack in time")
+                .expect("the socket is open")
+                .unwrap();
+            if let Message::Text(text) = reply {
+                let reply: serde_json::Value = serde_json::from_str(text.as_str()).unwrap();
+                assert_eq!(reply["type"], "ack", "{reply}");
+                break;
+            }
+        }
+    }
+    let last_seq = t.info(id).await["last_seq"].as_u64().unwrap();
+    assert!(last_seq > PARTS, "{last_seq}");
+
+    // Read what the slow reader was sent: its stream ends early.
+    let ids_in = |text: &str| -> Vec<u64> {
+        text.lines()
+            .filter_map(|l| l.strip_prefix("id:"))
+            .filter_map(|v| v.trim().parse().ok())
+            .collect()
+    };
+    let mut body = slow.bytes_stream();
+    let mut text = String::new();
+    let ended = loop {
+        match tokio::time::timeout(Duration::from_secs(10), body.next()).await {
+            Ok(Some(chunk)) => text.push_str(&String::from_utf8_lossy(&chunk.unwrap())),
+            Ok(None) => break true,
+            Err(_) => break false,
+        }
+    };
+    let got = ids_in(&text);
+    assert!(
+        ended,
+        "the slow reader was not dropped: its stream stayed open after {} of {last_seq} frames",
+        got.len()
+    );
+    let last_got = got.last().copied().unwrap_or(0);
+    assert!(
+        last_got < last_seq,
+        "the dropped reader still got every frame ({last_got} of {last_seq})"
+    );
+    assert!(
+        got.windows(2).all(|w| w[1] == w[0] + 1),
+        "the reader's frames have a gap: {got:?}"
+    );
+
+    // It resumes where it was: the rest arrives, once each.
+    let resumed = events(Some(last_got)).await.unwrap();
+    let mut body = resumed.bytes_stream();
+    let mut text = String::new();
+    let mut rest = Vec::new();
+    while rest.last().copied().unwrap_or(last_got) < last_seq {
+        let chunk = tokio::time::timeout(Duration::from_secs(30), body.next())
+            .await
+            .expect("the rest in time")
+            .expect("the resumed stream stays open")
+            .unwrap();
+        text.push_str(&String::from_utf8_lossy(&chunk));
+        rest = ids_in(&text);
+    }
+    let want: Vec<u64> = (last_got + 1..=last_seq).collect();
+    assert_eq!(rest, want, "the resumed reader's frames");
+    drop(dev);
+}
