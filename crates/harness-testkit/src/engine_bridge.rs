@@ -78,14 +78,7 @@ impl ExecutorServer {
             .with_state(shared.clone());
         let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
         let addr = listener.local_addr()?;
-        let (tx, rx) = oneshot::channel::<()>();
-        tokio::spawn(async move {
-            let _ = axum::serve(listener, app)
-                .with_graceful_shutdown(async {
-                    let _ = rx.await;
-                })
-                .await;
-        });
+        let (tx, _task) = crate::serve_until_shutdown(listener, app);
         Ok(Self {
             addr,
             shared,

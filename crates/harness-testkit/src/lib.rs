@@ -32,3 +32,23 @@ pub mod wrangler;
 
 pub use gate::gate_binary;
 pub use real::{real_parts_required, require_env, skip_or_fail};
+
+/// Serve `app` on `listener` until the returned sender fires or is
+/// dropped (the test servers of this kit: model, bridge, executor).
+pub(crate) fn serve_until_shutdown(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+) {
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, app)
+            .with_graceful_shutdown(async {
+                let _ = rx.await;
+            })
+            .await;
+    });
+    (tx, task)
+}

@@ -597,6 +597,23 @@ impl LocalSandbox {
         self.meta.bootstrap_identity.as_deref()
     }
 
+    /// `dir` resolved, if it is a directory (what an export reads).
+    async fn export_dir(&self, dir: &str) -> Result<PathBuf> {
+        let full = self.resolve(dir);
+        match tokio::fs::metadata(&full).await {
+            Ok(m) if m.is_dir() => Ok(full),
+            Ok(_) => Err(Error::invalid(format!(
+                "{} is not a directory",
+                full.display()
+            ))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(Error::not_found(format!(
+                "{} does not exist",
+                full.display()
+            ))),
+            Err(e) => Err(e.into()),
+        }
+    }
+
     fn resolve(&self, path: &str) -> PathBuf {
         PathBuf::from(resolve_path(&self.meta.workdir, path))
     }
@@ -730,19 +747,7 @@ impl Sandbox for LocalSandbox {
     }
 
     async fn export_tar(&self, dir: &str) -> Result<ByteStream> {
-        let full = self.resolve(dir);
-        match tokio::fs::metadata(&full).await {
-            Ok(m) if m.is_dir() => Ok(tario::export(full)),
-            Ok(_) => Err(Error::invalid(format!(
-                "{} is not a directory",
-                full.display()
-            ))),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(Error::not_found(format!(
-                "{} does not exist",
-                full.display()
-            ))),
-            Err(e) => Err(e.into()),
-        }
+        Ok(tario::export(self.export_dir(dir).await?))
     }
 
     async fn import_tar(&self, dir: &str, tar: ByteStream) -> Result<()> {
@@ -751,19 +756,10 @@ impl Sandbox for LocalSandbox {
 
     /// Built in-process, as `export_tar` is: no exec.
     async fn export_paths_tar(&self, dir: &str, paths: &[String]) -> Result<ByteStream> {
-        let full = self.resolve(dir);
-        match tokio::fs::metadata(&full).await {
-            Ok(m) if m.is_dir() => Ok(tario::export_paths(full, paths.to_vec())),
-            Ok(_) => Err(Error::invalid(format!(
-                "{} is not a directory",
-                full.display()
-            ))),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(Error::not_found(format!(
-                "{} does not exist",
-                full.display()
-            ))),
-            Err(e) => Err(e.into()),
-        }
+        Ok(tario::export_paths(
+            self.export_dir(dir).await?,
+            paths.to_vec(),
+        ))
     }
 
     fn stages_tar_imports(&self) -> bool {

@@ -20,6 +20,14 @@ const DEPTH: usize = 4;
 
 /// Stream `dir` as an uncompressed tar whose entry names are relative to it.
 pub(crate) fn export(dir: PathBuf) -> ByteStream {
+    export_with(move |builder| append_tree(builder, &dir, Path::new("")))
+}
+
+/// A tar stream whose entries `append` adds, built on a blocking thread
+/// (symlinks never followed) and sent on in chunks as it grows.
+fn export_with(
+    append: impl FnOnce(&mut tar::Builder<&mut ChannelWriter>) -> Result<()> + Send + 'static,
+) -> ByteStream {
     let (tx, mut rx) = mpsc::channel::<Result<Bytes>>(DEPTH);
     tokio::task::spawn_blocking(move || {
         let mut writer = ChannelWriter {
@@ -29,7 +37,7 @@ pub(crate) fn export(dir: PathBuf) -> ByteStream {
         let result = (|| -> Result<()> {
             let mut builder = tar::Builder::new(&mut writer);
             builder.follow_symlinks(false);
-            append_tree(&mut builder, &dir, Path::new(""))?;
+            append(&mut builder)?;
             builder.finish()?;
             drop(builder);
             writer.flush()?;
@@ -47,59 +55,43 @@ pub(crate) fn export(dir: PathBuf) -> ByteStream {
 /// followed; a path gone meanwhile left out), built in-process
 /// (`Sandbox::export_paths_tar`).
 pub(crate) fn export_paths(dir: PathBuf, paths: Vec<String>) -> ByteStream {
-    let (tx, mut rx) = mpsc::channel::<Result<Bytes>>(DEPTH);
-    tokio::task::spawn_blocking(move || {
-        let mut writer = ChannelWriter {
-            tx: tx.clone(),
-            buf: BytesMut::with_capacity(CHUNK),
-        };
-        let result = (|| -> Result<()> {
-            let mut builder = tar::Builder::new(&mut writer);
-            builder.follow_symlinks(false);
-            for path in &paths {
-                let rel = Path::new(path);
-                if rel.is_absolute()
-                    || rel
-                        .components()
-                        .any(|c| !matches!(c, std::path::Component::Normal(_)))
-                {
-                    return Err(Error::invalid(format!(
-                        "{path:?} is not a relative path inside the exported directory"
-                    )));
-                }
-                let full = dir.join(rel);
-                let meta = match std::fs::symlink_metadata(&full) {
-                    Ok(m) => m,
-                    // Removed since it was listed: left out, as GNU tar's
-                    // --ignore-failed-read does.
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-                    Err(e) => return Err(e.into()),
-                };
-                let ft = meta.file_type();
-                let appended = if ft.is_dir() {
-                    builder.append_dir(rel, &full)
-                } else if ft.is_file() || ft.is_symlink() {
-                    builder.append_path_with_name(&full, rel)
-                } else {
-                    tracing::warn!(path = %full.display(), "skipping special file in tar export");
-                    Ok(())
-                };
-                match appended {
-                    Ok(()) => {}
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-                    Err(e) => return Err(e.into()),
-                }
+    export_with(move |builder| {
+        for path in &paths {
+            let rel = Path::new(path);
+            if rel.is_absolute()
+                || rel
+                    .components()
+                    .any(|c| !matches!(c, std::path::Component::Normal(_)))
+            {
+                return Err(Error::invalid(format!(
+                    "{path:?} is not a relative path inside the exported directory"
+                )));
             }
-            builder.finish()?;
-            drop(builder);
-            writer.flush()?;
-            Ok(())
-        })();
-        if let Err(e) = result {
-            let _ = tx.blocking_send(Err(e));
+            let full = dir.join(rel);
+            let meta = match std::fs::symlink_metadata(&full) {
+                Ok(m) => m,
+                // Removed since it was listed: left out, as GNU tar's
+                // --ignore-failed-read does.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(e.into()),
+            };
+            let ft = meta.file_type();
+            let appended = if ft.is_dir() {
+                builder.append_dir(rel, &full)
+            } else if ft.is_file() || ft.is_symlink() {
+                builder.append_path_with_name(&full, rel)
+            } else {
+                tracing::warn!(path = %full.display(), "skipping special file in tar export");
+                Ok(())
+            };
+            match appended {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(e.into()),
+            }
         }
-    });
-    Box::pin(futures::stream::poll_fn(move |cx| rx.poll_recv(cx)))
+        Ok(())
+    })
 }
 
 fn append_tree<W: Write>(builder: &mut tar::Builder<W>, root: &Path, rel: &Path) -> Result<()> {

@@ -110,14 +110,7 @@ impl BridgeServer {
         let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
         let addr = listener.local_addr()?;
         let app = router(shared.clone());
-        let (tx, rx) = oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            let _ = axum::serve(listener, app)
-                .with_graceful_shutdown(async {
-                    let _ = rx.await;
-                })
-                .await;
-        });
+        let (tx, task) = crate::serve_until_shutdown(listener, app);
         Ok(Self {
             addr,
             shared,

@@ -181,14 +181,7 @@ impl ScriptedModel {
             .route("/api/hello", get(hello))
             .fallback(fallback)
             .with_state(shared.clone());
-        let (tx, rx) = oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            let _ = axum::serve(listener, app)
-                .with_graceful_shutdown(async {
-                    let _ = rx.await;
-                })
-                .await;
-        });
+        let (tx, task) = crate::serve_until_shutdown(listener, app);
         Ok(Self {
             addr,
             shared,
