@@ -79,8 +79,9 @@ async fn op_result(env: &Env, op: &str, body: &[u8]) -> Result<serde_json::Value
     let value = match op {
         "start" => {
             let params: TurnParams = parse(op, body)?;
-            // The state `state` shows until the instance publishes its own.
-            publish_progress(env, &params.state).await?;
+            // The state `state` shows until the instance publishes its own
+            // (never over one it published: a second start of a turn).
+            publish_progress(env, &params.state, true).await?;
             engine(env, params.generation)?
                 .with_tuning(params.tuning)
                 .start_turn(params.state)

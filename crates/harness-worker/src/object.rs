@@ -585,9 +585,16 @@ impl SessionObject {
     /// - `GET turn-abort?turn=`: the abort a client asked for — from the
     ///   stored meta when this object holds the session, else from the
     ///   mailbox `POST turn-abort?turn=` `{"reason"}` wrote (the engine API
-    ///   aborts turns of sessions that live elsewhere, engine.rs);
+    ///   aborts turns of sessions that live elsewhere, engine_api.rs);
     /// - `POST turn-progress?turn=` (a `TurnState`): the state the instance
     ///   published (it shows no output before its end); `GET` reads it.
+    ///   With `&initial=1` it is stored only if the turn has none yet, so
+    ///   the engine API's initial state never hides what the instance
+    ///   published.
+    ///
+    /// One key each in the object's key-value storage, holding the latest
+    /// turn's (a session runs one turn at a time): a session's turns leave
+    /// no trail of old states behind.
     async fn turn_mailbox(
         &self,
         session: &SessionId,
@@ -600,7 +607,12 @@ impl SessionObject {
             return Err(ApiError::invalid(format!("{op} needs ?turn=<turn id>")));
         }
         let storage = self.state.storage();
-        let key = format!("{op}:{turn}");
+        // The stored value, if it is this turn's.
+        let stored = |json: Option<String>| -> Option<serde_json::Value> {
+            let value: serde_json::Value = serde_json::from_str(&json?).ok()?;
+            let of = value.get("turn_id").or_else(|| value.get("turn"))?;
+            (of.as_str() == Some(turn.as_str())).then_some(value)
+        };
         match (req.method(), op) {
             (Method::Get, "turn-abort") => {
                 let mut abort = None;
@@ -613,7 +625,8 @@ impl SessionObject {
                         .and_then(|t| t.abort.clone());
                 }
                 if abort.is_none() {
-                    abort = storage.get::<String>(&key).await.map_err(internal)?;
+                    let mailbox = storage.get::<String>(op).await.map_err(internal)?;
+                    abort = stored(mailbox).and_then(|v| v["reason"].as_str().map(str::to_string));
                 }
                 json_response(200, &serde_json::json!({ "abort": abort }))
             }
@@ -621,17 +634,13 @@ impl SessionObject {
                 let bytes = req.bytes().await.map_err(internal)?;
                 let body: serde_json::Value = serde_json::from_slice(&bytes)
                     .map_err(|e| ApiError::invalid(format!("malformed abort: {e}")))?;
-                let reason = body["reason"].as_str().unwrap_or("aborted").to_string();
-                storage.put(&key, reason).await.map_err(internal)?;
+                let reason = body["reason"].as_str().unwrap_or("aborted");
+                let note = serde_json::json!({ "turn": turn, "reason": reason }).to_string();
+                storage.put(op, note).await.map_err(internal)?;
                 json_response(200, &serde_json::json!({ "abort": true }))
             }
-            (Method::Get, _) => match storage.get::<String>(&key).await.map_err(internal)? {
-                Some(json) => {
-                    let state: serde_json::Value = serde_json::from_str(&json).map_err(|e| {
-                        ApiError::new(500, "internal", format!("stored progress: {e}"))
-                    })?;
-                    json_response(200, &state)
-                }
+            (Method::Get, _) => match stored(storage.get::<String>(op).await.map_err(internal)?) {
+                Some(state) => json_response(200, &state),
                 None => Err(ApiError::new(
                     404,
                     "not_found",
@@ -640,9 +649,20 @@ impl SessionObject {
             },
             (Method::Post, _) => {
                 let bytes = req.bytes().await.map_err(internal)?;
-                let json = String::from_utf8(bytes)
-                    .map_err(|e| ApiError::invalid(format!("progress is not UTF-8: {e}")))?;
-                storage.put(&key, json).await.map_err(internal)?;
+                let state: serde_json::Value = serde_json::from_slice(&bytes)
+                    .map_err(|e| ApiError::invalid(format!("malformed progress: {e}")))?;
+                if state["turn_id"].as_str() != Some(turn.as_str()) {
+                    return Err(ApiError::invalid(format!(
+                        "progress of turn {} posted for turn {turn}",
+                        state["turn_id"]
+                    )));
+                }
+                if request::param_flag(params, "initial")
+                    && stored(storage.get::<String>(op).await.map_err(internal)?).is_some()
+                {
+                    return json_response(200, &serde_json::json!({ "stored": false }));
+                }
+                storage.put(op, state.to_string()).await.map_err(internal)?;
                 json_response(200, &serde_json::json!({ "stored": true }))
             }
             _ => Err(ApiError::no_route()),

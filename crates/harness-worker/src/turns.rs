@@ -141,16 +141,18 @@ impl Steps for ObjectSteps {
     }
 
     async fn progress(&self, state: &TurnState) {
-        if let Err(e) = publish_progress(&self.env, state).await {
+        if let Err(e) = publish_progress(&self.env, state, false).await {
             worker::console_error!("turn {}: publishing its progress: {e}", state.turn_id);
         }
     }
 }
 
-/// Store `state` as the turn's progress in its session's object.
-pub(crate) async fn publish_progress(env: &Env, state: &TurnState) -> Result<()> {
+/// Store `state` as the turn's progress in its session's object; with
+/// `initial`, only if the turn has published none yet.
+pub(crate) async fn publish_progress(env: &Env, state: &TurnState, initial: bool) -> Result<()> {
     let body = serde_json::to_vec(state)?;
-    let path = format!("turn-progress?turn={}", state.turn_id);
+    let flag = if initial { "&initial=1" } else { "" };
+    let path = format!("turn-progress?turn={}{flag}", state.turn_id);
     let response = object_request(env, &state.session_id, Method::Post, &path, Some(body))
         .await
         .map_err(|e| Error::backend(format!("the session object: {e}")))?;
