@@ -33,6 +33,16 @@ struct Records {
     progress: RefCell<Vec<(TurnStatus, Option<String>)>>,
 }
 
+impl Records {
+    /// An event sent to the instance (what `sendEvent` does), waiting for
+    /// its `wait_input`.
+    fn send(&self, input: &TurnInput) {
+        self.inputs
+            .borrow_mut()
+            .push_back(serde_json::to_string(input).unwrap());
+    }
+}
+
 /// One run of `run`: evicted (its future never completes) once it has run
 /// `evict_after` new steps.
 struct Run<'a> {
@@ -361,10 +371,7 @@ fn an_approval_waits_for_its_event_and_an_abort_ends_the_turn() {
             reason: None,
         },
     };
-    records
-        .inputs
-        .borrow_mut()
-        .push_back(serde_json::to_string(&answer).unwrap());
+    records.send(&answer);
     let state = run_once(&records, &agent, None).unwrap().unwrap();
     assert_eq!(state.status, TurnStatus::Finished);
     assert_eq!(count(&agent.slices), 2, "the agent ran on after the answer");
@@ -394,10 +401,7 @@ fn an_approval_waits_for_its_event_and_an_abort_ends_the_turn() {
     let abort = TurnInput::Abort {
         reason: "the user left".into(),
     };
-    records
-        .inputs
-        .borrow_mut()
-        .push_back(serde_json::to_string(&abort).unwrap());
+    records.send(&abort);
     let state = run_once(&records, &agent, None).unwrap().unwrap();
     assert_ne!(state.status, TurnStatus::Finished);
     assert!(state.status.is_terminal());
@@ -423,10 +427,7 @@ fn an_abort_the_executor_sees_during_a_slice_ends_the_turn() {
     let abort = TurnInput::Abort {
         reason: "stop pressed".into(),
     };
-    records
-        .inputs
-        .borrow_mut()
-        .push_back(serde_json::to_string(&abort).unwrap());
+    records.send(&abort);
     let state = run_once(&records, &agent, None).unwrap().unwrap();
     assert!(state.status.is_terminal());
     assert_ne!(state.status, TurnStatus::Finished);
