@@ -39,7 +39,7 @@ use std::time::Duration;
 use wasm_bindgen::{JsCast, JsValue};
 use worker::{Env, Fetch, Headers, Method, Request, RequestInit, Response};
 
-use crate::turns::{object_request, publish_progress, var};
+use crate::turns::{object_post, object_request, publish_progress, var};
 
 /// The Worker variable naming the test's executor (`http://127.0.0.1:PORT`).
 pub(crate) const EXECUTOR_URL_VAR: &str = "HARNESS_TEST_EXECUTOR_URL";
@@ -103,15 +103,7 @@ async fn op_result(env: &Env, op: &str, body: &[u8]) -> Result<serde_json::Value
             // running slice asks the object (turns.rs, WorkerSlices).
             let path = format!("turn-abort?turn={}", turn.turn_id);
             let note = serde_json::to_vec(&serde_json::json!({ "reason": request.reason }))?;
-            let response = object_request(env, &turn.session_id, Method::Post, &path, Some(note))
-                .await
-                .map_err(|e| Error::backend(format!("the session object: {e}")))?;
-            if response.status_code() != 200 {
-                return Err(Error::backend(format!(
-                    "the session object answered {} to {path}",
-                    response.status_code()
-                )));
-            }
+            object_post(env, &turn.session_id, &path, note).await?;
             engine(env, 0)?
                 .abort_turn(&turn.session_id, &turn.turn_id, &request.reason)
                 .await?;

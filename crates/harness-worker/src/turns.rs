@@ -153,13 +153,24 @@ pub(crate) async fn publish_progress(env: &Env, state: &TurnState, initial: bool
     let body = serde_json::to_vec(state)?;
     let flag = if initial { "&initial=1" } else { "" };
     let path = format!("turn-progress?turn={}{flag}", state.turn_id);
-    let response = object_request(env, &state.session_id, Method::Post, &path, Some(body))
+    object_post(env, &state.session_id, &path, body).await
+}
+
+/// `POST` `body` to the internal path `path_and_query` of `session`'s
+/// object; an error unless it answers 200.
+pub(crate) async fn object_post(
+    env: &Env,
+    session: &str,
+    path_and_query: &str,
+    body: Vec<u8>,
+) -> Result<()> {
+    let response = object_request(env, session, Method::Post, path_and_query, Some(body))
         .await
         .map_err(|e| Error::backend(format!("the session object: {e}")))?;
     match response.status_code() {
         200 => Ok(()),
         status => Err(Error::backend(format!(
-            "the session object answered {status} to {path}"
+            "the session object answered {status} to {path_and_query}"
         ))),
     }
 }
