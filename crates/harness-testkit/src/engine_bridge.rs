@@ -116,13 +116,6 @@ fn failure(error: &Error) -> Response {
     (status, Json(remote)).into_response()
 }
 
-fn answer<T: Serialize>(result: Result<T>) -> Response {
-    match result {
-        Ok(value) => Json(value).into_response(),
-        Err(e) => failure(&e),
-    }
-}
-
 fn parse<T: DeserializeOwned>(op: &str, body: &[u8]) -> Result<T> {
     serde_json::from_slice(body)
         .map_err(|e| Error::invalid(format!("the body of executor op {op} is malformed: {e}")))
@@ -133,80 +126,85 @@ async fn call(
     Path(op): Path<String>,
     body: axum::body::Bytes,
 ) -> Response {
+    match op_result(&shared, &op, &body).await {
+        Ok(value) => Json(value).into_response(),
+        Err(e) => failure(&e),
+    }
+}
+
+/// One executor op: its result as JSON.
+async fn op_result(shared: &Shared, op: &str, body: &[u8]) -> Result<serde_json::Value> {
     let executor = shared
         .executor
         .read()
         .unwrap_or_else(|e| e.into_inner())
-        .clone();
-    let Some(executor) = executor else {
-        return failure(&Error::unsupported(
-            "no executor is set on the test's server",
-        ));
-    };
-    match op.as_str() {
-        "create-sandbox" => match parse::<TurnState>(&op, &body) {
-            Ok(state) => answer(executor.create_sandbox(&state).await),
-            Err(e) => failure(&e),
-        },
-        "run-slice" => match parse::<RunSliceRequest>(&op, &body) {
-            Ok(request) => {
-                let key = (
-                    request.state.session_id.clone(),
-                    request.state.turn_id.clone(),
-                );
-                let abort = AbortSignal::new();
-                {
-                    let mut slices = shared.slices.lock().unwrap_or_else(|e| e.into_inner());
-                    if slices.early.remove(&key) {
-                        abort.abort();
-                    }
-                    slices.running.insert(key.clone(), abort.clone());
-                }
-                let report = executor
-                    .run_slice(&request.state, request.budget(), abort)
-                    .await;
-                shared
-                    .slices
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .running
-                    .remove(&key);
-                answer(report)
-            }
-            Err(e) => failure(&e),
-        },
-        "abort-slice" => match parse::<TurnRef>(&op, &body) {
-            Ok(turn) => {
-                let key = (turn.session_id, turn.turn_id);
+        .clone()
+        .ok_or_else(|| Error::unsupported("no executor is set on the test's server"))?;
+    let value = match op {
+        "create-sandbox" => to_json(&executor.create_sandbox(&parse(op, body)?).await?)?,
+        "run-slice" => {
+            let request: RunSliceRequest = parse(op, body)?;
+            let key = (
+                request.state.session_id.clone(),
+                request.state.turn_id.clone(),
+            );
+            let abort = AbortSignal::new();
+            {
                 let mut slices = shared.slices.lock().unwrap_or_else(|e| e.into_inner());
-                let fired = match slices.running.get(&key) {
-                    Some(signal) => {
-                        signal.abort();
-                        true
-                    }
-                    None => {
-                        // Its run-slice call is still on its way.
-                        slices.early.insert(key);
-                        false
-                    }
-                };
-                answer(Ok(serde_json::json!({ "fired": fired })))
+                if slices.early.remove(&key) {
+                    abort.abort();
+                }
+                slices.running.insert(key.clone(), abort.clone());
             }
-            Err(e) => failure(&e),
-        },
-        "kill-agent" => match parse::<KillAgentRequest>(&op, &body) {
-            Ok(request) => answer(executor.kill_agent(&request.state, &request.process).await),
-            Err(e) => failure(&e),
-        },
-        "turn-ended" => match parse::<TurnState>(&op, &body) {
-            Ok(state) => answer(executor.turn_ended(&state).await),
-            Err(e) => failure(&e),
-        },
-        other => failure(&Error::not_found(format!(
-            "no executor op {other:?} (ops: {})",
-            durable_workflows::remote::EXECUTOR_OPS.join(", ")
-        ))),
-    }
+            let report = executor
+                .run_slice(&request.state, request.budget(), abort)
+                .await;
+            shared
+                .slices
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .running
+                .remove(&key);
+            to_json(&report?)?
+        }
+        "abort-slice" => {
+            let turn: TurnRef = parse(op, body)?;
+            let key = (turn.session_id, turn.turn_id);
+            let mut slices = shared.slices.lock().unwrap_or_else(|e| e.into_inner());
+            let fired = match slices.running.get(&key) {
+                Some(signal) => {
+                    signal.abort();
+                    true
+                }
+                None => {
+                    // Its run-slice call is still on its way.
+                    slices.early.insert(key);
+                    false
+                }
+            };
+            serde_json::json!({ "fired": fired })
+        }
+        "kill-agent" => {
+            let request: KillAgentRequest = parse(op, body)?;
+            to_json(
+                &executor
+                    .kill_agent(&request.state, &request.process)
+                    .await?,
+            )?
+        }
+        "turn-ended" => to_json(&executor.turn_ended(&parse(op, body)?).await?)?,
+        other => {
+            return Err(Error::not_found(format!(
+                "no executor op {other:?} (ops: {})",
+                durable_workflows::remote::EXECUTOR_OPS.join(", ")
+            )))
+        }
+    };
+    Ok(value)
+}
+
+fn to_json<T: Serialize>(value: &T) -> Result<serde_json::Value> {
+    serde_json::to_value(value).map_err(|e| Error::backend(format!("encoding a result: {e}")))
 }
 
 /// A `DurableEngine` served by a Worker's engine API
