@@ -1,7 +1,7 @@
 //! Where the store lives: endpoint, region, credentials, bucket, namespace
 //! and the sizes that bound memory.
 
-use harness_core::checkpoint::validate_key;
+use harness_core::checkpoint::{validate_key, SHA256_TRAILER_LEN};
 use harness_core::{Error, Result};
 
 /// Default multipart part size: 8 MiB. S3 (and R2) need every part but the
@@ -15,10 +15,6 @@ pub const MIN_PART_SIZE: usize = 5 * 1024 * 1024;
 
 /// The largest part size S3 accepts.
 pub const MAX_PART_SIZE: usize = 5 * 1024 * 1024 * 1024;
-
-/// The largest object a single `CopyObject` may copy (S3 and R2: 5 GiB).
-/// Larger objects are copied with `UploadPartCopy`.
-pub const MAX_SINGLE_COPY: u64 = 5 * 1024 * 1024 * 1024;
 
 /// How to reach an S3-compatible store and where in it checkpoints live.
 ///
@@ -45,9 +41,6 @@ pub struct S3Config {
     pub prefix: String,
     /// Multipart part size in bytes (see [`DEFAULT_PART_SIZE`]).
     pub part_size: usize,
-    /// Objects up to this size are copied from their temporary key with one
-    /// `CopyObject`; larger ones with `UploadPartCopy` (see [`MAX_SINGLE_COPY`]).
-    pub max_single_copy: u64,
 }
 
 impl std::fmt::Debug for S3Config {
@@ -61,7 +54,6 @@ impl std::fmt::Debug for S3Config {
             .field("force_path_style", &self.force_path_style)
             .field("prefix", &self.prefix)
             .field("part_size", &self.part_size)
-            .field("max_single_copy", &self.max_single_copy)
             .finish()
     }
 }
@@ -104,7 +96,6 @@ impl S3Config {
             force_path_style: true,
             prefix: String::new(),
             part_size: DEFAULT_PART_SIZE,
-            max_single_copy: MAX_SINGLE_COPY,
         }
     }
 
@@ -114,7 +105,7 @@ impl S3Config {
         self
     }
 
-    /// Set the multipart part size (5 MiB ..= 5 GiB).
+    /// Set the multipart part size (5 MiB ..= 5 GiB less 40 bytes).
     pub fn with_part_size(mut self, bytes: usize) -> Self {
         self.part_size = bytes;
         self
@@ -123,13 +114,6 @@ impl S3Config {
     /// Path-style (`true`) or virtual-hosted-style (`false`) addressing.
     pub fn with_path_style(mut self, path_style: bool) -> Self {
         self.force_path_style = path_style;
-        self
-    }
-
-    /// Copy objects larger than `bytes` with `UploadPartCopy` instead of one
-    /// `CopyObject` (lower it only to exercise that path in tests).
-    pub fn with_max_single_copy(mut self, bytes: u64) -> Self {
-        self.max_single_copy = bytes;
         self
     }
 
@@ -162,16 +146,12 @@ impl S3Config {
                 Error::invalid(format!("S3 key prefix {:?}: {}", self.prefix, e.message()))
             })?;
         }
-        if !(MIN_PART_SIZE..=MAX_PART_SIZE).contains(&self.part_size) {
+        // The last part carries the hash trailer on top of its content.
+        let largest = MAX_PART_SIZE - SHA256_TRAILER_LEN;
+        if !(MIN_PART_SIZE..=largest).contains(&self.part_size) {
             return Err(Error::invalid(format!(
-                "S3 part size {} is outside {MIN_PART_SIZE}..={MAX_PART_SIZE} bytes",
+                "S3 part size {} is outside {MIN_PART_SIZE}..={largest} bytes (S3's 5 GiB limit, less the {SHA256_TRAILER_LEN}-byte hash trailer the last part carries)",
                 self.part_size
-            )));
-        }
-        if self.max_single_copy < MIN_PART_SIZE as u64 || self.max_single_copy > MAX_SINGLE_COPY {
-            return Err(Error::invalid(format!(
-                "max single copy {} is outside {MIN_PART_SIZE}..={MAX_SINGLE_COPY} bytes",
-                self.max_single_copy
             )));
         }
         Ok(())

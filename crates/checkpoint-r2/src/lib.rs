@@ -9,21 +9,18 @@
 //!   three parts whatever the object's size. Objects smaller than one part go up with a
 //!   single `PutObject`. `get` hands the response body on chunk by chunk.
 //! - **Integrity.** `put` computes the SHA-256 of the content while
-//!   streaming and records it as the object's user metadata
-//!   `x-amz-meta-sha256`; `get` checks the content against it with
-//!   [`verify_stream`] and ends the stream with `Corrupt` on a mismatch (or
-//!   when the object carries no hash).
-//! - **Atomic replace.** S3 wants metadata when a multipart upload is
-//!   *created*, before the hash is known. So a large put uploads to a
-//!   temporary key `<key>~partial-<uuid>` (`~` can never occur in a valid
-//!   checkpoint key, so temporaries never collide with or show up as
-//!   checkpoints), completes it, then copies it server-side onto the final
-//!   key with `MetadataDirective=REPLACE` and the hash, and deletes the
-//!   temporary. Readers see the previous object until the copy lands, then
-//!   the new one with its hash: never new bytes with an old hash. A failed
-//!   or cancelled put aborts its multipart upload (or deletes its
-//!   temporary) and leaves any previous object in place. Objects over 5 GiB
-//!   are copied with `UploadPartCopy`, which has no size limit.
+//!   streaming. A single-part object records it as its user metadata
+//!   `x-amz-meta-sha256`; a multipart one, whose metadata S3 takes before
+//!   any byte is known, is marked `x-amz-meta-sha256-trailer` at creation and
+//!   carries the hash in its last 40 bytes (a zstd skippable frame). `get`
+//!   checks the content against the hash with [`verify_stream`] or
+//!   [`verify_trailer_stream`] (which also strips the trailer) and ends the
+//!   stream with `Corrupt` on a mismatch, or when the object carries no hash.
+//! - **Atomic replace.** A multipart upload goes straight to the final key:
+//!   S3 makes the object visible only when the upload completes, with its
+//!   bytes and its hash together, so readers see the previous object until
+//!   then and never new bytes with an old hash. A failed or cancelled put
+//!   aborts its upload and leaves any previous object in place.
 //!
 //! See `docs/checkpoint-r2.md` for R2 setup and the reasoning in full.
 
@@ -39,17 +36,19 @@ use aws_sdk_s3::config::timeout::TimeoutConfig;
 use aws_sdk_s3::config::{BehaviorVersion, Credentials, Region};
 use aws_sdk_s3::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
 use aws_sdk_s3::primitives::ByteStream as S3Body;
-use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart, MetadataDirective};
+use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart};
 use bytes::{Bytes, BytesMut};
 use futures::{StreamExt, TryStreamExt};
 use harness_core::checkpoint::{
-    recorded_sha256, validate_key, verify_stream, CheckpointStore, ObjectMeta, PARTIAL_MARK,
+    parse_sha256_trailer, recorded_hash, sha256_trailer, validate_key, verify_stream,
+    verify_trailer_stream, CheckpointStore, ObjectMeta, RecordedHash, PARTIAL_MARK,
+    SHA256_TRAILER_FORMAT, SHA256_TRAILER_LEN, SHA256_TRAILER_METADATA,
 };
 use harness_core::stream::ByteStream;
 use harness_core::{Error, ErrorKind, Result};
 use sha2::{Digest, Sha256};
 
-pub use config::{S3Config, DEFAULT_PART_SIZE, MAX_PART_SIZE, MAX_SINGLE_COPY, MIN_PART_SIZE};
+pub use config::{S3Config, DEFAULT_PART_SIZE, MAX_PART_SIZE, MIN_PART_SIZE};
 
 /// The user-metadata name under which the content hash is recorded (sent
 /// as the header `x-amz-meta-sha256`); the Worker's R2 binding uses the
@@ -70,6 +69,10 @@ const UPLOADS_IN_FLIGHT: usize = 2;
 /// How many `HeadObject` requests `list` runs at once to read hashes
 /// (`ListObjectsV2` does not return user metadata).
 const LIST_HEAD_CONCURRENCY: usize = 16;
+
+/// Reads of a trailer object's tail before `head` gives up on an object
+/// replaced under it each time.
+const HEAD_ATTEMPTS: usize = 4;
 
 /// A [`CheckpointStore`] on an S3-compatible bucket (Cloudflare R2, AWS S3,
 /// SeaweedFS, MinIO, …). Cheap to clone: clones share one connection pool.
@@ -176,9 +179,10 @@ impl S3CheckpointStore {
         }
     }
 
-    /// Abort multipart uploads and delete temporary objects under this
-    /// store's namespace that were started more than `older_than` ago: the
-    /// leftovers of puts whose process died before it could clean up. (On
+    /// Abort multipart uploads under this store's namespace that were
+    /// started more than `older_than` ago, the leftovers of puts whose
+    /// process died before it could clean up, and delete the temporary
+    /// `~partial-` objects that versions before the hash trailer left. (On
     /// R2/S3 a bucket lifecycle rule "abort incomplete multipart uploads
     /// after N days" does the first half as well.) Returns how many
     /// leftovers were removed.
@@ -259,33 +263,45 @@ impl S3CheckpointStore {
         Ok(())
     }
 
-    /// Upload `first` and the rest of `reader` as a multipart upload to
-    /// `temp`. Returns the total size.
+    /// Upload `first` and the rest of `reader` as the parts of upload
+    /// `upload_id` to `full`, the last part ending with the hash trailer,
+    /// and complete it. Returns the content's size and hex SHA-256.
     async fn upload_multipart(
         &self,
-        temp: &str,
+        full: &str,
         upload_id: &str,
         first: Bytes,
         reader: &mut PartReader,
         hasher: &mut Sha256,
-    ) -> Result<u64> {
+    ) -> Result<(u64, String)> {
         let mut parts = Vec::new();
         let mut in_flight = futures::stream::FuturesOrdered::new();
         let mut current = first;
         let mut part_number: u32 = 1;
         let mut size = 0u64;
-        loop {
+        let sha = loop {
             size += current.len() as u64;
+            // The last part carries the hash of everything before it (S3
+            // allows only the last part to be small, so it is appended to
+            // the content's last part rather than sent alone).
+            let last = reader.done().then(|| {
+                let digest: [u8; 32] = std::mem::take(&mut *hasher).finalize().into();
+                let mut part = BytesMut::with_capacity(current.len() + SHA256_TRAILER_LEN);
+                part.extend_from_slice(&current);
+                part.extend_from_slice(&sha256_trailer(&digest));
+                current = part.freeze();
+                hex::encode(digest)
+            });
             in_flight.push_back(upload_part(
                 self.client.clone(),
                 self.config.bucket.clone(),
-                temp.to_string(),
+                full.to_string(),
                 upload_id.to_string(),
                 part_number,
                 current,
             ));
-            if reader.done() {
-                break;
+            if let Some(sha) = last {
+                break sha;
             }
             if part_number >= MAX_PARTS {
                 return Err(Error::invalid(format!(
@@ -313,14 +329,14 @@ impl S3CheckpointStore {
             })
             .await?;
             part_number += 1;
-        }
+        };
         while let Some(done) = in_flight.next().await {
             parts.push(done?);
         }
         self.client
             .complete_multipart_upload()
             .bucket(&self.config.bucket)
-            .key(temp)
+            .key(full)
             .upload_id(upload_id)
             .multipart_upload(
                 CompletedMultipartUpload::builder()
@@ -330,111 +346,13 @@ impl S3CheckpointStore {
             .send()
             .await
             .map_err(|e| sdk_error(e, "complete multipart upload"))?;
-        Ok(size)
+        Ok((size, sha))
     }
 
-    /// Copy the completed temporary object onto the final key with the hash
-    /// as metadata.
-    async fn commit_copy(&self, temp: &str, full: &str, size: u64, sha: &str) -> Result<()> {
-        let bucket = &self.config.bucket;
-        let source = format!("{bucket}/{temp}");
-        if size <= self.config.max_single_copy {
-            self.client
-                .copy_object()
-                .bucket(bucket)
-                .key(full)
-                .copy_source(&source)
-                .metadata_directive(MetadataDirective::Replace)
-                .content_type("application/octet-stream")
-                .metadata(SHA256_METADATA, sha)
-                .send()
-                .await
-                .map_err(|e| sdk_error(e, "copy checkpoint onto its key"))?;
-            return Ok(());
-        }
-        // Over the single-copy limit: a multipart copy, whose metadata is
-        // given at creation (the hash is known by now).
-        let created = self
-            .client
-            .create_multipart_upload()
-            .bucket(bucket)
-            .key(full)
-            .content_type("application/octet-stream")
-            .metadata(SHA256_METADATA, sha)
-            .send()
-            .await
-            .map_err(|e| sdk_error(e, "create multipart copy"))?;
-        let upload_id = created
-            .upload_id()
-            .ok_or_else(|| Error::backend("multipart copy has no upload id"))?
-            .to_string();
-        let mut guard = Cleanup::abort(&self.client, bucket, full, &upload_id);
-        // Ranges as large as allowed, but small enough to stay within the
-        // part-count limit.
-        let range = (self.config.max_single_copy).max(size.div_ceil(u64::from(MAX_PARTS)));
-        let mut parts = Vec::new();
-        let mut start = 0u64;
-        let mut number = 1;
-        while start < size {
-            let end = (start + range).min(size) - 1;
-            let out = self
-                .client
-                .upload_part_copy()
-                .bucket(bucket)
-                .key(full)
-                .upload_id(&upload_id)
-                .part_number(number)
-                .copy_source(&source)
-                .copy_source_range(format!("bytes={start}-{end}"))
-                .send()
-                .await
-                .map_err(|e| sdk_error(e, "copy part"));
-            let out = match out {
-                Ok(out) => out,
-                Err(e) => {
-                    guard.run().await;
-                    return Err(e);
-                }
-            };
-            let etag = out
-                .copy_part_result()
-                .and_then(|r| r.e_tag())
-                .map(str::to_string);
-            parts.push(
-                CompletedPart::builder()
-                    .part_number(number)
-                    .set_e_tag(etag)
-                    .build(),
-            );
-            start = end + 1;
-            number += 1;
-        }
-        let done = self
-            .client
-            .complete_multipart_upload()
-            .bucket(bucket)
-            .key(full)
-            .upload_id(&upload_id)
-            .multipart_upload(
-                CompletedMultipartUpload::builder()
-                    .set_parts(Some(parts))
-                    .build(),
-            )
-            .send()
-            .await
-            .map_err(|e| sdk_error(e, "complete multipart copy"));
-        match done {
-            Ok(_) => {
-                guard.disarm();
-                Ok(())
-            }
-            Err(e) => {
-                guard.run().await;
-                Err(e)
-            }
-        }
-    }
-
+    /// A put of more than one part: a multipart upload straight to the
+    /// final key, marked at creation as carrying its hash in a trailer.
+    /// Until it completes, readers see the previous object; a failed or
+    /// dropped put aborts it.
     async fn put_large(
         &self,
         key: &str,
@@ -444,13 +362,13 @@ impl S3CheckpointStore {
         hasher: &mut Sha256,
     ) -> Result<ObjectMeta> {
         let bucket = &self.config.bucket;
-        let temp = format!("{full}{PARTIAL_MARK}{}", uuid::Uuid::new_v4().simple());
         let created = self
             .client
             .create_multipart_upload()
             .bucket(bucket)
-            .key(&temp)
+            .key(full)
             .content_type("application/octet-stream")
+            .metadata(SHA256_TRAILER_METADATA, SHA256_TRAILER_FORMAT)
             .send()
             .await
             .map_err(|e| sdk_error(e, &format!("start upload of checkpoint {key:?}")))?;
@@ -460,30 +378,86 @@ impl S3CheckpointStore {
             .to_string();
         // Dropping the put future (the caller gave up) must not leave a
         // dangling upload either: the guard aborts it from a spawned task.
-        let mut guard = Cleanup::abort(&self.client, bucket, &temp, &upload_id);
-        let size = match self
-            .upload_multipart(&temp, &upload_id, first, reader, hasher)
+        let mut guard = Cleanup::new(&self.client, bucket, full, &upload_id);
+        match self
+            .upload_multipart(full, &upload_id, first, reader, hasher)
             .await
         {
-            Ok(size) => size,
+            Ok((size, sha)) => {
+                guard.disarm();
+                Ok(ObjectMeta {
+                    key: key.to_string(),
+                    size,
+                    sha256: sha,
+                })
+            }
             Err(e) => {
                 guard.run().await;
-                return Err(e);
+                Err(e)
+            }
+        }
+    }
+
+    /// The metadata of a trailer object from one ranged `GET` of its last
+    /// bytes, which answers the size (`Content-Range`), the layout and the
+    /// trailer of one and the same version. `None` when the range cannot be
+    /// served (416): the object was replaced since its `HEAD` by one too
+    /// short to have a trailer.
+    async fn tail_meta(&self, key: &str) -> Result<Option<ObjectMeta>> {
+        let out = self
+            .client
+            .get_object()
+            .bucket(&self.config.bucket)
+            .key(self.object_key(key))
+            .range(format!("bytes=-{SHA256_TRAILER_LEN}"))
+            .send()
+            .await;
+        let out = match out {
+            Ok(out) => out,
+            Err(e) if e.raw_response().map(|r| r.status().as_u16()) == Some(416) => {
+                return Ok(None)
+            }
+            Err(e) => {
+                return Err(sdk_error(
+                    e,
+                    &format!("read the hash of checkpoint {key:?}"),
+                ))
             }
         };
-        guard.disarm();
-        let mut guard = Cleanup::delete(&self.client, bucket, &temp);
-        let sha = hex::encode(std::mem::take(hasher).finalize());
-        if let Err(e) = self.commit_copy(&temp, full, size, &sha).await {
-            guard.run().await;
-            return Err(e);
-        }
-        guard.run().await;
-        Ok(ObjectMeta {
-            key: key.to_string(),
-            size,
-            sha256: sha,
-        })
+        let recorded = recorded_hash_of(key, out.metadata())?;
+        // "bytes 960-999/1000"; a server that ignored the range sent it all.
+        let total = out
+            .content_range()
+            .and_then(|r| r.rsplit_once('/'))
+            .and_then(|(_, total)| total.parse::<u64>().ok());
+        let tail = out.body.collect().await.map_err(|e| {
+            Error::backend(format!(
+                "reading the hash of checkpoint {key:?} from S3 failed: {e}"
+            ))
+        })?;
+        let tail = tail.into_bytes();
+        let stored = total.unwrap_or(tail.len() as u64);
+        Ok(Some(match recorded {
+            RecordedHash::Metadata(sha) => ObjectMeta {
+                key: key.to_string(),
+                size: stored,
+                sha256: sha,
+            },
+            RecordedHash::Trailer => {
+                let from = tail.len().saturating_sub(SHA256_TRAILER_LEN);
+                ObjectMeta {
+                    key: key.to_string(),
+                    size: stored
+                        .checked_sub(SHA256_TRAILER_LEN as u64)
+                        .ok_or_else(|| {
+                            Error::corrupt(format!(
+                            "checkpoint {key:?} is shorter ({stored} bytes) than its hash trailer"
+                        ))
+                        })?,
+                    sha256: parse_sha256_trailer(key, &tail[from..])?,
+                }
+            }
+        }))
     }
 }
 
@@ -519,7 +493,7 @@ impl CheckpointStore for S3CheckpointStore {
             .send()
             .await
             .map_err(|e| sdk_error(e, &format!("get checkpoint {key:?}")))?;
-        let sha = recorded_sha(key, out.metadata())?;
+        let recorded = recorded_hash_of(key, out.metadata())?;
         let body = out.body;
         let owned_key = key.to_string();
         // The HTTP body arrives in frames of a few KiB; coalescing them into
@@ -556,7 +530,10 @@ impl CheckpointStore for S3CheckpointStore {
                 }
             },
         ));
-        Ok(verify_stream(stream, key.to_string(), sha))
+        Ok(match recorded {
+            RecordedHash::Metadata(sha) => verify_stream(stream, key.to_string(), sha),
+            RecordedHash::Trailer => verify_trailer_stream(stream, key.to_string()),
+        })
     }
 
     async fn head(&self, key: &str) -> Result<ObjectMeta> {
@@ -569,12 +546,42 @@ impl CheckpointStore for S3CheckpointStore {
             .send()
             .await
             .map_err(|e| sdk_error(e, &format!("head checkpoint {key:?}")))?;
-        let sha = recorded_sha(key, out.metadata())?;
-        Ok(ObjectMeta {
-            key: key.to_string(),
-            size: out.content_length().unwrap_or(0).max(0) as u64,
-            sha256: sha,
-        })
+        match recorded_hash_of(key, out.metadata())? {
+            RecordedHash::Metadata(sha) => {
+                return Ok(ObjectMeta {
+                    key: key.to_string(),
+                    size: out.content_length().unwrap_or(0).max(0) as u64,
+                    sha256: sha,
+                })
+            }
+            RecordedHash::Trailer => {}
+        }
+        // A trailer object: its tail, read as one response. An object
+        // replaced between the two requests by one too short for a range
+        // is looked at afresh, a few times at most.
+        for _ in 0..HEAD_ATTEMPTS {
+            if let Some(meta) = self.tail_meta(key).await? {
+                return Ok(meta);
+            }
+            let out = self
+                .client
+                .head_object()
+                .bucket(&self.config.bucket)
+                .key(self.object_key(key))
+                .send()
+                .await
+                .map_err(|e| sdk_error(e, &format!("head checkpoint {key:?}")))?;
+            if let RecordedHash::Metadata(sha) = recorded_hash_of(key, out.metadata())? {
+                return Ok(ObjectMeta {
+                    key: key.to_string(),
+                    size: out.content_length().unwrap_or(0).max(0) as u64,
+                    sha256: sha,
+                });
+            }
+        }
+        Err(Error::backend(format!(
+            "checkpoint {key:?} was replaced {HEAD_ATTEMPTS} times while its hash was read; try again"
+        )))
     }
 
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>> {
@@ -626,14 +633,17 @@ impl CheckpointStore for S3CheckpointStore {
     }
 }
 
-/// The hash recorded on an object, or `Corrupt` if it has none (an object
-/// written by something else, or a put interrupted in a way S3 allowed).
-fn recorded_sha(
+/// How an object records its hash (in its metadata, or as a trailer), or
+/// `Corrupt` if it records none (an object written by something else).
+fn recorded_hash_of(
     key: &str,
     metadata: Option<&std::collections::HashMap<String, String>>,
-) -> Result<String> {
-    let recorded = metadata.and_then(|m| m.get(SHA256_METADATA));
-    recorded_sha256(key, recorded.map(String::as_str), "x-amz-meta-sha256")
+) -> Result<RecordedHash> {
+    recorded_hash(
+        key,
+        |name| metadata.and_then(|m| m.get(name)).map(String::as_str),
+        "x-amz-meta-sha256",
+    )
 }
 
 /// Cuts a byte stream into parts of a fixed size, hashing as it goes.
@@ -759,35 +769,24 @@ async fn delete_object(client: &aws_sdk_s3::Client, bucket: &str, key: &str) -> 
     }
 }
 
-/// Undoes a half-done put: aborts a multipart upload or deletes a temporary
-/// object. Run explicitly on the error path; if the put future is dropped
-/// while armed, the cleanup runs on a spawned task instead.
+/// Undoes a half-done put: aborts its multipart upload. Run explicitly on
+/// the error path; if the put future is dropped while armed, the abort runs
+/// on a spawned task instead.
 struct Cleanup {
     client: aws_sdk_s3::Client,
     bucket: String,
     key: String,
-    /// `Some` to abort this upload, `None` to delete the object.
-    upload_id: Option<String>,
+    upload_id: String,
     armed: bool,
 }
 
 impl Cleanup {
-    fn abort(client: &aws_sdk_s3::Client, bucket: &str, key: &str, upload_id: &str) -> Self {
+    fn new(client: &aws_sdk_s3::Client, bucket: &str, key: &str, upload_id: &str) -> Self {
         Self {
             client: client.clone(),
             bucket: bucket.to_string(),
             key: key.to_string(),
-            upload_id: Some(upload_id.to_string()),
-            armed: true,
-        }
-    }
-
-    fn delete(client: &aws_sdk_s3::Client, bucket: &str, key: &str) -> Self {
-        Self {
-            client: client.clone(),
-            bucket: bucket.to_string(),
-            key: key.to_string(),
-            upload_id: None,
+            upload_id: upload_id.to_string(),
             armed: true,
         }
     }
@@ -804,14 +803,10 @@ impl Cleanup {
             self.upload_id.clone(),
         );
         async move {
-            let result = match &upload_id {
-                Some(id) => abort_upload(&client, &bucket, &key, id).await,
-                None => delete_object(&client, &bucket, &key).await,
-            };
-            if let Err(e) = result {
+            if let Err(e) = abort_upload(&client, &bucket, &key, &upload_id).await {
                 // The original error is what the caller needs; a leftover is
                 // invisible to readers and `cleanup_stale` removes it later.
-                tracing::warn!(%key, error = %e, "could not clean up after a failed checkpoint put");
+                tracing::warn!(%key, error = %e, "could not abort the upload of a failed checkpoint put");
             }
         }
     }

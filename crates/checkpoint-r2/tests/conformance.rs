@@ -49,7 +49,7 @@ async fn s3_store_passes_the_checkpoint_conformance_suite() {
         return;
     };
     // The smallest part size, so the suite's multi-MiB objects take the
-    // multipart path (temporary key, copy with metadata) too.
+    // multipart path (the hash in a trailer) too.
     harness_testkit::conformance::checkpoint::run_all(|| {
         let ep = ep.clone();
         async move {

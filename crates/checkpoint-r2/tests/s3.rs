@@ -186,27 +186,57 @@ async fn part_boundaries_exactly_one_part_and_one_byte_more() {
     assert!(open_uploads(&s).await.is_empty());
 }
 
+/// A multipart object goes straight to its key, marked at creation, with
+/// the hash in its last 40 bytes: a zstd skippable frame, so the raw object
+/// of a zstd checkpoint still decompresses to the content.
 #[tokio::test]
-async fn objects_over_the_single_copy_limit_use_upload_part_copy() {
+async fn a_multipart_object_carries_its_hash_as_a_zstd_skippable_frame() {
     let Some(ep) = endpoint().await else { return };
-    // Lower the single-copy limit to one part so a 12 MiB object exercises
-    // the UploadPartCopy path that real objects take beyond 5 GiB.
-    let s = store_with(
-        common::config(&ep, "pcopy")
-            .with_part_size(MIN_PART_SIZE)
-            .with_max_single_copy(MIN_PART_SIZE as u64),
-    )
-    .await;
-    let total = 12 * MIB + 5;
-    let (content, sha) = generated(3, total, 256 * 1024);
-    let meta = s.put("huge", content).await.unwrap();
-    assert_eq!(meta.sha256, sha);
-    assert_eq!(s.head("huge").await.unwrap(), meta);
+    let s = store_with(common::config(&ep, "trailer").with_part_size(MIN_PART_SIZE)).await;
+    // Incompressible enough to need three parts once compressed.
+    let (plain, _) = generated(3, 12 * MIB + 5, 256 * 1024);
+    let plain = stream::collect(plain, 16 << 20).await.unwrap();
+    let packed = Bytes::from(zstd::encode_all(&plain[..], 1).unwrap());
+    assert!(packed.len() > 2 * MIN_PART_SIZE, "{} bytes", packed.len());
+    let sha = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&packed));
+    let meta = s
+        .put("ckpt.tar.zst", stream::once(packed.clone()))
+        .await
+        .unwrap();
     assert_eq!(
-        drain(s.get("huge").await.unwrap()).await.unwrap(),
-        (total, sha)
+        (meta.size, meta.sha256.as_str()),
+        (packed.len() as u64, sha.as_str())
     );
-    assert_eq!(raw_keys(&s).await, ["huge"]);
+    assert_eq!(s.head("ckpt.tar.zst").await.unwrap(), meta);
+    assert_eq!(s.list("").await.unwrap(), std::slice::from_ref(&meta));
+    let got = stream::collect(s.get("ckpt.tar.zst").await.unwrap(), 32 << 20)
+        .await
+        .unwrap();
+    assert!(got == packed, "get returns the content without the trailer");
+
+    let raw = s
+        .client()
+        .get_object()
+        .bucket(&s.config().bucket)
+        .key(s.object_key("ckpt.tar.zst"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        raw.metadata()
+            .unwrap()
+            .get("sha256-trailer")
+            .map(String::as_str),
+        Some("zstd-skippable-frame")
+    );
+    assert_eq!(raw.metadata().unwrap().get(SHA256_METADATA), None);
+    let raw = raw.body.collect().await.unwrap().into_bytes();
+    assert_eq!(raw.len(), packed.len() + 40);
+    assert_eq!(&raw[..packed.len()], &packed[..]);
+    assert_eq!(hex::encode(&raw[packed.len() + 8..]), sha);
+    // The raw object is still a zstd stream of the plain content.
+    assert!(zstd::decode_all(&raw[..]).unwrap() == plain);
+    assert_eq!(raw_keys(&s).await, ["ckpt.tar.zst"]);
     assert!(open_uploads(&s).await.is_empty());
 }
 
@@ -248,6 +278,47 @@ async fn content_changed_out_of_band_is_corrupt() {
         .await
         .unwrap();
     let err = drain(s.get("c").await.unwrap()).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
+
+    // The same for a trailer object: its bytes replaced, its trailer and
+    // marker kept.
+    let (content, _) = generated(6, 12 * MIB, 1 << 20);
+    let meta = s.put("t", content).await.unwrap();
+    let mut raw = s
+        .client()
+        .get_object()
+        .bucket(&s.config().bucket)
+        .key(s.object_key("t"))
+        .send()
+        .await
+        .unwrap()
+        .body
+        .collect()
+        .await
+        .unwrap()
+        .into_bytes()
+        .to_vec();
+    assert_eq!(raw.len() as u64, meta.size + 40);
+    raw[MIB as usize] ^= 0x40;
+    let rewrite = |body: Vec<u8>| {
+        s.client()
+            .put_object()
+            .bucket(&s.config().bucket)
+            .key(s.object_key("t"))
+            .metadata("sha256-trailer", "zstd-skippable-frame")
+            .body(Bytes::from(body).into())
+            .send()
+    };
+    rewrite(raw.clone()).await.unwrap();
+    assert_eq!(s.head("t").await.unwrap(), meta, "the trailer is unchanged");
+    let err = drain(s.get("t").await.unwrap()).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
+    assert!(err.to_string().contains("failed verification"), "{err}");
+    // Cut short: no trailer at the end.
+    rewrite(raw[..raw.len() - 20].to_vec()).await.unwrap();
+    let err = s.head("t").await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
+    let err = drain(s.get("t").await.unwrap()).await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
 
     // An object without any recorded hash cannot be verified: refused.
@@ -341,11 +412,12 @@ async fn cleanup_stale_removes_leftovers_of_crashed_puts() {
     let Some(ep) = endpoint().await else { return };
     let s = store(&ep, "stale").await;
     s.put("real", stream::once(&b"keep me"[..])).await.unwrap();
-    // What a process killed mid-put leaves: an open upload and a temporary.
+    // What a process killed mid-put leaves: an open upload (on its final
+    // key), and a temporary object of a version before the hash trailer.
     s.client()
         .create_multipart_upload()
         .bucket(&s.config().bucket)
-        .key(s.object_key("x~partial-crashed"))
+        .key(s.object_key("x"))
         .send()
         .await
         .unwrap();

@@ -108,6 +108,162 @@ pub fn recorded_sha256(key: &str, recorded: Option<&str>, looked_in: &str) -> Re
     }
 }
 
+/// The metadata name marking an object whose SHA-256 is stored in its own
+/// last [`SHA256_TRAILER_LEN`] bytes instead of under [`SHA256_METADATA`],
+/// with the value [`SHA256_TRAILER_FORMAT`].
+///
+/// S3 takes an object's metadata when a multipart upload starts, before
+/// any byte, and so before the hash, is known. The hash goes at the end of
+/// the upload instead, and the object appears at its key in one step, with
+/// its bytes and hash together, without a copy. See `docs/checkpoint-r2.md`.
+pub const SHA256_TRAILER_METADATA: &str = "sha256-trailer";
+
+/// The value of [`SHA256_TRAILER_METADATA`]: the trailer is a zstd
+/// skippable frame (magic `0x184D2A5E`, length 32, the 32-byte digest), so
+/// a zstd checkpoint read straight from the bucket still decompresses with
+/// the `zstd` CLI.
+pub const SHA256_TRAILER_FORMAT: &str = "zstd-skippable-frame";
+
+/// Bytes of the trailer: the frame's magic and length, then the digest.
+pub const SHA256_TRAILER_LEN: usize = 40;
+
+/// One of the zstd skippable-frame magics (`0x184D2A50..=0x184D2A5F`).
+const TRAILER_MAGIC: u32 = 0x184D_2A5E;
+
+/// The trailer that records `digest` (see [`SHA256_TRAILER_METADATA`]).
+pub fn sha256_trailer(digest: &[u8; 32]) -> [u8; SHA256_TRAILER_LEN] {
+    let mut out = [0u8; SHA256_TRAILER_LEN];
+    out[..4].copy_from_slice(&TRAILER_MAGIC.to_le_bytes());
+    out[4..8].copy_from_slice(&32u32.to_le_bytes());
+    out[8..].copy_from_slice(digest);
+    out
+}
+
+/// The hex SHA-256 a trailer records; `Corrupt` if `trailer` is not one.
+pub fn parse_sha256_trailer(key: &str, trailer: &[u8]) -> Result<String> {
+    let mut expected = [0u8; 8];
+    expected[..4].copy_from_slice(&TRAILER_MAGIC.to_le_bytes());
+    expected[4..].copy_from_slice(&32u32.to_le_bytes());
+    if trailer.len() != SHA256_TRAILER_LEN || trailer[..8] != expected {
+        return Err(Error::corrupt(format!(
+            "checkpoint {key:?} is marked {SHA256_TRAILER_METADATA}={SHA256_TRAILER_FORMAT} but does not end with one ({} bytes read)",
+            trailer.len()
+        )));
+    }
+    Ok(hex::encode(&trailer[8..]))
+}
+
+/// How an object records its hash: the two layouts every object store
+/// reads ([`SHA256_METADATA`], [`SHA256_TRAILER_METADATA`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RecordedHash {
+    /// The hex SHA-256, from the object's metadata.
+    Metadata(String),
+    /// In the object's last [`SHA256_TRAILER_LEN`] bytes.
+    Trailer,
+}
+
+/// How the object under `key` records its hash, given a lookup of its
+/// metadata; `Corrupt` as [`recorded_sha256`] when it records none.
+pub fn recorded_hash<'m>(
+    key: &str,
+    metadata: impl Fn(&str) -> Option<&'m str>,
+    looked_in: &str,
+) -> Result<RecordedHash> {
+    match (metadata(SHA256_METADATA), metadata(SHA256_TRAILER_METADATA)) {
+        (None, Some(SHA256_TRAILER_FORMAT)) => Ok(RecordedHash::Trailer),
+        (None, Some(other)) => Err(Error::corrupt(format!(
+            "checkpoint {key:?} records its hash as {SHA256_TRAILER_METADATA}={other:?}, a layout this version does not know"
+        ))),
+        (recorded, _) => recorded_sha256(key, recorded, looked_in).map(RecordedHash::Metadata),
+    }
+}
+
+/// Wrap the stream of an object that ends with its hash trailer: yields
+/// the content without the trailer and, at the end, checks the content
+/// against the trailer's hash, failing with `Corrupt` on a mismatch or a
+/// missing trailer. One chunk is held back until the next arrives (the
+/// last [`SHA256_TRAILER_LEN`] bytes are not content); nothing is copied
+/// but the few bytes of chunks smaller than the trailer.
+pub fn verify_trailer_stream(stream: ByteStream, key: String) -> ByteStream {
+    struct State {
+        stream: ByteStream,
+        hasher: Sha256,
+        key: String,
+        /// Read, not yet yielded: holds the trailer once the stream ends.
+        held: Bytes,
+        done: bool,
+    }
+    let state = State {
+        stream,
+        hasher: Sha256::new(),
+        key,
+        held: Bytes::new(),
+        done: false,
+    };
+    Box::pin(futures::stream::unfold(state, |mut s| async move {
+        if s.done {
+            return None;
+        }
+        loop {
+            match s.stream.next().await {
+                Some(Ok(chunk)) if chunk.len() >= SHA256_TRAILER_LEN => {
+                    // The new chunk alone covers the trailer: all that was
+                    // held is content.
+                    let out = std::mem::replace(&mut s.held, chunk);
+                    if !out.is_empty() {
+                        s.hasher.update(&out);
+                        return Some((Ok(out), s));
+                    }
+                }
+                Some(Ok(chunk)) => {
+                    let total = s.held.len() + chunk.len();
+                    let keep_from = total.saturating_sub(SHA256_TRAILER_LEN).min(s.held.len());
+                    let out = s.held.slice(..keep_from);
+                    let mut kept = BytesMut::with_capacity(total - keep_from);
+                    kept.extend_from_slice(&s.held[keep_from..]);
+                    kept.extend_from_slice(&chunk);
+                    s.held = kept.freeze();
+                    if !out.is_empty() {
+                        s.hasher.update(&out);
+                        return Some((Ok(out), s));
+                    }
+                }
+                Some(Err(e)) => {
+                    s.done = true;
+                    return Some((Err(e), s));
+                }
+                None => {
+                    s.done = true;
+                    if s.held.len() < SHA256_TRAILER_LEN {
+                        let err = parse_sha256_trailer(&s.key, &s.held).unwrap_err();
+                        return Some((Err(err), s));
+                    }
+                    let split = s.held.len() - SHA256_TRAILER_LEN;
+                    let content = s.held.slice(..split);
+                    let expected = match parse_sha256_trailer(&s.key, &s.held[split..]) {
+                        Ok(e) => e,
+                        Err(e) => return Some((Err(e), s)),
+                    };
+                    s.hasher.update(&content);
+                    let actual = hex::encode(s.hasher.clone().finalize());
+                    if actual != expected {
+                        let err = Error::corrupt(format!(
+                            "checkpoint {:?} failed verification: content hash {actual} != recorded {expected}",
+                            s.key
+                        ));
+                        return Some((Err(err), s));
+                    }
+                    if content.is_empty() {
+                        return None;
+                    }
+                    return Some((Ok(content), s));
+                }
+            }
+        }
+    }))
+}
+
 /// The key prefix for a session's checkpoints: `sessions/<id>/`.
 pub fn session_prefix(session: &crate::SessionId) -> String {
     format!("sessions/{session}/")
@@ -268,6 +424,112 @@ mod tests {
         let e = recorded_sha256("k", None, "custom metadata sha256").unwrap_err();
         assert_eq!(e.kind(), crate::ErrorKind::Corrupt);
         assert!(e.message().contains("(custom metadata sha256)"), "{e}");
+    }
+
+    /// `content` with its trailer, cut into chunks of the given sizes
+    /// (the rest in one), read back through [`verify_trailer_stream`].
+    fn read_with_trailer(content: &[u8], cuts: &[usize], trailer: &[u8]) -> Result<Vec<u8>> {
+        let mut all = content.to_vec();
+        all.extend_from_slice(trailer);
+        let mut chunks = Vec::new();
+        let mut at = 0;
+        for &n in cuts {
+            let end = (at + n).min(all.len());
+            chunks.push(Ok(Bytes::copy_from_slice(&all[at..end])));
+            at = end;
+        }
+        chunks.push(Ok(Bytes::copy_from_slice(&all[at..])));
+        let mut stream = verify_trailer_stream(Box::pin(futures::stream::iter(chunks)), "k".into());
+        futures::executor::block_on(async {
+            let mut out = Vec::new();
+            while let Some(chunk) = stream.next().await {
+                let chunk = chunk?;
+                assert!(!chunk.is_empty(), "no empty chunks");
+                out.extend_from_slice(&chunk);
+            }
+            Ok(out)
+        })
+    }
+
+    #[test]
+    fn a_trailer_is_stripped_and_checked_however_the_stream_is_cut() {
+        let content: Vec<u8> = (0..1000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let digest: [u8; 32] = Sha256::digest(&content).into();
+        let trailer = sha256_trailer(&digest);
+        // It is a zstd skippable frame: magic 0x184D2A5E, length 32.
+        assert_eq!(&trailer[..8], &[0x5E, 0x2A, 0x4D, 0x18, 32, 0, 0, 0]);
+        assert_eq!(
+            parse_sha256_trailer("k", &trailer).unwrap(),
+            hex::encode(digest)
+        );
+        let cuts: &[&[usize]] = &[
+            &[],
+            &[1],
+            &[999],
+            &[1000],
+            &[1001],
+            &[1039],
+            &[500, 1, 1, 1, 1, 1],
+            &[10; 104],
+            &[39, 40, 41],
+            &[3; 346],
+        ];
+        for cut in cuts {
+            assert_eq!(
+                read_with_trailer(&content, cut, &trailer).unwrap(),
+                content,
+                "cut {cut:?}"
+            );
+        }
+        // Empty content: just the trailer.
+        let empty: [u8; 32] = Sha256::digest(b"").into();
+        assert!(read_with_trailer(b"", &[5], &sha256_trailer(&empty))
+            .unwrap()
+            .is_empty());
+    }
+
+    #[test]
+    fn a_wrong_or_missing_trailer_is_corrupt() {
+        let content = b"the content of a checkpoint".repeat(10);
+        let digest: [u8; 32] = Sha256::digest(&content).into();
+        let good = sha256_trailer(&digest);
+        // One content byte changed.
+        let mut changed = content.clone();
+        changed[5] ^= 1;
+        let e = read_with_trailer(&changed, &[100], &good).unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::Corrupt);
+        assert!(e.message().contains("failed verification"), "{e}");
+        // Truncated: the last bytes are content, not a trailer.
+        let e = read_with_trailer(&content, &[7], &good[..20]).unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::Corrupt);
+        assert!(e.message().contains("does not end with one"), "{e}");
+        // Shorter than a trailer.
+        let e = read_with_trailer(b"short", &[], b"").unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::Corrupt);
+    }
+
+    #[test]
+    fn the_hash_is_looked_for_in_metadata_then_as_a_trailer() {
+        let recorded = |pairs: &[(&str, &str)]| {
+            let map: std::collections::HashMap<String, String> = pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            recorded_hash("k", |name| map.get(name).map(String::as_str), "here")
+        };
+        let sha = "ab".repeat(32);
+        assert_eq!(
+            recorded(&[(SHA256_METADATA, &sha)]).unwrap(),
+            RecordedHash::Metadata(sha.clone())
+        );
+        assert_eq!(
+            recorded(&[(SHA256_TRAILER_METADATA, SHA256_TRAILER_FORMAT)]).unwrap(),
+            RecordedHash::Trailer
+        );
+        let e = recorded(&[(SHA256_TRAILER_METADATA, "v9")]).unwrap_err();
+        assert!(e.message().contains("does not know"), "{e}");
+        let e = recorded(&[]).unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::Corrupt);
     }
 
     #[test]

@@ -2,7 +2,9 @@
 //! [`CheckpointStore`] with the object layout of `checkpoint-r2` (the object
 //! `<prefix>/<key>`, its SHA-256 in the custom metadata `sha256`, which S3
 //! clients see as `x-amz-meta-sha256`), so a checkpoint written here restores
-//! through `checkpoint-r2` on a laptop, and the other way round.
+//! through `checkpoint-r2` on a laptop, and the other way round: objects
+//! `checkpoint-r2` uploads in parts carry their hash in a trailer instead
+//! (custom metadata `sha256-trailer`), which reads here strip and check.
 //!
 //! The routes (host grant; `docs/cloudflare-worker.md`):
 //!
@@ -14,10 +16,13 @@
 //!   `moves::checkpoint` / `moves::restore` between a sandbox of the
 //!   Worker's bridge and R2 — the tree never leaves Cloudflare.
 //!
-//! A put is buffered whole (the binding's single `put`, with the hash known
-//! before the object exists, so readers never see new bytes with an old
-//! hash) and refused over `HARNESS_CHECKPOINT_MAX_BYTES` (96 MiB by default:
-//! a Worker has 128 MB of memory).
+//! A put of one part (8 MiB) is one `put` of the binding, with its hash in
+//! the metadata. A larger one is a multipart upload straight to the key, its
+//! hash in a trailer as `checkpoint-r2` writes them, one part in memory at a
+//! time: the object appears when the upload completes, never as new bytes
+//! with an old hash. The object route (`PUT /v1/checkpoints/objects/<key>`)
+//! buffers its request body, up to `HARNESS_CHECKPOINT_MAX_BYTES` (96 MiB by
+//! default: a Worker has 128 MB of memory).
 
 use std::collections::HashMap;
 
@@ -25,19 +30,102 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures::StreamExt;
 use harness_core::checkpoint::{
-    recorded_sha256, validate_key, verify_stream, CheckpointStore, ObjectMeta, PARTIAL_MARK,
-    SHA256_METADATA,
+    parse_sha256_trailer, recorded_hash, sha256_trailer, validate_key, verify_stream,
+    verify_trailer_stream, CheckpointStore, ObjectMeta, RecordedHash, PARTIAL_MARK,
+    SHA256_METADATA, SHA256_TRAILER_FORMAT, SHA256_TRAILER_LEN, SHA256_TRAILER_METADATA,
 };
 use harness_core::stream::ByteStream;
 use harness_core::{Error, Result};
 use sha2::{Digest, Sha256};
-use worker::{Bucket, Env, Include};
+use worker::{Bucket, Env, Include, Range};
 
 /// The binding's name in `wrangler.toml`.
 pub(crate) const BINDING: &str = "CHECKPOINTS";
 
-/// Largest object a put takes by default.
+/// Largest request body the object route buffers by default.
 const DEFAULT_MAX_BYTES: usize = 96 << 20;
+
+/// Parts of a multipart put. R2 wants every part but the last of one size,
+/// of at least 5 MiB; one part is in memory at a time.
+const PART_BYTES: usize = 8 << 20;
+
+/// A put's content cut into parts of [`PART_BYTES`], hashed as it goes.
+struct Parts {
+    content: ByteStream,
+    /// Read from `content`, not yet in a part.
+    leftover: Bytes,
+    /// `content` has ended and `leftover` is empty: the part returned last
+    /// was the last.
+    ended: bool,
+}
+
+impl Parts {
+    /// The next part (short only at the end). A full part looks one chunk
+    /// ahead, so `ended` is exact after every call.
+    async fn next(&mut self, hasher: &mut Sha256) -> Result<Vec<u8>> {
+        let mut part = Vec::with_capacity(PART_BYTES.min(1 << 20));
+        loop {
+            if !self.leftover.is_empty() {
+                let take = self.leftover.len().min(PART_BYTES - part.len());
+                let piece = self.leftover.split_to(take);
+                hasher.update(&piece);
+                part.extend_from_slice(&piece);
+            }
+            if part.len() == PART_BYTES && !self.leftover.is_empty() {
+                return Ok(part);
+            }
+            match self.content.next().await {
+                // A failed stream stores nothing: the previous object stays.
+                Some(chunk) => self.leftover = chunk?,
+                None => {
+                    self.ended = true;
+                    return Ok(part);
+                }
+            }
+        }
+    }
+}
+
+/// Upload `first` and the rest of `parts` to `upload`, the last part ending
+/// with the hash trailer. Returns the parts, the content's size and its hex
+/// SHA-256.
+async fn upload_parts(
+    upload: &worker::MultipartUpload,
+    first: Vec<u8>,
+    parts: &mut Parts,
+    hasher: &mut Sha256,
+) -> Result<(Vec<worker::UploadedPart>, u64, String)> {
+    let mut uploaded = Vec::new();
+    let mut part = first;
+    let mut size = 0u64;
+    for number in 1u16.. {
+        size += part.len() as u64;
+        let last = parts.ended.then(|| {
+            let digest: [u8; 32] = std::mem::take(&mut *hasher).finalize().into();
+            part.extend_from_slice(&sha256_trailer(&digest));
+            hex::encode(digest)
+        });
+        uploaded.push(
+            upload
+                .upload_part(number, std::mem::take(&mut part))
+                .await
+                .map_err(r2(format!("upload part {number}")))?,
+        );
+        if let Some(sha) = last {
+            return Ok((uploaded, size, sha));
+        }
+        if number == MAX_PARTS {
+            break;
+        }
+        part = parts.next(hasher).await?;
+    }
+    Err(Error::invalid(format!(
+        "checkpoint is larger than {MAX_PARTS} parts of {PART_BYTES} bytes"
+    )))
+}
+
+/// R2's limit on the parts of one upload.
+const MAX_PARTS: u16 = 10_000;
 
 /// Checkpoints in an R2 bucket, through the binding.
 pub(crate) struct R2Store {
@@ -94,56 +182,137 @@ impl R2Store {
         format!("{}{key}", self.namespace)
     }
 
-    fn meta_of(&self, key: &str, object: &worker::Object) -> Result<ObjectMeta> {
+    /// How `object` records its hash: in its custom metadata, or (an
+    /// object a multipart S3 upload wrote, `checkpoint-r2`) in a trailer.
+    fn recorded(key: &str, object: &worker::Object) -> Result<RecordedHash> {
         let metadata = object
             .custom_metadata()
             .map_err(r2(format!("metadata of {key:?}")))?;
-        Ok(ObjectMeta {
-            key: key.to_string(),
-            size: object.size(),
-            sha256: recorded_sha256(
-                key,
-                metadata.get(SHA256_METADATA).map(String::as_str),
-                "custom metadata sha256",
-            )?,
-        })
+        recorded_hash(
+            key,
+            |name| metadata.get(name).map(String::as_str),
+            "custom metadata sha256",
+        )
+    }
+
+    /// The metadata of `object` (from a `head`, a `list` or a `get`).
+    async fn meta_of(&self, key: &str, object: &worker::Object) -> Result<ObjectMeta> {
+        match Self::recorded(key, object)? {
+            RecordedHash::Metadata(sha256) => Ok(ObjectMeta {
+                key: key.to_string(),
+                size: object.size(),
+                sha256,
+            }),
+            RecordedHash::Trailer => self.tail_meta(key).await,
+        }
+    }
+
+    /// The metadata of a trailer object from one ranged read of its last
+    /// bytes: size, layout and trailer of one and the same version.
+    async fn tail_meta(&self, key: &str) -> Result<ObjectMeta> {
+        let object = self
+            .bucket
+            .get(self.object_key(key))
+            .range(Range::Suffix {
+                suffix: SHA256_TRAILER_LEN as u64,
+            })
+            .execute()
+            .await
+            .map_err(r2(format!("read the hash of {key:?}")))?
+            .ok_or_else(|| Error::not_found(format!("no checkpoint {key:?}")))?;
+        let stored = object.size();
+        match Self::recorded(key, &object)? {
+            RecordedHash::Metadata(sha256) => Ok(ObjectMeta {
+                key: key.to_string(),
+                size: stored,
+                sha256,
+            }),
+            RecordedHash::Trailer => {
+                let tail = object
+                    .body()
+                    .ok_or_else(|| Error::backend(format!("R2: {key:?} has no body")))?
+                    .bytes()
+                    .await
+                    .map_err(r2(format!("read the hash of {key:?}")))?;
+                let from = tail.len().saturating_sub(SHA256_TRAILER_LEN);
+                Ok(ObjectMeta {
+                    key: key.to_string(),
+                    size: stored
+                        .checked_sub(SHA256_TRAILER_LEN as u64)
+                        .ok_or_else(|| {
+                            Error::corrupt(format!(
+                            "checkpoint {key:?} is shorter ({stored} bytes) than its hash trailer"
+                        ))
+                        })?,
+                    sha256: parse_sha256_trailer(key, &tail[from..])?,
+                })
+            }
+        }
     }
 }
 
 #[async_trait(?Send)]
 impl CheckpointStore for R2Store {
-    async fn put(&self, key: &str, mut content: ByteStream) -> Result<ObjectMeta> {
+    async fn put(&self, key: &str, content: ByteStream) -> Result<ObjectMeta> {
         validate_key(key)?;
         let mut hasher = Sha256::new();
-        let mut body = Vec::new();
-        while let Some(chunk) = content.next().await {
-            // A failed stream stores nothing: the previous object stays.
-            let chunk = chunk?;
-            if body.len() + chunk.len() > self.max_bytes {
-                return Err(Error::invalid(format!(
-                    "checkpoint {key:?} is over {} bytes, the most the Worker buffers for one put (HARNESS_CHECKPOINT_MAX_BYTES)",
-                    self.max_bytes
-                )));
-            }
-            hasher.update(&chunk);
-            body.extend_from_slice(&chunk);
+        let mut parts = Parts {
+            content,
+            leftover: Bytes::new(),
+            ended: false,
+        };
+        let first = parts.next(&mut hasher).await?;
+        if parts.ended {
+            // One part: one put, the hash in the metadata.
+            let digest = hasher.finalize();
+            let sha = hex::encode(digest);
+            let size = first.len() as u64;
+            self.bucket
+                .put(self.object_key(key), first)
+                // R2 checks the body against this digest before storing it.
+                .sha256(digest.to_vec())
+                .custom_metadata(HashMap::from([(SHA256_METADATA.to_string(), sha.clone())]))
+                .execute()
+                .await
+                .map_err(r2(format!("put {key:?}")))?;
+            return Ok(ObjectMeta {
+                key: key.to_string(),
+                size,
+                sha256: sha,
+            });
         }
-        let digest = hasher.finalize();
-        let sha = hex::encode(digest);
-        let size = body.len() as u64;
-        self.bucket
-            .put(self.object_key(key), body)
-            // R2 checks the body against this digest before storing it.
-            .sha256(digest.to_vec())
-            .custom_metadata(HashMap::from([(SHA256_METADATA.to_string(), sha.clone())]))
+        // More: a multipart upload straight to the key, its hash in a
+        // trailer, as `checkpoint-r2` writes them (nothing visible before
+        // it completes; aborted on failure).
+        let upload = self
+            .bucket
+            .create_multipart_upload(self.object_key(key))
+            .custom_metadata(HashMap::from([(
+                SHA256_TRAILER_METADATA.to_string(),
+                SHA256_TRAILER_FORMAT.to_string(),
+            )]))
             .execute()
             .await
-            .map_err(r2(format!("put {key:?}")))?;
-        Ok(ObjectMeta {
-            key: key.to_string(),
-            size,
-            sha256: sha,
-        })
+            .map_err(r2(format!("start the upload of {key:?}")))?;
+        match upload_parts(&upload, first, &mut parts, &mut hasher).await {
+            Ok((uploaded, size, sha)) => {
+                upload
+                    .complete(uploaded)
+                    .await
+                    .map_err(r2(format!("complete the upload of {key:?}")))?;
+                Ok(ObjectMeta {
+                    key: key.to_string(),
+                    size,
+                    sha256: sha,
+                })
+            }
+            Err(e) => {
+                // The original error is what the caller needs; an upload
+                // left open is invisible to readers.
+                let _ = upload.abort().await;
+                Err(e)
+            }
+        }
     }
 
     async fn get(&self, key: &str) -> Result<ByteStream> {
@@ -155,7 +324,7 @@ impl CheckpointStore for R2Store {
             .await
             .map_err(r2(format!("get {key:?}")))?
             .ok_or_else(|| Error::not_found(format!("no checkpoint {key:?}")))?;
-        let meta = self.meta_of(key, &object)?;
+        let recorded = Self::recorded(key, &object)?;
         let body = object
             .body()
             .ok_or_else(|| Error::backend(format!("R2: checkpoint {key:?} has no body")))?
@@ -167,7 +336,10 @@ impl CheckpointStore for R2Store {
                 .map(Bytes::from)
                 .map_err(|e| Error::backend(format!("R2: reading {owned:?}: {e}")))
         }));
-        Ok(verify_stream(stream, key.to_string(), meta.sha256))
+        Ok(match recorded {
+            RecordedHash::Metadata(sha) => verify_stream(stream, key.to_string(), sha),
+            RecordedHash::Trailer => verify_trailer_stream(stream, key.to_string()),
+        })
     }
 
     async fn head(&self, key: &str) -> Result<ObjectMeta> {
@@ -178,7 +350,7 @@ impl CheckpointStore for R2Store {
             .await
             .map_err(r2(format!("head {key:?}")))?
             .ok_or_else(|| Error::not_found(format!("no checkpoint {key:?}")))?;
-        self.meta_of(key, &object)
+        self.meta_of(key, &object).await
     }
 
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>> {
@@ -205,7 +377,7 @@ impl CheckpointStore for R2Store {
                 if key.contains(PARTIAL_MARK) || validate_key(key).is_err() {
                     continue;
                 }
-                out.push(self.meta_of(key, &object)?);
+                out.push(self.meta_of(key, &object).await?);
             }
             match page.cursor().filter(|_| page.truncated()) {
                 Some(c) => cursor = Some(c),

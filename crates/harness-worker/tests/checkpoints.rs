@@ -32,6 +32,9 @@ use sha2::{Digest, Sha256};
 
 const BRIDGE_TOKEN: &str = "checkpoints-bridge-token";
 
+/// `HARNESS_CHECKPOINT_MAX_BYTES` for the test: 10 MiB.
+const ROUTE_MAX_BYTES: u64 = 10 << 20;
+
 async fn create(provider: &dyn SandboxProvider) -> Box<dyn Sandbox> {
     provider
         .create(&SandboxSpec::new("/workspace"))
@@ -75,6 +78,9 @@ async fn a_tree_moves_laptop_to_a_cloudflare_sandbox_and_back_through_the_worker
         ("HARNESS_TOKENS", session_api::token_table().to_string()),
         ("HARNESS_CF_BRIDGE_URL", bridge.url()),
         ("HARNESS_CF_TOKEN", BRIDGE_TOKEN.to_string()),
+        // The object route buffers at most this much; a move in the Worker
+        // streams its put in parts, and is not held to it.
+        ("HARNESS_CHECKPOINT_MAX_BYTES", ROUTE_MAX_BYTES.to_string()),
     ];
     let Some(dev) = tokio::task::spawn_blocking(move || WranglerDev::start(worker_dir, &vars))
         .await
@@ -224,6 +230,104 @@ async fn a_tree_moves_laptop_to_a_cloudflare_sandbox_and_back_through_the_worker
         "the laptop holds the cloud's tree"
     );
 
+    // A checkpoint larger than the route's buffer and than one 8 MiB part:
+    // the Worker streams it into R2 as a multipart upload, its hash in a
+    // trailer, and reads it back through the trailer (HEAD, list, GET and
+    // a restore in the Worker).
+    sh(
+        cloud.as_ref(),
+        &format!(
+            "cd {} && head -c 12000000 /dev/urandom > noise.bin",
+            cloud.workdir()
+        ),
+    )
+    .await;
+    let with_noise = listing(cloud.as_ref(), cloud.workdir()).await;
+    let checkpointed = http
+        .post(format!("{base}/v1/checkpoints/checkpoint"))
+        .bearer_auth(HOST)
+        .json(
+            &json!({"sandbox": cloud.handle(), "dir": cloud.workdir(), "key": "cloud/big.tar.zst"}),
+        )
+        .send()
+        .await
+        .unwrap();
+    let status = checkpointed.status();
+    let big: Value = checkpointed.json().await.unwrap_or(Value::Null);
+    assert_eq!(status, 200, "{big}\n{}", dev.log_tail());
+    let big = &big["object"];
+    assert!(big["size"].as_u64().unwrap_or(0) > ROUTE_MAX_BYTES, "{big}");
+    let head = http
+        .head(format!("{objects}/cloud/big.tar.zst"))
+        .bearer_auth(HOST)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(head.status(), 200);
+    let header = |name: &str| {
+        head.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    };
+    assert_eq!(
+        header("x-checkpoint-sha256").as_deref(),
+        big["sha256"].as_str()
+    );
+    assert_eq!(
+        header("x-checkpoint-size").and_then(|v| v.parse::<u64>().ok()),
+        big["size"].as_u64()
+    );
+    let listed: Value = http
+        .get(format!("{objects}?prefix=cloud/big"))
+        .bearer_auth(HOST)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(&listed[0], big, "{listed}");
+    let got = http
+        .get(format!("{objects}/cloud/big.tar.zst"))
+        .bearer_auth(HOST)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(got.status(), 200);
+    let bytes = got.bytes().await.unwrap();
+    assert_eq!(Some(bytes.len() as u64), big["size"].as_u64());
+    assert_eq!(
+        Some(hex::encode(Sha256::digest(&bytes)).as_str()),
+        big["sha256"].as_str()
+    );
+    let cloud_back = create(&cloud_provider).await;
+    let restored = http
+        .post(format!("{base}/v1/checkpoints/restore"))
+        .bearer_auth(HOST)
+        .json(&json!({"sandbox": cloud_back.handle(), "dir": cloud_back.workdir(), "key": "cloud/big.tar.zst"}))
+        .send()
+        .await
+        .unwrap();
+    let status = restored.status();
+    let summary: Value = restored.json().await.unwrap_or(Value::Null);
+    assert_eq!(status, 200, "{summary}\n{}", dev.log_tail());
+    assert_eq!(
+        listing(cloud_back.as_ref(), cloud_back.workdir()).await,
+        with_noise,
+        "the big checkpoint restores in the Worker"
+    );
+    // The same bytes through the object route: over its buffer, refused
+    // before anything is stored.
+    let too_big = http
+        .put(format!("{objects}/laptop/big.tar.zst"))
+        .bearer_auth(HOST)
+        .body(bytes.to_vec())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(too_big.status(), 413);
+
     // Refusals: an unknown key, an unsafe key, a client grant.
     let missing = http
         .get(format!("{objects}/no/such.tar.zst"))
@@ -248,7 +352,7 @@ async fn a_tree_moves_laptop_to_a_cloudflare_sandbox_and_back_through_the_worker
         .unwrap();
     assert_eq!(client.status(), 403);
 
-    for sb in [laptop, cloud, laptop_back] {
+    for sb in [laptop, cloud, laptop_back, cloud_back] {
         sb.destroy().await.unwrap();
     }
     bridge
