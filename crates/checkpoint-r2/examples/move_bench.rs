@@ -8,6 +8,9 @@
 //!   cargo run --release -p checkpoint-r2 --example move_bench [-- --files N --mb M] [--repeat R] [--no-tree | --tree-only]
 //! ```
 //!
+//! `MOVE_BENCH_PART_MIB` sets the S3 store's multipart part size (8 MiB by
+//! default) to compare part sizes.
+//!
 //! Each contender runs in its own child process so its peak memory is its
 //! own: ours is the child's VmHWM, the shell pipelines' is the largest
 //! process of the pipeline as `/usr/bin/time -v` reports it.
@@ -205,7 +208,14 @@ async fn open_store(store_kind: &str) -> Arc<dyn CheckpointStore> {
                     "bench-secret",
                     "harness-move-bench",
                 )
-                .with_prefix(format!("bench-{}", std::process::id())),
+                .with_prefix(format!("bench-{}", std::process::id()))
+                // MOVE_BENCH_PART_MIB: the multipart part size (default 8).
+                .with_part_size(
+                    std::env::var("MOVE_BENCH_PART_MIB")
+                        .ok()
+                        .and_then(|v| v.parse::<usize>().ok())
+                        .map_or(checkpoint_r2::DEFAULT_PART_SIZE, |m| m << 20),
+                ),
             )
             .unwrap();
             store.ensure_bucket().await.unwrap();
