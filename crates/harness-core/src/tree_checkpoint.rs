@@ -10,6 +10,8 @@
 //!
 //! ```text
 //! <key>                         zstd JSON manifest  {"format":"harness-tree/1",…}
+//!                               (zstd frames of runs of entries: a re-checkpoint
+//!                               copies the frames whose entries did not change)
 //! blobs/<h[0..2]>/<h>           zstd of one content chunk whose SHA-256 is h
 //! locks/<kind>-<ms>-<nonce>     a running checkpoint or garbage collection
 //! ```
@@ -77,9 +79,7 @@ use sha2::{Digest, Sha256};
 
 use crate::checkpoint::{validate_key, CheckpointStore, ObjectMeta};
 use crate::clock::Clock;
-use crate::moves::{
-    compress, compress_archive, decompress, MovePhase, MoveProgress, DEFAULT_ZSTD_LEVEL,
-};
+use crate::moves::{compress, decompress, MovePhase, MoveProgress, DEFAULT_ZSTD_LEVEL};
 use crate::sandbox::{collect_exec, shell_quote, ExecRequest, ListedEntry, Sandbox};
 use crate::stream::ByteStream;
 use crate::tarscan::{ScanSummary, TarEntry, TarItem, TarKind, TarScanner};
@@ -355,15 +355,39 @@ struct KnownManifest {
     manifest: TreeManifest,
     admitted: std::sync::OnceLock<ScanSummary>,
     chunks: std::sync::OnceLock<HashSet<[u8; 32]>>,
+    /// The compressed frames of its entries, when this process wrote it
+    /// (empty when it was read): what the next checkpoint against it
+    /// reuses for the entries that did not change.
+    frames: Vec<EntryFrame>,
+}
+
+/// One zstd frame of a written manifest's `entries`: the JSON of entries
+/// `first..first + len`, each after a comma but the manifest's first.
+#[derive(Debug, Clone)]
+struct EntryFrame {
+    first: usize,
+    len: usize,
+    bytes: Bytes,
 }
 
 impl KnownManifest {
     fn new(manifest: TreeManifest) -> Self {
+        Self::with_frames(manifest, Vec::new())
+    }
+
+    fn with_frames(manifest: TreeManifest, frames: Vec<EntryFrame>) -> Self {
         Self {
             manifest,
             admitted: std::sync::OnceLock::new(),
             chunks: std::sync::OnceLock::new(),
+            frames,
         }
+    }
+
+    /// The frame that starts at entry `first`, if this manifest has one.
+    fn frame_at(&self, first: usize) -> Option<&EntryFrame> {
+        let at = self.frames.binary_search_by_key(&first, |f| f.first).ok()?;
+        self.frames.get(at)
     }
 
     /// [`admit`], once.
@@ -438,6 +462,27 @@ mod known {
         let manifest = hit.1.clone();
         kept.push_front(hit);
         Some(manifest)
+    }
+
+    /// `manifest` for the caller alone, taken out of the kept ones, when
+    /// no one else holds it (a restore or checkpoint using it now); else
+    /// it stays kept and comes back as `Err`.
+    pub(super) fn take_sole(
+        manifest: Arc<KnownManifest>,
+    ) -> Result<KnownManifest, Arc<KnownManifest>> {
+        let mut kept = kept().lock().unwrap_or_else(|e| e.into_inner());
+        // Under the lock nobody can take another handle from the cache:
+        // the cache's and the caller's are all there are, or not.
+        let at = kept.iter().position(|(_, m)| Arc::ptr_eq(m, &manifest));
+        let handles = 1 + usize::from(at.is_some());
+        if Arc::strong_count(&manifest) != handles {
+            return Err(manifest);
+        }
+        if let Some(at) = at {
+            kept.remove(at);
+        }
+        drop(kept);
+        Arc::try_unwrap(manifest)
     }
 
     /// Keep `manifest` as the object whose SHA-256 is `sha`.
@@ -563,7 +608,7 @@ async fn checkpoint_locked(
     key: &str,
     parent_key: Option<&str>,
     listing: Listing,
-    parent: Option<Arc<KnownManifest>>,
+    mut parent: Option<Arc<KnownManifest>>,
     progress: Option<Arc<dyn MoveProgress>>,
 ) -> Result<TreeCheckpointInfo> {
     let mut uploader = Uploader::new(store);
@@ -583,13 +628,14 @@ async fn checkpoint_locked(
     };
     // The parent's entries (sorted by path), each marked when the listing
     // finds its path: what is unmarked at the end is gone (`deleted`).
-    let old_entries: &[TreeEntry] = parent
-        .as_deref()
-        .map_or(&[], |p| p.manifest.entries.as_slice());
     let parent_listed_at = parent.as_deref().map_or(0, |p| p.manifest.listed_at);
-    let mut found = vec![false; old_entries.len()];
+    let mut found = vec![false; parent.as_deref().map_or(0, |p| p.manifest.entries.len())];
     let has_parent = parent_key.is_some();
-    let (listed_at, mut entries) = match listing {
+    // The parent, when this checkpoint took it for itself (see below).
+    let mut owned_parent: Option<KnownManifest> = None;
+    // Entries sorted by path, and for each its index among the parent's
+    // entries when it is that entry unchanged (`NEW_ENTRY` otherwise).
+    let (listed_at, entries, origins) = match listing {
         Listing::Missing => return Err(Error::not_found(format!("no such directory: {dir}"))),
         Listing::Listed { now, entries } if !has_parent => {
             let tar = sandbox.export_tar(dir).await?;
@@ -599,7 +645,9 @@ async fn checkpoint_locked(
             for entry in &mut read {
                 entry.stamp_from(listed.get(entry.path.as_str()).copied());
             }
-            (now, read)
+            read.sort_by(|a, b| a.path.cmp(&b.path));
+            let origins = vec![NEW_ENTRY; read.len()];
+            (now, read, origins)
         }
         Listing::Listed { now, mut entries } => {
             // Both sides in path order: one merge pass pairs each listed
@@ -608,8 +656,19 @@ async fn checkpoint_locked(
             // Changed files the parent had: if one vanishes before it is
             // read, the parent's entry goes back among the deleted.
             let mut changed_known: HashMap<String, usize> = HashMap::new();
-            let mut out = Vec::with_capacity(entries.len());
+            let old_entries: &[TreeEntry] = parent
+                .as_deref()
+                .map_or(&[], |p| p.manifest.entries.as_slice());
+            // `None`: the parent's entry at the same place in `out_origins`,
+            // unchanged, filled in below.
+            let mut out: Vec<Option<TreeEntry>> = Vec::with_capacity(entries.len());
+            let mut out_origins: Vec<u32> = Vec::with_capacity(entries.len());
             let mut changed = Vec::new();
+            // The parent's entry `i`, if `entry` is it unchanged.
+            let origin = |old: Option<(usize, &TreeEntry)>, entry: &TreeEntry| match old {
+                Some((i, o)) if o == entry => i as u32,
+                _ => NEW_ENTRY,
+            };
             let mut next_old = 0;
             for listed in entries {
                 while old_entries
@@ -626,31 +685,29 @@ async fn checkpoint_locked(
                     found[i] = true;
                 }
                 match listed.kind {
-                    'd' => out.push(TreeEntry {
-                        path: listed.path,
-                        kind: TreeKind::Dir,
-                        mode: listed.mode,
-                        size: 0,
-                        mtime: listed.mtime,
-                        chunks: Vec::new(),
-                        target: None,
-                        ino: 0,
-                        ctime_ns: 0,
-                    }),
-                    'l' => out.push(TreeEntry {
-                        path: listed.path,
-                        kind: TreeKind::Symlink,
-                        mode: listed.mode,
-                        size: 0,
-                        mtime: listed.mtime,
-                        chunks: Vec::new(),
-                        target: Some(listed.link),
-                        ino: 0,
-                        ctime_ns: 0,
-                    }),
+                    'd' | 'l' => {
+                        let entry = TreeEntry {
+                            path: listed.path,
+                            kind: if listed.kind == 'd' {
+                                TreeKind::Dir
+                            } else {
+                                TreeKind::Symlink
+                            },
+                            mode: listed.mode,
+                            size: 0,
+                            mtime: listed.mtime,
+                            chunks: Vec::new(),
+                            target: (listed.kind == 'l').then_some(listed.link),
+                            ino: 0,
+                            ctime_ns: 0,
+                        };
+                        out_origins.push(origin(old, &entry));
+                        out.push(Some(entry));
+                    }
                     'f' => match old {
-                        Some((_, old)) if old.unchanged_since(&listed, parent_listed_at) => {
-                            out.push(old.clone())
+                        Some((i, old)) if old.unchanged_since(&listed, parent_listed_at) => {
+                            out_origins.push(i as u32);
+                            out.push(None)
                         }
                         Some((i, old)) => {
                             changed_known.insert(old.path.clone(), i);
@@ -681,9 +738,33 @@ async fn checkpoint_locked(
             // Many files to read (a tree just restored, with new inodes):
             // the parent's chunk set spares a store request per chunk it
             // holds. A few: asking the store is cheaper than the set.
-            if changed.len() >= PARENT_CHUNK_SET_FILES {
+            let many = changed.len() >= PARENT_CHUNK_SET_FILES;
+            if many {
                 uploader.parent = parent.clone();
+            } else if let Some(p) = parent.take() {
+                // The unchanged entries move from the parent into this
+                // manifest when nothing else holds the parent (copying
+                // 20,000 paths and hashes took most of a re-checkpoint);
+                // else they are copied.
+                match known::take_sole(p) {
+                    Ok(sole) => owned_parent = Some(sole),
+                    Err(shared) => parent = Some(shared),
+                }
             }
+            let mut out: Vec<TreeEntry> = out
+                .into_iter()
+                .zip(&out_origins)
+                .map(|(entry, &from)| {
+                    entry.unwrap_or_else(|| match (&mut owned_parent, &parent) {
+                        (Some(sole), _) => std::mem::replace(
+                            &mut sole.manifest.entries[from as usize],
+                            moved_out(),
+                        ),
+                        (None, Some(shared)) => shared.manifest.entries[from as usize].clone(),
+                        (None, None) => unreachable!("an unchanged entry has a parent"),
+                    })
+                })
+                .collect();
             if !changed.is_empty() {
                 // A file removed since the listing (the agent may still be
                 // working) is left out, and so recorded as deleted,
@@ -693,30 +774,40 @@ async fn checkpoint_locked(
                 let read = read_tar(tar, &mut uploader, &mut stats, progress.as_deref()).await?;
                 let listed: HashMap<&str, &ListedEntry> =
                     changed.iter().map(|l| (l.path.as_str(), l)).collect();
-                for mut entry in read.into_iter().filter(|e| e.kind == TreeKind::File) {
-                    changed_known.remove(entry.path.as_str());
-                    entry.stamp_from(listed.get(entry.path.as_str()).copied());
-                    out.push(entry);
-                }
+                let mut files: Vec<TreeEntry> = read
+                    .into_iter()
+                    .filter(|e| e.kind == TreeKind::File)
+                    .map(|mut entry| {
+                        changed_known.remove(entry.path.as_str());
+                        entry.stamp_from(listed.get(entry.path.as_str()).copied());
+                        entry
+                    })
+                    .collect();
+                files.sort_by(|a, b| a.path.cmp(&b.path));
+                (out, out_origins) = merge_by_path(out, out_origins, files);
             }
             // Read by nobody: removed between the listing and the read.
             for i in changed_known.into_values() {
                 found[i] = false;
             }
-            (now, out)
+            (now, out, out_origins)
         }
         Listing::Unsupported => {
             let now = sandbox_now(sandbox).await?;
             let tar = sandbox.export_tar(dir).await?;
-            let read = read_tar(tar, &mut uploader, &mut stats, progress.as_deref()).await?;
-            (now, read)
+            let mut read = read_tar(tar, &mut uploader, &mut stats, progress.as_deref()).await?;
+            read.sort_by(|a, b| a.path.cmp(&b.path));
+            let origins = vec![NEW_ENTRY; read.len()];
+            (now, read, origins)
         }
     };
     uploader.finish().await?;
     if let Some(p) = &progress {
         p.finish(MovePhase::Export);
     }
-    entries.sort_by(|a, b| a.path.cmp(&b.path));
+    // Moved-out entries were all found: what is gone is intact.
+    let parent_ref: Option<&KnownManifest> = owned_parent.as_ref().or(parent.as_deref());
+    let old_entries: &[TreeEntry] = parent_ref.map_or(&[], |p| p.manifest.entries.as_slice());
     let deleted: Vec<TreeEntry> = if has_parent {
         let gone: Vec<&TreeEntry> = old_entries
             .iter()
@@ -752,20 +843,15 @@ async fn checkpoint_locked(
     stats.deleted = deleted.len() as u64;
     stats.chunks_uploaded = uploader.uploaded;
     stats.bytes_uploaded = uploader.uploaded_bytes.load(Ordering::Relaxed);
-    let manifest = Arc::new(KnownManifest::new(TreeManifest {
+    let manifest = TreeManifest {
         format: FORMAT.to_string(),
         parent: parent_key.map(str::to_string),
         listed_at,
         entries,
         deleted,
-    }));
-    // Encoded a batch at a time while libzstd's workers compress the
-    // batches before (a few MiB for a large tree).
-    let packed = crate::stream::collect(
-        compress_archive(manifest_json(manifest.clone())?, MANIFEST_ZSTD_LEVEL),
-        MAX_MANIFEST_BYTES,
-    )
-    .await?;
+    };
+    let (packed, frames) = encode_manifest(&manifest, &origins, parent_ref).await?;
+    let manifest = Arc::new(KnownManifest::with_frames(manifest, frames));
     stats.bytes_uploaded += packed.len() as u64;
     stats.object = store.put(key, crate::stream::once(packed)).await?;
     // The next checkpoint of this tree, or a restore of this one, finds
@@ -779,13 +865,84 @@ async fn checkpoint_locked(
 /// asking the store whether each chunk is there.
 const PARENT_CHUNK_SET_FILES: usize = 256;
 
-/// Entries encoded per piece of [`manifest_json`].
-const JSON_BATCH: usize = 2048;
+/// What stays in a parent's place when its entry moved into the next
+/// manifest (allocates nothing).
+fn moved_out() -> TreeEntry {
+    TreeEntry {
+        path: String::new(),
+        kind: TreeKind::File,
+        mode: 0,
+        size: 0,
+        mtime: 0,
+        chunks: Vec::new(),
+        target: None,
+        ino: 0,
+        ctime_ns: 0,
+    }
+}
 
-/// `manifest` as the JSON `serde_json` makes of a [`TreeManifest`] (the
-/// same fields in the same order, `format` first), as a stream of pieces
-/// of [`JSON_BATCH`] entries, each encoded when the compressor asks for it.
-fn manifest_json(manifest: Arc<KnownManifest>) -> Result<ByteStream> {
+/// `kept` and `read` (each sorted by path, no path in both) as one list
+/// sorted by path, with `kept_origins` beside `kept` and [`NEW_ENTRY`]
+/// beside each of `read`.
+fn merge_by_path(
+    kept: Vec<TreeEntry>,
+    kept_origins: Vec<u32>,
+    read: Vec<TreeEntry>,
+) -> (Vec<TreeEntry>, Vec<u32>) {
+    let mut entries = Vec::with_capacity(kept.len() + read.len());
+    let mut origins = Vec::with_capacity(kept.len() + read.len());
+    let mut read = read.into_iter().peekable();
+    for (entry, origin) in kept.into_iter().zip(kept_origins) {
+        while let Some(r) = read.next_if(|r| r.path < entry.path) {
+            entries.push(r);
+            origins.push(NEW_ENTRY);
+        }
+        entries.push(entry);
+        origins.push(origin);
+    }
+    for r in read {
+        entries.push(r);
+        origins.push(NEW_ENTRY);
+    }
+    (entries, origins)
+}
+
+/// Entries per frame of a written manifest: a frame ends after an entry
+/// whose path hashes to 0 modulo [`FRAME_AVG_ENTRIES`] (once it has
+/// [`FRAME_MIN_ENTRIES`]), or at [`FRAME_MAX_ENTRIES`]. The ends depend on
+/// the paths, not on positions, so a path added or removed changes the
+/// frames around it only, and a re-checkpoint reuses the others.
+const FRAME_AVG_ENTRIES: u64 = 1024;
+const FRAME_MIN_ENTRIES: usize = 256;
+const FRAME_MAX_ENTRIES: usize = 4096;
+
+/// No entry of the parent: an entry the checkpoint made or changed.
+const NEW_ENTRY: u32 = u32::MAX;
+
+/// Whether a frame may end after the entry at `path` (FNV-1a, a hash that
+/// no platform or version changes).
+fn ends_frame(path: &str) -> bool {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in path.bytes() {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h.is_multiple_of(FRAME_AVG_ENTRIES)
+}
+
+/// `manifest` as stored: the JSON `serde_json` makes of a [`TreeManifest`]
+/// (the same fields in the same order, `format` first) as zstd frames
+/// concatenated — the head, the entries a frame per run of about
+/// [`FRAME_AVG_ENTRIES`], the tail — which any zstd reader reads as one
+/// stream. `origins[i]` is the index in `parent` of entry `i` when it is
+/// that entry unchanged ([`NEW_ENTRY`] otherwise): a run of the parent's
+/// entries that was one of its frames is that frame again, not encoded and
+/// compressed anew. Returns the object's bytes and the entry frames (as
+/// slices of them).
+async fn encode_manifest(
+    manifest: &TreeManifest,
+    origins: &[u32],
+    parent: Option<&KnownManifest>,
+) -> Result<(Bytes, Vec<EntryFrame>)> {
     #[derive(Serialize)]
     struct Head<'a> {
         format: &'a str,
@@ -794,43 +951,91 @@ fn manifest_json(manifest: Arc<KnownManifest>) -> Result<ByteStream> {
         listed_at: u64,
     }
     let encoding = |e: serde_json::Error| Error::backend(format!("encoding the manifest: {e}"));
-    let m = &manifest.manifest;
+    let packed = |json: Vec<u8>| async move {
+        crate::stream::collect(
+            compress(crate::stream::once(json), MANIFEST_ZSTD_LEVEL),
+            MAX_MANIFEST_BYTES,
+        )
+        .await
+    };
     let mut head = serde_json::to_vec(&Head {
-        format: &m.format,
-        parent: m.parent.as_deref(),
-        listed_at: m.listed_at,
+        format: &manifest.format,
+        parent: manifest.parent.as_deref(),
+        listed_at: manifest.listed_at,
     })
     .map_err(encoding)?;
     head.pop(); // the closing brace
     head.extend_from_slice(b",\"entries\":[");
-    let batches = m.entries.len().div_ceil(JSON_BATCH);
-    let pieces = futures::stream::iter(0..batches + 2).map(move |i| {
-        let m = &manifest.manifest;
-        let mut out = Vec::new();
-        if i == 0 {
-            out = std::mem::take(&mut head);
-        } else if i <= batches {
-            let from = (i - 1) * JSON_BATCH;
-            for (n, entry) in m.entries[from..(from + JSON_BATCH).min(m.entries.len())]
-                .iter()
-                .enumerate()
-            {
-                if from + n > 0 {
-                    out.push(b',');
-                }
-                serde_json::to_writer(&mut out, entry).map_err(encoding)?;
-            }
-        } else {
-            out.push(b']');
-            if !m.deleted.is_empty() {
-                out.extend_from_slice(b",\"deleted\":");
-                serde_json::to_writer(&mut out, &m.deleted).map_err(encoding)?;
-            }
-            out.push(b'}');
+    // (frame, Some(first, len) for an entry frame)
+    let mut pieces: Vec<(Bytes, Option<(usize, usize)>)> = vec![(packed(head).await?, None)];
+    let entries = &manifest.entries;
+    let mut at = 0;
+    while at < entries.len() {
+        let reused = parent.zip(origins.get(at)).and_then(|(p, &from)| {
+            let frame = p.frame_at(from as usize).filter(|_| from != NEW_ENTRY)?;
+            let run = origins.get(at..at + frame.len)?;
+            // The same entries, in the same place relative to the comma.
+            let same = (at == 0) == (frame.first == 0)
+                && run
+                    .iter()
+                    .enumerate()
+                    .all(|(k, &o)| o as usize == frame.first + k);
+            same.then(|| frame.clone())
+        });
+        if let Some(frame) = reused {
+            pieces.push((frame.bytes, Some((at, frame.len))));
+            at += frame.len;
+            continue;
         }
-        Ok(Bytes::from(out))
-    });
-    Ok(Box::pin(pieces))
+        let first = at;
+        let mut json = Vec::new();
+        loop {
+            if at > 0 {
+                json.push(b',');
+            }
+            serde_json::to_writer(&mut json, &entries[at]).map_err(encoding)?;
+            at += 1;
+            let len = at - first;
+            if at == entries.len()
+                || len >= FRAME_MAX_ENTRIES
+                || (len >= FRAME_MIN_ENTRIES && ends_frame(&entries[at - 1].path))
+            {
+                break;
+            }
+        }
+        pieces.push((packed(json).await?, Some((first, at - first))));
+    }
+    let mut tail = vec![b']'];
+    if !manifest.deleted.is_empty() {
+        tail.extend_from_slice(b",\"deleted\":");
+        serde_json::to_writer(&mut tail, &manifest.deleted).map_err(encoding)?;
+    }
+    tail.push(b'}');
+    pieces.push((packed(tail).await?, None));
+    let total: usize = pieces.iter().map(|(b, _)| b.len()).sum();
+    if total > MAX_MANIFEST_BYTES {
+        return Err(Error::invalid(format!(
+            "the manifest would be {total} bytes, over {MAX_MANIFEST_BYTES}"
+        )));
+    }
+    let mut object = BytesMut::with_capacity(total);
+    let mut spans = Vec::new();
+    for (bytes, entries) in &pieces {
+        if let Some((first, len)) = entries {
+            spans.push((*first, *len, object.len(), bytes.len()));
+        }
+        object.extend_from_slice(bytes);
+    }
+    let object = object.freeze();
+    let frames = spans
+        .into_iter()
+        .map(|(first, len, from, n)| EntryFrame {
+            first,
+            len,
+            bytes: object.slice(from..from + n),
+        })
+        .collect();
+    Ok((object, frames))
 }
 
 /// Restore the tree checkpoint under `key` onto `dir` of `sandbox`,
@@ -1674,7 +1879,7 @@ mod tests {
     async fn put_manifest(store: &MemoryCheckpointStore, key: &str, m: &TreeManifest) -> String {
         let json = serde_json::to_vec(m).unwrap();
         let packed = crate::stream::collect(
-            compress_archive(crate::stream::once(json), DEFAULT_ZSTD_LEVEL),
+            crate::moves::compress_archive(crate::stream::once(json), DEFAULT_ZSTD_LEVEL),
             1 << 20,
         )
         .await
@@ -1728,12 +1933,34 @@ mod tests {
         );
     }
 
-    /// The manifest's JSON, encoded batch by batch, is byte for byte what
-    /// serde makes of the whole manifest (and so parses back to it), with
-    /// no entry, fewer than a batch, and several batches.
+    /// A kept manifest is given up to a checkpoint only when nothing else
+    /// holds it; else it stays kept.
+    #[test]
+    fn a_kept_manifest_is_taken_only_by_its_sole_holder() {
+        // (Other tests keep manifests at the same time and may push this
+        // one out of the cache: nothing here depends on it staying.)
+        let sha = format!("{:064x}", 0x7a6b_5c4d_u64);
+        let mine = Arc::new(KnownManifest::new(manifest_of(&["p"])));
+        known::put(&sha, mine.clone());
+        let theirs = mine.clone();
+        let mine = known::take_sole(mine).expect_err("another holder has it");
+        if let Some(kept) = known::get(&sha) {
+            assert!(Arc::ptr_eq(&kept, &mine), "it stays kept as it was");
+        }
+        drop(theirs);
+        let sole = known::take_sole(mine).expect("the caller holds it alone");
+        assert_eq!(sole.manifest, manifest_of(&["p"]));
+        assert!(known::get(&sha).is_none(), "it was taken out");
+    }
+
+    /// The stored manifest's frames, decompressed, are byte for byte what
+    /// serde makes of the whole manifest (and so parse back to it), with no
+    /// entry, fewer than a frame, and many frames.
     #[tokio::test]
-    async fn a_manifest_encoded_in_batches_is_the_serde_json() {
-        let paths: Vec<String> = (0..JSON_BATCH * 2 + 3).map(|i| format!("d{i}")).collect();
+    async fn a_manifest_in_frames_is_the_serde_json() {
+        let paths: Vec<String> = (0..FRAME_MAX_ENTRIES * 3 + 3)
+            .map(|i| format!("d{i}"))
+            .collect();
         for n in [0, 5, paths.len()] {
             let refs: Vec<&str> = paths[..n].iter().map(String::as_str).collect();
             let mut m = manifest_of(&refs);
@@ -1742,16 +1969,93 @@ mod tests {
                 m.deleted = manifest_of(&["gone"]).entries;
             }
             let whole = serde_json::to_vec(&m).unwrap();
-            let pieces = manifest_json(Arc::new(KnownManifest::new(m.clone()))).unwrap();
-            let batched = crate::stream::collect(pieces, usize::MAX).await.unwrap();
+            let (object, frames) = encode_manifest(&m, &vec![NEW_ENTRY; n], None)
+                .await
+                .unwrap();
+            assert_eq!(frames.iter().map(|f| f.len).sum::<usize>(), n);
+            if n == paths.len() {
+                assert!(frames.len() > 3, "{} frames", frames.len());
+            }
+            let json = crate::stream::collect(decompress(crate::stream::once(object)), usize::MAX)
+                .await
+                .unwrap();
             assert_eq!(
-                String::from_utf8_lossy(&batched),
+                String::from_utf8_lossy(&json),
                 String::from_utf8_lossy(&whole),
                 "{n} entries"
             );
-            let back: TreeManifest = serde_json::from_slice(&batched).unwrap();
+            let back: TreeManifest = serde_json::from_slice(&json).unwrap();
             assert_eq!(back, m);
         }
+    }
+
+    /// A manifest written against its parent reuses the parent's frames
+    /// for the runs of entries that did not change, also after a path was
+    /// added or removed before them, and is still the serde JSON of the
+    /// whole manifest.
+    #[tokio::test]
+    async fn unchanged_runs_of_entries_reuse_the_parents_frames() {
+        let paths: Vec<String> = (0..20_000).map(|i| format!("src/f{i:05}.rs")).collect();
+        let refs: Vec<&str> = paths.iter().map(String::as_str).collect();
+        let parent = manifest_of(&refs);
+        let n = parent.entries.len();
+        let (_, frames) = encode_manifest(&parent, &vec![NEW_ENTRY; n], None)
+            .await
+            .unwrap();
+        let written = frames.len();
+        assert!(written >= 10, "{written} frames");
+        // The parent's frames recompressed at another level: the same
+        // JSON in bytes no new encoding makes, so a frame found in the
+        // output was copied from the parent.
+        let mut marked = Vec::new();
+        for frame in frames {
+            let json =
+                crate::stream::collect(decompress(crate::stream::once(frame.bytes)), usize::MAX)
+                    .await
+                    .unwrap();
+            let bytes = crate::stream::collect(compress(crate::stream::once(json), 9), usize::MAX)
+                .await
+                .unwrap();
+            marked.push(EntryFrame { bytes, ..frame });
+        }
+        let parent = KnownManifest::with_frames(parent, marked);
+        let reused = |ours: &[EntryFrame]| {
+            ours.iter()
+                .filter(|f| parent.frames.iter().any(|p| p.bytes == f.bytes))
+                .count()
+        };
+        // One entry changed in the middle; then one path added near the
+        // start and one removed near the end.
+        let mut changed = parent.manifest.clone();
+        changed.entries[10_000].mode = 0o600;
+        let mut origins: Vec<u32> = (0..n as u32).collect();
+        origins[10_000] = NEW_ENTRY;
+        let mut shifted = parent.manifest.clone();
+        let mut shifted_origins: Vec<u32> = (0..n as u32).collect();
+        shifted
+            .entries
+            .insert(100, manifest_of(&["src/f00099a.rs"]).entries[0].clone());
+        shifted_origins.insert(100, NEW_ENTRY);
+        shifted.entries.remove(19_000);
+        shifted_origins.remove(19_000);
+        for (m, origins, most_new) in [(changed, origins, 1), (shifted, shifted_origins, 3)] {
+            let (object, ours) = encode_manifest(&m, &origins, Some(&parent)).await.unwrap();
+            let new = ours.len() - reused(&ours);
+            assert!(
+                (1..=most_new).contains(&new),
+                "{new} of {} frames written anew ({written} in the parent)",
+                ours.len()
+            );
+            let json = crate::stream::collect(decompress(crate::stream::once(object)), usize::MAX)
+                .await
+                .unwrap();
+            assert!(json == serde_json::to_vec(&m).unwrap());
+        }
+        // Without origins nothing is reused.
+        let (_, ours) = encode_manifest(&parent.manifest, &vec![NEW_ENTRY; n], Some(&parent))
+            .await
+            .unwrap();
+        assert_eq!(reused(&ours), 0);
     }
 
     /// The chunk set answers for the manifest's chunks only.
