@@ -40,7 +40,7 @@ use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart};
 use bytes::{Bytes, BytesMut};
 use futures::{StreamExt, TryStreamExt};
 use harness_core::checkpoint::{
-    parse_sha256_trailer, recorded_hash, sha256_trailer, validate_key, verify_stream,
+    recorded_hash, sha256_trailer, trailer_object_meta, validate_key, verify_stream,
     verify_trailer_stream, CheckpointStore, ObjectMeta, RecordedHash, PARTIAL_MARK,
     SHA256_TRAILER_FORMAT, SHA256_TRAILER_LEN, SHA256_TRAILER_METADATA,
 };
@@ -443,20 +443,7 @@ impl S3CheckpointStore {
                 size: stored,
                 sha256: sha,
             },
-            RecordedHash::Trailer => {
-                let from = tail.len().saturating_sub(SHA256_TRAILER_LEN);
-                ObjectMeta {
-                    key: key.to_string(),
-                    size: stored
-                        .checked_sub(SHA256_TRAILER_LEN as u64)
-                        .ok_or_else(|| {
-                            Error::corrupt(format!(
-                            "checkpoint {key:?} is shorter ({stored} bytes) than its hash trailer"
-                        ))
-                        })?,
-                    sha256: parse_sha256_trailer(key, &tail[from..])?,
-                }
-            }
+            RecordedHash::Trailer => trailer_object_meta(key, stored, &tail)?,
         }))
     }
 }
@@ -538,31 +525,10 @@ impl CheckpointStore for S3CheckpointStore {
 
     async fn head(&self, key: &str) -> Result<ObjectMeta> {
         validate_key(key)?;
-        let out = self
-            .client
-            .head_object()
-            .bucket(&self.config.bucket)
-            .key(self.object_key(key))
-            .send()
-            .await
-            .map_err(|e| sdk_error(e, &format!("head checkpoint {key:?}")))?;
-        match recorded_hash_of(key, out.metadata())? {
-            RecordedHash::Metadata(sha) => {
-                return Ok(ObjectMeta {
-                    key: key.to_string(),
-                    size: out.content_length().unwrap_or(0).max(0) as u64,
-                    sha256: sha,
-                })
-            }
-            RecordedHash::Trailer => {}
-        }
-        // A trailer object: its tail, read as one response. An object
-        // replaced between the two requests by one too short for a range
-        // is looked at afresh, a few times at most.
+        // A trailer object's metadata comes from one ranged read of its
+        // tail. An object replaced between the two requests by one too
+        // short for the range is looked at afresh, a few times at most.
         for _ in 0..HEAD_ATTEMPTS {
-            if let Some(meta) = self.tail_meta(key).await? {
-                return Ok(meta);
-            }
             let out = self
                 .client
                 .head_object()
@@ -577,6 +543,9 @@ impl CheckpointStore for S3CheckpointStore {
                     size: out.content_length().unwrap_or(0).max(0) as u64,
                     sha256: sha,
                 });
+            }
+            if let Some(meta) = self.tail_meta(key).await? {
+                return Ok(meta);
             }
         }
         Err(Error::backend(format!(

@@ -186,6 +186,24 @@ async fn part_boundaries_exactly_one_part_and_one_byte_more() {
     assert!(open_uploads(&s).await.is_empty());
 }
 
+/// The object under `key` as the server stores it: its user metadata and
+/// bytes, trailer included.
+async fn raw_object(
+    s: &S3CheckpointStore,
+    key: &str,
+) -> (std::collections::HashMap<String, String>, Bytes) {
+    let out = s
+        .client()
+        .get_object()
+        .bucket(&s.config().bucket)
+        .key(s.object_key(key))
+        .send()
+        .await
+        .unwrap();
+    let metadata = out.metadata().cloned().unwrap_or_default();
+    (metadata, out.body.collect().await.unwrap().into_bytes())
+}
+
 /// A multipart object goes straight to its key, marked at creation, with
 /// the hash in its last 40 bytes: a zstd skippable frame, so the raw object
 /// of a zstd checkpoint still decompresses to the content.
@@ -214,23 +232,12 @@ async fn a_multipart_object_carries_its_hash_as_a_zstd_skippable_frame() {
         .unwrap();
     assert!(got == packed, "get returns the content without the trailer");
 
-    let raw = s
-        .client()
-        .get_object()
-        .bucket(&s.config().bucket)
-        .key(s.object_key("ckpt.tar.zst"))
-        .send()
-        .await
-        .unwrap();
+    let (metadata, raw) = raw_object(&s, "ckpt.tar.zst").await;
     assert_eq!(
-        raw.metadata()
-            .unwrap()
-            .get("sha256-trailer")
-            .map(String::as_str),
+        metadata.get("sha256-trailer").map(String::as_str),
         Some("zstd-skippable-frame")
     );
-    assert_eq!(raw.metadata().unwrap().get(SHA256_METADATA), None);
-    let raw = raw.body.collect().await.unwrap().into_bytes();
+    assert_eq!(metadata.get(SHA256_METADATA), None);
     assert_eq!(raw.len(), packed.len() + 40);
     assert_eq!(&raw[..packed.len()], &packed[..]);
     assert_eq!(hex::encode(&raw[packed.len() + 8..]), sha);
@@ -284,20 +291,7 @@ async fn content_changed_out_of_band_is_corrupt() {
     // marker kept.
     let (content, _) = generated(6, 12 * MIB, 1 << 20);
     let meta = s.put("t", content).await.unwrap();
-    let mut raw = s
-        .client()
-        .get_object()
-        .bucket(&s.config().bucket)
-        .key(s.object_key("t"))
-        .send()
-        .await
-        .unwrap()
-        .body
-        .collect()
-        .await
-        .unwrap()
-        .into_bytes()
-        .to_vec();
+    let mut raw = raw_object(&s, "t").await.1.to_vec();
     assert_eq!(raw.len() as u64, meta.size + 40);
     raw[MIB as usize] ^= 0x40;
     let rewrite = |body: Vec<u8>| {

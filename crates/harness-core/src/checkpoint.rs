@@ -153,6 +153,26 @@ pub fn parse_sha256_trailer(key: &str, trailer: &[u8]) -> Result<String> {
     Ok(hex::encode(&trailer[8..]))
 }
 
+/// The metadata of a trailer object under `key` of `stored` bytes, given
+/// its last bytes (`tail`, at least the trailer): the content's size and
+/// the hash the trailer records; `Corrupt` if it cannot hold or does not
+/// end with one.
+pub fn trailer_object_meta(key: &str, stored: u64, tail: &[u8]) -> Result<ObjectMeta> {
+    let size = stored
+        .checked_sub(SHA256_TRAILER_LEN as u64)
+        .ok_or_else(|| {
+            Error::corrupt(format!(
+                "checkpoint {key:?} is shorter ({stored} bytes) than its hash trailer"
+            ))
+        })?;
+    let from = tail.len().saturating_sub(SHA256_TRAILER_LEN);
+    Ok(ObjectMeta {
+        key: key.to_string(),
+        size,
+        sha256: parse_sha256_trailer(key, &tail[from..])?,
+    })
+}
+
 /// How an object records its hash: the two layouts every object store
 /// reads ([`SHA256_METADATA`], [`SHA256_TRAILER_METADATA`]).
 #[derive(Debug, Clone, PartialEq, Eq)]

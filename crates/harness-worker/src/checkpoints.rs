@@ -30,7 +30,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures::StreamExt;
 use harness_core::checkpoint::{
-    parse_sha256_trailer, recorded_hash, sha256_trailer, validate_key, verify_stream,
+    recorded_hash, sha256_trailer, trailer_object_meta, validate_key, verify_stream,
     verify_trailer_stream, CheckpointStore, ObjectMeta, RecordedHash, PARTIAL_MARK,
     SHA256_METADATA, SHA256_TRAILER_FORMAT, SHA256_TRAILER_LEN, SHA256_TRAILER_METADATA,
 };
@@ -234,18 +234,7 @@ impl R2Store {
                     .bytes()
                     .await
                     .map_err(r2(format!("read the hash of {key:?}")))?;
-                let from = tail.len().saturating_sub(SHA256_TRAILER_LEN);
-                Ok(ObjectMeta {
-                    key: key.to_string(),
-                    size: stored
-                        .checked_sub(SHA256_TRAILER_LEN as u64)
-                        .ok_or_else(|| {
-                            Error::corrupt(format!(
-                            "checkpoint {key:?} is shorter ({stored} bytes) than its hash trailer"
-                        ))
-                        })?,
-                    sha256: parse_sha256_trailer(key, &tail[from..])?,
-                })
+                trailer_object_meta(key, stored, &tail)
             }
         }
     }

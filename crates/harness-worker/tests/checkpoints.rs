@@ -51,6 +51,28 @@ async fn all_bytes(store: &dyn CheckpointStore, key: &str) -> Vec<u8> {
     out
 }
 
+/// `POST /v1/checkpoints/<op>` (`checkpoint` or `restore`) of `key` for
+/// `sandbox`, in the Worker: its answer, asserted to be 200.
+async fn move_in_worker(
+    http: &reqwest::Client,
+    dev: &WranglerDev,
+    op: &str,
+    sandbox: &dyn Sandbox,
+    key: &str,
+) -> Value {
+    let answer = http
+        .post(format!("{}/v1/checkpoints/{op}", dev.base))
+        .bearer_auth(HOST)
+        .json(&json!({"sandbox": sandbox.handle(), "dir": sandbox.workdir(), "key": key}))
+        .send()
+        .await
+        .unwrap();
+    let status = answer.status();
+    let body: Value = answer.json().await.unwrap_or(Value::Null);
+    assert_eq!(status, 200, "{op} {key}: {body}\n{}", dev.log_tail());
+    body
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tree_moves_laptop_to_a_cloudflare_sandbox_and_back_through_the_workers_r2() {
     let Some((docker, _gateway)) = harness_agent_e2e::docker_test_provider().await else {
@@ -135,16 +157,14 @@ async fn a_tree_moves_laptop_to_a_cloudflare_sandbox_and_back_through_the_worker
     let cloud_provider = CloudflareProvider::new(CloudflareConfig::new(bridge.url(), BRIDGE_TOKEN))
         .expect("the native Cloudflare provider");
     let cloud = create(&cloud_provider).await;
-    let restored = http
-        .post(format!("{base}/v1/checkpoints/restore"))
-        .bearer_auth(HOST)
-        .json(&json!({"sandbox": cloud.handle(), "dir": cloud.workdir(), "key": "laptop/tree.tar.zst"}))
-        .send()
-        .await
-        .unwrap();
-    let status = restored.status();
-    let summary: Value = restored.json().await.unwrap_or(Value::Null);
-    assert_eq!(status, 200, "{summary}\n{}", dev.log_tail());
+    let summary = move_in_worker(
+        &http,
+        &dev,
+        "restore",
+        cloud.as_ref(),
+        "laptop/tree.tar.zst",
+    )
+    .await;
     assert!(summary["entries"].as_u64().unwrap_or(0) > 10, "{summary}");
     assert_eq!(
         listing(cloud.as_ref(), cloud.workdir()).await,
@@ -164,16 +184,14 @@ async fn a_tree_moves_laptop_to_a_cloudflare_sandbox_and_back_through_the_worker
     .await;
     let in_cloud = listing(cloud.as_ref(), cloud.workdir()).await;
     assert_ne!(in_cloud, start);
-    let checkpointed = http
-        .post(format!("{base}/v1/checkpoints/checkpoint"))
-        .bearer_auth(HOST)
-        .json(&json!({"sandbox": cloud.handle(), "dir": cloud.workdir(), "key": "cloud/tree.tar.zst"}))
-        .send()
-        .await
-        .unwrap();
-    let status = checkpointed.status();
-    let info: Value = checkpointed.json().await.unwrap_or(Value::Null);
-    assert_eq!(status, 200, "{info}\n{}", dev.log_tail());
+    let info = move_in_worker(
+        &http,
+        &dev,
+        "checkpoint",
+        cloud.as_ref(),
+        "cloud/tree.tar.zst",
+    )
+    .await;
     assert!(
         info["tar_bytes"].as_u64().unwrap_or(0) > 6_000_000,
         "{info}"
@@ -243,18 +261,14 @@ async fn a_tree_moves_laptop_to_a_cloudflare_sandbox_and_back_through_the_worker
     )
     .await;
     let with_noise = listing(cloud.as_ref(), cloud.workdir()).await;
-    let checkpointed = http
-        .post(format!("{base}/v1/checkpoints/checkpoint"))
-        .bearer_auth(HOST)
-        .json(
-            &json!({"sandbox": cloud.handle(), "dir": cloud.workdir(), "key": "cloud/big.tar.zst"}),
-        )
-        .send()
-        .await
-        .unwrap();
-    let status = checkpointed.status();
-    let big: Value = checkpointed.json().await.unwrap_or(Value::Null);
-    assert_eq!(status, 200, "{big}\n{}", dev.log_tail());
+    let big = move_in_worker(
+        &http,
+        &dev,
+        "checkpoint",
+        cloud.as_ref(),
+        "cloud/big.tar.zst",
+    )
+    .await;
     let big = &big["object"];
     assert!(big["size"].as_u64().unwrap_or(0) > ROUTE_MAX_BYTES, "{big}");
     let head = http
@@ -302,16 +316,15 @@ async fn a_tree_moves_laptop_to_a_cloudflare_sandbox_and_back_through_the_worker
         big["sha256"].as_str()
     );
     let cloud_back = create(&cloud_provider).await;
-    let restored = http
-        .post(format!("{base}/v1/checkpoints/restore"))
-        .bearer_auth(HOST)
-        .json(&json!({"sandbox": cloud_back.handle(), "dir": cloud_back.workdir(), "key": "cloud/big.tar.zst"}))
-        .send()
-        .await
-        .unwrap();
-    let status = restored.status();
-    let summary: Value = restored.json().await.unwrap_or(Value::Null);
-    assert_eq!(status, 200, "{summary}\n{}", dev.log_tail());
+    let summary = move_in_worker(
+        &http,
+        &dev,
+        "restore",
+        cloud_back.as_ref(),
+        "cloud/big.tar.zst",
+    )
+    .await;
+    assert!(summary["entries"].as_u64().unwrap_or(0) > 10, "{summary}");
     assert_eq!(
         listing(cloud_back.as_ref(), cloud_back.workdir()).await,
         with_noise,
