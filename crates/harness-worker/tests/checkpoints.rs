@@ -73,6 +73,23 @@ async fn move_in_worker(
     body
 }
 
+/// The Worker restores `key` into `sandbox`, which then holds `expected`.
+async fn restore_in_worker(
+    http: &reqwest::Client,
+    dev: &WranglerDev,
+    sandbox: &dyn Sandbox,
+    key: &str,
+    expected: &[String],
+) {
+    let summary = move_in_worker(http, dev, "restore", sandbox, key).await;
+    assert!(summary["entries"].as_u64().unwrap_or(0) > 10, "{summary}");
+    assert_eq!(
+        listing(sandbox, sandbox.workdir()).await,
+        expected,
+        "the sandbox holds the tree of {key}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tree_moves_laptop_to_a_cloudflare_sandbox_and_back_through_the_workers_r2() {
     let Some((docker, _gateway)) = harness_agent_e2e::docker_test_provider().await else {
@@ -157,20 +174,7 @@ async fn a_tree_moves_laptop_to_a_cloudflare_sandbox_and_back_through_the_worker
     let cloud_provider = CloudflareProvider::new(CloudflareConfig::new(bridge.url(), BRIDGE_TOKEN))
         .expect("the native Cloudflare provider");
     let cloud = create(&cloud_provider).await;
-    let summary = move_in_worker(
-        &http,
-        &dev,
-        "restore",
-        cloud.as_ref(),
-        "laptop/tree.tar.zst",
-    )
-    .await;
-    assert!(summary["entries"].as_u64().unwrap_or(0) > 10, "{summary}");
-    assert_eq!(
-        listing(cloud.as_ref(), cloud.workdir()).await,
-        start,
-        "the Cloudflare sandbox holds the laptop's tree"
-    );
+    restore_in_worker(&http, &dev, cloud.as_ref(), "laptop/tree.tar.zst", &start).await;
 
     // A change in the cloud; the Worker checkpoints the sandbox (zstd in
     // wasm32) into its bucket.
@@ -316,20 +320,14 @@ async fn a_tree_moves_laptop_to_a_cloudflare_sandbox_and_back_through_the_worker
         big["sha256"].as_str()
     );
     let cloud_back = create(&cloud_provider).await;
-    let summary = move_in_worker(
+    restore_in_worker(
         &http,
         &dev,
-        "restore",
         cloud_back.as_ref(),
         "cloud/big.tar.zst",
+        &with_noise,
     )
     .await;
-    assert!(summary["entries"].as_u64().unwrap_or(0) > 10, "{summary}");
-    assert_eq!(
-        listing(cloud_back.as_ref(), cloud_back.workdir()).await,
-        with_noise,
-        "the big checkpoint restores in the Worker"
-    );
     // The same bytes through the object route: over its buffer, refused
     // before anything is stored.
     let too_big = http
