@@ -73,6 +73,41 @@ async fn move_in_worker(
     body
 }
 
+/// The object `key` as the Worker lists it and as it reads it back
+/// through the object route, asserted to agree: the route's hash header,
+/// the listing's hash and size, and the body's own.
+async fn read_back(http: &reqwest::Client, objects: &str, key: &str) -> (Value, Bytes) {
+    let listed: Value = http
+        .get(format!("{objects}?prefix={key}"))
+        .bearer_auth(HOST)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let listed = listed[0].clone();
+    assert_eq!(listed["key"], key, "{listed}");
+    let got = http
+        .get(format!("{objects}/{key}"))
+        .bearer_auth(HOST)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(got.status(), 200);
+    let sha = got
+        .headers()
+        .get("x-checkpoint-sha256")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
+        .expect("the recorded hash");
+    let bytes = got.bytes().await.unwrap();
+    assert_eq!(hex::encode(Sha256::digest(&bytes)), sha);
+    assert_eq!(listed["sha256"], sha.as_str());
+    assert_eq!(listed["size"], bytes.len() as u64);
+    (listed, bytes)
+}
+
 /// The Worker restores `key` into `sandbox`, which then holds `expected`.
 async fn restore_in_worker(
     http: &reqwest::Client,
@@ -202,33 +237,7 @@ async fn a_tree_moves_laptop_to_a_cloudflare_sandbox_and_back_through_the_worker
     );
 
     // Listed with its hash; read back, verified by the Worker and here.
-    let listed: Value = http
-        .get(format!("{objects}?prefix=cloud/"))
-        .bearer_auth(HOST)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    assert_eq!(listed[0]["key"], "cloud/tree.tar.zst", "{listed}");
-    let got = http
-        .get(format!("{objects}/cloud/tree.tar.zst"))
-        .bearer_auth(HOST)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(got.status(), 200);
-    let sha = got
-        .headers()
-        .get("x-checkpoint-sha256")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string)
-        .expect("the recorded hash");
-    let bytes = got.bytes().await.unwrap();
-    assert_eq!(hex::encode(Sha256::digest(&bytes)), sha);
-    assert_eq!(listed[0]["sha256"], sha.as_str());
-    assert_eq!(listed[0]["size"], bytes.len() as u64);
+    let (_, bytes) = read_back(&http, &objects, "cloud/tree.tar.zst").await;
 
     // The laptop restores the Worker's checkpoint natively (libzstd reads
     // the Worker's frames).
@@ -296,29 +305,8 @@ async fn a_tree_moves_laptop_to_a_cloudflare_sandbox_and_back_through_the_worker
         header("x-checkpoint-size").and_then(|v| v.parse::<u64>().ok()),
         big["size"].as_u64()
     );
-    let listed: Value = http
-        .get(format!("{objects}?prefix=cloud/big"))
-        .bearer_auth(HOST)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    assert_eq!(&listed[0], big, "{listed}");
-    let got = http
-        .get(format!("{objects}/cloud/big.tar.zst"))
-        .bearer_auth(HOST)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(got.status(), 200);
-    let bytes = got.bytes().await.unwrap();
-    assert_eq!(Some(bytes.len() as u64), big["size"].as_u64());
-    assert_eq!(
-        Some(hex::encode(Sha256::digest(&bytes)).as_str()),
-        big["sha256"].as_str()
-    );
+    let (listed, bytes) = read_back(&http, &objects, "cloud/big.tar.zst").await;
+    assert_eq!(&listed, big, "{listed}");
     let cloud_back = create(&cloud_provider).await;
     restore_in_worker(
         &http,
