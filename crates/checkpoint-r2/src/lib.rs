@@ -40,13 +40,11 @@ use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart};
 use bytes::{Bytes, BytesMut};
 use futures::{StreamExt, TryStreamExt};
 use harness_core::checkpoint::{
-    recorded_hash, sha256_trailer, trailer_object_meta, validate_key, verify_stream,
-    verify_trailer_stream, CheckpointStore, ObjectMeta, RecordedHash, PARTIAL_MARK,
-    SHA256_TRAILER_FORMAT, SHA256_TRAILER_LEN, SHA256_TRAILER_METADATA,
+    recorded_hash, validate_key, CheckpointStore, ObjectMeta, PartCutter, RecordedHash,
+    PARTIAL_MARK, SHA256_TRAILER_FORMAT, SHA256_TRAILER_LEN, SHA256_TRAILER_METADATA,
 };
 use harness_core::stream::ByteStream;
 use harness_core::{Error, ErrorKind, Result};
-use sha2::{Digest, Sha256};
 
 pub use config::{S3Config, DEFAULT_PART_SIZE, MAX_PART_SIZE, MIN_PART_SIZE};
 
@@ -271,8 +269,7 @@ impl S3CheckpointStore {
         full: &str,
         upload_id: &str,
         first: Bytes,
-        reader: &mut PartReader,
-        hasher: &mut Sha256,
+        cutter: &mut PartCutter,
     ) -> Result<(u64, String)> {
         let mut parts = Vec::new();
         let mut in_flight = futures::stream::FuturesOrdered::new();
@@ -284,13 +281,10 @@ impl S3CheckpointStore {
             // The last part carries the hash of everything before it (S3
             // allows only the last part to be small, so it is appended to
             // the content's last part rather than sent alone).
-            let last = reader.done().then(|| {
-                let digest: [u8; 32] = std::mem::take(&mut *hasher).finalize().into();
-                let mut part = BytesMut::with_capacity(current.len() + SHA256_TRAILER_LEN);
-                part.extend_from_slice(&current);
-                part.extend_from_slice(&sha256_trailer(&digest));
-                current = part.freeze();
-                hex::encode(digest)
+            let last = cutter.done().then(|| {
+                let (part, sha) = cutter.last_with_trailer(&current);
+                current = part;
+                sha
             });
             in_flight.push_back(upload_part(
                 self.client.clone(),
@@ -317,7 +311,7 @@ impl S3CheckpointStore {
             }
             // The next part fills while the uploads run: at most
             // UPLOADS_IN_FLIGHT + 1 parts in memory.
-            let mut fill = std::pin::pin!(reader.fill(self.config.part_size, hasher));
+            let mut fill = std::pin::pin!(cutter.next_part());
             current = std::future::poll_fn(|cx| {
                 while let std::task::Poll::Ready(Some(done)) = in_flight.poll_next_unpin(cx) {
                     match done {
@@ -358,8 +352,7 @@ impl S3CheckpointStore {
         key: &str,
         full: &str,
         first: Bytes,
-        reader: &mut PartReader,
-        hasher: &mut Sha256,
+        parts: &mut PartCutter,
     ) -> Result<ObjectMeta> {
         let bucket = &self.config.bucket;
         let created = self
@@ -379,10 +372,7 @@ impl S3CheckpointStore {
         // Dropping the put future (the caller gave up) must not leave a
         // dangling upload either: the guard aborts it from a spawned task.
         let mut guard = Cleanup::new(&self.client, bucket, full, &upload_id);
-        match self
-            .upload_multipart(full, &upload_id, first, reader, hasher)
-            .await
-        {
+        match self.upload_multipart(full, &upload_id, first, parts).await {
             Ok((size, sha)) => {
                 guard.disarm();
                 Ok(ObjectMeta {
@@ -437,14 +427,7 @@ impl S3CheckpointStore {
         })?;
         let tail = tail.into_bytes();
         let stored = total.unwrap_or(tail.len() as u64);
-        Ok(Some(match recorded {
-            RecordedHash::Metadata(sha) => ObjectMeta {
-                key: key.to_string(),
-                size: stored,
-                sha256: sha,
-            },
-            RecordedHash::Trailer => trailer_object_meta(key, stored, &tail)?,
-        }))
+        recorded.object_meta(key, stored, &tail).map(Some)
     }
 }
 
@@ -453,11 +436,10 @@ impl CheckpointStore for S3CheckpointStore {
     async fn put(&self, key: &str, content: ByteStream) -> Result<ObjectMeta> {
         validate_key(key)?;
         let full = self.object_key(key);
-        let mut hasher = Sha256::new();
-        let mut reader = PartReader::new(content);
-        let first = reader.fill(self.config.part_size, &mut hasher).await?;
-        if reader.done() {
-            let sha = hex::encode(hasher.finalize());
+        let mut parts = PartCutter::new(content, self.config.part_size);
+        let first = parts.next_part().await?;
+        if parts.done() {
+            let sha = hex::encode(parts.digest());
             let size = first.len() as u64;
             self.put_small(key, &full, first, sha.clone()).await?;
             return Ok(ObjectMeta {
@@ -466,8 +448,7 @@ impl CheckpointStore for S3CheckpointStore {
                 sha256: sha,
             });
         }
-        self.put_large(key, &full, first, &mut reader, &mut hasher)
-            .await
+        self.put_large(key, &full, first, &mut parts).await
     }
 
     async fn get(&self, key: &str) -> Result<ByteStream> {
@@ -517,10 +498,7 @@ impl CheckpointStore for S3CheckpointStore {
                 }
             },
         ));
-        Ok(match recorded {
-            RecordedHash::Metadata(sha) => verify_stream(stream, key.to_string(), sha),
-            RecordedHash::Trailer => verify_trailer_stream(stream, key.to_string()),
-        })
+        Ok(recorded.verify(stream, key.to_string()))
     }
 
     async fn head(&self, key: &str) -> Result<ObjectMeta> {
@@ -537,12 +515,10 @@ impl CheckpointStore for S3CheckpointStore {
                 .send()
                 .await
                 .map_err(|e| sdk_error(e, &format!("head checkpoint {key:?}")))?;
-            if let RecordedHash::Metadata(sha) = recorded_hash_of(key, out.metadata())? {
-                return Ok(ObjectMeta {
-                    key: key.to_string(),
-                    size: out.content_length().unwrap_or(0).max(0) as u64,
-                    sha256: sha,
-                });
+            let recorded = recorded_hash_of(key, out.metadata())?;
+            if recorded != RecordedHash::Trailer {
+                let stored = out.content_length().unwrap_or(0).max(0) as u64;
+                return recorded.object_meta(key, stored, &[]);
             }
             if let Some(meta) = self.tail_meta(key).await? {
                 return Ok(meta);
@@ -613,66 +589,6 @@ fn recorded_hash_of(
         |name| metadata.and_then(|m| m.get(name)).map(String::as_str),
         "x-amz-meta-sha256",
     )
-}
-
-/// Cuts a byte stream into parts of a fixed size, hashing as it goes.
-struct PartReader {
-    stream: ByteStream,
-    /// Bytes read from the stream but not yet put into a part.
-    leftover: Bytes,
-    /// The stream has ended and `leftover` is empty.
-    ended: bool,
-}
-
-impl PartReader {
-    fn new(stream: ByteStream) -> Self {
-        Self {
-            stream,
-            leftover: Bytes::new(),
-            ended: false,
-        }
-    }
-
-    /// Nothing is left to read.
-    fn done(&self) -> bool {
-        self.ended && self.leftover.is_empty()
-    }
-
-    /// The next part: `size` bytes, or fewer at the end of the stream. After
-    /// it returns, [`PartReader::done`] tells whether more parts follow (it
-    /// looks one chunk ahead so a stream of exactly one part is known to be
-    /// small).
-    async fn fill(&mut self, size: usize, hasher: &mut Sha256) -> Result<Bytes> {
-        let mut buf = BytesMut::with_capacity(size);
-        loop {
-            if !self.leftover.is_empty() {
-                let take = self.leftover.len().min(size - buf.len());
-                let piece = self.leftover.split_to(take);
-                hasher.update(&piece);
-                buf.extend_from_slice(&piece);
-            }
-            if buf.len() == size {
-                // Look ahead so `done` is exact.
-                self.read_nonempty().await?;
-                return Ok(buf.freeze());
-            }
-            self.read_nonempty().await?;
-            if self.ended && self.leftover.is_empty() {
-                return Ok(buf.freeze());
-            }
-        }
-    }
-
-    /// Make `leftover` non-empty, or mark the stream ended.
-    async fn read_nonempty(&mut self) -> Result<()> {
-        while self.leftover.is_empty() && !self.ended {
-            match self.stream.next().await {
-                Some(chunk) => self.leftover = chunk?,
-                None => self.ended = true,
-            }
-        }
-        Ok(())
-    }
 }
 
 type PartFuture = Pin<Box<dyn Future<Output = Result<CompletedPart>> + Send>>;

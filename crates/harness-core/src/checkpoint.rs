@@ -153,26 +153,6 @@ pub fn parse_sha256_trailer(key: &str, trailer: &[u8]) -> Result<String> {
     Ok(hex::encode(&trailer[8..]))
 }
 
-/// The metadata of a trailer object under `key` of `stored` bytes, given
-/// its last bytes (`tail`, at least the trailer): the content's size and
-/// the hash the trailer records; `Corrupt` if it cannot hold or does not
-/// end with one.
-pub fn trailer_object_meta(key: &str, stored: u64, tail: &[u8]) -> Result<ObjectMeta> {
-    let size = stored
-        .checked_sub(SHA256_TRAILER_LEN as u64)
-        .ok_or_else(|| {
-            Error::corrupt(format!(
-                "checkpoint {key:?} is shorter ({stored} bytes) than its hash trailer"
-            ))
-        })?;
-    let from = tail.len().saturating_sub(SHA256_TRAILER_LEN);
-    Ok(ObjectMeta {
-        key: key.to_string(),
-        size,
-        sha256: parse_sha256_trailer(key, &tail[from..])?,
-    })
-}
-
 /// How an object records its hash: the two layouts every object store
 /// reads ([`SHA256_METADATA`], [`SHA256_TRAILER_METADATA`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -181,6 +161,133 @@ pub enum RecordedHash {
     Metadata(String),
     /// In the object's last [`SHA256_TRAILER_LEN`] bytes.
     Trailer,
+}
+
+impl RecordedHash {
+    /// `stream`, the object's bytes as stored, as its content checked
+    /// against this hash: [`verify_stream`] or [`verify_trailer_stream`].
+    pub fn verify(self, stream: ByteStream, key: String) -> ByteStream {
+        match self {
+            Self::Metadata(sha) => verify_stream(stream, key, sha),
+            Self::Trailer => verify_trailer_stream(stream, key),
+        }
+    }
+
+    /// The metadata of the object under `key` of `stored` bytes, given its
+    /// last bytes (`tail`, at least a trailer's; unused when the hash is in
+    /// metadata): the content's size and hash; `Corrupt` if a trailer
+    /// object cannot hold or does not end with one.
+    pub fn object_meta(self, key: &str, stored: u64, tail: &[u8]) -> Result<ObjectMeta> {
+        let (size, sha256) = match self {
+            Self::Metadata(sha) => (stored, sha),
+            Self::Trailer => {
+                let size = stored
+                    .checked_sub(SHA256_TRAILER_LEN as u64)
+                    .ok_or_else(|| {
+                        Error::corrupt(format!(
+                            "checkpoint {key:?} is shorter ({stored} bytes) than its hash trailer"
+                        ))
+                    })?;
+                let from = tail.len().saturating_sub(SHA256_TRAILER_LEN);
+                (size, parse_sha256_trailer(key, &tail[from..])?)
+            }
+        };
+        Ok(ObjectMeta {
+            key: key.to_string(),
+            size,
+            sha256,
+        })
+    }
+}
+
+/// A put's content cut into parts of one size, hashed as it goes: what a
+/// store that uploads in parts (S3 multipart, R2's binding) cuts its stream
+/// with. One part is in memory at a time, plus the chunk read ahead.
+pub struct PartCutter {
+    stream: ByteStream,
+    part_size: usize,
+    /// Read from the stream, not yet in a part.
+    leftover: Bytes,
+    /// The stream has ended.
+    ended: bool,
+    hasher: Sha256,
+}
+
+impl std::fmt::Debug for PartCutter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PartCutter")
+            .field("part_size", &self.part_size)
+            .field("ended", &self.ended)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PartCutter {
+    /// Cut `stream` into parts of `part_size` bytes.
+    pub fn new(stream: ByteStream, part_size: usize) -> Self {
+        Self {
+            stream,
+            part_size,
+            leftover: Bytes::new(),
+            ended: false,
+            hasher: Sha256::new(),
+        }
+    }
+
+    /// Nothing is left: the part returned last was the last.
+    pub fn done(&self) -> bool {
+        self.ended && self.leftover.is_empty()
+    }
+
+    /// The next part: `part_size` bytes, fewer only at the end. It looks
+    /// one chunk ahead, so [`PartCutter::done`] is exact after every call
+    /// (a stream of exactly one part is known to be one). A failed stream
+    /// fails here.
+    pub async fn next_part(&mut self) -> Result<Bytes> {
+        let mut buf = BytesMut::with_capacity(self.part_size);
+        loop {
+            if !self.leftover.is_empty() {
+                let take = self.leftover.len().min(self.part_size - buf.len());
+                let piece = self.leftover.split_to(take);
+                self.hasher.update(&piece);
+                buf.extend_from_slice(&piece);
+            }
+            if buf.len() == self.part_size {
+                self.read_nonempty().await?;
+                return Ok(buf.freeze());
+            }
+            self.read_nonempty().await?;
+            if self.done() {
+                return Ok(buf.freeze());
+            }
+        }
+    }
+
+    /// The SHA-256 of every byte cut so far (the content's, once done).
+    pub fn digest(&self) -> [u8; 32] {
+        self.hasher.clone().finalize().into()
+    }
+
+    /// `part`, the content's last, followed by the trailer that records
+    /// the content's hash; and that hash, hex. For a trailer object.
+    pub fn last_with_trailer(&self, part: &[u8]) -> (Bytes, String) {
+        let digest = self.digest();
+        let mut out = BytesMut::with_capacity(part.len() + SHA256_TRAILER_LEN);
+        out.extend_from_slice(part);
+        out.extend_from_slice(&sha256_trailer(&digest));
+        (out.freeze(), hex::encode(digest))
+    }
+
+    /// Make `leftover` non-empty, or mark the stream ended.
+    async fn read_nonempty(&mut self) -> Result<()> {
+        while self.leftover.is_empty() && !self.ended {
+            match self.stream.next().await {
+                Some(chunk) => self.leftover = chunk?,
+                None => self.ended = true,
+            }
+        }
+        Ok(())
+    }
 }
 
 /// How the object under `key` records its hash, given a lookup of its
@@ -550,6 +657,40 @@ mod tests {
         assert!(e.message().contains("does not know"), "{e}");
         let e = recorded(&[]).unwrap_err();
         assert_eq!(e.kind(), crate::ErrorKind::Corrupt);
+    }
+
+    /// Parts are full but the last, `done` is exact (a stream of exactly
+    /// one part is one part), and the hash covers every byte.
+    #[test]
+    fn parts_are_cut_to_size_and_hashed() {
+        let content: Vec<u8> = (0..2500u32).map(|i| (i % 251) as u8).collect();
+        for (total, sizes) in [
+            (1000, vec![1000]),
+            (2500, vec![1000, 1000, 500]),
+            (0, vec![0]),
+        ] {
+            let chunks: Vec<Result<Bytes>> = content[..total]
+                .chunks(333)
+                .map(|c| Ok(Bytes::copy_from_slice(c)))
+                .collect();
+            let mut cutter = PartCutter::new(Box::pin(futures::stream::iter(chunks)), 1000);
+            let mut got = Vec::new();
+            futures::executor::block_on(async {
+                loop {
+                    got.push(cutter.next_part().await.unwrap().len());
+                    if cutter.done() {
+                        break;
+                    }
+                }
+            });
+            assert_eq!(got, sizes, "{total} bytes");
+            let digest: [u8; 32] = Sha256::digest(&content[..total]).into();
+            assert_eq!(cutter.digest(), digest);
+            let (last, sha) = cutter.last_with_trailer(b"end");
+            assert_eq!(sha, hex::encode(digest));
+            assert_eq!(&last[..3], b"end");
+            assert_eq!(parse_sha256_trailer("k", &last[3..]).unwrap(), sha);
+        }
     }
 
     #[test]

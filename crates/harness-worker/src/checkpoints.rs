@@ -30,13 +30,12 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures::StreamExt;
 use harness_core::checkpoint::{
-    recorded_hash, sha256_trailer, trailer_object_meta, validate_key, verify_stream,
-    verify_trailer_stream, CheckpointStore, ObjectMeta, RecordedHash, PARTIAL_MARK,
-    SHA256_METADATA, SHA256_TRAILER_FORMAT, SHA256_TRAILER_LEN, SHA256_TRAILER_METADATA,
+    recorded_hash, validate_key, CheckpointStore, ObjectMeta, PartCutter, RecordedHash,
+    PARTIAL_MARK, SHA256_METADATA, SHA256_TRAILER_FORMAT, SHA256_TRAILER_LEN,
+    SHA256_TRAILER_METADATA,
 };
 use harness_core::stream::ByteStream;
 use harness_core::{Error, Result};
-use sha2::{Digest, Sha256};
 use worker::{Bucket, Env, Include, Range};
 
 /// The binding's name in `wrangler.toml`.
@@ -49,65 +48,27 @@ const DEFAULT_MAX_BYTES: usize = 96 << 20;
 /// of at least 5 MiB; one part is in memory at a time.
 const PART_BYTES: usize = 8 << 20;
 
-/// A put's content cut into parts of [`PART_BYTES`], hashed as it goes.
-struct Parts {
-    content: ByteStream,
-    /// Read from `content`, not yet in a part.
-    leftover: Bytes,
-    /// `content` has ended and `leftover` is empty: the part returned last
-    /// was the last.
-    ended: bool,
-}
-
-impl Parts {
-    /// The next part (short only at the end). A full part looks one chunk
-    /// ahead, so `ended` is exact after every call.
-    async fn next(&mut self, hasher: &mut Sha256) -> Result<Vec<u8>> {
-        let mut part = Vec::with_capacity(PART_BYTES.min(1 << 20));
-        loop {
-            if !self.leftover.is_empty() {
-                let take = self.leftover.len().min(PART_BYTES - part.len());
-                let piece = self.leftover.split_to(take);
-                hasher.update(&piece);
-                part.extend_from_slice(&piece);
-            }
-            if part.len() == PART_BYTES && !self.leftover.is_empty() {
-                return Ok(part);
-            }
-            match self.content.next().await {
-                // A failed stream stores nothing: the previous object stays.
-                Some(chunk) => self.leftover = chunk?,
-                None => {
-                    self.ended = true;
-                    return Ok(part);
-                }
-            }
-        }
-    }
-}
-
 /// Upload `first` and the rest of `parts` to `upload`, the last part ending
 /// with the hash trailer. Returns the parts, the content's size and its hex
 /// SHA-256.
 async fn upload_parts(
     upload: &worker::MultipartUpload,
-    first: Vec<u8>,
-    parts: &mut Parts,
-    hasher: &mut Sha256,
+    first: Bytes,
+    cutter: &mut PartCutter,
 ) -> Result<(Vec<worker::UploadedPart>, u64, String)> {
     let mut uploaded = Vec::new();
     let mut part = first;
     let mut size = 0u64;
     for number in 1u16.. {
         size += part.len() as u64;
-        let last = parts.ended.then(|| {
-            let digest: [u8; 32] = std::mem::take(&mut *hasher).finalize().into();
-            part.extend_from_slice(&sha256_trailer(&digest));
-            hex::encode(digest)
+        let last = cutter.done().then(|| {
+            let (with_trailer, sha) = cutter.last_with_trailer(&part);
+            part = with_trailer;
+            sha
         });
         uploaded.push(
             upload
-                .upload_part(number, std::mem::take(&mut part))
+                .upload_part(number, Vec::from(std::mem::take(&mut part)))
                 .await
                 .map_err(r2(format!("upload part {number}")))?,
         );
@@ -117,7 +78,7 @@ async fn upload_parts(
         if number == MAX_PARTS {
             break;
         }
-        part = parts.next(hasher).await?;
+        part = cutter.next_part().await?;
     }
     Err(Error::invalid(format!(
         "checkpoint is larger than {MAX_PARTS} parts of {PART_BYTES} bytes"
@@ -198,12 +159,8 @@ impl R2Store {
     /// The metadata of `object` (from a `head`, a `list` or a `get`).
     async fn meta_of(&self, key: &str, object: &worker::Object) -> Result<ObjectMeta> {
         match Self::recorded(key, object)? {
-            RecordedHash::Metadata(sha256) => Ok(ObjectMeta {
-                key: key.to_string(),
-                size: object.size(),
-                sha256,
-            }),
             RecordedHash::Trailer => self.tail_meta(key).await,
+            recorded => recorded.object_meta(key, object.size(), &[]),
         }
     }
 
@@ -220,23 +177,14 @@ impl R2Store {
             .await
             .map_err(r2(format!("read the hash of {key:?}")))?
             .ok_or_else(|| Error::not_found(format!("no checkpoint {key:?}")))?;
-        let stored = object.size();
-        match Self::recorded(key, &object)? {
-            RecordedHash::Metadata(sha256) => Ok(ObjectMeta {
-                key: key.to_string(),
-                size: stored,
-                sha256,
-            }),
-            RecordedHash::Trailer => {
-                let tail = object
-                    .body()
-                    .ok_or_else(|| Error::backend(format!("R2: {key:?} has no body")))?
-                    .bytes()
-                    .await
-                    .map_err(r2(format!("read the hash of {key:?}")))?;
-                trailer_object_meta(key, stored, &tail)
-            }
-        }
+        let recorded = Self::recorded(key, &object)?;
+        let tail = object
+            .body()
+            .ok_or_else(|| Error::backend(format!("R2: {key:?} has no body")))?
+            .bytes()
+            .await
+            .map_err(r2(format!("read the hash of {key:?}")))?;
+        recorded.object_meta(key, object.size(), &tail)
     }
 }
 
@@ -244,20 +192,15 @@ impl R2Store {
 impl CheckpointStore for R2Store {
     async fn put(&self, key: &str, content: ByteStream) -> Result<ObjectMeta> {
         validate_key(key)?;
-        let mut hasher = Sha256::new();
-        let mut parts = Parts {
-            content,
-            leftover: Bytes::new(),
-            ended: false,
-        };
-        let first = parts.next(&mut hasher).await?;
-        if parts.ended {
+        let mut cutter = PartCutter::new(content, PART_BYTES);
+        let first = cutter.next_part().await?;
+        if cutter.done() {
             // One part: one put, the hash in the metadata.
-            let digest = hasher.finalize();
+            let digest = cutter.digest();
             let sha = hex::encode(digest);
             let size = first.len() as u64;
             self.bucket
-                .put(self.object_key(key), first)
+                .put(self.object_key(key), Vec::from(first))
                 // R2 checks the body against this digest before storing it.
                 .sha256(digest.to_vec())
                 .custom_metadata(HashMap::from([(SHA256_METADATA.to_string(), sha.clone())]))
@@ -283,7 +226,7 @@ impl CheckpointStore for R2Store {
             .execute()
             .await
             .map_err(r2(format!("start the upload of {key:?}")))?;
-        match upload_parts(&upload, first, &mut parts, &mut hasher).await {
+        match upload_parts(&upload, first, &mut cutter).await {
             Ok((uploaded, size, sha)) => {
                 upload
                     .complete(uploaded)
@@ -325,10 +268,7 @@ impl CheckpointStore for R2Store {
                 .map(Bytes::from)
                 .map_err(|e| Error::backend(format!("R2: reading {owned:?}: {e}")))
         }));
-        Ok(match recorded {
-            RecordedHash::Metadata(sha) => verify_stream(stream, key.to_string(), sha),
-            RecordedHash::Trailer => verify_trailer_stream(stream, key.to_string()),
-        })
+        Ok(recorded.verify(stream, key.to_string()))
     }
 
     async fn head(&self, key: &str) -> Result<ObjectMeta> {
