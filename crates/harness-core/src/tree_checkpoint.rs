@@ -966,8 +966,19 @@ async fn encode_manifest(
     .map_err(encoding)?;
     head.pop(); // the closing brace
     head.extend_from_slice(b",\"entries\":[");
-    // (frame, Some(first, len) for an entry frame)
-    let mut pieces: Vec<(Bytes, Option<(usize, usize)>)> = vec![(packed(head).await?, None)];
+    // The object as it grows, and each entry frame's (first, len) and
+    // byte range in it.
+    let mut object = BytesMut::new();
+    object.extend_from_slice(&packed(head).await?);
+    let mut spans: Vec<(usize, usize, std::ops::Range<usize>)> = Vec::new();
+    let mut push = |object: &mut BytesMut, frame: &[u8], entries: (usize, usize)| {
+        spans.push((
+            entries.0,
+            entries.1,
+            object.len()..object.len() + frame.len(),
+        ));
+        object.extend_from_slice(frame);
+    };
     let entries = &manifest.entries;
     let mut at = 0;
     while at < entries.len() {
@@ -983,7 +994,7 @@ async fn encode_manifest(
             same.then(|| frame.clone())
         });
         if let Some(frame) = reused {
-            pieces.push((frame.bytes, Some((at, frame.len))));
+            push(&mut object, &frame.bytes, (at, frame.len));
             at += frame.len;
             continue;
         }
@@ -1003,7 +1014,7 @@ async fn encode_manifest(
                 break;
             }
         }
-        pieces.push((packed(json).await?, Some((first, at - first))));
+        push(&mut object, &packed(json).await?, (first, at - first));
     }
     let mut tail = vec![b']'];
     if !manifest.deleted.is_empty() {
@@ -1011,28 +1022,20 @@ async fn encode_manifest(
         serde_json::to_writer(&mut tail, &manifest.deleted).map_err(encoding)?;
     }
     tail.push(b'}');
-    pieces.push((packed(tail).await?, None));
-    let total: usize = pieces.iter().map(|(b, _)| b.len()).sum();
-    if total > MAX_MANIFEST_BYTES {
+    object.extend_from_slice(&packed(tail).await?);
+    if object.len() > MAX_MANIFEST_BYTES {
         return Err(Error::invalid(format!(
-            "the manifest would be {total} bytes, over {MAX_MANIFEST_BYTES}"
+            "the manifest would be {} bytes, over {MAX_MANIFEST_BYTES}",
+            object.len()
         )));
-    }
-    let mut object = BytesMut::with_capacity(total);
-    let mut spans = Vec::new();
-    for (bytes, entries) in &pieces {
-        if let Some((first, len)) = entries {
-            spans.push((*first, *len, object.len(), bytes.len()));
-        }
-        object.extend_from_slice(bytes);
     }
     let object = object.freeze();
     let frames = spans
         .into_iter()
-        .map(|(first, len, from, n)| EntryFrame {
+        .map(|(first, len, range)| EntryFrame {
             first,
             len,
-            bytes: object.slice(from..from + n),
+            bytes: object.slice(range),
         })
         .collect();
     Ok((object, frames))
