@@ -575,7 +575,8 @@ pub trait Sandbox: MaybeSend + MaybeSync + std::fmt::Debug {
 
     /// List every path under `dir` (not `dir` itself) with its stat, for
     /// tree checkpoints (`harness_core::tree_checkpoint`). `NotFound` when
-    /// `dir` is not a directory.
+    /// `dir` is not a directory. Entries may come in any order; in path
+    /// order (bytewise), the caller's sort of them costs one pass.
     ///
     /// `Unsupported` by default: tree checkpoints then run GNU `find`
     /// inside the sandbox, which costs an exec and the formatting and
