@@ -45,9 +45,10 @@
 //! is refused at the header that crosses the limit, before its data is
 //! read and before anything is written.
 
+use std::borrow::Cow;
 use std::collections::hash_map::DefaultHasher;
 use std::collections::{HashMap, HashSet};
-use std::hash::{Hash, Hasher};
+use std::hash::{BuildHasherDefault, Hash, Hasher};
 
 use futures::StreamExt;
 use tar::{EntryType, Header};
@@ -151,7 +152,7 @@ pub struct TarScanner {
     /// Every entry path seen (by hash, so a huge tree costs a few bytes per
     /// entry; a collision can only refuse an archive, never pass one), and
     /// whether every entry of that path was a directory.
-    seen: HashMap<u64, bool>,
+    seen: HashMap<u64, bool, BuildHasherDefault<KeyIsHash>>,
     summary: ScanSummary,
     limits: ScanLimits,
     /// Content bytes of the current entry still to come (the rest of
@@ -212,6 +213,28 @@ impl Default for TarScanner {
     }
 }
 
+/// The hasher of `seen`, whose keys are hashes already ([`path_hash`]):
+/// hashing them again would cost as much as the first time.
+#[derive(Default)]
+struct KeyIsHash(u64);
+
+impl Hasher for KeyIsHash {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // Only `u64` keys come here (`write_u64`); anything else is folded.
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
 fn path_hash(path: &str) -> u64 {
     let mut h = DefaultHasher::new();
     path.hash(&mut h);
@@ -239,7 +262,7 @@ impl TarScanner {
             pax_size: None,
             symlinks: HashSet::new(),
             check_symlink_targets: true,
-            seen: HashMap::new(),
+            seen: HashMap::default(),
             summary: ScanSummary::default(),
             limits: ScanLimits::default(),
             content_left: 0,
@@ -284,19 +307,30 @@ impl TarScanner {
     /// by exactly the rules archive entries meet, limits and duplicate
     /// paths included. `entry.path` is taken as written.
     pub fn admit(&mut self, entry: &TarEntry) -> Result<()> {
-        let (kind, link) = match &entry.kind {
+        self.admit_path(&entry.path, &entry.kind, entry.mode, entry.size)
+    }
+
+    /// [`TarScanner::admit`] of an entry given by its parts, for a caller
+    /// that holds them elsewhere (nothing is copied for a file or a
+    /// directory).
+    pub fn admit_path(&mut self, path: &str, kind: &TarKind, mode: u32, size: u64) -> Result<()> {
+        let (kind, link) = match kind {
             TarKind::File => (EntryType::Regular, None),
             TarKind::Dir => (EntryType::Directory, None),
             TarKind::Symlink { target } => (EntryType::Symlink, Some(target.as_bytes().to_vec())),
             TarKind::Hardlink { target } => (EntryType::Link, Some(target.as_bytes().to_vec())),
         };
-        let size = if kind == EntryType::Regular {
-            entry.size
-        } else {
-            0
-        };
-        self.admit_raw(entry.path.clone(), kind, entry.mode, size, link)
-            .map(|_| ())
+        let size = if kind == EntryType::Regular { size } else { 0 };
+        self.admit_raw(path, kind, mode, size, link).map(|_| ())
+    }
+
+    /// Room for `entries` more entries' paths, for a caller that knows how
+    /// many come (a manifest): the table of paths seen is not grown and
+    /// rehashed again and again. Never more than the entry limit.
+    pub fn reserve(&mut self, entries: usize) {
+        let room = self.limits.max_entries.saturating_sub(self.summary.entries);
+        self.seen
+            .reserve(entries.min(usize::try_from(room).unwrap_or(usize::MAX)));
     }
 
     fn push_inner(&mut self, mut data: &[u8], mut sink: Sink<'_>) -> Result<()> {
@@ -464,7 +498,7 @@ impl TarScanner {
         let mode = header
             .mode()
             .map_err(|_| Error::corrupt(format!("tar entry {path:?} has an unreadable mode")))?;
-        let (normalized, link) = self.admit_raw(path, kind, mode, size, link)?;
+        let (normalized, link) = self.admit_raw(&path, kind, mode, size, link)?;
         if let Some(sink) = sink.as_mut() {
             let kind = match kind {
                 EntryType::Directory => TarKind::Dir,
@@ -477,7 +511,7 @@ impl TarScanner {
                 _ => TarKind::File,
             };
             sink(TarItem::Entry(TarEntry {
-                path: normalized,
+                path: normalized.into_owned(),
                 kind,
                 mode: mode & 0o7777,
                 size,
@@ -495,15 +529,15 @@ impl TarScanner {
 
     /// Every rule an entry meets, whether it comes from an archive header
     /// or from a manifest. Returns the normalized path and the link text.
-    fn admit_raw(
+    fn admit_raw<'p>(
         &mut self,
-        path: String,
+        path: &'p str,
         kind: EntryType,
         mode: u32,
         size: u64,
         link: Option<Vec<u8>>,
-    ) -> Result<(String, Option<String>)> {
-        let normalized = check_entry_path(&path)?;
+    ) -> Result<(Cow<'p, str>, Option<String>)> {
+        let normalized = normalize_entry_path(path)?;
         for ancestor in ancestors(&normalized) {
             if self.symlinks.contains(ancestor) {
                 return Err(Error::unsafe_entry(format!(
@@ -546,14 +580,14 @@ impl TarScanner {
             }
             EntryType::Directory => {}
             EntryType::Symlink => {
-                let target = link_text(&path, link)?;
+                let target = link_text(path, link)?;
                 if self.check_symlink_targets {
-                    check_symlink(&path, &normalized, &target)?;
+                    check_symlink(path, &normalized, &target)?;
                 }
                 link_target = Some(target);
             }
             EntryType::Link => {
-                let target = link_text(&path, link)?;
+                let target = link_text(path, link)?;
                 let target_normalized = check_entry_path(&target).map_err(|e| {
                     Error::unsafe_entry(format!(
                         "refusing hardlink {path:?} -> {target:?}: {}",
@@ -597,20 +631,21 @@ impl TarScanner {
         }
         if !normalized.is_empty() {
             let is_dir = kind == EntryType::Directory;
-            match self.seen.get_mut(&path_hash(&normalized)) {
-                Some(all_dirs) if *all_dirs && is_dir => {}
-                Some(_) => {
+            match self.seen.entry(path_hash(&normalized)) {
+                std::collections::hash_map::Entry::Occupied(all_dirs)
+                    if *all_dirs.get() && is_dir => {}
+                std::collections::hash_map::Entry::Occupied(_) => {
                     return Err(Error::unsafe_entry(format!(
                         "refusing tar entry {path:?}: the archive names {normalized:?} twice (a later entry could change what an earlier one was checked as)"
                     )));
                 }
-                None => {
-                    self.seen.insert(path_hash(&normalized), is_dir);
+                std::collections::hash_map::Entry::Vacant(slot) => {
+                    slot.insert(is_dir);
                 }
             }
         }
         if kind == EntryType::Symlink {
-            self.symlinks.insert(normalized.clone());
+            self.symlinks.insert(normalized.clone().into_owned());
         }
         self.summary.entries += 1;
         Ok((normalized, link_target))
@@ -702,6 +737,12 @@ fn link_text(path: &str, link: Option<Vec<u8>>) -> Result<String> {
 /// Check an entry path and return it normalized (no `.` segments, no
 /// trailing slash). `""` is the archive root.
 pub fn check_entry_path(path: &str) -> Result<String> {
+    normalize_entry_path(path).map(Cow::into_owned)
+}
+
+/// [`check_entry_path`], borrowing `path` when it is normal already (no
+/// empty, `.` or `..` component): every path of a manifest we wrote is.
+pub fn normalize_entry_path(path: &str) -> Result<Cow<'_, str>> {
     if path.contains('\0') {
         return Err(Error::unsafe_entry(format!(
             "refusing tar entry {path:?}: NUL in path"
@@ -711,6 +752,9 @@ pub fn check_entry_path(path: &str) -> Result<String> {
         return Err(Error::unsafe_entry(format!(
             "refusing tar entry {path:?}: absolute path"
         )));
+    }
+    if path.split('/').all(|part| !matches!(part, "" | "." | "..")) {
+        return Ok(Cow::Borrowed(path));
     }
     let mut parts = Vec::new();
     for part in path.split('/') {
@@ -724,7 +768,7 @@ pub fn check_entry_path(path: &str) -> Result<String> {
             p => parts.push(p),
         }
     }
-    Ok(parts.join("/"))
+    Ok(Cow::Owned(parts.join("/")))
 }
 
 fn ancestors(path: &str) -> impl Iterator<Item = &str> {

@@ -187,19 +187,14 @@ fn is_zero(n: &u64) -> bool {
 }
 
 impl TreeEntry {
-    fn as_tar_entry(&self) -> TarEntry {
-        TarEntry {
-            path: self.path.clone(),
-            kind: match self.kind {
-                TreeKind::File => TarKind::File,
-                TreeKind::Dir => TarKind::Dir,
-                TreeKind::Symlink => TarKind::Symlink {
-                    target: self.target.clone().unwrap_or_default(),
-                },
+    /// The archive kind (a symlink's target copied; nothing else is).
+    fn tar_kind(&self) -> TarKind {
+        match self.kind {
+            TreeKind::File => TarKind::File,
+            TreeKind::Dir => TarKind::Dir,
+            TreeKind::Symlink => TarKind::Symlink {
+                target: self.target.clone().unwrap_or_default(),
             },
-            mode: self.mode,
-            size: self.size,
-            mtime: self.mtime,
         }
     }
 
@@ -649,10 +644,9 @@ async fn checkpoint_locked(
             let origins = vec![NEW_ENTRY; read.len()];
             (now, read, origins)
         }
-        Listing::Listed { now, mut entries } => {
+        Listing::Listed { now, entries } => {
             // Both sides in path order: one merge pass pairs each listed
             // path with the parent's entry, with no map of either.
-            entries.sort_unstable_by(|a, b| a.path.cmp(&b.path));
             // Changed files the parent had: if one vanishes before it is
             // read, the parent's entry goes back among the deleted.
             let mut changed_known: HashMap<String, usize> = HashMap::new();
@@ -1098,15 +1092,52 @@ fn admit(manifest: &TreeManifest) -> Result<ScanSummary> {
         )));
     }
     let mut scanner = TarScanner::new();
+    scanner.reserve(manifest.entries.len());
     for entry in &manifest.entries {
         check_chunks(entry)?;
-        scanner.admit(&entry.as_tar_entry())?;
+        scanner.admit_path(&entry.path, &entry.tar_kind(), entry.mode, entry.size)?;
     }
     let summary = scanner.finish()?;
     for entry in &manifest.deleted {
-        crate::tarscan::check_entry_path(&entry.path)?;
+        crate::tarscan::normalize_entry_path(&entry.path)?;
     }
     Ok(summary)
+}
+
+/// A listing (in path order) asked for paths one after another: a walk
+/// forward while they come in path order, as a manifest's do, and a
+/// binary search for one that does not (a manifest written elsewhere need
+/// not be sorted, and is then paired just as right, only slower).
+struct InPathOrder<'a> {
+    listed: &'a [ListedEntry],
+    /// Where the walk is: every entry before it sorts before the last path
+    /// asked for.
+    next: usize,
+}
+
+impl<'a> InPathOrder<'a> {
+    fn new(listed: &'a [ListedEntry]) -> Self {
+        Self { listed, next: 0 }
+    }
+
+    fn get(&mut self, path: &str) -> Option<&'a ListedEntry> {
+        let listed = self.listed;
+        if self.next > 0 && path <= listed[self.next - 1].path.as_str() {
+            return listed
+                .binary_search_by(|l| l.path.as_str().cmp(path))
+                .ok()
+                .map(|i| &listed[i]);
+        }
+        while listed
+            .get(self.next)
+            .is_some_and(|l| l.path.as_str() < path)
+        {
+            self.next += 1;
+        }
+        let found = listed.get(self.next).filter(|l| l.path == path)?;
+        self.next += 1;
+        Some(found)
+    }
 }
 
 /// Write what the target (as `listing` found it) lacks of an admitted
@@ -1124,12 +1155,12 @@ async fn apply_manifest(
         Listing::Listed { entries, .. } => entries,
         Listing::Missing | Listing::Unsupported => Vec::new(),
     };
-    let target: HashMap<&str, &ListedEntry> = listed.iter().map(|l| (l.path.as_str(), l)).collect();
+    let mut target = InPathOrder::new(&listed);
     let needed: Vec<&TreeEntry> = manifest
         .entries
         .iter()
         .filter(|e| !e.path.is_empty())
-        .filter(|e| !target.get(e.path.as_str()).is_some_and(|l| e.same_as(l)))
+        .filter(|e| !target.get(&e.path).is_some_and(|l| e.same_as(l)))
         .collect();
     // Every chunk there before the first byte is written.
     let unique: HashSet<&str> = needed
@@ -1168,11 +1199,9 @@ async fn apply_manifest(
     // Deletions last: a failed import removes nothing.
     let mut files = Vec::new();
     let mut dirs = Vec::new();
+    let mut target = InPathOrder::new(&listed);
     for gone in &manifest.deleted {
-        if target
-            .get(gone.path.as_str())
-            .is_some_and(|l| gone.same_as(l))
-        {
+        if target.get(&gone.path).is_some_and(|l| gone.same_as(l)) {
             match gone.kind {
                 TreeKind::Dir => dirs.push(gone.path.as_str()),
                 _ => files.push(gone.path.as_str()),
@@ -1607,15 +1636,22 @@ enum Listing {
 /// List `dir`: natively where the provider can
 /// ([`Sandbox::list_tree`]), else with GNU `find` inside the sandbox.
 async fn list_tree(sandbox: &dyn Sandbox, dir: &str) -> Result<Listing> {
-    match sandbox.list_tree(dir).await {
-        Ok(listing) => Ok(Listing::Listed {
+    let mut listing = match sandbox.list_tree(dir).await {
+        Ok(listing) => Listing::Listed {
             now: listing.now_secs,
             entries: listing.entries,
-        }),
-        Err(e) if e.kind() == ErrorKind::NotFound => Ok(Listing::Missing),
-        Err(e) if e.kind() == ErrorKind::Unsupported => find_tree(sandbox, dir).await,
-        Err(e) => Err(e),
+        },
+        Err(e) if e.kind() == ErrorKind::NotFound => Listing::Missing,
+        Err(e) if e.kind() == ErrorKind::Unsupported => find_tree(sandbox, dir).await?,
+        Err(e) => return Err(e),
+    };
+    // In path order, as manifests are: checkpoint and restore pair the
+    // two in one pass. One pass here too when the sandbox answered in
+    // that order (the local one does).
+    if let Listing::Listed { entries, .. } = &mut listing {
+        entries.sort_unstable_by(|a, b| a.path.cmp(&b.path));
     }
+    Ok(listing)
 }
 
 /// List `dir` inside the sandbox with GNU `find`.
@@ -1855,6 +1891,39 @@ async fn collect_locked(store: &dyn CheckpointStore) -> Result<GcInfo> {
 mod tests {
     use super::*;
     use crate::checkpoint::MemoryCheckpointStore;
+
+    /// Paths asked in path order, out of it, twice, and missing ones all
+    /// find what a lookup by exact path finds.
+    #[test]
+    fn a_listing_in_path_order_answers_paths_in_any_order() {
+        let listed: Vec<ListedEntry> = ["a", "a-b", "a/x", "b", "c/d", "e"]
+            .iter()
+            .map(|p| ListedEntry {
+                kind: 'f',
+                mode: 0o644,
+                size: 0,
+                mtime: 0,
+                ino: 0,
+                ctime_ns: 0,
+                path: p.to_string(),
+                link: String::new(),
+            })
+            .collect();
+        let asks = [
+            "0", "a", "a/x", "a0", "b", "a-b", "a-b", "a", "c", "c/d", "zz", "e", "b", "d",
+        ];
+        let mut lookup = InPathOrder::new(&listed);
+        for ask in asks {
+            assert_eq!(
+                lookup.get(ask).map(|l| l.path.as_str()),
+                listed
+                    .iter()
+                    .find(|l| l.path == ask)
+                    .map(|l| l.path.as_str()),
+                "{ask}"
+            );
+        }
+    }
 
     fn manifest_of(paths: &[&str]) -> TreeManifest {
         TreeManifest {
@@ -2169,7 +2238,10 @@ mod tests {
         );
         // The full rules refuse that symlink, as a manifest restore would.
         let mut strict = TarScanner::new();
-        assert!(strict.admit(&entries[2].as_tar_entry()).is_err());
+        let e = &entries[2];
+        assert!(strict
+            .admit_path(&e.path, &e.tar_kind(), e.mode, e.size)
+            .is_err());
     }
 
     #[test]
