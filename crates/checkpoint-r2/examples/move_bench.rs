@@ -11,6 +11,10 @@
 //! `MOVE_BENCH_PART_MIB` sets the S3 store's multipart part size (8 MiB by
 //! default) to compare part sizes.
 //!
+//! The S3 row also says how much CPU the S3 server (a `weed` process on
+//! this machine, SeaweedFS) used while it ran: on a small machine the
+//! server shares the cores with the move.
+//!
 //! Each contender runs in its own child process so its peak memory is its
 //! own: ours is the child's VmHWM, the shell pipelines' is the largest
 //! process of the pipeline as `/usr/bin/time -v` reports it.
@@ -161,6 +165,7 @@ async fn run_one(store_kind: &str, src: &Path, scratch: &Path) {
         .unwrap();
     settle();
     let started = Instant::now();
+    let cpu_before = cpu_secs(Path::new("/proc/self")).unwrap_or(0.0);
     let info = harness_core::moves::checkpoint(
         a.as_ref(),
         a.workdir(),
@@ -181,9 +186,10 @@ async fn run_one(store_kind: &str, src: &Path, scratch: &Path) {
     .await
     .unwrap();
     let secs = started.elapsed().as_secs_f64();
+    let cpu = cpu_secs(Path::new("/proc/self")).unwrap_or(0.0) - cpu_before;
     let (files, bytes) = count_files(Path::new(b.workdir()));
     println!(
-        "RESULT {secs:.3} {} {files} {bytes} {} {mid:.3}",
+        "RESULT {secs:.3} {} {files} {bytes} {} {mid:.3} {cpu:.2}",
         peak_rss_kb(),
         info.object.size
     );
@@ -392,13 +398,53 @@ struct Row {
     note: String,
 }
 
+/// CPU seconds (user + system, all threads) the process whose
+/// `/proc/<pid>` is `proc_dir` has used so far.
+fn cpu_secs(proc_dir: &Path) -> Option<f64> {
+    let ticks_per_sec: f64 = Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
+        .unwrap_or(100.0);
+    let stat = std::fs::read_to_string(proc_dir.join("stat")).ok()?;
+    // Fields after the parenthesised name: utime and stime are the 12th
+    // and 13th.
+    let after_name = stat.rsplit_once(')')?.1;
+    let ticks: u64 = after_name
+        .split_whitespace()
+        .skip(11)
+        .take(2)
+        .filter_map(|f| f.parse::<u64>().ok())
+        .sum();
+    Some(ticks as f64 / ticks_per_sec)
+}
+
+/// CPU seconds every process named `weed` has used so far; `None` when
+/// there is none (the S3 server runs elsewhere).
+fn s3_server_cpu_secs() -> Option<f64> {
+    let mut total = None;
+    for proc_dir in std::fs::read_dir("/proc").ok()?.flatten() {
+        let comm = std::fs::read_to_string(proc_dir.path().join("comm")).unwrap_or_default();
+        if comm.trim() == "weed" {
+            *total.get_or_insert(0.0) += cpu_secs(&proc_dir.path()).unwrap_or(0.0);
+        }
+    }
+    total
+}
+
 fn run_child(store_kind: &str, src: &Path, scratch: &Path) -> Row {
+    let server_before = (store_kind == "s3").then(s3_server_cpu_secs).flatten();
     let out = Command::new(std::env::current_exe().unwrap())
         .args(["--child", store_kind])
         .arg(src)
         .arg(scratch)
         .output()
         .unwrap();
+    let server = server_before
+        .zip(s3_server_cpu_secs())
+        .map(|(before, after)| format!("; S3 server (weed) CPU {:.2}s", after - before))
+        .unwrap_or_default();
     let stdout = String::from_utf8_lossy(&out.stdout);
     let line = stdout
         .lines()
@@ -427,9 +473,10 @@ fn run_child(store_kind: &str, src: &Path, scratch: &Path) -> Row {
         secs: f[1].parse().unwrap(),
         peak_kb,
         note: format!(
-            "{} files / {} MB restored; checkpoint {:.1} MB; checkpoint phase {}s{beside}",
+            "{} files / {} MB restored; CPU {}s; checkpoint {:.1} MB; checkpoint phase {}s{beside}{server}",
             f[3],
             f[4].parse::<u64>().unwrap() / 1_000_000,
+            f[7],
             stored as f64 / 1e6,
             f[6]
         ),
@@ -458,17 +505,28 @@ fn run_shell(name: &str, pipeline: &str, src: &Path, dst: &Path) -> Row {
         "{name} failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let peak_kb = String::from_utf8_lossy(&out.stderr)
-        .lines()
-        .find(|l| l.contains("Maximum resident set size"))
-        .and_then(|l| l.rsplit(':').next())
-        .and_then(|v| v.trim().parse().ok());
+    let report = String::from_utf8_lossy(&out.stderr);
+    let field = |name: &str| {
+        report
+            .lines()
+            .find(|l| l.contains(name))
+            .and_then(|l| l.rsplit(':').next())
+            .map(|v| v.trim().to_string())
+    };
+    let peak_kb = field("Maximum resident set size").and_then(|v| v.parse().ok());
+    // Every process of the pipeline (time -v counts the children it waited
+    // for, and sh waits for all of them).
+    let cpu = field("User time (seconds)")
+        .zip(field("System time (seconds)"))
+        .and_then(|(u, s)| Some(u.parse::<f64>().ok()? + s.parse::<f64>().ok()?))
+        .map(|c| format!("; CPU {c:.2}s"))
+        .unwrap_or_default();
     let (files, bytes) = count_files(dst);
     Row {
         name: name.to_string(),
         secs,
         peak_kb,
-        note: format!("{files} files / {} MB restored", bytes / 1_000_000),
+        note: format!("{files} files / {} MB restored{cpu}", bytes / 1_000_000),
     }
 }
 
