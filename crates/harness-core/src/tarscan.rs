@@ -46,9 +46,9 @@
 //! read and before anything is written.
 
 use std::borrow::Cow;
-use std::collections::hash_map::DefaultHasher;
+use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, HashSet};
-use std::hash::{BuildHasherDefault, Hash, Hasher};
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 
 use futures::StreamExt;
 use tar::{EntryType, Header};
@@ -153,6 +153,10 @@ pub struct TarScanner {
     /// entry; a collision can only refuse an archive, never pass one), and
     /// whether every entry of that path was a directory.
     seen: HashMap<u64, bool, BuildHasherDefault<KeyIsHash>>,
+    /// The keys of the paths' hashes in `seen`: random per scanner, so no
+    /// archive can be made whose paths collide in that table (it uses the
+    /// hashes as they are).
+    path_keys: RandomState,
     summary: ScanSummary,
     limits: ScanLimits,
     /// Content bytes of the current entry still to come (the rest of
@@ -213,8 +217,8 @@ impl Default for TarScanner {
     }
 }
 
-/// The hasher of `seen`, whose keys are hashes already ([`path_hash`]):
-/// hashing them again would cost as much as the first time.
+/// The hasher of `seen`, whose keys are keyed hashes already
+/// (`path_keys`): hashing them again would cost as much as the first time.
 #[derive(Default)]
 struct KeyIsHash(u64);
 
@@ -233,12 +237,6 @@ impl Hasher for KeyIsHash {
     fn write_u64(&mut self, n: u64) {
         self.0 = n;
     }
-}
-
-fn path_hash(path: &str) -> u64 {
-    let mut h = DefaultHasher::new();
-    path.hash(&mut h);
-    h.finish()
 }
 
 /// The header checksum as the format defines it (the checksum field counted
@@ -263,6 +261,7 @@ impl TarScanner {
             symlinks: HashSet::new(),
             check_symlink_targets: true,
             seen: HashMap::default(),
+            path_keys: RandomState::new(),
             summary: ScanSummary::default(),
             limits: ScanLimits::default(),
             content_left: 0,
@@ -631,7 +630,7 @@ impl TarScanner {
         }
         if !normalized.is_empty() {
             let is_dir = kind == EntryType::Directory;
-            match self.seen.entry(path_hash(&normalized)) {
+            match self.seen.entry(self.path_keys.hash_one(&*normalized)) {
                 std::collections::hash_map::Entry::Occupied(all_dirs)
                     if *all_dirs.get() && is_dir => {}
                 std::collections::hash_map::Entry::Occupied(_) => {
