@@ -647,17 +647,22 @@ async fn checkpoint_locked(
         Listing::Listed { now, entries } => {
             // Both sides in path order: one merge pass pairs each listed
             // path with the parent's entry, with no map of either.
-            // Changed files the parent had: if one vanishes before it is
-            // read, the parent's entry goes back among the deleted.
-            let mut changed_known: HashMap<String, usize> = HashMap::new();
             let old_entries: &[TreeEntry] = parent
                 .as_deref()
                 .map_or(&[], |p| p.manifest.entries.as_slice());
-            // `None`: the parent's entry at the same place in `out_origins`,
-            // unchanged, filled in below.
-            let mut out: Vec<Option<TreeEntry>> = Vec::with_capacity(entries.len());
-            let mut out_origins: Vec<u32> = Vec::with_capacity(entries.len());
-            let mut changed = Vec::new();
+            // The new manifest, place by place (8 bytes each; the entries
+            // are put together once, at the end), and beside each place
+            // the parent's entry it is unchanged (`NEW_ENTRY` if none).
+            let mut plan: Vec<Slot> = Vec::with_capacity(entries.len());
+            let mut origins: Vec<u32> = Vec::with_capacity(entries.len());
+            // Directories and symlinks, in the order of their `Slot::Own`.
+            let mut own: Vec<TreeEntry> = Vec::new();
+            // Files to read, in the order of their `Slot::Changed`, and
+            // the parent's entry at each one's path (`NEW_ENTRY` if none):
+            // if one vanishes before it is read, that entry goes back
+            // among the deleted.
+            let mut changed: Vec<ListedEntry> = Vec::new();
+            let mut changed_old: Vec<u32> = Vec::new();
             // The parent's entry `i`, if `entry` is it unchanged.
             let origin = |old: Option<(usize, &TreeEntry)>, entry: &TreeEntry| match old {
                 Some((i, o)) if o == entry => i as u32,
@@ -695,19 +700,21 @@ async fn checkpoint_locked(
                             ino: 0,
                             ctime_ns: 0,
                         };
-                        out_origins.push(origin(old, &entry));
-                        out.push(Some(entry));
+                        origins.push(origin(old, &entry));
+                        plan.push(Slot::Own);
+                        own.push(entry);
                     }
                     'f' => match old {
                         Some((i, old)) if old.unchanged_since(&listed, parent_listed_at) => {
-                            out_origins.push(i as u32);
-                            out.push(None)
+                            origins.push(i as u32);
+                            plan.push(Slot::Parent(i as u32));
                         }
-                        Some((i, old)) => {
-                            changed_known.insert(old.path.clone(), i);
+                        old => {
+                            origins.push(NEW_ENTRY);
+                            plan.push(Slot::Changed);
+                            changed_old.push(old.map_or(NEW_ENTRY, |(i, _)| i as u32));
                             changed.push(listed);
                         }
-                        None => changed.push(listed),
                     },
                     // tar skips sockets too (a file the parent had there
                     // is gone).
@@ -745,44 +752,56 @@ async fn checkpoint_locked(
                     Err(shared) => parent = Some(shared),
                 }
             }
-            let mut out: Vec<TreeEntry> = out
-                .into_iter()
-                .zip(&out_origins)
-                .map(|(entry, &from)| {
-                    entry.unwrap_or_else(|| match (&mut owned_parent, &parent) {
-                        (Some(sole), _) => std::mem::replace(
-                            &mut sole.manifest.entries[from as usize],
-                            moved_out(),
-                        ),
-                        (None, Some(shared)) => shared.manifest.entries[from as usize].clone(),
-                        (None, None) => unreachable!("an unchanged entry has a parent"),
-                    })
-                })
-                .collect();
+            // The changed files as read, each in its place among them. A
+            // file removed since the listing (the agent may still be
+            // working) is left out, and so recorded as deleted, instead
+            // of failing the checkpoint.
+            let mut read_files: Vec<Option<TreeEntry>> = Vec::new();
             if !changed.is_empty() {
-                // A file removed since the listing (the agent may still be
-                // working) is left out, and so recorded as deleted,
-                // instead of failing the checkpoint.
                 let paths: Vec<String> = changed.iter().map(|l| l.path.clone()).collect();
                 let tar = sandbox.export_paths_tar(dir, &paths).await?;
                 let read = read_tar(tar, &mut uploader, &mut stats, progress.as_deref()).await?;
-                let listed: HashMap<&str, &ListedEntry> =
-                    changed.iter().map(|l| (l.path.as_str(), l)).collect();
-                let mut files: Vec<TreeEntry> = read
-                    .into_iter()
-                    .filter(|e| e.kind == TreeKind::File)
-                    .map(|mut entry| {
-                        changed_known.remove(entry.path.as_str());
-                        entry.stamp_from(listed.get(entry.path.as_str()).copied());
-                        entry
-                    })
+                let place: HashMap<&str, usize> = changed
+                    .iter()
+                    .enumerate()
+                    .map(|(k, l)| (l.path.as_str(), k))
                     .collect();
-                files.sort_by(|a, b| a.path.cmp(&b.path));
-                (out, out_origins) = merge_by_path(out, out_origins, files);
+                read_files.resize_with(changed.len(), || None);
+                for mut entry in read.into_iter().filter(|e| e.kind == TreeKind::File) {
+                    if let Some(&k) = place.get(entry.path.as_str()) {
+                        entry.stamp_from(Some(&changed[k]));
+                        read_files[k] = Some(entry);
+                    }
+                }
             }
-            // Read by nobody: removed between the listing and the read.
-            for i in changed_known.into_values() {
-                found[i] = false;
+            let mut out = Vec::with_capacity(plan.len());
+            let mut out_origins = Vec::with_capacity(plan.len());
+            let mut own = own.into_iter();
+            let mut read_files = read_files.into_iter().zip(changed_old);
+            for (slot, from) in plan.into_iter().zip(origins) {
+                let entry = match slot {
+                    Slot::Parent(i) => match (&mut owned_parent, &parent) {
+                        (Some(sole), _) => {
+                            std::mem::replace(&mut sole.manifest.entries[i as usize], moved_out())
+                        }
+                        (None, Some(shared)) => shared.manifest.entries[i as usize].clone(),
+                        (None, None) => unreachable!("an unchanged entry has a parent"),
+                    },
+                    Slot::Own => own.next().expect("one directory or symlink per place"),
+                    Slot::Changed => match read_files.next().expect("one file per place") {
+                        (Some(entry), _) => entry,
+                        // Read by nobody: removed between the listing and
+                        // the read.
+                        (None, old) => {
+                            if old != NEW_ENTRY {
+                                found[old as usize] = false;
+                            }
+                            continue;
+                        }
+                    },
+                };
+                out.push(entry);
+                out_origins.push(from);
             }
             (now, out, out_origins)
         }
@@ -859,6 +878,16 @@ async fn checkpoint_locked(
 /// asking the store whether each chunk is there.
 const PARENT_CHUNK_SET_FILES: usize = 256;
 
+/// What a place of a re-checkpoint's manifest holds, in path order.
+enum Slot {
+    /// The parent's entry at this index, unchanged.
+    Parent(u32),
+    /// The next directory or symlink as listed.
+    Own,
+    /// The next changed file, once read.
+    Changed,
+}
+
 /// What stays in a parent's place when its entry moved into the next
 /// manifest (allocates nothing).
 fn moved_out() -> TreeEntry {
@@ -873,32 +902,6 @@ fn moved_out() -> TreeEntry {
         ino: 0,
         ctime_ns: 0,
     }
-}
-
-/// `kept` and `read` (each sorted by path, no path in both) as one list
-/// sorted by path, with `kept_origins` beside `kept` and [`NEW_ENTRY`]
-/// beside each of `read`.
-fn merge_by_path(
-    kept: Vec<TreeEntry>,
-    kept_origins: Vec<u32>,
-    read: Vec<TreeEntry>,
-) -> (Vec<TreeEntry>, Vec<u32>) {
-    let mut entries = Vec::with_capacity(kept.len() + read.len());
-    let mut origins = Vec::with_capacity(kept.len() + read.len());
-    let mut read = read.into_iter().peekable();
-    for (entry, origin) in kept.into_iter().zip(kept_origins) {
-        while let Some(r) = read.next_if(|r| r.path < entry.path) {
-            entries.push(r);
-            origins.push(NEW_ENTRY);
-        }
-        entries.push(entry);
-        origins.push(origin);
-    }
-    for r in read {
-        entries.push(r);
-        origins.push(NEW_ENTRY);
-    }
-    (entries, origins)
 }
 
 /// Entries per frame of a written manifest: a frame ends after an entry
