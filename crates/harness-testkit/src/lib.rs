@@ -2,6 +2,8 @@
 //!
 //! What every backend's tests share (not published):
 //! - [`conformance`]: one suite per core trait, run against every backend;
+//! - [`decorated`]: a real sandbox with one behaviour changed (a contract
+//!   broken, a race provoked), for the tests that need one;
 //! - [`agent`]: a scripted agent process (a shell script printing JSON
 //!   lines) for the engine suite and engine tests;
 //! - [`model`]: scripted Anthropic Messages and OpenAI Responses servers,
@@ -23,6 +25,7 @@ pub mod agent;
 pub mod ai_sdk;
 pub mod bridge;
 pub mod conformance;
+pub mod decorated;
 pub mod engine_bridge;
 pub mod gate;
 pub mod model;

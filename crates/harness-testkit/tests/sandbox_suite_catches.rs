@@ -7,12 +7,11 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::StreamExt;
 use harness_core::sandbox::{
-    DetachedProcess, DetachedRequest, DetachedStatus, ExecEvent, ExecRequest, ExecStream,
-    PortEndpoint, Sandbox, SandboxHandle, SandboxProvider, SandboxSpec,
+    ExecEvent, ExecRequest, ExecStream, Sandbox, SandboxHandle, SandboxProvider, SandboxSpec,
 };
-use harness_core::stream::ByteStream;
 use harness_core::Result;
 use harness_testkit::conformance::sandbox as suite;
+use harness_testkit::decorated::{Decorated, Decoration};
 use sandbox_local::LocalProvider;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -24,63 +23,23 @@ enum Breakage {
 }
 
 /// A real sandbox with one deliberate contract violation.
-#[derive(Debug)]
-struct Broken {
-    inner: Box<dyn Sandbox>,
-    breakage: Breakage,
-}
+type Broken = Decorated<Breakage>;
 
 #[async_trait]
-impl Sandbox for Broken {
-    fn handle(&self) -> SandboxHandle {
-        self.inner.handle()
-    }
-    fn workdir(&self) -> &str {
-        self.inner.workdir()
-    }
-    async fn exec(&self, mut request: ExecRequest) -> Result<ExecStream> {
-        match self.breakage {
+impl Decoration for Breakage {
+    async fn exec(&self, inner: &dyn Sandbox, mut request: ExecRequest) -> Result<ExecStream> {
+        match self {
             Breakage::DropExit => {
-                let stream = self.inner.exec(request).await?;
+                let stream = inner.exec(request).await?;
                 Ok(Box::pin(stream.filter(|e| {
                     std::future::ready(!matches!(e, Ok(ExecEvent::Exit(_))))
                 })))
             }
             Breakage::IgnoreTimeout => {
                 request.timeout = None;
-                self.inner.exec(request).await
+                inner.exec(request).await
             }
         }
-    }
-    async fn read_file(&self, path: &str) -> Result<ByteStream> {
-        self.inner.read_file(path).await
-    }
-    async fn read_file_from(&self, path: &str, offset: u64) -> Result<ByteStream> {
-        self.inner.read_file_from(path, offset).await
-    }
-    async fn write_file(&self, path: &str, content: ByteStream) -> Result<u64> {
-        self.inner.write_file(path, content).await
-    }
-    async fn export_tar(&self, dir: &str) -> Result<ByteStream> {
-        self.inner.export_tar(dir).await
-    }
-    async fn import_tar(&self, dir: &str, tar: ByteStream) -> Result<()> {
-        self.inner.import_tar(dir, tar).await
-    }
-    async fn spawn_detached(&self, request: DetachedRequest) -> Result<DetachedProcess> {
-        self.inner.spawn_detached(request).await
-    }
-    async fn detached_status(&self, process: &DetachedProcess) -> Result<DetachedStatus> {
-        self.inner.detached_status(process).await
-    }
-    async fn kill_detached(&self, process: &DetachedProcess) -> Result<()> {
-        self.inner.kill_detached(process).await
-    }
-    async fn port_endpoint(&self, port: u16) -> Result<PortEndpoint> {
-        self.inner.port_endpoint(port).await
-    }
-    async fn destroy(&self) -> Result<()> {
-        self.inner.destroy().await
     }
 }
 
@@ -99,13 +58,13 @@ impl SandboxProvider for BrokenProvider {
     async fn create(&self, spec: &SandboxSpec) -> Result<Box<dyn Sandbox>> {
         Ok(Box::new(Broken {
             inner: self.inner.create(spec).await?,
-            breakage: self.breakage,
+            decoration: self.breakage,
         }))
     }
     async fn resume(&self, handle: &SandboxHandle) -> Result<Box<dyn Sandbox>> {
         Ok(Box::new(Broken {
             inner: self.inner.resume(handle).await?,
-            breakage: self.breakage,
+            decoration: self.breakage,
         }))
     }
 }

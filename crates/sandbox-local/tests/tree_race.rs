@@ -6,59 +6,35 @@
 use async_trait::async_trait;
 use harness_core::checkpoint::MemoryCheckpointStore;
 use harness_core::clock::ManualClock;
-use harness_core::sandbox::{
-    ExecRequest, ExecStream, Sandbox, SandboxHandle, SandboxProvider, SandboxSpec, TreeListing,
-};
+use harness_core::sandbox::{Sandbox, SandboxProvider, SandboxSpec};
 use harness_core::stream::ByteStream;
 use harness_core::tree_checkpoint as tc;
 use harness_core::Result;
+use harness_testkit::decorated::{Decorated, Decoration};
 use sandbox_local::LocalProvider;
 
 /// A real local sandbox that removes one file just before the changed
 /// files are read: the agent deleting it after the listing.
 #[derive(Debug)]
 struct RemovesBeforeRead {
-    inner: Box<dyn Sandbox>,
     victim: String,
 }
 
 #[async_trait]
-impl Sandbox for RemovesBeforeRead {
-    fn handle(&self) -> SandboxHandle {
-        self.inner.handle()
-    }
-    fn workdir(&self) -> &str {
-        self.inner.workdir()
-    }
-    async fn exec(&self, request: ExecRequest) -> Result<ExecStream> {
-        self.inner.exec(request).await
-    }
-    async fn read_file(&self, path: &str) -> Result<ByteStream> {
-        self.inner.read_file(path).await
-    }
-    async fn write_file(&self, path: &str, content: ByteStream) -> Result<u64> {
-        self.inner.write_file(path, content).await
-    }
-    async fn export_tar(&self, dir: &str) -> Result<ByteStream> {
-        self.inner.export_tar(dir).await
-    }
-    async fn import_tar(&self, dir: &str, tar: ByteStream) -> Result<()> {
-        self.inner.import_tar(dir, tar).await
-    }
-    async fn list_tree(&self, dir: &str) -> Result<TreeListing> {
-        self.inner.list_tree(dir).await
-    }
-    async fn export_paths_tar(&self, dir: &str, paths: &[String]) -> Result<ByteStream> {
+impl Decoration for RemovesBeforeRead {
+    async fn export_paths_tar(
+        &self,
+        inner: &dyn Sandbox,
+        dir: &str,
+        paths: &[String],
+    ) -> Result<ByteStream> {
         assert!(
             paths.contains(&self.victim),
             "{} is among the files read ({paths:?})",
             self.victim
         );
         std::fs::remove_file(std::path::Path::new(dir).join(&self.victim)).unwrap();
-        self.inner.export_paths_tar(dir, paths).await
-    }
-    async fn destroy(&self) -> Result<()> {
-        self.inner.destroy().await
+        inner.export_paths_tar(dir, paths).await
     }
 }
 
@@ -103,9 +79,11 @@ async fn a_file_removed_between_the_listing_and_the_read_is_recorded_deleted() {
     for name in ["b.txt", "c.txt", "z.txt"] {
         std::fs::write(src.join(name), format!("{name} version two")).unwrap();
     }
-    let racing = RemovesBeforeRead {
+    let racing = Decorated {
         inner: a,
-        victim: "c.txt".to_string(),
+        decoration: RemovesBeforeRead {
+            victim: "c.txt".to_string(),
+        },
     };
     let second = tc::checkpoint_tree(
         &racing,
