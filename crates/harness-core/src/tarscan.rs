@@ -303,16 +303,10 @@ impl TarScanner {
     }
 
     /// Admit one entry that does not come from an archive (a manifest's),
-    /// by exactly the rules archive entries meet, limits and duplicate
-    /// paths included. `entry.path` is taken as written.
-    pub fn admit(&mut self, entry: &TarEntry) -> Result<()> {
-        self.admit_path(&entry.path, &entry.kind, entry.mode, entry.size)
-    }
-
-    /// [`TarScanner::admit`] of an entry given by its parts, for a caller
-    /// that holds them elsewhere (nothing is copied for a file or a
-    /// directory).
-    pub fn admit_path(&mut self, path: &str, kind: &TarKind, mode: u32, size: u64) -> Result<()> {
+    /// given by its parts, by exactly the rules archive entries meet,
+    /// limits and duplicate paths included. `path` is taken as written;
+    /// nothing is copied for a file or a directory.
+    pub fn admit(&mut self, path: &str, kind: &TarKind, mode: u32, size: u64) -> Result<()> {
         let (kind, link) = match kind {
             TarKind::File => (EntryType::Regular, None),
             TarKind::Dir => (EntryType::Directory, None),

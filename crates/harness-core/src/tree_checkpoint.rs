@@ -1098,7 +1098,7 @@ fn admit(manifest: &TreeManifest) -> Result<ScanSummary> {
     scanner.reserve(manifest.entries.len());
     for entry in &manifest.entries {
         check_chunks(entry)?;
-        scanner.admit_path(&entry.path, &entry.tar_kind(), entry.mode, entry.size)?;
+        scanner.admit(&entry.path, &entry.tar_kind(), entry.mode, entry.size)?;
     }
     let summary = scanner.finish()?;
     for entry in &manifest.deleted {
@@ -2247,7 +2247,7 @@ mod tests {
         let mut strict = TarScanner::new();
         let e = &entries[2];
         assert!(strict
-            .admit_path(&e.path, &e.tar_kind(), e.mode, e.size)
+            .admit(&e.path, &e.tar_kind(), e.mode, e.size)
             .is_err());
     }
 
