@@ -657,29 +657,16 @@ async fn checkpoint_locked(
             let mut origins: Vec<u32> = Vec::with_capacity(entries.len());
             // Directories and symlinks, in the order of their `Slot::Own`.
             let mut own: Vec<TreeEntry> = Vec::new();
-            // Files to read, in the order of their `Slot::Changed`, and
-            // the parent's entry at each one's path (`NEW_ENTRY` if none):
-            // if one vanishes before it is read, that entry goes back
-            // among the deleted.
+            // Files to read, in the order of their `Slot::Changed`.
             let mut changed: Vec<ListedEntry> = Vec::new();
-            let mut changed_old: Vec<u32> = Vec::new();
             // The parent's entry `i`, if `entry` is it unchanged.
             let origin = |old: Option<(usize, &TreeEntry)>, entry: &TreeEntry| match old {
                 Some((i, o)) if o == entry => i as u32,
                 _ => NEW_ENTRY,
             };
-            let mut next_old = 0;
+            let mut parent_at = InPathOrder::new(old_entries, |e: &TreeEntry| e.path.as_str());
             for listed in entries {
-                while old_entries
-                    .get(next_old)
-                    .is_some_and(|e| e.path.as_str() < listed.path.as_str())
-                {
-                    next_old += 1;
-                }
-                let old = old_entries
-                    .get(next_old)
-                    .filter(|e| e.path == listed.path)
-                    .map(|e| (next_old, e));
+                let old = parent_at.get(&listed.path);
                 if let Some((i, _)) = old {
                     found[i] = true;
                 }
@@ -711,8 +698,9 @@ async fn checkpoint_locked(
                         }
                         old => {
                             origins.push(NEW_ENTRY);
-                            plan.push(Slot::Changed);
-                            changed_old.push(old.map_or(NEW_ENTRY, |(i, _)| i as u32));
+                            plan.push(Slot::Changed {
+                                old: old.map_or(NEW_ENTRY, |(i, _)| i as u32),
+                            });
                             changed.push(listed);
                         }
                     },
@@ -777,7 +765,7 @@ async fn checkpoint_locked(
             let mut out = Vec::with_capacity(plan.len());
             let mut out_origins = Vec::with_capacity(plan.len());
             let mut own = own.into_iter();
-            let mut read_files = read_files.into_iter().zip(changed_old);
+            let mut read_files = read_files.into_iter();
             for (slot, from) in plan.into_iter().zip(origins) {
                 let entry = match slot {
                     Slot::Parent(i) => match (&mut owned_parent, &parent) {
@@ -788,11 +776,11 @@ async fn checkpoint_locked(
                         (None, None) => unreachable!("an unchanged entry has a parent"),
                     },
                     Slot::Own => own.next().expect("one directory or symlink per place"),
-                    Slot::Changed => match read_files.next().expect("one file per place") {
-                        (Some(entry), _) => entry,
+                    Slot::Changed { old } => match read_files.next().expect("one file per place") {
+                        Some(entry) => entry,
                         // Read by nobody: removed between the listing and
-                        // the read.
-                        (None, old) => {
+                        // the read; the parent's entry there is gone.
+                        None => {
                             if old != NEW_ENTRY {
                                 found[old as usize] = false;
                             }
@@ -884,8 +872,10 @@ enum Slot {
     Parent(u32),
     /// The next directory or symlink as listed.
     Own,
-    /// The next changed file, once read.
-    Changed,
+    /// The next changed file, once read; `old` is the parent's entry at
+    /// its path (`NEW_ENTRY` if none), which goes back among the deleted
+    /// if the file vanishes before it is read.
+    Changed { old: u32 },
 }
 
 /// What stays in a parent's place when its entry moved into the next
@@ -1107,39 +1097,47 @@ fn admit(manifest: &TreeManifest) -> Result<ScanSummary> {
     Ok(summary)
 }
 
-/// A listing (in path order) asked for paths one after another: a walk
-/// forward while they come in path order, as a manifest's do, and a
+/// Items in path order (a listing, a manifest's entries) asked for paths
+/// one after another, with the index of what is found: a walk forward
+/// while the paths asked come in path order, as a sorted side's do, and a
 /// binary search for one that does not (a manifest written elsewhere need
-/// not be sorted, and is then paired just as right, only slower).
-struct InPathOrder<'a> {
-    listed: &'a [ListedEntry],
-    /// Where the walk is: every entry before it sorts before the last path
+/// not be sorted, and is then paired just as right, only slower). An
+/// unsorted `items` only makes a path be missed (read or written again).
+struct InPathOrder<'a, T> {
+    items: &'a [T],
+    path: fn(&T) -> &str,
+    /// Where the walk is: every item before it sorts before the last path
     /// asked for.
     next: usize,
 }
 
-impl<'a> InPathOrder<'a> {
-    fn new(listed: &'a [ListedEntry]) -> Self {
-        Self { listed, next: 0 }
+impl<'a, T> InPathOrder<'a, T> {
+    fn new(items: &'a [T], path: fn(&T) -> &str) -> Self {
+        Self {
+            items,
+            path,
+            next: 0,
+        }
     }
 
-    fn get(&mut self, path: &str) -> Option<&'a ListedEntry> {
-        let listed = self.listed;
-        if self.next > 0 && path <= listed[self.next - 1].path.as_str() {
-            return listed
-                .binary_search_by(|l| l.path.as_str().cmp(path))
+    fn get(&mut self, path: &str) -> Option<(usize, &'a T)> {
+        let (items, path_of) = (self.items, self.path);
+        if self.next > 0 && path <= path_of(&items[self.next - 1]) {
+            return items
+                .binary_search_by(|item| path_of(item).cmp(path))
                 .ok()
-                .map(|i| &listed[i]);
+                .map(|i| (i, &items[i]));
         }
-        while listed
+        while items
             .get(self.next)
-            .is_some_and(|l| l.path.as_str() < path)
+            .is_some_and(|item| path_of(item) < path)
         {
             self.next += 1;
         }
-        let found = listed.get(self.next).filter(|l| l.path == path)?;
+        let at = self.next;
+        let found = items.get(at).filter(|item| path_of(item) == path)?;
         self.next += 1;
-        Some(found)
+        Some((at, found))
     }
 }
 
@@ -1158,12 +1156,13 @@ async fn apply_manifest(
         Listing::Listed { entries, .. } => entries,
         Listing::Missing | Listing::Unsupported => Vec::new(),
     };
-    let mut target = InPathOrder::new(&listed);
+    let listed_path: fn(&ListedEntry) -> &str = |l| &l.path;
+    let mut target = InPathOrder::new(&listed, listed_path);
     let needed: Vec<&TreeEntry> = manifest
         .entries
         .iter()
         .filter(|e| !e.path.is_empty())
-        .filter(|e| !target.get(&e.path).is_some_and(|l| e.same_as(l)))
+        .filter(|e| !target.get(&e.path).is_some_and(|(_, l)| e.same_as(l)))
         .collect();
     // Every chunk there before the first byte is written.
     let unique: HashSet<&str> = needed
@@ -1202,9 +1201,9 @@ async fn apply_manifest(
     // Deletions last: a failed import removes nothing.
     let mut files = Vec::new();
     let mut dirs = Vec::new();
-    let mut target = InPathOrder::new(&listed);
+    let mut target = InPathOrder::new(&listed, listed_path);
     for gone in &manifest.deleted {
-        if target.get(&gone.path).is_some_and(|l| gone.same_as(l)) {
+        if target.get(&gone.path).is_some_and(|(_, l)| gone.same_as(l)) {
             match gone.kind {
                 TreeKind::Dir => dirs.push(gone.path.as_str()),
                 _ => files.push(gone.path.as_str()),
@@ -1919,14 +1918,14 @@ mod tests {
         let asks = [
             "0", "a", "a/x", "a0", "b", "a-b", "a-b", "a", "c", "c/d", "zz", "e", "b", "d",
         ];
-        let mut lookup = InPathOrder::new(&listed);
+        let mut lookup = InPathOrder::new(&listed, |l: &ListedEntry| l.path.as_str());
         for ask in asks {
             assert_eq!(
-                lookup.get(ask).map(|l| l.path.as_str()),
+                lookup.get(ask).map(|(i, l)| (i, l.path.as_str())),
                 listed
                     .iter()
-                    .find(|l| l.path == ask)
-                    .map(|l| l.path.as_str()),
+                    .position(|l| l.path == ask)
+                    .map(|i| (i, listed[i].path.as_str())),
                 "{ask}"
             );
         }
