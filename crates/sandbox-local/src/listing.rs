@@ -170,13 +170,18 @@ impl Walk {
                     queue = self.more.wait(queue).unwrap_or_else(|e| e.into_inner());
                 }
             };
-            let mut found = Vec::new();
             let mut items = Vec::new();
-            let result = self.read_dir(&dir, &mut items, &mut found);
+            let result = self.read_dir(&dir, &mut items);
             let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
             queue.busy -= 1;
             match result {
-                Ok(()) => queue.dirs.extend(found),
+                // Its subdirectories are read next.
+                Ok(()) => queue
+                    .dirs
+                    .extend(items.iter().filter_map(|item| match item {
+                        Item::Subtree(rel) => Some(rel.clone()),
+                        Item::Entry(_) => None,
+                    })),
                 Err(e) => {
                     queue.failed.get_or_insert(e);
                 }
@@ -190,9 +195,9 @@ impl Walk {
         }
     }
 
-    /// `lstat` every entry of `rel` into `out`; subdirectories go to
-    /// `found` (to be read) and to `out` as the place of their contents.
-    fn read_dir(&self, rel: &str, out: &mut DirItems, found: &mut Vec<String>) -> Result<()> {
+    /// `lstat` every entry of `rel` into `out`, and for each subdirectory
+    /// the place of its contents.
+    fn read_dir(&self, rel: &str, out: &mut DirItems) -> Result<()> {
         let abs = if rel.is_empty() {
             self.root.clone()
         } else {
@@ -255,7 +260,6 @@ impl Walk {
                 String::new()
             };
             if kind == 'd' {
-                found.push(path.clone());
                 out.push(Item::Subtree(path.clone()));
             }
             out.push(Item::Entry(ListedEntry {
