@@ -15,6 +15,7 @@
 mod common;
 
 use std::net::TcpListener;
+use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -41,7 +42,13 @@ struct Browser {
 }
 
 impl Drop for Browser {
+    /// Kill chromedriver's whole process group: killing chromedriver alone
+    /// orphans the browser it started, whose pages then reconnect (the
+    /// transcript's `EventSource`) to whatever server takes their old port
+    /// next, another test's among them.
     fn drop(&mut self) {
+        let group = format!("-{}", self.driver.id());
+        let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
         let _ = self.driver.kill();
         let _ = self.driver.wait();
     }
@@ -68,6 +75,8 @@ async fn browser(width: u32, height: u32) -> Option<Browser> {
     let port = free_port();
     let driver = Command::new(&chromedriver)
         .arg(format!("--port={port}"))
+        // Its own process group, with the browser it starts: see `Drop`.
+        .process_group(0)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
