@@ -53,14 +53,19 @@ impl RemoteClient {
         }
     }
 
-    /// Whether the server answers.
+    /// Whether the server answers as the session server holding our token
+    /// does. Any answer is not enough: a server killed without cleanup
+    /// leaves its address behind, and another program may have its port.
     pub async fn reachable(&self) -> bool {
         let probe = self
             .request(reqwest::Method::GET, "/v1/sessions?limit=1")
             .timeout(std::time::Duration::from_secs(3))
             .send()
             .await;
-        probe.is_ok()
+        match probe {
+            Ok(r) if r.status().is_success() => r.json::<Vec<LogInfo>>().await.is_ok(),
+            _ => false,
+        }
     }
 
     /// Create a session running `config`.
@@ -211,5 +216,68 @@ fn find_blank_line(buffer: &[u8]) -> Option<usize> {
     match (lf, crlf) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::routing::get;
+    use axum::Router;
+
+    async fn server(app: Router) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        url
+    }
+
+    /// A port another program took after a killed server is not that
+    /// server, whatever it answers.
+    #[tokio::test]
+    async fn only_a_session_server_that_takes_the_token_is_reachable() {
+        let list = |token: &'static str| {
+            move |headers: axum::http::HeaderMap| async move {
+                let bearer = format!("Bearer {token}");
+                if headers.get("authorization").is_some_and(|v| *v == *bearer) {
+                    (axum::http::StatusCode::OK, "[]")
+                } else {
+                    (axum::http::StatusCode::UNAUTHORIZED, "{}")
+                }
+            }
+        };
+        let ours = server(Router::new().route("/v1/sessions", get(list("ours")))).await;
+        let foreign_404 = server(Router::new()).await;
+        let foreign_200 =
+            server(Router::new().route("/v1/sessions", get(|| async { "<html></html>" }))).await;
+        assert!(
+            RemoteClient::new(&ours, Some("ours".into()))
+                .reachable()
+                .await
+        );
+        assert!(
+            !RemoteClient::new(&ours, Some("theirs".into()))
+                .reachable()
+                .await
+        );
+        assert!(
+            !RemoteClient::new(&foreign_404, Some("ours".into()))
+                .reachable()
+                .await
+        );
+        assert!(
+            !RemoteClient::new(&foreign_200, Some("ours".into()))
+                .reachable()
+                .await
+        );
+        let closed = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            format!("http://{}", l.local_addr().unwrap())
+        };
+        assert!(
+            !RemoteClient::new(&closed, Some("ours".into()))
+                .reachable()
+                .await
+        );
     }
 }
