@@ -530,6 +530,27 @@ impl CheckpointStore for S3CheckpointStore {
     }
 
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>> {
+        let keys = self.list_keys(prefix).await?;
+        // ListObjectsV2 carries no user metadata: the hashes come from a
+        // HEAD per object. An object deleted in between is skipped.
+        let metas: Vec<Option<ObjectMeta>> = futures::stream::iter(keys)
+            .map(|key| async move {
+                match self.head(&key).await {
+                    Ok(meta) => Ok(Some(meta)),
+                    Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
+                    Err(e) => Err(e),
+                }
+            })
+            .buffer_unordered(LIST_HEAD_CONCURRENCY)
+            .try_collect()
+            .await?;
+        let mut metas: Vec<ObjectMeta> = metas.into_iter().flatten().collect();
+        metas.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok(metas)
+    }
+
+    /// The listing's pages alone: no `HEAD` per object.
+    async fn list_keys(&self, prefix: &str) -> Result<Vec<String>> {
         let mut keys = Vec::new();
         let mut pages = self
             .client
@@ -554,22 +575,8 @@ impl CheckpointStore for S3CheckpointStore {
                 }
             }
         }
-        // ListObjectsV2 carries no user metadata: the hashes come from a
-        // HEAD per object. An object deleted in between is skipped.
-        let metas: Vec<Option<ObjectMeta>> = futures::stream::iter(keys)
-            .map(|key| async move {
-                match self.head(&key).await {
-                    Ok(meta) => Ok(Some(meta)),
-                    Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
-                    Err(e) => Err(e),
-                }
-            })
-            .buffer_unordered(LIST_HEAD_CONCURRENCY)
-            .try_collect()
-            .await?;
-        let mut metas: Vec<ObjectMeta> = metas.into_iter().flatten().collect();
-        metas.sort_by(|a, b| a.key.cmp(&b.key));
-        Ok(metas)
+        keys.sort();
+        Ok(keys)
     }
 
     async fn delete(&self, key: &str) -> Result<()> {

@@ -48,6 +48,20 @@ pub trait CheckpointStore: MaybeSend + MaybeSync + std::fmt::Debug {
     /// Objects whose key starts with `prefix`, sorted by key.
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>>;
 
+    /// The keys [`list`](Self::list) names, without their metadata: what
+    /// a caller that only asks "which objects are there" needs, and, on a
+    /// store whose listing carries no hashes (S3 gives them a request per
+    /// object), a page request per thousand keys instead. The default
+    /// asks `list`.
+    async fn list_keys(&self, prefix: &str) -> Result<Vec<String>> {
+        Ok(self
+            .list(prefix)
+            .await?
+            .into_iter()
+            .map(|m| m.key)
+            .collect())
+    }
+
     /// Remove an object. Removing an absent key is not an error.
     async fn delete(&self, key: &str) -> Result<()>;
 }

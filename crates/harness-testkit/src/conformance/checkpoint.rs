@@ -194,7 +194,8 @@ pub async fn missing_key_is_not_found(store: Arc<dyn CheckpointStore>) -> Result
     Ok(())
 }
 
-/// `list(prefix)` returns exactly the keys under the prefix, sorted.
+/// `list(prefix)` returns exactly the keys under the prefix, sorted, and
+/// `list_keys(prefix)` the same keys.
 pub async fn list_by_prefix(store: Arc<dyn CheckpointStore>) -> Result<()> {
     for key in [
         "sessions/b/2",
@@ -227,6 +228,19 @@ pub async fn list_by_prefix(store: Arc<dyn CheckpointStore>) -> Result<()> {
         metas.len() == 1 && metas[0].size == 12,
         "list carries sizes: {metas:?}"
     );
+    for prefix in ["sessions/a/", "sessions/", "s", ""] {
+        let listed: Vec<String> = store
+            .list(prefix)
+            .await?
+            .into_iter()
+            .map(|m| m.key)
+            .collect();
+        let keys = store.list_keys(prefix).await?;
+        ensure!(
+            keys == listed,
+            "list_keys({prefix:?}) gave {keys:?}, list gave {listed:?}"
+        );
+    }
     Ok(())
 }
 
