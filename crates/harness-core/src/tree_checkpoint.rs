@@ -1169,20 +1169,41 @@ async fn apply_manifest(
         .iter()
         .flat_map(|e| e.chunks.iter().map(String::as_str))
         .collect();
-    let mut heads = futures::stream::iter(unique)
-        .map(|hash| async move { store.head(&blob_key(hash)).await.map(|_| ()) })
-        .buffer_unordered(IN_FLIGHT);
-    while let Some(head) = heads.next().await {
-        head.map_err(|e| {
-            if e.kind() == ErrorKind::NotFound {
-                Error::not_found(format!(
-                    "the checkpoint's content is incomplete in the store ({}); nothing was restored",
-                    e.message()
-                ))
-            } else {
-                e
+    let incomplete = |missing: &str| {
+        Error::not_found(format!(
+            "the checkpoint's content is incomplete in the store ({missing}); nothing was restored"
+        ))
+    };
+    // Many chunks: one listing of the store's blobs instead of a `HEAD`
+    // each (as a checkpoint does), unless the store is too large to list.
+    let stored_blobs = if unique.len() > HEADS_BEFORE_LISTING {
+        list_blob_hashes(store).await?
+    } else {
+        None
+    };
+    match stored_blobs {
+        Some(stored) => {
+            for hash in &unique {
+                let mut digest = [0u8; 32];
+                if hex::decode_to_slice(hash, &mut digest).is_err() || !stored.contains(&digest) {
+                    return Err(incomplete(&format!("{} is missing", blob_key(hash))));
+                }
             }
-        })?;
+        }
+        None => {
+            let mut heads = futures::stream::iter(unique)
+                .map(|hash| async move { store.head(&blob_key(hash)).await.map(|_| ()) })
+                .buffer_unordered(IN_FLIGHT);
+            while let Some(head) = heads.next().await {
+                head.map_err(|e| {
+                    if e.kind() == ErrorKind::NotFound {
+                        incomplete(e.message())
+                    } else {
+                        e
+                    }
+                })?;
+            }
+        }
     }
     let bytes_written: u64 = needed.iter().map(|e| e.size).sum();
     let written = needed.len() as u64;
@@ -1419,6 +1440,54 @@ async fn compressed(content: Bytes) -> Result<Bytes> {
     .await
 }
 
+/// Chunks asked about one `HEAD` each before the store's blob keys are
+/// listed instead: a few `HEAD`s cost less than listing 256 prefixes, a
+/// whole tree's (20,000 for the bench tree) cost more than the uploads.
+const HEADS_BEFORE_LISTING: usize = 256;
+
+/// Most blob keys under one two-hex-digit prefix the listing holds: past
+/// it (a store of over ~500,000 blobs) the listing is dropped and `HEAD`s
+/// go on, so the set stays within ~16 MiB whatever the store's size.
+const MAX_LISTED_PER_PREFIX: usize = 2048;
+
+/// Prefix listings in flight at once.
+const LISTINGS_IN_FLIGHT: usize = 16;
+
+/// How the uploader learns whether the store holds a chunk.
+enum Presence {
+    /// A `HEAD` per chunk; `asked` so far.
+    Head { asked: usize },
+    /// The hashes of every blob in the store when it was listed. A listing
+    /// holds while the checkpoint's lock does: garbage collection, the one
+    /// remover of blobs, cannot run meanwhile.
+    Listed(HashSet<[u8; 32]>),
+    /// The store holds too many blobs to list: a `HEAD` per chunk.
+    TooMany,
+}
+
+/// Every blob hash in `store`, or `None` when a prefix holds more than
+/// [`MAX_LISTED_PER_PREFIX`].
+async fn list_blob_hashes(store: &dyn CheckpointStore) -> Result<Option<HashSet<[u8; 32]>>> {
+    let mut listings = futures::stream::iter(0..=255u8)
+        .map(|p| async move { store.list_keys(&format!("{BLOB_PREFIX}{p:02x}/")).await })
+        .buffer_unordered(LISTINGS_IN_FLIGHT);
+    let mut hashes = HashSet::new();
+    while let Some(keys) = listings.next().await {
+        let keys = keys?;
+        if keys.len() > MAX_LISTED_PER_PREFIX {
+            return Ok(None);
+        }
+        for key in keys {
+            let mut hash = [0u8; 32];
+            // A key of another shape is no chunk of ours: not counted.
+            if hex::decode_to_slice(key.rsplit('/').next().unwrap_or_default(), &mut hash).is_ok() {
+                hashes.insert(hash);
+            }
+        }
+    }
+    Ok(Some(hashes))
+}
+
 /// Uploads chunks the store lacks, within [`IN_FLIGHT_BYTES`] and
 /// [`IN_FLIGHT`].
 struct Uploader<'s> {
@@ -1427,6 +1496,7 @@ struct Uploader<'s> {
     parent: Option<Arc<KnownManifest>>,
     /// Chunks this run found or stored.
     known: HashSet<String>,
+    presence: Presence,
     /// Each upload answers whether it stored the chunk, and its size.
     running: FuturesUnordered<crate::maybe::BoxFuture<'s, Result<(bool, u64)>>>,
     running_bytes: u64,
@@ -1441,6 +1511,7 @@ impl<'s> Uploader<'s> {
             store,
             parent: None,
             known: HashSet::new(),
+            presence: Presence::Head { asked: 0 },
             running: FuturesUnordered::new(),
             running_bytes: 0,
             compressing: Arc::new(futures::lock::Mutex::new(())),
@@ -1451,9 +1522,33 @@ impl<'s> Uploader<'s> {
 
     /// Store `chunk` unless known; returns its hash.
     async fn add(&mut self, chunk: Bytes) -> Result<String> {
-        let hash = hex::encode(Sha256::digest(&chunk));
+        let digest: [u8; 32] = Sha256::digest(&chunk).into();
+        let hash = hex::encode(digest);
         let in_parent = self.parent.as_ref().is_some_and(|p| p.has_chunk(&hash));
         if !in_parent && self.known.insert(hash.clone()) {
+            // Whether to ask the store with a `HEAD` (`None`), or what its
+            // listing says.
+            let listed = match &mut self.presence {
+                Presence::Head { asked } if *asked < HEADS_BEFORE_LISTING => {
+                    *asked += 1;
+                    None
+                }
+                Presence::Head { .. } => {
+                    self.presence = match list_blob_hashes(self.store).await? {
+                        Some(hashes) => Presence::Listed(hashes),
+                        None => Presence::TooMany,
+                    };
+                    match &self.presence {
+                        Presence::Listed(hashes) => Some(hashes.contains(&digest)),
+                        _ => None,
+                    }
+                }
+                Presence::Listed(hashes) => Some(hashes.contains(&digest)),
+                Presence::TooMany => None,
+            };
+            if listed == Some(true) {
+                return Ok(hash);
+            }
             let len = chunk.len() as u64;
             while !self.running.is_empty()
                 && (self.running.len() >= IN_FLIGHT || self.running_bytes + len > IN_FLIGHT_BYTES)
@@ -1466,10 +1561,12 @@ impl<'s> Uploader<'s> {
             let compressing = self.compressing.clone();
             self.running_bytes += len;
             self.running.push(Box::pin(async move {
-                match store.head(&key).await {
-                    Ok(_) => return Ok((false, len)),
-                    Err(e) if e.kind() == ErrorKind::NotFound => {}
-                    Err(e) => return Err(e),
+                if listed.is_none() {
+                    match store.head(&key).await {
+                        Ok(_) => return Ok((false, len)),
+                        Err(e) if e.kind() == ErrorKind::NotFound => {}
+                        Err(e) => return Err(e),
+                    }
                 }
                 // One zstd encoder at a time: each holds a few MiB of
                 // tables whatever the chunk's size, and the uploads share
@@ -1790,10 +1887,10 @@ impl Lock {
             LockKind::Gc => LockKind::Checkpoint,
         };
         let prefix = format!("{LOCK_PREFIX}{}-", other.name());
-        let held = store.list(&prefix).await;
-        let live = held.map(|objects| {
-            objects.into_iter().find(|o| {
-                let started = o.key[prefix.len()..]
+        let held = store.list_keys(&prefix).await;
+        let live = held.map(|keys| {
+            keys.into_iter().find(|held| {
+                let started = held[prefix.len()..]
                     .split('-')
                     .next()
                     .and_then(|s| s.parse::<u64>().ok())
@@ -1804,7 +1901,7 @@ impl Lock {
         let lock = Lock { key };
         match live {
             Ok(None) => Ok(lock),
-            Ok(Some(o)) => {
+            Ok(Some(held)) => {
                 lock.release(store).await;
                 Err(Error::conflict(format!(
                     "a {} is running on this store ({}); try again when it is done",
@@ -1812,7 +1909,7 @@ impl Lock {
                         LockKind::Gc => "garbage collection",
                         LockKind::Checkpoint => "tree checkpoint",
                     },
-                    o.key
+                    held
                 )))
             }
             Err(e) => {
@@ -1854,11 +1951,13 @@ pub async fn collect_garbage(store: &dyn CheckpointStore, clock: &dyn Clock) -> 
 async fn collect_locked(store: &dyn CheckpointStore) -> Result<GcInfo> {
     let mut info = GcInfo::default();
     let mut referenced: HashSet<String> = HashSet::new();
-    for object in store.list("").await? {
-        if object.key.starts_with(BLOB_PREFIX) || object.key.starts_with(LOCK_PREFIX) {
+    // Keys alone: a store whose listing carries no hashes would otherwise
+    // be asked for each blob's.
+    for key in store.list_keys("").await? {
+        if key.starts_with(BLOB_PREFIX) || key.starts_with(LOCK_PREFIX) {
             continue;
         }
-        match read_manifest(store, &object.key).await {
+        match read_manifest(store, &key).await {
             Ok(Some(manifest)) => {
                 info.manifests += 1;
                 for entry in &manifest.entries {
@@ -1873,21 +1972,27 @@ async fn collect_locked(store: &dyn CheckpointStore) -> Result<GcInfo> {
                     e.kind(),
                     format!(
                         "not collecting: {} could not be read ({})",
-                        object.key,
+                        key,
                         e.message()
                     ),
                 ))
             }
         }
     }
-    for blob in store.list(BLOB_PREFIX).await? {
-        let hash = blob.key.rsplit('/').next().unwrap_or_default();
+    for key in store.list_keys(BLOB_PREFIX).await? {
+        let hash = key.rsplit('/').next().unwrap_or_default();
         if referenced.contains(hash) {
             info.blobs_kept += 1;
         } else {
-            store.delete(&blob.key).await?;
+            // The size of what goes, asked of the deleted blobs alone.
+            let size = match store.head(&key).await {
+                Ok(meta) => meta.size,
+                Err(e) if e.kind() == ErrorKind::NotFound => continue,
+                Err(e) => return Err(e),
+            };
+            store.delete(&key).await?;
             info.blobs_deleted += 1;
-            info.bytes_freed += blob.size;
+            info.bytes_freed += size;
         }
     }
     Ok(info)
