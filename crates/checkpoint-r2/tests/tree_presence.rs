@@ -5,17 +5,21 @@
 //! on a store that wraps the memory store, and each way ends in a tree
 //! that restores byte for byte. Local sandboxes: runs everywhere.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use common::sandboxes::{fresh_local, wall_clock};
 use harness_core::checkpoint::{CheckpointStore, MemoryCheckpointStore, ObjectMeta};
-use harness_core::clock::FnClock;
-use harness_core::sandbox::{Sandbox, SandboxProvider, SandboxSpec};
+use harness_core::sandbox::Sandbox;
 use harness_core::stream::ByteStream;
-use harness_core::tree_checkpoint::{checkpoint_tree, collect_garbage, restore_tree, BLOB_PREFIX};
+use harness_core::tree_checkpoint::{
+    checkpoint_tree, collect_garbage, restore_tree, TreeCheckpointInfo, BLOB_PREFIX,
+};
 use sandbox_local::LocalProvider;
 
 /// The `HEAD`s a checkpoint asks before it lists the store instead
@@ -84,15 +88,6 @@ impl CheckpointStore for CountingStore {
     }
 }
 
-fn clock() -> FnClock<impl Fn() -> u64 + Send + Sync> {
-    FnClock(|| {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_millis() as u64
-    })
-}
-
 /// `FILES` files of distinct content (plus `extra`), in two directories.
 fn write_tree(root: &Path, extra: &[&str]) {
     for i in 0..FILES {
@@ -130,15 +125,27 @@ fn snapshot(root: &Path) -> BTreeMap<String, Vec<u8>> {
     out
 }
 
-async fn fresh(provider: &LocalProvider) -> Box<dyn Sandbox> {
-    provider
-        .create(&SandboxSpec::new("/workspace"))
-        .await
-        .unwrap()
+/// A checkpoint of `sandbox`'s workdir under `key`, without a parent.
+async fn first_checkpoint(
+    store: &CountingStore,
+    sandbox: &dyn Sandbox,
+    key: &str,
+) -> TreeCheckpointInfo {
+    checkpoint_tree(
+        sandbox,
+        sandbox.workdir(),
+        store,
+        key,
+        None,
+        &wall_clock(),
+        None,
+    )
+    .await
+    .unwrap()
 }
 
 async fn assert_restores(store: &CountingStore, key: &str, provider: &LocalProvider, src: &Path) {
-    let b = fresh(provider).await;
+    let b = fresh_local(provider).await;
     restore_tree(store, key, b.as_ref(), b.workdir(), None)
         .await
         .unwrap();
@@ -155,22 +162,11 @@ async fn a_large_first_checkpoint_lists_the_store_instead_of_asking_per_chunk() 
     let root = tempfile::tempdir().unwrap();
     let provider = LocalProvider::new(root.path());
     let store = CountingStore::default();
-    let clock = clock();
 
     // An empty store: 256 HEADs, then the listing; every chunk uploaded.
-    let a = fresh(&provider).await;
+    let a = fresh_local(&provider).await;
     write_tree(Path::new(a.workdir()), &[]);
-    let first = checkpoint_tree(
-        a.as_ref(),
-        a.workdir(),
-        &store,
-        "trees/a",
-        None,
-        &clock,
-        None,
-    )
-    .await
-    .unwrap();
+    let first = first_checkpoint(&store, a.as_ref(), "trees/a").await;
     let [heads, puts, listings, full] = store.snapshot();
     assert_eq!(first.chunks_uploaded, FILES as u64);
     assert_eq!(puts, FILES as u64, "one put per chunk");
@@ -184,20 +180,10 @@ async fn a_large_first_checkpoint_lists_the_store_instead_of_asking_per_chunk() 
 
     // Another sandbox, the same files and one more, no parent: what the
     // store holds is found, through HEADs and then the listing alike.
-    let b = fresh(&provider).await;
+    let b = fresh_local(&provider).await;
     write_tree(Path::new(b.workdir()), &["new.txt"]);
     let before = store.snapshot();
-    let second = checkpoint_tree(
-        b.as_ref(),
-        b.workdir(),
-        &store,
-        "trees/b",
-        None,
-        &clock,
-        None,
-    )
-    .await
-    .unwrap();
+    let second = first_checkpoint(&store, b.as_ref(), "trees/b").await;
     let after = store.snapshot();
     assert_eq!(second.files_read, FILES as u64 + 1);
     assert_eq!(second.chunks_uploaded, 1, "only the new file's chunk");
@@ -210,7 +196,7 @@ async fn a_large_first_checkpoint_lists_the_store_instead_of_asking_per_chunk() 
     // with one blob gone it is refused before anything is written.
     let gone = harness_core::tree_checkpoint::blob_key(&sha256_hex(b"extra new.txt\n"));
     store.inner.delete(&gone).await.unwrap();
-    let c = fresh(&provider).await;
+    let c = fresh_local(&provider).await;
     let target = format!("{}/restored", c.workdir());
     let before = store.snapshot();
     let refused = restore_tree(&store, "trees/b", c.as_ref(), &target, None).await;
@@ -239,7 +225,7 @@ async fn a_store_too_large_to_list_is_asked_per_chunk_and_collected_by_keys() {
     let root = tempfile::tempdir().unwrap();
     let provider = LocalProvider::new(root.path());
     let store = CountingStore::default();
-    let clock = clock();
+    let clock = wall_clock();
     // 2,049 blobs under one prefix: past what a listing holds (2,048), as
     // in a store of over half a million blobs. No manifest names them.
     for i in 0..2049u32 {
@@ -253,19 +239,9 @@ async fn a_store_too_large_to_list_is_asked_per_chunk_and_collected_by_keys() {
             .await
             .unwrap();
     }
-    let a = fresh(&provider).await;
+    let a = fresh_local(&provider).await;
     write_tree(Path::new(a.workdir()), &[]);
-    let info = checkpoint_tree(
-        a.as_ref(),
-        a.workdir(),
-        &store,
-        "trees/a",
-        None,
-        &clock,
-        None,
-    )
-    .await
-    .unwrap();
+    let info = first_checkpoint(&store, a.as_ref(), "trees/a").await;
     let [heads, puts, listings, full] = store.snapshot();
     assert_eq!(info.chunks_uploaded, FILES as u64);
     assert_eq!(puts, FILES as u64);

@@ -6,29 +6,21 @@
 //! change are not read. Local sandboxes (GNU `find` and `tar`), memory
 //! store: runs everywhere.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
+use common::sandboxes::{fresh_local, wall_clock};
 use harness_core::checkpoint::MemoryCheckpointStore;
-use harness_core::clock::FnClock;
-use harness_core::sandbox::{Sandbox, SandboxProvider, SandboxSpec};
 use harness_core::tree_checkpoint::{checkpoint_tree, restore_tree, TreeCheckpointInfo};
 use sandbox_local::LocalProvider;
 
 /// A second long past: files pinned to it are never "racy".
 const OLD: u64 = 1_600_000_000;
-
-fn clock() -> FnClock<impl Fn() -> u64 + Send + Sync> {
-    FnClock(|| {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_millis() as u64
-    })
-}
 
 /// Set `path`'s mtime to `secs` (and so move its ctime to now).
 fn set_mtime(path: &Path, secs: u64) {
@@ -61,13 +53,6 @@ fn snapshot(root: &Path) -> BTreeMap<String, (Vec<u8>, u32)> {
     out
 }
 
-async fn fresh(provider: &LocalProvider) -> Box<dyn Sandbox> {
-    provider
-        .create(&SandboxSpec::new("/workspace"))
-        .await
-        .unwrap()
-}
-
 /// Restore `key` into an empty sandbox and compare it with `src`.
 async fn assert_restores_to(
     store: &MemoryCheckpointStore,
@@ -75,7 +60,7 @@ async fn assert_restores_to(
     provider: &LocalProvider,
     src: &Path,
 ) {
-    let b = fresh(provider).await;
+    let b = fresh_local(provider).await;
     restore_tree(store, key, b.as_ref(), b.workdir(), None)
         .await
         .unwrap();
@@ -96,10 +81,10 @@ async fn assert_restores_to(
 async fn a_changed_file_is_read_again_whatever_stat_it_keeps() {
     let root = tempfile::tempdir().unwrap();
     let provider = LocalProvider::new(root.path());
-    let a = fresh(&provider).await;
+    let a = fresh_local(&provider).await;
     let src = Path::new(a.workdir()).to_path_buf();
     let store = MemoryCheckpointStore::new();
-    let clock = clock();
+    let clock = wall_clock();
     for i in 0..20 {
         let path = src.join(format!("f{i:02}.txt"));
         std::fs::write(&path, content(&format!("file {i}, version 1"))).unwrap();
@@ -179,9 +164,9 @@ async fn a_tree_restored_elsewhere_is_read_once_then_trusted() {
     // file (and uploads nothing new); the next one reads only changes.
     let root = tempfile::tempdir().unwrap();
     let provider = LocalProvider::new(root.path());
-    let a = fresh(&provider).await;
+    let a = fresh_local(&provider).await;
     let store = MemoryCheckpointStore::new();
-    let clock = clock();
+    let clock = wall_clock();
     for i in 0..10 {
         let path = Path::new(a.workdir()).join(format!("f{i}.txt"));
         std::fs::write(&path, content(&format!("file {i}"))).unwrap();
@@ -190,7 +175,7 @@ async fn a_tree_restored_elsewhere_is_read_once_then_trusted() {
     checkpoint_tree(a.as_ref(), a.workdir(), &store, "t/a1", None, &clock, None)
         .await
         .unwrap();
-    let b = fresh(&provider).await;
+    let b = fresh_local(&provider).await;
     restore_tree(&store, "t/a1", b.as_ref(), b.workdir(), None)
         .await
         .unwrap();

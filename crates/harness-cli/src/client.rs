@@ -232,6 +232,10 @@ mod tests {
         url
     }
 
+    async fn reachable(url: &str, token: &str) -> bool {
+        RemoteClient::new(url, Some(token.into())).reachable().await
+    }
+
     /// A port another program took after a killed server is not that
     /// server, whatever it answers.
     #[tokio::test]
@@ -250,34 +254,14 @@ mod tests {
         let foreign_404 = server(Router::new()).await;
         let foreign_200 =
             server(Router::new().route("/v1/sessions", get(|| async { "<html></html>" }))).await;
-        assert!(
-            RemoteClient::new(&ours, Some("ours".into()))
-                .reachable()
-                .await
-        );
-        assert!(
-            !RemoteClient::new(&ours, Some("theirs".into()))
-                .reachable()
-                .await
-        );
-        assert!(
-            !RemoteClient::new(&foreign_404, Some("ours".into()))
-                .reachable()
-                .await
-        );
-        assert!(
-            !RemoteClient::new(&foreign_200, Some("ours".into()))
-                .reachable()
-                .await
-        );
+        assert!(reachable(&ours, "ours").await);
+        assert!(!reachable(&ours, "theirs").await);
+        assert!(!reachable(&foreign_404, "ours").await);
+        assert!(!reachable(&foreign_200, "ours").await);
         let closed = {
             let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
             format!("http://{}", l.local_addr().unwrap())
         };
-        assert!(
-            !RemoteClient::new(&closed, Some("ours".into()))
-                .reachable()
-                .await
-        );
+        assert!(!reachable(&closed, "ours").await);
     }
 }

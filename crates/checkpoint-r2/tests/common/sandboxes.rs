@@ -66,3 +66,24 @@ pub fn raw_tar(entries: &[(&str, tar::EntryType, &str, &[u8])]) -> Vec<u8> {
     }
     builder.into_inner().unwrap()
 }
+
+/// A new local sandbox of `provider`, its workdir `/workspace`.
+pub async fn fresh_local(
+    provider: &sandbox_local::LocalProvider,
+) -> Box<dyn harness_core::sandbox::Sandbox> {
+    use harness_core::sandbox::SandboxProvider;
+    provider
+        .create(&harness_core::sandbox::SandboxSpec::new("/workspace"))
+        .await
+        .unwrap()
+}
+
+/// The wall clock, as tree checkpoints' locks read it.
+pub fn wall_clock() -> harness_core::clock::FnClock<impl Fn() -> u64 + Send + Sync> {
+    harness_core::clock::FnClock(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64
+    })
+}
