@@ -26,6 +26,8 @@ use sandbox_docker::{DockerConfig, DockerProvider};
 use sandbox_local::LocalProvider;
 use serde::{Deserialize, Serialize};
 
+pub mod cases;
+
 /// Longest a scripted turn may take before the test fails.
 pub const TURN_TIMEOUT: Duration = Duration::from_secs(120);
 
