@@ -114,7 +114,11 @@ status() {{ timeout 5 bash -c 'exec 3<>/dev/tcp/127.0.0.1/47811 || exit 1
   head -1 <&3' "$1" "$2" | cut -d" " -f2; }}
 own=${{ANTHROPIC_BASE_URL#http://127.0.0.1:47811}}
 echo "OTHER-TOKEN-$(status $own/v1/messages '{other_token}')"
-echo "OTHER-SESSION-$(status /s/{other_session}/anthropic/v1/messages '{other_token}')"
+other=$(status /s/{other_session}/anthropic/v1/messages '{other_token}')
+echo "OTHER-SESSION-$other"
+# No status line: say why (a connection refused, reset or closed), so a
+# failure of the assertion on it explains itself.
+[ -n "$other" ] || echo "OTHER-SESSION-NO-ANSWER: $(timeout 5 bash -c 'exec 3<>/dev/tcp/127.0.0.1/47811 && echo connects-now' 2>&1)"
 case "$ANTHROPIC_API_KEY" in hsb1_*) echo TOKEN-NOT-KEY;; esac
 echo PROBE-DONE"#,
         ip = host.ip(),
