@@ -1465,6 +1465,33 @@ enum Presence {
     TooMany,
 }
 
+impl Presence {
+    /// What the store's listing says of the chunk `digest`: `None` when it
+    /// is to be asked with a `HEAD` (the first [`HEADS_BEFORE_LISTING`]
+    /// chunks, or a store too large to list). The chunk past those lists
+    /// the store.
+    async fn listed(
+        &mut self,
+        store: &dyn CheckpointStore,
+        digest: &[u8; 32],
+    ) -> Result<Option<bool>> {
+        if let Presence::Head { asked } = self {
+            if *asked < HEADS_BEFORE_LISTING {
+                *asked += 1;
+                return Ok(None);
+            }
+            *self = match list_blob_hashes(store).await? {
+                Some(hashes) => Presence::Listed(hashes),
+                None => Presence::TooMany,
+            };
+        }
+        Ok(match self {
+            Presence::Listed(hashes) => Some(hashes.contains(digest)),
+            _ => None,
+        })
+    }
+}
+
 /// Every blob hash in `store`, or `None` when a prefix holds more than
 /// [`MAX_LISTED_PER_PREFIX`].
 async fn list_blob_hashes(store: &dyn CheckpointStore) -> Result<Option<HashSet<[u8; 32]>>> {
@@ -1528,24 +1555,7 @@ impl<'s> Uploader<'s> {
         if !in_parent && self.known.insert(hash.clone()) {
             // Whether to ask the store with a `HEAD` (`None`), or what its
             // listing says.
-            let listed = match &mut self.presence {
-                Presence::Head { asked } if *asked < HEADS_BEFORE_LISTING => {
-                    *asked += 1;
-                    None
-                }
-                Presence::Head { .. } => {
-                    self.presence = match list_blob_hashes(self.store).await? {
-                        Some(hashes) => Presence::Listed(hashes),
-                        None => Presence::TooMany,
-                    };
-                    match &self.presence {
-                        Presence::Listed(hashes) => Some(hashes.contains(&digest)),
-                        _ => None,
-                    }
-                }
-                Presence::Listed(hashes) => Some(hashes.contains(&digest)),
-                Presence::TooMany => None,
-            };
+            let listed = self.presence.listed(self.store, &digest).await?;
             if listed == Some(true) {
                 return Ok(hash);
             }
