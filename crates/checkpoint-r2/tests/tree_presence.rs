@@ -43,15 +43,36 @@ struct CountingStore {
     blobs: Counts,
 }
 
+/// The counts at one moment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Tally {
+    heads: u64,
+    puts: u64,
+    listings: u64,
+    full_listings: u64,
+}
+
+impl Tally {
+    /// What was counted from `before` to this tally.
+    fn since(self, before: Tally) -> Tally {
+        Tally {
+            heads: self.heads - before.heads,
+            puts: self.puts - before.puts,
+            listings: self.listings - before.listings,
+            full_listings: self.full_listings - before.full_listings,
+        }
+    }
+}
+
 impl CountingStore {
-    fn snapshot(&self) -> [u64; 4] {
+    fn tally(&self) -> Tally {
         let c = &self.blobs;
-        [
-            c.heads.load(Ordering::SeqCst),
-            c.puts.load(Ordering::SeqCst),
-            c.listings.load(Ordering::SeqCst),
-            c.full_listings.load(Ordering::SeqCst),
-        ]
+        Tally {
+            heads: c.heads.load(Ordering::SeqCst),
+            puts: c.puts.load(Ordering::SeqCst),
+            listings: c.listings.load(Ordering::SeqCst),
+            full_listings: c.full_listings.load(Ordering::SeqCst),
+        }
     }
 }
 
@@ -167,7 +188,12 @@ async fn a_large_first_checkpoint_lists_the_store_instead_of_asking_per_chunk() 
     let a = fresh_local(&provider).await;
     write_tree(Path::new(a.workdir()), &[]);
     let first = first_checkpoint(&store, a.as_ref(), "trees/a").await;
-    let [heads, puts, listings, full] = store.snapshot();
+    let Tally {
+        heads,
+        puts,
+        listings,
+        full_listings: full,
+    } = store.tally();
     assert_eq!(first.chunks_uploaded, FILES as u64);
     assert_eq!(puts, FILES as u64, "one put per chunk");
     assert_eq!(
@@ -182,14 +208,14 @@ async fn a_large_first_checkpoint_lists_the_store_instead_of_asking_per_chunk() 
     // store holds is found, through HEADs and then the listing alike.
     let b = fresh_local(&provider).await;
     write_tree(Path::new(b.workdir()), &["new.txt"]);
-    let before = store.snapshot();
+    let before = store.tally();
     let second = first_checkpoint(&store, b.as_ref(), "trees/b").await;
-    let after = store.snapshot();
+    let counted = store.tally().since(before);
     assert_eq!(second.files_read, FILES as u64 + 1);
     assert_eq!(second.chunks_uploaded, 1, "only the new file's chunk");
-    assert_eq!(after[1] - before[1], 1);
-    assert_eq!(after[0] - before[0], HEADS_BEFORE_LISTING);
-    assert_eq!(after[2] - before[2], 256);
+    assert_eq!(counted.puts, 1);
+    assert_eq!(counted.heads, HEADS_BEFORE_LISTING);
+    assert_eq!(counted.listings, 256);
     assert_restores(&store, "trees/b", &provider, Path::new(b.workdir())).await;
 
     // A restore of 601 chunks lists the store too, instead of 601 HEADs;
@@ -198,17 +224,17 @@ async fn a_large_first_checkpoint_lists_the_store_instead_of_asking_per_chunk() 
     store.inner.delete(&gone).await.unwrap();
     let c = fresh_local(&provider).await;
     let target = format!("{}/restored", c.workdir());
-    let before = store.snapshot();
+    let before = store.tally();
     let refused = restore_tree(&store, "trees/b", c.as_ref(), &target, None).await;
-    let after = store.snapshot();
+    let counted = store.tally().since(before);
     let err = refused.expect_err("a restore with a blob gone");
     assert_eq!(err.kind(), harness_core::ErrorKind::NotFound, "{err}");
     assert!(
         err.to_string().contains(&gone),
         "the error names the blob: {err}"
     );
-    assert_eq!(after[2] - before[2], 256, "the store was listed");
-    assert_eq!(after[0] - before[0], 0, "no HEAD per chunk");
+    assert_eq!(counted.listings, 256, "the store was listed");
+    assert_eq!(counted.heads, 0, "no HEAD per chunk");
     assert!(!Path::new(&target).exists(), "nothing was written");
     a.destroy().await.unwrap();
     b.destroy().await.unwrap();
@@ -242,7 +268,12 @@ async fn a_store_too_large_to_list_is_asked_per_chunk_and_collected_by_keys() {
     let a = fresh_local(&provider).await;
     write_tree(Path::new(a.workdir()), &[]);
     let info = first_checkpoint(&store, a.as_ref(), "trees/a").await;
-    let [heads, puts, listings, full] = store.snapshot();
+    let Tally {
+        heads,
+        puts,
+        listings,
+        full_listings: full,
+    } = store.tally();
     assert_eq!(info.chunks_uploaded, FILES as u64);
     assert_eq!(puts, FILES as u64);
     assert_eq!(
@@ -261,7 +292,7 @@ async fn a_store_too_large_to_list_is_asked_per_chunk_and_collected_by_keys() {
     let gc = collect_garbage(&store, &clock).await.unwrap();
     assert_eq!((gc.blobs_deleted, gc.blobs_kept), (2049, FILES as u64));
     assert_eq!(gc.bytes_freed, 2049, "the deleted blobs' sizes");
-    assert_eq!(store.snapshot()[3], 0, "no listing with hashes");
+    assert_eq!(store.tally().full_listings, 0, "no listing with hashes");
     assert_restores(&store, "trees/a", &provider, Path::new(a.workdir())).await;
     a.destroy().await.unwrap();
 }
