@@ -182,21 +182,35 @@ async fn wait_text(serve: &Serve, client: &Client, css: &str, needle: &str) -> S
     }
 }
 
+/// The first element matching `css` once it is shown and enabled, the way a
+/// person would use it. The page swaps views after async requests (signing
+/// in fetches the session before the composer is shown), so an element can
+/// be in the DOM and still hidden; typing into it then fails with "element
+/// not interactable".
+async fn interactable(client: &Client, css: &str) -> fantoccini::elements::Element {
+    let started = Instant::now();
+    loop {
+        if let Ok(el) = client.find(Locator::Css(css)).await {
+            let shown = el.is_displayed().await.unwrap_or(false);
+            let enabled = el.is_enabled().await.unwrap_or(false);
+            if shown && enabled {
+                return el;
+            }
+        }
+        if started.elapsed() > WAIT {
+            let page = text_of(client, "body").await;
+            panic!("no shown and enabled {css:?} in {WAIT:?}; the page shows:\n{page}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 async fn click(client: &Client, css: &str) {
-    client
-        .find(Locator::Css(css))
-        .await
-        .unwrap_or_else(|e| panic!("no {css:?}: {e}"))
-        .click()
-        .await
-        .unwrap();
+    interactable(client, css).await.click().await.unwrap();
 }
 
 async fn type_into(client: &Client, css: &str, text: &str) {
-    let el = client
-        .find(Locator::Css(css))
-        .await
-        .unwrap_or_else(|e| panic!("no {css:?}: {e}"));
+    let el = interactable(client, css).await;
     el.clear().await.unwrap();
     el.send_keys(text).await.unwrap();
 }
