@@ -90,6 +90,22 @@ pub fn display(cmd: &Command) -> String {
     s
 }
 
+/// The system's CA bundle (Debian's `ca-certificates`).
+const SYSTEM_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
+
+/// `npm`, trusting the system's CA bundle as well as Node's own. Node ships
+/// its own list of CAs and ignores the system store, so behind a registry
+/// proxy whose CA only the system trusts every install fails with
+/// `SELF_SIGNED_CERT_IN_CHAIN`. `NODE_EXTRA_CA_CERTS` adds the bundle (it
+/// never removes a CA); one the caller set is kept.
+pub fn npm() -> Command {
+    let mut cmd = Command::new("npm");
+    if std::env::var_os("NODE_EXTRA_CA_CERTS").is_none() && Path::new(SYSTEM_CA_BUNDLE).exists() {
+        cmd.env("NODE_EXTRA_CA_CERTS", SYSTEM_CA_BUNDLE);
+    }
+    cmd
+}
+
 /// Run a command with inherited stdio; error if it fails.
 pub fn run(cmd: &mut Command) -> Result<()> {
     println!("$ {}", display(cmd));
