@@ -40,8 +40,9 @@ use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart};
 use bytes::{Bytes, BytesMut};
 use futures::{StreamExt, TryStreamExt};
 use harness_core::checkpoint::{
-    recorded_hash, validate_key, CheckpointStore, ObjectMeta, PartCutter, RecordedHash,
-    PARTIAL_MARK, SHA256_TRAILER_FORMAT, SHA256_TRAILER_LEN, SHA256_TRAILER_METADATA,
+    check_range, range_past_end, recorded_hash, validate_key, CheckpointStore, ObjectMeta,
+    PartCutter, RecordedHash, PARTIAL_MARK, SHA256_TRAILER_FORMAT, SHA256_TRAILER_LEN,
+    SHA256_TRAILER_METADATA,
 };
 use harness_core::stream::ByteStream;
 use harness_core::{Error, ErrorKind, Result};
@@ -499,6 +500,71 @@ impl CheckpointStore for S3CheckpointStore {
             },
         ));
         Ok(recorded.verify(stream, key.to_string()))
+    }
+
+    /// One ranged `GET`: the `Content-Range` answers the stored size, so a
+    /// range reaching into a trailer object's hash trailer (past its
+    /// content) is refused like one past the end.
+    async fn get_range(&self, key: &str, range: std::ops::Range<u64>) -> Result<Bytes> {
+        check_range(key, &range)?;
+        if range.is_empty() {
+            self.head(key).await?;
+            return Ok(Bytes::new());
+        }
+        let out = self
+            .client
+            .get_object()
+            .bucket(&self.config.bucket)
+            .key(self.object_key(key))
+            .range(format!("bytes={}-{}", range.start, range.end - 1))
+            .send()
+            .await;
+        let out = match out {
+            Ok(out) => out,
+            // The range starts at or past the stored end.
+            Err(e) if e.raw_response().map(|r| r.status().as_u16()) == Some(416) => {
+                let stored = self.head(key).await?.size;
+                return Err(range_past_end(key, &range, stored));
+            }
+            Err(e) => return Err(sdk_error(e, &format!("read a range of checkpoint {key:?}"))),
+        };
+        let recorded = recorded_hash_of(key, out.metadata())?;
+        let total = out
+            .content_range()
+            .and_then(|r| r.rsplit_once('/'))
+            .and_then(|(_, total)| total.parse::<u64>().ok());
+        let body = out
+            .body
+            .collect()
+            .await
+            .map_err(|e| {
+                Error::backend(format!(
+                    "reading a range of checkpoint {key:?} from S3 failed: {e}"
+                ))
+            })?
+            .into_bytes();
+        let Some(total) = total else {
+            // A server that ignored the range sent the whole object.
+            return Err(Error::backend(format!(
+                "S3 answered a ranged read of {key:?} without a Content-Range"
+            )));
+        };
+        let content = match recorded {
+            RecordedHash::Trailer => total.saturating_sub(SHA256_TRAILER_LEN as u64),
+            RecordedHash::Metadata(_) => total,
+        };
+        if range.end > content {
+            return Err(range_past_end(key, &range, content));
+        }
+        if body.len() as u64 != range.end - range.start {
+            return Err(Error::backend(format!(
+                "S3 answered {} bytes for range {}..{} of {key:?}",
+                body.len(),
+                range.start,
+                range.end
+            )));
+        }
+        Ok(body)
     }
 
     async fn head(&self, key: &str) -> Result<ObjectMeta> {

@@ -64,6 +64,58 @@ pub trait CheckpointStore: MaybeSend + MaybeSync + std::fmt::Debug {
 
     /// Remove an object. Removing an absent key is not an error.
     async fn delete(&self, key: &str) -> Result<()>;
+
+    /// Bytes `range` of an object's content, which must lie within it
+    /// (`InvalidInput` otherwise; `NotFound` if the object is absent). The
+    /// object's recorded hash covers the whole content, so a range is **not
+    /// verified**: the caller checks what it reads (a tree checkpoint hashes
+    /// every chunk it reads out of a pack). The default reads the object
+    /// from the start and keeps the range; a store that can ask for the
+    /// range alone (S3's `Range` header) overrides it.
+    async fn get_range(&self, key: &str, range: std::ops::Range<u64>) -> Result<Bytes> {
+        check_range(key, &range)?;
+        let mut body = self.get(key).await?;
+        let mut at = 0u64;
+        let mut out = BytesMut::with_capacity((range.end - range.start) as usize);
+        while at < range.end {
+            let Some(chunk) = body.next().await else {
+                break;
+            };
+            let chunk = chunk?;
+            let end = at + chunk.len() as u64;
+            if end > range.start {
+                let from = range.start.saturating_sub(at) as usize;
+                let to = (range.end.min(end) - at) as usize;
+                out.extend_from_slice(&chunk[from..to]);
+            }
+            at = end;
+        }
+        if (out.len() as u64) < range.end - range.start {
+            return Err(range_past_end(key, &range, at));
+        }
+        Ok(out.freeze())
+    }
+}
+
+/// A range a store can be asked for: not reversed. (An empty range is
+/// allowed and answers no bytes.)
+pub fn check_range(key: &str, range: &std::ops::Range<u64>) -> Result<()> {
+    validate_key(key)?;
+    if range.start > range.end {
+        return Err(Error::invalid(format!(
+            "range {}..{} of {key:?} is reversed",
+            range.start, range.end
+        )));
+    }
+    Ok(())
+}
+
+/// The error for a range that ends past an object of `size` bytes.
+pub fn range_past_end(key: &str, range: &std::ops::Range<u64>, size: u64) -> Error {
+    Error::invalid(format!(
+        "range {}..{} is past the end of {key:?} ({size} bytes)",
+        range.start, range.end
+    ))
 }
 
 /// Longest checkpoint key, in bytes.
@@ -513,6 +565,21 @@ impl CheckpointStore for MemoryCheckpointStore {
             meta.key,
             meta.sha256,
         ))
+    }
+
+    async fn get_range(&self, key: &str, range: std::ops::Range<u64>) -> Result<Bytes> {
+        check_range(key, &range)?;
+        let bytes = self
+            .objects
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(key)
+            .map(|(bytes, _)| bytes.clone())
+            .ok_or_else(|| Error::not_found(format!("no checkpoint under key {key:?}")))?;
+        if range.end > bytes.len() as u64 {
+            return Err(range_past_end(key, &range, bytes.len() as u64));
+        }
+        Ok(bytes.slice(range.start as usize..range.end as usize))
     }
 
     async fn head(&self, key: &str) -> Result<ObjectMeta> {

@@ -268,3 +268,49 @@ async fn checkpoint_suite_catches_a_partial_put() {
         .unwrap_err();
     assert!(err.to_string().contains("previous object changed"), "{err}");
 }
+
+/// A store whose ranged read includes the byte after the range (a
+/// plausible bug: an inclusive `Range` header end taken as exclusive).
+#[derive(Debug, Default)]
+struct RangeOneTooLong {
+    inner: MemoryCheckpointStore,
+}
+
+#[async_trait]
+impl CheckpointStore for RangeOneTooLong {
+    async fn put(&self, key: &str, content: ByteStream) -> harness_core::Result<ObjectMeta> {
+        self.inner.put(key, content).await
+    }
+    async fn get(&self, key: &str) -> harness_core::Result<ByteStream> {
+        self.inner.get(key).await
+    }
+    async fn head(&self, key: &str) -> harness_core::Result<ObjectMeta> {
+        self.inner.head(key).await
+    }
+    async fn list(&self, prefix: &str) -> harness_core::Result<Vec<ObjectMeta>> {
+        self.inner.list(prefix).await
+    }
+    async fn delete(&self, key: &str) -> harness_core::Result<()> {
+        self.inner.delete(key).await
+    }
+    async fn get_range(
+        &self,
+        key: &str,
+        range: std::ops::Range<u64>,
+    ) -> harness_core::Result<bytes::Bytes> {
+        let size = self.inner.head(key).await?.size;
+        let end = (range.end + 1).min(size).max(range.end);
+        self.inner.get_range(key, range.start..end).await
+    }
+}
+
+#[tokio::test]
+async fn checkpoint_suite_catches_a_range_one_byte_too_long() {
+    let err = checkpoint::ranged_reads(Arc::new(RangeOneTooLong::default()))
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("that differ from the content"),
+        "{err}"
+    );
+}

@@ -123,6 +123,7 @@ where
         .await
         .context("key_length_limit_is_exact")?;
     empty_object(store().await).await.context("empty_object")?;
+    ranged_reads(store().await).await.context("ranged_reads")?;
     corruption_is_detected_on_read(factory().await)
         .await
         .context("corruption_is_detected_on_read")?;
@@ -164,6 +165,60 @@ pub async fn streamed_multi_chunk(store: Arc<dyn CheckpointStore>) -> Result<()>
         n == len && got == want,
         "read back {n} bytes with hash {got}"
     );
+    Ok(())
+}
+
+/// `get_range` answers exactly the bytes asked, at the start, inside and at
+/// the very end of a small object and of a multi-chunk one (several MiB:
+/// a multipart object on S3, whose stored bytes end with a hash trailer
+/// that no range may reach); a range past the end is `InvalidInput`, a missing
+/// key `NotFound`, an empty range no bytes.
+pub async fn ranged_reads(store: Arc<dyn CheckpointStore>) -> Result<()> {
+    let small = Bytes::from_static(b"0123456789abcdef");
+    store
+        .put("ranges/small", stream::once(small.clone()))
+        .await?;
+    let len = 12 * 1024 * 1024 + 123;
+    let big = stream::collect(generated(len, 65_537, 11), len as usize + 1).await?;
+    store.put("ranges/big", stream::once(big.clone())).await?;
+    for (key, content) in [("ranges/small", &small), ("ranges/big", &big)] {
+        let n = content.len() as u64;
+        let mut ranges = vec![0..1, 0..n, n - 1..n, n / 3..n / 2, 3..4];
+        if n > 9_000_000 {
+            // Across the first part's end and inside the last part.
+            ranges.extend([8 * 1024 * 1024 - 5..8 * 1024 * 1024 + 5, n - 1000..n - 10]);
+        }
+        for r in ranges {
+            let got = store.get_range(key, r.clone()).await?;
+            ensure!(
+                got[..] == content[r.start as usize..r.end as usize],
+                "get_range({key}, {r:?}) gave {} bytes that differ from the content",
+                got.len()
+            );
+        }
+        let empty = store.get_range(key, 5..5).await?;
+        ensure!(
+            empty.is_empty(),
+            "an empty range gave {} bytes",
+            empty.len()
+        );
+        for past in [n - 1..n + 1, n..n + 1, n + 10..n + 20] {
+            match store.get_range(key, past.clone()).await {
+                Err(e) if e.kind() == ErrorKind::InvalidInput => {}
+                other => bail!(
+                    "get_range({key}, {past:?}) past the end ({n} bytes) must be InvalidInput, got {:?}",
+                    other.map(|b| b.len())
+                ),
+            }
+        }
+    }
+    match store.get_range("ranges/never", 0..1).await {
+        Err(e) if e.kind() == ErrorKind::NotFound => {}
+        other => bail!(
+            "get_range of a missing key must be NotFound, got {:?}",
+            other.map(|b| b.len())
+        ),
+    }
     Ok(())
 }
 
