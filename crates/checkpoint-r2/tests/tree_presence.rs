@@ -1,9 +1,12 @@
-//! How a tree checkpoint learns which chunks the store already holds: a
-//! `HEAD` per chunk for the first few hundred, then one listing of the
-//! store's blob keys (256 prefix listings) instead of a `HEAD` per chunk,
-//! unless the store holds too many blobs to list. Every request is counted
-//! on a store that wraps the memory store, and each way ends in a tree
-//! that restores byte for byte. Local sandboxes: runs everywhere.
+//! How a tree checkpoint learns which chunks the store already holds, and
+//! how small files travel in packs: a run with many small files to store
+//! lists the store (256 prefix listings of blob keys, and the packs'
+//! indexes) instead of a `HEAD` per chunk, and writes their chunks into
+//! packs, a restore reads runs of them with one ranged `GET` each; a run
+//! with a few stores blobs and asks with `HEAD`s, as a store too large to
+//! list is asked. Every request is counted on a store that wraps the
+//! memory store, and each way ends in a tree that restores byte for byte.
+//! Local sandboxes: runs everywhere.
 
 mod common;
 
@@ -18,21 +21,23 @@ use harness_core::checkpoint::{CheckpointStore, MemoryCheckpointStore, ObjectMet
 use harness_core::sandbox::Sandbox;
 use harness_core::stream::ByteStream;
 use harness_core::tree_checkpoint::{
-    checkpoint_tree, collect_garbage, restore_tree, TreeCheckpointInfo, BLOB_PREFIX,
+    blob_key, checkpoint_tree, collect_garbage, forget_kept, pack_index_key, pack_key,
+    read_manifest, restore_tree, TreeCheckpointInfo, BLOB_PREFIX, PACK_PREFIX,
 };
+use harness_core::ErrorKind;
 use sandbox_local::LocalProvider;
 
-/// The `HEAD`s a checkpoint asks before it lists the store instead
-/// (`HEADS_BEFORE_LISTING` in `harness_core::tree_checkpoint`).
-const HEADS_BEFORE_LISTING: u64 = 256;
-/// Files in the tree: well past [`HEADS_BEFORE_LISTING`].
+/// Files in the tree: well past the 64 small chunks from which a run
+/// packs, and the 256 chunks from which a restore lists the store.
 const FILES: usize = 600;
 
-/// Requests on blob keys, by kind.
+/// Requests on one kind of key, by kind.
 #[derive(Debug, Default)]
 struct Counts {
     heads: AtomicU64,
     puts: AtomicU64,
+    gets: AtomicU64,
+    ranged_gets: AtomicU64,
     listings: AtomicU64,
     full_listings: AtomicU64,
 }
@@ -41,13 +46,16 @@ struct Counts {
 struct CountingStore {
     inner: MemoryCheckpointStore,
     blobs: Counts,
+    packs: Counts,
 }
 
-/// The counts at one moment.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The counts of one kind of key at one moment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct Tally {
     heads: u64,
     puts: u64,
+    gets: u64,
+    ranged_gets: u64,
     listings: u64,
     full_listings: u64,
 }
@@ -58,50 +66,93 @@ impl Tally {
         Tally {
             heads: self.heads - before.heads,
             puts: self.puts - before.puts,
+            gets: self.gets - before.gets,
+            ranged_gets: self.ranged_gets - before.ranged_gets,
             listings: self.listings - before.listings,
             full_listings: self.full_listings - before.full_listings,
         }
     }
 }
 
-impl CountingStore {
+impl Counts {
     fn tally(&self) -> Tally {
-        let c = &self.blobs;
         Tally {
-            heads: c.heads.load(Ordering::SeqCst),
-            puts: c.puts.load(Ordering::SeqCst),
-            listings: c.listings.load(Ordering::SeqCst),
-            full_listings: c.full_listings.load(Ordering::SeqCst),
+            heads: self.heads.load(Ordering::SeqCst),
+            puts: self.puts.load(Ordering::SeqCst),
+            gets: self.gets.load(Ordering::SeqCst),
+            ranged_gets: self.ranged_gets.load(Ordering::SeqCst),
+            listings: self.listings.load(Ordering::SeqCst),
+            full_listings: self.full_listings.load(Ordering::SeqCst),
         }
     }
 }
 
-fn count(key: &str, counter: &AtomicU64) {
-    if key.starts_with(BLOB_PREFIX) {
-        counter.fetch_add(1, Ordering::SeqCst);
+/// Blob and pack requests at one moment.
+#[derive(Debug, Clone, Copy)]
+struct Tallies {
+    blobs: Tally,
+    packs: Tally,
+}
+
+impl Tallies {
+    fn since(self, before: Tallies) -> Tallies {
+        Tallies {
+            blobs: self.blobs.since(before.blobs),
+            packs: self.packs.since(before.packs),
+        }
+    }
+}
+
+impl CountingStore {
+    fn tally(&self) -> Tallies {
+        Tallies {
+            blobs: self.blobs.tally(),
+            packs: self.packs.tally(),
+        }
+    }
+
+    /// The counter of `key`'s kind, if it is a blob or pack key.
+    fn count(&self, key: &str, which: fn(&Counts) -> &AtomicU64) {
+        let counts = if key.starts_with(BLOB_PREFIX) {
+            &self.blobs
+        } else if key.starts_with(PACK_PREFIX) {
+            &self.packs
+        } else {
+            return;
+        };
+        which(counts).fetch_add(1, Ordering::SeqCst);
     }
 }
 
 #[async_trait]
 impl CheckpointStore for CountingStore {
     async fn put(&self, key: &str, content: ByteStream) -> harness_core::Result<ObjectMeta> {
-        count(key, &self.blobs.puts);
+        self.count(key, |c| &c.puts);
         self.inner.put(key, content).await
     }
     async fn get(&self, key: &str) -> harness_core::Result<ByteStream> {
+        self.count(key, |c| &c.gets);
         self.inner.get(key).await
     }
+    async fn get_range(
+        &self,
+        key: &str,
+        range: std::ops::Range<u64>,
+    ) -> harness_core::Result<Bytes> {
+        self.count(key, |c| &c.ranged_gets);
+        self.inner.get_range(key, range).await
+    }
     async fn head(&self, key: &str) -> harness_core::Result<ObjectMeta> {
-        count(key, &self.blobs.heads);
+        self.count(key, |c| &c.heads);
         self.inner.head(key).await
     }
     async fn list(&self, prefix: &str) -> harness_core::Result<Vec<ObjectMeta>> {
         // The listing with hashes: a request per object on S3.
-        count(prefix, &self.blobs.full_listings);
+        self.count(prefix, |c| &c.full_listings);
         self.inner.list(prefix).await
     }
     async fn list_keys(&self, prefix: &str) -> harness_core::Result<Vec<String>> {
-        count(prefix, &self.blobs.listings);
+        self.count(prefix, |c| &c.listings);
         self.inner.list_keys(prefix).await
     }
     async fn delete(&self, key: &str) -> harness_core::Result<()> {
@@ -178,32 +229,53 @@ async fn assert_restores(store: &CountingStore, key: &str, provider: &LocalProvi
     b.destroy().await.unwrap();
 }
 
+/// The packs a stored manifest names.
+async fn packs_of(store: &CountingStore, key: &str) -> Vec<String> {
+    read_manifest(store, key).await.unwrap().unwrap().packs
+}
+
 #[tokio::test]
-async fn a_large_first_checkpoint_lists_the_store_instead_of_asking_per_chunk() {
+async fn many_small_files_travel_in_a_pack_and_restore_with_one_ranged_read() {
     let root = tempfile::tempdir().unwrap();
     let provider = LocalProvider::new(root.path());
     let store = CountingStore::default();
 
-    // An empty store: 256 HEADs, then the listing; every chunk uploaded.
+    // An empty store: the run lists it (no HEAD per chunk) and packs
+    // every chunk; no blob is written.
     let a = fresh_local(&provider).await;
     write_tree(Path::new(a.workdir()), &[]);
     let first = first_checkpoint(&store, a.as_ref(), "trees/a").await;
     let counted = store.tally();
     assert_eq!(first.chunks_uploaded, FILES as u64);
-    assert_eq!(counted.puts, FILES as u64, "one put per chunk");
+    assert_eq!(counted.blobs.puts, 0, "no blob for a small file");
+    assert_eq!(counted.blobs.heads, 0, "the store is listed instead");
     assert_eq!(
-        counted.heads, HEADS_BEFORE_LISTING,
-        "a HEAD per chunk until the store is listed"
-    );
-    assert_eq!(
-        counted.listings, 256,
+        counted.blobs.listings, 256,
         "one listing per two-hex-digit prefix"
     );
-    assert_eq!(counted.full_listings, 0, "no listing with hashes");
-    assert_restores(&store, "trees/a", &provider, Path::new(a.workdir())).await;
+    assert_eq!(counted.packs.listings, 1, "and one of the packs");
+    assert_eq!(counted.packs.puts, 2, "one pack and its index");
+    assert_eq!(counted.blobs.full_listings + counted.packs.full_listings, 0);
+    let packs = packs_of(&store, "trees/a").await;
+    assert_eq!(packs.len(), 1, "{packs:?}");
+    let pack = &packs[0];
+    assert!(store.inner.head(&pack_key(pack)).await.is_ok());
+    assert!(store.inner.head(&pack_index_key(pack)).await.is_ok());
 
-    // Another sandbox, the same files and one more, no parent: what the
-    // store holds is found, through HEADs and then the listing alike.
+    // A restore in a new process: the index is read from the store, and
+    // the 600 chunks come out of one ranged read.
+    forget_kept();
+    let before = store.tally();
+    assert_restores(&store, "trees/a", &provider, Path::new(a.workdir())).await;
+    let counted = store.tally().since(before);
+    assert_eq!(counted.packs.gets, 1, "the pack's index");
+    assert_eq!(counted.packs.ranged_gets, 1, "one read for all 600 chunks");
+    assert_eq!(counted.packs.heads, 1, "the pack is there, and whole");
+    assert_eq!(counted.blobs.gets + counted.blobs.ranged_gets, 0);
+
+    // Another sandbox, the same files and one more, no parent: the packed
+    // chunks are found through the packs' indexes, and the one new chunk
+    // (too few to pack) goes up as a blob.
     let b = fresh_local(&provider).await;
     write_tree(Path::new(b.workdir()), &["new.txt"]);
     let before = store.tally();
@@ -211,37 +283,199 @@ async fn a_large_first_checkpoint_lists_the_store_instead_of_asking_per_chunk() 
     let counted = store.tally().since(before);
     assert_eq!(second.files_read, FILES as u64 + 1);
     assert_eq!(second.chunks_uploaded, 1, "only the new file's chunk");
-    assert_eq!(counted.puts, 1);
-    assert_eq!(counted.heads, HEADS_BEFORE_LISTING);
-    assert_eq!(counted.listings, 256);
+    assert_eq!(counted.blobs.puts, 1);
+    assert_eq!(counted.packs.puts, 0, "no new pack");
+    assert_eq!(
+        packs_of(&store, "trees/b").await,
+        packs,
+        "the manifest names the pack that holds its chunks"
+    );
+    forget_kept();
     assert_restores(&store, "trees/b", &provider, Path::new(b.workdir())).await;
 
-    // A restore of 601 chunks lists the store too, instead of 601 HEADs;
-    // with one blob gone it is refused before anything is written.
-    let gone = harness_core::tree_checkpoint::blob_key(&sha256_hex(b"extra new.txt\n"));
+    // With the blob gone, or the pack, or the pack replaced by other
+    // bytes, a restore is refused before anything is written.
+    let gone = blob_key(&sha256_hex(b"extra new.txt\n"));
+    let blob = store
+        .inner
+        .get_range(&gone, 0..store.inner.head(&gone).await.unwrap().size);
+    let blob = blob.await.unwrap();
     store.inner.delete(&gone).await.unwrap();
     let c = fresh_local(&provider).await;
     let target = format!("{}/restored", c.workdir());
-    let before = store.tally();
-    let refused = restore_tree(&store, "trees/b", c.as_ref(), &target, None).await;
-    let counted = store.tally().since(before);
-    let err = refused.expect_err("a restore with a blob gone");
-    assert_eq!(err.kind(), harness_core::ErrorKind::NotFound, "{err}");
+    let err = restore_tree(&store, "trees/b", c.as_ref(), &target, None)
+        .await
+        .expect_err("a restore with a blob gone");
+    assert_eq!(err.kind(), ErrorKind::NotFound, "{err}");
     assert!(
         err.to_string().contains(&gone),
         "the error names the blob: {err}"
     );
-    assert_eq!(counted.listings, 256, "the store was listed");
-    assert_eq!(counted.heads, 0, "no HEAD per chunk");
     assert!(!Path::new(&target).exists(), "nothing was written");
+    store
+        .inner
+        .put(&gone, harness_core::stream::once(blob))
+        .await
+        .unwrap();
+
+    let pack_bytes = store
+        .inner
+        .get_range(
+            &pack_key(pack),
+            0..store.inner.head(&pack_key(pack)).await.unwrap().size,
+        )
+        .await
+        .unwrap();
+    store.inner.delete(&pack_key(pack)).await.unwrap();
+    let err = restore_tree(&store, "trees/b", c.as_ref(), &target, None)
+        .await
+        .expect_err("a restore with its pack gone");
+    assert_eq!(err.kind(), ErrorKind::NotFound, "{err}");
+    assert!(
+        err.to_string().contains(&pack_key(pack)),
+        "the error names the pack: {err}"
+    );
+    assert!(!Path::new(&target).exists(), "nothing was written");
+
+    let mut other = pack_bytes.to_vec();
+    other[0] ^= 1;
+    store
+        .inner
+        .put(&pack_key(pack), harness_core::stream::once(other))
+        .await
+        .unwrap();
+    let err = restore_tree(&store, "trees/b", c.as_ref(), &target, None)
+        .await
+        .expect_err("a restore with its pack replaced");
+    assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
+    assert!(!Path::new(&target).exists(), "nothing was written");
+    store
+        .inner
+        .put(&pack_key(pack), harness_core::stream::once(pack_bytes))
+        .await
+        .unwrap();
+
+    // Garbage collection keeps the pack while a manifest names it, and
+    // deletes it with its index when none does.
+    let clock = wall_clock();
+    let gc = collect_garbage(&store, &clock).await.unwrap();
+    assert_eq!(
+        (gc.packs_kept, gc.packs_deleted, gc.blobs_deleted),
+        (1, 0, 0)
+    );
+    store.inner.delete("trees/a").await.unwrap();
+    let gc = collect_garbage(&store, &clock).await.unwrap();
+    assert_eq!(
+        (gc.packs_kept, gc.packs_deleted),
+        (1, 0),
+        "trees/b names it too"
+    );
+    store.inner.delete("trees/b").await.unwrap();
+    let gc = collect_garbage(&store, &clock).await.unwrap();
+    assert_eq!((gc.packs_deleted, gc.blobs_deleted), (1, 1));
+    assert!(store.inner.list_keys(PACK_PREFIX).await.unwrap().is_empty());
     a.destroy().await.unwrap();
     b.destroy().await.unwrap();
     c.destroy().await.unwrap();
 }
 
-fn sha256_hex(bytes: &[u8]) -> String {
-    use sha2::Digest;
-    hex::encode(sha2::Sha256::digest(bytes))
+/// `n` bytes no compressor shrinks (xorshift from `seed`).
+fn noise(n: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn packs_are_cut_at_their_size_and_read_in_bounded_ranges() {
+    let root = tempfile::tempdir().unwrap();
+    let provider = LocalProvider::new(root.path());
+    let store = CountingStore::default();
+    // 100 files of 100 KiB of noise: ~10 MiB of chunks, more than one
+    // 8 MiB pack, and more than two 4 MiB reads.
+    let a = fresh_local(&provider).await;
+    for i in 0..100u64 {
+        let path = Path::new(a.workdir()).join(format!("n{i:03}.bin"));
+        std::fs::write(path, noise(100 * 1024, i + 1)).unwrap();
+    }
+    let info = first_checkpoint(&store, a.as_ref(), "trees/noise").await;
+    assert_eq!(info.chunks_uploaded, 100);
+    assert_eq!(store.tally().blobs.puts, 0);
+    let packs = packs_of(&store, "trees/noise").await;
+    assert_eq!(packs.len(), 2, "sealed at 8 MiB: {packs:?}");
+    forget_kept();
+    let before = store.tally();
+    assert_restores(&store, "trees/noise", &provider, Path::new(a.workdir())).await;
+    let reads = store.tally().since(before).packs.ranged_gets;
+    // 10 MiB in reads of at most 4 MiB, one pack's tail a read of its own.
+    assert!((3..=4).contains(&reads), "{reads} ranged reads");
+    a.destroy().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_few_changed_files_go_up_as_blobs_and_restore_without_the_packs() {
+    let root = tempfile::tempdir().unwrap();
+    let provider = LocalProvider::new(root.path());
+    let store = CountingStore::default();
+    let a = fresh_local(&provider).await;
+    write_tree(Path::new(a.workdir()), &[]);
+    first_checkpoint(&store, a.as_ref(), "trees/1").await;
+    let b = fresh_local(&provider).await;
+    restore_tree(&store, "trees/1", b.as_ref(), b.workdir(), None)
+        .await
+        .unwrap();
+    for name in ["even/f000.txt", "odd/f001.txt", "odd/f003.txt"] {
+        std::fs::write(
+            Path::new(a.workdir()).join(name),
+            format!("changed {name}\n"),
+        )
+        .unwrap();
+    }
+    let before = store.tally();
+    let info = checkpoint_tree(
+        a.as_ref(),
+        a.workdir(),
+        &store,
+        "trees/2",
+        Some("trees/1"),
+        &wall_clock(),
+        None,
+    )
+    .await
+    .unwrap();
+    let counted = store.tally().since(before);
+    assert_eq!(info.chunks_uploaded, 3);
+    assert_eq!(counted.blobs.puts, 3, "three blobs");
+    assert_eq!(counted.packs.puts, 0, "no pack for three files");
+    assert_eq!(counted.blobs.listings, 0, "no listing for three files");
+    assert_eq!(
+        packs_of(&store, "trees/2").await,
+        packs_of(&store, "trees/1").await,
+        "the parent's pack still holds the unchanged files"
+    );
+    // Onto the state of its parent, in a new process: three blobs, no
+    // pack index read.
+    forget_kept();
+    let before = store.tally();
+    let restored = restore_tree(&store, "trees/2", b.as_ref(), b.workdir(), None)
+        .await
+        .unwrap();
+    let counted = store.tally().since(before);
+    assert_eq!(restored.written, 3);
+    assert_eq!(counted.blobs.gets, 3);
+    assert_eq!(counted.packs.gets + counted.packs.ranged_gets, 0);
+    assert_eq!(
+        snapshot(Path::new(b.workdir())),
+        snapshot(Path::new(a.workdir()))
+    );
+    a.destroy().await.unwrap();
+    b.destroy().await.unwrap();
 }
 
 #[tokio::test]
@@ -268,25 +502,39 @@ async fn a_store_too_large_to_list_is_asked_per_chunk_and_collected_by_keys() {
     let info = first_checkpoint(&store, a.as_ref(), "trees/a").await;
     let counted = store.tally();
     assert_eq!(info.chunks_uploaded, FILES as u64);
-    assert_eq!(counted.puts, FILES as u64);
     assert_eq!(
-        counted.heads, FILES as u64,
+        counted.blobs.heads, FILES as u64,
         "a HEAD per chunk once the listing is given up"
     );
     assert!(
-        (1..=256).contains(&counted.listings),
+        (1..=256).contains(&counted.blobs.listings),
         "the listing was tried, and given up: {} prefix listings",
-        counted.listings
+        counted.blobs.listings
     );
-    assert_eq!(counted.full_listings, 0);
+    assert_eq!(
+        counted.blobs.puts, 0,
+        "the chunks the store lacks are packed"
+    );
+    assert_eq!(counted.packs.puts, 2);
+    assert_eq!(counted.blobs.full_listings, 0);
     assert_restores(&store, "trees/a", &provider, Path::new(a.workdir())).await;
 
     // Garbage collection finds the blobs by their keys, and deletes only
     // the ones no manifest names.
     let gc = collect_garbage(&store, &clock).await.unwrap();
-    assert_eq!((gc.blobs_deleted, gc.blobs_kept), (2049, FILES as u64));
+    assert_eq!((gc.blobs_deleted, gc.blobs_kept), (2049, 0));
+    assert_eq!((gc.packs_kept, gc.packs_deleted), (1, 0));
     assert_eq!(gc.bytes_freed, 2049, "the deleted blobs' sizes");
-    assert_eq!(store.tally().full_listings, 0, "no listing with hashes");
+    assert_eq!(
+        store.tally().blobs.full_listings,
+        0,
+        "no listing with hashes"
+    );
     assert_restores(&store, "trees/a", &provider, Path::new(a.workdir())).await;
     a.destroy().await.unwrap();
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(bytes))
 }

@@ -802,16 +802,21 @@ async fn restore_tree(home: &Home, args: RestoreArgs) -> Result<()> {
 }
 
 /// Run `harness ls`.
-/// `harness gc`: delete the content blobs no tree checkpoint in the store
-/// references.
+/// `harness gc`: delete the content blobs and packs no tree checkpoint in
+/// the store references.
 pub async fn gc(args: GcArgs) -> Result<()> {
     let store = args.store.open().await?;
     let info = harness::core::tree_checkpoint::collect_garbage(&store, &SystemClock)
         .await
         .context("collecting unreferenced blobs")?;
     println!(
-        "{} tree checkpoints reference {} blobs; deleted {} unreferenced blobs ({} bytes)",
-        info.manifests, info.blobs_kept, info.blobs_deleted, info.bytes_freed
+        "{} tree checkpoints reference {} blobs and {} packs; deleted {} unreferenced blobs and {} packs ({} bytes)",
+        info.manifests,
+        info.blobs_kept,
+        info.packs_kept,
+        info.blobs_deleted,
+        info.packs_deleted,
+        info.bytes_freed
     );
     Ok(())
 }

@@ -85,12 +85,21 @@ use crate::stream::ByteStream;
 use crate::tarscan::{ScanSummary, TarEntry, TarItem, TarKind, TarScanner};
 use crate::{Error, ErrorKind, Result};
 
+mod packs;
+pub use packs::{index_key as pack_index_key, pack_key};
+use packs::{
+    PackIndex, PackWriter, PACK_MIN_BYTES, PACK_MIN_CHUNKS, PACK_READ_MAX, PACK_TARGET_BYTES,
+};
+
 /// The manifest's `format`, and the prefix a manifest object starts with.
 pub const FORMAT: &str = "harness-tree/1";
 /// Where blobs live in a store.
 pub const BLOB_PREFIX: &str = "blobs/";
 /// Where checkpoint and garbage-collection locks live in a store.
 pub const LOCK_PREFIX: &str = "locks/";
+/// Where packs (many small files' chunks in one object) and their indexes
+/// live in a store.
+pub const PACK_PREFIX: &str = "packs/";
 /// A lock older than this is a crashed holder's and is ignored.
 pub const LOCK_TTL_MS: u64 = 60 * 60 * 1000;
 
@@ -136,6 +145,11 @@ pub struct TreeManifest {
     /// (without their chunks).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub deleted: Vec<TreeEntry>,
+    /// The packs (their ids: the SHA-256 of each pack object) that may
+    /// hold this manifest's chunks: a chunk is a blob of its own, or in
+    /// one of these ([`PACK_PREFIX`]). Garbage collection keeps them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub packs: Vec<String>,
 }
 
 /// The kind of a [`TreeEntry`].
@@ -240,6 +254,15 @@ impl TreeEntry {
             }
         }
     }
+}
+
+/// Forget the manifests and pack indexes this process keeps, as a new
+/// process would start: for tests and benchmarks of what a restore in
+/// another process reads.
+#[doc(hidden)]
+pub fn forget_kept() {
+    known::clear();
+    packs::forget_kept();
 }
 
 /// The key a blob of hash `hash` is stored under.
@@ -480,6 +503,11 @@ mod known {
         Arc::try_unwrap(manifest)
     }
 
+    /// Keep nothing.
+    pub(super) fn clear() {
+        kept().lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+
     /// Keep `manifest` as the object whose SHA-256 is `sha`.
     pub(super) fn put(sha: &str, manifest: Arc<KnownManifest>) {
         let size = manifest.manifest.entries.len() + manifest.manifest.deleted.len();
@@ -533,9 +561,12 @@ pub async fn checkpoint_tree(
     progress: Option<Arc<dyn MoveProgress>>,
 ) -> Result<TreeCheckpointInfo> {
     validate_key(key)?;
-    if key.starts_with(BLOB_PREFIX) || key.starts_with(LOCK_PREFIX) {
+    if [BLOB_PREFIX, LOCK_PREFIX, PACK_PREFIX]
+        .iter()
+        .any(|p| key.starts_with(p))
+    {
         return Err(Error::invalid(format!(
-            "checkpoint key {key:?} is inside {BLOB_PREFIX} or {LOCK_PREFIX}, which tree checkpoints keep for themselves"
+            "checkpoint key {key:?} is inside {BLOB_PREFIX}, {PACK_PREFIX} or {LOCK_PREFIX}, which tree checkpoints keep for themselves"
         )));
     }
     // The lock is taken while the tree is listed and the parent's manifest
@@ -697,6 +728,9 @@ async fn checkpoint_locked(
                             plan.push(Slot::Parent(i as u32));
                         }
                         old => {
+                            if let Some((_, was)) = old {
+                                uploader.parent_at_paths.extend(was.chunks.iter().cloned());
+                            }
                             origins.push(NEW_ENTRY);
                             plan.push(Slot::Changed {
                                 old: old.map_or(NEW_ENTRY, |(i, _)| i as u32),
@@ -844,12 +878,22 @@ async fn checkpoint_locked(
     stats.deleted = deleted.len() as u64;
     stats.chunks_uploaded = uploader.uploaded;
     stats.bytes_uploaded = uploader.uploaded_bytes.load(Ordering::Relaxed);
+    // The parent's packs hold its chunks, which unchanged entries keep
+    // (and a chunk it had is not stored again); this run's packs and those
+    // it found chunks in hold the rest.
+    let mut packs = std::mem::take(&mut uploader.packs);
+    packs.extend(
+        parent_ref
+            .iter()
+            .flat_map(|p| p.manifest.packs.iter().cloned()),
+    );
     let manifest = TreeManifest {
         format: FORMAT.to_string(),
         parent: parent_key.map(str::to_string),
         listed_at,
         entries,
         deleted,
+        packs: packs.into_iter().collect(),
     };
     let (packed, frames) = encode_manifest(&manifest, &origins, parent_ref).await?;
     let manifest = Arc::new(KnownManifest::with_frames(manifest, frames));
@@ -1008,6 +1052,10 @@ async fn encode_manifest(
         tail.extend_from_slice(b",\"deleted\":");
         serde_json::to_writer(&mut tail, &manifest.deleted).map_err(encoding)?;
     }
+    if !manifest.packs.is_empty() {
+        tail.extend_from_slice(b",\"packs\":");
+        serde_json::to_writer(&mut tail, &manifest.packs).map_err(encoding)?;
+    }
     tail.push(b'}');
     object.extend_from_slice(&packed(tail).await?);
     if object.len() > MAX_MANIFEST_BYTES {
@@ -1094,6 +1142,12 @@ fn admit(manifest: &TreeManifest) -> Result<ScanSummary> {
     for entry in &manifest.deleted {
         crate::tarscan::normalize_entry_path(&entry.path)?;
     }
+    // A pack id becomes a key: nothing but a hash may name one.
+    if let Some(bad) = manifest.packs.iter().find(|p| !is_sha256_hex(p)) {
+        return Err(Error::corrupt(format!(
+            "manifest names a malformed pack id {bad:?}"
+        )));
+    }
     Ok(summary)
 }
 
@@ -1174,42 +1228,72 @@ async fn apply_manifest(
             "the checkpoint's content is incomplete in the store ({missing}); nothing was restored"
         ))
     };
-    // Many chunks: one listing of the store's blobs instead of a `HEAD`
-    // each (as a checkpoint does), unless the store is too large to list.
-    let stored_blobs = if unique.len() > HEADS_BEFORE_LISTING {
-        list_blob_hashes(store).await?
-    } else {
-        None
-    };
-    match stored_blobs {
-        Some(stored) => {
-            for hash in &unique {
-                let mut digest = [0u8; 32];
-                if hex::decode_to_slice(hash, &mut digest).is_err() || !stored.contains(&digest) {
-                    return Err(incomplete(&format!("{} is missing", blob_key(hash))));
-                }
+    // Where each chunk is: a pack of the manifest's, or a blob. Many
+    // chunks (a tree restored whole) are looked up in the packs first,
+    // then the rest in one listing of the blobs; a few (the files a
+    // checkpoint changed, stored as blobs) are asked with a `HEAD` first,
+    // and the packs' indexes read only for what is not a blob.
+    let mut unfound: Vec<&str> = unique.iter().copied().collect();
+    let mut located: HashMap<&str, Loc> = HashMap::new();
+    let mut indexes: Option<Vec<Arc<PackIndex>>> = None;
+    if !manifest.packs.is_empty() && unique.len() > HEADS_BEFORE_LISTING {
+        let read = packs::read_indexes(store, &manifest.packs).await?;
+        located = locate_in_packs(&read, &unfound);
+        unfound.retain(|h| !located.contains_key(h));
+        indexes = Some(read);
+    }
+    let mut missing = missing_blobs(store, &unfound).await?;
+    if !missing.is_empty() && !manifest.packs.is_empty() && indexes.is_none() {
+        let read = packs::read_indexes(store, &manifest.packs).await?;
+        let found = locate_in_packs(&read, &missing);
+        missing.retain(|h| !found.contains_key(h));
+        located.extend(found);
+        indexes = Some(read);
+    }
+    if let Some(first) = missing.first() {
+        return Err(incomplete(&format!("{} is missing", blob_key(first))));
+    }
+    // Every pack read from is there, is what its id names, and is long
+    // enough for its index.
+    let used: std::collections::BTreeSet<u32> = located.values().map(|l| l.pack).collect();
+    let mut heads = futures::stream::iter(used)
+        .map(|at| async move {
+            let id = &manifest.packs[at as usize];
+            (at, store.head(&pack_key(id)).await)
+        })
+        .buffer_unordered(IN_FLIGHT);
+    while let Some((at, head)) = heads.next().await {
+        let id = &manifest.packs[at as usize];
+        let meta = head.map_err(|e| {
+            if e.kind() == ErrorKind::NotFound {
+                incomplete(&format!("{} is missing", pack_key(id)))
+            } else {
+                e
             }
-        }
-        None => {
-            let mut heads = futures::stream::iter(unique)
-                .map(|hash| async move { store.head(&blob_key(hash)).await.map(|_| ()) })
-                .buffer_unordered(IN_FLIGHT);
-            while let Some(head) = heads.next().await {
-                head.map_err(|e| {
-                    if e.kind() == ErrorKind::NotFound {
-                        incomplete(e.message())
-                    } else {
-                        e
-                    }
-                })?;
-            }
+        })?;
+        let end = indexes.as_ref().map_or(0, |i| i[at as usize].end());
+        if meta.sha256 != *id || meta.size < end {
+            return Err(Error::corrupt(format!(
+                "pack {} holds {} bytes with SHA-256 {}, not the pack its index describes",
+                pack_key(id),
+                meta.size,
+                meta.sha256
+            )));
         }
     }
+    drop(heads);
     let bytes_written: u64 = needed.iter().map(|e| e.size).sum();
     let written = needed.len() as u64;
     if !needed.is_empty() {
         let (tx, rx) = futures::channel::mpsc::channel::<Result<Bytes>>(8);
-        let produce = produce_tar(store, &needed, tx, progress.clone());
+        let produce = produce_tar(
+            store,
+            &needed,
+            &located,
+            &manifest.packs,
+            tx,
+            progress.clone(),
+        );
         let import = sandbox.import_tar(dir, Box::pin(rx));
         let (produced, imported) = futures::join!(produce, import);
         // The producer's error is the cause when both failed.
@@ -1277,73 +1361,244 @@ fn check_chunks(entry: &TreeEntry) -> Result<()> {
     }
 }
 
+/// Where a chunk to restore lies in one of the manifest's packs (`pack`:
+/// its position in `packs`).
+#[derive(Debug, Clone, Copy)]
+struct Loc {
+    pack: u32,
+    offset: u64,
+    end: u64,
+}
+
+/// The packed chunks among `wanted` (hex hashes), from `indexes` (the
+/// manifest's packs' indexes, in its order).
+fn locate_in_packs<'h>(indexes: &[Arc<PackIndex>], wanted: &[&'h str]) -> HashMap<&'h str, Loc> {
+    let by_digest: HashMap<[u8; 32], &str> = wanted
+        .iter()
+        .filter_map(|h| chunk_bytes(h).map(|d| (d, *h)))
+        .collect();
+    let mut found = HashMap::new();
+    for (at, index) in indexes.iter().enumerate() {
+        for c in &index.chunks {
+            if let Some(&hash) = by_digest.get(&c.hash) {
+                found.entry(hash).or_insert(Loc {
+                    pack: at as u32,
+                    offset: c.offset,
+                    end: c.end(),
+                });
+            }
+        }
+    }
+    found
+}
+
+/// Which of `hashes` the store holds no blob of: one listing of the blobs
+/// for many (unless the store is too large to list), a `HEAD` each for a
+/// few.
+async fn missing_blobs<'h>(
+    store: &dyn CheckpointStore,
+    hashes: &[&'h str],
+) -> Result<Vec<&'h str>> {
+    let listed = if hashes.len() > HEADS_BEFORE_LISTING {
+        list_blob_hashes(store).await?
+    } else {
+        None
+    };
+    if let Some(stored) = listed {
+        return Ok(hashes
+            .iter()
+            .copied()
+            .filter(|h| !chunk_bytes(h).is_some_and(|d| stored.contains(&d)))
+            .collect());
+    }
+    let mut heads = futures::stream::iter(hashes.iter().copied())
+        .map(|hash| async move {
+            match store.head(&blob_key(hash)).await {
+                Ok(_) => Ok(None),
+                Err(e) if e.kind() == ErrorKind::NotFound => Ok(Some(hash)),
+                Err(e) => Err(e),
+            }
+        })
+        .buffer_unordered(IN_FLIGHT);
+    let mut missing = Vec::new();
+    while let Some(answer) = heads.next().await {
+        missing.extend(answer?);
+    }
+    Ok(missing)
+}
+
+/// Gap between two packed chunks one read may span (read and dropped):
+/// cheaper than a second request.
+const PACK_READ_GAP: u64 = 64 * 1024;
+
 /// Send `entries` as a tar stream, chunks fetched ahead in order within
-/// [`IN_FLIGHT_BYTES`] and [`IN_FLIGHT`].
+/// [`IN_FLIGHT_BYTES`] and [`IN_FLIGHT`]. Directories go first (in path
+/// order, so each comes before what it holds), then the files whose
+/// content is packed in the order of the packs (so that runs of them are
+/// one ranged read each), then the rest in path order, symlinks last;
+/// the importer takes entries in any order once their directories exist.
 async fn produce_tar(
     store: &dyn CheckpointStore,
     entries: &[&TreeEntry],
+    located: &HashMap<&str, Loc>,
+    packs: &[String],
     mut tx: futures::channel::mpsc::Sender<Result<Bytes>>,
     progress: Option<Arc<dyn MoveProgress>>,
 ) -> Result<()> {
     enum Piece<'a> {
         Header(&'a TreeEntry),
-        /// A chunk's hash and its file's size.
-        Chunk(&'a str, u64),
+        /// A blob's hash.
+        Blob(&'a str),
+        /// A packed chunk's hash and where it is.
+        Packed(&'a str, Loc),
         Bytes(Bytes),
     }
-    let pieces = entries.iter().flat_map(|entry| {
-        let pad = (512 - (entry.size % 512) as usize) % 512;
-        std::iter::once(Piece::Header(entry))
-            .chain(
-                entry
-                    .chunks
-                    .iter()
-                    .map(|h| Piece::Chunk(h.as_str(), entry.size)),
-            )
-            .chain((pad > 0).then(|| Piece::Bytes(Bytes::from(vec![0u8; pad]))))
-    });
-    let mut pieces = pieces
-        .chain(std::iter::once(Piece::Bytes(Bytes::from(vec![0u8; 1024]))))
-        .peekable();
-    // Pieces in order, fetched ahead within the byte budget (a chunk costs
-    // at most its file's size and at most MAX_CHUNK).
-    let cost = |piece: &Piece<'_>| match piece {
-        Piece::Chunk(_, size) => (*size).min(MAX_CHUNK as u64),
-        _ => 0,
+    /// Pieces produced together: those of one ranged read of a pack
+    /// (`span`: the pack, start, end), or one blob, with headers and
+    /// padding around them.
+    struct Unit<'a> {
+        pieces: Vec<Piece<'a>>,
+        span: Option<(u32, u64, u64)>,
+        cost: u64,
+    }
+    let rank = |e: &TreeEntry| match e.kind {
+        TreeKind::Dir => (0, 0, 0),
+        TreeKind::File => match e.chunks.first().and_then(|h| located.get(h.as_str())) {
+            Some(l) => (1, l.pack, l.offset),
+            None => (2, 0, 0),
+        },
+        TreeKind::Symlink => (3, 0, 0),
     };
+    let mut ordered: Vec<&TreeEntry> = entries.to_vec();
+    // Stable: path order within each rank.
+    ordered.sort_by_key(|e| rank(e));
+    let mut units: Vec<Unit<'_>> = Vec::new();
+    let mut unit = Unit {
+        pieces: Vec::new(),
+        span: None,
+        cost: 0,
+    };
+    let fresh = || Unit {
+        pieces: Vec::new(),
+        span: None,
+        cost: 0,
+    };
+    for entry in &ordered {
+        unit.pieces.push(Piece::Header(entry));
+        for hash in &entry.chunks {
+            // A chunk costs at most its file's size and at most MAX_CHUNK.
+            let raw = entry.size.min(MAX_CHUNK as u64);
+            match located.get(hash.as_str()) {
+                Some(&loc) => {
+                    let joins = match &mut unit.span {
+                        Some((pack, start, end)) if *pack == loc.pack => {
+                            if loc.offset >= *start && loc.end <= *end {
+                                true
+                            } else if loc.offset >= *end
+                                && loc.offset - *end <= PACK_READ_GAP
+                                && loc.end - *start <= PACK_READ_MAX
+                            {
+                                unit.cost += loc.end - *end;
+                                *end = loc.end;
+                                true
+                            } else {
+                                false
+                            }
+                        }
+                        _ => false,
+                    };
+                    if !joins {
+                        if unit.span.is_some() || !unit.pieces.is_empty() {
+                            units.push(std::mem::replace(&mut unit, fresh()));
+                        }
+                        unit.span = Some((loc.pack, loc.offset, loc.end));
+                        unit.cost += loc.end - loc.offset;
+                    }
+                    unit.cost += raw;
+                    unit.pieces.push(Piece::Packed(hash, loc));
+                }
+                None => {
+                    units.push(std::mem::replace(&mut unit, fresh()));
+                    units.push(Unit {
+                        pieces: vec![Piece::Blob(hash)],
+                        span: None,
+                        cost: raw,
+                    });
+                }
+            }
+        }
+        let pad = (512 - (entry.size % 512) as usize) % 512;
+        if pad > 0 {
+            unit.pieces.push(Piece::Bytes(Bytes::from(vec![0u8; pad])));
+        }
+    }
+    unit.pieces.push(Piece::Bytes(Bytes::from(vec![0u8; 1024])));
+    units.push(unit);
+    async fn run(
+        store: &dyn CheckpointStore,
+        packs: &[String],
+        unit: Unit<'_>,
+    ) -> Result<Vec<Bytes>> {
+        let read = match unit.span {
+            Some((pack, start, end)) => {
+                let key = pack_key(&packs[pack as usize]);
+                Some((start, store.get_range(&key, start..end).await?))
+            }
+            None => None,
+        };
+        let mut out = Vec::with_capacity(unit.pieces.len());
+        for piece in unit.pieces {
+            out.push(match piece {
+                Piece::Header(entry) => tar_header(entry)?,
+                Piece::Bytes(b) => b,
+                Piece::Blob(hash) => fetch_chunk(store, hash).await?,
+                Piece::Packed(hash, loc) => {
+                    let (start, bytes) = read.as_ref().expect("a packed chunk's unit reads");
+                    let frame =
+                        bytes.slice((loc.offset - start) as usize..(loc.end - start) as usize);
+                    let id = &packs[loc.pack as usize];
+                    unpack_chunk(
+                        frame,
+                        hash,
+                        &format!("chunk {hash} of pack {}", pack_key(id)),
+                    )
+                    .await?
+                }
+            });
+        }
+        Ok(out)
+    }
+    // Units in order, run ahead within the byte and request budgets.
+    let mut units = units.into_iter().peekable();
     let mut running = futures::stream::FuturesOrdered::new();
     let mut costs = std::collections::VecDeque::new();
     let mut in_flight = 0u64;
     loop {
         while running.len() < IN_FLIGHT {
-            let Some(next) = pieces.peek() else { break };
-            let c = cost(next);
+            let Some(next) = units.peek() else { break };
+            let c = next.cost;
             if !running.is_empty() && in_flight + c > IN_FLIGHT_BYTES {
                 break;
             }
-            let piece = pieces.next().expect("peeked");
+            let unit = units.next().expect("peeked");
             in_flight += c;
             costs.push_back(c);
-            running.push_back(async move {
-                match piece {
-                    Piece::Header(entry) => tar_header(entry),
-                    Piece::Chunk(hash, _) => fetch_chunk(store, hash).await,
-                    Piece::Bytes(b) => Ok(b),
-                }
-            });
+            running.push_back(run(store, packs, unit));
         }
-        let Some(piece) = running.next().await else {
+        let Some(pieces) = running.next().await else {
             break;
         };
         in_flight -= costs.pop_front().unwrap_or(0);
-        match piece {
-            Ok(bytes) => {
-                if let Some(p) = &progress {
-                    p.advance(MovePhase::Import, bytes.len() as u64);
-                }
-                if tx.send(Ok(bytes)).await.is_err() {
-                    // The importer stopped; its error says why.
-                    return Ok(());
+        match pieces {
+            Ok(pieces) => {
+                for bytes in pieces {
+                    if let Some(p) = &progress {
+                        p.advance(MovePhase::Import, bytes.len() as u64);
+                    }
+                    if tx.send(Ok(bytes)).await.is_err() {
+                        // The importer stopped; its error says why.
+                        return Ok(());
+                    }
                 }
             }
             Err(e) => {
@@ -1418,13 +1673,23 @@ fn tar_header(entry: &TreeEntry) -> Result<Bytes> {
 /// One chunk's content, its hash checked.
 async fn fetch_chunk(store: &dyn CheckpointStore, hash: &str) -> Result<Bytes> {
     let key = blob_key(hash);
-    let body = decompress(store.get(&key).await?);
+    let body = store.get(&key).await?;
+    unpack_stream(body, hash, &format!("blob {key}")).await
+}
+
+/// A chunk's content out of its zstd frame, its hash checked (`what`
+/// names where it was read, for the error).
+async fn unpack_chunk(frame: Bytes, hash: &str, what: &str) -> Result<Bytes> {
+    unpack_stream(crate::stream::once(frame), hash, what).await
+}
+
+async fn unpack_stream(compressed: ByteStream, hash: &str, what: &str) -> Result<Bytes> {
     // A chunk is at most MAX_CHUNK: a blob that inflates past it is refused.
-    let content = crate::stream::collect(body, MAX_CHUNK).await?;
+    let content = crate::stream::collect(decompress(compressed), MAX_CHUNK).await?;
     let got = hex::encode(Sha256::digest(&content));
     if got != hash {
         return Err(Error::corrupt(format!(
-            "blob {key} holds content with SHA-256 {got}"
+            "{what} holds content with SHA-256 {got}"
         )));
     }
     Ok(content)
@@ -1457,12 +1722,25 @@ const LISTINGS_IN_FLIGHT: usize = 16;
 enum Presence {
     /// A `HEAD` per chunk; `asked` so far.
     Head { asked: usize },
-    /// The hashes of every blob in the store when it was listed. A listing
-    /// holds while the checkpoint's lock does: garbage collection, the one
-    /// remover of blobs, cannot run meanwhile.
-    Listed(HashSet<[u8; 32]>),
+    /// The hashes of every blob in the store when it was listed, and what
+    /// its packs hold (`None`: too many packs to read). A listing holds
+    /// while the checkpoint's lock does: garbage collection, the one
+    /// remover of blobs and packs, cannot run meanwhile.
+    Listed {
+        blobs: HashSet<[u8; 32]>,
+        packed: Option<packs::Packed>,
+    },
     /// The store holds too many blobs to list: a `HEAD` per chunk.
     TooMany,
+}
+
+/// Where the store holds a chunk, as its listing says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stored {
+    Absent,
+    Blob,
+    /// In the pack at this position of the listing's packs.
+    Pack(u32),
 }
 
 impl Presence {
@@ -1474,21 +1752,49 @@ impl Presence {
         &mut self,
         store: &dyn CheckpointStore,
         digest: &[u8; 32],
-    ) -> Result<Option<bool>> {
+    ) -> Result<Option<Stored>> {
         if let Presence::Head { asked } = self {
             if *asked < HEADS_BEFORE_LISTING {
                 *asked += 1;
                 return Ok(None);
             }
-            *self = match list_blob_hashes(store).await? {
-                Some(hashes) => Presence::Listed(hashes),
+            self.list_now(store).await?;
+        }
+        Ok(match self {
+            Presence::Listed { blobs, packed } => Some(if blobs.contains(digest) {
+                Stored::Blob
+            } else {
+                match packed.as_ref().and_then(|p| p.chunks.get(digest)) {
+                    Some(&at) => Stored::Pack(at),
+                    None => Stored::Absent,
+                }
+            }),
+            _ => None,
+        })
+    }
+
+    /// List the store now, unless it was (many chunks to ask about at
+    /// once: a listing costs less than their `HEAD`s, and sees packs).
+    async fn list_now(&mut self, store: &dyn CheckpointStore) -> Result<()> {
+        if let Presence::Head { .. } = self {
+            let (blobs, packed) =
+                futures::try_join!(list_blob_hashes(store), packs::list_packed(store))?;
+            *self = match blobs {
+                Some(blobs) => Presence::Listed { blobs, packed },
                 None => Presence::TooMany,
             };
         }
-        Ok(match self {
-            Presence::Listed(hashes) => Some(hashes.contains(digest)),
+        Ok(())
+    }
+
+    /// The id of the pack at `at` of the listing.
+    fn pack_id(&self, at: u32) -> Option<&str> {
+        match self {
+            Presence::Listed {
+                packed: Some(p), ..
+            } => p.ids.get(at as usize).map(String::as_str),
             _ => None,
-        })
+        }
     }
 }
 
@@ -1515,21 +1821,42 @@ async fn list_blob_hashes(store: &dyn CheckpointStore) -> Result<Option<HashSet<
     Ok(Some(hashes))
 }
 
+/// A small file's chunk the uploader holds: its hex hash, digest, content.
+type SmallChunk = (String, [u8; 32], Bytes);
+
 /// Uploads chunks the store lacks, within [`IN_FLIGHT_BYTES`] and
-/// [`IN_FLIGHT`].
+/// [`IN_FLIGHT`]: a large file's chunks as blobs, small files' chunks in
+/// packs when the run stores many of them ([`PACK_MIN_CHUNKS`]), else as
+/// blobs too.
 struct Uploader<'s> {
     store: &'s dyn CheckpointStore,
     /// The parent's manifest: its chunks are stored.
     parent: Option<Arc<KnownManifest>>,
-    /// Chunks this run found or stored.
+    /// The chunks the parent had at the paths this run reads (stored
+    /// too): a file read again with the content it had (a racy one, or
+    /// one only touched) is not asked about, wherever the parent keeps it.
+    parent_at_paths: HashSet<String>,
+    /// Chunks this run found or stored (or holds, to store).
     known: HashSet<String>,
     presence: Presence,
-    /// Each upload answers whether it stored the chunk, and its size.
+    /// Each upload answers whether it stored a chunk, and its size.
     running: FuturesUnordered<crate::maybe::BoxFuture<'s, Result<(bool, u64)>>>,
     running_bytes: u64,
     compressing: Arc<futures::lock::Mutex<()>>,
     uploaded: u64,
     uploaded_bytes: Arc<AtomicU64>,
+    /// Small files' chunks not yet asked about: asked together, so that
+    /// many are answered by one listing of the store.
+    held: Vec<SmallChunk>,
+    held_bytes: u64,
+    /// Small chunks the store lacks, until the run knows whether it packs.
+    undecided: Vec<SmallChunk>,
+    undecided_bytes: u64,
+    /// The run stores enough small chunks to pack them.
+    packing: bool,
+    pack: PackWriter,
+    /// Packs this run wrote, and packs of the store it found chunks in.
+    packs: std::collections::BTreeSet<String>,
 }
 
 impl<'s> Uploader<'s> {
@@ -1537,6 +1864,7 @@ impl<'s> Uploader<'s> {
         Self {
             store,
             parent: None,
+            parent_at_paths: HashSet::new(),
             known: HashSet::new(),
             presence: Presence::Head { asked: 0 },
             running: FuturesUnordered::new(),
@@ -1544,53 +1872,193 @@ impl<'s> Uploader<'s> {
             compressing: Arc::new(futures::lock::Mutex::new(())),
             uploaded: 0,
             uploaded_bytes: Arc::new(AtomicU64::new(0)),
+            held: Vec::new(),
+            held_bytes: 0,
+            undecided: Vec::new(),
+            undecided_bytes: 0,
+            packing: false,
+            pack: PackWriter::default(),
+            packs: Default::default(),
         }
     }
 
-    /// Store `chunk` unless known; returns its hash.
-    async fn add(&mut self, chunk: Bytes) -> Result<String> {
+    /// Store `chunk` unless known; returns its hash. `small`: the chunk is
+    /// a whole file under [`MIN_CHUNK`], which may travel in a pack.
+    async fn add(&mut self, chunk: Bytes, small: bool) -> Result<String> {
         let digest: [u8; 32] = Sha256::digest(&chunk).into();
         let hash = hex::encode(digest);
-        let in_parent = self.parent.as_ref().is_some_and(|p| p.has_chunk(&hash));
-        if !in_parent && self.known.insert(hash.clone()) {
-            // Whether to ask the store with a `HEAD` (`None`), or what its
-            // listing says.
-            let listed = self.presence.listed(self.store, &digest).await?;
-            if listed == Some(true) {
-                return Ok(hash);
+        let in_parent = self.parent_at_paths.contains(&hash)
+            || self.parent.as_ref().is_some_and(|p| p.has_chunk(&hash));
+        if in_parent || !self.known.insert(hash.clone()) {
+            return Ok(hash);
+        }
+        if small {
+            self.held_bytes += chunk.len() as u64;
+            self.held.push((hash.clone(), digest, chunk));
+            if self.held.len() >= PACK_MIN_CHUNKS || self.held_bytes >= PACK_MIN_BYTES {
+                self.settle_held().await?;
             }
-            let len = chunk.len() as u64;
-            while !self.running.is_empty()
-                && (self.running.len() >= IN_FLIGHT || self.running_bytes + len > IN_FLIGHT_BYTES)
-            {
-                self.reap_one().await?;
+            return Ok(hash);
+        }
+        // Whether to ask the store with a `HEAD` (`None`), or what its
+        // listing says.
+        let listed = self.presence.listed(self.store, &digest).await?;
+        match listed {
+            Some(Stored::Blob) => {}
+            Some(Stored::Pack(at)) => self.use_pack(at),
+            Some(Stored::Absent) | None => {
+                self.upload_blob(hash.clone(), chunk, listed.is_none())
+                    .await?
             }
-            let store = self.store;
-            let key = blob_key(&hash);
-            let bytes = self.uploaded_bytes.clone();
-            let compressing = self.compressing.clone();
-            self.running_bytes += len;
-            self.running.push(Box::pin(async move {
-                if listed.is_none() {
-                    match store.head(&key).await {
-                        Ok(_) => return Ok((false, len)),
-                        Err(e) if e.kind() == ErrorKind::NotFound => {}
-                        Err(e) => return Err(e),
-                    }
-                }
-                // One zstd encoder at a time: each holds a few MiB of
-                // tables whatever the chunk's size, and the uploads share
-                // one task, so more would only add memory, not speed.
-                let packed = {
-                    let _one = compressing.lock().await;
-                    compressed(chunk).await?
-                };
-                bytes.fetch_add(packed.len() as u64, Ordering::Relaxed);
-                store.put(&key, crate::stream::once(packed)).await?;
-                Ok((true, len))
-            }));
         }
         Ok(hash)
+    }
+
+    /// Ask the store about the held chunks, and pack or hold those it
+    /// lacks.
+    async fn settle_held(&mut self) -> Result<()> {
+        let held = std::mem::take(&mut self.held);
+        let many = held.len() >= PACK_MIN_CHUNKS || self.held_bytes >= PACK_MIN_BYTES;
+        self.held_bytes = 0;
+        if many {
+            self.presence.list_now(self.store).await?;
+        }
+        let mut ask = Vec::new();
+        for chunk in held {
+            match self.presence.listed(self.store, &chunk.1).await? {
+                Some(Stored::Blob) => {}
+                Some(Stored::Pack(at)) => self.use_pack(at),
+                Some(Stored::Absent) => self.hold_absent(chunk),
+                None => ask.push(chunk),
+            }
+        }
+        // A few chunks with no listing: a `HEAD` each, in order.
+        let store = self.store;
+        let mut heads = futures::stream::iter(ask)
+            .map(|chunk| async move {
+                match store.head(&blob_key(&chunk.0)).await {
+                    Ok(_) => Ok(None),
+                    Err(e) if e.kind() == ErrorKind::NotFound => Ok(Some(chunk)),
+                    Err(e) => Err(e),
+                }
+            })
+            .buffered(IN_FLIGHT);
+        let mut absent = Vec::new();
+        while let Some(answer) = heads.next().await {
+            absent.extend(answer?);
+        }
+        drop(heads);
+        for chunk in absent {
+            self.hold_absent(chunk);
+        }
+        if !self.packing
+            && (self.undecided.len() >= PACK_MIN_CHUNKS || self.undecided_bytes >= PACK_MIN_BYTES)
+        {
+            self.packing = true;
+        }
+        if self.packing {
+            self.undecided_bytes = 0;
+            for (_, digest, chunk) in std::mem::take(&mut self.undecided) {
+                self.pack_chunk(digest, chunk).await?;
+            }
+        }
+        Ok(())
+    }
+
+    fn hold_absent(&mut self, chunk: SmallChunk) {
+        self.undecided_bytes += chunk.2.len() as u64;
+        self.undecided.push(chunk);
+    }
+
+    fn use_pack(&mut self, at: u32) {
+        if let Some(id) = self.presence.pack_id(at) {
+            self.packs.insert(id.to_string());
+        }
+    }
+
+    /// Compress `chunk` into the pack being filled; seal it when full.
+    async fn pack_chunk(&mut self, digest: [u8; 32], chunk: Bytes) -> Result<()> {
+        let frame = compressed(chunk).await?;
+        self.uploaded += 1;
+        self.uploaded_bytes
+            .fetch_add(frame.len() as u64, Ordering::Relaxed);
+        self.pack.push(digest, &frame);
+        if self.pack.len() >= PACK_TARGET_BYTES {
+            self.seal_pack().await?;
+        }
+        Ok(())
+    }
+
+    /// Store the pack being filled, then its index (an index names a pack
+    /// that is there).
+    async fn seal_pack(&mut self) -> Result<()> {
+        if self.pack.is_empty() {
+            return Ok(());
+        }
+        let sealed = std::mem::take(&mut self.pack).seal();
+        let len = (sealed.pack.len() + sealed.index.len()) as u64;
+        self.uploaded_bytes
+            .fetch_add(sealed.index.len() as u64, Ordering::Relaxed);
+        self.packs.insert(sealed.id.clone());
+        self.make_room(len).await?;
+        let store = self.store;
+        self.running_bytes += len;
+        self.running.push(Box::pin(async move {
+            store
+                .put(&pack_key(&sealed.id), crate::stream::once(sealed.pack))
+                .await?;
+            store
+                .put(
+                    &pack_index_key(&sealed.id),
+                    crate::stream::once(sealed.index),
+                )
+                .await?;
+            // Its chunks were counted as they were packed.
+            Ok((false, len))
+        }));
+        Ok(())
+    }
+
+    /// Upload `chunk` as a blob (after a `HEAD`, when `ask_first`, to see
+    /// whether the store has it).
+    async fn upload_blob(&mut self, hash: String, chunk: Bytes, ask_first: bool) -> Result<()> {
+        let len = chunk.len() as u64;
+        self.make_room(len).await?;
+        let store = self.store;
+        let key = blob_key(&hash);
+        let bytes = self.uploaded_bytes.clone();
+        let compressing = self.compressing.clone();
+        self.running_bytes += len;
+        self.running.push(Box::pin(async move {
+            if ask_first {
+                match store.head(&key).await {
+                    Ok(_) => return Ok((false, len)),
+                    Err(e) if e.kind() == ErrorKind::NotFound => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            // One zstd encoder at a time: each holds a few MiB of
+            // tables whatever the chunk's size, and the uploads share
+            // one task, so more would only add memory, not speed.
+            let packed = {
+                let _one = compressing.lock().await;
+                compressed(chunk).await?
+            };
+            bytes.fetch_add(packed.len() as u64, Ordering::Relaxed);
+            store.put(&key, crate::stream::once(packed)).await?;
+            Ok((true, len))
+        }));
+        Ok(())
+    }
+
+    /// Wait until `len` more bytes fit in flight.
+    async fn make_room(&mut self, len: u64) -> Result<()> {
+        while !self.running.is_empty()
+            && (self.running.len() >= IN_FLIGHT || self.running_bytes + len > IN_FLIGHT_BYTES)
+        {
+            self.reap_one().await?;
+        }
+        Ok(())
     }
 
     async fn reap_one(&mut self) -> Result<()> {
@@ -1604,7 +2072,18 @@ impl<'s> Uploader<'s> {
         Ok(())
     }
 
+    /// Store what is held (packed, or as blobs when the run has too few
+    /// small chunks to pack) and wait for every upload.
     async fn finish(&mut self) -> Result<()> {
+        self.settle_held().await?;
+        if self.packing {
+            self.seal_pack().await?;
+        } else {
+            self.undecided_bytes = 0;
+            for (hash, _, chunk) in std::mem::take(&mut self.undecided) {
+                self.upload_blob(hash, chunk, false).await?;
+            }
+        }
         while !self.running.is_empty() {
             self.reap_one().await?;
         }
@@ -1716,9 +2195,12 @@ async fn read_tar(
                     stats.bytes_read += data.len() as u64;
                     chunker.buf.extend_from_slice(&data);
                     let done = *got == entry.size;
+                    // A whole file under the smallest chunk is one chunk,
+                    // which may travel in a pack.
+                    let small = entry.size < MIN_CHUNK as u64;
                     while let Some(len) = chunker.cut(done) {
                         let piece = chunker.buf.split_to(len).freeze();
-                        let hash = uploader.add(piece).await?;
+                        let hash = uploader.add(piece, small).await?;
                         // `current` is borrowed mutably above; re-borrow.
                         if let Some((entry, _)) = current.as_mut() {
                             entry.chunks.push(hash);
@@ -1945,6 +2427,10 @@ pub struct GcInfo {
     pub blobs_kept: u64,
     /// Blobs deleted.
     pub blobs_deleted: u64,
+    /// Packs some manifest names.
+    pub packs_kept: u64,
+    /// Packs deleted (each with its index).
+    pub packs_deleted: u64,
     /// Stored bytes deleted.
     pub bytes_freed: u64,
 }
@@ -1961,10 +2447,14 @@ pub async fn collect_garbage(store: &dyn CheckpointStore, clock: &dyn Clock) -> 
 async fn collect_locked(store: &dyn CheckpointStore) -> Result<GcInfo> {
     let mut info = GcInfo::default();
     let mut referenced: HashSet<String> = HashSet::new();
+    let mut referenced_packs: HashSet<String> = HashSet::new();
     // Keys alone: a store whose listing carries no hashes would otherwise
     // be asked for each blob's.
     for key in store.list_keys("").await? {
-        if key.starts_with(BLOB_PREFIX) || key.starts_with(LOCK_PREFIX) {
+        if [BLOB_PREFIX, LOCK_PREFIX, PACK_PREFIX]
+            .iter()
+            .any(|p| key.starts_with(p))
+        {
             continue;
         }
         match read_manifest(store, &key).await {
@@ -1973,6 +2463,7 @@ async fn collect_locked(store: &dyn CheckpointStore) -> Result<GcInfo> {
                 for entry in &manifest.entries {
                     referenced.extend(entry.chunks.iter().cloned());
                 }
+                referenced_packs.extend(manifest.packs);
             }
             Ok(None) => {}
             // A manifest that cannot be read might reference anything:
@@ -2004,6 +2495,34 @@ async fn collect_locked(store: &dyn CheckpointStore) -> Result<GcInfo> {
             info.blobs_deleted += 1;
             info.bytes_freed += size;
         }
+    }
+    // A pack lives while a manifest names it, whichever of its chunks are
+    // still used. Its index goes first: an index names a pack that is
+    // there, so a collection stopped halfway leaves a pack without an
+    // index (unread, collected next time), never the reverse.
+    let keys = store.list_keys(PACK_PREFIX).await?;
+    let ids: std::collections::BTreeSet<&str> = keys
+        .iter()
+        .map(|k| k.rsplit('/').next().unwrap_or_default())
+        .map(|name| name.strip_suffix(".idx").unwrap_or(name))
+        .filter(|id| is_sha256_hex(id))
+        .collect();
+    for id in ids {
+        if referenced_packs.contains(id) {
+            info.packs_kept += 1;
+            continue;
+        }
+        for key in [pack_index_key(id), pack_key(id)] {
+            match store.head(&key).await {
+                Ok(meta) => {
+                    store.delete(&key).await?;
+                    info.bytes_freed += meta.size;
+                }
+                Err(e) if e.kind() == ErrorKind::NotFound => {}
+                Err(e) => return Err(e),
+            }
+        }
+        info.packs_deleted += 1;
     }
     Ok(info)
 }
@@ -2066,6 +2585,7 @@ mod tests {
                 })
                 .collect(),
             deleted: vec![],
+            packs: vec![],
         }
     }
 
@@ -2082,6 +2602,53 @@ mod tests {
             .await
             .unwrap()
             .sha256
+    }
+
+    /// The first `HEADS_BEFORE_LISTING` chunks are to be asked with a
+    /// `HEAD`; the next one lists the store, blobs and packs, and every
+    /// answer after comes from that listing.
+    #[tokio::test]
+    async fn presence_asks_with_heads_then_answers_from_one_listing() {
+        let store = MemoryCheckpointStore::new();
+        let blob = [0xab; 32];
+        store
+            .put(
+                &blob_key(&hex::encode(blob)),
+                crate::stream::once(&b"x"[..]),
+            )
+            .await
+            .unwrap();
+        let mut pack = PackWriter::default();
+        pack.push([0xcd; 32], b"frame");
+        let sealed = pack.seal();
+        store
+            .put(&pack_key(&sealed.id), crate::stream::once(sealed.pack))
+            .await
+            .unwrap();
+        store
+            .put(
+                &pack_index_key(&sealed.id),
+                crate::stream::once(sealed.index),
+            )
+            .await
+            .unwrap();
+        let mut presence = Presence::Head { asked: 0 };
+        for _ in 0..HEADS_BEFORE_LISTING {
+            assert_eq!(presence.listed(&store, &blob).await.unwrap(), None);
+        }
+        assert_eq!(
+            presence.listed(&store, &blob).await.unwrap(),
+            Some(Stored::Blob)
+        );
+        assert_eq!(
+            presence.listed(&store, &[0xcd; 32]).await.unwrap(),
+            Some(Stored::Pack(0))
+        );
+        assert_eq!(presence.pack_id(0), Some(sealed.id.as_str()));
+        assert_eq!(
+            presence.listed(&store, &[0x01; 32]).await.unwrap(),
+            Some(Stored::Absent)
+        );
     }
 
     /// A kept manifest is found by its object's hash; the key holding
