@@ -117,7 +117,7 @@ impl Agent {
         std::fs::create_dir_all(&dir)?;
         // Note: npm installs the platform package through optionalDependencies;
         // install scripts are not needed (the native binary ships in it).
-        run(util::npm()
+        run(Command::new("npm")
             .arg("install")
             .arg("--prefix")
             .arg(&dir)

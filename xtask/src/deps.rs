@@ -136,7 +136,7 @@ pub fn cf_openapi() -> Result<()> {
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let tarball = dir.join(format!("cloudflare-sandbox-{CF_SANDBOX_VERSION}.tgz"));
     if !tarball.exists() {
-        run(util::npm()
+        run(Command::new("npm")
             .current_dir(&dir)
             .args(["pack", "--silent"])
             .arg(format!("@cloudflare/sandbox@{CF_SANDBOX_VERSION}")))

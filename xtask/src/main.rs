@@ -133,6 +133,7 @@ enum ServiceName {
 }
 
 fn main() -> ExitCode {
+    util::trust_system_cas_in_node();
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -93,17 +93,18 @@ pub fn display(cmd: &Command) -> String {
 /// The system's CA bundle (Debian's `ca-certificates`).
 const SYSTEM_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
 
-/// `npm`, trusting the system's CA bundle as well as Node's own. Node ships
-/// its own list of CAs and ignores the system store, so behind a registry
-/// proxy whose CA only the system trusts every install fails with
-/// `SELF_SIGNED_CERT_IN_CHAIN`. `NODE_EXTRA_CA_CERTS` adds the bundle (it
-/// never removes a CA); one the caller set is kept.
-pub fn npm() -> Command {
-    let mut cmd = Command::new("npm");
+/// Make every Node program xtask starts — `npm` installs, and the tests
+/// and benchmarks that install npm packages themselves — trust the
+/// system's CA bundle as well as Node's own. Node ships its own list and
+/// ignores the system store, so behind a registry proxy whose CA only the
+/// system trusts every install fails with `SELF_SIGNED_CERT_IN_CHAIN`.
+/// `NODE_EXTRA_CA_CERTS` adds the bundle (it never removes a CA); one the
+/// caller set is kept. Called first thing in `main`, while xtask has one
+/// thread.
+pub fn trust_system_cas_in_node() {
     if std::env::var_os("NODE_EXTRA_CA_CERTS").is_none() && Path::new(SYSTEM_CA_BUNDLE).exists() {
-        cmd.env("NODE_EXTRA_CA_CERTS", SYSTEM_CA_BUNDLE);
+        std::env::set_var("NODE_EXTRA_CA_CERTS", SYSTEM_CA_BUNDLE);
     }
-    cmd
 }
 
 /// Run a command with inherited stdio; error if it fails.

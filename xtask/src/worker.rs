@@ -148,7 +148,7 @@ fn cargo_install(krate: &str, version: &str, root: &Path, locked: bool) -> Resul
 
 fn npm_install(root: &Path, spec: &str) -> Result<()> {
     std::fs::create_dir_all(root).with_context(|| format!("creating {}", root.display()))?;
-    run(util::npm()
+    run(Command::new("npm")
         .current_dir(root)
         .args([
             "install",

@@ -13,12 +13,16 @@
 //!                               (zstd frames of runs of entries: a re-checkpoint
 //!                               copies the frames whose entries did not change)
 //! blobs/<h[0..2]>/<h>           zstd of one content chunk whose SHA-256 is h
+//! packs/<p[0..2]>/<p>           many small files' chunks, zstd frames end to end
+//! packs/<p[0..2]>/<p>.idx       where each lies in the pack (p: the pack's SHA-256)
 //! locks/<kind>-<ms>-<nonce>     a running checkpoint or garbage collection
 //! ```
 //!
 //! Files are cut into content-defined chunks (FastCDC, 512 KiB–4 MiB, 1 MiB
 //! on average), so an edit inside a large file re-stores the chunks around
-//! it, not the file; a file under 512 KiB is one chunk.
+//! it, not the file; a file under 512 KiB is one chunk. A run that stores
+//! 64 or more such small files' chunks writes them into packs of ~8 MiB
+//! (see `packs`); the manifest names the packs its chunks may be in.
 //!
 //! **Checkpoint with a parent** (the previous checkpoint of the same tree):
 //! the tree is listed (kind, mode, size, mtime, inode, ctime, path, link:
@@ -56,7 +60,7 @@
 //! parent's version of it (a file the user made there is never removed).
 //!
 //! **Garbage collection** ([`collect_garbage`]) deletes blobs no manifest
-//! in the store references. A checkpoint may reuse a blob it found in the
+//! in the store references, and packs no manifest names. A checkpoint may reuse a blob it found in the
 //! store without uploading it, so collection and checkpoints exclude each
 //! other through lock objects: each side writes its own lock, then lists
 //! the other side's; if one is there (and younger than [`LOCK_TTL_MS`], a
@@ -262,6 +266,14 @@ impl TreeEntry {
 #[doc(hidden)]
 pub fn forget_kept() {
     known::clear();
+    packs::forget_kept();
+}
+
+/// Forget the pack indexes alone ([`forget_kept`]): a benchmark's restore
+/// reads them as another process would, while the manifest its next
+/// checkpoint builds on stays kept.
+#[doc(hidden)]
+pub fn forget_kept_pack_indexes() {
     packs::forget_kept();
 }
 
