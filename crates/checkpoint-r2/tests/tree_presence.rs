@@ -355,6 +355,35 @@ async fn many_small_files_travel_in_a_pack_and_restore_with_one_ranged_read() {
         .await
         .unwrap();
 
+    // Its index gone (and not kept by this process): refused the same way.
+    let index_bytes = store
+        .inner
+        .get_range(
+            &pack_index_key(pack),
+            0..store.inner.head(&pack_index_key(pack)).await.unwrap().size,
+        )
+        .await
+        .unwrap();
+    store.inner.delete(&pack_index_key(pack)).await.unwrap();
+    forget_kept();
+    let err = restore_tree(&store, "trees/b", c.as_ref(), &target, None)
+        .await
+        .expect_err("a restore with its pack's index gone");
+    assert_eq!(err.kind(), ErrorKind::NotFound, "{err}");
+    assert!(
+        err.to_string().contains(&pack_index_key(pack)),
+        "the error names the index: {err}"
+    );
+    assert!(!Path::new(&target).exists(), "nothing was written");
+    store
+        .inner
+        .put(
+            &pack_index_key(pack),
+            harness_core::stream::once(index_bytes),
+        )
+        .await
+        .unwrap();
+
     // Garbage collection keeps the pack while a manifest names it, and
     // deletes it with its index when none does.
     let clock = wall_clock();

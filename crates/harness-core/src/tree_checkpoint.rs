@@ -1248,15 +1248,24 @@ async fn apply_manifest(
     let mut unfound: Vec<&str> = unique.iter().copied().collect();
     let mut located: HashMap<&str, Loc> = HashMap::new();
     let mut indexes: Option<Vec<Arc<PackIndex>>> = None;
+    // A pack's index gone is content gone.
+    let read_indexes = || async {
+        packs::read_indexes(store, &manifest.packs)
+            .await
+            .map_err(|e| match e.kind() {
+                ErrorKind::NotFound => incomplete(e.message()),
+                _ => e,
+            })
+    };
     if !manifest.packs.is_empty() && unique.len() > HEADS_BEFORE_LISTING {
-        let read = packs::read_indexes(store, &manifest.packs).await?;
+        let read = read_indexes().await?;
         located = locate_in_packs(&read, &unfound);
         unfound.retain(|h| !located.contains_key(h));
         indexes = Some(read);
     }
     let mut missing = missing_blobs(store, &unfound).await?;
     if !missing.is_empty() && !manifest.packs.is_empty() && indexes.is_none() {
-        let read = packs::read_indexes(store, &manifest.packs).await?;
+        let read = read_indexes().await?;
         let found = locate_in_packs(&read, &missing);
         missing.retain(|h| !found.contains_key(h));
         located.extend(found);
@@ -1423,20 +1432,30 @@ async fn missing_blobs<'h>(
             .filter(|h| !chunk_bytes(h).is_some_and(|d| stored.contains(&d)))
             .collect());
     }
-    let mut heads = futures::stream::iter(hashes.iter().copied())
-        .map(|hash| async move {
-            match store.head(&blob_key(hash)).await {
+    lacking_blobs(store, hashes.to_vec(), |h| h).await
+}
+
+/// The items whose blob (of hash `hash(item)`) the store lacks, asked with
+/// a `HEAD` each, [`IN_FLIGHT`] at a time, in their order.
+async fn lacking_blobs<T, F>(store: &dyn CheckpointStore, items: Vec<T>, hash: F) -> Result<Vec<T>>
+where
+    F: Fn(&T) -> &str,
+{
+    let hash = &hash;
+    let mut heads = futures::stream::iter(items)
+        .map(|item| async move {
+            match store.head(&blob_key(hash(&item))).await {
                 Ok(_) => Ok(None),
-                Err(e) if e.kind() == ErrorKind::NotFound => Ok(Some(hash)),
+                Err(e) if e.kind() == ErrorKind::NotFound => Ok(Some(item)),
                 Err(e) => Err(e),
             }
         })
-        .buffer_unordered(IN_FLIGHT);
-    let mut missing = Vec::new();
+        .buffered(IN_FLIGHT);
+    let mut lacking = Vec::new();
     while let Some(answer) = heads.next().await {
-        missing.extend(answer?);
+        lacking.extend(answer?);
     }
-    Ok(missing)
+    Ok(lacking)
 }
 
 /// Gap between two packed chunks one read may span (read and dropped):
@@ -1944,23 +1963,8 @@ impl<'s> Uploader<'s> {
                 None => ask.push(chunk),
             }
         }
-        // A few chunks with no listing: a `HEAD` each, in order.
-        let store = self.store;
-        let mut heads = futures::stream::iter(ask)
-            .map(|chunk| async move {
-                match store.head(&blob_key(&chunk.0)).await {
-                    Ok(_) => Ok(None),
-                    Err(e) if e.kind() == ErrorKind::NotFound => Ok(Some(chunk)),
-                    Err(e) => Err(e),
-                }
-            })
-            .buffered(IN_FLIGHT);
-        let mut absent = Vec::new();
-        while let Some(answer) = heads.next().await {
-            absent.extend(answer?);
-        }
-        drop(heads);
-        for chunk in absent {
+        // A few chunks with no listing: a `HEAD` each.
+        for chunk in lacking_blobs(self.store, ask, |c: &SmallChunk| c.0.as_str()).await? {
             self.hold_absent(chunk);
         }
         if !self.packing
