@@ -296,93 +296,42 @@ async fn many_small_files_travel_in_a_pack_and_restore_with_one_ranged_read() {
     // With the blob gone, or the pack, or the pack replaced by other
     // bytes, a restore is refused before anything is written.
     let gone = blob_key(&sha256_hex(b"extra new.txt\n"));
-    let blob = store
-        .inner
-        .get_range(&gone, 0..store.inner.head(&gone).await.unwrap().size);
-    let blob = blob.await.unwrap();
-    store.inner.delete(&gone).await.unwrap();
+    let blob = take(&store, &gone).await;
     let c = fresh_local(&provider).await;
     let target = format!("{}/restored", c.workdir());
-    let err = restore_tree(&store, "trees/b", c.as_ref(), &target, None)
-        .await
-        .expect_err("a restore with a blob gone");
+    let err = refused(&store, "trees/b", c.as_ref(), &target, "a blob gone").await;
     assert_eq!(err.kind(), ErrorKind::NotFound, "{err}");
     assert!(
         err.to_string().contains(&gone),
         "the error names the blob: {err}"
     );
-    assert!(!Path::new(&target).exists(), "nothing was written");
-    store
-        .inner
-        .put(&gone, harness_core::stream::once(blob))
-        .await
-        .unwrap();
+    put_back(&store, &gone, blob).await;
 
-    let pack_bytes = store
-        .inner
-        .get_range(
-            &pack_key(pack),
-            0..store.inner.head(&pack_key(pack)).await.unwrap().size,
-        )
-        .await
-        .unwrap();
-    store.inner.delete(&pack_key(pack)).await.unwrap();
-    let err = restore_tree(&store, "trees/b", c.as_ref(), &target, None)
-        .await
-        .expect_err("a restore with its pack gone");
+    let pack_bytes = take(&store, &pack_key(pack)).await;
+    let err = refused(&store, "trees/b", c.as_ref(), &target, "its pack gone").await;
     assert_eq!(err.kind(), ErrorKind::NotFound, "{err}");
     assert!(
         err.to_string().contains(&pack_key(pack)),
         "the error names the pack: {err}"
     );
-    assert!(!Path::new(&target).exists(), "nothing was written");
 
     let mut other = pack_bytes.to_vec();
     other[0] ^= 1;
-    store
-        .inner
-        .put(&pack_key(pack), harness_core::stream::once(other))
-        .await
-        .unwrap();
-    let err = restore_tree(&store, "trees/b", c.as_ref(), &target, None)
-        .await
-        .expect_err("a restore with its pack replaced");
+    put_back(&store, &pack_key(pack), Bytes::from(other)).await;
+    let err = refused(&store, "trees/b", c.as_ref(), &target, "its pack replaced").await;
     assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
-    assert!(!Path::new(&target).exists(), "nothing was written");
-    store
-        .inner
-        .put(&pack_key(pack), harness_core::stream::once(pack_bytes))
-        .await
-        .unwrap();
+    put_back(&store, &pack_key(pack), pack_bytes).await;
 
     // Its index gone (and not kept by this process): refused the same way.
-    let index_bytes = store
-        .inner
-        .get_range(
-            &pack_index_key(pack),
-            0..store.inner.head(&pack_index_key(pack)).await.unwrap().size,
-        )
-        .await
-        .unwrap();
-    store.inner.delete(&pack_index_key(pack)).await.unwrap();
+    let index_bytes = take(&store, &pack_index_key(pack)).await;
     forget_kept();
-    let err = restore_tree(&store, "trees/b", c.as_ref(), &target, None)
-        .await
-        .expect_err("a restore with its pack's index gone");
+    let err = refused(&store, "trees/b", c.as_ref(), &target, "its index gone").await;
     assert_eq!(err.kind(), ErrorKind::NotFound, "{err}");
     assert!(
         err.to_string().contains(&pack_index_key(pack)),
         "the error names the index: {err}"
     );
-    assert!(!Path::new(&target).exists(), "nothing was written");
-    store
-        .inner
-        .put(
-            &pack_index_key(pack),
-            harness_core::stream::once(index_bytes),
-        )
-        .await
-        .unwrap();
+    put_back(&store, &pack_index_key(pack), index_bytes).await;
 
     // Garbage collection keeps the pack while a manifest names it, and
     // deletes it with its index when none does.
@@ -406,6 +355,38 @@ async fn many_small_files_travel_in_a_pack_and_restore_with_one_ranged_read() {
     a.destroy().await.unwrap();
     b.destroy().await.unwrap();
     c.destroy().await.unwrap();
+}
+
+/// The object under `key`, removed from the store (see [`put_back`]).
+async fn take(store: &CountingStore, key: &str) -> Bytes {
+    let size = store.inner.head(key).await.unwrap().size;
+    let bytes = store.inner.get_range(key, 0..size).await.unwrap();
+    store.inner.delete(key).await.unwrap();
+    bytes
+}
+
+async fn put_back(store: &CountingStore, key: &str, bytes: Bytes) {
+    store
+        .inner
+        .put(key, harness_core::stream::once(bytes))
+        .await
+        .unwrap();
+}
+
+/// The error of a restore of `key` into `target` that must be refused
+/// (with `what` wrong in the store), after checking nothing was written.
+async fn refused(
+    store: &CountingStore,
+    key: &str,
+    sandbox: &dyn Sandbox,
+    target: &str,
+    what: &str,
+) -> harness_core::Error {
+    let err = restore_tree(store, key, sandbox, target, None)
+        .await
+        .expect_err(&format!("a restore with {what}"));
+    assert!(!Path::new(target).exists(), "{what}: nothing was written");
+    err
 }
 
 /// `n` bytes no compressor shrinks (xorshift from `seed`).
