@@ -7,17 +7,45 @@
 //!
 //! The wrangler executable is `$HARNESS_WRANGLER`, else the one `cargo
 //! xtask worker deps` installs under `$HARNESS_CACHE/tools`.
+//!
+//! ## The nudge
+//!
+//! `wrangler dev` puts a proxy in front of the Worker: a Durable Object
+//! (`ProxyWorker`) in a second workerd that forwards each request with
+//! `fetch` and answers the client when that promise settles. Sometimes,
+//! after a request the Worker took many seconds over (a checkpoint of an
+//! 18 MB tree, while the inspector streams thousands of network events),
+//! the settled answer is not written to the client until the proxy gets
+//! another request: the Worker has logged `200 OK`, and the client waits
+//! with nothing to read, for as long as no other request comes (seen: 16
+//! minutes; one `curl` to the same port released it at once). That is
+//! wrangler's local proxy, not the Worker, which production does not put
+//! behind it. So while a `WranglerDev` lives, a thread sends
+//! `GET /__ready` (404 from the Worker) every [`NUDGE_EVERY`]; the lines
+//! those requests log are left out of [`WranglerDev::log`].
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::real::skip_or_fail;
 
 /// The wrangler release `cargo xtask worker deps` installs.
 pub const WRANGLER_VERSION: &str = "4.86.0";
+
+/// How often the nudge (module docs) asks the proxy for `/__ready`: a
+/// stalled answer waits at most this long. Not near 5 s, the keep-alive
+/// timeout of workerd's HTTP client and server, so that a pooled connection
+/// between the proxy and the Worker is never reused just as it is closed.
+pub const NUDGE_EVERY: Duration = Duration::from_secs(1);
+
+/// The request the startup probe and the nudge send.
+const READY_PROBE: &[u8] = b"GET /__ready HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
 
 /// A running `wrangler dev`.
 #[derive(Debug)]
@@ -28,6 +56,8 @@ pub struct WranglerDev {
     state: PathBuf,
     /// The state directory was made here (and is removed on drop).
     owned: bool,
+    /// The nudge thread (module docs) and its stop flag.
+    nudge: Option<(Arc<AtomicBool>, JoinHandle<()>)>,
 }
 
 /// Where wrangler is: `$HARNESS_WRANGLER`, else the xtask-installed one.
@@ -57,9 +87,7 @@ fn http_answers(addr: SocketAddr) -> bool {
         return false;
     };
     let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-    if s.write_all(b"GET /__ready HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
-        .is_err()
-    {
+    if s.write_all(READY_PROBE).is_err() {
         return false;
     }
     let mut head = [0u8; 12];
@@ -138,11 +166,12 @@ impl WranglerDev {
         let child = cmd
             .spawn()
             .expect("starting wrangler dev (is setsid there?)");
-        let dev = Self {
+        let mut dev = Self {
             child,
             base: format!("http://127.0.0.1:{port}"),
             state,
             owned,
+            nudge: None,
         };
         let addr: SocketAddr = ([127, 0, 0, 1], port).into();
         let started = Instant::now();
@@ -155,12 +184,30 @@ impl WranglerDev {
             }
             std::thread::sleep(Duration::from_millis(250));
         }
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("wrangler-nudge".into())
+            .spawn(move || {
+                while !stopped.load(Ordering::Relaxed) {
+                    std::thread::sleep(NUDGE_EVERY);
+                    // Whether it answers does not matter: arriving is enough.
+                    let _ = http_answers(addr);
+                }
+            })
+            .expect("the nudge thread");
+        dev.nudge = Some((stop, thread));
         Some(dev)
     }
 
-    /// Everything wrangler (and the Worker's `console`) printed so far.
+    /// Everything wrangler (and the Worker's `console`) printed so far,
+    /// without the lines of the nudge's requests (module docs).
     pub fn log(&self) -> String {
-        std::fs::read_to_string(self.state.join("wrangler.log")).unwrap_or_default()
+        let text = std::fs::read_to_string(self.state.join("wrangler.log")).unwrap_or_default();
+        text.lines()
+            .filter(|line| !line.contains("GET /__ready "))
+            .map(|line| format!("{line}\n"))
+            .collect()
     }
 
     /// The end of wrangler's output.
@@ -173,6 +220,10 @@ impl WranglerDev {
 
 impl Drop for WranglerDev {
     fn drop(&mut self) {
+        if let Some((stop, thread)) = self.nudge.take() {
+            stop.store(true, Ordering::Relaxed);
+            let _ = thread.join();
+        }
         // setsid made wrangler the leader of its own group: stop all of it.
         // The leader is reaped only at the end, so until then the group id
         // cannot name anyone else's processes.
