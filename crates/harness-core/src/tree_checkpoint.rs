@@ -1716,6 +1716,14 @@ async fn unpack_chunk(frame: Bytes, hash: &str, what: &str) -> Result<Bytes> {
 
 async fn unpack_stream(compressed: ByteStream, hash: &str, what: &str) -> Result<Bytes> {
     // A chunk is at most MAX_CHUNK: a blob that inflates past it is refused.
+    #[cfg(feature = "zstd")]
+    let content = {
+        // zstd never grows content by more than a few bytes per 128 KiB
+        // block: a frame past this bound is not one of a chunk.
+        let frames = crate::stream::collect(compressed, MAX_CHUNK + MAX_CHUNK / 8 + 1024).await?;
+        chunk_zstd::decompress(&frames, MAX_CHUNK, what)?
+    };
+    #[cfg(not(feature = "zstd"))]
     let content = crate::stream::collect(decompress(compressed), MAX_CHUNK).await?;
     let got = hex::encode(Sha256::digest(&content));
     if got != hash {
@@ -1726,6 +1734,14 @@ async fn unpack_stream(compressed: ByteStream, hash: &str, what: &str) -> Result
     Ok(content)
 }
 
+/// A chunk's zstd frame.
+#[cfg(feature = "zstd")]
+async fn compressed(content: Bytes) -> Result<Bytes> {
+    chunk_zstd::compress(&content, DEFAULT_ZSTD_LEVEL)
+}
+
+/// A chunk's zstd frame(s), in pure Rust.
+#[cfg(not(feature = "zstd"))]
 async fn compressed(content: Bytes) -> Result<Bytes> {
     // zstd never grows incompressible data by more than a few bytes per block.
     let limit = content.len() + content.len() / 8 + 1024;
@@ -1734,6 +1750,76 @@ async fn compressed(content: Bytes) -> Result<Bytes> {
         limit,
     )
     .await
+}
+
+/// libzstd for chunks, with one compression and one decompression context
+/// per thread, reused. Most chunks are small whole files, and a context
+/// made for each (its tables and the streaming adapter's two 256 KiB
+/// buffers) cost more than compressing the file; a reused context told the
+/// input's size also sizes its tables to a small file.
+#[cfg(feature = "zstd")]
+mod chunk_zstd {
+    use std::cell::RefCell;
+    use std::io::Read;
+
+    use bytes::Bytes;
+    use zstd::zstd_safe::{self, DCtx, ResetDirective};
+
+    use crate::{Error, Result};
+
+    thread_local! {
+        static COMPRESSOR: RefCell<Option<(i32, zstd::bulk::Compressor<'static>)>> =
+            const { RefCell::new(None) };
+        static DECOMPRESSOR: RefCell<Option<DCtx<'static>>> = const { RefCell::new(None) };
+    }
+
+    /// `content` as one zstd frame at `level` (its size in the header).
+    pub(super) fn compress(content: &[u8], level: i32) -> Result<Bytes> {
+        COMPRESSOR.with(|cell| {
+            let mut cell = cell.borrow_mut();
+            let compressor = match &mut *cell {
+                Some((at, compressor)) if *at == level => compressor,
+                slot => &mut slot.insert((level, zstd::bulk::Compressor::new(level)?)).1,
+            };
+            Ok(Bytes::from(compressor.compress(content)?))
+        })
+    }
+
+    /// The content of `frames` (one zstd frame or several, as the Worker's
+    /// pure-Rust encoder writes), refused as corrupt past `max` bytes or
+    /// when it is not zstd; `what` names where the frames were read.
+    pub(super) fn decompress(frames: &[u8], max: usize, what: &str) -> Result<Bytes> {
+        let corrupt = |why: String| Error::corrupt(format!("{what}: {why}"));
+        DECOMPRESSOR.with(|cell| {
+            let mut cell = cell.borrow_mut();
+            let context = match &mut *cell {
+                Some(context) => context,
+                slot => slot.insert(DCtx::try_create().ok_or_else(|| {
+                    Error::backend("libzstd could not make a decompression context")
+                })?),
+            };
+            // What an earlier frame that failed midway left is dropped.
+            context
+                .reset(ResetDirective::SessionOnly)
+                .map_err(|code| corrupt(zstd_safe::get_error_name(code).to_string()))?;
+            // The first frame's size, when its header has it, sizes the
+            // buffer once; never more than `max` on a header's word.
+            let expected = zstd_safe::get_frame_content_size(frames)
+                .ok()
+                .flatten()
+                .unwrap_or(0)
+                .min(max as u64);
+            let mut content = Vec::with_capacity(expected as usize);
+            zstd::stream::read::Decoder::with_context(frames, context)
+                .take(max as u64 + 1)
+                .read_to_end(&mut content)
+                .map_err(|e| corrupt(format!("not a zstd chunk: {e}")))?;
+            if content.len() > max {
+                return Err(corrupt(format!("inflates past {max} bytes")));
+            }
+            Ok(Bytes::from(content))
+        })
+    }
 }
 
 /// Chunks asked about one `HEAD` each before the store's blob keys are
@@ -2980,5 +3066,45 @@ mod tests {
             "{same} of {} chunks unchanged",
             b.len()
         );
+    }
+
+    /// The reused contexts: frames round-trip whatever came before them
+    /// (a failed decode included), several frames read as one content,
+    /// and what is not a chunk is refused as corrupt, naming where.
+    #[cfg(feature = "zstd")]
+    #[test]
+    fn chunk_contexts_are_reused_safely() {
+        let small = b"a small file\n".repeat(3);
+        let large: Vec<u8> = (0..3_000_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        for content in [&small[..], &large[..], &[][..]] {
+            let frame = chunk_zstd::compress(content, DEFAULT_ZSTD_LEVEL).unwrap();
+            let back = chunk_zstd::decompress(&frame, MAX_CHUNK, "blob x").unwrap();
+            assert_eq!(&back[..], content);
+        }
+
+        // A frame cut short, then a good one on the same thread's context.
+        let frame = chunk_zstd::compress(&large, DEFAULT_ZSTD_LEVEL).unwrap();
+        let err =
+            chunk_zstd::decompress(&frame[..frame.len() / 2], MAX_CHUNK, "blob cut").unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
+        assert!(err.to_string().contains("blob cut"), "{err}");
+        let back = chunk_zstd::decompress(&frame, MAX_CHUNK, "blob x").unwrap();
+        assert_eq!(&back[..], &large[..]);
+
+        // Two frames end to end are their contents end to end.
+        let mut two = chunk_zstd::compress(&small, DEFAULT_ZSTD_LEVEL)
+            .unwrap()
+            .to_vec();
+        two.extend_from_slice(&chunk_zstd::compress(b"and more", 3).unwrap());
+        let back = chunk_zstd::decompress(&two, MAX_CHUNK, "blob two").unwrap();
+        assert_eq!(back.len(), small.len() + 8);
+        assert!(back.ends_with(b"and more"));
+
+        // Past the limit, and not zstd at all.
+        let err = chunk_zstd::decompress(&frame, 1_000_000, "blob big").unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
+        assert!(err.to_string().contains("inflates past"), "{err}");
+        let err = chunk_zstd::decompress(b"plain text", MAX_CHUNK, "blob plain").unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
     }
 }
