@@ -1718,9 +1718,8 @@ async fn unpack_stream(compressed: ByteStream, hash: &str, what: &str) -> Result
     // A chunk is at most MAX_CHUNK: a blob that inflates past it is refused.
     #[cfg(feature = "zstd")]
     let content = {
-        // zstd never grows content by more than a few bytes per 128 KiB
-        // block: a frame past this bound is not one of a chunk.
-        let frames = crate::stream::collect(compressed, MAX_CHUNK + MAX_CHUNK / 8 + 1024).await?;
+        // A frame past this bound is not one of a chunk.
+        let frames = crate::stream::collect(compressed, zstd_bound(MAX_CHUNK)).await?;
         chunk_zstd::decompress(&frames, MAX_CHUNK, what)?
     };
     #[cfg(not(feature = "zstd"))]
@@ -1734,6 +1733,12 @@ async fn unpack_stream(compressed: ByteStream, hash: &str, what: &str) -> Result
     Ok(content)
 }
 
+/// The most zstd makes of `len` bytes: it never grows incompressible data
+/// by more than a few bytes per 128 KiB block.
+fn zstd_bound(len: usize) -> usize {
+    len + len / 8 + 1024
+}
+
 /// A chunk's zstd frame.
 #[cfg(feature = "zstd")]
 async fn compressed(content: Bytes) -> Result<Bytes> {
@@ -1743,8 +1748,7 @@ async fn compressed(content: Bytes) -> Result<Bytes> {
 /// A chunk's zstd frame(s), in pure Rust.
 #[cfg(not(feature = "zstd"))]
 async fn compressed(content: Bytes) -> Result<Bytes> {
-    // zstd never grows incompressible data by more than a few bytes per block.
-    let limit = content.len() + content.len() / 8 + 1024;
+    let limit = zstd_bound(content.len());
     crate::stream::collect(
         compress(crate::stream::once(content), DEFAULT_ZSTD_LEVEL),
         limit,
