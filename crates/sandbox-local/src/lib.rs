@@ -42,6 +42,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use futures::StreamExt;
@@ -55,11 +56,13 @@ use harness_core::{Error, ErrorKind, Result};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncSeekExt, AsyncWriteExt};
 use tokio_util::io::ReaderStream;
+use watch::WatchedTree;
 
 mod exec;
 mod listing;
 mod tario;
 mod template;
+mod watch;
 
 /// The host variables a command inherits; everything else of the host
 /// process's environment is left out (the spec's and the request's `env`
@@ -99,6 +102,7 @@ const FILE_CHUNK: usize = 256 * 1024;
 pub struct LocalProvider {
     root: PathBuf,
     gate: Option<PathBuf>,
+    watch_trees: bool,
 }
 
 impl LocalProvider {
@@ -107,11 +111,30 @@ impl LocalProvider {
     /// [`harness_sandbox_gate::locate`] finds (`$HARNESS_SANDBOX_GATE_BIN`,
     /// else `harness-sandbox-gate` beside the current executable) unless
     /// [`with_gate`](Self::with_gate) names one.
+    ///
+    /// Its sandboxes keep a tree's listing between tree checkpoints and
+    /// learn what changed from inotify (see
+    /// [`with_tree_watch`](Self::with_tree_watch)), unless
+    /// `HARNESS_LOCAL_TREE_WATCH=0` is set.
     pub fn new(root: impl Into<PathBuf>) -> Self {
         Self {
             root: root.into(),
             gate: None,
+            watch_trees: std::env::var_os("HARNESS_LOCAL_TREE_WATCH").is_none_or(|v| v != "0"),
         }
+    }
+
+    /// Whether [`Sandbox::list_tree`] keeps the listing of the directory it
+    /// last listed and watches it with inotify, so that the next listing
+    /// (a re-checkpoint's) reads again only the directories that changed
+    /// (`docs/tree-checkpoints.md`, *A watched listing*). On by default.
+    /// inotify does not report a write through a shared memory mapping
+    /// after the file's last `close`, nor a write through a hard link from
+    /// outside the tree; turn this off for trees written that way, and
+    /// every listing stats every path.
+    pub fn with_tree_watch(mut self, watch: bool) -> Self {
+        self.watch_trees = watch;
+        self
     }
 
     /// Run deny-all and custom-policy commands through this
@@ -447,7 +470,12 @@ impl SandboxProvider for LocalProvider {
         let tmp = dir.join(format!(".{META_FILE}.tmp"));
         tokio::fs::write(&tmp, serde_json::to_vec_pretty(&meta)?).await?;
         tokio::fs::rename(&tmp, dir.join(META_FILE)).await?;
-        Ok(Box::new(LocalSandbox::new(dir, meta, gate)?))
+        Ok(Box::new(LocalSandbox::new(
+            dir,
+            meta,
+            gate,
+            self.watch_trees,
+        )?))
     }
 
     async fn resume(&self, handle: &SandboxHandle) -> Result<Box<dyn Sandbox>> {
@@ -518,7 +546,12 @@ impl SandboxProvider for LocalProvider {
                 }
             }
         };
-        Ok(Box::new(LocalSandbox::new(dir, meta, gate)?))
+        Ok(Box::new(LocalSandbox::new(
+            dir,
+            meta,
+            gate,
+            self.watch_trees,
+        )?))
     }
 
     async fn list_snapshots(&self) -> Result<Vec<SnapshotInfo>> {
@@ -537,6 +570,30 @@ impl SandboxProvider for LocalProvider {
     }
 }
 
+/// `dir`'s listing from the watch kept for it, else from a walk that
+/// starts a watch (replacing the one kept for another directory).
+fn watched_listing(kept: &Mutex<Option<WatchedTree>>, dir: &Path) -> Result<TreeListing> {
+    let mut kept = kept.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(tree) = kept.as_mut().filter(|tree| tree.root() == dir) {
+        match tree.refresh() {
+            Ok(Some(listing)) => {
+                tracing::debug!(dir = %dir.display(), dirs_read = tree.dirs_read(), "tree listed from its watch");
+                return Ok(listing);
+            }
+            Ok(None) => {}
+            Err(e) => {
+                *kept = None;
+                return Err(e);
+            }
+        }
+    }
+    // The old watch goes first: its inotify instance is one of a few.
+    *kept = None;
+    let (listing, tree) = WatchedTree::start(dir)?;
+    *kept = tree;
+    Ok(listing)
+}
+
 fn path_string(p: &Path) -> Result<String> {
     p.to_str()
         .map(str::to_string)
@@ -551,13 +608,21 @@ pub struct LocalSandbox {
     /// Set exactly when the policy is not allow-all: every command runs
     /// through it.
     gate: Option<String>,
+    /// The last listed directory's listing and watch (`None` inside when
+    /// nothing is watched); absent when the provider turned watching off.
+    tree_watch: Option<Arc<Mutex<Option<WatchedTree>>>>,
 }
 
 impl LocalSandbox {
-    fn new(dir: PathBuf, meta: Meta, gate: Option<PathBuf>) -> Result<Self> {
+    fn new(dir: PathBuf, meta: Meta, gate: Option<PathBuf>, watch_trees: bool) -> Result<Self> {
         path_string(&dir)?;
         let gate = gate.as_deref().map(path_string).transpose()?;
-        Ok(Self { dir, meta, gate })
+        Ok(Self {
+            dir,
+            meta,
+            gate,
+            tree_watch: watch_trees.then(|| Arc::new(Mutex::new(None))),
+        })
     }
 
     /// The sandbox's network policy.
@@ -766,18 +831,24 @@ impl Sandbox for LocalSandbox {
         true
     }
 
-    /// `lstat` in-process, on a few threads. `Unsupported` when the
+    /// `lstat` in-process, on a few threads; the directory listed last is
+    /// kept and watched, and listed again from its inotify events
+    /// ([`LocalProvider::with_tree_watch`]). `Unsupported` when the
     /// sandbox's `tar` is not GNU tar (the trait's promise).
     async fn list_tree(&self, dir: &str) -> Result<TreeListing> {
         let full = self.resolve(dir);
         let env = self.env_for(&BTreeMap::new());
+        let tree_watch = self.tree_watch.clone();
         tokio::task::spawn_blocking(move || {
             if !listing::has_gnu_tar(&env) {
                 return Err(Error::unsupported(
                     "the sandbox's tar is not GNU tar: tree checkpoints read whole trees here",
                 ));
             }
-            listing::list_tree(&full)
+            match tree_watch {
+                Some(kept) => watched_listing(&kept, &full),
+                None => listing::list_tree(&full),
+            }
         })
         .await
         .map_err(|e| Error::backend(format!("tree listing task failed: {e}")))?

@@ -16,6 +16,8 @@ use std::sync::Mutex;
 
 use harness_core::sandbox::{ListedEntry, TreeListing};
 use harness_core::{Error, ErrorKind, Result};
+use nix::errno::Errno;
+use nix::sys::inotify::{Inotify, WatchDescriptor};
 
 /// Threads walking one tree: directories are handed out one at a time, so
 /// a wide tree keeps them all busy. More than a few buys nothing on the
@@ -24,66 +26,110 @@ const WALKERS: usize = 4;
 
 /// List every path under `root` (see the trait method). Blocking.
 pub(crate) fn list_tree(root: &Path) -> Result<TreeListing> {
+    check_root(root)?;
+    let now_secs = now_secs();
+    let walked = walk(root, vec![String::new()], None)?;
+    Ok(TreeListing {
+        now_secs,
+        entries: in_path_order(&walked.by_dir),
+    })
+}
+
+/// `NotFound` unless `root` is a directory.
+pub(crate) fn check_root(root: &Path) -> Result<()> {
     match std::fs::metadata(root) {
-        Ok(m) if m.is_dir() => {}
-        Ok(_) => {
-            return Err(Error::not_found(format!(
-                "{} is not a directory",
-                root.display()
-            )))
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(Error::not_found(format!(
-                "{} does not exist",
-                root.display()
-            )))
-        }
-        Err(e) => return Err(e.into()),
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(Error::not_found(format!(
+            "{} is not a directory",
+            root.display()
+        ))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(Error::not_found(format!(
+            "{} does not exist",
+            root.display()
+        ))),
+        Err(e) => Err(e.into()),
     }
-    let now_secs = std::time::SystemTime::now()
+}
+
+/// The clock a listing records when it begins (the racy-second rule of
+/// [`TreeListing::now_secs`]).
+pub(crate) fn now_secs() -> u64 {
+    std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
+        .map_or(0, |d| d.as_secs())
+}
+
+/// What a walk read.
+pub(crate) struct Walked {
+    /// Every directory read, by relative path ("" is the root), with its
+    /// items in order.
+    pub(crate) by_dir: HashMap<String, DirItems>,
+    /// With a watch: the watch on each directory read, added before it was
+    /// read (so a change after the read is an event).
+    pub(crate) watches: Vec<(WatchDescriptor, String)>,
+    /// With a watch: why one could not be added (the walk itself went on).
+    pub(crate) watch_failed: Option<Errno>,
+}
+
+/// Read the directories `start` (relative to `root`) and everything below
+/// them, on a few threads. With `watch`, each directory is added to it
+/// just before it is read.
+pub(crate) fn walk(root: &Path, start: Vec<String>, watch: Option<&Inotify>) -> Result<Walked> {
     let walk = Walk {
         root: root.to_path_buf(),
         queue: Mutex::new(Queue {
-            dirs: vec![String::new()],
+            dirs: start,
             busy: 0,
             failed: None,
+            watch_failed: None,
         }),
         more: std::sync::Condvar::new(),
+        watch,
     };
     let threads = WALKERS.min(
         std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(1),
     );
-    let by_dir = std::thread::scope(|scope| {
+    let (by_dir, watches) = std::thread::scope(|scope| {
         let workers: Vec<_> = (0..threads).map(|_| scope.spawn(|| walk.work())).collect();
         let mut by_dir = HashMap::new();
+        let mut watches = Vec::new();
         for worker in workers {
-            by_dir.extend(worker.join().expect("a listing thread panicked"));
+            for (dir, items, wd) in worker.join().expect("a listing thread panicked") {
+                if let Some(wd) = wd {
+                    watches.push((wd, dir.clone()));
+                }
+                by_dir.insert(dir, items);
+            }
         }
-        by_dir
+        (by_dir, watches)
     });
-    if let Some(error) = walk
-        .queue
-        .into_inner()
-        .unwrap_or_else(|e| e.into_inner())
-        .failed
-    {
+    let queue = walk.queue.into_inner().unwrap_or_else(|e| e.into_inner());
+    if let Some(error) = queue.failed {
         return Err(error);
     }
-    Ok(TreeListing {
-        now_secs,
-        entries: in_path_order(by_dir),
+    Ok(Walked {
+        by_dir,
+        watches,
+        watch_failed: queue.watch_failed,
     })
+}
+
+/// The items of the one directory `rel` (not below it), in order; none
+/// when it no longer exists.
+pub(crate) fn read_dir_items(root: &Path, rel: &str) -> Result<DirItems> {
+    let mut items = Vec::new();
+    read_dir(root, rel, &mut items)?;
+    sort_items(rel, &mut items);
+    Ok(items)
 }
 
 /// One directory's listing, in the order its paths take in the whole
 /// tree's path order.
-type DirItems = Vec<Item>;
+pub(crate) type DirItems = Vec<Item>;
 
-enum Item {
+pub(crate) enum Item {
     Entry(ListedEntry),
     /// Where the contents of the subdirectory at this relative path go.
     Subtree(String),
@@ -113,17 +159,17 @@ fn key_order((a, a_sub): (&[u8], bool), (b, b_sub): (&[u8], bool)) -> Ordering {
 /// Every directory's items (keyed by the directory's relative path, the
 /// root's being "") as one list in path order. Iterative: a tree may be
 /// deeper than a thread's stack would allow recursing.
-fn in_path_order(mut by_dir: HashMap<String, DirItems>) -> Vec<ListedEntry> {
+pub(crate) fn in_path_order(by_dir: &HashMap<String, DirItems>) -> Vec<ListedEntry> {
     let total = by_dir.values().map(Vec::len).sum();
     let mut out = Vec::with_capacity(total);
-    let mut stack = vec![by_dir.remove("").unwrap_or_default().into_iter()];
+    let mut stack = vec![by_dir.get("").map_or(&[][..], Vec::as_slice).iter()];
     while let Some(items) = stack.last_mut() {
         match items.next() {
-            Some(Item::Entry(entry)) => out.push(entry),
+            Some(Item::Entry(entry)) => out.push(entry.clone()),
             // A directory removed before it was read has no items.
             Some(Item::Subtree(rel)) => {
-                if let Some(items) = by_dir.remove(&rel) {
-                    stack.push(items.into_iter());
+                if let Some(items) = by_dir.get(rel) {
+                    stack.push(items.iter());
                 }
             }
             None => {
@@ -134,24 +180,40 @@ fn in_path_order(mut by_dir: HashMap<String, DirItems>) -> Vec<ListedEntry> {
     out
 }
 
+/// The subdirectories `items` has a subtree for.
+pub(crate) fn subtrees(items: &DirItems) -> impl Iterator<Item = &str> {
+    items.iter().filter_map(|item| match item {
+        Item::Subtree(rel) => Some(rel.as_str()),
+        Item::Entry(_) => None,
+    })
+}
+
+/// Order one directory's items as the whole tree's path order has them.
+fn sort_items(rel: &str, items: &mut DirItems) {
+    let prefix = if rel.is_empty() { 0 } else { rel.len() + 1 };
+    items.sort_unstable_by(|a, b| key_order(a.key(prefix), b.key(prefix)));
+}
+
 struct Queue {
     /// Directories (relative; "" is the root) not yet read.
     dirs: Vec<String>,
     /// Threads reading a directory now (each may add more).
     busy: usize,
     failed: Option<Error>,
+    watch_failed: Option<Errno>,
 }
 
-struct Walk {
+struct Walk<'w> {
     root: PathBuf,
     queue: Mutex<Queue>,
     more: std::sync::Condvar,
+    watch: Option<&'w Inotify>,
 }
 
-impl Walk {
+impl Walk<'_> {
     /// Take directories until none is left and no thread can add one;
-    /// each one read is returned with its items in order.
-    fn work(&self) -> Vec<(String, DirItems)> {
+    /// each one read is returned with its items in order and its watch.
+    fn work(&self) -> Vec<(String, DirItems, Option<WatchDescriptor>)> {
         let mut out = Vec::new();
         loop {
             let dir = {
@@ -170,18 +232,31 @@ impl Walk {
                     queue = self.more.wait(queue).unwrap_or_else(|e| e.into_inner());
                 }
             };
+            // Watched before it is read: a change after the read is then
+            // an event, never lost between the two.
+            let mut watch_failed = None;
+            let wd = self.watch.and_then(|inotify| {
+                match inotify.add_watch(&self.root.join(&dir), crate::watch::WATCH_MASK) {
+                    Ok(wd) => Some(wd),
+                    // Gone (or replaced by a file) since its parent was
+                    // read: the read below finds nothing.
+                    Err(Errno::ENOENT | Errno::ENOTDIR) => None,
+                    Err(e) => {
+                        watch_failed = Some(e);
+                        None
+                    }
+                }
+            });
             let mut items = Vec::new();
-            let result = self.read_dir(&dir, &mut items);
+            let result = read_dir(&self.root, &dir, &mut items);
             let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
             queue.busy -= 1;
+            if let Some(e) = watch_failed {
+                queue.watch_failed.get_or_insert(e);
+            }
             match result {
                 // Its subdirectories are read next.
-                Ok(()) => queue
-                    .dirs
-                    .extend(items.iter().filter_map(|item| match item {
-                        Item::Subtree(rel) => Some(rel.clone()),
-                        Item::Entry(_) => None,
-                    })),
+                Ok(()) => queue.dirs.extend(subtrees(&items).map(str::to_string)),
                 Err(e) => {
                     queue.failed.get_or_insert(e);
                 }
@@ -189,93 +264,98 @@ impl Walk {
             drop(queue);
             self.more.notify_all();
             // Ordered here, on the walker's thread, outside the lock.
-            let prefix = if dir.is_empty() { 0 } else { dir.len() + 1 };
-            items.sort_unstable_by(|a, b| key_order(a.key(prefix), b.key(prefix)));
-            out.push((dir, items));
+            sort_items(&dir, &mut items);
+            out.push((dir, items, wd));
         }
     }
+}
 
-    /// `lstat` every entry of `rel` into `out`, and for each subdirectory
-    /// the place of its contents.
-    fn read_dir(&self, rel: &str, out: &mut DirItems) -> Result<()> {
-        let abs = if rel.is_empty() {
-            self.root.clone()
+/// `lstat` every entry of `rel` into `out`, and for each subdirectory the
+/// place of its contents.
+fn read_dir(root: &Path, rel: &str, out: &mut DirItems) -> Result<()> {
+    let abs = if rel.is_empty() {
+        root.to_path_buf()
+    } else {
+        root.join(rel)
+    };
+    let entries = match std::fs::read_dir(&abs) {
+        Ok(entries) => entries,
+        // Removed (or replaced by a file) since its parent was read (the
+        // agent may be working): it is gone from the listing, as with
+        // `find`.
+        Err(e)
+            if e.kind() == std::io::ErrorKind::NotFound
+                || e.raw_os_error() == Some(Errno::ENOTDIR as i32) =>
+        {
+            return Ok(())
+        }
+        Err(e) => return Err(io_error(&abs, e)),
+    };
+    for entry in entries {
+        let entry = entry.map_err(|e| io_error(&abs, e))?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else {
+            return Err(Error::unsafe_entry(format!(
+                "a path under {} is not UTF-8: {:?}",
+                root.display(),
+                abs.join(&name)
+            )));
+        };
+        let path = if rel.is_empty() {
+            name.to_string()
         } else {
-            self.root.join(rel)
+            format!("{rel}/{name}")
         };
-        let entries = match std::fs::read_dir(&abs) {
-            Ok(entries) => entries,
-            // Removed since its parent was read (the agent may be working):
-            // it is gone from the listing, as with `find`.
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-            Err(e) => return Err(io_error(&abs, e)),
+        // `DirEntry::metadata` is an `fstatat` without following
+        // symlinks: the `lstat` `find` does.
+        let meta = match entry.metadata() {
+            Ok(meta) => meta,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(io_error(&abs.join(name), e)),
         };
-        for entry in entries {
-            let entry = entry.map_err(|e| io_error(&abs, e))?;
-            let name = entry.file_name();
-            let Some(name) = name.to_str() else {
-                return Err(Error::unsafe_entry(format!(
-                    "a path under {} is not UTF-8: {:?}",
-                    self.root.display(),
-                    abs.join(&name)
-                )));
-            };
-            let path = if rel.is_empty() {
-                name.to_string()
-            } else {
-                format!("{rel}/{name}")
-            };
-            // `DirEntry::metadata` is an `fstatat` without following
-            // symlinks: the `lstat` `find` does.
-            let meta = match entry.metadata() {
-                Ok(meta) => meta,
+        let file_type = meta.file_type();
+        let kind = if file_type.is_file() {
+            'f'
+        } else if file_type.is_dir() {
+            'd'
+        } else if file_type.is_symlink() {
+            'l'
+        } else if file_type.is_socket() {
+            's'
+        } else if file_type.is_fifo() {
+            'p'
+        } else if file_type.is_char_device() {
+            'c'
+        } else if file_type.is_block_device() {
+            'b'
+        } else {
+            'U'
+        };
+        let link = if kind == 'l' {
+            match std::fs::read_link(entry.path()) {
+                Ok(target) => target.to_string_lossy().into_owned(),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
                 Err(e) => return Err(io_error(&abs.join(name), e)),
-            };
-            let file_type = meta.file_type();
-            let kind = if file_type.is_file() {
-                'f'
-            } else if file_type.is_dir() {
-                'd'
-            } else if file_type.is_symlink() {
-                'l'
-            } else if file_type.is_socket() {
-                's'
-            } else if file_type.is_fifo() {
-                'p'
-            } else if file_type.is_char_device() {
-                'c'
-            } else if file_type.is_block_device() {
-                'b'
-            } else {
-                'U'
-            };
-            let link = if kind == 'l' {
-                match std::fs::read_link(entry.path()) {
-                    Ok(target) => target.to_string_lossy().into_owned(),
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-                    Err(e) => return Err(io_error(&abs.join(name), e)),
-                }
-            } else {
-                String::new()
-            };
-            if kind == 'd' {
-                out.push(Item::Subtree(path.clone()));
             }
-            out.push(Item::Entry(ListedEntry {
-                kind,
-                mode: meta.mode() & 0o7777,
-                size: meta.size(),
-                mtime: u64::try_from(meta.mtime()).unwrap_or(0),
-                ino: meta.ino(),
-                ctime_ns: u64::try_from(meta.ctime()).unwrap_or(0) * 1_000_000_000
-                    + u64::try_from(meta.ctime_nsec()).unwrap_or(0),
-                path,
-                link,
-            }));
+        } else {
+            String::new()
+        };
+        if kind == 'd' {
+            out.push(Item::Subtree(path.clone()));
         }
-        Ok(())
+        out.push(Item::Entry(ListedEntry {
+            kind,
+            mode: meta.mode() & 0o7777,
+            size: meta.size(),
+            mtime: u64::try_from(meta.mtime()).unwrap_or(0),
+            ino: meta.ino(),
+            ctime_ns: u64::try_from(meta.ctime()).unwrap_or(0) * 1_000_000_000
+                + u64::try_from(meta.ctime_nsec()).unwrap_or(0),
+            path,
+            link,
+        }));
     }
+    Ok(())
 }
 
 /// Always `Io`: a `NotFound` here would read as "no such directory".
