@@ -127,7 +127,7 @@ impl LocalProvider {
     /// Whether [`Sandbox::list_tree`] keeps the listing of the directory it
     /// last listed and watches it with inotify, so that the next listing
     /// (a re-checkpoint's) reads again only the directories that changed
-    /// (`docs/tree-checkpoints.md`, *A watched listing*). On by default.
+    /// (`docs/sandbox-local.md`, *A watched tree listing*). On by default.
     /// inotify does not report a write through a shared memory mapping
     /// after the file's last `close`, nor a write through a hard link from
     /// outside the tree; turn this off for trees written that way, and

@@ -64,6 +64,10 @@ const WATCH_GONE: F = F::IN_IGNORED
     .union(F::IN_MOVE_SELF)
     .union(F::IN_UNMOUNT);
 
+/// Changed directories past which (and past a quarter of the tree's) a
+/// listing walks the tree again rather than re-reading them one by one.
+const WALK_INSTEAD: usize = 64;
+
 /// Trees watched at once by this process. Each is an inotify instance, and
 /// a user has 128 by default, shared with every other program they run
 /// (editors, file watchers): past this many, listings walk the tree.
@@ -230,6 +234,12 @@ impl WatchedTree {
                     None => {}
                 }
             }
+        }
+        // Most of the tree changed (a checkout, a restore into it): the
+        // walk reads on several threads, the re-reads below on one.
+        if dirty.len() > WALK_INSTEAD.max(self.by_dir.len() / 4) {
+            tracing::debug!(root = %self.root.display(), dirs = dirty.len(), "most directories changed: walking the tree");
+            return Ok(None);
         }
         let mut dirty: Vec<String> = dirty.into_iter().collect();
         // Parents before children: a directory found gone or new while its
@@ -534,6 +544,38 @@ mod tests {
         let (listing, tree) = WatchedTree::start(root).unwrap();
         assert!(tree.is_some());
         assert_eq!(listing.entries, listing::list_tree(root).unwrap().entries);
+    }
+
+    /// Through the sandbox's path (`watched_listing`): the second listing
+    /// comes from the watch; when most directories changed it walks
+    /// instead; either way the answer is the walk's.
+    #[test]
+    fn the_sandbox_lists_from_its_watch_and_walks_when_most_changed() {
+        let scratch = tempfile::tempdir().unwrap();
+        let root = scratch.path();
+        for d in 0..100 {
+            write(&root.join(format!("d{d:03}/f")), "f");
+        }
+        let kept = std::sync::Mutex::new(None);
+        let first = crate::watched_listing(&kept, root).unwrap();
+        assert_eq!(first.entries, listing::list_tree(root).unwrap().entries);
+        assert_eq!(kept.lock().unwrap().as_ref().unwrap().dirs_read(), 101);
+
+        fs::write(root.join("d042/f"), "changed").unwrap();
+        let second = crate::watched_listing(&kept, root).unwrap();
+        assert_eq!(second.entries, listing::list_tree(root).unwrap().entries);
+        assert_eq!(kept.lock().unwrap().as_ref().unwrap().dirs_read(), 1);
+
+        for d in 0..80 {
+            fs::write(root.join(format!("d{d:03}/f")), "all changed").unwrap();
+        }
+        let third = crate::watched_listing(&kept, root).unwrap();
+        assert_eq!(third.entries, listing::list_tree(root).unwrap().entries);
+        assert_eq!(
+            kept.lock().unwrap().as_ref().unwrap().dirs_read(),
+            101,
+            "80 of 101 directories changed: walked"
+        );
     }
 
     /// The listed directory itself removed: lost, and a new start says

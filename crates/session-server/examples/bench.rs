@@ -10,10 +10,12 @@
 //!    1,000 frames/s, on the session stream (`/v1/sessions/<id>/events`),
 //!    the Durable Streams session stream (`/v1/stream/sessions/<id>`,
 //!    `live=sse`) and, side by side, a generic stream of the reference
-//!    Durable Streams server (npm `@durable-streams/server`); latency = the
-//!    reader's receive time − the writer's send time, per delivery; "lag
-//!    growth" = p50 of the last fifth of the frames sent − p50 of the first
-//!    fifth (≈ 0 when readers keep up);
+//!    Durable Streams server (npm `@durable-streams/server`), and the floor:
+//!    a bare fan-out server (`support/floor.rs`: one pre-encoded chunk and
+//!    one `write` per reader, raw TCP, no log) with the same readers and
+//!    writer; latency = the reader's receive time − the writer's send time,
+//!    per delivery; "lag growth" = p50 of the last fifth of the frames sent
+//!    − p50 of the first fifth (≈ 0 when readers keep up);
 //! 3. replay of 100,000 frames on every read path (SSE `/events`, WebSocket
 //!    `after=0`, Durable Streams GET, `/export`, `/frames` pages) against
 //!    `log.read` pages straight from the log.
@@ -45,6 +47,9 @@ use tokio_tungstenite::tungstenite::Message;
 
 #[path = "support/servers.rs"]
 mod servers;
+
+#[path = "support/floor.rs"]
+mod floor;
 
 fn env(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -327,6 +332,8 @@ enum Target {
     DsSession,
     /// A generic stream of the reference Durable Streams server.
     Reference,
+    /// The bare fan-out server (`support/floor.rs`): the floor.
+    Floor,
 }
 
 impl Target {
@@ -335,6 +342,7 @@ impl Target {
             Target::SessionSse => "ours: session SSE /events",
             Target::DsSession => "ours: DS session stream",
             Target::Reference => "reference DS server (generic stream)",
+            Target::Floor => "floor: bare fan-out, raw TCP",
         }
     }
 }
@@ -425,7 +433,7 @@ async fn live_reader(
         Target::Reference => "\"t\":",
         _ => "\"approvalId\":\"",
     };
-    let ds = target != Target::SessionSse;
+    let ds = matches!(target, Target::DsSession | Target::Reference);
     let addr = base
         .trim_start_matches("http://")
         .split('/')
@@ -575,6 +583,14 @@ async fn bench_live_one(
                 Box::new(move |http, t| http.post(&post).json(&answer(t.to_string()))),
             )
         }
+        Target::Floor => {
+            let url = format!("{base}/floor");
+            let post = url.clone();
+            (
+                url,
+                Box::new(move |http, t| http.post(&post).json(&answer(t.to_string()))),
+            )
+        }
         Target::Reference => {
             let url = format!("{base}/v1/stream/{tag}");
             let r = http
@@ -716,9 +732,18 @@ async fn bench_live(dir: &std::path::Path) -> anyhow::Result<()> {
     };
     let mut rows = Vec::new();
     for &rate in &rates {
-        for target in [Target::SessionSse, Target::DsSession, Target::Reference] {
+        for target in [
+            Target::Floor,
+            Target::SessionSse,
+            Target::DsSession,
+            Target::Reference,
+        ] {
             // A fresh server per run, so one run's readers do not linger in the next.
             let result = match target {
+                Target::Floor => {
+                    let (base, _server) = floor::start()?;
+                    bench_live_one(&base, target, readers, rate, secs, "live").await
+                }
                 Target::Reference => match &reference {
                     None => continue,
                     Some((entry, launcher)) => {
@@ -739,24 +764,29 @@ async fn bench_live(dir: &std::path::Path) -> anyhow::Result<()> {
         }
     }
     println!();
-    println!("| live, {readers} SSE readers, {secs} s | frames/s | p50 ms | p99 ms | max ms | lag growth ms | deliveries | readers with all | p99 / reference p99 | write answered p50 / p99 ms |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("| live, {readers} SSE readers, {secs} s | frames/s | p50 ms | p99 ms | max ms | lag growth ms | deliveries | readers with all | p99 / reference p99 | p99 / floor p99 | write answered p50 / p99 ms |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for (rate, target, r) in &rows {
-        let reference = rows
-            .iter()
-            .find(|(r2, t, _)| r2 == rate && *t == Target::Reference)
-            .and_then(|(_, _, r)| r.as_ref())
-            .filter(|r| r.deliveries == r.expected);
+        // The p99 of `than` at this rate, when it delivered everything.
+        let p99_of = |than: Target| {
+            rows.iter()
+                .find(|(r2, t, _)| r2 == rate && *t == than)
+                .and_then(|(_, _, r)| r.as_ref())
+                .filter(|r| r.deliveries == r.expected)
+                .map(|r| r.p99)
+        };
         match r {
             Some(r) => {
-                let ratio = match reference {
-                    Some(reference) if r.deliveries == r.expected => {
-                        format!("{:.3}", r.p99 / reference.p99)
-                    }
+                let ratio = |base: Option<f64>| match base {
+                    Some(base) if r.deliveries == r.expected => format!("{:.3}", r.p99 / base),
                     _ => "-".into(),
                 };
+                let (ratio, floor) = (
+                    ratio(p99_of(Target::Reference)),
+                    ratio(p99_of(Target::Floor)),
+                );
                 println!(
-                    "| {} | {rate} | {:.2} | {:.2} | {:.2} | {:+.2} | {}/{} | {}/{readers} | {ratio} | {:.2} / {:.2} |",
+                    "| {} | {rate} | {:.2} | {:.2} | {:.2} | {:+.2} | {}/{} | {}/{readers} | {ratio} | {floor} | {:.2} / {:.2} |",
                     target.name(),
                     r.p50,
                     r.p99,
@@ -769,7 +799,7 @@ async fn bench_live(dir: &std::path::Path) -> anyhow::Result<()> {
                     r.write_p99
                 );
             }
-            None => println!("| {} | {rate} | failed | | | | | | | |", target.name()),
+            None => println!("| {} | {rate} | failed | | | | | | | | |", target.name()),
         }
     }
     Ok(())

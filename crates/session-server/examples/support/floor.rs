@@ -1,0 +1,115 @@
+//! The floor for live delivery: a fan-out server that does the least a
+//! server can do per delivery — one pre-encoded chunk, one `write` per
+//! reader — with no log, no actor, no HTTP library. It speaks just enough
+//! HTTP/1.1 for the bench's readers (an endless chunked SSE body for any
+//! `GET`) and its writer (a `POST` whose body becomes the event's data,
+//! answered `200` on a kept-alive connection). Each event carries a `seq`
+//! (from 1) and the posted body, so the readers check order and find the
+//! writer's stamp as they do on our streams, and its size is close to
+//! ours.
+//!
+//! Served on a 2-thread runtime of its own, as our servers are: the
+//! difference between its p99 and ours is what our server adds; its own
+//! p99 is what these 2 cores, loopback TCP and the readers cost.
+
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::broadcast;
+
+/// Events a slow reader may be behind before it is dropped.
+const BEHIND: usize = 65_536;
+
+struct Fanout {
+    /// The next seq and the channel, together: events go out in seq order.
+    next: Mutex<(u64, broadcast::Sender<Bytes>)>,
+}
+
+/// Start it; returns its base URL and the runtime that serves it.
+pub fn start() -> anyhow::Result<(String, super::servers::Server)> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    listener.set_nonblocking(true)?;
+    let addr = listener.local_addr()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("floor-server")
+        .enable_all()
+        .build()?;
+    let fanout = Arc::new(Fanout {
+        next: Mutex::new((1, broadcast::channel(BEHIND).0)),
+    });
+    rt.spawn(async move {
+        let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
+        while let Ok((tcp, _)) = listener.accept().await {
+            let _ = tcp.set_nodelay(true);
+            tokio::spawn(connection(tcp, fanout.clone()));
+        }
+    });
+    Ok((
+        format!("http://{addr}"),
+        super::servers::Server::Ours(Some(rt)),
+    ))
+}
+
+async fn connection(mut tcp: TcpStream, fanout: Arc<Fanout>) -> anyhow::Result<()> {
+    let mut buf = Vec::with_capacity(4096);
+    loop {
+        // One request head.
+        let head_end = loop {
+            if let Some(at) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                break at + 4;
+            }
+            if tcp.read_buf(&mut buf).await? == 0 {
+                return Ok(());
+            }
+        };
+        let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+        if head.starts_with("get ") {
+            let mut events = fanout.next.lock().unwrap().1.subscribe();
+            tcp.write_all(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+                  cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n",
+            )
+            .await?;
+            loop {
+                match events.recv().await {
+                    Ok(chunk) => tcp.write_all(&chunk).await?,
+                    // Fell more than `BEHIND` events back: as our hub does,
+                    // the reader is dropped.
+                    Err(_) => return Ok(()),
+                }
+            }
+        }
+        let length: usize = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length:"))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0);
+        while buf.len() < head_end + length {
+            if tcp.read_buf(&mut buf).await? == 0 {
+                return Ok(());
+            }
+        }
+        let body = &buf[head_end..head_end + length];
+        {
+            let mut next = fanout.next.lock().unwrap();
+            let seq = next.0;
+            next.0 += 1;
+            let mut data = format!("id: {seq}\ndata: {{\"seq\":{seq},\"body\":").into_bytes();
+            data.extend_from_slice(body);
+            data.extend_from_slice(b"}\n\n");
+            let mut chunk = format!("{:x}\r\n", data.len()).into_bytes();
+            chunk.extend_from_slice(&data);
+            chunk.extend_from_slice(b"\r\n");
+            // No reader yet is not an error.
+            let _ = next.1.send(Bytes::from(chunk));
+        }
+        buf.drain(..head_end + length);
+        tcp.write_all(
+            b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-type: application/json\r\n\r\n{}",
+        )
+        .await?;
+    }
+}
