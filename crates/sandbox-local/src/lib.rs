@@ -144,6 +144,16 @@ impl LocalProvider {
         self
     }
 
+    /// The sandbox in `dir`, as this provider makes them.
+    fn sandbox(&self, dir: PathBuf, meta: Meta, gate: Option<PathBuf>) -> Result<Box<dyn Sandbox>> {
+        Ok(Box::new(LocalSandbox::new(
+            dir,
+            meta,
+            gate,
+            self.watch_trees,
+        )?))
+    }
+
     /// The gate binary this provider uses: the one given to
     /// [`with_gate`](Self::with_gate), else what
     /// [`harness_sandbox_gate::locate`] finds now.
@@ -470,12 +480,7 @@ impl SandboxProvider for LocalProvider {
         let tmp = dir.join(format!(".{META_FILE}.tmp"));
         tokio::fs::write(&tmp, serde_json::to_vec_pretty(&meta)?).await?;
         tokio::fs::rename(&tmp, dir.join(META_FILE)).await?;
-        Ok(Box::new(LocalSandbox::new(
-            dir,
-            meta,
-            gate,
-            self.watch_trees,
-        )?))
+        self.sandbox(dir, meta, gate)
     }
 
     async fn resume(&self, handle: &SandboxHandle) -> Result<Box<dyn Sandbox>> {
@@ -546,12 +551,7 @@ impl SandboxProvider for LocalProvider {
                 }
             }
         };
-        Ok(Box::new(LocalSandbox::new(
-            dir,
-            meta,
-            gate,
-            self.watch_trees,
-        )?))
+        self.sandbox(dir, meta, gate)
     }
 
     async fn list_snapshots(&self) -> Result<Vec<SnapshotInfo>> {

@@ -101,14 +101,7 @@ fn start_ours(dir: &std::path::Path, name: &str, grouped: bool) -> anyhow::Resul
         hub_config.max_batch = 1;
     }
     // The hub's actors run on the runtime it is made on: the server's.
-    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
-    listener.set_nonblocking(true)?;
-    let addr = listener.local_addr()?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_name("ours-server")
-        .enable_all()
-        .build()?;
+    let (listener, base, rt) = servers::listener_and_runtime("ours-server")?;
     let hub_log = log.clone();
     rt.spawn(async move {
         let hub = Hub::new(hub_log, hub_config);
@@ -120,7 +113,7 @@ fn start_ours(dir: &std::path::Path, name: &str, grouped: bool) -> anyhow::Resul
             .expect("serve");
     });
     Ok(Ours {
-        base: format!("http://{addr}"),
+        base,
         log,
         _server: servers::Server::Ours(Some(rt)),
     })

@@ -30,14 +30,7 @@ struct Fanout {
 
 /// Start it; returns its base URL and the runtime that serves it.
 pub fn start() -> anyhow::Result<(String, super::servers::Server)> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
-    listener.set_nonblocking(true)?;
-    let addr = listener.local_addr()?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_name("floor-server")
-        .enable_all()
-        .build()?;
+    let (listener, base, rt) = super::servers::listener_and_runtime("floor-server")?;
     let fanout = Arc::new(Fanout {
         next: Mutex::new((1, broadcast::channel(BEHIND).0)),
     });
@@ -48,10 +41,7 @@ pub fn start() -> anyhow::Result<(String, super::servers::Server)> {
             tokio::spawn(connection(tcp, fanout.clone()));
         }
     });
-    Ok((
-        format!("http://{addr}"),
-        super::servers::Server::Ours(Some(rt)),
-    ))
+    Ok((base, super::servers::Server::Ours(Some(rt))))
 }
 
 async fn connection(mut tcp: TcpStream, fanout: Arc<Fanout>) -> anyhow::Result<()> {

@@ -44,16 +44,25 @@ impl Drop for Server {
     }
 }
 
-/// Serve `app` on its own 2-thread runtime (like a separate process would).
-pub fn serve_ours(app: axum::Router) -> anyhow::Result<(String, Server)> {
+/// A listener on a free loopback port, its base URL, and a 2-thread
+/// runtime of its own to serve it on (like a separate process would).
+pub fn listener_and_runtime(
+    thread_name: &str,
+) -> anyhow::Result<(std::net::TcpListener, String, tokio::runtime::Runtime)> {
     let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
     listener.set_nonblocking(true)?;
-    let addr = listener.local_addr()?;
+    let base = format!("http://{}", listener.local_addr()?);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
-        .thread_name("ours-server")
+        .thread_name(thread_name)
         .enable_all()
         .build()?;
+    Ok((listener, base, rt))
+}
+
+/// Serve `app` on its own 2-thread runtime (like a separate process would).
+pub fn serve_ours(app: axum::Router) -> anyhow::Result<(String, Server)> {
+    let (listener, base, rt) = listener_and_runtime("ours-server")?;
     rt.spawn(async move {
         let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
         // As `SessionServer::serve` does: TCP_NODELAY on every connection.
@@ -61,7 +70,7 @@ pub fn serve_ours(app: axum::Router) -> anyhow::Result<(String, Server)> {
             .await
             .expect("serve");
     });
-    Ok((format!("http://{addr}"), Server::Ours(Some(rt))))
+    Ok((base, Server::Ours(Some(rt))))
 }
 
 /// Install (once) the reference server into the npm cache directory.
