@@ -570,30 +570,6 @@ impl SandboxProvider for LocalProvider {
     }
 }
 
-/// `dir`'s listing from the watch kept for it, else from a walk that
-/// starts a watch (replacing the one kept for another directory).
-fn watched_listing(kept: &Mutex<Option<WatchedTree>>, dir: &Path) -> Result<TreeListing> {
-    let mut kept = kept.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(tree) = kept.as_mut().filter(|tree| tree.root() == dir) {
-        match tree.refresh() {
-            Ok(Some(listing)) => {
-                tracing::debug!(dir = %dir.display(), dirs_read = tree.dirs_read(), "tree listed from its watch");
-                return Ok(listing);
-            }
-            Ok(None) => {}
-            Err(e) => {
-                *kept = None;
-                return Err(e);
-            }
-        }
-    }
-    // The old watch goes first: its inotify instance is one of a few.
-    *kept = None;
-    let (listing, tree) = WatchedTree::start(dir)?;
-    *kept = tree;
-    Ok(listing)
-}
-
 fn path_string(p: &Path) -> Result<String> {
     p.to_str()
         .map(str::to_string)
@@ -846,7 +822,7 @@ impl Sandbox for LocalSandbox {
                 ));
             }
             match tree_watch {
-                Some(kept) => watched_listing(&kept, &full),
+                Some(kept) => watch::watched_listing(&kept, &full),
                 None => listing::list_tree(&full),
             }
         })

@@ -27,6 +27,7 @@
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 use harness_core::sandbox::TreeListing;
 use harness_core::Result;
@@ -259,13 +260,13 @@ impl WatchedTree {
             }
             self.by_dir.insert(dir, items);
         }
-        // The outermost of the directories to drop, then walk.
-        let mut tops: Vec<String> = Vec::new();
-        for dir in fresh {
-            if !tops.last().is_some_and(|top| within(top, &dir)) {
-                tops.push(dir);
-            }
-        }
+        // The outermost of the directories to drop, then walk: those with
+        // no ancestor among them.
+        let tops: Vec<String> = fresh
+            .iter()
+            .filter(|dir| !within_any(&fresh, parent_of(dir)))
+            .cloned()
+            .collect();
         for top in &tops {
             self.forget(top);
         }
@@ -330,6 +331,33 @@ impl WatchedTree {
     }
 }
 
+/// `dir`'s listing from the watch kept for it, else from a walk that
+/// starts a watch (replacing the one kept for another directory).
+pub(crate) fn watched_listing(
+    kept: &Mutex<Option<WatchedTree>>,
+    dir: &Path,
+) -> Result<TreeListing> {
+    let mut kept = kept.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(tree) = kept.as_mut().filter(|tree| tree.root() == dir) {
+        match tree.refresh() {
+            Ok(Some(listing)) => {
+                tracing::debug!(dir = %dir.display(), dirs_read = tree.dirs_read(), "tree listed from its watch");
+                return Ok(listing);
+            }
+            Ok(None) => {}
+            Err(e) => {
+                *kept = None;
+                return Err(e);
+            }
+        }
+    }
+    // The old watch goes first: its inotify instance is one of a few.
+    *kept = None;
+    let (listing, tree) = WatchedTree::start(dir)?;
+    *kept = tree;
+    Ok(listing)
+}
+
 fn parent_of(dir: &str) -> &str {
     dir.rfind('/').map_or("", |i| &dir[..i])
 }
@@ -340,12 +368,6 @@ fn join(dir: &str, name: &str) -> String {
     } else {
         format!("{dir}/{name}")
     }
-}
-
-/// `path` is `top` or below it.
-fn within(top: &str, path: &str) -> bool {
-    path.strip_prefix(top)
-        .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
 }
 
 /// `path` is one of `tops` or below one.
@@ -556,20 +578,20 @@ mod tests {
         for d in 0..100 {
             write(&root.join(format!("d{d:03}/f")), "f");
         }
-        let kept = std::sync::Mutex::new(None);
-        let first = crate::watched_listing(&kept, root).unwrap();
+        let kept = Mutex::new(None);
+        let first = watched_listing(&kept, root).unwrap();
         assert_eq!(first.entries, listing::list_tree(root).unwrap().entries);
         assert_eq!(kept.lock().unwrap().as_ref().unwrap().dirs_read(), 101);
 
         fs::write(root.join("d042/f"), "changed").unwrap();
-        let second = crate::watched_listing(&kept, root).unwrap();
+        let second = watched_listing(&kept, root).unwrap();
         assert_eq!(second.entries, listing::list_tree(root).unwrap().entries);
         assert_eq!(kept.lock().unwrap().as_ref().unwrap().dirs_read(), 1);
 
         for d in 0..80 {
             fs::write(root.join(format!("d{d:03}/f")), "all changed").unwrap();
         }
-        let third = crate::watched_listing(&kept, root).unwrap();
+        let third = watched_listing(&kept, root).unwrap();
         assert_eq!(third.entries, listing::list_tree(root).unwrap().entries);
         assert_eq!(
             kept.lock().unwrap().as_ref().unwrap().dirs_read(),
