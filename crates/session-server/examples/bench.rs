@@ -11,9 +11,9 @@
 //!    the Durable Streams session stream (`/v1/stream/sessions/<id>`,
 //!    `live=sse`) and, side by side, a generic stream of the reference
 //!    Durable Streams server (npm `@durable-streams/server`), and the floor:
-//!    a bare fan-out server (`support/floor.rs`: one pre-encoded chunk and
-//!    one `write` per reader, raw TCP, no log) with the same readers and
-//!    writer; latency = the reader's receive time − the writer's send time,
+//!    a bare fan-out server (`support/floor.rs`: each event encoded once,
+//!    one `write` per reader of what is queued for it, raw TCP, no log)
+//!    with the same readers and writer; latency = the reader's receive time − the writer's send time,
 //!    per delivery; "lag growth" = p50 of the last fifth of the frames sent
 //!    − p50 of the first fifth (≈ 0 when readers keep up);
 //! 3. replay of 100,000 frames on every read path (SSE `/events`, WebSocket
@@ -563,22 +563,19 @@ async fn bench_live_one(
     let http = reqwest::Client::new();
     type Write = Box<dyn Fn(&reqwest::Client, u64) -> reqwest::RequestBuilder + Send + Sync>;
     let (url, write): (String, Write) = match target {
-        Target::SessionSse | Target::DsSession => {
-            session_with_turn(&http, base, tag).await?;
-            let url = if target == Target::SessionSse {
-                format!("{base}/v1/sessions/{tag}/events")
-            } else {
-                format!("{base}/v1/stream/sessions/{tag}")
+        Target::SessionSse | Target::DsSession | Target::Floor => {
+            let (url, post) = match target {
+                Target::Floor => (format!("{base}/floor"), format!("{base}/floor")),
+                _ => {
+                    session_with_turn(&http, base, tag).await?;
+                    let url = if target == Target::SessionSse {
+                        format!("{base}/v1/sessions/{tag}/events")
+                    } else {
+                        format!("{base}/v1/stream/sessions/{tag}")
+                    };
+                    (url, format!("{base}/v1/sessions/{tag}/messages"))
+                }
             };
-            let post = format!("{base}/v1/sessions/{tag}/messages");
-            (
-                url,
-                Box::new(move |http, t| http.post(&post).json(&answer(t.to_string()))),
-            )
-        }
-        Target::Floor => {
-            let url = format!("{base}/floor");
-            let post = url.clone();
             (
                 url,
                 Box::new(move |http, t| http.post(&post).json(&answer(t.to_string()))),

@@ -66,20 +66,20 @@ async fn connection(mut tcp: TcpStream, fanout: Arc<Fanout>) -> anyhow::Result<(
             .await?;
             let mut out = Vec::with_capacity(64 * 1024);
             loop {
+                // Fell more than `BEHIND` events back (as our hub does,
+                // the reader is dropped), or the server is going.
+                let Ok(first) = events.recv().await else {
+                    return Ok(());
+                };
+                out.extend_from_slice(&first);
                 // What is queued goes out in one write, as our streams
                 // write a run of frames per chunk: without it this server
                 // falls seconds behind at 1,000 frames/s.
-                let mut next = events.recv().await;
                 loop {
-                    match next {
-                        Ok(chunk) => out.extend_from_slice(&chunk),
-                        // Fell more than `BEHIND` events back: as our hub
-                        // does, the reader is dropped.
-                        Err(_) => return Ok(()),
-                    }
                     match events.try_recv() {
+                        Ok(chunk) => out.extend_from_slice(&chunk),
                         Err(broadcast::error::TryRecvError::Empty) => break,
-                        other => next = other.map_err(|_| broadcast::error::RecvError::Closed),
+                        Err(_) => return Ok(()),
                     }
                 }
                 tcp.write_all(&out).await?;
