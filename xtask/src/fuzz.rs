@@ -8,10 +8,23 @@
 //! comes from `$HARNESS_CACHE/tools/bin`, else `PATH`, else `cargo install`
 //! from crates.io into `$HARNESS_CACHE/tools` (~1 min).
 //!
-//! Each run reads the committed seeds (`fuzz/seeds/<target>/`) and a working
-//! corpus kept in `$HARNESS_CACHE/fuzz/corpus/<target>/` (new inputs go
-//! there, never into the repo); a crash is written to
-//! `$HARNESS_CACHE/fuzz/artifacts/<target>/` and fails the command.
+//! Two ways to run:
+//! - by hand (`cargo xtask fuzz [--seconds N]`): open-ended exploration from
+//!   the committed inputs (`fuzz/seeds/<target>/`, hand-written, and
+//!   `fuzz/corpus/<target>/`, the evolved corpus, minimised) plus a working
+//!   corpus kept in `$HARNESS_CACHE/fuzz/corpus/<target>/` (new inputs go
+//!   there, never into the repo). `--merge` then folds the working corpus
+//!   into `fuzz/corpus/` (libFuzzer's `-merge=1`: only inputs that add
+//!   coverage), to commit.
+//! - in CI (`smoke`): deterministic. Every committed input is run, then a
+//!   fixed number of mutations from a fixed seed, with new inputs written
+//!   to a scratch directory: the same commit gives the same run, whatever
+//!   the machine's cache holds. A fresh machine once found a crash in 30
+//!   timed seconds that warm caches never reached; the committed corpus and
+//!   crash inputs now replay on every run instead.
+//!
+//! A crash is written to `$HARNESS_CACHE/fuzz/artifacts/<target>/` and fails
+//! the command.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -25,18 +38,50 @@ use crate::util;
 
 const CARGO_FUZZ_VERSION: &str = "0.13.2";
 
-/// The targets (binaries of `fuzz/Cargo.toml`) and the largest input each
-/// takes.
-pub const TARGETS: &[(&str, usize)] = &[
-    ("messages", 8192),
-    ("tarscan", 16384),
-    ("checkpoint_key", 1024),
-    ("ds_headers", 4096),
-    ("http", 8192),
+/// A target (a binary of `fuzz/Cargo.toml`).
+#[derive(Debug, Clone, Copy)]
+pub struct Target {
+    pub name: &'static str,
+    /// The largest input it takes.
+    pub max_len: usize,
+    /// Mutations the CI smoke runs after replaying the committed inputs
+    /// (about 15 s each on the 2-core CI machine).
+    pub smoke_runs: u64,
+}
+
+pub const TARGETS: &[Target] = &[
+    Target {
+        name: "messages",
+        max_len: 8192,
+        smoke_runs: 150_000,
+    },
+    Target {
+        name: "tarscan",
+        max_len: 16384,
+        smoke_runs: 300_000,
+    },
+    Target {
+        name: "checkpoint_key",
+        max_len: 1024,
+        smoke_runs: 1_000_000,
+    },
+    Target {
+        name: "ds_headers",
+        max_len: 4096,
+        smoke_runs: 1_000_000,
+    },
+    Target {
+        name: "http",
+        max_len: 8192,
+        smoke_runs: 30_000,
+    },
 ];
 
-/// Seconds per target in the CI smoke.
-pub const SMOKE_SECONDS: u64 = 30;
+/// Seconds per target by hand, by default.
+pub const DEFAULT_SECONDS: u64 = 30;
+
+/// The libFuzzer seed of the CI smoke.
+const SMOKE_SEED: u64 = 1;
 
 #[derive(Debug, Args)]
 pub struct FuzzArgs {
@@ -44,23 +89,64 @@ pub struct FuzzArgs {
     #[arg(long = "target", value_delimiter = ',')]
     targets: Vec<String>,
     /// Seconds to run each target.
-    #[arg(long, default_value_t = SMOKE_SECONDS)]
+    #[arg(long, default_value_t = DEFAULT_SECONDS)]
     seconds: u64,
+    /// Run what CI runs instead (deterministic: the committed inputs, then
+    /// a fixed number of mutations from a fixed seed).
+    #[arg(long, conflicts_with_all = ["seconds", "merge"])]
+    smoke: bool,
+    /// Fold the working corpus in the cache into `fuzz/corpus/<target>/`
+    /// (minimised: only inputs that add coverage), to commit.
+    #[arg(long)]
+    merge: bool,
+}
+
+/// How a target is run.
+#[derive(Debug, Clone, Copy)]
+enum Mode {
+    /// Open-ended, for this many seconds, growing the cache's corpus.
+    Explore { seconds: u64 },
+    /// What CI runs.
+    Smoke,
+    /// Minimise the cache's corpus into the committed one.
+    Merge,
 }
 
 pub fn run(args: FuzzArgs) -> Result<()> {
-    let names: Vec<&str> = if args.targets.is_empty() {
-        TARGETS.iter().map(|(n, _)| *n).collect()
+    let targets = if args.targets.is_empty() {
+        TARGETS.to_vec()
     } else {
-        args.targets.iter().map(String::as_str).collect()
+        args.targets
+            .iter()
+            .map(|n| target(n))
+            .collect::<Result<Vec<_>>>()?
     };
-    fuzz(&names, args.seconds)
+    let mode = match (args.smoke, args.merge) {
+        (true, _) => Mode::Smoke,
+        (_, true) => Mode::Merge,
+        _ => Mode::Explore {
+            seconds: args.seconds,
+        },
+    };
+    fuzz(&targets, mode)
 }
 
-/// The CI smoke: every target for [`SMOKE_SECONDS`].
+/// The CI smoke: every target, deterministically.
 pub fn smoke() -> Result<()> {
-    let names: Vec<&str> = TARGETS.iter().map(|(n, _)| *n).collect();
-    fuzz(&names, SMOKE_SECONDS)
+    fuzz(TARGETS, Mode::Smoke)
+}
+
+fn target(name: &str) -> Result<Target> {
+    TARGETS
+        .iter()
+        .find(|t| t.name == name)
+        .copied()
+        .with_context(|| {
+            format!(
+                "no fuzz target `{name}` (targets: {})",
+                TARGETS.iter().map(|t| t.name).collect::<Vec<_>>().join(", ")
+            )
+        })
 }
 
 fn fuzz_target_dir() -> PathBuf {
@@ -126,19 +212,7 @@ struct Figures {
     crash: Option<String>,
 }
 
-fn fuzz(names: &[&str], seconds: u64) -> Result<()> {
-    for n in names {
-        if !TARGETS.iter().any(|(t, _)| t == n) {
-            bail!(
-                "no fuzz target `{n}` (targets: {})",
-                TARGETS
-                    .iter()
-                    .map(|(t, _)| *t)
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            );
-        }
-    }
+fn fuzz(targets: &[Target], mode: Mode) -> Result<()> {
     let tools = ensure_cargo_fuzz()?;
     let path = std::env::var_os("PATH").unwrap_or_default();
     let mut paths = vec![tools];
@@ -153,34 +227,54 @@ fn fuzz(names: &[&str], seconds: u64) -> Result<()> {
         .arg("--target-dir")
         .arg(&target_dir);
     // `cargo fuzz build` takes one target, or none for all of them.
-    if let [one] = names {
-        build.arg(one);
+    if let [one] = targets {
+        build.arg(one.name);
     }
     util::timed("fuzz: build", || util::run(&mut build))?;
 
     let bin_dir = target_dir.join(host_triple()?).join("release");
-    let seeds_root = util::repo_root().join("fuzz").join("seeds");
     let mut results = Vec::new();
-    for name in names {
-        let max_len = TARGETS
-            .iter()
-            .find(|(t, _)| t == name)
-            .map(|(_, l)| *l)
-            .unwrap_or(4096);
-        let corpus = util::cache_subdir(&format!("fuzz/corpus/{name}"))?;
+    for target in targets {
+        let name = target.name;
         let artifacts = util::cache_subdir(&format!("fuzz/artifacts/{name}"))?;
+        let committed = committed_dirs(name);
         let mut cmd = Command::new(bin_dir.join(name));
         cmd.current_dir(&artifacts)
-            .arg(&corpus)
-            .arg(seeds_root.join(name))
-            .arg(format!("-max_total_time={seconds}"))
-            .arg(format!("-max_len={max_len}"))
+            .arg(format!("-max_len={}", target.max_len))
             .arg("-timeout=30")
             .arg("-rss_limit_mb=2048")
             .arg("-print_final_stats=1")
             .arg(format!("-artifact_prefix={}/", artifacts.display()));
+        let what = match mode {
+            Mode::Explore { seconds } => {
+                cmd.arg(util::cache_subdir(&format!("fuzz/corpus/{name}"))?)
+                    .args(&committed)
+                    .arg(format!("-max_total_time={seconds}"));
+                format!("{seconds}s")
+            }
+            Mode::Smoke => {
+                // Emptied first: what the run finds depends on the
+                // committed inputs only.
+                let scratch = util::cache_dir().join("fuzz/scratch").join(name);
+                let _ = std::fs::remove_dir_all(&scratch);
+                std::fs::create_dir_all(&scratch)?;
+                cmd.arg(&scratch)
+                    .args(&committed)
+                    .arg(format!("-seed={SMOKE_SEED}"))
+                    .arg(format!("-runs={}", target.smoke_runs));
+                format!("the committed inputs + {} runs", target.smoke_runs)
+            }
+            Mode::Merge => {
+                let corpus = util::repo_root().join("fuzz").join("corpus").join(name);
+                std::fs::create_dir_all(&corpus)?;
+                cmd.arg("-merge=1")
+                    .arg(&corpus)
+                    .arg(util::cache_subdir(&format!("fuzz/corpus/{name}"))?);
+                "merge".to_string()
+            }
+        };
         let start = Instant::now();
-        let figures = util::timed(&format!("fuzz: {name} for {seconds}s"), || {
+        let figures = util::timed(&format!("fuzz: {name}, {what}"), || {
             run_libfuzzer(&mut cmd)
         })?;
         results.push((name, start.elapsed(), figures));
@@ -215,6 +309,16 @@ fn fuzz(names: &[&str], seconds: u64) -> Result<()> {
         bail!("fuzz targets crashed:\n  {}", crashed.join("\n  "));
     }
     Ok(())
+}
+
+/// The committed inputs of `name`: the hand-written seeds and the evolved
+/// corpus (either may be missing).
+fn committed_dirs(name: &str) -> Vec<PathBuf> {
+    let fuzz = util::repo_root().join("fuzz");
+    [fuzz.join("seeds").join(name), fuzz.join("corpus").join(name)]
+        .into_iter()
+        .filter(|d| d.is_dir())
+        .collect()
 }
 
 /// Run a libFuzzer binary, echoing its output, and read its figures.

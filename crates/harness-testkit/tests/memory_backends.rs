@@ -203,6 +203,71 @@ async fn log_suite_catches_a_meta_that_is_not_folded() {
     );
 }
 
+/// A log that keeps numbers with less precision than it was given (as a
+/// store parsing floats inexactly, or keeping them as 32-bit, would): the
+/// frames it reads back have every float rounded to f32.
+#[derive(Debug, Default)]
+struct RoundsFloats(MemorySessionLog);
+
+fn round_floats(value: &mut serde_json::Value) {
+    match value {
+        serde_json::Value::Number(n) if n.is_f64() => {
+            *value = serde_json::json!(n.as_f64().unwrap() as f32 as f64);
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(round_floats),
+        serde_json::Value::Object(map) => map.values_mut().for_each(round_floats),
+        _ => {}
+    }
+}
+
+#[async_trait]
+impl SessionLog for RoundsFloats {
+    async fn create_with(
+        &self,
+        s: &SessionId,
+        c: Option<SessionConfig>,
+    ) -> harness_core::Result<LogInfo> {
+        self.0.create_with(s, c).await
+    }
+    async fn info(&self, s: &SessionId) -> harness_core::Result<LogInfo> {
+        self.0.info(s).await
+    }
+    async fn append(&self, s: &SessionId, r: AppendRequest) -> harness_core::Result<Appended> {
+        self.0.append(s, r).await
+    }
+    async fn read(
+        &self,
+        s: &SessionId,
+        after: u64,
+        limit: usize,
+    ) -> harness_core::Result<Vec<Frame>> {
+        let mut frames = self.0.read(s, after, limit).await?;
+        for frame in &mut frames {
+            let mut body = serde_json::to_value(&frame.body).unwrap();
+            round_floats(&mut body);
+            frame.body = serde_json::from_value(body).unwrap();
+        }
+        Ok(frames)
+    }
+    async fn seal(&self, s: &SessionId) -> harness_core::Result<LogInfo> {
+        self.0.seal(s).await
+    }
+    async fn fork(&self, a: &SessionId, u: u64, b: &SessionId) -> harness_core::Result<LogInfo> {
+        self.0.fork(a, u, b).await
+    }
+    async fn list(&self) -> harness_core::Result<Vec<LogInfo>> {
+        self.0.list().await
+    }
+}
+
+#[tokio::test]
+async fn log_suite_catches_numbers_that_change() {
+    let err = log::numbers_read_back_exactly(Arc::new(RoundsFloats::default()))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("read back"), "{err}");
+}
+
 #[tokio::test]
 async fn log_suite_catches_a_seq_gap() {
     let err = log::seq_starts_at_one_without_gaps(Arc::new(SkipsASeq::default()))

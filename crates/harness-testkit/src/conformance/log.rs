@@ -83,6 +83,65 @@ where
     list_pages_in_id_order(factory().await)
         .await
         .context("list_pages_in_id_order")?;
+    numbers_read_back_exactly(factory().await)
+        .await
+        .context("numbers_read_back_exactly")?;
+    Ok(())
+}
+
+/// A tool input's numbers as the agent sent them: the float the fuzzer
+/// found changing on a fresh machine (`2.2222223222222223e58`), the f64
+/// extremes, a subnormal, `-0.0`, and both 64-bit integer ends.
+pub fn exact_numbers_input() -> serde_json::Value {
+    serde_json::from_str(
+        r#"{"fuzzFind":2.2222223222222223e+58,"max":1.7976931348623157e308,
+            "minPositive":2.2250738585072014e-308,"subnormal":5e-324,"negativeZero":-0.0,
+            "tenth":0.1,"third":0.3333333333333333,"i64Min":-9223372036854775808,
+            "u64Max":18446744073709551615,"nested":[[{"x":1.0000000000000002}]]}"#,
+    )
+    .expect("valid JSON")
+}
+
+/// A frame holding [`exact_numbers_input`] reads back byte-identical
+/// (encoded the same) from `read`, from the append's answer, from a
+/// duplicate's answer, and from a fork.
+pub async fn numbers_read_back_exactly(log: Arc<dyn SessionLog>) -> Result<()> {
+    let s = sid("numbers");
+    log.create(&s).await?;
+    let body = FrameBody::Part {
+        turn_id: "t0".into(),
+        part: StreamPart::ToolCall {
+            tool_call_id: "c1".into(),
+            tool_name: "Bash".into(),
+            input: exact_numbers_input(),
+        },
+    };
+    let want = serde_json::to_string(&body)?;
+    let appended = log
+        .append(&s, AppendRequest::idempotent(body.clone(), "numbers"))
+        .await?;
+    ensure!(
+        serde_json::to_string(&appended.frame.body)? == want,
+        "the append answered with other numbers: {}",
+        serde_json::to_string(&appended.frame.body)?
+    );
+    let read = log.read(&s, 0, 10).await?;
+    ensure!(read.len() == 1, "read {} frames, want 1", read.len());
+    let got = serde_json::to_string(&read[0].body)?;
+    ensure!(got == want, "read back\n  {got}\nwant\n  {want}");
+    // The retry compares what it decodes with what it sent: a store that
+    // changed a number would answer a conflict here.
+    let retry = log
+        .append(&s, AppendRequest::idempotent(body, "numbers"))
+        .await
+        .context("a retry of the same frame")?;
+    ensure!(retry.duplicate, "the retry stored a second frame");
+    ensure!(serde_json::to_string(&retry.frame.body)? == want);
+    let fork = sid("numbers-fork");
+    log.fork(&s, 1, &fork).await?;
+    let forked = log.read(&fork, 0, 10).await?;
+    let got = serde_json::to_string(&forked[0].body)?;
+    ensure!(got == want, "the fork read back\n  {got}\nwant\n  {want}");
     Ok(())
 }
 
