@@ -144,7 +144,11 @@ fn target(name: &str) -> Result<Target> {
         .with_context(|| {
             format!(
                 "no fuzz target `{name}` (targets: {})",
-                TARGETS.iter().map(|t| t.name).collect::<Vec<_>>().join(", ")
+                TARGETS
+                    .iter()
+                    .map(|t| t.name)
+                    .collect::<Vec<_>>()
+                    .join(", ")
             )
         })
 }
@@ -274,9 +278,7 @@ fn fuzz(targets: &[Target], mode: Mode) -> Result<()> {
             }
         };
         let start = Instant::now();
-        let figures = util::timed(&format!("fuzz: {name}, {what}"), || {
-            run_libfuzzer(&mut cmd)
-        })?;
+        let figures = util::timed(&format!("fuzz: {name}, {what}"), || run_libfuzzer(&mut cmd))?;
         results.push((name, start.elapsed(), figures));
     }
 
@@ -315,10 +317,13 @@ fn fuzz(targets: &[Target], mode: Mode) -> Result<()> {
 /// corpus (either may be missing).
 fn committed_dirs(name: &str) -> Vec<PathBuf> {
     let fuzz = util::repo_root().join("fuzz");
-    [fuzz.join("seeds").join(name), fuzz.join("corpus").join(name)]
-        .into_iter()
-        .filter(|d| d.is_dir())
-        .collect()
+    [
+        fuzz.join("seeds").join(name),
+        fuzz.join("corpus").join(name),
+    ]
+    .into_iter()
+    .filter(|d| d.is_dir())
+    .collect()
 }
 
 /// Run a libFuzzer binary, echoing its output, and read its figures.

@@ -333,6 +333,11 @@ pub enum ServerMessage {
         seq: u64,
         /// True if an idempotency key matched an earlier write.
         duplicate: bool,
+        /// The turn a stored prompt opened (its id may have been assigned
+        /// by the actor), so the client can follow it without reading the
+        /// log back.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        turn_id: Option<String>,
     },
     /// To the tool host: run this call (once; a repeated call id never
     /// comes again). Answer with [`HostMessage::Result`].
@@ -838,6 +843,7 @@ impl SessionActor {
                         message: ServerMessage::Ack {
                             seq: frame.seq,
                             duplicate,
+                            turn_id: frame.body.opened_turn().map(str::to_string),
                         },
                     });
                 }
@@ -1070,6 +1076,7 @@ impl SessionActor {
                     message: ServerMessage::Ack {
                         seq: self.last_seq,
                         duplicate: true,
+                        turn_id: None,
                     },
                 });
             } else {

@@ -171,6 +171,17 @@ pub enum FrameBody {
     Sealed {},
 }
 
+impl FrameBody {
+    /// The turn this frame opened: a prompt's, once the session actor gave
+    /// it its id.
+    pub fn opened_turn(&self) -> Option<&str> {
+        match self {
+            FrameBody::UserMessage { turn_id, .. } => turn_id.as_deref(),
+            _ => None,
+        }
+    }
+}
+
 /// A stored frame.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Frame {

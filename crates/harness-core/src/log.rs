@@ -27,8 +27,10 @@
 //! holds exactly one session, implements. [`LogSession`] adapts the first to
 //! the second.
 //!
-//! [`LogState`] implements these rules on plain data so in-memory backends
-//! (and a Durable Object) reuse them instead of re-deriving them.
+//! The append rules live once, in [`append::plan_append`]: every store
+//! (the memory [`LogState`], SQLite, the Durable Object) asks it what to
+//! write and writes that. [`LogState`] holds a log on plain data for
+//! in-memory backends.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -41,6 +43,10 @@ use crate::frame::{Frame, FrameBody, SessionId};
 use crate::maybe::{MaybeSend, MaybeSync};
 use crate::session::{SessionConfig, SessionMeta};
 use crate::{Error, Result};
+
+pub mod append;
+
+pub use append::{plan_append, AppendPlan, AppendView, CheckedAppend, LogHead, NewFrame};
 
 /// Largest encoded frame body a log accepts by default (1 MiB).
 pub const DEFAULT_MAX_FRAME_BYTES: usize = 1024 * 1024;
@@ -271,9 +277,13 @@ pub fn fold_meta<'a>(
     meta
 }
 
-/// Validate an append before storing it: size and key limits.
-pub fn check_append(request: &AppendRequest, max_frame_bytes: usize) -> Result<()> {
-    let len = Frame::encoded_len(&request.body);
+/// Validate an append whose body encodes to `len` bytes: size and key
+/// limits ([`CheckedAppend::new`] runs it).
+pub(crate) fn check_append(
+    request: &AppendRequest,
+    len: usize,
+    max_frame_bytes: usize,
+) -> Result<()> {
     if len > max_frame_bytes {
         return Err(Error::invalid(format!(
             "frame of {len} bytes exceeds the {max_frame_bytes}-byte limit; split the content into smaller frames"
@@ -377,51 +387,29 @@ impl LogState {
         }
     }
 
-    /// Apply an append at time `now_ms`.
+    /// Apply an append at time `now_ms` ([`plan_append`]'s rules).
     pub fn append(
         &mut self,
         request: AppendRequest,
         now_ms: u64,
         max_frame_bytes: usize,
     ) -> Result<Appended> {
-        check_append(&request, max_frame_bytes)?;
-        if let Some(key) = &request.idempotency_key {
-            if let Some(&seq) = self.keys.get(key) {
-                let stored = &self.frames[(seq - 1) as usize];
-                return if stored.body == request.body {
-                    Ok(Appended {
-                        seq,
-                        duplicate: true,
-                        frame: stored.clone(),
-                    })
-                } else {
-                    Err(key_reuse_error(key, seq))
-                };
+        let checked = CheckedAppend::new(request, max_frame_bytes)?;
+        match plan_append(self, checked, now_ms)? {
+            AppendPlan::Duplicate(appended) => Ok(appended),
+            AppendPlan::Write(new) => {
+                let appended = new.appended();
+                self.sealed |= new.seals;
+                if let Some(meta) = new.meta {
+                    self.meta = meta;
+                }
+                if let Some(key) = new.key {
+                    self.keys.insert(key, new.frame.seq);
+                }
+                self.frames.push(new.frame);
+                Ok(appended)
             }
         }
-        if self.sealed {
-            return Err(sealed_error(&self.session));
-        }
-        let seq = self.frames.len() as u64 + 1;
-        if matches!(request.body, FrameBody::Sealed {}) {
-            self.sealed = true;
-        }
-        self.meta
-            .apply(seq, &request.body, request.idempotency_key.as_deref());
-        if let Some(key) = request.idempotency_key {
-            self.keys.insert(key, seq);
-        }
-        let frame = Frame {
-            seq,
-            at_ms: now_ms,
-            body: request.body,
-        };
-        self.frames.push(frame.clone());
-        Ok(Appended {
-            seq,
-            duplicate: false,
-            frame,
-        })
     }
 
     /// Frames after `after`.
@@ -479,6 +467,30 @@ impl LogState {
             forked.append(closing, now_ms, usize::MAX)?;
         }
         Ok(forked)
+    }
+}
+
+impl AppendView for LogState {
+    fn session(&self) -> &SessionId {
+        &self.session
+    }
+
+    fn head(&mut self) -> Result<LogHead> {
+        Ok(LogHead {
+            last_seq: self.frames.len() as u64,
+            sealed: self.sealed,
+        })
+    }
+
+    fn frame_by_key(&mut self, key: &str) -> Result<Option<Frame>> {
+        Ok(self
+            .keys
+            .get(key)
+            .map(|&seq| self.frames[(seq - 1) as usize].clone()))
+    }
+
+    fn meta(&mut self) -> Result<SessionMeta> {
+        Ok(self.meta.clone())
     }
 }
 

@@ -216,7 +216,8 @@ fn writers_get_acks_and_duplicates_are_not_fanned_out() {
     assert!(
         first.contains(&ServerMessage::Ack {
             seq: 1,
-            duplicate: false
+            duplicate: false,
+            turn_id: Some("t1".into()),
         }),
         "{first:?}"
     );
@@ -226,7 +227,8 @@ fn writers_get_acks_and_duplicates_are_not_fanned_out() {
         h.take(1),
         vec![ServerMessage::Ack {
             seq: 1,
-            duplicate: true
+            duplicate: true,
+            turn_id: Some("t1".into()),
         }]
     );
     assert!(
@@ -698,7 +700,8 @@ fn a_retried_prompt_is_a_duplicate_and_dispatches_nothing_twice() {
         h.take(1),
         vec![ServerMessage::Ack {
             seq: 1,
-            duplicate: true
+            duplicate: true,
+            turn_id: Some("t1".into()),
         }]
     );
     h.restart(); // the key survives in the log's meta
@@ -708,7 +711,8 @@ fn a_retried_prompt_is_a_duplicate_and_dispatches_nothing_twice() {
         h.take(1),
         vec![ServerMessage::Ack {
             seq: 1,
-            duplicate: true
+            duplicate: true,
+            turn_id: Some("t1".into()),
         }]
     );
     assert_eq!(h.dispatched.len(), 1);

@@ -26,8 +26,8 @@ const FUZZ_FIND: &str = "2.2222223222222223e+58";
 /// encode → decode → equal, and encode again → the same bytes.
 fn through<T: Serialize + DeserializeOwned + PartialEq + std::fmt::Debug>(value: &T) -> T {
     let text = serde_json::to_string(value).expect("encodes");
-    let back: T = serde_json::from_str(&text)
-        .unwrap_or_else(|e| panic!("{text} does not decode: {e}"));
+    let back: T =
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text} does not decode: {e}"));
     assert_eq!(&back, value, "decode(encode(v)) != v for {text}");
     assert_eq!(
         serde_json::to_string(&back).unwrap(),
@@ -109,7 +109,10 @@ fn every_wire(input: &Value) -> Value {
     let retry = log
         .append(AppendRequest::idempotent(decoded, "k"), 3, usize::MAX)
         .unwrap();
-    assert!(retry.duplicate, "a retried append of the same input conflicted");
+    assert!(
+        retry.duplicate,
+        "a retried append of the same input conflicted"
+    );
     let fork = log
         .fork(2, SessionId::parse("numbers-fork").unwrap(), 4)
         .unwrap();

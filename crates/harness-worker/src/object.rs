@@ -544,14 +544,8 @@ impl SessionObject {
                 let bytes = req.bytes().await.map_err(internal)?;
                 let message: ClientMessage = serde_json::from_slice(&bytes)
                     .map_err(|e| ApiError::invalid(format!("malformed client message: {e}")))?;
-                let is_prompt = matches!(message, ClientMessage::Prompt { .. });
-                let (seq, duplicate) = self.request(&session, message).await?;
-                let prompt = if is_prompt && seq > 0 {
-                    store.read(seq - 1, 1).await?.into_iter().next()
-                } else {
-                    None
-                };
-                json_response(200, &request::ack(seq, duplicate, prompt.as_ref()))
+                let (seq, duplicate, turn_id) = self.request(&session, message).await?;
+                json_response(200, &request::ack(seq, duplicate, turn_id))
             }
             "seal" => {
                 self.request(&session, ClientMessage::Seal {}).await?;
@@ -705,7 +699,7 @@ impl SessionObject {
         &self,
         session: &SessionId,
         message: ClientMessage,
-    ) -> Result<(u64, bool), ApiError> {
+    ) -> Result<(u64, bool, Option<String>), ApiError> {
         let mut rx = self
             .one_shot(session, Role::Client, |conn| Input::Client {
                 conn,
@@ -714,10 +708,12 @@ impl SessionObject {
             .await?;
         while let Ok(out) = rx.try_recv() {
             match out {
-                Outbound::Msg(ServerMessage::Ack { seq, duplicate }) => {
-                    return Ok((seq, duplicate))
-                }
-                Outbound::Msg(ServerMessage::Received {}) => return Ok((0, false)),
+                Outbound::Msg(ServerMessage::Ack {
+                    seq,
+                    duplicate,
+                    turn_id,
+                }) => return Ok((seq, duplicate, turn_id)),
+                Outbound::Msg(ServerMessage::Received {}) => return Ok((0, false, None)),
                 Outbound::Msg(ServerMessage::Error { code, message }) => {
                     return Err(ApiError::from_code(code, &message))
                 }

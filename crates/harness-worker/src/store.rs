@@ -16,8 +16,8 @@
 use async_trait::async_trait;
 use harness_core::frame::{Frame, FrameBody, SessionId};
 use harness_core::log::{
-    check_append, fold_meta, fork_closing_frame, fork_range_error, key_reuse_error, sealed_error,
-    unknown_session, AppendRequest, Appended, ForkOrigin, LogInfo, SessionStore,
+    fold_meta, fork_closing_frame, fork_range_error, plan_append, unknown_session, AppendPlan,
+    AppendRequest, AppendView, Appended, CheckedAppend, ForkOrigin, LogHead, LogInfo, SessionStore,
 };
 use harness_core::session::{SessionConfig, SessionMeta};
 use harness_core::{Error, Result};
@@ -322,65 +322,88 @@ impl DoStore {
         rows.into_iter().map(decode).collect()
     }
 
+    /// An append: `harness_core::log`'s decision over this object's log,
+    /// then exactly what it says written.
     fn append_sync(&self, request: AppendRequest, now_ms: u64) -> Result<Appended> {
-        check_append(&request, self.max_frame_bytes)?;
-        let info = self.load_info()?;
-        if let Some(key) = &request.idempotency_key {
-            if let Some(stored) = self.frame_by_key(key)? {
-                return if stored.body == request.body {
-                    Ok(Appended {
-                        seq: stored.seq,
-                        duplicate: true,
-                        frame: stored,
-                    })
-                } else {
-                    Err(key_reuse_error(key, stored.seq))
-                };
-            }
-        }
-        if info.sealed {
-            return Err(sealed_error(&self.session));
-        }
-        let seq = info.last_seq + 1;
-        let sealed = matches!(request.body, FrameBody::Sealed {});
-        let mut meta = info.meta;
-        let before = meta.clone();
-        meta.apply(seq, &request.body, request.idempotency_key.as_deref());
-        let body = serde_json::to_string(&request.body).map_err(db_err)?;
+        let append = CheckedAppend::new(request, self.max_frame_bytes)?;
+        let new = match plan_append(
+            &mut DoView {
+                store: self,
+                info: None,
+            },
+            append,
+            now_ms,
+        )? {
+            AppendPlan::Duplicate(appended) => return Ok(appended),
+            AppendPlan::Write(new) => new,
+        };
+        let (seq, at_ms) = (new.frame.seq, new.frame.at_ms);
         // No await from here to the end: one implicit transaction.
         self.sql
             .exec(
                 "INSERT INTO frames (seq, at_ms, body, idem_key) VALUES (?, ?, ?, ?)",
                 vec![
                     int(seq),
-                    int(now_ms),
-                    body.into(),
-                    request.idempotency_key.clone().into(),
+                    int(at_ms),
+                    new.body_json.clone().into(),
+                    new.key.clone().into(),
                 ],
             )
             .map_err(db_err)?;
-        if meta == before {
-            self.sql.exec(
+        let sealed = int(u64::from(new.seals));
+        match &new.meta {
+            None => self.sql.exec(
                 "UPDATE logs SET last_seq = ?, last_at_ms = ?, sealed = sealed OR ? WHERE id = 1",
-                vec![int(seq), int(now_ms), int(u64::from(sealed))],
-            )
-        } else {
-            let meta = serde_json::to_string(&meta).map_err(db_err)?;
-            self.sql.exec(
-                "UPDATE logs SET last_seq = ?, last_at_ms = ?, sealed = sealed OR ?, meta = ? WHERE id = 1",
-                vec![int(seq), int(now_ms), int(u64::from(sealed)), meta.into()],
-            )
+                vec![int(seq), int(at_ms), sealed],
+            ),
+            Some(meta) => {
+                let meta = serde_json::to_string(meta).map_err(db_err)?;
+                self.sql.exec(
+                    "UPDATE logs SET last_seq = ?, last_at_ms = ?, sealed = sealed OR ?, meta = ? WHERE id = 1",
+                    vec![int(seq), int(at_ms), sealed, meta.into()],
+                )
+            }
         }
         .map_err(db_err)?;
-        Ok(Appended {
-            seq,
-            duplicate: false,
-            frame: Frame {
-                seq,
-                at_ms: now_ms,
-                body: request.body,
-            },
+        Ok(new.appended())
+    }
+}
+
+/// The object's log as the append decision reads it (the log's row read
+/// once, with its meta).
+struct DoView<'a> {
+    store: &'a DoStore,
+    info: Option<LogInfo>,
+}
+
+impl DoView<'_> {
+    fn info(&mut self) -> Result<&LogInfo> {
+        if self.info.is_none() {
+            self.info = Some(self.store.load_info()?);
+        }
+        Ok(self.info.as_ref().expect("just loaded"))
+    }
+}
+
+impl AppendView for DoView<'_> {
+    fn session(&self) -> &SessionId {
+        &self.store.session
+    }
+
+    fn head(&mut self) -> Result<LogHead> {
+        let info = self.info()?;
+        Ok(LogHead {
+            last_seq: info.last_seq,
+            sealed: info.sealed,
         })
+    }
+
+    fn frame_by_key(&mut self, key: &str) -> Result<Option<Frame>> {
+        self.store.frame_by_key(key)
+    }
+
+    fn meta(&mut self) -> Result<SessionMeta> {
+        Ok(self.info()?.meta.clone())
     }
 }
 

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use harness_core::frame::{Frame, FrameBody};
+use harness_core::actor::ServerMessage;
 use harness_core::log::LogInfo;
 use harness_core::session::SessionConfig;
 use harness_core::SessionId;
@@ -253,21 +253,15 @@ pub fn export_until(params: &HashMap<String, String>, info: &LogInfo) -> Result<
     Ok(until)
 }
 
-/// The answer to `POST /messages`: `{"type":"ack","seq","duplicate"}`,
-/// plus `turnId` when the stored frame (`prompt`) opened a turn.
-pub fn ack(seq: u64, duplicate: bool, prompt: Option<&Frame>) -> serde_json::Value {
-    let mut ack = json!({"type": "ack", "seq": seq, "duplicate": duplicate});
-    if let Some(Frame {
-        body: FrameBody::UserMessage {
-            turn_id: Some(turn),
-            ..
-        },
-        ..
-    }) = prompt
-    {
-        ack["turnId"] = json!(turn);
-    }
-    ack
+/// The answer to `POST /messages`: the actor's ack as it sent it
+/// (`{"type":"ack","seq","duplicate"}`, plus `turnId` when the stored frame
+/// opened a turn).
+pub fn ack(seq: u64, duplicate: bool, turn_id: Option<String>) -> serde_json::Value {
+    json!(ServerMessage::Ack {
+        seq,
+        duplicate,
+        turn_id
+    })
 }
 
 /// Parse an `application/x-www-form-urlencoded` query string (for servers

@@ -37,8 +37,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use harness_core::log::{
-    check_append, fold_meta, fork_closing_frame, fork_range_error, key_reuse_error, sealed_error,
-    unknown_session, AppendRequest, Appended, ForkOrigin, LogInfo, SessionLog,
+    fold_meta, fork_closing_frame, fork_range_error, plan_append, unknown_session, AppendPlan,
+    AppendRequest, AppendView, Appended, CheckedAppend, ForkOrigin, LogHead, LogInfo, SessionLog,
     DEFAULT_MAX_FRAME_BYTES,
 };
 use harness_core::session::{SessionConfig, SessionMeta};
@@ -466,92 +466,95 @@ fn decode_body(json: &str, session: &SessionId, seq: i64) -> Result<FrameBody> {
     })
 }
 
-/// The append rules of `harness_core::log`, inside one open transaction.
-pub(crate) fn append_in(
-    tx: &Connection,
-    session: &SessionId,
-    request: &AppendRequest,
-    body_json: &str,
-    now: u64,
-) -> Result<Appended> {
-    let sealed: Option<bool> = tx
-        .prepare_cached("SELECT sealed FROM logs WHERE session = ?1")
-        .map_err(db_err)?
-        .query_row(params![session.as_str()], |r| r.get(0))
-        .optional()
-        .map_err(db_err)?;
-    let sealed = sealed.ok_or_else(|| unknown_session(session))?;
-    // A key seen before answers with the original seq even on a sealed log
-    // (a retry of the write that was acknowledged just before the seal).
-    if let Some(key) = &request.idempotency_key {
-        let found: Option<(i64, i64, String)> = tx
+/// `session`'s log as the append decision reads it, inside the open
+/// transaction `tx`.
+struct TxView<'a> {
+    tx: &'a Connection,
+    session: &'a SessionId,
+}
+
+impl AppendView for TxView<'_> {
+    fn session(&self) -> &SessionId {
+        self.session
+    }
+
+    fn head(&mut self) -> Result<LogHead> {
+        let sealed: Option<bool> = self
+            .tx
+            .prepare_cached("SELECT sealed FROM logs WHERE session = ?1")
+            .map_err(db_err)?
+            .query_row(params![self.session.as_str()], |r| r.get(0))
+            .optional()
+            .map_err(db_err)?;
+        let sealed = sealed.ok_or_else(|| unknown_session(self.session))?;
+        Ok(LogHead {
+            last_seq: last_seq(self.tx, self.session)?,
+            sealed,
+        })
+    }
+
+    fn frame_by_key(&mut self, key: &str) -> Result<Option<Frame>> {
+        let found: Option<(i64, i64, String)> = self
+            .tx
             .prepare_cached(
                 "SELECT seq, at_ms, body FROM frames WHERE session = ?1 AND idem_key = ?2",
             )
             .map_err(db_err)?
-            .query_row(params![session.as_str(), key], |r| {
+            .query_row(params![self.session.as_str(), key], |r| {
                 Ok((r.get(0)?, r.get(1)?, r.get(2)?))
             })
             .optional()
             .map_err(db_err)?;
-        if let Some((seq, at_ms, stored)) = found {
-            // Compare decoded bodies, as the memory log does, so JSON
-            // formatting differences never turn a retry into a conflict.
-            let stored = decode_body(&stored, session, seq)?;
-            return if stored == request.body {
-                Ok(Appended {
+        found
+            .map(|(seq, at_ms, body)| {
+                Ok(Frame {
                     seq: seq as u64,
-                    duplicate: true,
-                    frame: Frame {
-                        seq: seq as u64,
-                        at_ms: at_ms as u64,
-                        body: stored,
-                    },
+                    at_ms: at_ms as u64,
+                    body: decode_body(&body, self.session, seq)?,
                 })
-            } else {
-                Err(key_reuse_error(key, seq as u64))
-            };
-        }
+            })
+            .transpose()
     }
-    if sealed {
-        return Err(sealed_error(session));
+
+    fn meta(&mut self) -> Result<SessionMeta> {
+        load_meta(self.tx, self.session)
     }
-    let seq = last_seq(tx, session)? + 1;
+}
+
+/// An append inside the open transaction `tx`: `harness_core::log`'s
+/// decision over what `tx` holds, then exactly what it says written.
+pub(crate) fn append_in(
+    tx: &Connection,
+    session: &SessionId,
+    append: CheckedAppend,
+    now: u64,
+) -> Result<Appended> {
+    let new = match plan_append(&mut TxView { tx, session }, append, now)? {
+        AppendPlan::Duplicate(appended) => return Ok(appended),
+        AppendPlan::Write(new) => new,
+    };
     tx.prepare_cached(
         "INSERT INTO frames (session, seq, at_ms, body, idem_key) VALUES (?1, ?2, ?3, ?4, ?5)",
     )
     .map_err(db_err)?
     .execute(params![
         session.as_str(),
-        seq as i64,
-        now as i64,
-        body_json,
-        request.idempotency_key
+        new.frame.seq as i64,
+        new.frame.at_ms as i64,
+        new.body_json,
+        new.key
     ])
     .map_err(db_err)?;
-    if matches!(request.body, FrameBody::Sealed {}) {
+    if new.seals {
         tx.prepare_cached("UPDATE logs SET sealed = 1 WHERE session = ?1")
             .map_err(db_err)?
             .execute(params![session.as_str()])
             .map_err(db_err)?;
     }
-    // The meta moves with the frame, in this transaction; most frames
-    // (text, tool calls) cannot change it and skip the read.
-    if SessionMeta::touched_by(&request.body) {
-        let mut meta = load_meta(tx, session)?;
-        if meta.apply(seq, &request.body, request.idempotency_key.as_deref()) {
-            store_meta(tx, session, &meta)?;
-        }
+    if let Some(meta) = &new.meta {
+        store_meta(tx, session, meta)?;
     }
-    Ok(Appended {
-        seq,
-        duplicate: false,
-        frame: Frame {
-            seq,
-            at_ms: now,
-            body: request.body.clone(),
-        },
-    })
+    Ok(new.appended())
 }
 
 #[async_trait]
@@ -581,14 +584,12 @@ impl SessionLog for SqliteSessionLog {
     }
 
     async fn append(&self, session: &SessionId, request: AppendRequest) -> Result<Appended> {
-        check_append(&request, self.max_frame_bytes)?;
-        let body_json = serde_json::to_string(&request.body)?;
-        // Answered once the transaction holding it committed; appends made
-        // meanwhile by other callers share that transaction (`writer`).
-        let (appended, _group) = self
-            .writer
-            .append(session.clone(), request, body_json, false)
-            .await?;
+        // Checked and encoded here, on the caller's thread, not the
+        // writer's. Answered once the transaction holding it committed;
+        // appends made meanwhile by other callers share that transaction
+        // (`writer`).
+        let append = CheckedAppend::new(request, self.max_frame_bytes)?;
+        let (appended, _group) = self.writer.append(session.clone(), append, false).await?;
         Ok(appended)
     }
 
@@ -597,11 +598,8 @@ impl SessionLog for SqliteSessionLog {
         session: &SessionId,
         request: AppendRequest,
     ) -> Result<(Appended, u64)> {
-        check_append(&request, self.max_frame_bytes)?;
-        let body_json = serde_json::to_string(&request.body)?;
-        self.writer
-            .append(session.clone(), request, body_json, true)
-            .await
+        let append = CheckedAppend::new(request, self.max_frame_bytes)?;
+        self.writer.append(session.clone(), append, true).await
     }
 
     async fn commit_group(&self, session: &SessionId, group: u64) -> Result<()> {
@@ -656,7 +654,6 @@ impl SessionLog for SqliteSessionLog {
 
     async fn seal(&self, session: &SessionId) -> Result<LogInfo> {
         let session = session.clone();
-        let body_json = serde_json::to_string(&FrameBody::Sealed {})?;
         self.writer
             .exec(move |conn| {
                 let tx = conn
@@ -664,13 +661,9 @@ impl SessionLog for SqliteSessionLog {
                     .map_err(db_err)?;
                 let info = load_info(&tx, &session)?;
                 if !info.sealed {
-                    append_in(
-                        &tx,
-                        &session,
-                        &AppendRequest::new(FrameBody::Sealed {}),
-                        &body_json,
-                        now_ms(),
-                    )?;
+                    let seal =
+                        CheckedAppend::new(AppendRequest::new(FrameBody::Sealed {}), usize::MAX)?;
+                    append_in(&tx, &session, seal, now_ms())?;
                 }
                 let info = load_info(&tx, &session)?;
                 tx.commit().map_err(db_err)?;
@@ -722,8 +715,7 @@ impl SessionLog for SqliteSessionLog {
             let meta = fold_stored(&tx, &target, src.meta.config.clone(), until)?;
             store_meta(&tx, &target, &meta)?;
             if let Some(closing) = fork_closing_frame(&meta, sealed, &source, until) {
-                let body_json = serde_json::to_string(&closing.body)?;
-                append_in(&tx, &target, &closing, &body_json, now_ms())?;
+                append_in(&tx, &target, CheckedAppend::new(closing, usize::MAX)?, now_ms())?;
             }
             let info = load_info(&tx, &target)?;
             tx.commit().map_err(db_err)?;

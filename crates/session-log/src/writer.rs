@@ -34,7 +34,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use harness_core::log::{AppendRequest, Appended};
+use harness_core::log::{Appended, CheckedAppend};
 use harness_core::{Error, ErrorKind, Result, SessionId};
 use rusqlite::Connection;
 use tokio::sync::oneshot;
@@ -63,8 +63,7 @@ type AppendReply = oneshot::Sender<Result<(Appended, u64)>>;
 pub(crate) enum Job {
     Append {
         session: SessionId,
-        request: AppendRequest,
-        body_json: String,
+        append: CheckedAppend,
         grouped: bool,
         reply: AppendReply,
     },
@@ -169,15 +168,13 @@ impl Writer {
     pub(crate) async fn append(
         &self,
         session: SessionId,
-        request: AppendRequest,
-        body_json: String,
+        append: CheckedAppend,
         grouped: bool,
     ) -> Result<(Appended, u64)> {
         let (reply, rx) = oneshot::channel();
         let job = Job::Append {
             session,
-            request,
-            body_json,
+            append,
             grouped,
             reply,
         };
@@ -357,8 +354,7 @@ impl State {
         match job {
             Job::Append {
                 session,
-                request,
-                body_json,
+                append,
                 grouped,
                 reply,
             } => {
@@ -368,9 +364,7 @@ impl State {
                         return;
                     }
                 }
-                let result = self
-                    .begin()
-                    .and_then(|()| self.stage(&session, &request, &body_json));
+                let result = self.begin().and_then(|()| self.stage(&session, append));
                 if grouped {
                     if result.is_ok() {
                         self.in_group.insert(session);
@@ -442,14 +436,9 @@ impl State {
 
     /// One append in the open transaction, in a savepoint: a refused append
     /// rolls back alone.
-    fn stage(
-        &mut self,
-        session: &SessionId,
-        request: &AppendRequest,
-        body_json: &str,
-    ) -> Result<Appended> {
+    fn stage(&mut self, session: &SessionId, append: CheckedAppend) -> Result<Appended> {
         self.run("SAVEPOINT append").map_err(db_err)?;
-        match append_in(&self.conn, session, request, body_json, now_ms()) {
+        match append_in(&self.conn, session, append, now_ms()) {
             Ok(appended) => {
                 self.run("RELEASE append").map_err(db_err)?;
                 Ok(appended)

@@ -223,6 +223,17 @@ struct Entry {
     tx: mpsc::UnboundedSender<Command>,
 }
 
+/// A client's write, acknowledged ([`Connection::answer`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Acked {
+    /// Seq of the stored frame (0 for a live part, not stored by itself).
+    pub seq: u64,
+    /// An idempotency key matched an earlier write.
+    pub duplicate: bool,
+    /// The turn a stored prompt opened.
+    pub turn_id: Option<String>,
+}
+
 /// Why a write got no acknowledgement.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AnswerError {
@@ -409,14 +420,22 @@ impl Connection {
 
     /// Wait for the answer (`Ack`, `Received` or `Error`) to the one
     /// message this connection sent, skipping the frames fanned out
-    /// meanwhile. `(seq, duplicate)`; seq 0 for a live part (`Received`:
-    /// fanned out, stored later as part of its block).
-    pub async fn answer(&mut self, timeout: Duration) -> Result<(u64, bool), AnswerError> {
+    /// meanwhile: the ack (seq 0 for a live part: `Received`, fanned out,
+    /// stored later as part of its block).
+    pub async fn answer(&mut self, timeout: Duration) -> Result<Acked, AnswerError> {
         let acked =
             |m: &ServerMessage| matches!(m, ServerMessage::Ack { .. } | ServerMessage::Received {});
         match self.wait_for(timeout, acked).await? {
-            ServerMessage::Ack { seq, duplicate } => Ok((seq, duplicate)),
-            _ => Ok((0, false)),
+            ServerMessage::Ack {
+                seq,
+                duplicate,
+                turn_id,
+            } => Ok(Acked {
+                seq,
+                duplicate,
+                turn_id,
+            }),
+            _ => Ok(Acked::default()),
         }
     }
 

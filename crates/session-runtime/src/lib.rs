@@ -53,7 +53,7 @@ pub mod tool_host;
 
 pub use dispatch::{Dispatcher, EngineDispatcher, OnFailure};
 pub use follow::{TurnFollower, TurnUpdate};
-pub use hub::{AnswerError, Connection, Hub, HubConfig, Outbound, SharedFrame};
+pub use hub::{Acked, AnswerError, Connection, Hub, HubConfig, Outbound, SharedFrame};
 pub use remote::{serve_runner_channel, FromRunner, ToRunner};
 pub use runner::{HubConnector, RunnerConnector, RunnerLink, RunnerSink, WsConnector};
 pub use runtime::{

@@ -17,7 +17,6 @@ use harness_core::actor::{ClientMessage, Role};
 use harness_core::broker::ModelBroker;
 use harness_core::clock::Clock;
 use harness_core::engine::{DurableEngine, InProcessEngine, Spawner, TurnStore};
-use harness_core::frame::FrameBody;
 use harness_core::harness::Harness;
 use harness_core::log::{LogInfo, SessionLog};
 use harness_core::sandbox::SandboxProvider;
@@ -28,7 +27,7 @@ use harness_core::{Error, Result, SessionId};
 
 use crate::dispatch::EngineDispatcher;
 use crate::follow::{TurnFollower, TurnUpdate};
-use crate::hub::{Connection, Hub, HubConfig};
+use crate::hub::{Acked, Connection, Hub, HubConfig};
 use crate::runner::{HubConnector, RunnerSink};
 use crate::SystemClock;
 
@@ -361,11 +360,11 @@ impl SessionClient {
         self.hub.log().info(&self.id).await
     }
 
-    async fn send(&self, message: ClientMessage) -> Result<(Connection, u64)> {
+    async fn send(&self, message: ClientMessage) -> Result<(Connection, Acked)> {
         let mut conn = self.hub.connect(&self.id, Role::Client, None).await?;
         conn.client(message);
-        let (seq, _) = conn.answer(ANSWER_TIMEOUT).await?;
-        Ok((conn, seq))
+        let acked = conn.answer(ANSWER_TIMEOUT).await?;
+        Ok((conn, acked))
     }
 
     /// Send a prompt; its turn starts on the runtime's engine. The handle
@@ -376,18 +375,13 @@ impl SessionClient {
             turn_id: None,
             key: None,
         };
-        let (conn, seq) = self.send(message).await?;
-        let stored = self.hub.log().read(&self.id, seq - 1, 1).await?;
-        let turn_id = match stored.first().map(|f| &f.body) {
-            Some(FrameBody::UserMessage {
-                turn_id: Some(t), ..
-            }) => t.clone(),
-            other => {
-                return Err(Error::backend(format!(
-                    "frame {seq} is not the prompt just sent: {other:?}"
-                )))
-            }
-        };
+        let (conn, acked) = self.send(message).await?;
+        let turn_id = acked.turn_id.ok_or_else(|| {
+            Error::backend(format!(
+                "the session acknowledged the prompt (seq {}) without the turn it opened",
+                acked.seq
+            ))
+        })?;
         Ok(TurnHandle {
             follower: TurnFollower::new(turn_id),
             conn,

@@ -63,7 +63,7 @@ async fn concurrent_writers_share_commits_and_every_ack_is_stored_in_reader_orde
                     // A connection per message, as POST /messages does.
                     let mut c = hub.connect(&s, Role::Client, None).await.unwrap();
                     c.client(answer(format!("w{w}-{i}")));
-                    let (seq, _) = c.answer(WAIT).await.unwrap();
+                    let seq = c.answer(WAIT).await.unwrap().seq;
                     acked.push((seq, format!("w{w}-{i}")));
                 }
                 acked
@@ -176,7 +176,7 @@ async fn a_failed_group_commit_acknowledges_and_shows_nothing_of_its_batch() {
     // The actor goes on from the log: the next answer is seq 2.
     let mut c = hub.connect(&s, Role::Client, None).await.unwrap();
     c.client(answer("after".into()));
-    let (seq, _) = c.answer(WAIT).await.unwrap();
+    let seq = c.answer(WAIT).await.unwrap().seq;
     assert_eq!(seq, 2);
     let stored = log.read(&s, 0, 100).await.unwrap();
     assert_eq!(approval_id(&stored[1].body), Some("after"));

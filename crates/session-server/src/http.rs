@@ -21,10 +21,9 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures::{SinkExt, StreamExt};
 use harness_core::actor::{ClientMessage, Role, ServerMessage};
-use harness_core::frame::{Frame, FrameBody};
+use harness_core::frame::Frame;
 use harness_core::log::LogInfo;
 use harness_core::SessionId;
-use serde_json::json;
 use tokio::sync::mpsc;
 
 use crate::auth::{authorize, bearer, GrantRole};
@@ -395,25 +394,14 @@ async fn post_message(
     if matches!(message, ClientMessage::Seal {}) && grant != GrantRole::Host {
         return Err(seal_forbidden());
     }
-    let is_prompt = matches!(message, ClientMessage::Prompt { .. });
     // One command to the actor: connect, the message, and close once handled.
     let mut conn = state.hub.request(&id, message).await?;
-    let (seq, duplicate) = conn.answer(ANSWER_TIMEOUT).await?;
-    let mut ack = json!({"type": "ack", "seq": seq, "duplicate": duplicate});
-    if is_prompt {
-        // The turn the prompt opened (its id may have been assigned here),
-        // so the client can follow it.
-        if let Some(frame) = state.hub.log().read(&id, seq - 1, 1).await?.first() {
-            if let FrameBody::UserMessage {
-                turn_id: Some(turn),
-                ..
-            } = &frame.body
-            {
-                ack["turnId"] = json!(turn);
-            }
-        }
-    }
-    Ok(Json(ack))
+    let acked = conn.answer(ANSWER_TIMEOUT).await?;
+    Ok(Json(session_api::request::ack(
+        acked.seq,
+        acked.duplicate,
+        acked.turn_id,
+    )))
 }
 
 /// Sealing is a host operation, whichever endpoint carries it.
@@ -973,6 +961,8 @@ async fn serve_runner(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use harness_core::frame::FrameBody;
+    use serde_json::json;
 
     #[test]
     fn frame_events_are_encoded_as_the_session_api_says() {

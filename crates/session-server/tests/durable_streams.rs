@@ -683,7 +683,7 @@ async fn prompt(hub: &Hub, id: &SessionId, text: &str) -> u64 {
         turn_id: None,
         key: None,
     });
-    let (seq, _) = conn.answer(Duration::from_secs(10)).await.unwrap();
+    let seq = conn.answer(Duration::from_secs(10)).await.unwrap().seq;
     // No runtime runs the turn: end it as the runtime would when it cannot
     // start one, so the next prompt is accepted.
     let frame = hub.log().read(id, seq - 1, 1).await.unwrap().remove(0);

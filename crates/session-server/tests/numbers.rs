@@ -52,7 +52,9 @@ async fn every_read_path_carries_the_numbers_the_agent_sent() {
     );
     use futures::SinkExt;
     runner
-        .send(tokio_tungstenite::tungstenite::Message::Text(message.into()))
+        .send(tokio_tungstenite::tungstenite::Message::Text(
+            message.into(),
+        ))
         .await
         .unwrap();
     let mut seen = Vec::new();
@@ -84,7 +86,10 @@ async fn every_read_path_carries_the_numbers_the_agent_sent() {
 
     let r = srv
         .http
-        .post(format!("{}/v1/sessions/n/fork?until={seq}&target=n2", srv.base))
+        .post(format!(
+            "{}/v1/sessions/n/fork?until={seq}&target=n2",
+            srv.base
+        ))
         .send()
         .await
         .unwrap();
