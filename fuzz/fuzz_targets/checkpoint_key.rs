@@ -14,7 +14,7 @@
 use std::path::{Component, Path};
 
 use harness_core::checkpoint::{session_prefix, validate_key};
-use harness_core::moves::SessionKeys;
+use harness_moves::SessionKeys;
 use harness_core::SessionId;
 use libfuzzer_sys::fuzz_target;
 

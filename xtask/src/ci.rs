@@ -206,14 +206,9 @@ fn run_step(step: Step, require_real: bool, counts: &mut Option<Counts>) -> Resu
             "-D",
             "warnings",
         ])),
-        Step::Wasm => util::run(util::cargo().args([
-            "build",
-            "-p",
-            "harness-core",
-            "--target",
-            matrix::WASM,
-            "--no-default-features",
-        ])),
+        Step::Wasm => {
+            util::run(util::cargo().args(["build", "-p", "harness-core", "--target", matrix::WASM]))
+        }
         Step::Deny => deny::check(),
         Step::Package => package::dry_run(),
         Step::Test => {

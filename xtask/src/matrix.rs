@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! Row::check("harness").no_default_features().features("sandbox-docker"),
-//! Row::build("harness-core").no_default_features().target(WASM),
+//! Row::build("harness-moves").no_default_features().features("zstd-rust").target(WASM),
 //! Row::test("session-log").features("bundled"),
 //! Row::check("harness").no_default_features().each_feature(),
 //! ```
@@ -153,18 +153,14 @@ impl Row {
 
 /// Every row CI runs, in order, after the workspace-wide steps.
 pub const MATRIX: &[Row] = &[
-    // The sans-IO core without its C-backed zstd feature, and with it alone.
-    Row::check("harness-core").no_default_features(),
-    Row::check("harness-core")
-        .no_default_features()
-        .features("zstd"),
     // The move pipeline on pure-Rust zstd, for the Worker target, and its
-    // tests natively (they read and write libzstd's streams too).
-    Row::check("harness-core")
+    // tests natively (they read and write libzstd's streams too). (The core
+    // has no features: the `wasm` step builds it for wasm32 as it is.)
+    Row::check("harness-moves")
         .no_default_features()
         .features("zstd-rust")
         .target(WASM),
-    Row::test("harness-core").features("zstd-rust"),
+    Row::test("harness-moves").features("zstd-rust"),
     // The facade: nothing, then each backend feature alone.
     Row::check("harness").no_default_features(),
     Row::check("harness").no_default_features().each_feature(),

@@ -167,7 +167,7 @@ async fn run_one(store_kind: &str, src: &Path, scratch: &Path) {
     // Read before the clock starts: the first reading runs `getconf`.
     let cpu_before = cpu_secs(Path::new("/proc/self")).unwrap_or(0.0);
     let started = Instant::now();
-    let info = harness_core::moves::checkpoint(
+    let info = harness_moves::checkpoint(
         a.as_ref(),
         a.workdir(),
         store.as_ref(),
@@ -177,7 +177,7 @@ async fn run_one(store_kind: &str, src: &Path, scratch: &Path) {
     .await
     .unwrap();
     let mid = started.elapsed().as_secs_f64();
-    harness_core::moves::restore(
+    harness_moves::restore(
         store.as_ref(),
         "bench/tree.tar.zst",
         b.as_ref(),
@@ -234,7 +234,7 @@ async fn open_store(store_kind: &str) -> Arc<dyn CheckpointStore> {
 
 /// Child mode: incremental tree checkpoints against whole archives.
 async fn run_tree(store_kind: &str, src: &Path, scratch: &Path) {
-    use harness_core::tree_checkpoint as tc;
+    use harness_moves::tree as tc;
     let store = open_store(store_kind).await;
     let provider = LocalProvider::new(scratch.join("sandboxes-tree"));
     let mut spec = SandboxSpec::new("/workspace");
@@ -250,7 +250,7 @@ async fn run_tree(store_kind: &str, src: &Path, scratch: &Path) {
     // Whole archive: checkpoint, and restore into an empty sandbox.
     settle();
     let t = timed();
-    let archive = harness_core::moves::checkpoint(
+    let archive = harness_moves::checkpoint(
         a.as_ref(),
         a.workdir(),
         store.as_ref(),
@@ -266,7 +266,7 @@ async fn run_tree(store_kind: &str, src: &Path, scratch: &Path) {
         .unwrap();
     settle();
     let t = timed();
-    harness_core::moves::restore(
+    harness_moves::restore(
         store.as_ref(),
         "bench/archive.tar.zst",
         c.as_ref(),

@@ -7,9 +7,9 @@ mod common;
 
 use common::sandboxes::{assert_overlaid, docker, listing, make_tree, prepare_target, raw_tar, sh};
 use harness_core::checkpoint::{CheckpointStore, MemoryCheckpointStore};
-use harness_core::moves;
 use harness_core::sandbox::{Sandbox, SandboxProvider, SandboxSpec};
 use harness_core::ErrorKind;
+use harness_moves as moves;
 use sandbox_local::LocalProvider;
 
 /// Destroys a sandbox when dropped, so a failing test leaves no container.

@@ -1,5 +1,5 @@
 //! Moving a working tree between two local sandboxes through the S3 store
-//! with the core move pipeline (`harness_core::moves`), and refusing a
+//! with the core move pipeline (`harness_moves`), and refusing a
 //! hostile archive planted in the store.
 
 mod common;
@@ -9,9 +9,9 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
 use harness_core::checkpoint::CheckpointStore;
-use harness_core::moves;
 use harness_core::sandbox::{Sandbox, SandboxProvider, SandboxSpec};
 use harness_core::ErrorKind;
+use harness_moves as moves;
 use sandbox_local::LocalProvider;
 
 /// What a tree holds, for exact comparison: per relative path, a file's

@@ -18,7 +18,6 @@ use harness_claude_code::{ClaudeCodeConfig, ClaudeCodeHarness};
 use harness_core::bootstrap::BootstrapRecipe;
 use harness_core::checkpoint::CheckpointStore;
 use harness_core::harness::{AgentCommand, Harness, OutputParser, TurnContext};
-use harness_core::moves;
 use harness_core::part::StreamPart;
 use harness_core::sandbox::{
     DetachedRequest, DetachedStatus, Sandbox, SandboxProvider, SandboxSpec,
@@ -26,6 +25,7 @@ use harness_core::sandbox::{
 use harness_core::slice::home_of;
 use harness_core::turn::TurnState;
 use harness_core::ErrorKind;
+use harness_moves as moves;
 use harness_testkit::model::*;
 use sandbox_local::LocalProvider;
 

@@ -20,11 +20,11 @@ use common::sandboxes::{fresh_local, wall_clock};
 use harness_core::checkpoint::{CheckpointStore, MemoryCheckpointStore, ObjectMeta};
 use harness_core::sandbox::Sandbox;
 use harness_core::stream::ByteStream;
-use harness_core::tree_checkpoint::{
+use harness_core::ErrorKind;
+use harness_moves::tree::{
     blob_key, checkpoint_tree, collect_garbage, forget_kept, pack_index_key, pack_key,
     read_manifest, restore_tree, TreeCheckpointInfo, BLOB_PREFIX, PACK_PREFIX,
 };
-use harness_core::ErrorKind;
 use sandbox_local::LocalProvider;
 
 /// Files in the tree: well past the 64 small chunks from which a run

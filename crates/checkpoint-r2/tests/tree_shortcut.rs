@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use common::sandboxes::{fresh_local, wall_clock};
 use harness_core::checkpoint::MemoryCheckpointStore;
-use harness_core::tree_checkpoint::{checkpoint_tree, restore_tree, TreeCheckpointInfo};
+use harness_moves::tree::{checkpoint_tree, restore_tree, TreeCheckpointInfo};
 use sandbox_local::LocalProvider;
 
 /// A second long past: files pinned to it are never "racy".

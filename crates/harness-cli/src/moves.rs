@@ -3,7 +3,7 @@
 //!
 //! By default a checkpoint is the whole session — the working tree, the
 //! agent's own state (its conversation, under the sandbox's `$HOME`) and a
-//! manifest (`harness_core::moves::checkpoint_session`) under a base key —
+//! manifest (`harness_moves::checkpoint_session`) under a base key —
 //! and a restore puts both into a sandbox and relocates the agent's state
 //! to that sandbox's workdir and home (`restore_session`), so the next
 //! `harness run --session` continues the conversation. `--tree-only` moves
@@ -24,12 +24,12 @@ use harness::core::checkpoint::CheckpointStore;
 use harness::core::frame::{FrameBody, SessionId};
 use harness::core::harness::Harness;
 use harness::core::log::{AppendRequest, LogInfo, SessionLog};
-use harness::core::moves::{MovePhase, MoveProgress, SessionKeys, SessionManifest};
 use harness::core::part::StreamPart;
 use harness::core::sandbox::Sandbox;
 use harness::core::session::{SandboxConfig, SessionConfig};
 use harness::core::turn::TurnStatus;
 use harness::core::ErrorKind;
+use harness::moves::{MovePhase, MoveProgress, SessionKeys, SessionManifest};
 use harness::r2::{S3CheckpointStore, S3Config};
 use harness::runtime::SystemClock;
 use harness::sqlite::SqliteSessionLog;
@@ -335,7 +335,7 @@ async fn adapter(home: &Home, name: &str) -> Result<Arc<dyn Harness>> {
 /// `key` is when it is not one.
 async fn manifest(store: &dyn CheckpointStore, key: &str) -> Result<SessionManifest> {
     let keys = SessionKeys::new(key)?;
-    match harness::core::moves::read_session_manifest(store, key).await {
+    match harness::moves::read_session_manifest(store, key).await {
         Ok(m) => Ok(m),
         Err(e) if e.kind() == ErrorKind::NotFound => match store.head(key).await {
             Ok(_) => bail!(
@@ -403,7 +403,7 @@ pub async fn checkpoint(home: &Home, args: CheckpointArgs) -> Result<()> {
             let step = bars.step(format!(
                 "checkpointing the working tree of {session} (changed content only)"
             ));
-            let stored = harness::core::tree_checkpoint::checkpoint_tree(
+            let stored = harness::moves::tree::checkpoint_tree(
                 sandbox.as_ref(),
                 sandbox.workdir(),
                 &store,
@@ -436,7 +436,7 @@ pub async fn checkpoint(home: &Home, args: CheckpointArgs) -> Result<()> {
         } else {
             let key = args.key.unwrap_or_else(|| format!("{base}.tar.zst"));
             let step = bars.step(format!("checkpointing the working tree of {session}"));
-            let stored = harness::core::moves::checkpoint(
+            let stored = harness::moves::checkpoint(
                 sandbox.as_ref(),
                 sandbox.workdir(),
                 &store,
@@ -471,7 +471,7 @@ pub async fn checkpoint(home: &Home, args: CheckpointArgs) -> Result<()> {
         "checkpointing session {session}: {}'s state, then the working tree",
         config.agent
     ));
-    let stored = harness::core::moves::checkpoint_session(
+    let stored = harness::moves::checkpoint_session(
         sandbox.as_ref(),
         harness.as_ref(),
         info.meta.agent_session_id.as_deref(),
@@ -654,24 +654,19 @@ async fn restore_into(
     sandbox: &dyn Sandbox,
     harness: &Arc<dyn Harness>,
     bars: &Arc<Bars>,
-) -> Result<harness::core::moves::SessionRestoreInfo> {
+) -> Result<harness::moves::SessionRestoreInfo> {
     let step = bars.step(format!(
         "restoring {key} (verified before anything is written)"
     ));
-    let restored = harness::core::moves::restore_session(
-        store,
-        key,
-        sandbox,
-        harness.as_ref(),
-        Some(bars.clone()),
-    )
-    .await
-    .context("restoring (nothing was changed if the checkpoint was refused)");
+    let restored =
+        harness::moves::restore_session(store, key, sandbox, harness.as_ref(), Some(bars.clone()))
+            .await
+            .context("restoring (nothing was changed if the checkpoint was refused)");
     step.finish_and_clear();
     restored
 }
 
-fn state_note(restored: &harness::core::moves::SessionRestoreInfo) -> String {
+fn state_note(restored: &harness::moves::SessionRestoreInfo) -> String {
     match &restored.state {
         Some(state) => format!(
             "; agent state {} bytes under {}{}",
@@ -687,7 +682,7 @@ fn state_note(restored: &harness::core::moves::SessionRestoreInfo) -> String {
     }
 }
 
-fn resume_note(restored: &harness::core::moves::SessionRestoreInfo) -> String {
+fn resume_note(restored: &harness::moves::SessionRestoreInfo) -> String {
     restored
         .manifest
         .agent_session_id
@@ -704,7 +699,7 @@ async fn record_restore(
     log: &SqliteSessionLog,
     session: &SessionId,
     key: &str,
-    restored: &harness::core::moves::SessionRestoreInfo,
+    restored: &harness::moves::SessionRestoreInfo,
     sandbox: Option<harness::core::sandbox::SandboxHandle>,
 ) {
     let manifest = &restored.manifest;
@@ -750,7 +745,7 @@ async fn restore_tree(home: &Home, args: RestoreArgs) -> Result<()> {
         "restoring the tree {} (verified before anything is written)",
         args.key
     ));
-    let restored = harness::core::moves::restore(
+    let restored = harness::moves::restore(
         &store,
         &args.key,
         sandbox.as_ref(),
@@ -806,7 +801,7 @@ async fn restore_tree(home: &Home, args: RestoreArgs) -> Result<()> {
 /// the store references.
 pub async fn gc(args: GcArgs) -> Result<()> {
     let store = args.store.open().await?;
-    let info = harness::core::tree_checkpoint::collect_garbage(&store, &SystemClock)
+    let info = harness::moves::tree::collect_garbage(&store, &SystemClock)
         .await
         .context("collecting unreferenced blobs")?;
     println!(

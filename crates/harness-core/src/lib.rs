@@ -9,10 +9,11 @@
 //! Workflows) drives the same [`turn_driver::TurnDriver`].
 //!
 //! No I/O, no clock, no threads: time comes in as a [`clock::Clock`],
-//! storage as traits, spawning as a function. The crate builds for
-//! `wasm32-unknown-unknown` with default features off (the `zstd` feature
-//! adds the move pipeline, which needs C code); there trait futures are not
-//! `Send` ([`maybe`]).
+//! storage as traits, spawning as a function. The crate has no cargo
+//! features and no C dependency, and builds for `wasm32-unknown-unknown`
+//! as it is; there trait futures are not `Send` ([`maybe`]). Moving trees
+//! between sandboxes (zstd, tree checkpoints) is its own crate,
+//! `harness-moves`.
 //!
 //! Map of the crate:
 //! - [`sandbox`]: `SandboxProvider`/`Sandbox`, specs, handles, exec, network policy;
@@ -29,7 +30,7 @@
 //! - [`engine`]: `DurableEngine`, the slice contract and the in-process engine;
 //! - [`slice`]: `harness:slice`, one bounded piece of a turn, and where its parts go;
 //! - [`clock`], [`maybe`]: time as an input; `Send` only where there are threads;
-//! - [`tarscan`], `moves`: archive safety and the checkpoint/restore pipeline.
+//! - [`tarscan`]: archive safety (what every restore admits).
 
 pub mod actor;
 pub mod actor_driver;
@@ -44,20 +45,14 @@ pub mod frame;
 pub mod harness;
 pub mod log;
 pub mod maybe;
-#[cfg(any(feature = "zstd", feature = "zstd-rust"))]
-pub mod moves;
 pub mod part;
 pub mod sandbox;
 pub mod session;
 pub mod slice;
 pub mod stream;
 pub mod tarscan;
-#[cfg(any(feature = "zstd", feature = "zstd-rust"))]
-pub mod tree_checkpoint;
 pub mod turn;
 pub mod turn_driver;
-#[cfg(feature = "zstd-rust")]
-pub mod zstd_rust;
 
 pub use error::{Error, ErrorKind, Result};
 pub use frame::{Frame, FrameBody, SessionId};

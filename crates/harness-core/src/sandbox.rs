@@ -574,7 +574,7 @@ pub trait Sandbox: MaybeSend + MaybeSync + std::fmt::Debug {
     }
 
     /// List every path under `dir` (not `dir` itself) with its stat, for
-    /// tree checkpoints (`harness_core::tree_checkpoint`). `NotFound` when
+    /// tree checkpoints (`harness_moves::tree`). `NotFound` when
     /// `dir` is not a directory. Entries may come in any order; in path
     /// order (bytewise), the caller's sort of them costs one pass.
     ///

@@ -4,8 +4,8 @@
 //! builds.
 
 use harness_core::checkpoint::CheckpointStore;
-use harness_core::moves;
 use harness_core::sandbox::{collect_exec, shell_quote, ExecRequest, Sandbox};
+use harness_moves as moves;
 
 /// Run a script that must succeed; its stdout.
 pub async fn sh(sandbox: &dyn Sandbox, script: &str) -> String {

@@ -535,27 +535,17 @@ async fn checkpoint_move(mut call: Call<'_>, op: &str) -> Result<Response, ApiEr
     let provider = crate::turns::bridge_provider(call.env)?;
     let sandbox = provider.resume(&request.sandbox).await?;
     if op == "checkpoint" {
-        let info = harness_core::moves::checkpoint(
-            sandbox.as_ref(),
-            &request.dir,
-            &store,
-            &request.key,
-            None,
-        )
-        .await?;
+        let info =
+            harness_moves::checkpoint(sandbox.as_ref(), &request.dir, &store, &request.key, None)
+                .await?;
         json_response(
             200,
             &serde_json::json!({"object": info.object, "tar_bytes": info.tar_bytes}),
         )
     } else {
-        let info = harness_core::moves::restore(
-            &store,
-            &request.key,
-            sandbox.as_ref(),
-            &request.dir,
-            None,
-        )
-        .await?;
+        let info =
+            harness_moves::restore(&store, &request.key, sandbox.as_ref(), &request.dir, None)
+                .await?;
         json_response(
             200,
             &serde_json::json!({

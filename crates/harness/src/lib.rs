@@ -10,6 +10,7 @@
 //! | `local` (default) | [`local`] | sandbox: a host directory and process groups |
 //! | `docker` | [`docker`] | sandbox: a Docker container (bollard) |
 //! | `cloudflare` | [`cloudflare`] | sandbox: a Cloudflare Sandbox bridge over HTTP |
+//! | `moves` (default) | [`moves`] | moving trees and sessions between sandboxes (zstd, tree checkpoints) |
 //! | `r2` | [`r2`] | checkpoint store on R2 / any S3 |
 //! | `sqlite` (default) | [`sqlite`] | session log and turn store on SQLite |
 //! | `runtime` (default) | [`runtime`] | the session runtime on tokio: actors, dispatch to an engine, the embedding API |
@@ -54,6 +55,9 @@
 //! ```
 
 pub use harness_core as core;
+
+#[cfg(feature = "moves")]
+pub use harness_moves as moves;
 
 #[cfg(feature = "local")]
 pub use sandbox_local as local;

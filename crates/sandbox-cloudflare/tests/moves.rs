@@ -10,7 +10,7 @@ mod common;
 use harness_core::checkpoint::MemoryCheckpointStore;
 use harness_core::clock::FnClock;
 use harness_core::sandbox::{Sandbox, SandboxProvider, SandboxSpec};
-use harness_core::tree_checkpoint;
+use harness_moves::tree as tree_checkpoint;
 use harness_testkit::trees::{listing, make_tree, move_onto};
 use sandbox_local::LocalProvider;
 

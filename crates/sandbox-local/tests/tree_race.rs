@@ -8,8 +8,8 @@ use harness_core::checkpoint::MemoryCheckpointStore;
 use harness_core::clock::ManualClock;
 use harness_core::sandbox::{Sandbox, SandboxProvider, SandboxSpec};
 use harness_core::stream::ByteStream;
-use harness_core::tree_checkpoint as tc;
 use harness_core::Result;
+use harness_moves::tree as tc;
 use harness_testkit::decorated::{Decorated, Decoration};
 use sandbox_local::LocalProvider;
 

@@ -1186,7 +1186,7 @@ pub async fn native_listing_matches_find(sb: &dyn Sandbox) -> Result<()> {
     Ok(())
 }
 
-/// Tree checkpoints (`harness_core::tree_checkpoint`) through this
+/// Tree checkpoints (`harness_moves::tree`) through this
 /// sandbox's exec, `export_tar` and `import_tar`: a first checkpoint
 /// restores the tree exactly; after a one-file change, an added and a
 /// removed file, the checkpoint against the first reads and uploads only
@@ -1198,7 +1198,7 @@ pub async fn native_listing_matches_find(sb: &dyn Sandbox) -> Result<()> {
 pub async fn tree_checkpoints(sb: &dyn Sandbox) -> Result<()> {
     use harness_core::checkpoint::{CheckpointStore, MemoryCheckpointStore};
     use harness_core::clock::{Clock, ManualClock};
-    use harness_core::tree_checkpoint::{self as tc, BLOB_PREFIX};
+    use harness_moves::tree::{self as tc, BLOB_PREFIX};
 
     let base = scratch("tree");
     let (a, b, c) = (
@@ -2967,7 +2967,7 @@ pub async fn import_takes_no_owners_from_the_archive(sb: &dyn Sandbox) -> Result
 /// The zstd of `data`, as one frame (frames concatenate: the decompressed
 /// stream is their contents in order).
 async fn zstd_frame(data: Vec<u8>) -> Result<Vec<u8>> {
-    use harness_core::moves;
+    use harness_moves as moves;
     let frame = moves::compress(harness_core::stream::once(data), moves::DEFAULT_ZSTD_LEVEL);
     Ok(harness_core::stream::collect(frame, usize::MAX)
         .await?
@@ -2980,7 +2980,7 @@ async fn zstd_frame(data: Vec<u8>) -> Result<Vec<u8>> {
 /// limit, and leaves the target as it was.
 pub async fn restore_refuses_decompression_bombs(sb: &dyn Sandbox) -> Result<()> {
     use harness_core::checkpoint::{CheckpointStore, MemoryCheckpointStore};
-    use harness_core::moves;
+    use harness_moves as moves;
     let target = format!("{}/target", scratch("bombs"));
     sh(
         sb,
@@ -3057,7 +3057,7 @@ pub async fn restore_refuses_decompression_bombs(sb: &dyn Sandbox) -> Result<()>
 /// entry before the hostile one included) and everything outside it too.
 pub async fn restore_refuses_hostile_archives(sb: &dyn Sandbox) -> Result<()> {
     use harness_core::checkpoint::{CheckpointStore, MemoryCheckpointStore};
-    use harness_core::moves;
+    use harness_moves as moves;
     let (base, abs) = hostile_scratch(sb, "hostile-restore").await?;
     let target_name = "target";
     let target = format!("{base}/{target_name}");

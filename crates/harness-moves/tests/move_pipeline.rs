@@ -3,9 +3,9 @@
 
 use bytes::Bytes;
 use futures::StreamExt;
-use harness_core::moves::{compress, decompress, scanned};
 use harness_core::stream::{self, ByteStream};
 use harness_core::ErrorKind;
+use harness_moves::{compress, decompress, scanned};
 
 fn archive(files: &[(&str, &[u8])]) -> Vec<u8> {
     let mut b = tar::Builder::new(Vec::new());

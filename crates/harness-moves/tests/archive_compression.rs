@@ -6,8 +6,8 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use futures::Stream;
-use harness_core::moves::{compress, compress_archive, decompress};
 use harness_core::stream::{self, ByteStream};
+use harness_moves::{compress, compress_archive, decompress};
 
 /// Pseudo-random but compressible: words from a small vocabulary, so the
 /// ratio of a multi-job archive can be compared with one encoder's.

@@ -27,8 +27,8 @@ use futures::StreamExt;
 use sha2::{Digest, Sha256};
 
 use super::{is_sha256_hex, IN_FLIGHT, PACK_PREFIX};
-use crate::checkpoint::CheckpointStore;
-use crate::{Error, Result};
+use harness_core::checkpoint::CheckpointStore;
+use harness_core::{Error, Result};
 
 /// A pack is sealed once it holds this many bytes.
 pub(super) const PACK_TARGET_BYTES: usize = 8 * 1024 * 1024;
@@ -232,7 +232,8 @@ pub(super) async fn read_index(store: &dyn CheckpointStore, id: &str) -> Result<
     if let Some(hit) = cache::get(id) {
         return Ok(hit);
     }
-    let bytes = crate::stream::collect(store.get(&index_key(id)).await?, MAX_INDEX_BYTES).await?;
+    let bytes =
+        harness_core::stream::collect(store.get(&index_key(id)).await?, MAX_INDEX_BYTES).await?;
     let index = Arc::new(PackIndex::decode(id, &bytes)?);
     cache::put(id, index.clone());
     Ok(index)

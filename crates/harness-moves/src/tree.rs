@@ -1,6 +1,6 @@
 //! Incremental, content-addressed checkpoints of a working tree.
 //!
-//! A whole-archive checkpoint ([`crate::moves::checkpoint`]) stores the tree
+//! A whole-archive checkpoint ([`crate::archive::checkpoint`]) stores the tree
 //! as one zstd tar: a one-file change costs a full upload. A *tree
 //! checkpoint* stores a [`TreeManifest`] at the checkpoint's key (paths,
 //! kinds, modes, sizes, mtimes, and for each file the hashes of its content
@@ -67,7 +67,7 @@
 //! crashed holder's lock expires), it removes its own and fails with
 //! `Conflict`. Both may fail; both cannot proceed.
 //!
-//! Whole-archive checkpoints still restore: [`crate::moves::restore`] reads
+//! Whole-archive checkpoints still restore: [`crate::archive::restore`] reads
 //! the first bytes of the object and takes the manifest path only for a
 //! manifest.
 
@@ -81,13 +81,13 @@ use futures::{SinkExt, StreamExt};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::checkpoint::{validate_key, CheckpointStore, ObjectMeta};
-use crate::clock::Clock;
-use crate::moves::{compress, decompress, MovePhase, MoveProgress, DEFAULT_ZSTD_LEVEL};
-use crate::sandbox::{collect_exec, shell_quote, ExecRequest, ListedEntry, Sandbox};
-use crate::stream::ByteStream;
-use crate::tarscan::{ScanSummary, TarEntry, TarItem, TarKind, TarScanner};
-use crate::{Error, ErrorKind, Result};
+use crate::archive::{compress, decompress, MovePhase, MoveProgress, DEFAULT_ZSTD_LEVEL};
+use harness_core::checkpoint::{validate_key, CheckpointStore, ObjectMeta};
+use harness_core::clock::Clock;
+use harness_core::sandbox::{collect_exec, shell_quote, ExecRequest, ListedEntry, Sandbox};
+use harness_core::stream::ByteStream;
+use harness_core::tarscan::{ScanSummary, TarEntry, TarItem, TarKind, TarScanner};
+use harness_core::{Error, ErrorKind, Result};
 
 mod packs;
 pub use packs::{index_key as pack_index_key, pack_key};
@@ -910,7 +910,7 @@ async fn checkpoint_locked(
     let (packed, frames) = encode_manifest(&manifest, &origins, parent_ref).await?;
     let manifest = Arc::new(KnownManifest::with_frames(manifest, frames));
     stats.bytes_uploaded += packed.len() as u64;
-    stats.object = store.put(key, crate::stream::once(packed)).await?;
+    stats.object = store.put(key, harness_core::stream::once(packed)).await?;
     // The next checkpoint of this tree, or a restore of this one, finds
     // it parsed.
     known::put(&stats.object.sha256, manifest);
@@ -995,8 +995,8 @@ async fn encode_manifest(
     }
     let encoding = |e: serde_json::Error| Error::backend(format!("encoding the manifest: {e}"));
     let packed = |json: Vec<u8>| async move {
-        crate::stream::collect(
-            compress(crate::stream::once(json), MANIFEST_ZSTD_LEVEL),
+        harness_core::stream::collect(
+            compress(harness_core::stream::once(json), MANIFEST_ZSTD_LEVEL),
             MAX_MANIFEST_BYTES,
         )
         .await
@@ -1152,7 +1152,7 @@ fn admit(manifest: &TreeManifest) -> Result<ScanSummary> {
     }
     let summary = scanner.finish()?;
     for entry in &manifest.deleted {
-        crate::tarscan::normalize_entry_path(&entry.path)?;
+        harness_core::tarscan::normalize_entry_path(&entry.path)?;
     }
     // A pack id becomes a key: nothing but a hash may name one.
     if let Some(bad) = manifest.packs.iter().find(|p| !is_sha256_hex(p)) {
@@ -1711,7 +1711,7 @@ async fn fetch_chunk(store: &dyn CheckpointStore, hash: &str) -> Result<Bytes> {
 /// A chunk's content out of its zstd frame, its hash checked (`what`
 /// names where it was read, for the error).
 async fn unpack_chunk(frame: Bytes, hash: &str, what: &str) -> Result<Bytes> {
-    unpack_stream(crate::stream::once(frame), hash, what).await
+    unpack_stream(harness_core::stream::once(frame), hash, what).await
 }
 
 async fn unpack_stream(compressed: ByteStream, hash: &str, what: &str) -> Result<Bytes> {
@@ -1719,11 +1719,11 @@ async fn unpack_stream(compressed: ByteStream, hash: &str, what: &str) -> Result
     #[cfg(feature = "zstd")]
     let content = {
         // A frame past this bound is not one of a chunk.
-        let frames = crate::stream::collect(compressed, zstd_bound(MAX_CHUNK)).await?;
+        let frames = harness_core::stream::collect(compressed, zstd_bound(MAX_CHUNK)).await?;
         chunk_zstd::decompress(&frames, MAX_CHUNK, what)?
     };
     #[cfg(not(feature = "zstd"))]
-    let content = crate::stream::collect(decompress(compressed), MAX_CHUNK).await?;
+    let content = harness_core::stream::collect(decompress(compressed), MAX_CHUNK).await?;
     let got = hex::encode(Sha256::digest(&content));
     if got != hash {
         return Err(Error::corrupt(format!(
@@ -1749,8 +1749,8 @@ async fn compressed(content: Bytes) -> Result<Bytes> {
 #[cfg(not(feature = "zstd"))]
 async fn compressed(content: Bytes) -> Result<Bytes> {
     let limit = zstd_bound(content.len());
-    crate::stream::collect(
-        compress(crate::stream::once(content), DEFAULT_ZSTD_LEVEL),
+    harness_core::stream::collect(
+        compress(harness_core::stream::once(content), DEFAULT_ZSTD_LEVEL),
         limit,
     )
     .await
@@ -1769,7 +1769,7 @@ mod chunk_zstd {
     use bytes::Bytes;
     use zstd::zstd_safe::{self, DCtx, ResetDirective};
 
-    use crate::{Error, Result};
+    use harness_core::{Error, Result};
 
     thread_local! {
         static COMPRESSOR: RefCell<Option<(i32, zstd::bulk::Compressor<'static>)>> =
@@ -1961,7 +1961,7 @@ struct Uploader<'s> {
     known: HashSet<String>,
     presence: Presence,
     /// Each upload answers whether it stored a chunk, and its size.
-    running: FuturesUnordered<crate::maybe::BoxFuture<'s, Result<(bool, u64)>>>,
+    running: FuturesUnordered<harness_core::maybe::BoxFuture<'s, Result<(bool, u64)>>>,
     running_bytes: u64,
     compressing: Arc<futures::lock::Mutex<()>>,
     uploaded: u64,
@@ -2111,12 +2111,15 @@ impl<'s> Uploader<'s> {
         self.running_bytes += len;
         self.running.push(Box::pin(async move {
             store
-                .put(&pack_key(&sealed.id), crate::stream::once(sealed.pack))
+                .put(
+                    &pack_key(&sealed.id),
+                    harness_core::stream::once(sealed.pack),
+                )
                 .await?;
             store
                 .put(
                     &pack_index_key(&sealed.id),
-                    crate::stream::once(sealed.index),
+                    harness_core::stream::once(sealed.index),
                 )
                 .await?;
             // Its chunks were counted as they were packed.
@@ -2151,7 +2154,7 @@ impl<'s> Uploader<'s> {
                 compressed(chunk).await?
             };
             bytes.fetch_add(packed.len() as u64, Ordering::Relaxed);
-            store.put(&key, crate::stream::once(packed)).await?;
+            store.put(&key, harness_core::stream::once(packed)).await?;
             Ok((true, len))
         }));
         Ok(())
@@ -2479,7 +2482,7 @@ impl Lock {
         h.update((&h as *const Sha256 as usize).to_le_bytes());
         let nonce = hex::encode(&h.finalize()[..8]);
         let key = format!("{LOCK_PREFIX}{}-{now}-{nonce}", kind.name());
-        store.put(&key, crate::stream::empty()).await?;
+        store.put(&key, harness_core::stream::empty()).await?;
         let other = match kind {
             LockKind::Checkpoint => LockKind::Gc,
             LockKind::Gc => LockKind::Checkpoint,
@@ -2636,7 +2639,7 @@ async fn collect_locked(store: &dyn CheckpointStore) -> Result<GcInfo> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::checkpoint::MemoryCheckpointStore;
+    use harness_core::checkpoint::MemoryCheckpointStore;
 
     /// Paths asked in path order, out of it, twice, and missing ones all
     /// find what a lookup by exact path finds.
@@ -2697,14 +2700,14 @@ mod tests {
 
     async fn put_manifest(store: &MemoryCheckpointStore, key: &str, m: &TreeManifest) -> String {
         let json = serde_json::to_vec(m).unwrap();
-        let packed = crate::stream::collect(
-            crate::moves::compress_archive(crate::stream::once(json), DEFAULT_ZSTD_LEVEL),
+        let packed = harness_core::stream::collect(
+            crate::archive::compress_archive(harness_core::stream::once(json), DEFAULT_ZSTD_LEVEL),
             1 << 20,
         )
         .await
         .unwrap();
         store
-            .put(key, crate::stream::once(packed))
+            .put(key, harness_core::stream::once(packed))
             .await
             .unwrap()
             .sha256
@@ -2720,7 +2723,7 @@ mod tests {
         store
             .put(
                 &blob_key(&hex::encode(blob)),
-                crate::stream::once(&b"x"[..]),
+                harness_core::stream::once(&b"x"[..]),
             )
             .await
             .unwrap();
@@ -2728,13 +2731,16 @@ mod tests {
         pack.push([0xcd; 32], b"frame");
         let sealed = pack.seal();
         store
-            .put(&pack_key(&sealed.id), crate::stream::once(sealed.pack))
+            .put(
+                &pack_key(&sealed.id),
+                harness_core::stream::once(sealed.pack),
+            )
             .await
             .unwrap();
         store
             .put(
                 &pack_index_key(&sealed.id),
-                crate::stream::once(sealed.index),
+                harness_core::stream::once(sealed.index),
             )
             .await
             .unwrap();
@@ -2842,9 +2848,12 @@ mod tests {
             if n == paths.len() {
                 assert!(frames.len() > 3, "{} frames", frames.len());
             }
-            let json = crate::stream::collect(decompress(crate::stream::once(object)), usize::MAX)
-                .await
-                .unwrap();
+            let json = harness_core::stream::collect(
+                decompress(harness_core::stream::once(object)),
+                usize::MAX,
+            )
+            .await
+            .unwrap();
             assert_eq!(
                 String::from_utf8_lossy(&json),
                 String::from_utf8_lossy(&whole),
@@ -2875,13 +2884,18 @@ mod tests {
         // output was copied from the parent.
         let mut marked = Vec::new();
         for frame in frames {
-            let json =
-                crate::stream::collect(decompress(crate::stream::once(frame.bytes)), usize::MAX)
-                    .await
-                    .unwrap();
-            let bytes = crate::stream::collect(compress(crate::stream::once(json), 9), usize::MAX)
-                .await
-                .unwrap();
+            let json = harness_core::stream::collect(
+                decompress(harness_core::stream::once(frame.bytes)),
+                usize::MAX,
+            )
+            .await
+            .unwrap();
+            let bytes = harness_core::stream::collect(
+                compress(harness_core::stream::once(json), 9),
+                usize::MAX,
+            )
+            .await
+            .unwrap();
             marked.push(EntryFrame { bytes, ..frame });
         }
         let parent = KnownManifest::with_frames(parent, marked);
@@ -2912,9 +2926,12 @@ mod tests {
                 "{new} of {} frames written anew ({written} in the parent)",
                 ours.len()
             );
-            let json = crate::stream::collect(decompress(crate::stream::once(object)), usize::MAX)
-                .await
-                .unwrap();
+            let json = harness_core::stream::collect(
+                decompress(harness_core::stream::once(object)),
+                usize::MAX,
+            )
+            .await
+            .unwrap();
             assert!(json == serde_json::to_vec(&m).unwrap());
         }
         // Without origins nothing is reused.

@@ -34,13 +34,13 @@ use bytes::Bytes;
 use futures::io::{AsyncRead, AsyncReadExt, BufReader};
 use futures::{StreamExt, TryStreamExt};
 
-use crate::checkpoint::{CheckpointStore, ObjectMeta};
-use crate::harness::{Harness, StateMove};
-use crate::sandbox::{shell_quote, Sandbox};
-use crate::slice::home_of;
-use crate::stream::ByteStream;
-use crate::tarscan::{ScanSummary, TarScanner};
-use crate::{Error, Result};
+use harness_core::checkpoint::{CheckpointStore, ObjectMeta};
+use harness_core::harness::{Harness, StateMove};
+use harness_core::sandbox::{shell_quote, Sandbox};
+use harness_core::slice::home_of;
+use harness_core::stream::ByteStream;
+use harness_core::tarscan::{ScanSummary, TarScanner};
+use harness_core::{Error, Result};
 
 /// Chunk size of the streams the pipeline produces.
 #[cfg(feature = "zstd")]
@@ -300,7 +300,7 @@ pub async fn checkpoint(
     key: &str,
     progress: Option<Arc<dyn MoveProgress>>,
 ) -> Result<CheckpointInfo> {
-    crate::checkpoint::validate_key(key)?;
+    harness_core::checkpoint::validate_key(key)?;
     let total = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let tar = counting(
         sandbox.export_tar(dir).await?,
@@ -323,7 +323,7 @@ pub async fn checkpoint(
 /// Wrap a tar stream so every chunk goes through a [`TarScanner`]; the
 /// stream fails at the first unsafe entry and at a truncated end.
 pub fn scanned(tar: ByteStream) -> ByteStream {
-    crate::tarscan::scan_stream(tar, TarScanner::new())
+    harness_core::tarscan::scan_stream(tar, TarScanner::new())
 }
 
 /// Like [`scanned`], and the scan's summary is put into `summary` once the
@@ -377,8 +377,8 @@ pub async fn verify(
 
 /// Restore the checkpoint under `key` onto `dir` of `sandbox`, overlaying
 /// what is there. Refuses (changing nothing) if any entry is unsafe. A
-/// tree checkpoint ([`crate::tree_checkpoint`]) is recognised by its first
-/// bytes and restored by [`crate::tree_checkpoint::restore_manifest`].
+/// tree checkpoint ([`crate::tree`]) is recognised by its first
+/// bytes and restored by [`crate::tree::restore_manifest`].
 #[tracing::instrument(name = "restore", skip_all, fields(key = %key, dir = %dir))]
 pub async fn restore(
     store: &dyn CheckpointStore,
@@ -387,12 +387,10 @@ pub async fn restore(
     dir: &str,
     progress: Option<Arc<dyn MoveProgress>>,
 ) -> Result<RestoreInfo> {
-    crate::checkpoint::validate_key(key)?;
+    harness_core::checkpoint::validate_key(key)?;
     // A tree checkpoint (manifest + blobs) restores by its own path.
-    if let Some(manifest) = crate::tree_checkpoint::read_manifest(store, key).await? {
-        let info =
-            crate::tree_checkpoint::restore_manifest(store, &manifest, sandbox, dir, progress)
-                .await?;
+    if let Some(manifest) = crate::tree::read_manifest(store, key).await? {
+        let info = crate::tree::restore_manifest(store, &manifest, sandbox, dir, progress).await?;
         return Ok(RestoreInfo {
             summary: info.summary,
         });
@@ -457,7 +455,7 @@ pub struct SessionKeys {
 impl SessionKeys {
     /// The keys under `base` (validated).
     pub fn new(base: &str) -> Result<Self> {
-        crate::checkpoint::validate_key(base)?;
+        harness_core::checkpoint::validate_key(base)?;
         let keys = Self {
             work: format!("{base}/work.tar.zst"),
             state: format!("{base}/state.tar.zst"),
@@ -465,7 +463,7 @@ impl SessionKeys {
         };
         // A base near the length limit leaves no room for the suffixes.
         for key in [&keys.work, &keys.state, &keys.manifest] {
-            crate::checkpoint::validate_key(key)?;
+            harness_core::checkpoint::validate_key(key)?;
         }
         Ok(keys)
     }
@@ -513,9 +511,9 @@ pub struct SessionRestoreInfo {
 }
 
 async fn run_script(sandbox: &dyn Sandbox, script: String, what: &str) -> Result<String> {
-    let out = crate::sandbox::collect_exec(
+    let out = harness_core::sandbox::collect_exec(
         sandbox
-            .exec(crate::sandbox::ExecRequest::shell(script))
+            .exec(harness_core::sandbox::ExecRequest::shell(script))
             .await?,
     )
     .await?
@@ -592,9 +590,9 @@ pub async fn checkpoint_session(
             shell_quote(&home),
             quoted.join(" ")
         );
-        let tar = crate::sandbox::exec_stdout_stream(
+        let tar = harness_core::sandbox::exec_stdout_stream(
             sandbox
-                .exec(crate::sandbox::ExecRequest::shell(script))
+                .exec(harness_core::sandbox::ExecRequest::shell(script))
                 .await?,
             format!("agent state under {home}"),
         );
@@ -607,7 +605,7 @@ pub async fn checkpoint_session(
     let work = checkpoint(sandbox, sandbox.workdir(), store, &keys.work, progress).await?;
     // Objects stored, manifest not yet: a checkpoint killed here must not
     // be restorable (no manifest) and must not harm the next one.
-    crate::failpoint::hit("checkpoint-upload");
+    harness_core::failpoint::hit("checkpoint-upload");
     let manifest = SessionManifest {
         version: SESSION_MANIFEST_VERSION,
         agent: harness.name().to_string(),
@@ -621,7 +619,7 @@ pub async fn checkpoint_session(
     store
         .put(
             &keys.manifest,
-            crate::stream::once(serde_json::to_vec_pretty(&manifest)?),
+            harness_core::stream::once(serde_json::to_vec_pretty(&manifest)?),
         )
         .await?;
     Ok(manifest)
@@ -633,7 +631,8 @@ pub async fn read_session_manifest(
     base: &str,
 ) -> Result<SessionManifest> {
     let keys = SessionKeys::new(base)?;
-    let bytes = crate::stream::collect(store.get(&keys.manifest).await?, MANIFEST_LIMIT).await?;
+    let bytes =
+        harness_core::stream::collect(store.get(&keys.manifest).await?, MANIFEST_LIMIT).await?;
     let manifest: SessionManifest = serde_json::from_slice(&bytes).map_err(|e| {
         Error::corrupt(format!(
             "session manifest {:?} is not valid: {e}",
@@ -734,16 +733,16 @@ mod tests {
         fn name(&self) -> &'static str {
             "dirs"
         }
-        fn bootstrap_recipe(&self) -> Result<crate::bootstrap::BootstrapRecipe> {
+        fn bootstrap_recipe(&self) -> Result<harness_core::bootstrap::BootstrapRecipe> {
             Ok(Default::default())
         }
         fn turn_command(
             &self,
-            _turn: &crate::harness::TurnContext<'_>,
-        ) -> Result<crate::harness::AgentCommand> {
+            _turn: &harness_core::harness::TurnContext<'_>,
+        ) -> Result<harness_core::harness::AgentCommand> {
             Err(Error::invalid("not used"))
         }
-        fn parser(&self) -> Box<dyn crate::harness::OutputParser> {
+        fn parser(&self) -> Box<dyn harness_core::harness::OutputParser> {
             unreachable!("not used")
         }
         fn state_dirs(&self, home: &str) -> Vec<String> {
@@ -761,7 +760,7 @@ mod tests {
         assert!(SessionKeys::new("a/").is_err());
         // A valid base too long to take the suffixes (found by fuzzing).
         let long = format!("{}/{}", "a".repeat(250), "b".repeat(250));
-        crate::checkpoint::validate_key(&long).unwrap();
+        harness_core::checkpoint::validate_key(&long).unwrap();
         assert!(SessionKeys::new(&long).is_err());
     }
 
@@ -780,7 +779,11 @@ mod tests {
             "$HOME//a",
         ] {
             let err = relative_state_dirs(&Dirs(vec![bad]), "/home/u").unwrap_err();
-            assert_eq!(err.kind(), crate::ErrorKind::InvalidInput, "{bad}: {err}");
+            assert_eq!(
+                err.kind(),
+                harness_core::ErrorKind::InvalidInput,
+                "{bad}: {err}"
+            );
         }
     }
 }

@@ -18,8 +18,8 @@ use futures::StreamExt;
 use ruzstd::decoding::FrameDecoder;
 use ruzstd::encoding::{compress_to_vec, CompressionLevel};
 
-use crate::stream::ByteStream;
-use crate::{Error, Result};
+use harness_core::stream::ByteStream;
+use harness_core::{Error, Result};
 
 /// Input bytes per frame [`compress`] writes.
 pub const FRAME_INPUT: usize = 2 << 20;
@@ -170,7 +170,7 @@ pub fn decompress(input: ByteStream) -> ByteStream {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ErrorKind;
+    use harness_core::ErrorKind;
 
     fn stream_of(data: Vec<u8>, chunk: usize) -> ByteStream {
         let chunks: Vec<Result<Bytes>> = data
