@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use harness::core::frame::{FrameBody, SessionId};
 use harness::core::session::{SandboxConfig, SessionConfig};
 use harness::core::turn::TurnStatus;
-use harness_testkit::model::{Script, ScriptedModel};
+use harness_scripted_model::{Script, ScriptedModel};
 
 use crate::home::Home;
 use crate::local::{self, EngineSpec};

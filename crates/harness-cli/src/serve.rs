@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use harness::server::{GrantRole, Scope, ServerConfig, SessionServer, TokenGrant};
-use harness_testkit::model::ScriptedModel;
+use harness_scripted_model::ScriptedModel;
 
 use crate::home::{Home, ServeInfo};
 

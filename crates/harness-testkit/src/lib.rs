@@ -28,7 +28,8 @@ pub mod conformance;
 pub mod decorated;
 pub mod engine_bridge;
 pub mod gate;
-pub mod model;
+/// The scripted model servers (the `harness-scripted-model` crate).
+pub use harness_scripted_model as model;
 pub mod real;
 pub mod trees;
 pub mod wrangler;
@@ -36,22 +37,4 @@ pub mod wrangler;
 pub use gate::gate_binary;
 pub use real::{real_parts_required, require_env, skip_or_fail};
 
-/// Serve `app` on `listener` until the returned sender fires or is
-/// dropped (the test servers of this kit: model, bridge, executor).
-pub(crate) fn serve_until_shutdown(
-    listener: tokio::net::TcpListener,
-    app: axum::Router,
-) -> (
-    tokio::sync::oneshot::Sender<()>,
-    tokio::task::JoinHandle<()>,
-) {
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        let _ = axum::serve(listener, app)
-            .with_graceful_shutdown(async {
-                let _ = rx.await;
-            })
-            .await;
-    });
-    (tx, task)
-}
+pub(crate) use harness_scripted_model::serve_until_shutdown;

@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use harness_testkit::model::*;
+use harness_scripted_model::*;
 use serde_json::{json, Value};
 
 fn anthropic_prompt(text: &str) -> Value {

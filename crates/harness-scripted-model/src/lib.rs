@@ -1,3 +1,5 @@
+//! # harness-scripted-model
+//!
 //! Scripted model servers: the Anthropic Messages API (`POST /v1/messages`,
 //! `POST /v1/messages/count_tokens`) and the OpenAI Responses API
 //! (`POST /v1/responses`), streaming SSE, answering from a [`Script`].
@@ -11,14 +13,18 @@
 //!
 //! ```no_run
 //! # async fn demo() -> anyhow::Result<()> {
-//! use harness_testkit::model::*;
+//! use harness_scripted_model::*;
 //! let server = ScriptedModel::anthropic(Script::bash_then_text("echo hi > hi.txt", "done")).await?;
 //! // run `claude` with server.claude_env() ...
 //! assert!(server.failures().is_empty());
 //! # Ok(()) }
 //! ```
 //!
-//! See `README.md` in this directory for what the real CLIs need.
+//! It is a product feature, not only a test aid: `harness demo` and
+//! `harness serve --demo` run real agents against it, with no key and no
+//! network. The test kit re-exports it as `harness_testkit::model`.
+//!
+//! See `README.md` beside this crate for what the real CLIs need.
 
 mod request;
 mod script;
@@ -181,7 +187,7 @@ impl ScriptedModel {
             .route("/api/hello", get(hello))
             .fallback(fallback)
             .with_state(shared.clone());
-        let (tx, task) = crate::serve_until_shutdown(listener, app);
+        let (tx, task) = serve_until_shutdown(listener, app);
         Ok(Self {
             addr,
             shared,
@@ -535,4 +541,22 @@ async fn fallback(
         })),
     )
         .into_response()
+}
+
+/// Serve `app` on `listener` until the returned sender fires or is
+/// dropped (this crate's model server, and the test kit's other servers).
+#[doc(hidden)]
+pub fn serve_until_shutdown(
+    listener: tokio::net::TcpListener,
+    app: Router,
+) -> (oneshot::Sender<()>, JoinHandle<()>) {
+    let (tx, rx) = oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, app)
+            .with_graceful_shutdown(async {
+                let _ = rx.await;
+            })
+            .await;
+    });
+    (tx, task)
 }
