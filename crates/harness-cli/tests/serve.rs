@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use futures::{SinkExt, StreamExt};
 use harness_testkit::model::{
-    any, last_is_tool_result_for, last_user_text_contains, Reply, Rule, Script, ScriptedModel,
+    any, last_is_tool_result_for, Gate, last_user_text_contains, Reply, Rule, Script, ScriptedModel,
 };
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
@@ -560,30 +560,52 @@ async fn a_server_killed_mid_turn_finishes_the_turn_after_a_restart() {
     if !Agent::Claude.available() {
         return;
     }
-    let model = ScriptedModel::start(slow_script()).await.unwrap();
+    // The answer streams its first chunk, then waits for `answer` to open:
+    // the second kill lands mid-answer however slow this machine is (the
+    // agent keeps running while no server does).
+    let answer = Gate::new();
+    let script = Script::new()
+        .rule(
+            Rule::new(
+                last_is_tool_result_for(CALL_ID),
+                Reply::text_chunks(SLOW_CHUNKS).hold_before_delta(1, answer.clone()),
+            )
+            .assert_tool_result_contains(CALL_ID, "slow-done"),
+        )
+        .on(
+            any(),
+            Reply::shell(CALL_ID, "sleep 5; echo slow-done > slow.txt; cat slow.txt"),
+        );
+    let model = ScriptedModel::start(script).await.unwrap();
     let home = tempfile::tempdir().unwrap();
     let args = ["--slice-ms", "1000"];
     let mut serve = Serve::start(home.path(), &model, &args);
     let (id, sse, turn) = slow_turn_running(&serve).await;
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert!(
-        sse.seen().end(&turn).is_none(),
-        "still running at the first kill"
-    );
-    serve.kill();
-    // Second life: killed while the answer streams.
-    let mut serve = Serve::start(home.path(), &model, &args);
-    let sse = SseClient::open(&serve, &id).await;
-    until(&serve, "the tool result after the restart", || {
-        !sse.seen().parts(&turn, "tool-result").is_empty()
+    // First life: killed during the tool's sleep (its result is not back).
+    until(&serve, "the tool call", || {
+        !sse.seen().parts(&turn, "tool-call").is_empty()
     })
     .await;
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(
+        sse.seen().parts(&turn, "tool-result").is_empty(),
+        "the tool's result came back before the first kill"
+    );
+    serve.kill();
+    // Second life: killed while the answer streams (its first chunk out,
+    // the rest held).
+    let mut serve = Serve::start(home.path(), &model, &args);
+    let sse = SseClient::open(&serve, &id).await;
+    until(&serve, "the answer's first chunk after the restart", || {
+        let seen = sse.seen();
+        !seen.parts(&turn, "tool-result").is_empty() && seen.live_deltas(&turn) > 0
+    })
+    .await;
     assert!(
         sse.seen().end(&turn).is_none(),
         "still running at the second kill"
     );
     serve.kill();
+    answer.open();
     // Third life: the turn finishes.
     let serve = Serve::start(home.path(), &model, &args);
     let sse = SseClient::open(&serve, &id).await;

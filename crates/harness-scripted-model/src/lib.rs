@@ -49,7 +49,7 @@ use tokio::task::JoinHandle;
 pub use request::{Api, ModelRequest, ToolResult};
 pub use script::{
     all, any, any_of, api, last_is_tool_result, last_is_tool_result_for, last_user_text_contains,
-    matcher_fn, not, system_contains, Assertion, Matcher, Part, Reply, Rule, Script, StopReason,
+    matcher_fn, not, system_contains, Assertion, Gate, Matcher, Part, Reply, Rule, Script, StopReason,
     ToolCall, ToolKind, BASH_CALL_ID,
 };
 pub use sse::{
@@ -408,8 +408,20 @@ fn meta(shared: &Shared, req: &ModelRequest, body: &Bytes, default_model: &str) 
     }
 }
 
-fn sse_response(events: Vec<SseEvent>, extra: &[(&'static str, String)]) -> Response {
+fn sse_response(
+    mut events: Vec<SseEvent>,
+    reply: &Reply,
+    extra: &[(&'static str, String)],
+) -> Response {
+    if let Some((n, gate)) = &reply.hold {
+        if let Some(e) = events.iter_mut().filter(|e| e.is_delta()).nth(*n) {
+            e.hold = Some(gate.clone());
+        }
+    }
     let stream = futures::stream::iter(events).then(|e| async move {
+        if let Some(gate) = &e.hold {
+            gate.opened().await;
+        }
         if !e.delay.is_zero() {
             tokio::time::sleep(e.delay).await;
         }
@@ -441,7 +453,11 @@ async fn anthropic_messages(
     let m = meta(&shared, &req, &body, "claude-scripted");
     let request_id = format!("req_scripted_{}", m.n);
     if req.stream() {
-        sse_response(anthropic_events(&reply, &m), &[("request-id", request_id)])
+        sse_response(
+            anthropic_events(&reply, &m),
+            &reply,
+            &[("request-id", request_id)],
+        )
     } else {
         (
             [("request-id", request_id)],
@@ -465,7 +481,11 @@ async fn openai_responses(
     let m = meta(&shared, &req, &body, "gpt-test");
     let request_id = format!("req_scripted_{}", m.n);
     if req.stream() {
-        sse_response(openai_events(&reply, &m), &[("x-request-id", request_id)])
+        sse_response(
+            openai_events(&reply, &m),
+            &reply,
+            &[("x-request-id", request_id)],
+        )
     } else {
         (
             [("x-request-id", request_id)],

@@ -350,6 +350,46 @@ impl StopReason {
     }
 }
 
+/// A switch a test opens to let a held reply go on ([`Reply::hold_before_delta`]):
+/// the model's stream waits on an event of the test's, not on a timer.
+#[derive(Debug, Clone, Default)]
+pub struct Gate(Arc<(std::sync::atomic::AtomicBool, tokio::sync::Notify)>);
+
+impl Gate {
+    /// A closed gate.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Open it: every reply held on it goes on, now and later.
+    pub fn open(&self) {
+        self.0 .0.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.0 .1.notify_waiters();
+    }
+
+    /// Whether it was opened.
+    pub fn is_open(&self) -> bool {
+        self.0 .0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Wait until it is open.
+    pub async fn opened(&self) {
+        loop {
+            let notified = self.0 .1.notified();
+            if self.is_open() {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+impl PartialEq for Gate {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
 /// What the model answers: parts streamed in order, with an optional delay
 /// before each streamed chunk.
 #[derive(Debug, Clone, PartialEq)]
@@ -360,6 +400,8 @@ pub struct Reply {
     pub delay: Duration,
     /// Overrides the stop reason derived from the parts.
     pub stop_reason: Option<StopReason>,
+    /// Hold the stream before its n-th delta (from 0) until the gate opens.
+    pub hold: Option<(usize, Gate)>,
 }
 
 /// Split `s` into about `n` chunks on char boundaries (at least one chunk).
@@ -379,6 +421,7 @@ impl Reply {
             parts: Vec::new(),
             delay: Duration::ZERO,
             stop_reason: None,
+            hold: None,
         }
     }
     /// A text answer, split into three chunks so streaming is observable.
@@ -433,6 +476,13 @@ impl Reply {
     /// Pause `ms` milliseconds before each streamed delta.
     pub fn with_delay(mut self, ms: u64) -> Self {
         self.delay = Duration::from_millis(ms);
+        self
+    }
+    /// Stream up to the `n`-th delta (from 0), then wait until `gate`
+    /// opens before sending it and the rest: a test can act while the agent
+    /// is mid-answer, whatever the machine's speed.
+    pub fn hold_before_delta(mut self, n: usize, gate: Gate) -> Self {
+        self.hold = Some((n, gate));
         self
     }
     /// Override the stop reason.

@@ -16,6 +16,8 @@ pub struct SseEvent {
     pub data: Value,
     /// Pause before this event.
     pub delay: Duration,
+    /// Wait for this gate before this event.
+    pub hold: Option<super::script::Gate>,
 }
 
 impl SseEvent {
@@ -29,11 +31,17 @@ impl SseEvent {
             name,
             data,
             delay: Duration::ZERO,
+            hold: None,
         }
     }
     fn delayed(mut self, d: Duration) -> Self {
         self.delay = d;
         self
+    }
+    /// Whether this event streams a piece of text, reasoning or a tool's
+    /// input (what [`Reply::hold_before_delta`] counts).
+    pub(crate) fn is_delta(&self) -> bool {
+        self.name.ends_with("delta")
     }
     /// The wire form: `event: NAME\ndata: JSON\n\n`.
     pub fn to_wire(&self) -> String {

@@ -670,3 +670,40 @@ async fn helpers_for_cli_configuration() {
     assert!(args[3].contains("wire_api=\"responses\""));
     assert_eq!(args[5], "model=gpt-test");
 }
+
+/// A held reply streams up to its hold, then nothing until the gate opens.
+#[tokio::test]
+async fn a_held_reply_waits_for_its_gate() {
+    let gate = Gate::new();
+    let server = ScriptedModel::anthropic(Script::new().on(
+        any(),
+        Reply::text_chunks(["one ", "two ", "three"]).hold_before_delta(1, gate.clone()),
+    ))
+    .await
+    .unwrap();
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/messages", server.base_url()))
+        .json(&json!({"model": "m", "max_tokens": 10, "stream": true,
+            "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    let mut body = resp.bytes_stream();
+    let mut seen = String::new();
+    // Up to the hold: the first delta arrives.
+    while !seen.contains("one ") {
+        let chunk = body.next().await.expect("stream open").unwrap();
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    // Held: nothing more within a while (the stream would otherwise send
+    // the next delta at once: the reply has no delay).
+    let more = tokio::time::timeout(Duration::from_millis(300), body.next()).await;
+    assert!(more.is_err(), "the held reply went on: {more:?}");
+    assert!(!seen.contains("two "));
+    gate.open();
+    while let Some(chunk) = body.next().await {
+        seen.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+    }
+    assert!(seen.contains("two ") && seen.contains("three"), "{seen}");
+    assert!(seen.contains("message_stop"), "{seen}");
+}
