@@ -188,6 +188,12 @@ fn summary(done: &[(Step, Duration, bool)], total: Duration, counts: Option<Coun
     let _ = std::io::stdout().flush();
 }
 
+/// The features CI builds the workspace with: the `harness` binary with
+/// every backend (its default build is small; docs/cli.md, "Features"),
+/// so every test of it runs. Clippy, the tests and the list of ignored
+/// tests all use it, so they see the same code.
+pub const CI_FEATURES: [&str; 2] = ["--features", "harness-cli/full"];
+
 fn run_step(step: Step, require_real: bool, counts: &mut Option<Counts>) -> Result<()> {
     match step {
         Step::Deps => deps::deps(),
@@ -198,14 +204,12 @@ fn run_step(step: Step, require_real: bool, counts: &mut Option<Counts>) -> Resu
         Step::Worker => worker::deps().and_then(|()| worker::build(false)),
         Step::Fmt => util::run(util::cargo().args(["fmt", "--all", "--", "--check"]))
             .context("formatting differs: run `cargo fmt --all`"),
-        Step::Clippy => util::run(util::cargo().args([
-            "clippy",
-            "--workspace",
-            "--all-targets",
-            "--",
-            "-D",
-            "warnings",
-        ])),
+        Step::Clippy => util::run(
+            util::cargo()
+                .args(["clippy", "--workspace", "--all-targets"])
+                .args(CI_FEATURES)
+                .args(["--", "-D", "warnings"]),
+        ),
         Step::Wasm => {
             util::run(util::cargo().args(["build", "-p", "harness-core", "--target", matrix::WASM]))
         }
@@ -213,7 +217,8 @@ fn run_step(step: Step, require_real: bool, counts: &mut Option<Counts>) -> Resu
         Step::Package => package::dry_run(),
         Step::Test => {
             let mut cmd = util::cargo();
-            cmd.args(["nextest", "run", "--workspace", "--no-fail-fast"]);
+            cmd.args(["nextest", "run", "--workspace", "--no-fail-fast"])
+                .args(CI_FEATURES);
             let run = nextest(&mut cmd, require_real, counts);
             let ignored = check_ignored();
             run.and(ignored)
@@ -238,6 +243,8 @@ fn check_ignored() -> Result<()> {
             "nextest",
             "list",
             "--workspace",
+            CI_FEATURES[0],
+            CI_FEATURES[1],
             "--run-ignored",
             "only",
             "--message-format",

@@ -179,9 +179,11 @@ pub const MATRIX: &[Row] = &[
     // The Durable Streams protocol without its native store: what the
     // Worker's streams object serves.
     Row::check("durable-streams").target(WASM),
-    // OTLP export is a feature of the binary: its span test runs with it on
-    // (docs/operations.md).
-    Row::test("harness-cli").features("otlp").only_test("otlp"),
+    // The binary's default build (the test step builds it with every
+    // feature) and its smallest one: each backend missing is a clear error,
+    // not a build failure (docs/cli.md, "Features").
+    Row::check("harness-cli"),
+    Row::check("harness-cli").no_default_features(),
 ];
 
 /// Rows outside CI, run on demand by `cargo xtask extra`.

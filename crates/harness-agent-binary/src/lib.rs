@@ -16,6 +16,8 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use harness_core::bootstrap::{FileSource, RecipeFile};
+use harness_core::sandbox::shell_quote;
 use harness_core::{Error, Result};
 use sha2::{Digest, Sha256};
 
@@ -119,6 +121,42 @@ impl HelperBinary {
     }
 }
 
+/// The recipe's part for `helpers` (a path in the sandbox and the helper
+/// installed there): a file per distinct binary, and a command hard-linking
+/// each further path to the file of the same content. The helpers are
+/// often one binary (the multi-call `harness`, which runs as whichever
+/// helper its name says): copied once, not once per name.
+pub fn helper_files(helpers: &[(&str, &HelperBinary)]) -> (Vec<RecipeFile>, Vec<String>) {
+    let mut files: Vec<RecipeFile> = Vec::new();
+    let mut links = Vec::new();
+    for (path, helper) in helpers {
+        let copied = (!helper.sha256.is_empty())
+            .then(|| {
+                files.iter().find(|f| {
+                    matches!(&f.source, FileSource::HostPath { sha256, .. } if *sha256 == helper.sha256)
+                })
+            })
+            .flatten();
+        match copied {
+            Some(first) => links.push(format!(
+                "mkdir -p \"${{HARNESS_SANDBOX_ROOT:-}}\"{dir} && ln -f \"${{HARNESS_SANDBOX_ROOT:-}}\"{from} \"${{HARNESS_SANDBOX_ROOT:-}}\"{to}",
+                dir = shell_quote(Path::new(path).parent().and_then(Path::to_str).unwrap_or("/")),
+                from = shell_quote(&first.path),
+                to = shell_quote(path),
+            )),
+            None => files.push(RecipeFile {
+                path: path.to_string(),
+                mode: 0o755,
+                source: FileSource::HostPath {
+                    path: helper.host_path.display().to_string(),
+                    sha256: helper.sha256.clone(),
+                },
+            }),
+        }
+    }
+    (files, links)
+}
+
 /// What identifies one version of a file without reading it: size,
 /// modification time (ns) and, on Unix, device and inode. Cargo replaces a
 /// binary by hard-linking another build in its place, whose mtime can be
@@ -216,6 +254,29 @@ pub fn parse_version(text: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_binary_under_two_helper_names_is_copied_once_and_linked() {
+        let harness = HelperBinary {
+            host_path: "/opt/harness".into(),
+            sha256: "ab".repeat(32),
+        };
+        let other = HelperBinary {
+            host_path: "/opt/relay".into(),
+            sha256: "cd".repeat(32),
+        };
+        let (files, links) = helper_files(&[("/h/approval", &harness), ("/h/b/relay", &harness)]);
+        assert_eq!(files.len(), 1);
+        assert_eq!(files[0].path, "/h/approval");
+        assert_eq!(
+            links,
+            vec![
+                "mkdir -p \"${HARNESS_SANDBOX_ROOT:-}\"/h/b && ln -f \"${HARNESS_SANDBOX_ROOT:-}\"/h/approval \"${HARNESS_SANDBOX_ROOT:-}\"/h/b/relay"
+            ]
+        );
+        let (files, links) = helper_files(&[("/h/approval", &harness), ("/h/relay", &other)]);
+        assert_eq!((files.len(), links.len()), (2, 0));
+    }
 
     #[test]
     fn versions_from_both_clis() {

@@ -332,3 +332,25 @@ mod tests {
         assert!(decision(&d, json!({}))["message"].as_str().unwrap().len() > 5);
     }
 }
+
+/// The binary's entry: serve permission requests on stdin/stdout through
+/// the relay directory `$HARNESS_RELAY_DIR` (what `harness-approval-mcp`
+/// runs, and what the multi-call `harness` binary runs when invoked under
+/// that name).
+pub fn main() -> std::process::ExitCode {
+    use std::process::ExitCode;
+    let Some(dir) = std::env::var_os("HARNESS_RELAY_DIR").filter(|d| !d.is_empty()) else {
+        eprintln!("harness-approval-mcp: HARNESS_RELAY_DIR is not set");
+        return ExitCode::from(2);
+    };
+    let server = Server::new(dir);
+    let stdin = std::io::stdin().lock();
+    let stdout = std::io::stdout().lock();
+    match server.serve(stdin, stdout) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("harness-approval-mcp: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -218,28 +218,22 @@ impl Harness for ClaudeCodeHarness {
                 sha256: binary.sha256.clone(),
             },
         }];
-        let helpers = [
+        let helpers: Vec<(&str, &HelperBinary)> = [
             (APPROVAL_SERVER_PATH, &self.config.approvals),
             (relay::files::BRIDGE_PATH, &self.config.relay_bridge),
-        ];
-        for (path, helper) in helpers {
-            if let Some(helper) = helper {
-                files.push(RecipeFile {
-                    path: path.into(),
-                    mode: 0o755,
-                    source: FileSource::HostPath {
-                        path: helper.host_path.display().to_string(),
-                        sha256: helper.sha256.clone(),
-                    },
-                });
-            }
-        }
+        ]
+        .into_iter()
+        .filter_map(|(path, helper)| Some((path, helper.as_ref()?)))
+        .collect();
+        let (helper_files, mut commands) = harness_agent_binary::helper_files(&helpers);
+        files.extend(helper_files);
+        commands.push(version_check(install));
         Ok(BootstrapRecipe {
             files,
             // Backends create parent directories and set the mode when they
             // write recipe files, so no mkdir/chmod is needed here.
             bootstrap_pre_commands: Vec::new(),
-            commands: vec![version_check(install)],
+            commands,
         })
     }
 

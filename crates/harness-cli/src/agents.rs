@@ -9,6 +9,7 @@ use anyhow::{bail, Context, Result};
 use harness::core::harness::Harness;
 use harness::core::ErrorKind;
 
+use crate::helpers::Helper;
 use crate::home::Home;
 use crate::AgentKind;
 
@@ -97,53 +98,23 @@ pub async fn ensure_binary(home: &Home, kind: AgentKind) -> Result<PathBuf> {
     Ok(binary)
 }
 
-/// The approval MCP server for Claude Code's permission requests:
-/// `$HARNESS_APPROVAL_MCP_BIN`, else `harness-approval-mcp` next to this
-/// binary (cargo builds both into the same directory:
-/// `cargo build -p harness-cli -p harness-approval-mcp`). `None` when
-/// neither exists: sessions that ask for approvals then fail with a clear
-/// error at their first turn.
-pub fn approval_server() -> Option<PathBuf> {
-    helper("HARNESS_APPROVAL_MCP_BIN", "harness-approval-mcp")
+/// The helper `helper` as a recipe file (`crate::helpers`: an explicit
+/// binary, else this multi-call binary under the helper's name).
+fn load_helper(home: &Home, helper: Helper) -> Result<harness::claude_code::HelperBinary> {
+    let path = crate::helpers::path(home, helper)?;
+    harness::claude_code::HelperBinary::load(&path)
+        .with_context(|| format!("loading {} from {}", helper.name(), path.display()))
 }
 
-/// The host-tool bridge given to agents whose session has a tool host:
-/// `$HARNESS_RELAY_MCP_BIN`, else `harness-relay-mcp` next to this binary
-/// (`cargo build -p harness-cli -p harness-relay-mcp`). `None` when neither
-/// exists: a turn of a session whose tool host offers tools then fails
-/// with a clear error.
-pub fn relay_bridge() -> Option<PathBuf> {
-    helper("HARNESS_RELAY_MCP_BIN", "harness-relay-mcp")
-}
-
-fn helper(env_var: &str, name: &str) -> Option<PathBuf> {
-    if let Some(path) = std::env::var_os(env_var).filter(|p| !p.is_empty()) {
-        return Some(path.into());
-    }
-    let sibling = std::env::current_exe().ok()?.parent()?.join(name);
-    sibling.is_file().then_some(sibling)
-}
-
-fn load_helper(
-    path: Option<PathBuf>,
-    what: &str,
-) -> Result<Option<harness::claude_code::HelperBinary>> {
-    path.map(|p| {
-        harness::claude_code::HelperBinary::load(&p)
-            .with_context(|| format!("loading the {what} {}", p.display()))
-    })
-    .transpose()
-}
-
-/// The adapter for `kind` around the binary at `path` (with the approval
-/// server and the host-tool bridge when they are found).
-pub fn adapter(kind: AgentKind, path: PathBuf) -> Result<Arc<dyn Harness>> {
-    let bridge = load_helper(relay_bridge(), "host-tool bridge")?;
+/// The adapter for `kind` around the binary at `path`, with the approval
+/// server and the host-tool bridge.
+pub fn adapter(home: &Home, kind: AgentKind, path: PathBuf) -> Result<Arc<dyn Harness>> {
+    let bridge = Some(load_helper(home, Helper::Relay)?);
     Ok(match kind {
         AgentKind::ClaudeCode => {
             let binary = harness::claude_code::AgentBinary::load(&path)?;
             let mut config = harness::claude_code::ClaudeCodeConfig::with_binary(binary);
-            config.approvals = load_helper(approval_server(), "approval server")?;
+            config.approvals = Some(load_helper(home, Helper::Approval)?);
             config.relay_bridge = bridge;
             Arc::new(harness::claude_code::ClaudeCodeHarness::new(config))
         }

@@ -93,6 +93,19 @@ impl Home {
         self.dir.join("sandboxes")
     }
 
+    /// Where this binary is linked under the helpers' names
+    /// (`crate::helpers`).
+    pub fn helpers(&self) -> PathBuf {
+        self.dir.join("helpers")
+    }
+
+    /// Where the Docker base image's rootfs is kept (without
+    /// `$HARNESS_CACHE`; `crate::image`).
+    #[cfg_attr(not(feature = "docker"), allow(dead_code))]
+    pub fn images(&self) -> PathBuf {
+        self.dir.join("images")
+    }
+
     /// Where downloaded agents go.
     pub fn agents(&self) -> PathBuf {
         self.dir.join("agents")

@@ -5,7 +5,6 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use harness::core::harness::Harness;
@@ -13,6 +12,7 @@ use harness::core::sandbox::SandboxProvider;
 use harness::core::turn::TurnConfig;
 use harness::runtime::{EngineChoice, Runtime};
 
+use crate::helpers::Helper;
 use crate::home::Home;
 use crate::AgentKind;
 
@@ -23,6 +23,7 @@ pub enum EngineSpec {
     InProcess,
     /// On Temporal: workflows started from here, slices run by
     /// `harness worker` processes.
+    #[cfg(feature = "temporal")]
     Temporal(harness::temporal::TemporalConfig),
 }
 
@@ -82,16 +83,27 @@ pub async fn provider(
     image: Option<&str>,
 ) -> Result<Arc<dyn SandboxProvider>> {
     match kind {
-        "local" => Ok(Arc::new(harness::local::LocalProvider::new(
-            home.sandboxes(),
-        ))),
+        "local" => Ok(Arc::new(
+            harness::local::LocalProvider::new(home.sandboxes())
+                .with_gate(crate::helpers::path(home, Helper::Gate)?),
+        )),
+        #[cfg(not(feature = "docker"))]
+        "docker" => {
+            let _ = image;
+            Err(crate::features::missing("docker", "a docker sandbox"))
+        }
+        #[cfg(feature = "docker")]
         "docker" => {
             let mut config = harness::docker::DockerConfig::default();
             if let Some(image) = image {
                 config.default_image = image.to_string();
             }
+            config.gate = Some(crate::helpers::path(home, Helper::Gate)?);
+            // The default image is made here on first use (no registry
+            // needed), saying what it does: it takes a minute.
+            config.make_default_image = Some(crate::image::make_image(home));
             let connect = harness::docker::DockerProvider::connect(config);
-            let provider = tokio::time::timeout(Duration::from_secs(10), connect)
+            let provider = tokio::time::timeout(std::time::Duration::from_secs(10), connect)
                 .await
                 .map_err(|_| anyhow::anyhow!("the Docker engine did not answer in 10 s"))?
                 .context(
@@ -99,10 +111,13 @@ pub async fn provider(
                 )?;
             Ok(Arc::new(provider))
         }
+        #[cfg(not(feature = "cloudflare"))]
+        "cloudflare" => Err(crate::features::missing("cloudflare", "a cloudflare sandbox")),
+        #[cfg(feature = "cloudflare")]
         "cloudflare" => {
             let config = harness::cloudflare::CloudflareConfig::from_env()?;
             let provider = harness::cloudflare::CloudflareProvider::new(config.clone())?;
-            tokio::time::timeout(Duration::from_secs(10), provider.health())
+            tokio::time::timeout(std::time::Duration::from_secs(10), provider.health())
                 .await
                 .map_err(|_| {
                     anyhow::anyhow!(
@@ -115,6 +130,9 @@ pub async fn provider(
                 })?;
             Ok(Arc::new(provider))
         }
+        #[cfg(not(feature = "microvm"))]
+        "microvm" => Err(crate::features::missing("microvm", "a microvm sandbox")),
+        #[cfg(feature = "microvm")]
         "microvm" => {
             let config = harness::microvm::MicrovmConfig::from_assets(
                 microvm_assets(),
@@ -140,6 +158,7 @@ fn microvm_assets() -> std::path::PathBuf {
 
 /// Where microVMs and their bootstrap snapshots live:
 /// `HARNESS_MICROVM_STATE`, else `<home>/microvm`.
+#[cfg(feature = "microvm")]
 fn microvm_state(home: &Home) -> std::path::PathBuf {
     match std::env::var_os("HARNESS_MICROVM_STATE") {
         Some(dir) => dir.into(),
@@ -158,7 +177,7 @@ pub async fn agents(
     for &kind in kinds {
         let loaded = async {
             let binary = crate::agents::ensure_binary(home, kind).await?;
-            crate::agents::adapter(kind, binary)
+            crate::agents::adapter(home, kind, binary)
         }
         .await;
         match loaded {
@@ -180,6 +199,7 @@ pub async fn runtime(home: &Home, options: Options) -> Result<Runtime> {
         EngineSpec::InProcess => EngineChoice::InProcess {
             store: Arc::new(log.turn_store()),
         },
+        #[cfg(feature = "temporal")]
         EngineSpec::Temporal(config) => EngineChoice::External(Arc::new(
             harness::temporal::TemporalEngine::connect(config.clone())
                 .await
@@ -191,6 +211,7 @@ pub async fn runtime(home: &Home, options: Options) -> Result<Runtime> {
     // `harness worker`, which has its own broker).
     let broker = match options.engine {
         EngineSpec::InProcess => model_broker(home, &options.env).await?,
+        #[cfg(feature = "temporal")]
         EngineSpec::Temporal(_) => None,
     };
     let mut builder = Runtime::builder(log)
@@ -202,12 +223,16 @@ pub async fn runtime(home: &Home, options: Options) -> Result<Runtime> {
     match provider(home, "docker", options.image.as_deref()).await {
         Ok(docker) => builder = builder.provider(docker),
         Err(e) if options.require_docker => return Err(e),
-        Err(e) if options.lenient => eprintln!("note: docker sandboxes are not available: {e:#}"),
+        Err(e) if options.lenient && cfg!(feature = "docker") => {
+            eprintln!("note: docker sandboxes are not available: {e:#}")
+        }
         // A run in a local sandbox does not need Docker.
         Err(_) => {}
     }
     // A bridge is configured by its URL; without one, nothing to add.
-    if options.require_cloudflare || std::env::var_os("HARNESS_CF_BRIDGE_URL").is_some() {
+    if options.require_cloudflare
+        || (cfg!(feature = "cloudflare") && std::env::var_os("HARNESS_CF_BRIDGE_URL").is_some())
+    {
         match provider(home, "cloudflare", None).await {
             Ok(cloudflare) => builder = builder.provider(cloudflare),
             Err(e) if options.require_cloudflare => return Err(e),
@@ -215,7 +240,7 @@ pub async fn runtime(home: &Home, options: Options) -> Result<Runtime> {
         }
     }
     // The microVM guest is found by its assets; without them, nothing to add.
-    if microvm_assets().join("assets.json").exists() {
+    if cfg!(feature = "microvm") && microvm_assets().join("assets.json").exists() {
         match provider(home, "microvm", None).await {
             Ok(microvm) => builder = builder.provider(microvm),
             Err(e) => eprintln!("note: microvm sandboxes are not available: {e:#}"),

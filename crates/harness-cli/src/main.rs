@@ -12,7 +12,12 @@ mod agents;
 mod broker;
 mod client;
 mod demo;
+#[cfg(test)]
+mod doc_commands;
+mod features;
+mod helpers;
 mod home;
+mod image;
 mod local;
 mod moves;
 mod print;
@@ -196,9 +201,20 @@ enum Command {
     /// Serve tools from this machine to one session's agent (MCP tools
     /// `mcp__host__<name>`), each call run at most once.
     RelayHost(relay_host::RelayHostArgs),
+    /// The Docker image sessions start from when they name none: `build`
+    /// makes it (Docker sessions make it on first use too).
+    Image {
+        #[command(subcommand)]
+        command: image::ImageCommand,
+    },
 }
 
 fn main() -> ExitCode {
+    // Invoked under a helper's name (a sandbox's gate, approval server or
+    // host-tool bridge): be that helper (`helpers.rs`).
+    if let Some(code) = helpers::dispatch() {
+        return code;
+    }
     let cli = Cli::parse();
     // Dropped last, after the runtime: it flushes the spans still queued.
     let _telemetry = match telemetry::init(cli.verbose, cli.otlp.as_deref()) {
@@ -257,6 +273,7 @@ fn main() -> ExitCode {
             Command::Gc(args) => moves::gc(args).await,
             Command::RelayHost(args) => relay_host::run(args).await,
             Command::Broker { command } => broker::run(&home, command).await,
+            Command::Image { command } => image::run(&home, command).await,
         }
     });
     match result {

@@ -30,6 +30,7 @@ use harness::core::session::{SandboxConfig, SessionConfig};
 use harness::core::turn::TurnStatus;
 use harness::core::ErrorKind;
 use harness::moves::{MovePhase, MoveProgress, SessionKeys, SessionManifest};
+#[cfg(feature = "s3")]
 use harness::r2::{S3CheckpointStore, S3Config};
 use harness::runtime::SystemClock;
 use harness::sqlite::SqliteSessionLog;
@@ -64,7 +65,13 @@ pub struct StoreArgs {
 }
 
 impl StoreArgs {
-    async fn open(&self) -> Result<S3CheckpointStore> {
+    #[cfg(not(feature = "s3"))]
+    async fn open(&self) -> Result<Arc<dyn CheckpointStore>> {
+        Err(crate::features::missing("s3", "an S3/R2 checkpoint store"))
+    }
+
+    #[cfg(feature = "s3")]
+    async fn open(&self) -> Result<Arc<dyn CheckpointStore>> {
         let key = std::env::var("AWS_ACCESS_KEY_ID").unwrap_or_else(|_| "harness".into());
         let secret = std::env::var("AWS_SECRET_ACCESS_KEY").unwrap_or_else(|_| "harness".into());
         let config = match (&self.r2_account, &self.endpoint) {
@@ -80,7 +87,7 @@ impl StoreArgs {
             .ensure_bucket()
             .await
             .context("reaching the checkpoint store")?;
-        Ok(store)
+        Ok(Arc::new(store))
     }
 }
 
@@ -328,7 +335,7 @@ async fn adapter(home: &Home, name: &str) -> Result<Arc<dyn Harness>> {
         format!("agent {name:?} is not one this build runs (claude-code, codex)")
     })?;
     let binary = crate::agents::ensure_binary(home, kind).await?;
-    crate::agents::adapter(kind, binary)
+    crate::agents::adapter(home, kind, binary)
 }
 
 /// The manifest of the session checkpoint `key`, with an error saying what
@@ -406,7 +413,7 @@ pub async fn checkpoint(home: &Home, args: CheckpointArgs) -> Result<()> {
             let stored = harness::moves::tree::checkpoint_tree(
                 sandbox.as_ref(),
                 sandbox.workdir(),
-                &store,
+                store.as_ref(),
                 &key,
                 args.parent.as_deref(),
                 &SystemClock,
@@ -439,7 +446,7 @@ pub async fn checkpoint(home: &Home, args: CheckpointArgs) -> Result<()> {
             let stored = harness::moves::checkpoint(
                 sandbox.as_ref(),
                 sandbox.workdir(),
-                &store,
+                store.as_ref(),
                 &key,
                 Some(bars.clone()),
             )
@@ -475,7 +482,7 @@ pub async fn checkpoint(home: &Home, args: CheckpointArgs) -> Result<()> {
         sandbox.as_ref(),
         harness.as_ref(),
         info.meta.agent_session_id.as_deref(),
-        &store,
+        store.as_ref(),
         &key,
         Some(bars.clone()),
     )
@@ -550,7 +557,7 @@ pub async fn restore(home: &Home, args: RestoreArgs) -> Result<()> {
         None => None,
     };
     let store = args.store.open().await?;
-    let manifest = manifest(&store, &args.key).await?;
+    let manifest = manifest(store.as_ref(), &args.key).await?;
     if let Some(info) = &target {
         let agent = info.meta.config_or_default().agent;
         if agent != manifest.agent {
@@ -569,7 +576,7 @@ pub async fn restore(home: &Home, args: RestoreArgs) -> Result<()> {
         Some(info) => {
             let sandbox = session_sandbox(home, &info).await?;
             let restored =
-                restore_into(&store, &args.key, sandbox.as_ref(), &harness, &bars).await?;
+                restore_into(store.as_ref(), &args.key, sandbox.as_ref(), &harness, &bars).await?;
             let session = info.session;
             record_restore(&log, &session, &args.key, &restored, None).await;
             println!(
@@ -619,7 +626,7 @@ pub async fn restore(home: &Home, args: RestoreArgs) -> Result<()> {
             step.finish_and_clear();
             let sandbox = created.with_context(|| format!("creating a {} sandbox", kind.name()))?;
             let restored =
-                match restore_into(&store, &args.key, sandbox.as_ref(), &harness, &bars).await {
+                match restore_into(store.as_ref(), &args.key, sandbox.as_ref(), &harness, &bars).await {
                     Ok(restored) => restored,
                     Err(e) => {
                         let _ = sandbox.destroy().await;
@@ -746,7 +753,7 @@ async fn restore_tree(home: &Home, args: RestoreArgs) -> Result<()> {
         args.key
     ));
     let restored = harness::moves::restore(
-        &store,
+        store.as_ref(),
         &args.key,
         sandbox.as_ref(),
         sandbox.workdir(),
@@ -801,7 +808,7 @@ async fn restore_tree(home: &Home, args: RestoreArgs) -> Result<()> {
 /// the store references.
 pub async fn gc(args: GcArgs) -> Result<()> {
     let store = args.store.open().await?;
-    let info = harness::moves::tree::collect_garbage(&store, &SystemClock)
+    let info = harness::moves::tree::collect_garbage(store.as_ref(), &SystemClock)
         .await
         .context("collecting unreferenced blobs")?;
     println!(

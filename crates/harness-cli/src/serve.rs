@@ -96,10 +96,13 @@ pub fn parse_grant(text: &str) -> Result<TokenGrant> {
 /// when Docker is there (an address of this machine that both local
 /// sandboxes and containers reach), else on loopback.
 async fn demo_model() -> Result<ScriptedModel> {
+    #[cfg(feature = "docker")]
     let gateway = match harness::docker::DockerProvider::connect(Default::default()).await {
         Ok(docker) => docker.bridge_gateway().await,
         Err(_) => None,
     };
+    #[cfg(not(feature = "docker"))]
+    let gateway = None;
     let ip = gateway.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
     ScriptedModel::start_on(SocketAddr::new(ip, 0), crate::demo::script())
         .await
@@ -141,8 +144,13 @@ pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
     };
     let engine = match args.engine {
         ServeEngine::InProcess | ServeEngine::Remote => EngineSpec::InProcess,
+        #[cfg(feature = "temporal")]
         ServeEngine::Temporal => {
             EngineSpec::Temporal(harness::temporal::TemporalConfig::from_env())
+        }
+        #[cfg(not(feature = "temporal"))]
+        ServeEngine::Temporal => {
+            return Err(crate::features::missing("temporal", "`--engine temporal`"))
         }
     };
     // With a remote runner this process runs no engine: the runtime below

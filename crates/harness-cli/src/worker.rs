@@ -54,9 +54,12 @@ async fn remote_slice_runner(home: &Home, args: &RemoteArgs) -> Result<(SliceRun
         Ok(docker) => {
             providers.insert("docker".into(), docker);
         }
-        Err(e) => eprintln!("note: docker sandboxes are not available: {e:#}"),
+        Err(e) if cfg!(feature = "docker") => {
+            eprintln!("note: docker sandboxes are not available: {e:#}")
+        }
+        Err(_) => {}
     }
-    if std::env::var_os("HARNESS_CF_BRIDGE_URL").is_some() {
+    if cfg!(feature = "cloudflare") && std::env::var_os("HARNESS_CF_BRIDGE_URL").is_some() {
         match local::provider(home, "cloudflare", None).await {
             Ok(cloudflare) => {
                 providers.insert("cloudflare".into(), cloudflare);
@@ -86,9 +89,16 @@ async fn remote_slice_runner(home: &Home, args: &RemoteArgs) -> Result<(SliceRun
     Ok((runner, generation))
 }
 
+/// `harness worker` in a build without Temporal.
+#[cfg(not(feature = "temporal"))]
+pub async fn run(_home: &Home, _args: WorkerArgs) -> Result<()> {
+    Err(crate::features::missing("temporal", "`harness worker`"))
+}
+
 /// Run the worker until interrupted. Temporal's address, namespace and
 /// task queue come from `HARNESS_TEMPORAL_ADDRESS`, `…_NAMESPACE`,
 /// `…_TASK_QUEUE` (the same variables as `harness serve --engine temporal`).
+#[cfg(feature = "temporal")]
 pub async fn run(home: &Home, args: WorkerArgs) -> Result<()> {
     let config = harness::temporal::TemporalConfig::from_env();
     let (runner, generation) = remote_slice_runner(home, &args.remote).await?;

@@ -689,6 +689,7 @@ async fn harness_run_goes_through_the_running_server() {
 /// killed with SIGKILL mid-turn and a new one started; the turn finishes
 /// with every part once and one end, the server never restarting.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(not(feature = "temporal"), ignore = "needs the `temporal` feature (cargo test -p harness-cli --features temporal; CI builds --features full)")]
 async fn a_killed_temporal_worker_is_replaced_and_the_turn_finishes() {
     if !Agent::Claude.available() {
         return;
@@ -731,6 +732,7 @@ async fn a_killed_temporal_worker_is_replaced_and_the_turn_finishes() {
 /// runner's held write is refused and its engine stops is
 /// `session-runtime/tests/fencing.rs`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(not(feature = "temporal"), ignore = "needs the `temporal` feature (cargo test -p harness-cli --features temporal; CI builds --features full)")]
 async fn a_paused_temporal_worker_is_fenced_by_the_next() {
     if !Agent::Claude.available() {
         return;

@@ -479,26 +479,27 @@ impl Harness for CodexHarness {
                 },
             });
         }
-        if let Some(bridge) = &self.config.relay_bridge {
-            files.push(RecipeFile {
-                path: relay::files::BRIDGE_PATH.into(),
-                mode: 0o755,
-                source: FileSource::HostPath {
-                    path: bridge.host_path.display().to_string(),
-                    sha256: bridge.sha256.clone(),
-                },
-            });
-        }
+        let helpers: Vec<(&str, &HelperBinary)> = self
+            .config
+            .relay_bridge
+            .iter()
+            .map(|bridge| (relay::files::BRIDGE_PATH, bridge))
+            .collect();
+        let (helper_files, links) = harness_agent_binary::helper_files(&helpers);
+        files.extend(helper_files);
         Ok(BootstrapRecipe {
             files,
             // Backends create parent directories and set the mode when they
             // write recipe files, so no mkdir/chmod is needed here.
             bootstrap_pre_commands: Vec::new(),
             // Smoke test: the binary runs in this image.
-            commands: vec![format!(
-                "\"${{HARNESS_SANDBOX_ROOT:-}}\"{} --version >/dev/null",
-                shell_quote(install)
-            )],
+            commands: links
+                .into_iter()
+                .chain([format!(
+                    "\"${{HARNESS_SANDBOX_ROOT:-}}\"{} --version >/dev/null",
+                    shell_quote(install)
+                )])
+                .collect(),
         })
     }
 

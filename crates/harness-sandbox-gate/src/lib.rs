@@ -34,8 +34,16 @@
 
 use std::path::PathBuf;
 
+pub mod cli;
+
 /// The gate's binary name.
 pub const BINARY_NAME: &str = "harness-sandbox-gate";
+
+/// The names a program invoked as the gate may have (its `argv[0]`'s file
+/// name): its own, and the name the Docker provider mounts it under in a
+/// container (`/run/harness/gate`). A multi-call binary (`harness`) runs
+/// the gate when invoked under one of these.
+pub const NAMES: &[&str] = &[BINARY_NAME, "gate"];
 
 /// The environment variable naming the gate binary (see [`locate`]).
 pub const BIN_ENV: &str = "HARNESS_SANDBOX_GATE_BIN";

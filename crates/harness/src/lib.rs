@@ -18,6 +18,7 @@
 //! | `claude-code` (default) | [`claude_code`] | the Claude Code adapter |
 //! | `codex` (default) | [`codex`] | the Codex adapter |
 //! | `temporal` | [`temporal`] | the Temporal engine |
+//! | `helpers` | [`sandbox_gate`], [`approval_mcp`], [`relay_mcp`] | the programs a sandbox runs beside the agent, as libraries (for a multi-call binary) |
 //!
 //! ## Embedding: sessions in five lines
 //!
@@ -94,6 +95,15 @@ pub use harness_codex as codex;
 
 #[cfg(feature = "temporal")]
 pub use durable_temporal as temporal;
+
+#[cfg(feature = "helpers")]
+pub use harness_sandbox_gate as sandbox_gate;
+
+#[cfg(feature = "helpers")]
+pub use harness_approval_mcp as approval_mcp;
+
+#[cfg(feature = "helpers")]
+pub use harness_relay_mcp as relay_mcp;
 
 #[cfg(all(feature = "runtime", feature = "sqlite", feature = "local"))]
 mod embed;

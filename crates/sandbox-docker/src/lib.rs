@@ -33,6 +33,7 @@
 //! See `docs/sandbox-docker.md` for the network-policy stance, forwards,
 //! ports, wrap-mode, snapshots and resume semantics.
 
+pub mod base_image;
 mod bootstrap;
 mod exec;
 mod pool;
@@ -142,17 +143,56 @@ pub struct DockerConfig {
     /// a new shape beyond it drops the least recently used shape's ready
     /// containers.
     pub pool_max_shapes: usize,
+    /// Make [`default_image`](Self::default_image) on this machine when a
+    /// spec that names no image needs it and it is missing (or of another
+    /// recipe): a debootstrapped Debian, no registry needed
+    /// ([`base_image`]). `None`: a missing default image is an error.
+    pub make_default_image: Option<MakeImage>,
+}
+
+/// How to make the default image ([`DockerConfig::make_default_image`]).
+#[derive(Clone)]
+pub struct MakeImage {
+    /// The root filesystem's recipe.
+    pub rootfs: base_image::Rootfs,
+    /// Where the rootfs tar is kept between builds.
+    pub cache: PathBuf,
+    /// Told each stage of a build (it takes about a minute the first time).
+    pub progress: Arc<dyn Fn(&str) + Send + Sync>,
+}
+
+impl MakeImage {
+    /// This host's Debian recipe, cached in `cache`, stages logged.
+    pub fn for_host(cache: impl Into<PathBuf>) -> Self {
+        Self {
+            rootfs: base_image::Rootfs::for_host(),
+            cache: cache.into(),
+            progress: Arc::new(|line| tracing::info!("docker base image: {line}")),
+        }
+    }
+}
+
+impl std::fmt::Debug for MakeImage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MakeImage")
+            .field("rootfs", &self.rootfs)
+            .field("cache", &self.cache)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Default for DockerConfig {
-    /// `debian:bookworm-slim`, labels under `dev.harness`, snapshots in
-    /// `harness-snapshot`, locks in `$HARNESS_CACHE/locks` (or the temp dir).
+    /// [`base_image::DEFAULT_IMAGE`] (made on first use, its rootfs kept in
+    /// `$HARNESS_CACHE/images`), labels under `dev.harness`, snapshots in
+    /// `harness-snapshot`, locks in `$HARNESS_CACHE/locks` (or the temp dir
+    /// for both).
     fn default() -> Self {
         let cache = std::env::var_os("HARNESS_CACHE")
             .map(PathBuf::from)
             .unwrap_or_else(|| std::env::temp_dir().join("harness"));
         Self {
-            default_image: "debian:bookworm-slim".into(),
+            default_image: base_image::DEFAULT_IMAGE.into(),
+            make_default_image: Some(MakeImage::for_host(cache.join("images"))),
             label_prefix: "dev.harness".into(),
             snapshot_repo: "harness-snapshot".into(),
             lock_dir: cache.join("locks"),
@@ -172,6 +212,9 @@ pub struct DockerProvider {
     config: DockerConfig,
     /// The ready containers (`config.pool_size > 0`), shared by clones.
     pool: Option<Arc<pool::Pool>>,
+    /// Held while the default image is checked or made (one build at a
+    /// time); true once it is known to be there.
+    default_image_ready: Arc<tokio::sync::Mutex<bool>>,
 }
 
 /// Map a bollard error onto the core's kinds (404 → NotFound, 409 → Conflict).
@@ -228,6 +271,7 @@ impl DockerProvider {
             docker,
             config,
             pool,
+            default_image_ready: Arc::default(),
         }
     }
 
@@ -238,6 +282,7 @@ impl DockerProvider {
             docker: self.docker.clone(),
             config: self.config.clone(),
             pool: None,
+            default_image_ready: self.default_image_ready.clone(),
         }
     }
 
@@ -279,6 +324,39 @@ impl DockerProvider {
     /// does this; the number removed.
     pub async fn reap_pool_leftovers(&self) -> Result<usize> {
         pool::reap(self, &self.label("pool")).await
+    }
+
+    /// Make the default image if [`DockerConfig::make_default_image`] says
+    /// how and it is missing or of another recipe (checked once per
+    /// provider; concurrent creates wait for one build).
+    pub async fn ensure_default_image(&self) -> Result<()> {
+        let Some(make) = &self.config.make_default_image else {
+            return Ok(());
+        };
+        let mut ready = self.default_image_ready.lock().await;
+        if !*ready {
+            base_image::ensure(
+                self,
+                &self.config.default_image,
+                &make.rootfs,
+                &make.cache,
+                &*make.progress,
+            )
+            .await
+            .map_err(|e| {
+                Error::new(
+                    e.kind(),
+                    format!(
+                        "making the default Docker image {}: {} (or name an image for the \
+                         session)",
+                        self.config.default_image,
+                        e.message()
+                    ),
+                )
+            })?;
+            *ready = true;
+        }
+        Ok(())
     }
 
     /// The client.
@@ -683,6 +761,9 @@ impl SandboxProvider for DockerProvider {
                 )));
             }
             return Ok(Box::new(self.create_wrapped(target, spec).await?));
+        }
+        if spec.image.is_none() {
+            self.ensure_default_image().await?;
         }
         let mut extra_binds = Vec::new();
         if !mounts.is_empty() {
