@@ -113,8 +113,7 @@ pub fn path(home: &Home, helper: Helper) -> Result<PathBuf> {
         let _ = std::fs::remove_file(&tmp);
         std::os::unix::fs::symlink(&exe, &tmp)
             .with_context(|| format!("linking {} to {}", tmp.display(), exe.display()))?;
-        std::fs::rename(&tmp, &link)
-            .with_context(|| format!("replacing {}", link.display()))?;
+        std::fs::rename(&tmp, &link).with_context(|| format!("replacing {}", link.display()))?;
     }
     Ok(link)
 }
@@ -136,8 +135,14 @@ mod tests {
         for (argv0, want) in [
             ("harness-sandbox-gate", Some(Helper::Gate)),
             ("/run/harness/gate", Some(Helper::Gate)),
-            ("/home/u/.local/share/harness/helpers/harness-relay-mcp", Some(Helper::Relay)),
-            ("/usr/local/bin/harness-approval-mcp", Some(Helper::Approval)),
+            (
+                "/home/u/.local/share/harness/helpers/harness-relay-mcp",
+                Some(Helper::Relay),
+            ),
+            (
+                "/usr/local/bin/harness-approval-mcp",
+                Some(Helper::Approval),
+            ),
             ("harness", None),
             ("/usr/bin/harness", None),
             ("harness-relay-mcp-old", None),

@@ -71,7 +71,10 @@ pub async fn run(home: &Home, command: ImageCommand) -> Result<()> {
             if made {
                 println!("made {tag} (recipe {})", make.rootfs.key());
             } else {
-                println!("{tag} is there (recipe {}); nothing to do", make.rootfs.key());
+                println!(
+                    "{tag} is there (recipe {}); nothing to do",
+                    make.rootfs.key()
+                );
             }
             Ok(())
         }

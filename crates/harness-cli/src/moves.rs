@@ -626,7 +626,9 @@ pub async fn restore(home: &Home, args: RestoreArgs) -> Result<()> {
             step.finish_and_clear();
             let sandbox = created.with_context(|| format!("creating a {} sandbox", kind.name()))?;
             let restored =
-                match restore_into(store.as_ref(), &args.key, sandbox.as_ref(), &harness, &bars).await {
+                match restore_into(store.as_ref(), &args.key, sandbox.as_ref(), &harness, &bars)
+                    .await
+                {
                     Ok(restored) => restored,
                     Err(e) => {
                         let _ = sandbox.destroy().await;

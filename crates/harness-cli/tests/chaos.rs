@@ -288,7 +288,10 @@ fn env_list<T: Copy>(var: &str, all: &[T], name: fn(T) -> &'static str) -> Vec<T
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[cfg_attr(not(all(feature = "temporal", feature = "s3")), ignore = "needs the `temporal` and `s3` features (cargo test -p harness-cli --features full)")]
+#[cfg_attr(
+    not(all(feature = "temporal", feature = "s3")),
+    ignore = "needs the `temporal` and `s3` features (cargo test -p harness-cli --features full)"
+)]
 async fn chaos_trials() {
     if !Agent::Claude.available() {
         return;

@@ -341,7 +341,10 @@ async fn serve_answers_with_auth() {
 }
 
 #[test]
-#[cfg_attr(not(feature = "s3"), ignore = "needs the `s3` feature (cargo test -p harness-cli --features s3; CI builds --features full)")]
+#[cfg_attr(
+    not(feature = "s3"),
+    ignore = "needs the `s3` feature (cargo test -p harness-cli --features s3; CI builds --features full)"
+)]
 fn checkpoint_ls_and_restore_move_a_tree_between_sessions() {
     if !have_agent("HARNESS_CLAUDE_BIN") {
         return;

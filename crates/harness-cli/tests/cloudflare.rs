@@ -163,7 +163,10 @@ async fn finish(parts: Parts) {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-#[cfg_attr(not(feature = "cloudflare"), ignore = "needs the `cloudflare` feature (cargo test -p harness-cli --features cloudflare; CI builds --features full)")]
+#[cfg_attr(
+    not(feature = "cloudflare"),
+    ignore = "needs the `cloudflare` feature (cargo test -p harness-cli --features cloudflare; CI builds --features full)"
+)]
 async fn harness_run_sandbox_cloudflare_runs_a_claude_turn_on_the_bridge() {
     let Some(parts) = parts().await else {
         return;
@@ -235,7 +238,10 @@ async fn harness_run_sandbox_cloudflare_runs_a_claude_turn_on_the_bridge() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-#[cfg_attr(not(all(feature = "cloudflare", feature = "s3")), ignore = "needs the `cloudflare` and `s3` features (cargo test -p harness-cli --features full)")]
+#[cfg_attr(
+    not(all(feature = "cloudflare", feature = "s3")),
+    ignore = "needs the `cloudflare` and `s3` features (cargo test -p harness-cli --features full)"
+)]
 async fn a_claude_session_moves_from_local_to_cloudflare_and_continues() {
     let Some(endpoint) = require_env("HARNESS_S3_ENDPOINT") else {
         return;

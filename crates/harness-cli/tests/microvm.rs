@@ -8,7 +8,10 @@ use harness_testkit::model::{write_a_file_script, ScriptedModel};
 use harness_testkit::{require_env, skip_or_fail};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[cfg_attr(not(feature = "microvm"), ignore = "needs the `microvm` feature (cargo test -p harness-cli --features microvm; CI builds --features full)")]
+#[cfg_attr(
+    not(feature = "microvm"),
+    ignore = "needs the `microvm` feature (cargo test -p harness-cli --features microvm; CI builds --features full)"
+)]
 async fn run_in_a_microvm_sandbox_goes_through_the_broker() {
     if require_env("HARNESS_CODEX_BIN").is_none() {
         return;

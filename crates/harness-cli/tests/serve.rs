@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use futures::{SinkExt, StreamExt};
 use harness_testkit::model::{
-    any, last_is_tool_result_for, Gate, last_user_text_contains, Reply, Rule, Script, ScriptedModel,
+    any, last_is_tool_result_for, last_user_text_contains, Gate, Reply, Rule, Script, ScriptedModel,
 };
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
@@ -689,7 +689,10 @@ async fn harness_run_goes_through_the_running_server() {
 /// killed with SIGKILL mid-turn and a new one started; the turn finishes
 /// with every part once and one end, the server never restarting.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[cfg_attr(not(feature = "temporal"), ignore = "needs the `temporal` feature (cargo test -p harness-cli --features temporal; CI builds --features full)")]
+#[cfg_attr(
+    not(feature = "temporal"),
+    ignore = "needs the `temporal` feature (cargo test -p harness-cli --features temporal; CI builds --features full)"
+)]
 async fn a_killed_temporal_worker_is_replaced_and_the_turn_finishes() {
     if !Agent::Claude.available() {
         return;
@@ -732,7 +735,10 @@ async fn a_killed_temporal_worker_is_replaced_and_the_turn_finishes() {
 /// runner's held write is refused and its engine stops is
 /// `session-runtime/tests/fencing.rs`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[cfg_attr(not(feature = "temporal"), ignore = "needs the `temporal` feature (cargo test -p harness-cli --features temporal; CI builds --features full)")]
+#[cfg_attr(
+    not(feature = "temporal"),
+    ignore = "needs the `temporal` feature (cargo test -p harness-cli --features temporal; CI builds --features full)"
+)]
 async fn a_paused_temporal_worker_is_fenced_by_the_next() {
     if !Agent::Claude.available() {
         return;

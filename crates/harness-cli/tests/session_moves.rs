@@ -139,7 +139,10 @@ fn with<'a>(args: &[&'a str], more: &'a [String]) -> Vec<&'a str> {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-#[cfg_attr(not(feature = "s3"), ignore = "needs the `s3` feature (cargo test -p harness-cli --features s3; CI builds --features full)")]
+#[cfg_attr(
+    not(feature = "s3"),
+    ignore = "needs the `s3` feature (cargo test -p harness-cli --features s3; CI builds --features full)"
+)]
 async fn a_claude_session_moves_from_local_to_a_new_docker_session_and_continues() {
     if require_env("HARNESS_CLAUDE_BIN").is_none() {
         return;
@@ -342,7 +345,10 @@ async fn a_claude_session_moves_from_local_to_a_new_docker_session_and_continues
 /// and restores, a session restored into a new local session and again
 /// into that session, and the errors that say what to do.
 #[tokio::test(flavor = "multi_thread")]
-#[cfg_attr(not(feature = "s3"), ignore = "needs the `s3` feature (cargo test -p harness-cli --features s3; CI builds --features full)")]
+#[cfg_attr(
+    not(feature = "s3"),
+    ignore = "needs the `s3` feature (cargo test -p harness-cli --features s3; CI builds --features full)"
+)]
 async fn sessions_show_tree_only_moves_and_clear_errors() {
     if require_env("HARNESS_CLAUDE_BIN").is_none() {
         return;

@@ -91,7 +91,7 @@ impl Rootfs {
             self.packages.join(" "),
             self.mirror
         ));
-        let status = Command::new("debootstrap")
+        let status = Command::new(debootstrap())
             .arg(format!("--variant={}", self.variant))
             .arg(format!("--include={}", self.packages.join(",")))
             .arg(&self.suite)
@@ -119,7 +119,11 @@ impl Rootfs {
         }
         // What an image never needs: apt's downloaded packages and lists.
         for sub in ["var/cache/apt/archives", "var/lib/apt/lists"] {
-            for entry in std::fs::read_dir(dir.join(sub)).into_iter().flatten().flatten() {
+            for entry in std::fs::read_dir(dir.join(sub))
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
                 if entry.file_type().is_ok_and(|t| t.is_file()) {
                     let _ = std::fs::remove_file(entry.path());
                 }
@@ -144,6 +148,17 @@ impl Rootfs {
         std::fs::remove_dir_all(&dir)?;
         Ok(tarball)
     }
+}
+
+/// `debootstrap`: on `PATH`, else in the sbin directories a non-login
+/// root shell may leave out of it.
+fn debootstrap() -> PathBuf {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(["/usr/sbin", "/sbin"].map(PathBuf::from))
+        .map(|dir| dir.join("debootstrap"))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| PathBuf::from("debootstrap"))
 }
 
 /// The Debian mirror apt uses for `suite`: `$HARNESS_DEBIAN_MIRROR`, else

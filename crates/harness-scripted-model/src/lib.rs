@@ -49,8 +49,8 @@ use tokio::task::JoinHandle;
 pub use request::{Api, ModelRequest, ToolResult};
 pub use script::{
     all, any, any_of, api, last_is_tool_result, last_is_tool_result_for, last_user_text_contains,
-    matcher_fn, not, system_contains, Assertion, Gate, Matcher, Part, Reply, Rule, Script, StopReason,
-    ToolCall, ToolKind, BASH_CALL_ID,
+    matcher_fn, not, system_contains, Assertion, Gate, Matcher, Part, Reply, Rule, Script,
+    StopReason, ToolCall, ToolKind, BASH_CALL_ID,
 };
 pub use sse::{
     anthropic_events, anthropic_message, openai_events, openai_response, parse_sse, ResponseMeta,

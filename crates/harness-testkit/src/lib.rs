@@ -26,6 +26,7 @@ pub mod ai_sdk;
 pub mod bridge;
 pub mod conformance;
 pub mod decorated;
+pub mod docs;
 pub mod engine_bridge;
 pub mod gate;
 /// The scripted model servers (the `harness-scripted-model` crate).

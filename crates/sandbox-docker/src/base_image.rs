@@ -51,7 +51,11 @@ pub async fn recipe_of(provider: &DockerProvider, tag: &str) -> Result<Option<St
 pub async fn remove(provider: &DockerProvider, tag: &str) -> Result<()> {
     match provider
         .client()
-        .remove_image(tag, None::<bollard::query_parameters::RemoveImageOptions>, None)
+        .remove_image(
+            tag,
+            None::<bollard::query_parameters::RemoveImageOptions>,
+            None,
+        )
         .await
     {
         Ok(_)
@@ -128,4 +132,3 @@ pub async fn ensure(
         ))),
     }
 }
-

@@ -154,7 +154,7 @@ pub struct ChildProcess {
 }
 
 impl ChildProcess {
-    fn spawn(
+    pub fn spawn(
         cmd: &mut Command,
         what: &str,
         mut on_line: impl FnMut(&str) + Send + 'static,
