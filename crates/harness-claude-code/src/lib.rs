@@ -256,15 +256,17 @@ impl Harness for ClaudeCodeHarness {
         if turn.state.approvals && self.config.approvals.is_none() {
             return Err(Error::invalid(
                 "this session asks for tool approvals, but the runner has no approval server \
-                 (harness-approval-mcp): build it (`cargo build -p harness-approval-mcp`) next to \
-                 the harness binary or set HARNESS_APPROVAL_MCP_BIN",
+                 (harness-approval-mcp): the `harness` binary is one (it runs as it under that \
+                 name), or build it (`cargo build -p harness-approval-mcp`) and give its path \
+                 in ClaudeCodeConfig::approvals (HARNESS_APPROVAL_MCP_BIN for the CLI)",
             ));
         }
         if turn.relay_dir.is_some() && self.config.relay_bridge.is_none() {
             return Err(Error::invalid(
                 "this session's tool host offers tools, but the runner has no host-tool bridge \
-                 (harness-relay-mcp): build it (`cargo build -p harness-relay-mcp`) next to the \
-                 harness binary or set HARNESS_RELAY_MCP_BIN",
+                 (harness-relay-mcp): the `harness` binary is one (it runs as it under that \
+                 name), or build it (`cargo build -p harness-relay-mcp`) and give its path in \
+                 the adapter's config (HARNESS_RELAY_MCP_BIN for the CLI)",
             ));
         }
         // Permission requests and host-tool calls share the turn's relay.

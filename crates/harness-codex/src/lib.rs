@@ -546,8 +546,9 @@ impl Harness for CodexHarness {
             if self.config.relay_bridge.is_none() {
                 return Err(Error::invalid(
                     "this session's tool host offers tools, but the runner has no host-tool bridge \
-                     (harness-relay-mcp): build it (`cargo build -p harness-relay-mcp`) next to the \
-                     harness binary or set HARNESS_RELAY_MCP_BIN",
+                     (harness-relay-mcp): the `harness` binary is one (it runs as it under that \
+                     name), or build it (`cargo build -p harness-relay-mcp`) and give its path in \
+                     CodexConfig::relay_bridge (HARNESS_RELAY_MCP_BIN for the CLI)",
                 ));
             }
             args.push("-c".into());
