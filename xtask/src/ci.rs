@@ -11,7 +11,7 @@ use clap::{Args, ValueEnum};
 
 use crate::matrix::{self, Row, What};
 use crate::{
-    agents, deny, deps, env, fuzz, image, microvm, package, services, skips, util, worker,
+    agents, deny, deps, env, fuzz, image, layers, microvm, package, services, skips, util, worker,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -32,6 +32,8 @@ pub enum Step {
     Worker,
     /// cargo fmt --all -- --check
     Fmt,
+    /// who may depend on whom (`cargo xtask layers`, on cargo metadata)
+    Layers,
     /// cargo clippy --workspace --all-targets -- -D warnings
     Clippy,
     /// harness-core builds for wasm32-unknown-unknown
@@ -44,7 +46,7 @@ pub enum Step {
     Test,
     /// the rows in xtask/src/matrix.rs
     Matrix,
-    /// every fuzz target for 30 s (`cargo xtask fuzz`)
+    /// every fuzz target, deterministically (`cargo xtask fuzz --smoke`)
     Fuzz,
 }
 
@@ -204,6 +206,7 @@ fn run_step(step: Step, require_real: bool, counts: &mut Option<Counts>) -> Resu
         Step::Worker => worker::deps().and_then(|()| worker::build(false)),
         Step::Fmt => util::run(util::cargo().args(["fmt", "--all", "--", "--check"]))
             .context("formatting differs: run `cargo fmt --all`"),
+        Step::Layers => layers::check(),
         Step::Clippy => util::run(
             util::cargo()
                 .args(["clippy", "--workspace", "--all-targets"])

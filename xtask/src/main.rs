@@ -10,6 +10,7 @@ mod deps;
 mod env;
 mod fuzz;
 mod image;
+mod layers;
 mod matrix;
 mod microvm;
 mod package;
@@ -67,6 +68,9 @@ enum Cmd {
     },
     /// cargo deny --offline check licenses bans sources (installing cargo-deny if needed).
     Deny,
+    /// Check who may depend on whom (the architecture's layering; cargo
+    /// metadata, no build).
+    Layers,
     /// Package every publishable crate in dependency order (dry run: nothing is uploaded).
     Package,
     /// Print the CI matrix rows, then the extra rows CI does not run.
@@ -183,6 +187,7 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Cmd::Deny => deny::check(),
+        Cmd::Layers => layers::check(),
         Cmd::Package => package::dry_run(),
         Cmd::Fuzz(args) => fuzz::run(args),
         Cmd::Chaos(args) => chaos::run(args),
