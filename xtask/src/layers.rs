@@ -100,7 +100,9 @@ pub fn violations(graph: &Graph) -> Vec<String> {
                     krate.name
                 ));
             }
-            if krate.name == "harness-cli" && workspace.contains(name) && !CLI_ALLOWED.contains(&name)
+            if krate.name == "harness-cli"
+                && workspace.contains(name)
+                && !CLI_ALLOWED.contains(&name)
             {
                 out.push(format!(
                     "harness-cli depends on {name}: the binary depends on the `harness` facade (and the scripted model) only"
@@ -116,7 +118,12 @@ pub fn violations(graph: &Graph) -> Vec<String> {
         if krate.name == "harness-core" && !krate.features.is_empty() {
             out.push(format!(
                 "harness-core has cargo features ({}): the kernel builds for wasm32 as it is",
-                krate.features.iter().cloned().collect::<Vec<_>>().join(", ")
+                krate
+                    .features
+                    .iter()
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ));
         }
     }
@@ -150,7 +157,9 @@ pub fn graph_from_metadata(metadata: &Value) -> Result<Graph> {
         .collect();
     let mut crates = Vec::new();
     for id in &members {
-        let p = by_id.get(id).context("a member is not among the packages")?;
+        let p = by_id
+            .get(id)
+            .context("a member is not among the packages")?;
         let deps = p["dependencies"]
             .as_array()
             .into_iter()
@@ -266,10 +275,17 @@ mod tests {
                     &[("harness-core", "normal"), ("sandbox-docker", "dev")],
                 ),
                 krate("sandbox-docker", &[("harness-core", "normal")]),
-                krate("harness", &[("sandbox-local", "normal"), ("sandbox-docker", "normal")]),
+                krate(
+                    "harness",
+                    &[("sandbox-local", "normal"), ("sandbox-docker", "normal")],
+                ),
                 krate(
                     "harness-cli",
-                    &[("harness", "normal"), ("tokio", "normal"), ("harness-testkit", "dev")],
+                    &[
+                        ("harness", "normal"),
+                        ("tokio", "normal"),
+                        ("harness-testkit", "dev"),
+                    ],
                 ),
                 krate("harness-testkit", &[("harness-core", "normal")]),
             ],
@@ -295,19 +311,43 @@ mod tests {
             );
         };
         plant(
-            &|g| g.crates[1].deps.push(Dep { name: "sandbox-docker".into(), kind: "normal".into(), optional: false }),
+            &|g| {
+                g.crates[1].deps.push(Dep {
+                    name: "sandbox-docker".into(),
+                    kind: "normal".into(),
+                    optional: false,
+                })
+            },
             "backend sandbox-local depends on backend sandbox-docker",
         );
         plant(
-            &|g| g.crates[4].deps.push(Dep { name: "sandbox-local".into(), kind: "normal".into(), optional: false }),
+            &|g| {
+                g.crates[4].deps.push(Dep {
+                    name: "sandbox-local".into(),
+                    kind: "normal".into(),
+                    optional: false,
+                })
+            },
             "harness-cli depends on sandbox-local",
         );
         plant(
-            &|g| g.crates[4].deps.push(Dep { name: "harness-testkit".into(), kind: "normal".into(), optional: false }),
+            &|g| {
+                g.crates[4].deps.push(Dep {
+                    name: "harness-testkit".into(),
+                    kind: "normal".into(),
+                    optional: false,
+                })
+            },
             "harness-cli depends on harness-testkit outside dev-dependencies",
         );
         plant(
-            &|g| g.crates[0].deps.push(Dep { name: "tokio".into(), kind: "normal".into(), optional: false }),
+            &|g| {
+                g.crates[0].deps.push(Dep {
+                    name: "tokio".into(),
+                    kind: "normal".into(),
+                    optional: false,
+                })
+            },
             "harness-core depends on tokio",
         );
         plant(
@@ -317,7 +357,10 @@ mod tests {
             "harness-core has cargo features (zstd)",
         );
         plant(
-            &|g| g.core_closure.push(("zstd-sys".into(), Some("zstd".into()))),
+            &|g| {
+                g.core_closure
+                    .push(("zstd-sys".into(), Some("zstd".into())))
+            },
             "harness-core pulls in zstd-sys",
         );
     }
