@@ -290,32 +290,7 @@ impl SliceRunner {
         let started = self.clock.now_ms();
         let deadline = started + budget.as_millis() as u64;
         let sandbox = self.sandbox(state).await?;
-        let process = match &state.process {
-            Some(p) => p.clone(),
-            None => {
-                let span = tracing::info_span!("agent.start", agent = %state.agent, started = field::Empty);
-                let (process, started) = self
-                    .start_or_find(sandbox.as_ref(), state)
-                    .instrument(span.clone())
-                    .await?;
-                span.record("started", started);
-                if started {
-                    // Tell clients the turn runs, and where: the session's
-                    // sandbox is on record from now on, not only at the end.
-                    let mut running = state.clone();
-                    running.process = Some(process.clone());
-                    self.sink
-                        .turn_status(&running)
-                        .instrument(tracing::info_span!(
-                            "log.append",
-                            part = "turn-status",
-                            status = running.status.as_str()
-                        ))
-                        .await?;
-                }
-                process
-            }
-        };
+        let process = self.agent_process(sandbox.as_ref(), state).await?;
         let relay = relay_dir(&process);
         self.deliver_answers(sandbox.as_ref(), state, &relay)
             .await?;
@@ -333,120 +308,37 @@ impl SliceRunner {
         let mut relay_read = 0u64;
         let mut requests_read = 0u64; // bytes of requests.jsonl seen by this slice
         let mut last_approval_check: Option<u64> = None;
-        let mut parser = self.harness(&state.agent)?.parser();
-        let mut cursor = state.cursor; // committed: line boundary, no open block
-        let mut read_to = state.cursor; // bytes fetched from the spool
-        let mut pending = Vec::<u8>::new(); // fetched, not yet a full line
-        let mut agent_session_id = state.agent_session_id.clone();
-        // The quiet timer (see `TurnConfig::quiet_ms`): progress restarts it,
-        // warnings do not.
-        let mut last_progress = state.last_progress_at_ms.unwrap_or(started);
-        let mut last_warning: Option<String> = None;
+        let mut spool = Spool {
+            parser: self.harness(&state.agent)?.parser(),
+            cursor: state.cursor,
+            read_to: state.cursor,
+            pending: Vec::new(),
+            agent_session_id: state.agent_session_id.clone(),
+            last_progress: state.last_progress_at_ms.unwrap_or(started),
+            last_warning: None,
+        };
         let quiet_ms = state.config.quiet_ms;
         loop {
             // Probe the status *before* reading, so "exited" plus "nothing
             // new to read" really means the whole output was consumed.
             let status = sandbox.detached_status(&process).await?;
-            let mut got_any = false;
-            let mut stream = sandbox
-                .read_file_from(&process.stdout_path, read_to)
+            let got_any = self
+                .read_spool(sandbox.as_ref(), &process, &mut spool)
                 .await?;
-            while let Some(chunk) = stream.next().await {
-                let chunk = chunk?;
-                got_any |= !chunk.is_empty();
-                read_to += chunk.len() as u64;
-                pending.extend_from_slice(&chunk);
-                if pending.len() > READ_LIMIT_HINT {
-                    break;
-                }
-            }
-            drop(stream);
-            // Parse complete lines.
-            let mut line_start = read_to - pending.len() as u64;
-            while let Some(nl) = pending.iter().position(|&b| b == b'\n') {
-                let line: Vec<u8> = pending.drain(..=nl).collect();
-                let offset = line_start;
-                line_start += line.len() as u64;
-                let text = String::from_utf8_lossy(&line[..line.len() - 1]);
-                let text = text.trim_end_matches('\r');
-                if text.is_empty() {
-                    continue;
-                }
-                let parts = parser.push_line(text);
-                if let Some(id) = parser.agent_session_id() {
-                    agent_session_id = Some(id);
-                }
-                for (i, part) in parts.into_iter().enumerate() {
-                    if let StreamPart::ToolApprovalRequest {
-                        approval_id,
-                        tool_name,
-                        input,
-                        ..
-                    } = &part
-                    {
-                        let key = format!("{}:{offset}:{i}", state.turn_id);
-                        let request = PendingApproval {
-                            approval_id: approval_id.clone(),
-                            tool_name: tool_name.clone(),
-                            input: input.clone(),
-                        };
-                        self.append(state, part, key).await?;
-                        return Ok(SliceReport {
-                            process: Some(process),
-                            agent_session_id,
-                            cursor: line_start,
-                            outcome: SliceOutcome::ApprovalRequested(request),
-                            last_progress_at_ms: Some(last_progress),
-                            last_warning: last_warning.clone(),
-                        });
-                    }
-                    let key = format!("{}:{offset}:{i}", state.turn_id);
-                    note_progress(&part, &*self.clock, &mut last_progress, &mut last_warning);
-                    self.append(state, part, key).await?;
-                }
-                if !parser.in_block() {
-                    cursor = line_start;
-                }
+            if let Some((request, cursor)) = self.emit_lines(state, &mut spool).await? {
+                let outcome = SliceOutcome::ApprovalRequested(request);
+                return Ok(spool.report(&process, cursor, outcome));
             }
             match status {
                 DetachedStatus::Exited { code } if !got_any => {
-                    // Whole output consumed; a trailing line without newline
-                    // is parsed now.
-                    if !pending.is_empty() {
-                        let text = String::from_utf8_lossy(&pending).to_string();
-                        let offset = read_to - pending.len() as u64;
-                        for (i, part) in parser.push_line(text.trim_end()).into_iter().enumerate() {
-                            note_progress(
-                                &part,
-                                &*self.clock,
-                                &mut last_progress,
-                                &mut last_warning,
-                            );
-                            self.append(state, part, format!("{}:{offset}:{i}", state.turn_id))
-                                .await?;
-                        }
-                        if let Some(id) = parser.agent_session_id() {
-                            agent_session_id = Some(id);
-                        }
-                    }
-                    return Ok(SliceReport {
-                        process: Some(process),
-                        agent_session_id,
-                        cursor: read_to,
-                        outcome: SliceOutcome::Exited { code },
-                        last_progress_at_ms: Some(last_progress),
-                        last_warning: last_warning.clone(),
-                    });
+                    // Whole output consumed; a trailing line without a
+                    // newline is parsed now.
+                    self.emit_last_line(state, &mut spool).await?;
+                    let outcome = SliceOutcome::Exited { code };
+                    return Ok(spool.report(&process, spool.read_to, outcome));
                 }
                 DetachedStatus::Lost if !got_any => {
-                    return Ok(SliceReport {
-                        process: Some(process),
-                        agent_session_id,
-                        cursor,
-                        outcome: SliceOutcome::Lost,
-                        last_progress_at_ms: Some(last_progress),
-                        last_warning: last_warning.clone(),
-                    });
+                    return Ok(spool.report(&process, spool.cursor, SliceOutcome::Lost));
                 }
                 _ => {}
             }
@@ -465,14 +357,7 @@ impl SliceRunner {
                     // Aborted or out of budget while a host call was out:
                     // the next slice asks again (the session answers the
                     // same call id with its outcome).
-                    return Ok(SliceReport {
-                        process: Some(process),
-                        agent_session_id,
-                        cursor,
-                        outcome: SliceOutcome::Running,
-                        last_progress_at_ms: Some(last_progress),
-                        last_warning: last_warning.clone(),
-                    });
+                    return Ok(spool.report(&process, spool.cursor, SliceOutcome::Running));
                 }
             }
             // An idle agent may be blocked on a permission request (the
@@ -484,46 +369,23 @@ impl SliceRunner {
             // and turns without approvals never have a requests file.
             let now = self.clock.now_ms();
             if !got_any
-                && !parser.in_block()
+                && !spool.parser.in_block()
                 && last_approval_check.is_none_or(|t| now >= t + APPROVAL_CHECK_MS)
             {
                 last_approval_check = Some(now);
-                if let Some(request) = self
-                    .unanswered_request(sandbox.as_ref(), state, &relay, &mut requests_read)
-                    .await?
-                {
-                    let part = StreamPart::ToolApprovalRequest {
-                        approval_id: request.approval.approval_id.clone(),
-                        tool_call_id: request.tool_call_id,
-                        tool_name: request.approval.tool_name.clone(),
-                        input: request.approval.input.clone(),
-                    };
-                    let key = format!(
-                        "{}:approval:{}",
-                        state.turn_id, request.approval.approval_id
-                    );
-                    self.append(state, part, key).await?;
-                    return Ok(SliceReport {
-                        process: Some(process),
-                        agent_session_id,
-                        cursor,
-                        outcome: SliceOutcome::ApprovalRequested(request.approval),
-                        last_progress_at_ms: Some(last_progress),
-                        last_warning: last_warning.clone(),
-                    });
+                let waiting = self
+                    .surface_approval(sandbox.as_ref(), state, &relay, &mut requests_read)
+                    .await?;
+                if let Some(request) = waiting {
+                    let outcome = SliceOutcome::ApprovalRequested(request);
+                    return Ok(spool.report(&process, spool.cursor, outcome));
                 }
             }
             let now = self.clock.now_ms();
-            let quiet_for_too_long = quiet_ms > 0 && now >= last_progress.saturating_add(quiet_ms);
+            let quiet_for_too_long =
+                quiet_ms > 0 && now >= spool.last_progress.saturating_add(quiet_ms);
             if abort.is_aborted() || now >= deadline || quiet_for_too_long {
-                return Ok(SliceReport {
-                    process: Some(process),
-                    agent_session_id,
-                    cursor,
-                    outcome: SliceOutcome::Running,
-                    last_progress_at_ms: Some(last_progress),
-                    last_warning: last_warning.clone(),
-                });
+                return Ok(spool.report(&process, spool.cursor, SliceOutcome::Running));
             }
             if !got_any {
                 let sleep = (self.sleep)(self.poll_interval);
@@ -533,6 +395,202 @@ impl SliceRunner {
                 }
             }
         }
+    }
+
+    /// The turn's agent process: the one on record, else started now (or
+    /// found, when an earlier slice started it and died before recording
+    /// it); a new start is told to the session at once, with the sandbox,
+    /// so clients see where the turn runs.
+    async fn agent_process(
+        &self,
+        sandbox: &dyn Sandbox,
+        state: &TurnState,
+    ) -> Result<DetachedProcess> {
+        if let Some(process) = &state.process {
+            return Ok(process.clone());
+        }
+        let span = tracing::info_span!("agent.start", agent = %state.agent, started = field::Empty);
+        let (process, started) = self
+            .start_or_find(sandbox, state)
+            .instrument(span.clone())
+            .await?;
+        span.record("started", started);
+        if started {
+            let mut running = state.clone();
+            running.process = Some(process.clone());
+            self.sink
+                .turn_status(&running)
+                .instrument(tracing::info_span!(
+                    "log.append",
+                    part = "turn-status",
+                    status = running.status.as_str()
+                ))
+                .await?;
+        }
+        Ok(process)
+    }
+
+    /// Fetch what the agent wrote to its stdout since `spool.read_to` (up
+    /// to about [`READ_LIMIT_HINT`] bytes); whether there was anything.
+    async fn read_spool(
+        &self,
+        sandbox: &dyn Sandbox,
+        process: &DetachedProcess,
+        spool: &mut Spool,
+    ) -> Result<bool> {
+        let mut got_any = false;
+        let mut stream = sandbox
+            .read_file_from(&process.stdout_path, spool.read_to)
+            .await?;
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk?;
+            got_any |= !chunk.is_empty();
+            spool.read_to += chunk.len() as u64;
+            spool.pending.extend_from_slice(&chunk);
+            if spool.pending.len() > READ_LIMIT_HINT {
+                break;
+            }
+        }
+        Ok(got_any)
+    }
+
+    /// Parse the complete lines fetched and send their parts to the
+    /// session, each keyed by its spool offset; the committed cursor moves
+    /// to each line end outside an open text block. A permission request
+    /// stops it: the request, and the cursor past its line.
+    async fn emit_lines(
+        &self,
+        state: &TurnState,
+        spool: &mut Spool,
+    ) -> Result<Option<(PendingApproval, u64)>> {
+        let mut line_start = spool.read_to - spool.pending.len() as u64;
+        while let Some(nl) = spool.pending.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = spool.pending.drain(..=nl).collect();
+            let offset = line_start;
+            line_start += line.len() as u64;
+            let text = String::from_utf8_lossy(&line[..line.len() - 1]);
+            let text = text.trim_end_matches('\r');
+            if text.is_empty() {
+                continue;
+            }
+            let parts = spool.parser.push_line(text);
+            if let Some(id) = spool.parser.agent_session_id() {
+                spool.agent_session_id = Some(id);
+            }
+            for (i, part) in parts.into_iter().enumerate() {
+                let key = format!("{}:{offset}:{i}", state.turn_id);
+                if let StreamPart::ToolApprovalRequest {
+                    approval_id,
+                    tool_name,
+                    input,
+                    ..
+                } = &part
+                {
+                    let request = PendingApproval {
+                        approval_id: approval_id.clone(),
+                        tool_name: tool_name.clone(),
+                        input: input.clone(),
+                    };
+                    self.append(state, part, key).await?;
+                    return Ok(Some((request, line_start)));
+                }
+                spool.note_progress(&part, &*self.clock);
+                self.append(state, part, key).await?;
+            }
+            if !spool.parser.in_block() {
+                spool.cursor = line_start;
+            }
+        }
+        Ok(None)
+    }
+
+    /// The agent exited: a last line it wrote without a newline is parsed
+    /// and sent now.
+    async fn emit_last_line(&self, state: &TurnState, spool: &mut Spool) -> Result<()> {
+        if spool.pending.is_empty() {
+            return Ok(());
+        }
+        let text = String::from_utf8_lossy(&spool.pending).to_string();
+        let offset = spool.read_to - spool.pending.len() as u64;
+        for (i, part) in spool
+            .parser
+            .push_line(text.trim_end())
+            .into_iter()
+            .enumerate()
+        {
+            spool.note_progress(&part, &*self.clock);
+            self.append(state, part, format!("{}:{offset}:{i}", state.turn_id))
+                .await?;
+        }
+        if let Some(id) = spool.parser.agent_session_id() {
+            spool.agent_session_id = Some(id);
+        }
+        Ok(())
+    }
+
+    /// The first permission request the agent waits on without an answer
+    /// (from the relay's request file), sent to the session as a
+    /// `tool-approval-request` part.
+    async fn surface_approval(
+        &self,
+        sandbox: &dyn Sandbox,
+        state: &TurnState,
+        relay: &str,
+        requests_read: &mut u64,
+    ) -> Result<Option<PendingApproval>> {
+        let Some(request) = self
+            .unanswered_request(sandbox, state, relay, requests_read)
+            .await?
+        else {
+            return Ok(None);
+        };
+        let part = StreamPart::ToolApprovalRequest {
+            approval_id: request.approval.approval_id.clone(),
+            tool_call_id: request.tool_call_id,
+            tool_name: request.approval.tool_name.clone(),
+            input: request.approval.input.clone(),
+        };
+        let key = format!(
+            "{}:approval:{}",
+            state.turn_id, request.approval.approval_id
+        );
+        self.append(state, part, key).await?;
+        Ok(Some(request.approval))
+    }
+}
+
+/// What a slice has read of the agent's spool (its stdout) so far.
+struct Spool {
+    parser: Box<dyn crate::harness::OutputParser>,
+    /// Committed: a line boundary outside any open text block, where the
+    /// next slice starts reading again.
+    cursor: u64,
+    /// Bytes fetched.
+    read_to: u64,
+    /// Fetched, not yet a whole line.
+    pending: Vec<u8>,
+    agent_session_id: Option<String>,
+    /// The quiet timer (see `TurnConfig::quiet_ms`): progress restarts it,
+    /// warnings do not.
+    last_progress: u64,
+    last_warning: Option<String>,
+}
+
+impl Spool {
+    /// The slice's report, ending at `cursor` with `outcome`.
+    fn report(&self, process: &DetachedProcess, cursor: u64, outcome: SliceOutcome) -> SliceReport {
+        SliceReport {
+            process: Some(process.clone()),
+            agent_session_id: self.agent_session_id.clone(),
+            cursor,
+            outcome,
+            last_progress_at_ms: Some(self.last_progress),
+            last_warning: self.last_warning.clone(),
+        }
+    }
+
+    fn note_progress(&mut self, part: &StreamPart, clock: &dyn Clock) {
+        note_progress(part, clock, &mut self.last_progress, &mut self.last_warning);
     }
 }
 

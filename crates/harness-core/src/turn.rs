@@ -462,81 +462,7 @@ pub fn step(mut state: TurnState, event: TurnEvent) -> Result<(TurnState, NextSt
             state.consecutive_failures = 0;
         }
         TurnEvent::SliceCompleted { report, now_ms } => {
-            if state.status != TurnStatus::ReadyForNextStep {
-                return Err(Error::conflict(format!(
-                    "a slice reported while turn {} is {}",
-                    state.turn_id,
-                    state.status.as_str()
-                )));
-            }
-            if report.cursor < state.cursor {
-                // A retried or duplicated slice from before the last accepted
-                // one: applying it would rewind the spool cursor.
-                return Err(Error::conflict(format!(
-                    "stale slice report: cursor {} is behind {}",
-                    report.cursor, state.cursor
-                )));
-            }
-            state.cursor = report.cursor;
-            state.slices_run += 1;
-            state.consecutive_failures = 0;
-            if report.process.is_some() {
-                state.process = report.process;
-            }
-            if report.agent_session_id.is_some() {
-                state.agent_session_id = report.agent_session_id;
-            }
-            if report.last_progress_at_ms.is_some() {
-                state.last_progress_at_ms = report.last_progress_at_ms;
-            }
-            if report.last_warning.is_some() {
-                state.last_warning = report.last_warning;
-            }
-            match report.outcome {
-                SliceOutcome::Running => {
-                    let started = state.started_at_ms.unwrap_or(now_ms);
-                    let quiet = state.config.quiet_ms;
-                    let silent_since = state.last_progress_at_ms.unwrap_or(started);
-                    if now_ms.saturating_sub(started) >= state.config.max_turn_ms {
-                        let limit = state.config.max_turn_ms;
-                        fail(
-                            &mut state,
-                            TurnStatus::TimedOut,
-                            format!("turn exceeded its {limit} ms budget"),
-                        );
-                    } else if quiet > 0 && now_ms.saturating_sub(silent_since) >= quiet {
-                        let mut error = format!(
-                            "no output from the agent for {} s (the quiet limit)",
-                            now_ms.saturating_sub(silent_since) / 1000
-                        );
-                        if let Some(warning) = &state.last_warning {
-                            error.push_str(&format!("; its last warning: {warning}"));
-                        }
-                        fail(&mut state, TurnStatus::TimedOut, error);
-                    }
-                }
-                SliceOutcome::Exited { code } => {
-                    state.exit_code = Some(code);
-                    if code == 0 {
-                        state.status = TurnStatus::Finished;
-                    } else {
-                        state.status = TurnStatus::Failed;
-                        state.error = Some(format!("agent exited with code {code}"));
-                    }
-                }
-                SliceOutcome::ApprovalRequested(request) => {
-                    state.status = TurnStatus::AwaitingToolApproval;
-                    state.pending_approval = Some(request);
-                }
-                SliceOutcome::Lost => {
-                    state.process = None;
-                    fail(
-                        &mut state,
-                        TurnStatus::Failed,
-                        "agent process was lost (sandbox restarted?)".into(),
-                    );
-                }
-            }
+            slice_completed(&mut state, report, now_ms)?;
         }
         TurnEvent::SliceFailed { error, retryable } => {
             state.consecutive_failures += 1;
@@ -549,31 +475,123 @@ pub fn step(mut state: TurnState, event: TurnEvent) -> Result<(TurnState, NextSt
                 );
             }
         }
-        TurnEvent::ApprovalAnswered(answer) => {
-            let pending = state
-                .pending_approval
-                .as_ref()
-                .map(|p| p.approval_id.as_str());
-            if state.status != TurnStatus::AwaitingToolApproval
-                || pending != Some(answer.approval_id.as_str())
-            {
-                return Err(Error::invalid(format!(
-                    "no pending approval {:?} in turn {}",
-                    answer.approval_id, state.turn_id
-                )));
-            }
-            state.pending_approval = None;
-            state.approval_answers.push(answer);
-            state.status = TurnStatus::ReadyForNextStep;
-            // The quiet timer starts over with the next slice.
-            state.last_progress_at_ms = None;
-        }
+        TurnEvent::ApprovalAnswered(answer) => approval_answered(&mut state, answer)?,
         TurnEvent::Abort { reason } => {
             fail(&mut state, TurnStatus::Failed, format!("aborted: {reason}"));
         }
     }
     let next = next_step(&state);
     Ok((state, next))
+}
+
+/// A slice's report: the cursor moves on (never back: a stale report is
+/// a conflict), what it learnt is kept, and its outcome decides the
+/// status.
+fn slice_completed(state: &mut TurnState, report: SliceReport, now_ms: u64) -> Result<()> {
+    if state.status != TurnStatus::ReadyForNextStep {
+        return Err(Error::conflict(format!(
+            "a slice reported while turn {} is {}",
+            state.turn_id,
+            state.status.as_str()
+        )));
+    }
+    if report.cursor < state.cursor {
+        // A retried or duplicated slice from before the last accepted
+        // one: applying it would rewind the spool cursor.
+        return Err(Error::conflict(format!(
+            "stale slice report: cursor {} is behind {}",
+            report.cursor, state.cursor
+        )));
+    }
+    state.cursor = report.cursor;
+    state.slices_run += 1;
+    state.consecutive_failures = 0;
+    if report.process.is_some() {
+        state.process = report.process;
+    }
+    if report.agent_session_id.is_some() {
+        state.agent_session_id = report.agent_session_id;
+    }
+    if report.last_progress_at_ms.is_some() {
+        state.last_progress_at_ms = report.last_progress_at_ms;
+    }
+    if report.last_warning.is_some() {
+        state.last_warning = report.last_warning;
+    }
+    match report.outcome {
+        SliceOutcome::Running => check_time_limits(state, now_ms),
+        SliceOutcome::Exited { code } => {
+            state.exit_code = Some(code);
+            if code == 0 {
+                state.status = TurnStatus::Finished;
+            } else {
+                state.status = TurnStatus::Failed;
+                state.error = Some(format!("agent exited with code {code}"));
+            }
+        }
+        SliceOutcome::ApprovalRequested(request) => {
+            state.status = TurnStatus::AwaitingToolApproval;
+            state.pending_approval = Some(request);
+        }
+        SliceOutcome::Lost => {
+            state.process = None;
+            fail(
+                state,
+                TurnStatus::Failed,
+                "agent process was lost (sandbox restarted?)".into(),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// A turn still running after a slice ends `timed_out` past its budget
+/// (`max_turn_ms`) or after `quiet_ms` without progress (the last warning
+/// quoted: why it was quiet).
+fn check_time_limits(state: &mut TurnState, now_ms: u64) {
+    let started = state.started_at_ms.unwrap_or(now_ms);
+    let quiet = state.config.quiet_ms;
+    let silent_since = state.last_progress_at_ms.unwrap_or(started);
+    if now_ms.saturating_sub(started) >= state.config.max_turn_ms {
+        let limit = state.config.max_turn_ms;
+        fail(
+            state,
+            TurnStatus::TimedOut,
+            format!("turn exceeded its {limit} ms budget"),
+        );
+    } else if quiet > 0 && now_ms.saturating_sub(silent_since) >= quiet {
+        let mut error = format!(
+            "no output from the agent for {} s (the quiet limit)",
+            now_ms.saturating_sub(silent_since) / 1000
+        );
+        if let Some(warning) = &state.last_warning {
+            error.push_str(&format!("; its last warning: {warning}"));
+        }
+        fail(state, TurnStatus::TimedOut, error);
+    }
+}
+
+/// A client's answer to the pending permission request: only that request
+/// takes it, and the turn runs on.
+fn approval_answered(state: &mut TurnState, answer: ApprovalAnswer) -> Result<()> {
+    let pending = state
+        .pending_approval
+        .as_ref()
+        .map(|p| p.approval_id.as_str());
+    if state.status != TurnStatus::AwaitingToolApproval
+        || pending != Some(answer.approval_id.as_str())
+    {
+        return Err(Error::invalid(format!(
+            "no pending approval {:?} in turn {}",
+            answer.approval_id, state.turn_id
+        )));
+    }
+    state.pending_approval = None;
+    state.approval_answers.push(answer);
+    state.status = TurnStatus::ReadyForNextStep;
+    // The quiet timer starts over with the next slice.
+    state.last_progress_at_ms = None;
+    Ok(())
 }
 
 /// The JSON face of [`step`]: `{"state": …, "event": …}` in,
