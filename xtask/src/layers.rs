@@ -15,7 +15,10 @@
 //! - **test code stays in tests**: no crate depends on the test kit (or the
 //!   agents' end-to-end plumbing) outside its dev-dependencies;
 //! - **runtime-free crates stay runtime-free**: `session-api` and
-//!   `durable-streams` (without `native`) have no tokio.
+//!   `durable-streams` (without `native`) have no tokio;
+//! - **the kernel does no I/O**: no file, socket, process, thread or clock
+//!   call in `harness-core`'s sources (outside its `#[cfg(test)]` code):
+//!   time comes in as a `Clock`, storage and transport as traits.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -48,6 +51,61 @@ pub const TEST_ONLY: &[&str] = &["harness-testkit", "harness-agent-e2e"];
 /// and are shared with the Worker). Their `native`-style features may add
 /// one: only default-feature dependencies count.
 pub const RUNTIME_FREE: &[&str] = &["harness-core", "session-api", "durable-streams"];
+
+/// Calls the kernel's sources must not make: files, sockets, processes,
+/// threads, the wall clock, a runtime.
+pub const KERNEL_FORBIDDEN: &[&str] = &[
+    "std::fs",
+    "std::net",
+    "std::process",
+    "std::thread",
+    "SystemTime::now",
+    "Instant::now",
+    "tokio::",
+];
+
+/// The forbidden calls in one source file of the kernel, as
+/// `path:line: call`; code after a `#[cfg(test)]` line (a file's test
+/// module comes last) and comments are not read.
+pub fn kernel_calls(path: &str, source: &str) -> Vec<String> {
+    source
+        .lines()
+        .enumerate()
+        .take_while(|(_, line)| line.trim() != "#[cfg(test)]")
+        .filter(|(_, line)| !line.trim_start().starts_with("//"))
+        .flat_map(|(i, line)| {
+            KERNEL_FORBIDDEN
+                .iter()
+                .filter(move |call| line.contains(*call))
+                .map(move |call| {
+                    format!(
+                        "{path}:{}: harness-core calls {call}: the kernel does no I/O",
+                        i + 1
+                    )
+                })
+        })
+        .collect()
+}
+
+/// [`kernel_calls`] over every source file of `harness-core`.
+fn kernel_sources() -> Result<Vec<String>> {
+    let root = util::repo_root().join("crates/harness-core/src");
+    let mut out = Vec::new();
+    let mut dirs = vec![root.clone()];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir)? {
+            let path = entry?.path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                let text = std::fs::read_to_string(&path)?;
+                let shown = path.strip_prefix(util::repo_root()).unwrap_or(&path);
+                out.extend(kernel_calls(&shown.display().to_string(), &text));
+            }
+        }
+    }
+    Ok(out)
+}
 
 /// One dependency edge of a workspace crate, as declared.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -230,7 +288,8 @@ pub fn check() -> Result<()> {
     let out = util::output(util::cargo().args(["metadata", "--format-version", "1"]))?;
     let metadata: Value = serde_json::from_str(&out).context("reading cargo metadata")?;
     let graph = graph_from_metadata(&metadata)?;
-    let broken = violations(&graph);
+    let mut broken = violations(&graph);
+    broken.extend(kernel_sources()?);
     println!(
         "layers: {} crates, harness-core pulls in {} crates",
         graph.crates.len(),
@@ -365,6 +424,17 @@ mod tests {
         );
     }
 
+    #[test]
+    fn a_clock_or_file_call_in_the_kernel_is_caught() {
+        let source = "use std::sync::Arc;\n// std::fs in a comment\nfn f() { let _ = std::time::Instant::now(); }\n\
+                      #[cfg(test)]\nmod tests { fn g() { std::fs::read(\"x\"); } }\n";
+        assert_eq!(
+            kernel_calls("core/x.rs", source),
+            vec!["core/x.rs:3: harness-core calls Instant::now: the kernel does no I/O"]
+        );
+        assert!(kernel_calls("core/y.rs", "fn f(clock: &dyn Clock) {}\n").is_empty());
+    }
+
     /// The real workspace's metadata reads into the graph the rules need
     /// (run `cargo metadata` here: no build).
     #[test]
@@ -374,5 +444,6 @@ mod tests {
         assert!(graph.crates.iter().any(|c| c.name == "harness-core"));
         assert!(graph.core_closure.iter().any(|(n, _)| n == "serde"));
         assert_eq!(violations(&graph), Vec::<String>::new());
+        assert_eq!(kernel_sources().unwrap(), Vec::<String>::new());
     }
 }

@@ -216,6 +216,9 @@ fn main() -> ExitCode {
         return code;
     }
     let cli = Cli::parse();
+    // `HARNESS_FAILPOINT` stops this process at a named point for a kill
+    // trial (docs/reliability.md); unset, nothing happens.
+    harness::runtime::failpoints::install_from_env();
     // Dropped last, after the runtime: it flushes the spans still queued.
     let _telemetry = match telemetry::init(cli.verbose, cli.otlp.as_deref()) {
         Ok(guard) => guard,

@@ -44,6 +44,7 @@
 //! ```
 
 pub mod dispatch;
+pub mod failpoints;
 pub mod follow;
 pub mod hub;
 pub mod remote;
