@@ -80,6 +80,14 @@ impl Rootfs {
             return Ok(tarball);
         }
         std::fs::create_dir_all(cache)?;
+        // One build per recipe at a time, across processes: the others
+        // wait here, then find the tar made.
+        let lock = std::fs::File::create(cache.join(format!(".rootfs-{}.lock", self.key())))?;
+        lock.lock()?;
+        if tarball.is_file() {
+            progress(&format!("reusing the rootfs {}", tarball.display()));
+            return Ok(tarball);
+        }
         let dir = cache.join(format!("rootfs-{}.tmp", self.key()));
         if dir.exists() {
             std::fs::remove_dir_all(&dir)?;
