@@ -196,6 +196,13 @@ pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
     config
         .tokens
         .push(TokenGrant::new(&local_token, Scope::All, GrantRole::Host));
+    let sandboxes = crate::serve_sandboxes::sandbox_api(
+        home,
+        config.tokens.clone(),
+        insecure,
+        args.image.as_deref(),
+    )
+    .await?;
     let server = match &runtime {
         Some(runtime) => SessionServer::with_hub(config, runtime.hub().clone()),
         None => SessionServer::with_remote_runners(config),
@@ -239,7 +246,7 @@ pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
         ServeEngine::InProcess => {}
     }
     let served = tokio::select! {
-        served = server.serve(listener) => served.context("the server stopped"),
+        served = axum::serve(harness::server::no_delay(listener), server.router().merge(sandboxes.router())) => served.context("the server stopped"),
         _ = tokio::signal::ctrl_c() => {
             note!("shutting down");
             Ok(())

@@ -87,6 +87,10 @@ pub(crate) fn router(inner: Arc<Inner>) -> Router {
             axum::routing::any(super::ports::proxy_root),
         )
         .route(
+            "/v1/sandbox-port/{name}/{port}/{secret}/",
+            axum::routing::any(super::ports::proxy_root),
+        )
+        .route(
             "/v1/sandbox-port/{name}/{port}/{secret}/{*rest}",
             axum::routing::any(super::ports::proxy),
         )
