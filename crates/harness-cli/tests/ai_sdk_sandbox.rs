@@ -288,7 +288,8 @@ fn assert_resumed(r: &Value, provider: &str) {
     assert_eq!(r["rerun"], "You first asked me to say hello.", "{r:#}");
     assert_eq!(r["toolFileAfterStop"], "tool-ran\n", "stop keeps the files: {r:#}");
     let scan = &r["secretScan"];
-    assert_eq!(scan["procHits"], "1", "only the scan's own shell holds the key ({provider}): {r:#}");
+    assert_eq!(scan["selfTest"], "1", "the scan finds the key where it is: {r:#}");
+    assert_eq!(scan["procHits"], "0", "no process of the sandbox holds the key ({provider}): {r:#}");
     assert_ne!(scan["placeholderInEnv"], "0", "the agent ran with the placeholder: {r:#}");
     assert_eq!(scan["files"], "", "no file in the sandbox holds the key ({provider}): {r:#}");
 }

@@ -157,24 +157,40 @@ async function resumeScenario() {
   await s2.destroy();
 }
 
-/** Where the key could be inside the sandbox: processes' env and argv, and files. */
+/**
+ * Where the key could be inside the sandbox: processes' env and argv, and
+ * files. The scan itself carries the key in two halves (its env) and
+ * joins them only in a pipe (`grep -f <(…)`), so it adds no hit of its own.
+ */
 async function scanForKey(sandbox) {
   const key = args.realKey;
-  const env = await sandbox.run({
-    command: `cat /proc/[0-9]*/environ /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' '\\n' | grep -c -F "$K" || true`,
-    env: { K: key },
+  const half = Math.floor(key.length / 2);
+  const env = { KA: key.slice(0, half), KB: key.slice(half) };
+  const pattern = `-F -f <(printf '%s%s' "$KA" "$KB")`;
+  const procs = await sandbox.run({
+    command: `cat /proc/[0-9]*/environ /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' '\\n' | grep -c ${pattern}; true`,
+    env,
   });
-  const placeholderSeen = await sandbox.run({
-    command: `cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n' | grep -c -F "$K" || true`,
-    env: { K: args.placeholder },
+  const placeholder = await sandbox.run({
+    command: `cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n' | grep -c -F "$P"; true`,
+    env: { P: args.placeholder },
   });
-  const roots = args.provider === 'local' ? `"$HARNESS_SANDBOX_ROOT" /tmp/harness` : '/ --exclude-dir=proc --exclude-dir=sys --exclude-dir=opt --exclude-dir=dev';
-  const files = await sandbox.run({
-    command: `grep -r -l -F "$K" ${roots} 2>/dev/null | head -5; true`,
-    env: { K: key },
+  const roots =
+    args.provider === 'local'
+      ? `"$HARNESS_SANDBOX_ROOT" /tmp/harness`
+      : '/ --exclude-dir=proc --exclude-dir=sys --exclude-dir=opt --exclude-dir=dev';
+  const files = await sandbox.run({ command: `grep -r -l ${pattern} ${roots} 2>/dev/null | head -5; true`, env });
+  // The check can fail: the key split in two still matches when joined.
+  const selfTest = await sandbox.run({
+    command: `printf 'x%s%sy' "$KA" "$KB" | grep -c ${pattern}; true`,
+    env,
   });
-  // The env of the scan itself holds the key: exclude this shell's own.
-  return { procHits: env.stdout.trim(), placeholderInEnv: placeholderSeen.stdout.trim(), files: files.stdout.trim() };
+  return {
+    procHits: procs.stdout.trim(),
+    placeholderInEnv: placeholder.stdout.trim(),
+    files: files.stdout.trim(),
+    selfTest: selfTest.stdout.trim(),
+  };
 }
 
 async function configMatrix() {
