@@ -378,7 +378,8 @@ async fn the_ai_sdk_runs_claude_in_local_sandboxes() {
     // Local sandboxes share the host's network: the bridge's port is a
     // host port.
     let port = free_port();
-    let args = agent_args(&serve, &model, "local", &image, port, &state);
+    let mut args = agent_args(&serve, &model, "local", &image, port, &state);
+    args["port2"] = json!(free_port());
     let r = package.scenario("agent", args.clone(), Duration::from_secs(400)).await;
     println!("local: createSession {} ms, first turn {} ms", r["createSessionMs"], r["firstTurnMs"]);
     assert_agent_scenarios(&r);

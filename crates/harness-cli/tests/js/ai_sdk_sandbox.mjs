@@ -108,26 +108,32 @@ async function agentScenarios() {
   const r4 = await a.generate({ session: s1, prompt: 'what did I ask first' });
   out.recall = r4.text;
 
-  // Distinct sandboxes per session.
-  const s2 = await a.createSession();
-  const { sandbox: sb2, dir: dir2 } = await sessionDir(sandboxProvider, s2);
-  out.distinct = { id1: sb1.id, id2: sb2.id, other: await sb2.readTextFile({ path: `${dir}/tool.txt` }) };
-  const r5 = await a.generate({ session: s2, prompt: 'say hello' });
+  // Distinct sandboxes per session. (Local sandboxes share the host's
+  // network: a second bridge at once needs another port.)
+  const provider2 = args.port2 ? provider({ ports: [args.port2] }) : sandboxProvider;
+  const a2 = args.port2 ? agent(provider2) : a;
+  const s2 = await a2.createSession();
+  const { sandbox: sb2, dir: dir2 } = await sessionDir(provider2, s2);
+  // Where the first session's file is, in the second sandbox (a local
+  // sandbox's paths are host paths: the same place relative to its own root).
+  const sameSpot = `${sb2.defaultWorkingDirectory}/claude-code-${s1.sessionId}/tool.txt`;
+  out.distinct = { id1: sb1.id, id2: sb2.id, other: await sb2.readTextFile({ path: sameSpot }) };
+  const r5 = await a2.generate({ session: s2, prompt: 'say hello' });
   out.secondSessionText = r5.text;
   check((await sb2.readTextFile({ path: `${dir2}/tool.txt` })) === null, 'the second session has no tool.txt');
 
   // Abort: the turn rejects, the session stays usable.
   const ac = new AbortController();
-  const slow = a.generate({ session: s2, prompt: 'slow please', abortSignal: ac.signal });
+  const slow = a2.generate({ session: s2, prompt: 'slow please', abortSignal: ac.signal });
   setTimeout(() => ac.abort(), 1500);
   out.abort = await slow.then(
     () => 'finished',
     (e) => e?.name ?? String(e),
   );
-  const r6 = await a.generate({ session: s2, prompt: 'say hello' });
+  const r6 = await a2.generate({ session: s2, prompt: 'say hello' });
   out.afterAbort = r6.text;
   await s2.destroy();
-  out.destroyed = await sandboxProvider
+  out.destroyed = await provider2
     .resumeSession({ sessionId: s2.sessionId })
     .then(() => 'still there', (e) => e.code ?? String(e));
 
@@ -167,12 +173,18 @@ async function scanForKey(sandbox) {
   const half = Math.floor(key.length / 2);
   const env = { KA: key.slice(0, half), KB: key.slice(half) };
   const pattern = `-F -f <(printf '%s%s' "$KA" "$KB")`;
+  // A container's /proc is its own; a local sandbox sees the host's, and
+  // its processes are those with its HARNESS_SANDBOX_ROOT.
+  const mine =
+    args.provider === 'local'
+      ? `for p in /proc/[0-9]*; do tr '\\0' '\\n' < $p/environ 2>/dev/null | grep -qx "HARNESS_SANDBOX_ROOT=$HARNESS_SANDBOX_ROOT" && echo $p; done`
+      : `ls -d /proc/[0-9]*`;
   const procs = await sandbox.run({
-    command: `cat /proc/[0-9]*/environ /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' '\\n' | grep -c ${pattern}; true`,
+    command: `for p in $(${mine}); do cat $p/environ $p/cmdline 2>/dev/null; done | tr '\\0' '\\n' | grep -c ${pattern}; true`,
     env,
   });
   const placeholder = await sandbox.run({
-    command: `cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n' | grep -c -F "$P"; true`,
+    command: `for p in $(${mine}); do cat $p/environ 2>/dev/null; done | tr '\\0' '\\n' | grep -c -F "$P"; true`,
     env: { P: args.placeholder },
   });
   const roots =
