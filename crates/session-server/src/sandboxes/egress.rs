@@ -222,10 +222,7 @@ impl RequestTransformation {
     pub(crate) fn check(&self, index: usize) -> Result<()> {
         let what = format!("requestTransformations[{index}]");
         let host = self.matcher.host.trim();
-        if host.is_empty()
-            || host.contains(['/', ' ', '?', '#', '@'])
-            || host.contains("://")
-        {
+        if host.is_empty() || host.contains(['/', ' ', '?', '#', '@']) || host.contains("://") {
             return Err(Error::invalid(format!(
                 "{what}: match.host {:?} must be a host name (optionally host:port), no scheme or path",
                 self.matcher.host
@@ -271,7 +268,12 @@ impl RequestTransformation {
     }
 
     fn host_matches(&self, host: &str, port: u16) -> bool {
-        let want = self.matcher.host.trim().trim_end_matches('.').to_ascii_lowercase();
+        let want = self
+            .matcher
+            .host
+            .trim()
+            .trim_end_matches('.')
+            .to_ascii_lowercase();
         let host = host.trim_end_matches('.').to_ascii_lowercase();
         match want.rsplit_once(':') {
             Some((h, p)) if !h.contains(':') || h.starts_with('[') => {
@@ -296,7 +298,8 @@ impl RequestTransformation {
             }
         }
         let pair_matches = |m: &KeyValueMatcher, k: &str, v: &str| {
-            m.key.as_ref().is_none_or(|p| p.matches(k)) && m.value.as_ref().is_none_or(|p| p.matches(v))
+            m.key.as_ref().is_none_or(|p| p.matches(k))
+                && m.value.as_ref().is_none_or(|p| p.matches(v))
         };
         for m in self.matcher.query_string.iter().flatten() {
             if !req.query.iter().any(|(k, v)| pair_matches(m, k, v)) {
@@ -460,14 +463,23 @@ where
     let policy = match rule {
         Rule::Deny => {
             tracing::info!(target: "harness_sandboxes", host = %head.host, port = head.port, "refused: deny-all");
-            refuse(&mut stream, &format!("{}:{}: the sandbox's network policy is deny-all", head.host, head.port)).await;
+            refuse(
+                &mut stream,
+                &format!(
+                    "{}:{}: the sandbox's network policy is deny-all",
+                    head.host, head.port
+                ),
+            )
+            .await;
             return;
         }
         Rule::Allow(policy) => policy,
     };
     let mut out = buf;
-    let matching: Vec<&RequestTransformation> =
-        transformations.iter().filter(|t| t.matches(&head)).collect();
+    let matching: Vec<&RequestTransformation> = transformations
+        .iter()
+        .filter(|t| t.matches(&head))
+        .collect();
     if head.connect {
         if transformations
             .iter()
@@ -506,7 +518,10 @@ where
 }
 
 /// Read until the end of the request head; `Some(index after it)`.
-async fn read_head<S: AsyncRead + Unpin>(stream: &mut S, buf: &mut Vec<u8>) -> io::Result<Option<usize>> {
+async fn read_head<S: AsyncRead + Unpin>(
+    stream: &mut S,
+    buf: &mut Vec<u8>,
+) -> io::Result<Option<usize>> {
     let mut chunk = [0u8; 8192];
     loop {
         if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
@@ -601,7 +616,9 @@ fn split_host_port(authority: &str, default: u16) -> std::result::Result<(String
             .split_once(']')
             .ok_or_else(|| format!("bad authority {authority:?}"))?;
         let port = match after.strip_prefix(':') {
-            Some(p) => p.parse().map_err(|_| format!("bad port in {authority:?}"))?,
+            Some(p) => p
+                .parse()
+                .map_err(|_| format!("bad port in {authority:?}"))?,
             None => default,
         };
         return Ok((format!("[{host}]"), port));
@@ -609,7 +626,8 @@ fn split_host_port(authority: &str, default: u16) -> std::result::Result<(String
     match authority.rsplit_once(':') {
         Some((host, port)) => Ok((
             host.to_string(),
-            port.parse().map_err(|_| format!("bad port in {authority:?}"))?,
+            port.parse()
+                .map_err(|_| format!("bad port in {authority:?}"))?,
         )),
         None => Ok((authority.to_string(), default)),
     }
@@ -628,7 +646,12 @@ fn rewrite_head(
     out.push_str(lines.next().unwrap_or(""));
     out.push_str("\r\n");
     for line in lines {
-        let name = line.split(':').next().unwrap_or("").trim().to_ascii_lowercase();
+        let name = line
+            .split(':')
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_ascii_lowercase();
         if set.contains_key(&name) {
             continue;
         }
@@ -750,24 +773,37 @@ mod tests {
         assert!(out.contains("x-api-key: real\r\n"), "{out}");
         assert!(!out.contains("placeholder"), "{out}");
         assert!(out.ends_with("\r\n\r\nhi"), "{out}");
-        assert!(out.starts_with("POST http://m/x HTTP/1.1\r\nHost: m\r\n"), "{out}");
+        assert!(
+            out.starts_with("POST http://m/x HTTP/1.1\r\nHost: m\r\n"),
+            "{out}"
+        );
     }
 
     #[test]
     fn bad_policies_and_transformations_are_named() {
-        let custom: ApiNetworkPolicy =
-            serde_json::from_value(serde_json::json!({"mode": "custom", "allowedHosts": ["a:b/c"]}))
-                .unwrap();
+        let custom: ApiNetworkPolicy = serde_json::from_value(
+            serde_json::json!({"mode": "custom", "allowedHosts": ["a:b/c"]}),
+        )
+        .unwrap();
         assert!(custom.compile().unwrap_err().message().contains("a:b/c"));
         let empty: ApiNetworkPolicy =
             serde_json::from_value(serde_json::json!({"mode": "custom"})).unwrap();
         assert!(empty.compile().is_err());
-        assert!(serde_json::from_value::<ApiNetworkPolicy>(serde_json::json!({"mode": "open"})).is_err());
-        let t = transformation(serde_json::json!({"match": {"host": "https://x"}, "transform": {"headers": {"a": "b"}}}));
+        assert!(
+            serde_json::from_value::<ApiNetworkPolicy>(serde_json::json!({"mode": "open"}))
+                .is_err()
+        );
+        let t = transformation(
+            serde_json::json!({"match": {"host": "https://x"}, "transform": {"headers": {"a": "b"}}}),
+        );
         assert!(t.check(0).is_err());
-        let t = transformation(serde_json::json!({"match": {"host": "x", "path": {"regex": "("}}, "transform": {"headers": {"a": "b"}}}));
+        let t = transformation(
+            serde_json::json!({"match": {"host": "x", "path": {"regex": "("}}, "transform": {"headers": {"a": "b"}}}),
+        );
         assert!(t.check(0).is_err());
-        let t = transformation(serde_json::json!({"match": {"host": "x"}, "transform": {"headers": {"a": "b\r\nc: d"}}}));
+        let t = transformation(
+            serde_json::json!({"match": {"host": "x"}, "transform": {"headers": {"a": "b\r\nc: d"}}}),
+        );
         assert!(t.check(0).is_err());
     }
 }

@@ -42,7 +42,11 @@ pub(crate) async fn proxy(
 
 fn same(a: &str, b: &str) -> bool {
     // Constant time in the secret's length: nothing learnt from timing.
-    a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    a.len() == b.len()
+        && a.bytes()
+            .zip(b.bytes())
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
 }
 
 async fn forward(
@@ -58,10 +62,18 @@ async fn forward(
         let (secret_ok, declared, port) = {
             let guard = slot.lock().await;
             let live = guard.as_ref().ok_or_else(|| {
-                ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no sandbox {name:?}"))
+                ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    "not_found",
+                    format!("no sandbox {name:?}"),
+                )
             })?;
             let port: u16 = port.parse().map_err(|_| {
-                ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("{port:?} is not a port"))
+                ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    "not_found",
+                    format!("{port:?} is not a port"),
+                )
             })?;
             (
                 same(&secret, &live.record.port_secret),
@@ -185,10 +197,11 @@ async fn relay(mut client: WebSocket, url: String) {
                 Message::Ping(p) => UpMessage::Ping(p),
                 Message::Pong(p) => UpMessage::Pong(p),
                 Message::Close(frame) => {
-                    let frame = frame.map(|f| tokio_tungstenite::tungstenite::protocol::CloseFrame {
-                        code: CloseCode::from(f.code),
-                        reason: f.reason.as_str().into(),
-                    });
+                    let frame =
+                        frame.map(|f| tokio_tungstenite::tungstenite::protocol::CloseFrame {
+                            code: CloseCode::from(f.code),
+                            reason: f.reason.as_str().into(),
+                        });
                     let _ = up_tx.send(UpMessage::Close(frame)).await;
                     break;
                 }

@@ -98,7 +98,10 @@ impl Processes {
 
     /// How many processes of `sandbox` run.
     pub(crate) fn count(&self, sandbox: &str) -> usize {
-        self.lock().values().filter(|e| e.sandbox == sandbox).count()
+        self.lock()
+            .values()
+            .filter(|e| e.sandbox == sandbox)
+            .count()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {

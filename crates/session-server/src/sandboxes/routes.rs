@@ -163,7 +163,12 @@ impl Inner {
         }
     }
 
-    fn auth(&self, headers: &HeaderMap, params: &HashMap<String, String>, name: Option<&str>) -> Result<(), ApiError> {
+    fn auth(
+        &self,
+        headers: &HeaderMap,
+        params: &HashMap<String, String>,
+        name: Option<&str>,
+    ) -> Result<(), ApiError> {
         let token = bearer(headers, params.get("access_token").map(String::as_str));
         let session = name.and_then(|n| SessionId::parse(n).ok());
         let allowed: &[GrantRole] = if session.is_some() {
@@ -241,8 +246,14 @@ impl Inner {
                 ),
             )
         })?;
-        let sandbox = entry.provider.resume(&live.record.handle).await?;
-        live.sandbox = Some(Arc::from(sandbox));
+        let sandbox: Arc<dyn Sandbox> =
+            Arc::from(entry.provider.resume(&live.record.handle).await?);
+        // A route taken away at run time may be back after a stop and a
+        // start (Docker's firewall lives in the container's namespace).
+        if !live.record.routed && entry.provider.changes_network_at_run_time() {
+            sandbox.set_network(&NetworkPolicy::DenyAll).await?;
+        }
+        live.sandbox = Some(sandbox);
         if live.record.stopped {
             live.record.stopped = false;
             self.save(&live.record)?;
@@ -300,21 +311,37 @@ fn validate(inner: &Inner, req: &CreateRequest) -> Result<(), ApiError> {
         ));
     }
     if let Some(id) = &req.session_id {
-        SessionId::parse(id.clone()).map_err(|e| bad("invalid", e.message().replace("session id", "sessionId")))?;
+        SessionId::parse(id.clone())
+            .map_err(|e| bad("invalid", e.message().replace("session id", "sessionId")))?;
     }
     if let Some(identity) = &req.identity {
         if identity.is_empty() || identity.len() > 256 || identity.chars().any(char::is_control) {
-            return Err(bad("invalid", "identity must be 1-256 printable characters"));
+            return Err(bad(
+                "invalid",
+                "identity must be 1-256 printable characters",
+            ));
         }
     }
     if let Some(image) = &req.image {
-        if image.is_empty() || image.len() > 256 || image.chars().any(|c| c.is_whitespace() || c.is_control()) {
-            return Err(bad("invalid", format!("image {image:?} is not an image reference")));
+        if image.is_empty()
+            || image.len() > 256
+            || image.chars().any(|c| c.is_whitespace() || c.is_control())
+        {
+            return Err(bad(
+                "invalid",
+                format!("image {image:?} is not an image reference"),
+            ));
         }
     }
     if let Some(workdir) = &req.workdir {
-        if !workdir.starts_with('/') || workdir.contains('\0') || workdir.split('/').any(|c| c == "..") {
-            return Err(bad("invalid", format!("workdir {workdir:?} must be an absolute path without '..'")));
+        if !workdir.starts_with('/')
+            || workdir.contains('\0')
+            || workdir.split('/').any(|c| c == "..")
+        {
+            return Err(bad(
+                "invalid",
+                format!("workdir {workdir:?} must be an absolute path without '..'"),
+            ));
         }
     }
     for key in req.env.keys() {
@@ -322,7 +349,10 @@ fn validate(inner: &Inner, req: &CreateRequest) -> Result<(), ApiError> {
             && !key.starts_with(|c: char| c.is_ascii_digit())
             && key.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
         if !ok {
-            return Err(bad("invalid", format!("env name {key:?}: use letters, digits and '_'")));
+            return Err(bad(
+                "invalid",
+                format!("env name {key:?}: use letters, digits and '_'"),
+            ));
         }
     }
     if req.env.values().any(|v| v.contains('\0')) {
@@ -330,12 +360,18 @@ fn validate(inner: &Inner, req: &CreateRequest) -> Result<(), ApiError> {
     }
     if let Some(cpus) = req.cpus {
         if !(cpus.is_finite() && cpus > 0.0 && cpus <= 256.0) {
-            return Err(bad("invalid", format!("cpus {cpus} must be more than 0 and at most 256")));
+            return Err(bad(
+                "invalid",
+                format!("cpus {cpus} must be more than 0 and at most 256"),
+            ));
         }
     }
     if let Some(memory) = req.memory {
         if !(6..=1 << 22).contains(&memory) {
-            return Err(bad("invalid", format!("memory {memory} MiB must be between 6 MiB and 4 TiB")));
+            return Err(bad(
+                "invalid",
+                format!("memory {memory} MiB must be between 6 MiB and 4 TiB"),
+            ));
         }
     }
     if req.ports.len() > MAX_PORTS {
@@ -357,7 +393,8 @@ fn validate(inner: &Inner, req: &CreateRequest) -> Result<(), ApiError> {
         .compile()
         .map_err(|e| bad("invalid_policy", e.message().to_string()))?;
     for (i, t) in req.request_transformations.iter().enumerate() {
-        t.check(i).map_err(|e| bad("invalid", e.message().to_string()))?;
+        t.check(i)
+            .map_err(|e| bad("invalid", e.message().to_string()))?;
     }
     if req.bootstrap_pre_commands.iter().any(|c| c.contains('\0')) {
         return Err(bad("invalid", "bootstrapPreCommands cannot contain NUL"));
@@ -426,7 +463,11 @@ async fn make_sandbox(
     }
     env.extend(entry.env.clone());
     env.extend(req.env.clone());
-    let mut spec = SandboxSpec::new(req.workdir.clone().unwrap_or_else(|| DEFAULT_WORKDIR.into()));
+    let mut spec = SandboxSpec::new(
+        req.workdir
+            .clone()
+            .unwrap_or_else(|| DEFAULT_WORKDIR.into()),
+    );
     spec.image = image.or_else(|| req.image.clone());
     spec.env = env;
     spec.cpus = req.cpus;
@@ -517,7 +558,12 @@ fn info_json(record: &Record, bootstrap: Option<&str>, processes: usize) -> Valu
     v
 }
 
-async fn create(State(inner): Shared, Query(params): Params, headers: HeaderMap, body: Bytes) -> Response {
+async fn create(
+    State(inner): Shared,
+    Query(params): Params,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     match create_inner(&inner, &params, &headers, &body).await {
         Ok(v) => (StatusCode::CREATED, Json(v)).into_response(),
         Err(e) => e.into_response(),
@@ -531,9 +577,11 @@ async fn create_inner(
     body: &Bytes,
 ) -> Result<Value, ApiError> {
     // Who may call comes first: a stranger learns nothing of the rules.
-    let peek: Option<String> = serde_json::from_slice::<Value>(body)
-        .ok()
-        .and_then(|v| v.get("sessionId").and_then(Value::as_str).map(str::to_string));
+    let peek: Option<String> = serde_json::from_slice::<Value>(body).ok().and_then(|v| {
+        v.get("sessionId")
+            .and_then(Value::as_str)
+            .map(str::to_string)
+    });
     inner.auth(headers, params, peek.as_deref())?;
     let req: CreateRequest = parse(body)?;
     validate(inner, &req)?;
@@ -674,7 +722,11 @@ async fn list(State(inner): Shared, Query(params): Params, headers: HeaderMap) -
     let mut out = Vec::new();
     for slot in slots {
         if let Some(live) = slot.lock().await.as_ref() {
-            out.push(info_json(&live.record, None, inner.processes.count(&live.record.name)));
+            out.push(info_json(
+                &live.record,
+                None,
+                inner.processes.count(&live.record.name),
+            ));
         }
     }
     Json(json!({ "sandboxes": out })).into_response()
@@ -691,7 +743,12 @@ async fn named(
     inner.slot(name).await
 }
 
-async fn info(State(inner): Shared, Path(name): Path<String>, Query(params): Params, headers: HeaderMap) -> Response {
+async fn info(
+    State(inner): Shared,
+    Path(name): Path<String>,
+    Query(params): Params,
+    headers: HeaderMap,
+) -> Response {
     let result = async {
         let slot = named(&inner, &name, &params, &headers).await?;
         let guard = slot.lock().await;
@@ -705,7 +762,12 @@ async fn info(State(inner): Shared, Path(name): Path<String>, Query(params): Par
     }
 }
 
-async fn resume(State(inner): Shared, Path(name): Path<String>, Query(params): Params, headers: HeaderMap) -> Response {
+async fn resume(
+    State(inner): Shared,
+    Path(name): Path<String>,
+    Query(params): Params,
+    headers: HeaderMap,
+) -> Response {
     let result = async {
         let slot = named(&inner, &name, &params, &headers).await?;
         let mut guard = slot.lock().await;
@@ -811,7 +873,12 @@ async fn exec(
         let argv = match (body.command, body.argv) {
             (Some(cmd), None) => vec!["bash".to_string(), "-c".to_string(), cmd],
             (None, Some(argv)) if !argv.is_empty() => argv,
-            _ => return Err(bad("invalid", "give exactly one of command (a bash script) and argv")),
+            _ => {
+                return Err(bad(
+                    "invalid",
+                    "give exactly one of command (a bash script) and argv",
+                ))
+            }
         };
         let (sandbox, _) = inner.sandbox(&name).await?;
         let abort = AbortSignal::new();
@@ -848,7 +915,8 @@ async fn exec(
                 };
                 sse(
                     "exit",
-                    &json!({"exit_code": code, "signal": status.signal, "reason": reason}).to_string(),
+                    &json!({"exit_code": code, "signal": status.signal, "reason": reason})
+                        .to_string(),
                 )
             }
             Event::Error(e) => sse(
@@ -860,7 +928,10 @@ async fn exec(
     });
     let mut response = Response::new(Body::from_stream(events));
     let h = response.headers_mut();
-    h.insert("content-type", HeaderValue::from_static("text/event-stream"));
+    h.insert(
+        "content-type",
+        HeaderValue::from_static("text/event-stream"),
+    );
     h.insert("cache-control", HeaderValue::from_static("no-cache"));
     if let Ok(v) = HeaderValue::from_str(&id) {
         h.insert("x-harness-process", v);
@@ -903,7 +974,12 @@ fn file_path(params: &HashMap<String, String>, workdir: &str) -> Result<String, 
     Ok(resolve_path(workdir, path))
 }
 
-async fn read_file(State(inner): Shared, Path(name): Path<String>, Query(params): Params, headers: HeaderMap) -> Response {
+async fn read_file(
+    State(inner): Shared,
+    Path(name): Path<String>,
+    Query(params): Params,
+    headers: HeaderMap,
+) -> Response {
     let result = async {
         inner.auth(&headers, &params, Some(&name))?;
         let (sandbox, _) = inner.sandbox(&name).await?;
@@ -911,7 +987,11 @@ async fn read_file(State(inner): Shared, Path(name): Path<String>, Query(params)
         let stream = match sandbox.read_file(&path).await {
             Ok(s) => s,
             Err(e) if e.kind() == ErrorKind::NotFound => {
-                return Err(ApiError::new(StatusCode::NOT_FOUND, "no_such_file", format!("no file {path}")))
+                return Err(ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    "no_such_file",
+                    format!("no file {path}"),
+                ))
             }
             Err(e) => return Err(e.into()),
         };
@@ -919,7 +999,11 @@ async fn read_file(State(inner): Shared, Path(name): Path<String>, Query(params)
         let stream = match harness_core::sandbox::first_error_now(stream).await {
             Ok(s) => s,
             Err(e) if e.kind() == ErrorKind::NotFound => {
-                return Err(ApiError::new(StatusCode::NOT_FOUND, "no_such_file", format!("no file {path}")))
+                return Err(ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    "no_such_file",
+                    format!("no file {path}"),
+                ))
             }
             Err(e) => return Err(e.into()),
         };
@@ -946,10 +1030,10 @@ async fn write_file(
         inner.auth(&headers, &params, Some(&name))?;
         let (sandbox, _) = inner.sandbox(&name).await?;
         let path = file_path(&params, sandbox.workdir())?;
-        let stream: harness_core::stream::ByteStream = Box::pin(
-            body.into_data_stream()
-                .map(|r| r.map_err(|e| harness_core::Error::backend(format!("request body: {e}")))),
-        );
+        let stream: harness_core::stream::ByteStream =
+            Box::pin(body.into_data_stream().map(|r| {
+                r.map_err(|e| harness_core::Error::backend(format!("request body: {e}")))
+            }));
         let written = sandbox.write_file(&path, stream).await?;
         Ok::<_, ApiError>(json!({ "path": path, "bytes": written }))
     }
@@ -975,10 +1059,15 @@ async fn set_policy(
             .map_err(|e| bad("invalid_policy", e.message().to_string()))?;
         let mut guard = slot.lock().await;
         let live = guard.as_mut().ok_or_else(|| not_found(&name))?;
-        let provider = inner.providers.get(&live.record.provider).map(|p| p.provider.clone());
+        let provider = inner
+            .providers
+            .get(&live.record.provider)
+            .map(|p| p.provider.clone());
         let want_route = policy.needs_route();
         if want_route != live.record.routed {
-            let changes = provider.as_ref().is_some_and(|p| p.changes_network_at_run_time());
+            let changes = provider
+                .as_ref()
+                .is_some_and(|p| p.changes_network_at_run_time());
             if !changes {
                 return Err(ApiError::new(
                     StatusCode::CONFLICT,
@@ -993,7 +1082,11 @@ async fn set_policy(
             }
             inner.ensure_live(live).await?;
             let sandbox = live.sandbox.clone().expect("ensured");
-            let network = if want_route { NetworkPolicy::AllowAll } else { NetworkPolicy::DenyAll };
+            let network = if want_route {
+                NetworkPolicy::AllowAll
+            } else {
+                NetworkPolicy::DenyAll
+            };
             sandbox.set_network(&network).await?;
             live.record.routed = want_route;
         }
@@ -1047,11 +1140,16 @@ async fn change_transformations(
         let slot = named(&inner, &name, &params, &headers).await?;
         let body: Transformations = parse(&body)?;
         for (i, t) in body.transformations.iter().enumerate() {
-            t.check(i).map_err(|e| bad("invalid", e.message().to_string()))?;
+            t.check(i)
+                .map_err(|e| bad("invalid", e.message().to_string()))?;
         }
         let mut guard = slot.lock().await;
         let live = guard.as_mut().ok_or_else(|| not_found(&name))?;
-        let mut list = if add { live.record.transformations.clone() } else { Vec::new() };
+        let mut list = if add {
+            live.record.transformations.clone()
+        } else {
+            Vec::new()
+        };
         list.extend(body.transformations);
         live.egress.set(|r| r.transformations = list.clone());
         live.record.transformations = list;
@@ -1098,12 +1196,21 @@ async fn port_url(
     }
 }
 
-async fn stop(State(inner): Shared, Path(name): Path<String>, Query(params): Params, headers: HeaderMap) -> Response {
+async fn stop(
+    State(inner): Shared,
+    Path(name): Path<String>,
+    Query(params): Params,
+    headers: HeaderMap,
+) -> Response {
     let result = async {
         let slot = named(&inner, &name, &params, &headers).await?;
         let mut guard = slot.lock().await;
         let live = guard.as_mut().ok_or_else(|| not_found(&name))?;
         let killed = inner.processes.kill_all(&name);
+        if live.record.stopped && live.sandbox.is_none() {
+            // Stopped already: nothing runs, nothing to start just to stop.
+            return Ok(json!({ "stopped": true, "killed": killed }));
+        }
         inner.ensure_live(live).await?;
         let sandbox = live.sandbox.take().expect("ensured");
         match sandbox.stop().await {
@@ -1134,7 +1241,12 @@ async fn wait_for_exit(processes: &Processes, name: &str) {
     }
 }
 
-async fn destroy(State(inner): Shared, Path(name): Path<String>, Query(params): Params, headers: HeaderMap) -> Response {
+async fn destroy(
+    State(inner): Shared,
+    Path(name): Path<String>,
+    Query(params): Params,
+    headers: HeaderMap,
+) -> Response {
     let result = async {
         let slot = named(&inner, &name, &params, &headers).await?;
         let mut guard = slot.lock().await;
@@ -1200,7 +1312,11 @@ async fn replace(
 ) -> Response {
     let result = async {
         let slot = named(&inner, &name, &params, &headers).await?;
-        let body: ReplaceBody = if body.is_empty() { ReplaceBody::default() } else { parse(&body)? };
+        let body: ReplaceBody = if body.is_empty() {
+            ReplaceBody::default()
+        } else {
+            parse(&body)?
+        };
         let mut guard = slot.lock().await;
         let live = guard.as_mut().ok_or_else(|| not_found(&name))?;
         let mut req = live.record.request.clone();
@@ -1215,12 +1331,18 @@ async fn replace(
         // container, a loopback port for a local sandbox on the host's
         // network).
         let wanted = listen_for(&inner, &req);
-        let new_egress = if std::mem::discriminant(&live.egress.listen) == std::mem::discriminant(&wanted) {
-            None
-        } else {
-            let rules = live.egress.rules.read().unwrap_or_else(|e| e.into_inner()).clone();
-            Some(Egress::start(wanted, rules).await.map_err(internal)?)
-        };
+        let new_egress =
+            if std::mem::discriminant(&live.egress.listen) == std::mem::discriminant(&wanted) {
+                None
+            } else {
+                let rules = live
+                    .egress
+                    .rules
+                    .read()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone();
+                Some(Egress::start(wanted, rules).await.map_err(internal)?)
+            };
         let listen = new_egress
             .as_ref()
             .map_or_else(|| live.egress.listen.clone(), |e| e.listen.clone());
