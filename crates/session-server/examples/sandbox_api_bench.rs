@@ -29,7 +29,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use futures::StreamExt;
 use harness_core::sandbox::{
-    collect_exec, ExecRequest, HostForward, Sandbox, SandboxProvider, SandboxSpec,
+    collect_exec, ExecRequest, HostForward, SandboxProvider, SandboxSpec,
     EGRESS_PROXY_PORT,
 };
 use session_server::sandboxes::SandboxRegistry;
@@ -99,6 +99,16 @@ struct Figures {
     exec_median_ms: f64,
     write_mib_s: f64,
     read_mib_s: f64,
+}
+
+fn median_figures(all: &[Figures]) -> Figures {
+    let pick = |f: fn(&Figures) -> f64| median(all.iter().map(f).collect());
+    Figures {
+        first_command_ms: pick(|f| f.first_command_ms),
+        exec_median_ms: pick(|f| f.exec_median_ms),
+        write_mib_s: pick(|f| f.write_mib_s),
+        read_mib_s: pick(|f| f.read_mib_s),
+    }
 }
 
 fn median(mut xs: Vec<f64>) -> f64 {
@@ -206,7 +216,7 @@ async fn through_api(
 }
 
 fn report(provider: &str, direct: &Figures, api: &Figures) {
-    println!("\n{provider}: through the API from Node vs the provider in Rust");
+    println!("\n{provider}: through the API from Node vs the provider in Rust (medians of the rounds)");
     println!("| call | Rust, direct | Node, API | ratio | target |");
     println!("|---|---:|---:|---:|---|");
     let call = |what: &str, d: f64, a: f64| {
@@ -333,12 +343,20 @@ async fn main() -> Result<()> {
         ("docker", &docker, &docker_spec),
         ("local", &local, &local_spec),
     ] {
-        // One warm-up of each, so neither pays a first-use cost alone.
+        // One warm-up, then rounds that alternate the two sides, so a busy
+        // moment of the machine (dockerd's exec time moves with it) falls
+        // on both; the figure is the median of the rounds.
         let _ = direct(provider.as_ref(), spec, 1, 1).await?;
-        let _ = through_api(&node, &pkg, &url, name, &image, 1, 1).await?;
-        let d = direct(provider.as_ref(), spec, n, mib).await?;
-        let a = through_api(&node, &pkg, &url, name, &image, n, mib).await?;
-        report(name, &d, &a);
+        let rounds: usize = std::env::var("BENCH_ROUNDS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(3);
+        let (mut ds, mut as_) = (Vec::new(), Vec::new());
+        for _ in 0..rounds {
+            ds.push(direct(provider.as_ref(), spec, n, mib).await?);
+            as_.push(through_api(&node, &pkg, &url, name, &image, n, mib).await?);
+        }
+        report(name, &median_figures(&ds), &median_figures(&as_));
     }
     Ok(())
 }

@@ -1030,10 +1030,9 @@ async fn write_file(
         inner.auth(&headers, &params, Some(&name))?;
         let (sandbox, _) = inner.sandbox(&name).await?;
         let path = file_path(&params, sandbox.workdir())?;
-        let stream: harness_core::stream::ByteStream =
-            Box::pin(body.into_data_stream().map(|r| {
-                r.map_err(|e| harness_core::Error::backend(format!("request body: {e}")))
-            }));
+        let stream = coalesce(body.into_data_stream().map(|r| {
+            r.map_err(|e| harness_core::Error::backend(format!("request body: {e}")))
+        }));
         let written = sandbox.write_file(&path, stream).await?;
         Ok::<_, ApiError>(json!({ "path": path, "bytes": written }))
     }
@@ -1042,6 +1041,51 @@ async fn write_file(
         Ok(v) => Json(v).into_response(),
         Err(e) => e.into_response(),
     }
+}
+
+/// The size [`coalesce`] gathers a request body into.
+const WRITE_CHUNK: usize = 1 << 20;
+/// How many gathered chunks are read ahead of the provider's writes.
+const WRITE_AHEAD: usize = 4;
+
+/// `body` in chunks of about [`WRITE_CHUNK`], read ahead of its consumer:
+/// an HTTP body arrives in the socket's pieces (a few KiB to 64 KiB) and a
+/// provider pays per chunk (a write into a container's stdin, a syscall),
+/// so a file is written in 1 MiB steps whatever the client's framing, and
+/// the next steps arrive while one is written.
+fn coalesce(
+    body: impl futures::Stream<Item = harness_core::Result<Bytes>> + Send + 'static,
+) -> harness_core::stream::ByteStream {
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<harness_core::Result<Bytes>>(WRITE_AHEAD);
+    tokio::spawn(async move {
+        let mut body = Box::pin(body);
+        let mut buf = bytes::BytesMut::new();
+        loop {
+            let item = match body.next().await {
+                Some(Ok(chunk)) if buf.is_empty() && chunk.len() >= WRITE_CHUNK => Ok(chunk),
+                Some(Ok(chunk)) => {
+                    buf.extend_from_slice(&chunk);
+                    if buf.len() < WRITE_CHUNK {
+                        continue;
+                    }
+                    Ok(buf.split().freeze())
+                }
+                Some(Err(e)) => Err(e),
+                None => {
+                    if !buf.is_empty() {
+                        let _ = tx.send(Ok(buf.split().freeze())).await;
+                    }
+                    return;
+                }
+            };
+            let last = item.is_err();
+            // The consumer went away (the write failed): stop reading.
+            if tx.send(item).await.is_err() || last {
+                return;
+            }
+        }
+    });
+    Box::pin(futures::stream::poll_fn(move |cx| rx.poll_recv(cx)))
 }
 
 async fn set_policy(
