@@ -1074,28 +1074,72 @@ async fn a_sandbox_outlives_a_restart_of_the_server() {
     let Some((mut serve, model, image, _)) = serve_and_model(home.path()).await else {
         return;
     };
-    let name = format!("restart-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
-    let (status, made) = api(&serve, reqwest::Method::POST, "/v1/sandboxes", Some(HOST), Some(json!({
-        "provider": "docker", "image": image, "sessionId": name, "ports": [4000],
-        "networkPolicy": {"mode": "deny-all"},
-    }))).await;
+    let name = format!(
+        "restart-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
+    let (status, made) = api(
+        &serve,
+        reqwest::Method::POST,
+        "/v1/sandboxes",
+        Some(HOST),
+        Some(json!({
+            "provider": "docker", "image": image, "sessionId": name, "ports": [4000],
+            "networkPolicy": {"mode": "deny-all"},
+        })),
+    )
+    .await;
     assert_eq!(status, 201, "{made}");
     assert_eq!(exec(&serve, &name, "echo kept > kept.txt").await.0, 0);
-    let (_, before) = api(&serve, reqwest::Method::GET, &format!("/v1/sandboxes/{name}/ports/4000"), Some(HOST), None).await;
+    let (_, before) = api(
+        &serve,
+        reqwest::Method::GET,
+        &format!("/v1/sandboxes/{name}/ports/4000"),
+        Some(HOST),
+        None,
+    )
+    .await;
     serve.kill();
     let serve = Serve::start_with_env(
         home.path(),
         &model,
         &["--image", &image],
-        &[("HARNESS_SANDBOX_TOOLS", node22().unwrap().parent().unwrap().parent().unwrap().to_str().unwrap())],
+        &[(
+            "HARNESS_SANDBOX_TOOLS",
+            node22()
+                .unwrap()
+                .parent()
+                .unwrap()
+                .parent()
+                .unwrap()
+                .to_str()
+                .unwrap(),
+        )],
     );
     // Found by name from the record; its policy and port URL as they were.
-    let (status, info) = api(&serve, reqwest::Method::POST, &format!("/v1/sandboxes/{name}/resume"), Some(HOST), None).await;
+    let (status, info) = api(
+        &serve,
+        reqwest::Method::POST,
+        &format!("/v1/sandboxes/{name}/resume"),
+        Some(HOST),
+        None,
+    )
+    .await;
     assert_eq!(status, 200, "{info}");
     assert_eq!(info["id"], made["id"]);
     assert_eq!(info["networkPolicy"]["mode"], "deny-all");
-    assert_eq!(exec(&serve, &name, "cat kept.txt").await, (0, "kept\n".to_string()));
-    let (_, after) = api(&serve, reqwest::Method::GET, &format!("/v1/sandboxes/{name}/ports/4000"), Some(HOST), None).await;
+    assert_eq!(
+        exec(&serve, &name, "cat kept.txt").await,
+        (0, "kept\n".to_string())
+    );
+    let (_, after) = api(
+        &serve,
+        reqwest::Method::GET,
+        &format!("/v1/sandboxes/{name}/ports/4000"),
+        Some(HOST),
+        None,
+    )
+    .await;
     assert_eq!(after["path"], before["path"]);
     // The proxy is back too: deny-all still refuses through it.
     let (code, answer) = exec(
@@ -1106,6 +1150,13 @@ async fn a_sandbox_outlives_a_restart_of_the_server() {
     .await;
     assert_eq!(code, 0);
     assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
-    let (status, _) = api(&serve, reqwest::Method::DELETE, &format!("/v1/sandboxes/{name}"), Some(HOST), None).await;
+    let (status, _) = api(
+        &serve,
+        reqwest::Method::DELETE,
+        &format!("/v1/sandboxes/{name}"),
+        Some(HOST),
+        None,
+    )
+    .await;
     assert_eq!(status, 204);
 }

@@ -29,8 +29,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use futures::StreamExt;
 use harness_core::sandbox::{
-    collect_exec, ExecRequest, HostForward, SandboxProvider, SandboxSpec,
-    EGRESS_PROXY_PORT,
+    collect_exec, ExecRequest, HostForward, SandboxProvider, SandboxSpec, EGRESS_PROXY_PORT,
 };
 use session_server::sandboxes::SandboxRegistry;
 use sha2::Digest;
@@ -216,7 +215,9 @@ async fn through_api(
 }
 
 fn report(provider: &str, direct: &Figures, api: &Figures) {
-    println!("\n{provider}: through the API from Node vs the provider in Rust (medians of the rounds)");
+    println!(
+        "\n{provider}: through the API from Node vs the provider in Rust (medians of the rounds)"
+    );
     println!("| call | Rust, direct | Node, API | ratio | target |");
     println!("|---|---:|---:|---:|---|");
     let call = |what: &str, d: f64, a: f64| {

@@ -35,10 +35,11 @@ use tokio::task::JoinHandle;
 
 /// The network policy of an API sandbox, in the AI SDK's shape
 /// (`HarnessV1NetworkPolicy`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "mode", rename_all = "kebab-case", deny_unknown_fields)]
 pub enum ApiNetworkPolicy {
     /// Everything the host reaches (but the host's own loopback).
+    #[default]
     AllowAll,
     /// Nothing.
     DenyAll,
@@ -54,12 +55,6 @@ pub enum ApiNetworkPolicy {
         #[serde(default, rename = "deniedCIDRs")]
         denied_cidrs: Vec<String>,
     },
-}
-
-impl Default for ApiNetworkPolicy {
-    fn default() -> Self {
-        Self::AllowAll
-    }
 }
 
 impl ApiNetworkPolicy {

@@ -1030,9 +1030,10 @@ async fn write_file(
         inner.auth(&headers, &params, Some(&name))?;
         let (sandbox, _) = inner.sandbox(&name).await?;
         let path = file_path(&params, sandbox.workdir())?;
-        let stream = coalesce(body.into_data_stream().map(|r| {
-            r.map_err(|e| harness_core::Error::backend(format!("request body: {e}")))
-        }));
+        let stream =
+            coalesce(body.into_data_stream().map(|r| {
+                r.map_err(|e| harness_core::Error::backend(format!("request body: {e}")))
+            }));
         let written = sandbox.write_file(&path, stream).await?;
         Ok::<_, ApiError>(json!({ "path": path, "bytes": written }))
     }
