@@ -107,24 +107,29 @@ fn run(cmd: &mut Command, what: &str) -> String {
     stdout
 }
 
-/// The package's dependencies, installed once per lockfile.
+/// The package's dependencies, installed once per lockfile (one install
+/// at a time in this process; processes racing each install into a
+/// directory of their own, and the first rename wins).
 fn node_modules() -> Option<PathBuf> {
     use sha2::Digest;
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let lock = std::fs::read(package_dir().join("package-lock.json")).unwrap();
     let hash = hex::encode(sha2::Sha256::digest(&lock));
     let dir = cache_dir()
         .join("npm")
         .join(format!("ai-sdk-{}", &hash[..12]));
-    if dir
-        .join("node_modules/@ai-sdk/harness-claude-code/package.json")
-        .is_file()
-    {
+    // Written last, before the directory takes its name: a directory
+    // without it is no install.
+    let done = ".harness-complete";
+    if dir.join(done).is_file() {
         return Some(dir.join("node_modules"));
     }
-    let tmp =
-        cache_dir()
-            .join("npm")
-            .join(format!(".ai-sdk-{}-{}", &hash[..12], std::process::id()));
+    let tmp = cache_dir().join("npm").join(format!(
+        ".ai-sdk-{}-{}",
+        &hash[..12],
+        uuid::Uuid::new_v4().simple()
+    ));
     std::fs::create_dir_all(&tmp).unwrap();
     for file in ["package.json", "package-lock.json"] {
         std::fs::copy(package_dir().join(file), tmp.join(file)).unwrap();
@@ -142,7 +147,12 @@ fn node_modules() -> Option<PathBuf> {
             return None;
         }
     }
-    // Another test may have finished first: either copy is whole.
+    std::fs::write(tmp.join(done), "").unwrap();
+    if dir.exists() && !dir.join(done).is_file() {
+        // A directory left by an install that did not finish.
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    // Another process may have finished first: either copy is whole.
     if std::fs::rename(&tmp, &dir).is_err() {
         let _ = std::fs::remove_dir_all(&tmp);
     }
@@ -233,13 +243,20 @@ fn tail(s: &str, n: usize) -> &str {
 /// snapshots; the scripted model (requiring the real key) on the Docker
 /// bridge gateway, an address both containers and local sandboxes reach.
 async fn serve_and_model(home: &Path) -> Option<(Serve, ScriptedModel, String, IpAddr)> {
+    serve_with_snapshots(home, &cache_dir().join("sandbox-api-snapshots")).await
+}
+
+/// [`serve_and_model`] with the identity snapshots recorded in `snapshots`.
+async fn serve_with_snapshots(
+    home: &Path,
+    snapshots: &Path,
+) -> Option<(Serve, ScriptedModel, String, IpAddr)> {
     let (image, gateway) = docker_parts().await?;
     let node = node22()?;
     let tools = node.parent()?.parent()?.to_path_buf();
     let model = ScriptedModel::start_requiring_key(SocketAddr::new(gateway, 0), script(), REAL_KEY)
         .await
         .unwrap();
-    let snapshots = cache_dir().join("sandbox-api-snapshots");
     let serve = Serve::start_with_env(
         home,
         &model,
@@ -491,7 +508,10 @@ async fn the_bootstrap_runs_once_per_identity_across_two_processes() {
         return;
     };
     let home = tempfile::tempdir().unwrap();
-    let Some((serve, _model, image, _)) = serve_and_model(home.path()).await else {
+    // A fresh identity each run: its snapshot is this test's, removed at the end.
+    let snapshots = home.path().join("snapshots");
+    let Some((serve, _model, image, _)) = serve_with_snapshots(home.path(), &snapshots).await
+    else {
         return;
     };
     let identity = format!("count-{}", uuid::Uuid::new_v4().simple());
@@ -529,6 +549,15 @@ async fn the_bootstrap_runs_once_per_identity_across_two_processes() {
     assert_eq!(c["bootstrap"], "snapshot", "{c}");
     assert_eq!(std::fs::read_to_string(&count).unwrap().lines().count(), 1);
     assert_no_api_containers_left(&serve).await;
+    let records: Vec<_> = std::fs::read_dir(&snapshots).unwrap().collect();
+    assert_eq!(records.len(), 1, "one snapshot for the identity");
+    for record in records {
+        let record: Value =
+            serde_json::from_slice(&std::fs::read(record.unwrap().path()).unwrap()).unwrap();
+        let image = record["image"].as_str().unwrap();
+        assert!(image.starts_with("harness-sandbox-image:"), "{record}");
+        let _ = Command::new("docker").args(["rmi", image]).output();
+    }
 }
 
 /// A free TCP port of this machine.

@@ -54,10 +54,7 @@ fn build_package(node: &Path, dir: &Path) -> Result<()> {
     let cached = cache_dir()
         .join("npm")
         .join(format!("ai-sdk-{}", &hash[..12]));
-    if !cached
-        .join("node_modules/typescript/package.json")
-        .is_file()
-    {
+    if !cached.join(".harness-complete").is_file() {
         std::fs::create_dir_all(&cached)?;
         for file in ["package.json", "package-lock.json"] {
             std::fs::copy(package_dir().join(file), cached.join(file))?;
@@ -70,6 +67,7 @@ fn build_package(node: &Path, dir: &Path) -> Result<()> {
         if !ok {
             bail!("npm ci of packages/ai-sdk failed");
         }
+        std::fs::write(cached.join(".harness-complete"), "")?;
     }
     for file in ["package.json", "tsconfig.json"] {
         std::fs::copy(package_dir().join(file), dir.join(file))?;
