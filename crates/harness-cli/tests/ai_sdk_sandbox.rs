@@ -239,6 +239,52 @@ fn tail(s: &str, n: usize) -> &str {
     &s[s.len().saturating_sub(n)..]
 }
 
+/// What a test's server made, swept when the test ends (also when it
+/// fails, before it could destroy them): the containers labelled with its
+/// state directory, and the processes of its local sandboxes.
+struct Sweep(PathBuf);
+
+impl Drop for Sweep {
+    fn drop(&mut self) {
+        let state = self.0.join("sandbox-api");
+        if let Ok(out) = Command::new("docker")
+            .args(["ps", "-aq", "--filter"])
+            .arg(format!("label=harness.api.state={}", state.display()))
+            .output()
+        {
+            let ids: Vec<String> = String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .map(str::to_string)
+                .collect();
+            if !ids.is_empty() {
+                let _ = Command::new("docker")
+                    .args(["rm", "-f"])
+                    .args(&ids)
+                    .output();
+            }
+        }
+        // Local sandboxes' processes carry HARNESS_SANDBOX_ROOT under the home.
+        let root = format!(
+            "HARNESS_SANDBOX_ROOT={}",
+            self.0.join("sandboxes").display()
+        );
+        for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+                continue;
+            };
+            let Ok(env) = std::fs::read(entry.path().join("environ")) else {
+                continue;
+            };
+            if env
+                .split(|b| *b == 0)
+                .any(|v| v.starts_with(root.as_bytes()))
+            {
+                let _ = Command::new("kill").args(["-9", &pid.to_string()]).output();
+            }
+        }
+    }
+}
+
 /// `harness serve` with the sandbox API, sharing the machine's identity
 /// snapshots; the scripted model (requiring the real key) on the Docker
 /// bridge gateway, an address both containers and local sandboxes reach.
@@ -383,6 +429,7 @@ async fn the_ai_sdk_runs_claude_in_docker_sandboxes() {
         return;
     };
     let home = tempfile::tempdir().unwrap();
+    let _sweep = Sweep(home.path().to_path_buf());
     let Some((serve, model, image, gateway)) = serve_and_model(home.path()).await else {
         return;
     };
@@ -478,6 +525,7 @@ async fn the_ai_sdk_runs_claude_in_local_sandboxes() {
         return;
     };
     let home = tempfile::tempdir().unwrap();
+    let _sweep = Sweep(home.path().to_path_buf());
     let Some((serve, model, image, _)) = serve_and_model(home.path()).await else {
         return;
     };
@@ -508,6 +556,7 @@ async fn the_bootstrap_runs_once_per_identity_across_two_processes() {
         return;
     };
     let home = tempfile::tempdir().unwrap();
+    let _sweep = Sweep(home.path().to_path_buf());
     // A fresh identity each run: its snapshot is this test's, removed at the end.
     let snapshots = home.path().join("snapshots");
     let Some((serve, _model, image, _)) = serve_with_snapshots(home.path(), &snapshots).await
@@ -643,6 +692,7 @@ async fn assert_no_api_containers_left(serve: &Serve) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_is_a_clear_4xx_and_creates_nothing() {
     let home = tempfile::tempdir().unwrap();
+    let _sweep = Sweep(home.path().to_path_buf());
     let Some((serve, _model, image, _)) = serve_and_model(home.path()).await else {
         return;
     };
@@ -918,6 +968,7 @@ async fn exec(serve: &Serve, name: &str, command: &str) -> (i64, String) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_port_url_survives_the_sandbox_being_replaced() {
     let home = tempfile::tempdir().unwrap();
+    let _sweep = Sweep(home.path().to_path_buf());
     let Some((serve, _model, image, _)) = serve_and_model(home.path()).await else {
         return;
     };
@@ -1100,6 +1151,7 @@ fn the_npm_package_builds_passes_its_tests_and_packs_clean() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sandbox_outlives_a_restart_of_the_server() {
     let home = tempfile::tempdir().unwrap();
+    let _sweep = Sweep(home.path().to_path_buf());
     let Some((mut serve, model, image, _)) = serve_and_model(home.path()).await else {
         return;
     };

@@ -476,6 +476,11 @@ async fn make_sandbox(
     spec.network = network;
     spec.session_id = Some(name.to_string());
     spec.labels.insert("harness.api".into(), "sandboxes".into());
+    // Which server's records name it (a leftover can be traced, or swept).
+    spec.labels.insert(
+        "harness.api.state".into(),
+        inner.state_dir.display().to_string(),
+    );
     if let Listen::Unix(path) = listen {
         spec.forwards.push(HostForward {
             port: EGRESS_PROXY_PORT,
