@@ -245,8 +245,10 @@ pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
         ),
         ServeEngine::InProcess => {}
     }
+    // The sessions' routes and the sandbox API's (docs/ai-sdk.md).
+    let router = server.router().merge(sandboxes.router());
     let served = tokio::select! {
-        served = axum::serve(harness::server::no_delay(listener), server.router().merge(sandboxes.router())) => served.context("the server stopped"),
+        served = axum::serve(harness::server::no_delay(listener), router) => served.context("the server stopped"),
         _ = tokio::signal::ctrl_c() => {
             note!("shutting down");
             Ok(())
