@@ -1241,3 +1241,56 @@ async fn a_sandbox_outlives_a_restart_of_the_server() {
     .await;
     assert_eq!(status, 204);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrap_mode_uses_the_callers_sandbox_and_leaves_it() {
+    let Some(package) = Package::build() else {
+        return;
+    };
+    let home = tempfile::tempdir().unwrap();
+    let _sweep = Sweep(home.path().to_path_buf());
+    let Some((serve, _model, image, _)) = serve_and_model(home.path()).await else {
+        return;
+    };
+    let name = format!("wrap-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let (status, made) = api(
+        &serve,
+        reqwest::Method::POST,
+        "/v1/sandboxes",
+        Some(HOST),
+        Some(json!({"provider": "docker", "image": image, "sessionId": name, "ports": [4000]})),
+    )
+    .await;
+    assert_eq!(status, 201, "{made}");
+    assert_eq!(
+        exec(&serve, &name, "echo caller-made > mine.txt").await.0,
+        0
+    );
+    let w = package
+        .scenario(
+            "wrap",
+            json!({"url": serve.base, "token": HOST, "name": name}),
+            Duration::from_secs(120),
+        )
+        .await;
+    assert_eq!(w["bridgePorts"], json!([4000]), "{w}");
+    assert_eq!(w["id"], name.as_str(), "{w}");
+    assert_eq!(w["run"], "caller-made\n", "{w}");
+    assert_eq!(
+        w["hookRan"], false,
+        "no first-create hook in wrap mode: {w}"
+    );
+    assert_eq!(
+        w["after"], "still-here\n",
+        "stop and destroy left the caller's sandbox: {w}"
+    );
+    let (status, _) = api(
+        &serve,
+        reqwest::Method::DELETE,
+        &format!("/v1/sandboxes/{name}"),
+        Some(HOST),
+        None,
+    )
+    .await;
+    assert_eq!(status, 204);
+}

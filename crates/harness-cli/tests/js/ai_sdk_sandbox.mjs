@@ -305,7 +305,24 @@ async function bootstrapOnce() {
   await session.destroy();
 }
 
+/** Wrap mode: a sandbox the caller made through the API, used as it is. */
+async function wrapMode() {
+  const p = createHarnessSandbox({ url: args.url, token: args.token, sandbox: args.name, bridgePorts: [4000] });
+  out.bridgePorts = p.bridgePorts;
+  const s = await p.createSession({ sessionId: 'ignored-in-wrap-mode', identity: 'x', onFirstCreate: async () => {
+    out.hookRan = true;
+  } });
+  out.id = s.id;
+  out.run = (await s.run({ command: 'cat mine.txt' })).stdout;
+  await s.stop();
+  await s.destroy();
+  // The caller's sandbox is still there, running.
+  out.after = (await s.run({ command: 'echo still-here' })).stdout;
+  out.hookRan ??= false;
+}
+
 const scenarios = {
+  wrap: wrapMode,
   agent: agentScenarios,
   'agent-custom': agentUnderCustom,
   resume: resumeScenario,
