@@ -122,9 +122,42 @@ fn node_modules() -> Option<PathBuf> {
     // Written last, before the directory takes its name: a directory
     // without it is no install.
     let done = ".harness-complete";
-    if dir.join(done).is_file() {
-        return Some(dir.join("node_modules"));
+    // One install at a time across processes too (nextest runs each test
+    // in its own): the others wait for it rather than download again. A
+    // lock left by a killed install is taken over after 10 minutes.
+    let claim = cache_dir()
+        .join("npm")
+        .join(format!(".ai-sdk-{}.installing", &hash[..12]));
+    let started = Instant::now();
+    loop {
+        if dir.join(done).is_file() {
+            return Some(dir.join("node_modules"));
+        }
+        std::fs::create_dir_all(cache_dir().join("npm")).unwrap();
+        if std::fs::create_dir(&claim).is_ok() {
+            break;
+        }
+        let stale = std::fs::metadata(&claim)
+            .and_then(|m| m.modified())
+            .map(|t| t.elapsed().unwrap_or_default() > Duration::from_secs(600))
+            .unwrap_or(false);
+        if stale {
+            let _ = std::fs::remove_dir(&claim);
+        } else if started.elapsed() > Duration::from_secs(600) {
+            skip_or_fail(
+                "another process has been installing packages/ai-sdk's dependencies for 10 minutes",
+            );
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(500));
     }
+    let installed = install_node_modules(&dir, &hash, done);
+    let _ = std::fs::remove_dir(&claim);
+    installed
+}
+
+/// `npm ci` into a directory of its own, then renamed to `dir`.
+fn install_node_modules(dir: &Path, hash: &str, done: &str) -> Option<PathBuf> {
     let tmp = cache_dir().join("npm").join(format!(
         ".ai-sdk-{}-{}",
         &hash[..12],
@@ -150,10 +183,10 @@ fn node_modules() -> Option<PathBuf> {
     std::fs::write(tmp.join(done), "").unwrap();
     if dir.exists() && !dir.join(done).is_file() {
         // A directory left by an install that did not finish.
-        let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_dir_all(dir);
     }
     // Another process may have finished first: either copy is whole.
-    if std::fs::rename(&tmp, &dir).is_err() {
+    if std::fs::rename(&tmp, dir).is_err() {
         let _ = std::fs::remove_dir_all(&tmp);
     }
     Some(dir.join("node_modules"))
