@@ -1017,7 +1017,11 @@ async fn read_file(
     .await;
     match result {
         Ok(stream) => {
-            let body = Body::from_stream(stream.map(|r| r.map_err(std::io::Error::other)));
+            // Gathered and read ahead like a written body: a provider's
+            // pieces (a container archive's are small) would each be an
+            // HTTP chunk, and a client pays per chunk.
+            let body =
+                Body::from_stream(coalesce(stream).map(|r| r.map_err(std::io::Error::other)));
             ([("content-type", "application/octet-stream")], body).into_response()
         }
         Err(e) => e.into_response(),
@@ -1058,7 +1062,8 @@ const WRITE_AHEAD: usize = 4;
 /// an HTTP body arrives in the socket's pieces (a few KiB to 64 KiB) and a
 /// provider pays per chunk (a write into a container's stdin, a syscall),
 /// so a file is written in 1 MiB steps whatever the client's framing, and
-/// the next steps arrive while one is written.
+/// the next steps arrive while one is written. A file read goes out the
+/// same way.
 fn coalesce(
     body: impl futures::Stream<Item = harness_core::Result<Bytes>> + Send + 'static,
 ) -> harness_core::stream::ByteStream {
