@@ -29,6 +29,10 @@ pub enum Bench {
     /// session's Unix socket) vs straight to the provider: p50/p99 and
     /// throughput.
     Broker,
+    /// The sandbox API (the AI SDK's provider): from Node through the npm
+    /// package vs the same calls on the provider in Rust — first command
+    /// after create, exec round trip, 64 MiB write and read.
+    SandboxApi,
     /// microVM: boot to first exec, exec round trip, file throughput
     /// through the agent, CPU-bound work against the host.
     Microvm,
@@ -53,6 +57,7 @@ fn commands(bench: Bench) -> Vec<Vec<&'static str>> {
             example("session-server", "ds_bench"),
         ],
         Bench::HostTools => vec![example("session-server", "host_tools_bench")],
+        Bench::SandboxApi => vec![example("session-server", "sandbox_api_bench")],
         Bench::Broker => vec![example("harness-broker", "broker_bench")],
         // Debug build: the time is the guest's, and a release build of the
         // provider's dependencies would cost minutes for nothing.
@@ -76,6 +81,7 @@ pub fn run(bench: Bench) -> Result<()> {
         Bench::Server,
         Bench::HostTools,
         Bench::Broker,
+        Bench::SandboxApi,
         Bench::Microvm,
     ];
     let chosen: Vec<Bench> = if bench == Bench::All {

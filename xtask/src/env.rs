@@ -50,6 +50,12 @@ pub fn test_env(require_real: bool) -> Vec<(String, String)> {
         "HARNESS_WRANGLER".to_string(),
         worker::wrangler_bin().display().to_string(),
     ));
+    // Node 22 and pnpm (`cargo xtask deps`): the AI SDK's tests run on it,
+    // and `harness serve` hands its directory to the sandboxes it makes.
+    env.push((
+        "HARNESS_NODE22".to_string(),
+        crate::node::node_bin().display().to_string(),
+    ));
     if require_real {
         env.push(("HARNESS_REQUIRE_REAL".to_string(), "1".to_string()));
     }

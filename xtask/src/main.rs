@@ -13,6 +13,7 @@ mod image;
 mod layers;
 mod matrix;
 mod microvm;
+mod node;
 mod package;
 mod services;
 mod skips;
@@ -60,6 +61,8 @@ enum Cmd {
         #[arg(long)]
         force: bool,
     },
+    /// Install Node 22 and pnpm from npm into $HARNESS_CACHE/tools/node22 (part of deps).
+    Node,
     /// Print `export KEY=VALUE` lines for the tests' environment.
     Env {
         /// Leave out HARNESS_REQUIRE_REAL=1 (tests then skip when a real part is missing).
@@ -182,6 +185,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Image { force } => util::timed("image", || image::build(force)),
         Cmd::Agents => agents::install_all().map(|_| ()),
         Cmd::Microvm { force } => util::timed("microvm", || microvm::build(force).map(|_| ())),
+        Cmd::Node => util::timed("node", node::deps),
         Cmd::Env { no_require_real } => {
             env::print_exports(&env::test_env(!no_require_real));
             Ok(())

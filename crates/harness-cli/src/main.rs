@@ -23,6 +23,7 @@ mod moves;
 mod print;
 mod relay_host;
 mod serve;
+mod serve_sandboxes;
 mod sessions;
 mod telemetry;
 mod turn;

@@ -204,6 +204,13 @@ pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
     config
         .tokens
         .push(TokenGrant::new(&local_token, Scope::All, GrantRole::Host));
+    let sandboxes = crate::serve_sandboxes::sandbox_api(
+        home,
+        config.tokens.clone(),
+        insecure,
+        args.image.as_deref(),
+    )
+    .await?;
     let server = match &runtime {
         Some(runtime) => SessionServer::with_hub(config, runtime.hub().clone()),
         None => SessionServer::with_remote_runners(config),
@@ -246,8 +253,10 @@ pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
         ),
         ServeEngine::InProcess => {}
     }
+    // The sessions' routes and the sandbox API's (docs/ai-sdk.md).
+    let router = server.router().merge(sandboxes.router());
     let served = tokio::select! {
-        served = server.serve(listener) => served.context("the server stopped"),
+        served = axum::serve(harness::server::no_delay(listener), router) => served.context("the server stopped"),
         _ = tokio::signal::ctrl_c() => {
             note!("shutting down");
             Ok(())

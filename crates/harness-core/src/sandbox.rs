@@ -453,6 +453,18 @@ pub trait SandboxProvider: MaybeSend + MaybeSync + std::fmt::Debug {
         false
     }
 
+    /// Whether [`Sandbox::set_network`] can give this provider's sandboxes
+    /// a route out and take it away again while they run (Docker: a
+    /// firewall in the container's network namespace, set from the host;
+    /// its published ports still answer). A caller that may change
+    /// the policy later creates such a sandbox with `allow-all` and calls
+    /// `set_network` before it runs anything. A route taken away may come
+    /// back when the sandbox is stopped and started again: such a caller
+    /// calls `set_network` again after `resume`. False by default.
+    fn changes_network_at_run_time(&self) -> bool {
+        false
+    }
+
     /// Bootstrap snapshots this provider keeps. Optional.
     async fn list_snapshots(&self) -> Result<Vec<SnapshotInfo>> {
         Err(Error::unsupported(format!(
@@ -666,6 +678,33 @@ pub trait Sandbox: MaybeSend + MaybeSync + std::fmt::Debug {
     async fn port_endpoint(&self, port: u16) -> Result<PortEndpoint> {
         let _ = port;
         Err(Error::unsupported("this sandbox exposes no ports"))
+    }
+
+    /// Keep this sandbox's whole filesystem as an image named after `name`
+    /// (letters, digits, `-`, `_`, `.`), and answer the reference a later
+    /// [`SandboxSpec::image`] names to create sandboxes that start with
+    /// these files (a Docker image commit). The sandbox keeps running; its
+    /// processes are not part of the image. What an outside caller's
+    /// one-time setup did (the AI SDK's `onFirstCreate`) is kept this way,
+    /// once per identity. Optional: `Unsupported` by default.
+    async fn snapshot_image(&self, name: &str) -> Result<String> {
+        let _ = name;
+        Err(Error::unsupported(
+            "this sandbox cannot keep its filesystem as an image",
+        ))
+    }
+
+    /// Give the running sandbox a route out (`allow-all`) or take every
+    /// route away (`deny-all`, and `custom`, whose lists an egress proxy
+    /// reached through a forward enforces), keeping its forwards and what
+    /// the host reaches of it (its exposed ports). Only
+    /// where [`SandboxProvider::changes_network_at_run_time`] says so, on a
+    /// sandbox created with `allow-all`; `Unsupported` by default.
+    async fn set_network(&self, policy: &NetworkPolicy) -> Result<()> {
+        let _ = policy;
+        Err(Error::unsupported(
+            "this sandbox's network policy is fixed when it is created",
+        ))
     }
 
     /// Let go of the sandbox but keep it running; returns the handle to

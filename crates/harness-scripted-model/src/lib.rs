@@ -119,6 +119,10 @@ impl RecordedRequest {
 
 struct Shared {
     script: Script,
+    /// When set, a model request that does not carry this key (as
+    /// `x-api-key` or `Authorization: Bearer`) is refused with 401.
+    required_key: Option<String>,
+    refused: AtomicU64,
     requests: Mutex<Vec<RecordedRequest>>,
     failures: Mutex<Vec<String>>,
     next_id: AtomicU64,
@@ -166,10 +170,33 @@ impl ScriptedModel {
     /// that cannot reach the host's loopback, e.g. a Docker container, which
     /// reaches the host on its bridge gateway address.
     pub async fn start_on(addr: SocketAddr, script: Script) -> anyhow::Result<Self> {
+        Self::serve(addr, script, None).await
+    }
+
+    /// [`ScriptedModel::start_on`], refusing with `401` every model request
+    /// that does not carry `key` (as `x-api-key`, or `Authorization:
+    /// Bearer`): a client that has no key, or a wrong one, gets no answer
+    /// from the script. Refusals are counted ([`ScriptedModel::refused`])
+    /// and recorded, not reported as failures.
+    pub async fn start_requiring_key(
+        addr: SocketAddr,
+        script: Script,
+        key: impl Into<String>,
+    ) -> anyhow::Result<Self> {
+        Self::serve(addr, script, Some(key.into())).await
+    }
+
+    async fn serve(
+        addr: SocketAddr,
+        script: Script,
+        required_key: Option<String>,
+    ) -> anyhow::Result<Self> {
         let listener = tokio::net::TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         let shared = Arc::new(Shared {
             script,
+            required_key,
+            refused: AtomicU64::new(0),
             requests: Mutex::new(Vec::new()),
             failures: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(1),
@@ -237,6 +264,12 @@ impl ScriptedModel {
             .iter()
             .filter_map(RecordedRequest::model_request)
             .collect()
+    }
+
+    /// Model requests refused for a missing or wrong key (see
+    /// [`ScriptedModel::start_requiring_key`]).
+    pub fn refused(&self) -> u64 {
+        self.shared.refused.load(Ordering::Relaxed)
     }
 
     /// Failed assertions and unmatched requests so far.
@@ -347,6 +380,31 @@ fn answer(
     headers: &HeaderMap,
     body: &Bytes,
 ) -> Result<(ModelRequest, Reply), Box<Response>> {
+    if let Some(key) = &shared.required_key {
+        let header = |name: header::HeaderName| {
+            headers
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("")
+                .to_string()
+        };
+        let bearer = header(header::AUTHORIZATION);
+        let carried = header(header::HeaderName::from_static("x-api-key")) == *key
+            || bearer.strip_prefix("Bearer ") == Some(key.as_str());
+        if !carried {
+            shared.refused.fetch_add(1, Ordering::Relaxed);
+            let mut rec = base_record(method, uri, headers, Value::Null);
+            rec.api = Some(api);
+            shared.record(rec);
+            return Err(Box::new(
+                (
+                    StatusCode::UNAUTHORIZED,
+                    axum::Json(json!({"type":"error","error":{"type":"authentication_error","message":"scripted model: this request does not carry the key"}})),
+                )
+                    .into_response(),
+            ));
+        }
+    }
     let parsed = match parse_body(headers, body) {
         Ok(v) => v,
         Err(e) => {

@@ -706,4 +706,55 @@ async fn a_held_reply_waits_for_its_gate() {
     }
     assert!(seen.contains("two ") && seen.contains("three"), "{seen}");
     assert!(seen.contains("message_stop"), "{seen}");
+
+#[tokio::test]
+async fn a_model_requiring_a_key_refuses_requests_without_it() {
+    let server = ScriptedModel::start_requiring_key(
+        "127.0.0.1:0".parse().unwrap(),
+        Script::text("keyed answer"),
+        "the-real-key",
+    )
+    .await
+    .unwrap();
+    let url = format!("{}/v1/messages", server.base_url());
+    let send = |key: Option<(&'static str, &'static str)>| {
+        let mut req = reqwest::Client::new()
+            .post(&url)
+            .json(&anthropic_prompt("hello"));
+        if let Some((name, value)) = key {
+            req = req.header(name, value);
+        }
+        req.send()
+    };
+    for refused in [
+        None,
+        Some(("x-api-key", "placeholder")),
+        Some(("authorization", "Bearer nope")),
+    ] {
+        let r = send(refused).await.unwrap();
+        assert_eq!(r.status().as_u16(), 401, "{refused:?}");
+        let body: Value = r.json().await.unwrap();
+        assert_eq!(body["error"]["type"], "authentication_error");
+    }
+    assert_eq!(server.refused(), 3);
+    for key in [
+        ("x-api-key", "the-real-key"),
+        ("authorization", "Bearer the-real-key"),
+    ] {
+        let r = send(Some(key)).await.unwrap();
+        assert_eq!(r.status().as_u16(), 200, "{key:?}");
+        let events = parse_sse(&r.text().await.unwrap());
+        let text: String = events
+            .iter()
+            .filter_map(|(_, data)| data["delta"]["text"].as_str())
+            .collect();
+        assert_eq!(text, "keyed answer", "{key:?}");
+    }
+    assert_eq!(server.refused(), 3);
+    assert!(server.failures().is_empty(), "{:?}", server.failures());
+    assert_eq!(
+        server.model_requests().len(),
+        5,
+        "every request is recorded"
+    );
 }

@@ -37,6 +37,7 @@ pub mod base_image;
 mod bootstrap;
 mod exec;
 mod pool;
+mod snapshot;
 mod tarfile;
 
 use std::collections::{BTreeMap, HashMap};
@@ -643,6 +644,7 @@ impl DockerProvider {
             extra_env,
             forwards,
             stop_timeout_secs: self.config.stop_timeout_secs,
+            label_prefix: self.config.label_prefix.clone(),
         }
     }
 
@@ -742,6 +744,10 @@ impl DockerProvider {
 impl SandboxProvider for DockerProvider {
     fn name(&self) -> &'static str {
         PROVIDER_NAME
+    }
+
+    fn changes_network_at_run_time(&self) -> bool {
+        true
     }
 
     async fn create(&self, spec: &SandboxSpec) -> Result<Box<dyn Sandbox>> {
@@ -897,6 +903,8 @@ pub struct DockerSandbox {
     /// every exec runs through the gate when there are any.
     forwards: Vec<harness_sandbox_gate::Forward>,
     stop_timeout_secs: i32,
+    /// The provider's label prefix (images this sandbox commits carry it).
+    label_prefix: String,
 }
 
 impl DockerSandbox {
@@ -1230,6 +1238,19 @@ impl Sandbox for DockerSandbox {
             host,
             port: host_port,
         })
+    }
+
+    async fn snapshot_image(&self, name: &str) -> Result<String> {
+        snapshot::commit(self, name).await
+    }
+
+    async fn set_network(&self, policy: &NetworkPolicy) -> Result<()> {
+        if !self.owned {
+            return Err(Error::unsupported(
+                "wrap-mode: the caller's container keeps its own network",
+            ));
+        }
+        snapshot::set_network(&self.docker, &self.id, policy).await
     }
 
     async fn stop(&self) -> Result<SandboxHandle> {

@@ -38,6 +38,9 @@ pub mod durable_streams;
 mod error;
 mod http;
 mod runners;
+/// The sandbox API: `harness serve`'s sandboxes for outside agents (the
+/// AI SDK's `HarnessAgent`), see `docs/ai-sdk.md`.
+pub mod sandboxes;
 /// The AI SDK UI message stream mapping (it lives in `session-api`, shared
 /// with the Cloudflare Worker).
 pub use session_api::ui_stream;
