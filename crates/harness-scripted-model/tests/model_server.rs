@@ -706,6 +706,7 @@ async fn a_held_reply_waits_for_its_gate() {
     }
     assert!(seen.contains("two ") && seen.contains("three"), "{seen}");
     assert!(seen.contains("message_stop"), "{seen}");
+}
 
 #[tokio::test]
 async fn a_model_requiring_a_key_refuses_requests_without_it() {
