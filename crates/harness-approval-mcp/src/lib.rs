@@ -245,6 +245,28 @@ fn error(id: Value, code: i64, message: &str) -> Value {
     json!({ "jsonrpc": "2.0", "id": id, "error": { "code": code, "message": message } })
 }
 
+/// The binary's entry: serve permission requests on stdin/stdout through
+/// the relay directory `$HARNESS_RELAY_DIR` (what `harness-approval-mcp`
+/// runs, and what the multi-call `harness` binary runs when invoked under
+/// that name).
+pub fn main() -> std::process::ExitCode {
+    use std::process::ExitCode;
+    let Some(dir) = std::env::var_os("HARNESS_RELAY_DIR").filter(|d| !d.is_empty()) else {
+        eprintln!("harness-approval-mcp: HARNESS_RELAY_DIR is not set");
+        return ExitCode::from(2);
+    };
+    let server = Server::new(dir);
+    let stdin = std::io::stdin().lock();
+    let stdout = std::io::stdout().lock();
+    match server.serve(stdin, stdout) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("harness-approval-mcp: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -330,27 +352,5 @@ mod tests {
         };
         assert_eq!(decision(&d, json!({}))["behavior"], "deny");
         assert!(decision(&d, json!({}))["message"].as_str().unwrap().len() > 5);
-    }
-}
-
-/// The binary's entry: serve permission requests on stdin/stdout through
-/// the relay directory `$HARNESS_RELAY_DIR` (what `harness-approval-mcp`
-/// runs, and what the multi-call `harness` binary runs when invoked under
-/// that name).
-pub fn main() -> std::process::ExitCode {
-    use std::process::ExitCode;
-    let Some(dir) = std::env::var_os("HARNESS_RELAY_DIR").filter(|d| !d.is_empty()) else {
-        eprintln!("harness-approval-mcp: HARNESS_RELAY_DIR is not set");
-        return ExitCode::from(2);
-    };
-    let server = Server::new(dir);
-    let stdin = std::io::stdin().lock();
-    let stdout = std::io::stdout().lock();
-    match server.serve(stdin, stdout) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("harness-approval-mcp: {e}");
-            ExitCode::FAILURE
-        }
     }
 }

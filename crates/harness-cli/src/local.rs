@@ -94,15 +94,7 @@ pub async fn provider(
         }
         #[cfg(feature = "docker")]
         "docker" => {
-            let mut config = harness::docker::DockerConfig::default();
-            if let Some(image) = image {
-                config.default_image = image.to_string();
-            }
-            config.gate = Some(crate::helpers::path(home, Helper::Gate)?);
-            // The default image is made here on first use (no registry
-            // needed), saying what it does: it takes a minute.
-            config.make_default_image = Some(crate::image::make_image(home));
-            let connect = harness::docker::DockerProvider::connect(config);
+            let connect = harness::docker::DockerProvider::connect(docker_config(home, image)?);
             let provider = tokio::time::timeout(std::time::Duration::from_secs(10), connect)
                 .await
                 .map_err(|_| anyhow::anyhow!("the Docker engine did not answer in 10 s"))?
@@ -144,6 +136,21 @@ pub async fn provider(
             "unknown sandbox provider {other:?} (this build knows local, docker, cloudflare and microvm)"
         ),
     }
+}
+
+/// The Docker provider's configuration for this home: the default image
+/// (`image`, else `harness/debian:bookworm`, made here on first use with no
+/// registry needed, saying what it does: it takes a minute) and the gate
+/// (`crate::helpers`).
+#[cfg(feature = "docker")]
+pub fn docker_config(home: &Home, image: Option<&str>) -> Result<harness::docker::DockerConfig> {
+    let mut config = harness::docker::DockerConfig::default();
+    if let Some(image) = image {
+        config.default_image = image.to_string();
+    }
+    config.gate = Some(crate::helpers::path(home, Helper::Gate)?);
+    config.make_default_image = Some(crate::image::make_image(home));
+    Ok(config)
 }
 
 /// The microVM guest: `HARNESS_MICROVM_ASSETS`, else

@@ -15,7 +15,6 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use anyhow::Result;
 use harness::server::sandboxes::{SandboxApi, SandboxRegistry};
@@ -24,10 +23,13 @@ use harness::server::TokenGrant;
 use crate::home::Home;
 
 /// Where the tools directory goes inside a container.
+#[cfg(feature = "docker")]
 const TOOLS_IN_CONTAINER: &str = "/opt/harness/tools";
 /// Where the host's CA bundle goes inside a container.
+#[cfg(feature = "docker")]
 const CA_IN_CONTAINER: &str = "/opt/harness/ca-certificates.crt";
 const HOST_CA: &str = "/etc/ssl/certs/ca-certificates.crt";
+#[cfg(feature = "docker")]
 const CONTAINER_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 /// The tools directory, if there is one.
@@ -68,10 +70,7 @@ pub async fn sandbox_api(
     let mut registry = SandboxRegistry::new(home.sandboxes().with_file_name("sandbox-api"))
         .auth(tokens, insecure)
         .snapshots_dir(snapshots_dir(home))
-        .provider(
-            "local",
-            Arc::new(harness::local::LocalProvider::new(home.sandboxes())),
-        );
+        .provider("local", crate::local::provider(home, "local", None).await?);
     let mut local_env = BTreeMap::new();
     if let Some(tools) = &tools {
         let host_path = std::env::var("PATH").unwrap_or_default();
@@ -85,10 +84,27 @@ pub async fn sandbox_api(
     }
     registry = registry.provider_env("local", local_env);
 
-    let mut config = harness::docker::DockerConfig::default();
-    if let Some(image) = image {
-        config.default_image = image.to_string();
+    #[cfg(feature = "docker")]
+    {
+        registry = with_docker(registry, home, image, tools.as_deref(), ca).await?;
     }
+    #[cfg(not(feature = "docker"))]
+    let _ = image;
+    Ok(registry.start().await?)
+}
+
+/// The registry with Docker sandboxes, when an engine answers: the Node 22
+/// tools and the host's CA bundle mounted, the home's gate and default
+/// image (`crate::local::docker_config`).
+#[cfg(feature = "docker")]
+async fn with_docker(
+    mut registry: SandboxRegistry,
+    home: &Home,
+    image: Option<&str>,
+    tools: Option<&std::path::Path>,
+    ca: bool,
+) -> Result<SandboxRegistry> {
+    let mut config = crate::local::docker_config(home, image)?;
     let mut docker_env = BTreeMap::new();
     if let Some(tools) = &tools {
         config.bind_mounts.push(harness::docker::BindMount {
@@ -116,12 +132,12 @@ pub async fn sandbox_api(
     match tokio::time::timeout(std::time::Duration::from_secs(10), connect).await {
         Ok(Ok(docker)) => {
             registry = registry
-                .provider("docker", Arc::new(docker))
+                .provider("docker", std::sync::Arc::new(docker))
                 .provider_env("docker", docker_env);
         }
         _ => eprintln!(
             "note: the sandbox API offers no docker sandboxes (no Docker engine answered)"
         ),
     }
-    Ok(registry.start().await?)
+    Ok(registry)
 }

@@ -337,6 +337,40 @@ impl ServerHandler for RelayServer {
     }
 }
 
+/// The binary's entry: serve the relay on stdin/stdout with the
+/// configuration from the environment (what `harness-relay-mcp` runs, and
+/// what the multi-call `harness` binary runs when invoked under that name).
+pub fn main() -> std::process::ExitCode {
+    use std::process::ExitCode;
+    let config = match Config::from_env() {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("harness-relay-mcp: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    // One thread is plenty: the work is waiting on stdin and on files, and
+    // the sandbox may be small.
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("harness-relay-mcp: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let server = RelayServer::new(config);
+    match runtime.block_on(server.serve_stdio()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("harness-relay-mcp: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -421,39 +455,5 @@ mod tests {
             read_answer(&path).await,
             Ok(Some(HostOutcome::Unavailable { reason: "r".into() }))
         );
-    }
-}
-
-/// The binary's entry: serve the relay on stdin/stdout with the
-/// configuration from the environment (what `harness-relay-mcp` runs, and
-/// what the multi-call `harness` binary runs when invoked under that name).
-pub fn main() -> std::process::ExitCode {
-    use std::process::ExitCode;
-    let config = match Config::from_env() {
-        Ok(config) => config,
-        Err(e) => {
-            eprintln!("harness-relay-mcp: {e}");
-            return ExitCode::from(2);
-        }
-    };
-    // One thread is plenty: the work is waiting on stdin and on files, and
-    // the sandbox may be small.
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(runtime) => runtime,
-        Err(e) => {
-            eprintln!("harness-relay-mcp: cannot start the async runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let server = RelayServer::new(config);
-    match runtime.block_on(server.serve_stdio()) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("harness-relay-mcp: {e}");
-            ExitCode::FAILURE
-        }
     }
 }

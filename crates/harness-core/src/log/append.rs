@@ -101,6 +101,9 @@ impl NewFrame {
 }
 
 /// The decision.
+// A plan lives for one append, on the stack of the store deciding it:
+// boxing a variant would cost an allocation per append for nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 pub enum AppendPlan {
     /// The key was used before for the same content: store nothing,
