@@ -646,7 +646,7 @@ async fn checkpoint_locked(
     key: &str,
     parent_key: Option<&str>,
     listing: Listing,
-    mut parent: Option<Arc<KnownManifest>>,
+    parent: Option<Arc<KnownManifest>>,
     progress: Option<Arc<dyn MoveProgress>>,
 ) -> Result<TreeCheckpointInfo> {
     let mut uploader = Uploader::new(store);
@@ -666,184 +666,51 @@ async fn checkpoint_locked(
     };
     // The parent's entries (sorted by path), each marked when the listing
     // finds its path: what is unmarked at the end is gone (`deleted`).
-    let parent_listed_at = parent.as_deref().map_or(0, |p| p.manifest.listed_at);
     let mut found = vec![false; parent.as_deref().map_or(0, |p| p.manifest.entries.len())];
     let has_parent = parent_key.is_some();
-    // The parent, when this checkpoint took it for itself (see below).
-    let mut owned_parent: Option<KnownManifest> = None;
+    let mut parent = parent.map(ParentManifest::Shared);
     // Entries sorted by path, and for each its index among the parent's
     // entries when it is that entry unchanged (`NEW_ENTRY` otherwise).
     let (listed_at, entries, origins) = match listing {
         Listing::Missing => return Err(Error::not_found(format!("no such directory: {dir}"))),
         Listing::Listed { now, entries } if !has_parent => {
-            let tar = sandbox.export_tar(dir).await?;
-            let mut read = read_tar(tar, &mut uploader, &mut stats, progress.as_deref()).await?;
-            let listed: HashMap<&str, &ListedEntry> =
-                entries.iter().map(|l| (l.path.as_str(), l)).collect();
-            for entry in &mut read {
-                entry.stamp_from(listed.get(entry.path.as_str()).copied());
-            }
-            read.sort_by(|a, b| a.path.cmp(&b.path));
+            let read = read_whole_tree(
+                sandbox,
+                dir,
+                &entries,
+                &mut uploader,
+                &mut stats,
+                progress.as_deref(),
+            )
+            .await?;
             let origins = vec![NEW_ENTRY; read.len()];
             (now, read, origins)
         }
         Listing::Listed { now, entries } => {
-            // Both sides in path order: one merge pass pairs each listed
-            // path with the parent's entry, with no map of either.
-            let old_entries: &[TreeEntry] = parent
-                .as_deref()
-                .map_or(&[], |p| p.manifest.entries.as_slice());
-            // The new manifest, place by place (8 bytes each; the entries
-            // are put together once, at the end), and beside each place
-            // the parent's entry it is unchanged (`NEW_ENTRY` if none).
-            let mut plan: Vec<Slot> = Vec::with_capacity(entries.len());
-            let mut origins: Vec<u32> = Vec::with_capacity(entries.len());
-            // Directories and symlinks, in the order of their `Slot::Own`.
-            let mut own: Vec<TreeEntry> = Vec::new();
-            // Files to read, in the order of their `Slot::Changed`.
-            let mut changed: Vec<ListedEntry> = Vec::new();
-            // The parent's entry `i`, if `entry` is it unchanged.
-            let origin = |old: Option<(usize, &TreeEntry)>, entry: &TreeEntry| match old {
-                Some((i, o)) if o == entry => i as u32,
-                _ => NEW_ENTRY,
-            };
-            let mut parent_at = InPathOrder::new(old_entries, |e: &TreeEntry| e.path.as_str());
-            for listed in entries {
-                let old = parent_at.get(&listed.path);
-                if let Some((i, _)) = old {
-                    found[i] = true;
-                }
-                match listed.kind {
-                    'd' | 'l' => {
-                        let entry = TreeEntry {
-                            path: listed.path,
-                            kind: if listed.kind == 'd' {
-                                TreeKind::Dir
-                            } else {
-                                TreeKind::Symlink
-                            },
-                            mode: listed.mode,
-                            size: 0,
-                            mtime: listed.mtime,
-                            chunks: Vec::new(),
-                            target: (listed.kind == 'l').then_some(listed.link),
-                            ino: 0,
-                            ctime_ns: 0,
-                        };
-                        origins.push(origin(old, &entry));
-                        plan.push(Slot::Own);
-                        own.push(entry);
-                    }
-                    'f' => match old {
-                        Some((i, old)) if old.unchanged_since(&listed, parent_listed_at) => {
-                            origins.push(i as u32);
-                            plan.push(Slot::Parent(i as u32));
-                        }
-                        old => {
-                            if let Some((_, was)) = old {
-                                uploader.parent_at_paths.extend(was.chunks.iter().cloned());
-                            }
-                            origins.push(NEW_ENTRY);
-                            plan.push(Slot::Changed {
-                                old: old.map_or(NEW_ENTRY, |(i, _)| i as u32),
-                            });
-                            changed.push(listed);
-                        }
-                    },
-                    // tar skips sockets too (a file the parent had there
-                    // is gone).
-                    's' => {
-                        if let Some((i, _)) = old {
-                            found[i] = false;
-                        }
-                    }
-                    other => {
-                        return Err(Error::unsafe_entry(format!(
-                            "{dir}/{}: a {} cannot be checkpointed",
-                            listed.path,
-                            match other {
-                                'p' => "FIFO",
-                                'b' | 'c' => "device node",
-                                _ => "file of unknown type",
-                            }
-                        )))
-                    }
-                }
-            }
-            // Many files to read (a tree just restored, with new inodes):
-            // the parent's chunk set spares a store request per chunk it
-            // holds. A few: asking the store is cheaper than the set.
-            let many = changed.len() >= PARENT_CHUNK_SET_FILES;
-            if many {
-                uploader.parent = parent.clone();
-            } else if let Some(p) = parent.take() {
-                // The unchanged entries move from the parent into this
-                // manifest when nothing else holds the parent (copying
-                // 20,000 paths and hashes took most of a re-checkpoint);
-                // else they are copied.
-                match known::take_sole(p) {
-                    Ok(sole) => owned_parent = Some(sole),
-                    Err(shared) => parent = Some(shared),
-                }
-            }
-            // The changed files as read, each in its place among them. A
-            // file removed since the listing (the agent may still be
-            // working) is left out, and so recorded as deleted, instead
-            // of failing the checkpoint.
-            let mut read_files: Vec<Option<TreeEntry>> = Vec::new();
-            if !changed.is_empty() {
-                let paths: Vec<String> = changed.iter().map(|l| l.path.clone()).collect();
-                let tar = sandbox.export_paths_tar(dir, &paths).await?;
-                let read = read_tar(tar, &mut uploader, &mut stats, progress.as_deref()).await?;
-                let place: HashMap<&str, usize> = changed
-                    .iter()
-                    .enumerate()
-                    .map(|(k, l)| (l.path.as_str(), k))
-                    .collect();
-                read_files.resize_with(changed.len(), || None);
-                for mut entry in read.into_iter().filter(|e| e.kind == TreeKind::File) {
-                    if let Some(&k) = place.get(entry.path.as_str()) {
-                        entry.stamp_from(Some(&changed[k]));
-                        read_files[k] = Some(entry);
-                    }
-                }
-            }
-            let mut out = Vec::with_capacity(plan.len());
-            let mut out_origins = Vec::with_capacity(plan.len());
-            let mut own = own.into_iter();
-            let mut read_files = read_files.into_iter();
-            for (slot, from) in plan.into_iter().zip(origins) {
-                let entry = match slot {
-                    Slot::Parent(i) => match (&mut owned_parent, &parent) {
-                        (Some(sole), _) => {
-                            std::mem::replace(&mut sole.manifest.entries[i as usize], moved_out())
-                        }
-                        (None, Some(shared)) => shared.manifest.entries[i as usize].clone(),
-                        (None, None) => unreachable!("an unchanged entry has a parent"),
-                    },
-                    Slot::Own => own.next().expect("one directory or symlink per place"),
-                    Slot::Changed { old } => match read_files.next().expect("one file per place") {
-                        Some(entry) => entry,
-                        // Read by nobody: removed between the listing and
-                        // the read; the parent's entry there is gone.
-                        None => {
-                            if old != NEW_ENTRY {
-                                found[old as usize] = false;
-                            }
-                            continue;
-                        }
-                    },
-                };
-                out.push(entry);
-                out_origins.push(from);
-            }
-            (now, out, out_origins)
+            let (read, origins) = read_against_parent(
+                sandbox,
+                dir,
+                entries,
+                &mut parent,
+                &mut found,
+                &mut uploader,
+                &mut stats,
+                progress.as_deref(),
+            )
+            .await?;
+            (now, read, origins)
         }
         Listing::Unsupported => {
             let now = sandbox_now(sandbox).await?;
-            let tar = sandbox.export_tar(dir).await?;
-            let mut read = read_tar(tar, &mut uploader, &mut stats, progress.as_deref()).await?;
-            read.sort_by(|a, b| a.path.cmp(&b.path));
+            let read = read_whole_tree(
+                sandbox,
+                dir,
+                &[],
+                &mut uploader,
+                &mut stats,
+                progress.as_deref(),
+            )
+            .await?;
             let origins = vec![NEW_ENTRY; read.len()];
             (now, read, origins)
         }
@@ -853,35 +720,10 @@ async fn checkpoint_locked(
         p.finish(MovePhase::Export);
     }
     // Moved-out entries were all found: what is gone is intact.
-    let parent_ref: Option<&KnownManifest> = owned_parent.as_ref().or(parent.as_deref());
+    let parent_ref: Option<&KnownManifest> = parent.as_ref().map(ParentManifest::get);
     let old_entries: &[TreeEntry] = parent_ref.map_or(&[], |p| p.manifest.entries.as_slice());
-    let deleted: Vec<TreeEntry> = if has_parent {
-        let gone: Vec<&TreeEntry> = old_entries
-            .iter()
-            .zip(&found)
-            .filter(|(_, found)| !**found)
-            .map(|(e, _)| e)
-            .collect();
-        // Only when something is gone: whether its path is back.
-        let present: HashSet<&str> = if gone.is_empty() {
-            HashSet::new()
-        } else {
-            entries.iter().map(|e| e.path.as_str()).collect()
-        };
-        let mut deleted: Vec<TreeEntry> = gone
-            .into_iter()
-            .filter(|e| !present.contains(e.path.as_str()))
-            // What a restore compares, not the content: a deleted file's
-            // blobs are not kept alive by its successor.
-            .map(|e| TreeEntry {
-                chunks: Vec::new(),
-                ino: 0,
-                ctime_ns: 0,
-                ..e.clone()
-            })
-            .collect();
-        deleted.sort_by(|a, b| a.path.cmp(&b.path));
-        deleted
+    let deleted = if has_parent {
+        deleted_since(old_entries, &found, &entries)
     } else {
         Vec::new()
     };
@@ -907,14 +749,341 @@ async fn checkpoint_locked(
         deleted,
         packs: packs.into_iter().collect(),
     };
-    let (packed, frames) = encode_manifest(&manifest, &origins, parent_ref).await?;
-    let manifest = Arc::new(KnownManifest::with_frames(manifest, frames));
-    stats.bytes_uploaded += packed.len() as u64;
-    stats.object = store.put(key, harness_core::stream::once(packed)).await?;
-    // The next checkpoint of this tree, or a restore of this one, finds
-    // it parsed.
-    known::put(&stats.object.sha256, manifest);
+    let (object, packed_len) = store_manifest(store, key, manifest, &origins, parent_ref).await?;
+    stats.bytes_uploaded += packed_len;
+    stats.object = object;
     Ok(stats)
+}
+
+/// The whole tree read out of the sandbox as one tar, sorted by path,
+/// each file stamped with the inode and ctime `listed` gives it (none when
+/// the listing is empty: the tree could not be listed).
+async fn read_whole_tree(
+    sandbox: &dyn Sandbox,
+    dir: &str,
+    listed: &[ListedEntry],
+    uploader: &mut Uploader<'_>,
+    stats: &mut TreeCheckpointInfo,
+    progress: Option<&dyn MoveProgress>,
+) -> Result<Vec<TreeEntry>> {
+    let tar = sandbox.export_tar(dir).await?;
+    let mut read = read_tar(tar, uploader, stats, progress).await?;
+    let listed: HashMap<&str, &ListedEntry> = listed.iter().map(|l| (l.path.as_str(), l)).collect();
+    for entry in &mut read {
+        entry.stamp_from(listed.get(entry.path.as_str()).copied());
+    }
+    read.sort_by(|a, b| a.path.cmp(&b.path));
+    Ok(read)
+}
+
+/// A re-checkpoint's entries in path order, and for each the index of the
+/// parent's entry it is unchanged ([`NEW_ENTRY`] if none): the listing is
+/// paired with the parent's entries, and only the files whose stat
+/// changed are read out of the sandbox.
+#[allow(clippy::too_many_arguments)]
+async fn read_against_parent(
+    sandbox: &dyn Sandbox,
+    dir: &str,
+    listed: Vec<ListedEntry>,
+    parent: &mut Option<ParentManifest>,
+    found: &mut [bool],
+    uploader: &mut Uploader<'_>,
+    stats: &mut TreeCheckpointInfo,
+    progress: Option<&dyn MoveProgress>,
+) -> Result<(Vec<TreeEntry>, Vec<u32>)> {
+    let plan = Plan::pair(
+        dir,
+        listed,
+        parent.as_ref().map(ParentManifest::get),
+        found,
+        &mut uploader.parent_at_paths,
+    )?;
+    // Many files to read (a tree just restored, with new inodes): the
+    // parent's chunk set spares a store request per chunk it holds. A
+    // few: asking the store is cheaper than the set, and the parent's
+    // unchanged entries are better moved than copied.
+    if plan.changed.len() >= PARENT_CHUNK_SET_FILES {
+        if let Some(ParentManifest::Shared(p)) = parent {
+            uploader.parent = Some(p.clone());
+        }
+    } else {
+        *parent = parent.take().map(ParentManifest::into_sole);
+    }
+    let read = read_changed(sandbox, dir, &plan.changed, uploader, stats, progress).await?;
+    Ok(plan.assemble(read, parent, found))
+}
+
+/// A parent's manifest as a re-checkpoint holds it.
+enum ParentManifest {
+    /// Held elsewhere too (kept, or used by a restore): its unchanged
+    /// entries are copied into the new manifest.
+    Shared(Arc<KnownManifest>),
+    /// This checkpoint's alone: its unchanged entries move into the new
+    /// manifest (copying 20,000 paths and hashes took most of a
+    /// re-checkpoint).
+    Sole(Box<KnownManifest>),
+}
+
+impl ParentManifest {
+    fn get(&self) -> &KnownManifest {
+        match self {
+            ParentManifest::Shared(p) => p,
+            ParentManifest::Sole(p) => p,
+        }
+    }
+
+    /// The manifest taken out of the kept ones when nothing else holds it.
+    fn into_sole(self) -> Self {
+        match self {
+            ParentManifest::Shared(p) => match known::take_sole(p) {
+                Ok(sole) => ParentManifest::Sole(Box::new(sole)),
+                Err(shared) => ParentManifest::Shared(shared),
+            },
+            sole => sole,
+        }
+    }
+
+    /// The entry at `i`, for the new manifest.
+    fn entry(&mut self, i: u32) -> TreeEntry {
+        match self {
+            ParentManifest::Sole(sole) => {
+                std::mem::replace(&mut sole.manifest.entries[i as usize], moved_out())
+            }
+            ParentManifest::Shared(shared) => shared.manifest.entries[i as usize].clone(),
+        }
+    }
+}
+
+/// A re-checkpoint's manifest before its changed files are read: place by
+/// place in path order (8 bytes each; the entries are put together once,
+/// at the end), and beside each place the parent's entry it is unchanged
+/// ([`NEW_ENTRY`] if none).
+struct Plan {
+    slots: Vec<Slot>,
+    origins: Vec<u32>,
+    /// Directories and symlinks, in the order of their `Slot::Own`.
+    own: Vec<TreeEntry>,
+    /// Files to read, in the order of their `Slot::Changed`.
+    changed: Vec<ListedEntry>,
+}
+
+impl Plan {
+    /// Pair each listed path with the parent's entry there, marking it in
+    /// `found`; `parent_at_paths` gets the chunks the parent had at the
+    /// paths to read. Both sides are in path order: one merge pass, with
+    /// no map of either.
+    fn pair(
+        dir: &str,
+        listed: Vec<ListedEntry>,
+        parent: Option<&KnownManifest>,
+        found: &mut [bool],
+        parent_at_paths: &mut HashSet<String>,
+    ) -> Result<Plan> {
+        let parent_listed_at = parent.map_or(0, |p| p.manifest.listed_at);
+        let old_entries: &[TreeEntry] = parent.map_or(&[], |p| p.manifest.entries.as_slice());
+        let mut plan = Plan {
+            slots: Vec::with_capacity(listed.len()),
+            origins: Vec::with_capacity(listed.len()),
+            own: Vec::new(),
+            changed: Vec::new(),
+        };
+        // The parent's entry `i`, if `entry` is it unchanged.
+        let origin = |old: Option<(usize, &TreeEntry)>, entry: &TreeEntry| match old {
+            Some((i, o)) if o == entry => i as u32,
+            _ => NEW_ENTRY,
+        };
+        let mut parent_at = InPathOrder::new(old_entries, |e: &TreeEntry| e.path.as_str());
+        for listed in listed {
+            let old = parent_at.get(&listed.path);
+            if let Some((i, _)) = old {
+                found[i] = true;
+            }
+            match listed.kind {
+                'd' | 'l' => {
+                    let entry = TreeEntry {
+                        path: listed.path,
+                        kind: if listed.kind == 'd' {
+                            TreeKind::Dir
+                        } else {
+                            TreeKind::Symlink
+                        },
+                        mode: listed.mode,
+                        size: 0,
+                        mtime: listed.mtime,
+                        chunks: Vec::new(),
+                        target: (listed.kind == 'l').then_some(listed.link),
+                        ino: 0,
+                        ctime_ns: 0,
+                    };
+                    plan.origins.push(origin(old, &entry));
+                    plan.slots.push(Slot::Own);
+                    plan.own.push(entry);
+                }
+                'f' => match old {
+                    Some((i, old)) if old.unchanged_since(&listed, parent_listed_at) => {
+                        plan.origins.push(i as u32);
+                        plan.slots.push(Slot::Parent(i as u32));
+                    }
+                    old => {
+                        if let Some((_, was)) = old {
+                            parent_at_paths.extend(was.chunks.iter().cloned());
+                        }
+                        plan.origins.push(NEW_ENTRY);
+                        plan.slots.push(Slot::Changed {
+                            old: old.map_or(NEW_ENTRY, |(i, _)| i as u32),
+                        });
+                        plan.changed.push(listed);
+                    }
+                },
+                // tar skips sockets too (a file the parent had there is
+                // gone).
+                's' => {
+                    if let Some((i, _)) = old {
+                        found[i] = false;
+                    }
+                }
+                other => {
+                    return Err(Error::unsafe_entry(format!(
+                        "{dir}/{}: a {} cannot be checkpointed",
+                        listed.path,
+                        match other {
+                            'p' => "FIFO",
+                            'b' | 'c' => "device node",
+                            _ => "file of unknown type",
+                        }
+                    )))
+                }
+            }
+        }
+        Ok(plan)
+    }
+
+    /// The manifest's entries in path order, with their origins: the
+    /// parent's where unchanged, the directories and symlinks as listed,
+    /// the changed files as `read` (in the order of `changed`). A file
+    /// read by nobody was removed between the listing and the read: it is
+    /// left out, and the parent's entry at its path is gone (unmarked in
+    /// `found`).
+    fn assemble(
+        self,
+        read: Vec<Option<TreeEntry>>,
+        parent: &mut Option<ParentManifest>,
+        found: &mut [bool],
+    ) -> (Vec<TreeEntry>, Vec<u32>) {
+        let mut out = Vec::with_capacity(self.slots.len());
+        let mut out_origins = Vec::with_capacity(self.slots.len());
+        let mut own = self.own.into_iter();
+        let mut read = read.into_iter();
+        for (slot, from) in self.slots.into_iter().zip(self.origins) {
+            let entry = match slot {
+                Slot::Parent(i) => parent
+                    .as_mut()
+                    .expect("an unchanged entry has a parent")
+                    .entry(i),
+                Slot::Own => own.next().expect("one directory or symlink per place"),
+                Slot::Changed { old } => match read.next().expect("one file per place") {
+                    Some(entry) => entry,
+                    None => {
+                        if old != NEW_ENTRY {
+                            found[old as usize] = false;
+                        }
+                        continue;
+                    }
+                },
+            };
+            out.push(entry);
+            out_origins.push(from);
+        }
+        (out, out_origins)
+    }
+}
+
+/// The changed files as read, each in its place among them. A file
+/// removed since the listing (the agent may still be working) is left out
+/// (`None`), and so recorded as deleted, instead of failing the
+/// checkpoint.
+async fn read_changed(
+    sandbox: &dyn Sandbox,
+    dir: &str,
+    changed: &[ListedEntry],
+    uploader: &mut Uploader<'_>,
+    stats: &mut TreeCheckpointInfo,
+    progress: Option<&dyn MoveProgress>,
+) -> Result<Vec<Option<TreeEntry>>> {
+    let mut read_files: Vec<Option<TreeEntry>> = Vec::new();
+    if changed.is_empty() {
+        return Ok(read_files);
+    }
+    let paths: Vec<String> = changed.iter().map(|l| l.path.clone()).collect();
+    let tar = sandbox.export_paths_tar(dir, &paths).await?;
+    let read = read_tar(tar, uploader, stats, progress).await?;
+    let place: HashMap<&str, usize> = changed
+        .iter()
+        .enumerate()
+        .map(|(k, l)| (l.path.as_str(), k))
+        .collect();
+    read_files.resize_with(changed.len(), || None);
+    for mut entry in read.into_iter().filter(|e| e.kind == TreeKind::File) {
+        if let Some(&k) = place.get(entry.path.as_str()) {
+            entry.stamp_from(Some(&changed[k]));
+            read_files[k] = Some(entry);
+        }
+    }
+    Ok(read_files)
+}
+
+/// The parent's entries whose paths are gone: not `found` by the listing
+/// and not among `entries` again, sorted by path, with only what a
+/// restore compares (a deleted file's blobs are not kept alive by its
+/// successor).
+fn deleted_since(
+    parent_entries: &[TreeEntry],
+    found: &[bool],
+    entries: &[TreeEntry],
+) -> Vec<TreeEntry> {
+    let gone: Vec<&TreeEntry> = parent_entries
+        .iter()
+        .zip(found)
+        .filter(|(_, found)| !**found)
+        .map(|(e, _)| e)
+        .collect();
+    // Only when something is gone: whether its path is back.
+    let present: HashSet<&str> = if gone.is_empty() {
+        HashSet::new()
+    } else {
+        entries.iter().map(|e| e.path.as_str()).collect()
+    };
+    let mut deleted: Vec<TreeEntry> = gone
+        .into_iter()
+        .filter(|e| !present.contains(e.path.as_str()))
+        .map(|e| TreeEntry {
+            chunks: Vec::new(),
+            ino: 0,
+            ctime_ns: 0,
+            ..e.clone()
+        })
+        .collect();
+    deleted.sort_by(|a, b| a.path.cmp(&b.path));
+    deleted
+}
+
+/// Store `manifest` under `key` ([`encode_manifest`] against `parent`)
+/// and keep it, so that the next checkpoint of this tree, or a restore of
+/// this one, finds it parsed. Returns the stored object and the bytes
+/// uploaded.
+async fn store_manifest(
+    store: &dyn CheckpointStore,
+    key: &str,
+    manifest: TreeManifest,
+    origins: &[u32],
+    parent: Option<&KnownManifest>,
+) -> Result<(ObjectMeta, u64)> {
+    let (packed, frames) = encode_manifest(&manifest, origins, parent).await?;
+    let manifest = Arc::new(KnownManifest::with_frames(manifest, frames));
+    let packed_len = packed.len() as u64;
+    let object = store.put(key, harness_core::stream::once(packed)).await?;
+    known::put(&object.sha256, manifest);
+    Ok((object, packed_len))
 }
 
 /// Changed files from which a re-checkpoint consults the parent's chunk
@@ -1222,7 +1391,6 @@ async fn apply_manifest(
         Listing::Listed { entries, .. } => entries,
         Listing::Missing | Listing::Unsupported => Vec::new(),
     };
-    let listed_path: fn(&ListedEntry) -> &str = |l| &l.path;
     let mut target = InPathOrder::new(&listed, listed_path);
     let needed: Vec<&TreeEntry> = manifest
         .entries
@@ -1231,18 +1399,63 @@ async fn apply_manifest(
         .filter(|e| !target.get(&e.path).is_some_and(|(_, l)| e.same_as(l)))
         .collect();
     // Every chunk there before the first byte is written.
+    let located = locate_chunks(store, manifest, &needed).await?;
+    let bytes_written: u64 = needed.iter().map(|e| e.size).sum();
+    let written = needed.len() as u64;
+    if !needed.is_empty() {
+        let (tx, rx) = futures::channel::mpsc::channel::<Result<Bytes>>(8);
+        let produce = produce_tar(
+            store,
+            &needed,
+            &located,
+            &manifest.packs,
+            tx,
+            progress.clone(),
+        );
+        let import = sandbox.import_tar(dir, Box::pin(rx));
+        let (produced, imported) = futures::join!(produce, import);
+        // The producer's error is the cause when both failed.
+        produced?;
+        imported?;
+    }
+    if let Some(p) = &progress {
+        p.finish(MovePhase::Import);
+    }
+    // Deletions last: a failed import removes nothing.
+    let removed = remove_deleted(sandbox, dir, &manifest.deleted, &listed).await?;
+    Ok(TreeRestoreInfo {
+        summary,
+        written,
+        bytes_written,
+        removed,
+    })
+}
+
+fn listed_path(listed: &ListedEntry) -> &str {
+    &listed.path
+}
+
+/// The refusal of a restore whose content the store lacks in part.
+fn incomplete(missing: &str) -> Error {
+    Error::not_found(format!(
+        "the checkpoint's content is incomplete in the store ({missing}); nothing was restored"
+    ))
+}
+
+/// Where each chunk of `needed` is: a pack of the manifest's (the map), or
+/// a blob (not in it). Fails as incomplete when one is neither, and when a
+/// pack read from is not there as its index describes it.
+async fn locate_chunks<'m>(
+    store: &dyn CheckpointStore,
+    manifest: &'m TreeManifest,
+    needed: &[&'m TreeEntry],
+) -> Result<HashMap<&'m str, Loc>> {
     let unique: HashSet<&str> = needed
         .iter()
         .flat_map(|e| e.chunks.iter().map(String::as_str))
         .collect();
-    let incomplete = |missing: &str| {
-        Error::not_found(format!(
-            "the checkpoint's content is incomplete in the store ({missing}); nothing was restored"
-        ))
-    };
-    // Where each chunk is: a pack of the manifest's, or a blob. Many
-    // chunks (a tree restored whole) are looked up in the packs first,
-    // then the rest in one listing of the blobs; a few (the files a
+    // Many chunks (a tree restored whole) are looked up in the packs
+    // first, then the rest in one listing of the blobs; a few (the files a
     // checkpoint changed, stored as blobs) are asked with a `HEAD` first,
     // and the packs' indexes read only for what is not a blob.
     let mut unfound: Vec<&str> = unique.iter().copied().collect();
@@ -1274,17 +1487,27 @@ async fn apply_manifest(
     if let Some(first) = missing.first() {
         return Err(incomplete(&format!("{} is missing", blob_key(first))));
     }
-    // Every pack read from is there, is what its id names, and is long
-    // enough for its index.
+    check_packs(store, &manifest.packs, &located, indexes.as_deref()).await?;
+    Ok(located)
+}
+
+/// Every pack `located` reads from is there, is what its id names, and is
+/// long enough for its index.
+async fn check_packs(
+    store: &dyn CheckpointStore,
+    packs: &[String],
+    located: &HashMap<&str, Loc>,
+    indexes: Option<&[Arc<PackIndex>]>,
+) -> Result<()> {
     let used: std::collections::BTreeSet<u32> = located.values().map(|l| l.pack).collect();
     let mut heads = futures::stream::iter(used)
         .map(|at| async move {
-            let id = &manifest.packs[at as usize];
+            let id = &packs[at as usize];
             (at, store.head(&pack_key(id)).await)
         })
         .buffer_unordered(IN_FLIGHT);
     while let Some((at, head)) = heads.next().await {
-        let id = &manifest.packs[at as usize];
+        let id = &packs[at as usize];
         let meta = head.map_err(|e| {
             if e.kind() == ErrorKind::NotFound {
                 incomplete(&format!("{} is missing", pack_key(id)))
@@ -1292,7 +1515,7 @@ async fn apply_manifest(
                 e
             }
         })?;
-        let end = indexes.as_ref().map_or(0, |i| i[at as usize].end());
+        let end = indexes.map_or(0, |i| i[at as usize].end());
         if meta.sha256 != *id || meta.size < end {
             return Err(Error::corrupt(format!(
                 "pack {} holds {} bytes with SHA-256 {}, not the pack its index describes",
@@ -1302,33 +1525,22 @@ async fn apply_manifest(
             )));
         }
     }
-    drop(heads);
-    let bytes_written: u64 = needed.iter().map(|e| e.size).sum();
-    let written = needed.len() as u64;
-    if !needed.is_empty() {
-        let (tx, rx) = futures::channel::mpsc::channel::<Result<Bytes>>(8);
-        let produce = produce_tar(
-            store,
-            &needed,
-            &located,
-            &manifest.packs,
-            tx,
-            progress.clone(),
-        );
-        let import = sandbox.import_tar(dir, Box::pin(rx));
-        let (produced, imported) = futures::join!(produce, import);
-        // The producer's error is the cause when both failed.
-        produced?;
-        imported?;
-    }
-    if let Some(p) = &progress {
-        p.finish(MovePhase::Import);
-    }
-    // Deletions last: a failed import removes nothing.
+    Ok(())
+}
+
+/// Remove from the target the `deleted` paths it still holds exactly as
+/// the parent had them (`listed`: the target before the restore); returns
+/// how many.
+async fn remove_deleted(
+    sandbox: &dyn Sandbox,
+    dir: &str,
+    deleted: &[TreeEntry],
+    listed: &[ListedEntry],
+) -> Result<u64> {
     let mut files = Vec::new();
     let mut dirs = Vec::new();
-    let mut target = InPathOrder::new(&listed, listed_path);
-    for gone in &manifest.deleted {
+    let mut target = InPathOrder::new(listed, listed_path);
+    for gone in deleted {
         if target.get(&gone.path).is_some_and(|(_, l)| gone.same_as(l)) {
             match gone.kind {
                 TreeKind::Dir => dirs.push(gone.path.as_str()),
@@ -1354,12 +1566,7 @@ async fn apply_manifest(
             .await?
             .check("removing the paths the checkpoint deleted")?;
     }
-    Ok(TreeRestoreInfo {
-        summary,
-        written,
-        bytes_written,
-        removed,
-    })
+    Ok(removed)
 }
 
 /// 64 hex digits. Every byte is looked at (no early exit), which the
@@ -1463,11 +1670,7 @@ where
 const PACK_READ_GAP: u64 = 64 * 1024;
 
 /// Send `entries` as a tar stream, chunks fetched ahead in order within
-/// [`IN_FLIGHT_BYTES`] and [`IN_FLIGHT`]. Directories go first (in path
-/// order, so each comes before what it holds), then the files whose
-/// content is packed in the order of the packs (so that runs of them are
-/// one ranged read each), then the rest in path order, symlinks last;
-/// the importer takes entries in any order once their directories exist.
+/// [`IN_FLIGHT_BYTES`] and [`IN_FLIGHT`] ([`tar_order`], [`tar_units`]).
 async fn produce_tar(
     store: &dyn CheckpointStore,
     entries: &[&TreeEntry],
@@ -1476,131 +1679,9 @@ async fn produce_tar(
     mut tx: futures::channel::mpsc::Sender<Result<Bytes>>,
     progress: Option<Arc<dyn MoveProgress>>,
 ) -> Result<()> {
-    enum Piece<'a> {
-        Header(&'a TreeEntry),
-        /// A blob's hash.
-        Blob(&'a str),
-        /// A packed chunk's hash and where it is.
-        Packed(&'a str, Loc),
-        Bytes(Bytes),
-    }
-    /// Pieces produced together: those of one ranged read of a pack
-    /// (`span`: the pack, start, end), or one blob, with headers and
-    /// padding around them.
-    struct Unit<'a> {
-        pieces: Vec<Piece<'a>>,
-        span: Option<(u32, u64, u64)>,
-        cost: u64,
-    }
-    let rank = |e: &TreeEntry| match e.kind {
-        TreeKind::Dir => (0, 0, 0),
-        TreeKind::File => match e.chunks.first().and_then(|h| located.get(h.as_str())) {
-            Some(l) => (1, l.pack, l.offset),
-            None => (2, 0, 0),
-        },
-        TreeKind::Symlink => (3, 0, 0),
-    };
-    let mut ordered: Vec<&TreeEntry> = entries.to_vec();
-    // Stable: path order within each rank.
-    ordered.sort_by_key(|e| rank(e));
-    let mut units: Vec<Unit<'_>> = Vec::new();
-    let mut unit = Unit {
-        pieces: Vec::new(),
-        span: None,
-        cost: 0,
-    };
-    let fresh = || Unit {
-        pieces: Vec::new(),
-        span: None,
-        cost: 0,
-    };
-    for entry in &ordered {
-        unit.pieces.push(Piece::Header(entry));
-        for hash in &entry.chunks {
-            // A chunk costs at most its file's size and at most MAX_CHUNK.
-            let raw = entry.size.min(MAX_CHUNK as u64);
-            match located.get(hash.as_str()) {
-                Some(&loc) => {
-                    let joins = match &mut unit.span {
-                        Some((pack, start, end)) if *pack == loc.pack => {
-                            if loc.offset >= *start && loc.end <= *end {
-                                true
-                            } else if loc.offset >= *end
-                                && loc.offset - *end <= PACK_READ_GAP
-                                && loc.end - *start <= PACK_READ_MAX
-                            {
-                                unit.cost += loc.end - *end;
-                                *end = loc.end;
-                                true
-                            } else {
-                                false
-                            }
-                        }
-                        _ => false,
-                    };
-                    if !joins {
-                        if unit.span.is_some() || !unit.pieces.is_empty() {
-                            units.push(std::mem::replace(&mut unit, fresh()));
-                        }
-                        unit.span = Some((loc.pack, loc.offset, loc.end));
-                        unit.cost += loc.end - loc.offset;
-                    }
-                    unit.cost += raw;
-                    unit.pieces.push(Piece::Packed(hash, loc));
-                }
-                None => {
-                    units.push(std::mem::replace(&mut unit, fresh()));
-                    units.push(Unit {
-                        pieces: vec![Piece::Blob(hash)],
-                        span: None,
-                        cost: raw,
-                    });
-                }
-            }
-        }
-        let pad = (512 - (entry.size % 512) as usize) % 512;
-        if pad > 0 {
-            unit.pieces.push(Piece::Bytes(Bytes::from(vec![0u8; pad])));
-        }
-    }
-    unit.pieces.push(Piece::Bytes(Bytes::from(vec![0u8; 1024])));
-    units.push(unit);
-    async fn run(
-        store: &dyn CheckpointStore,
-        packs: &[String],
-        unit: Unit<'_>,
-    ) -> Result<Vec<Bytes>> {
-        let read = match unit.span {
-            Some((pack, start, end)) => {
-                let key = pack_key(&packs[pack as usize]);
-                Some((start, store.get_range(&key, start..end).await?))
-            }
-            None => None,
-        };
-        let mut out = Vec::with_capacity(unit.pieces.len());
-        for piece in unit.pieces {
-            out.push(match piece {
-                Piece::Header(entry) => tar_header(entry)?,
-                Piece::Bytes(b) => b,
-                Piece::Blob(hash) => fetch_chunk(store, hash).await?,
-                Piece::Packed(hash, loc) => {
-                    let (start, bytes) = read.as_ref().expect("a packed chunk's unit reads");
-                    let frame =
-                        bytes.slice((loc.offset - start) as usize..(loc.end - start) as usize);
-                    let id = &packs[loc.pack as usize];
-                    unpack_chunk(
-                        frame,
-                        hash,
-                        &format!("chunk {hash} of pack {}", pack_key(id)),
-                    )
-                    .await?
-                }
-            });
-        }
-        Ok(out)
-    }
+    let ordered = tar_order(entries, located);
     // Units in order, run ahead within the byte and request budgets.
-    let mut units = units.into_iter().peekable();
+    let mut units = tar_units(&ordered, located).into_iter().peekable();
     let mut running = futures::stream::FuturesOrdered::new();
     let mut costs = std::collections::VecDeque::new();
     let mut in_flight = 0u64;
@@ -1614,7 +1695,7 @@ async fn produce_tar(
             let unit = units.next().expect("peeked");
             in_flight += c;
             costs.push_back(c);
-            running.push_back(run(store, packs, unit));
+            running.push_back(unit.fetch(store, packs));
         }
         let Some(pieces) = running.next().await else {
             break;
@@ -1641,6 +1722,155 @@ async fn produce_tar(
         }
     }
     Ok(())
+}
+
+/// The order a restore's tar sends `entries` in: directories first (in
+/// path order, so each comes before what it holds), then the files whose
+/// content is packed in the order of the packs (so that runs of them are
+/// one ranged read each), then the rest in path order, symlinks last; the
+/// importer takes entries in any order once their directories exist.
+fn tar_order<'e>(entries: &[&'e TreeEntry], located: &HashMap<&str, Loc>) -> Vec<&'e TreeEntry> {
+    let rank = |e: &TreeEntry| match e.kind {
+        TreeKind::Dir => (0, 0, 0),
+        TreeKind::File => match e.chunks.first().and_then(|h| located.get(h.as_str())) {
+            Some(l) => (1, l.pack, l.offset),
+            None => (2, 0, 0),
+        },
+        TreeKind::Symlink => (3, 0, 0),
+    };
+    let mut ordered: Vec<&TreeEntry> = entries.to_vec();
+    // Stable: path order within each rank.
+    ordered.sort_by_key(|e| rank(e));
+    ordered
+}
+
+/// One piece of a restore's tar stream.
+enum Piece<'a> {
+    Header(&'a TreeEntry),
+    /// A blob's hash.
+    Blob(&'a str),
+    /// A packed chunk's hash and where it is.
+    Packed(&'a str, Loc),
+    Bytes(Bytes),
+}
+
+/// Pieces produced together: those of one ranged read of a pack (`span`:
+/// the pack, start, end), or one blob, with headers and padding around
+/// them. `cost`: the bytes they hold in flight.
+struct Unit<'a> {
+    pieces: Vec<Piece<'a>>,
+    span: Option<(u32, u64, u64)>,
+    cost: u64,
+}
+
+impl<'a> Unit<'a> {
+    fn new() -> Self {
+        Unit {
+            pieces: Vec::new(),
+            span: None,
+            cost: 0,
+        }
+    }
+
+    /// Widen this unit's read of a pack to take in the packed chunk at
+    /// `loc`, when it is in the same pack, within [`PACK_READ_GAP`] of the
+    /// read's end and [`PACK_READ_MAX`] of its start; whether it did.
+    fn joins(&mut self, loc: Loc) -> bool {
+        match &mut self.span {
+            Some((pack, start, end)) if *pack == loc.pack => {
+                if loc.offset >= *start && loc.end <= *end {
+                    true
+                } else if loc.offset >= *end
+                    && loc.offset - *end <= PACK_READ_GAP
+                    && loc.end - *start <= PACK_READ_MAX
+                {
+                    self.cost += loc.end - *end;
+                    *end = loc.end;
+                    true
+                } else {
+                    false
+                }
+            }
+            _ => false,
+        }
+    }
+
+    /// The unit's bytes, in order: its pack range read once, its blob
+    /// fetched, each chunk's hash checked.
+    async fn fetch(self, store: &dyn CheckpointStore, packs: &[String]) -> Result<Vec<Bytes>> {
+        let read = match self.span {
+            Some((pack, start, end)) => {
+                let key = pack_key(&packs[pack as usize]);
+                Some((start, store.get_range(&key, start..end).await?))
+            }
+            None => None,
+        };
+        let mut out = Vec::with_capacity(self.pieces.len());
+        for piece in self.pieces {
+            out.push(match piece {
+                Piece::Header(entry) => tar_header(entry)?,
+                Piece::Bytes(b) => b,
+                Piece::Blob(hash) => fetch_chunk(store, hash).await?,
+                Piece::Packed(hash, loc) => {
+                    let (start, bytes) = read.as_ref().expect("a packed chunk's unit reads");
+                    let frame =
+                        bytes.slice((loc.offset - start) as usize..(loc.end - start) as usize);
+                    let id = &packs[loc.pack as usize];
+                    unpack_chunk(
+                        frame,
+                        hash,
+                        &format!("chunk {hash} of pack {}", pack_key(id)),
+                    )
+                    .await?
+                }
+            });
+        }
+        Ok(out)
+    }
+}
+
+/// The tar stream of `ordered` as units: runs of packed chunks close
+/// together in one pack are one unit, read with one ranged request; a
+/// blob is a unit of its own; the headers and padding go with the unit
+/// they come before or after, and two zero blocks end the stream.
+fn tar_units<'a>(ordered: &[&'a TreeEntry], located: &HashMap<&str, Loc>) -> Vec<Unit<'a>> {
+    let mut units: Vec<Unit<'_>> = Vec::new();
+    let mut unit = Unit::new();
+    for entry in ordered {
+        unit.pieces.push(Piece::Header(entry));
+        for hash in &entry.chunks {
+            // A chunk costs at most its file's size and at most MAX_CHUNK.
+            let raw = entry.size.min(MAX_CHUNK as u64);
+            match located.get(hash.as_str()) {
+                Some(&loc) => {
+                    if !unit.joins(loc) {
+                        if unit.span.is_some() || !unit.pieces.is_empty() {
+                            units.push(std::mem::replace(&mut unit, Unit::new()));
+                        }
+                        unit.span = Some((loc.pack, loc.offset, loc.end));
+                        unit.cost += loc.end - loc.offset;
+                    }
+                    unit.cost += raw;
+                    unit.pieces.push(Piece::Packed(hash, loc));
+                }
+                None => {
+                    units.push(std::mem::replace(&mut unit, Unit::new()));
+                    units.push(Unit {
+                        pieces: vec![Piece::Blob(hash)],
+                        span: None,
+                        cost: raw,
+                    });
+                }
+            }
+        }
+        let pad = (512 - (entry.size % 512) as usize) % 512;
+        if pad > 0 {
+            unit.pieces.push(Piece::Bytes(Bytes::from(vec![0u8; pad])));
+        }
+    }
+    unit.pieces.push(Piece::Bytes(Bytes::from(vec![0u8; 1024])));
+    units.push(unit);
+    units
 }
 
 /// The header block(s) of one entry: GNU format, with a GNU long name for
