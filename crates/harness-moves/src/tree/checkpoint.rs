@@ -104,6 +104,9 @@ async fn list_with_parent(
     Ok((listing?, parent?))
 }
 
+/// [`checkpoint_tree`] with the lock held, the tree listed and the parent
+/// read: the tree read (whole, or against the parent), its chunks
+/// uploaded, what is gone from the parent recorded, the manifest stored.
 #[allow(clippy::too_many_arguments)]
 async fn checkpoint_locked(
     sandbox: &dyn Sandbox,
