@@ -214,7 +214,6 @@ pub fn build(force: bool) -> Result<PathBuf> {
     let debs = root.join("debs");
     std::fs::create_dir_all(&debs)?;
 
-    // Kernel.
     let kpkg = kernel_package()?;
     let kdeb = download_deb(&debs, &kpkg)?;
     let busybox_deb = download_deb(&debs, "busybox-static")?;
@@ -223,6 +222,54 @@ pub fn build(force: bool) -> Result<PathBuf> {
         kdeb.file_name().unwrap_or_default().to_string_lossy()
     ));
     let kdir = root.join(format!("kernel-{kkey}"));
+    let vmlinux = kernel(&root, &kdir, &kkey, &kdeb, &kpkg, force)?;
+    let (rootfs, rkey) = root_disk(&root, force)?;
+    let agent = build_agent()?;
+    let agent_bytes = std::fs::read(&agent)?;
+    let initramfs = initramfs(&root, &kdir, &kkey, &busybox_deb, &agent_bytes, force)?;
+
+    // The same static binary on the host: QEMU runs `agent relay SOCKET`
+    // for every guest connection to a host forward.
+    let host_agent = root.join(format!("agent-{}", sha_like(&agent_bytes)));
+    if !host_agent.exists() {
+        let tmp = host_agent.with_extension("tmp");
+        std::fs::copy(&agent, &tmp)?;
+        std::fs::rename(&tmp, &host_agent)?;
+    }
+    let manifest = serde_json::json!({
+        "agent": host_agent,
+        "kernel": vmlinux,
+        "initramfs": initramfs,
+        "rootfs": rootfs,
+        "rootfs_key": rkey,
+    });
+    write_atomic(
+        &root.join("assets.json"),
+        serde_json::to_string_pretty(&manifest)?.as_bytes(),
+    )?;
+    // Initramfs files and host agents of older builds add up: keep the
+    // newest 3 of each.
+    prune_old(&root, &initramfs, "initramfs-", ".cpio");
+    prune_old(&root, &host_agent, "agent-", "");
+    println!(
+        "microvm: assets ready in {} ({})",
+        util::fmt_duration(start.elapsed()),
+        root.join("assets.json").display()
+    );
+    Ok(root)
+}
+
+/// The kernel of the package `kdeb` (`kpkg`), unpacked into `kdir` unless
+/// it is there already (or `force`): `vmlinux`, and the modules
+/// [`MODULES`] loads, flat. Returns the path of `vmlinux`.
+fn kernel(
+    root: &Path,
+    kdir: &Path,
+    kkey: &str,
+    kdeb: &Path,
+    kpkg: &str,
+    force: bool,
+) -> Result<PathBuf> {
     let vmlinux = kdir.join("vmlinux");
     if force || !vmlinux.exists() {
         let tmp = root.join(format!("kernel-{kkey}.tmp"));
@@ -230,7 +277,7 @@ pub fn build(force: bool) -> Result<PathBuf> {
         std::fs::create_dir_all(&tmp)?;
         run(Command::new("dpkg-deb")
             .arg("-x")
-            .arg(&kdeb)
+            .arg(kdeb)
             .arg(tmp.join("x")))?;
         let boot = tmp.join("x/boot");
         let vmlinuz = std::fs::read_dir(&boot)?
@@ -241,60 +288,75 @@ pub fn build(force: bool) -> Result<PathBuf> {
                     .is_some_and(|n| n.to_string_lossy().starts_with("vmlinuz-"))
             })
             .context("no vmlinuz in the kernel package")?;
-        let data = std::fs::read(&vmlinuz)?;
-        let at = find_xz(&data).context("vmlinuz holds no xz stream (not CONFIG_KERNEL_XZ?)")?;
-        let mut xz = Command::new("xz")
-            .args(["-dc", "--single-stream"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("running xz")?;
-        let mut stdin = xz.stdin.take().expect("piped");
-        let payload = data[at..].to_vec();
-        let feeder = std::thread::spawn(move || {
-            let _ = stdin.write_all(&payload);
-        });
-        let out = xz.wait_with_output()?;
-        let _ = feeder.join();
-        if !out.stdout.starts_with(b"\x7fELF") {
-            bail!(
-                "the xz stream in {} is not an ELF kernel",
-                vmlinuz.display()
-            );
-        }
-        std::fs::write(tmp.join("vmlinux"), &out.stdout)?;
+        std::fs::write(tmp.join("vmlinux"), unpack_vmlinuz(&vmlinuz)?)?;
         // The modules the init script loads, flat.
-        let mods = tmp.join("modules");
-        std::fs::create_dir_all(&mods)?;
-        let lib = tmp.join("x/lib/modules");
-        let kver = std::fs::read_dir(&lib)?
-            .flatten()
-            .next()
-            .context("no /lib/modules in the kernel package")?
-            .path();
-        let mut loaded: Vec<&str> = Vec::new();
-        for m in MODULES {
-            let ko = find_module(&kver, m)?
-                .with_context(|| format!("module {m} not in {}", kver.display()))?;
-            let bytes = std::fs::read(&ko)?;
-            for dep in module_depends(&bytes) {
-                if !loaded.contains(&dep.as_str()) {
-                    bail!("module {m} depends on {dep}, which MODULES does not load before it");
-                }
-            }
-            std::fs::write(mods.join(format!("{m}.ko")), &bytes)?;
-            loaded.push(m);
-        }
+        copy_modules(&tmp.join("x/lib/modules"), &tmp.join("modules"))?;
         std::fs::remove_dir_all(tmp.join("x"))?;
-        let _ = std::fs::remove_dir_all(&kdir);
-        std::fs::rename(&tmp, &kdir)?;
+        let _ = std::fs::remove_dir_all(kdir);
+        std::fs::rename(&tmp, kdir)?;
         println!("microvm: kernel {kpkg} -> {}", vmlinux.display());
     } else {
         println!("microvm: kernel cached ({})", vmlinux.display());
     }
+    Ok(vmlinux)
+}
 
-    // Root disk, from the Docker test image's rootfs tarball.
+/// The ELF kernel inside `vmlinuz`: its xz stream, decompressed.
+fn unpack_vmlinuz(vmlinuz: &Path) -> Result<Vec<u8>> {
+    let data = std::fs::read(vmlinuz)?;
+    let at = find_xz(&data).context("vmlinuz holds no xz stream (not CONFIG_KERNEL_XZ?)")?;
+    let mut xz = Command::new("xz")
+        .args(["-dc", "--single-stream"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("running xz")?;
+    let mut stdin = xz.stdin.take().expect("piped");
+    let payload = data[at..].to_vec();
+    let feeder = std::thread::spawn(move || {
+        let _ = stdin.write_all(&payload);
+    });
+    let out = xz.wait_with_output()?;
+    let _ = feeder.join();
+    if !out.stdout.starts_with(b"\x7fELF") {
+        bail!(
+            "the xz stream in {} is not an ELF kernel",
+            vmlinuz.display()
+        );
+    }
+    Ok(out.stdout)
+}
+
+/// Copy the [`MODULES`] out of the package's `lib` (`/lib/modules`) into
+/// `mods`, flat, checking that each depends only on modules loaded before
+/// it.
+fn copy_modules(lib: &Path, mods: &Path) -> Result<()> {
+    std::fs::create_dir_all(mods)?;
+    let kver = std::fs::read_dir(lib)?
+        .flatten()
+        .next()
+        .context("no /lib/modules in the kernel package")?
+        .path();
+    let mut loaded: Vec<&str> = Vec::new();
+    for m in MODULES {
+        let ko = find_module(&kver, m)?
+            .with_context(|| format!("module {m} not in {}", kver.display()))?;
+        let bytes = std::fs::read(&ko)?;
+        for dep in module_depends(&bytes) {
+            if !loaded.contains(&dep.as_str()) {
+                bail!("module {m} depends on {dep}, which MODULES does not load before it");
+            }
+        }
+        std::fs::write(mods.join(format!("{m}.ko")), &bytes)?;
+        loaded.push(m);
+    }
+    Ok(())
+}
+
+/// The root disk, an ext4 image of the Docker test image's rootfs tarball,
+/// made unless there. Returns its path and key.
+fn root_disk(root: &Path, force: bool) -> Result<(PathBuf, String)> {
     let tarball = crate::image::rootfs_tarball(false)?;
     // A forced rebuild gets a new key: snapshots are qcow2 overlays on the
     // root disk by path, and `mkfs.ext4` never makes the same bytes twice,
@@ -348,10 +410,20 @@ pub fn build(force: bool) -> Result<PathBuf> {
     } else {
         println!("microvm: root disk cached ({})", rootfs.display());
     }
+    Ok((rootfs, rkey))
+}
 
-    // Initramfs: busybox, modules, init, agent.
-    let agent = build_agent()?;
-    let agent_bytes = std::fs::read(&agent)?;
+/// The initramfs: busybox (from `busybox_deb`), the kernel's modules (from
+/// `kdir`) and their order, the init script and the agent, written unless
+/// the same bytes are there. Returns its path.
+fn initramfs(
+    root: &Path,
+    kdir: &Path,
+    kkey: &str,
+    busybox_deb: &Path,
+    agent_bytes: &[u8],
+    force: bool,
+) -> Result<PathBuf> {
     let init = std::fs::read(util::repo_root().join("crates/sandbox-microvm/guest/init"))
         .context("reading crates/sandbox-microvm/guest/init")?;
     let bb_dir = root.join("busybox");
@@ -360,7 +432,7 @@ pub fn build(force: bool) -> Result<PathBuf> {
         let _ = std::fs::remove_dir_all(&bb_dir);
         run(Command::new("dpkg-deb")
             .arg("-x")
-            .arg(&busybox_deb)
+            .arg(busybox_deb)
             .arg(&bb_dir))?;
     }
     let busybox_bytes = std::fs::read(&busybox)?;
@@ -377,7 +449,7 @@ pub fn build(force: bool) -> Result<PathBuf> {
     }
     cpio.file("bin/busybox", 0o755, &busybox_bytes);
     cpio.file("init", 0o755, &init);
-    cpio.file("harness-agent", 0o755, &agent_bytes);
+    cpio.file("harness-agent", 0o755, agent_bytes);
     cpio.file("lib/modules/order", 0o644, MODULES.join("\n").as_bytes());
     for (m, bytes) in &modules {
         cpio.file(&format!("lib/modules/{m}.ko"), 0o644, bytes);
@@ -395,36 +467,7 @@ pub fn build(force: bool) -> Result<PathBuf> {
     } else {
         println!("microvm: initramfs cached ({})", initramfs.display());
     }
-
-    // The same static binary on the host: QEMU runs `agent relay SOCKET`
-    // for every guest connection to a host forward.
-    let host_agent = root.join(format!("agent-{}", sha_like(&agent_bytes)));
-    if !host_agent.exists() {
-        let tmp = host_agent.with_extension("tmp");
-        std::fs::copy(&agent, &tmp)?;
-        std::fs::rename(&tmp, &host_agent)?;
-    }
-    let manifest = serde_json::json!({
-        "agent": host_agent,
-        "kernel": vmlinux,
-        "initramfs": initramfs,
-        "rootfs": rootfs,
-        "rootfs_key": rkey,
-    });
-    write_atomic(
-        &root.join("assets.json"),
-        serde_json::to_string_pretty(&manifest)?.as_bytes(),
-    )?;
-    // Initramfs files and host agents of older builds add up: keep the
-    // newest 3 of each.
-    prune_old(&root, &initramfs, "initramfs-", ".cpio");
-    prune_old(&root, &host_agent, "agent-", "");
-    println!(
-        "microvm: assets ready in {} ({})",
-        util::fmt_duration(start.elapsed()),
-        root.join("assets.json").display()
-    );
-    Ok(root)
+    Ok(initramfs)
 }
 
 fn find_module(dir: &Path, name: &str) -> Result<Option<PathBuf>> {

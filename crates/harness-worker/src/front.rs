@@ -194,19 +194,7 @@ async fn route(req: Request, env: &Env) -> Result<Response, ApiError> {
     let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
     let max_frame = max_frame_bytes(env);
     match (method, segments.as_slice()) {
-        (Method::Post, ["v1", "sessions"]) => {
-            // As session-server: the body is read and checked first, then the token.
-            let bytes = call.body(MAX_CREATE_BODY).await?;
-            let create = CreateSession::parse(&bytes)?;
-            let id = create.session_id(&random_hex())?;
-            call.authorize(Some(&id), HOST)?;
-            let config = create.config(&[], &[])?;
-            // Listed before it exists, so it is never missing from the list.
-            record_session(call.env, &id).await?;
-            let body = serde_json::to_vec(&config).map_err(|e| ApiError::invalid(e.to_string()))?;
-            call.object(&id, Method::Post, "create", Some(String::new()), Some(body))
-                .await
-        }
+        (Method::Post, ["v1", "sessions"]) => create_session(&mut call).await,
         (Method::Get, ["v1", "sessions"]) => {
             call.authorize(None, HOST)?;
             list_sessions(&call).await
@@ -217,16 +205,7 @@ async fn route(req: Request, env: &Env) -> Result<Response, ApiError> {
             call.object(&id, Method::Get, "info", None, None).await
         }
         (Method::Post, ["v1", "sessions", id, "messages"]) => {
-            let id = request::session_id(id)?;
-            let grant = call.authorize(Some(&id), CLIENTS)?;
-            let bytes = call.body(request::body_limit(max_frame)).await?;
-            let message: ClientMessage = serde_json::from_slice(&bytes)
-                .map_err(|e| ApiError::invalid(format!("malformed client message: {e}")))?;
-            if matches!(message, ClientMessage::Seal {}) && grant != GrantRole::Host {
-                return Err(seal_forbidden());
-            }
-            call.object(&id, Method::Post, "messages", None, Some(bytes))
-                .await
+            post_message(&mut call, id, max_frame).await
         }
         (Method::Get, ["v1", "sessions", id, "events"]) => {
             let id = request::session_id(id)?;
@@ -253,69 +232,8 @@ async fn route(req: Request, env: &Env) -> Result<Response, ApiError> {
             call.object(&id, Method::Post, "seal", Some(String::new()), None)
                 .await
         }
-        (Method::Post, ["v1", "sessions", id, "fork"]) => {
-            // As session-server: the target (given or generated), the host
-            // on both, then the source's prefix copied into the target's
-            // new object, and an optional seal of the fork.
-            let source = request::session_id(id)?;
-            let target = match call.params.get("target") {
-                Some(t) => request::session_id(t)?,
-                None => {
-                    let base = &source.as_str()[..source.as_str().len().min(80)];
-                    request::session_id(&format!("{base}-fork-{}", random_hex()))?
-                }
-            };
-            call.authorize(Some(&source), HOST)?;
-            call.authorize(Some(&target), HOST)?;
-            record_session(call.env, &target).await?;
-            let query = match request::param_u64(&call.params, "until")? {
-                Some(until) => format!("until={until}"),
-                None => String::new(),
-            };
-            let mut prefix = call
-                .object(&source, Method::Get, "fork-prefix", Some(query), None)
-                .await?;
-            if prefix.status_code() != 200 {
-                // The source's own answer: 404 unknown, 400 past its end.
-                return Ok(prefix);
-            }
-            let bytes = prefix.bytes().await.map_err(internal)?;
-            let mut created = call
-                .object(
-                    &target,
-                    Method::Post,
-                    "fork-into",
-                    Some(String::new()),
-                    Some(bytes),
-                )
-                .await?;
-            if created.status_code() != 201 || !request::param_flag(&call.params, "seal") {
-                return Ok(created);
-            }
-            let info: serde_json::Value = created.json().await.map_err(internal)?;
-            if info["sealed"] == true {
-                return json_response(201, &info);
-            }
-            let mut sealed = call
-                .object(&target, Method::Post, "seal", Some(String::new()), None)
-                .await?;
-            if sealed.status_code() != 200 {
-                return Ok(sealed);
-            }
-            let info: serde_json::Value = sealed.json().await.map_err(internal)?;
-            json_response(201, &info)
-        }
-        (Method::Get, ["v1", "sessions", id, "ws"]) => {
-            // The token and role are checked here; the upgrade itself goes
-            // to the session's object, which holds the socket.
-            let id = request::session_id(id)?;
-            let role = ws::role(&call.params)?;
-            let grant = call.authorize(Some(&id), ws::grants_for(role))?;
-            let headers = call.req.headers().clone();
-            let host = if grant == GrantRole::Host { "1" } else { "0" };
-            headers.set(GRANT_HOST_HEADER, host).map_err(internal)?;
-            forward_to_session(&call, &id, Method::Get, "ws", headers).await
-        }
+        (Method::Post, ["v1", "sessions", id, "fork"]) => fork(&call, id).await,
+        (Method::Get, ["v1", "sessions", id, "ws"]) => open_websocket(&call, id).await,
         (method, ["v1", "stream", "sessions", id]) => session_stream(call, method, id, &path).await,
         (method, ["v1", "stream", _, ..]) => streams(call, method, &path).await,
         (Method::Get, ["v1", "checkpoints", "objects"]) => {
@@ -349,6 +267,106 @@ async fn route(req: Request, env: &Env) -> Result<Response, ApiError> {
         )),
         _ => Err(ApiError::no_route()),
     }
+}
+
+/// `POST /v1/sessions`: as session-server, the body is read and checked
+/// first, then the token; the session is recorded in the directory, then
+/// created in its object.
+async fn create_session(call: &mut Call<'_>) -> Result<Response, ApiError> {
+    let bytes = call.body(MAX_CREATE_BODY).await?;
+    let create = CreateSession::parse(&bytes)?;
+    let id = create.session_id(&random_hex())?;
+    call.authorize(Some(&id), HOST)?;
+    let config = create.config(&[], &[])?;
+    // Listed before it exists, so it is never missing from the list.
+    record_session(call.env, &id).await?;
+    let body = serde_json::to_vec(&config).map_err(|e| ApiError::invalid(e.to_string()))?;
+    call.object(&id, Method::Post, "create", Some(String::new()), Some(body))
+        .await
+}
+
+/// `POST …/messages`: a client's message, within the frame limit, to the
+/// session's object (`seal` only with the host grant).
+async fn post_message(
+    call: &mut Call<'_>,
+    id: &str,
+    max_frame: usize,
+) -> Result<Response, ApiError> {
+    let id = request::session_id(id)?;
+    let grant = call.authorize(Some(&id), CLIENTS)?;
+    let bytes = call.body(request::body_limit(max_frame)).await?;
+    let message: ClientMessage = serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::invalid(format!("malformed client message: {e}")))?;
+    if matches!(message, ClientMessage::Seal {}) && grant != GrantRole::Host {
+        return Err(seal_forbidden());
+    }
+    call.object(&id, Method::Post, "messages", None, Some(bytes))
+        .await
+}
+
+/// `POST …/fork`: as session-server, the target (given or generated), the
+/// host on both, then the source's prefix copied into the target's new
+/// object, and an optional seal of the fork.
+async fn fork(call: &Call<'_>, id: &str) -> Result<Response, ApiError> {
+    let source = request::session_id(id)?;
+    let target = match call.params.get("target") {
+        Some(t) => request::session_id(t)?,
+        None => {
+            let base = &source.as_str()[..source.as_str().len().min(80)];
+            request::session_id(&format!("{base}-fork-{}", random_hex()))?
+        }
+    };
+    call.authorize(Some(&source), HOST)?;
+    call.authorize(Some(&target), HOST)?;
+    record_session(call.env, &target).await?;
+    let query = match request::param_u64(&call.params, "until")? {
+        Some(until) => format!("until={until}"),
+        None => String::new(),
+    };
+    let mut prefix = call
+        .object(&source, Method::Get, "fork-prefix", Some(query), None)
+        .await?;
+    if prefix.status_code() != 200 {
+        // The source's own answer: 404 unknown, 400 past its end.
+        return Ok(prefix);
+    }
+    let bytes = prefix.bytes().await.map_err(internal)?;
+    let mut created = call
+        .object(
+            &target,
+            Method::Post,
+            "fork-into",
+            Some(String::new()),
+            Some(bytes),
+        )
+        .await?;
+    if created.status_code() != 201 || !request::param_flag(&call.params, "seal") {
+        return Ok(created);
+    }
+    let info: serde_json::Value = created.json().await.map_err(internal)?;
+    if info["sealed"] == true {
+        return json_response(201, &info);
+    }
+    let mut sealed = call
+        .object(&target, Method::Post, "seal", Some(String::new()), None)
+        .await?;
+    if sealed.status_code() != 200 {
+        return Ok(sealed);
+    }
+    let info: serde_json::Value = sealed.json().await.map_err(internal)?;
+    json_response(201, &info)
+}
+
+/// `GET …/ws`: the token and role are checked here; the upgrade itself goes
+/// to the session's object, which holds the socket.
+async fn open_websocket(call: &Call<'_>, id: &str) -> Result<Response, ApiError> {
+    let id = request::session_id(id)?;
+    let role = ws::role(&call.params)?;
+    let grant = call.authorize(Some(&id), ws::grants_for(role))?;
+    let headers = call.req.headers().clone();
+    let host = if grant == GrantRole::Host { "1" } else { "0" };
+    headers.set(GRANT_HOST_HEADER, host).map_err(internal)?;
+    forward_to_session(call, &id, Method::Get, "ws", headers).await
 }
 
 /// A generic Durable Stream: `OPTIONS` answered here (CORS needs no

@@ -237,7 +237,56 @@ pub async fn meta_is_folded_with_every_append(log: Arc<dyn SessionLog>) -> Resul
         owned: true,
         data: serde_json::Value::Null,
     };
-    let frames: Vec<(FrameBody, Option<&str>)> = vec![
+    let frames = turn_touching_every_field(&handle);
+    let mut after_two = None;
+    for (i, (body, key)) in frames.iter().enumerate() {
+        let request = AppendRequest {
+            body: body.clone(),
+            idempotency_key: key.map(str::to_string),
+        };
+        log.append(&s, request).await?;
+        if i == 1 {
+            after_two = Some(log.info(&s).await?.meta);
+        }
+    }
+    let expected = fold_meta(
+        Some(config.clone()),
+        frames.iter().zip(1..).map(|((b, k), seq)| (seq, b, *k)),
+    );
+    let meta = log.info(&s).await?.meta;
+    ensure!(
+        meta == expected,
+        "stored meta {meta:?} is not the frames folded: {expected:?}"
+    );
+    ensure!(
+        meta.generation == 7
+            && meta.sandbox.as_ref() == Some(&handle)
+            && meta.agent_session_id.as_deref() == Some("agent-1")
+            && meta.active_turn().is_none(),
+        "meta {meta:?}"
+    );
+    let after_two = after_two.expect("recorded");
+    let turn = after_two
+        .active_turn()
+        .context("a turn runs after the prompt")?;
+    ensure!(
+        turn.key.as_deref() == Some("p1"),
+        "the prompt's key is kept: {turn:?}"
+    );
+    forks_fold_their_prefix(log.as_ref(), &s, &config, &frames).await?;
+    ensure!(
+        after_two.active_turn().is_some(),
+        "the source's turn was running at the cut"
+    );
+    Ok(())
+}
+
+/// The frames of one turn that touch every field of the meta, with their
+/// idempotency keys: the runner attached, a prompt (key `p1`) opening
+/// turn t1, its start (the agent session), an approval asked and
+/// answered, an abort, and its end as failed (with the sandbox).
+fn turn_touching_every_field(handle: &SandboxHandle) -> Vec<(FrameBody, Option<&'static str>)> {
+    vec![
         (FrameBody::RunnerAttached { generation: 7 }, None),
         (
             FrameBody::UserMessage {
@@ -293,44 +342,20 @@ pub async fn meta_is_folded_with_every_append(log: Arc<dyn SessionLog>) -> Resul
             },
             Some("t1:status:failed"),
         ),
-    ];
-    let mut after_two = None;
-    for (i, (body, key)) in frames.iter().enumerate() {
-        let request = AppendRequest {
-            body: body.clone(),
-            idempotency_key: key.map(str::to_string),
-        };
-        log.append(&s, request).await?;
-        if i == 1 {
-            after_two = Some(log.info(&s).await?.meta);
-        }
-    }
-    let expected = fold_meta(
-        Some(config.clone()),
-        frames.iter().zip(1..).map(|((b, k), seq)| (seq, b, *k)),
-    );
-    let meta = log.info(&s).await?.meta;
-    ensure!(
-        meta == expected,
-        "stored meta {meta:?} is not the frames folded: {expected:?}"
-    );
-    ensure!(
-        meta.generation == 7
-            && meta.sandbox.as_ref() == Some(&handle)
-            && meta.agent_session_id.as_deref() == Some("agent-1")
-            && meta.active_turn().is_none(),
-        "meta {meta:?}"
-    );
-    let after_two = after_two.expect("recorded");
-    let turn = after_two
-        .active_turn()
-        .context("a turn runs after the prompt")?;
-    ensure!(
-        turn.key.as_deref() == Some("p1"),
-        "the prompt's key is kept: {turn:?}"
-    );
+    ]
+}
+
+/// Forks of `s` (the `frames` appended to a log created with `config`):
+/// one between turns is its prefix folded under the source's config; one
+/// inside turn t1 closes that turn with one frame of its own.
+async fn forks_fold_their_prefix(
+    log: &dyn SessionLog,
+    s: &SessionId,
+    config: &SessionConfig,
+    frames: &[(FrameBody, Option<&str>)],
+) -> Result<()> {
     // A fork between turns: its prefix folded under the source's config.
-    let between = log.fork(&s, 1, &sid("meta-fork-between")).await?;
+    let between = log.fork(s, 1, &sid("meta-fork-between")).await?;
     let expected = fold_meta(
         Some(config.clone()),
         frames[..1]
@@ -346,10 +371,10 @@ pub async fn meta_is_folded_with_every_append(log: Arc<dyn SessionLog>) -> Resul
     // copied, its end is not): the fork closes it with one frame of its
     // own, so the fork takes a new prompt and never runs t1.
     let f = sid("meta-fork");
-    let forked = log.fork(&s, 2, &f).await?;
+    let forked = log.fork(s, 2, &f).await?;
     let copied = log.read(&f, 0, 10).await?;
     ensure!(
-        forked.last_seq == 3 && copied[..2] == log.read(&s, 0, 2).await?[..],
+        forked.last_seq == 3 && copied[..2] == log.read(s, 0, 2).await?[..],
         "the fork holds the prefix and one closing frame: {copied:?}"
     );
     ensure!(
@@ -370,17 +395,13 @@ pub async fn meta_is_folded_with_every_append(log: Arc<dyn SessionLog>) -> Resul
             && forked.meta.turn.as_ref().map(|t| t.turn_id.as_str()) == Some("t1")
             && forked.meta.turn.as_ref().and_then(|t| t.key.as_deref()) == Some("p1")
             && forked.meta.generation == 7
-            && forked.meta.config.as_ref() == Some(&config),
+            && forked.meta.config.as_ref() == Some(config),
         "fork meta {:?}",
         forked.meta
     );
     ensure!(
         log.info(&f).await?.meta == forked.meta,
         "fork meta changed on read"
-    );
-    ensure!(
-        after_two.active_turn().is_some(),
-        "the source's turn was running at the cut"
     );
     Ok(())
 }

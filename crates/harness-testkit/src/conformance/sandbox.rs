@@ -28,6 +28,8 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use bytes::Bytes;
 use futures::StreamExt;
+use harness_core::checkpoint::{CheckpointStore, MemoryCheckpointStore};
+use harness_core::clock::{Clock, ManualClock};
 use harness_core::sandbox::{
     collect_exec, shell_quote, DetachedRequest, DetachedStatus, ExecEvent, ExecOutput, ExecRequest,
     ExitReason, HostForward, NetworkPolicy, Sandbox, SandboxHandle, SandboxProvider, SandboxSpec,
@@ -35,6 +37,7 @@ use harness_core::sandbox::{
 };
 use harness_core::stream::{AbortSignal, ByteStream};
 use harness_core::{Error, ErrorKind};
+use harness_moves::tree::{self as tc, BLOB_PREFIX};
 use sha2::{Digest, Sha256};
 
 /// How long any single suite command may take before the suite calls it
@@ -1196,182 +1199,258 @@ pub async fn native_listing_matches_find(sb: &dyn Sandbox) -> Result<()> {
 /// restores nothing; garbage collection removes exactly the blobs no
 /// manifest references, and refuses to run during a checkpoint.
 pub async fn tree_checkpoints(sb: &dyn Sandbox) -> Result<()> {
-    use harness_core::checkpoint::{CheckpointStore, MemoryCheckpointStore};
-    use harness_core::clock::{Clock, ManualClock};
-    use harness_moves::tree::{self as tc, BLOB_PREFIX};
-
     let base = scratch("tree");
-    let (a, b, c) = (
-        format!("{base}/a"),
-        format!("{base}/b"),
-        format!("{base}/c"),
-    );
-    sh(
-        sb,
-        &format!(
-            "set -e; mkdir -p {b} {a}/src/deep {a}/empty; echo mine > {b}/user.txt; cd {a}; \
-             i=0; while [ $i -lt 30 ]; do echo \"line $i\" > src/deep/f$i.txt; i=$((i+1)); done; \
-             printf '#!/bin/sh\\necho hi\\n' > run.sh; chmod 755 run.sh; \
-             : > zero; head -c 1500000 /dev/urandom > big.bin; cp big.bin copy.bin; \
-             ln -s src/deep/f1.txt link; echo gone > doomed.txt",
-            a = shell_quote(&a),
-            b = shell_quote(&b),
-        ),
-    )
-    .await?;
-    let gnu = has_gnu_tools(sb).await?;
-    let store = MemoryCheckpointStore::new();
-    let clock = ManualClock::at(1_000_000);
-    let first = tc::checkpoint_tree(sb, &a, &store, "trees/1", None, &clock, None)
-        .await
-        .context("first tree checkpoint")?;
-    ensure!(
-        first.files_read == 35,
-        "the first checkpoint reads every file (35), read {}",
-        first.files_read
-    );
-    // copy.bin has big.bin's content: its chunks are stored once.
-    let blobs = store.list(BLOB_PREFIX).await?.len() as u64;
-    ensure!(
-        blobs == first.chunks_uploaded && blobs < 35 + 2,
-        "content is stored once per hash: {blobs} blobs, {} uploaded",
-        first.chunks_uploaded
-    );
-    let restored = tc::restore_tree(&store, "trees/1", sb, &b, None)
-        .await
-        .context("restoring the first tree checkpoint")?;
-    let want = manifest(sb, &a).await?;
-    let got: Vec<String> = manifest(sb, &b)
-        .await?
-        .into_iter()
-        .filter(|l| !l.contains("user.txt"))
-        .collect();
-    ensure!(
-        got == want,
-        "a restored tree checkpoint must reproduce the tree.\nsource:\n{}\nrestored:\n{}",
-        want.join("\n"),
-        got.join("\n")
-    );
-    ensure!(restored.written >= 38, "wrote {} entries", restored.written);
-
-    // One file changed, one added, one removed.
-    sh(
-        sb,
-        &format!(
-            "set -e; cd {}; echo more >> src/deep/f7.txt; echo new > added.txt; rm doomed.txt",
-            shell_quote(&a)
-        ),
-    )
-    .await?;
-    let second = tc::checkpoint_tree(sb, &a, &store, "trees/2", Some("trees/1"), &clock, None)
-        .await
-        .context("second tree checkpoint")?;
-    ensure!(
-        second.deleted == 1,
-        "one path deleted, got {}",
-        second.deleted
-    );
-    if gnu {
-        // f7 and added.txt, plus the files the racy rule re-reads (those
-        // written in the second the first listing ran: at most all).
-        ensure!(
-            second.files_read >= 2,
-            "the changed and the added file are read, got {}",
-            second.files_read
-        );
-        ensure!(
-            second.chunks_uploaded == 2,
-            "only the two new contents are uploaded, got {}",
-            second.chunks_uploaded
-        );
-    }
-    let onto_first = tc::restore_tree(&store, "trees/2", sb, &b, None)
-        .await
-        .context("restoring the second checkpoint onto the first")?;
-    let want = manifest(sb, &a).await?;
-    let got = manifest(sb, &b).await?;
-    let user: Vec<&String> = got.iter().filter(|l| l.contains("user.txt")).collect();
-    ensure!(user.len() == 1, "a file only the target has stays: {got:?}");
-    let got: Vec<String> = got
-        .into_iter()
-        .filter(|l| !l.contains("user.txt"))
-        .filter(|l| gnu || !l.contains("doomed.txt"))
-        .collect();
-    ensure!(
-        got == want,
-        "restoring onto the parent's state must give the new tree.\nsource:\n{}\nrestored:\n{}",
-        want.join("\n"),
-        got.join("\n")
-    );
-    if gnu {
-        ensure!(
-            onto_first.removed == 1,
-            "the deleted file is removed, got {}",
-            onto_first.removed
-        );
-        ensure!(
-            onto_first.written <= 4,
-            "only what changed is written onto the parent's state (f7, added.txt, and \
-             at most their directories), wrote {}",
-            onto_first.written
-        );
-    }
-
-    // A missing blob: refused before anything is written.
-    sh(sb, &format!("echo lone > {}/lone.txt", shell_quote(&a))).await?;
-    tc::checkpoint_tree(sb, &a, &store, "trees/3", Some("trees/2"), &clock, None).await?;
-    let lone = tc::blob_key(&hex::encode(Sha256::digest(b"lone\n")));
-    store.delete(&lone).await?;
-    let missing = tc::restore_tree(&store, "trees/3", sb, &c, None).await;
-    ensure!(
-        is_kind(&missing, ErrorKind::NotFound),
-        "a checkpoint whose blob is gone must fail NotFound, got {:?}",
-        missing.map(|_| ())
-    );
-    let untouched = run(
-        sb,
-        ExecRequest::shell(format!("test -e {}", shell_quote(&c))),
-    )
-    .await?;
-    ensure!(
-        !untouched.status.success(),
-        "a refused restore must write nothing (the target dir appeared)"
-    );
-
-    // Garbage: with trees/1 and trees/3 gone, the old content of f7 and
-    // doomed.txt's are referenced by no manifest.
-    store.delete("trees/3").await?;
-    store.delete("trees/1").await?;
-    let before = store.list(BLOB_PREFIX).await?.len() as u64;
-    let gc = tc::collect_garbage(&store, &clock).await?;
-    ensure!(
-        gc.manifests == 1 && gc.blobs_deleted == 2 && gc.blobs_kept + 2 == before,
-        "collection keeps what trees/2 references and drops f7's old content and \
-         doomed.txt's: {gc:?} of {before}"
-    );
-    tc::restore_tree(&store, "trees/2", sb, &c, None)
-        .await
-        .context("trees/2 must restore after collection")?;
-    // A checkpoint in progress (its lock) stops a collection.
-    store
-        .put(
-            &format!("locks/checkpoint-{}-x", clock.now_ms()),
-            harness_core::stream::empty(),
-        )
-        .await?;
-    let busy = tc::collect_garbage(&store, &clock).await;
-    ensure!(
-        is_kind(&busy, ErrorKind::Conflict),
-        "collection during a checkpoint must fail Conflict, got {:?}",
-        busy.map(|_| ())
-    );
-    // ... unless that lock is a crashed holder's, past its TTL.
-    clock.advance(tc::LOCK_TTL_MS + 1);
-    tc::collect_garbage(&store, &clock)
-        .await
-        .context("a stale lock must not stop collection")?;
+    let scene = TreeScene::make(sb, &base).await?;
+    scene.first_checkpoint_restores_the_tree().await?;
+    scene.second_checkpoint_moves_only_the_change().await?;
+    scene.a_missing_blob_restores_nothing().await?;
+    scene.collection_keeps_what_manifests_reference().await?;
     sh(sb, &format!("rm -rf {}", shell_quote(&base))).await?;
     Ok(())
+}
+
+/// What [`tree_checkpoints`] works on: the tree `a`, the target `b` (with
+/// a file of its own), `c` (a target a refused restore must not create),
+/// whether the sandbox has GNU find/tar, and the store and clock every
+/// step shares.
+struct TreeScene<'s> {
+    sb: &'s dyn Sandbox,
+    a: String,
+    b: String,
+    c: String,
+    gnu: bool,
+    store: MemoryCheckpointStore,
+    clock: ManualClock,
+}
+
+impl<'s> TreeScene<'s> {
+    /// Make the tree under `base`: 30 small files in a deep directory, an
+    /// executable, an empty file, a large file and its copy, a symlink, an
+    /// empty directory and a file the next step removes.
+    async fn make(sb: &'s dyn Sandbox, base: &str) -> Result<Self> {
+        let (a, b, c) = (
+            format!("{base}/a"),
+            format!("{base}/b"),
+            format!("{base}/c"),
+        );
+        sh(
+            sb,
+            &format!(
+                "set -e; mkdir -p {b} {a}/src/deep {a}/empty; echo mine > {b}/user.txt; cd {a}; \
+                 i=0; while [ $i -lt 30 ]; do echo \"line $i\" > src/deep/f$i.txt; i=$((i+1)); done; \
+                 printf '#!/bin/sh\\necho hi\\n' > run.sh; chmod 755 run.sh; \
+                 : > zero; head -c 1500000 /dev/urandom > big.bin; cp big.bin copy.bin; \
+                 ln -s src/deep/f1.txt link; echo gone > doomed.txt",
+                a = shell_quote(&a),
+                b = shell_quote(&b),
+            ),
+        )
+        .await?;
+        let gnu = has_gnu_tools(sb).await?;
+        Ok(Self {
+            sb,
+            a,
+            b,
+            c,
+            gnu,
+            store: MemoryCheckpointStore::new(),
+            clock: ManualClock::at(1_000_000),
+        })
+    }
+
+    /// The first checkpoint reads every file, stores each content once,
+    /// and restores the tree exactly.
+    async fn first_checkpoint_restores_the_tree(&self) -> Result<()> {
+        let sb = self.sb;
+        let Self {
+            a, b, store, clock, ..
+        } = self;
+        let first = tc::checkpoint_tree(sb, a, store, "trees/1", None, clock, None)
+            .await
+            .context("first tree checkpoint")?;
+        ensure!(
+            first.files_read == 35,
+            "the first checkpoint reads every file (35), read {}",
+            first.files_read
+        );
+        // copy.bin has big.bin's content: its chunks are stored once.
+        let blobs = store.list(BLOB_PREFIX).await?.len() as u64;
+        ensure!(
+            blobs == first.chunks_uploaded && blobs < 35 + 2,
+            "content is stored once per hash: {blobs} blobs, {} uploaded",
+            first.chunks_uploaded
+        );
+        let restored = tc::restore_tree(store, "trees/1", sb, b, None)
+            .await
+            .context("restoring the first tree checkpoint")?;
+        let want = manifest(sb, a).await?;
+        let got: Vec<String> = manifest(sb, b)
+            .await?
+            .into_iter()
+            .filter(|l| !l.contains("user.txt"))
+            .collect();
+        ensure!(
+            got == want,
+            "a restored tree checkpoint must reproduce the tree.\nsource:\n{}\nrestored:\n{}",
+            want.join("\n"),
+            got.join("\n")
+        );
+        ensure!(restored.written >= 38, "wrote {} entries", restored.written);
+        Ok(())
+    }
+
+    /// After a one-file change, an added and a removed file, the checkpoint
+    /// against the first reads and uploads only the change (where the
+    /// sandbox has GNU find/tar); restoring it onto the first state writes
+    /// only the change, removes the deleted file, and keeps the file only
+    /// the target has.
+    async fn second_checkpoint_moves_only_the_change(&self) -> Result<()> {
+        let sb = self.sb;
+        let Self {
+            a,
+            b,
+            store,
+            clock,
+            gnu,
+            ..
+        } = self;
+        // One file changed, one added, one removed.
+        sh(
+            sb,
+            &format!(
+                "set -e; cd {}; echo more >> src/deep/f7.txt; echo new > added.txt; rm doomed.txt",
+                shell_quote(a)
+            ),
+        )
+        .await?;
+        let second = tc::checkpoint_tree(sb, a, store, "trees/2", Some("trees/1"), clock, None)
+            .await
+            .context("second tree checkpoint")?;
+        ensure!(
+            second.deleted == 1,
+            "one path deleted, got {}",
+            second.deleted
+        );
+        if *gnu {
+            // f7 and added.txt, plus the files the racy rule re-reads (those
+            // written in the second the first listing ran: at most all).
+            ensure!(
+                second.files_read >= 2,
+                "the changed and the added file are read, got {}",
+                second.files_read
+            );
+            ensure!(
+                second.chunks_uploaded == 2,
+                "only the two new contents are uploaded, got {}",
+                second.chunks_uploaded
+            );
+        }
+        let onto_first = tc::restore_tree(store, "trees/2", sb, b, None)
+            .await
+            .context("restoring the second checkpoint onto the first")?;
+        let want = manifest(sb, a).await?;
+        let got = manifest(sb, b).await?;
+        let user: Vec<&String> = got.iter().filter(|l| l.contains("user.txt")).collect();
+        ensure!(user.len() == 1, "a file only the target has stays: {got:?}");
+        let got: Vec<String> = got
+            .into_iter()
+            .filter(|l| !l.contains("user.txt"))
+            .filter(|l| *gnu || !l.contains("doomed.txt"))
+            .collect();
+        ensure!(
+            got == want,
+            "restoring onto the parent's state must give the new tree.\nsource:\n{}\nrestored:\n{}",
+            want.join("\n"),
+            got.join("\n")
+        );
+        if *gnu {
+            ensure!(
+                onto_first.removed == 1,
+                "the deleted file is removed, got {}",
+                onto_first.removed
+            );
+            ensure!(
+                onto_first.written <= 4,
+                "only what changed is written onto the parent's state (f7, added.txt, and \
+                 at most their directories), wrote {}",
+                onto_first.written
+            );
+        }
+        Ok(())
+    }
+
+    /// A checkpoint whose blob is missing is refused before anything is
+    /// written.
+    async fn a_missing_blob_restores_nothing(&self) -> Result<()> {
+        let sb = self.sb;
+        let Self {
+            a, c, store, clock, ..
+        } = self;
+        // A missing blob: refused before anything is written.
+        sh(sb, &format!("echo lone > {}/lone.txt", shell_quote(a))).await?;
+        tc::checkpoint_tree(sb, a, store, "trees/3", Some("trees/2"), clock, None).await?;
+        let lone = tc::blob_key(&hex::encode(Sha256::digest(b"lone\n")));
+        store.delete(&lone).await?;
+        let missing = tc::restore_tree(store, "trees/3", sb, c, None).await;
+        ensure!(
+            is_kind(&missing, ErrorKind::NotFound),
+            "a checkpoint whose blob is gone must fail NotFound, got {:?}",
+            missing.map(|_| ())
+        );
+        let untouched = run(
+            sb,
+            ExecRequest::shell(format!("test -e {}", shell_quote(c))),
+        )
+        .await?;
+        ensure!(
+            !untouched.status.success(),
+            "a refused restore must write nothing (the target dir appeared)"
+        );
+        Ok(())
+    }
+
+    /// Garbage collection removes exactly the blobs no manifest
+    /// references, and refuses to run during a checkpoint (unless its lock
+    /// is past its TTL).
+    async fn collection_keeps_what_manifests_reference(&self) -> Result<()> {
+        let sb = self.sb;
+        let Self {
+            c, store, clock, ..
+        } = self;
+        // Garbage: with trees/1 and trees/3 gone, the old content of f7 and
+        // doomed.txt's are referenced by no manifest.
+        store.delete("trees/3").await?;
+        store.delete("trees/1").await?;
+        let before = store.list(BLOB_PREFIX).await?.len() as u64;
+        let gc = tc::collect_garbage(store, clock).await?;
+        ensure!(
+            gc.manifests == 1 && gc.blobs_deleted == 2 && gc.blobs_kept + 2 == before,
+            "collection keeps what trees/2 references and drops f7's old content and \
+             doomed.txt's: {gc:?} of {before}"
+        );
+        tc::restore_tree(store, "trees/2", sb, c, None)
+            .await
+            .context("trees/2 must restore after collection")?;
+        // A checkpoint in progress (its lock) stops a collection.
+        store
+            .put(
+                &format!("locks/checkpoint-{}-x", clock.now_ms()),
+                harness_core::stream::empty(),
+            )
+            .await?;
+        let busy = tc::collect_garbage(store, clock).await;
+        ensure!(
+            is_kind(&busy, ErrorKind::Conflict),
+            "collection during a checkpoint must fail Conflict, got {:?}",
+            busy.map(|_| ())
+        );
+        // ... unless that lock is a crashed holder's, past its TTL.
+        clock.advance(tc::LOCK_TTL_MS + 1);
+        tc::collect_garbage(store, clock)
+            .await
+            .context("a stale lock must not stop collection")?;
+        Ok(())
+    }
 }
 
 /// A tar with an entry whose raw name is `name`.

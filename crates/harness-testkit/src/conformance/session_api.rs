@@ -1102,20 +1102,16 @@ pub async fn durable_streams_follow_a_session(t: &Target) {
     assert_eq!(status, 200);
     t.answer(&id, 0).await;
     let path = format!("/v1/stream/sessions/{id}");
-    let header = |r: &reqwest::Response, name: &str| {
-        r.headers()
-            .get(name)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string)
-    };
-    let send = |r: reqwest::RequestBuilder| async move {
-        tokio::time::timeout(WAIT, r.send())
-            .await
-            .expect("the server answers in time")
-            .expect("the server is reachable")
-    };
+    session_stream_catches_up(t, &path).await;
+    session_stream_refusals_write_nothing(t, &id, &path).await;
+    session_stream_long_polls(t, &id, &path).await;
+    session_stream_over_sse_to_the_seal(t, &id, &path).await;
+}
 
-    let head = send(t.request(reqwest::Method::HEAD, &path, Some(CLIENT))).await;
+/// `HEAD` and a catch-up read of the session's two frames: the next
+/// offset, up to date, an etag that answers 304 while nothing changed.
+async fn session_stream_catches_up(t: &Target, path: &str) {
+    let head = send(t.request(reqwest::Method::HEAD, path, Some(CLIENT))).await;
     assert_eq!(head.status().as_u16(), 200);
     assert_eq!(header(&head, "stream-next-offset"), Some(stream_offset(2)));
     assert_eq!(header(&head, "stream-closed"), None);
@@ -1148,10 +1144,13 @@ pub async fn durable_streams_follow_a_session(t: &Target) {
     )
     .await;
     assert_eq!(again.status().as_u16(), 304);
+}
 
-    // Refusals write nothing.
+/// A write (405), another client's token (403) and none (401), and the
+/// session still holds its two frames.
+async fn session_stream_refusals_write_nothing(t: &Target, id: &str, path: &str) {
     let write = send(
-        t.request(reqwest::Method::POST, &path, Some(HOST))
+        t.request(reqwest::Method::POST, path, Some(HOST))
             .header("content-type", "application/json")
             .body("[1]"),
     )
@@ -1166,9 +1165,11 @@ pub async fn durable_streams_follow_a_session(t: &Target) {
     assert_eq!(other.status().as_u16(), 403);
     let anonymous = send(t.request(reqwest::Method::GET, &format!("{path}?offset=-1"), None)).await;
     assert_eq!(anonymous.status().as_u16(), 401);
-    assert_eq!(t.info(&id).await["last_seq"], 2);
+    assert_eq!(t.info(id).await["last_seq"], 2);
+}
 
-    // A long-poll at the tail answers with the next frame.
+/// A long-poll at the tail answers with the next frame.
+async fn session_stream_long_polls(t: &Target, id: &str, path: &str) {
     let poll = t
         .request(
             reqwest::Method::GET,
@@ -1178,7 +1179,7 @@ pub async fn durable_streams_follow_a_session(t: &Target) {
         .send();
     let poll = tokio::spawn(poll);
     tokio::time::sleep(Duration::from_millis(300)).await;
-    t.answer(&id, 1).await;
+    t.answer(id, 1).await;
     let polled = tokio::time::timeout(WAIT, poll)
         .await
         .expect("the long-poll answers in time")
@@ -1192,8 +1193,11 @@ pub async fn durable_streams_follow_a_session(t: &Target) {
     assert!(header(&polled, "stream-cursor").is_some());
     let frames: Value = polled.json().await.expect("a JSON array");
     assert_eq!(frames[0]["seq"], 3, "{frames}");
+}
 
-    // SSE from frame 1 to the seal.
+/// SSE from frame 1 to the seal: every data event followed by its control
+/// event, the close last; the stream is closed after.
+async fn session_stream_over_sse_to_the_seal(t: &Target, id: &str, path: &str) {
     let sse = send(t.request(
         reqwest::Method::GET,
         &format!("{path}?offset={}&live=sse", stream_offset(1)),
@@ -1250,8 +1254,24 @@ pub async fn durable_streams_follow_a_session(t: &Target) {
     }
     assert_eq!(seqs, vec![2, 3, 4], "{events:?}");
     assert!(closed, "the stream ends with its close: {events:?}");
-    let head = send(t.request(reqwest::Method::HEAD, &path, Some(CLIENT))).await;
+    let head = send(t.request(reqwest::Method::HEAD, path, Some(CLIENT))).await;
     assert_eq!(header(&head, "stream-closed").as_deref(), Some("true"));
+}
+
+/// A header of a response, as text.
+fn header(r: &reqwest::Response, name: &str) -> Option<String> {
+    r.headers()
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
+}
+
+/// Send a request, within [`WAIT`].
+async fn send(r: reqwest::RequestBuilder) -> reqwest::Response {
+    tokio::time::timeout(WAIT, r.send())
+        .await
+        .expect("the server answers in time")
+        .expect("the server is reachable")
 }
 
 /// `GET /v1/sessions`: a host sees every session with its info, in id

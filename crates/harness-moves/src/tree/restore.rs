@@ -1,0 +1,670 @@
+//! Restoring a tree checkpoint: the chunks located (packs or blobs) and
+//! checked before anything is written, the entries the target lacks sent
+//! to it as one tar, then the deleted paths removed.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use futures::{SinkExt, StreamExt};
+
+use super::chunks::{
+    fetch_chunk, lacking_blobs, list_blob_hashes, unpack_chunk, HEADS_BEFORE_LISTING,
+};
+use super::listing::{list_tree, Listing};
+use super::manifest::{admit, load_manifest};
+use super::packs::{self, pack_key, PackIndex, PACK_READ_MAX};
+use super::{
+    blob_key, chunk_bytes, InPathOrder, TreeEntry, TreeKind, TreeManifest, TreeRestoreInfo,
+    IN_FLIGHT, IN_FLIGHT_BYTES, MAX_CHUNK,
+};
+use crate::archive::{MovePhase, MoveProgress};
+use harness_core::checkpoint::{validate_key, CheckpointStore};
+use harness_core::sandbox::{collect_exec, shell_quote, ExecRequest, ListedEntry, Sandbox};
+use harness_core::tarscan::ScanSummary;
+use harness_core::{Error, ErrorKind, Result};
+
+/// Restore the tree checkpoint under `key` onto `dir` of `sandbox`,
+/// writing only what the target lacks. See the module docs.
+#[tracing::instrument(name = "restore_tree", skip_all, fields(key = %key, dir = %dir))]
+pub async fn restore_tree(
+    store: &dyn CheckpointStore,
+    key: &str,
+    sandbox: &dyn Sandbox,
+    dir: &str,
+    progress: Option<Arc<dyn MoveProgress>>,
+) -> Result<TreeRestoreInfo> {
+    validate_key(key)?;
+    // The target is listed while the manifest is fetched, parsed and
+    // admitted: the listing waits on the sandbox, the rest on the store
+    // and the CPU. Nothing is written before both are done.
+    let read = async {
+        let manifest = load_manifest(store, key)
+            .await?
+            .ok_or_else(|| Error::invalid(format!("{key} is a whole-archive checkpoint")))?;
+        let summary = manifest.admitted()?;
+        Ok::<_, Error>((manifest, summary))
+    };
+    let (listing, read) = futures::join!(list_tree(sandbox, dir), read);
+    let (manifest, summary) = read?;
+    apply_manifest(
+        store,
+        &manifest.manifest,
+        summary,
+        listing?,
+        sandbox,
+        dir,
+        progress,
+    )
+    .await
+}
+
+/// [`restore_tree`] of a manifest already read.
+pub async fn restore_manifest(
+    store: &dyn CheckpointStore,
+    manifest: &TreeManifest,
+    sandbox: &dyn Sandbox,
+    dir: &str,
+    progress: Option<Arc<dyn MoveProgress>>,
+) -> Result<TreeRestoreInfo> {
+    let (listing, summary) = futures::join!(list_tree(sandbox, dir), async { admit(manifest) });
+    let summary = summary?;
+    apply_manifest(store, manifest, summary, listing?, sandbox, dir, progress).await
+}
+
+/// Write what the target (as `listing` found it) lacks of an admitted
+/// manifest, then remove what it deleted.
+async fn apply_manifest(
+    store: &dyn CheckpointStore,
+    manifest: &TreeManifest,
+    summary: ScanSummary,
+    listing: Listing,
+    sandbox: &dyn Sandbox,
+    dir: &str,
+    progress: Option<Arc<dyn MoveProgress>>,
+) -> Result<TreeRestoreInfo> {
+    let listed = match listing {
+        Listing::Listed { entries, .. } => entries,
+        Listing::Missing | Listing::Unsupported => Vec::new(),
+    };
+    let mut target = InPathOrder::new(&listed, listed_path);
+    let needed: Vec<&TreeEntry> = manifest
+        .entries
+        .iter()
+        .filter(|e| !e.path.is_empty())
+        .filter(|e| !target.get(&e.path).is_some_and(|(_, l)| e.same_as(l)))
+        .collect();
+    // Every chunk there before the first byte is written.
+    let located = locate_chunks(store, manifest, &needed).await?;
+    let bytes_written: u64 = needed.iter().map(|e| e.size).sum();
+    let written = needed.len() as u64;
+    if !needed.is_empty() {
+        let (tx, rx) = futures::channel::mpsc::channel::<Result<Bytes>>(8);
+        let produce = produce_tar(
+            store,
+            &needed,
+            &located,
+            &manifest.packs,
+            tx,
+            progress.clone(),
+        );
+        let import = sandbox.import_tar(dir, Box::pin(rx));
+        let (produced, imported) = futures::join!(produce, import);
+        // The producer's error is the cause when both failed.
+        produced?;
+        imported?;
+    }
+    if let Some(p) = &progress {
+        p.finish(MovePhase::Import);
+    }
+    // Deletions last: a failed import removes nothing.
+    let removed = remove_deleted(sandbox, dir, &manifest.deleted, &listed).await?;
+    Ok(TreeRestoreInfo {
+        summary,
+        written,
+        bytes_written,
+        removed,
+    })
+}
+
+fn listed_path(listed: &ListedEntry) -> &str {
+    &listed.path
+}
+
+/// The refusal of a restore whose content the store lacks in part.
+fn incomplete(missing: &str) -> Error {
+    Error::not_found(format!(
+        "the checkpoint's content is incomplete in the store ({missing}); nothing was restored"
+    ))
+}
+
+/// Where each chunk of `needed` is: a pack of the manifest's (the map), or
+/// a blob (not in it). Fails as incomplete when one is neither, and when a
+/// pack read from is not there as its index describes it.
+async fn locate_chunks<'m>(
+    store: &dyn CheckpointStore,
+    manifest: &'m TreeManifest,
+    needed: &[&'m TreeEntry],
+) -> Result<HashMap<&'m str, Loc>> {
+    let unique: HashSet<&str> = needed
+        .iter()
+        .flat_map(|e| e.chunks.iter().map(String::as_str))
+        .collect();
+    // Many chunks (a tree restored whole) are looked up in the packs
+    // first, then the rest in one listing of the blobs; a few (the files a
+    // checkpoint changed, stored as blobs) are asked with a `HEAD` first,
+    // and the packs' indexes read only for what is not a blob.
+    let mut unfound: Vec<&str> = unique.iter().copied().collect();
+    let mut located: HashMap<&str, Loc> = HashMap::new();
+    let mut indexes: Option<Vec<Arc<PackIndex>>> = None;
+    // A pack's index gone is content gone.
+    let read_indexes = || async {
+        packs::read_indexes(store, &manifest.packs)
+            .await
+            .map_err(|e| match e.kind() {
+                ErrorKind::NotFound => incomplete(e.message()),
+                _ => e,
+            })
+    };
+    if !manifest.packs.is_empty() && unique.len() > HEADS_BEFORE_LISTING {
+        let read = read_indexes().await?;
+        located = locate_in_packs(&read, &unfound);
+        unfound.retain(|h| !located.contains_key(h));
+        indexes = Some(read);
+    }
+    let mut missing = missing_blobs(store, &unfound).await?;
+    if !missing.is_empty() && !manifest.packs.is_empty() && indexes.is_none() {
+        let read = read_indexes().await?;
+        let found = locate_in_packs(&read, &missing);
+        missing.retain(|h| !found.contains_key(h));
+        located.extend(found);
+        indexes = Some(read);
+    }
+    if let Some(first) = missing.first() {
+        return Err(incomplete(&format!("{} is missing", blob_key(first))));
+    }
+    check_packs(store, &manifest.packs, &located, indexes.as_deref()).await?;
+    Ok(located)
+}
+
+/// Every pack `located` reads from is there, is what its id names, and is
+/// long enough for its index.
+async fn check_packs(
+    store: &dyn CheckpointStore,
+    packs: &[String],
+    located: &HashMap<&str, Loc>,
+    indexes: Option<&[Arc<PackIndex>]>,
+) -> Result<()> {
+    let used: std::collections::BTreeSet<u32> = located.values().map(|l| l.pack).collect();
+    let mut heads = futures::stream::iter(used)
+        .map(|at| async move {
+            let id = &packs[at as usize];
+            (at, store.head(&pack_key(id)).await)
+        })
+        .buffer_unordered(IN_FLIGHT);
+    while let Some((at, head)) = heads.next().await {
+        let id = &packs[at as usize];
+        let meta = head.map_err(|e| {
+            if e.kind() == ErrorKind::NotFound {
+                incomplete(&format!("{} is missing", pack_key(id)))
+            } else {
+                e
+            }
+        })?;
+        let end = indexes.map_or(0, |i| i[at as usize].end());
+        if meta.sha256 != *id || meta.size < end {
+            return Err(Error::corrupt(format!(
+                "pack {} holds {} bytes with SHA-256 {}, not the pack its index describes",
+                pack_key(id),
+                meta.size,
+                meta.sha256
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Remove from the target the `deleted` paths it still holds exactly as
+/// the parent had them (`listed`: the target before the restore); returns
+/// how many.
+async fn remove_deleted(
+    sandbox: &dyn Sandbox,
+    dir: &str,
+    deleted: &[TreeEntry],
+    listed: &[ListedEntry],
+) -> Result<u64> {
+    let mut files = Vec::new();
+    let mut dirs = Vec::new();
+    let mut target = InPathOrder::new(listed, listed_path);
+    for gone in deleted {
+        if target.get(&gone.path).is_some_and(|(_, l)| gone.same_as(l)) {
+            match gone.kind {
+                TreeKind::Dir => dirs.push(gone.path.as_str()),
+                _ => files.push(gone.path.as_str()),
+            }
+        }
+    }
+    let removed = (files.len() + dirs.len()) as u64;
+    if removed > 0 {
+        // Deepest first, so a directory's children go before it; a
+        // directory that still holds anything stays.
+        dirs.sort_by(|a, b| b.cmp(a));
+        let mut list = Vec::new();
+        for p in files.iter().chain(dirs.iter()) {
+            list.extend_from_slice(p.as_bytes());
+            list.push(0);
+        }
+        let script = format!(
+            "cd {} || exit 44; xargs -0 sh -c 'for p; do if [ -d \"$p\" ] && [ ! -L \"$p\" ]; then rmdir \"$p\" 2>/dev/null; else rm -f \"$p\"; fi; done; exit 0' sh",
+            shell_quote(dir)
+        );
+        collect_exec(sandbox.exec(ExecRequest::shell(script).stdin(list)).await?)
+            .await?
+            .check("removing the paths the checkpoint deleted")?;
+    }
+    Ok(removed)
+}
+
+/// Where a chunk to restore lies in one of the manifest's packs (`pack`:
+/// its position in `packs`).
+#[derive(Debug, Clone, Copy)]
+struct Loc {
+    pack: u32,
+    offset: u64,
+    end: u64,
+}
+
+/// The packed chunks among `wanted` (hex hashes), from `indexes` (the
+/// manifest's packs' indexes, in its order).
+fn locate_in_packs<'h>(indexes: &[Arc<PackIndex>], wanted: &[&'h str]) -> HashMap<&'h str, Loc> {
+    let by_digest: HashMap<[u8; 32], &str> = wanted
+        .iter()
+        .filter_map(|h| chunk_bytes(h).map(|d| (d, *h)))
+        .collect();
+    let mut found = HashMap::new();
+    for (at, index) in indexes.iter().enumerate() {
+        for c in &index.chunks {
+            if let Some(&hash) = by_digest.get(&c.hash) {
+                found.entry(hash).or_insert(Loc {
+                    pack: at as u32,
+                    offset: c.offset,
+                    end: c.end(),
+                });
+            }
+        }
+    }
+    found
+}
+
+/// Which of `hashes` the store holds no blob of: one listing of the blobs
+/// for many (unless the store is too large to list), a `HEAD` each for a
+/// few.
+async fn missing_blobs<'h>(
+    store: &dyn CheckpointStore,
+    hashes: &[&'h str],
+) -> Result<Vec<&'h str>> {
+    let listed = if hashes.len() > HEADS_BEFORE_LISTING {
+        list_blob_hashes(store).await?
+    } else {
+        None
+    };
+    if let Some(stored) = listed {
+        return Ok(hashes
+            .iter()
+            .copied()
+            .filter(|h| !chunk_bytes(h).is_some_and(|d| stored.contains(&d)))
+            .collect());
+    }
+    lacking_blobs(store, hashes.to_vec(), |h| h).await
+}
+
+/// Gap between two packed chunks one read may span (read and dropped):
+/// cheaper than a second request.
+const PACK_READ_GAP: u64 = 64 * 1024;
+
+/// Send `entries` as a tar stream, chunks fetched ahead in order within
+/// [`IN_FLIGHT_BYTES`] and [`IN_FLIGHT`] ([`tar_order`], [`tar_units`]).
+async fn produce_tar(
+    store: &dyn CheckpointStore,
+    entries: &[&TreeEntry],
+    located: &HashMap<&str, Loc>,
+    packs: &[String],
+    mut tx: futures::channel::mpsc::Sender<Result<Bytes>>,
+    progress: Option<Arc<dyn MoveProgress>>,
+) -> Result<()> {
+    let ordered = tar_order(entries, located);
+    // Units in order, run ahead within the byte and request budgets.
+    let mut units = tar_units(&ordered, located).into_iter().peekable();
+    let mut running = futures::stream::FuturesOrdered::new();
+    let mut costs = std::collections::VecDeque::new();
+    let mut in_flight = 0u64;
+    loop {
+        while running.len() < IN_FLIGHT {
+            let Some(next) = units.peek() else { break };
+            let c = next.cost;
+            if !running.is_empty() && in_flight + c > IN_FLIGHT_BYTES {
+                break;
+            }
+            let unit = units.next().expect("peeked");
+            in_flight += c;
+            costs.push_back(c);
+            running.push_back(unit.fetch(store, packs));
+        }
+        let Some(pieces) = running.next().await else {
+            break;
+        };
+        in_flight -= costs.pop_front().unwrap_or(0);
+        match pieces {
+            Ok(pieces) => {
+                for bytes in pieces {
+                    if let Some(p) = &progress {
+                        p.advance(MovePhase::Import, bytes.len() as u64);
+                    }
+                    if tx.send(Ok(bytes)).await.is_err() {
+                        // The importer stopped; its error says why.
+                        return Ok(());
+                    }
+                }
+            }
+            Err(e) => {
+                let _ = tx
+                    .send(Err(Error::new(e.kind(), e.message().to_string())))
+                    .await;
+                return Err(e);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The order a restore's tar sends `entries` in: directories first (in
+/// path order, so each comes before what it holds), then the files whose
+/// content is packed in the order of the packs (so that runs of them are
+/// one ranged read each), then the rest in path order, symlinks last; the
+/// importer takes entries in any order once their directories exist.
+fn tar_order<'e>(entries: &[&'e TreeEntry], located: &HashMap<&str, Loc>) -> Vec<&'e TreeEntry> {
+    let rank = |e: &TreeEntry| match e.kind {
+        TreeKind::Dir => (0, 0, 0),
+        TreeKind::File => match e.chunks.first().and_then(|h| located.get(h.as_str())) {
+            Some(l) => (1, l.pack, l.offset),
+            None => (2, 0, 0),
+        },
+        TreeKind::Symlink => (3, 0, 0),
+    };
+    let mut ordered: Vec<&TreeEntry> = entries.to_vec();
+    // Stable: path order within each rank.
+    ordered.sort_by_key(|e| rank(e));
+    ordered
+}
+
+/// One piece of a restore's tar stream.
+enum Piece<'a> {
+    Header(&'a TreeEntry),
+    /// A blob's hash.
+    Blob(&'a str),
+    /// A packed chunk's hash and where it is.
+    Packed(&'a str, Loc),
+    Bytes(Bytes),
+}
+
+/// Pieces produced together: those of one ranged read of a pack (`span`:
+/// the pack, start, end), or one blob, with headers and padding around
+/// them. `cost`: the bytes they hold in flight.
+struct Unit<'a> {
+    pieces: Vec<Piece<'a>>,
+    span: Option<(u32, u64, u64)>,
+    cost: u64,
+}
+
+impl<'a> Unit<'a> {
+    fn new() -> Self {
+        Unit {
+            pieces: Vec::new(),
+            span: None,
+            cost: 0,
+        }
+    }
+
+    /// Widen this unit's read of a pack to take in the packed chunk at
+    /// `loc`, when it is in the same pack, within [`PACK_READ_GAP`] of the
+    /// read's end and [`PACK_READ_MAX`] of its start; whether it did.
+    fn joins(&mut self, loc: Loc) -> bool {
+        match &mut self.span {
+            Some((pack, start, end)) if *pack == loc.pack => {
+                if loc.offset >= *start && loc.end <= *end {
+                    true
+                } else if loc.offset >= *end
+                    && loc.offset - *end <= PACK_READ_GAP
+                    && loc.end - *start <= PACK_READ_MAX
+                {
+                    self.cost += loc.end - *end;
+                    *end = loc.end;
+                    true
+                } else {
+                    false
+                }
+            }
+            _ => false,
+        }
+    }
+
+    /// The unit's bytes, in order: its pack range read once, its blob
+    /// fetched, each chunk's hash checked.
+    async fn fetch(self, store: &dyn CheckpointStore, packs: &[String]) -> Result<Vec<Bytes>> {
+        let read = match self.span {
+            Some((pack, start, end)) => {
+                let key = pack_key(&packs[pack as usize]);
+                Some((start, store.get_range(&key, start..end).await?))
+            }
+            None => None,
+        };
+        let mut out = Vec::with_capacity(self.pieces.len());
+        for piece in self.pieces {
+            out.push(match piece {
+                Piece::Header(entry) => tar_header(entry)?,
+                Piece::Bytes(b) => b,
+                Piece::Blob(hash) => fetch_chunk(store, hash).await?,
+                Piece::Packed(hash, loc) => {
+                    let (start, bytes) = read.as_ref().expect("a packed chunk's unit reads");
+                    let frame =
+                        bytes.slice((loc.offset - start) as usize..(loc.end - start) as usize);
+                    let id = &packs[loc.pack as usize];
+                    unpack_chunk(
+                        frame,
+                        hash,
+                        &format!("chunk {hash} of pack {}", pack_key(id)),
+                    )
+                    .await?
+                }
+            });
+        }
+        Ok(out)
+    }
+}
+
+/// The tar stream of `ordered` as units: runs of packed chunks close
+/// together in one pack are one unit, read with one ranged request; a
+/// blob is a unit of its own; the headers and padding go with the unit
+/// they come before or after, and two zero blocks end the stream.
+fn tar_units<'a>(ordered: &[&'a TreeEntry], located: &HashMap<&str, Loc>) -> Vec<Unit<'a>> {
+    let mut units: Vec<Unit<'_>> = Vec::new();
+    let mut unit = Unit::new();
+    for entry in ordered {
+        unit.pieces.push(Piece::Header(entry));
+        for hash in &entry.chunks {
+            // A chunk costs at most its file's size and at most MAX_CHUNK.
+            let raw = entry.size.min(MAX_CHUNK as u64);
+            match located.get(hash.as_str()) {
+                Some(&loc) => {
+                    if !unit.joins(loc) {
+                        if unit.span.is_some() || !unit.pieces.is_empty() {
+                            units.push(std::mem::replace(&mut unit, Unit::new()));
+                        }
+                        unit.span = Some((loc.pack, loc.offset, loc.end));
+                        unit.cost += loc.end - loc.offset;
+                    }
+                    unit.cost += raw;
+                    unit.pieces.push(Piece::Packed(hash, loc));
+                }
+                None => {
+                    units.push(std::mem::replace(&mut unit, Unit::new()));
+                    units.push(Unit {
+                        pieces: vec![Piece::Blob(hash)],
+                        span: None,
+                        cost: raw,
+                    });
+                }
+            }
+        }
+        let pad = (512 - (entry.size % 512) as usize) % 512;
+        if pad > 0 {
+            unit.pieces.push(Piece::Bytes(Bytes::from(vec![0u8; pad])));
+        }
+    }
+    unit.pieces.push(Piece::Bytes(Bytes::from(vec![0u8; 1024])));
+    units.push(unit);
+    units
+}
+
+/// The header block(s) of one entry: GNU format, with a GNU long name for
+/// paths or link texts over 100 bytes.
+fn tar_header(entry: &TreeEntry) -> Result<Bytes> {
+    let mut out = BytesMut::new();
+    let mut header = tar::Header::new_gnu();
+    let (kind, size) = match entry.kind {
+        TreeKind::File => (tar::EntryType::Regular, entry.size),
+        TreeKind::Dir => (tar::EntryType::Directory, 0),
+        TreeKind::Symlink => (tar::EntryType::Symlink, 0),
+    };
+    header.set_entry_type(kind);
+    header.set_size(size);
+    header.set_mode(entry.mode);
+    header.set_mtime(entry.mtime);
+    let long = |out: &mut BytesMut, kind: tar::EntryType, value: &[u8]| {
+        let mut h = tar::Header::new_gnu();
+        let name = b"././@LongLink";
+        h.as_gnu_mut().expect("gnu header").name[..name.len()].copy_from_slice(name);
+        h.set_entry_type(kind);
+        h.set_mode(0o644);
+        h.set_size(value.len() as u64 + 1);
+        h.set_cksum();
+        out.extend_from_slice(h.as_bytes());
+        out.extend_from_slice(value);
+        out.extend_from_slice(&[0]);
+        let pad = (512 - ((value.len() + 1) % 512)) % 512;
+        out.extend_from_slice(&vec![0u8; pad]);
+    };
+    let path = match entry.kind {
+        TreeKind::Dir => format!("{}/", entry.path),
+        _ => entry.path.clone(),
+    };
+    if path.len() > 100 {
+        long(&mut out, tar::EntryType::GNULongName, path.as_bytes());
+        let name = &mut header.as_gnu_mut().expect("gnu header").name;
+        name.copy_from_slice(&path.as_bytes()[..100]);
+    } else {
+        header.as_gnu_mut().expect("gnu header").name[..path.len()]
+            .copy_from_slice(path.as_bytes());
+    }
+    if let Some(target) = &entry.target {
+        if target.len() > 100 {
+            long(&mut out, tar::EntryType::GNULongLink, target.as_bytes());
+            header
+                .as_gnu_mut()
+                .expect("gnu header")
+                .linkname
+                .copy_from_slice(&target.as_bytes()[..100]);
+        } else {
+            header.as_gnu_mut().expect("gnu header").linkname[..target.len()]
+                .copy_from_slice(target.as_bytes());
+        }
+    }
+    header.set_cksum();
+    out.extend_from_slice(header.as_bytes());
+    Ok(out.freeze())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use harness_core::tarscan::{TarItem, TarKind, TarScanner};
+
+    #[test]
+    fn headers_round_trip_through_the_scanner() {
+        let long = "d/".repeat(80) + "file";
+        let entries = [
+            TreeEntry {
+                path: "a".into(),
+                kind: TreeKind::Dir,
+                mode: 0o755,
+                size: 0,
+                mtime: 7,
+                chunks: vec![],
+                target: None,
+                ino: 0,
+                ctime_ns: 0,
+            },
+            TreeEntry {
+                path: long.clone(),
+                kind: TreeKind::File,
+                mode: 0o644,
+                size: 3,
+                mtime: 9,
+                chunks: vec![],
+                target: None,
+                ino: 0,
+                ctime_ns: 0,
+            },
+            TreeEntry {
+                path: "a/l".into(),
+                kind: TreeKind::Symlink,
+                mode: 0o777,
+                size: 0,
+                mtime: 9,
+                chunks: vec![],
+                target: Some("../".repeat(40) + "x"),
+                ino: 0,
+                ctime_ns: 0,
+            },
+        ];
+        let mut tar = Vec::new();
+        tar.extend_from_slice(&tar_header(&entries[0]).unwrap());
+        tar.extend_from_slice(&tar_header(&entries[1]).unwrap());
+        tar.extend_from_slice(b"abc");
+        tar.extend_from_slice(&[0u8; 509]);
+        tar.extend_from_slice(&tar_header(&entries[2]).unwrap());
+        tar.extend_from_slice(&[0u8; 1024]);
+        let mut seen = Vec::new();
+        let mut data = Vec::new();
+        let mut scanner = TarScanner::new().outward_symlinks();
+        scanner
+            .push_entries(&tar, &mut |item| {
+                match item {
+                    TarItem::Entry(e) => seen.push(e),
+                    TarItem::Data(d) => data.extend_from_slice(d),
+                }
+                Ok(())
+            })
+            .unwrap();
+        scanner.finish().unwrap();
+        assert_eq!(data, b"abc");
+        assert_eq!(
+            seen.iter().map(|e| e.path.as_str()).collect::<Vec<_>>(),
+            ["a", long.as_str(), "a/l"]
+        );
+        assert_eq!(seen[1].mtime, 9);
+        assert_eq!(seen[1].size, 3);
+        assert_eq!(
+            seen[2].kind,
+            TarKind::Symlink {
+                target: "../".repeat(40) + "x"
+            }
+        );
+        // The full rules refuse that symlink, as a manifest restore would.
+        let mut strict = TarScanner::new();
+        let e = &entries[2];
+        assert!(strict
+            .admit(&e.path, &e.tar_kind(), e.mode, e.size)
+            .is_err());
+    }
+}
