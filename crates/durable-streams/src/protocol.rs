@@ -194,7 +194,7 @@ pub fn handle(streams: &mut Streams, req: &Request<'_>) -> Handled {
         Method::PUT => create(streams, path, req.headers, req.body.clone()),
         Method::HEAD => head(streams, path),
         Method::GET => {
-            let params = util::query_pairs(req.query);
+            let params = util::query_pairs(req.query.unwrap_or_default());
             return read(streams, path, &params, req.headers);
         }
         Method::POST => append(streams, path, req.headers, req.body.clone()),

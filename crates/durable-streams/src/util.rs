@@ -1,7 +1,9 @@
 //! Small helpers the protocol needs: base64 (SSE over binary streams),
-//! RFC 3339 timestamps (`Stream-Expires-At`), query strings (the `base64`,
-//! `chrono`, `percent-encoding` and `form_urlencoded` crates underneath)
+//! RFC 3339 timestamps (`Stream-Expires-At`) (the `base64` and `chrono`
+//! crates underneath), query strings (core's one decoder, re-exported)
 //! and cursors.
+
+pub use harness_core::query::{percent_decode, query_pairs};
 
 /// Standard base64 with padding.
 pub fn base64(data: &[u8]) -> String {
@@ -37,22 +39,6 @@ pub fn parse_rfc3339_ms(raw: &str) -> Option<i64> {
     }
     let date = NaiveDate::parse_from_str(&s, "%Y-%m-%d").ok()?;
     Some(date.and_hms_opt(0, 0, 0)?.and_utc().timestamp_millis())
-}
-
-/// Decode `%XX` (two hex digits; anything else stays as it is) and `+`
-/// in a query component.
-pub fn percent_decode(raw: &str) -> String {
-    percent_encoding::percent_decode_str(&raw.replace('+', " "))
-        .decode_utf8_lossy()
-        .into_owned()
-}
-
-/// All `(name, value)` pairs of a query string, in order, decoded
-/// (`application/x-www-form-urlencoded`).
-pub fn query_pairs(query: Option<&str>) -> Vec<(String, String)> {
-    form_urlencoded::parse(query.unwrap_or("").as_bytes())
-        .map(|(k, v)| (k.into_owned(), v.into_owned()))
-        .collect()
 }
 
 /// Start of cursor intervals (the reference server's epoch, 2024-10-09).
@@ -146,14 +132,6 @@ mod tests {
     }
 
     #[test]
-    fn percent_decode_needs_two_hex_digits() {
-        // Found by fuzzing: `from_str_radix` took `+1` as a number.
-        assert_eq!(percent_decode("%+1x"), "% 1x");
-        assert_eq!(percent_decode("%4"), "%4");
-        assert_eq!(percent_decode("%4g%41"), "%4gA");
-    }
-
-    #[test]
     fn response_cursor_survives_the_largest_client_cursor() {
         // Found by fuzzing: adding the jitter overflowed.
         assert_eq!(
@@ -172,13 +150,5 @@ mod tests {
             let next: i64 = response_cursor(Some("2"), now, random).parse().unwrap();
             assert!((3..=182).contains(&next), "{random}: {next}");
         }
-    }
-
-    #[test]
-    fn query_pairs_decode_and_keep_duplicates() {
-        let pairs = query_pairs(Some("offset=1&offset=2&cursor=%31%32&x"));
-        assert_eq!(pairs.len(), 4);
-        assert_eq!(pairs[2], ("cursor".into(), "12".into()));
-        assert_eq!(pairs[3], ("x".into(), String::new()));
     }
 }

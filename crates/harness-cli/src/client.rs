@@ -3,8 +3,6 @@
 //! session's events (SSE) as the actor's `ServerMessage`s, so a turn is
 //! followed exactly as in-process.
 
-use std::collections::VecDeque;
-
 use anyhow::{bail, Context, Result};
 use futures::StreamExt;
 use harness::core::actor::{ClientMessage, ServerMessage};
@@ -12,6 +10,7 @@ use harness::core::frame::Frame;
 use harness::core::log::LogInfo;
 use harness::core::part::StreamPart;
 use harness::core::session::SessionConfig;
+use harness::core::sse::{read_events, ReadError, SseEvent, SseReader};
 use serde_json::{json, Value};
 
 /// A server and the token to use.
@@ -132,20 +131,19 @@ impl RemoteClient {
             bail!("unreachable");
         }
         Ok(Events {
-            body: Box::pin(r.bytes_stream()),
-            buffer: Vec::new(),
-            ready: VecDeque::new(),
+            events: Box::pin(read_events(r.bytes_stream(), SseReader::new())),
         })
     }
 }
 
-type Body = std::pin::Pin<Box<dyn futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Send>>;
+type SessionEvents = std::pin::Pin<
+    Box<dyn futures::Stream<Item = Result<SseEvent, ReadError<reqwest::Error>>> + Send>,
+>;
 
-/// A session's SSE stream (`event: frame|live|error`), parsed.
+/// A session's SSE stream (`event: frame|live|error`), read with core's
+/// one SSE reader.
 pub struct Events {
-    body: Body,
-    buffer: Vec<u8>,
-    ready: VecDeque<ServerMessage>,
+    events: SessionEvents,
 }
 
 impl std::fmt::Debug for Events {
@@ -158,64 +156,34 @@ impl Events {
     /// The next message; `None` when the stream ended.
     pub async fn next(&mut self) -> Option<Result<ServerMessage>> {
         loop {
-            if let Some(m) = self.ready.pop_front() {
-                return Some(Ok(m));
-            }
-            match self.body.next().await? {
-                Ok(chunk) => {
-                    self.buffer.extend_from_slice(&chunk);
-                    self.parse();
-                }
-                Err(e) => return Some(Err(anyhow::anyhow!("the event stream failed: {e}"))),
-            }
-        }
-    }
-
-    /// Split complete events (blank-line separated) off the buffer.
-    fn parse(&mut self) {
-        while let Some(end) = find_blank_line(&self.buffer) {
-            let block: Vec<u8> = self.buffer.drain(..end).collect();
-            let text = String::from_utf8_lossy(&block);
-            let mut event = "message";
-            let mut data = String::new();
-            for line in text.lines() {
-                if let Some(v) = line.strip_prefix("event:") {
-                    event = v.trim();
-                } else if let Some(v) = line.strip_prefix("data:") {
-                    if !data.is_empty() {
-                        data.push('\n');
+            match self.events.next().await? {
+                Ok(event) => {
+                    if let Some(message) = server_message(&event) {
+                        return Some(Ok(message));
                     }
-                    data.push_str(v.strip_prefix(' ').unwrap_or(v));
                 }
+                Err(e) => return Some(Err(anyhow::Error::new(e))),
             }
-            let message = match event {
-                "frame" => serde_json::from_str::<Frame>(&data)
-                    .ok()
-                    .map(|frame| ServerMessage::Frame { frame }),
-                "live" => serde_json::from_str::<Value>(&data).ok().and_then(|v| {
-                    let part: StreamPart = serde_json::from_value(v["part"].clone()).ok()?;
-                    Some(ServerMessage::Live {
-                        turn_id: v["turnId"].as_str()?.to_string(),
-                        part,
-                    })
-                }),
-                _ => None,
-            };
-            self.ready.extend(message);
         }
     }
 }
 
-/// The end (past the blank line) of the first complete SSE event.
-fn find_blank_line(buffer: &[u8]) -> Option<usize> {
-    let lf = buffer.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
-    let crlf = buffer
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .map(|i| i + 4);
-    match (lf, crlf) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
+/// A session event as the actor's message: stored frames and live parts;
+/// `None` for the rest (an `error` event is followed by the stream's end).
+fn server_message(event: &SseEvent) -> Option<ServerMessage> {
+    match event.event.as_str() {
+        "frame" => serde_json::from_str::<Frame>(&event.data)
+            .ok()
+            .map(|frame| ServerMessage::Frame { frame }),
+        "live" => {
+            let v: Value = serde_json::from_str(&event.data).ok()?;
+            let part: StreamPart = serde_json::from_value(v["part"].clone()).ok()?;
+            Some(ServerMessage::Live {
+                turn_id: v["turnId"].as_str()?.to_string(),
+                part,
+            })
+        }
+        _ => None,
     }
 }
 
@@ -263,5 +231,74 @@ mod tests {
             format!("http://{}", l.local_addr().unwrap())
         };
         assert!(!reachable(&closed, "ours").await);
+    }
+
+    /// Serve `/v1/sessions/s1/events` as `chunks`, one body chunk each.
+    async fn events_server(chunks: Vec<bytes::Bytes>) -> String {
+        let events = move || {
+            let chunks = chunks.clone();
+            async move {
+                let chunks = chunks.into_iter().map(Ok::<_, std::io::Error>);
+                axum::body::Body::from_stream(futures::stream::iter(chunks))
+            }
+        };
+        server(Router::new().route("/v1/sessions/s1/events", get(events))).await
+    }
+
+    /// Frames and live parts come out as the actor's messages however the
+    /// body is cut, past keep-alives, CRLF line ends and `error` events.
+    #[tokio::test]
+    async fn events_are_read_as_the_actors_messages() {
+        use harness::core::frame::FrameBody;
+        let frame = Frame {
+            seq: 3,
+            at_ms: 9,
+            body: FrameBody::Sealed {},
+        };
+        let part = StreamPart::TextDelta {
+            id: "b1".into(),
+            delta: "two\nlines".into(),
+        };
+        let wire = format!(
+            ":\n\nid: 3\r\nevent: frame\r\ndata: {}\r\n\r\n\
+             event: error\ndata: {{\"code\":\"internal\"}}\n\n\
+             event: live\ndata: {}\n\n",
+            serde_json::to_string(&frame).unwrap(),
+            json!({"turnId": "t1", "part": part}),
+        );
+        let chunks = wire
+            .as_bytes()
+            .chunks(7)
+            .map(bytes::Bytes::copy_from_slice)
+            .collect();
+        let url = events_server(chunks).await;
+        let mut events = RemoteClient::new(&url, None).events("s1", 0).await.unwrap();
+        assert_eq!(
+            events.next().await.unwrap().unwrap(),
+            ServerMessage::Frame { frame }
+        );
+        assert_eq!(
+            events.next().await.unwrap().unwrap(),
+            ServerMessage::Live {
+                turn_id: "t1".into(),
+                part
+            }
+        );
+        assert!(events.next().await.is_none());
+    }
+
+    /// A server that never ends its line costs the CLI a bounded buffer
+    /// and an error, not its memory.
+    #[tokio::test]
+    async fn an_endless_event_is_an_error() {
+        let mib = bytes::Bytes::from(vec![b'a'; 1024 * 1024]);
+        let chunks = std::iter::once(bytes::Bytes::from_static(b"data: "))
+            .chain(std::iter::repeat_n(mib, 17))
+            .collect();
+        let url = events_server(chunks).await;
+        let mut events = RemoteClient::new(&url, None).events("s1", 0).await.unwrap();
+        let error = events.next().await.unwrap().unwrap_err();
+        assert!(error.to_string().contains("longer than"), "{error}");
+        assert!(events.next().await.is_none());
     }
 }

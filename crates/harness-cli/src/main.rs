@@ -21,6 +21,7 @@ mod image;
 mod local;
 mod moves;
 mod print;
+mod reconnect;
 mod relay_host;
 mod serve;
 mod serve_sandboxes;

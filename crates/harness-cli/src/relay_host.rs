@@ -23,6 +23,8 @@ use harness::core::{ErrorKind, SessionId};
 use harness::runtime::{CommandTool, HostEvent, ToolHost};
 use serde::Deserialize;
 
+use crate::reconnect::{keep_linked, LinkEnd};
+
 /// `harness relay-host` arguments.
 #[derive(Debug, clap::Args)]
 pub struct RelayHostArgs {
@@ -147,35 +149,30 @@ pub async fn run(args: RelayHostArgs) -> Result<()> {
             }
         }
     });
-    let mut backoff = Duration::from_millis(500);
     // Refusals after a drop: the server may not have seen our old link go
     // yet, so a few are waited out; on the first attempt one is final.
     let mut refusals_left = 0u32;
-    loop {
-        let served = host
-            .serve_ws(&args.server, &session, args.token.as_deref(), args.takeover)
-            .await;
-        match served {
-            Ok(()) => {
-                eprintln!("relay-host: the session closed the link; reconnecting");
-                refusals_left = 10;
-                backoff = Duration::from_millis(500);
-            }
-            Err(e) if e.kind() == ErrorKind::Conflict && refusals_left > 0 => {
-                refusals_left -= 1;
-                eprintln!("relay-host: {e}; retrying in {} ms", backoff.as_millis());
-            }
-            Err(e) if matches!(e.kind(), ErrorKind::Conflict | ErrorKind::Unauthorized) => {
-                return Err(anyhow::Error::new(e)).context(
-                    "the session refused this tool host (pass --takeover to replace the attached one)",
-                );
-            }
-            Err(e) => eprintln!("relay-host: {e}; retrying in {} ms", backoff.as_millis()),
+    let ended = move |served: harness::core::Result<()>| match served {
+        Ok(()) => {
+            refusals_left = 10;
+            LinkEnd::Closed("the session closed the link".into())
         }
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_secs(5));
-    }
+        Err(e) if e.kind() == ErrorKind::Conflict && refusals_left > 0 => {
+            refusals_left -= 1;
+            LinkEnd::Failed(e.to_string())
+        }
+        Err(e) if matches!(e.kind(), ErrorKind::Conflict | ErrorKind::Unauthorized) => {
+            LinkEnd::Stop(Err(anyhow::Error::new(e).context(REFUSED)))
+        }
+        Err(e) => LinkEnd::Failed(e.to_string()),
+    };
+    let serve = || host.serve_ws(&args.server, &session, args.token.as_deref(), args.takeover);
+    keep_linked("relay-host", Duration::from_secs(5), serve, ended).await
 }
+
+/// Why `relay-host` gives up on a session that will not take it.
+const REFUSED: &str =
+    "the session refused this tool host (pass --takeover to replace the attached one)";
 
 #[cfg(test)]
 mod tests {

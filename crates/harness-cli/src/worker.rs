@@ -21,6 +21,7 @@ use harness::runtime::{RunnerSink, SystemClock, WsConnector};
 
 use crate::home::Home;
 use crate::local;
+use crate::reconnect::{keep_linked, LinkEnd};
 use crate::AgentKind;
 
 /// Where a worker or runner writes, and with what.
@@ -160,25 +161,25 @@ pub async fn runner(home: &Home, args: RunnerArgs) -> Result<()> {
     let runtime = SessionRuntime::new(Arc::new(engine)).with_turn_config(args.limits.turn_config());
     let (server, token) = (&args.remote.server, args.remote.token.as_deref());
     eprintln!("runner (generation {generation}) for {server}");
-    let mut backoff = Duration::from_millis(500);
-    loop {
-        let channel =
-            harness::runtime::serve_runner_channel(server, token, generation, runtime.clone());
-        let ended = tokio::select! {
-            ended = channel => ended,
-            _ = tokio::signal::ctrl_c() => {
-                eprintln!("shutting down the runner (its unfinished turns resume when it starts again)");
-                return Ok(());
-            }
-        };
-        match ended {
+    let channel =
+        || harness::runtime::serve_runner_channel(server, token, generation, runtime.clone());
+    let linked = keep_linked(
+        "runner",
+        Duration::from_secs(10),
+        channel,
+        |ended| match ended {
             Ok(reason) if reason.contains("replaced") => {
-                anyhow::bail!("this runner was replaced: {reason}");
+                LinkEnd::Stop(Err(anyhow::anyhow!("this runner was replaced: {reason}")))
             }
-            Ok(reason) => eprintln!("runner channel closed ({reason}); reconnecting"),
-            Err(e) => eprintln!("{e}; reconnecting in {backoff:?}"),
+            Ok(reason) => LinkEnd::Closed(format!("the runner channel closed ({reason})")),
+            Err(e) => LinkEnd::Failed(e.to_string()),
+        },
+    );
+    tokio::select! {
+        stopped = linked => stopped,
+        _ = tokio::signal::ctrl_c() => {
+            eprintln!("shutting down the runner (its unfinished turns resume when it starts again)");
+            Ok(())
         }
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_secs(10));
     }
 }

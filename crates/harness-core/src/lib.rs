@@ -30,7 +30,9 @@
 //! - [`engine`]: `DurableEngine`, the slice contract and the in-process engine;
 //! - [`slice`]: `harness:slice`, one bounded piece of a turn, and where its parts go;
 //! - [`clock`], [`maybe`]: time as an input; `Send` only where there are threads;
-//! - [`tarscan`]: archive safety (what every restore admits).
+//! - [`tarscan`]: archive safety (what every restore admits);
+//! - [`sse`], [`query`]: the one reader of server-sent events (bounded,
+//!   sans-IO) and the one decoder of query strings.
 
 pub mod actor;
 pub mod actor_driver;
@@ -46,9 +48,11 @@ pub mod harness;
 pub mod log;
 pub mod maybe;
 pub mod part;
+pub mod query;
 pub mod sandbox;
 pub mod session;
 pub mod slice;
+pub mod sse;
 pub mod stream;
 pub mod tarscan;
 pub mod turn;

@@ -53,8 +53,7 @@ pub use script::{
     StopReason, ToolCall, ToolKind, BASH_CALL_ID,
 };
 pub use sse::{
-    anthropic_events, anthropic_message, openai_events, openai_response, parse_sse, ResponseMeta,
-    SseEvent,
+    anthropic_events, anthropic_message, openai_events, openai_response, ResponseMeta, SseEvent,
 };
 
 /// The smallest real turn: a prompt containing "write a file" gets one

@@ -420,35 +420,3 @@ pub fn openai_events(reply: &Reply, meta: &ResponseMeta) -> Vec<SseEvent> {
     }
     ev
 }
-
-/// Parse an SSE body into `(event name, data JSON)` pairs (for tests). Events
-/// without an `event:` line are named after `data.type`; non-JSON data (e.g.
-/// `[DONE]`) is returned as a JSON string.
-pub fn parse_sse(body: &str) -> Vec<(String, Value)> {
-    let mut out = Vec::new();
-    for block in body.replace("\r\n", "\n").split("\n\n") {
-        let mut name = None;
-        let mut data = Vec::new();
-        for line in block.lines() {
-            if let Some(v) = line.strip_prefix("event:") {
-                name = Some(v.trim().to_string());
-            } else if let Some(v) = line.strip_prefix("data:") {
-                data.push(v.strip_prefix(' ').unwrap_or(v).to_string());
-            }
-        }
-        if data.is_empty() {
-            continue;
-        }
-        let data = data.join("\n");
-        let value = serde_json::from_str(&data).unwrap_or(Value::String(data));
-        let name = name.unwrap_or_else(|| {
-            value
-                .get("type")
-                .and_then(Value::as_str)
-                .unwrap_or("message")
-                .to_string()
-        });
-        out.push((name, value));
-    }
-    out
-}

@@ -3,8 +3,33 @@
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use harness_core::sse::SseReader;
 use harness_scripted_model::*;
 use serde_json::{json, Value};
+
+/// `(event name, data JSON)` of every event of an SSE body, read with
+/// core's SSE reader (what the agents' clients would see): an event
+/// without a name is named after `data.type`, and data that is not JSON
+/// (`[DONE]`) is a JSON string.
+fn parse_sse(body: &str) -> Vec<(String, Value)> {
+    let mut reader = SseReader::new();
+    let events = reader.push(body.as_bytes()).expect("an SSE body");
+    assert!(
+        !reader.has_partial(),
+        "the body ends inside an event: {body:?}"
+    );
+    events
+        .into_iter()
+        .map(|event| {
+            let data = serde_json::from_str(&event.data).unwrap_or(Value::String(event.data));
+            let name = match (event.event.as_str(), data["type"].as_str()) {
+                ("message", Some(kind)) => kind.to_string(),
+                (name, _) => name.to_string(),
+            };
+            (name, data)
+        })
+        .collect()
+}
 
 fn anthropic_prompt(text: &str) -> Value {
     json!({

@@ -69,7 +69,7 @@ impl SessionObject {
             return respond(head(info.last_seq, info.sealed)).map_err(internal);
         }
         let url = req.url().map_err(internal)?;
-        let params = util::query_pairs(url.query());
+        let params = util::query_pairs(url.query().unwrap_or_default());
         let p = match read_params(&params) {
             Ok(p) => p,
             Err(reply) => return respond(reply).map_err(internal),

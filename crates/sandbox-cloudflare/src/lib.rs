@@ -23,7 +23,6 @@
 //! All HTTP goes through [`transport::BridgeTransport`], so the same logic
 //! runs natively ([`transport::ReqwestTransport`]) and inside a Worker.
 
-pub mod sse;
 pub mod transport;
 
 use std::collections::BTreeMap;
@@ -42,12 +41,12 @@ use harness_core::sandbox::{
     resolve_path, shell_quote, ExecEvent, ExecOutput, ExecRequest, ExecStream, ExitReason,
     ExitStatus, NetworkPolicy, PortEndpoint, Sandbox, SandboxHandle, SandboxProvider, SandboxSpec,
 };
+use harness_core::sse::{SseEvent, SseReader};
 use harness_core::stream::ByteStream;
 use harness_core::{tarscan, Error, ErrorKind, Result};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
-use crate::sse::SseReader;
 use crate::transport::{BridgeRequest, BridgeResponse, BridgeTransport, Method};
 
 /// The provider name recorded in handles.
@@ -828,7 +827,7 @@ fn exec_events(
 }
 
 /// One SSE event as an exec event (`None` for events we ignore).
-fn translate(event: &sse::SseEvent, killed: Option<ExitReason>) -> Option<Result<ExecEvent>> {
+fn translate(event: &SseEvent, killed: Option<ExitReason>) -> Option<Result<ExecEvent>> {
     let b64 = |data: &str| {
         base64::engine::general_purpose::STANDARD
             .decode(data.trim())

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 
 use harness_core::actor::ServerMessage;
 use harness_core::log::LogInfo;
+use harness_core::query::query_pairs;
 use harness_core::session::SessionConfig;
 use harness_core::SessionId;
 use serde::Deserialize;
@@ -264,42 +265,13 @@ pub fn ack(seq: u64, duplicate: bool, turn_id: Option<String>) -> serde_json::Va
     })
 }
 
-/// Parse an `application/x-www-form-urlencoded` query string (for servers
-/// without a framework that does it): `+` is a space, `%XX` a byte; a
-/// malformed escape is kept as it is; a repeated name keeps its last value.
+/// The parameters of a query string (for servers without a framework
+/// that reads them), decoded by core's one query decoder
+/// ([`harness_core::query`]: `+` is a space, `%XX` a byte only with two
+/// hex digits, a malformed escape kept as it is); a repeated name keeps
+/// its last value.
 pub fn parse_query(query: &str) -> HashMap<String, String> {
-    fn decode(s: &str) -> String {
-        let bytes = s.as_bytes();
-        let mut out = Vec::with_capacity(bytes.len());
-        let mut i = 0;
-        while i < bytes.len() {
-            match bytes[i] {
-                b'+' => out.push(b' '),
-                b'%' if i + 2 < bytes.len() => {
-                    let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).ok();
-                    match hex.and_then(|h| u8::from_str_radix(h, 16).ok()) {
-                        Some(b) => {
-                            out.push(b);
-                            i += 3;
-                            continue;
-                        }
-                        None => out.push(b'%'),
-                    }
-                }
-                b => out.push(b),
-            }
-            i += 1;
-        }
-        String::from_utf8_lossy(&out).into_owned()
-    }
-    query
-        .split('&')
-        .filter(|pair| !pair.is_empty())
-        .map(|pair| {
-            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-            (decode(k), decode(v))
-        })
-        .collect()
+    query_pairs(query).into_iter().collect()
 }
 
 #[cfg(test)]
@@ -326,7 +298,7 @@ mod tests {
 
     #[test]
     fn cursors_and_pages() {
-        let p = parse_query("after=3&limit=20000&x=a%20b+c&bad=%zz&t=%4");
+        let p = parse_query("after=1&after=3&limit=20000&x=a%20b+c&bad=%zz&t=%4&sign=%+1");
         assert_eq!(frames_page(&p).unwrap(), (3, MAX_FRAMES_PAGE));
         let page = |pairs: &[(&str, &str)]| {
             let p: HashMap<String, String> = pairs
@@ -347,6 +319,8 @@ mod tests {
         assert_eq!(p["x"], "a b c");
         assert_eq!(p["bad"], "%zz");
         assert_eq!(p["t"], "%4");
+        // `%+1` is no escape (two hex digits or nothing).
+        assert_eq!(p["sign"], "% 1");
         assert_eq!(events_after(Some(b" 7 "), &p).unwrap(), 7);
         assert_eq!(events_after(None, &p).unwrap(), 3);
         assert_eq!(events_after(Some(b"x"), &p).unwrap_err().status, 400);

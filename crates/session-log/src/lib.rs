@@ -36,6 +36,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use backon::{BlockingRetryable, ExponentialBuilder};
 use harness_core::log::{
     fold_meta, fork_closing_frame, fork_range_error, plan_append, unknown_session, AppendPlan,
     AppendRequest, AppendView, Appended, CheckedAppend, ForkOrigin, LogHead, LogInfo, SessionLog,
@@ -136,18 +137,19 @@ pub(crate) fn open_connection(path: &Path) -> Result<Connection> {
     // to WAL and create the schema; SQLite answers the loser `SQLITE_BUSY`
     // at once, without waiting on the busy timeout (waiting could deadlock
     // two lock upgrades). The setup is idempotent, so try again, for as long
-    // as a busy statement would have waited.
-    let started = std::time::Instant::now();
-    let mut pause = Duration::from_millis(5);
-    loop {
-        match configure(&conn) {
-            Err(err) if is_busy(&err) && started.elapsed() < BUSY_TIMEOUT => {
-                std::thread::sleep(pause);
-                pause = (pause * 2).min(Duration::from_millis(200));
-            }
-            other => return other.map(|()| conn),
-        }
-    }
+    // as a busy statement would have waited (pauses of 5 ms doubling to
+    // 200 ms, `backon`'s backoff).
+    let pauses = ExponentialBuilder::new()
+        .with_min_delay(Duration::from_millis(5))
+        .with_max_delay(Duration::from_millis(200))
+        .with_total_delay(Some(BUSY_TIMEOUT))
+        .without_max_times();
+    (|| configure(&conn))
+        .retry(pauses)
+        .sleep(std::thread::sleep)
+        .when(is_busy)
+        .call()?;
+    Ok(conn)
 }
 
 /// Whether an error is SQLite's "another connection holds the lock".

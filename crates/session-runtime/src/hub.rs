@@ -31,6 +31,7 @@ use harness_core::actor::{
     ActorConfig, ClientMessage, ConnId, ErrorCode, Input, Role, RunnerMessage, ServerMessage,
 };
 use harness_core::actor_driver::{ActorDriver, Transport};
+use harness_core::clock::Clock;
 use harness_core::frame::{Frame, FrameBody};
 use harness_core::log::{LogSession, SessionLog, SessionStore};
 use harness_core::relay::HostMessage;
@@ -39,6 +40,7 @@ use harness_core::{Error, SessionId};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::dispatch::Dispatcher;
+use crate::SystemClock;
 
 /// Messages queued for one connection before the actor gives up on it. A
 /// reader this far behind is dropped (its stream ends after the queued
@@ -61,6 +63,10 @@ pub struct HubConfig {
     /// are committed together ([`MAX_BATCH`]; 1 handles every command on
     /// its own, each append its own commit).
     pub max_batch: usize,
+    /// The time the actors are fed ([`Input::Tick`]: host calls' deadlines);
+    /// the system clock by default, the runtime's own under a
+    /// [`Runtime`](crate::Runtime).
+    pub clock: Arc<dyn Clock>,
 }
 
 impl Default for HubConfig {
@@ -69,6 +75,7 @@ impl Default for HubConfig {
             actor: ActorConfig::default(),
             idle_timeout: Duration::from_secs(30),
             max_batch: MAX_BATCH,
+            clock: Arc::new(SystemClock),
         }
     }
 }
@@ -842,125 +849,142 @@ impl Transport for ChannelTransport {
     }
 }
 
+/// The driver of one session's actor over its connections.
+type Driver = ActorDriver<ChannelTransport>;
+
+/// One session's actor task: the command queue it takes from, what it
+/// recovers from, and the connection ids it hands out.
+struct ActorTask {
+    hub: Arc<Hub>,
+    session: SessionId,
+    epoch: u64,
+    rx: mpsc::UnboundedReceiver<Command>,
+    store: Arc<dyn SessionStore>,
+    next_conn: ConnId,
+}
+
+/// A batch's commands as the actor's inputs, and what is answered after.
+struct BatchInputs {
+    inputs: Vec<Input>,
+    /// Connections of one request, closed once the batch is handled.
+    transient: Vec<ConnId>,
+    /// Who asked for the connection count.
+    counts: Vec<oneshot::Sender<usize>>,
+}
+
 async fn run_actor(
     hub: Arc<Hub>,
     session: SessionId,
     epoch: u64,
-    mut rx: mpsc::UnboundedReceiver<Command>,
+    rx: mpsc::UnboundedReceiver<Command>,
 ) {
     let store: Arc<dyn SessionStore> = Arc::new(LogSession::new(hub.log.clone(), session.clone()));
+    let mut task = ActorTask {
+        hub,
+        session,
+        epoch,
+        rx,
+        store,
+        next_conn: 1,
+    };
     let transport = ChannelTransport {
-        session: session.clone(),
+        session: task.session.clone(),
         conns: HashMap::new(),
-        hub: Arc::downgrade(&hub),
+        hub: Arc::downgrade(&task.hub),
         fanout: Vec::new(),
         fanout_to: Vec::new(),
     };
-    let mut driver =
-        match ActorDriver::recover(store.clone(), hub.config.actor.clone(), transport).await {
+    let mut driver = match task.recover(transport).await {
+        Ok(driver) => driver,
+        Err(e) => return task.fail_start(&e),
+    };
+    let last_seq = driver.actor().last_seq();
+    tracing::debug!(session = %task.session, last_seq, "session actor started");
+    while let Some(cmds) = task.next_batch(&mut driver).await {
+        let Err(error) = task.handle_batch(&mut driver, cmds).await else {
+            continue;
+        };
+        driver = match task.restart(driver, error).await {
             Ok(driver) => driver,
-            Err(e) => {
-                hub.fail_start(&session, epoch, rx, &e);
-                return;
-            }
+            Err(e) => return task.fail_start(&e),
         };
-    tracing::debug!(%session, last_seq = driver.actor().last_seq(), "session actor started");
-    let mut next_conn: ConnId = 1;
-    loop {
-        let cmd = if driver.transport().conns.is_empty() {
-            match tokio::time::timeout(hub.config.idle_timeout, rx.recv()).await {
-                Ok(cmd) => cmd,
-                Err(_) => {
-                    if hub.try_retire(&session, epoch, &mut rx) {
-                        tracing::debug!(%session, "session actor stopped (idle)");
-                        return;
+    }
+}
+
+impl ActorTask {
+    fn now_ms(&self) -> u64 {
+        self.hub.config.clock.now_ms()
+    }
+
+    /// The actor as the log has it, over `transport`.
+    async fn recover(&self, transport: ChannelTransport) -> Result<Driver, Error> {
+        ActorDriver::recover(self.store.clone(), self.hub.config.actor.clone(), transport).await
+    }
+
+    /// The task could not (re)start: leave the registry and refuse what
+    /// was queued.
+    fn fail_start(self, error: &Error) {
+        self.hub
+            .fail_start(&self.session, self.epoch, self.rx, error);
+    }
+
+    /// The next command; `None` once the task retired. With no connection
+    /// the task retires after the idle timeout; with a host call out it
+    /// wakes for the call's deadline (the actor records the timeout on the
+    /// tick).
+    async fn next_command(&mut self, driver: &mut Driver) -> Option<Command> {
+        loop {
+            if driver.transport().conns.is_empty() {
+                match tokio::time::timeout(self.hub.config.idle_timeout, self.rx.recv()).await {
+                    Ok(cmd) => return cmd,
+                    Err(_) if self.hub.try_retire(&self.session, self.epoch, &mut self.rx) => {
+                        tracing::debug!(session = %self.session, "session actor stopped (idle)");
+                        return None;
                     }
-                    continue;
+                    Err(_) => continue,
                 }
             }
-        } else if let Some(deadline) = driver.actor().next_deadline() {
-            // A host call is out: wake for its deadline (the actor records
-            // the timeout on the tick).
-            let wait = Duration::from_millis(deadline.saturating_sub(now_ms()));
-            match tokio::time::timeout(wait, rx.recv()).await {
-                Ok(cmd) => cmd,
+            let Some(deadline) = driver.actor().next_deadline() else {
+                // `None` only once the queue is closed, i.e. after retiring.
+                return self.rx.recv().await;
+            };
+            let wait = Duration::from_millis(deadline.saturating_sub(self.now_ms()));
+            match tokio::time::timeout(wait, self.rx.recv()).await {
+                Ok(cmd) => return cmd,
                 Err(_) => {
-                    driver.handle(Input::Tick { now_ms: now_ms() }).await;
+                    driver
+                        .handle(Input::Tick {
+                            now_ms: self.now_ms(),
+                        })
+                        .await;
                     driver.transport_mut().flush();
-                    continue;
                 }
             }
-        } else {
-            rx.recv().await
-        };
-        // `None` only once the queue is closed, i.e. after retiring.
-        let Some(cmd) = cmd else { return };
-        // What queued up meanwhile is handled as one batch: its appends go
-        // into one group commit, and acks and fan-out wait for it.
-        let mut cmds = vec![cmd];
-        while cmds.len() < hub.config.max_batch {
-            match rx.try_recv() {
+        }
+    }
+
+    /// The next command and what queued up behind it, handled as one
+    /// batch: its appends go into one group commit, and acks and fan-out
+    /// wait for it.
+    async fn next_batch(&mut self, driver: &mut Driver) -> Option<Vec<Command>> {
+        let mut cmds = vec![self.next_command(driver).await?];
+        while cmds.len() < self.hub.config.max_batch {
+            match self.rx.try_recv() {
                 Ok(cmd) => cmds.push(cmd),
                 Err(_) => break,
             }
         }
-        let mut inputs = vec![Input::Tick { now_ms: now_ms() }];
-        // Connections of one request, closed once the batch is handled.
-        let mut transient = Vec::new();
-        let mut counts = Vec::new();
-        for cmd in cmds {
-            match cmd {
-                Command::Connect {
-                    role,
-                    after,
-                    out,
-                    reply,
-                    request,
-                } => {
-                    let conn = next_conn;
-                    next_conn += 1;
-                    if reply.send(Ok(conn)).is_err() {
-                        // The caller gave up before we answered: nothing to do.
-                        continue;
-                    }
-                    driver.transport_mut().conns.insert(conn, out);
-                    inputs.push(Input::Connect { conn, role, after });
-                    if let Some(message) = request {
-                        inputs.push(Input::Client { conn, message });
-                        transient.push(conn);
-                    }
-                }
-                Command::Input(input) => {
-                    if let Input::Disconnect { conn } = &input {
-                        driver.transport_mut().conns.remove(conn);
-                    }
-                    inputs.push(input);
-                }
-                Command::CountConnections(reply) => counts.push(reply),
-            }
-        }
-        // Inputs that may append; with one, there is nothing to group: it
-        // commits at once (possibly with other sessions' appends).
-        let writes = inputs
-            .iter()
-            .filter(|i| {
-                matches!(
-                    i,
-                    Input::Client { .. }
-                        | Input::Runner { .. }
-                        | Input::ToolHost { .. }
-                        | Input::DispatchFailed { .. }
-                )
-            })
-            .count();
-        let result = if writes <= 1 {
-            for input in inputs {
-                driver.handle(input).await;
-            }
-            Ok(())
-        } else {
-            driver.handle_batch(inputs).await
-        };
+        Some(cmds)
+    }
+
+    /// Handle one batch; `Err` when its group commit failed.
+    async fn handle_batch(&mut self, driver: &mut Driver, cmds: Vec<Command>) -> Result<(), Error> {
+        let BatchInputs {
+            inputs,
+            transient,
+            counts,
+        } = self.inputs(driver, cmds);
+        let result = handle_inputs(driver, inputs).await;
         for conn in transient {
             driver.transport_mut().conns.remove(&conn);
             driver.handle(Input::Disconnect { conn }).await;
@@ -971,17 +995,66 @@ async fn run_actor(
         // Frames fanned out wait while more commands are queued (their
         // frames join the same runs: one queue push per reader for many
         // frames when the actor is busy), up to a batch's worth.
-        if rx.is_empty() || driver.transport().fanout.len() >= hub.config.max_batch {
+        if self.rx.is_empty() || driver.transport().fanout.len() >= self.hub.config.max_batch {
             driver.transport_mut().flush();
         }
-        let Err(error) = result else {
-            continue;
+        result
+    }
+
+    /// A batch's commands as inputs, the time first: connections get their
+    /// ids (and queues) here, so the inputs after them can reach them.
+    fn inputs(&mut self, driver: &mut Driver, cmds: Vec<Command>) -> BatchInputs {
+        let mut batch = BatchInputs {
+            inputs: vec![Input::Tick {
+                now_ms: self.now_ms(),
+            }],
+            transient: Vec::new(),
+            counts: Vec::new(),
         };
-        // The group commit failed: nothing of the batch was acknowledged or
-        // fanned out, and the machine saw frames the log does not hold.
-        // Start over from the log, as after a crash; every connection is
-        // closed so its peer resumes from what is stored.
-        tracing::error!(%session, %error, "a group commit failed: the session actor restarts from the log");
+        for cmd in cmds {
+            match cmd {
+                Command::Connect {
+                    role,
+                    after,
+                    out,
+                    reply,
+                    request,
+                } => {
+                    let conn = self.next_conn;
+                    self.next_conn += 1;
+                    if reply.send(Ok(conn)).is_err() {
+                        // The caller gave up before we answered: nothing to do.
+                        continue;
+                    }
+                    driver.transport_mut().conns.insert(conn, out);
+                    batch.inputs.push(Input::Connect { conn, role, after });
+                    if let Some(message) = request {
+                        batch.inputs.push(Input::Client { conn, message });
+                        batch.transient.push(conn);
+                    }
+                }
+                Command::Input(input) => {
+                    if let Input::Disconnect { conn } = &input {
+                        driver.transport_mut().conns.remove(conn);
+                    }
+                    batch.inputs.push(input);
+                }
+                Command::CountConnections(reply) => batch.counts.push(reply),
+            }
+        }
+        batch
+    }
+
+    /// After a failed group commit: nothing of the batch was acknowledged
+    /// or fanned out, and the machine saw frames the log does not hold.
+    /// Start over from the log, as after a crash; every connection is
+    /// closed so its peer resumes from what is stored.
+    async fn restart(&self, driver: Driver, error: Error) -> Result<Driver, Error> {
+        tracing::error!(
+            session = %self.session,
+            %error,
+            "a group commit failed: the session actor restarts from the log"
+        );
         let mut transport = driver.into_transport();
         let reason = format!("the session log failed to commit ({error}); reconnect");
         // What is held was stored by earlier batches (a failed batch
@@ -990,20 +1063,31 @@ async fn run_actor(
         for (_, out) in transport.conns.drain() {
             out.push(Queued::one(Outbound::Close(reason.clone())));
         }
-        driver =
-            match ActorDriver::recover(store.clone(), hub.config.actor.clone(), transport).await {
-                Ok(driver) => driver,
-                Err(e) => {
-                    hub.fail_start(&session, epoch, rx, &e);
-                    return;
-                }
-            };
+        self.recover(transport).await
     }
 }
 
-/// Wall-clock milliseconds since the Unix epoch (the log's clock too).
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
+/// Feed a batch's inputs to the actor: inputs that may append are
+/// committed as one group; with one there is nothing to group, it commits
+/// at once (possibly with other sessions' appends).
+async fn handle_inputs(driver: &mut Driver, inputs: Vec<Input>) -> Result<(), Error> {
+    let writes = inputs
+        .iter()
+        .filter(|i| {
+            matches!(
+                i,
+                Input::Client { .. }
+                    | Input::Runner { .. }
+                    | Input::ToolHost { .. }
+                    | Input::DispatchFailed { .. }
+            )
+        })
+        .count();
+    if writes > 1 {
+        return driver.handle_batch(inputs).await;
+    }
+    for input in inputs {
+        driver.handle(input).await;
+    }
+    Ok(())
 }

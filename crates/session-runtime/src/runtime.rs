@@ -150,7 +150,8 @@ impl RuntimeBuilder {
         self
     }
 
-    /// The clock (default: the system clock).
+    /// The clock of the engine, the slices and the hub's actors (default:
+    /// the system clock; it replaces the one in [`hub_config`](Self::hub_config)).
     pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
         self.clock = clock;
         self
@@ -174,7 +175,13 @@ impl RuntimeBuilder {
     /// Assemble the runtime (no I/O yet; call [`Runtime::start`]). Needs a
     /// tokio runtime.
     pub fn build(self) -> Runtime {
-        let hub = Hub::new(self.log.clone(), self.hub);
+        let hub = Hub::new(
+            self.log.clone(),
+            HubConfig {
+                clock: self.clock.clone(),
+                ..self.hub
+            },
+        );
         let generation = self.generation.unwrap_or_else(|| self.clock.now_ms());
         let (engine, in_process): (Arc<dyn DurableEngine>, _) =
             match self.engine.unwrap_or(EngineChoice::InProcess {

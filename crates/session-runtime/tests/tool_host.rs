@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use harness_core::actor::{ClientMessage, Role};
+use harness_core::clock::ManualClock;
 use harness_core::frame::SessionId;
 use harness_core::log::{MemorySessionLog, SessionLog};
 use harness_core::relay::{HostCallRequest, HostOutcome, ToolSpec};
@@ -25,7 +26,12 @@ use session_runtime::{
 /// engine needed: the runner below speaks for the turn).
 async fn session() -> (Arc<Hub>, SessionId) {
     let log = Arc::new(MemorySessionLog::new());
-    let hub = Hub::new(log.clone(), HubConfig::default());
+    session_on(log, HubConfig::default()).await
+}
+
+/// [`session`] on `log`, with a hub configured as `config`.
+async fn session_on(log: Arc<MemorySessionLog>, config: HubConfig) -> (Arc<Hub>, SessionId) {
+    let hub = Hub::new(log.clone(), config);
     let session = SessionId::parse("s-host").unwrap();
     log.create(&session).await.unwrap();
     let mut client = hub.connect(&session, Role::Client, None).await.unwrap();
@@ -191,6 +197,45 @@ async fn a_deadline_cancels_the_call_and_kills_its_command() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// The hub feeds its actors the time of its own clock: stopped, a host
+/// call stays out well past its timeout in real time; moved past the
+/// deadline, the call ends `timeout` at that deadline.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_deadline_runs_on_the_hubs_clock() {
+    let clock = ManualClock::at(1_000_000);
+    let log = Arc::new(MemorySessionLog::new().with_clock(Arc::new(clock.clone())));
+    let config = HubConfig {
+        clock: Arc::new(clock.clone()),
+        ..HubConfig::default()
+    };
+    let (hub, session) = session_on(log, config).await;
+    let host = ToolHost::new().function(spec("wait"), |_input, _ctx| async move {
+        std::future::pending::<ToolOutput>().await
+    });
+    let runner = sink(&hub, 1);
+    let _host = attach(&hub, &session, host, &runner).await;
+    let mut late = call("late-1", "wait");
+    late.timeout_ms = Some(100);
+    let out = tokio::spawn(async move { runner.host_call(session.as_str(), "t1", late).await });
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(
+        !out.is_finished(),
+        "the call ended while the hub's clock stood still"
+    );
+    clock.advance(100);
+    let outcome = tokio::time::timeout(Duration::from_secs(10), out)
+        .await
+        .expect("the call ends once the clock passes its deadline")
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        outcome,
+        HostOutcome::Timeout {
+            deadline_at_ms: 1_000_100
+        }
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

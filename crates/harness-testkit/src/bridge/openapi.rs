@@ -15,6 +15,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use base64::Engine as _;
+use harness_core::query::query_pairs;
+use harness_core::sse::{SseEvent, SseReader};
 use http::HeaderMap;
 use jsonschema::Validator;
 use serde_json::Value;
@@ -477,7 +479,7 @@ impl Operation {
                     literals += 1;
                 }
                 Segment::Param(name) if last && name == "path" && actual.len() > i => {
-                    params.insert(name.clone(), percent_decode(&actual[i..].join("/")));
+                    params.insert(name.clone(), decode_path_segment(&actual[i..].join("/")));
                     return Some((literals, params));
                 }
                 Segment::Param(name) => {
@@ -485,7 +487,7 @@ impl Operation {
                     if value.is_empty() {
                         return None;
                     }
-                    params.insert(name.clone(), percent_decode(value));
+                    params.insert(name.clone(), decode_path_segment(value));
                 }
             }
         }
@@ -600,55 +602,30 @@ fn check_json(schema: Option<&Schema>, body: &[u8]) -> Vec<String> {
 /// `error` (data: `{"error": "...", "code": "..."}`), every event ended by
 /// a blank line, and exactly one terminal event (`exit` or `error`), last.
 pub fn check_exec_sse(body: &[u8]) -> Vec<String> {
-    let mut out = Vec::new();
-    let text = match std::str::from_utf8(body) {
-        Ok(t) => t.replace("\r\n", "\n"),
-        Err(e) => return vec![format!("not UTF-8: {e}")],
+    let mut reader = SseReader::new();
+    let events = match reader.push(body) {
+        Ok(events) => events,
+        Err(e) => return vec![e.to_string()],
     };
-    let mut blocks: Vec<&str> = text.split("\n\n").collect();
-    // A well-framed stream ends with a blank line, so the last piece is
-    // empty; anything else is an event cut off before its blank line.
-    match blocks.pop() {
-        Some("") => {}
-        Some(rest) => out.push(format!("unterminated event at the end: {rest:?}")),
-        None => {}
+    let mut out = Vec::new();
+    if reader.has_partial() {
+        out.push("unterminated event at the end (no blank line after it)".to_string());
     }
     let mut terminal = 0;
     let mut after_terminal = false;
-    for (i, block) in blocks.iter().enumerate() {
-        let mut event = None;
-        let mut data: Vec<&str> = Vec::new();
-        for line in block.split('\n') {
-            if line.is_empty() || line.starts_with(':') {
-                continue;
-            }
-            let (field, value) = match line.split_once(':') {
-                Some((f, v)) => (f, v.strip_prefix(' ').unwrap_or(v)),
-                None => (line, ""),
-            };
-            match field {
-                "event" => event = Some(value),
-                "data" => data.push(value),
-                "id" | "retry" => {}
-                other => out.push(format!("event #{i}: unknown field {other:?}")),
-            }
-        }
-        if event.is_none() && data.is_empty() {
-            continue;
-        }
-        let data = data.join("\n");
+    for (i, SseEvent { event, data, .. }) in events.iter().enumerate() {
         if terminal > 0 {
             after_terminal = true;
         }
-        match event.unwrap_or("message") {
+        match event.as_str() {
             name @ ("stdout" | "stderr") => {
-                if let Err(e) = base64::engine::general_purpose::STANDARD.decode(&data) {
+                if let Err(e) = base64::engine::general_purpose::STANDARD.decode(data) {
                     out.push(format!("event #{i} ({name}): data is not base64: {e}"));
                 }
             }
             "exit" => {
                 terminal += 1;
-                let ok = serde_json::from_str::<Value>(&data).ok().is_some_and(|v| {
+                let ok = serde_json::from_str::<Value>(data).ok().is_some_and(|v| {
                     v.as_object().is_some_and(|o| {
                         o.len() == 1 && o.get("exit_code").is_some_and(|c| c.is_i64() || c.is_u64())
                     })
@@ -661,7 +638,7 @@ pub fn check_exec_sse(body: &[u8]) -> Vec<String> {
             }
             "error" => {
                 terminal += 1;
-                let ok = serde_json::from_str::<Value>(&data).ok().is_some_and(|v| {
+                let ok = serde_json::from_str::<Value>(data).ok().is_some_and(|v| {
                     v.get("error").is_some_and(Value::is_string)
                         && v.get("code").is_some_and(Value::is_string)
                 });
@@ -695,38 +672,18 @@ fn split_query(path_and_query: &str) -> (&str, &str) {
         .unwrap_or((path_and_query, ""))
 }
 
+/// One value per query name (the last, when repeated), decoded by core's
+/// one query decoder.
 fn parse_query(query: &str) -> BTreeMap<String, String> {
-    query
-        .split('&')
-        .filter(|p| !p.is_empty())
-        .map(|p| {
-            let (k, v) = p.split_once('=').unwrap_or((p, ""));
-            (
-                percent_decode(&k.replace('+', " ")),
-                percent_decode(&v.replace('+', " ")),
-            )
-        })
-        .collect()
+    query_pairs(query).into_iter().collect()
 }
 
-/// Decode `%XX` escapes (invalid ones are kept as they are).
-pub(crate) fn percent_decode(s: &str) -> String {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' && i + 2 < bytes.len() {
-            let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).ok();
-            if let Some(b) = hex.and_then(|h| u8::from_str_radix(h, 16).ok()) {
-                out.push(b);
-                i += 3;
-                continue;
-            }
-        }
-        out.push(bytes[i]);
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
+/// A path segment decoded: `%XX` escapes only (`+` is itself in a path);
+/// a malformed escape stays as it is.
+fn decode_path_segment(segment: &str) -> String {
+    percent_encoding::percent_decode_str(segment)
+        .decode_utf8_lossy()
+        .into_owned()
 }
 
 /// The media type of `Content-Type`, lowercased, without parameters.
@@ -746,10 +703,14 @@ mod tests {
 
     #[test]
     fn percent_decoding() {
-        assert_eq!(percent_decode("a%20b"), "a b");
-        assert_eq!(percent_decode("a%2"), "a%2");
-        assert_eq!(percent_decode("%41"), "A");
-        assert_eq!(percent_decode("100%"), "100%");
+        assert_eq!(decode_path_segment("a%20b+c"), "a b+c");
+        assert_eq!(decode_path_segment("a%2"), "a%2");
+        assert_eq!(decode_path_segment("%41"), "A");
+        assert_eq!(decode_path_segment("100%"), "100%");
+        let query = parse_query("path=a%2Fb+c&x=1&x=2&bad=%zz");
+        assert_eq!(query["path"], "a/b c");
+        assert_eq!(query["x"], "2", "a repeated name keeps its last value");
+        assert_eq!(query["bad"], "%zz");
     }
 
     #[test]

@@ -14,6 +14,7 @@
 use std::time::Duration;
 
 use futures::StreamExt;
+use harness_core::sse::{read_events, ReadError, SseReader};
 use serde_json::{json, Value};
 
 /// A token with a `host` grant on every session.
@@ -52,16 +53,8 @@ pub struct Target {
     client: reqwest::Client,
 }
 
-/// One server-sent event.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Event {
-    /// `id:`.
-    pub id: Option<String>,
-    /// `event:`.
-    pub event: String,
-    /// `data:` lines joined with `\n`.
-    pub data: String,
-}
+/// One server-sent event, as core's one SSE reader reads it.
+pub use harness_core::sse::SseEvent as Event;
 
 /// How long any one read of the suite may take.
 const WAIT: Duration = Duration::from_secs(30);
@@ -182,7 +175,7 @@ impl Target {
         last_event_id: Option<&str>,
     ) -> Vec<Event> {
         let response = self.open_events(id, query, last_event_id).await;
-        SseReader::new(response).into_events().await
+        EventReader::new(response).into_events().await
     }
 
     async fn open_events(
@@ -215,37 +208,33 @@ impl Target {
     }
 }
 
-/// A reader of one event stream.
-struct SseReader {
-    stream: std::pin::Pin<Box<dyn futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Send>>,
-    buf: String,
+type Body = std::pin::Pin<Box<dyn futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Send>>;
+
+/// A reader of one event stream: core's SSE reader over the body.
+struct EventReader {
+    events: std::pin::Pin<
+        Box<dyn futures::Stream<Item = Result<Event, ReadError<reqwest::Error>>> + Send>,
+    >,
 }
 
-impl SseReader {
+impl EventReader {
     fn new(response: reqwest::Response) -> Self {
+        Self::of_body(Box::pin(response.bytes_stream()))
+    }
+
+    /// The rest of a body already partly read.
+    fn of_body(body: Body) -> Self {
         Self {
-            stream: Box::pin(response.bytes_stream()),
-            buf: String::new(),
+            events: Box::pin(read_events(body, SseReader::new())),
         }
     }
 
     /// The next event, `None` when the stream ended (within [`WAIT`]).
     async fn next(&mut self) -> Option<Event> {
-        let read = async {
-            loop {
-                while let Some(end) = self.buf.find("\n\n") {
-                    let block: String = self.buf.drain(..end + 2).collect();
-                    if let Some(event) = parse_event(&block) {
-                        return Some(event);
-                    }
-                }
-                let chunk = self.stream.next().await?.expect("stream bytes");
-                self.buf.push_str(&String::from_utf8_lossy(&chunk));
-            }
-        };
-        tokio::time::timeout(WAIT, read)
+        tokio::time::timeout(WAIT, self.events.next())
             .await
             .expect("the next event (or the end) in time")
+            .map(|event| event.expect("a readable event stream"))
     }
 
     /// Every event to the stream's end.
@@ -256,30 +245,6 @@ impl SseReader {
         }
         events
     }
-}
-
-/// One event block; `None` for a comment (keep-alive).
-fn parse_event(block: &str) -> Option<Event> {
-    let mut event = Event {
-        id: None,
-        event: "message".into(),
-        data: String::new(),
-    };
-    let mut data = Vec::new();
-    for line in block.lines() {
-        if let Some(v) = line.strip_prefix("id:") {
-            event.id = Some(v.trim().to_string());
-        } else if let Some(v) = line.strip_prefix("event:") {
-            event.event = v.trim().to_string();
-        } else if let Some(v) = line.strip_prefix("data:") {
-            data.push(v.strip_prefix(' ').unwrap_or(v).to_string());
-        }
-    }
-    if data.is_empty() && event.id.is_none() {
-        return None;
-    }
-    event.data = data.join("\n");
-    Some(event)
 }
 
 fn frame_seqs(events: &[Event]) -> Vec<u64> {
@@ -494,7 +459,7 @@ pub async fn fanout_to_many_sse_clients(t: &Target) {
     let mut readers = Vec::new();
     for _ in 0..READERS / 2 {
         // Each has seen frame 1 before the writes start: attached.
-        let mut reader = SseReader::new(t.open_events(&id, "", None).await);
+        let mut reader = EventReader::new(t.open_events(&id, "", None).await);
         let first = reader.next().await.expect("frame 1");
         assert_eq!(first.id.as_deref(), Some("1"));
         readers.push(tokio::spawn(async move {
@@ -508,7 +473,7 @@ pub async fn fanout_to_many_sse_clients(t: &Target) {
         if n == ANSWERS / 2 {
             // Late joiners, from a cursor in the middle.
             for _ in 0..READERS / 2 {
-                let reader = SseReader::new(t.open_events(&id, "?after=1", None).await);
+                let reader = EventReader::new(t.open_events(&id, "?after=1", None).await);
                 readers.push(tokio::spawn(reader.into_events()));
             }
         }
@@ -563,7 +528,7 @@ pub async fn ui_stream_of_a_session_to_its_seal(t: &Target) {
     };
     assert_eq!(header("x-vercel-ai-ui-message-stream"), "v1");
     assert!(header("content-type").starts_with("text/event-stream"));
-    let data: Vec<String> = SseReader::new(response)
+    let data: Vec<String> = EventReader::new(response)
         .into_events()
         .await
         .into_iter()
@@ -1209,7 +1174,7 @@ async fn session_stream_over_sse_to_the_seal(t: &Target, id: &str, path: &str) {
         header(&sse, "content-type").as_deref(),
         Some("text/event-stream")
     );
-    let reader = tokio::spawn(SseReader::new(sse).into_events());
+    let reader = tokio::spawn(EventReader::new(sse).into_events());
     tokio::time::sleep(Duration::from_millis(300)).await;
     let (status, _) = t
         .post(&format!("/v1/sessions/{id}/seal"), Some(HOST), json!({}))
@@ -1361,7 +1326,7 @@ pub async fn an_idle_event_stream_is_kept_alive(t: &Target) {
     let id = t.id("idle");
     t.create(&id).await;
     let response = t.open_events(&id, "?after=0", None).await;
-    let mut stream = Box::pin(response.bytes_stream());
+    let mut stream: Body = Box::pin(response.bytes_stream());
     let mut text = String::new();
     let started = std::time::Instant::now();
     let limit = session_api::sse::KEEP_ALIVE_INTERVAL + Duration::from_secs(10);
@@ -1387,10 +1352,7 @@ pub async fn an_idle_event_stream_is_kept_alive(t: &Target) {
         )
         .await;
     assert_eq!(status, 200);
-    let mut reader = SseReader {
-        stream,
-        buf: String::new(),
-    };
+    let mut reader = EventReader::of_body(stream);
     let event = reader.next().await.expect("the prompt's frame");
     assert_eq!(event.event, "frame");
     assert!(event.data.contains("after the quiet"), "{}", event.data);

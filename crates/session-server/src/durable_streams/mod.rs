@@ -189,7 +189,7 @@ async fn handle(
         return Reply::new(StatusCode::NO_CONTENT).finish();
     }
     let name = path.strip_prefix(PREFIX).unwrap_or("");
-    let params = util::query_pairs(uri.query());
+    let params = util::query_pairs(uri.query().unwrap_or_default());
     let token = bearer(
         &headers,
         params
