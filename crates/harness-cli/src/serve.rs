@@ -2,6 +2,7 @@
 //! A client's prompt runs a turn on the configured engine, in the session's
 //! sandbox; approvals and aborts from any client reach it.
 
+use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
@@ -109,22 +110,109 @@ async fn demo_model() -> Result<ScriptedModel> {
         .context("starting the built-in scripted model")
 }
 
-/// Run the server until interrupted.
-pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
-    let mut config_tokens = Vec::new();
+/// The grants from `--token` and `$HARNESS_TOKENS`, and whether the
+/// server runs without authentication (asked for, or a demo with no
+/// grants).
+fn grants(args: &ServeArgs) -> Result<(Vec<TokenGrant>, bool)> {
     let env_tokens = std::env::var("HARNESS_TOKENS").unwrap_or_default();
-    for grant in args
+    let grants = args
         .tokens
         .iter()
         .map(String::as_str)
         .chain(env_tokens.split(',').filter(|s| !s.is_empty()))
-    {
-        config_tokens.push(parse_grant(grant)?);
-    }
-    let insecure = args.insecure_no_auth || (args.demo && config_tokens.is_empty());
-    if config_tokens.is_empty() && !insecure {
+        .map(parse_grant)
+        .collect::<Result<Vec<_>>>()?;
+    let insecure = args.insecure_no_auth || (args.demo && grants.is_empty());
+    if grants.is_empty() && !insecure {
         bail!("no tokens: pass --token TOKEN=host (and client/runner grants), or --insecure-no-auth for local development");
     }
+    Ok((grants, insecure))
+}
+
+/// The runtime that runs turns in this process, started (interrupted turns
+/// resumed); `None` with a remote runner, where this process runs no
+/// engine.
+async fn start_runtime(
+    home: &Home,
+    args: &ServeArgs,
+    env: BTreeMap<String, String>,
+) -> Result<Option<harness::runtime::Runtime>> {
+    let engine = match args.engine {
+        ServeEngine::Remote => return Ok(None),
+        ServeEngine::InProcess => EngineSpec::InProcess,
+        #[cfg(feature = "temporal")]
+        ServeEngine::Temporal => {
+            EngineSpec::Temporal(harness::temporal::TemporalConfig::from_env())
+        }
+        #[cfg(not(feature = "temporal"))]
+        ServeEngine::Temporal => {
+            return Err(crate::features::missing("temporal", "`--engine temporal`"))
+        }
+    };
+    let options = local::Options {
+        agents: vec![AgentKind::ClaudeCode, AgentKind::Codex],
+        env,
+        image: args.image.clone(),
+        limits: args.limits.clone(),
+        engine,
+        lenient: true,
+        require_docker: false,
+        require_cloudflare: false,
+    };
+    let runtime = local::runtime(home, options).await?;
+    let started = runtime.start().await?;
+    if started.resumed + started.redispatched > 0 {
+        note!(
+            "resumed {} turn(s), re-sent the commands of {} session(s)",
+            started.resumed,
+            started.redispatched
+        );
+    }
+    Ok(Some(runtime))
+}
+
+/// What the server says once it serves: where, and how to go on.
+fn greet(
+    home: &Home,
+    url: &str,
+    engine: ServeEngine,
+    engine_name: &str,
+    model: Option<&ScriptedModel>,
+) {
+    note!(
+        "serving sessions on {url} (log: {}, engine: {engine_name})",
+        home.db().display(),
+    );
+    note!(
+        "  Durable Streams: {url}/v1/stream/ (generic streams in {})",
+        home.streams_db().display()
+    );
+    note!("  the web page: {url}/ (docs/web.md)");
+    if let Some(model) = model {
+        note!(
+            "demo: the agents talk to the scripted model at {}",
+            model.base_url()
+        );
+        note!("  curl -s -XPOST {url}/v1/sessions -d '{{\"id\":\"demo\"}}'");
+        note!(
+            "  curl -s -XPOST {url}/v1/sessions/demo/messages -d '{{\"type\":\"prompt\",\"text\":\"hello\"}}'"
+        );
+        note!("  curl -sN {url}/v1/sessions/demo/events");
+    }
+    match engine {
+        ServeEngine::Temporal => note!(
+            "turns run on Temporal: start a worker with `harness worker --server {url} --token <runner token>`"
+        ),
+        ServeEngine::Remote => note!(
+            "turns run in a remote runner: start one with `harness runner --server {url} --token <runner token>`"
+        ),
+        ServeEngine::InProcess => {}
+    }
+}
+
+/// Run the server until interrupted.
+pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
+    let (config_tokens, insecure) = grants(&args)?;
     // Bind first: a taken port is the most common mistake, say it before
     // anything slow.
     let listener = tokio::net::TcpListener::bind(&args.addr)
@@ -142,43 +230,7 @@ pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
         Some(model) => crate::demo::model_env(model),
         None => local::agent_env(),
     };
-    let engine = match args.engine {
-        ServeEngine::InProcess | ServeEngine::Remote => EngineSpec::InProcess,
-        #[cfg(feature = "temporal")]
-        ServeEngine::Temporal => {
-            EngineSpec::Temporal(harness::temporal::TemporalConfig::from_env())
-        }
-        #[cfg(not(feature = "temporal"))]
-        ServeEngine::Temporal => {
-            return Err(crate::features::missing("temporal", "`--engine temporal`"))
-        }
-    };
-    // With a remote runner this process runs no engine: the runtime below
-    // is only built for the other two.
-    let runtime = if args.engine == ServeEngine::Remote {
-        None
-    } else {
-        let options = local::Options {
-            agents: vec![AgentKind::ClaudeCode, AgentKind::Codex],
-            env,
-            image: args.image.clone(),
-            limits: args.limits.clone(),
-            engine,
-            lenient: true,
-            require_docker: false,
-            require_cloudflare: false,
-        };
-        let runtime = local::runtime(home, options).await?;
-        let started = runtime.start().await?;
-        if started.resumed + started.redispatched > 0 {
-            note!(
-                "resumed {} turn(s), re-sent the commands of {} session(s)",
-                started.resumed,
-                started.redispatched
-            );
-        }
-        Some(runtime)
-    };
+    let runtime = start_runtime(home, &args, env).await?;
 
     let log: Arc<dyn harness::core::log::SessionLog> = match &runtime {
         Some(runtime) => runtime.hub().log().clone(),
@@ -224,35 +276,7 @@ pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
         Some(runtime) => runtime.engine().name(),
         None => "remote runner",
     };
-    note!(
-        "serving sessions on {url} (log: {}, engine: {engine_name})",
-        home.db().display(),
-    );
-    note!(
-        "  Durable Streams: {url}/v1/stream/ (generic streams in {})",
-        home.streams_db().display()
-    );
-    note!("  the web page: {url}/ (docs/web.md)");
-    if let Some(model) = &model {
-        note!(
-            "demo: the agents talk to the scripted model at {}",
-            model.base_url()
-        );
-        note!("  curl -s -XPOST {url}/v1/sessions -d '{{\"id\":\"demo\"}}'");
-        note!(
-            "  curl -s -XPOST {url}/v1/sessions/demo/messages -d '{{\"type\":\"prompt\",\"text\":\"hello\"}}'"
-        );
-        note!("  curl -sN {url}/v1/sessions/demo/events");
-    }
-    match args.engine {
-        ServeEngine::Temporal => note!(
-            "turns run on Temporal: start a worker with `harness worker --server {url} --token <runner token>`"
-        ),
-        ServeEngine::Remote => note!(
-            "turns run in a remote runner: start one with `harness runner --server {url} --token <runner token>`"
-        ),
-        ServeEngine::InProcess => {}
-    }
+    greet(home, &url, args.engine, engine_name, model.as_ref());
     // The sessions' routes and the sandbox API's (docs/ai-sdk.md).
     let router = server.router().merge(sandboxes.router());
     let served = tokio::select! {
