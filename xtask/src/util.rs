@@ -240,3 +240,23 @@ pub fn stable_hash(data: &str) -> String {
     }
     format!("{h:016x}")
 }
+
+/// `npm install` of `specs` (space-separated `name@version`) into
+/// `root/node_modules`, leaving no package.json behind.
+pub fn npm_install(root: &Path, specs: &str) -> Result<()> {
+    std::fs::create_dir_all(root).with_context(|| format!("creating {}", root.display()))?;
+    run(Command::new("npm")
+        .current_dir(root)
+        .args([
+            "install",
+            "--no-audit",
+            "--no-fund",
+            "--no-save",
+            "--prefix",
+            ".",
+        ])
+        .args(specs.split_whitespace())
+        // wrangler's install would otherwise ask to send metrics.
+        .env("WRANGLER_SEND_METRICS", "false"))
+    .with_context(|| format!("npm install {specs} (is npm installed and the registry reachable?)"))
+}

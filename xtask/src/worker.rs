@@ -146,23 +146,6 @@ fn cargo_install(krate: &str, version: &str, root: &Path, locked: bool) -> Resul
     run(&mut cmd)
 }
 
-fn npm_install(root: &Path, spec: &str) -> Result<()> {
-    std::fs::create_dir_all(root).with_context(|| format!("creating {}", root.display()))?;
-    run(Command::new("npm")
-        .current_dir(root)
-        .args([
-            "install",
-            "--no-audit",
-            "--no-fund",
-            "--no-save",
-            "--prefix",
-            ".",
-        ])
-        .arg(spec)
-        .env("WRANGLER_SEND_METRICS", "false"))
-    .with_context(|| format!("npm install {spec} (is npm installed and the registry reachable?)"))
-}
-
 /// Install every tool that is missing or at another version.
 pub fn deps() -> Result<()> {
     util::timed("worker: rust target wasm32-unknown-unknown", || {
@@ -207,7 +190,7 @@ pub fn deps() -> Result<()> {
             );
             return Ok(());
         }
-        npm_install(&wrangler_root(), &format!("wrangler@{WRANGLER_VERSION}"))
+        util::npm_install(&wrangler_root(), &format!("wrangler@{WRANGLER_VERSION}"))
     })?;
     util::timed("worker: esbuild (npm)", || {
         if version_of(&esbuild_bin()).as_deref() == Some(ESBUILD_VERSION) {
@@ -217,7 +200,7 @@ pub fn deps() -> Result<()> {
             );
             return Ok(());
         }
-        npm_install(
+        util::npm_install(
             &esbuild_root(),
             &format!("@esbuild/linux-x64@{ESBUILD_VERSION}"),
         )
@@ -231,7 +214,7 @@ pub fn deps() -> Result<()> {
             );
             return Ok(());
         }
-        npm_install(&binaryen_root(), &format!("binaryen@{BINARYEN_VERSION}"))
+        util::npm_install(&binaryen_root(), &format!("binaryen@{BINARYEN_VERSION}"))
     })?;
     Ok(())
 }

@@ -496,6 +496,55 @@ fn sse_response(
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
 }
 
+/// How one API answers a model call: the model named when the request
+/// names none, the header carrying the request id, and its two bodies
+/// (streamed events, or one JSON message).
+struct Dialect {
+    api: Api,
+    default_model: &'static str,
+    request_id_header: &'static str,
+    events: fn(&Reply, &ResponseMeta) -> Vec<SseEvent>,
+    message: fn(&Reply, &ResponseMeta) -> Value,
+}
+
+const ANTHROPIC: Dialect = Dialect {
+    api: Api::Anthropic,
+    default_model: "claude-scripted",
+    request_id_header: "request-id",
+    events: anthropic_events,
+    message: anthropic_message,
+};
+
+const OPENAI: Dialect = Dialect {
+    api: Api::OpenAi,
+    default_model: "gpt-test",
+    request_id_header: "x-request-id",
+    events: openai_events,
+    message: openai_response,
+};
+
+/// The scripted answer to one model call, in `dialect`.
+fn model_call(
+    dialect: &Dialect,
+    shared: &Shared,
+    method: &Method,
+    uri: &Uri,
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> Response {
+    let (req, reply) = match answer(shared, dialect.api, method, uri, headers, body) {
+        Ok(x) => x,
+        Err(r) => return *r,
+    };
+    let m = meta(shared, &req, body, dialect.default_model);
+    let request_id = (dialect.request_id_header, format!("req_scripted_{}", m.n));
+    if req.stream() {
+        sse_response((dialect.events)(&reply, &m), &reply, &[request_id])
+    } else {
+        ([request_id], axum::Json((dialect.message)(&reply, &m))).into_response()
+    }
+}
+
 async fn anthropic_messages(
     State(shared): State<Arc<Shared>>,
     method: Method,
@@ -503,25 +552,7 @@ async fn anthropic_messages(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let (req, reply) = match answer(&shared, Api::Anthropic, &method, &uri, &headers, &body) {
-        Ok(x) => x,
-        Err(r) => return *r,
-    };
-    let m = meta(&shared, &req, &body, "claude-scripted");
-    let request_id = format!("req_scripted_{}", m.n);
-    if req.stream() {
-        sse_response(
-            anthropic_events(&reply, &m),
-            &reply,
-            &[("request-id", request_id)],
-        )
-    } else {
-        (
-            [("request-id", request_id)],
-            axum::Json(anthropic_message(&reply, &m)),
-        )
-            .into_response()
-    }
+    model_call(&ANTHROPIC, &shared, &method, &uri, &headers, &body)
 }
 
 async fn openai_responses(
@@ -531,25 +562,7 @@ async fn openai_responses(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let (req, reply) = match answer(&shared, Api::OpenAi, &method, &uri, &headers, &body) {
-        Ok(x) => x,
-        Err(r) => return *r,
-    };
-    let m = meta(&shared, &req, &body, "gpt-test");
-    let request_id = format!("req_scripted_{}", m.n);
-    if req.stream() {
-        sse_response(
-            openai_events(&reply, &m),
-            &reply,
-            &[("x-request-id", request_id)],
-        )
-    } else {
-        (
-            [("x-request-id", request_id)],
-            axum::Json(openai_response(&reply, &m)),
-        )
-            .into_response()
-    }
+    model_call(&OPENAI, &shared, &method, &uri, &headers, &body)
 }
 
 async fn count_tokens(

@@ -659,18 +659,7 @@ impl SessionActor {
             }
             ClientMessage::Seal {} => (FrameBody::Sealed {}, None, false),
         };
-        if let Err(e) = self.check_size(&body) {
-            return Self::refuse(conn, ErrorCode::FrameTooLarge, e.message(), out);
-        }
-        self.append(
-            AppendRequest {
-                body,
-                idempotency_key: key,
-            },
-            Some(conn),
-            dispatch,
-            out,
-        );
+        self.checked_append(body, key, conn, dispatch, out);
     }
 
     fn runner_message(&mut self, conn: ConnId, message: RunnerMessage, out: &mut Vec<Output>) {
@@ -733,14 +722,14 @@ impl SessionActor {
                     sandbox,
                     agent_session_id,
                 };
-                self.checked_append(body, key, conn, out);
+                self.checked_append(body, key, conn, false, out);
                 return;
             }
             RunnerMessage::Part { turn_id, part, key } => (turn_id, part, key),
         };
         let Some((kind, id, event)) = classify_block(&part) else {
             let body = FrameBody::Part { turn_id, part };
-            self.checked_append(body, key, conn, out);
+            self.checked_append(body, key, conn, false, out);
             return;
         };
         let id = id.to_string();
@@ -781,7 +770,7 @@ impl SessionActor {
             (BlockEvent::End, Some(pos)) => {
                 let block = self.open.remove(pos);
                 let key = key.unwrap_or_else(|| block.key());
-                self.checked_append(block.into_message(false), Some(key), conn, out);
+                self.checked_append(block.into_message(false), Some(key), conn, false, out);
             }
         }
     }
@@ -804,11 +793,14 @@ impl SessionActor {
         }
     }
 
+    /// Append a connection's frame (`dispatch`: it starts work for the
+    /// engine), or refuse it when it is over the frame limit.
     fn checked_append(
         &mut self,
         body: FrameBody,
         key: Option<String>,
         conn: ConnId,
+        dispatch: bool,
         out: &mut Vec<Output>,
     ) {
         if let Err(e) = self.check_size(&body) {
@@ -820,7 +812,7 @@ impl SessionActor {
                 idempotency_key: key,
             },
             Some(conn),
-            false,
+            dispatch,
             out,
         );
     }

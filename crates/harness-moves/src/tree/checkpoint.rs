@@ -142,20 +142,7 @@ async fn checkpoint_locked(
     // entries when it is that entry unchanged (`NEW_ENTRY` otherwise).
     let (listed_at, entries, origins) = match listing {
         Listing::Missing => return Err(Error::not_found(format!("no such directory: {dir}"))),
-        Listing::Listed { now, entries } if !has_parent => {
-            let read = read_whole_tree(
-                sandbox,
-                dir,
-                &entries,
-                &mut uploader,
-                &mut stats,
-                progress.as_deref(),
-            )
-            .await?;
-            let origins = vec![NEW_ENTRY; read.len()];
-            (now, read, origins)
-        }
-        Listing::Listed { now, entries } => {
+        Listing::Listed { now, entries } if has_parent => {
             let (read, origins) = read_against_parent(
                 sandbox,
                 dir,
@@ -169,12 +156,17 @@ async fn checkpoint_locked(
             .await?;
             (now, read, origins)
         }
-        Listing::Unsupported => {
-            let now = sandbox_now(sandbox).await?;
+        // Every entry new: no parent, or a sandbox that cannot list (read
+        // whole from its tar).
+        listing => {
+            let (now, listed) = match listing {
+                Listing::Listed { now, entries } => (now, entries),
+                _ => (sandbox_now(sandbox).await?, Vec::new()),
+            };
             let read = read_whole_tree(
                 sandbox,
                 dir,
-                &[],
+                &listed,
                 &mut uploader,
                 &mut stats,
                 progress.as_deref(),

@@ -753,18 +753,15 @@ async fn info(
     Path(name): Path<String>,
     Query(params): Params,
     headers: HeaderMap,
-) -> Response {
-    let result = async {
-        let slot = named(&inner, &name, &params, &headers).await?;
-        let guard = slot.lock().await;
-        let live = guard.as_ref().ok_or_else(|| not_found(&name))?;
-        Ok::<_, ApiError>(info_json(&live.record, None, inner.processes.count(&name)))
-    }
-    .await;
-    match result {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => e.into_response(),
-    }
+) -> Result<Json<Value>, ApiError> {
+    let slot = named(&inner, &name, &params, &headers).await?;
+    let guard = slot.lock().await;
+    let live = guard.as_ref().ok_or_else(|| not_found(&name))?;
+    Ok(Json(info_json(
+        &live.record,
+        None,
+        inner.processes.count(&name),
+    )))
 }
 
 async fn resume(
@@ -772,22 +769,19 @@ async fn resume(
     Path(name): Path<String>,
     Query(params): Params,
     headers: HeaderMap,
-) -> Response {
-    let result = async {
-        let slot = named(&inner, &name, &params, &headers).await?;
-        let mut guard = slot.lock().await;
-        let live = guard.as_mut().ok_or_else(|| not_found(&name))?;
-        // A fresh reattach: the provider checks the sandbox still exists
-        // (and starts a stopped one).
-        live.sandbox = None;
-        inner.ensure_live(live).await?;
-        Ok::<_, ApiError>(info_json(&live.record, None, inner.processes.count(&name)))
-    }
-    .await;
-    match result {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => e.into_response(),
-    }
+) -> Result<Json<Value>, ApiError> {
+    let slot = named(&inner, &name, &params, &headers).await?;
+    let mut guard = slot.lock().await;
+    let live = guard.as_mut().ok_or_else(|| not_found(&name))?;
+    // A fresh reattach: the provider checks the sandbox still exists
+    // (and starts a stopped one).
+    live.sandbox = None;
+    inner.ensure_live(live).await?;
+    Ok(Json(info_json(
+        &live.record,
+        None,
+        inner.processes.count(&name),
+    )))
 }
 
 #[derive(Debug, Deserialize)]
@@ -802,48 +796,41 @@ async fn bootstrap(
     Query(params): Params,
     headers: HeaderMap,
     body: Bytes,
-) -> Response {
-    let result = async {
-        let slot = named(&inner, &name, &params, &headers).await?;
-        let report: BootstrapReport = parse(&body)?;
-        let mut guard = slot.lock().await;
-        let live = guard.as_mut().ok_or_else(|| not_found(&name))?;
-        let Some(lease) = live.bootstrap.take() else {
-            return Err(ApiError::new(
-                StatusCode::CONFLICT,
-                "no_bootstrap",
-                format!("sandbox {name:?} is not waiting for a first-create hook"),
-            ));
-        };
-        let key = live.record.snapshot_key.clone().expect("a lease has a key");
-        let mut image = None;
-        if report.ok {
-            inner.ensure_live(live).await?;
-            let sandbox = live.sandbox.clone().expect("ensured");
-            match sandbox.snapshot_image(&key).await {
-                Ok(reference) => {
-                    let raw = serde_json::to_vec(&SnapshotRecord {
-                        image: reference.clone(),
-                    })
-                    .map_err(internal)?;
-                    std::fs::write(inner.snapshot_path(&key), raw).map_err(internal)?;
-                    image = Some(reference);
-                }
-                // No snapshot on this provider: the next create of the
-                // identity runs the hook again (the AI SDK's rule for
-                // providers without snapshots).
-                Err(e) if e.kind() == ErrorKind::Unsupported => {}
-                Err(e) => return Err(e.into()),
+) -> Result<Json<Value>, ApiError> {
+    let slot = named(&inner, &name, &params, &headers).await?;
+    let report: BootstrapReport = parse(&body)?;
+    let mut guard = slot.lock().await;
+    let live = guard.as_mut().ok_or_else(|| not_found(&name))?;
+    let Some(lease) = live.bootstrap.take() else {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "no_bootstrap",
+            format!("sandbox {name:?} is not waiting for a first-create hook"),
+        ));
+    };
+    let key = live.record.snapshot_key.clone().expect("a lease has a key");
+    let mut image = None;
+    if report.ok {
+        inner.ensure_live(live).await?;
+        let sandbox = live.sandbox.clone().expect("ensured");
+        match sandbox.snapshot_image(&key).await {
+            Ok(reference) => {
+                let raw = serde_json::to_vec(&SnapshotRecord {
+                    image: reference.clone(),
+                })
+                .map_err(internal)?;
+                std::fs::write(inner.snapshot_path(&key), raw).map_err(internal)?;
+                image = Some(reference);
             }
+            // No snapshot on this provider: the next create of the
+            // identity runs the hook again (the AI SDK's rule for
+            // providers without snapshots).
+            Err(e) if e.kind() == ErrorKind::Unsupported => {}
+            Err(e) => return Err(e.into()),
         }
-        drop(lease);
-        Ok::<_, ApiError>(json!({ "snapshot": image }))
     }
-    .await;
-    match result {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => e.into_response(),
-    }
+    drop(lease);
+    Ok(Json(json!({ "snapshot": image })))
 }
 
 #[derive(Debug, Deserialize)]
@@ -1034,23 +1021,16 @@ async fn write_file(
     Query(params): Params,
     headers: HeaderMap,
     body: Body,
-) -> Response {
-    let result = async {
-        inner.auth(&headers, &params, Some(&name))?;
-        let (sandbox, _) = inner.sandbox(&name).await?;
-        let path = file_path(&params, sandbox.workdir())?;
-        let stream =
-            coalesce(body.into_data_stream().map(|r| {
-                r.map_err(|e| harness_core::Error::backend(format!("request body: {e}")))
-            }));
-        let written = sandbox.write_file(&path, stream).await?;
-        Ok::<_, ApiError>(json!({ "path": path, "bytes": written }))
-    }
-    .await;
-    match result {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => e.into_response(),
-    }
+) -> Result<Json<Value>, ApiError> {
+    inner.auth(&headers, &params, Some(&name))?;
+    let (sandbox, _) = inner.sandbox(&name).await?;
+    let path = file_path(&params, sandbox.workdir())?;
+    let stream = coalesce(
+        body.into_data_stream()
+            .map(|r| r.map_err(|e| harness_core::Error::backend(format!("request body: {e}")))),
+    );
+    let written = sandbox.write_file(&path, stream).await?;
+    Ok(Json(json!({ "path": path, "bytes": written })))
 }
 
 /// The size [`coalesce`] gathers a request body into.
@@ -1105,56 +1085,53 @@ async fn set_policy(
     Query(params): Params,
     headers: HeaderMap,
     body: Bytes,
-) -> Response {
-    let result = async {
-        let slot = named(&inner, &name, &params, &headers).await?;
-        let policy: ApiNetworkPolicy = parse(&body)?;
-        let rule = policy
-            .compile()
-            .map_err(|e| bad("invalid_policy", e.message().to_string()))?;
-        let mut guard = slot.lock().await;
-        let live = guard.as_mut().ok_or_else(|| not_found(&name))?;
-        let provider = inner
-            .providers
-            .get(&live.record.provider)
-            .map(|p| p.provider.clone());
-        let want_route = policy.needs_route();
-        if want_route != live.record.routed {
-            let changes = provider
-                .as_ref()
-                .is_some_and(|p| p.changes_network_at_run_time());
-            if !changes {
-                return Err(ApiError::new(
-                    StatusCode::CONFLICT,
-                    "unsupported",
-                    format!(
-                        "provider {:?} fixes whether a sandbox has a route out when it is made: \
-                         between deny-all and custom this sandbox can change, to or from allow-all \
-                         it cannot (create it with the policy it needs)",
-                        live.record.provider
-                    ),
-                ));
-            }
-            inner.ensure_live(live).await?;
-            let sandbox = live.sandbox.clone().expect("ensured");
-            let network = if want_route {
-                NetworkPolicy::AllowAll
-            } else {
-                NetworkPolicy::DenyAll
-            };
-            sandbox.set_network(&network).await?;
-            live.record.routed = want_route;
+) -> Result<Json<Value>, ApiError> {
+    let slot = named(&inner, &name, &params, &headers).await?;
+    let policy: ApiNetworkPolicy = parse(&body)?;
+    let rule = policy
+        .compile()
+        .map_err(|e| bad("invalid_policy", e.message().to_string()))?;
+    let mut guard = slot.lock().await;
+    let live = guard.as_mut().ok_or_else(|| not_found(&name))?;
+    let provider = inner
+        .providers
+        .get(&live.record.provider)
+        .map(|p| p.provider.clone());
+    let want_route = policy.needs_route();
+    if want_route != live.record.routed {
+        let changes = provider
+            .as_ref()
+            .is_some_and(|p| p.changes_network_at_run_time());
+        if !changes {
+            return Err(ApiError::new(
+                StatusCode::CONFLICT,
+                "unsupported",
+                format!(
+                    "provider {:?} fixes whether a sandbox has a route out when it is made: \
+                     between deny-all and custom this sandbox can change, to or from allow-all \
+                     it cannot (create it with the policy it needs)",
+                    live.record.provider
+                ),
+            ));
         }
-        live.egress.set(|r| r.rule = rule);
-        live.record.policy = policy;
-        inner.save(&live.record)?;
-        Ok::<_, ApiError>(info_json(&live.record, None, inner.processes.count(&name)))
+        inner.ensure_live(live).await?;
+        let sandbox = live.sandbox.clone().expect("ensured");
+        let network = if want_route {
+            NetworkPolicy::AllowAll
+        } else {
+            NetworkPolicy::DenyAll
+        };
+        sandbox.set_network(&network).await?;
+        live.record.routed = want_route;
     }
-    .await;
-    match result {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => e.into_response(),
-    }
+    live.egress.set(|r| r.rule = rule);
+    live.record.policy = policy;
+    inner.save(&live.record)?;
+    Ok(Json(info_json(
+        &live.record,
+        None,
+        inner.processes.count(&name),
+    )))
 }
 
 #[derive(Debug, Deserialize)]
@@ -1169,7 +1146,7 @@ async fn set_transformations(
     Query(params): Params,
     headers: HeaderMap,
     body: Bytes,
-) -> Response {
+) -> Result<Json<Value>, ApiError> {
     change_transformations(inner, name, params, headers, body, false).await
 }
 
@@ -1179,7 +1156,7 @@ async fn add_transformations(
     Query(params): Params,
     headers: HeaderMap,
     body: Bytes,
-) -> Response {
+) -> Result<Json<Value>, ApiError> {
     change_transformations(inner, name, params, headers, body, true).await
 }
 
@@ -1190,32 +1167,29 @@ async fn change_transformations(
     headers: HeaderMap,
     body: Bytes,
     add: bool,
-) -> Response {
-    let result = async {
-        let slot = named(&inner, &name, &params, &headers).await?;
-        let body: Transformations = parse(&body)?;
-        for (i, t) in body.transformations.iter().enumerate() {
-            t.check(i)
-                .map_err(|e| bad("invalid", e.message().to_string()))?;
-        }
-        let mut guard = slot.lock().await;
-        let live = guard.as_mut().ok_or_else(|| not_found(&name))?;
-        let mut list = if add {
-            live.record.transformations.clone()
-        } else {
-            Vec::new()
-        };
-        list.extend(body.transformations);
-        live.egress.set(|r| r.transformations = list.clone());
-        live.record.transformations = list;
-        inner.save(&live.record)?;
-        Ok::<_, ApiError>(info_json(&live.record, None, inner.processes.count(&name)))
+) -> Result<Json<Value>, ApiError> {
+    let slot = named(&inner, &name, &params, &headers).await?;
+    let body: Transformations = parse(&body)?;
+    for (i, t) in body.transformations.iter().enumerate() {
+        t.check(i)
+            .map_err(|e| bad("invalid", e.message().to_string()))?;
     }
-    .await;
-    match result {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => e.into_response(),
-    }
+    let mut guard = slot.lock().await;
+    let live = guard.as_mut().ok_or_else(|| not_found(&name))?;
+    let mut list = if add {
+        live.record.transformations.clone()
+    } else {
+        Vec::new()
+    };
+    list.extend(body.transformations);
+    live.egress.set(|r| r.transformations = list.clone());
+    live.record.transformations = list;
+    inner.save(&live.record)?;
+    Ok(Json(info_json(
+        &live.record,
+        None,
+        inner.processes.count(&name),
+    )))
 }
 
 async fn port_url(
@@ -1223,32 +1197,25 @@ async fn port_url(
     Path((name, port)): Path<(String, String)>,
     Query(params): Params,
     headers: HeaderMap,
-) -> Response {
-    let result = async {
-        let slot = named(&inner, &name, &params, &headers).await?;
-        let port: u16 = port
-            .parse()
-            .map_err(|_| bad("invalid", format!("port {port:?} is not a port number")))?;
-        let guard = slot.lock().await;
-        let live = guard.as_ref().ok_or_else(|| not_found(&name))?;
-        if !live.record.request.ports.contains(&port) {
-            return Err(bad(
-                "port_not_declared",
-                format!(
-                    "sandbox {name:?} did not declare port {port} (its ports: {:?})",
-                    live.record.request.ports
-                ),
-            ));
-        }
-        Ok::<_, ApiError>(json!({
-            "path": format!("/v1/sandbox-port/{name}/{port}/{}/", live.record.port_secret),
-        }))
+) -> Result<Json<Value>, ApiError> {
+    let slot = named(&inner, &name, &params, &headers).await?;
+    let port: u16 = port
+        .parse()
+        .map_err(|_| bad("invalid", format!("port {port:?} is not a port number")))?;
+    let guard = slot.lock().await;
+    let live = guard.as_ref().ok_or_else(|| not_found(&name))?;
+    if !live.record.request.ports.contains(&port) {
+        return Err(bad(
+            "port_not_declared",
+            format!(
+                "sandbox {name:?} did not declare port {port} (its ports: {:?})",
+                live.record.request.ports
+            ),
+        ));
     }
-    .await;
-    match result {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => e.into_response(),
-    }
+    Ok(Json(json!({
+        "path": format!("/v1/sandbox-port/{name}/{port}/{}/", live.record.port_secret),
+    })))
 }
 
 async fn stop(
@@ -1256,34 +1223,27 @@ async fn stop(
     Path(name): Path<String>,
     Query(params): Params,
     headers: HeaderMap,
-) -> Response {
-    let result = async {
-        let slot = named(&inner, &name, &params, &headers).await?;
-        let mut guard = slot.lock().await;
-        let live = guard.as_mut().ok_or_else(|| not_found(&name))?;
-        let killed = inner.processes.kill_all(&name);
-        if live.record.stopped && live.sandbox.is_none() {
-            // Stopped already: nothing runs, nothing to start just to stop.
-            return Ok(json!({ "stopped": true, "killed": killed }));
-        }
-        inner.ensure_live(live).await?;
-        let sandbox = live.sandbox.take().expect("ensured");
-        match sandbox.stop().await {
-            Ok(_) => {}
-            // Nothing to stop but the processes (a local sandbox).
-            Err(e) if e.kind() == ErrorKind::Unsupported => {}
-            Err(e) => return Err(e.into()),
-        }
-        wait_for_exit(&inner.processes, &name).await;
-        live.record.stopped = true;
-        inner.save(&live.record)?;
-        Ok::<_, ApiError>(json!({ "stopped": true, "killed": killed }))
+) -> Result<Json<Value>, ApiError> {
+    let slot = named(&inner, &name, &params, &headers).await?;
+    let mut guard = slot.lock().await;
+    let live = guard.as_mut().ok_or_else(|| not_found(&name))?;
+    let killed = inner.processes.kill_all(&name);
+    if live.record.stopped && live.sandbox.is_none() {
+        // Stopped already: nothing runs, nothing to start just to stop.
+        return Ok(Json(json!({ "stopped": true, "killed": killed })));
     }
-    .await;
-    match result {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => e.into_response(),
+    inner.ensure_live(live).await?;
+    let sandbox = live.sandbox.take().expect("ensured");
+    match sandbox.stop().await {
+        Ok(_) => {}
+        // Nothing to stop but the processes (a local sandbox).
+        Err(e) if e.kind() == ErrorKind::Unsupported => {}
+        Err(e) => return Err(e.into()),
     }
+    wait_for_exit(&inner.processes, &name).await;
+    live.record.stopped = true;
+    inner.save(&live.record)?;
+    Ok(Json(json!({ "stopped": true, "killed": killed })))
 }
 
 /// Wait (a few seconds at most) for the killed processes of `name` to end.
@@ -1364,91 +1324,84 @@ async fn replace(
     Query(params): Params,
     headers: HeaderMap,
     body: Bytes,
-) -> Response {
-    let result = async {
-        let slot = named(&inner, &name, &params, &headers).await?;
-        let body: ReplaceBody = if body.is_empty() {
-            ReplaceBody::default()
+) -> Result<Json<Value>, ApiError> {
+    let slot = named(&inner, &name, &params, &headers).await?;
+    let body: ReplaceBody = if body.is_empty() {
+        ReplaceBody::default()
+    } else {
+        parse(&body)?
+    };
+    let mut guard = slot.lock().await;
+    let live = guard.as_mut().ok_or_else(|| not_found(&name))?;
+    let mut req = live.record.request.clone();
+    if let Some(provider) = body.provider {
+        req.provider = provider;
+    }
+    req.network_policy = live.record.policy.clone();
+    req.request_transformations = live.record.transformations.clone();
+    validate(&inner, &req)?;
+    // The proxy stays when the new sandbox reaches it the same way;
+    // else a new one with the same rules (a Unix socket for a
+    // container, a loopback port for a local sandbox on the host's
+    // network).
+    let wanted = listen_for(&inner, &req);
+    let new_egress =
+        if std::mem::discriminant(&live.egress.listen) == std::mem::discriminant(&wanted) {
+            None
         } else {
-            parse(&body)?
+            let rules = live
+                .egress
+                .rules
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            Some(Egress::start(wanted, rules).await.map_err(internal)?)
         };
-        let mut guard = slot.lock().await;
-        let live = guard.as_mut().ok_or_else(|| not_found(&name))?;
-        let mut req = live.record.request.clone();
-        if let Some(provider) = body.provider {
-            req.provider = provider;
-        }
-        req.network_policy = live.record.policy.clone();
-        req.request_transformations = live.record.transformations.clone();
-        validate(&inner, &req)?;
-        // The proxy stays when the new sandbox reaches it the same way;
-        // else a new one with the same rules (a Unix socket for a
-        // container, a loopback port for a local sandbox on the host's
-        // network).
-        let wanted = listen_for(&inner, &req);
-        let new_egress =
-            if std::mem::discriminant(&live.egress.listen) == std::mem::discriminant(&wanted) {
-                None
-            } else {
-                let rules = live
-                    .egress
-                    .rules
-                    .read()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .clone();
-                Some(Egress::start(wanted, rules).await.map_err(internal)?)
-            };
-        let listen = new_egress
-            .as_ref()
-            .map_or_else(|| live.egress.listen.clone(), |e| e.listen.clone());
-        let snapshot = match &live.record.snapshot_key {
-            Some(key) => std::fs::read(inner.snapshot_path(key))
-                .ok()
-                .and_then(|raw| serde_json::from_slice::<SnapshotRecord>(&raw).ok())
-                .filter(|_| req.provider == live.record.provider)
-                .map(|s| s.image),
-            None => None,
-        };
-        inner.ensure_live(live).await?;
-        let old = live.sandbox.clone().expect("ensured");
-        let (new, routed) = make_sandbox(&inner, &name, &req, snapshot.clone(), &listen).await?;
-        if snapshot.is_none() {
-            if let Err(e) = run_pre_commands(new.as_ref(), &req.bootstrap_pre_commands).await {
-                let _ = new.destroy().await;
-                return Err(e);
-            }
-        }
-        let moved = async {
-            let tar = old.export_tar(old.workdir()).await?;
-            new.import_tar(new.workdir(), tar).await
-        }
-        .await;
-        if let Err(e) = moved {
+    let listen = new_egress
+        .as_ref()
+        .map_or_else(|| live.egress.listen.clone(), |e| e.listen.clone());
+    let snapshot = match &live.record.snapshot_key {
+        Some(key) => std::fs::read(inner.snapshot_path(key))
+            .ok()
+            .and_then(|raw| serde_json::from_slice::<SnapshotRecord>(&raw).ok())
+            .filter(|_| req.provider == live.record.provider)
+            .map(|s| s.image),
+        None => None,
+    };
+    inner.ensure_live(live).await?;
+    let old = live.sandbox.clone().expect("ensured");
+    let (new, routed) = make_sandbox(&inner, &name, &req, snapshot.clone(), &listen).await?;
+    if snapshot.is_none() {
+        if let Err(e) = run_pre_commands(new.as_ref(), &req.bootstrap_pre_commands).await {
             let _ = new.destroy().await;
-            return Err(e.into());
+            return Err(e);
         }
-        inner.processes.kill_all(&name);
-        wait_for_exit(&inner.processes, &name).await;
-        if let Err(e) = old.destroy().await {
-            tracing::warn!(sandbox = %name, "the replaced sandbox was not destroyed: {e}");
-        }
-        if let Some(egress) = new_egress {
-            live.record.egress = egress_record(&egress.listen);
-            live.egress = egress;
-        }
-        live.record.handle = new.handle();
-        live.record.provider = req.provider.clone();
-        live.record.request.provider = req.provider;
-        live.record.routed = routed;
-        live.record.stopped = false;
-        live.record.generation += 1;
-        live.sandbox = Some(new);
-        inner.save(&live.record)?;
-        Ok::<_, ApiError>(info_json(&live.record, None, 0))
+    }
+    let moved = async {
+        let tar = old.export_tar(old.workdir()).await?;
+        new.import_tar(new.workdir(), tar).await
     }
     .await;
-    match result {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => e.into_response(),
+    if let Err(e) = moved {
+        let _ = new.destroy().await;
+        return Err(e.into());
     }
+    inner.processes.kill_all(&name);
+    wait_for_exit(&inner.processes, &name).await;
+    if let Err(e) = old.destroy().await {
+        tracing::warn!(sandbox = %name, "the replaced sandbox was not destroyed: {e}");
+    }
+    if let Some(egress) = new_egress {
+        live.record.egress = egress_record(&egress.listen);
+        live.egress = egress;
+    }
+    live.record.handle = new.handle();
+    live.record.provider = req.provider.clone();
+    live.record.request.provider = req.provider;
+    live.record.routed = routed;
+    live.record.stopped = false;
+    live.record.generation += 1;
+    live.sandbox = Some(new);
+    inner.save(&live.record)?;
+    Ok(Json(info_json(&live.record, None, 0)))
 }
