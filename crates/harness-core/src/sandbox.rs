@@ -132,6 +132,31 @@ pub struct SandboxSpec {
 }
 
 impl SandboxSpec {
+    /// What every provider asks of the forwards (each adds its own
+    /// limits): a port from 1 to 65535, no port twice, and the socket an
+    /// absolute host path.
+    pub fn check_forwards(&self) -> Result<()> {
+        let mut ports = std::collections::BTreeSet::new();
+        for forward in &self.forwards {
+            if forward.port == 0 {
+                return Err(Error::invalid("a forward needs a port from 1 to 65535"));
+            }
+            if !ports.insert(forward.port) {
+                return Err(Error::invalid(format!(
+                    "port {} is forwarded twice",
+                    forward.port
+                )));
+            }
+            if !forward.socket.starts_with('/') {
+                return Err(Error::invalid(format!(
+                    "forward socket {:?} must be an absolute host path",
+                    forward.socket
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// A spec with `workdir` and defaults for everything else.
     pub fn new(workdir: impl Into<String>) -> Self {
         Self {
@@ -949,6 +974,34 @@ pub fn exec_stdout_stream(stream: ExecStream, what: String) -> ByteStream {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn forwards_are_checked_before_any_provider_sees_them() {
+        let with = |forwards: &[(u16, &str)]| {
+            let mut spec = SandboxSpec::new("/w");
+            spec.forwards = forwards
+                .iter()
+                .map(|(port, socket)| HostForward {
+                    port: *port,
+                    socket: socket.to_string(),
+                })
+                .collect();
+            spec.check_forwards()
+        };
+        assert!(with(&[(80, "/run/a.sock"), (81, "/run/b.sock")]).is_ok());
+        for (forwards, says) in [
+            (&[(0, "/run/a.sock")][..], "port from 1"),
+            (
+                &[(80, "/run/a.sock"), (80, "/run/b.sock")][..],
+                "forwarded twice",
+            ),
+            (&[(80, "run/a.sock")][..], "absolute host path"),
+        ] {
+            let err = with(forwards).unwrap_err();
+            assert_eq!(err.kind(), crate::ErrorKind::InvalidInput, "{forwards:?}");
+            assert!(err.message().contains(says), "{forwards:?}: {err}");
+        }
+    }
 
     #[test]
     fn shell_quote_round_trips_hostile_strings() {

@@ -1369,16 +1369,8 @@ struct ForwardRecord {
 fn forward_mounts(spec: &SandboxSpec) -> Result<ForwardMounts> {
     let mut mounts = ForwardMounts::default();
     let mut ports = Vec::new();
+    spec.check_forwards()?;
     for forward in &spec.forwards {
-        if forward.port == 0 {
-            return Err(Error::invalid("a forward needs a port from 1 to 65535"));
-        }
-        if ports.contains(&forward.port) {
-            return Err(Error::invalid(format!(
-                "port {} is forwarded twice",
-                forward.port
-            )));
-        }
         ports.push(forward.port);
         let (dir, file) = match forward.socket.rsplit_once('/') {
             Some((dir, file)) if forward.socket.starts_with('/') && !file.is_empty() => {

@@ -277,25 +277,8 @@ async fn network_plan(spec: &SandboxSpec, gate: Option<PathBuf>) -> Result<Optio
         }
         return Ok(None);
     }
-    let mut ports: Vec<u16> = Vec::new();
-    for forward in &spec.forwards {
-        if forward.port == 0 {
-            return Err(Error::invalid("a forward needs a port from 1 to 65535"));
-        }
-        if ports.contains(&forward.port) {
-            return Err(Error::invalid(format!(
-                "port {} is forwarded twice",
-                forward.port
-            )));
-        }
-        ports.push(forward.port);
-        if !forward.socket.starts_with('/') {
-            return Err(Error::invalid(format!(
-                "forward socket {:?} must be an absolute host path",
-                forward.socket
-            )));
-        }
-    }
+    spec.check_forwards()?;
+    let ports: Vec<u16> = spec.forwards.iter().map(|f| f.port).collect();
     if matches!(spec.network, NetworkPolicy::Custom { .. }) && !ports.contains(&EGRESS_PROXY_PORT) {
         return Err(Error::invalid(format!(
             "custom network policy needs the egress proxy forward on port {EGRESS_PROXY_PORT}; \

@@ -564,14 +564,8 @@ impl SandboxProvider for MicrovmProvider {
                  which host forwards run through",
             ));
         }
-        let mut seen = std::collections::BTreeSet::new();
+        spec.check_forwards()?;
         for f in &spec.forwards {
-            if !seen.insert(f.port) {
-                return Err(Error::invalid(format!(
-                    "port {} is forwarded twice",
-                    f.port
-                )));
-            }
             if f.socket.contains(',') || f.socket.contains(char::is_whitespace) {
                 return Err(Error::invalid(format!(
                     "forward socket path {:?} holds a comma or a space, which QEMU's option \
