@@ -18,6 +18,18 @@ import { createHarnessSandbox } from './dist/index.js';
 const [scenario, rawArgs] = process.argv.slice(2);
 const args = JSON.parse(rawArgs ?? '{}');
 const out = {};
+// The step a scenario is at, said on stderr as it goes: a scenario that
+// ends without its RESULT (Node exits 13 when every awaited promise has
+// lost its last handle) says where it stood.
+const started = Date.now();
+let at = 'start';
+function step(name) {
+  at = name;
+  console.error(`step ${name} (+${Date.now() - started} ms)`);
+}
+process.on('exit', (code) => {
+  if (code !== 0) console.error(`ended with ${code} at step ${at}`);
+});
 
 function check(cond, what) {
   if (!cond) throw new Error(`check failed: ${what}`);
@@ -175,17 +187,24 @@ async function resumeScenario() {
   const sandboxProvider = provider();
   const a = agent(sandboxProvider);
   // Attach to the bridge the first process left running.
+  step('attach');
   const s = await a.createSession({ sessionId, resumeFrom: state });
+  step('generate on the attached bridge');
   const r1 = await a.generate({ session: s, prompt: 'what did I ask first' });
   out.attached = r1.text;
   // Stop (processes gone, files kept), then resume again: the bridge is started anew.
+  step('stop');
   const stopped = await s.stop();
+  step('resume from the stopped state');
   const s2 = await a.createSession({ sessionId, resumeFrom: stopped });
+  step('generate on the new bridge');
   const r2 = await a.generate({ session: s2, prompt: 'what did I ask first' });
   out.rerun = r2.text;
+  step('read the files');
   const { sandbox, dir } = await sessionDir(sandboxProvider, s2);
   out.toolFileAfterStop = await sandbox.readTextFile({ path: `${dir}/tool.txt` });
   out.secretScan = await scanForKey(sandbox);
+  step('destroy');
   await s2.destroy();
 }
 
