@@ -68,7 +68,7 @@ pub const TARGETS: &[Target] = &[
     Target {
         name: "ds_headers",
         max_len: 4096,
-        smoke_runs: 1_000_000,
+        smoke_runs: 300_000,
     },
     Target {
         name: "http",
