@@ -30,6 +30,14 @@ function step(name) {
 process.on('exit', (code) => {
   if (code !== 0) console.error(`ended with ${code} at step ${at}`);
 });
+// The AI SDK's waits (between attempts to open the bridge's WebSocket, its
+// open and hello timeouts) are unref'd timers: they keep no process alive,
+// leaving that to the application around them. This script is that
+// application, so it holds the event loop open while its scenario runs.
+// Without it, a first attempt that failed (the bridge busy with the last
+// process's detach, more often on a loaded CI machine) ended Node with 13
+// in the middle of the retry's wait, at step attach.
+const alive = setInterval(() => {}, 60_000);
 
 function check(cond, what) {
   if (!cond) throw new Error(`check failed: ${what}`);
@@ -353,5 +361,6 @@ const run = scenarios[scenario];
 if (!run) throw new Error(`unknown scenario ${scenario}`);
 await run();
 console.log(`RESULT ${JSON.stringify(out)}`);
+clearInterval(alive);
 // The agent keeps sockets (a detached bridge's) open: end here.
 process.exit(0);
