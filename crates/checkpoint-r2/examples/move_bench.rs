@@ -337,63 +337,104 @@ async fn run_tree(store_kind: &str, src: &Path, scratch: &Path) {
         "the change arrived"
     );
     std::fs::write(&victim, &original).unwrap();
+    print_tree_report(
+        store_kind,
+        &TreeFigures {
+            entries: first.entries,
+            tree_bytes: first.tree_bytes,
+            archive_bytes: archive.object.size,
+            first_uploaded: first.bytes_uploaded,
+            again_uploaded: second.bytes_uploaded,
+            again_files_read: second.files_read,
+            delta_written: delta.written,
+            archive_ckpt,
+            archive_restore,
+            tree_first,
+            tree_again,
+            tree_restore_full,
+            tree_restore_delta,
+        },
+    );
+    println!("RESULT-TREE peak {} KiB", peak_rss_kb());
+    // The trees stay until the scratch directory goes (see `run_one`).
+    let _ = (a, b, c);
+}
+
+/// What `run_tree` measured: sizes from the checkpoints' own reports,
+/// wall seconds from the bench.
+struct TreeFigures {
+    entries: u64,
+    tree_bytes: u64,
+    archive_bytes: u64,
+    first_uploaded: u64,
+    again_uploaded: u64,
+    again_files_read: u64,
+    delta_written: u64,
+    archive_ckpt: f64,
+    archive_restore: f64,
+    tree_first: f64,
+    tree_again: f64,
+    tree_restore_full: f64,
+    tree_restore_delta: f64,
+}
+
+/// The table and ratios `run_tree` prints: archive baselines beside the
+/// incremental tree checkpoints of the same tree.
+fn print_tree_report(store_kind: &str, f: &TreeFigures) {
     println!(
         "\nincremental tree checkpoints, {store_kind} store ({} entries, {:.1} MB):",
-        first.entries,
-        first.tree_bytes as f64 / 1e6
+        f.entries,
+        f.tree_bytes as f64 / 1e6
     );
     println!("{:<52} {:>8} {:>12}", "step", "wall s", "uploaded MB");
     let mb = |b: u64| b as f64 / 1e6;
     println!(
         "{:<52} {:>8.3} {:>12.3}",
         "archive checkpoint (baseline)",
-        archive_ckpt,
-        mb(archive.object.size)
+        f.archive_ckpt,
+        mb(f.archive_bytes)
     );
     println!(
         "{:<52} {:>8.3} {:>12.3}",
         "tree checkpoint, first",
-        tree_first,
-        mb(first.bytes_uploaded)
+        f.tree_first,
+        mb(f.first_uploaded)
     );
     println!(
         "{:<52} {:>8.3} {:>12.3}",
         format!(
             "tree re-checkpoint, 1 file changed ({} read)",
-            second.files_read
+            f.again_files_read
         ),
-        tree_again,
-        mb(second.bytes_uploaded)
+        f.tree_again,
+        mb(f.again_uploaded)
     );
     println!(
         "{:<52} {:>8.3}",
-        "archive restore into an empty tree (baseline)", archive_restore
+        "archive restore into an empty tree (baseline)", f.archive_restore
     );
     println!(
         "{:<52} {:>8.3}",
-        "tree restore into an empty tree", tree_restore_full
+        "tree restore into an empty tree", f.tree_restore_full
     );
     println!(
         "{:<52} {:>8.3}",
         format!(
             "tree restore of the change onto t1 ({} written)",
-            delta.written
+            f.delta_written
         ),
-        tree_restore_delta
+        f.tree_restore_delta
     );
     println!(
         "ratios: re-checkpoint {:.1}x faster than an archive checkpoint; upload {:.4}% of the tree; \
          delta restore {:.1}x faster than an archive restore ({:.1}x than a full tree restore); \
          first tree checkpoint {:.2}x the archive's time",
-        archive_ckpt / tree_again,
-        100.0 * second.bytes_uploaded as f64 / first.tree_bytes as f64,
-        archive_restore / tree_restore_delta,
-        tree_restore_full / tree_restore_delta,
-        tree_first / archive_ckpt,
+        f.archive_ckpt / f.tree_again,
+        100.0 * f.again_uploaded as f64 / f.tree_bytes as f64,
+        f.archive_restore / f.tree_restore_delta,
+        f.tree_restore_full / f.tree_restore_delta,
+        f.tree_first / f.archive_ckpt,
     );
-    println!("RESULT-TREE peak {} KiB", peak_rss_kb());
-    // The trees stay until the scratch directory goes (see `run_one`).
-    let _ = (a, b, c);
 }
 
 struct Row {
