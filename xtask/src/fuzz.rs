@@ -184,6 +184,9 @@ fn ensure_cargo_fuzz() -> Result<PathBuf> {
                 "install",
                 "cargo-fuzz",
                 "--locked",
+                // It only drives cargo and the targets: a debug build
+                // saves a cold run most of its compile time.
+                "--debug",
                 "--version",
                 CARGO_FUZZ_VERSION,
                 "--root",
