@@ -33,6 +33,7 @@ pub const BACKENDS: &[&str] = &[
     "sandbox-docker",
     "sandbox-microvm",
     "sandbox-cloudflare",
+    "checkpoint-fs",
     "checkpoint-r2",
     "session-log",
     "durable-temporal",

@@ -11,6 +11,7 @@
 //! | `docker` | [`docker`] | sandbox: a Docker container (bollard) |
 //! | `cloudflare` | [`cloudflare`] | sandbox: a Cloudflare Sandbox bridge over HTTP |
 //! | `moves` (default) | [`moves`] | moving trees and sessions between sandboxes (zstd, tree checkpoints) |
+//! | `fs-store` (default) | [`fs_store`] | checkpoint store in a local directory |
 //! | `r2` | [`r2`] | checkpoint store on R2 / any S3 |
 //! | `sqlite` (default) | [`sqlite`] | session log and turn store on SQLite |
 //! | `runtime` (default) | [`runtime`] | the session runtime on tokio: actors, dispatch to an engine, the embedding API |
@@ -71,6 +72,9 @@ pub use sandbox_cloudflare as cloudflare;
 
 #[cfg(feature = "microvm")]
 pub use sandbox_microvm as microvm;
+
+#[cfg(feature = "fs-store")]
+pub use checkpoint_fs as fs_store;
 
 #[cfg(feature = "r2")]
 pub use checkpoint_r2 as r2;
