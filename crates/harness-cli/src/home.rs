@@ -106,6 +106,12 @@ impl Home {
         self.dir.join("images")
     }
 
+    /// The default checkpoint store (a directory store,
+    /// `checkpoint_fs`), used when no other store is named.
+    pub fn checkpoints(&self) -> PathBuf {
+        self.dir.join("checkpoints")
+    }
+
     /// Where downloaded agents go.
     pub fn agents(&self) -> PathBuf {
         self.dir.join("agents")

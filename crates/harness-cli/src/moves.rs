@@ -16,6 +16,7 @@
 //! frame that carries them into the session's meta (the next turn resumes
 //! from it).
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -29,6 +30,7 @@ use harness::core::sandbox::Sandbox;
 use harness::core::session::{SandboxConfig, SessionConfig};
 use harness::core::turn::TurnStatus;
 use harness::core::ErrorKind;
+use harness::fs_store::FsCheckpointStore;
 use harness::moves::{MovePhase, MoveProgress, SessionKeys, SessionManifest};
 #[cfg(feature = "s3")]
 use harness::r2::{S3CheckpointStore, S3Config};
@@ -42,9 +44,15 @@ use crate::{AgentKind, SandboxKind};
 /// The turn id of the frames a restore writes into its target session.
 pub const RESTORE_TURN: &str = "restore";
 
-/// Where the store is.
+/// Where the store is: a directory on this machine (by default the harness
+/// home's `checkpoints/`), or an S3/R2 bucket when one is named.
 #[derive(Debug, clap::Args)]
 pub struct StoreArgs {
+    /// A checkpoint store in this directory (made if absent). Without it,
+    /// and without an S3/R2 store below, the store is `checkpoints/` in the
+    /// harness home.
+    #[arg(long, env = "HARNESS_CHECKPOINT_DIR")]
+    dir: Option<PathBuf>,
     /// S3 endpoint (e.g. http://127.0.0.1:8333); for R2 use --r2-account.
     #[arg(long, env = "HARNESS_S3_ENDPOINT")]
     endpoint: Option<String>,
@@ -65,21 +73,44 @@ pub struct StoreArgs {
 }
 
 impl StoreArgs {
+    /// The store these flags name; the home's directory store when they
+    /// name none.
+    async fn open(&self, home: &Home) -> Result<Arc<dyn CheckpointStore>> {
+        let object_store = self.endpoint.is_some() || self.r2_account.is_some();
+        match (&self.dir, object_store) {
+            (Some(dir), true) => bail!(
+                "both a directory store (--dir {}) and an S3/R2 store (--endpoint/--r2-account, \
+                 or $HARNESS_S3_ENDPOINT/$HARNESS_R2_ACCOUNT_ID) are named: pick one",
+                dir.display()
+            ),
+            (Some(dir), false) => Self::open_dir(dir),
+            (None, false) => Self::open_dir(&home.checkpoints()),
+            (None, true) => self.open_object_store().await,
+        }
+    }
+
+    fn open_dir(dir: &Path) -> Result<Arc<dyn CheckpointStore>> {
+        let store = FsCheckpointStore::open(dir)
+            .with_context(|| format!("opening the checkpoint store in {}", dir.display()))?;
+        eprintln!("checkpoint store: the directory {}", dir.display());
+        Ok(Arc::new(store))
+    }
+
     #[cfg(not(feature = "s3"))]
-    async fn open(&self) -> Result<Arc<dyn CheckpointStore>> {
+    async fn open_object_store(&self) -> Result<Arc<dyn CheckpointStore>> {
         Err(crate::features::missing("s3", "an S3/R2 checkpoint store"))
     }
 
     #[cfg(feature = "s3")]
-    async fn open(&self) -> Result<Arc<dyn CheckpointStore>> {
+    async fn open_object_store(&self) -> Result<Arc<dyn CheckpointStore>> {
         let key = std::env::var("AWS_ACCESS_KEY_ID").unwrap_or_else(|_| "harness".into());
         let secret = std::env::var("AWS_SECRET_ACCESS_KEY").unwrap_or_else(|_| "harness".into());
         let config = match (&self.r2_account, &self.endpoint) {
             (Some(account), _) => S3Config::r2(account, key, secret, &self.bucket),
-            (None, Some(endpoint)) => S3Config::custom(endpoint, &self.region, key, secret, &self.bucket),
-            (None, None) => anyhow::bail!(
-                "no checkpoint store: pass --endpoint URL (or $HARNESS_S3_ENDPOINT) for S3, or --r2-account ID for R2"
-            ),
+            (None, Some(endpoint)) => {
+                S3Config::custom(endpoint, &self.region, key, secret, &self.bucket)
+            }
+            (None, None) => unreachable!("open() asks for an object store only when one is named"),
         };
         let config = config.with_prefix(&self.namespace);
         let store = S3CheckpointStore::new(config)?;
@@ -385,7 +416,7 @@ pub async fn checkpoint(home: &Home, args: CheckpointArgs) -> Result<()> {
         .as_ref()
         .map(|t| t.turn_id.clone())
         .unwrap_or_else(|| "checkpoint".into());
-    let store = args.store.open().await?;
+    let store = args.store.open(home).await?;
     let sandbox = session_sandbox(home, &info).await?;
     let bars = Arc::new(Bars::new());
     // A tree-only checkpoint holds no agent state: it names no agent.
@@ -556,7 +587,7 @@ pub async fn restore(home: &Home, args: RestoreArgs) -> Result<()> {
         }
         None => None,
     };
-    let store = args.store.open().await?;
+    let store = args.store.open(home).await?;
     let manifest = manifest(store.as_ref(), &args.key).await?;
     if let Some(info) = &target {
         let agent = info.meta.config_or_default().agent;
@@ -747,7 +778,7 @@ async fn restore_tree(home: &Home, args: RestoreArgs) -> Result<()> {
     let log = open_log(home)?;
     let info = session_info(&log, id).await?;
     idle(&info)?;
-    let store = args.store.open().await?;
+    let store = args.store.open(home).await?;
     let sandbox = session_sandbox(home, &info).await?;
     let bars = Arc::new(Bars::new());
     let step = bars.step(format!(
@@ -805,11 +836,10 @@ async fn restore_tree(home: &Home, args: RestoreArgs) -> Result<()> {
     Ok(())
 }
 
-/// Run `harness ls`.
 /// `harness gc`: delete the content blobs and packs no tree checkpoint in
 /// the store references.
-pub async fn gc(args: GcArgs) -> Result<()> {
-    let store = args.store.open().await?;
+pub async fn gc(home: &Home, args: GcArgs) -> Result<()> {
+    let store = args.store.open(home).await?;
     let info = harness::moves::tree::collect_garbage(store.as_ref(), &SystemClock)
         .await
         .context("collecting unreferenced blobs")?;
@@ -825,8 +855,9 @@ pub async fn gc(args: GcArgs) -> Result<()> {
     Ok(())
 }
 
-pub async fn ls(args: LsArgs) -> Result<()> {
-    let store = args.store.open().await?;
+/// `harness ls`: the objects in the store, under `--prefix`.
+pub async fn ls(home: &Home, args: LsArgs) -> Result<()> {
+    let store = args.store.open(home).await?;
     for meta in store.list(&args.prefix).await? {
         println!(
             "{:>12}  {}  {}",

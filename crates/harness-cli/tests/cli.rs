@@ -146,11 +146,40 @@ fn unknown_session_and_bad_flags_are_clear_errors() {
     let (out, _, stderr) = run(harness(home.path()).args(["sessions", "export", "../etc"]));
     assert!(!out.status.success());
     assert!(stderr.contains("invalid session id"), "{stderr}");
-    let (out, _, stderr) = run(harness(home.path())
+    // With no store named, the store is the home's checkpoints directory.
+    let (out, stdout, stderr) = run(harness(home.path())
         .args(["ls"])
+        .env_remove("HARNESS_S3_ENDPOINT")
+        .env_remove("HARNESS_R2_ACCOUNT_ID"));
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.is_empty(), "{stdout}");
+    let default_store = home.path().join("checkpoints");
+    assert!(
+        stderr.contains(&default_store.display().to_string()) && default_store.is_dir(),
+        "{stderr}"
+    );
+    // Two stores named at once: refused, nothing made.
+    let other = home.path().join("other-store");
+    let (out, _, stderr) = run(harness(home.path())
+        .args(["ls", "--dir"])
+        .arg(&other)
+        .args(["--endpoint", "http://127.0.0.1:9"]));
+    assert!(!out.status.success());
+    assert!(stderr.contains("pick one"), "{stderr}");
+    assert!(!other.exists());
+    // A directory store on a path that is a file.
+    let file = home.path().join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    let (out, _, stderr) = run(harness(home.path())
+        .args(["ls", "--dir"])
+        .arg(&file)
         .env_remove("HARNESS_S3_ENDPOINT"));
     assert!(!out.status.success());
-    assert!(stderr.contains("no checkpoint store"), "{stderr}");
+    assert!(
+        stderr.contains("opening the checkpoint store in") && stderr.contains("a-file"),
+        "{stderr}"
+    );
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "x");
 }
 
 /// `run` with a base URL pointed at the scripted model, twice in one
@@ -353,8 +382,48 @@ fn checkpoint_ls_and_restore_move_a_tree_between_sessions() {
         return;
     };
     let home = tempfile::tempdir().unwrap();
+    move_a_tree_between_sessions(
+        home.path(),
+        &common::s3_store_flags(&endpoint, "cli-move"),
+        // Another namespace of the same bucket.
+        &common::s3_store_flags(&endpoint, "cli-elsewhere"),
+    );
+}
+
+/// The same through the default store, the home's `checkpoints/`
+/// directory (no flags), and no S3 server.
+#[test]
+fn checkpoint_ls_and_restore_through_the_home_directory_store() {
+    if !have_agent("HARNESS_CLAUDE_BIN") {
+        return;
+    }
+    let home = tempfile::tempdir().unwrap();
+    let elsewhere = home.path().join("elsewhere");
+    let elsewhere = ["--dir".to_string(), elsewhere.display().to_string()];
+    move_a_tree_between_sessions(home.path(), &[], &elsewhere);
+    let stored = home.path().join("checkpoints");
+    assert!(
+        stored.join("sessions").is_dir(),
+        "nothing under {}",
+        stored.display()
+    );
+}
+
+/// Two kept demo sessions; a file made in the first one's tree is
+/// checkpointed into `store` (the store flags; none: the home's
+/// directory), listed there and not in `elsewhere`, and restored into the
+/// second one's tree, over what it has.
+fn move_a_tree_between_sessions(home: &Path, store: &[String], elsewhere: &[String]) {
+    // The store is what the flags name, never one from the environment.
+    let harness = |home: &Path| {
+        let mut cmd = harness(home);
+        cmd.env_remove("HARNESS_S3_ENDPOINT")
+            .env_remove("HARNESS_R2_ACCOUNT_ID")
+            .env_remove("HARNESS_CHECKPOINT_DIR");
+        cmd
+    };
     // Two kept demo sessions: the first one's tree has hello.txt.
-    let (out, stdout, stderr) = run(harness(home.path()).args(["demo", "--keep"]));
+    let (out, stdout, stderr) = run(harness(home).args(["demo", "--keep"]));
     if !out.status.success() {
         skip_or_fail(&format!(
             "demo failed, cannot test moves:\n{stdout}\n{stderr}"
@@ -374,7 +443,7 @@ fn checkpoint_ls_and_restore_move_a_tree_between_sessions() {
     // turn-status frame's handle): a local directory under the home's
     // sandboxes, its tree at work/.
     let workdir = |s: &str| {
-        let (out, stdout, stderr) = run(harness(home.path()).args(["sessions", "export", s]));
+        let (out, stdout, stderr) = run(harness(home).args(["sessions", "export", s]));
         assert!(out.status.success(), "{stderr}");
         let handle = stdout
             .lines()
@@ -385,7 +454,6 @@ fn checkpoint_ls_and_restore_move_a_tree_between_sessions() {
             .unwrap_or_else(|| panic!("session {s} recorded no sandbox:\n{stdout}"));
         assert_eq!(handle["provider"], "local", "{handle:#}");
         let dir = home
-            .path()
             .join("sandboxes")
             .join(handle["id"].as_str().unwrap())
             .join("work");
@@ -398,29 +466,27 @@ fn checkpoint_ls_and_restore_move_a_tree_between_sessions() {
     };
     std::fs::write(workdir(&a).join("moved.txt"), "made in A").unwrap();
     let key = format!("sessions/{a}/cli.tar.zst");
-    let store = common::s3_store_flags(&endpoint, "cli-move");
-    let (out, stdout, stderr) = run(harness(home.path())
+    let (out, stdout, stderr) = run(harness(home)
         .args(["checkpoint", "--session", &a, "--key", &key])
-        .args(&store));
+        .args(store));
     assert!(out.status.success(), "{stdout}\n{stderr}");
     assert!(stdout.contains(&format!("checkpoint {key}")), "{stdout}");
-    let (out, stdout, _) = run(harness(home.path()).arg("ls").args(&store));
+    let (out, stdout, _) = run(harness(home).arg("ls").args(store));
     assert!(out.status.success());
     assert!(stdout.contains(&key), "{stdout}");
-    // Another namespace of the same bucket does not see it.
-    let elsewhere = common::s3_store_flags(&endpoint, "cli-elsewhere");
-    let (out, stdout, _) = run(harness(home.path()).arg("ls").args(&elsewhere));
+    // Another store does not see it.
+    let (out, stdout, _) = run(harness(home).arg("ls").args(elsewhere));
     assert!(out.status.success());
     assert!(!stdout.contains(&key), "{stdout}");
 
-    let (out, stdout, stderr) = run(harness(home.path()).args(["demo", "--keep"]));
+    let (out, stdout, stderr) = run(harness(home).args(["demo", "--keep"]));
     assert!(out.status.success(), "{stderr}");
     let b = id(&stdout);
     assert_ne!(a, b);
     std::fs::write(workdir(&b).join("only-in-b.txt"), "stays").unwrap();
-    let (out, stdout, stderr) = run(harness(home.path())
+    let (out, stdout, stderr) = run(harness(home)
         .args(["restore", "--session", &b, "--key", &key])
-        .args(&store));
+        .args(store));
     assert!(out.status.success(), "{stdout}\n{stderr}");
     assert_eq!(
         std::fs::read_to_string(workdir(&b).join("moved.txt")).unwrap(),
