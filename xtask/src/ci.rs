@@ -442,48 +442,16 @@ fn run_matrix(rows: &[Row], require_real: bool, counts: &mut Option<Counts>) -> 
     let mut failed = Vec::new();
     let mut ran = 0;
     for row in rows {
-        let Some(features) = pkgs.get(row.package) else {
-            println!(
-                "matrix: skip `{}`: package `{}` not in the workspace yet",
-                row.label(),
-                row.package
-            );
-            continue;
+        let expanded = match expand_row(row, &pkgs) {
+            Ok(expanded) => expanded,
+            Err(why) => {
+                // A row that cannot run fails: a renamed package or feature
+                // must not quietly drop what the row checked.
+                println!("matrix: `{}` cannot run: {why}", row.label());
+                failed.push(format!("{} ({why})", row.label()));
+                continue;
+            }
         };
-        if let Some(missing) = row
-            .feature_list()
-            .chain(row.except.iter().copied())
-            .find(|f| !features.iter().any(|x| x == f))
-        {
-            println!(
-                "matrix: skip `{}`: package has no feature `{missing}`",
-                row.label()
-            );
-            continue;
-        }
-        let expanded: Vec<Row> = if row.each_feature {
-            features
-                .iter()
-                .filter(|f| !row.except.contains(&f.as_str()))
-                .map(|f| {
-                    let all = if row.features.is_empty() {
-                        f.clone()
-                    } else {
-                        format!("{},{f}", row.features)
-                    };
-                    Row {
-                        features: Box::leak(all.into_boxed_str()),
-                        each_feature: false,
-                        ..*row
-                    }
-                })
-                .collect()
-        } else {
-            vec![*row]
-        };
-        if expanded.is_empty() {
-            println!("matrix: skip `{}`: package has no features", row.label());
-        }
         for r in expanded {
             ran += 1;
             let res = util::timed(&format!("matrix: {}", r.label()), || {
@@ -499,6 +467,52 @@ fn run_matrix(rows: &[Row], require_real: bool, counts: &mut Option<Counts>) -> 
         bail!("matrix rows failed:\n  {}", failed.join("\n  "));
     }
     Ok(())
+}
+
+/// The rows `row` stands for in a workspace whose packages have the
+/// features `pkgs` lists (one per feature for an each-feature row), or
+/// why it cannot run: its package is gone, it names a feature the package
+/// lacks, or it expands to nothing.
+fn expand_row(row: &Row, pkgs: &BTreeMap<String, Vec<String>>) -> Result<Vec<Row>, String> {
+    let features = pkgs
+        .get(row.package)
+        .ok_or_else(|| format!("package `{}` is not in the workspace", row.package))?;
+    if let Some(missing) = row
+        .feature_list()
+        .chain(row.except.iter().copied())
+        .find(|f| !features.iter().any(|x| x == f))
+    {
+        return Err(format!(
+            "package `{}` has no feature `{missing}`",
+            row.package
+        ));
+    }
+    if !row.each_feature {
+        return Ok(vec![*row]);
+    }
+    let expanded: Vec<Row> = features
+        .iter()
+        .filter(|f| !row.except.contains(&f.as_str()))
+        .map(|f| {
+            let all = if row.features.is_empty() {
+                f.clone()
+            } else {
+                format!("{},{f}", row.features)
+            };
+            Row {
+                features: Box::leak(all.into_boxed_str()),
+                each_feature: false,
+                ..*row
+            }
+        })
+        .collect();
+    if expanded.is_empty() {
+        return Err(format!(
+            "package `{}` has no features to take one at a time",
+            row.package
+        ));
+    }
+    Ok(expanded)
 }
 
 fn run_row(row: &Row, require_real: bool, counts: &mut Option<Counts>) -> Result<()> {
@@ -542,5 +556,39 @@ mod tests {
         assert_eq!((c.passed, c.failed, c.skipped), (10, 2, 3));
         let c = parse_summary("     Summary [   0.010s] 2 tests run: 2 passed, 0 skipped");
         assert_eq!((c.passed, c.failed, c.skipped), (2, 0, 0));
+    }
+
+    /// Every row CI and `cargo xtask extra` run names a package and
+    /// features this workspace has.
+    #[test]
+    fn every_matrix_row_can_run_here() {
+        let pkgs = workspace_packages().unwrap();
+        for row in matrix::MATRIX.iter().chain(matrix::EXTRA) {
+            let rows =
+                expand_row(row, &pkgs).unwrap_or_else(|why| panic!("{}: {why}", row.label()));
+            assert!(!rows.is_empty(), "{}", row.label());
+        }
+    }
+
+    /// A row whose package or feature is gone is an error that says which,
+    /// not a skip.
+    #[test]
+    fn a_row_that_cannot_run_says_why() {
+        let pkgs: BTreeMap<String, Vec<String>> = [
+            ("with".to_string(), vec!["a".to_string(), "b".to_string()]),
+            ("bare".to_string(), vec![]),
+        ]
+        .into_iter()
+        .collect();
+        let err = expand_row(&Row::check("gone"), &pkgs).unwrap_err();
+        assert!(err.contains("`gone` is not in the workspace"), "{err}");
+        let err = expand_row(&Row::test("with").features("otlp"), &pkgs).unwrap_err();
+        assert!(err.contains("no feature `otlp`"), "{err}");
+        let err = expand_row(&Row::check("with").each_feature().except(&["c"]), &pkgs).unwrap_err();
+        assert!(err.contains("no feature `c`"), "{err}");
+        let err = expand_row(&Row::check("bare").each_feature(), &pkgs).unwrap_err();
+        assert!(err.contains("no features"), "{err}");
+        let rows = expand_row(&Row::check("with").each_feature().except(&["a"]), &pkgs).unwrap();
+        assert_eq!(rows.iter().map(|r| r.features).collect::<Vec<_>>(), ["b"]);
     }
 }
