@@ -155,7 +155,7 @@ async fn the_worker_passes_the_durable_streams_conformance_suite() {
     let counts = tokio::task::spawn_blocking(move || suite::run(&dir, &base))
         .await
         .expect("suite task");
-    if counts.passed < suite::MIN_PASSED {
+    if counts.passed < suite::MIN_PASSED || counts.failed > 0 {
         eprintln!("--- wrangler dev ---\n{}", dev.log_tail());
     }
     suite::check("worker (Durable Object SQLite)", &counts);

@@ -6,7 +6,7 @@
 //! The npm packages are installed once into
 //! `$HARNESS_CACHE/npm/durable-streams` (default `/var/cache/harness`);
 //! node and npm are the real parts it needs ([`available`] says why not).
-//! A run fails when fewer than [`MIN_PASSED`] suite tests pass (see
+//! A run fails when a suite test fails or fewer than [`MIN_PASSED`] pass (see
 //! `docs/durable-streams.md` for the measured counts).
 
 use std::path::{Path, PathBuf};
@@ -161,8 +161,13 @@ pub fn run(dir: &Path, base_url: &str) -> Counts {
     }
 }
 
-/// Print the counts and fail below [`MIN_PASSED`]; `store` names the
-/// server and store in the messages.
+/// Print the counts and fail on any failed suite test or below
+/// [`MIN_PASSED`]; `store` names the server and store in the messages.
+///
+/// No failure is allowed: every store passes every test the suite runs
+/// (the 6 it skips are its optional subscription APIs). The reference
+/// server `@durable-streams/server` 0.3.7 fails six of them
+/// (`docs/durable-streams.md` names them); none of those is excused here.
 pub fn check(store: &str, counts: &Counts) {
     println!(
         "durable-streams conformance: {} passed, {} failed, {} skipped (of {}, {store} store)",
@@ -172,6 +177,12 @@ pub fn check(store: &str, counts: &Counts) {
         println!("  failed: {name}");
     }
     assert!(counts.total > 0, "the suite ran no tests");
+    assert!(
+        counts.failed == 0 && counts.failures.is_empty(),
+        "durable-streams conformance ({store} store): {} suite test(s) failed: {:#?}",
+        counts.failed,
+        counts.failures
+    );
     assert!(
         counts.passed >= MIN_PASSED,
         "durable-streams conformance ({store} store) regressed: {} passed < floor {MIN_PASSED}; failures: {:#?}",
