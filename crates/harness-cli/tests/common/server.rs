@@ -71,9 +71,13 @@ pub async fn docker_parts() -> Option<(String, IpAddr)> {
         skip_or_fail(&format!("no Docker engine or no image {image}"));
         return None;
     }
-    let docker = harness::docker::DockerProvider::connect(Default::default())
-        .await
-        .ok()?;
+    let docker = match harness::docker::DockerProvider::connect(Default::default()).await {
+        Ok(docker) => docker,
+        Err(e) => {
+            skip_or_fail(&format!("cannot reach the Docker engine: {e}"));
+            return None;
+        }
+    };
     match docker.bridge_gateway().await {
         Some(gw) => Some((image, gw)),
         None => {
