@@ -36,8 +36,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures::StreamExt;
 use harness_core::checkpoint::{
-    check_range, range_past_end, sha256_trailer, validate_key, verify_trailer_stream,
-    CheckpointStore, ObjectMeta, RecordedHash, SHA256_TRAILER_LEN,
+    check_range, range_past_end, sha256_trailer, trailer_content_size, validate_key,
+    verify_trailer_stream, CheckpointStore, ObjectMeta, RecordedHash, SHA256_TRAILER_LEN,
 };
 use harness_core::stream::ByteStream;
 use harness_core::{Error, Result};
@@ -134,9 +134,9 @@ impl FsCheckpointStore {
             .join(format!("{}-{seq}-{nanos}", std::process::id()))
     }
 
-    /// Open the object under `key` for reading: the file and its length
-    /// as stored (content and trailer).
-    async fn open_object(&self, key: &str) -> Result<(tokio::fs::File, u64)> {
+    /// Open the object under `key` for reading: the file, its length as
+    /// stored (content and trailer) and its path.
+    async fn open_object(&self, key: &str) -> Result<(tokio::fs::File, u64, PathBuf)> {
         let path = self.object_path(key)?;
         let file = tokio::fs::File::open(&path).await.map_err(|e| {
             if e.kind() == std::io::ErrorKind::NotFound {
@@ -150,7 +150,7 @@ impl FsCheckpointStore {
             .await
             .map_err(|e| io_error("reading the metadata of", &path, e))?
             .len();
-        Ok((file, stored))
+        Ok((file, stored, path))
     }
 
     /// Write `content` and its trailer to the temporary file `tmp`, synced;
@@ -282,28 +282,22 @@ impl CheckpointStore for FsCheckpointStore {
     }
 
     async fn get(&self, key: &str) -> Result<ByteStream> {
-        let (file, _) = self.open_object(key).await?;
-        let path = self.object_path(key)?;
+        let (file, _, path) = self.open_object(key).await?;
         let bytes = tokio_util::io::ReaderStream::with_capacity(file, READ_CHUNK)
             .map(move |r| r.map_err(|e| io_error("reading", &path, e)));
         Ok(verify_trailer_stream(Box::pin(bytes), key.to_string()))
     }
 
     async fn head(&self, key: &str) -> Result<ObjectMeta> {
-        let (mut file, stored) = self.open_object(key).await?;
+        let (mut file, stored, path) = self.open_object(key).await?;
         let from = stored.saturating_sub(SHA256_TRAILER_LEN as u64);
         let mut tail = Vec::with_capacity(SHA256_TRAILER_LEN);
         let read = async {
             file.seek(SeekFrom::Start(from)).await?;
             file.read_to_end(&mut tail).await
         };
-        read.await.map_err(|e| {
-            io_error(
-                "reading the hash of",
-                &self.object_path(key).unwrap_or_default(),
-                e,
-            )
-        })?;
+        read.await
+            .map_err(|e| io_error("reading the hash of", &path, e))?;
         RecordedHash::Trailer.object_meta(key, stored, &tail)
     }
 
@@ -365,14 +359,8 @@ impl CheckpointStore for FsCheckpointStore {
 
     async fn get_range(&self, key: &str, range: std::ops::Range<u64>) -> Result<Bytes> {
         check_range(key, &range)?;
-        let (mut file, stored) = self.open_object(key).await?;
-        let size = stored
-            .checked_sub(SHA256_TRAILER_LEN as u64)
-            .ok_or_else(|| {
-                Error::corrupt(format!(
-                    "checkpoint {key:?} is shorter ({stored} bytes) than its hash trailer"
-                ))
-            })?;
+        let (mut file, stored, path) = self.open_object(key).await?;
+        let size = trailer_content_size(key, stored)?;
         if range.end > size {
             return Err(range_past_end(key, &range, size));
         }
@@ -381,8 +369,7 @@ impl CheckpointStore for FsCheckpointStore {
             file.seek(SeekFrom::Start(range.start)).await?;
             file.read_exact(&mut buf).await
         };
-        read.await
-            .map_err(|e| io_error("reading", &self.object_path(key).unwrap_or_default(), e))?;
+        read.await.map_err(|e| io_error("reading", &path, e))?;
         Ok(Bytes::from(buf))
     }
 }

@@ -174,6 +174,18 @@ pub fn recorded_sha256(key: &str, recorded: Option<&str>, looked_in: &str) -> Re
     }
 }
 
+/// The content's size in an object of `stored` bytes that ends with its
+/// hash trailer; `Corrupt` if it is too short to hold one.
+pub fn trailer_content_size(key: &str, stored: u64) -> Result<u64> {
+    stored
+        .checked_sub(SHA256_TRAILER_LEN as u64)
+        .ok_or_else(|| {
+            Error::corrupt(format!(
+                "checkpoint {key:?} is shorter ({stored} bytes) than its hash trailer"
+            ))
+        })
+}
+
 /// The metadata name marking an object whose SHA-256 is stored in its own
 /// last [`SHA256_TRAILER_LEN`] bytes instead of under [`SHA256_METADATA`],
 /// with the value [`SHA256_TRAILER_FORMAT`].
@@ -247,13 +259,7 @@ impl RecordedHash {
         let (size, sha256) = match self {
             Self::Metadata(sha) => (stored, sha),
             Self::Trailer => {
-                let size = stored
-                    .checked_sub(SHA256_TRAILER_LEN as u64)
-                    .ok_or_else(|| {
-                        Error::corrupt(format!(
-                            "checkpoint {key:?} is shorter ({stored} bytes) than its hash trailer"
-                        ))
-                    })?;
+                let size = trailer_content_size(key, stored)?;
                 let from = tail.len().saturating_sub(SHA256_TRAILER_LEN);
                 (size, parse_sha256_trailer(key, &tail[from..])?)
             }
