@@ -121,6 +121,22 @@ pub fn ci(args: CiArgs) -> Result<()> {
             .join(", ")
     );
 
+    if util::is_ci() {
+        // A fresh clone's mtimes would make cargo rebuild every workspace crate.
+        let target = util::cargo_target_dir();
+        match crate::mtimes::restore_and_record(&util::repo_root(), &target) {
+            Ok(r) => println!(
+                "source mtimes: {} restored, {} changed, {} new (manifest in {})",
+                r.restored,
+                r.changed,
+                r.new,
+                target.display()
+            ),
+            // Only speed is lost: cargo rebuilds what it cannot trust.
+            Err(e) => println!("source mtimes: not restored: {e:#}"),
+        }
+    }
+
     let mut done: Vec<(Step, Duration, bool)> = Vec::new();
     let mut counts: Option<Counts> = None;
     let n = steps.len();

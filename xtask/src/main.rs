@@ -13,6 +13,7 @@ mod image;
 mod layers;
 mod matrix;
 mod microvm;
+mod mtimes;
 mod node;
 mod package;
 mod services;
