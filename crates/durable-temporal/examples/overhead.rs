@@ -148,6 +148,7 @@ fn runner(root: &Path, log: Arc<dyn SessionLog>) -> SliceRunner {
         poll_interval: Duration::from_millis(50),
         sleep: session_runtime::tokio_sleeper(),
         clock: Arc::new(SystemClock),
+        checkpoints: None,
     }
 }
 

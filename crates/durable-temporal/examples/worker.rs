@@ -71,6 +71,7 @@ async fn main() -> anyhow::Result<()> {
         poll_interval: Duration::from_millis(50),
         sleep: session_runtime::tokio_sleeper(),
         clock: Arc::new(SystemClock),
+        checkpoints: None,
     };
     eprintln!(
         "worker {} polling {} on {}",

@@ -197,6 +197,7 @@ impl SliceExecutor for Agent {
             outcome,
             last_progress_at_ms: None,
             last_warning: None,
+            sandbox: None,
         })
     }
 

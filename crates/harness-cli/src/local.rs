@@ -3,6 +3,7 @@
 //! the engine — assembled once here for `harness serve`, `run`, `demo` and
 //! `resume`, so they all take the same path.
 
+use harness::core::turn_checkpoint::TurnCheckpoints;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -225,7 +226,8 @@ pub async fn runtime(home: &Home, options: Options) -> Result<Runtime> {
         .engine(engine)
         .broker(broker)
         .env(options.env.clone())
-        .turn_config(turn);
+        .turn_config(turn)
+        .checkpoints(Some(turn_checkpoints(home)?));
     builder = builder.provider(provider(home, "local", None).await?);
     match provider(home, "docker", options.image.as_deref()).await {
         Ok(docker) => builder = builder.provider(docker),
@@ -260,6 +262,20 @@ pub async fn runtime(home: &Home, options: Options) -> Result<Runtime> {
 }
 
 pub use crate::broker::model_broker;
+
+/// Turn-end checkpoints in the home's directory store (`<home>/checkpoints`,
+/// the store `harness checkpoint` uses by default): every turn's end is
+/// checkpointed there, and forks, rewinds and lost sandboxes are made anew
+/// from it.
+pub fn turn_checkpoints(home: &Home) -> Result<Arc<dyn TurnCheckpoints>> {
+    let dir = home.checkpoints();
+    let store = harness::fs_store::FsCheckpointStore::open(&dir)
+        .with_context(|| format!("opening the checkpoint store in {}", dir.display()))?;
+    Ok(Arc::new(harness::moves::turns::StoreTurnCheckpoints::new(
+        Arc::new(store),
+        Arc::new(harness::runtime::SystemClock),
+    )))
+}
 
 /// Credentials and base URLs for agents, from this process's environment.
 pub fn agent_env() -> BTreeMap<String, String> {

@@ -552,20 +552,21 @@ pub async fn checkpoint(home: &Home, args: CheckpointArgs) -> Result<()> {
     Ok(())
 }
 
-/// Take the home's runtime for a restore: it writes the target session's
-/// sandbox and agent session into its log, which no running actor may hold.
-async fn lock_for_restore(home: &Home) -> Result<crate::home::RuntimeLock> {
+/// Take the home's runtime for `what` (a restore, a rewind): it writes into
+/// a session's log, which no running actor may hold. With `harness serve`
+/// running, use its HTTP API instead.
+pub async fn lock_idle_home(home: &Home, what: &str) -> Result<crate::home::RuntimeLock> {
     if let Some(lock) = home.try_lock_runtime()? {
         return Ok(lock);
     }
     if let Some(serve) = home.serve_info() {
         bail!(
-            "harness serve (pid {}) drives this home: stop it before restoring \
-             (a restore writes the session's sandbox and agent session into its log)",
+            "harness serve (pid {}) drives this home: stop it before {what}, or ask it \
+             (its HTTP API writes through the session's actor)",
             serve.pid
         );
     }
-    home.lock_runtime("this restore").await
+    home.lock_runtime(what).await
 }
 
 /// Run `harness restore`.
@@ -573,7 +574,7 @@ pub async fn restore(home: &Home, args: RestoreArgs) -> Result<()> {
     if args.tree_only {
         return restore_tree(home, args).await;
     }
-    let _lock = lock_for_restore(home).await?;
+    let _lock = lock_idle_home(home, "restoring").await?;
     let log = open_log(home)?;
     // Check the target before reading the store.
     let target = match &args.session {
@@ -765,6 +766,7 @@ async fn record_restore(
         error: None,
         sandbox,
         agent_session_id: manifest.agent_session_id.clone(),
+        checkpoint: None,
     });
     record(log, session, Ok(status)).await;
 }

@@ -45,6 +45,20 @@ pub enum SessionsCommand {
         /// Seal the new session (read-only).
         #[arg(long)]
         seal: bool,
+        /// The provider of the fork's sandbox (default: the source's).
+        #[arg(long)]
+        provider: Option<String>,
+    },
+    /// Put a session back to the end of an earlier turn, in place: its next
+    /// turn runs in a new sandbox holding that turn's checkpoint, the agent
+    /// continuing that conversation. The log keeps its history.
+    Rewind {
+        /// The session.
+        id: String,
+        /// The turn whose end to go back to (`harness sessions show` lists
+        /// the turns with a checkpoint).
+        #[arg(long)]
+        turn: String,
     },
 }
 
@@ -131,15 +145,32 @@ pub async fn run(home: &Home, command: SessionsCommand) -> Result<()> {
             until,
             target,
             seal,
+            provider,
         } => {
             let source = SessionId::parse(id)?;
             let target =
                 SessionId::parse(target.unwrap_or_else(|| format!("{source}-fork-{until}")))?;
-            let mut info = log.fork(&source, until, &target).await?;
+            let mut info =
+                harness::core::fork::fork_with_tree(&log, &source, until, &target, provider)
+                    .await?;
             if seal {
                 info = log.seal(&target).await?;
             }
             println!("{}", serde_json::to_string_pretty(&info)?);
+        }
+        SessionsCommand::Rewind { id, turn } => {
+            // The frame goes into the log directly: no actor may hold it.
+            let _lock = crate::moves::lock_idle_home(home, "rewinding").await?;
+            let session = SessionId::parse(id)?;
+            let info = log.info(&session).await?;
+            let body = harness::core::fork::rewind_frame(&info.meta, &turn)?;
+            let appended = log
+                .append(&session, harness::core::log::AppendRequest::new(body))
+                .await?;
+            println!(
+                "session {session} rewound to the end of turn {turn} (frame {}); its next turn runs in a new sandbox made from that turn's checkpoint",
+                appended.seq
+            );
         }
     }
     Ok(())

@@ -135,6 +135,7 @@ fn new_config(args: &RunArgs) -> Result<SessionConfig> {
             provider: args.sandbox.name().to_string(),
             image: args.image.clone(),
             network: args.network.policy()?,
+            checkpoints: Default::default(),
         },
         model: args.model.clone(),
         approvals: args.approvals,

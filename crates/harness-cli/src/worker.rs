@@ -86,6 +86,7 @@ async fn remote_slice_runner(home: &Home, args: &RemoteArgs) -> Result<(SliceRun
         poll_interval: Duration::from_millis(150),
         sleep: harness::runtime::tokio_sleeper(),
         clock: Arc::new(SystemClock),
+        checkpoints: Some(crate::local::turn_checkpoints(home)?),
     };
     Ok((runner, generation))
 }

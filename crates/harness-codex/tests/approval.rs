@@ -131,6 +131,7 @@ async fn rig(b: Backend, h: CodexHarness, server: &ScriptedModel, name: &str) ->
         poll_interval: Duration::from_millis(100),
         sleep: Arc::new(|d| Box::pin(tokio::time::sleep(d))),
         clock: Arc::new(FnClock(now_ms)),
+        checkpoints: None,
     };
     let spawn: Spawner = Arc::new(|f| {
         tokio::spawn(f);

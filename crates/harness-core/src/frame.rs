@@ -135,6 +135,31 @@ pub enum FrameBody {
         /// The agent's own session id (the next turn resumes it).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         agent_session_id: Option<String>,
+        /// The turn-end checkpoint (tree and agent state) taken as the turn
+        /// ended: its key in the session's checkpoint store. Set on the
+        /// terminal status only, when checkpoints are on.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        checkpoint: Option<String>,
+    },
+    /// The session's sandbox is set aside: its next turn makes a new one
+    /// and puts `checkpoint` into it (a fork, a rewind). The old sandbox
+    /// is not the session's any more.
+    SandboxReset {
+        /// The turn whose end the session goes back to (none: before its
+        /// first turn ended: an empty sandbox, a new conversation).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        turn_id: Option<String>,
+        /// That turn's checkpoint.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        checkpoint: Option<String>,
+        /// The agent session that checkpoint holds (the next turn resumes it).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        agent_session_id: Option<String>,
+        /// The provider of the new sandbox (none: the session's own).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        provider: Option<String>,
+        /// Why, for people: `fork of s1 at seq 12`, `rewind to turn t1`.
+        reason: String,
     },
     /// A host-tool call of a turn, as the session recorded it before handing
     /// it to its host (or finding none). Stored once per call id.

@@ -43,6 +43,7 @@ pub mod clock;
 pub mod engine;
 mod error;
 pub mod failpoint;
+pub mod fork;
 pub mod frame;
 pub mod harness;
 pub mod log;
@@ -56,6 +57,7 @@ pub mod sse;
 pub mod stream;
 pub mod tarscan;
 pub mod turn;
+pub mod turn_checkpoint;
 pub mod turn_driver;
 
 pub use error::{Error, ErrorKind, Result};

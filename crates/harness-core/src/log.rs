@@ -343,6 +343,7 @@ pub fn fork_closing_frame(
         )),
         sandbox: None,
         agent_session_id: None,
+        checkpoint: None,
     }))
 }
 

@@ -42,6 +42,9 @@ pub struct SandboxConfig {
     /// Network policy.
     #[serde(default)]
     pub network: NetworkPolicy,
+    /// Turn-end checkpoints of the sandbox's tree and agent state.
+    #[serde(default, skip_serializing_if = "CheckpointRules::is_default")]
+    pub checkpoints: CheckpointRules,
 }
 
 impl Default for SandboxConfig {
@@ -50,7 +53,34 @@ impl Default for SandboxConfig {
             provider: DEFAULT_SANDBOX.into(),
             image: None,
             network: NetworkPolicy::AllowAll,
+            checkpoints: CheckpointRules::default(),
         }
+    }
+}
+
+/// A session's turn-end checkpoints (`docs/session-runtime.md`, "Turn-end
+/// checkpoints").
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointRules {
+    /// Checkpoint the tree and the agent's state at every turn end, where
+    /// the runtime has a checkpoint store. On by default.
+    #[serde(default = "enabled_by_default")]
+    pub enabled: bool,
+}
+
+fn enabled_by_default() -> bool {
+    true
+}
+
+impl Default for CheckpointRules {
+    fn default() -> Self {
+        Self { enabled: true }
+    }
+}
+
+impl CheckpointRules {
+    fn is_default(&self) -> bool {
+        *self == Self::default()
     }
 }
 
@@ -166,6 +196,30 @@ pub struct SessionMeta {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sandbox: Option<SandboxHandle>,
     /// The agent's own session id, once seen.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_session_id: Option<String>,
+    /// The checkpoint the session's tree and agent state are at: the last
+    /// turn end's, or the one a fork or rewind goes back to. The next turn
+    /// checkpoints against it, and makes its sandbox from it when there is
+    /// none (or it is gone).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<String>,
+    /// Every turn end that left a checkpoint, oldest first: what a rewind
+    /// may go back to (about 100 bytes a turn).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub checkpoints: Vec<TurnCheckpoint>,
+}
+
+/// A turn end that left a checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TurnCheckpoint {
+    /// The turn.
+    pub turn_id: String,
+    /// Seq of its terminal `turn-status` frame.
+    pub seq: u64,
+    /// The checkpoint's key.
+    pub key: String,
+    /// The agent session the checkpoint holds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent_session_id: Option<String>,
 }
@@ -307,6 +361,7 @@ impl SessionMeta {
                 error,
                 sandbox,
                 agent_session_id,
+                checkpoint,
             } => {
                 if let Some(turn) = self.turn_mut(Some(turn_id)) {
                     turn.status = *status;
@@ -320,6 +375,31 @@ impl SessionMeta {
                 }
                 if agent_session_id.is_some() {
                     self.agent_session_id = agent_session_id.clone();
+                }
+                if let (Some(key), true) = (checkpoint, status.is_terminal()) {
+                    self.checkpoint = Some(key.clone());
+                    self.checkpoints.push(TurnCheckpoint {
+                        turn_id: turn_id.clone(),
+                        seq,
+                        key: key.clone(),
+                        agent_session_id: self.agent_session_id.clone(),
+                    });
+                }
+                true
+            }
+            FrameBody::SandboxReset {
+                checkpoint,
+                agent_session_id,
+                provider,
+                ..
+            } => {
+                self.sandbox = None;
+                self.checkpoint = checkpoint.clone();
+                self.agent_session_id = agent_session_id.clone();
+                if let Some(provider) = provider {
+                    let mut config = self.config_or_default();
+                    config.sandbox.provider = provider.clone();
+                    self.config = Some(config);
                 }
                 true
             }
@@ -340,7 +420,38 @@ impl SessionMeta {
             config: self.config_or_default(),
             sandbox: self.sandbox.clone(),
             agent_session_id: self.agent_session_id.clone(),
+            checkpoint: self.checkpoint.clone(),
         }
+    }
+
+    /// The checkpoint a rewind to `turn_id` goes back to: refused while a
+    /// turn runs, and for a turn that ended without one (or never ran).
+    pub fn rewind_point(&self, turn_id: &str) -> Result<&TurnCheckpoint> {
+        if let Some(running) = self.active_turn() {
+            return Err(Error::conflict(format!(
+                "turn {} is still running: wait for it to end or abort it, then rewind",
+                running.turn_id
+            )));
+        }
+        self.checkpoints
+            .iter()
+            .rev()
+            .find(|c| c.turn_id == turn_id)
+            .ok_or_else(|| {
+                let known: Vec<&str> = self
+                    .checkpoints
+                    .iter()
+                    .map(|c| c.turn_id.as_str())
+                    .collect();
+                Error::invalid(format!(
+                    "turn {turn_id:?} has no checkpoint to rewind to (turns with one: {})",
+                    if known.is_empty() {
+                        "none".to_string()
+                    } else {
+                        known.join(", ")
+                    }
+                ))
+            })
     }
 
     /// Everything a runtime must (re)do for the active turn: start it, hand
@@ -391,6 +502,9 @@ pub enum TurnCommand {
         /// The agent session to continue.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         agent_session_id: Option<String>,
+        /// The checkpoint the session is at ([`SessionMeta::checkpoint`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        checkpoint: Option<String>,
     },
     /// Hand a client's answer to the turn.
     Answer {
@@ -457,6 +571,7 @@ impl SessionRuntime {
             config,
             sandbox,
             agent_session_id,
+            checkpoint,
         } = command
         else {
             return None;
@@ -466,6 +581,7 @@ impl SessionRuntime {
         state.sandbox = sandbox.clone();
         state.sandbox_config = Some(config.sandbox.clone());
         state.agent_session_id = agent_session_id.clone();
+        state.checkpoint = checkpoint.clone();
         state.model = config.model.clone();
         state.approvals = config.approvals;
         Some(state)
@@ -600,6 +716,7 @@ mod tests {
             error: None,
             sandbox: Some(handle.clone()),
             agent_session_id: Some("thread".into()),
+            checkpoint: None,
         };
         assert!(meta.apply(0, &end, None));
         assert!(meta.active_turn().is_none());

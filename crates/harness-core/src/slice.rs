@@ -39,6 +39,7 @@ use crate::sandbox::{
 };
 use crate::stream::AbortSignal;
 use crate::turn::{PendingApproval, SliceOutcome, SliceReport, TurnState};
+use crate::turn_checkpoint::{TurnCheckpoints, WARNING_SANDBOX_RESTORED};
 use crate::{Error, ErrorKind, Result};
 
 /// Where a slice's parts go: the session actor, as the session's runner
@@ -114,6 +115,9 @@ pub struct SliceRunner {
     pub sleep: Sleeper,
     /// Clock.
     pub clock: Arc<dyn Clock>,
+    /// Where turn-end checkpoints go (none: no checkpoints; a session at a
+    /// checkpoint then cannot get a new sandbox from it).
+    pub checkpoints: Option<Arc<dyn TurnCheckpoints>>,
 }
 
 impl std::fmt::Debug for SliceRunner {
@@ -287,9 +291,131 @@ impl SliceRunner {
         budget: Duration,
         abort: AbortSignal,
     ) -> Result<SliceReport> {
+        let (sandbox, replaced) = match self.sandbox(state).await {
+            Err(e) if self.can_rehydrate(state, &e) => {
+                let handle = self.rehydrate(state, &e).await?;
+                let sandbox = self.provider(&handle.provider)?.resume(&handle).await?;
+                (sandbox, Some(handle))
+            }
+            other => (other?, None),
+        };
+        let Some(handle) = replaced else {
+            return self.run_in(sandbox, state, budget, abort).await;
+        };
+        let state = TurnState {
+            sandbox: Some(handle.clone()),
+            ..state.clone()
+        };
+        let mut report = self.run_in(sandbox, &state, budget, abort).await?;
+        report.sandbox = Some(handle);
+        Ok(report)
+    }
+
+    /// Whether the session's sandbox is gone — its provider said so
+    /// (`NotFound`: no such container, no such directory), not merely slow
+    /// or unreachable — before this turn's agent started, and the session
+    /// has a checkpoint to make a new one from.
+    fn can_rehydrate(&self, state: &TurnState, error: &Error) -> bool {
+        error.kind() == ErrorKind::NotFound
+            && state.process.is_none()
+            && state.checkpoint.is_some()
+            && self.checkpoints.is_some()
+    }
+
+    /// Make the session a new sandbox from its checkpoint, in place of the
+    /// one that is gone, and tell the session's clients.
+    async fn rehydrate(&self, state: &TurnState, gone: &Error) -> Result<SandboxHandle> {
+        let old = state.sandbox.as_ref().map_or("", |h| h.id.as_str());
+        tracing::warn!(sandbox.id = old, error = %gone, "the session's sandbox is gone; making a new one from its checkpoint");
+        let handle = self
+            .make_sandbox(state, format!("{}-rehydrated", state.turn_id))
+            .await?;
+        let message = format!(
+            "the session's sandbox {old} is gone ({gone}); this turn runs in a new {} sandbox {} made from checkpoint {}",
+            handle.provider,
+            handle.id,
+            state.checkpoint.as_deref().unwrap_or_default()
+        );
+        self.tell_restored(state, message).await?;
+        Ok(handle)
+    }
+
+    async fn tell_restored(&self, state: &TurnState, message: String) -> Result<()> {
+        let part = StreamPart::Warning {
+            code: WARNING_SANDBOX_RESTORED.into(),
+            message,
+            attempt: None,
+            max_attempts: None,
+        };
+        let key = format!("{}:{WARNING_SANDBOX_RESTORED}", state.turn_id);
+        self.sink
+            .emit(&state.session_id, &state.turn_id, part, key)
+            .await
+    }
+
+    /// A new sandbox for the session from its spec, holding the session's
+    /// checkpoint when it has one. `slot` names it, so a retry after a
+    /// crash replaces what the crashed attempt made.
+    async fn make_sandbox(&self, state: &TurnState, slot: String) -> Result<SandboxHandle> {
+        let config = state.sandbox_config.as_ref().ok_or_else(|| {
+            Error::invalid(format!(
+                "turn {} has no sandbox config to create its sandbox from",
+                state.turn_id
+            ))
+        })?;
+        let provider = self.provider(&config.provider)?;
+        let harness = self.harness(&state.agent)?;
+        let spec = session_sandbox_spec(
+            provider.as_ref(),
+            config,
+            &state.session_id,
+            Some(slot),
+            harness.as_ref(),
+            self.broker.as_deref(),
+        )
+        .await?;
+        let span = tracing::info_span!(
+            "sandbox.create",
+            session.id = %state.session_id,
+            turn.id = %state.turn_id,
+            sandbox.provider = %config.provider,
+            sandbox.id = field::Empty,
+            checkpoint = state.checkpoint.as_deref().unwrap_or(""),
+        );
+        async {
+            let sandbox = provider.create(&spec).await?;
+            if let Some(key) = &state.checkpoint {
+                let checkpoints = self.checkpoints.as_ref().ok_or_else(|| {
+                    Error::invalid(format!(
+                        "session {} is at checkpoint {key}, but this runner has no checkpoint store to make its sandbox from",
+                        state.session_id
+                    ))
+                })?;
+                checkpoints
+                    .restore(key, sandbox.as_ref(), harness.as_ref())
+                    .instrument(tracing::info_span!("checkpoint.restore", key = %key))
+                    .await?;
+            }
+            let handle = sandbox.detach().await?;
+            // Made, not yet recorded in the turn's state: a kill here leaves
+            // a sandbox only its slot finds again.
+            crate::failpoint::hit("create-to-record");
+            tracing::Span::current().record("sandbox.id", handle.id.as_str());
+            Ok(handle)
+        }
+        .instrument(span)
+        .await
+    }
+
+    async fn run_in(
+        &self,
+        sandbox: Box<dyn Sandbox>,
+        state: &TurnState,
+        budget: Duration,
+        abort: AbortSignal,
+    ) -> Result<SliceReport> {
         let started = self.clock.now_ms();
         let deadline = started + budget.as_millis() as u64;
-        let sandbox = self.sandbox(state).await?;
         let process = self.agent_process(sandbox.as_ref(), state).await?;
         let relay = relay_dir(&process);
         self.deliver_answers(sandbox.as_ref(), state, &relay)
@@ -586,6 +712,7 @@ impl Spool {
             outcome,
             last_progress_at_ms: Some(self.last_progress),
             last_warning: self.last_warning.clone(),
+            sandbox: None,
         }
     }
 
@@ -894,47 +1021,62 @@ pub async fn home_of(sandbox: &dyn Sandbox) -> Result<String> {
     Ok(home)
 }
 
+impl SliceRunner {
+    /// The turn-end checkpoint of an ended turn, when checkpoints are on
+    /// and the turn has a sandbox. A checkpoint that fails is logged and
+    /// left out: the turn's end is recorded all the same (its frame names
+    /// no checkpoint, so the session stays at its previous one).
+    async fn checkpoint_turn(&self, state: &TurnState) -> Option<String> {
+        let checkpoints = self.checkpoints.as_ref()?;
+        if state.sandbox.is_none()
+            || state
+                .sandbox_config
+                .as_ref()
+                .is_some_and(|c| !c.checkpoints.enabled)
+        {
+            return None;
+        }
+        let span = tracing::info_span!(
+            "checkpoint.turn",
+            session.id = %state.session_id,
+            turn.id = %state.turn_id,
+            parent = state.checkpoint.as_deref().unwrap_or(""),
+        );
+        let result = async {
+            let sandbox = self.sandbox(state).await?;
+            let harness = self.harness(&state.agent)?;
+            checkpoints
+                .checkpoint(sandbox.as_ref(), harness.as_ref(), state)
+                .await
+        }
+        .instrument(span)
+        .await;
+        match result {
+            Ok(key) => Some(key),
+            Err(e) => {
+                tracing::warn!(session.id = %state.session_id, turn.id = %state.turn_id, error = %e, "the turn-end checkpoint failed; the session stays at its previous one");
+                None
+            }
+        }
+    }
+}
+
 #[cfg_attr(not(target_arch = "wasm32"), async_trait)]
 #[cfg_attr(target_arch = "wasm32", async_trait(?Send))]
 impl SliceExecutor for SliceRunner {
     async fn create_sandbox(&self, state: &TurnState) -> Result<SandboxHandle> {
-        let config = state.sandbox_config.as_ref().ok_or_else(|| {
-            Error::invalid(format!(
-                "turn {} has no sandbox config to create its sandbox from",
-                state.turn_id
-            ))
-        })?;
-        let provider = self.provider(&config.provider)?;
-        let harness = self.harness(&state.agent)?;
         // Named after the turn: a retry of this step after a kill replaces
         // the sandbox the killed attempt made instead of orphaning it.
-        let spec = session_sandbox_spec(
-            provider.as_ref(),
-            config,
-            &state.session_id,
-            Some(state.turn_id.clone()),
-            harness.as_ref(),
-            self.broker.as_deref(),
-        )
-        .await?;
-        let span = tracing::info_span!(
-            "sandbox.create",
-            session.id = %state.session_id,
-            turn.id = %state.turn_id,
-            sandbox.provider = %config.provider,
-            sandbox.id = field::Empty,
-        );
-        async {
-            let sandbox = provider.create(&spec).await?;
-            let handle = sandbox.detach().await?;
-            // Made, not yet recorded in the turn's state: a kill here leaves
-            // a sandbox only its slot finds again.
-            crate::failpoint::hit("create-to-record");
-            tracing::Span::current().record("sandbox.id", handle.id.as_str());
-            Ok(handle)
+        let handle = self.make_sandbox(state, state.turn_id.clone()).await?;
+        if let Some(key) = &state.checkpoint {
+            // A fork's or rewind's first turn: say what the sandbox holds.
+            let message = format!(
+                "this turn runs in a new {} sandbox {} made from checkpoint {key}",
+                handle.provider, handle.id
+            );
+            self.tell_restored(state, message).await?;
         }
-        .instrument(span)
-        .await
+        Ok(handle)
     }
 
     async fn run_slice(
@@ -996,6 +1138,17 @@ impl SliceExecutor for SliceRunner {
             // The agent is gone: its token opens nothing until the next turn.
             broker.turn_ended(&state.session_id).await?;
         }
+        let checkpointed;
+        let state = match self.checkpoint_turn(state).await {
+            Some(key) => {
+                checkpointed = TurnState {
+                    checkpoint: Some(key),
+                    ..state.clone()
+                };
+                &checkpointed
+            }
+            None => state,
+        };
         self.sink
             .turn_status(state)
             .instrument(tracing::info_span!(

@@ -150,6 +150,11 @@ pub struct TurnState {
     /// The agent's own session/thread id, carried across turns.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent_session_id: Option<String>,
+    /// The session's checkpoint when the turn started (the tree and agent
+    /// state its sandbox holds, or is made from when it has none or it is
+    /// gone); once the turn ended and was checkpointed, that new one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<String>,
     /// The running agent process, once started.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub process: Option<DetachedProcess>,
@@ -220,6 +225,7 @@ impl TurnState {
             model: None,
             approvals: false,
             agent_session_id: None,
+            checkpoint: None,
             process: None,
             cursor: 0,
             slices_run: 0,
@@ -293,6 +299,11 @@ pub struct SliceReport {
     /// The last warning this slice saw.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_warning: Option<String>,
+    /// The sandbox this slice made in place of the session's, which was
+    /// gone, from the session's checkpoint (see `docs/session-runtime.md`,
+    /// "Outliving the sandbox").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sandbox: Option<SandboxHandle>,
 }
 
 /// Something that happened to a turn.
@@ -506,6 +517,9 @@ fn slice_completed(state: &mut TurnState, report: SliceReport, now_ms: u64) -> R
     state.cursor = report.cursor;
     state.slices_run += 1;
     state.consecutive_failures = 0;
+    if report.sandbox.is_some() {
+        state.sandbox = report.sandbox;
+    }
     if report.process.is_some() {
         state.process = report.process;
     }

@@ -152,6 +152,7 @@ impl Harness {
                 sandbox: None,
                 agent_session_id: None,
                 key: None,
+                checkpoint: None,
             },
         });
     }
@@ -387,6 +388,7 @@ fn a_turn_ending_mid_block_stores_the_partial_text() {
             status: TurnStatus::Failed,
             error: Some("x".into()),
             key: None,
+            checkpoint: None,
         },
     });
     let bodies: Vec<_> = h.log.read(0, 10).into_iter().map(|f| f.body).collect();

@@ -609,6 +609,7 @@ fn the_turn_ending_cancels_its_calls_and_the_next_turn_starts_clean() {
             sandbox: None,
             agent_session_id: None,
             key: None,
+            checkpoint: None,
         },
     });
     assert!(h

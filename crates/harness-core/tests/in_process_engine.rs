@@ -88,6 +88,7 @@ impl SliceExecutor for ScriptedAgent {
             outcome,
             last_progress_at_ms: None,
             last_warning: None,
+            sandbox: None,
         })
     }
     async fn kill_agent(

@@ -53,6 +53,7 @@ fn report(cursor: u64, outcome: SliceOutcome) -> TurnEvent {
             outcome,
             last_progress_at_ms: None,
             last_warning: None,
+            sandbox: None,
         },
         now_ms: 2_000,
     }
@@ -117,6 +118,7 @@ fn a_quiet_agent_times_out_with_its_last_warning_and_is_killed() {
             outcome: SliceOutcome::Running,
             last_progress_at_ms: Some(progress_at),
             last_warning: warning.map(str::to_string),
+            sandbox: None,
         },
         now_ms,
     };

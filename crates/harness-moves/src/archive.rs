@@ -546,23 +546,18 @@ fn relative_state_dirs(harness: &dyn Harness, home: &str) -> Result<Vec<String>>
         .collect()
 }
 
-/// Checkpoint a whole session: the working tree to `<base>/work.tar.zst`,
-/// the agent's state dirs ([`Harness::state_dirs`], as a tar relative to
-/// `$HOME`, made by `tar` in the sandbox and streamed out) to
-/// `<base>/state.tar.zst`, then the [`SessionManifest`]. Nothing is staged
-/// on the sandbox's disk. Use a fresh `base` per checkpoint.
-#[tracing::instrument(name = "checkpoint.session", skip_all, fields(key = %base, agent_session.id = agent_session_id))]
-pub async fn checkpoint_session(
+/// Store `harness`'s state dirs that exist under `home` ([`Harness::state_dirs`])
+/// at `key` as one zstd tar relative to `home`, made by `tar` in the sandbox
+/// and streamed out (nothing staged on its disk). Returns the dirs stored
+/// and the object (none when the agent has no state yet).
+pub(crate) async fn store_agent_state(
     sandbox: &dyn Sandbox,
     harness: &dyn Harness,
-    agent_session_id: Option<&str>,
     store: &dyn CheckpointStore,
-    base: &str,
-    progress: Option<Arc<dyn MoveProgress>>,
-) -> Result<SessionManifest> {
-    let keys = SessionKeys::new(base)?;
-    let home = home_of(sandbox).await?;
-    let wanted = relative_state_dirs(harness, &home)?;
+    key: &str,
+    home: &str,
+) -> Result<(Vec<String>, Option<ObjectMeta>)> {
+    let wanted = relative_state_dirs(harness, home)?;
     // Only the dirs that exist: an agent that has not run yet has none.
     let mut probe = String::new();
     for dir in &wanted {
@@ -581,27 +576,77 @@ pub async fn checkpoint_session(
             .map(str::to_string)
             .collect()
     };
-    let state = if present.is_empty() {
-        None
-    } else {
-        let quoted: Vec<String> = present.iter().map(|d| shell_quote(d)).collect();
-        let script = format!(
-            "exec tar -C {} -cf - -- {}",
-            shell_quote(&home),
-            quoted.join(" ")
-        );
-        let tar = harness_core::sandbox::exec_stdout_stream(
-            sandbox
-                .exec(harness_core::sandbox::ExecRequest::shell(script))
-                .await?,
-            format!("agent state under {home}"),
-        );
-        Some(
-            store
-                .put(&keys.state, compress_archive(tar, DEFAULT_ZSTD_LEVEL))
-                .await?,
-        )
+    if present.is_empty() {
+        return Ok((present, None));
+    }
+    let quoted: Vec<String> = present.iter().map(|d| shell_quote(d)).collect();
+    let script = format!(
+        "exec tar -C {} -cf - -- {}",
+        shell_quote(home),
+        quoted.join(" ")
+    );
+    let tar = harness_core::sandbox::exec_stdout_stream(
+        sandbox
+            .exec(harness_core::sandbox::ExecRequest::shell(script))
+            .await?,
+        format!("agent state under {home}"),
+    );
+    let object = store
+        .put(key, compress_archive(tar, DEFAULT_ZSTD_LEVEL))
+        .await?;
+    Ok((present, Some(object)))
+}
+
+/// Put the agent state stored at `key` (by [`store_agent_state`], from a
+/// sandbox whose home and workdir were `from_home` and `from_workdir`) under
+/// `home` of `sandbox`, then run the adapter's relocation script when a path
+/// differs. Returns the restore and whether the script ran. The archive
+/// must have been checked ([`verify`]) before anything else was written.
+pub(crate) async fn restore_agent_state(
+    store: &dyn CheckpointStore,
+    key: &str,
+    from_home: &str,
+    from_workdir: &str,
+    sandbox: &dyn Sandbox,
+    harness: &dyn Harness,
+    home: &str,
+) -> Result<(RestoreInfo, bool)> {
+    let restored = restore(store, key, sandbox, home, None).await?;
+    if from_workdir == sandbox.workdir() && from_home == home {
+        return Ok((restored, false));
+    }
+    let moved = StateMove {
+        old_home: from_home,
+        home,
+        old_workdir: from_workdir,
+        workdir: sandbox.workdir(),
     };
+    match harness.relocate_state_script(&moved) {
+        Some(script) => {
+            run_script(sandbox, script, "relocating agent state to the new workdir").await?;
+            Ok((restored, true))
+        }
+        None => Ok((restored, false)),
+    }
+}
+
+/// Checkpoint a whole session: the working tree to `<base>/work.tar.zst`,
+/// the agent's state dirs ([`Harness::state_dirs`], as a tar relative to
+/// `$HOME`, made by `tar` in the sandbox and streamed out) to
+/// `<base>/state.tar.zst`, then the [`SessionManifest`]. Nothing is staged
+/// on the sandbox's disk. Use a fresh `base` per checkpoint.
+#[tracing::instrument(name = "checkpoint.session", skip_all, fields(key = %base, agent_session.id = agent_session_id))]
+pub async fn checkpoint_session(
+    sandbox: &dyn Sandbox,
+    harness: &dyn Harness,
+    agent_session_id: Option<&str>,
+    store: &dyn CheckpointStore,
+    base: &str,
+    progress: Option<Arc<dyn MoveProgress>>,
+) -> Result<SessionManifest> {
+    let keys = SessionKeys::new(base)?;
+    let home = home_of(sandbox).await?;
+    let (present, state) = store_agent_state(sandbox, harness, store, &keys.state, &home).await?;
     let work = checkpoint(sandbox, sandbox.workdir(), store, &keys.work, progress).await?;
     // Objects stored, manifest not yet: a checkpoint killed here must not
     // be restorable (no manifest) and must not harm the next one.
@@ -696,23 +741,22 @@ pub async fn restore_session(
     }
     let home = home_of(sandbox).await?;
     let work = restore(store, &keys.work, sandbox, sandbox.workdir(), progress).await?;
-    let state = match &manifest.state {
-        Some(_) => Some(restore(store, &keys.state, sandbox, &home, None).await?),
-        None => None,
-    };
-    let mut relocated = false;
-    if state.is_some() && (manifest.workdir != sandbox.workdir() || manifest.home != home) {
-        let moved = StateMove {
-            old_home: &manifest.home,
-            home: &home,
-            old_workdir: &manifest.workdir,
-            workdir: sandbox.workdir(),
-        };
-        if let Some(script) = harness.relocate_state_script(&moved) {
-            run_script(sandbox, script, "relocating agent state to the new workdir").await?;
-            relocated = true;
+    let (state, relocated) = match &manifest.state {
+        Some(_) => {
+            let (state, relocated) = restore_agent_state(
+                store,
+                &keys.state,
+                &manifest.home,
+                &manifest.workdir,
+                sandbox,
+                harness,
+                &home,
+            )
+            .await?;
+            (Some(state), relocated)
         }
-    }
+        None => (None, false),
+    };
     Ok(SessionRestoreInfo {
         manifest,
         work,

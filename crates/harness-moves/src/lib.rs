@@ -11,7 +11,9 @@
 //!   plus content chunks stored once per store, so a re-checkpoint reads
 //!   and uploads only what changed;
 //! - session moves ([`checkpoint_session`] / [`restore_session`]): the tree,
-//!   the agent's own state and a manifest.
+//!   the agent's own state and a manifest;
+//! - turn-end checkpoints ([`turns::StoreTurnCheckpoints`]): the same, the
+//!   tree incremental, taken at every turn's end.
 //!
 //! zstd runs through libzstd natively (feature `zstd`, the default) or in
 //! pure Rust for wasm32 (feature `zstd-rust`, [`zstd_rust`]: a Worker's
@@ -22,6 +24,7 @@
 
 mod archive;
 pub mod tree;
+pub mod turns;
 #[cfg(feature = "zstd-rust")]
 pub mod zstd_rust;
 

@@ -24,7 +24,9 @@ use harness_core::log::DEFAULT_MAX_FRAME_BYTES;
 use harness_core::stream::ByteStream;
 use harness_core::SessionId;
 use serde::Serialize;
-use session_api::auth::{authorize, bearer, seal_forbidden, GrantRole, CLIENTS, HOST, READERS};
+use session_api::auth::{
+    authorize, bearer, check_client_message, GrantRole, CLIENTS, HOST, READERS,
+};
 use session_api::request::{self, CreateSession, MAX_CREATE_BODY};
 use session_api::{ws, ApiError, TokenGrant};
 use worker::{event, Context, Env, Headers, Method, Request, RequestInit, Response};
@@ -297,9 +299,7 @@ async fn post_message(
     let bytes = call.body(request::body_limit(max_frame)).await?;
     let message: ClientMessage = serde_json::from_slice(&bytes)
         .map_err(|e| ApiError::invalid(format!("malformed client message: {e}")))?;
-    if matches!(message, ClientMessage::Seal {}) && grant != GrantRole::Host {
-        return Err(seal_forbidden());
-    }
+    check_client_message(&message, grant)?;
     call.object(&id, Method::Post, "messages", None, Some(bytes))
         .await
 }

@@ -232,6 +232,9 @@ fn slice_runner(env: &Env, params: &TurnParams) -> Result<SliceRunner> {
         poll_interval: Duration::from_millis(250),
         sleep: Arc::new(|d| Box::pin(worker::Delay::from(d))),
         clock: Arc::new(FnClock(|| worker::js_sys::Date::now() as u64)),
+        // Turn-end checkpoints on the Worker are not wired yet (its R2
+        // store could hold them): docs/session-runtime.md says so.
+        checkpoints: None,
     })
 }
 

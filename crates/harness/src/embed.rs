@@ -66,6 +66,7 @@ pub async fn open_with(dir: impl AsRef<Path>, options: OpenOptions) -> Result<Ru
         })
         .env(env)
         .turn_config(options.turn.unwrap_or_default())
+        .checkpoints(turn_checkpoints(&dir)?)
         .provider(Arc::new(sandbox_local::LocalProvider::new(
             dir.join("sandboxes"),
         )));
@@ -115,5 +116,27 @@ fn found(located: Result<PathBuf>) -> Result<Option<PathBuf>> {
         Ok(path) => Ok(Some(path)),
         Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
         Err(e) => Err(e),
+    }
+}
+
+/// Turn-end checkpoints in `<dir>/checkpoints` (with the `fs-store`
+/// feature; without it, sessions run without checkpoints).
+fn turn_checkpoints(
+    dir: &Path,
+) -> Result<Option<Arc<dyn harness_core::turn_checkpoint::TurnCheckpoints>>> {
+    #[cfg(feature = "fs-store")]
+    {
+        let store = checkpoint_fs::FsCheckpointStore::open(dir.join("checkpoints"))?;
+        Ok(Some(Arc::new(
+            harness_moves::turns::StoreTurnCheckpoints::new(
+                Arc::new(store),
+                Arc::new(session_runtime::SystemClock),
+            ),
+        )))
+    }
+    #[cfg(not(feature = "fs-store"))]
+    {
+        let _ = dir;
+        Ok(None)
     }
 }

@@ -150,13 +150,27 @@ pub fn authorize(
     ))
 }
 
-/// Sealing is a host operation, whichever endpoint carries it.
-pub fn seal_forbidden() -> ApiError {
-    ApiError::new(
-        403,
-        "forbidden",
-        "sealing needs a host token (POST /v1/sessions/{id}/seal)",
-    )
+/// Sealing and rewinding are host operations, whichever endpoint carries
+/// them: a client token may prompt, answer and abort, not close the session
+/// or put it back to an earlier turn. Every endpoint that takes a
+/// [`ClientMessage`] asks here.
+pub fn check_client_message(
+    message: &harness_core::actor::ClientMessage,
+    grant: GrantRole,
+) -> Result<(), ApiError> {
+    use harness_core::actor::ClientMessage;
+    let what = match message {
+        ClientMessage::Seal {} => "sealing needs a host token (POST /v1/sessions/{id}/seal)",
+        ClientMessage::Rewind { .. } => {
+            "rewinding needs a host token (POST /v1/sessions/{id}/rewind?turn=…)"
+        }
+        _ => return Ok(()),
+    };
+    if grant == GrantRole::Host {
+        Ok(())
+    } else {
+        Err(ApiError::new(403, "forbidden", what))
+    }
 }
 
 /// Compare secrets without leaking the position of the first difference.

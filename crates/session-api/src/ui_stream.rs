@@ -157,7 +157,8 @@ impl UiStreamMapper {
             | FrameBody::ApprovalResponse { .. }
             | FrameBody::AbortRequested { .. }
             | FrameBody::TurnStatus { .. }
-            | FrameBody::RunnerAttached { .. } => {}
+            | FrameBody::RunnerAttached { .. }
+            | FrameBody::SandboxReset { .. } => {}
         }
     }
 
@@ -463,6 +464,7 @@ mod tests {
                 error: Some("agent died".into()),
                 sandbox: None,
                 agent_session_id: None,
+                checkpoint: None,
             },
         ));
         assert_eq!(types(&out), vec!["start", "error", "finish"]);
@@ -478,6 +480,7 @@ mod tests {
                 error: None,
                 sandbox: None,
                 agent_session_id: None,
+                checkpoint: None,
             },
         ));
         assert!(running.is_empty());

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use harness_core::actor::{ClientMessage, ErrorCode, Role, RunnerMessage, ServerMessage};
 use harness_core::relay::HostMessage;
 
-use crate::auth::{seal_forbidden, GrantRole};
+use crate::auth::{check_client_message, GrantRole};
 use crate::request::param_u64;
 use crate::ApiError;
 
@@ -93,10 +93,10 @@ pub fn parse_inbound(
     };
     match role {
         Role::Client => match serde_json::from_str::<ClientMessage>(raw) {
-            Ok(ClientMessage::Seal {}) if grant != GrantRole::Host => {
-                Err(seal_forbidden().to_message())
-            }
-            Ok(m) => Ok(Inbound::Client(m)),
+            Ok(m) => match check_client_message(&m, grant) {
+                Ok(()) => Ok(Inbound::Client(m)),
+                Err(e) => Err(e.to_message()),
+            },
             Err(e) => Err(invalid(e)),
         },
         Role::Runner { .. } => serde_json::from_str(raw)

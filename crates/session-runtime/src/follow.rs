@@ -200,6 +200,7 @@ mod tests {
             error: None,
             sandbox: None,
             agent_session_id: None,
+            checkpoint: None,
         };
         assert!(f.push(&frame(3, other)).is_empty());
         let end = FrameBody::TurnStatus {
@@ -208,6 +209,7 @@ mod tests {
             error: Some("aborted: x".into()),
             sandbox: None,
             agent_session_id: None,
+            checkpoint: None,
         };
         assert!(matches!(
             &f.push(&frame(4, end))[..],

@@ -23,6 +23,7 @@ use harness_core::sandbox::SandboxProvider;
 use harness_core::session::{SessionConfig, SessionRuntime};
 use harness_core::slice::{PartSink, SliceRunner};
 use harness_core::turn::{TurnConfig, TurnStatus};
+use harness_core::turn_checkpoint::TurnCheckpoints;
 use harness_core::{Error, Result, SessionId};
 
 use crate::dispatch::EngineDispatcher;
@@ -78,6 +79,7 @@ pub struct RuntimeBuilder {
     clock: Arc<dyn Clock>,
     poll_interval: Duration,
     wrap_sink: Option<WrapSink>,
+    checkpoints: Option<Arc<dyn TurnCheckpoints>>,
 }
 
 impl std::fmt::Debug for RuntimeBuilder {
@@ -163,6 +165,15 @@ impl RuntimeBuilder {
         self
     }
 
+    /// Take a checkpoint of the tree and the agent's state at every turn's
+    /// end into `checkpoints`, and make sandboxes from them after a fork, a
+    /// rewind or a lost sandbox (see `harness_core::turn_checkpoint`).
+    /// Without it, sessions run with no checkpoints.
+    pub fn checkpoints(mut self, checkpoints: Option<Arc<dyn TurnCheckpoints>>) -> Self {
+        self.checkpoints = checkpoints;
+        self
+    }
+
     /// Wrap the runner sink (e.g. to print parts as the engine emits them).
     pub fn wrap_sink(
         mut self,
@@ -206,6 +217,7 @@ impl RuntimeBuilder {
                         poll_interval: self.poll_interval,
                         sleep: tokio_sleeper(),
                         clock: self.clock.clone(),
+                        checkpoints: self.checkpoints,
                     };
                     let engine =
                         InProcessEngine::new(Arc::new(runner), store, self.clock, tokio_spawner())
@@ -261,6 +273,7 @@ impl Runtime {
             clock: Arc::new(SystemClock),
             poll_interval: Duration::from_millis(150),
             wrap_sink: None,
+            checkpoints: None,
         }
     }
 

@@ -85,6 +85,7 @@ fn runner(provider: Arc<sandbox_local::LocalProvider>, sink: Arc<dyn PartSink>) 
         poll_interval: Duration::from_millis(50),
         sleep: tokio_sleeper(),
         clock: Arc::new(SystemClock),
+        checkpoints: None,
     }
 }
 

@@ -68,6 +68,7 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/v1/sessions/{id}/export", get(export))
         .route("/v1/sessions/{id}/fork", post(fork))
         .route("/v1/sessions/{id}/seal", post(seal))
+        .route("/v1/sessions/{id}/rewind", post(rewind))
         .route("/v1/sessions/{id}/ui-stream", get(ui_stream))
         .route("/v1/runner", get(runner_channel))
         .fallback(|| async {
@@ -355,7 +356,17 @@ async fn fork(
         Some(n) => n,
         None => state.hub.log().info(&source).await?.last_seq,
     };
-    let info = state.hub.log().fork(&source, until, &target).await?;
+    // The fork's sandbox: a new one, on this provider (default: the
+    // source's), holding the tree of the last turn end at or before `until`.
+    let provider = params.get("provider").cloned();
+    let info = harness_core::fork::fork_with_tree(
+        state.hub.log().as_ref(),
+        &source,
+        until,
+        &target,
+        provider,
+    )
+    .await?;
     let info = if param_flag(&params, "seal") && !info.sealed {
         state.hub.seal(&target).await?;
         state.hub.log().info(&target).await?
@@ -363,6 +374,37 @@ async fn fork(
         info
     };
     Ok((StatusCode::CREATED, Json(info)))
+}
+
+/// `POST /v1/sessions/{id}/rewind?turn=T`: the session goes back to the
+/// end of turn `T` in place (a host operation): the actor records a
+/// `sandbox-reset`, and the next turn runs in a new sandbox made from that
+/// turn's checkpoint, the agent continuing from there.
+async fn rewind(
+    State(state): Shared,
+    Path(id): Path<String>,
+    Query(params): Params,
+    headers: HeaderMap,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let id = session_id(&id)?;
+    state.auth(&headers, &params, Some(&id), HOST)?;
+    let turn_id = params
+        .get("turn")
+        .filter(|t| !t.is_empty())
+        .ok_or_else(|| {
+            ApiError::invalid("rewind needs ?turn=<turn id> (the turn whose end to go back to)")
+        })?
+        .clone();
+    let mut conn = state
+        .hub
+        .request(&id, ClientMessage::Rewind { turn_id })
+        .await?;
+    let acked = conn.answer(ANSWER_TIMEOUT).await?;
+    Ok(Json(session_api::request::ack(
+        acked.seq,
+        acked.duplicate,
+        acked.turn_id,
+    )))
 }
 
 async fn seal(
@@ -391,9 +433,7 @@ async fn post_message(
     let bytes = read_body(body, state.body_limit()).await?;
     let message: ClientMessage = serde_json::from_slice(&bytes)
         .map_err(|e| ApiError::invalid(format!("malformed client message: {e}")))?;
-    if matches!(message, ClientMessage::Seal {}) && grant != GrantRole::Host {
-        return Err(seal_forbidden());
-    }
+    session_api::auth::check_client_message(&message, grant)?;
     // One command to the actor: connect, the message, and close once handled.
     let mut conn = state.hub.request(&id, message).await?;
     let acked = conn.answer(ANSWER_TIMEOUT).await?;
@@ -402,15 +442,6 @@ async fn post_message(
         acked.duplicate,
         acked.turn_id,
     )))
-}
-
-/// Sealing is a host operation, whichever endpoint carries it.
-fn seal_forbidden() -> ApiError {
-    ApiError::new(
-        StatusCode::FORBIDDEN,
-        "forbidden",
-        "sealing needs a host token (POST /v1/sessions/{id}/seal)",
-    )
 }
 
 // ---- reading live: catch-up then connect ------------------------------------

@@ -97,6 +97,7 @@ pub fn runner(root: &Path, hub: Arc<Hub>) -> SliceRunner {
         poll_interval: Duration::from_millis(50),
         sleep: session_runtime::tokio_sleeper(),
         clock: Arc::new(SystemClock),
+        checkpoints: None,
     }
 }
 

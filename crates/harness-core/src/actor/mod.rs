@@ -390,6 +390,7 @@ impl SessionActor {
                         error: Some(format!("the turn could not be started: {error}")),
                         sandbox: None,
                         agent_session_id: None,
+                        checkpoint: None,
                     };
                     let key = format!("{turn_id}:dispatch-failed");
                     self.append(AppendRequest::idempotent(body, key), None, false, &mut out);
@@ -658,6 +659,19 @@ impl SessionActor {
                 (body, None, true)
             }
             ClientMessage::Seal {} => (FrameBody::Sealed {}, None, false),
+            ClientMessage::Rewind { turn_id } => {
+                match crate::fork::rewind_frame(&self.meta, &turn_id) {
+                    Ok(body) => (body, None, false),
+                    Err(e) => {
+                        let code = if active.is_some() {
+                            ErrorCode::TurnInProgress
+                        } else {
+                            ErrorCode::Invalid
+                        };
+                        return Self::refuse(conn, code, e.to_string(), out);
+                    }
+                }
+            }
         };
         self.checked_append(body, key, conn, dispatch, out);
     }
@@ -710,6 +724,7 @@ impl SessionActor {
                 error,
                 sandbox,
                 agent_session_id,
+                checkpoint,
                 key,
             } => {
                 if status.is_terminal() {
@@ -721,6 +736,7 @@ impl SessionActor {
                     error,
                     sandbox,
                     agent_session_id,
+                    checkpoint,
                 };
                 self.checked_append(body, key, conn, false, out);
                 return;

@@ -78,6 +78,14 @@ pub enum ClientMessage {
     },
     /// Close the session for writing.
     Seal {},
+    /// Put the session back to the end of an earlier turn, in place: its
+    /// next turn runs in a new sandbox holding that turn's checkpoint (tree
+    /// and agent state). The log keeps its history and records the rewind.
+    /// Refused while a turn runs, or for a turn with no checkpoint.
+    Rewind {
+        /// The turn whose end to go back to.
+        turn_id: String,
+    },
 }
 
 /// What the runner may send.
@@ -126,6 +134,9 @@ pub enum RunnerMessage {
         /// The agent's own session id, for the session's next turn.
         #[serde(default)]
         agent_session_id: Option<String>,
+        /// The turn-end checkpoint taken (terminal status only).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        checkpoint: Option<String>,
         /// Idempotency key.
         #[serde(default)]
         key: Option<String>,
@@ -152,6 +163,11 @@ impl RunnerMessage {
             error: state.error.clone(),
             sandbox: state.sandbox.clone(),
             agent_session_id: state.agent_session_id.clone(),
+            checkpoint: state
+                .status
+                .is_terminal()
+                .then(|| state.checkpoint.clone())
+                .flatten(),
             key: Some(state.status_key()),
         }
     }

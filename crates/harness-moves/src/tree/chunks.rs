@@ -159,9 +159,14 @@ const LISTINGS_IN_FLIGHT: usize = 16;
 pub(super) async fn list_blob_hashes(
     store: &dyn CheckpointStore,
 ) -> Result<Option<HashSet<[u8; 32]>>> {
-    let mut listings = futures::stream::iter(0..=255u8)
+    // The futures are made first and then streamed: a stream that makes
+    // them with a closure borrowing the store is not provably `Send` for
+    // every lifetime (rust#64552), and turn-end checkpoints run inside
+    // `Send` futures. The same below and in `packs`, `restore`.
+    let listings: Vec<_> = (0..=255u8)
         .map(|p| async move { store.list_keys(&format!("{BLOB_PREFIX}{p:02x}/")).await })
-        .buffer_unordered(LISTINGS_IN_FLIGHT);
+        .collect();
+    let mut listings = futures::stream::iter(listings).buffer_unordered(LISTINGS_IN_FLIGHT);
     let mut hashes = HashSet::new();
     while let Some(keys) = listings.next().await {
         let keys = keys?;
@@ -190,7 +195,8 @@ where
     F: Fn(&T) -> &str,
 {
     let hash = &hash;
-    let mut heads = futures::stream::iter(items)
+    let heads: Vec<_> = items
+        .into_iter()
         .map(|item| async move {
             match store.head(&blob_key(hash(&item))).await {
                 Ok(_) => Ok(None),
@@ -198,7 +204,8 @@ where
                 Err(e) => Err(e),
             }
         })
-        .buffered(IN_FLIGHT);
+        .collect();
+    let mut heads = futures::stream::iter(heads).buffered(IN_FLIGHT);
     let mut lacking = Vec::new();
     while let Some(answer) = heads.next().await {
         lacking.extend(answer?);

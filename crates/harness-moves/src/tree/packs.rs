@@ -244,8 +244,8 @@ pub(super) async fn read_indexes(
     store: &dyn CheckpointStore,
     ids: &[String],
 ) -> Result<Vec<Arc<PackIndex>>> {
-    futures::stream::iter(ids)
-        .map(|id| read_index(store, id))
+    let reads: Vec<_> = ids.iter().map(|id| read_index(store, id)).collect();
+    futures::stream::iter(reads)
         .buffered(IN_FLIGHT)
         .collect::<Vec<_>>()
         .await

@@ -196,12 +196,14 @@ async fn check_packs(
     indexes: Option<&[Arc<PackIndex>]>,
 ) -> Result<()> {
     let used: std::collections::BTreeSet<u32> = located.values().map(|l| l.pack).collect();
-    let mut heads = futures::stream::iter(used)
+    let heads: Vec<_> = used
+        .into_iter()
         .map(|at| async move {
             let id = &packs[at as usize];
             (at, store.head(&pack_key(id)).await)
         })
-        .buffer_unordered(IN_FLIGHT);
+        .collect();
+    let mut heads = futures::stream::iter(heads).buffer_unordered(IN_FLIGHT);
     while let Some((at, head)) = heads.next().await {
         let id = &packs[at as usize];
         let meta = head.map_err(|e| {

@@ -143,6 +143,7 @@ impl Rig {
             poll_interval: Duration::from_millis(50),
             sleep: session_runtime::tokio_sleeper(),
             clock: Arc::new(SystemClock),
+            checkpoints: None,
         }
     }
 

@@ -339,6 +339,7 @@ fn turn_touching_every_field(handle: &SandboxHandle) -> Vec<(FrameBody, Option<&
                 error: Some("aborted: stop".into()),
                 sandbox: Some(handle.clone()),
                 agent_session_id: None,
+                checkpoint: None,
             },
             Some("t1:status:failed"),
         ),

@@ -1,0 +1,220 @@
+//! Turn-end checkpoints ([`TurnCheckpoints`]) on any [`CheckpointStore`]:
+//! the working tree as an incremental tree checkpoint against the
+//! session's previous one (only what changed is read and stored), the
+//! agent's state dirs as one archive, and a small manifest written last.
+//!
+//! ```text
+//! turns/<session>/<turn>/tree        the tree checkpoint's manifest (docs/tree-checkpoints.md)
+//! turns/<session>/<turn>/state.tar.zst  the agent's state dirs, relative to $HOME
+//! turns/<session>/<turn>/turn.json   a TurnManifest: present = complete
+//! ```
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use harness_core::checkpoint::{CheckpointStore, ObjectMeta};
+use harness_core::clock::Clock;
+use harness_core::harness::Harness;
+use harness_core::sandbox::Sandbox;
+use harness_core::slice::home_of;
+use harness_core::turn::TurnState;
+use harness_core::turn_checkpoint::{turn_checkpoint_key, TurnCheckpoints};
+use harness_core::{Error, ErrorKind, Result};
+use serde::{Deserialize, Serialize};
+
+use crate::archive::{restore_agent_state, store_agent_state, verify};
+use crate::tree::{checkpoint_tree, restore_tree};
+
+/// [`TurnManifest::version`] this build writes and reads.
+pub const TURN_MANIFEST_VERSION: u32 = 1;
+
+/// Largest turn manifest read.
+const MANIFEST_LIMIT: usize = 1 << 20;
+
+/// What a turn-end checkpoint holds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TurnManifest {
+    /// [`TURN_MANIFEST_VERSION`].
+    pub version: u32,
+    /// The adapter's name (`Harness::name`).
+    pub agent: String,
+    /// The agent's own session id at the turn's end.
+    pub agent_session_id: Option<String>,
+    /// The session and turn.
+    pub session_id: String,
+    /// The turn.
+    pub turn_id: String,
+    /// The source sandbox's working directory.
+    pub workdir: String,
+    /// The source sandbox's `$HOME`.
+    pub home: String,
+    /// The tree checkpoint's key.
+    pub tree: String,
+    /// The agent's state dirs stored, relative to `home`.
+    pub state_dirs: Vec<String>,
+    /// The state archive (none when the agent had no state).
+    pub state: Option<ObjectMeta>,
+}
+
+/// The keys of the checkpoint at `base`.
+fn keys(base: &str) -> (String, String, String) {
+    (
+        format!("{base}/tree"),
+        format!("{base}/state.tar.zst"),
+        format!("{base}/turn.json"),
+    )
+}
+
+/// Read and check the manifest of the turn-end checkpoint at `base`.
+pub async fn read_turn_manifest(store: &dyn CheckpointStore, base: &str) -> Result<TurnManifest> {
+    let (_, _, manifest_key) = keys(base);
+    harness_core::checkpoint::validate_key(&manifest_key)?;
+    let stream = store.get(&manifest_key).await.map_err(|e| {
+        if e.kind() == ErrorKind::NotFound {
+            Error::not_found(format!(
+                "no turn-end checkpoint at {base:?} (never completed, or collected)"
+            ))
+        } else {
+            e
+        }
+    })?;
+    let bytes = harness_core::stream::collect(stream, MANIFEST_LIMIT).await?;
+    let manifest: TurnManifest = serde_json::from_slice(&bytes).map_err(|e| {
+        Error::corrupt(format!(
+            "turn checkpoint {manifest_key:?} is not valid: {e}"
+        ))
+    })?;
+    if manifest.version != TURN_MANIFEST_VERSION {
+        return Err(Error::invalid(format!(
+            "turn checkpoint {manifest_key:?} has version {}, this build reads {TURN_MANIFEST_VERSION}",
+            manifest.version
+        )));
+    }
+    Ok(manifest)
+}
+
+/// Turn-end checkpoints in a [`CheckpointStore`].
+#[derive(Clone)]
+pub struct StoreTurnCheckpoints {
+    store: Arc<dyn CheckpointStore>,
+    clock: Arc<dyn Clock>,
+}
+
+impl std::fmt::Debug for StoreTurnCheckpoints {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreTurnCheckpoints")
+            .field("store", &self.store)
+            .finish_non_exhaustive()
+    }
+}
+
+impl StoreTurnCheckpoints {
+    /// Checkpoints in `store`, timed by `clock` (the tree checkpoint's
+    /// locks and racy-file rule).
+    pub fn new(store: Arc<dyn CheckpointStore>, clock: Arc<dyn Clock>) -> Self {
+        Self { store, clock }
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Arc<dyn CheckpointStore> {
+        &self.store
+    }
+}
+
+#[cfg_attr(not(target_arch = "wasm32"), async_trait)]
+#[cfg_attr(target_arch = "wasm32", async_trait(?Send))]
+impl TurnCheckpoints for StoreTurnCheckpoints {
+    async fn checkpoint(
+        &self,
+        sandbox: &dyn Sandbox,
+        harness: &dyn Harness,
+        state: &TurnState,
+    ) -> Result<String> {
+        let store = self.store.as_ref();
+        let base = turn_checkpoint_key(&state.session_id, &state.turn_id);
+        let (tree_key, state_key, manifest_key) = keys(&base);
+        // The previous turn's tree is the parent: only what changed since is
+        // read. A parent that is gone (collected) means a full read.
+        let parent = match &state.checkpoint {
+            Some(previous) if *previous != base => {
+                match read_turn_manifest(store, previous).await {
+                    Ok(m) => Some(m.tree),
+                    Err(e) if e.kind() == ErrorKind::NotFound => None,
+                    Err(e) => return Err(e),
+                }
+            }
+            _ => None,
+        };
+        let home = home_of(sandbox).await?;
+        let (state_dirs, state_object) =
+            store_agent_state(sandbox, harness, store, &state_key, &home).await?;
+        checkpoint_tree(
+            sandbox,
+            sandbox.workdir(),
+            store,
+            &tree_key,
+            parent.as_deref(),
+            self.clock.as_ref(),
+            None,
+        )
+        .await?;
+        let manifest = TurnManifest {
+            version: TURN_MANIFEST_VERSION,
+            agent: harness.name().to_string(),
+            agent_session_id: state.agent_session_id.clone(),
+            session_id: state.session_id.clone(),
+            turn_id: state.turn_id.clone(),
+            workdir: sandbox.workdir().to_string(),
+            home,
+            tree: tree_key,
+            state_dirs,
+            state: state_object,
+        };
+        store
+            .put(
+                &manifest_key,
+                harness_core::stream::once(serde_json::to_vec_pretty(&manifest)?),
+            )
+            .await?;
+        Ok(base)
+    }
+
+    async fn restore(&self, key: &str, sandbox: &dyn Sandbox, harness: &dyn Harness) -> Result<()> {
+        let store = self.store.as_ref();
+        let manifest = read_turn_manifest(store, key).await?;
+        if manifest.agent != harness.name() {
+            return Err(Error::invalid(format!(
+                "checkpoint {key:?} holds agent {:?}, not {:?}",
+                manifest.agent,
+                harness.name()
+            )));
+        }
+        let (_, state_key, _) = keys(key);
+        if let Some(recorded) = &manifest.state {
+            let actual = store.head(&state_key).await?;
+            if actual.sha256 != recorded.sha256 {
+                return Err(Error::corrupt(format!(
+                    "checkpoint {state_key:?} is not the one its manifest recorded"
+                )));
+            }
+            // Checked before anything is written: an unsafe entry in the
+            // state archive must not leave a half-restored sandbox.
+            verify(store, &state_key, None).await?;
+        }
+        restore_tree(store, &manifest.tree, sandbox, sandbox.workdir(), None).await?;
+        if manifest.state.is_some() {
+            let home = home_of(sandbox).await?;
+            restore_agent_state(
+                store,
+                &state_key,
+                &manifest.home,
+                &manifest.workdir,
+                sandbox,
+                harness,
+                &home,
+            )
+            .await?;
+        }
+        Ok(())
+    }
+}
