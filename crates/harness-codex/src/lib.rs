@@ -608,6 +608,12 @@ impl Harness for CodexHarness {
         vec![format!("{}/.codex", home.trim_end_matches('/'))]
     }
 
+    /// `.codex/tmp`: Codex's per-run scratch (`arg0-linux/…/applypatch`, a
+    /// symlink to the codex binary's absolute path), made again each run.
+    fn state_excludes(&self) -> Vec<String> {
+        vec![".codex/tmp".into()]
+    }
+
     /// Codex's thread index (`state_*.sqlite`) records each rollout's
     /// absolute path under the old `CODEX_HOME`; after a move to another
     /// home `exec resume` finds the thread there, misses the file and fails

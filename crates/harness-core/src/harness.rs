@@ -79,6 +79,14 @@ pub trait Harness: Send + Sync + std::fmt::Debug {
     /// which must travel with the working tree.
     fn state_dirs(&self, home: &str) -> Vec<String>;
 
+    /// Paths inside [`state_dirs`](Self::state_dirs), relative to `home`,
+    /// left out when the state travels: scratch the agent makes again, which
+    /// may hold what a restore refuses (a symlink to the agent's binary
+    /// outside the tree). `tar --exclude` patterns.
+    fn state_excludes(&self) -> Vec<String> {
+        Vec::new()
+    }
+
     /// A shell script that adapts restored agent state to a new place, run
     /// in the target sandbox after the state directories were restored under
     /// its home (see `moves::restore_session`; only called when the home or

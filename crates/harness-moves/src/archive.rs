@@ -580,8 +580,13 @@ pub(crate) async fn store_agent_state(
         return Ok((present, None));
     }
     let quoted: Vec<String> = present.iter().map(|d| shell_quote(d)).collect();
+    let excludes: String = harness
+        .state_excludes()
+        .iter()
+        .map(|e| format!(" --exclude={}", shell_quote(e)))
+        .collect();
     let script = format!(
-        "exec tar -C {} -cf - -- {}",
+        "exec tar -C {}{excludes} -cf - -- {}",
         shell_quote(home),
         quoted.join(" ")
     );
