@@ -156,6 +156,16 @@ pub struct CheckpointArgs {
 pub struct GcArgs {
     #[command(flatten)]
     store: StoreArgs,
+    /// Keep only each session's last N turn-end checkpoints (what it may
+    /// rewind to); the default keeps every one a session references. A
+    /// fork's references count as its own, so a live fork keeps the
+    /// checkpoint it was made from.
+    #[arg(long, value_name = "N")]
+    keep_last: Option<usize>,
+    /// Leave turn-end checkpoints younger than this alone (their frame may
+    /// not be in the log yet).
+    #[arg(long, default_value_t = 600, value_name = "SECONDS")]
+    grace_secs: u64,
 }
 
 /// `harness restore`.
@@ -842,6 +852,30 @@ async fn restore_tree(home: &Home, args: RestoreArgs) -> Result<()> {
 /// the store references.
 pub async fn gc(home: &Home, args: GcArgs) -> Result<()> {
     let store = args.store.open(home).await?;
+    // Turn-end checkpoints no session of this home references, first: their
+    // trees' content is then collected with the rest.
+    let log = open_log(home)?;
+    let mut referenced = std::collections::HashSet::new();
+    for info in log.list().await? {
+        let meta = &info.meta;
+        referenced.extend(meta.checkpoint.clone());
+        let skip = args
+            .keep_last
+            .map_or(0, |n| meta.checkpoints.len().saturating_sub(n));
+        referenced.extend(meta.checkpoints.iter().skip(skip).map(|c| c.key.clone()));
+    }
+    let turns = harness::moves::turns::collect_turn_checkpoints(
+        store.as_ref(),
+        &referenced,
+        harness::core::clock::Clock::now_ms(&SystemClock),
+        args.grace_secs.saturating_mul(1000),
+    )
+    .await
+    .context("collecting unreferenced turn-end checkpoints")?;
+    println!(
+        "{} turn-end checkpoints: {} referenced by a session, {} younger than {} s, {} deleted",
+        turns.found, turns.referenced, turns.young, args.grace_secs, turns.deleted
+    );
     let info = harness::moves::tree::collect_garbage(store.as_ref(), &SystemClock)
         .await
         .context("collecting unreferenced blobs")?;

@@ -138,6 +138,17 @@ fn script() -> Script {
         "a.txt",
         Some("b.txt"),
     );
+    // After retention ran: the fork's last checkpoint still makes a sandbox.
+    let s = ls_turn(
+        s,
+        "after gc question",
+        "call_ls_gc",
+        "After-gc answer.",
+        "fork question",
+        &["second question"],
+        "a.txt",
+        Some("b.txt"),
+    );
     // After the sandbox was lost: the conversation up to the last turn end.
     ls_turn(
         s,
@@ -406,6 +417,45 @@ async fn forks_and_rewinds(agent: &str) {
         .ok("after rm -r");
     assert!(out.contains("After-loss answer."), "{out}");
     assert!(out.contains("is gone"), "{out}");
+
+    // Retention: every checkpoint is referenced; then only each session's
+    // last is kept — the parent's turn 2 goes, and the fork's last one (whose
+    // content it shares with the parent's turn 1) still makes a sandbox.
+    let gc = |more: &[&str]| {
+        let mut args: Vec<String> = vec!["gc".into(), "--grace-secs".into(), "0".into()];
+        args.extend(more.iter().map(|s| s.to_string()));
+        args
+    };
+    let out = go(gc(&[])).await.ok("gc");
+    assert!(out.contains(" 0 deleted"), "{out}");
+    let t2_checkpoint = ends[1].2.clone().unwrap();
+    let listed = go(vec!["ls".into(), "--prefix".into(), t2_checkpoint.clone()])
+        .await
+        .ok("ls");
+    assert!(
+        listed.contains(&format!("{t2_checkpoint}/turn.json")),
+        "{listed}"
+    );
+    let out = go(gc(&["--keep-last", "1"])).await.ok("gc --keep-last 1");
+    assert!(!out.contains(" 0 deleted"), "{out}");
+    let listed = go(vec!["ls".into(), "--prefix".into(), t2_checkpoint.clone()])
+        .await
+        .ok("ls");
+    assert!(
+        !listed.contains(&t2_checkpoint),
+        "turn 2's checkpoint survived: {listed}"
+    );
+    for c in session_containers(&f) {
+        let rm = std::process::Command::new("docker")
+            .args(["rm", "-f", &c])
+            .output()
+            .unwrap();
+        assert!(rm.status.success());
+    }
+    let out = go(run("after gc question", Some(f.clone())))
+        .await
+        .ok("after gc");
+    assert!(out.contains("After-gc answer."), "{out}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

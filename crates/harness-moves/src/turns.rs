@@ -9,6 +9,7 @@
 //! turns/<session>/<turn>/turn.json   a TurnManifest: present = complete
 //! ```
 
+use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 
 use async_trait::async_trait;
@@ -54,6 +55,11 @@ pub struct TurnManifest {
     pub state_dirs: Vec<String>,
     /// The state archive (none when the agent had no state).
     pub state: Option<ObjectMeta>,
+    /// When the checkpoint was written (ms since the epoch, the runner's
+    /// clock): retention leaves young ones alone, whose frame may not be in
+    /// the log yet.
+    #[serde(default)]
+    pub created_at_ms: u64,
 }
 
 /// The keys of the checkpoint at `base`.
@@ -169,6 +175,7 @@ impl TurnCheckpoints for StoreTurnCheckpoints {
             tree: tree_key,
             state_dirs,
             state: state_object,
+            created_at_ms: self.clock.now_ms(),
         };
         store
             .put(
@@ -216,5 +223,148 @@ impl TurnCheckpoints for StoreTurnCheckpoints {
             .await?;
         }
         Ok(())
+    }
+}
+
+/// What [`collect_turn_checkpoints`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TurnGcInfo {
+    /// Turn-end checkpoints found (complete: with their manifest).
+    pub found: usize,
+    /// Those kept because a session references them.
+    pub referenced: usize,
+    /// Those kept because they are younger than the grace period.
+    pub young: usize,
+    /// Those deleted.
+    pub deleted: usize,
+    /// Objects deleted (manifests, trees' manifests, state archives); the
+    /// trees' content goes with the next `collect_garbage`.
+    pub objects_deleted: usize,
+}
+
+/// Delete every complete turn-end checkpoint under `turns/` that is not in
+/// `referenced` (the keys the sessions' logs name: each session's current
+/// checkpoint and the turn ends it may rewind to — a fork's included, so a
+/// live fork keeps what it was made from) and is older than `grace_ms` at
+/// `now_ms` (a checkpoint just written may not be in its log yet). A base
+/// without its manifest (a checkpoint that failed, or is being written) is
+/// left alone. Run [`collect_garbage`](crate::tree::collect_garbage)
+/// after it to free the trees' content.
+pub async fn collect_turn_checkpoints(
+    store: &dyn CheckpointStore,
+    referenced: &HashSet<String>,
+    now_ms: u64,
+    grace_ms: u64,
+) -> Result<TurnGcInfo> {
+    let mut bases: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for key in store.list_keys("turns/").await? {
+        if let Some((base, _)) = key.rsplit_once('/') {
+            bases.entry(base.to_string()).or_default().push(key);
+        }
+    }
+    let mut info = TurnGcInfo::default();
+    for (base, keys) in bases {
+        let manifest_key = format!("{base}/turn.json");
+        if !keys.contains(&manifest_key) {
+            continue;
+        }
+        info.found += 1;
+        if referenced.contains(&base) {
+            info.referenced += 1;
+            continue;
+        }
+        let manifest = match read_turn_manifest(store, &base).await {
+            Ok(m) => m,
+            // Unreadable: not ours to judge; left alone.
+            Err(_) => continue,
+        };
+        if now_ms.saturating_sub(manifest.created_at_ms) < grace_ms {
+            info.young += 1;
+            continue;
+        }
+        // The manifest first: a checkpoint half deleted is incomplete,
+        // never restorable.
+        store.delete(&manifest_key).await?;
+        info.objects_deleted += 1;
+        for key in keys.iter().filter(|k| **k != manifest_key) {
+            store.delete(key).await?;
+            info.objects_deleted += 1;
+        }
+        info.deleted += 1;
+    }
+    Ok(info)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use harness_core::checkpoint::MemoryCheckpointStore;
+
+    async fn put_checkpoint(store: &MemoryCheckpointStore, base: &str, created_at_ms: u64) {
+        let manifest = TurnManifest {
+            version: TURN_MANIFEST_VERSION,
+            agent: "a".into(),
+            agent_session_id: None,
+            session_id: "s".into(),
+            turn_id: "t".into(),
+            workdir: "/w".into(),
+            home: "/h".into(),
+            tree: format!("{base}/tree"),
+            state_dirs: Vec::new(),
+            state: None,
+            created_at_ms,
+        };
+        for (key, body) in [
+            (format!("{base}/tree"), b"tree".to_vec()),
+            (format!("{base}/state.tar.zst"), b"state".to_vec()),
+            (
+                format!("{base}/turn.json"),
+                serde_json::to_vec(&manifest).unwrap(),
+            ),
+        ] {
+            store
+                .put(&key, harness_core::stream::once(body))
+                .await
+                .unwrap();
+        }
+    }
+
+    #[tokio::test]
+    async fn unreferenced_old_checkpoints_go_and_the_rest_stay() {
+        let store = MemoryCheckpointStore::default();
+        put_checkpoint(&store, "turns/a/t1", 1_000).await; // a fork references it
+        put_checkpoint(&store, "turns/a/t2", 1_000).await; // nobody does
+        put_checkpoint(&store, "turns/b/t1", 9_500).await; // nobody, but young
+                                                           // Being written: no manifest yet.
+        store
+            .put("turns/c/t1/tree", harness_core::stream::once(b"x".to_vec()))
+            .await
+            .unwrap();
+        let referenced = HashSet::from(["turns/a/t1".to_string()]);
+        let info = collect_turn_checkpoints(&store, &referenced, 10_000, 1_000)
+            .await
+            .unwrap();
+        assert_eq!(
+            info,
+            TurnGcInfo {
+                found: 3,
+                referenced: 1,
+                young: 1,
+                deleted: 1,
+                objects_deleted: 3
+            }
+        );
+        let left = store.list_keys("turns/").await.unwrap();
+        assert!(
+            left.iter().all(|k| !k.starts_with("turns/a/t2/")),
+            "{left:?}"
+        );
+        for kept in [
+            "turns/a/t1/turn.json",
+            "turns/b/t1/turn.json",
+            "turns/c/t1/tree",
+        ] {
+            assert!(left.iter().any(|k| k == kept), "{kept} gone: {left:?}");
+        }
     }
 }
