@@ -108,7 +108,26 @@ async fn fork_until_n_export_and_seal_behave_as_specified() {
         .unwrap();
     assert_eq!(r.status(), 201);
     let open: LogInfo = r.json().await.unwrap();
-    assert!(!open.sealed && open.last_seq == 3);
+    assert!(
+        !open.sealed && open.last_seq == 4,
+        "2 copied frames, the frame closing the cut turn, the sandbox reset: {open:?}"
+    );
+    // No turn had ended before the cut: the fork starts from an empty tree
+    // and a new conversation, in a sandbox of its own.
+    let last = srv.log.read(&open.session, 3, 1).await.unwrap();
+    assert!(
+        matches!(
+            &last[0].body,
+            FrameBody::SandboxReset {
+                turn_id: None,
+                checkpoint: None,
+                ..
+            }
+        ),
+        "{:?}",
+        last[0]
+    );
+    assert!(open.meta.sandbox.is_none());
     // The cut turn is closed in the fork: no answers for it, a new prompt
     // starts a turn of the fork's own.
     let r = say(&srv, open.session.as_str(), "late answer").await;
@@ -119,7 +138,7 @@ async fn fork_until_n_export_and_seal_behave_as_specified() {
         .json()
         .await
         .unwrap();
-    assert_eq!(ack["seq"], 4);
+    assert_eq!(ack["seq"], 5);
     // Bad ranges and targets.
     let r = srv
         .http
@@ -764,4 +783,165 @@ async fn long_histories_read_whole_and_in_order_on_every_path() {
         }
     }
     assert_eq!(got, (1..=total).collect::<Vec<_>>());
+}
+
+/// A turn end with a checkpoint, appended as the runner would record it.
+async fn turn_end(srv: &TestServer, id: &str, turn: &str, checkpoint: Option<&str>) {
+    use harness_core::log::AppendRequest;
+    use harness_core::sandbox::SandboxHandle;
+    let session = sid(id);
+    srv.log
+        .append(
+            &session,
+            AppendRequest::new(FrameBody::UserMessage {
+                text: format!("prompt of {turn}"),
+                turn_id: Some(turn.into()),
+            }),
+        )
+        .await
+        .unwrap();
+    srv.log
+        .append(
+            &session,
+            AppendRequest::new(FrameBody::TurnStatus {
+                turn_id: turn.into(),
+                status: harness_core::turn::TurnStatus::Finished,
+                error: None,
+                sandbox: Some(SandboxHandle {
+                    provider: "local".into(),
+                    id: format!("sb-{turn}"),
+                    workdir: "/w".into(),
+                    owned: true,
+                    data: json!({}),
+                }),
+                agent_session_id: Some(format!("agent-{turn}")),
+                checkpoint: checkpoint.map(str::to_string),
+            }),
+        )
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn forks_carry_the_tree_and_rewinds_go_back_in_place() {
+    let srv = start(|_| {}).await;
+    srv.create("cp").await;
+    turn_end(&srv, "cp", "t1", Some("turns/cp/t1")).await; // seq 1, 2
+    turn_end(&srv, "cp", "t2", Some("turns/cp/t2")).await; // seq 3, 4
+    turn_end(&srv, "cp", "t3", None).await; // seq 5, 6: no checkpoint
+    let post = |path: String| srv.http.post(format!("{}{path}", srv.base)).send();
+
+    // A fork at turn 1's end, on Docker: its next turn makes a Docker
+    // sandbox from turn 1's checkpoint and resumes turn 1's agent session.
+    let r = post("/v1/sessions/cp/fork?until=2&provider=docker&target=f1".into())
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let info: LogInfo = r.json().await.unwrap();
+    assert_eq!(
+        info.meta.sandbox, None,
+        "the fork never shares the parent's sandbox"
+    );
+    assert_eq!(info.meta.checkpoint.as_deref(), Some("turns/cp/t1"));
+    assert_eq!(info.meta.agent_session_id.as_deref(), Some("agent-t1"));
+    assert_eq!(info.meta.config_or_default().sandbox.provider, "docker");
+    // Two forks of one point side by side.
+    let r = post("/v1/sessions/cp/fork?until=3&target=f2".into())
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let f2: LogInfo = r.json().await.unwrap();
+    assert_eq!(f2.meta.checkpoint.as_deref(), Some("turns/cp/t1"));
+    // Past turn 3, which ended without a checkpoint: refused, nothing made.
+    let r = post("/v1/sessions/cp/fork?until=6&target=f3".into())
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 409);
+    let body: Value = r.json().await.unwrap();
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("turn t3 ended without a checkpoint"),
+        "{body}"
+    );
+    assert!(
+        srv.log.info(&sid("f3")).await.is_err(),
+        "a refused fork left a session"
+    );
+
+    // Rewind in place: needs a turn, a checkpoint, a host token.
+    let r = post("/v1/sessions/cp/rewind".into()).await.unwrap();
+    assert_eq!(r.status(), 400);
+    let r = post("/v1/sessions/cp/rewind?turn=t3".into()).await.unwrap();
+    assert_eq!(r.status(), 400);
+    let body: Value = r.json().await.unwrap();
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("turns with one: t1, t2"),
+        "{body}"
+    );
+    let before = srv.log.info(&sid("cp")).await.unwrap().last_seq;
+    let r = post("/v1/sessions/cp/rewind?turn=t1".into()).await.unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    let info = srv.log.info(&sid("cp")).await.unwrap();
+    assert_eq!(info.last_seq, before + 1, "one frame records the rewind");
+    assert_eq!(info.meta.sandbox, None);
+    assert_eq!(info.meta.checkpoint.as_deref(), Some("turns/cp/t1"));
+    assert_eq!(info.meta.agent_session_id.as_deref(), Some("agent-t1"));
+    // The log keeps its history: turn 2 may still be gone back to.
+    let r = post("/v1/sessions/cp/rewind?turn=t2".into()).await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        srv.log
+            .info(&sid("cp"))
+            .await
+            .unwrap()
+            .meta
+            .checkpoint
+            .as_deref(),
+        Some("turns/cp/t2")
+    );
+    // While a turn runs: refused with turn_in_progress, nothing stored.
+    assert_eq!(prompt(&srv, "cp", "a running turn").await.status(), 200);
+    let before = srv.log.info(&sid("cp")).await.unwrap().last_seq;
+    let r = post("/v1/sessions/cp/rewind?turn=t1".into()).await.unwrap();
+    assert_eq!(r.status(), 409);
+    assert_eq!(error_code(r).await, "turn_in_progress");
+    assert_eq!(srv.log.info(&sid("cp")).await.unwrap().last_seq, before);
+}
+
+#[tokio::test]
+async fn a_client_token_may_not_rewind() {
+    let srv = start(|c| {
+        c.insecure_no_auth = false;
+        c.tokens = vec![TokenGrant::new(
+            "client-token",
+            Scope::parse("cp").unwrap(),
+            GrantRole::Client,
+        )];
+    })
+    .await;
+    srv.log.create(&sid("cp")).await.unwrap();
+    turn_end(&srv, "cp", "t1", Some("turns/cp/t1")).await;
+    for (path, body) in [
+        ("/v1/sessions/cp/rewind?turn=t1", None),
+        (
+            "/v1/sessions/cp/messages",
+            Some(json!({"type": "rewind", "turnId": "t1"})),
+        ),
+    ] {
+        let mut req = srv
+            .http
+            .post(format!("{}{path}", srv.base))
+            .bearer_auth("client-token");
+        if let Some(body) = body {
+            req = req.json(&body);
+        }
+        let r = req.send().await.unwrap();
+        assert_eq!(r.status(), 403, "{path}");
+    }
+    assert_eq!(srv.log.info(&sid("cp")).await.unwrap().last_seq, 2);
 }
