@@ -16,6 +16,10 @@ pub enum Bench {
     /// Checkpoint+restore of a 190 MB / 20,000-file tree (memory and S3 stores)
     /// vs `tar|gzip` and `tar|zstd` pipelines.
     Moves,
+    /// Turn-end checkpoints with one file changed, and forks to a new local
+    /// sandbox and a new Docker container, on the same tree in a directory
+    /// store, vs a whole-archive checkpoint + restore.
+    Fork,
     /// Engine overhead per slice: direct vs in-process vs Temporal.
     Engine,
     /// Session server: append throughput, live-delivery latency to 1,000 SSE
@@ -51,6 +55,7 @@ fn commands(bench: Bench) -> Vec<Vec<&'static str>> {
             "lifecycle",
         ]],
         Bench::Moves => vec![example("checkpoint-r2", "move_bench")],
+        Bench::Fork => vec![example("checkpoint-r2", "fork_bench")],
         Bench::Engine => vec![example("durable-temporal", "overhead")],
         Bench::Server => vec![
             example("session-server", "bench"),
@@ -77,6 +82,7 @@ pub fn run(bench: Bench) -> Result<()> {
     let all = [
         Bench::Docker,
         Bench::Moves,
+        Bench::Fork,
         Bench::Engine,
         Bench::Server,
         Bench::HostTools,

@@ -6,6 +6,7 @@
 use harness_core::checkpoint::CheckpointStore;
 use harness_core::sandbox::{collect_exec, shell_quote, ExecRequest, Sandbox};
 use harness_moves as moves;
+use std::path::Path;
 
 /// Run a script that must succeed; its stdout.
 pub async fn sh(sandbox: &dyn Sandbox, script: &str) -> String {
@@ -123,4 +124,84 @@ pub async fn move_onto(
     assert_overlaid(&want, &got);
     sh(b, &format!("rm {}/b-only.txt", shell_quote(b.workdir()))).await;
     got
+}
+
+const WORDS: &[&str] = &[
+    "fn", "let", "mut", "self", "impl", "struct", "enum", "match", "return", "async", "await",
+    "pub", "use", "crate", "Result", "Option", "Some", "None", "Ok", "Err", "String", "Vec", "u64",
+    "usize", "if", "else", "for", "in", "while", "loop", "break", "continue", "where", "trait",
+    "dyn", "Box", "Arc", "clone", "into", "iter", "map", "collect", "unwrap", "expect", "config",
+    "store", "key", "value", "buffer", "stream", "chunk", "error", "kind", "message",
+];
+
+/// xorshift64*: deterministic, fast.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// The benchmarks' tree (`cargo xtask bench moves`, `fork`): write `files` files in directories of 100, ~`mb` MB in total,
+/// 98% source-like text and 2% incompressible binaries (which carry ~20% of
+/// the bytes, like assets and build outputs in a real repo).
+pub fn generate_tree(root: &Path, files: usize, mb: u64) -> (usize, u64) {
+    let mut rng = Rng(0x5eed_1234_abcd_0001);
+    let total = mb * 1_000_000;
+    let binaries = (files / 50).max(1);
+    let texts = files - binaries;
+    let bin_bytes = total / 5;
+    let text_avg = (total - bin_bytes) / texts as u64;
+    let bin_avg = bin_bytes / binaries as u64;
+    let mut written = 0u64;
+    for i in 0..files {
+        let dir = root.join(format!("pkg{:03}/mod{:02}", i / 1000, (i / 100) % 10));
+        if i % 100 == 0 {
+            std::fs::create_dir_all(&dir).unwrap();
+        }
+        let (name, data) = if i % 50 == 49 {
+            let size = (bin_avg / 2 + rng.below(bin_avg)) as usize;
+            let mut data = Vec::with_capacity(size + 8);
+            while data.len() < size {
+                data.extend_from_slice(&rng.next().to_le_bytes());
+            }
+            data.truncate(size);
+            (format!("asset{i}.bin"), data)
+        } else {
+            let size = (text_avg / 2 + rng.below(text_avg)) as usize;
+            let mut data = Vec::with_capacity(size + 64);
+            let mut indent = 0usize;
+            while data.len() < size {
+                data.extend(std::iter::repeat_n(b' ', indent * 4));
+                for _ in 0..(3 + rng.below(9)) {
+                    data.extend_from_slice(
+                        WORDS[rng.below(WORDS.len() as u64) as usize].as_bytes(),
+                    );
+                    data.push(b' ');
+                }
+                match rng.below(6) {
+                    0 => {
+                        data.extend_from_slice(b"{\n");
+                        indent = (indent + 1).min(6);
+                    }
+                    1 if indent > 0 => {
+                        data.extend_from_slice(b"}\n");
+                        indent -= 1;
+                    }
+                    _ => data.extend_from_slice(b";\n"),
+                }
+            }
+            data.truncate(size);
+            (format!("file{i}.rs"), data)
+        };
+        written += data.len() as u64;
+        std::fs::write(dir.join(name), data).unwrap();
+    }
+    (files, written)
 }
