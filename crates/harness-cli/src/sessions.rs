@@ -150,12 +150,9 @@ pub async fn run(home: &Home, command: SessionsCommand) -> Result<()> {
             let source = SessionId::parse(id)?;
             let target =
                 SessionId::parse(target.unwrap_or_else(|| format!("{source}-fork-{until}")))?;
-            let mut info =
-                harness::core::fork::fork_with_tree(&log, &source, until, &target, provider)
+            let info =
+                harness::core::fork::fork_session(&log, &source, until, &target, provider, seal)
                     .await?;
-            if seal {
-                info = log.seal(&target).await?;
-            }
             println!("{}", serde_json::to_string_pretty(&info)?);
         }
         SessionsCommand::Rewind { id, turn } => {

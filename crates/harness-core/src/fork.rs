@@ -160,3 +160,24 @@ pub fn rewind_frame(meta: &SessionMeta, turn_id: &str) -> Result<FrameBody> {
         provider: None,
     })
 }
+
+/// A fork as `harness serve` and the CLI make it: sealed, a read-only copy
+/// of the log (no turn runs in it, so it needs no sandbox and no
+/// checkpoint); else [`fork_with_tree`].
+pub async fn fork_session(
+    log: &dyn SessionLog,
+    source: &SessionId,
+    until: u64,
+    target: &SessionId,
+    provider: Option<String>,
+    seal: bool,
+) -> Result<LogInfo> {
+    if !seal {
+        return fork_with_tree(log, source, until, target, provider).await;
+    }
+    let info = log.fork(source, until, target).await?;
+    if info.sealed {
+        return Ok(info);
+    }
+    log.seal(target).await
+}

@@ -356,30 +356,18 @@ async fn fork(
         Some(n) => n,
         None => state.hub.log().info(&source).await?.last_seq,
     };
-    let info = if param_flag(&params, "seal") {
-        // A sealed fork is a read-only copy of the log: no turn runs in it,
-        // so it needs no sandbox and no checkpoint.
-        state.hub.log().fork(&source, until, &target).await?
-    } else {
-        // The fork's sandbox: a new one, on this provider (default: the
-        // source's), holding the tree of the last turn end at or before
-        // `until`.
-        let provider = params.get("provider").cloned();
-        harness_core::fork::fork_with_tree(
-            state.hub.log().as_ref(),
-            &source,
-            until,
-            &target,
-            provider,
-        )
-        .await?
-    };
-    let info = if param_flag(&params, "seal") && !info.sealed {
-        state.hub.seal(&target).await?;
-        state.hub.log().info(&target).await?
-    } else {
-        info
-    };
+    // A new session with no actor yet: written through the log. Unsealed,
+    // its sandbox is a new one, on `provider` (default: the source's),
+    // holding the tree of the last turn end at or before `until`.
+    let info = harness_core::fork::fork_session(
+        state.hub.log().as_ref(),
+        &source,
+        until,
+        &target,
+        params.get("provider").cloned(),
+        param_flag(&params, "seal"),
+    )
+    .await?;
     Ok((StatusCode::CREATED, Json(info)))
 }
 
