@@ -158,6 +158,8 @@ enum Command {
         #[arg(long)]
         image: Option<String>,
         #[command(flatten)]
+        checkpoints: turn::CheckpointFlags,
+        #[command(flatten)]
         network: turn::NetworkArgs,
         #[command(flatten)]
         limits: local::TurnLimits,
@@ -247,6 +249,7 @@ fn main() -> ExitCode {
                 session,
                 model,
                 image,
+                checkpoints,
                 network,
                 limits,
                 prompt,
@@ -259,6 +262,7 @@ fn main() -> ExitCode {
                         session,
                         model,
                         image,
+                        checkpoints,
                         network,
                         limits,
                         approvals,

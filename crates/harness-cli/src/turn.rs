@@ -29,6 +29,7 @@ pub struct RunArgs {
     pub session: Option<String>,
     pub model: Option<String>,
     pub image: Option<String>,
+    pub checkpoints: CheckpointFlags,
     pub network: NetworkArgs,
     pub limits: local::TurnLimits,
     pub approvals: bool,
@@ -127,6 +128,32 @@ impl NetworkArgs {
     }
 }
 
+/// A new session's turn-end checkpoints (docs/turn-checkpoints.md).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct CheckpointFlags {
+    /// Take no turn-end checkpoints (a new session; it then cannot be
+    /// forked with its tree, rewound or rehydrated).
+    #[arg(long)]
+    pub no_checkpoints: bool,
+    /// Leave paths out of the turn-end checkpoints: `.gitignore`-style
+    /// patterns, e.g. `node_modules/.cache` (repeatable).
+    #[arg(long = "checkpoint-exclude", value_name = "PATTERN")]
+    pub exclude: Vec<String>,
+    /// Also leave out what the tree's top-level `.gitignore` names.
+    #[arg(long = "checkpoint-gitignore")]
+    pub gitignore: bool,
+}
+
+impl CheckpointFlags {
+    fn rules(&self) -> harness::core::session::CheckpointRules {
+        harness::core::session::CheckpointRules {
+            enabled: !self.no_checkpoints,
+            exclude: self.exclude.clone(),
+            gitignore: self.gitignore,
+        }
+    }
+}
+
 /// The session config of a new session from the flags.
 fn new_config(args: &RunArgs) -> Result<SessionConfig> {
     Ok(SessionConfig {
@@ -135,7 +162,7 @@ fn new_config(args: &RunArgs) -> Result<SessionConfig> {
             provider: args.sandbox.name().to_string(),
             image: args.image.clone(),
             network: args.network.policy()?,
-            checkpoints: Default::default(),
+            checkpoints: args.checkpoints.rules(),
         },
         model: args.model.clone(),
         approvals: args.approvals,

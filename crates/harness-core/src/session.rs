@@ -66,6 +66,14 @@ pub struct CheckpointRules {
     /// the runtime has a checkpoint store. On by default.
     #[serde(default = "enabled_by_default")]
     pub enabled: bool,
+    /// Paths of the tree left out of checkpoints (so of forks, rewinds and
+    /// rehydrated sandboxes): `.gitignore`-style patterns, e.g.
+    /// `node_modules/.cache` ([`PathRules`](crate::turn_checkpoint::PathRules)).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub exclude: Vec<String>,
+    /// Also leave out what the tree's top-level `.gitignore` names.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub gitignore: bool,
 }
 
 fn enabled_by_default() -> bool {
@@ -74,7 +82,11 @@ fn enabled_by_default() -> bool {
 
 impl Default for CheckpointRules {
     fn default() -> Self {
-        Self { enabled: true }
+        Self {
+            enabled: true,
+            exclude: Vec::new(),
+            gitignore: false,
+        }
     }
 }
 

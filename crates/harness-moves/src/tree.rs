@@ -90,7 +90,7 @@ mod packs;
 mod restore;
 mod upload;
 
-pub use checkpoint::checkpoint_tree;
+pub use checkpoint::{checkpoint_tree, checkpoint_tree_excluding};
 pub use gc::{collect_garbage, GcInfo};
 pub use manifest::read_manifest;
 pub use packs::{index_key as pack_index_key, pack_key};

@@ -19,12 +19,12 @@ use harness_core::harness::Harness;
 use harness_core::sandbox::Sandbox;
 use harness_core::slice::home_of;
 use harness_core::turn::TurnState;
-use harness_core::turn_checkpoint::{turn_checkpoint_key, TurnCheckpoints};
+use harness_core::turn_checkpoint::{turn_checkpoint_key, PathRules, TurnCheckpoints};
 use harness_core::{Error, ErrorKind, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::archive::{restore_agent_state, store_agent_state, verify};
-use crate::tree::{checkpoint_tree, restore_tree};
+use crate::tree::{checkpoint_tree_excluding, restore_tree};
 
 /// [`TurnManifest::version`] this build writes and reads.
 pub const TURN_MANIFEST_VERSION: u32 = 1;
@@ -99,6 +99,30 @@ pub async fn read_turn_manifest(store: &dyn CheckpointStore, base: &str) -> Resu
     Ok(manifest)
 }
 
+/// Largest `.gitignore` read for the rules.
+const GITIGNORE_LIMIT: usize = 1 << 20;
+
+/// The session's include/exclude rules for its tree: its `exclude`
+/// patterns, plus the tree's top-level `.gitignore` when it asks.
+async fn path_rules(sandbox: &dyn Sandbox, state: &TurnState) -> Result<PathRules> {
+    let Some(config) = state.sandbox_config.as_ref().map(|c| &c.checkpoints) else {
+        return Ok(PathRules::default());
+    };
+    let mut rules = PathRules::new(&config.exclude);
+    if config.gitignore {
+        let path = format!("{}/.gitignore", sandbox.workdir().trim_end_matches('/'));
+        match sandbox.read_file(&path).await {
+            Ok(stream) => {
+                let bytes = harness_core::stream::collect(stream, GITIGNORE_LIMIT).await?;
+                rules.add_gitignore(&String::from_utf8_lossy(&bytes));
+            }
+            Err(e) if e.kind() == ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(rules)
+}
+
 /// Turn-end checkpoints in a [`CheckpointStore`].
 #[derive(Clone)]
 pub struct StoreTurnCheckpoints {
@@ -154,7 +178,8 @@ impl TurnCheckpoints for StoreTurnCheckpoints {
         let home = home_of(sandbox).await?;
         let (state_dirs, state_object) =
             store_agent_state(sandbox, harness, store, &state_key, &home).await?;
-        checkpoint_tree(
+        let rules = path_rules(sandbox, state).await?;
+        checkpoint_tree_excluding(
             sandbox,
             sandbox.workdir(),
             store,
@@ -162,6 +187,7 @@ impl TurnCheckpoints for StoreTurnCheckpoints {
             parent.as_deref(),
             self.clock.as_ref(),
             None,
+            &rules,
         )
         .await?;
         let manifest = TurnManifest {

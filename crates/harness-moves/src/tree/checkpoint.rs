@@ -23,12 +23,12 @@ use harness_core::clock::Clock;
 use harness_core::sandbox::{ListedEntry, Sandbox};
 use harness_core::stream::ByteStream;
 use harness_core::tarscan::{TarEntry, TarItem, TarKind, TarScanner};
+use harness_core::turn_checkpoint::PathRules;
 use harness_core::{Error, Result};
 
 /// Checkpoint `dir` of `sandbox` into `store` under `key` as a tree
 /// checkpoint, against `parent` (the key of an earlier tree checkpoint of
 /// the same tree) when given. See the module docs.
-#[tracing::instrument(name = "checkpoint_tree", skip_all, fields(key = %key, dir = %dir))]
 pub async fn checkpoint_tree(
     sandbox: &dyn Sandbox,
     dir: &str,
@@ -37,6 +37,28 @@ pub async fn checkpoint_tree(
     parent: Option<&str>,
     clock: &dyn Clock,
     progress: Option<Arc<dyn MoveProgress>>,
+) -> Result<TreeCheckpointInfo> {
+    let keep_all = PathRules::default();
+    checkpoint_tree_excluding(sandbox, dir, store, key, parent, clock, progress, &keep_all).await
+}
+
+/// [`checkpoint_tree`] leaving out the entries `rules` exclude (and
+/// everything under an excluded directory). The rules apply to what the
+/// provider lists or exports, so every provider leaves out the same paths;
+/// an entry of the parent now excluded is recorded as deleted. Without a
+/// parent, a tree that cannot be listed is exported whole and filtered
+/// after (its excluded content is read, not stored).
+#[allow(clippy::too_many_arguments)]
+#[tracing::instrument(name = "checkpoint_tree", skip_all, fields(key = %key, dir = %dir))]
+pub async fn checkpoint_tree_excluding(
+    sandbox: &dyn Sandbox,
+    dir: &str,
+    store: &dyn CheckpointStore,
+    key: &str,
+    parent: Option<&str>,
+    clock: &dyn Clock,
+    progress: Option<Arc<dyn MoveProgress>>,
+    rules: &PathRules,
 ) -> Result<TreeCheckpointInfo> {
     validate_key(key)?;
     if [BLOB_PREFIX, LOCK_PREFIX, PACK_PREFIX]
@@ -57,7 +79,10 @@ pub async fn checkpoint_tree(
     );
     let lock = lock?;
     let result = match prepared {
-        Ok((listing, parent_manifest)) => {
+        Ok((mut listing, parent_manifest)) => {
+            if let Listing::Listed { entries, .. } = &mut listing {
+                entries.retain(|e| !rules.excludes(&e.path));
+            }
             checkpoint_locked(
                 sandbox,
                 dir,
@@ -67,6 +92,7 @@ pub async fn checkpoint_tree(
                 listing,
                 parent_manifest,
                 progress,
+                rules,
             )
             .await
         }
@@ -117,6 +143,7 @@ async fn checkpoint_locked(
     listing: Listing,
     parent: Option<Arc<KnownManifest>>,
     progress: Option<Arc<dyn MoveProgress>>,
+    rules: &PathRules,
 ) -> Result<TreeCheckpointInfo> {
     let mut uploader = Uploader::new(store);
     let mut stats = TreeCheckpointInfo {
@@ -163,7 +190,7 @@ async fn checkpoint_locked(
                 Listing::Listed { now, entries } => (now, entries),
                 _ => (sandbox_now(sandbox).await?, Vec::new()),
             };
-            let read = read_whole_tree(
+            let mut read = read_whole_tree(
                 sandbox,
                 dir,
                 &listed,
@@ -172,6 +199,7 @@ async fn checkpoint_locked(
                 progress.as_deref(),
             )
             .await?;
+            read.retain(|e| !rules.excludes(&e.path));
             let origins = vec![NEW_ENTRY; read.len()];
             (now, read, origins)
         }
