@@ -20,35 +20,13 @@ use std::time::Instant;
 
 use checkpoint_fs::FsCheckpointStore;
 use harness_core::checkpoint::CheckpointStore;
-use harness_core::harness::{AgentCommand, Harness, OutputParser, TurnContext};
 use harness_core::sandbox::{Sandbox, SandboxProvider, SandboxSpec};
 use harness_core::turn::TurnState;
 use harness_core::turn_checkpoint::TurnCheckpoints;
 use harness_moves::turns::StoreTurnCheckpoints;
+use harness_testkit::agent::{ScriptHarness, SCRIPT_AGENT};
 use harness_testkit::trees::generate_tree;
 use sandbox_local::LocalProvider;
-
-/// An agent with no state of its own: the figures are the tree's.
-#[derive(Debug)]
-struct NoState;
-
-impl Harness for NoState {
-    fn name(&self) -> &'static str {
-        "bench"
-    }
-    fn bootstrap_recipe(&self) -> harness_core::Result<harness_core::bootstrap::BootstrapRecipe> {
-        Ok(Default::default())
-    }
-    fn turn_command(&self, _: &TurnContext<'_>) -> harness_core::Result<AgentCommand> {
-        Err(harness_core::Error::invalid("not used"))
-    }
-    fn parser(&self) -> Box<dyn OutputParser> {
-        unreachable!("not used")
-    }
-    fn state_dirs(&self, home: &str) -> Vec<String> {
-        vec![format!("{home}/.bench-agent")]
-    }
-}
 
 fn arg(name: &str, default: u64) -> u64 {
     let args: Vec<String> = std::env::args().collect();
@@ -101,7 +79,7 @@ async fn sh(sandbox: &dyn Sandbox, script: &str) {
 }
 
 fn state(session: &str, turn: u64, previous: Option<String>) -> TurnState {
-    let mut s = TurnState::new(session, &format!("t{turn}"), "bench", "bench");
+    let mut s = TurnState::new(session, format!("t{turn}"), SCRIPT_AGENT, "bench");
     s.checkpoint = previous;
     s
 }
@@ -114,12 +92,8 @@ async fn turn_ends(
     session: &str,
     runs: u64,
 ) -> (Figure, String) {
-    let h = NoState;
-    sh(
-        sandbox,
-        "mkdir -p \"$HOME/.bench-agent\" && echo state > \"$HOME/.bench-agent/s\"",
-    )
-    .await;
+    // An agent with no state of its own: the figures are the tree's.
+    let h = ScriptHarness;
     // The first: the whole tree (not timed: a session's first turn end).
     let mut key = checkpoints
         .checkpoint(sandbox, &h, &state(session, 0, None))
@@ -170,7 +144,7 @@ async fn forks(
         let t = Instant::now();
         let sandbox = provider.create(spec).await.unwrap();
         checkpoints
-            .restore(key, sandbox.as_ref(), &NoState)
+            .restore(key, sandbox.as_ref(), &ScriptHarness)
             .await
             .unwrap();
         fig.runs.push(t.elapsed().as_secs_f64());
@@ -262,7 +236,7 @@ async fn main() {
             let spec = SandboxSpec::new("/workspace");
             let d = docker.create(&spec).await.unwrap();
             checkpoints
-                .restore(&key, d.as_ref(), &NoState)
+                .restore(&key, d.as_ref(), &ScriptHarness)
                 .await
                 .unwrap();
             let (fig, dkey) =

@@ -16,11 +16,10 @@ mod common;
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::Stdio;
 use std::sync::Arc;
-use std::time::Duration;
 
 use common::docker::docker_parts;
+use common::{continued_session, Ran};
 use harness::core::sandbox::SandboxSpec;
 use harness_testkit::bridge::{BridgeServer, BridgeServerConfig, OpenApi};
 use harness_testkit::model::{
@@ -99,53 +98,16 @@ async fn parts() -> Option<Parts> {
     Some(Parts { server, model })
 }
 
-struct Ran {
-    ok: bool,
-    stdout: String,
-    stderr: String,
-}
-
-impl Ran {
-    fn expect_ok(self, what: &str) -> Self {
-        assert!(
-            self.ok,
-            "{what} failed:\n--- stdout\n{}\n--- stderr\n{}",
-            self.stdout, self.stderr
-        );
-        self
-    }
-}
-
 /// `harness --home HOME ARGS…` with the bridge configured.
 async fn harness(home: &Path, parts: &Parts, direct: bool, args: &[&str]) -> Ran {
     let mut cmd = common::harness(home, &parts.model);
     cmd.args(args)
         .env("HARNESS_CF_BRIDGE_URL", parts.server.url())
-        .env("HARNESS_CF_TOKEN", TOKEN)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+        .env("HARNESS_CF_TOKEN", TOKEN);
     if direct {
         cmd.env("HARNESS_DIRECT_MODEL", "1");
     }
-    let mut cmd = tokio::process::Command::from(cmd);
-    cmd.kill_on_drop(true);
-    let out = tokio::time::timeout(Duration::from_secs(300), cmd.output())
-        .await
-        .unwrap_or_else(|_| panic!("harness {args:?} ran for 5 minutes"))
-        .expect("the harness binary runs");
-    Ran {
-        ok: out.status.success(),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
-}
-
-fn continued_session(text: &str) -> String {
-    text.split_whitespace()
-        .skip_while(|w| *w != "--session")
-        .nth(1)
-        .unwrap_or_else(|| panic!("names no session to continue:\n{text}"))
-        .to_string()
+    common::run_to_end(cmd).await
 }
 
 async fn show_json(home: &Path, parts: &Parts, session: &str) -> Value {

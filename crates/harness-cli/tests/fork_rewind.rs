@@ -14,11 +14,10 @@
 mod common;
 
 use common::docker::{docker_parts, session_containers, SessionContainers};
+use common::{continued_session as session_of, Ran};
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::Stdio;
-use std::time::Duration;
 
 use harness_testkit::model::{
     last_is_tool_result_for, last_user_text_contains, ModelRequest, Reply, Rule, Script,
@@ -61,6 +60,7 @@ fn listing(
 /// One `ls` turn: asked by `prompt`, answered with `answer` once the
 /// listing holds `has` and not `lacks`; the request carries `remembers`
 /// and none of `forgets`.
+#[allow(clippy::too_many_arguments)]
 fn ls_turn(
     script: Script,
     prompt: &'static str,
@@ -162,59 +162,17 @@ fn script() -> Script {
     )
 }
 
-/// What a `harness` command did.
-struct Ran {
-    ok: bool,
-    out: String,
-}
-
-impl Ran {
-    fn ok(self, what: &str) -> String {
-        assert!(self.ok, "{what} failed:\n{}", self.out);
-        self.out
-    }
-    fn err(self, what: &str) -> String {
-        assert!(!self.ok, "{what} should have failed:\n{}", self.out);
-        self.out
-    }
-}
-
-/// Run `harness --home HOME ARGS…` with the agent aimed at `model`;
-/// stdout and stderr together. Killed after 5 minutes.
+/// Run `harness --home HOME ARGS…` with the agent aimed at `model`, the
+/// home's directory store for checkpoints (not the S3 store the
+/// environment names for other tests).
 async fn harness(home: &Path, model: &ScriptedModel, args: &[&str]) -> Ran {
     let mut cmd = common::harness(home, model);
-    // The home's directory store, not the S3 store other tests name.
     cmd.env_remove("HARNESS_S3_ENDPOINT")
         .env_remove("HARNESS_R2_ACCOUNT_ID")
         .env("OPENAI_API_KEY", "test-key")
         .env("OPENAI_BASE_URL", model.v1_url())
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let mut cmd = tokio::process::Command::from(cmd);
-    cmd.kill_on_drop(true);
-    let out = tokio::time::timeout(Duration::from_secs(300), cmd.output())
-        .await
-        .unwrap_or_else(|_| panic!("harness {args:?} ran for 5 minutes"))
-        .expect("the harness binary runs");
-    Ran {
-        ok: out.status.success(),
-        out: format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ),
-    }
-}
-
-/// The session a `harness run` names in "continue with `harness run
-/// --session ID PROMPT`".
-fn session_of(out: &str) -> String {
-    out.split_whitespace()
-        .skip_while(|w| *w != "--session")
-        .nth(1)
-        .unwrap_or_else(|| panic!("names no session:\n{out}"))
-        .to_string()
+        .args(args);
+    common::run_to_end(cmd).await
 }
 
 /// The terminal `turn-status` frames of `session`: (turn, seq, checkpoint).
@@ -245,7 +203,8 @@ fn turn_ends(
 async fn show(home: &Path, model: &ScriptedModel, session: &str) -> Value {
     let out = harness(home, model, &["sessions", "show", session, "--json"])
         .await
-        .ok("sessions show --json");
+        .expect_ok("sessions show --json")
+        .all();
     let json = out
         .lines()
         .find(|l| l.starts_with('{'))
@@ -282,12 +241,16 @@ async fn forks_and_rewinds(agent: &str) {
     };
 
     // Turns 1 and 2 in a local sandbox, each checkpointed as it ends.
-    let out = go(run("first question", None)).await.ok("turn 1");
+    let out = go(run("first question", None))
+        .await
+        .expect_ok("turn 1")
+        .all();
     assert!(out.contains("First answer alpha."), "{out}");
     let a = session_of(&out);
     let out = go(run("second question", Some(a.clone())))
         .await
-        .ok("turn 2");
+        .expect_ok("turn 2")
+        .all();
     assert!(out.contains("Second answer beta."), "{out}");
     let ends = turn_ends(home, &model, &a);
     assert_eq!(ends.len(), 2, "{ends:?}");
@@ -298,7 +261,8 @@ async fn forks_and_rewinds(agent: &str) {
     // In the home's directory store (what `harness ls` reads by default).
     let listed = go(vec!["ls".into(), "--prefix".into(), t1_checkpoint.clone()])
         .await
-        .ok("ls");
+        .expect_ok("ls")
+        .all();
     assert!(
         listed.contains(&format!("{t1_checkpoint}/turn.json")),
         "{listed}"
@@ -314,7 +278,7 @@ async fn forks_and_rewinds(agent: &str) {
         "99999".into(),
     ])
     .await
-    .err("fork past the end");
+    .expect_err("fork past the end");
     assert!(err.contains("cannot fork"), "{err}");
     let err = go(vec![
         "sessions".into(),
@@ -324,7 +288,7 @@ async fn forks_and_rewinds(agent: &str) {
         "t9".into(),
     ])
     .await
-    .err("rewind to a turn with no checkpoint");
+    .expect_err("rewind to a turn with no checkpoint");
     assert!(err.contains("has no checkpoint"), "{err}");
     assert_eq!(
         common::export(home, &model, &a).len(),
@@ -347,10 +311,12 @@ async fn forks_and_rewinds(agent: &str) {
         f.clone(),
     ])
     .await
-    .ok("fork");
+    .expect_ok("fork")
+    .all();
     let out = go(run("fork question", Some(f.clone())))
         .await
-        .ok("the fork's turn");
+        .expect_ok("the fork's turn")
+        .all();
     assert!(out.contains("Fork answer."), "{out}");
     assert!(
         out.contains(&format!("made from checkpoint {t1_checkpoint}")),
@@ -365,7 +331,8 @@ async fn forks_and_rewinds(agent: &str) {
     // The parent meanwhile: untouched, its own sandbox and conversation.
     let out = go(run("third question", Some(a.clone())))
         .await
-        .ok("parent turn 3");
+        .expect_ok("parent turn 3")
+        .all();
     assert!(out.contains("Third answer."), "{out}");
     assert_eq!(
         show(home, &model, &a).await["sandbox"]["handle"]["provider"],
@@ -381,10 +348,12 @@ async fn forks_and_rewinds(agent: &str) {
         t1.clone(),
     ])
     .await
-    .ok("rewind");
+    .expect_ok("rewind")
+    .all();
     let out = go(run("rewound question", Some(a.clone())))
         .await
-        .ok("after the rewind");
+        .expect_ok("after the rewind")
+        .all();
     assert!(out.contains("Rewound answer."), "{out}");
 
     // The fork's container is removed: the next prompt makes a new one from
@@ -402,7 +371,8 @@ async fn forks_and_rewinds(agent: &str) {
     }
     let out = go(run("after loss question", Some(f.clone())))
         .await
-        .ok("after docker rm");
+        .expect_ok("after docker rm")
+        .all();
     assert!(out.contains("After-loss answer."), "{out}");
     assert!(out.contains("is gone"), "the client was not told: {out}");
 
@@ -414,7 +384,8 @@ async fn forks_and_rewinds(agent: &str) {
     std::fs::remove_dir_all(&dir).unwrap();
     let out = go(run("after loss question", Some(a.clone())))
         .await
-        .ok("after rm -r");
+        .expect_ok("after rm -r")
+        .all();
     assert!(out.contains("After-loss answer."), "{out}");
     assert!(out.contains("is gone"), "{out}");
 
@@ -426,21 +397,26 @@ async fn forks_and_rewinds(agent: &str) {
         args.extend(more.iter().map(|s| s.to_string()));
         args
     };
-    let out = go(gc(&[])).await.ok("gc");
+    let out = go(gc(&[])).await.expect_ok("gc").all();
     assert!(out.contains(" 0 deleted"), "{out}");
     let t2_checkpoint = ends[1].2.clone().unwrap();
     let listed = go(vec!["ls".into(), "--prefix".into(), t2_checkpoint.clone()])
         .await
-        .ok("ls");
+        .expect_ok("ls")
+        .all();
     assert!(
         listed.contains(&format!("{t2_checkpoint}/turn.json")),
         "{listed}"
     );
-    let out = go(gc(&["--keep-last", "1"])).await.ok("gc --keep-last 1");
+    let out = go(gc(&["--keep-last", "1"]))
+        .await
+        .expect_ok("gc --keep-last 1")
+        .all();
     assert!(!out.contains(" 0 deleted"), "{out}");
     let listed = go(vec!["ls".into(), "--prefix".into(), t2_checkpoint.clone()])
         .await
-        .ok("ls");
+        .expect_ok("ls")
+        .all();
     assert!(
         !listed.contains(&t2_checkpoint),
         "turn 2's checkpoint survived: {listed}"
@@ -454,7 +430,8 @@ async fn forks_and_rewinds(agent: &str) {
     }
     let out = go(run("after gc question", Some(f.clone())))
         .await
-        .ok("after gc");
+        .expect_ok("after gc")
+        .all();
     assert!(out.contains("After-gc answer."), "{out}");
 }
 

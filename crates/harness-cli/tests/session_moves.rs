@@ -14,11 +14,10 @@
 mod common;
 
 use common::docker::{docker_parts, docker_sh, SessionContainers};
+use common::{continued_session, Ran};
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::Stdio;
-use std::time::Duration;
 
 use harness_testkit::model::{
     last_is_tool_result_for, last_user_text_contains, Reply, Rule, Script, ScriptedModel,
@@ -57,59 +56,11 @@ fn script() -> Script {
         )
 }
 
-/// What a `harness` command did.
-struct Ran {
-    ok: bool,
-    stdout: String,
-    stderr: String,
-}
-
-impl Ran {
-    fn expect_ok(self, what: &str) -> Self {
-        assert!(
-            self.ok,
-            "{what} failed:\n--- stdout\n{}\n--- stderr\n{}",
-            self.stdout, self.stderr
-        );
-        self
-    }
-
-    fn expect_err(self, what: &str) -> String {
-        assert!(
-            !self.ok,
-            "{what} should have failed:\n--- stdout\n{}\n--- stderr\n{}",
-            self.stdout, self.stderr
-        );
-        self.stderr
-    }
-}
-
-/// Run `harness --home HOME ARGS…` (Claude Code aimed at `model`), killed
-/// after 5 minutes.
+/// Run `harness --home HOME ARGS…` (Claude Code aimed at `model`).
 async fn harness(home: &Path, model: &ScriptedModel, args: &[&str]) -> Ran {
     let mut cmd = common::harness(home, model);
-    cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
-    let mut cmd = tokio::process::Command::from(cmd);
-    cmd.kill_on_drop(true);
-    let out = tokio::time::timeout(Duration::from_secs(300), cmd.output())
-        .await
-        .unwrap_or_else(|_| panic!("harness {args:?} ran for 5 minutes"))
-        .expect("the harness binary runs");
-    Ran {
-        ok: out.status.success(),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
-}
-
-/// The session a `harness run`/`restore` names in its "continue with
-/// `harness run --session ID PROMPT`".
-fn continued_session(text: &str) -> String {
-    text.split_whitespace()
-        .skip_while(|w| *w != "--session")
-        .nth(1)
-        .unwrap_or_else(|| panic!("names no session to continue:\n{text}"))
-        .to_string()
+    cmd.args(args);
+    common::run_to_end(cmd).await
 }
 
 /// The key `harness checkpoint` printed (`checkpoint KEY: …` or `checkpoint

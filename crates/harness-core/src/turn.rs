@@ -307,6 +307,9 @@ pub struct SliceReport {
 }
 
 /// Something that happened to a turn.
+// A slice's report is the large variant; events are made one at a time and
+// consumed at once, so boxing it would only add an allocation.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum TurnEvent {

@@ -700,7 +700,7 @@ pub async fn read_session_manifest(
 
 /// Check that the object under `key` is the one the manifest recorded (a
 /// later checkpoint to the same base could have replaced it).
-async fn check_recorded(
+pub(crate) async fn check_recorded(
     store: &dyn CheckpointStore,
     key: &str,
     recorded: &ObjectMeta,

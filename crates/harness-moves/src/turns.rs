@@ -23,7 +23,7 @@ use harness_core::turn_checkpoint::{turn_checkpoint_key, PathRules, TurnCheckpoi
 use harness_core::{Error, ErrorKind, Result};
 use serde::{Deserialize, Serialize};
 
-use crate::archive::{restore_agent_state, store_agent_state, verify};
+use crate::archive::{check_recorded, restore_agent_state, store_agent_state, verify};
 use crate::tree::{checkpoint_tree_excluding, restore_tree};
 
 /// [`TurnManifest::version`] this build writes and reads.
@@ -224,12 +224,7 @@ impl TurnCheckpoints for StoreTurnCheckpoints {
         }
         let (_, state_key, _) = keys(key);
         if let Some(recorded) = &manifest.state {
-            let actual = store.head(&state_key).await?;
-            if actual.sha256 != recorded.sha256 {
-                return Err(Error::corrupt(format!(
-                    "checkpoint {state_key:?} is not the one its manifest recorded"
-                )));
-            }
+            check_recorded(store, &state_key, recorded).await?;
             // Checked before anything is written: an unsafe entry in the
             // state archive must not leave a half-restored sandbox.
             verify(store, &state_key, None).await?;

@@ -9,38 +9,17 @@ use std::sync::Arc;
 
 use harness_core::checkpoint::MemoryCheckpointStore;
 use harness_core::clock::FnClock;
-use harness_core::harness::{AgentCommand, Harness, OutputParser, TurnContext};
 use harness_core::sandbox::{Sandbox, SandboxProvider, SandboxSpec};
 use harness_core::session::{CheckpointRules, SandboxConfig};
 use harness_core::turn::TurnState;
 use harness_core::turn_checkpoint::TurnCheckpoints;
 use harness_moves::turns::StoreTurnCheckpoints;
+use harness_testkit::agent::{ScriptHarness, SCRIPT_AGENT};
 use harness_testkit::trees::sh;
 use sandbox_local::LocalProvider;
 
-#[derive(Debug)]
-struct NoAgent;
-
-impl Harness for NoAgent {
-    fn name(&self) -> &'static str {
-        "none"
-    }
-    fn bootstrap_recipe(&self) -> harness_core::Result<harness_core::bootstrap::BootstrapRecipe> {
-        Ok(Default::default())
-    }
-    fn turn_command(&self, _: &TurnContext<'_>) -> harness_core::Result<AgentCommand> {
-        Err(harness_core::Error::invalid("not used"))
-    }
-    fn parser(&self) -> Box<dyn OutputParser> {
-        unreachable!("not used")
-    }
-    fn state_dirs(&self, home: &str) -> Vec<String> {
-        vec![format!("{home}/.none")]
-    }
-}
-
 fn turn(n: u64, previous: Option<String>, rules: &CheckpointRules) -> TurnState {
-    let mut s = TurnState::new("rules", &format!("t{n}"), "none", "p");
+    let mut s = TurnState::new("rules", format!("t{n}"), SCRIPT_AGENT, "p");
     s.checkpoint = previous;
     s.sandbox_config = Some(SandboxConfig {
         checkpoints: rules.clone(),
@@ -92,7 +71,7 @@ async fn excluded_and_gitignored_paths_stay_out_of_every_checkpoint() {
     )
     .await;
     let first = checkpoints
-        .checkpoint(a.as_ref(), &NoAgent, &turn(1, None, &rules))
+        .checkpoint(a.as_ref(), &ScriptHarness, &turn(1, None, &rules))
         .await
         .unwrap();
     // The next checkpoint, against the first: new files of both kinds.
@@ -102,7 +81,11 @@ async fn excluded_and_gitignored_paths_stay_out_of_every_checkpoint() {
     )
     .await;
     let second = checkpoints
-        .checkpoint(a.as_ref(), &NoAgent, &turn(2, Some(first.clone()), &rules))
+        .checkpoint(
+            a.as_ref(),
+            &ScriptHarness,
+            &turn(2, Some(first.clone()), &rules),
+        )
         .await
         .unwrap();
     let kept_first = [".gitignore", "node_modules/pkg/index.js", "src/main.rs"];
@@ -115,7 +98,7 @@ async fn excluded_and_gitignored_paths_stay_out_of_every_checkpoint() {
             .await
             .unwrap();
         checkpoints
-            .restore(key, b.as_ref(), &NoAgent)
+            .restore(key, b.as_ref(), &ScriptHarness)
             .await
             .unwrap();
         let mut want: Vec<String> = want.iter().map(|s| s.to_string()).collect();
@@ -127,7 +110,7 @@ async fn excluded_and_gitignored_paths_stay_out_of_every_checkpoint() {
     let all = checkpoints
         .checkpoint(
             a.as_ref(),
-            &NoAgent,
+            &ScriptHarness,
             &turn(3, None, &CheckpointRules::default()),
         )
         .await
@@ -137,7 +120,7 @@ async fn excluded_and_gitignored_paths_stay_out_of_every_checkpoint() {
         .await
         .unwrap();
     checkpoints
-        .restore(&all, c.as_ref(), &NoAgent)
+        .restore(&all, c.as_ref(), &ScriptHarness)
         .await
         .unwrap();
     let everything = files(c.as_ref()).await;

@@ -132,6 +132,10 @@ impl Queued {
 }
 
 /// What a connection receives.
+// `Msg` is the large variant (a server message can carry a turn status with
+// its sandbox handle); stored frames, nearly all traffic, travel as the
+// shared pointer, so boxing the rare message would buy nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone)]
 pub enum Outbound {
     /// A message for the peer (never a stored frame: those come as

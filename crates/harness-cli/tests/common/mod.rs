@@ -230,3 +230,65 @@ pub fn s3_store_flags(endpoint: &str, tag: &str) -> Vec<String> {
         format!("tests/{tag}-{}", uuid::Uuid::new_v4().simple()),
     ]
 }
+
+/// What a `harness` command did.
+pub struct Ran {
+    pub ok: bool,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl Ran {
+    /// Panics unless it succeeded.
+    pub fn expect_ok(self, what: &str) -> Self {
+        assert!(
+            self.ok,
+            "{what} failed:\n--- stdout\n{}\n--- stderr\n{}",
+            self.stdout, self.stderr
+        );
+        self
+    }
+
+    /// Panics unless it failed; its stderr.
+    pub fn expect_err(self, what: &str) -> String {
+        assert!(
+            !self.ok,
+            "{what} should have failed:\n--- stdout\n{}\n--- stderr\n{}",
+            self.stdout, self.stderr
+        );
+        self.stderr
+    }
+
+    /// Stdout then stderr.
+    pub fn all(&self) -> String {
+        format!("{}{}", self.stdout, self.stderr)
+    }
+}
+
+/// Run a `harness` command to its end with its output captured, killed
+/// after 5 minutes.
+pub async fn run_to_end(mut cmd: Command) -> Ran {
+    let what = format!("{cmd:?}");
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut cmd = tokio::process::Command::from(cmd);
+    cmd.kill_on_drop(true);
+    let out = tokio::time::timeout(std::time::Duration::from_secs(300), cmd.output())
+        .await
+        .unwrap_or_else(|_| panic!("{what} ran for 5 minutes"))
+        .expect("the harness binary runs");
+    Ran {
+        ok: out.status.success(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// The session a `harness run`/`restore` names in its "continue with
+/// `harness run --session ID PROMPT`".
+pub fn continued_session(text: &str) -> String {
+    text.split_whitespace()
+        .skip_while(|w| *w != "--session")
+        .nth(1)
+        .unwrap_or_else(|| panic!("names no session to continue:\n{text}"))
+        .to_string()
+}

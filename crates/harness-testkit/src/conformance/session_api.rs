@@ -781,13 +781,20 @@ pub async fn fork_copies_a_prefix_and_seals(t: &Target) {
     assert_eq!(info["session"], target.as_str(), "{info}");
     assert_eq!(info["forked_from"]["session"], id.as_str(), "{info}");
     assert_eq!(info["forked_from"]["until"], 1, "{info}");
-    assert_eq!(
-        info["last_seq"], 2,
-        "the prefix and the closing frame: {info}"
-    );
+    // The prefix and the closing frame; a server that takes turn-end
+    // checkpoints then puts the fork at its fork point with a
+    // `sandbox-reset` (here: no turn had ended, so none to restore). The
+    // Worker's forks are log copies: its sessions take no turn-end
+    // checkpoints yet (docs/turn-checkpoints.md, "Not yet").
+    let last_seq = info["last_seq"].as_u64().unwrap_or_default();
+    assert!(last_seq == 2 || last_seq == 3, "{info}");
     let (_, frames) = t
         .get(&format!("/v1/sessions/{target}/frames?after=0"), Some(HOST))
         .await;
+    if last_seq == 3 {
+        assert_eq!(frames[2]["body"]["type"], "sandbox-reset", "{frames}");
+        assert!(frames[2]["body"].get("checkpoint").is_none(), "{frames}");
+    }
     assert_eq!(frames[0], source_frames[0], "copied as it was");
     assert_eq!(frames[1]["body"]["type"], "turn-status", "{frames}");
     assert_eq!(frames[1]["body"]["turnId"], "t1", "{frames}");
