@@ -1163,6 +1163,8 @@ fn the_npm_package_builds_passes_its_tests_and_packs_clean() {
         files,
         [
             "README.md",
+            "dist/chat.d.ts",
+            "dist/chat.js",
             "dist/index.d.ts",
             "dist/index.js",
             "dist/session.d.ts",
