@@ -112,13 +112,14 @@ impl UiStreamMapper {
     }
 
     /// Forget that anything was sent, keeping what the frames told (which
-    /// tools and blocks exist): the next chunk opens a new stream of the
-    /// same message (`start`, `start-step`). For a stream that continues a
-    /// message the client already has, after the frames it saw were mapped
-    /// into this mapper and their chunks dropped.
+    /// tools, blocks and step exist): the next chunk opens a new stream of
+    /// the same message with `start`, and its parts go on in the step the
+    /// frames left open, as in a stream of the whole turn (so the message a
+    /// client continues is the one the history shows). For a stream that
+    /// continues a message the client already has, after the frames it saw
+    /// were mapped into this mapper and their chunks dropped.
     pub fn continue_message(&mut self) {
         self.started = false;
-        self.step_open = false;
         self.approval_request = None;
     }
 
@@ -269,9 +270,17 @@ impl UiStreamMapper {
                 tool_name,
                 input,
             } => {
-                self.step(out);
-                // The request may be read before the call it is about.
-                self.tool_call(tool_call_id, tool_name, input, out);
+                // The request belongs to its call's step (Claude Code ends
+                // the step with the call; a new one would hide the call
+                // from `lastAssistantMessageIsCompleteWithApprovalResponses`,
+                // which looks at the last step). It may be read before the
+                // call it is about: then it brings the call.
+                if self.tools.contains(tool_call_id) {
+                    self.start(out);
+                } else {
+                    self.step(out);
+                    self.tool_call(tool_call_id, tool_name, input, out);
+                }
                 self.approval_request = Some(approval_id.clone());
                 out.push(json!({
                     "type": "tool-approval-request",
@@ -584,6 +593,45 @@ mod tests {
         assert_eq!(fin[1]["finishReason"], "other");
         assert!(m.is_done());
         assert!(m.map(&frame(6, FrameBody::Sealed {})).is_empty());
+    }
+
+    #[test]
+    fn an_approval_request_stays_in_its_calls_step_and_brings_an_unseen_call() {
+        let part = |p| FrameBody::Part {
+            turn_id: "t".into(),
+            part: p,
+        };
+        let call = |id: &str| StreamPart::ToolCall {
+            tool_call_id: id.into(),
+            tool_name: "Bash".into(),
+            input: json!({"command": "ls"}),
+        };
+        let request = |id: &str| StreamPart::ToolApprovalRequest {
+            approval_id: format!("a-{id}"),
+            tool_call_id: id.into(),
+            tool_name: "Bash".into(),
+            input: json!({"command": "ls"}),
+        };
+        let mut m = UiStreamMapper::new("m");
+        let mut all = m.map(&frame(1, part(call("c1"))));
+        all.extend(m.map(&frame(2, part(StreamPart::FinishStep { usage: None }))));
+        all.extend(m.map(&frame(3, part(request("c1")))));
+        // A request read before its call: the call first, once.
+        all.extend(m.map(&frame(4, part(request("c2")))));
+        all.extend(m.map(&frame(5, part(call("c2")))));
+        assert_eq!(
+            types(&all),
+            vec![
+                "start",
+                "start-step",
+                "tool-input-available",
+                "finish-step",
+                "tool-approval-request",
+                "start-step",
+                "tool-input-available",
+                "tool-approval-request"
+            ]
+        );
     }
 
     #[test]

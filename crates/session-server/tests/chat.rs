@@ -368,13 +368,7 @@ async fn an_approval_response_continues_the_paused_stream() {
         // Only what follows the request: the client has the rest.
         assert_eq!(
             types(&stream),
-            [
-                "start",
-                "start-step",
-                "tool-output-available",
-                "finish-step",
-                "finish"
-            ],
+            ["start", "tool-output-available", "finish-step", "finish"],
             "{stream:?}"
         );
         assert_eq!(stream[0]["messageId"], "t1-assistant");

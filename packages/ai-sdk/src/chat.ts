@@ -10,7 +10,8 @@
 //   <button onClick={() => { chat.stop(); abortChat({ api, id: sessionId, headers }); }}>Stop</button>
 //
 // with `api = '<server>/v1/chat'`. Browser-safe: `fetch` only, no Node
-// module, no AI SDK import. Every rule is the server's.
+// module, no AI SDK import, only erasable TypeScript (Node runs the
+// source as it is). Every rule is the server's.
 
 /** Where the chat endpoint is, as given to `DefaultChatTransport`. */
 export type ChatEndpoint = {
@@ -36,13 +37,15 @@ export type ChatTurnEnd = {
 
 /** A refusal of the server: its HTTP status, code and message. */
 export class ChatRequestError extends Error {
-  constructor(
-    readonly status: number,
-    readonly code: string,
-    message: string,
-  ) {
+  /** The HTTP status. */
+  readonly status: number;
+  /** The server's error code (`no_active_turn`, `forbidden`, …). */
+  readonly code: string;
+  constructor(status: number, code: string, message: string) {
     super(message);
     this.name = 'ChatRequestError';
+    this.status = status;
+    this.code = code;
   }
 }
 
