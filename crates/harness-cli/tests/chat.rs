@@ -94,13 +94,23 @@ impl Example {
         let started = Instant::now();
         run(
             Command::new(&self.node)
-                .args(["node_modules/typescript/bin/tsc", "--noEmit", "-p", "tsconfig.json"])
+                .args([
+                    "node_modules/typescript/bin/tsc",
+                    "--noEmit",
+                    "-p",
+                    "tsconfig.json",
+                ])
                 .current_dir(self.app()),
             "tsc (examples/chat)",
         );
         run(
             Command::new(&self.node)
-                .args(["node_modules/vite/bin/vite.js", "build", "--logLevel", "warn"])
+                .args([
+                    "node_modules/vite/bin/vite.js",
+                    "build",
+                    "--logLevel",
+                    "warn",
+                ])
                 .current_dir(self.app()),
             "vite build (examples/chat)",
         );
@@ -240,13 +250,24 @@ async fn the_ai_sdk_chat_drives_codex() {
     the_ai_sdk_chat_drives(Agent::Codex).await;
 }
 
+/// The session's latest turn, as its meta tells it.
+async fn session_turn(serve: &Serve, session: &str) -> Value {
+    let info: Value = http()
+        .get(serve.url(&format!("/v1/sessions/{session}")))
+        .bearer_auth(CLIENT)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    info["meta"]["turn"].clone()
+}
+
 /// Processes of local sandboxes under `home` (their environment names the
 /// sandbox root).
 fn sandbox_processes(home: &Path) -> Vec<i32> {
-    let root = format!(
-        "HARNESS_SANDBOX_ROOT={}",
-        home.join("sandboxes").display()
-    );
+    let root = format!("HARNESS_SANDBOX_ROOT={}", home.join("sandboxes").display());
     let mut pids = Vec::new();
     for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
         let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
@@ -293,10 +314,19 @@ async fn the_example_app_chats_with_a_session_in_chromium() {
     c.goto(&open(&session)).await.unwrap();
     type_into(c, "#prompt", "run the tool").await;
     click(c, "#send").await;
-    let output = wait_text(&serve, c, ".tool[data-state=output-available] .output", "tool-ran").await;
+    let output = wait_text(
+        &serve,
+        c,
+        ".tool[data-state=output-available] .output",
+        "tool-ran",
+    )
+    .await;
     assert_eq!(output.trim(), "tool-ran");
     wait_text(&serve, c, ".message.assistant .turn-status", "finished").await;
-    assert_eq!(text_of(c, ".message.assistant .text").await, "The tool ran.");
+    assert_eq!(
+        text_of(c, ".message.assistant .text").await,
+        "The tool ran."
+    );
     assert_eq!(text_of(c, ".tool .tool-name").await, "Bash");
     screenshot_to(c, "chat", "tool-call").await;
 
@@ -306,7 +336,19 @@ async fn the_example_app_chats_with_a_session_in_chromium() {
     click(c, "#send").await;
     wait_text(&serve, c, "li[data-id=t2-assistant] .text", "slowly").await;
     c.refresh().await.unwrap();
-    wait_text(&serve, c, "li[data-id=t2-assistant] .turn-status", "finished").await;
+    let turn = session_turn(&serve, &session).await;
+    assert_eq!(
+        (turn["turn_id"].as_str(), turn["status"].as_str()),
+        (Some("t2"), Some("ready_for_next_step")),
+        "the page reloaded while the turn ran"
+    );
+    wait_text(
+        &serve,
+        c,
+        "li[data-id=t2-assistant] .turn-status",
+        "finished",
+    )
+    .await;
     assert_eq!(
         text_of(c, "li[data-id=t2-assistant] .text").await,
         "slowly and slower still."
@@ -330,17 +372,9 @@ async fn the_example_app_chats_with_a_session_in_chromium() {
     assert_eq!(status, "failed: aborted: stopped from the chat");
     let left = sandbox_processes(home.path());
     assert!(left.is_empty(), "processes left in the sandbox: {left:?}");
-    let info: Value = http()
-        .get(serve.url(&format!("/v1/sessions/{session}")))
-        .bearer_auth(CLIENT)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    assert_eq!(info["meta"]["turn"]["status"], "failed");
-    assert_eq!(info["meta"]["turn"]["error"], "aborted: stopped from the chat");
+    let turn = session_turn(&serve, &session).await;
+    assert_eq!(turn["status"], "failed");
+    assert_eq!(turn["error"], "aborted: stopped from the chat");
     screenshot_to(c, "chat", "stopped").await;
 
     // An approval from the page: the tool runs after Approve.
@@ -349,13 +383,32 @@ async fn the_example_app_chats_with_a_session_in_chromium() {
     c.refresh().await.unwrap();
     type_into(c, "#prompt", "run the tool").await;
     click(c, "#send").await;
-    wait_text(&serve, c, ".tool[data-state=approval-requested] .tool-name", "Bash").await;
+    wait_text(
+        &serve,
+        c,
+        ".tool[data-state=approval-requested] .tool-name",
+        "Bash",
+    )
+    .await;
     screenshot_to(c, "chat", "approval").await;
-    assert_eq!(count(c, ".tool .output").await, 0, "nothing ran before the answer");
+    assert_eq!(
+        count(c, ".tool .output").await,
+        0,
+        "nothing ran before the answer"
+    );
     click(c, ".tool .approve").await;
-    wait_text(&serve, c, ".tool[data-state=output-available] .output", "tool-ran").await;
+    wait_text(
+        &serve,
+        c,
+        ".tool[data-state=output-available] .output",
+        "tool-ran",
+    )
+    .await;
     wait_text(&serve, c, ".message.assistant .turn-status", "finished").await;
-    assert_eq!(text_of(c, ".message.assistant .text").await, "The tool ran.");
+    assert_eq!(
+        text_of(c, ".message.assistant .text").await,
+        "The tool ran."
+    );
     assert!(
         c.find(Locator::Css(".tool .approve")).await.is_err(),
         "the buttons are gone once answered"

@@ -205,4 +205,3 @@ pub async fn type_into(client: &Client, css: &str, text: &str) {
     el.clear().await.unwrap();
     el.send_keys(text).await.unwrap();
 }
-

@@ -86,9 +86,10 @@ pub fn node_modules(package: &Path, name: &str) -> Option<PathBuf> {
         if stale {
             let _ = std::fs::remove_dir(&claim);
         } else if started.elapsed() > Duration::from_secs(600) {
-            skip_or_fail(
-                &format!("another process has been installing {}'s dependencies for 10 minutes", package.display()),
-            );
+            skip_or_fail(&format!(
+                "another process has been installing {}'s dependencies for 10 minutes",
+                package.display()
+            ));
             return None;
         }
         std::thread::sleep(Duration::from_millis(500));
@@ -124,7 +125,10 @@ fn install_node_modules(
         Ok(o) if o.status.success() => {}
         other => {
             let _ = std::fs::remove_dir_all(&tmp);
-            skip_or_fail(&format!("npm ci of {} failed: {other:?}", package.display()));
+            skip_or_fail(&format!(
+                "npm ci of {} failed: {other:?}",
+                package.display()
+            ));
             return None;
         }
     }
@@ -139,4 +143,3 @@ fn install_node_modules(
     }
     Some(dir.join("node_modules"))
 }
-
