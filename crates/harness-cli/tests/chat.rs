@@ -252,16 +252,7 @@ async fn the_ai_sdk_chat_drives_codex() {
 
 /// The session's latest turn, as its meta tells it.
 async fn session_turn(serve: &Serve, session: &str) -> Value {
-    let info: Value = http()
-        .get(serve.url(&format!("/v1/sessions/{session}")))
-        .bearer_auth(CLIENT)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    info["meta"]["turn"].clone()
+    get_json(serve, &format!("/v1/sessions/{session}")).await["meta"]["turn"].clone()
 }
 
 /// Processes of local sandboxes under `home` (their environment names the

@@ -71,6 +71,13 @@ async fn runner(srv: &TestServer, session: &str) -> Ws {
     .await
 }
 
+/// Send parts one after the other as the runner.
+async fn parts<const N: usize>(ws: &mut Ws, turn: &str, parts: [Value; N]) {
+    for p in parts {
+        part(ws, turn, p).await;
+    }
+}
+
 /// Send a part as the runner and wait for its one answer (`received` for
 /// a live text part, else the ack).
 async fn part(ws: &mut Ws, turn: &str, part: Value) {
@@ -95,16 +102,21 @@ async fn status(ws: &mut Ws, turn: &str, status: &str) {
     let _ = answer(ws, &mut seen).await;
 }
 
-async fn count_frames(srv: &TestServer, session: &str, kind: &str) -> usize {
-    let frames: Vec<Value> = srv
-        .http
-        .get(format!("{}/v1/sessions/{session}/export", srv.base))
+/// `GET path`, its JSON body.
+async fn get_json(srv: &TestServer, path: &str) -> Value {
+    srv.http
+        .get(format!("{}{path}", srv.base))
         .send()
         .await
         .unwrap()
         .json()
         .await
-        .unwrap();
+        .unwrap()
+}
+
+async fn count_frames(srv: &TestServer, session: &str, kind: &str) -> usize {
+    let frames = get_json(srv, &format!("/v1/sessions/{session}/export")).await;
+    let frames = frames.as_array().unwrap();
     frames.iter().filter(|f| f["body"]["type"] == kind).count()
 }
 
@@ -115,32 +127,19 @@ async fn a_prompt_streams_its_turn_and_a_retried_post_starts_nothing_new() {
     let first = chat_body("c", vec![user("m1", "hello")]);
     let response = post_chat(&srv, &first).await;
     let mut run = runner(&srv, "c").await;
-    part(&mut run, "t1", json!({"type": "stream-start"})).await;
-    part(&mut run, "t1", json!({"type": "text-start", "id": "b"})).await;
-    part(
+    parts(
         &mut run,
         "t1",
-        json!({"type": "text-delta", "id": "b", "delta": "Hel"}),
-    )
-    .await;
-    part(
-        &mut run,
-        "t1",
-        json!({"type": "text-delta", "id": "b", "delta": "lo"}),
-    )
-    .await;
-    part(&mut run, "t1", json!({"type": "text-end", "id": "b"})).await;
-    part(&mut run, "t1", json!({"type": "tool-call", "toolCallId": "c1", "toolName": "Bash", "input": {"command": "ls"}})).await;
-    part(
-        &mut run,
-        "t1",
-        json!({"type": "tool-result", "toolCallId": "c1", "toolName": "Bash", "output": "a.txt"}),
-    )
-    .await;
-    part(
-        &mut run,
-        "t1",
-        json!({"type": "finish", "finishReason": "end_turn"}),
+        [
+            json!({"type": "stream-start"}),
+            json!({"type": "text-start", "id": "b"}),
+            json!({"type": "text-delta", "id": "b", "delta": "Hel"}),
+            json!({"type": "text-delta", "id": "b", "delta": "lo"}),
+            json!({"type": "text-end", "id": "b"}),
+            json!({"type": "tool-call", "toolCallId": "c1", "toolName": "Bash", "input": {"command": "ls"}}),
+            json!({"type": "tool-result", "toolCallId": "c1", "toolName": "Bash", "output": "a.txt"}),
+            json!({"type": "finish", "finishReason": "end_turn"}),
+        ],
     )
     .await;
     status(&mut run, "t1", "finished").await;
@@ -199,11 +198,13 @@ async fn a_prompt_streams_its_turn_and_a_retried_post_starts_nothing_new() {
         ],
     );
     let response = post_chat(&srv, &second).await;
-    part(&mut run, "t2", json!({"type": "text-start", "id": "x"})).await;
-    part(
+    parts(
         &mut run,
         "t2",
-        json!({"type": "text-delta", "id": "x", "delta": "partial "}),
+        [
+            json!({"type": "text-start", "id": "x"}),
+            json!({"type": "text-delta", "id": "x", "delta": "partial "}),
+        ],
     )
     .await;
     let last = srv.last_seq("c").await;
@@ -225,22 +226,16 @@ async fn a_prompt_streams_its_turn_and_a_retried_post_starts_nothing_new() {
         .await
         .unwrap();
     assert_eq!(resumed.status(), 200);
-    let history: Vec<Value> = srv
-        .http
-        .get(format!("{}/v1/chat/c/messages", srv.base))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    part(
+    let history = get_json(&srv, "/v1/chat/c/messages").await;
+    parts(
         &mut run,
         "t2",
-        json!({"type": "text-delta", "id": "x", "delta": "done"}),
+        [
+            json!({"type": "text-delta", "id": "x", "delta": "done"}),
+            json!({"type": "text-end", "id": "x"}),
+        ],
     )
     .await;
-    part(&mut run, "t2", json!({"type": "text-end", "id": "x"})).await;
     status(&mut run, "t2", "finished").await;
     for stream in [chunks(response).await, chunks(resumed).await] {
         assert_eq!(stream[0]["messageId"], "t2-assistant");
@@ -261,18 +256,15 @@ async fn a_prompt_streams_its_turn_and_a_retried_post_starts_nothing_new() {
     // History: the running turn's text was not stored yet, so its
     // assistant message is not there (the resume stream brings it);
     // afterwards every turn is there.
-    assert_eq!(history.len(), 3, "{history:#?}");
+    assert_eq!(history.as_array().unwrap().len(), 3, "{history:#?}");
     assert_eq!(history[2]["id"], "t2-user");
-    let history: Vec<Value> = srv
-        .http
-        .get(format!("{}/v1/chat/c/messages", srv.base))
-        .send()
-        .await
+    let history = get_json(&srv, "/v1/chat/c/messages").await;
+    let ids: Vec<&str> = history
+        .as_array()
         .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let ids: Vec<&str> = history.iter().map(|m| m["id"].as_str().unwrap()).collect();
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
     assert_eq!(ids, ["t1-user", "t1-assistant", "t2-user", "t2-assistant"]);
     assert_eq!(history[0]["parts"][0]["text"], "hello");
     assert_eq!(history[1]["parts"][1]["text"], "Hello");
@@ -287,8 +279,15 @@ async fn an_approval_response_continues_the_paused_stream() {
     srv.create("a").await;
     let response = post_chat(&srv, &chat_body("a", vec![user("p1", "run ls")])).await;
     let mut run = runner(&srv, "a").await;
-    part(&mut run, "t1", json!({"type": "tool-call", "toolCallId": "c1", "toolName": "Bash", "input": {"command": "ls"}})).await;
-    part(&mut run, "t1", json!({"type": "tool-approval-request", "approvalId": "ap1", "toolCallId": "c1", "toolName": "Bash", "input": {"command": "ls"}})).await;
+    parts(
+        &mut run,
+        "t1",
+        [
+            json!({"type": "tool-call", "toolCallId": "c1", "toolName": "Bash", "input": {"command": "ls"}}),
+            json!({"type": "tool-approval-request", "approvalId": "ap1", "toolCallId": "c1", "toolName": "Bash", "input": {"command": "ls"}}),
+        ],
+    )
+    .await;
     let first = chunks(response).await;
     assert_eq!(
         types(&first),
@@ -373,15 +372,7 @@ async fn an_approval_response_continues_the_paused_stream() {
         );
         assert_eq!(stream[0]["messageId"], "t1-assistant");
     }
-    let history: Vec<Value> = srv
-        .http
-        .get(format!("{}/v1/chat/a/messages", srv.base))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let history = get_json(&srv, "/v1/chat/a/messages").await;
     let tool = &history[1]["parts"][1];
     assert_eq!(tool["state"], "output-available", "{history:#?}");
     assert_eq!(tool["approval"], json!({"id": "ap1", "approved": true}));
