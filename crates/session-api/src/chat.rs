@@ -30,6 +30,11 @@ use serde_json::{json, Map, Value};
 use crate::error::ApiError;
 use crate::ui_stream::UiStreamMapper;
 
+/// Largest `POST /v1/chat` body: `useChat` sends the whole conversation
+/// with every request (only its last message is read). A conversation
+/// past it can send just the last message (`prepareSendMessagesRequest`).
+pub const MAX_CHAT_BODY: usize = 32 * 1024 * 1024;
+
 /// Longest message id accepted (it becomes an idempotency key).
 pub const MAX_MESSAGE_ID: usize = 256;
 

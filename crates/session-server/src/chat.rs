@@ -48,7 +48,15 @@ pub(crate) async fn post(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
-    let bytes = read_body(body, state.body_limit()).await?;
+    // A wrong token is refused before a body of up to 32 MiB is read; the
+    // session it may act on is named in the body.
+    let token = crate::auth::bearer(&headers, params.get("access_token").map(String::as_str));
+    session_api::auth::grants_of(
+        &state.config.tokens,
+        state.config.insecure_no_auth,
+        token.as_deref(),
+    )?;
+    let bytes = read_body(body, chat::MAX_CHAT_BODY).await?;
     let request = ChatRequest::parse(&bytes)?;
     let id = request.session;
     state.auth(&headers, &params, Some(&id), CLIENT)?;

@@ -193,7 +193,10 @@ async fn a_prompt_streams_its_turn_and_a_retried_post_starts_nothing_new() {
         "c",
         vec![
             user("m1", "hello"),
-            json!({"id": "t1-assistant", "role": "assistant", "parts": []}),
+            // useChat sends the whole conversation, over the frame limit
+            // here: only the last message is read.
+            json!({"id": "t1-assistant", "role": "assistant",
+                   "parts": [{"type": "text", "text": "x".repeat(3 << 20)}]}),
             user("m2", "more"),
         ],
     );
@@ -479,6 +482,16 @@ async fn bad_chat_requests_get_clear_errors_and_store_nothing() {
         );
         assert!(!message.is_empty());
     }
+    // A wrong token is refused before the body is read.
+    let r = srv
+        .http
+        .post(format!("{}/v1/chat", srv.base))
+        .bearer_auth("wrong")
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(error_of(r).await.0, 401);
     let r = srv
         .http
         .post(format!("{}/v1/chat", srv.base))
