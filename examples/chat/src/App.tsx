@@ -118,7 +118,7 @@ function Chat({ session, headers, history }: { session: string; headers: Record<
       </ol>
       <p id="status" aria-live="polite" data-status={status}>
         {status}
-        {error && <span className="error"> — {error.message}</span>}
+        {error && <span className="error"> — {describe(error)}</span>}
         {stopped?.turnId && <span className="stopped"> — turn {stopped.turnId} {stopped.status}: {stopped.error}</span>}
       </p>
       <form id="composer" onSubmit={send}>
@@ -128,6 +128,15 @@ function Chat({ session, headers, history }: { session: string; headers: Record<
       </form>
     </main>
   );
+}
+
+/** The server's message of a refused request (its body is `{"error": {code, message}}`). */
+function describe(error: Error): string {
+  try {
+    return JSON.parse(error.message).error.message ?? error.message;
+  } catch {
+    return error.message;
+  }
 }
 
 function Tool({ part, answer }: { part: DynamicToolUIPart; answer: (approved: boolean) => void }) {

@@ -139,6 +139,24 @@ if (args.agent === 'claude-code') {
   await waitFor('the slow text', () => last(c).role === 'assistant' && text(last(c)).startsWith('slowly'));
   await c.stop();
   await dropped;
+  // While it runs, what a page cannot do is an error it can show, and
+  // stores nothing: a prompt, an answer to no pending request.
+  const turns = (await info(args.session)).meta.turns;
+  const busy = chat(args.session);
+  await busy.sendMessage({ text: 'busy?' });
+  assert.equal(busy.status, 'error');
+  assert.equal(JSON.parse(busy.error.message).error.code, 'turn_in_progress');
+  assert.match(JSON.parse(busy.error.message).error.message, /t3 is still running/);
+  const stray = chat(args.session, [
+    { id: 't1-assistant', role: 'assistant', parts: [
+      { type: 'dynamic-tool', toolName: 'Bash', toolCallId: 'x', state: 'approval-responded', input: {}, approval: { id: 'nope', approved: true } },
+    ] },
+  ]);
+  await stray.sendMessage();
+  assert.equal(stray.status, 'error');
+  assert.equal(JSON.parse(stray.error.message).error.code, 'no_pending_approval');
+  assert.equal((await info(args.session)).meta.turns, turns, 'nothing stored');
+  result.refusals = [busy.error.message, stray.error.message].map((m) => JSON.parse(m).error.message);
   const t3 = await waitFor('the dropped turn to end', async () => {
     const t = (await info(args.session)).meta.turn;
     return t.turn_id === 't3' && t.status !== 'not_started' && t.status !== 'ready_for_next_step' ? t : null;
