@@ -329,11 +329,31 @@ pub fn is_approval_request(frame: &Frame, approval_id: &str) -> bool {
 /// the turn sends, with `metadata` `{turnId, status, error?}` (`status`
 /// `running` while the turn has not ended). Answers to permission requests
 /// are folded into their tool part's `approval`. Text still streaming (not
-/// stored yet) is not in it; a `resume` stream brings it.
+/// stored yet) is not in it; a `resume` stream brings it. A
+/// `sandbox-reset` (a rewind to turn `T`) drops the turns after `T`: the
+/// agent's conversation no longer holds them.
 pub fn history<'a>(frames: impl IntoIterator<Item = &'a Frame>) -> Vec<Value> {
-    let mut out = Vec::new();
+    let mut out: Vec<Value> = Vec::new();
     let mut current: Option<(UiStreamMapper, Assistant)> = None;
     for frame in frames {
+        if let FrameBody::SandboxReset { turn_id, .. } = &frame.body {
+            // A rewind: the turns after `turn_id` are no longer the
+            // agent's conversation, so they leave the history.
+            if let Some((_, done)) = current.take() {
+                out.extend(done.into_message());
+            }
+            let keep = match turn_id {
+                Some(turn) => out
+                    .iter()
+                    .rposition(|m| {
+                        m["id"] == user_message_id(turn) || m["id"] == assistant_message_id(turn)
+                    })
+                    .map_or(out.len(), |i| i + 1),
+                None => 0,
+            };
+            out.truncate(keep);
+            continue;
+        }
         if let FrameBody::UserMessage {
             text,
             turn_id: Some(turn),
@@ -771,6 +791,7 @@ mod tests {
                     error: None,
                     sandbox: None,
                     agent_session_id: None,
+                    checkpoint: None,
                 },
             ),
             f(
@@ -817,6 +838,61 @@ mod tests {
             h[3]["parts"][1],
             json!({"type": "reasoning", "id": "b2", "text": "hmm", "state": "done"})
         );
+    }
+
+    #[test]
+    fn a_rewind_drops_the_turns_after_its_turn_from_the_history() {
+        let prompt = |seq, turn: &str| {
+            f(
+                seq,
+                FrameBody::UserMessage {
+                    text: format!("prompt of {turn}"),
+                    turn_id: Some(turn.into()),
+                },
+            )
+        };
+        let reset = |seq, turn: Option<&str>| {
+            f(
+                seq,
+                FrameBody::SandboxReset {
+                    turn_id: turn.map(str::to_string),
+                    checkpoint: None,
+                    agent_session_id: None,
+                    provider: None,
+                    reason: "rewind".into(),
+                },
+            )
+        };
+        let ended = |seq, turn: &str| {
+            f(
+                seq,
+                FrameBody::TurnStatus {
+                    turn_id: turn.into(),
+                    status: TurnStatus::Finished,
+                    error: None,
+                    sandbox: None,
+                    agent_session_id: None,
+                    checkpoint: None,
+                },
+            )
+        };
+        let ids = |frames: &[Frame]| -> Vec<String> {
+            history(frames)
+                .iter()
+                .map(|m| m["id"].as_str().unwrap().to_string())
+                .collect()
+        };
+        let mut frames = vec![
+            prompt(1, "t1"),
+            ended(2, "t1"),
+            prompt(3, "t2"),
+            ended(4, "t2"),
+            reset(5, Some("t1")),
+            prompt(6, "t3"),
+        ];
+        assert_eq!(ids(&frames), ["t1-user", "t1-assistant", "t3-user"]);
+        frames.push(reset(7, None));
+        assert!(ids(&frames).is_empty());
     }
 
     #[test]
@@ -904,6 +980,7 @@ mod tests {
                     error: Some("aborted: stop".into()),
                     sandbox: None,
                     agent_session_id: None,
+                    checkpoint: None,
                 },
             ),
         );

@@ -403,7 +403,11 @@ pub fn frame_turn(body: &FrameBody) -> Option<&str> {
         | FrameBody::TurnStatus { turn_id, .. }
         | FrameBody::HostCall { turn_id, .. }
         | FrameBody::HostOutcome { turn_id, .. } => Some(turn_id),
-        FrameBody::RunnerAttached { .. } | FrameBody::Sealed {} => None,
+        // A sandbox reset names the turn the session goes back to; it is
+        // the session's, not part of any turn's stream.
+        FrameBody::RunnerAttached { .. }
+        | FrameBody::SandboxReset { .. }
+        | FrameBody::Sealed {} => None,
     }
 }
 
