@@ -19,12 +19,16 @@
 //!   a time, then the actor; keep-alives);
 //! - [`ui_stream`]: session messages as an AI SDK UI message stream
 //!   (`/ui-stream`), a pure mapping;
+//! - [`chat`]: a session as the AI SDK's chat endpoint (`useChat`): the
+//!   request read into a prompt or approval answers, the log as
+//!   `UIMessage[]`;
 //! - [`ws`]: the session WebSocket's roles, their grants, and inbound
 //!   messages typed or refused.
 //!
 //! See `docs/session-server.md` for the API itself.
 
 pub mod auth;
+pub mod chat;
 pub mod error;
 pub mod request;
 pub mod sse;

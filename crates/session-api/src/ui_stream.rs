@@ -20,6 +20,13 @@
 //! - `file-change` → `data-file-change`;
 //! - `error` → `error`; `finish`, a terminal `turn-status` or `sealed` →
 //!   `finish`, then done.
+//!
+//! A mapper [`for_turn`](UiStreamMapper::for_turn) is the chat endpoint's
+//! (`crate::chat`): it maps one turn's frames only, its `start` and
+//! `finish` carry the turn as message metadata, and it ends at the turn's
+//! terminal `turn-status` (the agent's `finish` part comes a moment
+//! before it, while the turn still counts as running: a client that
+//! prompted again at `finish` would be refused).
 
 use std::collections::HashSet;
 
@@ -40,7 +47,16 @@ pub struct UiStreamMapper {
     step_open: bool,
     /// Blocks whose start was sent live: (is_reasoning, id).
     live_blocks: HashSet<(bool, String)>,
+    /// Tool calls already sent (`tool-input-available`): a call is sent
+    /// once, whether its `tool-call` or its approval request comes first.
+    tools: HashSet<String>,
     finished: bool,
+    /// Set for a chat stream: only this turn's frames, ended by its status.
+    turn: Option<String>,
+    /// The agent's own finish reason, kept for the turn's end (chat).
+    finish_reason: Option<String>,
+    /// The approval id of the request mapped last, until taken.
+    approval_request: Option<String>,
 }
 
 impl UiStreamMapper {
@@ -51,8 +67,60 @@ impl UiStreamMapper {
             started: false,
             step_open: false,
             live_blocks: HashSet::new(),
+            tools: HashSet::new(),
             finished: false,
+            turn: None,
+            finish_reason: None,
+            approval_request: None,
         }
+    }
+
+    /// A mapper for the assistant message of turn `turn_id` (the chat
+    /// endpoint's): other turns' frames map to nothing, `start` carries
+    /// `{"turnId"}` and `finish` `{"turnId", "status", "error"?}` as message
+    /// metadata, and the stream ends at the turn's terminal status.
+    pub fn for_turn(message_id: impl Into<String>, turn_id: impl Into<String>) -> Self {
+        Self {
+            turn: Some(turn_id.into()),
+            ..Self::new(message_id)
+        }
+    }
+
+    /// The approval id of a `tool-approval-request` the last
+    /// [`map`](Self::map) produced (taken: asked once per request).
+    pub fn take_approval_request(&mut self) -> Option<String> {
+        self.approval_request.take()
+    }
+
+    /// End the stream here because the turn waits for an answer to a
+    /// permission request: `finish-step`, then `finish` with reason
+    /// `tool-calls` (and, for a turn's mapper, the status
+    /// `awaiting_tool_approval` in the metadata). The client answers with a
+    /// new request (`addToolApprovalResponse`), whose stream continues the
+    /// message.
+    pub fn pause_for_approval(&mut self) -> Vec<Value> {
+        let mut out = Vec::new();
+        if !self.finished {
+            self.start(&mut out);
+            let metadata = self
+                .turn
+                .as_ref()
+                .map(|turn| json!({"turnId": turn, "status": TurnStatus::AwaitingToolApproval}));
+            self.finish_with("tool-calls", metadata, &mut out);
+        }
+        out
+    }
+
+    /// Forget that anything was sent, keeping what the frames told (which
+    /// tools, blocks and step exist): the next chunk opens a new stream of
+    /// the same message with `start`, and its parts go on in the step the
+    /// frames left open, as in a stream of the whole turn (so the message a
+    /// client continues is the one the history shows). For a stream that
+    /// continues a message the client already has, after the frames it saw
+    /// were mapped into this mapper and their chunks dropped.
+    pub fn continue_message(&mut self) {
+        self.started = false;
+        self.approval_request = None;
     }
 
     /// True once `finish` was produced: write `[DONE]` and end the stream.
@@ -67,8 +135,14 @@ impl UiStreamMapper {
             return out;
         }
         match message {
-            ServerMessage::Live { part, .. } => self.live(part, &mut out),
-            ServerMessage::Frame { frame } => self.frame(&frame.body, &mut out),
+            ServerMessage::Live { part, turn_id } if self.ours(turn_id) => {
+                self.live(part, &mut out)
+            }
+            ServerMessage::Live { .. } => {}
+            ServerMessage::Frame { frame } => match frame_turn(&frame.body) {
+                Some(turn) if !self.ours(turn) => {}
+                _ => self.frame(&frame.body, &mut out),
+            },
             ServerMessage::Ack { .. }
             | ServerMessage::Received {}
             | ServerMessage::Error { .. }
@@ -82,8 +156,17 @@ impl UiStreamMapper {
     fn start(&mut self, out: &mut Vec<Value>) {
         if !self.started {
             self.started = true;
-            out.push(json!({"type": "start", "messageId": self.message_id}));
+            let mut start = json!({"type": "start", "messageId": self.message_id});
+            if let Some(turn) = &self.turn {
+                start["messageMetadata"] = json!({"turnId": turn});
+            }
+            out.push(start);
         }
+    }
+
+    /// Whether a frame about `turn_id` belongs in this stream.
+    fn ours(&self, turn_id: &str) -> bool {
+        self.turn.as_deref().is_none_or(|t| t == turn_id)
     }
 
     fn step(&mut self, out: &mut Vec<Value>) {
@@ -138,12 +221,20 @@ impl UiStreamMapper {
                 if let Some(error) = error {
                     out.push(json!({"type": "error", "errorText": error}));
                 }
-                let reason = match status {
-                    TurnStatus::Finished => "stop",
-                    TurnStatus::Failed => "error",
-                    _ => "other",
+                let reason = match (status, self.finish_reason.take()) {
+                    (TurnStatus::Finished, Some(agent)) => agent,
+                    (TurnStatus::Finished, None) => "stop".into(),
+                    (TurnStatus::Failed, _) => "error".into(),
+                    _ => "other".into(),
                 };
-                self.finish(reason, out);
+                let metadata = self.turn.as_ref().map(|turn| {
+                    let mut m = json!({"turnId": turn, "status": status});
+                    if let Some(error) = error {
+                        m["error"] = json!(error);
+                    }
+                    m
+                });
+                self.finish_with(&reason, metadata, out);
             }
             FrameBody::Sealed {} => {
                 self.start(out);
@@ -171,20 +262,26 @@ impl UiStreamMapper {
                 input,
             } => {
                 self.step(out);
-                out.push(json!({
-                    "type": "tool-input-available",
-                    "toolCallId": tool_call_id,
-                    "toolName": tool_name,
-                    "input": input,
-                    "dynamic": true,
-                }));
+                self.tool_call(tool_call_id, tool_name, input, out);
             }
             StreamPart::ToolApprovalRequest {
                 approval_id,
                 tool_call_id,
-                ..
+                tool_name,
+                input,
             } => {
-                self.step(out);
+                // The request belongs to its call's step (Claude Code ends
+                // the step with the call; a new one would hide the call
+                // from `lastAssistantMessageIsCompleteWithApprovalResponses`,
+                // which looks at the last step). It may be read before the
+                // call it is about: then it brings the call.
+                if self.tools.contains(tool_call_id) {
+                    self.start(out);
+                } else {
+                    self.step(out);
+                    self.tool_call(tool_call_id, tool_name, input, out);
+                }
+                self.approval_request = Some(approval_id.clone());
                 out.push(json!({
                     "type": "tool-approval-request",
                     "approvalId": approval_id,
@@ -226,6 +323,14 @@ impl UiStreamMapper {
                 self.step_open = false;
                 out.push(json!({"type": "finish-step"}));
             }
+            // A turn's stream ends at the turn's status, which follows.
+            StreamPart::Finish { finish_reason, .. } if self.turn.is_some() => {
+                self.finish_reason = Some(normalize_reason(finish_reason));
+                if self.step_open {
+                    self.step_open = false;
+                    out.push(json!({"type": "finish-step"}));
+                }
+            }
             StreamPart::Finish { finish_reason, .. } => {
                 self.start(out);
                 self.finish(&normalize_reason(finish_reason), out);
@@ -255,13 +360,54 @@ impl UiStreamMapper {
         }
     }
 
+    /// `tool-input-available` for a call not sent yet.
+    fn tool_call(&mut self, id: &str, name: &str, input: &Value, out: &mut Vec<Value>) {
+        if self.tools.insert(id.to_string()) {
+            out.push(json!({
+                "type": "tool-input-available",
+                "toolCallId": id,
+                "toolName": name,
+                "input": input,
+                "dynamic": true,
+            }));
+        }
+    }
+
     fn finish(&mut self, reason: &str, out: &mut Vec<Value>) {
+        self.finish_with(reason, None, out);
+    }
+
+    fn finish_with(&mut self, reason: &str, metadata: Option<Value>, out: &mut Vec<Value>) {
         if self.step_open {
             self.step_open = false;
             out.push(json!({"type": "finish-step"}));
         }
-        out.push(json!({"type": "finish", "finishReason": reason}));
+        let mut finish = json!({"type": "finish", "finishReason": reason});
+        if let Some(metadata) = metadata {
+            finish["messageMetadata"] = metadata;
+        }
+        out.push(finish);
         self.finished = true;
+    }
+}
+
+/// The turn a frame is about, if it is about one.
+pub fn frame_turn(body: &FrameBody) -> Option<&str> {
+    match body {
+        FrameBody::UserMessage { turn_id, .. } | FrameBody::ApprovalResponse { turn_id, .. } => {
+            turn_id.as_deref()
+        }
+        FrameBody::AbortRequested { turn_id, .. }
+        | FrameBody::Part { turn_id, .. }
+        | FrameBody::Message { turn_id, .. }
+        | FrameBody::TurnStatus { turn_id, .. }
+        | FrameBody::HostCall { turn_id, .. }
+        | FrameBody::HostOutcome { turn_id, .. } => Some(turn_id),
+        // A sandbox reset names the turn the session goes back to; it is
+        // the session's, not part of any turn's stream.
+        FrameBody::RunnerAttached { .. }
+        | FrameBody::SandboxReset { .. }
+        | FrameBody::Sealed {} => None,
     }
 }
 
@@ -451,6 +597,45 @@ mod tests {
         assert_eq!(fin[1]["finishReason"], "other");
         assert!(m.is_done());
         assert!(m.map(&frame(6, FrameBody::Sealed {})).is_empty());
+    }
+
+    #[test]
+    fn an_approval_request_stays_in_its_calls_step_and_brings_an_unseen_call() {
+        let part = |p| FrameBody::Part {
+            turn_id: "t".into(),
+            part: p,
+        };
+        let call = |id: &str| StreamPart::ToolCall {
+            tool_call_id: id.into(),
+            tool_name: "Bash".into(),
+            input: json!({"command": "ls"}),
+        };
+        let request = |id: &str| StreamPart::ToolApprovalRequest {
+            approval_id: format!("a-{id}"),
+            tool_call_id: id.into(),
+            tool_name: "Bash".into(),
+            input: json!({"command": "ls"}),
+        };
+        let mut m = UiStreamMapper::new("m");
+        let mut all = m.map(&frame(1, part(call("c1"))));
+        all.extend(m.map(&frame(2, part(StreamPart::FinishStep { usage: None }))));
+        all.extend(m.map(&frame(3, part(request("c1")))));
+        // A request read before its call: the call first, once.
+        all.extend(m.map(&frame(4, part(request("c2")))));
+        all.extend(m.map(&frame(5, part(call("c2")))));
+        assert_eq!(
+            types(&all),
+            vec![
+                "start",
+                "start-step",
+                "tool-input-available",
+                "finish-step",
+                "tool-approval-request",
+                "start-step",
+                "tool-input-available",
+                "tool-approval-request"
+            ]
+        );
     }
 
     #[test]

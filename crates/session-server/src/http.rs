@@ -31,7 +31,7 @@ use crate::error::ApiError;
 use session_runtime::{Connection, Hub, Outbound, SharedFrame};
 
 /// Frames read from the log per page (catch-up, export).
-const PAGE: usize = harness_core::actor_driver::REPLAY_PAGE;
+pub(crate) const PAGE: usize = harness_core::actor_driver::REPLAY_PAGE;
 use crate::ui_stream::{UiStreamMapper, UI_STREAM_HEADER};
 use crate::ServerConfig;
 use session_api::request::ENVELOPE_SLACK;
@@ -39,7 +39,7 @@ use session_api::sse::{EventsReader, EventsStep, KEEP_ALIVE_INTERVAL};
 use session_api::ws::{self, Inbound};
 
 /// How long an HTTP write waits for the actor's answer.
-const ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
 
 #[derive(Debug)]
 pub(crate) struct AppState {
@@ -49,8 +49,8 @@ pub(crate) struct AppState {
     pub(crate) runners: Option<Arc<crate::runners::RemoteRunners>>,
 }
 
-type Shared = State<Arc<AppState>>;
-type Params = Query<HashMap<String, String>>;
+pub(crate) type Shared = State<Arc<AppState>>;
+pub(crate) type Params = Query<HashMap<String, String>>;
 
 pub(crate) fn router(state: Arc<AppState>) -> Router {
     Router::new()
@@ -70,6 +70,10 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/v1/sessions/{id}/seal", post(seal))
         .route("/v1/sessions/{id}/rewind", post(rewind))
         .route("/v1/sessions/{id}/ui-stream", get(ui_stream))
+        .route("/v1/chat", post(crate::chat::post))
+        .route("/v1/chat/{id}/stream", get(crate::chat::resume))
+        .route("/v1/chat/{id}/messages", get(crate::chat::messages))
+        .route("/v1/chat/{id}/abort", post(crate::chat::abort))
         .route("/v1/runner", get(runner_channel))
         .fallback(|| async {
             ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
@@ -93,6 +97,7 @@ async fn trace_request(request: axum::extract::Request, next: axum::middleware::
         .uri()
         .path()
         .strip_prefix("/v1/sessions/")
+        .or_else(|| request.uri().path().strip_prefix("/v1/chat/"))
         .and_then(|rest| rest.split('/').next())
         .unwrap_or("")
         .to_string();
@@ -108,11 +113,11 @@ async fn trace_request(request: axum::extract::Request, next: axum::middleware::
     response
 }
 
-const READERS: &[GrantRole] = &[GrantRole::Client, GrantRole::Runner];
+pub(crate) const READERS: &[GrantRole] = &[GrantRole::Client, GrantRole::Runner];
 const HOST: &[GrantRole] = &[GrantRole::Host];
 
 impl AppState {
-    fn auth(
+    pub(crate) fn auth(
         &self,
         headers: &HeaderMap,
         params: &HashMap<String, String>,
@@ -129,14 +134,14 @@ impl AppState {
         )
     }
 
-    fn body_limit(&self) -> usize {
+    pub(crate) fn body_limit(&self) -> usize {
         self.config.max_frame_bytes.saturating_add(ENVELOPE_SLACK)
     }
 }
 
 // Ids, parameters and the create body are read as the Worker reads them
 // (`session-api`).
-fn session_id(raw: &str) -> Result<SessionId, ApiError> {
+pub(crate) fn session_id(raw: &str) -> Result<SessionId, ApiError> {
     session_api::request::session_id(raw).map_err(ApiError::from)
 }
 
@@ -149,7 +154,7 @@ fn param_flag(params: &HashMap<String, String>, name: &str) -> bool {
 }
 
 /// Read a request body, refusing more than `limit` bytes with a JSON 413.
-async fn read_body(body: Body, limit: usize) -> Result<axum::body::Bytes, ApiError> {
+pub(crate) async fn read_body(body: Body, limit: usize) -> Result<axum::body::Bytes, ApiError> {
     axum::body::to_bytes(body, limit).await.map_err(|e| {
         // axum names no type for the limit error (it is http-body-util's
         // `LengthLimitError`); its message is stable.
@@ -444,7 +449,7 @@ async fn post_message(
 /// Send stored frames after `after` to `send` straight from the log, then
 /// connect to the actor at the last seq sent. Returns the connection and the
 /// cursor, or `None` when the receiver went away.
-async fn catch_up_and_connect<F>(
+pub(crate) async fn catch_up_and_connect<F>(
     state: &AppState,
     hub: &Arc<Hub>,
     id: &SessionId,
@@ -471,7 +476,7 @@ where
 
 /// An SSE body fed by a channel; the producer notices a gone reader through
 /// `Sender::closed`.
-fn sse_from(
+pub(crate) fn sse_from(
     rx: mpsc::Receiver<Event>,
 ) -> Sse<impl futures::Stream<Item = Result<Event, Infallible>>> {
     let stream = futures::stream::unfold(rx, |mut rx| async move {

@@ -34,6 +34,7 @@ use harness_core::SessionId;
 use session_runtime::{Hub, HubConfig};
 
 mod auth;
+mod chat;
 pub mod durable_streams;
 mod error;
 mod http;

@@ -6,7 +6,9 @@
 
 #![allow(dead_code)]
 
+pub mod browser;
 pub mod docker;
+pub mod npm;
 pub mod server;
 
 use std::path::Path;

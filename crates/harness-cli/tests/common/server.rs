@@ -308,8 +308,13 @@ pub async fn prompt(serve: &Serve, id: &str, text: &str) -> String {
 }
 
 pub async fn export(serve: &Serve, id: &str) -> Vec<Value> {
+    serde_json::from_value(get_json(serve, &format!("/v1/sessions/{id}/export")).await).unwrap()
+}
+
+/// `GET path` with the client token, its JSON body.
+pub async fn get_json(serve: &Serve, path: &str) -> Value {
     http()
-        .get(serve.url(&format!("/v1/sessions/{id}/export")))
+        .get(serve.url(path))
         .bearer_auth(CLIENT)
         .send()
         .await
