@@ -122,9 +122,19 @@ pub fn shell_words(line: &str) -> Vec<String> {
 }
 
 /// The arguments of a `harness` command line (`harness …` or `cargo run -p
-/// harness-cli [flags] -- …`), `None` for any other command.
+/// harness-cli [flags] -- …`), `None` for any other command. The command
+/// ends where the shell would end it: at a pipe, `&`, `&&`, `||`, `;` or a
+/// redirection (`harness sessions export S | grep …`, `harness serve &`).
 pub fn harness_args(line: &str) -> Option<Vec<String>> {
-    let words = shell_words(line);
+    let mut words = shell_words(line);
+    if let Some(end) = words.iter().position(|w| {
+        matches!(
+            w.as_str(),
+            "|" | "||" | "&" | "&&" | ";" | ">" | ">>" | "2>&1"
+        )
+    }) {
+        words.truncate(end);
+    }
     match words.first().map(String::as_str) {
         Some("harness") => Some(words[1..].to_vec()),
         Some("cargo")
@@ -159,6 +169,18 @@ mod tests {
                 (6, "harness serve --no-such-flag".to_string()),
                 (9, "harness sessions list".to_string()),
             ]
+        );
+        assert_eq!(
+            harness_args("harness sessions export S | grep '\"checkpoint\"'"),
+            Some(vec![
+                "sessions".to_string(),
+                "export".to_string(),
+                "S".to_string()
+            ])
+        );
+        assert_eq!(
+            harness_args("cargo run -p harness-cli -- serve --demo &"),
+            Some(vec!["serve".to_string(), "--demo".to_string()])
         );
         assert_eq!(
             harness_args("cargo run -p harness-cli --features full -- serve --demo"),
