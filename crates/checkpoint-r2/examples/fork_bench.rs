@@ -8,10 +8,15 @@
 //! - a fork: a new local sandbox, and a new Docker container, with the
 //!   checkpoint put in (what a fork's or a rewind's first turn, and a
 //!   rehydration, do);
-//! - the anchor, in the same run: a whole-archive checkpoint and restore.
+//! - the anchor, in the same run: a whole-archive checkpoint and restore;
+//!   and the floor of any restore that writes the files: the tree copied
+//!   with `cp -a` (local) or `tar | docker exec tar x` (Docker) into a new
+//!   sandbox.
 //!
 //! p50 and p99 over `--runs` (default 10) runs each; every run is printed.
-//! Options: `--files N`, `--mb N`, `--runs N`. Docker parts are skipped with
+//! Options: `--files N`, `--mb N`, `--runs N`, `--destroy-each` (remove
+//! each fork before the next run). The scratch directory (store, sandboxes)
+//! is the temp dir: `TMPDIR=/dev/shm` takes the disk out of the figures. Docker parts are skipped with
 //! a note when no engine answers or `HARNESS_TEST_IMAGE` is unset.
 
 use std::process::Command;
@@ -126,7 +131,11 @@ async fn turn_ends(
     (fig, key)
 }
 
-/// Forks: a new sandbox of `provider` with `key` put in.
+/// Forks: a new sandbox of `provider` with `key` put in; the whole, and
+/// the sandbox's creation alone (the rest is the restore). The forks stay
+/// until all runs are done (several forks of one point side by side):
+/// removing 20,000 files before each run would measure ext4's inode
+/// allocator skipping the recently deleted ones (`--destroy-each` does).
 async fn forks(
     name: &str,
     checkpoints: &StoreTurnCheckpoints,
@@ -134,20 +143,71 @@ async fn forks(
     spec: &SandboxSpec,
     key: &str,
     runs: u64,
-) -> Figure {
+) -> (Figure, Figure) {
+    let destroy_each = std::env::args().any(|a| a == "--destroy-each");
     let mut fig = Figure {
         name: format!("fork: new {name} sandbox + restore"),
         runs: Vec::new(),
     };
+    let mut create = Figure {
+        name: format!("  of which: creating the {name} sandbox"),
+        runs: Vec::new(),
+    };
+    let mut made = Vec::new();
     for _ in 0..runs {
         settle();
         let t = Instant::now();
         let sandbox = provider.create(spec).await.unwrap();
+        create.runs.push(t.elapsed().as_secs_f64());
         checkpoints
             .restore(key, sandbox.as_ref(), &ScriptHarness)
             .await
             .unwrap();
         fig.runs.push(t.elapsed().as_secs_f64());
+        if destroy_each {
+            sandbox.destroy().await.unwrap();
+        } else {
+            made.push(sandbox);
+        }
+    }
+    for sandbox in made {
+        sandbox.destroy().await.unwrap();
+    }
+    (fig, create)
+}
+
+/// The floor of any restore that writes the files: the tree copied by a
+/// tool with no store, no hashes and no decompression, into a new sandbox
+/// of `provider` — `cp -a` beside it (local), `tar | docker exec tar x`
+/// (Docker). Kept until all runs are done, as [`forks`] keeps its forks.
+async fn floor(
+    name: &str,
+    provider: &dyn SandboxProvider,
+    spec: &SandboxSpec,
+    src: &std::path::Path,
+    copy: impl Fn(&dyn Sandbox) -> String,
+    runs: u64,
+) -> Figure {
+    let mut fig = Figure {
+        name: format!("floor: new {name} sandbox + plain copy"),
+        runs: Vec::new(),
+    };
+    let mut made = Vec::new();
+    for _ in 0..runs {
+        settle();
+        let t = Instant::now();
+        let sandbox = provider.create(spec).await.unwrap();
+        let status = Command::new("sh")
+            .arg("-c")
+            .arg(copy(sandbox.as_ref()))
+            .current_dir(src)
+            .status()
+            .unwrap();
+        assert!(status.success(), "the plain copy failed");
+        fig.runs.push(t.elapsed().as_secs_f64());
+        made.push(sandbox);
+    }
+    for sandbox in made {
         sandbox.destroy().await.unwrap();
     }
     fig
@@ -214,7 +274,18 @@ async fn main() {
 
     let (fig, key) = turn_ends("local", &checkpoints, a.as_ref(), "bench-local", runs).await;
     fig.print(anchor_p50);
-    let fig = forks(
+    let fig = floor(
+        "local",
+        &local,
+        &SandboxSpec::new("/workspace"),
+        &src,
+        // A local sandbox's workdir is a host path.
+        |sb| format!("mkdir -p '{0}' && cp -a . '{0}'", sb.workdir()),
+        runs,
+    )
+    .await;
+    fig.print(anchor_p50);
+    let (fig, create) = forks(
         "local",
         &checkpoints,
         &local,
@@ -224,6 +295,7 @@ async fn main() {
     )
     .await;
     fig.print(anchor_p50);
+    create.print(anchor_p50);
 
     let image = std::env::var("HARNESS_TEST_IMAGE").ok();
     let docker = match &image {
@@ -243,8 +315,24 @@ async fn main() {
                 turn_ends("Docker", &checkpoints, d.as_ref(), "bench-docker", runs).await;
             fig.print(anchor_p50);
             d.destroy().await.unwrap();
-            let fig = forks("Docker", &checkpoints, &docker, &spec, &dkey, runs).await;
+            let fig = floor(
+                "Docker",
+                &docker,
+                &spec,
+                &src,
+                |sb| {
+                    format!(
+                        "tar cf - . | docker exec -i {} sh -c 'mkdir -p /workspace && tar -C /workspace -xf -'",
+                        sb.handle().id
+                    )
+                },
+                runs,
+            )
+            .await;
             fig.print(anchor_p50);
+            let (fig, create) = forks("Docker", &checkpoints, &docker, &spec, &dkey, runs).await;
+            fig.print(anchor_p50);
+            create.print(anchor_p50);
         }
     }
     println!("targets: turn-end checkpoint ≤ 150 ms local, ≤ 500 ms Docker; fork ≤ 1 s local, ≤ 2 s Docker");

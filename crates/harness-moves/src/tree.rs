@@ -304,6 +304,9 @@ pub struct TreeRestoreInfo {
     pub bytes_written: u64,
     /// Paths removed because the checkpoint deleted them.
     pub removed: u64,
+    /// Tar streams the entries were sent in: 1, or more when the sandbox
+    /// takes several at once and there were many files (0: none needed).
+    pub streams: u64,
 }
 
 fn chunk_bytes(hex_hash: &str) -> Option<[u8; 32]> {

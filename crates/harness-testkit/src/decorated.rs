@@ -64,6 +64,9 @@ impl<D: Decoration> Sandbox for Decorated<D> {
     fn stages_tar_imports(&self) -> bool {
         self.inner.stages_tar_imports()
     }
+    fn parallel_imports(&self) -> usize {
+        self.inner.parallel_imports()
+    }
     async fn import_tar_staged(&self, dir: &str, tar: ByteStream) -> Result<()> {
         self.inner.import_tar_staged(dir, tar).await
     }

@@ -137,6 +137,26 @@ enum Stop {
 /// Start a command and return its events. The command runs in its own
 /// process group; abort, timeout, a failing stdin source, or dropping the
 /// returned stream kill the whole group.
+/// Items of an exec's stdin read at once, when ready ([`start`]).
+const STDIN_ITEMS_PER_WRITE: usize = 64;
+/// Items smaller than this are gathered into one write; larger ones are
+/// written as they are.
+const STDIN_SMALL_ITEM: usize = 64 * 1024;
+
+/// Write and empty `buffer`; false when the command stopped reading (a
+/// write error: it exited, and its exit code tells the rest).
+async fn flush_into(
+    input: &mut (impl tokio::io::AsyncWrite + Unpin),
+    buffer: &mut Vec<u8>,
+) -> bool {
+    if buffer.is_empty() {
+        return true;
+    }
+    let written = input.write_all(buffer).await.is_ok();
+    buffer.clear();
+    written
+}
+
 pub(crate) async fn start(docker: &Docker, container: &str, plan: ExecPlan) -> Result<ExecStream> {
     let pidfile = format!("/tmp/.harness-exec-{}.pid", uuid::Uuid::new_v4().simple());
     let created = docker
@@ -163,24 +183,43 @@ pub(crate) async fn start(docker: &Docker, container: &str, plan: ExecPlan) -> R
     };
 
     let (stdin_err_tx, mut stdin_err_rx) = mpsc::channel::<Error>(1);
-    if let Some(mut source) = plan.stdin {
+    if let Some(source) = plan.stdin {
         let mut input = input;
+        // The small items the source has ready go in one write (a tar
+        // stream comes as a header, a file and its padding, each an item of
+        // its own; a write per item costs the engine a frame each). Nothing
+        // waits for more than is ready.
+        let mut source = source.ready_chunks(STDIN_ITEMS_PER_WRITE);
         tokio::spawn(async move {
-            while let Some(chunk) = source.next().await {
-                match chunk {
-                    Ok(chunk) => {
-                        // A write error means the command stopped reading
-                        // (exited); its exit code tells the rest.
-                        if input.write_all(&chunk).await.is_err() {
-                            return;
+            let mut buffer = Vec::new();
+            while let Some(items) = source.next().await {
+                let mut failed = None;
+                for item in items {
+                    match item {
+                        Ok(chunk) if chunk.len() < STDIN_SMALL_ITEM => {
+                            buffer.extend_from_slice(&chunk)
+                        }
+                        Ok(chunk) => {
+                            if !flush_into(&mut input, &mut buffer).await
+                                || input.write_all(&chunk).await.is_err()
+                            {
+                                return;
+                            }
+                        }
+                        Err(e) => {
+                            failed = Some(e);
+                            break;
                         }
                     }
-                    Err(e) => {
-                        // Keep `input` open (no EOF) until the group is killed.
-                        let _ = stdin_err_tx.send(e).await;
-                        tokio::time::sleep(Duration::from_secs(30)).await;
-                        return;
-                    }
+                }
+                if !flush_into(&mut input, &mut buffer).await {
+                    return;
+                }
+                if let Some(e) = failed {
+                    // Keep `input` open (no EOF) until the group is killed.
+                    let _ = stdin_err_tx.send(e).await;
+                    tokio::time::sleep(Duration::from_secs(30)).await;
+                    return;
                 }
             }
             let _ = input.shutdown().await;

@@ -1180,6 +1180,13 @@ impl Sandbox for DockerSandbox {
         export_tar_by_exec(self, &resolve_path(&self.workdir, dir)).await
     }
 
+    /// Each import is a `tar` exec of its own. The engine is most often
+    /// this machine's, so its cores; a remote engine with fewer only runs
+    /// the parts in turn.
+    fn parallel_imports(&self) -> usize {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    }
+
     async fn import_tar(&self, dir: &str, tar: ByteStream) -> Result<()> {
         let dir = resolve_path(&self.workdir, dir);
         // Extracted by GNU tar inside the container (core's

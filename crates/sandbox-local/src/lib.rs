@@ -790,6 +790,12 @@ impl Sandbox for LocalSandbox {
         true
     }
 
+    /// Each import unpacks on a blocking thread of its own: as many at
+    /// once as the machine has cores.
+    fn parallel_imports(&self) -> usize {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    }
+
     /// `lstat` in-process, on a few threads; the directory listed last is
     /// kept and watched, and listed again from its inotify events
     /// ([`LocalProvider::with_tree_watch`]). `Unsupported` when the

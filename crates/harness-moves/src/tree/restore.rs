@@ -1,6 +1,8 @@
 //! Restoring a tree checkpoint: the chunks located (packs or blobs) and
 //! checked before anything is written, the entries the target lacks sent
-//! to it as one tar, then the deleted paths removed.
+//! to it as tar (one stream, or several side by side for a sandbox that
+//! writes on several cores: [`Sandbox::parallel_imports`]), then the
+//! deleted paths removed.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -98,21 +100,36 @@ async fn apply_manifest(
     let located = locate_chunks(store, manifest, &needed).await?;
     let bytes_written: u64 = needed.iter().map(|e| e.size).sum();
     let written = needed.len() as u64;
+    let mut streams = 0;
     if !needed.is_empty() {
-        let (tx, rx) = futures::channel::mpsc::channel::<Result<Bytes>>(8);
-        let produce = produce_tar(
+        let ordered = tar_order(&needed, &located);
+        let ways = sandbox.parallel_imports().min(MAX_IMPORT_PARTS);
+        let target = ImportTarget {
             store,
-            &needed,
-            &located,
-            &manifest.packs,
-            tx,
-            progress.clone(),
-        );
-        let import = sandbox.import_tar(dir, Box::pin(rx));
-        let (produced, imported) = futures::join!(produce, import);
-        // The producer's error is the cause when both failed.
-        produced?;
-        imported?;
+            located: &located,
+            packs: &manifest.packs,
+            sandbox,
+            dir,
+            progress: progress.clone(),
+        };
+        match split_for_import(&ordered, ways) {
+            None => {
+                streams = 1;
+                target.import(&ordered).await?
+            }
+            Some(split) => {
+                streams = split.parts.len() as u64
+                    + u64::from(!split.dirs.is_empty())
+                    + u64::from(!split.symlinks.is_empty());
+                // Directories first, so that every part finds its files'
+                // directories; the parts side by side; symlinks last, as
+                // in one stream.
+                target.import(split.dirs).await?;
+                let parts = futures::future::join_all(split.parts.iter().map(|p| target.import(p)));
+                parts.await.into_iter().collect::<Result<Vec<()>>>()?;
+                target.import(split.symlinks).await?;
+            }
+        }
     }
     if let Some(p) = &progress {
         p.finish(MovePhase::Import);
@@ -124,6 +141,96 @@ async fn apply_manifest(
         written,
         bytes_written,
         removed,
+        streams,
+    })
+}
+
+/// Where a restore's tar streams go, and what they are made from.
+struct ImportTarget<'a> {
+    store: &'a dyn CheckpointStore,
+    located: &'a HashMap<&'a str, Loc>,
+    packs: &'a [String],
+    sandbox: &'a dyn Sandbox,
+    dir: &'a str,
+    progress: Option<Arc<dyn MoveProgress>>,
+}
+
+impl ImportTarget<'_> {
+    /// One tar stream of `ordered` (in [`tar_order`]); none when empty.
+    async fn import(&self, ordered: &[&TreeEntry]) -> Result<()> {
+        if ordered.is_empty() {
+            return Ok(());
+        }
+        let (tx, rx) = futures::channel::mpsc::channel::<Result<Bytes>>(8);
+        let produce = produce_tar(
+            self.store,
+            ordered,
+            self.located,
+            self.packs,
+            tx,
+            self.progress.clone(),
+        );
+        let import = self.sandbox.import_tar(self.dir, Box::pin(rx));
+        let (produced, imported) = futures::join!(produce, import);
+        // The producer's error is the cause when both failed.
+        produced?;
+        imported
+    }
+}
+
+/// The most streams one restore sends at once, whatever the sandbox
+/// takes: each holds its own chunks in flight.
+const MAX_IMPORT_PARTS: usize = 4;
+
+/// Below this many files a restore sends one stream: each part costs a
+/// stream's setup (an exec, in a container).
+const SPLIT_MIN_FILES: usize = 512;
+
+/// A restore's entries split for a sandbox that imports several streams
+/// at once ([`Sandbox::parallel_imports`]).
+struct ImportSplit<'s, 'e> {
+    dirs: &'s [&'e TreeEntry],
+    /// The files, in runs of [`tar_order`] (so a part still reads its
+    /// packs in ranges) of about equal cost.
+    parts: Vec<&'s [&'e TreeEntry]>,
+    symlinks: &'s [&'e TreeEntry],
+}
+
+/// How `ordered` (in [`tar_order`]: directories, files, symlinks) is sent
+/// to a sandbox taking `ways` imports at once; `None`: as one stream —
+/// one way, few files, or a directory its owner may not write (a part
+/// would find it locked; one stream unlocks it until its end).
+fn split_for_import<'s, 'e>(
+    ordered: &'s [&'e TreeEntry],
+    ways: usize,
+) -> Option<ImportSplit<'s, 'e>> {
+    let dirs_end = ordered.partition_point(|e| e.kind == TreeKind::Dir);
+    let files_end = dirs_end + ordered[dirs_end..].partition_point(|e| e.kind == TreeKind::File);
+    let files = &ordered[dirs_end..files_end];
+    let locked_dir = ordered[..dirs_end].iter().any(|e| e.mode & 0o200 == 0);
+    if ways < 2 || files.len() < SPLIT_MIN_FILES || locked_dir {
+        return None;
+    }
+    // A file costs its bytes and a fixed amount for its creation.
+    let cost = |e: &TreeEntry| e.size + 16 * 1024;
+    let total: u64 = files.iter().map(|e| cost(e)).sum();
+    let share = total.div_ceil(ways as u64);
+    let mut parts = Vec::with_capacity(ways);
+    let (mut start, mut acc) = (0, 0);
+    for (i, e) in files.iter().enumerate() {
+        acc += cost(e);
+        if acc >= share && parts.len() + 1 < ways {
+            parts.push(&files[start..=i]);
+            (start, acc) = (i + 1, 0);
+        }
+    }
+    if start < files.len() {
+        parts.push(&files[start..]);
+    }
+    Some(ImportSplit {
+        dirs: &ordered[..dirs_end],
+        parts,
+        symlinks: &ordered[files_end..],
     })
 }
 
@@ -324,19 +431,18 @@ async fn missing_blobs<'h>(
 /// cheaper than a second request.
 const PACK_READ_GAP: u64 = 64 * 1024;
 
-/// Send `entries` as a tar stream, chunks fetched ahead in order within
-/// [`IN_FLIGHT_BYTES`] and [`IN_FLIGHT`] ([`tar_order`], [`tar_units`]).
+/// Send `ordered` (in [`tar_order`]) as a tar stream, chunks fetched ahead
+/// in order within [`IN_FLIGHT_BYTES`] and [`IN_FLIGHT`] ([`tar_units`]).
 async fn produce_tar(
     store: &dyn CheckpointStore,
-    entries: &[&TreeEntry],
+    ordered: &[&TreeEntry],
     located: &HashMap<&str, Loc>,
     packs: &[String],
     mut tx: futures::channel::mpsc::Sender<Result<Bytes>>,
     progress: Option<Arc<dyn MoveProgress>>,
 ) -> Result<()> {
-    let ordered = tar_order(entries, located);
     // Units in order, run ahead within the byte and request budgets.
-    let mut units = tar_units(&ordered, located).into_iter().peekable();
+    let mut units = tar_units(ordered, located).into_iter().peekable();
     let mut running = futures::stream::FuturesOrdered::new();
     let mut costs = std::collections::VecDeque::new();
     let mut in_flight = 0u64;
@@ -590,6 +696,57 @@ fn tar_header(entry: &TreeEntry) -> Result<Bytes> {
 mod tests {
     use super::*;
     use harness_core::tarscan::{TarItem, TarKind, TarScanner};
+
+    fn entry(path: &str, kind: TreeKind, mode: u32, size: u64) -> TreeEntry {
+        TreeEntry {
+            path: path.into(),
+            kind,
+            mode,
+            size,
+            mtime: 0,
+            chunks: vec![],
+            target: None,
+            ino: 0,
+            ctime_ns: 0,
+        }
+    }
+
+    #[test]
+    fn a_big_restore_splits_into_runs_of_equal_cost_between_dirs_and_symlinks() {
+        let mut all = vec![entry("d", TreeKind::Dir, 0o755, 0)];
+        // One big file and many small ones: the parts balance bytes and
+        // files, not counts.
+        all.push(entry("d/big", TreeKind::File, 0o644, 64 << 20));
+        for i in 0..3000 {
+            all.push(entry(&format!("d/f{i:04}"), TreeKind::File, 0o644, 10_000));
+        }
+        all.push(entry("link", TreeKind::Symlink, 0o777, 0));
+        let ordered: Vec<&TreeEntry> = all.iter().collect();
+
+        let split = split_for_import(&ordered, 4).expect("split");
+        assert_eq!(split.dirs.len(), 1);
+        assert_eq!(split.symlinks.len(), 1);
+        assert!(split.parts.len() >= 2 && split.parts.len() <= 4);
+        // The parts are the files, whole and in order.
+        let joined: Vec<&str> = split
+            .parts
+            .iter()
+            .flat_map(|p| p.iter().map(|e| e.path.as_str()))
+            .collect();
+        let files: Vec<&str> = all[1..all.len() - 1]
+            .iter()
+            .map(|e| e.path.as_str())
+            .collect();
+        assert_eq!(joined, files);
+        assert_eq!(split.parts[0].len(), 1, "the big file is a part's worth");
+        // Ways 1, few files, or a locked directory: one stream.
+        assert!(split_for_import(&ordered, 1).is_none());
+        assert!(split_for_import(&ordered[..100], 4).is_none());
+        let mut locked = all.clone();
+        locked[0].mode = 0o555;
+        let ordered: Vec<&TreeEntry> = locked.iter().collect();
+        assert!(split_for_import(&ordered, 4).is_none());
+    }
 
     #[test]
     fn headers_round_trip_through_the_scanner() {

@@ -1205,6 +1205,7 @@ pub async fn tree_checkpoints(sb: &dyn Sandbox) -> Result<()> {
     scene.second_checkpoint_moves_only_the_change().await?;
     scene.a_missing_blob_restores_nothing().await?;
     scene.collection_keeps_what_manifests_reference().await?;
+    scene.many_files_restore_in_parallel_streams().await?;
     sh(sb, &format!("rm -rf {}", shell_quote(&base))).await?;
     Ok(())
 }
@@ -1256,6 +1257,60 @@ impl<'s> TreeScene<'s> {
             store: MemoryCheckpointStore::new(),
             clock: ManualClock::at(1_000_000),
         })
+    }
+
+    /// A tree of many files restores into an empty directory exactly, in
+    /// as many streams side by side as the sandbox takes
+    /// ([`Sandbox::parallel_imports`], at most 4), directories and symlinks
+    /// in their own: no part writes before its directories exist, none
+    /// follows another's symlink.
+    async fn many_files_restore_in_parallel_streams(&self) -> Result<()> {
+        let sb = self.sb;
+        let (many, into) = (
+            format!("{}/many", self.a),
+            format!("{}/many-restored", self.b),
+        );
+        sh(
+            sb,
+            &format!(
+                "set -e; mkdir -p {m}; cd {m}; d=0; while [ $d -lt 24 ]; do mkdir -p dir$d/sub; \
+                 i=0; while [ $i -lt 25 ]; do echo \"$d $i\" > dir$d/sub/f$i.txt; i=$((i+1)); done; \
+                 chmod 750 dir$d; d=$((d+1)); done; ln -s dir3/sub dir3link; \
+                 head -c 300000 /dev/urandom > dir5/big.bin",
+                m = shell_quote(&many),
+            ),
+        )
+        .await?;
+        tc::checkpoint_tree(
+            sb,
+            &many,
+            &self.store,
+            "trees/many",
+            None,
+            &self.clock,
+            None,
+        )
+        .await
+        .context("checkpoint of 601 files")?;
+        let restored = tc::restore_tree(&self.store, "trees/many", sb, &into, None)
+            .await
+            .context("restoring 601 files")?;
+        let ways = sb.parallel_imports().min(4) as u64;
+        // Directories, symlink, and the files in `ways` parts; or one stream.
+        let want_streams = if ways > 1 { ways + 2 } else { 1 };
+        ensure!(
+            restored.streams == want_streams,
+            "601 files for a sandbox taking {ways} imports at once went in {} streams, not {want_streams}",
+            restored.streams
+        );
+        let (want, got) = (manifest(sb, &many).await?, manifest(sb, &into).await?);
+        ensure!(
+            got == want,
+            "a tree restored in parallel streams must reproduce the tree.\nsource:\n{}\nrestored:\n{}",
+            want.join("\n"),
+            got.join("\n")
+        );
+        Ok(())
     }
 
     /// The first checkpoint reads every file, stores each content once,
