@@ -646,7 +646,11 @@ pub(crate) fn set_mode(path: &Path, mode: u32) -> Result<()> {
         .map_err(|e| crate::ctx(e, format!("setting the mode of {}", path.display())))
 }
 
-fn load_or_make_secret(path: &Path) -> Result<Vec<u8>> {
+/// A secret of at least 32 random bytes in the file `path` (mode 0600),
+/// made when missing. Several processes may call it at once: the first one
+/// to make the file wins and every caller gets its bytes. The broker's
+/// token secret is one; the audit chain's key (`<home>/audit.key`) another.
+pub fn load_or_make_secret(path: &Path) -> Result<Vec<u8>> {
     match std::fs::read(path) {
         Ok(s) if s.len() >= 32 => return Ok(s),
         Ok(_) => {

@@ -82,6 +82,29 @@ impl Home {
         self.dir.join("harness.db")
     }
 
+    /// The key the session log's audit chain is keyed with (made on first
+    /// use; docs/audit.md). Kept out of the database so whoever can write
+    /// the database alone cannot rewrite the chain consistently.
+    pub fn audit_key(&self) -> PathBuf {
+        self.dir.join("audit.key")
+    }
+
+    /// The audit chain's key ([`audit_key`](Self::audit_key)).
+    pub fn chain_key(&self) -> Result<harness::core::log::ChainKey> {
+        let path = self.audit_key();
+        let secret = harness::broker::load_or_make_secret(&path)
+            .with_context(|| format!("the audit key {}", path.display()))?;
+        Ok(harness::core::log::ChainKey::new(secret))
+    }
+
+    /// The session log (the SQLite database), chaining frames with the
+    /// home's audit key.
+    pub fn open_log(&self) -> Result<harness::sqlite::SqliteSessionLog> {
+        Ok(harness::sqlite::SqliteSessionLog::open(self.db())
+            .context("opening the session log")?
+            .with_chain_key(self.chain_key()?))
+    }
+
     /// The SQLite database of the generic Durable Streams `harness serve`
     /// serves under `/v1/stream/*`.
     pub fn streams_db(&self) -> PathBuf {

@@ -200,9 +200,7 @@ pub async fn agents(
 /// Assemble the home's runtime. The caller holds the home's
 /// [`RuntimeLock`](crate::home::RuntimeLock).
 pub async fn runtime(home: &Home, options: Options) -> Result<Runtime> {
-    let log = Arc::new(
-        harness::sqlite::SqliteSessionLog::open(home.db()).context("opening the session log")?,
-    );
+    let log = Arc::new(home.open_log()?);
     let engine = match &options.engine {
         EngineSpec::InProcess => EngineChoice::InProcess {
             store: Arc::new(log.turn_store()),

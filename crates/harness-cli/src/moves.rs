@@ -328,7 +328,7 @@ impl MoveProgress for Bars {
 }
 
 fn open_log(home: &Home) -> Result<SqliteSessionLog> {
-    SqliteSessionLog::open(home.db()).context("opening the session log")
+    home.open_log()
 }
 
 /// A session of the home, as its log tells it (config, sandbox, turns).

@@ -234,12 +234,10 @@ pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
 
     let log: Arc<dyn harness::core::log::SessionLog> = match &runtime {
         Some(runtime) => runtime.hub().log().clone(),
-        None => Arc::new(
-            harness::sqlite::SqliteSessionLog::open(home.db())
-                .context("opening the session log")?,
-        ),
+        None => Arc::new(home.open_log()?),
     };
     let mut config = ServerConfig::new(log);
+    config.chain_key = home.chain_key()?;
     config.tokens = config_tokens;
     config.insecure_no_auth = insecure;
     config.idle_timeout = Duration::from_secs(args.idle_secs);

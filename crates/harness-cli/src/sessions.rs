@@ -1,6 +1,6 @@
 //! `harness sessions list|show|export|fork`, on the CLI's SQLite log.
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use harness::core::frame::{Frame, FrameBody, SessionId};
 use harness::core::log::{LogInfo, SessionLog};
 use harness::core::session::SessionMeta;
@@ -31,6 +31,25 @@ pub enum SessionsCommand {
         /// Only frames 1..=UNTIL.
         #[arg(long)]
         until: Option<u64>,
+        /// Print each frame as the audit chain holds it: `seq`, `at_ms`,
+        /// `key`, the body as stored (`body`, JSON text) and its `hash`.
+        #[arg(long)]
+        chain: bool,
+    },
+    /// Check a session's audit chain: every frame against its hash and its
+    /// predecessor's, keyed with the home's `audit.key`. Prints the chain's
+    /// head; fails naming the first frame that does not match.
+    Verify {
+        /// The session.
+        id: String,
+        /// A head printed by an earlier `verify` (kept somewhere the
+        /// database's writer cannot change): the chain must still hold
+        /// it, which catches frames cut off the end.
+        #[arg(long)]
+        head: Option<String>,
+        /// Print the report as one JSON object.
+        #[arg(long)]
+        json: bool,
     },
     /// Copy frames 1..=UNTIL of a session into a new session.
     Fork {
@@ -64,8 +83,7 @@ pub enum SessionsCommand {
 
 /// Run a sessions subcommand.
 pub async fn run(home: &Home, command: SessionsCommand) -> Result<()> {
-    let log =
-        harness::sqlite::SqliteSessionLog::open(home.db()).context("opening the session log")?;
+    let log = home.open_log()?;
     match command {
         SessionsCommand::List => {
             let logs = log.list().await?;
@@ -118,7 +136,10 @@ pub async fn run(home: &Home, command: SessionsCommand) -> Result<()> {
                 print!("{}", shown.human());
             }
         }
-        SessionsCommand::Export { id, until } => {
+        SessionsCommand::Verify { id, head, json } => {
+            verify(home, &log, &id, head.as_deref(), json).await?;
+        }
+        SessionsCommand::Export { id, until, chain } => {
             let session = SessionId::parse(id)?;
             let info = log.info(&session).await?;
             let until = until.unwrap_or(info.last_seq);
@@ -130,13 +151,26 @@ pub async fn run(home: &Home, command: SessionsCommand) -> Result<()> {
             }
             let mut after = 0;
             while after < until {
-                let frames = log
-                    .read(&session, after, (until - after).min(1000) as usize)
-                    .await?;
-                let Some(last) = frames.last() else { break };
-                after = last.seq;
-                for frame in frames {
-                    println!("{}", serde_json::to_string(&frame)?);
+                let want = (until - after).min(1000) as usize;
+                let lines: Vec<String> = if chain {
+                    let frames = log.read_chain(&session, after, want).await?;
+                    let Some(last) = frames.last() else { break };
+                    after = last.seq;
+                    frames
+                        .iter()
+                        .map(serde_json::to_string)
+                        .collect::<serde_json::Result<_>>()?
+                } else {
+                    let frames = log.read(&session, after, want).await?;
+                    let Some(last) = frames.last() else { break };
+                    after = last.seq;
+                    frames
+                        .iter()
+                        .map(serde_json::to_string)
+                        .collect::<serde_json::Result<_>>()?
+                };
+                for line in lines {
+                    println!("{line}");
                 }
             }
         }
@@ -168,6 +202,80 @@ pub async fn run(home: &Home, command: SessionsCommand) -> Result<()> {
                 "session {session} rewound to the end of turn {turn} (frame {}); its next turn runs in a new sandbox made from that turn's checkpoint",
                 appended.seq
             );
+        }
+    }
+    Ok(())
+}
+
+/// `harness sessions verify`.
+async fn verify(
+    home: &Home,
+    log: &harness::sqlite::SqliteSessionLog,
+    id: &str,
+    head: Option<&str>,
+    json: bool,
+) -> Result<()> {
+    use harness::core::log::FrameHash;
+    let session = SessionId::parse(id)?;
+    let kept = head.map(FrameHash::parse_hex).transpose()?;
+    let log: std::sync::Arc<dyn SessionLog> = std::sync::Arc::new(log.clone());
+    let info = log.info(&session).await.map_err(|e| {
+        if e.kind() == harness::core::ErrorKind::NotFound {
+            anyhow::anyhow!("unknown session {id:?}: `harness sessions list` shows the known ones")
+        } else {
+            e.into()
+        }
+    })?;
+    let report = harness::core::log::verify_log(log.clone(), &session, &home.chain_key()?).await?;
+    // Where the kept head sits in the chain, if it is there.
+    let mut kept_at = None;
+    if let (Some(kept), true) = (kept, report.intact()) {
+        let mut after = 0;
+        while kept_at.is_none() && after < info.last_seq {
+            let page = log.read_chain(&session, after, 1000).await?;
+            let Some(last) = page.last() else { break };
+            after = last.seq;
+            kept_at = page.iter().find(|f| f.hash == Some(kept)).map(|f| f.seq);
+        }
+    }
+    if json {
+        let mut out = serde_json::to_value(&report)?;
+        out["session"] = serde_json::json!(session);
+        out["intact"] = serde_json::json!(report.intact() && (kept.is_none() || kept_at.is_some()));
+        if kept.is_some() {
+            out["kept_head_at"] = serde_json::json!(kept_at);
+        }
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    }
+    if let Some(broken) = &report.broken {
+        anyhow::bail!("session {session}: the audit chain is broken: {broken}");
+    }
+    if let (Some(kept), None) = (kept, kept_at) {
+        anyhow::bail!(
+            "session {session}: the chain holds, but not the head {kept}: frames were cut off \
+             its end, or the chain was rebuilt"
+        );
+    }
+    if !json {
+        let older = if report.unchained > 0 {
+            format!(
+                " ({} written before the log kept a chain are not covered)",
+                report.unchained
+            )
+        } else {
+            String::new()
+        };
+        println!(
+            "session {session}: audit chain intact over {} frames{older}",
+            report.frames
+        );
+        if let Some(head) = report.head {
+            println!(
+                "head {head} (keep it elsewhere; `verify --head` checks the log still holds it)"
+            );
+        }
+        if let Some(at) = kept_at {
+            println!("the kept head is frame {at}'s");
         }
     }
     Ok(())

@@ -595,7 +595,7 @@ pub async fn run_command(home: &Home, args: RunArgs) -> Result<()> {
 /// The agent a session of the home runs, if the session exists.
 async fn session_agent(home: &Home, id: &str) -> Result<Option<AgentKind>> {
     use harness::core::log::SessionLog;
-    let log = harness::sqlite::SqliteSessionLog::open(home.db())?;
+    let log = home.open_log()?;
     let session = SessionId::parse(id)?;
     match log.info(&session).await {
         Ok(info) => Ok(AgentKind::from_name(&info.meta.config_or_default().agent)),
@@ -620,7 +620,7 @@ pub async fn resume_command(home: &Home) -> Result<()> {
     // What an earlier process left: turns the engine's store holds
     // unfinished, and sessions whose log shows a turn still running (its
     // prompt stored, the engine never told).
-    let log = harness::sqlite::SqliteSessionLog::open(home.db())?;
+    let log = home.open_log()?;
     let mut pending: Vec<(SessionId, String)> = Vec::new();
     for state in log.turn_store().unfinished().await? {
         pending.push((SessionId::parse(&state.session_id)?, state.turn_id));

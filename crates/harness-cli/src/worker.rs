@@ -145,8 +145,7 @@ pub async fn runner(home: &Home, args: RunnerArgs) -> Result<()> {
     use harness::core::session::SessionRuntime;
     // This home's turn states belong to this runner alone.
     let _lock = home.lock_runtime("harness runner").await?;
-    let log = harness::sqlite::SqliteSessionLog::open(home.db())
-        .context("opening the runner's turn store")?;
+    let log = home.open_log().context("opening the runner's turn store")?;
     let (slices, generation) = remote_slice_runner(home, &args.remote).await?;
     let engine = InProcessEngine::new(
         Arc::new(slices),

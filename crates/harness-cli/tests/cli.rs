@@ -290,6 +290,75 @@ async fn run_continues_a_session_and_sessions_commands_read_it() {
         run(harness(home.path()).args(["sessions", "fork", &session, "--until", "9999"]));
     assert!(!out.status.success());
     assert!(stderr.contains("cannot fork"), "{stderr}");
+
+    audit_chain_of_a_real_session(home.path(), &session, row.frames);
+}
+
+/// `sessions verify` and `export --chain` on a session real turns wrote,
+/// then on the same session after its database was edited behind the
+/// harness's back.
+fn audit_chain_of_a_real_session(home: &Path, session: &str, frames: u64) {
+    use std::os::unix::fs::PermissionsExt;
+    let key = home.join("audit.key");
+    let mode = std::fs::metadata(&key).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "the audit key is the owner's alone");
+    let (out, stdout, stderr) = run(harness(home).args(["sessions", "verify", session]));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains(&format!("audit chain intact over {frames} frames")),
+        "{stdout}"
+    );
+    let head = stdout
+        .split_whitespace()
+        .skip_while(|w| *w != "head")
+        .nth(1)
+        .expect("verify prints the head")
+        .to_string();
+    let (out, stdout, _) = run(harness(home).args(["sessions", "export", session, "--chain"]));
+    assert!(out.status.success());
+    let chained: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(chained.len() as u64, frames);
+    assert_eq!(
+        chained.last().unwrap()["hash"].as_str(),
+        Some(head.as_str()),
+        "the export carries the chain; its last hash is the head"
+    );
+    let (out, _, stderr) =
+        run(harness(home).args(["sessions", "verify", session, "--head", &head]));
+    assert!(out.status.success(), "{stderr}");
+    let (out, _, stderr) =
+        run(harness(home).args(["sessions", "verify", session, "--head", &"ab".repeat(32)]));
+    assert!(!out.status.success());
+    assert!(stderr.contains("not the head"), "{stderr}");
+    let (out, _, stderr) = run(harness(home).args(["sessions", "verify", "nobody"]));
+    assert!(!out.status.success());
+    assert!(stderr.contains("unknown session"), "{stderr}");
+
+    // Someone with the database file rewrites what the agent answered.
+    let db = rusqlite::Connection::open(home.join("harness.db")).unwrap();
+    let seq: i64 = db
+        .query_row(
+            "SELECT seq FROM frames WHERE session = ?1 AND body LIKE '%first answer%' \
+             ORDER BY seq LIMIT 1",
+            [session],
+            |r| r.get(0),
+        )
+        .unwrap();
+    db.execute(
+        "UPDATE frames SET body = replace(body, 'first answer', 'other answer') \
+         WHERE session = ?1 AND seq = ?2",
+        rusqlite::params![session, seq],
+    )
+    .unwrap();
+    let (out, _, stderr) = run(harness(home).args(["sessions", "verify", session]));
+    assert!(!out.status.success(), "an edited log must not verify");
+    assert!(
+        stderr.contains(&format!("frame {seq} does not match its hash")),
+        "{stderr}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -45,8 +45,10 @@ use crate::session::{SessionConfig, SessionMeta};
 use crate::{Error, Result};
 
 pub mod append;
+pub mod chain;
 
 pub use append::{plan_append, AppendPlan, AppendView, CheckedAppend, LogHead, NewFrame};
+pub use chain::{ChainBreak, ChainKey, ChainReport, ChainedFrame, FrameHash};
 
 /// Largest encoded frame body a log accepts by default (1 MiB).
 pub const DEFAULT_MAX_FRAME_BYTES: usize = 1024 * 1024;
@@ -173,6 +175,20 @@ pub trait SessionLog: MaybeSend + MaybeSync + std::fmt::Debug {
     /// Frames with `seq > after`, at most `limit` of them, in order.
     async fn read(&self, session: &SessionId, after: u64, limit: usize) -> Result<Vec<Frame>>;
 
+    /// Frames with `seq > after` as the audit chain sees them (the body
+    /// as stored, the key, the stored hash): what [`verify_log`] and an
+    /// export read. `Unsupported` by default, for a store that keeps no
+    /// chain.
+    async fn read_chain(
+        &self,
+        session: &SessionId,
+        after: u64,
+        limit: usize,
+    ) -> Result<Vec<ChainedFrame>> {
+        let _ = (session, after, limit);
+        Err(Error::unsupported("this session log keeps no audit chain"))
+    }
+
     /// Seal the log (see the module docs).
     async fn seal(&self, session: &SessionId) -> Result<LogInfo>;
 
@@ -224,6 +240,46 @@ pub trait SessionStore: MaybeSend + MaybeSync + std::fmt::Debug {
     }
     /// Frames with `seq > after`, at most `limit` of them, in order.
     async fn read(&self, after: u64, limit: usize) -> Result<Vec<Frame>>;
+    /// Frames with `seq > after` as the audit chain sees them
+    /// ([`SessionLog::read_chain`]).
+    async fn read_chain(&self, after: u64, limit: usize) -> Result<Vec<ChainedFrame>> {
+        let _ = (after, limit);
+        Err(Error::unsupported(
+            "this session store keeps no audit chain",
+        ))
+    }
+}
+
+/// Frames [`verify_log`] reads at a time.
+const VERIFY_PAGE: usize = 1000;
+
+/// Walk `store`'s whole chain with `key` ([`chain`]'s rules), one page at a
+/// time.
+pub async fn verify_store(store: &dyn SessionStore, key: &ChainKey) -> Result<ChainReport> {
+    let info = store.info().await?;
+    let mut walk = chain::ChainVerifier::new(key.clone());
+    let mut after = 0;
+    loop {
+        let page = store.read_chain(after, VERIFY_PAGE).await?;
+        let Some(last) = page.last() else { break };
+        after = last.seq;
+        for frame in &page {
+            walk.push(frame);
+        }
+        if walk.broken() || page.len() < VERIFY_PAGE {
+            break;
+        }
+    }
+    Ok(walk.finish(info.last_seq))
+}
+
+/// [`verify_store`] for one session of a [`SessionLog`].
+pub async fn verify_log(
+    log: Arc<dyn SessionLog>,
+    session: &SessionId,
+    key: &ChainKey,
+) -> Result<ChainReport> {
+    verify_store(&LogSession::new(log, session.clone()), key).await
 }
 
 /// One session of a [`SessionLog`], as a [`SessionStore`].
@@ -260,6 +316,9 @@ impl SessionStore for LogSession {
     }
     async fn read(&self, after: u64, limit: usize) -> Result<Vec<Frame>> {
         self.log.read(&self.session, after, limit).await
+    }
+    async fn read_chain(&self, after: u64, limit: usize) -> Result<Vec<ChainedFrame>> {
+        self.log.read_chain(&self.session, after, limit).await
     }
 }
 
@@ -356,6 +415,9 @@ pub struct LogState {
     sealed: bool,
     forked_from: Option<ForkOrigin>,
     meta: SessionMeta,
+    /// The key frames are chained with, and each frame's hash.
+    chain_key: ChainKey,
+    hashes: Vec<Option<FrameHash>>,
 }
 
 impl LogState {
@@ -373,7 +435,15 @@ impl LogState {
             sealed: false,
             forked_from: None,
             meta: SessionMeta::new(config),
+            chain_key: ChainKey::unkeyed(),
+            hashes: Vec::new(),
         }
+    }
+
+    /// Chain frames appended from now on with `key` (unkeyed by default).
+    pub fn with_chain_key(mut self, key: ChainKey) -> Self {
+        self.chain_key = key;
+        self
     }
 
     /// Metadata.
@@ -396,7 +466,8 @@ impl LogState {
         max_frame_bytes: usize,
     ) -> Result<Appended> {
         let checked = CheckedAppend::new(request, max_frame_bytes)?;
-        match plan_append(self, checked, now_ms)? {
+        let chain_key = self.chain_key.clone();
+        match plan_append(self, checked, now_ms, &chain_key)? {
             AppendPlan::Duplicate(appended) => Ok(appended),
             AppendPlan::Write(new) => {
                 let appended = new.appended();
@@ -408,6 +479,7 @@ impl LogState {
                     self.keys.insert(key, new.frame.seq);
                 }
                 self.frames.push(new.frame);
+                self.hashes.push(new.hash);
                 Ok(appended)
             }
         }
@@ -417,6 +489,27 @@ impl LogState {
     pub fn read(&self, after: u64, limit: usize) -> Vec<Frame> {
         let start = (after as usize).min(self.frames.len());
         self.frames[start..].iter().take(limit).cloned().collect()
+    }
+
+    /// Frames after `after` as the audit chain sees them (bodies encoded
+    /// as they were when appended: the encoding is deterministic).
+    pub fn read_chain(&self, after: u64, limit: usize) -> Result<Vec<ChainedFrame>> {
+        let start = (after as usize).min(self.frames.len());
+        let key_of: HashMap<u64, &str> = self.keys.iter().map(|(k, &s)| (s, k.as_str())).collect();
+        self.frames[start..]
+            .iter()
+            .zip(&self.hashes[start..])
+            .take(limit)
+            .map(|(f, h)| {
+                Ok(ChainedFrame {
+                    seq: f.seq,
+                    at_ms: f.at_ms,
+                    key: key_of.get(&f.seq).map(|k| k.to_string()),
+                    body: serde_json::to_string(&f.body)?,
+                    hash: *h,
+                })
+            })
+            .collect()
     }
 
     /// Seal (idempotent).
@@ -463,6 +556,8 @@ impl LogState {
                 until,
             }),
             meta,
+            chain_key: self.chain_key.clone(),
+            hashes: self.hashes[..until as usize].to_vec(),
         };
         if let Some(closing) = closing {
             forked.append(closing, now_ms, usize::MAX)?;
@@ -480,6 +575,7 @@ impl AppendView for LogState {
         Ok(LogHead {
             last_seq: self.frames.len() as u64,
             sealed: self.sealed,
+            last_hash: self.hashes.last().copied().flatten(),
         })
     }
 
@@ -503,6 +599,7 @@ pub struct MemorySessionLog {
     logs: Arc<Mutex<BTreeMap<SessionId, LogState>>>,
     max_frame_bytes: usize,
     clock: Option<Arc<dyn Clock>>,
+    chain_key: ChainKey,
 }
 
 impl Default for MemorySessionLog {
@@ -518,7 +615,14 @@ impl MemorySessionLog {
             logs: Arc::default(),
             max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
             clock: None,
+            chain_key: ChainKey::unkeyed(),
         }
+    }
+
+    /// Chain the frames of logs created from now on with `key`.
+    pub fn with_chain_key(mut self, key: ChainKey) -> Self {
+        self.chain_key = key;
+        self
     }
 
     /// Stamp frames with `clock`.
@@ -566,7 +670,10 @@ impl SessionLog for MemorySessionLog {
         let mut logs = self.logs.lock().unwrap_or_else(|e| e.into_inner());
         Ok(logs
             .entry(session.clone())
-            .or_insert_with(|| LogState::with_config(session.clone(), config))
+            .or_insert_with(|| {
+                LogState::with_config(session.clone(), config)
+                    .with_chain_key(self.chain_key.clone())
+            })
             .info())
     }
 
@@ -581,6 +688,15 @@ impl SessionLog for MemorySessionLog {
 
     async fn read(&self, session: &SessionId, after: u64, limit: usize) -> Result<Vec<Frame>> {
         self.with_log(session, |log| Ok(log.read(after, limit)))
+    }
+
+    async fn read_chain(
+        &self,
+        session: &SessionId,
+        after: u64,
+        limit: usize,
+    ) -> Result<Vec<ChainedFrame>> {
+        self.with_log(session, |log| log.read_chain(after, limit))
     }
 
     async fn seal(&self, session: &SessionId) -> Result<LogInfo> {

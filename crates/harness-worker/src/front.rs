@@ -223,7 +223,10 @@ async fn route(req: Request, env: &Env) -> Result<Response, ApiError> {
             )
             .await
         }
-        (Method::Get, ["v1", "sessions", id, op @ ("frames" | "export" | "ui-stream")]) => {
+        (
+            Method::Get,
+            ["v1", "sessions", id, op @ ("frames" | "export" | "ui-stream" | "verify")],
+        ) => {
             let id = request::session_id(id)?;
             call.authorize(Some(&id), READERS)?;
             call.object(&id, Method::Get, op, None, None).await

@@ -28,11 +28,11 @@ use harness_core::actor::{
     ActorConfig, ClientMessage, ConnId, ErrorCode, Input, Role, ServerMessage,
 };
 use harness_core::actor_driver::{ActorDriver, Transport};
-use harness_core::log::{unknown_session, SessionStore};
+use harness_core::log::{unknown_session, verify_store, ChainKey, SessionStore};
 use harness_core::session::{SessionConfig, SessionRuntime, TurnCommand};
 use harness_core::SessionId;
 use serde::{Deserialize, Serialize};
-use session_api::request::{self, PAGE};
+use session_api::request::{self, Verified, PAGE};
 use session_api::sse::{EventsReader, EventsStep, KEEP_ALIVE, KEEP_ALIVE_INTERVAL};
 use session_api::ui_stream::{UiStreamMapper, UI_STREAM_HEADER};
 use session_api::ws::{self, Inbound};
@@ -223,6 +223,8 @@ pub struct SessionObject {
     pub(crate) gone: Rc<RefCell<Vec<ConnId>>>,
     /// Set once the session was found in storage.
     exists: Cell<bool>,
+    /// Set once the storage's schema was brought up to date.
+    migrated: Cell<bool>,
 }
 
 impl std::fmt::Debug for SessionObject {
@@ -239,6 +241,7 @@ impl DurableObject for SessionObject {
             live: Mutex::new(None),
             gone: Rc::default(),
             exists: Cell::new(false),
+            migrated: Cell::new(false),
         }
     }
 
@@ -410,7 +413,18 @@ impl SessionObject {
             self.state.storage().sql(),
             session.clone(),
             max_frame_bytes(&self.env),
+            chain_key(&self.env),
         )
+    }
+
+    /// Bring an object created by an older Worker up to the current
+    /// schema, once per instance.
+    fn migrate_once(&self) -> Result<(), ApiError> {
+        if !self.migrated.get() {
+            DoStore::migrate(&self.state.storage().sql())?;
+            self.migrated.set(true);
+        }
+        Ok(())
     }
 
     /// 404 unless the session was created (nothing is written to find out).
@@ -497,6 +511,7 @@ impl SessionObject {
         let url = req.url().map_err(internal)?;
         let params = request::parse_query(url.query().unwrap_or(""));
         let op = url.path().trim_start_matches('/').to_string();
+        self.migrate_once()?;
         if op == "fork-into" {
             // This object becomes the fork of the prefix its source sent.
             let bytes = req.bytes().await.map_err(internal)?;
@@ -539,6 +554,10 @@ impl SessionObject {
                     out.extend(page.into_iter().filter(|f| f.seq <= until));
                 }
                 json_response(200, &out)
+            }
+            "verify" => {
+                let report = verify_store(&store, &chain_key(&self.env)).await?;
+                json_response(200, &Verified::new(session.clone(), report))
             }
             "messages" => {
                 let bytes = req.bytes().await.map_err(internal)?;
@@ -1074,4 +1093,18 @@ impl Reader {
 
 fn internal(e: worker::Error) -> ApiError {
     ApiError::new(500, "internal", e.to_string())
+}
+
+/// The audit chain's key: the Worker secret `HARNESS_AUDIT_KEY` (kept by
+/// Cloudflare, never in the object's storage; `wrangler secret put`, or
+/// `.dev.vars` under `wrangler dev`). Without it the chain is unkeyed:
+/// edits and deletions are still found, a consistent rewrite is not
+/// (docs/audit.md).
+pub(crate) fn chain_key(env: &Env) -> ChainKey {
+    env.secret("HARNESS_AUDIT_KEY")
+        .map(|s| s.to_string())
+        .or_else(|_| env.var("HARNESS_AUDIT_KEY").map(|v| v.to_string()))
+        .ok()
+        .filter(|k| !k.is_empty())
+        .map_or_else(ChainKey::unkeyed, |k| ChainKey::new(k.into_bytes()))
 }

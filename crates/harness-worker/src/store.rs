@@ -17,7 +17,8 @@ use async_trait::async_trait;
 use harness_core::frame::{Frame, FrameBody, SessionId};
 use harness_core::log::{
     fold_meta, fork_closing_frame, fork_range_error, plan_append, unknown_session, AppendPlan,
-    AppendRequest, AppendView, Appended, CheckedAppend, ForkOrigin, LogHead, LogInfo, SessionStore,
+    AppendRequest, AppendView, Appended, ChainKey, ChainedFrame, CheckedAppend, ForkOrigin,
+    FrameHash, LogHead, LogInfo, SessionStore,
 };
 use harness_core::session::{SessionConfig, SessionMeta};
 use harness_core::{Error, Result};
@@ -33,16 +34,29 @@ const SCHEMA: &[&str] = &[
         fork_until  INTEGER,
         meta        TEXT NOT NULL,
         last_seq    INTEGER NOT NULL DEFAULT 0,
-        last_at_ms  INTEGER NOT NULL DEFAULT 0
+        last_at_ms  INTEGER NOT NULL DEFAULT 0,
+        last_hash   TEXT
     )",
     "CREATE TABLE IF NOT EXISTS frames (
         seq      INTEGER PRIMARY KEY,
         at_ms    INTEGER NOT NULL,
         body     TEXT NOT NULL,
-        idem_key TEXT
+        idem_key TEXT,
+        hash     TEXT
     )",
     "CREATE UNIQUE INDEX IF NOT EXISTS frames_idem ON frames (idem_key)
         WHERE idem_key IS NOT NULL",
+];
+
+/// Columns added after the first schema (the audit chain's, as hex
+/// text), for objects created before them: `(table, column, statement)`.
+const MIGRATIONS: &[(&str, &str, &str)] = &[
+    (
+        "logs",
+        "last_hash",
+        "ALTER TABLE logs ADD COLUMN last_hash TEXT",
+    ),
+    ("frames", "hash", "ALTER TABLE frames ADD COLUMN hash TEXT"),
 ];
 
 /// One session's log in a Durable Object's SQLite.
@@ -51,6 +65,7 @@ pub struct DoStore {
     sql: SqlStorage,
     session: SessionId,
     max_frame_bytes: usize,
+    chain_key: ChainKey,
 }
 
 #[derive(Deserialize)]
@@ -62,6 +77,7 @@ struct LogRow {
     meta: String,
     last_seq: i64,
     last_at_ms: i64,
+    last_hash: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -72,17 +88,37 @@ struct FrameRow {
 }
 
 #[derive(Deserialize)]
-struct KeyedFrameRow {
+struct ChainRow {
     seq: i64,
     at_ms: i64,
     body: String,
     idem_key: Option<String>,
+    hash: Option<String>,
+}
+
+impl ChainRow {
+    fn chained(self) -> Result<ChainedFrame> {
+        let seq = self.seq;
+        Ok(ChainedFrame {
+            seq: seq as u64,
+            at_ms: self.at_ms as u64,
+            key: self.idem_key,
+            body: self.body,
+            hash: self
+                .hash
+                .as_deref()
+                .map(FrameHash::parse_hex)
+                .transpose()
+                .map_err(|e| Error::corrupt(format!("frame {seq}: {e}")))?,
+        })
+    }
 }
 
 /// What a fork copies from its source: the prefix of the log up to
-/// `until`, with each frame's idempotency key, and the session's config.
-/// (One message: a fork of a very long session is bounded by the
-/// runtime's request size; see docs/cloudflare-worker.md.)
+/// `until` as stored (each frame's body text, idempotency key and chain
+/// hash), and the session's config. (One message: a fork of a very long
+/// session is bounded by the runtime's request size; see
+/// docs/cloudflare-worker.md.)
 #[derive(Debug, Serialize, Deserialize)]
 pub struct ForkPrefix {
     /// The source session.
@@ -91,8 +127,8 @@ pub struct ForkPrefix {
     pub until: u64,
     /// The source's config.
     pub config: Option<SessionConfig>,
-    /// Frames `1..=until` and their keys.
-    pub frames: Vec<(Frame, Option<String>)>,
+    /// Frames `1..=until` as stored.
+    pub frames: Vec<ChainedFrame>,
 }
 
 fn db_err(e: impl std::fmt::Display) -> Error {
@@ -106,13 +142,42 @@ fn int(v: u64) -> SqlStorageValue {
 
 impl DoStore {
     /// The store of `session` over `sql`, refusing frames over
-    /// `max_frame_bytes`.
-    pub fn new(sql: SqlStorage, session: SessionId, max_frame_bytes: usize) -> Self {
+    /// `max_frame_bytes`, chaining frames with `chain_key`.
+    pub fn new(
+        sql: SqlStorage,
+        session: SessionId,
+        max_frame_bytes: usize,
+        chain_key: ChainKey,
+    ) -> Self {
         Self {
             sql,
             session,
             max_frame_bytes,
+            chain_key,
         }
+    }
+
+    /// Add the columns an object created before them lacks (once per
+    /// object instance: the caller remembers it ran). Nothing to do for an
+    /// object that holds no log yet.
+    pub fn migrate(sql: &SqlStorage) -> Result<()> {
+        #[derive(Deserialize)]
+        struct Column {
+            name: String,
+        }
+        if Self::stored_session(sql)?.is_none() {
+            return Ok(());
+        }
+        for (table, column, statement) in MIGRATIONS {
+            let columns: Vec<Column> = sql
+                .exec(&format!("PRAGMA table_info({table})"), None)
+                .and_then(|c| c.to_array())
+                .map_err(db_err)?;
+            if !columns.iter().any(|c| c.name == *column) {
+                sql.exec(statement, None).map_err(db_err)?;
+            }
+        }
+        Ok(())
     }
 
     /// The session id this object holds, if it was created (read without
@@ -163,10 +228,16 @@ impl DoStore {
     }
 
     fn load_info(&self) -> Result<LogInfo> {
+        Ok(self.load_head()?.0)
+    }
+
+    /// The log's info and its last frame's chain hash.
+    fn load_head(&self) -> Result<(LogInfo, Option<FrameHash>)> {
         let rows: Vec<LogRow> = self
             .sql
             .exec(
-                "SELECT session, sealed, forked_from, fork_until, meta, last_seq, last_at_ms
+                "SELECT session, sealed, forked_from, fork_until, meta, last_seq, last_at_ms,
+                        last_hash
                  FROM logs WHERE id = 1",
                 None,
             )
@@ -190,14 +261,20 @@ impl DoStore {
             }),
             _ => None,
         };
-        Ok(LogInfo {
+        let last_hash = row
+            .last_hash
+            .as_deref()
+            .map(FrameHash::parse_hex)
+            .transpose()?;
+        let info = LogInfo {
             session: self.session.clone(),
             last_seq: row.last_seq as u64,
             last_at_ms: row.last_at_ms as u64,
             sealed: row.sealed != 0,
             forked_from,
             meta,
-        })
+        };
+        Ok((info, last_hash))
     }
 
     /// The prefix of this log a fork up to `until` copies (`InvalidInput`
@@ -207,26 +284,7 @@ impl DoStore {
         if until > info.last_seq {
             return Err(fork_range_error(&self.session, until, info.last_seq));
         }
-        let rows: Vec<KeyedFrameRow> = self
-            .sql
-            .exec(
-                "SELECT seq, at_ms, body, idem_key FROM frames WHERE seq <= ? ORDER BY seq",
-                vec![int(until)],
-            )
-            .and_then(|c| c.to_array())
-            .map_err(db_err)?;
-        let frames = rows
-            .into_iter()
-            .map(|r| {
-                let key = r.idem_key;
-                let frame = decode(FrameRow {
-                    seq: r.seq,
-                    at_ms: r.at_ms,
-                    body: r.body,
-                })?;
-                Ok((frame, key))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let frames = self.read_chain_sync(0, usize::try_from(until).unwrap_or(usize::MAX))?;
         Ok(ForkPrefix {
             source: self.session.clone(),
             until,
@@ -250,37 +308,51 @@ impl DoStore {
         for statement in SCHEMA {
             self.sql.exec(statement, None).map_err(db_err)?;
         }
+        let bodies = prefix
+            .frames
+            .iter()
+            .map(|f| {
+                serde_json::from_str::<FrameBody>(&f.body)
+                    .map_err(|e| Error::invalid(format!("fork prefix frame {}: {e}", f.seq)))
+            })
+            .collect::<Result<Vec<_>>>()?;
         let meta = fold_meta(
             prefix.config.clone(),
             prefix
                 .frames
                 .iter()
-                .map(|(f, key)| (f.seq, &f.body, key.as_deref())),
+                .zip(&bodies)
+                .map(|(f, body)| (f.seq, body, f.key.as_deref())),
         );
-        let sealed = prefix
-            .frames
-            .iter()
-            .any(|(f, _)| matches!(f.body, FrameBody::Sealed {}));
-        let last_at_ms = prefix.frames.last().map_or(0, |(f, _)| f.at_ms);
-        for (frame, key) in &prefix.frames {
-            let body = serde_json::to_string(&frame.body).map_err(db_err)?;
+        let sealed = bodies.iter().any(|b| matches!(b, FrameBody::Sealed {}));
+        let last_at_ms = prefix.frames.last().map_or(0, |f| f.at_ms);
+        // The copy keeps the source's bodies as stored and their hashes:
+        // the fork's chain continues from the source's hash at the cut.
+        for frame in &prefix.frames {
             self.sql
                 .exec(
-                    "INSERT INTO frames (seq, at_ms, body, idem_key) VALUES (?, ?, ?, ?)",
+                    "INSERT INTO frames (seq, at_ms, body, idem_key, hash) VALUES (?, ?, ?, ?, ?)",
                     vec![
                         int(frame.seq),
                         int(frame.at_ms),
-                        body.into(),
-                        key.clone().into(),
+                        frame.body.clone().into(),
+                        frame.key.clone().into(),
+                        frame.hash.map(|h| h.to_hex()).into(),
                     ],
                 )
                 .map_err(db_err)?;
         }
+        let last_hash = prefix
+            .frames
+            .last()
+            .and_then(|f| f.hash)
+            .map(|h| h.to_hex());
         let meta_json = serde_json::to_string(&meta).map_err(db_err)?;
         self.sql
             .exec(
-                "INSERT INTO logs (id, session, sealed, forked_from, fork_until, meta, last_seq, last_at_ms)
-                 VALUES (1, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO logs (id, session, sealed, forked_from, fork_until, meta, last_seq, last_at_ms,
+                                   last_hash)
+                 VALUES (1, ?, ?, ?, ?, ?, ?, ?, ?)",
                 vec![
                     self.session.as_str().into(),
                     int(u64::from(sealed)),
@@ -289,6 +361,7 @@ impl DoStore {
                     meta_json.into(),
                     int(prefix.until),
                     int(last_at_ms),
+                    last_hash.into(),
                 ],
             )
             .map_err(db_err)?;
@@ -322,6 +395,19 @@ impl DoStore {
         rows.into_iter().map(decode).collect()
     }
 
+    fn read_chain_sync(&self, after: u64, limit: usize) -> Result<Vec<ChainedFrame>> {
+        let rows: Vec<ChainRow> = self
+            .sql
+            .exec(
+                "SELECT seq, at_ms, body, idem_key, hash FROM frames WHERE seq > ?
+                 ORDER BY seq LIMIT ?",
+                vec![int(after), int(limit as u64)],
+            )
+            .and_then(|c| c.to_array())
+            .map_err(db_err)?;
+        rows.into_iter().map(ChainRow::chained).collect()
+    }
+
     /// An append: `harness_core::log`'s decision over this object's log,
     /// then exactly what it says written.
     fn append_sync(&self, request: AppendRequest, now_ms: u64) -> Result<Appended> {
@@ -333,6 +419,7 @@ impl DoStore {
             },
             append,
             now_ms,
+            &self.chain_key,
         )? {
             AppendPlan::Duplicate(appended) => return Ok(appended),
             AppendPlan::Write(new) => new,
@@ -341,26 +428,30 @@ impl DoStore {
         // No await from here to the end: one implicit transaction.
         self.sql
             .exec(
-                "INSERT INTO frames (seq, at_ms, body, idem_key) VALUES (?, ?, ?, ?)",
+                "INSERT INTO frames (seq, at_ms, body, idem_key, hash) VALUES (?, ?, ?, ?, ?)",
                 vec![
                     int(seq),
                     int(at_ms),
                     new.body_json.clone().into(),
                     new.key.clone().into(),
+                    new.hash.map(|h| h.to_hex()).into(),
                 ],
             )
             .map_err(db_err)?;
         let sealed = int(u64::from(new.seals));
+        let hash: SqlStorageValue = new.hash.map(|h| h.to_hex()).into();
         match &new.meta {
             None => self.sql.exec(
-                "UPDATE logs SET last_seq = ?, last_at_ms = ?, sealed = sealed OR ? WHERE id = 1",
-                vec![int(seq), int(at_ms), sealed],
+                "UPDATE logs SET last_seq = ?, last_at_ms = ?, last_hash = ?, sealed = sealed OR ?
+                 WHERE id = 1",
+                vec![int(seq), int(at_ms), hash, sealed],
             ),
             Some(meta) => {
                 let meta = serde_json::to_string(meta).map_err(db_err)?;
                 self.sql.exec(
-                    "UPDATE logs SET last_seq = ?, last_at_ms = ?, sealed = sealed OR ?, meta = ? WHERE id = 1",
-                    vec![int(seq), int(at_ms), sealed, meta.into()],
+                    "UPDATE logs SET last_seq = ?, last_at_ms = ?, last_hash = ?, sealed = sealed OR ?,
+                     meta = ? WHERE id = 1",
+                    vec![int(seq), int(at_ms), hash, sealed, meta.into()],
                 )
             }
         }
@@ -373,15 +464,19 @@ impl DoStore {
 /// once, with its meta).
 struct DoView<'a> {
     store: &'a DoStore,
-    info: Option<LogInfo>,
+    info: Option<(LogInfo, Option<FrameHash>)>,
 }
 
 impl DoView<'_> {
-    fn info(&mut self) -> Result<&LogInfo> {
+    fn head_row(&mut self) -> Result<&(LogInfo, Option<FrameHash>)> {
         if self.info.is_none() {
-            self.info = Some(self.store.load_info()?);
+            self.info = Some(self.store.load_head()?);
         }
         Ok(self.info.as_ref().expect("just loaded"))
+    }
+
+    fn info(&mut self) -> Result<&LogInfo> {
+        Ok(&self.head_row()?.0)
     }
 }
 
@@ -391,10 +486,11 @@ impl AppendView for DoView<'_> {
     }
 
     fn head(&mut self) -> Result<LogHead> {
-        let info = self.info()?;
+        let (info, last_hash) = self.head_row()?;
         Ok(LogHead {
             last_seq: info.last_seq,
             sealed: info.sealed,
+            last_hash: *last_hash,
         })
     }
 
@@ -437,5 +533,9 @@ impl SessionStore for DoStore {
 
     async fn read(&self, after: u64, limit: usize) -> Result<Vec<Frame>> {
         self.read_sync(after, limit)
+    }
+
+    async fn read_chain(&self, after: u64, limit: usize) -> Result<Vec<ChainedFrame>> {
+        self.read_chain_sync(after, limit)
     }
 }

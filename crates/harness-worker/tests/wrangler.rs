@@ -387,3 +387,164 @@ async fn a_reader_too_far_behind_is_dropped_and_resumes() {
     assert_eq!(rest, want, "the resumed reader's frames");
     drop(dev);
 }
+
+/// The audit chain on the Durable Object: the Worker keys it with its
+/// secret `HARNESS_AUDIT_KEY`; `GET /v1/sessions/{id}/verify` walks it.
+/// With `wrangler dev` stopped, the objects' SQLite files are edited the
+/// way someone holding the storage would: a body changed in one session, a
+/// frame deleted in another, every frame from seq 2 on rewritten with
+/// recomputed (unkeyed) hashes in a third. After a restart, `verify` names
+/// the frame in each; a fork made before keeps its parent's chain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_durable_objects_audit_chain_names_what_was_edited_in_its_storage() {
+    use harness_core::log::chain::link;
+    use harness_core::log::{ChainKey, FrameHash};
+    let worker_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let state = std::env::temp_dir().join(format!("harness-worker-audit-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&state);
+    let secret = "the worker's audit secret";
+    let start = || {
+        let state = state.clone();
+        let vars = [
+            ("HARNESS_TOKENS", session_api::token_table().to_string()),
+            ("HARNESS_AUDIT_KEY", secret.to_string()),
+        ];
+        tokio::task::spawn_blocking(move || {
+            WranglerDev::start_with_state(worker_dir, &vars, &state)
+        })
+    };
+    let Some(first) = start().await.expect("start task") else {
+        return;
+    };
+    let t = Target::new(first.base.clone(), "audit");
+    let verify = |t: &Target, id: &str| {
+        let path = format!("/v1/sessions/{id}/verify");
+        let t = t.clone();
+        async move { t.get(&path, Some(CLIENT)).await }
+    };
+    let sessions = ["audit-edit", "audit-delete", "audit-rewrite"];
+    for id in sessions {
+        t.create(id).await;
+        let (status, _) = t
+            .message(id, CLIENT, json!({"type": "prompt", "text": "go"}))
+            .await;
+        assert_eq!(status, 200);
+        for i in 0..4 {
+            let answer = json!({"type": "approval-response", "approvalId": format!("a{i}"), "approved": true});
+            assert_eq!(t.message(id, CLIENT, answer).await.0, 200);
+        }
+        let (status, v) = verify(&t, id).await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(
+            (v["intact"].clone(), v["frames"].clone()),
+            (json!(true), json!(5)),
+            "{v}"
+        );
+    }
+    let (status, forked) = t
+        .post(
+            "/v1/sessions/audit-edit/fork?until=3&target=audit-fork",
+            Some(HOST),
+            json!({}),
+        )
+        .await;
+    assert_eq!(status, 201, "{forked}");
+    let (_, v) = verify(&t, "audit-fork").await;
+    assert_eq!(
+        v["intact"], true,
+        "a fork continues its parent's chain: {v}"
+    );
+    let (status, _) = verify(&t, "audit-nobody").await;
+    assert_eq!(status, 404);
+    drop(first);
+
+    // The objects' SQLite files, by the session each holds.
+    let mut files = std::collections::HashMap::new();
+    let mut dirs = vec![state.clone()];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "sqlite") {
+                let db = rusqlite::Connection::open(&path).unwrap();
+                let held: Option<String> = db
+                    .query_row("SELECT session FROM logs WHERE id = 1", [], |r| r.get(0))
+                    .ok();
+                if let Some(session) = held {
+                    files.insert(session, path);
+                }
+            }
+        }
+    }
+    let open = |id: &str| {
+        let path = files
+            .get(id)
+            .unwrap_or_else(|| panic!("no SQLite file holds {id}: {files:?}"));
+        rusqlite::Connection::open(path).unwrap()
+    };
+    let changed = open("audit-edit")
+        .execute(
+            "UPDATE frames SET body = replace(body, '\"a0\"', '\"forged\"') WHERE seq = 2",
+            [],
+        )
+        .unwrap();
+    assert_eq!(changed, 1, "frame 2 answers approval a0");
+    open("audit-delete")
+        .execute("DELETE FROM frames WHERE seq = 3", [])
+        .unwrap();
+    let db = open("audit-rewrite");
+    let mut prev: FrameHash = db
+        .query_row("SELECT hash FROM frames WHERE seq = 1", [], |r| {
+            r.get::<_, String>(0)
+        })
+        .map(|h| FrameHash::parse_hex(&h).unwrap())
+        .unwrap();
+    for seq in 2..=5u64 {
+        let (at_ms, body): (i64, String) = db
+            .query_row(
+                "SELECT at_ms, body FROM frames WHERE seq = ?1",
+                [seq as i64],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap();
+        let body = body.replace("\"approved\":true", "\"approved\":false");
+        let hash = link(&ChainKey::unkeyed(), &prev, seq, at_ms as u64, None, &body);
+        db.execute(
+            "UPDATE frames SET body = ?2, hash = ?3 WHERE seq = ?1",
+            rusqlite::params![seq as i64, body, hash.to_hex()],
+        )
+        .unwrap();
+        prev = hash;
+    }
+    db.execute("UPDATE logs SET last_hash = ?1", [prev.to_hex()])
+        .unwrap();
+    drop(db);
+
+    let Some(second) = start().await.expect("start task") else {
+        return;
+    };
+    let t = Target::new(second.base.clone(), "audit");
+    let (_, v) = verify(&t, "audit-edit").await;
+    assert_eq!(
+        (v["intact"].clone(), v["broken"].clone()),
+        (json!(false), json!({"kind": "mismatch", "seq": 2})),
+        "{v}"
+    );
+    let (_, v) = verify(&t, "audit-delete").await;
+    assert_eq!(
+        v["broken"],
+        json!({"kind": "gap", "after": 2, "next": 4}),
+        "{v}"
+    );
+    let (_, v) = verify(&t, "audit-rewrite").await;
+    assert_eq!(
+        v["broken"],
+        json!({"kind": "mismatch", "seq": 2}),
+        "a consistent rewrite without the Worker's secret is caught: {v}"
+    );
+    let (_, v) = verify(&t, "audit-fork").await;
+    assert_eq!(v["intact"], true, "the fork kept its own copy: {v}");
+    drop(second);
+    let _ = std::fs::remove_dir_all(&state);
+}

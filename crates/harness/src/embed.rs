@@ -45,7 +45,16 @@ pub async fn open(dir: impl AsRef<Path>) -> Result<Runtime> {
 pub async fn open_with(dir: impl AsRef<Path>, options: OpenOptions) -> Result<Runtime> {
     let dir: PathBuf = dir.as_ref().to_path_buf();
     std::fs::create_dir_all(&dir)?;
-    let log = Arc::new(session_log::SqliteSessionLog::open(dir.join("harness.db"))?);
+    let log = session_log::SqliteSessionLog::open(dir.join("harness.db"))?;
+    // The audit chain's key, beside the database as `harness` keeps it
+    // (docs/audit.md). It is made by the broker's secret-file helper;
+    // without the `broker` feature the chain stays unkeyed.
+    #[cfg(feature = "broker")]
+    let log = {
+        let key = harness_broker::load_or_make_secret(&dir.join("audit.key"))?;
+        log.with_chain_key(harness_core::log::ChainKey::new(key))
+    };
+    let log = Arc::new(log);
     let env = options.env.unwrap_or_else(session_runtime::agent_env);
     #[cfg(feature = "broker")]
     let broker: Option<Arc<dyn harness_core::broker::ModelBroker>> = if options.direct_model {

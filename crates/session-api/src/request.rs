@@ -328,3 +328,33 @@ mod tests {
         assert_eq!(frames_page(&bad).unwrap_err().status, 400);
     }
 }
+
+/// What `GET /v1/sessions/{id}/verify` answers: the walk of the session's
+/// audit chain (`harness_core::log::chain`). A broken chain is a finding,
+/// not a failed request: 200 with `intact: false`, where it breaks, and
+/// the same said in words.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct Verified {
+    /// The session.
+    pub session: harness_core::SessionId,
+    /// Whether the chain holds to the end.
+    pub intact: bool,
+    /// The break, in words.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub problem: Option<String>,
+    /// The walk's figures (`frames`, `unchained`, `head`, `broken`).
+    #[serde(flatten)]
+    pub report: harness_core::log::ChainReport,
+}
+
+impl Verified {
+    /// The answer for `session`'s walk.
+    pub fn new(session: harness_core::SessionId, report: harness_core::log::ChainReport) -> Self {
+        Self {
+            session,
+            intact: report.intact(),
+            problem: report.broken.as_ref().map(|b| b.to_string()),
+            report,
+        }
+    }
+}

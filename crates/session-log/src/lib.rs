@@ -39,8 +39,8 @@ use async_trait::async_trait;
 use backon::{BlockingRetryable, ExponentialBuilder};
 use harness_core::log::{
     fold_meta, fork_closing_frame, fork_range_error, plan_append, unknown_session, AppendPlan,
-    AppendRequest, AppendView, Appended, CheckedAppend, ForkOrigin, LogHead, LogInfo, SessionLog,
-    DEFAULT_MAX_FRAME_BYTES,
+    AppendRequest, AppendView, Appended, ChainKey, ChainedFrame, CheckedAppend, ForkOrigin,
+    FrameHash, LogHead, LogInfo, SessionLog, DEFAULT_MAX_FRAME_BYTES,
 };
 use harness_core::session::{SessionConfig, SessionMeta};
 use harness_core::{Error, Frame, FrameBody, Result, SessionId};
@@ -83,6 +83,7 @@ CREATE TABLE IF NOT EXISTS frames (
     at_ms    INTEGER NOT NULL,
     body     TEXT NOT NULL,
     idem_key TEXT,
+    hash     BLOB,
     PRIMARY KEY (session, seq)
 ) WITHOUT ROWID;
 CREATE UNIQUE INDEX IF NOT EXISTS frames_idem ON frames (session, idem_key)
@@ -100,6 +101,8 @@ CREATE TABLE IF NOT EXISTS turns (
 /// Columns added after the first schema, for databases that predate them.
 const MIGRATIONS: &[(&str, &str, &str)] = &[
     ("logs", "meta", "ALTER TABLE logs ADD COLUMN meta TEXT"),
+    // The audit chain; NULL for frames written before it.
+    ("frames", "hash", "ALTER TABLE frames ADD COLUMN hash BLOB"),
     (
         "turns",
         "generation",
@@ -240,6 +243,14 @@ impl SqliteSessionLog {
             reader: None,
             max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
         })
+    }
+
+    /// Chain appended frames with `key` (the audit chain; unkeyed by
+    /// default). Every process appending to one file must use the same key,
+    /// or the chain breaks where they meet.
+    pub fn with_chain_key(self, key: ChainKey) -> Self {
+        self.writer.set_chain_key(key);
+        self
     }
 
     /// Set the frame size limit (default 1 MiB).
@@ -451,13 +462,21 @@ fn last_frame(conn: &Connection, session: &SessionId) -> Result<(u64, u64)> {
     Ok(row.map_or((0, 0), |(s, a)| (s as u64, a as u64)))
 }
 
-fn last_seq(conn: &Connection, session: &SessionId) -> Result<u64> {
-    let last: i64 = conn
-        .prepare_cached("SELECT COALESCE(MAX(seq), 0) FROM frames WHERE session = ?1")
+/// Seq and chain hash of the last frame ((0, None) when empty).
+fn last_link(conn: &Connection, session: &SessionId) -> Result<(u64, Option<FrameHash>)> {
+    let row: Option<(i64, Option<Vec<u8>>)> = conn
+        .prepare_cached("SELECT seq, hash FROM frames WHERE session = ?1 ORDER BY seq DESC LIMIT 1")
         .map_err(db_err)?
-        .query_row(params![session.as_str()], |r| r.get(0))
+        .query_row(params![session.as_str()], |r| Ok((r.get(0)?, r.get(1)?)))
+        .optional()
         .map_err(db_err)?;
-    Ok(last as u64)
+    match row {
+        None => Ok((0, None)),
+        Some((seq, hash)) => Ok((
+            seq as u64,
+            hash.as_deref().map(FrameHash::from_slice).transpose()?,
+        )),
+    }
 }
 
 fn decode_body(json: &str, session: &SessionId, seq: i64) -> Result<FrameBody> {
@@ -489,9 +508,11 @@ impl AppendView for TxView<'_> {
             .optional()
             .map_err(db_err)?;
         let sealed = sealed.ok_or_else(|| unknown_session(self.session))?;
+        let (last_seq, last_hash) = last_link(self.tx, self.session)?;
         Ok(LogHead {
-            last_seq: last_seq(self.tx, self.session)?,
+            last_seq,
             sealed,
+            last_hash,
         })
     }
 
@@ -530,13 +551,15 @@ pub(crate) fn append_in(
     session: &SessionId,
     append: CheckedAppend,
     now: u64,
+    chain: &ChainKey,
 ) -> Result<Appended> {
-    let new = match plan_append(&mut TxView { tx, session }, append, now)? {
+    let new = match plan_append(&mut TxView { tx, session }, append, now, chain)? {
         AppendPlan::Duplicate(appended) => return Ok(appended),
         AppendPlan::Write(new) => new,
     };
     tx.prepare_cached(
-        "INSERT INTO frames (session, seq, at_ms, body, idem_key) VALUES (?1, ?2, ?3, ?4, ?5)",
+        "INSERT INTO frames (session, seq, at_ms, body, idem_key, hash) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
     )
     .map_err(db_err)?
     .execute(params![
@@ -544,7 +567,8 @@ pub(crate) fn append_in(
         new.frame.seq as i64,
         new.frame.at_ms as i64,
         new.body_json,
-        new.key
+        new.key,
+        new.hash.as_ref().map(|h| &h.as_bytes()[..])
     ])
     .map_err(db_err)?;
     if new.seals {
@@ -654,8 +678,70 @@ impl SessionLog for SqliteSessionLog {
         .await
     }
 
+    async fn read_chain(
+        &self,
+        session: &SessionId,
+        after: u64,
+        limit: usize,
+    ) -> Result<Vec<ChainedFrame>> {
+        let session = session.clone();
+        self.read_with(move |conn| {
+            let tx = conn.transaction().map_err(db_err)?;
+            let exists: Option<i64> = tx
+                .query_row(
+                    "SELECT 1 FROM logs WHERE session = ?1",
+                    params![session.as_str()],
+                    |r| r.get(0),
+                )
+                .optional()
+                .map_err(db_err)?;
+            if exists.is_none() {
+                return Err(unknown_session(&session));
+            }
+            let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+            let after = i64::try_from(after).unwrap_or(i64::MAX);
+            let mut stmt = tx
+                .prepare_cached(
+                    "SELECT seq, at_ms, body, idem_key, hash FROM frames \
+                     WHERE session = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3",
+                )
+                .map_err(db_err)?;
+            let rows = stmt
+                .query_map(params![session.as_str(), after, limit], |r| {
+                    Ok((
+                        r.get::<_, i64>(0)?,
+                        r.get::<_, i64>(1)?,
+                        r.get::<_, String>(2)?,
+                        r.get::<_, Option<String>>(3)?,
+                        r.get::<_, Option<Vec<u8>>>(4)?,
+                    ))
+                })
+                .map_err(db_err)?;
+            let mut frames = Vec::new();
+            for row in rows {
+                let (seq, at_ms, body, key, hash) = row.map_err(db_err)?;
+                frames.push(ChainedFrame {
+                    seq: seq as u64,
+                    at_ms: at_ms as u64,
+                    key,
+                    body,
+                    hash: hash
+                        .as_deref()
+                        .map(FrameHash::from_slice)
+                        .transpose()
+                        .map_err(|e| {
+                            Error::corrupt(format!("frame {seq} of session {session}: {e}"))
+                        })?,
+                });
+            }
+            Ok(frames)
+        })
+        .await
+    }
+
     async fn seal(&self, session: &SessionId) -> Result<LogInfo> {
         let session = session.clone();
+        let chain = self.writer.chain_key();
         self.writer
             .exec(move |conn| {
                 let tx = conn
@@ -665,7 +751,7 @@ impl SessionLog for SqliteSessionLog {
                 if !info.sealed {
                     let seal =
                         CheckedAppend::new(AppendRequest::new(FrameBody::Sealed {}), usize::MAX)?;
-                    append_in(&tx, &session, seal, now_ms())?;
+                    append_in(&tx, &session, seal, now_ms(), &chain)?;
                 }
                 let info = load_info(&tx, &session)?;
                 tx.commit().map_err(db_err)?;
@@ -677,6 +763,7 @@ impl SessionLog for SqliteSessionLog {
     async fn fork(&self, source: &SessionId, until: u64, target: &SessionId) -> Result<LogInfo> {
         let source = source.clone();
         let target = target.clone();
+        let chain = self.writer.chain_key();
         self.writer.exec(move |conn| {
             let tx = conn
                 .transaction_with_behavior(TransactionBehavior::Immediate)
@@ -707,8 +794,8 @@ impl SessionLog for SqliteSessionLog {
             )
             .map_err(db_err)?;
             tx.execute(
-                "INSERT INTO frames (session, seq, at_ms, body, idem_key) \
-                 SELECT ?1, seq, at_ms, body, idem_key FROM frames \
+                "INSERT INTO frames (session, seq, at_ms, body, idem_key, hash) \
+                 SELECT ?1, seq, at_ms, body, idem_key, hash FROM frames \
                  WHERE session = ?2 AND seq <= ?3",
                 params![target.as_str(), source.as_str(), until as i64],
             )
@@ -717,7 +804,8 @@ impl SessionLog for SqliteSessionLog {
             let meta = fold_stored(&tx, &target, src.meta.config.clone(), until)?;
             store_meta(&tx, &target, &meta)?;
             if let Some(closing) = fork_closing_frame(&meta, sealed, &source, until) {
-                append_in(&tx, &target, CheckedAppend::new(closing, usize::MAX)?, now_ms())?;
+                let closing = CheckedAppend::new(closing, usize::MAX)?;
+                append_in(&tx, &target, closing, now_ms(), &chain)?;
             }
             let info = load_info(&tx, &target)?;
             tx.commit().map_err(db_err)?;

@@ -30,11 +30,11 @@
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use harness_core::log::{Appended, CheckedAppend};
+use harness_core::log::{Appended, ChainKey, CheckedAppend};
 use harness_core::{Error, ErrorKind, Result, SessionId};
 use rusqlite::Connection;
 use tokio::sync::oneshot;
@@ -81,6 +81,15 @@ struct Queue {
     closed: bool,
 }
 
+impl Shared {
+    fn chain_key(&self) -> Arc<ChainKey> {
+        self.chain_key
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
 struct Shared {
     queue: Mutex<Queue>,
     wake: Condvar,
@@ -92,6 +101,8 @@ struct Shared {
     max_batch: AtomicUsize,
     /// Whether a group (transaction) is open.
     open: AtomicBool,
+    /// The key appends chain frames with (`harness_core::log::chain`).
+    chain_key: RwLock<Arc<ChainKey>>,
 }
 
 /// The handle; dropping the last one stops the thread after the queued
@@ -120,6 +131,7 @@ impl Writer {
             commits: AtomicU64::new(0),
             max_batch: AtomicUsize::new(MAX_BATCH),
             open: AtomicBool::new(false),
+            chain_key: RwLock::new(Arc::new(ChainKey::unkeyed())),
         });
         let fail = shared.fail_commits.clone();
         // The hook turns a COMMIT into a ROLLBACK and makes it fail
@@ -240,6 +252,18 @@ impl Writer {
 
     /// Take at most `n` jobs into one transaction (1: every plain append
     /// commits alone).
+    pub(crate) fn set_chain_key(&self, key: ChainKey) {
+        *self
+            .shared
+            .chain_key
+            .write()
+            .unwrap_or_else(|e| e.into_inner()) = Arc::new(key);
+    }
+
+    pub(crate) fn chain_key(&self) -> Arc<ChainKey> {
+        self.shared.chain_key()
+    }
+
     pub(crate) fn set_max_batch(&self, n: usize) {
         self.shared.max_batch.store(n.max(1), Ordering::Release);
     }
@@ -438,7 +462,8 @@ impl State {
     /// rolls back alone.
     fn stage(&mut self, session: &SessionId, append: CheckedAppend) -> Result<Appended> {
         self.run("SAVEPOINT append").map_err(db_err)?;
-        match append_in(&self.conn, session, append, now_ms()) {
+        let key = self.shared.chain_key();
+        match append_in(&self.conn, session, append, now_ms(), &key) {
             Ok(appended) => {
                 self.run("RELEASE append").map_err(db_err)?;
                 Ok(appended)

@@ -16,6 +16,8 @@
 //!    with the same readers and writer; latency = the reader's receive time − the writer's send time,
 //!    per delivery; "lag growth" = p50 of the last fifth of the frames sent
 //!    − p50 of the first fifth (≈ 0 when readers keep up);
+//!    and with the audit chain next to the same log without it
+//!    (`ChainKey::off`), three interleaved rounds each;
 //! 3. replay of 100,000 frames on every read path (SSE `/events`, WebSocket
 //!    `after=0`, Durable Streams GET, `/export`, `/frames` pages) against
 //!    `log.read` pages straight from the log.
@@ -279,6 +281,37 @@ async fn bench_appends(dir: &std::path::Path) -> anyhow::Result<()> {
     println!("|---|---:|---:|---:|");
     for (label, g, s) in results {
         row(&label, g, s, "/s");
+    }
+    bench_chain(dir, direct_n, writers).await
+}
+
+/// What the audit chain costs an append: direct appends to a log keyed as
+/// `harness` keys it next to the same log with the chain off
+/// (`ChainKey::off`: no HMAC, no hash stored), interleaved, every round
+/// printed.
+async fn bench_chain(dir: &std::path::Path, n: u64, writers: u64) -> anyhow::Result<()> {
+    use harness_core::log::ChainKey;
+    let keyed = Arc::new(
+        SqliteSessionLog::open(dir.join("chain-keyed.db"))?
+            .with_chain_key(ChainKey::new([7u8; 32])),
+    );
+    let off =
+        Arc::new(SqliteSessionLog::open(dir.join("chain-off.db"))?.with_chain_key(ChainKey::off()));
+    println!();
+    println!("| appends with the audit chain (frames/s) | chained (keyed) | no chain | ratio |");
+    println!("|---|---:|---:|---:|");
+    for w in [1, writers] {
+        for round in 1..=3 {
+            let tag = format!("chain-{w}-{round}");
+            let c = direct_appends(&keyed, &tag, n, w).await?;
+            let o = direct_appends(&off, &tag, n, w).await?;
+            row(
+                &format!("direct append, {w} writer(s), round {round}"),
+                c,
+                o,
+                "/s",
+            );
+        }
     }
     Ok(())
 }

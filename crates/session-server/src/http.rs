@@ -66,6 +66,7 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/v1/sessions/{id}/events", get(events))
         .route("/v1/sessions/{id}/frames", get(frames))
         .route("/v1/sessions/{id}/export", get(export))
+        .route("/v1/sessions/{id}/verify", get(verify))
         .route("/v1/sessions/{id}/fork", post(fork))
         .route("/v1/sessions/{id}/seal", post(seal))
         .route("/v1/sessions/{id}/rewind", post(rewind))
@@ -244,6 +245,20 @@ async fn export(
     }
     let first = read_page(&state, &id, 0, until, usize::MAX).await?;
     Ok(frames_array(state, id, first, until, usize::MAX))
+}
+
+async fn verify(
+    State(state): Shared,
+    Path(id): Path<String>,
+    Query(params): Params,
+    headers: HeaderMap,
+) -> Result<Json<session_api::request::Verified>, ApiError> {
+    let id = session_id(&id)?;
+    state.auth(&headers, &params, Some(&id), READERS)?;
+    let report =
+        harness_core::log::verify_log(state.hub.log().clone(), &id, &state.config.chain_key)
+            .await?;
+    Ok(Json(session_api::request::Verified::new(id, report)))
 }
 
 /// Frames `after < seq <= until`, at most `max` and one page of them.

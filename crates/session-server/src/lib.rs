@@ -74,6 +74,10 @@ pub struct ServerConfig {
     /// in-memory store per router (lost when the process ends). Pass
     /// [`durable_streams::StreamStore::open`] to keep them in SQLite.
     pub stream_store: Option<Arc<durable_streams::StreamStore>>,
+    /// The key the log's audit chain is keyed with, for
+    /// `GET /v1/sessions/{id}/verify` (the one the log appends with;
+    /// default unkeyed). docs/audit.md.
+    pub chain_key: harness_core::log::ChainKey,
 }
 
 impl ServerConfig {
@@ -89,6 +93,7 @@ impl ServerConfig {
             agents: Vec::new(),
             providers: Vec::new(),
             stream_store: None,
+            chain_key: harness_core::log::ChainKey::unkeyed(),
         }
     }
 

@@ -945,3 +945,82 @@ async fn a_client_token_may_not_rewind() {
     }
     assert_eq!(srv.log.info(&sid("cp")).await.unwrap().last_seq, 2);
 }
+
+/// `GET /v1/sessions/{id}/verify`: the walk of the session's audit chain
+/// with the server's key. Intact after a turn's frames and a fork; a
+/// server holding another key than the one the log was written with finds
+/// the chain broken at frame 1 (200, `intact: false`, said in words).
+#[tokio::test]
+async fn verify_walks_the_audit_chain_with_the_servers_key() {
+    let key = harness_core::log::ChainKey::new(*b"the server's audit key");
+    let dir = tempfile::tempdir().unwrap();
+    let log = std::sync::Arc::new(
+        session_log::SqliteSessionLog::open(dir.path().join("log.db"))
+            .unwrap()
+            .with_chain_key(key.clone()),
+    );
+    let srv = start(|config| {
+        config.log = log.clone();
+        config.chain_key = key.clone();
+    })
+    .await;
+    srv.create("audited").await;
+    assert_eq!(prompt(&srv, "audited", "m1").await.status(), 200);
+    for i in 2..=4 {
+        assert_eq!(say(&srv, "audited", &format!("m{i}")).await.status(), 200);
+    }
+    let last = log.info(&sid("audited")).await.unwrap().last_seq;
+    let get = |id: &str| {
+        srv.http
+            .get(format!("{}/v1/sessions/{id}/verify", srv.base))
+            .send()
+    };
+    let r = get("audited").await.unwrap();
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["intact"], true, "{v}");
+    assert_eq!(v["frames"].as_u64(), Some(last), "{v}");
+    assert_eq!(v["head"].as_str().map(str::len), Some(64), "{v}");
+    let r = srv
+        .http
+        .post(format!(
+            "{}/v1/sessions/audited/fork?until=2&target=audited-fork",
+            srv.base
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let v: Value = get("audited-fork").await.unwrap().json().await.unwrap();
+    assert_eq!(
+        v["intact"], true,
+        "a fork continues its parent's chain: {v}"
+    );
+    assert_eq!(get("nobody").await.unwrap().status(), 404);
+
+    // The same log, read by a server holding another key.
+    let other = start(|config| {
+        config.log = log.clone();
+        config.chain_key = harness_core::log::ChainKey::new(*b"some other key");
+    })
+    .await;
+    let v: Value = other
+        .http
+        .get(format!("{}/v1/sessions/audited/verify", other.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["intact"], false, "{v}");
+    assert_eq!(v["broken"]["kind"], "mismatch", "{v}");
+    assert_eq!(v["broken"]["seq"], 1, "{v}");
+    assert!(
+        v["problem"]
+            .as_str()
+            .unwrap()
+            .contains("frame 1 does not match"),
+        "{v}"
+    );
+}

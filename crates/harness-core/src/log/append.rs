@@ -14,13 +14,15 @@
 //!    the seal flag and the folded meta. The store then writes exactly what
 //!    the [`AppendPlan`] says.
 //!
-//! A store decides nothing itself, so a rule added here (a hash chain, an
-//! index feed) reaches every store at once.
+//! A store decides nothing itself, so a rule added here reaches every store
+//! at once: the audit chain is one ([`NewFrame::hash`], computed here with
+//! the key the store was given; see [`chain`](super::chain)).
 
 use crate::frame::{Frame, FrameBody, SessionId};
 use crate::session::SessionMeta;
 use crate::{Error, Result};
 
+use super::chain::{link, ChainKey, FrameHash};
 use super::{check_append, key_reuse_error, sealed_error, AppendRequest, Appended};
 
 /// An append that passed the limits, with its body encoded.
@@ -58,6 +60,10 @@ pub struct LogHead {
     pub last_seq: u64,
     /// Whether the log is sealed.
     pub sealed: bool,
+    /// The last frame's chain hash (`None` when the log is empty or its
+    /// last frame predates the chain: the next frame then chains from
+    /// [`FrameHash::GENESIS`]).
+    pub last_hash: Option<FrameHash>,
 }
 
 /// What a store holds, as the decision reads it (inside the store's
@@ -87,6 +93,9 @@ pub struct NewFrame {
     pub seals: bool,
     /// The session's meta after the frame, when the frame changed it.
     pub meta: Option<SessionMeta>,
+    /// Its link in the audit chain, to store with it (`None` only under
+    /// [`ChainKey::off`], the bench's anchor).
+    pub hash: Option<FrameHash>,
 }
 
 impl NewFrame {
@@ -113,12 +122,13 @@ pub enum AppendPlan {
     Write(NewFrame),
 }
 
-/// Decide an append at `now_ms` over what `view` holds (see the module
-/// docs for the rules).
+/// Decide an append at `now_ms` over what `view` holds, chaining the new
+/// frame with `chain` (see the module docs for the rules).
 pub fn plan_append(
     view: &mut dyn AppendView,
     append: CheckedAppend,
     now_ms: u64,
+    chain: &ChainKey,
 ) -> Result<AppendPlan> {
     let CheckedAppend { request, body_json } = append;
     let head = view.head()?;
@@ -149,6 +159,16 @@ pub fn plan_append(
     } else {
         None
     };
+    let hash = chain.chains().then(|| {
+        link(
+            chain,
+            &head.last_hash.unwrap_or(FrameHash::GENESIS),
+            seq,
+            now_ms,
+            key.as_deref(),
+            &body_json,
+        )
+    });
     Ok(AppendPlan::Write(NewFrame {
         seals: matches!(request.body, FrameBody::Sealed {}),
         frame: Frame {
@@ -159,6 +179,7 @@ pub fn plan_append(
         body_json,
         key,
         meta,
+        hash,
     }))
 }
 
@@ -174,6 +195,7 @@ mod tests {
         frames: Vec<(Frame, Option<String>)>,
         meta: SessionMeta,
         meta_reads: usize,
+        chain: Vec<crate::log::chain::ChainedFrame>,
     }
 
     impl Plain {
@@ -183,10 +205,12 @@ mod tests {
                 head: LogHead {
                     last_seq: 0,
                     sealed: false,
+                    last_hash: None,
                 },
                 frames: Vec::new(),
                 meta: SessionMeta::new(Some(SessionConfig::default())),
                 meta_reads: 0,
+                chain: Vec::new(),
             }
         }
 
@@ -196,6 +220,14 @@ mod tests {
                 AppendPlan::Write(w) => {
                     self.head.last_seq = w.frame.seq;
                     self.head.sealed |= w.seals;
+                    self.head.last_hash = w.hash;
+                    self.chain.push(crate::log::chain::ChainedFrame {
+                        seq: w.frame.seq,
+                        at_ms: w.frame.at_ms,
+                        key: w.key.clone(),
+                        body: w.body_json.clone(),
+                        hash: w.hash,
+                    });
                     if let Some(meta) = w.meta.clone() {
                         self.meta = meta;
                     }
@@ -207,7 +239,7 @@ mod tests {
 
         fn append(&mut self, request: AppendRequest) -> Result<Appended> {
             let checked = CheckedAppend::new(request, 1 << 20)?;
-            let plan = plan_append(self, checked, 7)?;
+            let plan = plan_append(self, checked, 7, &ChainKey::new(*b"test"))?;
             Ok(self.apply(plan))
         }
     }
@@ -281,7 +313,7 @@ mod tests {
         assert_eq!(view.meta_reads, 0, "a text frame cannot change the meta");
         let mut plan = |body| {
             let checked = CheckedAppend::new(AppendRequest::new(body), 1 << 20).unwrap();
-            match plan_append(&mut view, checked, 1).unwrap() {
+            match plan_append(&mut view, checked, 1, &ChainKey::unkeyed()).unwrap() {
                 AppendPlan::Write(w) => w.meta,
                 AppendPlan::Duplicate(_) => panic!("no key, no duplicate"),
             }
@@ -293,6 +325,26 @@ mod tests {
         .expect("a prompt opens a turn");
         assert_eq!(meta.turn.unwrap().turn_id, "t1");
         assert!(plan(FrameBody::RunnerAttached { generation: 0 }).is_none());
+    }
+
+    #[test]
+    fn every_written_frame_is_chained_to_the_one_before_and_a_duplicate_adds_no_link() {
+        let mut view = Plain::new();
+        view.append(AppendRequest::idempotent(text("a"), "k"))
+            .unwrap();
+        view.append(AppendRequest::new(text("b"))).unwrap();
+        view.append(AppendRequest::idempotent(text("a"), "k"))
+            .unwrap();
+        view.append(AppendRequest::new(FrameBody::Sealed {}))
+            .unwrap();
+        assert_eq!(view.chain.len(), 3);
+        let key = ChainKey::new(*b"test");
+        let report = crate::log::chain::verify_chain(&key, &view.chain, 3);
+        assert!(report.intact(), "{report:?}");
+        assert_eq!(report.head, view.head.last_hash);
+        // Another key does not verify it: the chain is keyed.
+        let other = crate::log::chain::verify_chain(&ChainKey::unkeyed(), &view.chain, 3);
+        assert!(!other.intact());
     }
 
     #[test]

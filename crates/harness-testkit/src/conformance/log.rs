@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, ensure, Context, Result};
 use harness_core::frame::{FrameBody, MessageKind, SessionId};
-use harness_core::log::{fold_meta, AppendRequest, SessionLog};
+use harness_core::log::{fold_meta, verify_log, AppendRequest, ChainKey, SessionLog};
 use harness_core::part::StreamPart;
 use harness_core::sandbox::SandboxHandle;
 use harness_core::session::SessionConfig;
@@ -86,6 +86,113 @@ where
     numbers_read_back_exactly(factory().await)
         .await
         .context("numbers_read_back_exactly")?;
+    every_frame_is_chained(factory().await, &ChainKey::unkeyed())
+        .await
+        .context("every_frame_is_chained")?;
+    Ok(())
+}
+
+/// The audit chain (`harness_core::log::chain`): every stored frame has a
+/// hash that links it to the one before under the store's key (`key`,
+/// which a store given none keeps unkeyed); `read_chain` hands back the
+/// frames as stored, pages from a cursor, and a fork keeps its parent's
+/// links up to the cut and chains on from there. A walk with another key
+/// fails at the first frame.
+pub async fn every_frame_is_chained(log: Arc<dyn SessionLog>, key: &ChainKey) -> Result<()> {
+    let s = sid("chain");
+    log.create(&s).await?;
+    log.append(&s, AppendRequest::idempotent(prompt("go"), "k1"))
+        .await?;
+    log.append(&s, AppendRequest::new(said("one"))).await?;
+    let retry = log
+        .append(&s, AppendRequest::idempotent(prompt("go"), "k1"))
+        .await?;
+    ensure!(retry.duplicate, "the retry must be a duplicate");
+    log.append(&s, AppendRequest::new(said("two"))).await?;
+    let frames = log.read(&s, 0, 100).await?;
+    let chained = log.read_chain(&s, 0, 100).await?;
+    ensure!(
+        chained.len() == 3 && frames.len() == 3,
+        "3 frames stored (a duplicate adds no link), read_chain gave {}",
+        chained.len()
+    );
+    for (c, f) in chained.iter().zip(&frames) {
+        ensure!(
+            c.seq == f.seq && c.at_ms == f.at_ms,
+            "read_chain frame {} (at {}) is not read's frame {} (at {})",
+            c.seq,
+            c.at_ms,
+            f.seq,
+            f.at_ms
+        );
+        let body: FrameBody = serde_json::from_str(&c.body)
+            .with_context(|| format!("frame {}'s stored body is not a frame body", c.seq))?;
+        ensure!(
+            body == f.body,
+            "frame {}'s stored body is not its body",
+            c.seq
+        );
+        ensure!(c.hash.is_some(), "frame {} has no hash", c.seq);
+    }
+    ensure!(
+        chained[0].key.as_deref() == Some("k1") && chained[1].key.is_none(),
+        "read_chain must carry each frame's idempotency key: {:?}, {:?}",
+        chained[0].key,
+        chained[1].key
+    );
+    let report = verify_log(log.clone(), &s, key).await?;
+    ensure!(report.intact(), "a fresh log's chain must hold: {report:?}");
+    ensure!(
+        report.frames == 3 && report.head == chained[2].hash,
+        "the walk read {} frames and ended at {:?}, not at frame 3's hash",
+        report.frames,
+        report.head
+    );
+    let wrong = verify_log(log.clone(), &s, &ChainKey::new(*b"not the store's key")).await?;
+    ensure!(
+        !wrong.intact(),
+        "a walk with another key must fail: the chain is not keyed with the store's key"
+    );
+    let page = log.read_chain(&s, 1, 1).await?;
+    ensure!(
+        page.len() == 1 && page[0].seq == 2 && page[0].hash == chained[1].hash,
+        "read_chain(after 1, limit 1) must give frame 2 alone"
+    );
+
+    // A fork in the middle of a turn: its prefix keeps the parent's links,
+    // its closing frame chains from the parent's hash at the cut.
+    let f = sid("chain-fork");
+    let info = log.fork(&s, 2, &f).await?;
+    let forked = log.read_chain(&f, 0, 100).await?;
+    ensure!(
+        forked.len() as u64 == info.last_seq && forked.len() >= 2,
+        "the fork holds {} frames, read_chain gave {}",
+        info.last_seq,
+        forked.len()
+    );
+    ensure!(
+        forked[..2]
+            .iter()
+            .map(|c| c.hash)
+            .eq(chained[..2].iter().map(|c| c.hash)),
+        "a fork's copied frames must keep their parent's hashes"
+    );
+    let report = verify_log(log.clone(), &f, key).await?;
+    ensure!(report.intact(), "a fork's chain must hold: {report:?}");
+    log.append(&f, AppendRequest::new(said("own"))).await?;
+    let report = verify_log(log.clone(), &f, key).await?;
+    ensure!(
+        report.intact() && report.frames == info.last_seq + 1,
+        "a fork's own frames chain on: {report:?}"
+    );
+    // The parent is untouched by its fork.
+    let report = verify_log(log.clone(), &s, key).await?;
+    ensure!(report.intact() && report.frames == 3, "{report:?}");
+
+    match log.read_chain(&sid("chain-nobody"), 0, 10).await {
+        Err(e) if e.kind() == ErrorKind::NotFound => {}
+        other => bail!("read_chain of an unknown session must be NotFound, got {other:?}"),
+    }
     Ok(())
 }
 

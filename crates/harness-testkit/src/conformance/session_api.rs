@@ -289,6 +289,52 @@ pub async fn run_all(t: &Target) {
     durable_streams_follow_a_session(t).await;
     sessions_are_listed_for_a_host(t).await;
     an_idle_event_stream_is_kept_alive(t).await;
+    the_audit_chain_is_walked_on_request(t).await;
+}
+
+/// `GET /v1/sessions/{id}/verify`: the session's audit chain walked with
+/// the server's key — intact over every frame, with its head; readers may
+/// ask; an unknown session is 404, a request without a token 401.
+pub async fn the_audit_chain_is_walked_on_request(t: &Target) {
+    let id = t.id("audit");
+    t.create(&id).await;
+    let (status, _) = t
+        .message(&id, CLIENT, json!({"type": "prompt", "text": "go"}))
+        .await;
+    assert_eq!(status, 200);
+    t.answer(&id, 1).await;
+    t.answer(&id, 2).await;
+    let last = t.info(&id).await["last_seq"].clone();
+    let (status, v) = t
+        .get(&format!("/v1/sessions/{id}/verify"), Some(CLIENT))
+        .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        (
+            v["session"].as_str(),
+            v["intact"].clone(),
+            v["frames"].clone()
+        ),
+        (Some(id.as_str()), json!(true), last),
+        "{v}"
+    );
+    assert_eq!(
+        v["head"].as_str().map(str::len),
+        Some(64),
+        "an intact chain names its head: {v}"
+    );
+    assert!(v.get("broken").is_none(), "{v}");
+    let nobody = t.id("audit-nobody");
+    assert_error(
+        &t.get(&format!("/v1/sessions/{nobody}/verify"), Some(CLIENT))
+            .await,
+        404,
+        "not_found",
+    );
+    assert_eq!(
+        t.get(&format!("/v1/sessions/{id}/verify"), None).await.0,
+        401
+    );
 }
 
 /// Create, prompt, answer; read back by `/frames`, `/export` and info.
