@@ -152,23 +152,14 @@ pub async fn run(home: &Home, command: SessionsCommand) -> Result<()> {
             let mut after = 0;
             while after < until {
                 let want = (until - after).min(1000) as usize;
-                let lines: Vec<String> = if chain {
-                    let frames = log.read_chain(&session, after, want).await?;
-                    let Some(last) = frames.last() else { break };
-                    after = last.seq;
-                    frames
-                        .iter()
-                        .map(serde_json::to_string)
-                        .collect::<serde_json::Result<_>>()?
+                // Each page as (last seq, its lines).
+                let (last, lines) = if chain {
+                    json_lines(log.read_chain(&session, after, want).await?, |f| f.seq)?
                 } else {
-                    let frames = log.read(&session, after, want).await?;
-                    let Some(last) = frames.last() else { break };
-                    after = last.seq;
-                    frames
-                        .iter()
-                        .map(serde_json::to_string)
-                        .collect::<serde_json::Result<_>>()?
+                    json_lines(log.read(&session, after, want).await?, |f| f.seq)?
                 };
+                let Some(last) = last else { break };
+                after = last;
                 for line in lines {
                     println!("{line}");
                 }
@@ -205,6 +196,19 @@ pub async fn run(home: &Home, command: SessionsCommand) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A page of frames as JSON lines, with the page's last seq.
+fn json_lines<T: Serialize>(
+    page: Vec<T>,
+    seq: impl Fn(&T) -> u64,
+) -> Result<(Option<u64>, Vec<String>)> {
+    let last = page.last().map(&seq);
+    let lines = page
+        .iter()
+        .map(serde_json::to_string)
+        .collect::<serde_json::Result<_>>()?;
+    Ok((last, lines))
 }
 
 /// `harness sessions verify`.

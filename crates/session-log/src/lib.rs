@@ -479,6 +479,20 @@ fn last_link(conn: &Connection, session: &SessionId) -> Result<(u64, Option<Fram
     }
 }
 
+/// `NotFound` unless `session` has a log.
+fn check_exists(conn: &Connection, session: &SessionId) -> Result<()> {
+    let exists: Option<i64> = conn
+        .prepare_cached("SELECT 1 FROM logs WHERE session = ?1")
+        .map_err(db_err)?
+        .query_row(params![session.as_str()], |r| r.get(0))
+        .optional()
+        .map_err(db_err)?;
+    match exists {
+        Some(_) => Ok(()),
+        None => Err(unknown_session(session)),
+    }
+}
+
 fn decode_body(json: &str, session: &SessionId, seq: i64) -> Result<FrameBody> {
     serde_json::from_str(json).map_err(|e| {
         Error::corrupt(format!(
@@ -636,17 +650,7 @@ impl SessionLog for SqliteSessionLog {
         let session = session.clone();
         self.read_with(move |conn| {
             let tx = conn.transaction().map_err(db_err)?;
-            let exists: Option<i64> = tx
-                .query_row(
-                    "SELECT 1 FROM logs WHERE session = ?1",
-                    params![session.as_str()],
-                    |r| r.get(0),
-                )
-                .optional()
-                .map_err(db_err)?;
-            if exists.is_none() {
-                return Err(unknown_session(&session));
-            }
+            check_exists(&tx, &session)?;
             let limit = i64::try_from(limit).unwrap_or(i64::MAX);
             let after = i64::try_from(after).unwrap_or(i64::MAX);
             let mut stmt = tx
@@ -687,17 +691,7 @@ impl SessionLog for SqliteSessionLog {
         let session = session.clone();
         self.read_with(move |conn| {
             let tx = conn.transaction().map_err(db_err)?;
-            let exists: Option<i64> = tx
-                .query_row(
-                    "SELECT 1 FROM logs WHERE session = ?1",
-                    params![session.as_str()],
-                    |r| r.get(0),
-                )
-                .optional()
-                .map_err(db_err)?;
-            if exists.is_none() {
-                return Err(unknown_session(&session));
-            }
+            check_exists(&tx, &session)?;
             let limit = i64::try_from(limit).unwrap_or(i64::MAX);
             let after = i64::try_from(after).unwrap_or(i64::MAX);
             let mut stmt = tx

@@ -466,34 +466,34 @@ mod tests {
         );
     }
 
+    /// Frames 3.. rewritten with every hash recomputed, unkeyed: what the
+    /// store's writer can do without the key.
+    fn rewrite_from_3(frames: &[ChainedFrame]) -> Vec<ChainedFrame> {
+        let mut forged = frames.to_vec();
+        let mut prev = forged[1].hash.unwrap();
+        for f in forged.iter_mut().skip(2) {
+            f.body = format!("forged {}", f.body);
+            let h = link(&ChainKey::unkeyed(), &prev, f.seq, f.at_ms, None, &f.body);
+            f.hash = Some(h);
+            prev = h;
+        }
+        forged
+    }
+
     #[test]
     fn a_consistent_rewrite_without_the_key_is_caught_and_with_no_key_is_not() {
         let key = ChainKey::new(*b"the deployment's secret");
         let frames = chain(&key, &["1", "2", "3", "4"]);
         // The writer of the store rewrites from frame 3 on and recomputes
         // every hash, but it does not hold the key.
-        let mut forged = frames.clone();
-        let mut prev = forged[1].hash.unwrap();
-        for f in forged.iter_mut().skip(2) {
-            f.body = format!("forged {}", f.body);
-            let h = link(&ChainKey::unkeyed(), &prev, f.seq, f.at_ms, None, &f.body);
-            f.hash = Some(h);
-            prev = h;
-        }
+        let forged = rewrite_from_3(&frames);
         assert_eq!(
             verify_chain(&key, &forged, 4).broken,
             Some(ChainBreak::Mismatch { seq: 3 })
         );
         // The same rewrite of an unkeyed chain passes: why logs are keyed.
         let open = chain(&ChainKey::unkeyed(), &["1", "2", "3", "4"]);
-        let mut forged = open.clone();
-        let mut prev = forged[1].hash.unwrap();
-        for f in forged.iter_mut().skip(2) {
-            f.body = format!("forged {}", f.body);
-            let h = link(&ChainKey::unkeyed(), &prev, f.seq, f.at_ms, None, &f.body);
-            f.hash = Some(h);
-            prev = h;
-        }
+        let forged = rewrite_from_3(&open);
         assert!(verify_chain(&ChainKey::unkeyed(), &forged, 4).intact());
     }
 
