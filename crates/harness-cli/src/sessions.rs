@@ -33,8 +33,12 @@ pub enum SessionsCommand {
         until: Option<u64>,
         /// Print each frame as the audit chain holds it: `seq`, `at_ms`,
         /// `key`, the body as stored (`body`, JSON text) and its `hash`.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "format")]
         chain: bool,
+        /// `jsonl` (the frames, one JSON object per line) or `markdown`
+        /// (the conversation as a document, tool calls folded).
+        #[arg(long, value_enum, default_value_t = ExportFormat::Jsonl)]
+        format: ExportFormat,
     },
     /// Check a session's audit chain: every frame against its hash and its
     /// predecessor's, keyed with the home's `audit.key`. Prints the chain's
@@ -79,6 +83,16 @@ pub enum SessionsCommand {
         #[arg(long)]
         turn: String,
     },
+}
+
+/// What `sessions export` prints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ExportFormat {
+    /// One frame per line, as JSON.
+    Jsonl,
+    /// The conversation as a Markdown document.
+    #[value(alias = "md")]
+    Markdown,
 }
 
 /// Run a sessions subcommand.
@@ -139,7 +153,12 @@ pub async fn run(home: &Home, command: SessionsCommand) -> Result<()> {
         SessionsCommand::Verify { id, head, json } => {
             verify(home, &log, &id, head.as_deref(), json).await?;
         }
-        SessionsCommand::Export { id, until, chain } => {
+        SessionsCommand::Export {
+            id,
+            until,
+            chain,
+            format,
+        } => {
             let session = SessionId::parse(id)?;
             let info = log.info(&session).await?;
             let until = until.unwrap_or(info.last_seq);
@@ -148,6 +167,14 @@ pub async fn run(home: &Home, command: SessionsCommand) -> Result<()> {
                     "session {session} ends at frame {}, cannot export until {until}",
                     info.last_seq
                 );
+            }
+            if format == ExportFormat::Markdown {
+                let frames = read_all(&log, &session, until).await?;
+                print!(
+                    "{}",
+                    harness::server::markdown::session_markdown(&info, &frames)
+                );
+                return Ok(());
             }
             let mut after = 0;
             while after < until {

@@ -291,7 +291,38 @@ async fn run_continues_a_session_and_sessions_commands_read_it() {
     assert!(!out.status.success());
     assert!(stderr.contains("cannot fork"), "{stderr}");
 
+    session_as_markdown(home.path(), &session);
+    // Last: it edits the database behind the harness's back.
     audit_chain_of_a_real_session(home.path(), &session, row.frames);
+}
+
+/// `sessions export --format markdown`: both turns in order, each prompt
+/// under the user's heading and each answer under the assistant's.
+fn session_as_markdown(home: &Path, session: &str) {
+    let (out, md, stderr) =
+        run(harness(home).args(["sessions", "export", session, "--format", "markdown"]));
+    assert!(out.status.success(), "{stderr}");
+    let at = |needle: &str| {
+        md.find(needle)
+            .unwrap_or_else(|| panic!("{needle:?} is not in the document:\n{md}"))
+    };
+    let order = [
+        at(&format!("# Session {session}\n")),
+        at("## User (t1)\n\nfirst question"),
+        at("## Assistant (t1, finished)"),
+        at("first answer"),
+        at("## User (t2)\n\nsecond question"),
+        at("## Assistant (t2, finished)"),
+        at("second answer"),
+    ];
+    assert!(order.windows(2).all(|w| w[0] < w[1]), "{order:?}\n{md}");
+    let (out, _, stderr) =
+        run(harness(home).args(["sessions", "export", session, "--format", "pdf"]));
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("markdown"),
+        "the error names the formats: {stderr}"
+    );
 }
 
 /// `sessions verify` and `export --chain` on a session real turns wrote,

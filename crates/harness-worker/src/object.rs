@@ -544,6 +544,7 @@ impl SessionObject {
             "export" => {
                 let info = store.info().await?;
                 let until = request::export_until(&params, &info)?;
+                let format = request::export_format(&params)?;
                 let mut out = Vec::new();
                 let mut cursor = 0;
                 while cursor < until {
@@ -553,7 +554,18 @@ impl SessionObject {
                     cursor = last.seq;
                     out.extend(page.into_iter().filter(|f| f.seq <= until));
                 }
-                json_response(200, &out)
+                match format {
+                    request::ExportFormat::Json => json_response(200, &out),
+                    request::ExportFormat::Markdown => {
+                        let document = session_api::markdown::session_markdown(&info, &out);
+                        let mut response = Response::ok(document).map_err(internal)?;
+                        response
+                            .headers_mut()
+                            .set("content-type", session_api::markdown::MARKDOWN_CONTENT_TYPE)
+                            .map_err(internal)?;
+                        Ok(response)
+                    }
+                }
             }
             "verify" => {
                 let report = verify_store(&store, &chain_key(&self.env)).await?;

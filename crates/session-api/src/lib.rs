@@ -23,13 +23,16 @@
 //!   request read into a prompt or approval answers, the log as
 //!   `UIMessage[]`;
 //! - [`ws`]: the session WebSocket's roles, their grants, and inbound
-//!   messages typed or refused.
+//!   messages typed or refused;
+//! - [`markdown`]: a session as a Markdown document (the conversation,
+//!   tool calls folded), for `export?format=markdown`.
 //!
 //! See `docs/session-server.md` for the API itself.
 
 pub mod auth;
 pub mod chat;
 pub mod error;
+pub mod markdown;
 pub mod request;
 pub mod sse;
 pub mod ui_stream;

@@ -254,6 +254,27 @@ pub fn export_until(params: &HashMap<String, String>, info: &LogInfo) -> Result<
     Ok(until)
 }
 
+/// What `GET /export` answers in (`format=`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExportFormat {
+    /// A JSON array of frames (the default, `format=json`).
+    Json,
+    /// The conversation as a Markdown document (`format=markdown` or `md`;
+    /// [`crate::markdown`]).
+    Markdown,
+}
+
+/// The `format` parameter of `GET /export`.
+pub fn export_format(params: &HashMap<String, String>) -> Result<ExportFormat, ApiError> {
+    match params.get("format").map(String::as_str) {
+        None | Some("json") => Ok(ExportFormat::Json),
+        Some("markdown" | "md") => Ok(ExportFormat::Markdown),
+        Some(other) => Err(ApiError::invalid(format!(
+            "unknown export format {other:?}: use json (the default) or markdown"
+        ))),
+    }
+}
+
 /// The answer to `POST /messages`: the actor's ack as it sent it
 /// (`{"type":"ack","seq","duplicate"}`, plus `turnId` when the stored frame
 /// opened a turn).

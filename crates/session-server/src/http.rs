@@ -243,6 +243,27 @@ async fn export(
             info.last_seq
         )));
     }
+    if session_api::request::export_format(&params)? == session_api::request::ExportFormat::Markdown
+    {
+        let mut frames = Vec::new();
+        loop {
+            let after = frames.last().map_or(0, |f: &Frame| f.seq);
+            let page = read_page(&state, &id, after, until, usize::MAX).await?;
+            if page.is_empty() {
+                break;
+            }
+            frames.extend(page);
+        }
+        let document = session_api::markdown::session_markdown(&info, &frames);
+        return Ok((
+            [(
+                axum::http::header::CONTENT_TYPE,
+                session_api::markdown::MARKDOWN_CONTENT_TYPE,
+            )],
+            document,
+        )
+            .into_response());
+    }
     let first = read_page(&state, &id, 0, until, usize::MAX).await?;
     Ok(frames_array(state, id, first, until, usize::MAX))
 }

@@ -42,6 +42,9 @@ mod runners;
 /// The sandbox API: `harness serve`'s sandboxes for outside agents (the
 /// AI SDK's `HarnessAgent`), see `docs/ai-sdk.md`.
 pub mod sandboxes;
+/// A session as a Markdown document (in `session-api`, shared with the
+/// Cloudflare Worker).
+pub use session_api::markdown;
 /// The AI SDK UI message stream mapping (it lives in `session-api`, shared
 /// with the Cloudflare Worker).
 pub use session_api::ui_stream;

@@ -1024,3 +1024,40 @@ async fn verify_walks_the_audit_chain_with_the_servers_key() {
         "{v}"
     );
 }
+
+/// `GET /export?format=markdown` on a cut: only the frames up to `until`
+/// are in the document; an unknown format is a 400.
+#[tokio::test]
+async fn export_as_markdown_honours_until() {
+    let srv = start(|_| {}).await;
+    srv.create("md").await;
+    assert_eq!(prompt(&srv, "md", "the first prompt").await.status(), 200);
+    let r = srv
+        .http
+        .get(format!(
+            "{}/v1/sessions/md/export?format=md&until=1",
+            srv.base
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.headers()["content-type"],
+        session_server::markdown::MARKDOWN_CONTENT_TYPE
+    );
+    let document = r.text().await.unwrap();
+    assert!(document.contains("frames 1..=1"), "{document}");
+    assert!(
+        document.contains("## User (t1)\n\nthe first prompt"),
+        "{document}"
+    );
+    let r = srv
+        .http
+        .get(format!("{}/v1/sessions/md/export?format=csv", srv.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    assert_eq!(error_code(r).await, "invalid");
+}

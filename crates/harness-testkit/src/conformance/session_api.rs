@@ -290,6 +290,66 @@ pub async fn run_all(t: &Target) {
     sessions_are_listed_for_a_host(t).await;
     an_idle_event_stream_is_kept_alive(t).await;
     the_audit_chain_is_walked_on_request(t).await;
+    a_session_exports_as_markdown(t).await;
+}
+
+/// `GET /export?format=markdown`: the conversation as a document
+/// (`text/markdown`) with the prompt under the user's heading (the
+/// answers' rendering is `session_api::markdown`'s unit test and the CLI's
+/// test on real turns); an unknown format is a 400 that says
+/// which ones there are.
+pub async fn a_session_exports_as_markdown(t: &Target) {
+    let id = t.id("md");
+    t.create(&id).await;
+    let (status, _) = t
+        .message(
+            &id,
+            CLIENT,
+            json!({"type": "prompt", "text": "write the report"}),
+        )
+        .await;
+    assert_eq!(status, 200);
+    t.answer(&id, 1).await;
+    let response = t
+        .request(
+            reqwest::Method::GET,
+            &format!("/v1/sessions/{id}/export?format=markdown"),
+            Some(CLIENT),
+        )
+        .send()
+        .await
+        .expect("export");
+    assert_eq!(response.status(), 200);
+    let content_type = response
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    assert!(content_type.starts_with("text/markdown"), "{content_type}");
+    let document = response.text().await.expect("a body");
+    assert!(
+        document.starts_with(&format!("# Session {id}\n")),
+        "{document}"
+    );
+    assert!(
+        document.contains("## User (t1)\n\nwrite the report"),
+        "{document}"
+    );
+    let got = t
+        .get(
+            &format!("/v1/sessions/{id}/export?format=pdf"),
+            Some(CLIENT),
+        )
+        .await;
+    assert_error(&got, 400, "invalid");
+    assert!(
+        got.1["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("markdown")),
+        "{}",
+        got.1
+    );
 }
 
 /// `GET /v1/sessions/{id}/verify`: the session's audit chain walked with
