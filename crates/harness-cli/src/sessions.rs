@@ -250,32 +250,24 @@ async fn verify(
     let session = SessionId::parse(id)?;
     let kept = head.map(FrameHash::parse_hex).transpose()?;
     let log: std::sync::Arc<dyn SessionLog> = std::sync::Arc::new(log.clone());
-    let info = log.info(&session).await.map_err(|e| {
+    log.info(&session).await.map_err(|e| {
         if e.kind() == harness::core::ErrorKind::NotFound {
             anyhow::anyhow!("unknown session {id:?}: `harness sessions list` shows the known ones")
         } else {
             e.into()
         }
     })?;
-    let report = harness::core::log::verify_log(log.clone(), &session, &home.chain_key()?).await?;
-    // Where the kept head sits in the chain, if it is there.
-    let mut kept_at = None;
-    if let (Some(kept), true) = (kept, report.intact()) {
-        let mut after = 0;
-        while kept_at.is_none() && after < info.last_seq {
-            let page = log.read_chain(&session, after, 1000).await?;
-            let Some(last) = page.last() else { break };
-            after = last.seq;
-            kept_at = page.iter().find(|f| f.hash == Some(kept)).map(|f| f.seq);
-        }
+    let mut walk = harness::core::log::chain::ChainVerifier::new(home.chain_key()?);
+    if let Some(kept) = kept {
+        walk = walk.watching(kept);
     }
+    let store = harness::core::log::LogSession::new(log, session.clone());
+    let report = harness::core::log::walk_store(&store, walk).await?;
+    let kept_at = report.kept_head_at;
     if json {
         let mut out = serde_json::to_value(&report)?;
         out["session"] = serde_json::json!(session);
         out["intact"] = serde_json::json!(report.intact() && (kept.is_none() || kept_at.is_some()));
-        if kept.is_some() {
-            out["kept_head_at"] = serde_json::json!(kept_at);
-        }
         println!("{}", serde_json::to_string_pretty(&out)?);
     }
     if let Some(broken) = &report.broken {

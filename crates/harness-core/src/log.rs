@@ -256,8 +256,15 @@ const VERIFY_PAGE: usize = 1000;
 /// Walk `store`'s whole chain with `key` ([`chain`]'s rules), one page at a
 /// time.
 pub async fn verify_store(store: &dyn SessionStore, key: &ChainKey) -> Result<ChainReport> {
+    walk_store(store, chain::ChainVerifier::new(key.clone())).await
+}
+
+/// Feed `store`'s whole chain to `walk`, one page at a time, and report.
+pub async fn walk_store(
+    store: &dyn SessionStore,
+    mut walk: chain::ChainVerifier,
+) -> Result<ChainReport> {
     let info = store.info().await?;
-    let mut walk = chain::ChainVerifier::new(key.clone());
     let mut after = 0;
     loop {
         let page = store.read_chain(after, VERIFY_PAGE).await?;

@@ -303,6 +303,11 @@ pub struct ChainReport {
     /// The first place the chain does not hold; `None`: intact.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub broken: Option<ChainBreak>,
+    /// The frame whose hash is the head the walk was asked to look for
+    /// ([`ChainVerifier::watching`]); `None` when it is not in the chain
+    /// (or none was asked for).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kept_head_at: Option<u64>,
 }
 
 impl ChainReport {
@@ -319,6 +324,7 @@ pub struct ChainVerifier {
     prev: FrameHash,
     last_seq: u64,
     chained: bool,
+    watched: Option<FrameHash>,
     report: ChainReport,
 }
 
@@ -330,13 +336,22 @@ impl ChainVerifier {
             prev: FrameHash::GENESIS,
             last_seq: 0,
             chained: false,
+            watched: None,
             report: ChainReport {
                 frames: 0,
                 unchained: 0,
                 head: None,
                 broken: None,
+                kept_head_at: None,
             },
         }
+    }
+
+    /// Also note which frame's hash is `head` (a head kept elsewhere: the
+    /// log must still hold it, which catches frames cut off its end).
+    pub fn watching(mut self, head: FrameHash) -> Self {
+        self.watched = Some(head);
+        self
     }
 
     /// Whether a break was found (later frames are then not looked at).
@@ -380,6 +395,9 @@ impl ChainVerifier {
         if expected != stored {
             self.report.broken = Some(ChainBreak::Mismatch { seq: frame.seq });
             return;
+        }
+        if self.watched == Some(stored) {
+            self.report.kept_head_at = Some(frame.seq);
         }
         self.prev = stored;
     }
@@ -444,6 +462,12 @@ mod tests {
         assert!(report.intact(), "{report:?}");
         assert_eq!(report.frames, 3);
         assert_eq!(report.head, frames[2].hash);
+        assert_eq!(report.kept_head_at, None, "no head was asked for");
+        let mut walk = ChainVerifier::new(key.clone()).watching(frames[1].hash.unwrap());
+        for f in &frames {
+            walk.push(f);
+        }
+        assert_eq!(walk.finish(3).kept_head_at, Some(2));
     }
 
     #[test]
