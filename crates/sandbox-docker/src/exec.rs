@@ -134,9 +134,6 @@ enum Stop {
     Dropped,
 }
 
-/// Start a command and return its events. The command runs in its own
-/// process group; abort, timeout, a failing stdin source, or dropping the
-/// returned stream kill the whole group.
 /// Items of an exec's stdin read at once, when ready ([`start`]).
 const STDIN_ITEMS_PER_WRITE: usize = 64;
 /// Items smaller than this are gathered into one write; larger ones are
@@ -157,6 +154,52 @@ async fn flush_into(
     written
 }
 
+/// Feed `source` to the command's stdin: the small items it has ready go
+/// in one write (a tar stream comes as a header, a file and its padding,
+/// each an item of its own; a write per item costs the engine a frame
+/// each), nothing waits for more than is ready. A failing source is sent
+/// on `stdin_err_tx` and `input` kept open (no EOF) until the group is killed.
+async fn pump_stdin(
+    source: ByteStream,
+    mut input: impl tokio::io::AsyncWrite + Unpin,
+    stdin_err_tx: mpsc::Sender<Error>,
+) {
+    let mut source = source.ready_chunks(STDIN_ITEMS_PER_WRITE);
+    let mut buffer = Vec::new();
+    while let Some(items) = source.next().await {
+        let mut failed = None;
+        for item in items {
+            match item {
+                Ok(chunk) if chunk.len() < STDIN_SMALL_ITEM => buffer.extend_from_slice(&chunk),
+                Ok(chunk) => {
+                    if !flush_into(&mut input, &mut buffer).await
+                        || input.write_all(&chunk).await.is_err()
+                    {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        if !flush_into(&mut input, &mut buffer).await {
+            return;
+        }
+        if let Some(e) = failed {
+            // Keep `input` open (no EOF) until the group is killed.
+            let _ = stdin_err_tx.send(e).await;
+            tokio::time::sleep(Duration::from_secs(30)).await;
+            return;
+        }
+    }
+    let _ = input.shutdown().await;
+}
+
+/// Start a command and return its events. The command runs in its own
+/// process group; abort, timeout, a failing stdin source, or dropping the
+/// returned stream kill the whole group.
 pub(crate) async fn start(docker: &Docker, container: &str, plan: ExecPlan) -> Result<ExecStream> {
     let pidfile = format!("/tmp/.harness-exec-{}.pid", uuid::Uuid::new_v4().simple());
     let created = docker
@@ -184,46 +227,7 @@ pub(crate) async fn start(docker: &Docker, container: &str, plan: ExecPlan) -> R
 
     let (stdin_err_tx, mut stdin_err_rx) = mpsc::channel::<Error>(1);
     if let Some(source) = plan.stdin {
-        let mut input = input;
-        // The small items the source has ready go in one write (a tar
-        // stream comes as a header, a file and its padding, each an item of
-        // its own; a write per item costs the engine a frame each). Nothing
-        // waits for more than is ready.
-        let mut source = source.ready_chunks(STDIN_ITEMS_PER_WRITE);
-        tokio::spawn(async move {
-            let mut buffer = Vec::new();
-            while let Some(items) = source.next().await {
-                let mut failed = None;
-                for item in items {
-                    match item {
-                        Ok(chunk) if chunk.len() < STDIN_SMALL_ITEM => {
-                            buffer.extend_from_slice(&chunk)
-                        }
-                        Ok(chunk) => {
-                            if !flush_into(&mut input, &mut buffer).await
-                                || input.write_all(&chunk).await.is_err()
-                            {
-                                return;
-                            }
-                        }
-                        Err(e) => {
-                            failed = Some(e);
-                            break;
-                        }
-                    }
-                }
-                if !flush_into(&mut input, &mut buffer).await {
-                    return;
-                }
-                if let Some(e) = failed {
-                    // Keep `input` open (no EOF) until the group is killed.
-                    let _ = stdin_err_tx.send(e).await;
-                    tokio::time::sleep(Duration::from_secs(30)).await;
-                    return;
-                }
-            }
-            let _ = input.shutdown().await;
-        });
+        tokio::spawn(pump_stdin(source, input, stdin_err_tx));
     } else {
         drop(stdin_err_tx);
         drop(input);
