@@ -137,7 +137,21 @@ pub(crate) async fn start(
         },
         b"",
     )?;
-    match reg.events.recv().await {
+    // The agent answers every exec with Started or Failed at once (it spawns
+    // on a thread of its own): no answer within the connect timeout is a
+    // guest that stopped answering, not a slow command.
+    let first = match tokio::time::timeout(connect_timeout, reg.events.recv()).await {
+        Ok(first) => first,
+        Err(_) => {
+            lease.unregister(id);
+            let _ = lease.send(&Host::Kill { id }, b"");
+            return Err(Error::backend(format!(
+                "the microVM agent did not start the command within {connect_timeout:?} \
+                 (the guest stopped answering)"
+            )));
+        }
+    };
+    match first {
         Some(Event::Started) => {}
         Some(Event::Failed(message)) => {
             lease.unregister(id);

@@ -766,6 +766,12 @@ impl MicrovmSandbox {
                     self.meta.id,
                     e.message()
                 ))
+            } else if e.kind() == ErrorKind::Backend {
+                Error::backend(format!(
+                    "{}; guest console:\n{}",
+                    e.message(),
+                    self.dir.console_tail()
+                ))
             } else {
                 e
             }
