@@ -191,6 +191,7 @@ impl SliceExecutor for Agent {
             .pop_front()
             .expect("a slice the script did not plan")?;
         Ok(SliceReport {
+            usage: None,
             process: Some(process()),
             agent_session_id: Some("agent-1".into()),
             cursor: state.cursor + 100,

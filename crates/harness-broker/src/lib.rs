@@ -47,6 +47,7 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use harness_core::broker::{ModelBroker, Reach};
 use harness_core::sandbox::{HostForward, NetworkPolicy, EGRESS_PROXY_PORT, MODEL_BROKER_PORT};
+use harness_core::turn::{Budget, ModelUsage};
 use harness_core::{Error, Result, SessionId};
 use serde::{Deserialize, Serialize};
 
@@ -235,7 +236,9 @@ impl Broker {
 
     fn open(config: BrokerConfig, spawn: Option<SpawnServer>) -> Result<Broker> {
         let dir = config.dir.clone();
-        for sub in ["", "sessions", "usage", "active", "policies", "egress"] {
+        for sub in [
+            "", "sessions", "usage", "active", "policies", "egress", "budgets",
+        ] {
             std::fs::create_dir_all(dir.join(sub))
                 .map_err(|e| crate::ctx(e, format!("creating {}", dir.join(sub).display())))?;
         }
@@ -244,7 +247,7 @@ impl Broker {
         // unprivileged) user, hence the search bit for all on the path to it.
         set_mode(&dir, 0o711)?;
         set_mode(&dir.join("sessions"), 0o711)?;
-        for private in ["usage", "active", "policies"] {
+        for private in ["usage", "active", "policies", "budgets"] {
             set_mode(&dir.join(private), 0o700)?;
         }
         set_mode(&dir.join("egress"), 0o711)?;
@@ -596,6 +599,36 @@ impl ModelBroker for Broker {
     async fn turn_ended(&self, session_id: &str) -> Result<()> {
         self.revoke(session_id)
     }
+
+    async fn set_budget(&self, session_id: &str, budget: &Budget) -> Result<()> {
+        let id = SessionId::parse(session_id)?;
+        let path = budget_path(&self.inner.dir, id.as_str());
+        if budget.is_unlimited() {
+            return match std::fs::remove_file(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    Err(crate::ctx(e, format!("removing {}", path.display())))
+                }
+                _ => Ok(()),
+            };
+        }
+        write_atomic(&path, &serde_json::to_vec_pretty(budget)?)
+    }
+
+    async fn usage(&self, session_id: &str) -> Result<Option<ModelUsage>> {
+        Ok(Some(self.usage(session_id)?.model_usage()))
+    }
+}
+
+fn budget_path(dir: &Path, session_id: &str) -> PathBuf {
+    dir.join("budgets").join(format!("{session_id}.json"))
+}
+
+/// The budget the session is held to (none when it has no file).
+pub(crate) fn read_budget(dir: &Path, session_id: &str) -> Budget {
+    std::fs::read(budget_path(dir, session_id))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default()
 }
 
 fn session_socket(dir: &Path, session_id: &str) -> PathBuf {

@@ -18,7 +18,7 @@ use bytes::Bytes;
 use futures::{Stream, StreamExt};
 use harness_core::SessionId;
 
-use crate::usage::{Usage, UsageScanner};
+use crate::usage::{PriceTable, Usage, UsageScanner};
 use crate::{token, Api, Inner};
 
 /// Largest request body forwarded (a long conversation with images is a
@@ -178,6 +178,41 @@ async fn forward(
             )
         }
     };
+    // The session's budget: spent, nothing more passes; a spend budget
+    // with a model the price table cannot price is refused, not ignored.
+    let model = request_model(&body);
+    let prices = match PriceTable::load(&inner.dir) {
+        Ok(p) => p,
+        Err(e) => {
+            return refused(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "api_error",
+                &format!("the broker's price table: {e}"),
+            )
+        }
+    };
+    let budget = crate::read_budget(&inner.dir, &session);
+    if !budget.is_unlimited() {
+        let used = crate::read_usage(&inner.dir, &session)
+            .unwrap_or_default()
+            .model_usage();
+        if let Some(why) = budget.exceeded_by(&used) {
+            return refused(StatusCode::FORBIDDEN, "permission_error", &why);
+        }
+        if budget.max_spend_micros.is_some()
+            && prices.price(model.as_deref().unwrap_or("")).is_none()
+        {
+            return refused(
+                StatusCode::FORBIDDEN,
+                "permission_error",
+                &format!(
+                    "the session has a spend budget, and model {:?} has no price in {}",
+                    model.as_deref().unwrap_or("(none named)"),
+                    inner.dir.join("prices.json").display()
+                ),
+            );
+        }
+    }
     let mut url = format!("{}/{}", upstream.base_url.trim_end_matches('/'), rest);
     if let Some(q) = parts.uri.query() {
         url.push('?');
@@ -239,6 +274,8 @@ async fn forward(
     let tap = UsageTap {
         inner: inner.clone(),
         session,
+        model,
+        prices,
         stream: answer.bytes_stream().boxed(),
         scanner: Some(UsageScanner::default()),
         usage: Usage {
@@ -256,11 +293,23 @@ async fn forward(
     })
 }
 
+/// The `model` a request body names (Anthropic's and OpenAI's both).
+fn request_model(body: &[u8]) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Named {
+        model: Option<String>,
+    }
+    serde_json::from_slice::<Named>(body).ok()?.model
+}
+
 /// The upstream body, passed on chunk by chunk; on its end (or when the
 /// agent hangs up) the exchange is added to the session's usage.
 struct UsageTap {
     inner: Arc<Inner>,
     session: String,
+    /// The model the request named, and the prices to cost it with.
+    model: Option<String>,
+    prices: PriceTable,
     stream: futures::stream::BoxStream<'static, reqwest::Result<Bytes>>,
     scanner: Option<UsageScanner>,
     usage: Usage,
@@ -288,6 +337,13 @@ impl Drop for UsageTap {
             let (input, output) = scanner.finish();
             self.usage.input_tokens = input;
             self.usage.output_tokens = output;
+            match self
+                .prices
+                .spend_micros(self.model.as_deref().unwrap_or(""), input, output)
+            {
+                Some(spend) => self.usage.spend_micros = spend,
+                None => self.usage.unpriced_requests = 1,
+            }
         }
         self.inner.record(&self.session, &self.usage);
     }

@@ -20,6 +20,14 @@ pub struct Usage {
     pub input_tokens: u64,
     /// Output tokens the provider reported.
     pub output_tokens: u64,
+    /// What those tokens cost by the broker's price table, in millionths
+    /// of a US dollar.
+    #[serde(default)]
+    pub spend_micros: u64,
+    /// Requests to a model the price table has no price for (their tokens
+    /// are not in `spend_micros`).
+    #[serde(default)]
+    pub unpriced_requests: u64,
 }
 
 impl Usage {
@@ -31,6 +39,71 @@ impl Usage {
         self.response_bytes += other.response_bytes;
         self.input_tokens += other.input_tokens;
         self.output_tokens += other.output_tokens;
+        self.spend_micros += other.spend_micros;
+        self.unpriced_requests += other.unpriced_requests;
+    }
+
+    /// What a budget is checked against: the spend only when every
+    /// request was priced.
+    pub fn model_usage(&self) -> harness_core::turn::ModelUsage {
+        harness_core::turn::ModelUsage {
+            input_tokens: self.input_tokens,
+            output_tokens: self.output_tokens,
+            spend_micros: (self.unpriced_requests == 0).then_some(self.spend_micros),
+        }
+    }
+}
+
+/// One model's price, in US dollars per million tokens
+/// (`{"input": 3, "output": 15}`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Price {
+    /// Per million input tokens.
+    #[serde(rename = "input")]
+    pub input_per_mtok: f64,
+    /// Per million output tokens.
+    #[serde(rename = "output")]
+    pub output_per_mtok: f64,
+}
+
+/// The broker's price table, `<broker dir>/prices.json`: model name →
+/// [`Price`]; a name ending in `*` prices every model it is a prefix of
+/// (the longest such prefix wins over shorter ones, an exact name over
+/// all).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct PriceTable(pub std::collections::BTreeMap<String, Price>);
+
+impl PriceTable {
+    /// The table in `dir` (empty when there is none; an unreadable one is
+    /// an error, so a typo never silently prices everything at nothing).
+    pub fn load(dir: &std::path::Path) -> harness_core::Result<Self> {
+        let path = dir.join("prices.json");
+        match std::fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map_err(|e| harness_core::Error::invalid(format!("{}: {e}", path.display()))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Self::default()),
+            Err(e) => Err(harness_core::Error::from(e)),
+        }
+    }
+
+    /// The price of `model`.
+    pub fn price(&self, model: &str) -> Option<Price> {
+        if let Some(p) = self.0.get(model) {
+            return Some(*p);
+        }
+        self.0
+            .iter()
+            .filter_map(|(k, p)| Some((k.strip_suffix('*')?, p)))
+            .filter(|(prefix, _)| model.starts_with(prefix))
+            .max_by_key(|(prefix, _)| prefix.len())
+            .map(|(_, p)| *p)
+    }
+
+    /// What `input` and `output` tokens of `model` cost, in micro-dollars.
+    pub fn spend_micros(&self, model: &str, input: u64, output: u64) -> Option<u64> {
+        let p = self.price(model)?;
+        Some((input as f64 * p.input_per_mtok + output as f64 * p.output_per_mtok).round() as u64)
     }
 }
 
@@ -204,5 +277,40 @@ mod tests {
         assert!(s.line.len() < MAX_LINE);
         s.feed(b"data: {\"type\":\"response.completed\",\"response\":{\"usage\":{\"input_tokens\":1,\"output_tokens\":2}}}\n");
         assert_eq!(s.finish(), (1, 2));
+    }
+}
+
+#[cfg(test)]
+mod price_tests {
+    use super::*;
+
+    #[test]
+    fn prices_match_exactly_then_by_the_longest_prefix() {
+        let table: PriceTable = serde_json::from_str(
+            r#"{"claude-*": {"input": 3, "output": 15},
+                "claude-haiku-*": {"input": 1, "output": 5},
+                "gpt-5": {"input": 1.25, "output": 10}}"#,
+        )
+        .unwrap();
+        // 1000 input + 100 output at $3/$15 per Mtok = $0.0045.
+        assert_eq!(
+            table.spend_micros("claude-sonnet-4-5", 1000, 100),
+            Some(4500)
+        );
+        assert_eq!(
+            table.spend_micros("claude-haiku-4-5", 1000, 100),
+            Some(1500)
+        );
+        assert_eq!(table.spend_micros("gpt-5", 1000, 100), Some(2250));
+        assert_eq!(table.spend_micros("gpt-5-mini", 1000, 100), None);
+        let mut used = Usage {
+            input_tokens: 1000,
+            output_tokens: 100,
+            spend_micros: 4500,
+            ..Usage::default()
+        };
+        assert_eq!(used.model_usage().spend_micros, Some(4500));
+        used.unpriced_requests = 1;
+        assert_eq!(used.model_usage().spend_micros, None);
     }
 }

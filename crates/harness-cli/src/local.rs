@@ -61,6 +61,25 @@ pub struct TurnLimits {
     /// Waiting for an approval does not count. [default: 900]
     #[arg(long, value_name = "SECONDS", env = "HARNESS_QUIET_TIMEOUT")]
     pub quiet_timeout: Option<u64>,
+    /// Hold every session to this many model tokens (input and output,
+    /// over all its turns, as the model broker counts them): past it the
+    /// broker refuses the session's model calls and the turn ends `failed`
+    /// with the code `budget_exceeded`.
+    #[arg(long, value_name = "TOKENS", env = "HARNESS_BUDGET_TOKENS")]
+    pub budget_tokens: Option<u64>,
+    /// Hold every session to this brokered spend in US dollars, priced by
+    /// `<home>/broker/prices.json` (docs/broker.md, *Budgets*); a model
+    /// with no price there is refused while a spend budget is set.
+    #[arg(long, value_name = "USD", env = "HARNESS_BUDGET_USD", value_parser = parse_usd)]
+    pub budget_usd: Option<f64>,
+}
+
+/// A dollar amount: finite and not negative.
+fn parse_usd(s: &str) -> std::result::Result<f64, String> {
+    match s.trim().trim_start_matches('$').parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+        _ => Err(format!("{s:?} is not an amount of US dollars (e.g. 2.50)")),
+    }
 }
 
 impl TurnLimits {
@@ -73,6 +92,8 @@ impl TurnLimits {
         if let Some(secs) = self.quiet_timeout {
             turn.quiet_ms = secs.saturating_mul(1000);
         }
+        turn.budget.max_tokens = self.budget_tokens;
+        turn.budget.max_spend_micros = self.budget_usd.map(|usd| (usd * 1e6).round() as u64);
         turn
     }
 }

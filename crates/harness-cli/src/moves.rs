@@ -771,6 +771,7 @@ async fn record_restore(
     };
     record(log, session, what.frame(RESTORE_TURN)).await;
     let status = AppendRequest::new(FrameBody::TurnStatus {
+        code: None,
         turn_id: RESTORE_TURN.into(),
         status: TurnStatus::Finished,
         error: None,

@@ -18,7 +18,11 @@
 //! for the local provider (not an isolation boundary, see
 //! docs/sandbox-local.md) every process in the sandbox's network
 //! namespace — the host's own processes, the harness among them, are
-//! visible to a local sandbox and hold the key by design.
+//! visible to a local sandbox and hold the key by design. The sealed local
+//! sandbox (`claude_sealed_local_through_the_broker`) is a boundary: there
+//! a second probe checks that the harness home and its broker secret are
+//! out of reach, that no visible process's environment holds the key, and
+//! that the agent runs as a uid other than 0.
 
 mod common;
 
@@ -200,7 +204,39 @@ async fn run_probe(
 }
 
 async fn deny_all_through_the_broker(agent: Agent, backend: Backend) {
+    through_the_broker(agent, backend, false).await
+}
+
+/// The sealed local sandbox (`HARNESS_LOCAL_ISOLATION=sealed` for the
+/// server): the same probes, plus what only a boundary keeps — the harness
+/// home, its broker secret and the host's processes out of sight, and an
+/// unprivileged uid.
+const SEALED_PROBE: &str = "toolu_sealed_1";
+
+fn sealed_probe(home: &std::path::Path) -> String {
+    format!(
+        "cat {home}/broker/secret >/dev/null 2>&1 && echo SECRET-READ || echo SECRET-UNREADABLE; \
+         ls {home}/broker >/dev/null 2>&1 && echo HOME-LISTED || echo HOME-UNSEEN; \
+         echo \"HOME-HAS $(ls -A {home} | tr '\\n' ' ')\"; \
+         echo UID-$(id -u); echo PROCS-$(ls /proc | grep -c '^[0-9]'); \
+         cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n' | grep -c REAL-KEY | sed 's/^/ENV-KEYS-/'; \
+         echo SEALED-DONE",
+        home = home.display()
+    )
+}
+
+async fn through_the_broker(agent: Agent, backend: Backend, sealed: bool) {
     if !agent.available() {
+        return;
+    }
+    let root = std::fs::read_to_string("/proc/self/status")
+        .map(|s| {
+            s.lines()
+                .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(2) == Some("0"))
+        })
+        .unwrap_or(false);
+    if sealed && !root {
+        harness_testkit::skip_or_fail("the sealed local sandbox's e2e test runs as root here");
         return;
     }
     // Where the sandbox would find the host: loopback for the local
@@ -214,6 +250,12 @@ async fn deny_all_through_the_broker(agent: Agent, backend: Backend) {
     };
     let (host_addr, accepted) = host_server(host_ip).await;
     let home = tempfile::tempdir().unwrap();
+    if sealed {
+        // The sandbox uid must be able to pass through the home to reach
+        // its sandbox directory (docs/sandbox-local.md, *Sealed*).
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(home.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+    }
 
     // Another session, mid-turn, with a valid token: the test is the host,
     // so it lays down the broker's secret itself and signs one.
@@ -227,17 +269,29 @@ async fn deny_all_through_the_broker(agent: Agent, backend: Backend) {
     let other_token = harness::broker::token::token_for(&secret, other_session);
     std::fs::write(broker_dir.join("active").join(other_session), b"").unwrap();
 
-    let script = Script::new()
-        .rule(Rule::new(
+    let script = if sealed {
+        Script::new()
+            .rule(Rule::new(
+                last_is_tool_result_for(SEALED_PROBE),
+                Reply::text("probed"),
+            ))
+            .rule(Rule::new(
+                last_is_tool_result_for(PROBE),
+                Reply::shell(SEALED_PROBE, sealed_probe(home.path())),
+            ))
+    } else {
+        Script::new().rule(Rule::new(
             last_is_tool_result_for(PROBE),
             Reply::text("probed"),
         ))
-        .on(
-            any(),
-            Reply::shell(PROBE, probe(host_addr, other_session, &other_token)),
-        );
+    }
+    .on(
+        any(),
+        Reply::shell(PROBE, probe(host_addr, other_session, &other_token)),
+    );
     // The model listens on loopback: only the broker, on the host, calls it.
     let model = ScriptedModel::start(script).await.unwrap();
+    let isolation = if sealed { "sealed" } else { "host" };
     let serve = Serve::start_with_env(
         home.path(),
         &model,
@@ -245,6 +299,7 @@ async fn deny_all_through_the_broker(agent: Agent, backend: Backend) {
         &[
             ("ANTHROPIC_API_KEY", REAL_ANTHROPIC_KEY),
             ("OPENAI_API_KEY", REAL_OPENAI_KEY),
+            ("HARNESS_LOCAL_ISOLATION", isolation),
         ],
     );
     let body = json!({
@@ -282,6 +337,36 @@ async fn deny_all_through_the_broker(agent: Agent, backend: Backend) {
     );
     assert!(report.contains("OTHER-TOKEN-401"), "{report}");
     assert!(report.contains("OTHER-SESSION-401"), "{report}");
+    if sealed {
+        let sealed_report = requests
+            .iter()
+            .filter_map(|r| r.model_request())
+            .find_map(|r| r.tool_result(SEALED_PROBE))
+            .unwrap_or_else(|| panic!("the sealed probe never reported: {requests:#?}"))
+            .content;
+        assert!(sealed_report.contains("SEALED-DONE"), "{sealed_report}");
+        assert!(
+            sealed_report.contains("SECRET-UNREADABLE"),
+            "{sealed_report}"
+        );
+        assert!(sealed_report.contains("HOME-UNSEEN"), "{sealed_report}");
+        // All a sealed sandbox sees of the home is the path down to its own
+        // directory (the mount points of its binds), never `broker/`.
+        let has = sealed_report
+            .lines()
+            .find_map(|l| l.strip_prefix("HOME-HAS"))
+            .unwrap_or_default();
+        assert!(!has.contains("broker"), "{sealed_report}");
+        assert!(sealed_report.contains("ENV-KEYS-0"), "{sealed_report}");
+        assert!(!sealed_report.contains("UID-0\n"), "{sealed_report}");
+        let procs: usize = sealed_report
+            .lines()
+            .find_map(|l| l.strip_prefix("PROCS-"))
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or(usize::MAX);
+        // The agent, its shells and the holder — not the host's.
+        assert!(procs < 40, "{sealed_report}");
+    }
 
     // The provider saw the real key on every request, never a token.
     let model_requests: Vec<_> = requests.iter().filter(|r| r.api.is_some()).collect();
@@ -364,6 +449,11 @@ async fn deny_all_through_the_broker(agent: Agent, backend: Backend) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claude_local_deny_all_through_the_broker() {
     deny_all_through_the_broker(Agent::Claude, Backend::Local).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claude_sealed_local_through_the_broker() {
+    through_the_broker(Agent::Claude, Backend::Local, true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -508,4 +598,58 @@ async fn local_custom_policy_through_the_egress_proxy() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn docker_custom_policy_through_the_egress_proxy() {
     custom_policy_through_the_egress_proxy(Backend::Docker).await;
+}
+
+/// Issue 40's budget: a model that asks for one tool after another, a
+/// server that holds each session to a token budget. The first answer
+/// spends it; the broker refuses the next call, the turn ends `failed`
+/// with the code `budget_exceeded` and says by how much, and nothing runs
+/// after the refusal: one model request passed, one tool ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spent_token_budget_ends_the_turn_and_nothing_runs_after_it() {
+    if !Agent::Claude.available() {
+        return;
+    }
+    let home = tempfile::tempdir().unwrap();
+    let script = Script::new().on(
+        any(),
+        Reply::shell("toolu_again", "echo ran >> \"$HOME/steps\"; echo again"),
+    );
+    let model = ScriptedModel::start(script).await.unwrap();
+    let serve = Serve::start_with_env(
+        home.path(),
+        &model,
+        &["--budget-tokens", "10"],
+        &[("ANTHROPIC_API_KEY", REAL_ANTHROPIC_KEY)],
+    );
+    let id = create(&serve, json!({"agent": "claude-code", "sandbox": "local"})).await;
+    let turn = prompt(&serve, &id, "keep going").await;
+    let end = until_end(&serve, &id, &turn).await;
+    assert_eq!(end["status"], "failed", "{end}\n{}", serve.log());
+    assert_eq!(end["code"], "budget_exceeded", "{end}");
+    let error = end["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains("token budget") && error.contains("over"),
+        "{error}"
+    );
+    // Exactly the one request that spent the budget reached the model.
+    let passed = model.requests().iter().filter(|r| r.api.is_some()).count();
+    assert_eq!(passed, 1, "{:#?}", model.requests());
+    // Its tool ran; nothing after the refusal did.
+    let handle = &end["sandbox"];
+    let dir = handle["data"]["dir"]
+        .as_str()
+        .expect("the local handle names its dir");
+    let steps = std::fs::read_to_string(format!("{dir}/home/steps")).unwrap_or_default();
+    assert_eq!(steps.lines().count(), 1, "{steps:?}");
+    // The broker counted the refusal against the session.
+    let usage = std::process::Command::new(env!("CARGO_BIN_EXE_harness"))
+        .arg("--home")
+        .arg(home.path())
+        .args(["broker", "usage", &id])
+        .output()
+        .unwrap();
+    let usage: Value = serde_json::from_slice(&usage.stdout).unwrap();
+    assert_eq!(usage["requests"].as_u64(), Some(1), "{usage}");
+    assert!(usage["refused"].as_u64().unwrap_or(0) >= 1, "{usage}");
 }

@@ -68,4 +68,26 @@ pub trait ModelBroker: MaybeSend + MaybeSync + std::fmt::Debug {
     /// opens nothing until its next turn starts. The slice runner calls it
     /// once per turn end; it is idempotent.
     async fn turn_ended(&self, session_id: &str) -> Result<()>;
+
+    /// Hold `session_id` to `budget` from now on: once its usage crosses
+    /// it, the broker refuses the session's model calls. A broker that
+    /// cannot enforce budgets says so (the default), so a budget is never
+    /// silently ignored.
+    async fn set_budget(&self, session_id: &str, budget: &crate::turn::Budget) -> Result<()> {
+        let _ = session_id;
+        if budget.is_unlimited() {
+            Ok(())
+        } else {
+            Err(crate::Error::unsupported(
+                "this model broker does not enforce budgets",
+            ))
+        }
+    }
+
+    /// What the session used so far (`None` when this broker does not
+    /// count).
+    async fn usage(&self, session_id: &str) -> Result<Option<crate::turn::ModelUsage>> {
+        let _ = session_id;
+        Ok(None)
+    }
 }

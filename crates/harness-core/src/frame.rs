@@ -129,6 +129,9 @@ pub enum FrameBody {
         /// Error message for `failed`/`timed_out`.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         error: Option<String>,
+        /// A stable name for why, where there is one (`budget_exceeded`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        code: Option<String>,
         /// The sandbox the turn ran in (the next turn continues there).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         sandbox: Option<SandboxHandle>,

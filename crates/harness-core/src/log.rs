@@ -407,6 +407,7 @@ pub fn fork_closing_frame(
         error: Some(format!(
             "forked from {source} at seq {until}, before this turn ended: it does not run in the fork"
         )),
+        code: None,
         sandbox: None,
         agent_session_id: None,
         checkpoint: None,

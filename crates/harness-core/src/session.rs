@@ -374,6 +374,7 @@ impl SessionMeta {
                 sandbox,
                 agent_session_id,
                 checkpoint,
+                ..
             } => {
                 if let Some(turn) = self.turn_mut(Some(turn_id)) {
                     turn.status = *status;
@@ -723,6 +724,7 @@ mod tests {
             data: serde_json::Value::Null,
         };
         let end = FrameBody::TurnStatus {
+            code: None,
             turn_id: "t1".into(),
             status: TurnStatus::Finished,
             error: None,

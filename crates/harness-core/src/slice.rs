@@ -164,11 +164,20 @@ impl SliceRunner {
 
     /// The agent's environment: the caller's, or, with a broker, the
     /// caller's without its credentials plus the broker's endpoint and the
-    /// session's token.
+    /// session's token (and the session's budget handed to the broker).
     async fn agent_env(&self, state: &TurnState) -> Result<BTreeMap<String, String>> {
         let Some(broker) = &self.broker else {
+            if !state.config.budget.is_unlimited() {
+                return Err(Error::invalid(
+                    "a model budget needs the model broker (it counts what passes): run with \
+                     the broker, or drop the budget",
+                ));
+            }
             return Ok(self.env.clone());
         };
+        broker
+            .set_budget(&state.session_id, &state.config.budget)
+            .await?;
         let handle = state
             .sandbox
             .as_ref()
@@ -300,7 +309,8 @@ impl SliceRunner {
             other => (other?, None),
         };
         let Some(handle) = replaced else {
-            return self.run_in(sandbox, state, budget, abort).await;
+            let report = self.run_in(sandbox, state, budget, abort).await?;
+            return self.with_usage(state, report).await;
         };
         let state = TurnState {
             sandbox: Some(handle.clone()),
@@ -308,6 +318,15 @@ impl SliceRunner {
         };
         let mut report = self.run_in(sandbox, &state, budget, abort).await?;
         report.sandbox = Some(handle);
+        self.with_usage(&state, report).await
+    }
+
+    /// The session's model usage on the report, when the turn has a budget
+    /// to hold it to (the machine decides whether it is spent).
+    async fn with_usage(&self, state: &TurnState, mut report: SliceReport) -> Result<SliceReport> {
+        if let (Some(broker), false) = (&self.broker, state.config.budget.is_unlimited()) {
+            report.usage = broker.usage(&state.session_id).await?;
+        }
         Ok(report)
     }
 
@@ -713,6 +732,7 @@ impl Spool {
             last_progress_at_ms: Some(self.last_progress),
             last_warning: self.last_warning.clone(),
             sandbox: None,
+            usage: None,
         }
     }
 

@@ -72,6 +72,70 @@ pub struct TurnConfig {
     /// 10 minutes at most.
     #[serde(default = "default_quiet_ms")]
     pub quiet_ms: u64,
+    /// The session's model budget: crossing it ends the turn `failed` with
+    /// the code [`BUDGET_EXCEEDED`], and the broker opens nothing more.
+    #[serde(default, skip_serializing_if = "Budget::is_unlimited")]
+    pub budget: Budget,
+}
+
+/// The error code of a turn that ended because its session's model budget
+/// was spent.
+pub const BUDGET_EXCEEDED: &str = "budget_exceeded";
+
+/// Per-session limits on what the model broker passes through, counted
+/// over the whole session (every turn), as the broker counts it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Budget {
+    /// Model tokens, input and output together.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<u64>,
+    /// Brokered spend in millionths of a US dollar, priced by the broker's
+    /// price table (`docs/broker.md`, *Budgets*).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_spend_micros: Option<u64>,
+}
+
+impl Budget {
+    /// No limit at all.
+    pub fn is_unlimited(&self) -> bool {
+        self.max_tokens.is_none() && self.max_spend_micros.is_none()
+    }
+
+    /// The first limit `used` crosses, said as a person would: which, the
+    /// limit, what was used and by how much it is over.
+    pub fn exceeded_by(&self, used: &ModelUsage) -> Option<String> {
+        let tokens = used.input_tokens + used.output_tokens;
+        if let Some(max) = self.max_tokens.filter(|max| tokens >= *max) {
+            return Some(format!(
+                "the session's token budget is spent: {tokens} tokens used of {max} ({} over)",
+                tokens - max
+            ));
+        }
+        if let (Some(max), Some(spent)) = (self.max_spend_micros, used.spend_micros) {
+            if spent >= max {
+                return Some(format!(
+                    "the session's spend budget is spent: ${:.6} used of ${:.6} (${:.6} over)",
+                    spent as f64 / 1e6,
+                    max as f64 / 1e6,
+                    (spent - max) as f64 / 1e6
+                ));
+            }
+        }
+        None
+    }
+}
+
+/// What a session used of the model so far, as the broker counted it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelUsage {
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    /// Priced by the broker's table; `None` when a model it served has no
+    /// price there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spend_micros: Option<u64>,
 }
 
 /// [`TurnConfig::quiet_ms`] by default: 15 minutes.
@@ -88,6 +152,7 @@ impl Default for TurnConfig {
             max_turn_ms: 2 * 60 * 60 * 1000,
             max_consecutive_failures: 3,
             quiet_ms: DEFAULT_QUIET_MS,
+            budget: Budget::default(),
         }
     }
 }
@@ -191,6 +256,9 @@ pub struct TurnState {
     /// Why the turn failed or timed out.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// A stable name for why, where there is one ([`BUDGET_EXCEEDED`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error_code: Option<String>,
     /// The agent's exit code, once it exited.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub exit_code: Option<i32>,
@@ -237,6 +305,7 @@ impl TurnState {
             approval_answers: Vec::new(),
             kill_pending: false,
             error: None,
+            error_code: None,
             exit_code: None,
             end_recorded: false,
         }
@@ -304,6 +373,9 @@ pub struct SliceReport {
     /// "Outliving the sandbox").
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sandbox: Option<SandboxHandle>,
+    /// The session's model usage when the slice ended (with a broker).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<ModelUsage>,
 }
 
 /// Something that happened to a turn.
@@ -534,6 +606,20 @@ fn slice_completed(state: &mut TurnState, report: SliceReport, now_ms: u64) -> R
     }
     if report.last_warning.is_some() {
         state.last_warning = report.last_warning;
+    }
+    // A spent budget ends the turn whatever the agent did meanwhile (it
+    // usually exits on the broker's refusal): the reason is the budget.
+    if let Some(why) = report
+        .usage
+        .as_ref()
+        .and_then(|used| state.config.budget.exceeded_by(used))
+    {
+        if let SliceOutcome::Exited { code } = report.outcome {
+            state.exit_code = Some(code);
+        }
+        fail(state, TurnStatus::Failed, why);
+        state.error_code = Some(BUDGET_EXCEEDED.to_string());
+        return Ok(());
     }
     match report.outcome {
         SliceOutcome::Running => check_time_limits(state, now_ms),

@@ -146,6 +146,7 @@ impl Harness {
         self.feed(Input::Runner {
             conn,
             message: RunnerMessage::TurnStatus {
+                code: None,
                 turn_id: turn_id.into(),
                 status,
                 error: None,
@@ -382,6 +383,7 @@ fn a_turn_ending_mid_block_stores_the_partial_text() {
     h.feed(Input::Runner {
         conn: 9,
         message: RunnerMessage::TurnStatus {
+            code: None,
             sandbox: None,
             agent_session_id: None,
             turn_id: "t1".into(),

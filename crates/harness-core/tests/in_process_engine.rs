@@ -77,6 +77,7 @@ impl SliceExecutor for ScriptedAgent {
             }
         };
         Ok(SliceReport {
+            usage: None,
             process: Some(DetachedProcess {
                 id: "7".into(),
                 stdout_path: "o".into(),

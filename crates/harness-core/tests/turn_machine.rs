@@ -47,6 +47,7 @@ fn started() -> TurnState {
 fn report(cursor: u64, outcome: SliceOutcome) -> TurnEvent {
     TurnEvent::SliceCompleted {
         report: SliceReport {
+            usage: None,
             process: Some(process()),
             agent_session_id: Some("agent-sess".into()),
             cursor,
@@ -112,6 +113,7 @@ fn a_quiet_agent_times_out_with_its_last_warning_and_is_killed() {
     // Progress at 20 s, checked at 45 s: 25 s of quiet is within the limit.
     let quiet = |cursor, progress_at, now_ms, warning: Option<&str>| TurnEvent::SliceCompleted {
         report: SliceReport {
+            usage: None,
             process: Some(process()),
             agent_session_id: None,
             cursor,
@@ -422,4 +424,55 @@ fn the_end_is_recorded_once_and_only_for_a_terminal_turn() {
             status: TurnStatus::Finished
         }
     );
+}
+
+/// A slice report whose session usage crosses the turn's budget ends the
+/// turn `failed` with the code `budget_exceeded` (whatever the agent did:
+/// here it was still running) and kills the agent; one under it runs on.
+#[test]
+fn a_spent_budget_fails_the_turn_with_its_code() {
+    let with_usage = |cursor, input, output, spend| {
+        let TurnEvent::SliceCompleted { mut report, now_ms } =
+            report(cursor, SliceOutcome::Running)
+        else {
+            unreachable!()
+        };
+        report.usage = Some(harness_core::turn::ModelUsage {
+            input_tokens: input,
+            output_tokens: output,
+            spend_micros: spend,
+        });
+        TurnEvent::SliceCompleted { report, now_ms }
+    };
+    let mut s = started();
+    s.config.budget.max_tokens = Some(1_000);
+    s.config.budget.max_spend_micros = Some(50_000);
+    let (s, next) = step(s, with_usage(10, 600, 300, Some(10_000))).unwrap();
+    assert_eq!(s.status, TurnStatus::ReadyForNextStep);
+    assert!(s.error_code.is_none());
+    assert!(matches!(next, NextStep::RunSlice { .. }));
+    let (s, next) = step(s, with_usage(20, 900, 350, Some(20_000))).unwrap();
+    assert_eq!(s.status, TurnStatus::Failed);
+    assert_eq!(
+        s.error_code.as_deref(),
+        Some(harness_core::turn::BUDGET_EXCEEDED)
+    );
+    let error = s.error.clone().unwrap();
+    assert!(
+        error.contains("1250 tokens used of 1000 (250 over)"),
+        "{error}"
+    );
+    assert!(matches!(next, NextStep::KillAgent { .. }), "{next:?}");
+    // Spend alone crosses too, and says so in dollars.
+    let mut s = started();
+    s.config.budget.max_spend_micros = Some(50_000);
+    let (s, _) = step(s, with_usage(10, 10, 10, Some(75_000))).unwrap();
+    assert_eq!(s.error_code.as_deref(), Some("budget_exceeded"));
+    assert!(s.error.unwrap().contains("$0.075000 used of $0.050000"));
+    // An unpriced model's usage cannot cross a spend budget here: the
+    // broker refuses such requests before they pass.
+    let mut s = started();
+    s.config.budget.max_spend_micros = Some(50_000);
+    let (s, _) = step(s, with_usage(10, 10, 10, None)).unwrap();
+    assert_eq!(s.status, TurnStatus::ReadyForNextStep);
 }

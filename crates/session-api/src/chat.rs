@@ -786,6 +786,7 @@ mod tests {
             f(
                 9,
                 FrameBody::TurnStatus {
+                    code: None,
                     turn_id: "t1".into(),
                     status: TurnStatus::Finished,
                     error: None,
@@ -867,6 +868,7 @@ mod tests {
             f(
                 seq,
                 FrameBody::TurnStatus {
+                    code: None,
                     turn_id: turn.into(),
                     status: TurnStatus::Finished,
                     error: None,
@@ -975,6 +977,7 @@ mod tests {
             f(
                 4,
                 FrameBody::TurnStatus {
+                    code: None,
                     turn_id: "t2".into(),
                     status: TurnStatus::Failed,
                     error: Some("aborted: stop".into()),

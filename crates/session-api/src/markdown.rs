@@ -254,6 +254,7 @@ mod tests {
             frame(
                 5,
                 FrameBody::TurnStatus {
+                    code: None,
                     turn_id: "t1".into(),
                     status: TurnStatus::Finished,
                     error: None,

@@ -644,6 +644,7 @@ mod tests {
         let out = m.map(&frame(
             1,
             FrameBody::TurnStatus {
+                code: None,
                 turn_id: "t".into(),
                 status: TurnStatus::Failed,
                 error: Some("agent died".into()),
@@ -660,6 +661,7 @@ mod tests {
         let running = m.map(&frame(
             1,
             FrameBody::TurnStatus {
+                code: None,
                 turn_id: "t".into(),
                 status: TurnStatus::ReadyForNextStep,
                 error: None,

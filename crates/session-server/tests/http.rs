@@ -804,6 +804,7 @@ async fn turn_end(srv: &TestServer, id: &str, turn: &str, checkpoint: Option<&st
         .append(
             &session,
             AppendRequest::new(FrameBody::TurnStatus {
+                code: None,
                 turn_id: turn.into(),
                 status: harness_core::turn::TurnStatus::Finished,
                 error: None,

@@ -128,6 +128,9 @@ pub enum RunnerMessage {
         /// Error text.
         #[serde(default)]
         error: Option<String>,
+        /// A stable name for why, where there is one (`budget_exceeded`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        code: Option<String>,
         /// The sandbox the turn runs in, for the session's next turn.
         #[serde(default)]
         sandbox: Option<SandboxHandle>,
@@ -161,6 +164,7 @@ impl RunnerMessage {
             turn_id: state.turn_id.clone(),
             status: state.status,
             error: state.error.clone(),
+            code: state.error_code.clone(),
             sandbox: state.sandbox.clone(),
             agent_session_id: state.agent_session_id.clone(),
             checkpoint: state
