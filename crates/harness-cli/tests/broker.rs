@@ -131,6 +131,17 @@ echo PROBE-DONE"#,
     )
 }
 
+/// `harness broker usage ID`: what the broker counted for the session.
+fn broker_usage(home: &std::path::Path, id: &str) -> Value {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_harness"))
+        .arg("--home")
+        .arg(home)
+        .args(["broker", "usage", id])
+        .output()
+        .unwrap();
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 async fn until_end(serve: &Serve, id: &str, turn: &str) -> Value {
     let started = Instant::now();
     loop {
@@ -431,13 +442,7 @@ async fn through_the_broker(agent: Agent, backend: Backend, sealed: bool) {
     }
 
     // Through the broker, counted for this session.
-    let usage = std::process::Command::new(env!("CARGO_BIN_EXE_harness"))
-        .arg("--home")
-        .arg(home.path())
-        .args(["broker", "usage", &id])
-        .output()
-        .unwrap();
-    let usage: Value = serde_json::from_slice(&usage.stdout).unwrap();
+    let usage = broker_usage(home.path(), &id);
     assert_eq!(
         usage["requests"].as_u64(),
         Some(model_requests.len() as u64),
@@ -643,13 +648,7 @@ async fn a_spent_token_budget_ends_the_turn_and_nothing_runs_after_it() {
     let steps = std::fs::read_to_string(format!("{dir}/home/steps")).unwrap_or_default();
     assert_eq!(steps.lines().count(), 1, "{steps:?}");
     // The broker counted the refusal against the session.
-    let usage = std::process::Command::new(env!("CARGO_BIN_EXE_harness"))
-        .arg("--home")
-        .arg(home.path())
-        .args(["broker", "usage", &id])
-        .output()
-        .unwrap();
-    let usage: Value = serde_json::from_slice(&usage.stdout).unwrap();
+    let usage = broker_usage(home.path(), &id);
     assert_eq!(usage["requests"].as_u64(), Some(1), "{usage}");
     assert!(usage["refused"].as_u64().unwrap_or(0) >= 1, "{usage}");
 }

@@ -351,14 +351,7 @@ async fn network_plan(spec: &SandboxSpec, gate: Option<PathBuf>) -> Result<Optio
         }
         return Ok(None);
     }
-    spec.check_forwards()?;
-    let ports: Vec<u16> = spec.forwards.iter().map(|f| f.port).collect();
-    if matches!(spec.network, NetworkPolicy::Custom { .. }) && !ports.contains(&EGRESS_PROXY_PORT) {
-        return Err(Error::invalid(format!(
-            "custom network policy needs the egress proxy forward on port {EGRESS_PROXY_PORT}; \
-             the harness runtime adds it when a model broker is configured"
-        )));
-    }
+    check_forwards(spec)?;
     if !spec.ports.is_empty() {
         return Err(Error::unsupported(format!(
             "the local sandbox cannot expose ports {:?} under {}: each command runs in a network \
@@ -381,11 +374,9 @@ async fn network_plan(spec: &SandboxSpec, gate: Option<PathBuf>) -> Result<Optio
     Ok(Some(gate))
 }
 
-/// The sealed sandbox's network check: its own network namespace under
-/// every policy (`allow-all` through slirp4netns), forwards under every
-/// policy (the model broker's among them), no ports. The gate, when there
-/// are forwards, serves them.
-fn sealed_network_plan(spec: &SandboxSpec, gate: Option<PathBuf>) -> Result<Option<PathBuf>> {
+/// The spec's forwards are well formed, and a custom policy has the
+/// egress proxy's.
+fn check_forwards(spec: &SandboxSpec) -> Result<()> {
     spec.check_forwards()?;
     let ports: Vec<u16> = spec.forwards.iter().map(|f| f.port).collect();
     if matches!(spec.network, NetworkPolicy::Custom { .. }) && !ports.contains(&EGRESS_PROXY_PORT) {
@@ -394,6 +385,15 @@ fn sealed_network_plan(spec: &SandboxSpec, gate: Option<PathBuf>) -> Result<Opti
              the harness runtime adds it when a model broker is configured"
         )));
     }
+    Ok(())
+}
+
+/// The sealed sandbox's network check: its own network namespace under
+/// every policy (`allow-all` through slirp4netns), forwards under every
+/// policy (the model broker's among them), no ports. The gate, when there
+/// are forwards, serves them.
+fn sealed_network_plan(spec: &SandboxSpec, gate: Option<PathBuf>) -> Result<Option<PathBuf>> {
+    check_forwards(spec)?;
     if !spec.ports.is_empty() {
         return Err(Error::unsupported(format!(
             "a sealed local sandbox exposes no ports ({:?}): its network namespace is its own; \

@@ -321,26 +321,14 @@ fn spawn_holder(
     line.push(tools.bwrap.display().to_string());
     line.extend(bwrap_args(plan, seal_dir));
     let line = joined(cgroups, false, line);
-    let mut child = Command::new(&line[0])
-        .args(&line[1..])
-        // The holder's environment is readable inside (it is pid 1 there):
-        // nothing of the harness's own environment goes in.
-        .env_clear()
-        .env("PATH", "/usr/local/bin:/usr/bin:/bin")
-        .current_dir("/")
-        .stdin(Stdio::null())
-        .stdout(log.try_clone()?)
-        .stderr(log)
-        // Out of the harness's process group: a signal to it (^C) is not
-        // one to the sandbox.
-        .process_group(0)
-        .spawn()
-        .map_err(|e| {
-            Error::backend(format!(
-                "cannot start the sealed sandbox's holder ({}): {e}",
-                tools.bwrap.display()
-            ))
-        })?;
+    let mut cmd = Command::new(&line[0]);
+    cmd.args(&line[1..]);
+    let mut child = daemon(&mut cmd, log)?.spawn().map_err(|e| {
+        Error::backend(format!(
+            "cannot start the sealed sandbox's holder ({}): {e}",
+            tools.bwrap.display()
+        ))
+    })?;
     let bwrap = child.id() as i32;
     // bwrap clones the sandbox's pid 1 (its init) once it made the
     // namespaces, and that init forks the holder's `sleep` once the mounts
@@ -381,6 +369,21 @@ fn spawn_holder(
         ))
     })?;
     Ok((init, start))
+}
+
+/// `cmd` as one of the sandbox's daemons: an environment of its own (the
+/// holder's is readable inside, where it is pid 1: nothing of the
+/// harness's goes in), output to `log`, and out of the harness's process
+/// group (a ^C to the harness is not one to the sandbox).
+fn daemon(cmd: &mut Command, log: std::fs::File) -> Result<&mut Command> {
+    Ok(cmd
+        .env_clear()
+        .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+        .current_dir("/")
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .process_group(0))
 }
 
 /// The children of `pid` (`/proc/<pid>/task/<pid>/children`).
@@ -429,23 +432,17 @@ fn joined(cgroups: &[PathBuf], no_new_privs: bool, line: Vec<String>) -> Vec<Str
 /// sandbox and seccomp filter.
 fn spawn_slirp(slirp: &Path, meta: &SealMeta, seal_dir: &Path) -> Result<i32> {
     let log = std::fs::File::create(seal_dir.join("slirp.log"))?;
-    let mut child = Command::new(slirp)
-        .args([
-            "--configure",
-            "--mtu=65520",
-            "--disable-host-loopback",
-            "--enable-sandbox",
-            "--enable-seccomp",
-            &meta.holder.to_string(),
-            "tap0",
-        ])
-        .env_clear()
-        .env("PATH", "/usr/local/bin:/usr/bin:/bin")
-        .current_dir("/")
-        .stdin(Stdio::null())
-        .stdout(log.try_clone()?)
-        .stderr(log)
-        .process_group(0)
+    let mut cmd = Command::new(slirp);
+    cmd.args([
+        "--configure",
+        "--mtu=65520",
+        "--disable-host-loopback",
+        "--enable-sandbox",
+        "--enable-seccomp",
+        &meta.holder.to_string(),
+        "tap0",
+    ]);
+    let mut child = daemon(&mut cmd, log)?
         .spawn()
         .map_err(|e| Error::backend(format!("cannot start {}: {e}", slirp.display())))?;
     let pid = child.id() as i32;

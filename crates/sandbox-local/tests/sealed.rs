@@ -53,7 +53,7 @@ fn nothing_left(root: &Path) -> Vec<std::ffi::OsString> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sealed_sandbox_passes_the_conformance_suite() {
+async fn a_sealed_sandbox_keeps_the_sandbox_contract() {
     let root = tempfile::tempdir().unwrap();
     let Some(provider) = sealed(root.path()) else {
         return;
@@ -62,19 +62,9 @@ async fn a_sealed_sandbox_passes_the_conformance_suite() {
     let mut spec = SandboxSpec::new("/workspace");
     spec.network = NetworkPolicy::DenyAll;
     spec.forwards = vec![server.forward(harness_core::sandbox::MODEL_BROKER_PORT)];
-    let sandbox = provider.create(&spec).await.unwrap();
-    let sb = sandbox.as_ref();
-    suite::command_and_file_items(sb).await.unwrap();
-    suite::concurrent_execs(sb).await.unwrap();
-    suite::a_second_launch_in_one_spool_returns_the_first(sb)
-        .await
-        .unwrap();
-    sandbox.destroy().await.unwrap();
-    suite::exec_env(&provider, &spec).await.unwrap();
-    suite::detach_and_resume(&provider, &spec).await.unwrap();
-    suite::destroy_is_idempotent(&provider, &spec)
-        .await
-        .unwrap();
+    if let Err(e) = suite::contract_items(&provider, &spec).await {
+        panic!("{e:#}");
+    }
     assert!(
         nothing_left(root.path()).is_empty(),
         "{:?}",

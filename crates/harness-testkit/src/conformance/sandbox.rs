@@ -226,6 +226,23 @@ pub async fn run_all_with(
     }
 }
 
+/// The command, file, concurrency, detached-launch, environment,
+/// detach/resume and destroy items on sandboxes made from `spec`: what a
+/// variant of a provider (every command behind the gate, a sealed local
+/// sandbox) must keep of the contract, without the items its variant
+/// changes on purpose (ports, network policies).
+pub async fn contract_items(provider: &dyn SandboxProvider, spec: &SandboxSpec) -> Result<()> {
+    let sandbox = provider.create(spec).await?;
+    let sb = sandbox.as_ref();
+    command_and_file_items(sb).await?;
+    concurrent_execs(sb).await?;
+    a_second_launch_in_one_spool_returns_the_first(sb).await?;
+    sandbox.destroy().await?;
+    exec_env(provider, spec).await?;
+    detach_and_resume(provider, spec).await?;
+    destroy_is_idempotent(provider, spec).await
+}
+
 /// The items about one sandbox's commands and files — exec streams, exit
 /// codes, cwd, stdin, streaming before exit, timeout and abort killing the
 /// tree, files, reads from an offset, detached processes — stopping at the
