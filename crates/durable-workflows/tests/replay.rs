@@ -191,7 +191,6 @@ impl SliceExecutor for Agent {
             .pop_front()
             .expect("a slice the script did not plan")?;
         Ok(SliceReport {
-            usage: None,
             process: Some(process()),
             agent_session_id: Some("agent-1".into()),
             cursor: state.cursor + 100,
@@ -199,6 +198,7 @@ impl SliceExecutor for Agent {
             last_progress_at_ms: None,
             last_warning: None,
             sandbox: None,
+            usage: None,
         })
     }
 

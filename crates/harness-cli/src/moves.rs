@@ -771,10 +771,10 @@ async fn record_restore(
     };
     record(log, session, what.frame(RESTORE_TURN)).await;
     let status = AppendRequest::new(FrameBody::TurnStatus {
-        code: None,
         turn_id: RESTORE_TURN.into(),
         status: TurnStatus::Finished,
         error: None,
+        code: None,
         sandbox,
         agent_session_id: manifest.agent_session_id.clone(),
         checkpoint: None,

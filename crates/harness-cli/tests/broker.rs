@@ -165,6 +165,17 @@ async fn until_end(serve: &Serve, id: &str, turn: &str) -> Value {
     }
 }
 
+/// What the agent's `call_id` tool call sent back to the model.
+fn tool_report(model: &ScriptedModel, call_id: &str) -> String {
+    let requests = model.requests();
+    requests
+        .iter()
+        .filter_map(|r| r.model_request())
+        .find_map(|r| r.tool_result(call_id))
+        .unwrap_or_else(|| panic!("{call_id}'s result never reached the model: {requests:#?}"))
+        .content
+}
+
 /// One probed turn: the session, its turn's terminal status, what the
 /// agent's probe sent back to the model, and the guard that removes the
 /// session's container (Docker) when the test ends.
@@ -199,13 +210,7 @@ async fn run_probe(
         "{end}\nserver log:\n{}",
         serve.log()
     );
-    let requests = model.requests();
-    let report = requests
-        .iter()
-        .filter_map(|r| r.model_request())
-        .find_map(|r| r.tool_result(call_id))
-        .unwrap_or_else(|| panic!("the probe's result never reached the model: {requests:#?}"))
-        .content;
+    let report = tool_report(model, call_id);
     Probed {
         id,
         end,
@@ -349,12 +354,7 @@ async fn through_the_broker(agent: Agent, backend: Backend, sealed: bool) {
     assert!(report.contains("OTHER-TOKEN-401"), "{report}");
     assert!(report.contains("OTHER-SESSION-401"), "{report}");
     if sealed {
-        let sealed_report = requests
-            .iter()
-            .filter_map(|r| r.model_request())
-            .find_map(|r| r.tool_result(SEALED_PROBE))
-            .unwrap_or_else(|| panic!("the sealed probe never reported: {requests:#?}"))
-            .content;
+        let sealed_report = tool_report(&model, SEALED_PROBE);
         assert!(sealed_report.contains("SEALED-DONE"), "{sealed_report}");
         assert!(
             sealed_report.contains("SECRET-UNREADABLE"),

@@ -724,10 +724,10 @@ mod tests {
             data: serde_json::Value::Null,
         };
         let end = FrameBody::TurnStatus {
-            code: None,
             turn_id: "t1".into(),
             status: TurnStatus::Finished,
             error: None,
+            code: None,
             sandbox: Some(handle.clone()),
             agent_session_id: Some("thread".into()),
             checkpoint: None,

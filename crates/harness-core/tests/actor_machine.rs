@@ -146,10 +146,10 @@ impl Harness {
         self.feed(Input::Runner {
             conn,
             message: RunnerMessage::TurnStatus {
-                code: None,
                 turn_id: turn_id.into(),
                 status,
                 error: None,
+                code: None,
                 sandbox: None,
                 agent_session_id: None,
                 key: None,
@@ -383,12 +383,12 @@ fn a_turn_ending_mid_block_stores_the_partial_text() {
     h.feed(Input::Runner {
         conn: 9,
         message: RunnerMessage::TurnStatus {
-            code: None,
             sandbox: None,
             agent_session_id: None,
             turn_id: "t1".into(),
             status: TurnStatus::Failed,
             error: Some("x".into()),
+            code: None,
             key: None,
             checkpoint: None,
         },

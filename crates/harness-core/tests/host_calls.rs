@@ -603,10 +603,10 @@ fn the_turn_ending_cancels_its_calls_and_the_next_turn_starts_clean() {
     h.feed(Input::Runner {
         conn: RUNNER,
         message: RunnerMessage::TurnStatus {
-            code: None,
             turn_id: "t1".into(),
             status: TurnStatus::Failed,
             error: Some("aborted".into()),
+            code: None,
             sandbox: None,
             agent_session_id: None,
             key: None,

@@ -77,7 +77,6 @@ impl SliceExecutor for ScriptedAgent {
             }
         };
         Ok(SliceReport {
-            usage: None,
             process: Some(DetachedProcess {
                 id: "7".into(),
                 stdout_path: "o".into(),
@@ -90,6 +89,7 @@ impl SliceExecutor for ScriptedAgent {
             last_progress_at_ms: None,
             last_warning: None,
             sandbox: None,
+            usage: None,
         })
     }
     async fn kill_agent(

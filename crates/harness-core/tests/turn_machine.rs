@@ -47,7 +47,6 @@ fn started() -> TurnState {
 fn report(cursor: u64, outcome: SliceOutcome) -> TurnEvent {
     TurnEvent::SliceCompleted {
         report: SliceReport {
-            usage: None,
             process: Some(process()),
             agent_session_id: Some("agent-sess".into()),
             cursor,
@@ -55,6 +54,7 @@ fn report(cursor: u64, outcome: SliceOutcome) -> TurnEvent {
             last_progress_at_ms: None,
             last_warning: None,
             sandbox: None,
+            usage: None,
         },
         now_ms: 2_000,
     }
@@ -113,7 +113,6 @@ fn a_quiet_agent_times_out_with_its_last_warning_and_is_killed() {
     // Progress at 20 s, checked at 45 s: 25 s of quiet is within the limit.
     let quiet = |cursor, progress_at, now_ms, warning: Option<&str>| TurnEvent::SliceCompleted {
         report: SliceReport {
-            usage: None,
             process: Some(process()),
             agent_session_id: None,
             cursor,
@@ -121,6 +120,7 @@ fn a_quiet_agent_times_out_with_its_last_warning_and_is_killed() {
             last_progress_at_ms: Some(progress_at),
             last_warning: warning.map(str::to_string),
             sandbox: None,
+            usage: None,
         },
         now_ms,
     };

@@ -546,7 +546,7 @@ pub(crate) fn stop(meta: &SealMeta) {
         }
     }
     for _ in 0..100 {
-        if start_time(meta.holder).is_none() || !alive(meta) {
+        if !alive(meta) {
             break;
         }
         std::thread::sleep(Duration::from_millis(20));

@@ -2,7 +2,7 @@
 //! with the sandbox gate (deny-all, custom and host forwards need root: a
 //! network namespace per command).
 
-use harness_core::sandbox::{NetworkPolicy, SandboxSpec};
+use harness_core::sandbox::SandboxSpec;
 use harness_testkit::conformance::sandbox as suite;
 use sandbox_local::LocalProvider;
 
@@ -49,10 +49,7 @@ async fn the_suite_passes_with_every_command_behind_the_gate() {
     let Some(provider) = provider(root.path()) else {
         return;
     };
-    let server = suite::SocketServer::start("unused").await.unwrap();
-    let mut spec = SandboxSpec::new("/workspace");
-    spec.network = NetworkPolicy::DenyAll;
-    spec.forwards = vec![server.forward(harness_core::sandbox::MODEL_BROKER_PORT)];
+    let (_server, spec) = suite::deny_all_with_a_forward().await.unwrap();
     if let Err(e) = suite::contract_items(&provider, &spec).await {
         panic!("{e:#}");
     }

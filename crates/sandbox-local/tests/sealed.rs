@@ -58,10 +58,7 @@ async fn a_sealed_sandbox_keeps_the_sandbox_contract() {
     let Some(provider) = sealed(root.path()) else {
         return;
     };
-    let server = suite::SocketServer::start("unused").await.unwrap();
-    let mut spec = SandboxSpec::new("/workspace");
-    spec.network = NetworkPolicy::DenyAll;
-    spec.forwards = vec![server.forward(harness_core::sandbox::MODEL_BROKER_PORT)];
+    let (_server, spec) = suite::deny_all_with_a_forward().await.unwrap();
     if let Err(e) = suite::contract_items(&provider, &spec).await {
         panic!("{e:#}");
     }

@@ -786,10 +786,10 @@ mod tests {
             f(
                 9,
                 FrameBody::TurnStatus {
-                    code: None,
                     turn_id: "t1".into(),
                     status: TurnStatus::Finished,
                     error: None,
+                    code: None,
                     sandbox: None,
                     agent_session_id: None,
                     checkpoint: None,
@@ -868,10 +868,10 @@ mod tests {
             f(
                 seq,
                 FrameBody::TurnStatus {
-                    code: None,
                     turn_id: turn.into(),
                     status: TurnStatus::Finished,
                     error: None,
+                    code: None,
                     sandbox: None,
                     agent_session_id: None,
                     checkpoint: None,
@@ -977,10 +977,10 @@ mod tests {
             f(
                 4,
                 FrameBody::TurnStatus {
-                    code: None,
                     turn_id: "t2".into(),
                     status: TurnStatus::Failed,
                     error: Some("aborted: stop".into()),
+                    code: None,
                     sandbox: None,
                     agent_session_id: None,
                     checkpoint: None,

@@ -254,10 +254,10 @@ mod tests {
             frame(
                 5,
                 FrameBody::TurnStatus {
-                    code: None,
                     turn_id: "t1".into(),
                     status: TurnStatus::Finished,
                     error: None,
+                    code: None,
                     sandbox: None,
                     agent_session_id: None,
                     checkpoint: None,

@@ -644,10 +644,10 @@ mod tests {
         let out = m.map(&frame(
             1,
             FrameBody::TurnStatus {
-                code: None,
                 turn_id: "t".into(),
                 status: TurnStatus::Failed,
                 error: Some("agent died".into()),
+                code: None,
                 sandbox: None,
                 agent_session_id: None,
                 checkpoint: None,
@@ -661,10 +661,10 @@ mod tests {
         let running = m.map(&frame(
             1,
             FrameBody::TurnStatus {
-                code: None,
                 turn_id: "t".into(),
                 status: TurnStatus::ReadyForNextStep,
                 error: None,
+                code: None,
                 sandbox: None,
                 agent_session_id: None,
                 checkpoint: None,

@@ -195,20 +195,20 @@ mod tests {
         assert_eq!(late.text(), "Hi");
         // Other turns are ignored; the terminal status ends it.
         let other = FrameBody::TurnStatus {
-            code: None,
             turn_id: "t0".into(),
             status: TurnStatus::Finished,
             error: None,
+            code: None,
             sandbox: None,
             agent_session_id: None,
             checkpoint: None,
         };
         assert!(f.push(&frame(3, other)).is_empty());
         let end = FrameBody::TurnStatus {
-            code: None,
             turn_id: "t1".into(),
             status: TurnStatus::Failed,
             error: Some("aborted: x".into()),
+            code: None,
             sandbox: None,
             agent_session_id: None,
             checkpoint: None,

@@ -804,10 +804,10 @@ async fn turn_end(srv: &TestServer, id: &str, turn: &str, checkpoint: Option<&st
         .append(
             &session,
             AppendRequest::new(FrameBody::TurnStatus {
-                code: None,
                 turn_id: turn.into(),
                 status: harness_core::turn::TurnStatus::Finished,
                 error: None,
+                code: None,
                 sandbox: Some(SandboxHandle {
                     provider: "local".into(),
                     id: format!("sb-{turn}"),

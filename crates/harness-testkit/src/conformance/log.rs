@@ -441,10 +441,10 @@ fn turn_touching_every_field(handle: &SandboxHandle) -> Vec<(FrameBody, Option<&
         ),
         (
             FrameBody::TurnStatus {
-                code: None,
                 turn_id: "t1".into(),
                 status: TurnStatus::Failed,
                 error: Some("aborted: stop".into()),
+                code: None,
                 sandbox: Some(handle.clone()),
                 agent_session_id: None,
                 checkpoint: None,

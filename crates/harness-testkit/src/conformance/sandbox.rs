@@ -226,6 +226,17 @@ pub async fn run_all_with(
     }
 }
 
+/// A deny-all spec with one forward (to a [`SocketServer`] kept alive by
+/// the returned guard): what a gated or sealed variant runs
+/// [`contract_items`] on, so every command goes through its namespace.
+pub async fn deny_all_with_a_forward() -> Result<(SocketServer, SandboxSpec)> {
+    let server = SocketServer::start("unused").await?;
+    let mut spec = SandboxSpec::new("/workspace");
+    spec.network = NetworkPolicy::DenyAll;
+    spec.forwards = vec![server.forward(harness_core::sandbox::MODEL_BROKER_PORT)];
+    Ok((server, spec))
+}
+
 /// The command, file, concurrency, detached-launch, environment,
 /// detach/resume and destroy items on sandboxes made from `spec`: what a
 /// variant of a provider (every command behind the gate, a sealed local
