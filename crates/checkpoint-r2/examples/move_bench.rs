@@ -8,6 +8,10 @@
 //!   cargo run --release -p checkpoint-r2 --example move_bench [-- --files N --mb M] [--repeat R] [--no-tree | --tree-only]
 //! ```
 //!
+//! Each store runs plain and encrypted (`<store>-encrypted`: the same
+//! store under `checkpoint-crypt`, as `harness checkpoint` writes to S3/R2
+//! by default), side by side.
+//!
 //! `MOVE_BENCH_PART_MIB` sets the S3 store's multipart part size (8 MiB by
 //! default) to compare part sizes.
 //!
@@ -124,6 +128,15 @@ async fn run_one(store_kind: &str, src: &Path, scratch: &Path) {
 }
 
 async fn open_store(store_kind: &str) -> Arc<dyn CheckpointStore> {
+    // `<store>-encrypted`: the same store under `checkpoint-crypt`'s
+    // encryption, as `harness checkpoint` writes to S3/R2 by default.
+    if let Some(plain) = store_kind.strip_suffix("-encrypted") {
+        let key = checkpoint_crypt::DeploymentKey::from_secret(&[0x5a; 32]).unwrap();
+        return Arc::new(checkpoint_crypt::EncryptedStore::new(
+            Box::pin(open_store(plain)).await,
+            key.lineage("bench"),
+        ));
+    }
     match store_kind {
         "memory" => Arc::new(MemoryCheckpointStore::new()),
         "s3" => {
@@ -404,7 +417,7 @@ fn s3_server_cpu_secs() -> Option<f64> {
 }
 
 fn run_child(store_kind: &str, src: &Path, scratch: &Path) -> Row {
-    let server_before = (store_kind == "s3").then(s3_server_cpu_secs).flatten();
+    let server_before = store_kind.starts_with("s3").then(s3_server_cpu_secs).flatten();
     let out = Command::new(std::env::current_exe().unwrap())
         .args(["--child", store_kind])
         .arg(src)
@@ -432,7 +445,7 @@ fn run_child(store_kind: &str, src: &Path, scratch: &Path) -> Row {
     // The memory store holds the whole checkpoint: what the move itself
     // costs is the peak beside it.
     let beside = match (store_kind, peak_kb) {
-        ("memory", Some(kb)) => format!(
+        ("memory" | "memory-encrypted", Some(kb)) => format!(
             "; peak beside the stored object {:.1} MiB",
             (kb as f64 * 1024.0 - stored as f64) / (1 << 20) as f64
         ),
@@ -567,9 +580,11 @@ async fn main() {
                     &dst("dst-zstd"),
                 ),
                 run_child("memory", &src, scratch.path()),
+                run_child("memory-encrypted", &src, scratch.path()),
             ];
             if s3 {
                 runs.push(run_child("s3", &src, scratch.path()));
+                runs.push(run_child("s3-encrypted", &src, scratch.path()));
             }
             if rows.is_empty() {
                 rows = runs;
@@ -618,9 +633,9 @@ async fn main() {
     if args.iter().any(|a| a == "--no-tree") {
         return;
     }
-    let mut stores = vec!["memory"];
+    let mut stores = vec!["memory", "memory-encrypted"];
     if std::env::var("HARNESS_S3_ENDPOINT").is_ok_and(|v| !v.is_empty()) {
-        stores.push("s3");
+        stores.extend(["s3", "s3-encrypted"]);
     }
     // `--repeat R` runs the tree comparison R times per store, too.
     for store_kind in stores

@@ -89,6 +89,13 @@ impl Home {
         self.dir.join("audit.key")
     }
 
+    /// The deployment's checkpoint key, where `$HARNESS_CHECKPOINT_KEY` does
+    /// not give one (made on the first encrypted checkpoint;
+    /// docs/checkpoint-encryption.md).
+    pub fn checkpoint_key(&self) -> PathBuf {
+        self.dir.join("checkpoint.key")
+    }
+
     /// The audit chain's key ([`audit_key`](Self::audit_key)).
     pub fn chain_key(&self) -> Result<harness::core::log::ChainKey> {
         let path = self.audit_key();

@@ -31,6 +31,7 @@ use harness::core::session::{SandboxConfig, SessionConfig};
 use harness::core::turn::TurnStatus;
 use harness::core::ErrorKind;
 use harness::fs_store::FsCheckpointStore;
+use harness::moves::crypt::{DeploymentKey, Lineages};
 use harness::moves::{MovePhase, MoveProgress, SessionKeys, SessionManifest};
 #[cfg(feature = "s3")]
 use harness::r2::{S3CheckpointStore, S3Config};
@@ -70,9 +71,52 @@ pub struct StoreArgs {
     /// Region (ignored for R2).
     #[arg(long, env = "AWS_REGION", default_value = "us-east-1")]
     region: String,
+    /// Encrypt new checkpoints on this machine before they reach the store
+    /// (XChaCha20-Poly1305, a key per session lineage derived from
+    /// $HARNESS_CHECKPOINT_KEY, else the home's `checkpoint.key`): `auto`
+    /// encrypts for S3/R2 stores and not for a directory on this machine.
+    /// Encrypted checkpoints are read whatever this says, given the key.
+    #[arg(long, env = "HARNESS_CHECKPOINT_ENCRYPTION", value_enum, default_value = "auto")]
+    encryption: Encryption,
+}
+
+/// Whether new checkpoints are encrypted (`--encryption`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Encryption {
+    /// On for S3/R2 stores, off for a directory store.
+    Auto,
+    /// Always.
+    On,
+    /// Never (encrypted checkpoints are still read, given the key).
+    Off,
 }
 
 impl StoreArgs {
+    /// The store these flags name, with the deployment's checkpoint key:
+    /// new checkpoints are encrypted when `--encryption` says so (the key
+    /// made in the home if there is none yet), and encrypted ones are
+    /// read when a key is there.
+    async fn open_lineages(&self, home: &Home) -> Result<Lineages> {
+        let store = self.open(home).await?;
+        let object_store = self.endpoint.is_some() || self.r2_account.is_some();
+        let encrypt = match self.encryption {
+            Encryption::On => true,
+            Encryption::Off => false,
+            Encryption::Auto => object_store && self.dir.is_none(),
+        };
+        let key = checkpoint_key(home, encrypt)?;
+        if encrypt {
+            eprintln!("checkpoints are encrypted on this machine (a key per session lineage)");
+        }
+        // Reading needs the key whatever new checkpoints do; writing
+        // encrypts only when asked.
+        Ok(match (encrypt, key) {
+            (true, key) => Lineages::new(store, key),
+            (false, Some(key)) => Lineages::reading(store, key),
+            (false, None) => Lineages::new(store, None),
+        })
+    }
+
     /// The store these flags name; the home's directory store when they
     /// name none.
     async fn open(&self, home: &Home) -> Result<Arc<dyn CheckpointStore>> {
@@ -120,6 +164,41 @@ impl StoreArgs {
             .context("reaching the checkpoint store")?;
         Ok(Arc::new(store))
     }
+}
+
+/// The deployment's checkpoint key: `$HARNESS_CHECKPOINT_KEY` (64 hex
+/// digits), else the home's `checkpoint.key` — made there when `create`
+/// (a checkpoint to encrypt) and there is none.
+fn checkpoint_key(home: &Home, create: bool) -> Result<Option<DeploymentKey>> {
+    if let Ok(text) = std::env::var(harness::moves::crypt::KEY_ENV) {
+        return Ok(Some(DeploymentKey::from_hex(&text).with_context(|| {
+            format!("${}", harness::moves::crypt::KEY_ENV)
+        })?));
+    }
+    let path = home.checkpoint_key();
+    if create || path.exists() {
+        let secret = harness::broker::load_or_make_secret(&path)
+            .with_context(|| format!("the checkpoint key {}", path.display()))?;
+        return Ok(Some(DeploymentKey::from_secret(&secret)?));
+    }
+    Ok(None)
+}
+
+/// The lineage a session's checkpoints are encrypted in: the session its
+/// forks were made from, first of all (a fork reads its parent's chunks).
+async fn lineage_of(log: &SqliteSessionLog, info: &LogInfo) -> String {
+    let mut origin = info.forked_from.clone();
+    let mut root = info.session.to_string();
+    // Bounded: a fork chain longer than this is cut, not walked forever.
+    for _ in 0..64 {
+        let Some(from) = origin else { break };
+        root = from.session.to_string();
+        origin = match log.info(&from.session).await {
+            Ok(parent) => parent.forked_from,
+            Err(_) => None,
+        };
+    }
+    harness::core::turn_checkpoint::key_segment(&root)
 }
 
 /// `harness checkpoint`.
@@ -426,7 +505,8 @@ pub async fn checkpoint(home: &Home, args: CheckpointArgs) -> Result<()> {
         .as_ref()
         .map(|t| t.turn_id.clone())
         .unwrap_or_else(|| "checkpoint".into());
-    let store = args.store.open(home).await?;
+    let lineages = args.store.open_lineages(home).await?;
+    let (store, prefix) = lineages.for_new(&lineage_of(&log, &info).await)?;
     let sandbox = session_sandbox(home, &info).await?;
     let bars = Arc::new(Bars::new());
     // A tree-only checkpoint holds no agent state: it names no agent.
@@ -448,6 +528,14 @@ pub async fn checkpoint(home: &Home, args: CheckpointArgs) -> Result<()> {
         // bytes, and what to say about it.
         let (key, bytes, said) = if args.incremental {
             let key = args.key.unwrap_or_else(|| format!("{base}.tree"));
+            // The parent as printed names the lineage; the tree checkpoint
+            // reads it within the lineage's view.
+            let parent = match args.parent.as_deref() {
+                Some(p) if !prefix.is_empty() => Some(p.strip_prefix(prefix.as_str()).with_context(|| {
+                    format!("--parent {p} is not in this session's lineage ({prefix}…)")
+                })?),
+                other => other,
+            };
             let step = bars.step(format!(
                 "checkpointing the working tree of {session} (changed content only)"
             ));
@@ -456,7 +544,7 @@ pub async fn checkpoint(home: &Home, args: CheckpointArgs) -> Result<()> {
                 sandbox.workdir(),
                 store.as_ref(),
                 &key,
-                args.parent.as_deref(),
+                parent,
                 &SystemClock,
                 Some(bars.clone()),
             )
@@ -464,6 +552,7 @@ pub async fn checkpoint(home: &Home, args: CheckpointArgs) -> Result<()> {
             .context("checkpointing the working tree");
             step.finish_and_clear();
             let stored = stored?;
+            let key = format!("{prefix}{key}");
             let said = format!(
                 "checkpoint {key} (tree only, incremental): {} entries, {} bytes; read {} files \
                  ({} bytes), uploaded {} new chunks ({} bytes with the manifest){}\n\
@@ -495,10 +584,11 @@ pub async fn checkpoint(home: &Home, args: CheckpointArgs) -> Result<()> {
             .context("checkpointing the working tree");
             step.finish_and_clear();
             let stored = stored?;
+            let key = format!("{prefix}{key}");
             let said = format!(
-                "checkpoint {} (tree only): {} bytes of tar as {} bytes of zstd, sha256 {}\n\
+                "checkpoint {key} (tree only): {} bytes of tar as {} bytes of zstd, sha256 {}\n\
                  restore it with `harness restore --tree-only --session ID --key {key}`",
-                stored.object.key, stored.tar_bytes, stored.object.size, stored.object.sha256
+                stored.tar_bytes, stored.object.size, stored.object.sha256
             );
             (key, stored.object.size, said)
         };
@@ -532,6 +622,7 @@ pub async fn checkpoint(home: &Home, args: CheckpointArgs) -> Result<()> {
     step.finish_and_clear();
     let manifest = stored?;
     let state_bytes = manifest.state.as_ref().map_or(0, |s| s.size);
+    let key = format!("{prefix}{key}");
     record(
         &log,
         &session,
@@ -598,8 +689,9 @@ pub async fn restore(home: &Home, args: RestoreArgs) -> Result<()> {
         }
         None => None,
     };
-    let store = args.store.open(home).await?;
-    let manifest = manifest(store.as_ref(), &args.key).await?;
+    let lineages = args.store.open_lineages(home).await?;
+    let (store, key) = lineages.resolve(&args.key)?;
+    let manifest = manifest(store.as_ref(), &key).await?;
     if let Some(info) = &target {
         let agent = info.meta.config_or_default().agent;
         if agent != manifest.agent {
@@ -618,7 +710,7 @@ pub async fn restore(home: &Home, args: RestoreArgs) -> Result<()> {
         Some(info) => {
             let sandbox = session_sandbox(home, &info).await?;
             let restored =
-                restore_into(store.as_ref(), &args.key, sandbox.as_ref(), &harness, &bars).await?;
+                restore_into(store.as_ref(), &key, sandbox.as_ref(), &harness, &bars).await?;
             let session = info.session;
             record_restore(&log, &session, &args.key, &restored, None).await;
             println!(
@@ -668,7 +760,7 @@ pub async fn restore(home: &Home, args: RestoreArgs) -> Result<()> {
             step.finish_and_clear();
             let sandbox = created.with_context(|| format!("creating a {} sandbox", kind.name()))?;
             let restored =
-                match restore_into(store.as_ref(), &args.key, sandbox.as_ref(), &harness, &bars)
+                match restore_into(store.as_ref(), &key, sandbox.as_ref(), &harness, &bars)
                     .await
                 {
                     Ok(restored) => restored,
@@ -791,7 +883,8 @@ async fn restore_tree(home: &Home, args: RestoreArgs) -> Result<()> {
     let log = open_log(home)?;
     let info = session_info(&log, id).await?;
     idle(&info)?;
-    let store = args.store.open(home).await?;
+    let lineages = args.store.open_lineages(home).await?;
+    let (store, key) = lineages.resolve(&args.key)?;
     let sandbox = session_sandbox(home, &info).await?;
     let bars = Arc::new(Bars::new());
     let step = bars.step(format!(
@@ -800,7 +893,7 @@ async fn restore_tree(home: &Home, args: RestoreArgs) -> Result<()> {
     ));
     let restored = harness::moves::restore(
         store.as_ref(),
-        &args.key,
+        &key,
         sandbox.as_ref(),
         sandbox.workdir(),
         Some(bars.clone()),
@@ -810,7 +903,7 @@ async fn restore_tree(home: &Home, args: RestoreArgs) -> Result<()> {
     let restored = match restored {
         Ok(restored) => restored,
         Err(e) if e.kind() == ErrorKind::NotFound => {
-            let manifest = SessionKeys::new(&args.key).map(|k| k.manifest);
+            let manifest = SessionKeys::new(&key).map(|k| k.manifest);
             let is_session = match &manifest {
                 Ok(m) => store.head(m).await.is_ok(),
                 Err(_) => false,
@@ -852,7 +945,7 @@ async fn restore_tree(home: &Home, args: RestoreArgs) -> Result<()> {
 /// `harness gc`: delete the content blobs and packs no tree checkpoint in
 /// the store references.
 pub async fn gc(home: &Home, args: GcArgs) -> Result<()> {
-    let store = args.store.open(home).await?;
+    let lineages = args.store.open_lineages(home).await?;
     // Turn-end checkpoints no session of this home references, first: their
     // trees' content is then collected with the rest.
     let log = open_log(home)?;
@@ -865,9 +958,40 @@ pub async fn gc(home: &Home, args: GcArgs) -> Result<()> {
             .map_or(0, |n| meta.checkpoints.len().saturating_sub(n));
         referenced.extend(meta.checkpoints.iter().skip(skip).map(|c| c.key.clone()));
     }
+    // The plain store, then each encrypted lineage through its own view,
+    // with the references that name it.
+    let mut spaces = vec![(String::new(), lineages.raw().clone())];
+    for lineage in lineages.list().await? {
+        match lineages.lineage(&lineage) {
+            Ok(view) => spaces.push((harness::moves::crypt::lineage_prefix(&lineage)?, view)),
+            Err(e) => eprintln!("note: lineage {lineage} is left as it is: {e}"),
+        }
+    }
+    for (prefix, store) in spaces {
+        if !prefix.is_empty() {
+            println!("lineage {prefix}:");
+        }
+        let referenced: std::collections::HashSet<String> = referenced
+            .iter()
+            .filter_map(|k| match prefix.as_str() {
+                "" => harness::moves::crypt::split_lineage(k).is_none().then(|| k.clone()),
+                p => k.strip_prefix(p).map(str::to_string),
+            })
+            .collect();
+        gc_space(store.as_ref(), &referenced, &args).await?;
+    }
+    Ok(())
+}
+
+/// One space's collection: the plain store's, or one lineage's.
+async fn gc_space(
+    store: &dyn CheckpointStore,
+    referenced: &std::collections::HashSet<String>,
+    args: &GcArgs,
+) -> Result<()> {
     let turns = harness::moves::turns::collect_turn_checkpoints(
-        store.as_ref(),
-        &referenced,
+        store,
+        referenced,
         harness::core::clock::Clock::now_ms(&SystemClock),
         args.grace_secs.saturating_mul(1000),
     )
@@ -877,7 +1001,7 @@ pub async fn gc(home: &Home, args: GcArgs) -> Result<()> {
         "{} turn-end checkpoints: {} referenced by a session, {} younger than {} s, {} deleted",
         turns.found, turns.referenced, turns.young, args.grace_secs, turns.deleted
     );
-    let info = harness::moves::tree::collect_garbage(store.as_ref(), &SystemClock)
+    let info = harness::moves::tree::collect_garbage(store, &SystemClock)
         .await
         .context("collecting unreferenced blobs")?;
     println!(

@@ -142,7 +142,9 @@ async fn a_claude_session_moves_from_local_to_a_new_docker_session_and_continues
     .await
     .expect_ok("checkpoint");
     let key = checkpoint_key(&ran.stdout);
-    assert_eq!(key, format!("sessions/{a}/turn-1"), "{}", ran.stdout);
+    // On S3 checkpoints are encrypted by default: the key names the
+    // session's lineage (docs/checkpoint-encryption.md).
+    assert_eq!(key, format!("lineages/{a}/sessions/{a}/turn-1"), "{}", ran.stdout);
     let listed = harness(home, &model, &with(&["ls", "--prefix", &key], &store))
         .await
         .expect_ok("ls");
@@ -404,7 +406,7 @@ async fn sessions_show_tree_only_moves_and_clear_errors() {
     let tree_key = checkpoint_key(&ran.stdout);
     assert_eq!(
         tree_key,
-        format!("sessions/{a}/turn-1.tar.zst"),
+        format!("lineages/{a}/sessions/{a}/turn-1.tar.zst"),
         "{}",
         ran.stdout
     );
@@ -470,7 +472,7 @@ async fn sessions_show_tree_only_moves_and_clear_errors() {
     let first_tree = checkpoint_key(&ran.stdout);
     assert_eq!(
         first_tree,
-        format!("sessions/{a}/turn-1.tree"),
+        format!("lineages/{a}/sessions/{a}/turn-1.tree"),
         "{}",
         ran.stdout
     );
@@ -675,7 +677,7 @@ async fn sessions_show_tree_only_moves_and_clear_errors() {
         [
             (tree_key.clone(), "tree".to_string()),
             (first_tree.clone(), "tree".to_string()),
-            (second_tree.clone(), "tree".to_string()),
+            (format!("lineages/{a}/{second_tree}"), "tree".to_string()),
             (key.clone(), "session".to_string())
         ],
         "{shown:#}"

@@ -49,21 +49,25 @@ pub trait TurnCheckpoints: MaybeSend + MaybeSync + std::fmt::Debug {
 /// . -`) written as `_xx` escapes so every turn id maps to one
 /// valid key.
 pub fn turn_checkpoint_key(session_id: &str, turn_id: &str) -> String {
-    fn segment(s: &str) -> String {
-        let mut out = String::with_capacity(s.len());
-        for b in s.bytes() {
-            if b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-') {
-                out.push(b as char);
-            } else {
-                out.push_str(&format!("_{b:02x}"));
-            }
+    format!("turns/{}/{}", key_segment(session_id), key_segment(turn_id))
+}
+
+/// `s` as one checkpoint-key segment: bytes outside `A-Z a-z 0-9 . -`
+/// written as `_xx` escapes (`.` and `..` too), so distinct strings map to
+/// distinct segments.
+pub fn key_segment(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("_{b:02x}"));
         }
-        if out == "." || out == ".." {
-            out = out.replace('.', "_2e");
-        }
-        out
     }
-    format!("turns/{}/{}", segment(session_id), segment(turn_id))
+    if out == "." || out == ".." {
+        out = out.replace('.', "_2e");
+    }
+    out
 }
 
 /// Which paths of a tree a checkpoint leaves out: a subset of `.gitignore`

@@ -29,3 +29,6 @@ pub mod turns;
 pub mod zstd_rust;
 
 pub use archive::*;
+
+/// Encrypted checkpoints: a key per fork lineage (`lineages/<L>/…`).
+pub use checkpoint_crypt as crypt;

@@ -8,6 +8,14 @@
 //! turns/<session>/<turn>/state.tar.zst  the agent's state dirs, relative to $HOME
 //! turns/<session>/<turn>/turn.json   a TurnManifest: present = complete
 //! ```
+//!
+//! With a deployment key ([`StoreTurnCheckpoints::with_encryption`]) the
+//! same layout lives in the session's fork lineage, encrypted
+//! (`checkpoint-crypt`), and the key a turn records names it:
+//! `lineages/<lineage>/turns/<session>/<turn>`. The lineage is the one the
+//! session's previous checkpoint lives in (a fork's first turn: its
+//! parent's), else the session's own id, so a fork reads and extends its
+//! parent's content.
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
@@ -19,7 +27,8 @@ use harness_core::harness::Harness;
 use harness_core::sandbox::Sandbox;
 use harness_core::slice::home_of;
 use harness_core::turn::TurnState;
-use harness_core::turn_checkpoint::{turn_checkpoint_key, PathRules, TurnCheckpoints};
+use harness_core::turn_checkpoint::{key_segment, turn_checkpoint_key, PathRules, TurnCheckpoints};
+use checkpoint_crypt::{split_lineage, DeploymentKey, Lineages};
 use harness_core::{Error, ErrorKind, Result};
 use serde::{Deserialize, Serialize};
 
@@ -126,14 +135,15 @@ async fn path_rules(sandbox: &dyn Sandbox, state: &TurnState) -> Result<PathRule
 /// Turn-end checkpoints in a [`CheckpointStore`].
 #[derive(Clone)]
 pub struct StoreTurnCheckpoints {
-    store: Arc<dyn CheckpointStore>,
+    lineages: Lineages,
     clock: Arc<dyn Clock>,
 }
 
 impl std::fmt::Debug for StoreTurnCheckpoints {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StoreTurnCheckpoints")
-            .field("store", &self.store)
+            .field("store", self.lineages.raw())
+            .field("encrypts", &self.lineages.encrypts())
             .finish_non_exhaustive()
     }
 }
@@ -142,12 +152,22 @@ impl StoreTurnCheckpoints {
     /// Checkpoints in `store`, timed by `clock` (the tree checkpoint's
     /// locks and racy-file rule).
     pub fn new(store: Arc<dyn CheckpointStore>, clock: Arc<dyn Clock>) -> Self {
-        Self { store, clock }
+        Self {
+            lineages: Lineages::new(store, None),
+            clock,
+        }
     }
 
-    /// The store.
+    /// New checkpoints encrypted under `key`'s lineage keys (and
+    /// encrypted ones readable).
+    pub fn with_encryption(mut self, key: DeploymentKey) -> Self {
+        self.lineages = Lineages::new(self.lineages.raw().clone(), Some(key));
+        self
+    }
+
+    /// The store, as it holds objects.
     pub fn store(&self) -> &Arc<dyn CheckpointStore> {
-        &self.store
+        self.lineages.raw()
     }
 }
 
@@ -160,17 +180,35 @@ impl TurnCheckpoints for StoreTurnCheckpoints {
         harness: &dyn Harness,
         state: &TurnState,
     ) -> Result<String> {
-        let store = self.store.as_ref();
+        let lineage = match state.checkpoint.as_deref().and_then(split_lineage) {
+            Some((lineage, _)) => lineage.to_string(),
+            None => key_segment(&state.session_id),
+        };
+        let (store, prefix) = self.lineages.for_new(&lineage)?;
+        let store = store.as_ref();
         let base = turn_checkpoint_key(&state.session_id, &state.turn_id);
+        let recorded = format!("{prefix}{base}");
         let (tree_key, state_key, manifest_key) = keys(&base);
         // The previous turn's tree is the parent: only what changed since is
-        // read. A parent that is gone (collected) means a full read.
+        // read. A parent that is gone (collected), or in another space (a
+        // plain checkpoint from before encryption was turned on), means a
+        // full read.
         let parent = match &state.checkpoint {
-            Some(previous) if *previous != base => {
-                match read_turn_manifest(store, previous).await {
-                    Ok(m) => Some(m.tree),
-                    Err(e) if e.kind() == ErrorKind::NotFound => None,
-                    Err(e) => return Err(e),
+            Some(previous) if *previous != recorded => {
+                let within = match previous.strip_prefix(&prefix) {
+                    Some(rest) if !prefix.is_empty() => Some(rest),
+                    _ if prefix.is_empty() && split_lineage(previous).is_none() => {
+                        Some(previous.as_str())
+                    }
+                    _ => None,
+                };
+                match within {
+                    Some(previous) => match read_turn_manifest(store, previous).await {
+                        Ok(m) => Some(m.tree),
+                        Err(e) if e.kind() == ErrorKind::NotFound => None,
+                        Err(e) => return Err(e),
+                    },
+                    None => None,
                 }
             }
             _ => None,
@@ -209,11 +247,12 @@ impl TurnCheckpoints for StoreTurnCheckpoints {
                 harness_core::stream::once(serde_json::to_vec_pretty(&manifest)?),
             )
             .await?;
-        Ok(base)
+        Ok(recorded)
     }
 
     async fn restore(&self, key: &str, sandbox: &dyn Sandbox, harness: &dyn Harness) -> Result<()> {
-        let store = self.store.as_ref();
+        let (store, key) = self.lineages.resolve(key)?;
+        let (store, key) = (store.as_ref(), key.as_str());
         let manifest = read_turn_manifest(store, key).await?;
         if manifest.agent != harness.name() {
             return Err(Error::invalid(format!(

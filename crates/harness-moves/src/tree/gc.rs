@@ -126,7 +126,8 @@ async fn collect_locked(store: &dyn CheckpointStore) -> Result<GcInfo> {
     // Keys alone: a store whose listing carries no hashes would otherwise
     // be asked for each blob's.
     for key in store.list_keys("").await? {
-        if [BLOB_PREFIX, LOCK_PREFIX, PACK_PREFIX]
+        // Encrypted lineages are collected each through its own view.
+        if [BLOB_PREFIX, LOCK_PREFIX, PACK_PREFIX, checkpoint_crypt::LINEAGES]
             .iter()
             .any(|p| key.starts_with(p))
         {

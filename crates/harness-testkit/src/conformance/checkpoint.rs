@@ -49,6 +49,58 @@ impl StoreUnderTest {
     }
 }
 
+/// The tamper hook for a store that seals what it stores (`view`, e.g. an
+/// encrypting store) over another (`raw`): the change the suite asks for
+/// is made to the sealed bytes, which are put back through `raw` as a
+/// whole, consistent object (a store that serves other bytes, not a disk
+/// the raw store would catch). Same length: one byte flipped at the
+/// changed offset plus `header` (so never in a header of that size);
+/// shorter or longer: the sealed bytes cut or extended by as much; the
+/// original content: the original sealed bytes. So it is `view`'s own
+/// check that must catch every case.
+pub fn sealed_tamper(
+    raw: Arc<dyn CheckpointStore>,
+    view: Arc<dyn CheckpointStore>,
+    header: usize,
+) -> Tamper {
+    let originals: Arc<std::sync::Mutex<BTreeMap<String, (Bytes, Bytes)>>> = Arc::default();
+    Arc::new(move |key: String, bytes: Bytes| {
+        let (raw, view, originals) = (raw.clone(), view.clone(), originals.clone());
+        Box::pin(async move {
+            let known = originals.lock().expect("originals").get(&key).cloned();
+            let (plain, sealed) = match known {
+                Some(o) => o,
+                None => {
+                    let plain = stream::collect(view.get(&key).await?, usize::MAX).await?;
+                    let sealed = stream::collect(raw.get(&key).await?, usize::MAX).await?;
+                    let o = (plain, sealed);
+                    originals.lock().expect("originals").insert(key.clone(), o.clone());
+                    o
+                }
+            };
+            let out = if bytes == plain {
+                sealed
+            } else if bytes.is_empty() {
+                Bytes::new()
+            } else if bytes.len() == plain.len() {
+                let at = bytes.iter().zip(plain.iter()).position(|(a, b)| a != b).unwrap_or(0);
+                let mut changed = sealed.to_vec();
+                let at = (at + header).min(changed.len() - 1);
+                changed[at] ^= 0x01;
+                Bytes::from(changed)
+            } else if bytes.len() < plain.len() {
+                sealed.slice(..sealed.len().saturating_sub(plain.len() - bytes.len()))
+            } else {
+                let mut longer = sealed.to_vec();
+                longer.extend_from_slice(&bytes[plain.len()..]);
+                Bytes::from(longer)
+            };
+            raw.put(&key, stream::once(out)).await?;
+            Ok(())
+        })
+    })
+}
+
 /// Deterministic pseudo-random content of `len` bytes, produced in chunks
 /// of `chunk` bytes as a stream, never held whole.
 pub fn generated(len: u64, chunk: usize, seed: u64) -> ByteStream {
