@@ -51,7 +51,12 @@ pub const TEST_ONLY: &[&str] = &["harness-testkit", "harness-agent-e2e"];
 /// Crates that must stay free of an async runtime (they build for wasm32
 /// and are shared with the Worker). Their `native`-style features may add
 /// one: only default-feature dependencies count.
-pub const RUNTIME_FREE: &[&str] = &["harness-core", "session-api", "durable-streams", "checkpoint-crypt"];
+pub const RUNTIME_FREE: &[&str] = &[
+    "harness-core",
+    "session-api",
+    "durable-streams",
+    "checkpoint-crypt",
+];
 
 /// Calls the kernel's sources must not make: files, sockets, processes,
 /// threads, the wall clock, a runtime.

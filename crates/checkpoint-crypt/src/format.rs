@@ -210,12 +210,27 @@ mod tests {
 
     #[test]
     fn sizes_round_trip_and_impossible_sizes_are_corrupt() {
-        for content in [0, 1, 16, 17, SEGMENT - 1, SEGMENT, SEGMENT + 1, 3 * SEGMENT, 300_017] {
+        for content in [
+            0,
+            1,
+            16,
+            17,
+            SEGMENT - 1,
+            SEGMENT,
+            SEGMENT + 1,
+            3 * SEGMENT,
+            300_017,
+        ] {
             let stored = sealed_size(content);
             assert_eq!(content_size("k", stored).unwrap(), content, "{content}");
         }
         // A data remainder of 1..=16 bytes is a tag without content.
-        for stored in [0, HEADER + TRAILER - 1, HEADER + TRAILER + 1, HEADER + TRAILER + TAG] {
+        for stored in [
+            0,
+            HEADER + TRAILER - 1,
+            HEADER + TRAILER + 1,
+            HEADER + TRAILER + TAG,
+        ] {
             assert!(content_size("k", stored).is_err(), "{stored}");
         }
     }

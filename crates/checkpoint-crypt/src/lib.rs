@@ -207,10 +207,15 @@ impl Lineages {
 /// `lineages/<lineage>/`, for a lineage that is one valid key segment.
 pub fn lineage_prefix(lineage: &str) -> Result<String> {
     let prefix = format!("{LINEAGES}{lineage}/");
-    harness_core::checkpoint::validate_key(prefix.trim_end_matches('/'))
-        .map_err(|_| Error::invalid(format!("{lineage:?} cannot name a lineage: use one key segment (A-Z a-z 0-9 . _ -)")))?;
+    harness_core::checkpoint::validate_key(prefix.trim_end_matches('/')).map_err(|_| {
+        Error::invalid(format!(
+            "{lineage:?} cannot name a lineage: use one key segment (A-Z a-z 0-9 . _ -)"
+        ))
+    })?;
     if lineage.contains('/') {
-        return Err(Error::invalid(format!("{lineage:?} cannot name a lineage: it holds a '/'")));
+        return Err(Error::invalid(format!(
+            "{lineage:?} cannot name a lineage: it holds a '/'"
+        )));
     }
     Ok(prefix)
 }
@@ -241,8 +246,16 @@ mod tests {
         let short = DeploymentKey::from_hex("abcd").unwrap_err().to_string();
         assert!(short.contains("not 2"), "{short}");
         let key = DeploymentKey::from_secret(&[3; 40]).unwrap();
-        assert_eq!(DeploymentKey::from_hex(&key.to_hex()).unwrap().lineage("x").id, key.lineage("x").id);
-        let bad = DeploymentKey::from_hex(&"zz".repeat(32)).unwrap_err().to_string();
+        assert_eq!(
+            DeploymentKey::from_hex(&key.to_hex())
+                .unwrap()
+                .lineage("x")
+                .id,
+            key.lineage("x").id
+        );
+        let bad = DeploymentKey::from_hex(&"zz".repeat(32))
+            .unwrap_err()
+            .to_string();
         assert!(bad.contains("hex"), "{bad}");
     }
 

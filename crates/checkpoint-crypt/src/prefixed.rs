@@ -38,7 +38,12 @@ impl PrefixedStore {
     fn strip_key(&self, key: String) -> Result<String> {
         key.strip_prefix(&self.prefix)
             .map(str::to_string)
-            .ok_or_else(|| Error::backend(format!("the store listed {key:?} outside {:?}", self.prefix)))
+            .ok_or_else(|| {
+                Error::backend(format!(
+                    "the store listed {key:?} outside {:?}",
+                    self.prefix
+                ))
+            })
     }
 
     fn full_prefix(&self, prefix: &str) -> Result<String> {

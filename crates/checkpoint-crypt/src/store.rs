@@ -6,7 +6,9 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
-use harness_core::checkpoint::{check_range, validate_key, CheckpointStore, ObjectMeta, PartCutter};
+use harness_core::checkpoint::{
+    check_range, validate_key, CheckpointStore, ObjectMeta, PartCutter,
+};
 use harness_core::stream::ByteStream;
 use harness_core::{Error, Result};
 use sha2::{Digest, Sha256};
@@ -216,7 +218,8 @@ impl CheckpointStore for EncryptedStore {
     }
 
     async fn head(&self, key: &str) -> Result<ObjectMeta> {
-        self.consistent(key, |stored| self.content_meta(stored)).await
+        self.consistent(key, |stored| self.content_meta(stored))
+            .await
     }
 
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>> {
@@ -372,7 +375,10 @@ impl Opening {
         if data > 0 {
             let segment = self.buf.split_to(data as usize);
             let index = self.index;
-            let Some(plain) = self.store.key.open(&header, key, index32(index)?, false, &segment)
+            let Some(plain) = self
+                .store
+                .key
+                .open(&header, key, index32(index)?, false, &segment)
             else {
                 return Err(damaged(key, &format!("segment {index}")));
             };
@@ -381,10 +387,10 @@ impl Opening {
             return Ok(Some(Bytes::from(plain)));
         }
         let trailer = self.buf.split_to(TRAILER as usize);
-        let Some(recorded) = self
-            .store
-            .key
-            .open(&header, key, index32(self.index)?, true, &trailer)
+        let Some(recorded) =
+            self.store
+                .key
+                .open(&header, key, index32(self.index)?, true, &trailer)
         else {
             return Err(damaged(key, "its trailer"));
         };

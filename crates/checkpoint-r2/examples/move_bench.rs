@@ -417,7 +417,10 @@ fn s3_server_cpu_secs() -> Option<f64> {
 }
 
 fn run_child(store_kind: &str, src: &Path, scratch: &Path) -> Row {
-    let server_before = store_kind.starts_with("s3").then(s3_server_cpu_secs).flatten();
+    let server_before = store_kind
+        .starts_with("s3")
+        .then(s3_server_cpu_secs)
+        .flatten();
     let out = Command::new(std::env::current_exe().unwrap())
         .args(["--child", store_kind])
         .arg(src)

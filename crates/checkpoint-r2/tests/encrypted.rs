@@ -32,7 +32,10 @@ async fn encrypted_store_over_s3_passes_the_checkpoint_conformance_suite() {
             let key = DeploymentKey::from_secret(&[5; 32]).unwrap();
             let view: Arc<dyn CheckpointStore> =
                 Arc::new(EncryptedStore::new(raw.clone(), key.lineage("suite")));
-            StoreUnderTest::new(view.clone(), sealed_tamper(raw, view, format::HEADER as usize))
+            StoreUnderTest::new(
+                view.clone(),
+                sealed_tamper(raw, view, format::HEADER as usize),
+            )
         }
     })
     .await
@@ -105,7 +108,10 @@ async fn an_encrypted_turn_checkpoint_leaves_no_content_in_s3_and_another_key_re
         .unwrap();
     assert_eq!(plain_key, "turns/enc-s1/t1");
     let seen = marker_in_store(&plain_store).await;
-    assert!(seen.len() >= 2, "the control store shows the marker in only {seen:?}");
+    assert!(
+        seen.len() >= 2,
+        "the control store shows the marker in only {seen:?}"
+    );
 
     let store = common::store(&ep, "sealed-turns").await;
     let key_a = DeploymentKey::from_secret(&[0xa; 32]).unwrap();
@@ -128,7 +134,11 @@ async fn an_encrypted_turn_checkpoint_leaves_no_content_in_s3_and_another_key_re
     sh(source.as_ref(), "echo changed > src/other.rs").await;
     let before = raw.len();
     let fork_key = sealed
-        .checkpoint(source.as_ref(), &ScriptHarness, &turn("enc-fork", 1, Some(key.clone())))
+        .checkpoint(
+            source.as_ref(),
+            &ScriptHarness,
+            &turn("enc-fork", 1, Some(key.clone())),
+        )
         .await
         .unwrap();
     assert_eq!(fork_key, "lineages/enc-s1/turns/enc-fork/t1");
@@ -153,14 +163,33 @@ async fn an_encrypted_turn_checkpoint_leaves_no_content_in_s3_and_another_key_re
         .expect_err("another key restored");
     assert_eq!(e.kind(), ErrorKind::Unauthorized, "{e}");
     assert!(e.to_string().contains("another key"), "{e}");
-    let listed = sh(target.as_ref(), &format!("find {} -mindepth 1 | wc -l", target.workdir())).await;
-    assert_eq!(listed.trim(), "0", "a refused restore wrote into the sandbox");
+    let listed = sh(
+        target.as_ref(),
+        &format!("find {} -mindepth 1 | wc -l", target.workdir()),
+    )
+    .await;
+    assert_eq!(
+        listed.trim(),
+        "0",
+        "a refused restore wrote into the sandbox"
+    );
 
     // The right key restores the tree, byte for byte.
-    sealed.restore(&key, target.as_ref(), &ScriptHarness).await.unwrap();
+    sealed
+        .restore(&key, target.as_ref(), &ScriptHarness)
+        .await
+        .unwrap();
     let sum = |s: Box<dyn Sandbox>| async move {
-        sh(s.as_ref(), &format!("cd {} && sha256sum big.bin src/small.txt", s.workdir())).await
+        sh(
+            s.as_ref(),
+            &format!("cd {} && sha256sum big.bin src/small.txt", s.workdir()),
+        )
+        .await
     };
-    let source_sums = sh(source.as_ref(), &format!("cd {} && sha256sum big.bin src/small.txt", source.workdir())).await;
+    let source_sums = sh(
+        source.as_ref(),
+        &format!("cd {} && sha256sum big.bin src/small.txt", source.workdir()),
+    )
+    .await;
     assert_eq!(sum(target).await, source_sums);
 }

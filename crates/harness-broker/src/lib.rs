@@ -45,6 +45,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
+use harness_core::audit::AuditRecord;
 use harness_core::broker::{ModelBroker, Reach};
 use harness_core::sandbox::{HostForward, NetworkPolicy, EGRESS_PROXY_PORT, MODEL_BROKER_PORT};
 use harness_core::turn::{Budget, ModelUsage};
@@ -185,6 +186,9 @@ struct Inner {
     client: reqwest::Client,
     /// Serialises usage updates (read, add, write) in this process.
     usage_lock: Mutex<()>,
+    /// The last index of each session's audit journal written by this
+    /// process.
+    journal_counts: Mutex<std::collections::HashMap<String, u64>>,
     serving: tokio::sync::Mutex<Option<Serving>>,
 }
 
@@ -237,7 +241,7 @@ impl Broker {
     fn open(config: BrokerConfig, spawn: Option<SpawnServer>) -> Result<Broker> {
         let dir = config.dir.clone();
         for sub in [
-            "", "sessions", "usage", "active", "policies", "egress", "budgets",
+            "", "sessions", "usage", "active", "policies", "egress", "budgets", "calls",
         ] {
             std::fs::create_dir_all(dir.join(sub))
                 .map_err(|e| crate::ctx(e, format!("creating {}", dir.join(sub).display())))?;
@@ -247,7 +251,7 @@ impl Broker {
         // unprivileged) user, hence the search bit for all on the path to it.
         set_mode(&dir, 0o711)?;
         set_mode(&dir.join("sessions"), 0o711)?;
-        for private in ["usage", "active", "policies", "budgets"] {
+        for private in ["usage", "active", "policies", "budgets", "calls"] {
             set_mode(&dir.join(private), 0o700)?;
         }
         set_mode(&dir.join("egress"), 0o711)?;
@@ -268,6 +272,7 @@ impl Broker {
                 openai: config.openai,
                 client,
                 usage_lock: Mutex::new(()),
+                journal_counts: Mutex::default(),
                 serving: tokio::sync::Mutex::new(None),
             }),
         };
@@ -617,6 +622,46 @@ impl ModelBroker for Broker {
     async fn usage(&self, session_id: &str) -> Result<Option<ModelUsage>> {
         Ok(Some(self.usage(session_id)?.model_usage()))
     }
+
+    async fn model_calls(&self, session_id: &str) -> Result<Vec<AuditRecord>> {
+        let id = SessionId::parse(session_id)?;
+        let (journal, ack) = calls_paths(&self.inner.dir, id.as_str());
+        let acknowledged: u64 = std::fs::read_to_string(&ack)
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+            .unwrap_or(0);
+        let text = match std::fs::read_to_string(&journal) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(crate::ctx(e, format!("reading {}", journal.display()))),
+        };
+        // A line cut by a crash mid-append is skipped: the call's usage is
+        // in the session's totals either way.
+        Ok(text
+            .lines()
+            .filter_map(|l| serde_json::from_str::<AuditRecord>(l).ok())
+            .filter(|r| {
+                harness_core::audit::AuditLog::journal_index(r).is_some_and(|i| i > acknowledged)
+            })
+            .collect())
+    }
+
+    async fn model_calls_recorded(&self, session_id: &str, upto: u64) -> Result<()> {
+        let id = SessionId::parse(session_id)?;
+        let (_, ack) = calls_paths(&self.inner.dir, id.as_str());
+        write_atomic(&ack, upto.to_string().as_bytes())
+    }
+}
+
+/// The session's journal of brokered calls (`calls/<session>.jsonl`, one
+/// [`AuditRecord::ModelCall`] a line) and the index up to which they are in
+/// its log (`calls/<session>.ack`).
+fn calls_paths(dir: &Path, session_id: &str) -> (PathBuf, PathBuf) {
+    let calls = dir.join("calls");
+    (
+        calls.join(format!("{session_id}.jsonl")),
+        calls.join(format!("{session_id}.ack")),
+    )
 }
 
 fn budget_path(dir: &Path, session_id: &str) -> PathBuf {
@@ -653,11 +698,57 @@ impl Inner {
         self.dir.join("active").join(session_id).exists()
     }
 
-    /// Add one exchange to the session's record (read, add, write, atomic).
-    fn record(&self, session_id: &str, add: &Usage) {
+    /// Append a record to the session's audit journal
+    /// (`calls/<session>.jsonl`), numbered in order: model calls and egress
+    /// decisions alike, as this process (the one serving the session's
+    /// sockets) makes them.
+    pub(crate) fn journal(&self, session_id: &str, record: impl FnOnce(u64) -> AuditRecord) {
+        use std::io::Write;
+        let (journal, _) = calls_paths(&self.dir, session_id);
+        let mut counts = self
+            .journal_counts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let next = counts.entry(session_id.to_string()).or_insert_with(|| {
+            // Numbering goes on from what the file holds (a restarted
+            // broker).
+            std::fs::read_to_string(&journal)
+                .map(|t| t.lines().count() as u64)
+                .unwrap_or(0)
+        });
+        *next += 1;
+        let appended = serde_json::to_string(&record(*next))
+            .map_err(Error::from)
+            .and_then(|mut line| {
+                line.push('\n');
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&journal)
+                    .and_then(|mut f| f.write_all(line.as_bytes()))
+                    .map_err(|e| crate::ctx(e, format!("appending to {}", journal.display())))
+            });
+        if let Err(e) = appended {
+            tracing::warn!(error = %e, session.id = session_id, "could not journal an audit record");
+        }
+    }
+
+    /// Add one exchange to the session's record (read, add, write, atomic)
+    /// and, with `call` (its model and status), to its audit journal.
+    fn record(&self, session_id: &str, add: &Usage, call: Option<(Option<String>, u16)>) {
         let _guard = self.usage_lock.lock().unwrap_or_else(|e| e.into_inner());
         let mut usage = read_usage(&self.dir, session_id).unwrap_or_default();
         usage.add(add);
+        if let Some((model, status)) = call {
+            self.journal(session_id, |index| AuditRecord::ModelCall {
+                index,
+                model,
+                status,
+                input_tokens: add.input_tokens,
+                output_tokens: add.output_tokens,
+                spend_micros: (add.unpriced_requests == 0).then_some(add.spend_micros),
+            });
+        }
         let path = self.dir.join("usage").join(format!("{session_id}.json"));
         if let Err(e) = write_atomic(
             &path,

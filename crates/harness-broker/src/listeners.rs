@@ -17,9 +17,10 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use harness_core::audit::AuditRecord;
 use harness_core::sandbox::NetworkPolicy;
 use harness_core::{Error, Result};
-use harness_egress::{EgressPolicy, EgressProxy};
+use harness_egress::{EgressPolicy, EgressProxy, Outcome};
 
 use crate::Inner;
 
@@ -134,7 +135,7 @@ impl SessionListeners {
             if self.egress.contains_key(&session) {
                 continue;
             }
-            match serve_egress(dir, &session, &network) {
+            match serve_egress(inner, &session, &network) {
                 Ok(task) => {
                     self.egress.insert(session, (network, task));
                 }
@@ -172,14 +173,32 @@ fn serve_model(inner: &Arc<Inner>, session_id: &str) -> Result<tokio::task::Join
 }
 
 fn serve_egress(
-    dir: &Path,
+    inner: &Arc<Inner>,
     session_id: &str,
     network: &NetworkPolicy,
 ) -> Result<tokio::task::JoinHandle<()>> {
     let policy = EgressPolicy::from_network(network)?;
-    let sock_dir = dir.join("egress").join(session_id);
+    let sock_dir = inner.dir.join("egress").join(session_id);
     std::fs::create_dir_all(&sock_dir).map_err(Error::from)?;
     let listener = bind(&sock_dir.join("proxy.sock"))?;
     tracing::info!(session.id = session_id, "egress proxy serving");
-    Ok(EgressProxy::new(policy).serve_unix(listener))
+    // Every decision goes to the session's audit journal as it is made.
+    let (journal_inner, session) = (inner.clone(), session_id.to_string());
+    let journal: harness_egress::Journal = Arc::new(move |outcome: &Outcome| {
+        let (target, decision, reason) = match outcome {
+            Outcome::Allowed { target, reason, .. } => (target.clone(), "allowed", reason.clone()),
+            Outcome::Refused { target, reason } => (target.clone(), "refused", reason.clone()),
+            Outcome::Failed { reason, .. } => (String::new(), "failed", reason.clone()),
+            _ => return,
+        };
+        journal_inner.journal(&session, |index| AuditRecord::Egress {
+            index,
+            target,
+            decision: decision.into(),
+            reason,
+        });
+    });
+    Ok(EgressProxy::new(policy)
+        .with_journal(journal)
+        .serve_unix(listener))
 }

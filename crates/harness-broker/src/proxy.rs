@@ -125,13 +125,14 @@ async fn forward(
             "unknown provider in the path: use /anthropic/ or /openai/",
         );
     };
-    let refused = |status, kind, message: &str| {
+    let refused = |status: StatusCode, kind, message: &str| {
         inner.record(
             &session,
             &Usage {
                 refused: 1,
                 ..Usage::default()
             },
+            Some((None, status.as_u16())),
         );
         tracing::warn!(session.id = %session, status = %status, "{message}");
         refuse(status, kind, message)
@@ -274,6 +275,7 @@ async fn forward(
     let tap = UsageTap {
         inner: inner.clone(),
         session,
+        status: answer.status().as_u16(),
         model,
         prices,
         stream: answer.bytes_stream().boxed(),
@@ -309,6 +311,8 @@ struct UsageTap {
     session: String,
     /// The model the request named, and the prices to cost it with.
     model: Option<String>,
+    /// The upstream's answer status.
+    status: u16,
     prices: PriceTable,
     stream: futures::stream::BoxStream<'static, reqwest::Result<Bytes>>,
     scanner: Option<UsageScanner>,
@@ -345,6 +349,10 @@ impl Drop for UsageTap {
                 None => self.usage.unpriced_requests = 1,
             }
         }
-        self.inner.record(&self.session, &self.usage);
+        self.inner.record(
+            &self.session,
+            &self.usage,
+            Some((self.model.clone(), self.status)),
+        );
     }
 }

@@ -76,7 +76,12 @@ pub struct StoreArgs {
     /// $HARNESS_CHECKPOINT_KEY, else the home's `checkpoint.key`): `auto`
     /// encrypts for S3/R2 stores and not for a directory on this machine.
     /// Encrypted checkpoints are read whatever this says, given the key.
-    #[arg(long, env = "HARNESS_CHECKPOINT_ENCRYPTION", value_enum, default_value = "auto")]
+    #[arg(
+        long,
+        env = "HARNESS_CHECKPOINT_ENCRYPTION",
+        value_enum,
+        default_value = "auto"
+    )]
     encryption: Encryption,
 }
 
@@ -531,9 +536,11 @@ pub async fn checkpoint(home: &Home, args: CheckpointArgs) -> Result<()> {
             // The parent as printed names the lineage; the tree checkpoint
             // reads it within the lineage's view.
             let parent = match args.parent.as_deref() {
-                Some(p) if !prefix.is_empty() => Some(p.strip_prefix(prefix.as_str()).with_context(|| {
-                    format!("--parent {p} is not in this session's lineage ({prefix}…)")
-                })?),
+                Some(p) if !prefix.is_empty() => {
+                    Some(p.strip_prefix(prefix.as_str()).with_context(|| {
+                        format!("--parent {p} is not in this session's lineage ({prefix}…)")
+                    })?)
+                }
                 other => other,
             };
             let step = bars.step(format!(
@@ -760,9 +767,7 @@ pub async fn restore(home: &Home, args: RestoreArgs) -> Result<()> {
             step.finish_and_clear();
             let sandbox = created.with_context(|| format!("creating a {} sandbox", kind.name()))?;
             let restored =
-                match restore_into(store.as_ref(), &key, sandbox.as_ref(), &harness, &bars)
-                    .await
-                {
+                match restore_into(store.as_ref(), &key, sandbox.as_ref(), &harness, &bars).await {
                     Ok(restored) => restored,
                     Err(e) => {
                         let _ = sandbox.destroy().await;
@@ -974,7 +979,9 @@ pub async fn gc(home: &Home, args: GcArgs) -> Result<()> {
         let referenced: std::collections::HashSet<String> = referenced
             .iter()
             .filter_map(|k| match prefix.as_str() {
-                "" => harness::moves::crypt::split_lineage(k).is_none().then(|| k.clone()),
+                "" => harness::moves::crypt::split_lineage(k)
+                    .is_none()
+                    .then(|| k.clone()),
                 p => k.strip_prefix(p).map(str::to_string),
             })
             .collect();

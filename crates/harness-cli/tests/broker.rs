@@ -449,6 +449,72 @@ async fn through_the_broker(agent: Agent, backend: Backend, sealed: bool) {
         "{usage}"
     );
     assert!(usage["outputTokens"].as_u64().unwrap_or(0) > 0, "{usage}");
+
+    // The audit trail in the session's log: the agent's launch and the
+    // commands the harness ran, and one record per brokered call that adds
+    // up to the broker's count (docs/audit.md).
+    let frames = export(&serve, &id).await;
+    let records: Vec<&Value> = frames
+        .iter()
+        .filter(|f| f["body"]["part"]["type"] == "audit")
+        .map(|f| &f["body"]["part"]["record"])
+        .collect();
+    let launched = records.iter().any(|r| {
+        r["kind"] == "exec"
+            && r["detached"] == true
+            && r["argv"].as_array().is_some_and(|a| {
+                a.iter().any(|x| {
+                    x.as_str()
+                        .is_some_and(|x| x.contains(agent.name().split('-').next().unwrap_or("")))
+                })
+            })
+    });
+    assert!(
+        launched,
+        "no audit record of the agent's launch: {records:#?}"
+    );
+    assert!(
+        records
+            .iter()
+            .any(|r| r["kind"] == "exec" && r["exitCode"] == 0),
+        "no audited exec with its exit code: {records:#?}"
+    );
+    let calls: Vec<&&Value> = records
+        .iter()
+        .filter(|r| r["kind"] == "model-call")
+        .collect();
+    let forwarded: Vec<&&&Value> = calls.iter().filter(|c| c["status"] == 200).collect();
+    assert_eq!(forwarded.len(), model_requests.len(), "{records:#?}");
+    let input: u64 = forwarded
+        .iter()
+        .map(|c| c["inputTokens"].as_u64().unwrap_or(0))
+        .sum();
+    assert_eq!(
+        Some(input),
+        usage["inputTokens"].as_u64(),
+        "{records:#?}\n{usage}"
+    );
+    // The probe's try with another session's token is on record, refused.
+    let refused: Vec<&&Value> = calls
+        .iter()
+        .copied()
+        .filter(|c| c["status"] == 401)
+        .collect();
+    assert_eq!(refused.len(), 1, "{records:#?}");
+    assert_eq!(refused[0]["inputTokens"], 0, "{records:#?}");
+    // Numbered once each, in order.
+    let indexes: Vec<u64> = calls.iter().filter_map(|c| c["index"].as_u64()).collect();
+    assert_eq!(
+        indexes,
+        (1..=calls.len() as u64).collect::<Vec<_>>(),
+        "{records:#?}"
+    );
+    // No record carries a secret: env values are never recorded.
+    let text = serde_json::to_string(&records).unwrap();
+    assert!(
+        !text.contains("hsb1_") && !text.contains(REAL_ANTHROPIC_KEY),
+        "{text}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -559,7 +625,7 @@ async fn custom_policy_through_the_egress_proxy(backend: Backend) {
             "allowed_ports": [allowed.port()],
         },
     });
-    let Probed { report, .. } = run_probe(
+    let Probed { report, id, .. } = run_probe(
         &serve,
         &model,
         body,
@@ -592,6 +658,28 @@ async fn custom_policy_through_the_egress_proxy(backend: Backend) {
         refused_hits.load(Ordering::SeqCst),
         0,
         "the refused server was dialled"
+    );
+    // Both decisions are in the session's audit trail, with their rule.
+    let frames = export(&serve, &id).await;
+    let egress: Vec<&Value> = frames
+        .iter()
+        .map(|f| &f["body"]["part"]["record"])
+        .filter(|r| r["kind"] == "egress")
+        .collect();
+    let decided = |target: String, decision: &str| {
+        egress.iter().any(|r| {
+            r["target"] == target.as_str()
+                && r["decision"] == decision
+                && r["reason"].as_str().is_some_and(|w| !w.is_empty())
+        })
+    };
+    assert!(
+        decided(format!("127.0.0.1:{}", allowed.port()), "allowed"),
+        "{egress:#?}"
+    );
+    assert!(
+        decided(format!("127.0.0.1:{}", refused.port()), "refused"),
+        "{egress:#?}"
     );
 }
 

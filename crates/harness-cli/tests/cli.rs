@@ -578,7 +578,11 @@ fn move_a_tree_between_sessions(home: &Path, store: &[String], elsewhere: &[Stri
         .map(|k| k.trim_end_matches(':').to_string())
         .unwrap_or_default();
     let encrypted = store.iter().any(|f| f == "--endpoint");
-    let expected = if encrypted { format!("lineages/{a}/{key}") } else { key.clone() };
+    let expected = if encrypted {
+        format!("lineages/{a}/{key}")
+    } else {
+        key.clone()
+    };
     assert_eq!(printed, expected, "{stdout}");
     let key = printed;
     let (out, stdout, _) = run(harness(home).arg("ls").args(store));

@@ -144,7 +144,12 @@ async fn a_claude_session_moves_from_local_to_a_new_docker_session_and_continues
     let key = checkpoint_key(&ran.stdout);
     // On S3 checkpoints are encrypted by default: the key names the
     // session's lineage (docs/checkpoint-encryption.md).
-    assert_eq!(key, format!("lineages/{a}/sessions/{a}/turn-1"), "{}", ran.stdout);
+    assert_eq!(
+        key,
+        format!("lineages/{a}/sessions/{a}/turn-1"),
+        "{}",
+        ran.stdout
+    );
     let listed = harness(home, &model, &with(&["ls", "--prefix", &key], &store))
         .await
         .expect_ok("ls");

@@ -90,4 +90,21 @@ pub trait ModelBroker: MaybeSend + MaybeSync + std::fmt::Debug {
         let _ = session_id;
         Ok(None)
     }
+
+    /// The session's brokered calls and egress decisions not yet in its
+    /// log (`AuditRecord::ModelCall` and `Egress`, in order; none from a
+    /// broker that keeps no journal). The slice runner writes them at each
+    /// turn's end, then acknowledges them with
+    /// [`model_calls_recorded`](Self::model_calls_recorded).
+    async fn model_calls(&self, session_id: &str) -> Result<Vec<crate::audit::AuditRecord>> {
+        let _ = session_id;
+        Ok(Vec::new())
+    }
+
+    /// The session's journal up to `upto` (its records' `index`) is in
+    /// its log.
+    async fn model_calls_recorded(&self, session_id: &str, upto: u64) -> Result<()> {
+        let _ = (session_id, upto);
+        Ok(())
+    }
 }

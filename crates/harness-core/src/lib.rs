@@ -36,6 +36,7 @@
 
 pub mod actor;
 pub mod actor_driver;
+pub mod audit;
 pub mod bootstrap;
 pub mod broker;
 pub mod checkpoint;

@@ -163,6 +163,13 @@ pub enum StreamPart {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         max_attempts: Option<u32>,
     },
+    /// An audit record of the turn (`docs/audit.md`): a command the
+    /// harness ran in the sandbox, a brokered model call. Written by the
+    /// runner, not the agent; not progress.
+    Audit {
+        /// What happened.
+        record: crate::audit::AuditRecord,
+    },
     /// An event the parser did not understand, passed through unchanged.
     Raw {
         /// The original JSON value (or `{"line": "..."}` for non-JSON).
@@ -180,7 +187,10 @@ impl StreamPart {
     /// a turn restarts on progress only, so an agent that does nothing but
     /// retry an unreachable model still times out.
     pub fn is_progress(&self) -> bool {
-        !matches!(self, StreamPart::Warning { .. } | StreamPart::Raw { .. })
+        !matches!(
+            self,
+            StreamPart::Warning { .. } | StreamPart::Raw { .. } | StreamPart::Audit { .. }
+        )
     }
 
     /// The wire name of this part's `type`.
@@ -198,6 +208,7 @@ impl StreamPart {
             StreamPart::ToolResult { .. } => "tool-result",
             StreamPart::FileChange { .. } => "file-change",
             StreamPart::Compaction { .. } => "compaction",
+            StreamPart::Audit { .. } => "audit",
             StreamPart::FinishStep { .. } => "finish-step",
             StreamPart::Finish { .. } => "finish",
             StreamPart::Error { .. } => "error",

@@ -26,6 +26,7 @@ use async_trait::async_trait;
 use futures::{FutureExt, StreamExt};
 use tracing::{field, Instrument};
 
+use crate::audit::{AuditLog, AuditRecord, AuditedSandbox};
 use crate::broker::{ModelBroker, Reach, CREDENTIAL_ENV_VARS};
 use crate::clock::Clock;
 use crate::engine::SliceExecutor;
@@ -309,16 +310,51 @@ impl SliceRunner {
             other => (other?, None),
         };
         let Some(handle) = replaced else {
-            let report = self.run_in(sandbox, state, budget, abort).await?;
+            let report = self.run_audited(sandbox, state, budget, abort).await?;
             return self.with_usage(state, report).await;
         };
         let state = TurnState {
             sandbox: Some(handle.clone()),
             ..state.clone()
         };
-        let mut report = self.run_in(sandbox, &state, budget, abort).await?;
+        let mut report = self.run_audited(sandbox, &state, budget, abort).await?;
         report.sandbox = Some(handle);
         self.with_usage(&state, report).await
+    }
+
+    /// [`run_in`](Self::run_in) with every command it runs in the sandbox
+    /// recorded, and the records written to the turn — also when the slice
+    /// fails (what ran, ran).
+    async fn run_audited(
+        &self,
+        sandbox: Box<dyn Sandbox>,
+        state: &TurnState,
+        budget: Duration,
+        abort: AbortSignal,
+    ) -> Result<SliceReport> {
+        let log = AuditLog::default();
+        let sandbox = Box::new(AuditedSandbox::new(sandbox, log.clone()));
+        let report = self.run_in(sandbox, state, budget, abort).await;
+        let scope = format!("{}:s{}", state.turn_id, state.slices_run);
+        let written = self.write_audit(state, &scope, log.take()).await;
+        let report = report?;
+        written?;
+        Ok(report)
+    }
+
+    /// Write `records` as audit parts of the turn, keyed within `scope`.
+    async fn write_audit(
+        &self,
+        state: &TurnState,
+        scope: &str,
+        records: Vec<AuditRecord>,
+    ) -> Result<()> {
+        for (n, record) in records.into_iter().enumerate() {
+            let key = record.key(scope, n);
+            self.append(state, StreamPart::Audit { record }, key)
+                .await?;
+        }
+        Ok(())
     }
 
     /// The session's model usage on the report, when the turn has a budget
@@ -1157,6 +1193,15 @@ impl SliceExecutor for SliceRunner {
         if let Some(broker) = &self.broker {
             // The agent is gone: its token opens nothing until the next turn.
             broker.turn_ended(&state.session_id).await?;
+            // Its model calls, from the broker's journal, before the turn's
+            // end: a retry writes the same keys again (one frame each).
+            let calls = broker.model_calls(&state.session_id).await?;
+            let upto = calls.iter().filter_map(AuditLog::journal_index).max();
+            self.write_audit(state, &format!("{}:end", state.turn_id), calls)
+                .await?;
+            if let Some(upto) = upto {
+                broker.model_calls_recorded(&state.session_id, upto).await?;
+            }
         }
         let checkpointed;
         let state = match self.checkpoint_turn(state).await {

@@ -44,6 +44,6 @@ mod proxy;
 
 pub use policy::{Decision, EgressPolicy};
 pub use proxy::{
-    serve_connection, EgressCounts, EgressProxy, Outcome, CONNECT_TIMEOUT, EGRESS_HEADER,
+    serve_connection, EgressCounts, EgressProxy, Journal, Outcome, CONNECT_TIMEOUT, EGRESS_HEADER,
     HEADER_TIMEOUT, MAX_HEADERS, MAX_HEADER_BYTES,
 };

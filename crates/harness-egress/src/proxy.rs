@@ -119,11 +119,27 @@ pub struct EgressCounts {
     pub failed: u64,
 }
 
-#[derive(Debug, Default)]
+/// Called with every decision an [`EgressProxy`] makes, as it makes it
+/// (see [`EgressProxy::with_journal`]).
+pub type Journal = Arc<dyn Fn(&Outcome) + Send + Sync>;
+
+#[derive(Default)]
 struct Counters {
     allowed: AtomicU64,
     refused: AtomicU64,
     failed: AtomicU64,
+    journal: Option<Journal>,
+}
+
+impl std::fmt::Debug for Counters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Counters")
+            .field("allowed", &self.allowed)
+            .field("refused", &self.refused)
+            .field("failed", &self.failed)
+            .field("journal", &self.journal.is_some())
+            .finish()
+    }
 }
 
 impl Counters {
@@ -135,6 +151,9 @@ impl Counters {
             Outcome::Failed { .. } => &self.failed,
         };
         counter.fetch_add(1, Ordering::Relaxed);
+        if let Some(journal) = &self.journal {
+            journal(outcome);
+        }
     }
 }
 
@@ -165,6 +184,20 @@ impl EgressProxy {
         EgressProxy {
             policy: Arc::new(policy),
             counters: Arc::default(),
+        }
+    }
+
+    /// This proxy with `journal` called on every decision as it is made
+    /// (allowed, refused, failed), before any byte is relayed: where the
+    /// decisions are recorded (the broker writes them to the session's
+    /// audit journal).
+    pub fn with_journal(self, journal: Journal) -> Self {
+        EgressProxy {
+            policy: self.policy,
+            counters: Arc::new(Counters {
+                journal: Some(journal),
+                ..Counters::default()
+            }),
         }
     }
 

@@ -21,6 +21,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use checkpoint_crypt::{split_lineage, DeploymentKey, Lineages};
 use harness_core::checkpoint::{CheckpointStore, ObjectMeta};
 use harness_core::clock::Clock;
 use harness_core::harness::Harness;
@@ -28,7 +29,6 @@ use harness_core::sandbox::Sandbox;
 use harness_core::slice::home_of;
 use harness_core::turn::TurnState;
 use harness_core::turn_checkpoint::{key_segment, turn_checkpoint_key, PathRules, TurnCheckpoints};
-use checkpoint_crypt::{split_lineage, DeploymentKey, Lineages};
 use harness_core::{Error, ErrorKind, Result};
 use serde::{Deserialize, Serialize};
 

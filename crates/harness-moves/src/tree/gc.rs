@@ -127,9 +127,14 @@ async fn collect_locked(store: &dyn CheckpointStore) -> Result<GcInfo> {
     // be asked for each blob's.
     for key in store.list_keys("").await? {
         // Encrypted lineages are collected each through its own view.
-        if [BLOB_PREFIX, LOCK_PREFIX, PACK_PREFIX, checkpoint_crypt::LINEAGES]
-            .iter()
-            .any(|p| key.starts_with(p))
+        if [
+            BLOB_PREFIX,
+            LOCK_PREFIX,
+            PACK_PREFIX,
+            checkpoint_crypt::LINEAGES,
+        ]
+        .iter()
+        .any(|p| key.starts_with(p))
         {
             continue;
         }

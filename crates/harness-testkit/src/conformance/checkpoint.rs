@@ -74,7 +74,10 @@ pub fn sealed_tamper(
                     let plain = stream::collect(view.get(&key).await?, usize::MAX).await?;
                     let sealed = stream::collect(raw.get(&key).await?, usize::MAX).await?;
                     let o = (plain, sealed);
-                    originals.lock().expect("originals").insert(key.clone(), o.clone());
+                    originals
+                        .lock()
+                        .expect("originals")
+                        .insert(key.clone(), o.clone());
                     o
                 }
             };
@@ -83,7 +86,11 @@ pub fn sealed_tamper(
             } else if bytes.is_empty() {
                 Bytes::new()
             } else if bytes.len() == plain.len() {
-                let at = bytes.iter().zip(plain.iter()).position(|(a, b)| a != b).unwrap_or(0);
+                let at = bytes
+                    .iter()
+                    .zip(plain.iter())
+                    .position(|(a, b)| a != b)
+                    .unwrap_or(0);
                 let mut changed = sealed.to_vec();
                 let at = (at + header).min(changed.len() - 1);
                 changed[at] ^= 0x01;
