@@ -62,6 +62,10 @@ pub fn run(args: ChaosArgs) -> Result<()> {
         "--test",
         "chaos",
         "--no-capture",
+        // The trials need Temporal and S3 (the test is ignored without
+        // them, which would run nothing): the features CI tests with.
+        "--features",
+        "harness-cli/full",
     ]);
     for (k, v) in env::test_env(true) {
         cmd.env(k, v);

@@ -184,6 +184,29 @@ impl Lineages {
         Ok(out)
     }
 
+    /// The lineages holding a checkpoint named `key` within them (an object
+    /// at `lineages/<L>/<key>` or under it), sorted: where a key given
+    /// without its lineage (as the user chose it at `harness checkpoint
+    /// --key`) may be. One listing of everything under `lineages/`: for the
+    /// case a plain key was not found, not for every read.
+    pub async fn holding(&self, key: &str) -> Result<Vec<String>> {
+        let mut out: Vec<String> = Vec::new();
+        for stored in self.store.list_keys(LINEAGES).await? {
+            let Some((lineage, rest)) = split_lineage(&stored) else {
+                continue;
+            };
+            let inside = rest == key
+                || rest
+                    .strip_prefix(key)
+                    .is_some_and(|tail| tail.starts_with('/'));
+            if inside && out.last().map(String::as_str) != Some(lineage) {
+                out.push(lineage.to_string());
+            }
+        }
+        out.dedup();
+        Ok(out)
+    }
+
     /// Lineage `lineage`'s encrypted view (`Unauthorized` without a key).
     pub fn lineage(&self, lineage: &str) -> Result<Arc<dyn CheckpointStore>> {
         let prefix = lineage_prefix(lineage)?;

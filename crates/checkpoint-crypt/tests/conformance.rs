@@ -115,6 +115,13 @@ async fn recorded_keys_resolve_to_their_lineage() {
         .unwrap();
     assert_eq!(&back[..], b"{}");
     assert_eq!(lineages.list().await.unwrap(), ["s1"]);
+    // A key given without its lineage is found in the one holding it.
+    assert_eq!(lineages.holding("turns/s2/t1").await.unwrap(), ["s1"]);
+    assert_eq!(
+        lineages.holding("turns/s2/t1/turn.json").await.unwrap(),
+        ["s1"]
+    );
+    assert!(lineages.holding("turns/s2/t").await.unwrap().is_empty());
     // A plain key reads the plain store; without a deployment key an
     // encrypted one is refused with the variable to set.
     let (plain, key) = lineages.resolve("turns/x/t").unwrap();

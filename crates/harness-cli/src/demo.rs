@@ -67,6 +67,7 @@ pub async fn run(home: &Home, agent: AgentKind, keep: bool) -> Result<()> {
         sandbox: SandboxConfig::default(),
         model: None,
         approvals: false,
+        budget: Default::default(),
     };
     let prompt = format!("Create {FILE} with a greeting, then tell me what it says.");
     let (runtime, ended) = run_local(home, &lock, options, None, config, prompt).await?;

@@ -189,6 +189,34 @@ fn checkpoint_key(home: &Home, create: bool) -> Result<Option<DeploymentKey>> {
     Ok(None)
 }
 
+/// The store and key a restore of `key` reads. A key given as the user
+/// chose it at `harness checkpoint --key` (without the `lineages/<L>/` the
+/// checkpoint printed) that is not in the plain store is looked for in the
+/// lineages: found in exactly one, that one is read (and said so).
+async fn resolve_for_restore(
+    lineages: &Lineages,
+    key: &str,
+) -> Result<(Arc<dyn CheckpointStore>, String)> {
+    let (store, inner) = lineages.resolve(key)?;
+    if harness::moves::crypt::split_lineage(key).is_some()
+        || !store.list_keys(&inner).await?.is_empty()
+    {
+        return Ok((store, inner));
+    }
+    match lineages.holding(key).await?.as_slice() {
+        [lineage] => {
+            let full = format!("{}{key}", harness::moves::crypt::lineage_prefix(lineage)?);
+            eprintln!("note: {key} is encrypted in lineage {lineage}: reading {full}");
+            Ok(lineages.resolve(&full)?)
+        }
+        [] => Ok((store, inner)),
+        several => bail!(
+            "{key} is in several lineages ({}): name one, as `lineages/<lineage>/{key}`",
+            several.join(", ")
+        ),
+    }
+}
+
 /// The lineage a session's checkpoints are encrypted in: the session its
 /// forks were made from, first of all (a fork reads its parent's chunks).
 async fn lineage_of(log: &SqliteSessionLog, info: &LogInfo) -> String {
@@ -697,7 +725,7 @@ pub async fn restore(home: &Home, args: RestoreArgs) -> Result<()> {
         None => None,
     };
     let lineages = args.store.open_lineages(home).await?;
-    let (store, key) = lineages.resolve(&args.key)?;
+    let (store, key) = resolve_for_restore(&lineages, &args.key).await?;
     let manifest = manifest(store.as_ref(), &key).await?;
     if let Some(info) = &target {
         let agent = info.meta.config_or_default().agent;
@@ -745,6 +773,7 @@ pub async fn restore(home: &Home, args: RestoreArgs) -> Result<()> {
                 },
                 model: args.model.clone(),
                 approvals: false,
+                budget: Default::default(),
             };
             let provider = crate::local::provider(home, kind.name(), args.image.as_deref()).await?;
             // The sandbox a session's first turn would make, with the agent
@@ -889,7 +918,7 @@ async fn restore_tree(home: &Home, args: RestoreArgs) -> Result<()> {
     let info = session_info(&log, id).await?;
     idle(&info)?;
     let lineages = args.store.open_lineages(home).await?;
-    let (store, key) = lineages.resolve(&args.key)?;
+    let (store, key) = resolve_for_restore(&lineages, &args.key).await?;
     let sandbox = session_sandbox(home, &info).await?;
     let bars = Arc::new(Bars::new());
     let step = bars.step(format!(

@@ -166,6 +166,7 @@ fn new_config(args: &RunArgs) -> Result<SessionConfig> {
         },
         model: args.model.clone(),
         approvals: args.approvals,
+        budget: Default::default(),
     })
 }
 

@@ -700,6 +700,17 @@ async fn docker_custom_policy_through_the_egress_proxy() {
 /// after the refusal: one model request passed, one tool ran.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_spent_token_budget_ends_the_turn_and_nothing_runs_after_it() {
+    // The server's budget for every session (`--budget-tokens`).
+    spent_budget(&["--budget-tokens", "10"], json!({})).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sessions_own_budget_from_its_create_body_holds_it() {
+    // No server-wide budget: the session's own, from `POST /v1/sessions`.
+    spent_budget(&[], json!({"budget": {"max_tokens": 10}})).await;
+}
+
+async fn spent_budget(flags: &[&str], extra: Value) {
     if !Agent::Claude.available() {
         return;
     }
@@ -712,10 +723,14 @@ async fn a_spent_token_budget_ends_the_turn_and_nothing_runs_after_it() {
     let serve = Serve::start_with_env(
         home.path(),
         &model,
-        &["--budget-tokens", "10"],
+        flags,
         &[("ANTHROPIC_API_KEY", REAL_ANTHROPIC_KEY)],
     );
-    let id = create(&serve, json!({"agent": "claude-code", "sandbox": "local"})).await;
+    let mut body = json!({"agent": "claude-code", "sandbox": "local"});
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    let id = create(&serve, body).await;
     let turn = prompt(&serve, &id, "keep going").await;
     let end = until_end(&serve, &id, &turn).await;
     assert_eq!(end["status"], "failed", "{end}\n{}", serve.log());
@@ -739,4 +754,17 @@ async fn a_spent_token_budget_ends_the_turn_and_nothing_runs_after_it() {
     let usage = broker_usage(home.path(), &id);
     assert_eq!(usage["requests"].as_u64(), Some(1), "{usage}");
     assert!(usage["refused"].as_u64().unwrap_or(0) >= 1, "{usage}");
+    // And the log has both calls: the one that passed, the one refused.
+    let statuses: Vec<u64> = export(&serve, &id)
+        .await
+        .iter()
+        .map(|f| &f["body"]["part"]["record"])
+        .filter(|r| r["kind"] == "model-call")
+        .filter_map(|r| r["status"].as_u64())
+        .collect();
+    assert_eq!(statuses.first(), Some(&200), "{statuses:?}");
+    assert!(
+        statuses[1..].iter().all(|s| *s == 403) && statuses.len() >= 2,
+        "{statuses:?}"
+    );
 }

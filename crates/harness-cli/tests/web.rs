@@ -118,6 +118,35 @@ async fn a_prompt_streams_its_text_and_tool_call_into_the_page() {
     wait_text(&serve, c, ".entry.status.finished", "finished").await;
     let answer = text_of(c, ".entry.assistant p").await;
     assert_eq!(answer, "The file says hello web.");
+    // The usage line: the brokered calls, the same sums as the session's
+    // info (`meta.usage`, folded from the log's audit records).
+    let usage = wait_text(&serve, c, "#session-usage", "model call").await;
+    let id = text_of(c, "#session-id").await;
+    let info = get_json(&serve, &format!("/v1/sessions/{id}")).await;
+    let meta = &info["meta"]["usage"];
+    let calls = meta["modelCalls"].as_u64().unwrap_or(0);
+    assert!(calls >= 2, "{info:#}");
+    let fmt = |v: &serde_json::Value| {
+        let n = v.as_u64().unwrap_or(0).to_string();
+        // en-US grouping, as the page prints it.
+        let mut out = String::new();
+        for (i, ch) in n.chars().enumerate() {
+            if i > 0 && (n.len() - i).is_multiple_of(3) {
+                out.push(',');
+            }
+            out.push(ch);
+        }
+        out
+    };
+    assert_eq!(
+        usage.trim(),
+        format!(
+            "usage: {calls} model calls · {} in / {} out tokens",
+            fmt(&meta["inputTokens"]),
+            fmt(&meta["outputTokens"])
+        ),
+        "{info:#}"
+    );
     assert_eq!(count(c, ".entry.user").await, 1);
     assert_eq!(count(c, ".entry.assistant").await, 1);
     assert!(c.find(Locator::Css("#abort[disabled]")).await.is_ok());

@@ -100,14 +100,16 @@ pub enum AuditRecord {
 }
 
 impl AuditRecord {
-    /// The idempotency key of this record as the `n`th of `scope` (a
-    /// slice): the scope, the position and the record's own hash, so a
-    /// repeat of the same event dedups and a different one never collides.
+    /// The idempotency key of this record as the `n`th of `scope`: for a
+    /// command, the scope (a slice), the position and the record's own
+    /// hash, so a repeat of the same event dedups and a different one never
+    /// collides; for a journal record, the scope (the session: a fork's log
+    /// holds its parent's records, numbered by the parent's journal) and
+    /// the journal's number.
     pub fn key(&self, scope: &str, n: usize) -> String {
         match self {
-            // The broker numbers what it journals, once per session.
             AuditRecord::ModelCall { index, .. } | AuditRecord::Egress { index, .. } => {
-                format!("audit:broker:{index}")
+                format!("audit:{scope}:broker:{index}")
             }
             AuditRecord::Exec { .. } => {
                 let body = serde_json::to_vec(self).unwrap_or_default();
@@ -384,6 +386,11 @@ mod tests {
             output_tokens: 2,
             spend_micros: None,
         };
-        assert_eq!(call.key("any", 3), "audit:broker:7");
+        assert_eq!(call.key("s-1", 3), "audit:s-1:broker:7");
+        assert_ne!(
+            call.key("s-1", 3),
+            call.key("s-2", 3),
+            "a fork's own records collide with its parent's"
+        );
     }
 }

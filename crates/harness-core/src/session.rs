@@ -114,6 +114,10 @@ pub struct SessionConfig {
     /// `docs/agents.md` for Codex).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub approvals: bool,
+    /// The session's own budget (tokens, brokered spend over all its
+    /// turns); when set, it replaces the server's for this session.
+    #[serde(default, skip_serializing_if = "crate::turn::Budget::is_unlimited")]
+    pub budget: crate::turn::Budget,
 }
 
 fn default_agent() -> String {
@@ -127,6 +131,7 @@ impl Default for SessionConfig {
             sandbox: SandboxConfig::default(),
             model: None,
             approvals: false,
+            budget: crate::turn::Budget::default(),
         }
     }
 }
@@ -142,6 +147,7 @@ impl SessionConfig {
             },
             model: None,
             approvals: false,
+            budget: crate::turn::Budget::default(),
         }
     }
 }
@@ -220,6 +226,45 @@ pub struct SessionMeta {
     /// may go back to (about 100 bytes a turn).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub checkpoints: Vec<TurnCheckpoint>,
+    /// What the session used so far, by its log.
+    #[serde(default, skip_serializing_if = "SessionUsage::is_empty")]
+    pub usage: SessionUsage,
+}
+
+/// What a session used so far, folded from its log like the rest of the
+/// meta (so both servers answer it in a session's info): the model calls
+/// the broker recorded (`audit` `model-call` parts, written at each turn's
+/// end) and the tokens the agent reported itself (its `finish` parts, with
+/// or without a broker).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SessionUsage {
+    /// Brokered model requests, refused ones included.
+    #[serde(default)]
+    pub model_calls: u64,
+    /// Prompt tokens of the brokered calls.
+    #[serde(default)]
+    pub input_tokens: u64,
+    /// Completion tokens of the brokered calls.
+    #[serde(default)]
+    pub output_tokens: u64,
+    /// Their cost by the broker's price table, in millionths of a dollar
+    /// (unpriced calls count nothing).
+    #[serde(default)]
+    pub spend_micros: u64,
+    /// Prompt tokens the agent reported at its turns' ends.
+    #[serde(default)]
+    pub reported_input_tokens: u64,
+    /// Completion tokens the agent reported at its turns' ends.
+    #[serde(default)]
+    pub reported_output_tokens: u64,
+}
+
+impl SessionUsage {
+    /// Nothing used yet.
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
 }
 
 /// A turn end that left a checkpoint.
@@ -286,6 +331,10 @@ impl SessionMeta {
                 StreamPart::ToolApprovalRequest { .. }
                     | StreamPart::StreamStart {
                         agent_session_id: Some(_)
+                    }
+                    | StreamPart::Finish { .. }
+                    | StreamPart::Audit {
+                        record: crate::audit::AuditRecord::ModelCall { .. }
                     }
             ),
             _ => true,
@@ -363,6 +412,26 @@ impl SessionMeta {
                     agent_session_id: Some(id),
                 } if self.agent_session_id.as_ref() != Some(id) => {
                     self.agent_session_id = Some(id.clone());
+                    true
+                }
+                StreamPart::Finish { usage, .. } => {
+                    self.usage.reported_input_tokens += usage.input_tokens;
+                    self.usage.reported_output_tokens += usage.output_tokens;
+                    usage.input_tokens + usage.output_tokens > 0
+                }
+                StreamPart::Audit {
+                    record:
+                        crate::audit::AuditRecord::ModelCall {
+                            input_tokens,
+                            output_tokens,
+                            spend_micros,
+                            ..
+                        },
+                } => {
+                    self.usage.model_calls += 1;
+                    self.usage.input_tokens += input_tokens;
+                    self.usage.output_tokens += output_tokens;
+                    self.usage.spend_micros += spend_micros.unwrap_or(0);
                     true
                 }
                 _ => false,
@@ -597,6 +666,9 @@ impl SessionRuntime {
         state.checkpoint = checkpoint.clone();
         state.model = config.model.clone();
         state.approvals = config.approvals;
+        if !config.budget.is_unlimited() {
+            state.config.budget = config.budget.clone();
+        }
         Some(state)
     }
 
@@ -679,6 +751,72 @@ mod tests {
             text: text.into(),
             turn_id: Some(turn.into()),
         }
+    }
+
+    #[test]
+    fn usage_is_folded_from_model_call_records_and_finish_parts() {
+        use crate::audit::AuditRecord;
+        let mut meta = SessionMeta::default();
+        let part = |part| FrameBody::Part {
+            turn_id: "t1".into(),
+            part,
+        };
+        let call = |index, input, output, spend| {
+            part(StreamPart::Audit {
+                record: AuditRecord::ModelCall {
+                    index,
+                    model: Some("m".into()),
+                    status: 200,
+                    input_tokens: input,
+                    output_tokens: output,
+                    spend_micros: spend,
+                },
+            })
+        };
+        for body in [call(1, 100, 10, Some(5)), call(2, 200, 20, None)] {
+            assert!(SessionMeta::touched_by(&body));
+            assert!(meta.apply(1, &body, None));
+        }
+        let finish = part(StreamPart::Finish {
+            finish_reason: "stop".into(),
+            usage: crate::part::Usage {
+                input_tokens: 7,
+                output_tokens: 3,
+                ..Default::default()
+            },
+        });
+        assert!(meta.apply(3, &finish, None));
+        let exec = part(StreamPart::Audit {
+            record: AuditRecord::Exec {
+                argv: vec!["true".into()],
+                cwd: None,
+                env: vec![],
+                detached: false,
+                exit_code: Some(0),
+                signal: None,
+                ended: None,
+            },
+        });
+        assert!(!SessionMeta::touched_by(&exec));
+        assert!(!meta.apply(4, &exec, None));
+        assert_eq!(
+            meta.usage,
+            SessionUsage {
+                model_calls: 2,
+                input_tokens: 300,
+                output_tokens: 30,
+                spend_micros: 5,
+                reported_input_tokens: 7,
+                reported_output_tokens: 3,
+            }
+        );
+        // On the wire: camelCase, and absent while nothing was used.
+        let json = serde_json::to_value(&meta).unwrap();
+        assert_eq!(json["usage"]["modelCalls"], 2);
+        assert!(serde_json::to_value(SessionMeta::default())
+            .unwrap()
+            .get("usage")
+            .is_none());
     }
 
     #[test]

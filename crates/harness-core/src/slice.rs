@@ -1197,8 +1197,10 @@ impl SliceExecutor for SliceRunner {
             // end: a retry writes the same keys again (one frame each).
             let calls = broker.model_calls(&state.session_id).await?;
             let upto = calls.iter().filter_map(AuditLog::journal_index).max();
-            self.write_audit(state, &format!("{}:end", state.turn_id), calls)
-                .await?;
+            // Keyed by the session and the journal's number: a retried end,
+            // or a later turn's after a lost acknowledgement, writes each
+            // once; a fork's own records never meet its parent's.
+            self.write_audit(state, &state.session_id, calls).await?;
             if let Some(upto) = upto {
                 broker.model_calls_recorded(&state.session_id, upto).await?;
             }

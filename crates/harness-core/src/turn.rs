@@ -88,11 +88,15 @@ pub const BUDGET_EXCEEDED: &str = "budget_exceeded";
 #[serde(rename_all = "camelCase")]
 pub struct Budget {
     /// Model tokens, input and output together.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default, alias = "max_tokens", skip_serializing_if = "Option::is_none")]
     pub max_tokens: Option<u64>,
     /// Brokered spend in millionths of a US dollar, priced by the broker's
     /// price table (`docs/broker.md`, *Budgets*).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        alias = "max_spend_micros",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub max_spend_micros: Option<u64>,
 }
 

@@ -30,9 +30,9 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures::StreamExt;
 use harness_core::checkpoint::{
-    recorded_hash, validate_key, CheckpointStore, ObjectMeta, PartCutter, RecordedHash,
-    PARTIAL_MARK, SHA256_METADATA, SHA256_TRAILER_FORMAT, SHA256_TRAILER_LEN,
-    SHA256_TRAILER_METADATA,
+    check_range, range_past_end, recorded_hash, validate_key, CheckpointStore, ObjectMeta,
+    PartCutter, RecordedHash, PARTIAL_MARK, SHA256_METADATA, SHA256_TRAILER_FORMAT,
+    SHA256_TRAILER_LEN, SHA256_TRAILER_METADATA,
 };
 use harness_core::stream::ByteStream;
 use harness_core::{Error, Result};
@@ -324,4 +324,65 @@ impl CheckpointStore for R2Store {
             .await
             .map_err(r2(format!("delete {key:?}")))
     }
+
+    /// One ranged read of R2 (both layouts keep the content first, so its
+    /// offsets are the object's), after a `head` for the content's size.
+    /// Not verified, as the trait says: an encrypted store reads its
+    /// segments and trailer through this, and checks them itself.
+    async fn get_range(&self, key: &str, range: std::ops::Range<u64>) -> Result<Bytes> {
+        check_range(key, &range)?;
+        let size = self.head(key).await?.size;
+        if range.end > size {
+            return Err(range_past_end(key, &range, size));
+        }
+        if range.is_empty() {
+            return Ok(Bytes::new());
+        }
+        let length = range.end - range.start;
+        let object = self
+            .bucket
+            .get(self.object_key(key))
+            .range(Range::OffsetWithLength {
+                offset: range.start,
+                length,
+            })
+            .execute()
+            .await
+            .map_err(r2(format!("read a range of {key:?}")))?
+            .ok_or_else(|| Error::not_found(format!("no checkpoint {key:?}")))?;
+        let bytes = object
+            .body()
+            .ok_or_else(|| Error::backend(format!("R2: {key:?} has no body")))?
+            .bytes()
+            .await
+            .map_err(r2(format!("read a range of {key:?}")))?;
+        if bytes.len() as u64 != length {
+            return Err(Error::backend(format!(
+                "R2 answered {} bytes for {length} of {key:?}",
+                bytes.len()
+            )));
+        }
+        Ok(Bytes::from(bytes))
+    }
+}
+
+/// The Worker's checkpoint key (the secret `HARNESS_CHECKPOINT_KEY`, 64 or
+/// more hex digits; `.dev.vars` or `--var` under `wrangler dev`): with it,
+/// checkpoints the Worker writes are encrypted in the Worker before they
+/// reach R2 (`docs/checkpoint-encryption.md`). A malformed one is an error,
+/// never a silent fallback to plain.
+pub(crate) fn checkpoint_key(env: &Env) -> Result<Option<harness_moves::crypt::DeploymentKey>> {
+    let name = harness_moves::crypt::KEY_ENV;
+    let value = env
+        .secret(name)
+        .map(|s| s.to_string())
+        .or_else(|_| env.var(name).map(|v| v.to_string()))
+        .ok()
+        .filter(|v| !v.is_empty());
+    value
+        .map(|v| {
+            harness_moves::crypt::DeploymentKey::from_hex(&v)
+                .map_err(|e| Error::invalid(format!("the Worker's {name}: {}", e.message())))
+        })
+        .transpose()
 }

@@ -543,8 +543,14 @@ struct MoveRequest {
     sandbox: harness_core::sandbox::SandboxHandle,
     /// The directory to checkpoint or restore onto.
     dir: String,
-    /// The checkpoint key in R2.
+    /// The checkpoint key in R2: for a restore, as a checkpoint answered it
+    /// (`lineages/<L>/…` for an encrypted one); for a checkpoint, the key
+    /// within its lineage.
     key: String,
+    /// With the Worker's checkpoint key set: the lineage a checkpoint is
+    /// encrypted in (a session and its forks share one). Default `moves`.
+    #[serde(default)]
+    lineage: Option<String>,
 }
 
 /// Core's move pipeline between a bridge sandbox and R2, in the Worker.
@@ -552,20 +558,37 @@ async fn checkpoint_move(mut call: Call<'_>, op: &str) -> Result<Response, ApiEr
     let body = call.body(64 * 1024).await?;
     let request: MoveRequest = serde_json::from_slice(&body)
         .map_err(|e| ApiError::invalid(format!("malformed move request: {e}")))?;
-    let store = R2Store::from_env(call.env)?;
+    let store: std::sync::Arc<dyn CheckpointStore> =
+        std::sync::Arc::new(R2Store::from_env(call.env)?);
+    let lineages =
+        harness_moves::crypt::Lineages::new(store, crate::checkpoints::checkpoint_key(call.env)?);
     let provider = crate::turns::bridge_provider(call.env)?;
     let sandbox = provider.resume(&request.sandbox).await?;
     if op == "checkpoint" {
-        let info =
-            harness_moves::checkpoint(sandbox.as_ref(), &request.dir, &store, &request.key, None)
-                .await?;
+        let lineage = request.lineage.as_deref().unwrap_or("moves");
+        let (store, prefix) = lineages.for_new(lineage)?;
+        let mut info = harness_moves::checkpoint(
+            sandbox.as_ref(),
+            &request.dir,
+            store.as_ref(),
+            &request.key,
+            None,
+        )
+        .await?;
+        // The key to restore it by names its lineage.
+        info.object.key = format!("{prefix}{}", info.object.key);
         json_response(
             200,
-            &serde_json::json!({"object": info.object, "tar_bytes": info.tar_bytes}),
+            &serde_json::json!({
+                "object": info.object,
+                "tar_bytes": info.tar_bytes,
+                "encrypted": lineages.encrypts(),
+            }),
         )
     } else {
+        let (store, key) = lineages.resolve(&request.key)?;
         let info =
-            harness_moves::restore(&store, &request.key, sandbox.as_ref(), &request.dir, None)
+            harness_moves::restore(store.as_ref(), &key, sandbox.as_ref(), &request.dir, None)
                 .await?;
         json_response(
             200,

@@ -6,6 +6,13 @@
 //! (core's pipeline in wasm32, pure-Rust zstd) and the laptop restores it.
 //! Trees are compared through each sandbox's find/stat/sha256sum.
 //!
+//! The Worker runs with a checkpoint key (`HARNESS_CHECKPOINT_KEY`): what
+//! it writes to R2 is encrypted in the Worker, in the laptop's lineage, and
+//! the laptop — holding the same deployment key — encrypts its own
+//! checkpoint before the upload and reads the Worker's. R2 holds no byte of
+//! the trees (a marker file is searched for in every object); a checkpoint
+//! copied into another lineage is refused, nothing restored.
+//!
 //! Real parts: `wrangler dev` (its local R2 bucket), Docker, the bridge's
 //! OpenAPI document; without them it skips, or fails under
 //! `HARNESS_REQUIRE_REAL=1`.
@@ -31,6 +38,25 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 const BRIDGE_TOKEN: &str = "checkpoints-bridge-token";
+
+/// The deployment's checkpoint key, the Worker's and the laptop's.
+const CHECKPOINT_KEY: &str = "3f1e5c7a9b2d4f6081a3c5e7f9b1d3f5a7c9e1b3d5f7091b3d5f7a9c1e3b5d7f";
+
+/// The lineage both sides write in.
+const LINEAGE: &str = "laptop-l";
+
+/// A file whose bytes must never reach R2: a marker amid random bytes (so
+/// zstd keeps it as it is in a plain archive).
+const MARKER: &str = "MARKER-9d2e-r2-must-never-read-this";
+
+fn sealed(inner: Arc<dyn CheckpointStore>) -> checkpoint_crypt::EncryptedStore {
+    let key = checkpoint_crypt::DeploymentKey::from_hex(CHECKPOINT_KEY).unwrap();
+    checkpoint_crypt::EncryptedStore::new(inner, key.lineage(LINEAGE))
+}
+
+fn has_marker(bytes: &[u8]) -> bool {
+    bytes.windows(MARKER.len()).any(|w| w == MARKER.as_bytes())
+}
 
 /// `HARNESS_CHECKPOINT_MAX_BYTES` for the test: 10 MiB.
 const ROUTE_MAX_BYTES: u64 = 10 << 20;
@@ -63,7 +89,7 @@ async fn move_in_worker(
     let answer = http
         .post(format!("{}/v1/checkpoints/{op}", dev.base))
         .bearer_auth(HOST)
-        .json(&json!({"sandbox": sandbox.handle(), "dir": sandbox.workdir(), "key": key}))
+        .json(&json!({"sandbox": sandbox.handle(), "dir": sandbox.workdir(), "key": key, "lineage": LINEAGE}))
         .send()
         .await
         .unwrap();
@@ -155,6 +181,7 @@ async fn a_tree_moves_laptop_to_a_cloudflare_sandbox_and_back_through_the_worker
         // The object route buffers at most this much; a move in the Worker
         // streams its put in parts, and is not held to it.
         ("HARNESS_CHECKPOINT_MAX_BYTES", ROUTE_MAX_BYTES.to_string()),
+        ("HARNESS_CHECKPOINT_KEY", CHECKPOINT_KEY.to_string()),
     ];
     let Some(dev) = tokio::task::spawn_blocking(move || WranglerDev::start(worker_dir, &vars))
         .await
@@ -171,22 +198,49 @@ async fn a_tree_moves_laptop_to_a_cloudflare_sandbox_and_back_through_the_worker
     let local = LocalProvider::new(root.path());
     let laptop = create(&local).await;
     make_tree(laptop.as_ref()).await;
+    sh(
+        laptop.as_ref(),
+        &format!(
+            "cd {} && head -c 3000 /dev/urandom > marked.bin && printf '%s' '{MARKER}' >> marked.bin && head -c 3000 /dev/urandom >> marked.bin",
+            laptop.workdir()
+        ),
+    )
+    .await;
     let start = listing(laptop.as_ref(), laptop.workdir()).await;
-    let memory = MemoryCheckpointStore::new();
-    let made = moves::checkpoint(
+    // The control: a plain archive of this tree shows the marker.
+    let plain = MemoryCheckpointStore::new();
+    moves::checkpoint(
         laptop.as_ref(),
         laptop.workdir(),
-        &memory,
+        &plain,
+        "plain.tar.zst",
+        None,
+    )
+    .await
+    .expect("the plain checkpoint");
+    assert!(
+        has_marker(&all_bytes(&plain, "plain.tar.zst").await),
+        "the control shows no marker"
+    );
+    // The laptop encrypts on its side; what goes up is ciphertext.
+    let memory: Arc<dyn CheckpointStore> = Arc::new(MemoryCheckpointStore::new());
+    moves::checkpoint(
+        laptop.as_ref(),
+        laptop.workdir(),
+        &sealed(memory.clone()),
         "laptop/tree.tar.zst",
         None,
     )
     .await
     .expect("the laptop's checkpoint");
-    let archive = all_bytes(&memory, "laptop/tree.tar.zst").await;
+    let made = memory.head("laptop/tree.tar.zst").await.unwrap();
+    let archive = all_bytes(memory.as_ref(), "laptop/tree.tar.zst").await;
+    assert!(!has_marker(&archive));
+    let laptop_key = format!("lineages/{LINEAGE}/laptop/tree.tar.zst");
 
     // Into the Worker's bucket: only a host may write.
     let refused = http
-        .put(format!("{objects}/laptop/tree.tar.zst"))
+        .put(format!("{objects}/{laptop_key}"))
         .bearer_auth(CLIENT)
         .body(archive.clone())
         .send()
@@ -194,7 +248,7 @@ async fn a_tree_moves_laptop_to_a_cloudflare_sandbox_and_back_through_the_worker
         .unwrap();
     assert_eq!(refused.status(), 403);
     let put = http
-        .put(format!("{objects}/laptop/tree.tar.zst"))
+        .put(format!("{objects}/{laptop_key}"))
         .bearer_auth(HOST)
         .body(archive.clone())
         .send()
@@ -202,14 +256,43 @@ async fn a_tree_moves_laptop_to_a_cloudflare_sandbox_and_back_through_the_worker
         .unwrap();
     assert_eq!(put.status(), 200);
     let meta: Value = put.json().await.unwrap();
-    assert_eq!(meta["sha256"], made.object.sha256.as_str(), "{meta}");
-    assert_eq!(meta["size"], made.object.size, "{meta}");
+    assert_eq!(meta["sha256"], made.sha256.as_str(), "{meta}");
+    assert_eq!(meta["size"], made.size, "{meta}");
 
     // The Worker restores it into a bridge sandbox, in the Worker.
     let cloud_provider = CloudflareProvider::new(CloudflareConfig::new(bridge.url(), BRIDGE_TOKEN))
         .expect("the native Cloudflare provider");
     let cloud = create(&cloud_provider).await;
-    restore_in_worker(&http, &dev, cloud.as_ref(), "laptop/tree.tar.zst", &start).await;
+    restore_in_worker(&http, &dev, cloud.as_ref(), &laptop_key, &start).await;
+    // The same ciphertext in another lineage: another key, refused, and
+    // nothing written into the sandbox.
+    let elsewhere = "lineages/someone-else/laptop/tree.tar.zst";
+    let copied = http
+        .put(format!("{objects}/{elsewhere}"))
+        .bearer_auth(HOST)
+        .body(archive.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(copied.status(), 200);
+    let untouched = create(&cloud_provider).await;
+    let refused = http
+        .post(format!("{}/v1/checkpoints/restore", dev.base))
+        .bearer_auth(HOST)
+        .json(&json!({"sandbox": untouched.handle(), "dir": untouched.workdir(), "key": elsewhere}))
+        .send()
+        .await
+        .unwrap();
+    let status = refused.status();
+    let body: Value = refused.json().await.unwrap_or(Value::Null);
+    assert_eq!(status, 401, "{body}");
+    assert!(body.to_string().contains("another key"), "{body}");
+    assert!(
+        listing(untouched.as_ref(), untouched.workdir())
+            .await
+            .is_empty(),
+        "a refused restore wrote into the sandbox"
+    );
 
     // A change in the cloud; the Worker checkpoints the sandbox (zstd in
     // wasm32) into its bucket.
@@ -235,19 +318,38 @@ async fn a_tree_moves_laptop_to_a_cloudflare_sandbox_and_back_through_the_worker
         info["tar_bytes"].as_u64().unwrap_or(0) > 6_000_000,
         "{info}"
     );
+    // Encrypted in the Worker, in the lineage asked for.
+    let cloud_key = format!("lineages/{LINEAGE}/cloud/tree.tar.zst");
+    assert_eq!(info["object"]["key"], cloud_key.as_str(), "{info}");
+    assert_eq!(info["encrypted"], true, "{info}");
 
-    // Listed with its hash; read back, verified by the Worker and here.
-    let (_, bytes) = read_back(&http, &objects, "cloud/tree.tar.zst").await;
+    // Listed with its hash; read back, verified by the Worker and here;
+    // the marker is in no object of the bucket.
+    let (_, bytes) = read_back(&http, &objects, &cloud_key).await;
+    let listed: Value = http
+        .get(format!("{objects}?prefix="))
+        .bearer_auth(HOST)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    for object in listed.as_array().unwrap() {
+        let key = object["key"].as_str().unwrap();
+        let (_, raw) = read_back(&http, &objects, key).await;
+        assert!(!has_marker(&raw), "{key} holds the marker");
+    }
 
     // The laptop restores the Worker's checkpoint natively (libzstd reads
     // the Worker's frames).
-    let memory_back = MemoryCheckpointStore::new();
+    let memory_back: Arc<dyn CheckpointStore> = Arc::new(MemoryCheckpointStore::new());
     let stream: harness_core::stream::ByteStream =
         Box::pin(futures::stream::iter([Ok(Bytes::from(bytes.to_vec()))]));
     memory_back.put("cloud/tree.tar.zst", stream).await.unwrap();
     let laptop_back = create(&local).await;
     moves::restore(
-        &memory_back,
+        &sealed(memory_back),
         "cloud/tree.tar.zst",
         laptop_back.as_ref(),
         laptop_back.workdir(),
@@ -282,10 +384,14 @@ async fn a_tree_moves_laptop_to_a_cloudflare_sandbox_and_back_through_the_worker
         "cloud/big.tar.zst",
     )
     .await;
+    let big_key = format!("lineages/{LINEAGE}/cloud/big.tar.zst");
+    assert_eq!(big["object"]["key"], big_key.as_str(), "{big}");
+    // The object route answers what R2 holds: the ciphertext's size and
+    // hash, not the content's the move answered.
     let big = &big["object"];
     assert!(big["size"].as_u64().unwrap_or(0) > ROUTE_MAX_BYTES, "{big}");
     let head = http
-        .head(format!("{objects}/cloud/big.tar.zst"))
+        .head(format!("{objects}/{big_key}"))
         .bearer_auth(HOST)
         .send()
         .await
@@ -297,25 +403,21 @@ async fn a_tree_moves_laptop_to_a_cloudflare_sandbox_and_back_through_the_worker
             .and_then(|v| v.to_str().ok())
             .map(str::to_string)
     };
+    let stored_size = header("x-checkpoint-size")
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(0);
+    assert_eq!(
+        stored_size,
+        checkpoint_crypt::format::sealed_size(big["size"].as_u64().unwrap()),
+        "{big}"
+    );
+    let (listed, bytes) = read_back(&http, &objects, &big_key).await;
     assert_eq!(
         header("x-checkpoint-sha256").as_deref(),
-        big["sha256"].as_str()
+        listed["sha256"].as_str()
     );
-    assert_eq!(
-        header("x-checkpoint-size").and_then(|v| v.parse::<u64>().ok()),
-        big["size"].as_u64()
-    );
-    let (listed, bytes) = read_back(&http, &objects, "cloud/big.tar.zst").await;
-    assert_eq!(&listed, big, "{listed}");
     let cloud_back = create(&cloud_provider).await;
-    restore_in_worker(
-        &http,
-        &dev,
-        cloud_back.as_ref(),
-        "cloud/big.tar.zst",
-        &with_noise,
-    )
-    .await;
+    restore_in_worker(&http, &dev, cloud_back.as_ref(), &big_key, &with_noise).await;
     // The same bytes through the object route: over its buffer, refused
     // before anything is stored.
     let too_big = http
@@ -351,7 +453,7 @@ async fn a_tree_moves_laptop_to_a_cloudflare_sandbox_and_back_through_the_worker
         .unwrap();
     assert_eq!(client.status(), 403);
 
-    for sb in [laptop, cloud, laptop_back, cloud_back] {
+    for sb in [laptop, cloud, laptop_back, cloud_back, untouched] {
         sb.destroy().await.unwrap();
     }
     bridge

@@ -93,6 +93,10 @@ pub struct CreateSession {
     /// Ask clients before tools that need permission.
     #[serde(default)]
     pub approvals: bool,
+    /// The session's budget: `{"max_tokens": N, "max_spend_micros": M}`
+    /// (camelCase too), over all its turns; replaces the server's.
+    #[serde(default)]
+    pub budget: Option<harness_core::turn::Budget>,
 }
 
 impl CreateSession {
@@ -133,6 +137,9 @@ impl CreateSession {
         }
         config.model = self.model.clone();
         config.approvals = self.approvals;
+        if let Some(budget) = &self.budget {
+            config.budget = budget.clone();
+        }
         let known = |list: &[String], name: &str| list.is_empty() || list.iter().any(|n| n == name);
         if !known(agents, &config.agent) {
             return Err(ApiError::invalid(format!(

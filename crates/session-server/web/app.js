@@ -210,10 +210,12 @@ async function openSession(id) {
     blocks: new Map(),
     tools: new Map(),
     approvals: new Map(),
+    usage: { calls: 0, input: 0, output: 0, spend: 0, reportedInput: 0, reportedOutput: 0 },
   });
   $("#transcript").replaceChildren();
   $("#session-id").textContent = id;
   $("#session-meta").textContent = "";
+  $("#session-usage").textContent = "";
   updateComposer();
   show("session-view");
   try {
@@ -443,8 +445,24 @@ function onPart(frame) {
       entry("warning", frame.seq, turnId).append(text("p", `⚠ ${part.message}${retry}`));
       break;
     }
+    case "audit": {
+      // Audit records are the log's, not the conversation's: they add to
+      // the usage line, nothing to the transcript.
+      const record = part.record || {};
+      if (record.kind === "model-call") {
+        state.usage.calls += 1;
+        state.usage.input += record.inputTokens || 0;
+        state.usage.output += record.outputTokens || 0;
+        state.usage.spend += record.spendMicros || 0;
+        showUsage();
+      }
+      break;
+    }
     case "finish": {
       const usage = part.usage || {};
+      state.usage.reportedInput += usage.inputTokens || 0;
+      state.usage.reportedOutput += usage.outputTokens || 0;
+      showUsage();
       entry("finish", frame.seq, turnId).append(
         text("p", `finished (${part.finishReason}) · ${usage.inputTokens || 0} in / ${usage.outputTokens || 0} out tokens`),
       );
@@ -452,6 +470,22 @@ function onPart(frame) {
     }
     default:
       break;
+  }
+}
+
+/// The session's usage so far, as its log has it (the same sums as the
+/// session info's `meta.usage`): brokered calls when there are any, else
+/// what the agent reported.
+function showUsage() {
+  const u = state.usage;
+  const n = (v) => v.toLocaleString("en-US");
+  if (u.calls > 0) {
+    const spend = u.spend > 0 ? ` · $${(u.spend / 1e6).toFixed(4)}` : "";
+    $("#session-usage").textContent =
+      `usage: ${n(u.calls)} model call${u.calls === 1 ? "" : "s"} · ${n(u.input)} in / ${n(u.output)} out tokens${spend}`;
+  } else if (u.reportedInput + u.reportedOutput > 0) {
+    $("#session-usage").textContent =
+      `usage: ${n(u.reportedInput)} in / ${n(u.reportedOutput)} out tokens (as the agent reports)`;
   }
 }
 
