@@ -17,11 +17,10 @@ use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use crate::decorate::{Decorated, Decoration};
 use crate::sandbox::{
-    DetachedProcess, DetachedRequest, DetachedStatus, ExecEvent, ExecRequest, ExecStream,
-    NetworkPolicy, PortEndpoint, Sandbox, SandboxHandle, TreeListing,
+    DetachedProcess, DetachedRequest, ExecEvent, ExecRequest, ExecStream, Sandbox,
 };
-use crate::stream::ByteStream;
 use crate::Result;
 
 /// Bytes of one argument kept in a record (a bootstrap script can be
@@ -173,26 +172,20 @@ impl AuditLog {
 }
 
 /// A sandbox whose commands are recorded in an [`AuditLog`]: `exec` (with
-/// how it ended) and `spawn_detached`. Every other call goes to the
-/// sandbox unchanged — each one is forwarded here, so a provider's own
-/// implementations (not the trait's defaults) keep serving them.
-pub struct AuditedSandbox {
-    inner: Box<dyn Sandbox>,
-    log: AuditLog,
-}
+/// how it ended) and `spawn_detached`; every other call goes to the real
+/// sandbox unchanged ([`Decorated`]).
+pub type AuditedSandbox = Decorated<Auditor>;
 
-impl std::fmt::Debug for AuditedSandbox {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AuditedSandbox")
-            .field("sandbox", &self.inner.handle())
-            .finish_non_exhaustive()
-    }
+/// The [`Decoration`] that records commands into its log.
+#[derive(Debug, Clone)]
+pub struct Auditor {
+    log: AuditLog,
 }
 
 impl AuditedSandbox {
     /// `inner`, recorded into `log`.
-    pub fn new(inner: Box<dyn Sandbox>, log: AuditLog) -> Self {
-        Self { inner, log }
+    pub fn audited(inner: Box<dyn Sandbox>, log: AuditLog) -> Self {
+        Decorated::new(inner, Auditor { log })
     }
 }
 
@@ -241,16 +234,8 @@ impl Drop for Recorder {
 
 #[cfg_attr(not(target_arch = "wasm32"), async_trait)]
 #[cfg_attr(target_arch = "wasm32", async_trait(?Send))]
-impl Sandbox for AuditedSandbox {
-    fn handle(&self) -> SandboxHandle {
-        self.inner.handle()
-    }
-
-    fn workdir(&self) -> &str {
-        self.inner.workdir()
-    }
-
-    async fn exec(&self, request: ExecRequest) -> Result<ExecStream> {
+impl Decoration for Auditor {
+    async fn exec(&self, inner: &dyn Sandbox, request: ExecRequest) -> Result<ExecStream> {
         let mut recorder = Recorder {
             record: Some(AuditRecord::exec(
                 &request.argv,
@@ -259,7 +244,7 @@ impl Sandbox for AuditedSandbox {
             )),
             log: self.log.clone(),
         };
-        let stream = match self.inner.exec(request).await {
+        let stream = match inner.exec(request).await {
             Ok(s) => s,
             Err(e) => {
                 recorder.ended(None);
@@ -274,88 +259,20 @@ impl Sandbox for AuditedSandbox {
         })))
     }
 
-    async fn read_file(&self, path: &str) -> Result<ByteStream> {
-        self.inner.read_file(path).await
-    }
-
-    async fn read_file_from(&self, path: &str, offset: u64) -> Result<ByteStream> {
-        self.inner.read_file_from(path, offset).await
-    }
-
-    async fn write_file(&self, path: &str, content: ByteStream) -> Result<u64> {
-        self.inner.write_file(path, content).await
-    }
-
-    async fn export_tar(&self, dir: &str) -> Result<ByteStream> {
-        self.inner.export_tar(dir).await
-    }
-
-    async fn import_tar(&self, dir: &str, tar: ByteStream) -> Result<()> {
-        self.inner.import_tar(dir, tar).await
-    }
-
-    fn parallel_imports(&self) -> usize {
-        self.inner.parallel_imports()
-    }
-
-    fn stages_tar_imports(&self) -> bool {
-        self.inner.stages_tar_imports()
-    }
-
-    async fn import_tar_staged(&self, dir: &str, tar: ByteStream) -> Result<()> {
-        self.inner.import_tar_staged(dir, tar).await
-    }
-
-    async fn list_tree(&self, dir: &str) -> Result<TreeListing> {
-        self.inner.list_tree(dir).await
-    }
-
-    async fn export_paths_tar(&self, dir: &str, paths: &[String]) -> Result<ByteStream> {
-        self.inner.export_paths_tar(dir, paths).await
-    }
-
-    async fn spawn_detached(&self, request: DetachedRequest) -> Result<DetachedProcess> {
+    async fn spawn_detached(
+        &self,
+        inner: &dyn Sandbox,
+        request: DetachedRequest,
+    ) -> Result<DetachedProcess> {
         let mut record = AuditRecord::exec(&request.argv, request.cwd.as_deref(), &request.env);
         if let AuditRecord::Exec { detached, .. } = &mut record {
             *detached = true;
         }
-        let process = self.inner.spawn_detached(request).await;
+        let process = inner.spawn_detached(request).await;
         if process.is_ok() {
             self.log.push(record);
         }
         process
-    }
-
-    async fn detached_status(&self, process: &DetachedProcess) -> Result<DetachedStatus> {
-        self.inner.detached_status(process).await
-    }
-
-    async fn kill_detached(&self, process: &DetachedProcess) -> Result<()> {
-        self.inner.kill_detached(process).await
-    }
-
-    async fn port_endpoint(&self, port: u16) -> Result<PortEndpoint> {
-        self.inner.port_endpoint(port).await
-    }
-
-    async fn snapshot_image(&self, name: &str) -> Result<String> {
-        self.inner.snapshot_image(name).await
-    }
-
-    async fn set_network(&self, policy: &NetworkPolicy) -> Result<()> {
-        self.inner.set_network(policy).await
-    }
-
-    async fn detach(&self) -> Result<SandboxHandle> {
-        self.inner.detach().await
-    }
-
-    async fn stop(&self) -> Result<SandboxHandle> {
-        self.inner.stop().await
-    }
-
-    async fn destroy(&self) -> Result<()> {
-        self.inner.destroy().await
     }
 }
 

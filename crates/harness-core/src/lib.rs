@@ -41,6 +41,7 @@ pub mod bootstrap;
 pub mod broker;
 pub mod checkpoint;
 pub mod clock;
+pub mod decorate;
 pub mod engine;
 mod error;
 pub mod failpoint;

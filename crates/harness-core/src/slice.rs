@@ -333,7 +333,7 @@ impl SliceRunner {
         abort: AbortSignal,
     ) -> Result<SliceReport> {
         let log = AuditLog::default();
-        let sandbox = Box::new(AuditedSandbox::new(sandbox, log.clone()));
+        let sandbox = Box::new(AuditedSandbox::audited(sandbox, log.clone()));
         let report = self.run_in(sandbox, state, budget, abort).await;
         let scope = format!("{}:s{}", state.turn_id, state.slices_run);
         let written = self.write_audit(state, &scope, log.take()).await;

@@ -20,7 +20,7 @@ async fn every_command_is_recorded_with_how_it_ended() {
         .await
         .unwrap();
     let log = AuditLog::default();
-    let sandbox = AuditedSandbox::new(inner, log.clone());
+    let sandbox = AuditedSandbox::audited(inner, log.clone());
 
     let ok = collect_exec(sandbox.exec(ExecRequest::new(["true"])).await.unwrap())
         .await
