@@ -137,8 +137,7 @@ impl Lineages {
     /// recorded (`lineages/<L>/`); the plain store and no prefix when this
     /// deployment does not encrypt.
     pub fn for_new(&self, lineage: &str) -> Result<(Arc<dyn CheckpointStore>, String)> {
-        match &self.key {
-            _ if self.write_plain => Ok((self.store.clone(), String::new())),
+        match self.key.as_ref().filter(|_| !self.write_plain) {
             None => Ok((self.store.clone(), String::new())),
             Some(key) => {
                 let prefix = lineage_prefix(lineage)?;
@@ -172,16 +171,7 @@ impl Lineages {
 
     /// The lineages the store holds objects of, sorted.
     pub async fn list(&self) -> Result<Vec<String>> {
-        let mut out: Vec<String> = Vec::new();
-        for key in self.store.list_keys(LINEAGES).await? {
-            if let Some((lineage, _)) = split_lineage(&key) {
-                if out.last().map(String::as_str) != Some(lineage) {
-                    out.push(lineage.to_string());
-                }
-            }
-        }
-        out.dedup();
-        Ok(out)
+        self.lineages_where(|_| true).await
     }
 
     /// The lineages holding a checkpoint named `key` within them (an object
@@ -190,20 +180,26 @@ impl Lineages {
     /// --key`) may be. One listing of everything under `lineages/`: for the
     /// case a plain key was not found, not for every read.
     pub async fn holding(&self, key: &str) -> Result<Vec<String>> {
+        self.lineages_where(|rest| {
+            rest == key || rest.strip_prefix(key).is_some_and(|t| t.starts_with('/'))
+        })
+        .await
+    }
+
+    /// The lineages with an object whose key within them passes `keep`, in
+    /// the listing's (sorted) order, each once.
+    async fn lineages_where(&self, keep: impl Fn(&str) -> bool) -> Result<Vec<String>> {
         let mut out: Vec<String> = Vec::new();
         for stored in self.store.list_keys(LINEAGES).await? {
-            let Some((lineage, rest)) = split_lineage(&stored) else {
-                continue;
-            };
-            let inside = rest == key
-                || rest
-                    .strip_prefix(key)
-                    .is_some_and(|tail| tail.starts_with('/'));
-            if inside && out.last().map(String::as_str) != Some(lineage) {
-                out.push(lineage.to_string());
+            match split_lineage(&stored) {
+                Some((lineage, rest))
+                    if keep(rest) && out.last().map(String::as_str) != Some(lineage) =>
+                {
+                    out.push(lineage.to_string())
+                }
+                _ => {}
             }
         }
-        out.dedup();
         Ok(out)
     }
 

@@ -640,9 +640,7 @@ impl ModelBroker for Broker {
         Ok(text
             .lines()
             .filter_map(|l| serde_json::from_str::<AuditRecord>(l).ok())
-            .filter(|r| {
-                harness_core::audit::AuditLog::journal_index(r).is_some_and(|i| i > acknowledged)
-            })
+            .filter(|r| r.journal_index().is_some_and(|i| i > acknowledged))
             .collect())
     }
 

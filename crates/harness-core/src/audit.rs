@@ -118,6 +118,17 @@ impl AuditRecord {
         }
     }
 
+    /// Its number in the broker's journal of the session (none for a
+    /// command the harness ran).
+    pub fn journal_index(&self) -> Option<u64> {
+        match self {
+            AuditRecord::ModelCall { index, .. } | AuditRecord::Egress { index, .. } => {
+                Some(*index)
+            }
+            AuditRecord::Exec { .. } => None,
+        }
+    }
+
     fn exec(argv: &[String], cwd: Option<&str>, env: &BTreeMap<String, String>) -> Self {
         AuditRecord::Exec {
             argv: argv.iter().map(|a| cut(a)).collect(),
@@ -153,16 +164,6 @@ impl AuditLog {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push(record);
-    }
-
-    /// The broker's journal index of a record (none for an exec).
-    pub fn journal_index(record: &AuditRecord) -> Option<u64> {
-        match record {
-            AuditRecord::ModelCall { index, .. } | AuditRecord::Egress { index, .. } => {
-                Some(*index)
-            }
-            AuditRecord::Exec { .. } => None,
-        }
     }
 
     /// Everything gathered so far, in order, leaving the log empty.

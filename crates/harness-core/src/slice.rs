@@ -1196,7 +1196,7 @@ impl SliceExecutor for SliceRunner {
             // Its model calls, from the broker's journal, before the turn's
             // end: a retry writes the same keys again (one frame each).
             let calls = broker.model_calls(&state.session_id).await?;
-            let upto = calls.iter().filter_map(AuditLog::journal_index).max();
+            let upto = calls.iter().filter_map(AuditRecord::journal_index).max();
             // Keyed by the session and the journal's number: a retried end,
             // or a later turn's after a lost acknowledgement, writes each
             // once; a fork's own records never meet its parent's.

@@ -185,6 +185,7 @@ impl TurnCheckpoints for StoreTurnCheckpoints {
             None => key_segment(&state.session_id),
         };
         let (store, prefix) = self.lineages.for_new(&lineage)?;
+        let encrypted = !prefix.is_empty();
         let store = store.as_ref();
         let base = turn_checkpoint_key(&state.session_id, &state.turn_id);
         let recorded = format!("{prefix}{base}");
@@ -195,11 +196,9 @@ impl TurnCheckpoints for StoreTurnCheckpoints {
         // full read.
         let parent = match &state.checkpoint {
             Some(previous) if *previous != recorded => {
-                let within = match previous.strip_prefix(&prefix) {
-                    Some(rest) if !prefix.is_empty() => Some(rest),
-                    _ if prefix.is_empty() && split_lineage(previous).is_none() => {
-                        Some(previous.as_str())
-                    }
+                let within = match split_lineage(previous) {
+                    Some((l, rest)) if encrypted && l == lineage => Some(rest),
+                    None if !encrypted => Some(previous.as_str()),
                     _ => None,
                 };
                 match within {

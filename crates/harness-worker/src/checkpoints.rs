@@ -373,12 +373,7 @@ impl CheckpointStore for R2Store {
 /// never a silent fallback to plain.
 pub(crate) fn checkpoint_key(env: &Env) -> Result<Option<harness_moves::crypt::DeploymentKey>> {
     let name = harness_moves::crypt::KEY_ENV;
-    let value = env
-        .secret(name)
-        .map(|s| s.to_string())
-        .or_else(|_| env.var(name).map(|v| v.to_string()))
-        .ok()
-        .filter(|v| !v.is_empty());
+    let value = crate::object::secret_or_var(env, name);
     value
         .map(|v| {
             harness_moves::crypt::DeploymentKey::from_hex(&v)

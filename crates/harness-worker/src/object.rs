@@ -1113,10 +1113,17 @@ fn internal(e: worker::Error) -> ApiError {
 /// edits and deletions are still found, a consistent rewrite is not
 /// (docs/audit.md).
 pub(crate) fn chain_key(env: &Env) -> ChainKey {
-    env.secret("HARNESS_AUDIT_KEY")
-        .map(|s| s.to_string())
-        .or_else(|_| env.var("HARNESS_AUDIT_KEY").map(|v| v.to_string()))
-        .ok()
-        .filter(|k| !k.is_empty())
+    secret_or_var(env, "HARNESS_AUDIT_KEY")
         .map_or_else(ChainKey::unkeyed, |k| ChainKey::new(k.into_bytes()))
+}
+
+/// A Worker secret (`wrangler secret put`), else a plain variable of that
+/// name (`.dev.vars`, `--var` under `wrangler dev`); `None` when neither is
+/// set or it is empty.
+pub(crate) fn secret_or_var(env: &Env, name: &str) -> Option<String> {
+    env.secret(name)
+        .map(|s| s.to_string())
+        .or_else(|_| env.var(name).map(|v| v.to_string()))
+        .ok()
+        .filter(|v| !v.is_empty())
 }
