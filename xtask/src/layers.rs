@@ -56,6 +56,7 @@ pub const RUNTIME_FREE: &[&str] = &[
     "session-api",
     "durable-streams",
     "checkpoint-crypt",
+    "harness-broker-proto",
 ];
 
 /// Calls the kernel's sources must not make: files, sockets, processes,

@@ -54,15 +54,11 @@ use serde::{Deserialize, Serialize};
 
 mod listeners;
 mod proxy;
-pub mod token;
-pub mod usage;
+pub use harness_broker_proto::{token, usage, wire};
 
 pub use usage::Usage;
 
-/// The default Anthropic endpoint when `ANTHROPIC_BASE_URL` is unset.
-pub const ANTHROPIC_DEFAULT_URL: &str = "https://api.anthropic.com";
-/// The default OpenAI endpoint when `OPENAI_BASE_URL` is unset.
-pub const OPENAI_DEFAULT_URL: &str = "https://api.openai.com/v1";
+pub use harness_broker_proto::wire::{ANTHROPIC_DEFAULT_URL, OPENAI_DEFAULT_URL};
 
 /// One provider the broker forwards to.
 #[derive(Clone)]
@@ -573,15 +569,7 @@ impl ModelBroker for Broker {
         let base = format!("{base}/s/{}", id.as_str());
         let token = self.token(id.as_str());
         self.activate(id.as_str())?;
-        let mut env = BTreeMap::from([
-            (
-                "ANTHROPIC_BASE_URL".to_string(),
-                format!("{base}/anthropic"),
-            ),
-            ("ANTHROPIC_API_KEY".to_string(), token.clone()),
-            ("OPENAI_BASE_URL".to_string(), format!("{base}/openai")),
-            ("OPENAI_API_KEY".to_string(), token),
-        ]);
+        let mut env = wire::agent_env(&base, &token);
         if let NetworkPolicy::Custom { .. } = network {
             let proxy = format!("http://127.0.0.1:{EGRESS_PROXY_PORT}");
             for k in [
@@ -847,27 +835,3 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 /// The variables the broker's env replaces, for callers that build their
 /// own environment.
 pub use harness_core::broker::CREDENTIAL_ENV_VARS;
-
-/// Which upstream a request path names.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Api {
-    Anthropic,
-    OpenAi,
-}
-
-impl Api {
-    pub(crate) fn parse(s: &str) -> Option<Api> {
-        match s {
-            "anthropic" => Some(Api::Anthropic),
-            "openai" => Some(Api::OpenAi),
-            _ => None,
-        }
-    }
-
-    pub(crate) fn key_var(self) -> &'static str {
-        match self {
-            Api::Anthropic => "ANTHROPIC_API_KEY",
-            Api::OpenAi => "OPENAI_API_KEY",
-        }
-    }
-}

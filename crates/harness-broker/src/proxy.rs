@@ -10,7 +10,7 @@ use std::task::{Context, Poll};
 
 use axum::body::Body;
 use axum::extract::{Path, Request, State};
-use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get};
 use axum::Router;
@@ -19,11 +19,9 @@ use futures::{Stream, StreamExt};
 use harness_core::SessionId;
 
 use crate::usage::{PriceTable, Usage, UsageScanner};
-use crate::{token, Api, Inner};
+use crate::{token, Inner};
 
-/// Largest request body forwarded (a long conversation with images is a
-/// few MB; this leaves room and still bounds memory).
-const MAX_REQUEST_BYTES: usize = 64 * 1024 * 1024;
+use harness_broker_proto::wire::{self, Api, MAX_REQUEST_BYTES};
 
 /// The broker's routes. `only` set: a session's own socket, which answers
 /// that session's path alone.
@@ -48,56 +46,35 @@ struct Served {
     only: Option<String>,
 }
 
-/// A refusal in the shape both SDKs print: `{"type":"error","error":{...}}`.
+/// A refusal in the shape both SDKs print (`wire::refusal_body`).
 fn refuse(status: StatusCode, kind: &str, message: &str) -> Response {
-    let body = serde_json::json!({
-        "type": "error",
-        "error": { "type": kind, "message": format!("harness model broker: {message}") },
-    });
     (
         status,
         [(header::CONTENT_TYPE, "application/json")],
-        body.to_string(),
+        wire::refusal_body(kind, message),
     )
         .into_response()
 }
 
-/// The token a request carries: `x-api-key` (Anthropic) or a bearer
-/// `authorization` (OpenAI), whichever is present.
+/// The token a request carries (`wire::presented_token`).
 fn presented_token(headers: &HeaderMap) -> Option<&str> {
-    if let Some(v) = headers.get("x-api-key").and_then(|v| v.to_str().ok()) {
-        return Some(v.trim());
-    }
-    headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| {
-            v.strip_prefix("Bearer ")
-                .or_else(|| v.strip_prefix("bearer "))
-        })
-        .map(str::trim)
+    let header = |name| {
+        headers
+            .get(name)
+            .and_then(|v: &HeaderValue| v.to_str().ok())
+    };
+    wire::presented_token(header("x-api-key"), header(header::AUTHORIZATION.as_str()))
 }
 
-/// Headers that describe one hop, or carry the sandbox's credentials: never
-/// forwarded.
-fn hop_header(name: &HeaderName) -> bool {
-    matches!(
-        name.as_str(),
-        "host"
-            | "connection"
-            | "keep-alive"
-            | "proxy-authorization"
-            | "proxy-connection"
-            | "te"
-            | "trailer"
-            | "transfer-encoding"
-            | "upgrade"
-            | "content-length"
-            | "authorization"
-            | "x-api-key"
-            // Ask for an identity body: the usage scanner reads it as it passes.
-            | "accept-encoding"
-    )
+/// The price table in the broker's directory (`prices.json`; none is an
+/// empty table).
+fn load_prices(dir: &std::path::Path) -> harness_core::Result<PriceTable> {
+    let path = dir.join("prices.json");
+    match std::fs::read(&path) {
+        Ok(bytes) => PriceTable::parse(&bytes, &path.display().to_string()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(PriceTable::default()),
+        Err(e) => Err(harness_core::Error::from(e)),
+    }
 }
 
 async fn forward(
@@ -181,8 +158,8 @@ async fn forward(
     };
     // The session's budget: spent, nothing more passes; a spend budget
     // with a model the price table cannot price is refused, not ignored.
-    let model = request_model(&body);
-    let prices = match PriceTable::load(&inner.dir) {
+    let model = wire::request_model(&body);
+    let prices = match load_prices(&inner.dir) {
         Ok(p) => p,
         Err(e) => {
             return refused(
@@ -214,39 +191,22 @@ async fn forward(
             );
         }
     }
-    let mut url = format!("{}/{}", upstream.base_url.trim_end_matches('/'), rest);
-    if let Some(q) = parts.uri.query() {
-        url.push('?');
-        url.push_str(q);
-    }
+    let url = wire::upstream_url(&upstream.base_url, &rest, parts.uri.query());
     let mut headers = HeaderMap::new();
     for (name, value) in &parts.headers {
-        if !hop_header(name) {
+        if !wire::is_hop_header(name.as_str()) {
             headers.append(name.clone(), value.clone());
         }
     }
-    let Ok(key) = HeaderValue::from_str(&upstream.api_key) else {
+    let (key_header, key) = api.key_header(&upstream.api_key);
+    let Ok(key) = HeaderValue::from_str(&key) else {
         return refused(
             StatusCode::INTERNAL_SERVER_ERROR,
             "api_error",
             "the configured key is not a valid header value",
         );
     };
-    match api {
-        Api::Anthropic => {
-            headers.insert("x-api-key", key);
-        }
-        Api::OpenAi => {
-            let Ok(bearer) = HeaderValue::from_str(&format!("Bearer {}", upstream.api_key)) else {
-                return refused(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "api_error",
-                    "the configured key is not a valid header value",
-                );
-            };
-            headers.insert(header::AUTHORIZATION, bearer);
-        }
-    }
+    headers.insert(key_header, key);
     let request_bytes = body.len() as u64;
     let answer = inner
         .client
@@ -268,7 +228,7 @@ async fn forward(
     tracing::debug!(session.id = %session, %url, status = %answer.status(), "model request forwarded");
     let mut response = Response::builder().status(answer.status());
     for (name, value) in answer.headers() {
-        if !hop_header(name) {
+        if !wire::is_hop_header(name.as_str()) {
             response = response.header(name, value);
         }
     }
@@ -293,15 +253,6 @@ async fn forward(
             &format!("building the response: {e}"),
         )
     })
-}
-
-/// The `model` a request body names (Anthropic's and OpenAI's both).
-fn request_model(body: &[u8]) -> Option<String> {
-    #[derive(serde::Deserialize)]
-    struct Named {
-        model: Option<String>,
-    }
-    serde_json::from_slice::<Named>(body).ok()?.model
 }
 
 /// The upstream body, passed on chunk by chunk; on its end (or when the

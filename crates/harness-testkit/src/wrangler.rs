@@ -74,6 +74,14 @@ pub fn wrangler_bin() -> PathBuf {
         .join("node_modules/.bin/wrangler")
 }
 
+/// A port free on `ip` now (for [`WranglerDev::start_at`]).
+pub fn free_port_on(ip: std::net::IpAddr) -> u16 {
+    TcpListener::bind((ip, 0))
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -105,7 +113,21 @@ impl WranglerDev {
             std::process::id(),
             free_port()
         ));
-        Self::start_in(worker_dir, vars, &state, true)
+        let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        Self::start_in(worker_dir, vars, &state, true, addr)
+    }
+
+    /// As [`start`](Self::start), listening on `addr` instead of a loopback
+    /// port: an address the tests made (a Docker bridge's gateway), so that
+    /// sandboxes reach the Worker as they reach a deployed one (its model
+    /// broker). [`free_port_on`] picks a port for it.
+    pub fn start_at(worker_dir: &Path, vars: &[(&str, String)], addr: SocketAddr) -> Option<Self> {
+        let state = std::env::temp_dir().join(format!(
+            "harness-wrangler-{}-{}",
+            std::process::id(),
+            addr.port()
+        ));
+        Self::start_in(worker_dir, vars, &state, true, addr)
     }
 
     /// As [`start`](Self::start), with the Durable Objects' state (and
@@ -116,7 +138,8 @@ impl WranglerDev {
         vars: &[(&str, String)],
         state: &Path,
     ) -> Option<Self> {
-        Self::start_in(worker_dir, vars, state, false)
+        let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        Self::start_in(worker_dir, vars, state, false, addr)
     }
 
     fn start_in(
@@ -124,6 +147,7 @@ impl WranglerDev {
         vars: &[(&str, String)],
         state: &Path,
         owned: bool,
+        addr: SocketAddr,
     ) -> Option<Self> {
         let wrangler = wrangler_bin();
         if !wrangler.exists() {
@@ -144,11 +168,12 @@ impl WranglerDev {
         let state = state.to_path_buf();
         std::fs::create_dir_all(&state).expect("a state directory");
         let log = std::fs::File::create(state.join("wrangler.log")).expect("a log file");
-        let (port, inspector) = (free_port(), free_port());
+        let inspector = free_port();
         let mut cmd = Command::new("setsid");
         cmd.arg(&wrangler)
             .current_dir(worker_dir)
-            .args(["dev", "--ip", "127.0.0.1", "--port", &port.to_string()])
+            .args(["dev", "--ip", &addr.ip().to_string()])
+            .args(["--port", &addr.port().to_string()])
             .args(["--inspector-port", &inspector.to_string()])
             .arg("--persist-to")
             .arg(state.join("state"))
@@ -168,12 +193,11 @@ impl WranglerDev {
             .expect("starting wrangler dev (is setsid there?)");
         let mut dev = Self {
             child,
-            base: format!("http://127.0.0.1:{port}"),
+            base: format!("http://{addr}"),
             state,
             owned,
             nudge: None,
         };
-        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
         let started = Instant::now();
         while !http_answers(addr) {
             if started.elapsed() > Duration::from_secs(120) {

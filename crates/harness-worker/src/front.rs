@@ -255,6 +255,13 @@ async fn route(req: Request, env: &Env) -> Result<Response, ApiError> {
             call.authorize(None, HOST)?;
             checkpoint_move(call, op).await
         }
+        (_, ["v1", "broker", "s", session, api, rest @ ..]) => {
+            // The model broker (broker.rs): a turn token, not a grant.
+            let rest = rest.join("/");
+            crate::broker::forward(call.req, env, session, api, &rest)
+                .await
+                .map_err(internal)
+        }
         (_, ["v1", "runner"]) => Err(unsupported("the runner channel on the Worker")),
         (Method::Post, ["v1", "test", "engine", op]) if crate::engine_api::enabled(call.env) => {
             // The engine conformance suite's way in (engine_api.rs); a

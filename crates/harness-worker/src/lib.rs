@@ -21,6 +21,7 @@
 
 #![cfg(target_arch = "wasm32")]
 
+mod broker;
 mod checkpoints;
 mod directory;
 mod engine_api;

@@ -27,6 +27,7 @@ use harness_claude_code::{
     ApprovalServer, ClaudeCodeConfig, ClaudeCodeHarness, APPROVAL_SERVER_PATH, DEFAULT_INSTALL_PATH,
 };
 use harness_core::actor::{RunnerMessage, ServerMessage};
+use harness_core::broker::{ModelBroker, CREDENTIAL_ENV_VARS};
 use harness_core::clock::FnClock;
 use harness_core::engine::SliceExecutor;
 use harness_core::harness::Harness;
@@ -44,6 +45,7 @@ use serde::{Deserialize, Serialize};
 use wasm_bindgen::prelude::*;
 use worker::{Env, Fetch, Headers, Method, Request, RequestInit, ResponseBody};
 
+use crate::broker::{TurnBroker, BROKER_SECRET_VAR, BROKER_URL_VAR};
 use crate::front::SESSION_HEADER;
 
 /// The body of the object's internal `/runner` request.
@@ -208,8 +210,9 @@ fn slice_runner(env: &Env, params: &TurnParams) -> Result<SliceRunner> {
         config.approvals = Some(ApprovalServer::preinstalled(APPROVAL_SERVER_PATH));
     }
     let claude: Arc<dyn Harness> = Arc::new(ClaudeCodeHarness::new(config));
-    // The agents' model variables (ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY,
-    // …): a JSON object, set as a secret in a deployment.
+    // The agents' extra variables: a JSON object. Model credentials in it
+    // would enter the sandbox, so they are taken only with the broker off
+    // and HARNESS_DIRECT_MODEL=1 (never by default: docs/security.md).
     let agent_env: BTreeMap<String, String> = match var(env, "HARNESS_AGENT_ENV") {
         Some(json) => serde_json::from_str(&json).map_err(|e| {
             Error::invalid(format!(
@@ -218,6 +221,23 @@ fn slice_runner(env: &Env, params: &TurnParams) -> Result<SliceRunner> {
         })?,
         None => BTreeMap::new(),
     };
+    let broker = TurnBroker::from_env(env, &params.state.turn_id)?;
+    let direct = var(env, "HARNESS_DIRECT_MODEL").as_deref() == Some("1");
+    let credentials: Vec<&str> = CREDENTIAL_ENV_VARS
+        .iter()
+        .copied()
+        .filter(|k| agent_env.contains_key(*k))
+        .collect();
+    if broker.is_none() && !credentials.is_empty() && !direct {
+        return Err(Error::invalid(format!(
+            "HARNESS_AGENT_ENV carries {} and the Worker is no model broker: the key would \
+             enter the sandbox. Set {BROKER_URL_VAR} (the Worker's URL as sandboxes reach \
+             it), {BROKER_SECRET_VAR} and the provider's key as secrets of the Worker \
+             (docs/cloudflare-worker.md), or HARNESS_DIRECT_MODEL=1 to hand the agent \
+             the key on purpose",
+            credentials.join(", ")
+        )));
+    }
     let sink = ObjectRunnerSink {
         env: env.clone(),
         generation: params.generation,
@@ -227,7 +247,7 @@ fn slice_runner(env: &Env, params: &TurnParams) -> Result<SliceRunner> {
         harnesses: BTreeMap::from([(claude.name().to_string(), claude)]),
         sink: Arc::new(sink),
         env: agent_env,
-        broker: None,
+        broker: broker.map(|b| Arc::new(b) as Arc<dyn ModelBroker>),
         model: None,
         poll_interval: Duration::from_millis(250),
         sleep: Arc::new(|d| Box::pin(worker::Delay::from(d))),

@@ -27,11 +27,17 @@ use harness_testkit::bridge::{BridgeServer, BridgeServerConfig, OpenApi};
 use harness_testkit::conformance::session_api::{self, Target, CLIENT, HOST};
 use harness_testkit::model::ScriptedModel;
 use harness_testkit::model::{last_is_tool_result_for, last_user_text_contains, Reply, Script};
-use harness_testkit::wrangler::WranglerDev;
+use harness_testkit::wrangler::{free_port_on, WranglerDev};
 use harness_testkit::{require_env, skip_or_fail};
 use serde_json::{json, Value};
 
 const BRIDGE_TOKEN: &str = "workflows-bridge-token";
+/// The real model key: a secret of the Worker, never in a sandbox. Its
+/// middle part is what the probe looks for (assembled at run time there,
+/// so the probe's own command line does not hold it).
+const MODEL_KEY: &str = "sk-ant-canary-KEYMARK-wf-7f3a9c";
+/// The Worker's secret for turn tokens.
+const BROKER_SECRET: &str = "workflows-broker-secret-0123456789abcdef";
 
 fn script() -> Script {
     Script::new()
@@ -126,28 +132,35 @@ impl Rig {
         )
         .await
         .expect("the bridge server");
-        let model = ScriptedModel::start_on(SocketAddr::new(gateway, 0), script)
-            .await
-            .expect("the scripted model");
+        // The model takes the real key only: a turn that finishes had the
+        // Worker's broker add it (the agent holds a turn token).
+        let model =
+            ScriptedModel::start_requiring_key(SocketAddr::new(gateway, 0), script, MODEL_KEY)
+                .await
+                .expect("the scripted model");
         let worker_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
-        let agent_env = json!({
-            "ANTHROPIC_BASE_URL": model.base_url(),
-            "ANTHROPIC_API_KEY": "test-key",
-            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-        });
+        // The Worker listens on the Docker gateway, where the bridge's
+        // sandboxes reach it as they reach a deployed Worker: its broker.
+        let addr = SocketAddr::new(gateway, free_port_on(gateway));
+        let agent_env = json!({ "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1" });
         let mut vars = vec![
             ("HARNESS_TOKENS", session_api::token_table().to_string()),
             ("HARNESS_CF_BRIDGE_URL", bridge.url()),
             ("HARNESS_CF_TOKEN", BRIDGE_TOKEN.to_string()),
             ("HARNESS_AGENT_ENV", agent_env.to_string()),
+            ("HARNESS_BROKER_URL", format!("http://{addr}")),
+            ("HARNESS_BROKER_SECRET", BROKER_SECRET.to_string()),
+            ("ANTHROPIC_BASE_URL", model.base_url()),
+            ("ANTHROPIC_API_KEY", MODEL_KEY.to_string()),
         ];
         if approvals {
             vars.push(("HARNESS_APPROVALS", "1".to_string()));
         }
         vars.extend(extra.iter().cloned());
-        let dev = tokio::task::spawn_blocking(move || WranglerDev::start(worker_dir, &vars))
-            .await
-            .expect("start task")?;
+        let dev =
+            tokio::task::spawn_blocking(move || WranglerDev::start_at(worker_dir, &vars, addr))
+                .await
+                .expect("start task")?;
         Some(Rig { bridge, model, dev })
     }
 
@@ -199,6 +212,16 @@ impl Rig {
 
     async fn finish(self) {
         self.model.assert_no_failures();
+        // Every model request came through the Worker's broker with the
+        // real key; none reached the model with anything else.
+        assert_eq!(
+            self.model.refused(),
+            0,
+            "requests reached the model without its key"
+        );
+        for r in self.model.requests() {
+            assert_eq!(r.header("x-api-key"), Some(MODEL_KEY), "{:?}", r.path);
+        }
         drop(self.dev);
         let checked = self.bridge.check();
         self.bridge
@@ -457,5 +480,117 @@ async fn an_approval_reaches_a_claude_turn_on_workflows() {
     );
     assert!(text.contains("wrote-it"), "{text}");
     assert!(text.contains("Approved and done."), "{text}");
+    rig.finish().await;
+}
+
+/// The key stays in the Worker: the agent in the bridge's sandbox reaches
+/// the model through the Worker's broker with a turn token. A probe the
+/// agent runs finds neither the key nor the broker's secret in any
+/// process's environment or command line or in the sandbox's files; the
+/// model saw the real key on every request; after the turn its token
+/// opens nothing, a forged one and another session's path never did.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cloudflare_turn_holds_no_key_and_its_token_expires_with_it() {
+    // The marks are assembled inside the sandbox, so the probe's own
+    // command line does not hold them.
+    let probe = "p=/tmp/harness-probe.$$; printf '%s%s\\n%s%s\\n' KEY MARK broker- secret-0123 > $p; \
+         e=$( (env; cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n'; \
+               cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' ') | grep -c -f $p); \
+         f=$(grep -rIl -f $p /workspace /root /home /etc /var /tmp 2>/dev/null | grep -vc \"^$p\"); \
+         rm -f $p; echo \"ENV-HITS=$e FILE-HITS=$f\"; echo \"TOKEN=$ANTHROPIC_API_KEY\"";
+    let script = Script::new()
+        .on(
+            last_is_tool_result_for("toolu_wf_probe"),
+            Reply::text("Probed."),
+        )
+        .on(
+            last_user_text_contains("probe the sandbox"),
+            Reply::shell("toolu_wf_probe", probe),
+        );
+    let Some(rig) = Rig::start(script, &[]).await else {
+        return;
+    };
+    let t = Target::new(rig.dev.base.clone(), "wf-key");
+    let id = "wf-key";
+    rig.prompt(&t, id, "please probe the sandbox").await;
+    let frames = rig.until_end(&t, id, Duration::from_secs(300)).await;
+    let text = serde_json::to_string(&frames).unwrap();
+    let dump = || {
+        format!(
+            "{}\n--- wrangler dev ---\n{}",
+            serde_json::to_string_pretty(&frames).unwrap(),
+            rig.dev.log_tail()
+        )
+    };
+    assert_eq!(
+        terminal_status(&frames).as_deref(),
+        Some("finished"),
+        "{}",
+        dump()
+    );
+    assert!(text.contains("Probed."), "{}", dump());
+    // Nothing inside holds the key or the secret …
+    assert!(text.contains("ENV-HITS=0 FILE-HITS=0"), "{}", dump());
+    assert!(
+        !text.contains("KEYMARK"),
+        "the key reached the log: {}",
+        dump()
+    );
+    // … and the agent held a turn token of this turn.
+    // (The command's own text holds `TOKEN=$…`: the printed one follows.)
+    let token: String = text
+        .split("TOKEN=hst1_")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no turn token printed: {}", dump()))
+        .chars()
+        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+        .collect();
+    let token = format!("hst1_{token}");
+    assert!(token.ends_with("_t1"), "{token}");
+
+    // After the turn, the same token opens nothing; a forged one, another
+    // session's path and no token never did. None reaches the model.
+    let seen = rig.model.requests().len();
+    let http = reqwest::Client::new();
+    let call = |session: &str, token: Option<&str>| {
+        let url = format!(
+            "{}/v1/broker/s/{session}/anthropic/v1/messages",
+            rig.dev.base
+        );
+        let mut request = http
+            .post(url)
+            .header("content-type", "application/json")
+            .body(r#"{"model":"claude-probe","max_tokens":1,"messages":[]}"#);
+        if let Some(token) = token {
+            request = request.header("x-api-key", token);
+        }
+        async move {
+            let answer = request.send().await.expect("the Worker answers");
+            let status = answer.status().as_u16();
+            let body: Value = answer.json().await.unwrap_or(Value::Null);
+            (status, body)
+        }
+    };
+    let (status, body) = call(id, Some(&token)).await;
+    assert_eq!(status, 403, "an ended turn's token: {body}");
+    assert_eq!(body["error"]["type"], "permission_error", "{body}");
+    let mut forged = token.clone().into_bytes();
+    forged[6] = if forged[6] == b'a' { b'b' } else { b'a' };
+    let forged = String::from_utf8(forged).unwrap();
+    for (session, token) in [
+        (id, Some(forged.as_str())),
+        ("wf-other", Some(token.as_str())),
+        (id, Some(MODEL_KEY)),
+        (id, None),
+    ] {
+        let (status, body) = call(session, token).await;
+        assert_eq!(status, 401, "{session} {token:?}: {body}");
+        assert_eq!(body["error"]["type"], "authentication_error", "{body}");
+    }
+    assert_eq!(
+        rig.model.requests().len(),
+        seen,
+        "a refused call reached the model"
+    );
     rig.finish().await;
 }

@@ -66,7 +66,8 @@ pub struct Price {
     pub output_per_mtok: f64,
 }
 
-/// The broker's price table, `<broker dir>/prices.json`: model name →
+/// The broker's price table (`<broker dir>/prices.json` natively, the
+/// Worker's `HARNESS_MODEL_PRICES`): model name →
 /// [`Price`]; a name ending in `*` prices every model it is a prefix of
 /// (the longest such prefix wins over shorter ones, an exact name over
 /// all).
@@ -75,16 +76,12 @@ pub struct Price {
 pub struct PriceTable(pub std::collections::BTreeMap<String, Price>);
 
 impl PriceTable {
-    /// The table in `dir` (empty when there is none; an unreadable one is
-    /// an error, so a typo never silently prices everything at nothing).
-    pub fn load(dir: &std::path::Path) -> harness_core::Result<Self> {
-        let path = dir.join("prices.json");
-        match std::fs::read(&path) {
-            Ok(bytes) => serde_json::from_slice(&bytes)
-                .map_err(|e| harness_core::Error::invalid(format!("{}: {e}", path.display()))),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Self::default()),
-            Err(e) => Err(harness_core::Error::from(e)),
-        }
+    /// The table in a `prices.json` document (`origin` names it in the
+    /// error): a typo is an error, so it never silently prices everything
+    /// at nothing.
+    pub fn parse(bytes: &[u8], origin: &str) -> harness_core::Result<Self> {
+        serde_json::from_slice(bytes)
+            .map_err(|e| harness_core::Error::invalid(format!("{origin}: {e}")))
     }
 
     /// The price of `model`.
