@@ -37,6 +37,9 @@ pub enum Bench {
     /// package vs the same calls on the provider in Rust — first command
     /// after create, exec round trip, 64 MiB write and read.
     SandboxApi,
+    /// The sealed local sandbox's boundary per exec: round trips in a
+    /// host-mode and a sealed sandbox next to a bare `sh -c true` spawn.
+    Seal,
     /// microVM: boot to first exec, exec round trip, file throughput
     /// through the agent, CPU-bound work against the host.
     Microvm,
@@ -64,6 +67,7 @@ fn commands(bench: Bench) -> Vec<Vec<&'static str>> {
         Bench::HostTools => vec![example("session-server", "host_tools_bench")],
         Bench::SandboxApi => vec![example("session-server", "sandbox_api_bench")],
         Bench::Broker => vec![example("harness-broker", "broker_bench")],
+        Bench::Seal => vec![example("sandbox-local", "seal_bench")],
         // Debug build: the time is the guest's, and a release build of the
         // provider's dependencies would cost minutes for nothing.
         Bench::Microvm => vec![vec![
@@ -88,6 +92,7 @@ pub fn run(bench: Bench) -> Result<()> {
         Bench::HostTools,
         Bench::Broker,
         Bench::SandboxApi,
+        Bench::Seal,
         Bench::Microvm,
     ];
     let chosen: Vec<Bench> = if bench == Bench::All {
