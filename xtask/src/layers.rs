@@ -36,6 +36,7 @@ pub const BACKENDS: &[&str] = &[
     "checkpoint-fs",
     "checkpoint-r2",
     "session-log",
+    "session-log-postgres",
     "durable-temporal",
     "durable-workflows",
     "harness-claude-code",

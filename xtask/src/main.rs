@@ -138,6 +138,7 @@ enum ServiceName {
     Dockerd,
     Temporal,
     Weed,
+    Postgres,
 }
 
 fn main() -> ExitCode {
@@ -170,6 +171,7 @@ fn run(cli: Cli) -> Result<()> {
                             ServiceName::Dockerd => *s == services::Service::Dockerd,
                             ServiceName::Temporal => *s == services::Service::Temporal,
                             ServiceName::Weed => *s == services::Service::Seaweedfs,
+                            ServiceName::Postgres => *s == services::Service::Postgres,
                         })
                 })
                 .collect();

@@ -1,5 +1,5 @@
 //! `cargo xtask services start|stop|status`: dockerd, the Temporal dev
-//! server and SeaweedFS (S3), run as detached daemons.
+//! server, SeaweedFS (S3) and PostgreSQL, run as detached daemons.
 //!
 //! There is no systemd on these machines. Each daemon is started through
 //! `setsid` (a new session, so it outlives xtask and its terminal), with
@@ -20,15 +20,26 @@ use crate::util::{self, which};
 
 pub const TEMPORAL_ADDR: &str = "127.0.0.1:7233";
 pub const S3_ADDR: &str = "127.0.0.1:8333";
+/// The test PostgreSQL: a cluster of its own (not the distribution's
+/// default one on 5432), trust authentication on loopback only.
+pub const POSTGRES_ADDR: &str = "127.0.0.1:55432";
+/// The URL the tests use (`HARNESS_TEST_POSTGRES_URL`).
+pub const POSTGRES_URL: &str = "postgres://postgres@127.0.0.1:55432/postgres";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Service {
     Dockerd,
     Temporal,
     Seaweedfs,
+    Postgres,
 }
 
-pub const ALL: &[Service] = &[Service::Dockerd, Service::Temporal, Service::Seaweedfs];
+pub const ALL: &[Service] = &[
+    Service::Dockerd,
+    Service::Temporal,
+    Service::Seaweedfs,
+    Service::Postgres,
+];
 
 impl Service {
     pub fn name(self) -> &'static str {
@@ -36,6 +47,7 @@ impl Service {
             Service::Dockerd => "dockerd",
             Service::Temporal => "temporal",
             Service::Seaweedfs => "weed",
+            Service::Postgres => "postgres",
         }
     }
 
@@ -44,6 +56,7 @@ impl Service {
             Service::Dockerd => "Docker engine (unix:///var/run/docker.sock)",
             Service::Temporal => "Temporal dev server (grpc 127.0.0.1:7233)",
             Service::Seaweedfs => "SeaweedFS S3 (http://127.0.0.1:8333)",
+            Service::Postgres => "PostgreSQL (postgres://postgres@127.0.0.1:55432/postgres)",
         }
     }
 
@@ -61,6 +74,18 @@ impl Service {
                     )
             }
             Service::Seaweedfs => util::http_answers(S3_ADDR),
+            Service::Postgres => {
+                util::tcp_answers(POSTGRES_ADDR)
+                    && postgres_bin("pg_isready").is_ok_and(|bin| {
+                        util::succeeds(Command::new(bin).args([
+                            "-q",
+                            "-h",
+                            "127.0.0.1",
+                            "-p",
+                            "55432",
+                        ]))
+                    })
+            }
         }
     }
 
@@ -69,6 +94,7 @@ impl Service {
             Service::Dockerd => Duration::from_secs(60),
             Service::Temporal => Duration::from_secs(90),
             Service::Seaweedfs => Duration::from_secs(90),
+            Service::Postgres => Duration::from_secs(60),
         }
     }
 
@@ -138,6 +164,48 @@ impl Service {
                     // of test buckets ("No writable volumes"), so allow many
                     // small ones.
                     .arg("-volume.max=500");
+                c
+            }
+            Service::Postgres => {
+                // A test server, empty every time xtask starts it (as
+                // SeaweedFS): a cluster made by initdb under the cache, run
+                // as the `postgres` account when xtask is root (PostgreSQL
+                // refuses to run as root).
+                let dir = services.join("postgres");
+                if dir.exists() {
+                    std::fs::remove_dir_all(&dir)
+                        .with_context(|| format!("clearing {}", dir.display()))?;
+                }
+                std::fs::create_dir_all(&dir)?;
+                let as_postgres = |program: PathBuf| -> Result<Command> {
+                    if !is_root() {
+                        return Ok(Command::new(program));
+                    }
+                    util::run(
+                        Command::new("chown")
+                            .args(["-R", "postgres:postgres"])
+                            .arg(&dir),
+                    )
+                    .context("the postgres account owns the test cluster (apt: postgresql)")?;
+                    let mut c = Command::new("setpriv");
+                    c.args(["--reuid=postgres", "--regid=postgres", "--init-groups"])
+                        .arg(program);
+                    Ok(c)
+                };
+                let mut initdb = as_postgres(postgres_bin("initdb")?)?;
+                initdb
+                    .arg("-D")
+                    .arg(&dir)
+                    .args(["-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync"])
+                    .stdout(Stdio::null());
+                util::run(&mut initdb).context("initdb for the test PostgreSQL")?;
+                let mut c = as_postgres(postgres_bin("postgres")?)?;
+                c.arg("-D")
+                    .arg(&dir)
+                    .args(["-h", "127.0.0.1", "-p", "55432", "-k"])
+                    .arg(&dir)
+                    // Several nodes and their pools at once in the scale tests.
+                    .args(["-c", "max_connections=300"]);
                 c
             }
         })
@@ -259,6 +327,41 @@ impl Service {
         let _ = std::fs::remove_file(&pid_file);
         Ok(())
     }
+}
+
+/// A program of the newest PostgreSQL Debian installs
+/// (`/usr/lib/postgresql/<version>/bin`).
+fn postgres_bin(name: &str) -> Result<PathBuf> {
+    let root = Path::new("/usr/lib/postgresql");
+    let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir(root)
+        .with_context(|| {
+            format!(
+                "{} is missing: run `cargo xtask deps` (apt: postgresql)",
+                root.display()
+            )
+        })?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| Some((e.file_name().to_str()?.parse().ok()?, e.path())))
+        .collect();
+    versions.sort();
+    let (_, dir) = versions.pop().with_context(|| {
+        format!(
+            "no PostgreSQL under {}: run `cargo xtask deps`",
+            root.display()
+        )
+    })?;
+    let bin = dir.join("bin").join(name);
+    if !bin.exists() {
+        bail!(
+            "{} is missing: run `cargo xtask deps` (apt: postgresql)",
+            bin.display()
+        );
+    }
+    Ok(bin)
+}
+
+fn is_root() -> bool {
+    util::output(Command::new("id").arg("-u")).is_ok_and(|id| id.trim() == "0")
 }
 
 /// Alive and not a zombie.

@@ -1,0 +1,633 @@
+//! # session-log-postgres
+//!
+//! The session log ([`SessionLog`]) and the turn store ([`TurnStore`]) on
+//! PostgreSQL, for several `harness serve` nodes sharing one database
+//! (`docs/scale.md`). The rules are core's: every append is
+//! [`plan_append`]'s decision over what the database holds, inside one
+//! transaction that holds the session's row lock, so appends from any
+//! number of nodes to one session are serialized by PostgreSQL and stay
+//! gap-free; this crate only reads what the decision asks for and writes
+//! what it says.
+//!
+//! ```text
+//! harness_logs   (session PK, sealed, forked_from, fork_until, meta,
+//!                 last_seq, last_at_ms, last_hash)   one row per session: the head
+//! harness_frames (session, seq) PK, at_ms, body, idem_key, hash
+//!                 unique (session, idem_key) where idem_key is not null
+//! harness_turns  (session, turn) PK, state, done, generation
+//! harness_schema (version)                           refuses a newer schema
+//! ```
+//!
+//! Bodies and metas are stored as JSON *text* (not `jsonb`), the bytes the
+//! decision encoded: numbers travel bit-exact, as in every other store.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Transaction};
+use harness_core::frame::{Frame, FrameBody, SessionId};
+use harness_core::log::chain::{ChainKey, ChainedFrame, FrameHash};
+use harness_core::log::{
+    fold_meta, fork_closing_frame, fork_range_error, plan_append, unknown_session, AppendPlan,
+    AppendRequest, AppendView, Appended, CheckedAppend, ForkOrigin, LogHead, LogInfo, SessionLog,
+    DEFAULT_MAX_FRAME_BYTES,
+};
+use harness_core::session::{SessionConfig, SessionMeta};
+use harness_core::{Error, Result};
+
+mod schema;
+mod turn_store;
+
+pub use schema::SCHEMA_VERSION;
+pub use turn_store::PostgresTurnStore;
+
+/// Connections the pool keeps open at most (each a PostgreSQL backend).
+const DEFAULT_POOL_SIZE: usize = 16;
+/// How long connecting (or waiting for a pooled connection) may take
+/// before the call fails with the reason.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Milliseconds since the Unix epoch, the stamp of stored frames (this
+/// backend runs natively and keeps time itself; core takes a clock).
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// A PostgreSQL failure as the crate's error kinds: a unique violation is a
+/// conflict (two nodes made the same thing at once), the rest the backend's.
+pub(crate) fn db_err(e: tokio_postgres::Error) -> Error {
+    if e.code() == Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION) {
+        return Error::conflict(format!("PostgreSQL: {e}"));
+    }
+    match e.as_db_error() {
+        Some(db) => Error::backend(format!(
+            "PostgreSQL: {}: {}",
+            db.code().code(),
+            db.message()
+        )),
+        None => Error::backend(format!("PostgreSQL: {e}")),
+    }
+}
+
+pub(crate) fn pool_err(e: deadpool_postgres::PoolError) -> Error {
+    match e {
+        deadpool_postgres::PoolError::Backend(e) => db_err(e),
+        other => Error::backend(format!("PostgreSQL connection pool: {other}")),
+    }
+}
+
+/// The URL with its password, if any, blanked: what errors show.
+pub fn redacted(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let userinfo = &url[scheme + 3..at];
+            match userinfo.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
+                None => url.to_string(),
+            }
+        }
+        _ => url.to_string(),
+    }
+}
+
+/// Session logs in a PostgreSQL database. Cheap to clone (a pool).
+#[derive(Clone)]
+pub struct PostgresSessionLog {
+    pool: Pool,
+    chain: ChainKey,
+    max_frame_bytes: usize,
+}
+
+impl std::fmt::Debug for PostgresSessionLog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresSessionLog")
+            .field("pool", &self.pool.status())
+            .field("max_frame_bytes", &self.max_frame_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PostgresSessionLog {
+    /// Connect to `url` (`postgres://user:password@host:port/db`), make the
+    /// schema if the database has none, and refuse a database whose schema
+    /// is newer than this build's. Fails within [`CONNECT_TIMEOUT`] with the
+    /// reason when the database cannot be reached.
+    pub async fn connect(url: &str) -> Result<Self> {
+        let pool = pool(url, DEFAULT_POOL_SIZE)?;
+        let client = tokio::time::timeout(CONNECT_TIMEOUT, pool.get())
+            .await
+            .map_err(|_| {
+                Error::backend(format!(
+                    "PostgreSQL at {} did not answer within {}s",
+                    redacted(url),
+                    CONNECT_TIMEOUT.as_secs()
+                ))
+            })?
+            .map_err(|e| {
+                Error::backend(format!(
+                    "cannot connect to PostgreSQL at {}: {}",
+                    redacted(url),
+                    pool_err(e).message()
+                ))
+            })?;
+        schema::migrate(&client).await?;
+        drop(client);
+        Ok(Self {
+            pool,
+            chain: ChainKey::unkeyed(),
+            max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
+        })
+    }
+
+    /// Chain new frames under `key` (the audit chain, `docs/audit.md`).
+    pub fn with_chain_key(mut self, key: ChainKey) -> Self {
+        self.chain = key;
+        self
+    }
+
+    /// Refuse frames whose encoded body is larger than `max` bytes.
+    pub fn with_max_frame_bytes(mut self, max: usize) -> Self {
+        self.max_frame_bytes = max;
+        self
+    }
+
+    /// The largest frame body accepted.
+    pub fn max_frame_bytes(&self) -> usize {
+        self.max_frame_bytes
+    }
+
+    /// The turn store in the same database (same pool).
+    pub fn turn_store(&self) -> PostgresTurnStore {
+        PostgresTurnStore::from_pool(self.pool.clone())
+    }
+
+    pub(crate) async fn client(&self) -> Result<deadpool_postgres::Object> {
+        client(&self.pool).await
+    }
+}
+
+pub(crate) fn pool(url: &str, size: usize) -> Result<Pool> {
+    let config: tokio_postgres::Config = url.parse().map_err(|e| {
+        Error::invalid(format!(
+            "not a PostgreSQL URL ({}): {e}; expected postgres://user[:password]@host[:port]/database",
+            redacted(url)
+        ))
+    })?;
+    let mut config = config;
+    config.connect_timeout(CONNECT_TIMEOUT);
+    let manager = Manager::from_config(
+        config,
+        tokio_postgres::NoTls,
+        ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        },
+    );
+    Pool::builder(manager)
+        .max_size(size)
+        .wait_timeout(Some(CONNECT_TIMEOUT))
+        .create_timeout(Some(CONNECT_TIMEOUT))
+        .runtime(deadpool_postgres::Runtime::Tokio1)
+        .build()
+        .map_err(|e| Error::backend(format!("PostgreSQL connection pool: {e}")))
+}
+
+pub(crate) async fn client(pool: &Pool) -> Result<deadpool_postgres::Object> {
+    pool.get().await.map_err(pool_err)
+}
+
+fn decode_body(json: &str, session: &SessionId, seq: i64) -> Result<FrameBody> {
+    serde_json::from_str(json).map_err(|e| {
+        Error::corrupt(format!(
+            "frame {seq} of session {session} holds unreadable JSON: {e}"
+        ))
+    })
+}
+
+fn decode_meta(json: &str, session: &SessionId) -> Result<SessionMeta> {
+    serde_json::from_str(json)
+        .map_err(|e| Error::corrupt(format!("the meta of session {session} is unreadable: {e}")))
+}
+
+fn decode_hash(bytes: Option<&[u8]>, session: &SessionId, seq: i64) -> Result<Option<FrameHash>> {
+    bytes
+        .map(FrameHash::from_slice)
+        .transpose()
+        .map_err(|e| Error::corrupt(format!("frame {seq} of session {session}: {e}")))
+}
+
+const INFO_COLUMNS: &str = "sealed, forked_from, fork_until, meta, last_seq, last_at_ms";
+
+fn info_from_row(row: &tokio_postgres::Row, session: &SessionId) -> Result<LogInfo> {
+    let forked_from: Option<String> = row.get(1);
+    let fork_until: Option<i64> = row.get(2);
+    let meta: String = row.get(3);
+    let last_seq: i64 = row.get(4);
+    let last_at_ms: i64 = row.get(5);
+    Ok(LogInfo {
+        session: session.clone(),
+        last_seq: last_seq as u64,
+        last_at_ms: last_at_ms as u64,
+        sealed: row.get(0),
+        forked_from: match (forked_from, fork_until) {
+            (Some(source), Some(until)) => Some(ForkOrigin {
+                session: SessionId::parse(source)?,
+                until: until as u64,
+            }),
+            _ => None,
+        },
+        meta: decode_meta(&meta, session)?,
+    })
+}
+
+/// `session`'s info as `tx` (or a client) sees it.
+async fn load_info<C: deadpool_postgres::GenericClient + Sync>(
+    c: &C,
+    session: &SessionId,
+) -> Result<LogInfo> {
+    let row = c
+        .query_opt(
+            &format!("SELECT {INFO_COLUMNS} FROM harness_logs WHERE session = $1"),
+            &[&session.as_str()],
+        )
+        .await
+        .map_err(db_err)?
+        .ok_or_else(|| unknown_session(session))?;
+    info_from_row(&row, session)
+}
+
+/// What the append decision reads, fetched up front inside the transaction
+/// (PostgreSQL is asked asynchronously; the decision is a plain function):
+/// the head and meta from the session's locked row, and the frame of the
+/// request's key.
+struct Fetched<'a> {
+    session: &'a SessionId,
+    head: LogHead,
+    meta_json: String,
+    by_key: Option<Frame>,
+}
+
+impl AppendView for Fetched<'_> {
+    fn session(&self) -> &SessionId {
+        self.session
+    }
+    fn head(&mut self) -> Result<LogHead> {
+        Ok(self.head)
+    }
+    fn frame_by_key(&mut self, _key: &str) -> Result<Option<Frame>> {
+        // Fetched for the request's key, the only one the decision asks for.
+        Ok(self.by_key.clone())
+    }
+    fn meta(&mut self) -> Result<SessionMeta> {
+        decode_meta(&self.meta_json, self.session)
+    }
+}
+
+/// An append inside the open transaction `tx`: the session's row locked,
+/// core's decision over what it holds, then exactly what it says written.
+pub(crate) async fn append_in(
+    tx: &Transaction<'_>,
+    session: &SessionId,
+    append: CheckedAppend,
+    now: u64,
+    chain: &ChainKey,
+) -> Result<Appended> {
+    let head = tx
+        .prepare_cached(
+            "SELECT sealed, last_seq, last_hash, meta FROM harness_logs \
+             WHERE session = $1 FOR UPDATE",
+        )
+        .await
+        .map_err(db_err)?;
+    let row = tx
+        .query_opt(&head, &[&session.as_str()])
+        .await
+        .map_err(db_err)?
+        .ok_or_else(|| unknown_session(session))?;
+    let last_seq: i64 = row.get(1);
+    let head = LogHead {
+        sealed: row.get(0),
+        last_seq: last_seq as u64,
+        last_hash: decode_hash(row.get::<_, Option<&[u8]>>(2), session, last_seq)?,
+    };
+    let meta_json: String = row.get(3);
+    let by_key = match &append.request().idempotency_key {
+        None => None,
+        Some(key) => {
+            let by_key = tx
+                .prepare_cached(
+                    "SELECT seq, at_ms, body FROM harness_frames \
+                     WHERE session = $1 AND idem_key = $2",
+                )
+                .await
+                .map_err(db_err)?;
+            match tx
+                .query_opt(&by_key, &[&session.as_str(), key])
+                .await
+                .map_err(db_err)?
+            {
+                None => None,
+                Some(r) => {
+                    let seq: i64 = r.get(0);
+                    let at_ms: i64 = r.get(1);
+                    Some(Frame {
+                        seq: seq as u64,
+                        at_ms: at_ms as u64,
+                        body: decode_body(r.get(2), session, seq)?,
+                    })
+                }
+            }
+        }
+    };
+    let mut view = Fetched {
+        session,
+        head,
+        meta_json,
+        by_key,
+    };
+    let new = match plan_append(&mut view, append, now, chain)? {
+        AppendPlan::Duplicate(appended) => return Ok(appended),
+        AppendPlan::Write(new) => new,
+    };
+    let insert = tx
+        .prepare_cached(
+            "INSERT INTO harness_frames (session, seq, at_ms, body, idem_key, hash) \
+             VALUES ($1, $2, $3, $4, $5, $6)",
+        )
+        .await
+        .map_err(db_err)?;
+    let hash = new.hash.as_ref().map(|h| &h.as_bytes()[..]);
+    tx.execute(
+        &insert,
+        &[
+            &session.as_str(),
+            &(new.frame.seq as i64),
+            &(new.frame.at_ms as i64),
+            &new.body_json,
+            &new.key,
+            &hash,
+        ],
+    )
+    .await
+    .map_err(db_err)?;
+    let meta = new.meta.as_ref().map(serde_json::to_string).transpose()?;
+    let update = tx
+        .prepare_cached(
+            "UPDATE harness_logs SET last_seq = $2, last_at_ms = $3, last_hash = $4, \
+             sealed = sealed OR $5, meta = COALESCE($6, meta) WHERE session = $1",
+        )
+        .await
+        .map_err(db_err)?;
+    tx.execute(
+        &update,
+        &[
+            &session.as_str(),
+            &(new.frame.seq as i64),
+            &(new.frame.at_ms as i64),
+            &hash,
+            &new.seals,
+            &meta,
+        ],
+    )
+    .await
+    .map_err(db_err)?;
+    Ok(new.appended())
+}
+
+#[async_trait]
+impl SessionLog for PostgresSessionLog {
+    async fn create_with(
+        &self,
+        session: &SessionId,
+        config: Option<SessionConfig>,
+    ) -> Result<LogInfo> {
+        let meta = serde_json::to_string(&SessionMeta::new(config))?;
+        let client = self.client().await?;
+        client
+            .execute(
+                "INSERT INTO harness_logs (session, meta) VALUES ($1, $2) \
+                 ON CONFLICT (session) DO NOTHING",
+                &[&session.as_str(), &meta],
+            )
+            .await
+            .map_err(db_err)?;
+        load_info(&client, session).await
+    }
+
+    async fn info(&self, session: &SessionId) -> Result<LogInfo> {
+        let client = self.client().await?;
+        load_info(&client, session).await
+    }
+
+    async fn append(&self, session: &SessionId, request: AppendRequest) -> Result<Appended> {
+        let append = CheckedAppend::new(request, self.max_frame_bytes)?;
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(db_err)?;
+        let appended = append_in(&tx, session, append, now_ms(), &self.chain).await?;
+        tx.commit().await.map_err(db_err)?;
+        Ok(appended)
+    }
+
+    async fn read(&self, session: &SessionId, after: u64, limit: usize) -> Result<Vec<Frame>> {
+        let client = self.client().await?;
+        let after_i = i64::try_from(after).unwrap_or(i64::MAX);
+        let limit_i = i64::try_from(limit).unwrap_or(i64::MAX);
+        let stmt = client
+            .prepare_cached(
+                "SELECT seq, at_ms, body FROM harness_frames WHERE session = $1 AND seq > $2 \
+                 ORDER BY seq LIMIT $3",
+            )
+            .await
+            .map_err(db_err)?;
+        let rows = client
+            .query(&stmt, &[&session.as_str(), &after_i, &limit_i])
+            .await
+            .map_err(db_err)?;
+        if rows.is_empty() {
+            // An empty page of an unknown session is NotFound.
+            load_info(&client, session).await?;
+        }
+        rows.iter()
+            .map(|r| {
+                let seq: i64 = r.get(0);
+                let at_ms: i64 = r.get(1);
+                Ok(Frame {
+                    seq: seq as u64,
+                    at_ms: at_ms as u64,
+                    body: decode_body(r.get(2), session, seq)?,
+                })
+            })
+            .collect()
+    }
+
+    async fn read_chain(
+        &self,
+        session: &SessionId,
+        after: u64,
+        limit: usize,
+    ) -> Result<Vec<ChainedFrame>> {
+        let client = self.client().await?;
+        let after_i = i64::try_from(after).unwrap_or(i64::MAX);
+        let limit_i = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = client
+            .query(
+                "SELECT seq, at_ms, body, idem_key, hash FROM harness_frames \
+                 WHERE session = $1 AND seq > $2 ORDER BY seq LIMIT $3",
+                &[&session.as_str(), &after_i, &limit_i],
+            )
+            .await
+            .map_err(db_err)?;
+        if rows.is_empty() {
+            load_info(&client, session).await?;
+        }
+        rows.iter()
+            .map(|r| {
+                let seq: i64 = r.get(0);
+                let at_ms: i64 = r.get(1);
+                Ok(ChainedFrame {
+                    seq: seq as u64,
+                    at_ms: at_ms as u64,
+                    body: r.get(2),
+                    key: r.get(3),
+                    hash: decode_hash(r.get::<_, Option<&[u8]>>(4), session, seq)?,
+                })
+            })
+            .collect()
+    }
+
+    async fn seal(&self, session: &SessionId) -> Result<LogInfo> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(db_err)?;
+        let seal = CheckedAppend::new(AppendRequest::new(FrameBody::Sealed {}), usize::MAX)?;
+        // The decision refuses a second seal as a sealed log's append: a
+        // sealed log is answered as it is.
+        match append_in(&tx, session, seal, now_ms(), &self.chain).await {
+            Ok(_) => {}
+            Err(e) if e.kind() == harness_core::ErrorKind::Conflict => {}
+            Err(e) => return Err(e),
+        }
+        let info = load_info(&tx, session).await?;
+        tx.commit().await.map_err(db_err)?;
+        Ok(info)
+    }
+
+    async fn fork(&self, source: &SessionId, until: u64, target: &SessionId) -> Result<LogInfo> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(db_err)?;
+        // The source's row locked: its head cannot move under the copy.
+        let src_row = tx
+            .query_opt(
+                &format!("SELECT {INFO_COLUMNS} FROM harness_logs WHERE session = $1 FOR UPDATE"),
+                &[&source.as_str()],
+            )
+            .await
+            .map_err(db_err)?
+            .ok_or_else(|| unknown_session(source))?;
+        let src = info_from_row(&src_row, source)?;
+        if until > src.last_seq {
+            return Err(fork_range_error(source, until, src.last_seq));
+        }
+        // The seal frame is always the last one, so the copy is sealed
+        // exactly when it includes the source's seal frame.
+        let sealed = src.sealed && until == src.last_seq;
+        let until_i = until as i64;
+        let inserted = tx
+            .execute(
+                "INSERT INTO harness_logs (session, sealed, forked_from, fork_until, meta) \
+                 VALUES ($1, $2, $3, $4, '{}') ON CONFLICT (session) DO NOTHING",
+                &[&target.as_str(), &sealed, &source.as_str(), &until_i],
+            )
+            .await
+            .map_err(db_err)?;
+        if inserted == 0 {
+            return Err(Error::conflict(format!(
+                "cannot fork into {target}: that session already exists"
+            )));
+        }
+        tx.execute(
+            "INSERT INTO harness_frames (session, seq, at_ms, body, idem_key, hash) \
+             SELECT $1, seq, at_ms, body, idem_key, hash FROM harness_frames \
+             WHERE session = $2 AND seq <= $3",
+            &[&target.as_str(), &source.as_str(), &until_i],
+        )
+        .await
+        .map_err(db_err)?;
+        // The copy's meta is its own prefix folded, under the source's
+        // config; its head is the source's frame `until`.
+        let rows = tx
+            .query(
+                "SELECT seq, body, idem_key, at_ms, hash FROM harness_frames \
+                 WHERE session = $1 ORDER BY seq",
+                &[&target.as_str()],
+            )
+            .await
+            .map_err(db_err)?;
+        let mut frames = Vec::with_capacity(rows.len());
+        for r in &rows {
+            let seq: i64 = r.get(0);
+            frames.push((
+                seq as u64,
+                decode_body(r.get(1), target, seq)?,
+                r.get::<_, Option<String>>(2),
+            ));
+        }
+        let meta = fold_meta(
+            src.meta.config.clone(),
+            frames.iter().map(|(seq, b, k)| (*seq, b, k.as_deref())),
+        );
+        let (last_at_ms, last_hash): (i64, Option<Vec<u8>>) = rows
+            .last()
+            .map(|r| (r.get(3), r.get(4)))
+            .unwrap_or((0, None));
+        tx.execute(
+            "UPDATE harness_logs SET meta = $2, last_seq = $3, last_at_ms = $4, last_hash = $5 \
+             WHERE session = $1",
+            &[
+                &target.as_str(),
+                &serde_json::to_string(&meta)?,
+                &until_i,
+                &last_at_ms,
+                &last_hash,
+            ],
+        )
+        .await
+        .map_err(db_err)?;
+        if let Some(closing) = fork_closing_frame(&meta, sealed, source, until) {
+            let closing = CheckedAppend::new(closing, usize::MAX)?;
+            append_in(&tx, target, closing, now_ms(), &self.chain).await?;
+        }
+        let info = load_info(&tx, target).await?;
+        tx.commit().await.map_err(db_err)?;
+        Ok(info)
+    }
+
+    async fn list(&self) -> Result<Vec<LogInfo>> {
+        self.list_page(None, usize::MAX).await
+    }
+
+    /// One page through the primary key: `session > $1` in id order,
+    /// `LIMIT`, so a page costs its own rows whatever the log count.
+    async fn list_page(&self, after: Option<&SessionId>, limit: usize) -> Result<Vec<LogInfo>> {
+        let client = self.client().await?;
+        let after = after.map(|a| a.as_str().to_string());
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = client
+            .query(
+                &format!(
+                    "SELECT {INFO_COLUMNS}, session FROM harness_logs \
+                     WHERE $1::TEXT IS NULL OR session > $1 ORDER BY session LIMIT $2"
+                ),
+                &[&after, &limit],
+            )
+            .await
+            .map_err(db_err)?;
+        rows.iter()
+            .map(|r| {
+                let id = SessionId::parse(r.get::<_, String>(6))?;
+                info_from_row(r, &id)
+            })
+            .collect()
+    }
+}
