@@ -35,9 +35,11 @@ use harness_core::log::{
 use harness_core::session::{SessionConfig, SessionMeta};
 use harness_core::{Error, Result};
 
+mod lease;
 mod schema;
 mod turn_store;
 
+pub use lease::{Lease, Leases, DEFAULT_LEASE_TTL};
 pub use schema::SCHEMA_VERSION;
 pub use turn_store::PostgresTurnStore;
 
@@ -99,6 +101,8 @@ pub struct PostgresSessionLog {
     pool: Pool,
     chain: ChainKey,
     max_frame_bytes: usize,
+    /// Set on a node's handle: appends need the session's lease.
+    fence: Option<Leases>,
 }
 
 impl std::fmt::Debug for PostgresSessionLog {
@@ -139,7 +143,24 @@ impl PostgresSessionLog {
             pool,
             chain: ChainKey::unkeyed(),
             max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
+            fence: None,
         })
+    }
+
+    /// The session leases of node `node` in this database (`docs/scale.md`),
+    /// each lasting `ttl` unless renewed.
+    pub fn leases(&self, node: &str, ttl: Duration) -> Result<Leases> {
+        Leases::new(self.pool.clone(), node, ttl)
+    }
+
+    /// This log as `leases`' node writes it: every append (and seal) checks,
+    /// in its transaction, that the node still holds the session's lease at
+    /// the generation it acquired, and is refused as `Fenced` otherwise.
+    pub fn fenced(&self, leases: Leases) -> Self {
+        Self {
+            fence: Some(leases),
+            ..self.clone()
+        }
     }
 
     /// Chain new frames under `key` (the audit chain, `docs/audit.md`).
@@ -425,6 +446,9 @@ impl SessionLog for PostgresSessionLog {
         let append = CheckedAppend::new(request, self.max_frame_bytes)?;
         let mut client = self.client().await?;
         let tx = client.transaction().await.map_err(db_err)?;
+        if let Some(fence) = &self.fence {
+            fence.check(&tx, session).await?;
+        }
         let appended = append_in(&tx, session, append, now_ms(), &self.chain).await?;
         tx.commit().await.map_err(db_err)?;
         Ok(appended)
@@ -500,6 +524,9 @@ impl SessionLog for PostgresSessionLog {
     async fn seal(&self, session: &SessionId) -> Result<LogInfo> {
         let mut client = self.client().await?;
         let tx = client.transaction().await.map_err(db_err)?;
+        if let Some(fence) = &self.fence {
+            fence.check(&tx, session).await?;
+        }
         let seal = CheckedAppend::new(AppendRequest::new(FrameBody::Sealed {}), usize::MAX)?;
         // The decision refuses a second seal as a sealed log's append: a
         // sealed log is answered as it is.

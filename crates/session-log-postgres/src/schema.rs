@@ -46,6 +46,12 @@ CREATE TABLE IF NOT EXISTS harness_turns (
     generation  BIGINT NOT NULL DEFAULT 0,
     PRIMARY KEY (session, turn)
 );
+CREATE TABLE IF NOT EXISTS harness_leases (
+    session     TEXT PRIMARY KEY,
+    node        TEXT NOT NULL,
+    generation  BIGINT NOT NULL,
+    expires_at  TIMESTAMPTZ NOT NULL
+);
 CREATE INDEX IF NOT EXISTS harness_turns_unfinished ON harness_turns (session, turn)
     WHERE NOT done;
 ";

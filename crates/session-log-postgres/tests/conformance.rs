@@ -145,3 +145,82 @@ async fn a_newer_schema_an_unreachable_server_and_a_bad_url_are_refused_clearly(
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
 }
+
+/// Two nodes, one session: the first takes the lease, the second cannot
+/// while it lasts; once it expires the second takes it over with a higher
+/// generation, and the first node's late append — its handle still
+/// believing it owns the session — is refused as fenced, while the new
+/// owner's lands right after the old owner's last frame.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_lease_fences_the_old_owner() {
+    use harness_core::frame::{FrameBody, MessageKind, SessionId};
+    use harness_core::log::AppendRequest;
+
+    let Some(admin) = admin_url() else { return };
+    let url = fresh_database(&admin).await;
+    let base = PostgresSessionLog::connect(&url).await.unwrap();
+    let ttl = Duration::from_millis(1500);
+    let (leases_a, leases_b) = (
+        base.leases("node-a", ttl).unwrap(),
+        base.leases("node-b", ttl).unwrap(),
+    );
+    let (a, b) = (base.fenced(leases_a.clone()), base.fenced(leases_b.clone()));
+    let s = SessionId::parse("leased").unwrap();
+    base.create(&s).await.unwrap();
+    let said = |t: &str| {
+        AppendRequest::new(FrameBody::Message {
+            turn_id: "t0".into(),
+            id: t.into(),
+            kind: MessageKind::Text,
+            text: t.into(),
+            interrupted: false,
+        })
+    };
+
+    // Without a lease, no node appends.
+    let err = a.append(&s, said("a0")).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Fenced, "{err}");
+
+    let lease_a = leases_a.acquire(&s).await.unwrap().expect("a free lease");
+    assert_eq!(lease_a.generation, 1);
+    assert_eq!(a.append(&s, said("a1")).await.unwrap().seq, 1);
+    // Held and renewed by A: B cannot take it, nor append.
+    assert!(leases_b.acquire(&s).await.unwrap().is_none());
+    assert!(leases_a.renew(&lease_a).await.unwrap());
+    let err = b.append(&s, said("b0")).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Fenced, "{err}");
+    // A re-acquiring its own lease keeps the generation.
+    assert_eq!(leases_a.acquire(&s).await.unwrap().unwrap().generation, 1);
+
+    // A stops renewing (paused, partitioned): once the lease expires, B
+    // takes the session over.
+    tokio::time::sleep(ttl + Duration::from_millis(300)).await;
+    let lease_b = leases_b
+        .acquire(&s)
+        .await
+        .unwrap()
+        .expect("an expired lease");
+    assert_eq!(lease_b.generation, 2);
+    assert_eq!(
+        base.leases("node-c", ttl).unwrap().owner(&s).await.unwrap(),
+        Some(("node-b".to_string(), 2, false))
+    );
+    // A's late write is refused; B's follows A's last frame.
+    let err = a.append(&s, said("a-late")).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Fenced, "{err}");
+    assert!(err.to_string().contains("node-b"), "{err}");
+    assert_eq!(b.append(&s, said("b1")).await.unwrap().seq, 2);
+    // A learns it on renewal, too.
+    assert!(!leases_a.renew(&lease_a).await.unwrap());
+    // A clean release lets the next owner in at once.
+    leases_b.release(&lease_b).await.unwrap();
+    let lease_a2 = leases_a
+        .acquire(&s)
+        .await
+        .unwrap()
+        .expect("a released lease");
+    assert_eq!(lease_a2.generation, 3);
+    assert_eq!(a.append(&s, said("a2")).await.unwrap().seq, 3);
+    let frames = base.read(&s, 0, 10).await.unwrap();
+    assert_eq!(frames.len(), 3);
+}
