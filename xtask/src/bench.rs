@@ -37,6 +37,9 @@ pub enum Bench {
     /// package vs the same calls on the provider in Rust — first command
     /// after create, exec round trip, 64 MiB write and read.
     SandboxApi,
+    /// The search index: appends/s of indexed frames vs the same bytes not
+    /// indexed, and query p50/p99 over everything indexed.
+    Search,
     /// The sealed local sandbox's boundary per exec: round trips in a
     /// host-mode and a sealed sandbox next to a bare `sh -c true` spawn.
     Seal,
@@ -68,6 +71,7 @@ fn commands(bench: Bench) -> Vec<Vec<&'static str>> {
         Bench::SandboxApi => vec![example("session-server", "sandbox_api_bench")],
         Bench::Broker => vec![example("harness-broker", "broker_bench")],
         Bench::Seal => vec![example("sandbox-local", "seal_bench")],
+        Bench::Search => vec![example("session-log", "search_bench")],
         // Debug build: the time is the guest's, and a release build of the
         // provider's dependencies would cost minutes for nothing.
         Bench::Microvm => vec![vec![
@@ -93,6 +97,7 @@ pub fn run(bench: Bench) -> Result<()> {
         Bench::Broker,
         Bench::SandboxApi,
         Bench::Seal,
+        Bench::Search,
         Bench::Microvm,
     ];
     let chosen: Vec<Bench> = if bench == Bench::All {

@@ -1,4 +1,4 @@
-//! `harness sessions list|show|export|fork`, on the CLI's SQLite log.
+//! `harness sessions list|show|search|export|fork`, on the CLI's SQLite log.
 
 use anyhow::Result;
 use harness::core::frame::{Frame, FrameBody, SessionId};
@@ -21,6 +21,30 @@ pub enum SessionsCommand {
         /// The session.
         id: String,
         /// Print it as one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Find frames across every session: prompts, answers, tool calls
+    /// (commands, file paths), tool results, changed files, errors. Every
+    /// word must appear; best hits first, each naming its session and seq.
+    Search {
+        /// The words to find.
+        #[arg(required = true)]
+        words: Vec<String>,
+        /// Only sessions of this agent (claude-code, codex).
+        #[arg(long)]
+        agent: Option<String>,
+        /// Only sessions on this sandbox provider.
+        #[arg(long)]
+        provider: Option<String>,
+        /// Only sessions whose latest turn has this status (running,
+        /// finished, failed, …).
+        #[arg(long)]
+        status: Option<String>,
+        /// The most hits (1 to 200).
+        #[arg(long, default_value_t = harness::core::search::DEFAULT_LIMIT)]
+        limit: usize,
+        /// Print the hits as JSON lines.
         #[arg(long)]
         json: bool,
     },
@@ -99,6 +123,41 @@ pub enum ExportFormat {
 pub async fn run(home: &Home, command: SessionsCommand) -> Result<()> {
     let log = home.open_log()?;
     match command {
+        SessionsCommand::Search {
+            words,
+            agent,
+            provider,
+            status,
+            limit,
+            json,
+        } => {
+            let query = harness::core::search::SearchQuery {
+                text: words.join(" "),
+                agent,
+                provider,
+                status,
+                limit: Some(limit),
+                ..Default::default()
+            };
+            let hits = log.search(&query).await?;
+            if json {
+                for hit in &hits {
+                    println!("{}", serde_json::to_string(hit)?);
+                }
+            } else if hits.is_empty() {
+                eprintln!("no frame holds all of: {}", query.text);
+            } else {
+                for hit in &hits {
+                    println!(
+                        "{:<32} {:>6}  {:<11}  {}",
+                        hit.session.to_string(),
+                        hit.seq,
+                        hit.kind.as_str(),
+                        hit.snippet.replace('\n', " ")
+                    );
+                }
+            }
+        }
         SessionsCommand::List => {
             let logs = log.list().await?;
             println!(

@@ -53,6 +53,7 @@ pub mod maybe;
 pub mod part;
 pub mod query;
 pub mod sandbox;
+pub mod search;
 pub mod session;
 pub mod slice;
 pub mod sse;

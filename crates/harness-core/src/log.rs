@@ -189,6 +189,20 @@ pub trait SessionLog: MaybeSend + MaybeSync + std::fmt::Debug {
         Err(Error::unsupported("this session log keeps no audit chain"))
     }
 
+    /// Frames across every session that match `query`
+    /// ([`search`](crate::search): the index each store keeps with its
+    /// appends), best first. `Unsupported` by default, for a store that
+    /// keeps no index.
+    async fn search(
+        &self,
+        query: &crate::search::SearchQuery,
+    ) -> Result<Vec<crate::search::SearchHit>> {
+        let _ = query;
+        Err(Error::unsupported(
+            "this session log keeps no search index",
+        ))
+    }
+
     /// Seal the log (see the module docs).
     async fn seal(&self, session: &SessionId) -> Result<LogInfo>;
 

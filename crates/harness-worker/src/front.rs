@@ -263,6 +263,12 @@ async fn route(req: Request, env: &Env) -> Result<Response, ApiError> {
                 .map_err(internal)
         }
         (_, ["v1", "runner"]) => Err(unsupported("the runner channel on the Worker")),
+        (Method::Get, ["v1", "search"]) => {
+            call.authorize(None, HOST)?;
+            // Checked first: bad input is a 400 here as on harness serve.
+            session_api::request::search_query(&call.params)?;
+            Err(unsupported("search across sessions on the Worker (docs/search.md)"))
+        }
         (Method::Post, ["v1", "test", "engine", op]) if crate::engine_api::enabled(call.env) => {
             // The engine conformance suite's way in (engine_api.rs); a
             // runner's grant, as starting and steering turns is a runner's.

@@ -248,6 +248,48 @@ pub fn sessions_page(
     Ok((after, limit))
 }
 
+/// `GET /v1/search`: `q` (the words), and the filters `agent`,
+/// `provider`, `status`, `after` / `before` (ms since the epoch) and
+/// `limit`; an unknown parameter is refused (a typo must not silently
+/// widen a search), and the query is checked
+/// ([`SearchQuery::check`](harness_core::search::SearchQuery::check)).
+pub fn search_query(
+    params: &HashMap<String, String>,
+) -> Result<harness_core::search::SearchQuery, ApiError> {
+    const KNOWN: &[&str] = &[
+        "q",
+        "agent",
+        "provider",
+        "status",
+        "after",
+        "before",
+        "limit",
+        // The bearer token of an EventSource-style client.
+        "access_token",
+    ];
+    if let Some(unknown) = params.keys().find(|k| !KNOWN.contains(&k.as_str())) {
+        return Err(ApiError::invalid(format!(
+            "unknown search parameter {unknown:?}: use q, agent, provider, status, after, \
+             before, limit"
+        )));
+    }
+    let text = params
+        .get("q")
+        .cloned()
+        .ok_or_else(|| ApiError::invalid("a search needs q=<words>"))?;
+    let query = harness_core::search::SearchQuery {
+        text,
+        agent: params.get("agent").cloned(),
+        provider: params.get("provider").cloned(),
+        status: params.get("status").cloned(),
+        after_ms: param_u64(params, "after")?,
+        before_ms: param_u64(params, "before")?,
+        limit: param_u64(params, "limit")?.map(|l| usize::try_from(l).unwrap_or(usize::MAX)),
+    };
+    query.check()?;
+    Ok(query)
+}
+
 /// `GET /export`: the last seq to export (default: the log's end; past it
 /// is 400).
 pub fn export_until(params: &HashMap<String, String>, info: &LogInfo) -> Result<u64, ApiError> {

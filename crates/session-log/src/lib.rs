@@ -42,6 +42,7 @@ use harness_core::log::{
     AppendRequest, AppendView, Appended, ChainKey, ChainedFrame, CheckedAppend, ForkOrigin,
     FrameHash, LogHead, LogInfo, SessionLog, DEFAULT_MAX_FRAME_BYTES,
 };
+use harness_core::search::{DocKind, SearchHit, SearchQuery};
 use harness_core::session::{SessionConfig, SessionMeta};
 use harness_core::{Error, Frame, FrameBody, Result, SessionId};
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
@@ -88,6 +89,17 @@ CREATE TABLE IF NOT EXISTS frames (
 ) WITHOUT ROWID;
 CREATE UNIQUE INDEX IF NOT EXISTS frames_idem ON frames (session, idem_key)
     WHERE idem_key IS NOT NULL;
+CREATE TABLE IF NOT EXISTS search_docs (
+    id      INTEGER PRIMARY KEY,
+    session TEXT NOT NULL,
+    seq     INTEGER NOT NULL,
+    kind    TEXT NOT NULL,
+    text    TEXT NOT NULL
+);
+CREATE UNIQUE INDEX IF NOT EXISTS search_docs_frame ON search_docs (session, seq);
+CREATE VIRTUAL TABLE IF NOT EXISTS search_fts USING fts5(
+    text, content = 'search_docs', content_rowid = 'id', tokenize = 'unicode61'
+);
 CREATE TABLE IF NOT EXISTS turns (
     session    TEXT NOT NULL,
     turn       TEXT NOT NULL,
@@ -109,6 +121,73 @@ const MIGRATIONS: &[(&str, &str, &str)] = &[
         "ALTER TABLE turns ADD COLUMN generation INTEGER NOT NULL DEFAULT 0",
     ),
 ];
+
+/// `PRAGMA user_version` once every frame is in the search index: a
+/// database written before the index existed is indexed once, at open.
+const SEARCH_INDEXED: i64 = 1;
+
+/// Index every stored frame (a database that predates the search index).
+fn backfill_search(conn: &Connection) -> Result<()> {
+    let version = |c: &Connection| -> Result<i64> {
+        c.query_row("PRAGMA user_version", [], |r| r.get(0))
+            .map_err(db_err)
+    };
+    if version(conn)? >= SEARCH_INDEXED {
+        return Ok(());
+    }
+    // Immediate, and asked again inside: two processes opening the file at
+    // once index it once.
+    let tx = rusqlite::Transaction::new_unchecked(conn, TransactionBehavior::Immediate)
+        .map_err(db_err)?;
+    if version(&tx)? >= SEARCH_INDEXED {
+        return tx.commit().map_err(db_err);
+    }
+    tx.execute_batch("DELETE FROM search_docs; INSERT INTO search_fts(search_fts) VALUES ('delete-all');")
+        .map_err(db_err)?;
+    {
+        let mut frames = tx
+            .prepare("SELECT session, seq, body FROM frames ORDER BY session, seq")
+            .map_err(db_err)?;
+        let rows = frames
+            .query_map([], |r| {
+                Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?, r.get::<_, String>(2)?))
+            })
+            .map_err(db_err)?;
+        for row in rows {
+            let (session, seq, body) = row.map_err(db_err)?;
+            // A frame this build cannot read is left out of the index, not
+            // a reason to refuse the database.
+            let Ok(body) = serde_json::from_str::<FrameBody>(&body) else {
+                continue;
+            };
+            if let Some(doc) = harness_core::search::document(&body) {
+                index_document(&tx, &session, seq, &doc)?;
+            }
+        }
+    }
+    tx.execute_batch(&format!("PRAGMA user_version = {SEARCH_INDEXED}"))
+        .map_err(db_err)?;
+    tx.commit().map_err(db_err)
+}
+
+/// One frame's document into the search index (its row, then the FTS
+/// entry under the row's id).
+fn index_document(
+    tx: &Connection,
+    session: &str,
+    seq: i64,
+    doc: &harness_core::search::Document,
+) -> Result<()> {
+    tx.prepare_cached("INSERT INTO search_docs (session, seq, kind, text) VALUES (?1, ?2, ?3, ?4)")
+        .map_err(db_err)?
+        .execute(params![session, seq, doc.kind.as_str(), doc.text])
+        .map_err(db_err)?;
+    tx.prepare_cached("INSERT INTO search_fts (rowid, text) VALUES (last_insert_rowid(), ?1)")
+        .map_err(db_err)?
+        .execute(params![doc.text])
+        .map_err(db_err)?;
+    Ok(())
+}
 
 fn migrate(conn: &Connection) -> Result<()> {
     for (table, column, sql) in MIGRATIONS {
@@ -186,6 +265,7 @@ fn configure(conn: &Connection) -> Result<()> {
         .map_err(db_err)?;
     conn.execute_batch(SCHEMA).map_err(db_err)?;
     migrate(conn)?;
+    backfill_search(conn)?;
     Ok(())
 }
 
@@ -585,6 +665,9 @@ pub(crate) fn append_in(
         new.hash.as_ref().map(|h| &h.as_bytes()[..])
     ])
     .map_err(db_err)?;
+    if let Some(doc) = &new.document {
+        index_document(tx, session.as_str(), new.frame.seq as i64, doc)?;
+    }
     if new.seals {
         tx.prepare_cached("UPDATE logs SET sealed = 1 WHERE session = ?1")
             .map_err(db_err)?
@@ -794,6 +877,19 @@ impl SessionLog for SqliteSessionLog {
                 params![target.as_str(), source.as_str(), until as i64],
             )
             .map_err(db_err)?;
+            // The copy's index is the prefix's.
+            tx.execute(
+                "INSERT INTO search_docs (session, seq, kind, text) \
+                 SELECT ?1, seq, kind, text FROM search_docs WHERE session = ?2 AND seq <= ?3",
+                params![target.as_str(), source.as_str(), until as i64],
+            )
+            .map_err(db_err)?;
+            tx.execute(
+                "INSERT INTO search_fts (rowid, text) \
+                 SELECT id, text FROM search_docs WHERE session = ?1",
+                params![target.as_str()],
+            )
+            .map_err(db_err)?;
             // The copy's meta is its own prefix folded, under the source's config.
             let meta = fold_stored(&tx, &target, src.meta.config.clone(), until)?;
             store_meta(&tx, &target, &meta)?;
@@ -804,6 +900,65 @@ impl SessionLog for SqliteSessionLog {
             let info = load_info(&tx, &target)?;
             tx.commit().map_err(db_err)?;
             Ok(info)
+        })
+        .await
+    }
+
+    async fn search(&self, query: &SearchQuery) -> Result<Vec<SearchHit>> {
+        query.check()?;
+        let fts = query.fts5()?;
+        let limit = query.limit()? as i64;
+        let q = query.clone();
+        let to_i = |v: Option<u64>| v.map(|v| i64::try_from(v).unwrap_or(i64::MAX));
+        let (after, before) = (to_i(q.after_ms), to_i(q.before_ms));
+        self.read_with(move |conn| {
+            let mut stmt = conn
+                .prepare_cached(
+                    "SELECT d.session, d.seq, f.at_ms, d.kind, \
+                            snippet(search_fts, 0, '[', ']', '…', 16), bm25(search_fts) AS rank \
+                     FROM search_fts \
+                     JOIN search_docs d ON d.id = search_fts.rowid \
+                     JOIN frames f ON f.session = d.session AND f.seq = d.seq \
+                     JOIN logs l ON l.session = d.session \
+                     WHERE search_fts MATCH ?1 \
+                       AND (?2 IS NULL OR json_extract(l.meta, '$.config.agent') = ?2) \
+                       AND (?3 IS NULL OR json_extract(l.meta, '$.config.sandbox.provider') = ?3) \
+                       AND (?4 IS NULL OR f.at_ms >= ?4) \
+                       AND (?5 IS NULL OR f.at_ms < ?5) \
+                       AND (?6 IS NULL OR json_extract(l.meta, '$.turn.status') = ?6) \
+                     ORDER BY rank, d.session, d.seq LIMIT ?7",
+                )
+                .map_err(db_err)?;
+            let rows = stmt
+                .query_map(
+                    params![fts, q.agent, q.provider, after, before, q.status, limit],
+                    |r| {
+                        Ok((
+                            r.get::<_, String>(0)?,
+                            r.get::<_, i64>(1)?,
+                            r.get::<_, i64>(2)?,
+                            r.get::<_, String>(3)?,
+                            r.get::<_, String>(4)?,
+                            r.get::<_, f64>(5)?,
+                        ))
+                    },
+                )
+                .map_err(db_err)?;
+            let mut hits = Vec::new();
+            for row in rows {
+                let (session, seq, at_ms, kind, snippet, rank) = row.map_err(db_err)?;
+                hits.push(SearchHit {
+                    session: SessionId::parse(session)?,
+                    seq: seq as u64,
+                    at_ms: at_ms as u64,
+                    kind: DocKind::parse(&kind).ok_or_else(|| {
+                        Error::corrupt(format!("search index: unknown kind {kind:?}"))
+                    })?,
+                    snippet,
+                    rank,
+                });
+            }
+            Ok(hits)
         })
         .await
     }

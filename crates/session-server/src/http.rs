@@ -60,6 +60,7 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/app.css", get(crate::web::style))
         .route("/favicon.ico", get(crate::web::favicon))
         .route("/v1/sessions", post(create).get(list))
+        .route("/v1/search", get(search))
         .route("/v1/sessions/{id}", get(info))
         .route("/v1/sessions/{id}/ws", get(websocket))
         .route("/v1/sessions/{id}/messages", post(post_message))
@@ -200,6 +201,19 @@ async fn list(
     let (after, limit) = session_api::request::sessions_page(&params)?;
     let page = state.hub.log().list_page(after.as_ref(), limit).await?;
     Ok(Json(page))
+}
+
+/// `GET /v1/search?q=`: frames across every session, best first
+/// (`docs/search.md`). Spans sessions, so it takes a host's grant, as the
+/// session list does.
+async fn search(
+    State(state): Shared,
+    Query(params): Params,
+    headers: HeaderMap,
+) -> Result<Json<Vec<harness_core::search::SearchHit>>, ApiError> {
+    state.auth(&headers, &params, None, HOST)?;
+    let query = session_api::request::search_query(&params)?;
+    Ok(Json(state.hub.log().search(&query).await?))
 }
 
 async fn info(

@@ -1062,3 +1062,89 @@ async fn export_as_markdown_honours_until() {
     assert_eq!(r.status(), 400);
     assert_eq!(error_code(r).await, "invalid");
 }
+
+/// `GET /v1/search`: prompts stored through the API are found at once,
+/// naming session and seq, with a filter; bad input (no words, an unknown
+/// filter, a bad limit) is a 400 saying why; a session's client cannot
+/// search across sessions (403), a host can.
+#[tokio::test]
+async fn search_finds_frames_across_sessions_and_refuses_bad_queries() {
+    let srv = start(|c| {
+        c.insecure_no_auth = false;
+        c.tokens = vec![
+            TokenGrant::new("host", Scope::All, GrantRole::Host),
+            TokenGrant::new("client-a", Scope::parse("sa").unwrap(), GrantRole::Client),
+        ];
+    })
+    .await;
+    let h = &srv.http;
+    let base = &srv.base;
+    for (id, agent) in [("sa", "claude-code"), ("sb", "codex")] {
+        let r = h
+            .post(format!("{base}/v1/sessions"))
+            .bearer_auth("host")
+            .json(&json!({"id": id, "agent": agent}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 201);
+        let r = h
+            .post(format!("{base}/v1/sessions/{id}/messages"))
+            .bearer_auth("host")
+            .json(&json!({"type": "prompt", "text": format!("rename the walrus module in {id}")}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    let search = |query: &str, token: &str| {
+        h.get(format!("{base}/v1/search?{query}"))
+            .bearer_auth(token)
+            .send()
+    };
+    let r = search("q=walrus+module", "host").await.unwrap();
+    assert_eq!(r.status(), 200);
+    let hits: Vec<Value> = r.json().await.unwrap();
+    let mut found: Vec<(String, u64)> = hits
+        .iter()
+        .map(|h| (h["session"].as_str().unwrap().to_string(), h["seq"].as_u64().unwrap()))
+        .collect();
+    found.sort();
+    let seq = |id: &str| {
+        let log = srv.log.clone();
+        let id = sid(id);
+        async move {
+            log.read(&id, 0, 100)
+                .await
+                .unwrap()
+                .iter()
+                .find(|f| matches!(f.body, harness_core::frame::FrameBody::UserMessage { .. }))
+                .unwrap()
+                .seq
+        }
+    };
+    assert_eq!(
+        found,
+        [("sa".to_string(), seq("sa").await), ("sb".to_string(), seq("sb").await)]
+    );
+    assert_eq!(hits[0]["kind"], "prompt");
+    let r = search("q=walrus&agent=codex", "host").await.unwrap();
+    let hits: Vec<Value> = r.json().await.unwrap();
+    assert_eq!(hits.len(), 1);
+    assert_eq!(hits[0]["session"], "sb");
+
+    for (query, why) in [
+        ("", "q="),
+        ("q=%21%21", "nothing to search for"),
+        ("q=walrus&color=red", "unknown search parameter"),
+        ("q=walrus&limit=0", "limit"),
+        ("q=walrus&after=x", "not a number"),
+    ] {
+        let r = search(query, "host").await.unwrap();
+        assert_eq!(r.status(), 400, "{query}");
+        let v: Value = r.json().await.unwrap();
+        assert!(v.to_string().contains(why), "{query}: {v}");
+    }
+    assert_eq!(search("q=walrus", "client-a").await.unwrap().status(), 403);
+    assert_eq!(search("q=walrus", "nobody").await.unwrap().status(), 401);
+}

@@ -16,7 +16,8 @@
 //!
 //! A store decides nothing itself, so a rule added here reaches every store
 //! at once: the audit chain is one ([`NewFrame::hash`], computed here with
-//! the key the store was given; see [`chain`](super::chain)).
+//! the key the store was given; see [`chain`](super::chain)), the search
+//! index another ([`NewFrame::document`], see [`search`](crate::search)).
 
 use crate::frame::{Frame, FrameBody, SessionId};
 use crate::session::SessionMeta;
@@ -96,6 +97,10 @@ pub struct NewFrame {
     /// Its link in the audit chain, to store with it (`None` only under
     /// [`ChainKey::off`], the bench's anchor).
     pub hash: Option<FrameHash>,
+    /// What the search index holds of it ([`crate::search::document`]),
+    /// to write in the same transaction; `None` for a frame with nothing
+    /// to find.
+    pub document: Option<crate::search::Document>,
 }
 
 impl NewFrame {
@@ -171,6 +176,7 @@ pub fn plan_append(
     });
     Ok(AppendPlan::Write(NewFrame {
         seals: matches!(request.body, FrameBody::Sealed {}),
+        document: crate::search::document(&request.body),
         frame: Frame {
             seq,
             at_ms: now_ms,

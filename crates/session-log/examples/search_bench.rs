@@ -1,0 +1,147 @@
+//! What the search index costs and gives, on the SQLite log:
+//!
+//! - appends/s of frames the index holds (answers of 20 words) next to
+//!   appends/s of frames of the same size it does not hold (text deltas,
+//!   stream bookkeeping) — the same store, the same bytes, in interleaved
+//!   rounds, 16 writers on 1,000 sessions;
+//! - query latency (p50/p99) over everything indexed, for one- and
+//!   two-word queries.
+//!
+//! ```text
+//! cargo xtask bench search
+//! BENCH_FRAMES=1000000 cargo run --release -p session-log --example search_bench
+//! ```
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use harness_core::frame::{FrameBody, MessageKind, SessionId};
+use harness_core::log::{AppendRequest, SessionLog};
+use harness_core::part::StreamPart;
+use harness_core::search::SearchQuery;
+use session_log::SqliteSessionLog;
+
+const SESSIONS: usize = 1000;
+const WRITERS: usize = 16;
+const ROUNDS: usize = 5;
+const VOCABULARY: u64 = 5000;
+
+fn env_or(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// A deterministic stream of words (xorshift).
+struct Words(u64);
+
+impl Words {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn sentence(&mut self, n: usize) -> String {
+        (0..n)
+            .map(|_| format!("w{}", self.next() % VOCABULARY))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+}
+
+fn body(indexed: bool, text: String) -> FrameBody {
+    if indexed {
+        FrameBody::Message {
+            turn_id: "t1".into(),
+            id: "m".into(),
+            kind: MessageKind::Text,
+            text,
+            interrupted: false,
+        }
+    } else {
+        FrameBody::Part {
+            turn_id: "t1".into(),
+            part: StreamPart::TextDelta {
+                id: "m".into(),
+                delta: text,
+            },
+        }
+    }
+}
+
+/// Append `frames` frames (indexed or not) with [`WRITERS`] tasks; the
+/// rate.
+async fn append_round(log: &Arc<SqliteSessionLog>, frames: usize, indexed: bool, seed: u64) -> f64 {
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for w in 0..WRITERS {
+        let log = log.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut words = Words(seed * 7919 + w as u64 + 1);
+            for i in (w..frames).step_by(WRITERS) {
+                let id = SessionId::parse(format!("s{:04}", i % SESSIONS)).unwrap();
+                log.append(&id, AppendRequest::new(body(indexed, words.sentence(20))))
+                    .await
+                    .unwrap();
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    frames as f64 / started.elapsed().as_secs_f64()
+}
+
+async fn open(dir: &std::path::Path, name: &str) -> Arc<SqliteSessionLog> {
+    let log = Arc::new(SqliteSessionLog::open(dir.join(name)).unwrap());
+    for i in 0..SESSIONS {
+        log.create(&SessionId::parse(format!("s{i:04}")).unwrap())
+            .await
+            .unwrap();
+    }
+    log
+}
+
+fn pct(sorted: &[Duration], p: f64) -> f64 {
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize].as_secs_f64() * 1e3
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let frames = env_or("BENCH_FRAMES", 200_000);
+    let per_round = frames / ROUNDS;
+    let dir = tempfile::tempdir().unwrap();
+    let plain = open(dir.path(), "plain.db").await;
+    let indexed = open(dir.path(), "indexed.db").await;
+    println!(
+        "search_bench: {frames} frames of 20 words in {ROUNDS} rounds, {WRITERS} writers, \
+         {SESSIONS} sessions; not indexed (text deltas) vs indexed (answers), interleaved"
+    );
+    println!("{:>5}  {:>16}  {:>16}  {:>7}", "round", "not indexed /s", "indexed /s", "ratio");
+    for round in 0..ROUNDS {
+        let a = append_round(&plain, per_round, false, round as u64).await;
+        let b = append_round(&indexed, per_round, true, round as u64).await;
+        println!("{:>5}  {a:>16.0}  {b:>16.0}  {:>7.3}", round + 1, b / a);
+    }
+    let mut words = Words(42);
+    for n in [1, 2] {
+        let mut times = Vec::new();
+        let mut hits = 0;
+        for _ in 0..1000 {
+            let query = SearchQuery::new(words.sentence(n));
+            let started = Instant::now();
+            hits += indexed.search(&query).await.unwrap().len();
+            times.push(started.elapsed());
+        }
+        times.sort();
+        println!(
+            "query of {n} word(s) over {frames} indexed frames: p50 {:.2} ms, p99 {:.2} ms \
+             (1000 queries, {:.1} hits each on average, 20 at most)",
+            pct(&times, 0.5),
+            pct(&times, 0.99),
+            hits as f64 / 1000.0
+        );
+    }
+}
