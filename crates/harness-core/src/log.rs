@@ -198,9 +198,7 @@ pub trait SessionLog: MaybeSend + MaybeSync + std::fmt::Debug {
         query: &crate::search::SearchQuery,
     ) -> Result<Vec<crate::search::SearchHit>> {
         let _ = query;
-        Err(Error::unsupported(
-            "this session log keeps no search index",
-        ))
+        Err(Error::unsupported("this session log keeps no search index"))
     }
 
     /// Seal the log (see the module docs).

@@ -326,7 +326,9 @@ mod tests {
             let err = SearchQuery::new(bad).check().unwrap_err();
             assert_eq!(err.kind(), crate::ErrorKind::InvalidInput, "{bad:?}");
         }
-        assert!(SearchQuery::new("x".repeat(MAX_QUERY_BYTES + 1)).check().is_err());
+        assert!(SearchQuery::new("x".repeat(MAX_QUERY_BYTES + 1))
+            .check()
+            .is_err());
         let mut q = SearchQuery::new("ok");
         q.limit = Some(0);
         assert!(q.check().is_err());

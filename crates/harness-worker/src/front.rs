@@ -267,7 +267,9 @@ async fn route(req: Request, env: &Env) -> Result<Response, ApiError> {
             call.authorize(None, HOST)?;
             // Checked first: bad input is a 400 here as on harness serve.
             session_api::request::search_query(&call.params)?;
-            Err(unsupported("search across sessions on the Worker (docs/search.md)"))
+            Err(unsupported(
+                "search across sessions on the Worker (docs/search.md)",
+            ))
         }
         (Method::Post, ["v1", "test", "engine", op]) if crate::engine_api::enabled(call.env) => {
             // The engine conformance suite's way in (engine_api.rs); a

@@ -32,6 +32,7 @@ use harness_core::log::{
     AppendRequest, AppendView, Appended, CheckedAppend, ForkOrigin, LogHead, LogInfo, SessionLog,
     DEFAULT_MAX_FRAME_BYTES,
 };
+use harness_core::search::{DocKind, SearchHit, SearchQuery};
 use harness_core::session::{SessionConfig, SessionMeta};
 use harness_core::{Error, Result};
 
@@ -393,6 +394,29 @@ pub(crate) async fn append_in(
     )
     .await
     .map_err(db_err)?;
+    if let Some(doc) = &new.document {
+        // The search index (docs/search.md): PostgreSQL's full text, the
+        // `simple` configuration (no stemming: code and paths are words
+        // as they are).
+        let index = tx
+            .prepare_cached(
+                "INSERT INTO harness_search (session, seq, kind, text, doc) \
+                 VALUES ($1, $2, $3, $4, to_tsvector('simple', $4))",
+            )
+            .await
+            .map_err(db_err)?;
+        tx.execute(
+            &index,
+            &[
+                &session.as_str(),
+                &(new.frame.seq as i64),
+                &doc.kind.as_str(),
+                &doc.text,
+            ],
+        )
+        .await
+        .map_err(db_err)?;
+    }
     let meta = new.meta.as_ref().map(serde_json::to_string).transpose()?;
     let update = tx
         .prepare_cached(
@@ -581,6 +605,14 @@ impl SessionLog for PostgresSessionLog {
         )
         .await
         .map_err(db_err)?;
+        tx.execute(
+            "INSERT INTO harness_search (session, seq, kind, text, doc) \
+             SELECT $1, seq, kind, text, doc FROM harness_search \
+             WHERE session = $2 AND seq <= $3",
+            &[&target.as_str(), &source.as_str(), &until_i],
+        )
+        .await
+        .map_err(db_err)?;
         // The copy's meta is its own prefix folded, under the source's
         // config; its head is the source's frame `until`.
         let rows = tx
@@ -632,6 +664,59 @@ impl SessionLog for PostgresSessionLog {
 
     async fn list(&self) -> Result<Vec<LogInfo>> {
         self.list_page(None, usize::MAX).await
+    }
+
+    async fn search(&self, query: &SearchQuery) -> Result<Vec<SearchHit>> {
+        query.check()?;
+        // Plain words only (checked above): `plainto_tsquery` ANDs them.
+        let words = query.terms()?.join(" ");
+        let limit = query.limit()? as i64;
+        let to_i = |v: Option<u64>| v.map(|v| i64::try_from(v).unwrap_or(i64::MAX));
+        let client = self.client().await?;
+        let rows = client
+            .query(
+                "SELECT s.session, s.seq, f.at_ms, s.kind, \
+                        ts_headline('simple', s.text, q, \
+                                    'StartSel=[, StopSel=], MaxWords=16, MinWords=6'), \
+                        -ts_rank(s.doc, q)::FLOAT8 AS rank \
+                 FROM harness_search s \
+                 CROSS JOIN plainto_tsquery('simple', $1) q \
+                 JOIN harness_frames f ON f.session = s.session AND f.seq = s.seq \
+                 JOIN harness_logs l ON l.session = s.session \
+                 WHERE s.doc @@ q \
+                   AND ($2::TEXT IS NULL OR l.meta::jsonb #>> '{config,agent}' = $2) \
+                   AND ($3::TEXT IS NULL OR l.meta::jsonb #>> '{config,sandbox,provider}' = $3) \
+                   AND ($4::BIGINT IS NULL OR f.at_ms >= $4) \
+                   AND ($5::BIGINT IS NULL OR f.at_ms < $5) \
+                   AND ($6::TEXT IS NULL OR l.meta::jsonb #>> '{turn,status}' = $6) \
+                 ORDER BY rank, s.session, s.seq LIMIT $7",
+                &[
+                    &words,
+                    &query.agent,
+                    &query.provider,
+                    &to_i(query.after_ms),
+                    &to_i(query.before_ms),
+                    &query.status,
+                    &limit,
+                ],
+            )
+            .await
+            .map_err(db_err)?;
+        rows.iter()
+            .map(|r| {
+                let kind: String = r.get(3);
+                Ok(SearchHit {
+                    session: SessionId::parse(r.get::<_, String>(0))?,
+                    seq: r.get::<_, i64>(1) as u64,
+                    at_ms: r.get::<_, i64>(2) as u64,
+                    kind: DocKind::parse(&kind).ok_or_else(|| {
+                        Error::corrupt(format!("search index: unknown kind {kind:?}"))
+                    })?,
+                    snippet: r.get(4),
+                    rank: r.get(5),
+                })
+            })
+            .collect()
     }
 
     /// One page through the primary key: `session > $1` in id order,

@@ -46,6 +46,15 @@ CREATE TABLE IF NOT EXISTS harness_turns (
     generation  BIGINT NOT NULL DEFAULT 0,
     PRIMARY KEY (session, turn)
 );
+CREATE TABLE IF NOT EXISTS harness_search (
+    session     TEXT NOT NULL,
+    seq         BIGINT NOT NULL,
+    kind        TEXT NOT NULL,
+    text        TEXT NOT NULL,
+    doc         TSVECTOR NOT NULL,
+    PRIMARY KEY (session, seq)
+);
+CREATE INDEX IF NOT EXISTS harness_search_doc ON harness_search USING GIN (doc);
 CREATE TABLE IF NOT EXISTS harness_leases (
     session     TEXT PRIMARY KEY,
     node        TEXT NOT NULL,

@@ -224,3 +224,17 @@ async fn a_lost_lease_fences_the_old_owner() {
     let frames = base.read(&s, 0, 10).await.unwrap();
     assert_eq!(frames.len(), 3);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_log_passes_the_search_suite() {
+    let Some(admin) = admin_url() else { return };
+    harness_testkit::conformance::search::run_all(|| {
+        let admin = admin.clone();
+        async move {
+            let url = fresh_database(&admin).await;
+            Arc::new(PostgresSessionLog::connect(&url).await.unwrap()) as Arc<dyn SessionLog>
+        }
+    })
+    .await
+    .unwrap();
+}

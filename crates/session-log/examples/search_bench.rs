@@ -119,7 +119,10 @@ async fn main() {
         "search_bench: {frames} frames of 20 words in {ROUNDS} rounds, {WRITERS} writers, \
          {SESSIONS} sessions; not indexed (text deltas) vs indexed (answers), interleaved"
     );
-    println!("{:>5}  {:>16}  {:>16}  {:>7}", "round", "not indexed /s", "indexed /s", "ratio");
+    println!(
+        "{:>5}  {:>16}  {:>16}  {:>7}",
+        "round", "not indexed /s", "indexed /s", "ratio"
+    );
     for round in 0..ROUNDS {
         let a = append_round(&plain, per_round, false, round as u64).await;
         let b = append_round(&indexed, per_round, true, round as u64).await;

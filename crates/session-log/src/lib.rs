@@ -142,15 +142,21 @@ fn backfill_search(conn: &Connection) -> Result<()> {
     if version(&tx)? >= SEARCH_INDEXED {
         return tx.commit().map_err(db_err);
     }
-    tx.execute_batch("DELETE FROM search_docs; INSERT INTO search_fts(search_fts) VALUES ('delete-all');")
-        .map_err(db_err)?;
+    tx.execute_batch(
+        "DELETE FROM search_docs; INSERT INTO search_fts(search_fts) VALUES ('delete-all');",
+    )
+    .map_err(db_err)?;
     {
         let mut frames = tx
             .prepare("SELECT session, seq, body FROM frames ORDER BY session, seq")
             .map_err(db_err)?;
         let rows = frames
             .query_map([], |r| {
-                Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?, r.get::<_, String>(2)?))
+                Ok((
+                    r.get::<_, String>(0)?,
+                    r.get::<_, i64>(1)?,
+                    r.get::<_, String>(2)?,
+                ))
             })
             .map_err(db_err)?;
         for row in rows {

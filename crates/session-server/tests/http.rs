@@ -1107,7 +1107,12 @@ async fn search_finds_frames_across_sessions_and_refuses_bad_queries() {
     let hits: Vec<Value> = r.json().await.unwrap();
     let mut found: Vec<(String, u64)> = hits
         .iter()
-        .map(|h| (h["session"].as_str().unwrap().to_string(), h["seq"].as_u64().unwrap()))
+        .map(|h| {
+            (
+                h["session"].as_str().unwrap().to_string(),
+                h["seq"].as_u64().unwrap(),
+            )
+        })
         .collect();
     found.sort();
     let seq = |id: &str| {
@@ -1125,7 +1130,10 @@ async fn search_finds_frames_across_sessions_and_refuses_bad_queries() {
     };
     assert_eq!(
         found,
-        [("sa".to_string(), seq("sa").await), ("sb".to_string(), seq("sb").await)]
+        [
+            ("sa".to_string(), seq("sa").await),
+            ("sb".to_string(), seq("sb").await)
+        ]
     );
     assert_eq!(hits[0]["kind"], "prompt");
     let r = search("q=walrus&agent=codex", "host").await.unwrap();

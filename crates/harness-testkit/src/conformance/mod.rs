@@ -8,5 +8,6 @@ pub mod durable_streams;
 pub mod engine;
 pub mod log;
 pub mod sandbox;
+pub mod search;
 pub mod session_api;
 pub mod turn_store;
