@@ -493,3 +493,71 @@ async fn a_host_tool_call_and_its_outcome_show_in_the_transcript() {
     model.assert_no_failures();
     screenshot(c, "host-tool").await;
 }
+
+/// The search box: words typed on the sessions page find the frame in
+/// another session; clicking the hit opens that session at that frame,
+/// marked and offering "Fork here"; words found nowhere say so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_search_hit_opens_the_session_at_its_frame() {
+    if !claude() {
+        return;
+    }
+    let Some(b) = browser(1100, 900).await else {
+        return;
+    };
+    let model = ScriptedModel::start(Script::new().on(any(), Reply::text("Noted.")))
+        .await
+        .unwrap();
+    let home = tempfile::tempdir().unwrap();
+    let serve = Serve::start(home.path(), &model, &[]);
+    let mut target = None;
+    for (i, words) in ["tidy the changelog", "rename the walrus parser", "bump the version"]
+        .into_iter()
+        .enumerate()
+    {
+        let id = create(&serve, json!({"id": format!("find-{i}"), "agent": "claude-code"})).await;
+        prompt(&serve, &id, words).await;
+        if words.contains("walrus") {
+            target = Some(id);
+        }
+    }
+    let target = target.unwrap();
+    // The prompt's seq, as the log holds it.
+    let frames = export(&serve, &target).await;
+    let seq = frames
+        .iter()
+        .find(|f| f["body"]["type"] == "user-message")
+        .and_then(|f| f["seq"].as_u64())
+        .expect("the prompt is stored");
+    let c = &b.client;
+    sign_in(&serve, c, HOST, None).await;
+    wait_text(&serve, c, "#sessions caption", "Sessions on this server").await;
+    type_into(c, "#search-q", "walrus").await;
+    click(c, "#search button[type=submit]").await;
+    let hit = wait_text(&serve, c, "#search-results li a", &target).await;
+    assert!(hit.contains(&format!("#{seq}")), "{hit}");
+    assert!(hit.contains("prompt"), "{hit}");
+    assert_eq!(count(c, "#search-results li").await, 1, "{hit}");
+    assert_eq!(text_of(c, "#search-results mark").await, "walrus");
+    screenshot_to(c, "web", "search-results").await;
+    click(c, "#search-results li a").await;
+    wait_text(&serve, c, "#session-id", &target).await;
+    let found = wait_text(&serve, c, "#transcript .found", "walrus").await;
+    assert!(found.contains("rename the walrus parser"), "{found}");
+    let marked = c
+        .find(Locator::Css("#transcript .found"))
+        .await
+        .unwrap()
+        .attr("data-seq")
+        .await
+        .unwrap();
+    assert_eq!(marked.as_deref(), Some(seq.to_string().as_str()));
+    assert_eq!(count(c, "#transcript .found button").await, 2, "Fork here and Export");
+    screenshot_to(c, "web", "search-opened").await;
+    // Words found nowhere: said so.
+    c.goto(&serve.url("/#/")).await.unwrap();
+    wait_text(&serve, c, "#sessions caption", "Sessions on this server").await;
+    type_into(c, "#search-q", "narwhal").await;
+    click(c, "#search button[type=submit]").await;
+    wait_text(&serve, c, "#search-results li", "No frame holds all of: narwhal").await;
+}

@@ -16,6 +16,8 @@ const state = {
   // `--demo`): no sign-in needed.
   open: false,
   session: null,
+  // The seq a search hit opened the session at, until it is shown.
+  focus: null,
   source: null,
   lastSeq: 0,
   running: null,
@@ -489,7 +491,63 @@ function showUsage() {
   }
 }
 
+/// A search hit's snippet: the matched words (between `[` and `]`) marked.
+function snippet(line) {
+  const span = document.createElement("span");
+  span.className = "snippet";
+  for (const piece of line.split(/(\[[^\]]*\])/)) {
+    if (piece.length > 2 && piece.startsWith("[") && piece.endsWith("]")) span.append(text("mark", piece.slice(1, -1)));
+    else span.append(piece);
+  }
+  return span;
+}
+
+/// Search every session (`GET /v1/search`); each hit links to its frame.
+async function search(event) {
+  event.preventDefault();
+  const q = $("#search-q").value.trim();
+  const list = $("#search-results");
+  list.replaceChildren();
+  try {
+    const hits = await api(`/v1/search?q=${encodeURIComponent(q)}`);
+    if (!hits.length) {
+      list.append(text("li", `No frame holds all of: ${q}`, "none"));
+      return;
+    }
+    for (const hit of hits) {
+      const link = document.createElement("a");
+      link.href = `#/s/${hit.session}/${hit.seq}`;
+      link.append(text("code", hit.session), ` #${hit.seq} `, text("span", hit.kind, "kind"), " ", snippet(hit.snippet));
+      const item = document.createElement("li");
+      item.append(link);
+      list.append(item);
+    }
+  } catch (e) {
+    say(e.message);
+  }
+}
+
+/// Once the frame a search hit named is shown: mark it, scroll to it.
+function focusFrame() {
+  const want = state.focus;
+  const shown = [...document.querySelectorAll("#transcript [data-seq]")];
+  const at = shown.filter((el) => Number(el.dataset.seq) <= want).pop();
+  if (!at) return;
+  state.focus = null;
+  for (const old of document.querySelectorAll("#transcript .found")) old.classList.remove("found");
+  at.classList.add("found");
+  at.setAttribute("aria-current", "true");
+  at.tabIndex = -1;
+  at.scrollIntoView({ block: "center" });
+  at.focus({ preventScroll: true });
+}
+
 function onFrame(frame) {
+  renderFrame(frame);
+  if (state.focus !== null && frame.seq >= state.focus) focusFrame();
+}
+
+function renderFrame(frame) {
   if (frame.seq <= state.lastSeq) return; // already shown
   state.lastSeq = frame.seq;
   const body = frame.body;
@@ -597,9 +655,12 @@ async function route() {
       return;
     }
   }
-  const match = location.hash.match(/^#\/s\/([A-Za-z0-9._-]+)$/);
+  const match = location.hash.match(/^#\/s\/([A-Za-z0-9._-]+)(?:\/(\d+))?$/);
   if (match) {
+    // `#/s/<id>/<seq>` (a search hit): that frame, marked, once shown.
+    state.focus = match[2] ? Number(match[2]) : null;
     if (state.session !== match[1]) openSession(match[1]);
+    else if (state.focus !== null) focusFrame();
     return;
   }
   closeSession();
@@ -616,6 +677,7 @@ $("#open-session").addEventListener("submit", (event) => {
   location.hash = `#/s/${$("#open-id").value.trim()}`;
 });
 $("#refresh").addEventListener("click", loadSessions);
+$("#search").addEventListener("submit", search);
 $("#composer").addEventListener("submit", send);
 $("#abort").addEventListener("click", abort);
 $("#prompt").addEventListener("keydown", (event) => {
