@@ -511,11 +511,19 @@ async fn a_search_hit_opens_the_session_at_its_frame() {
     let home = tempfile::tempdir().unwrap();
     let serve = Serve::start(home.path(), &model, &[]);
     let mut target = None;
-    for (i, words) in ["tidy the changelog", "rename the walrus parser", "bump the version"]
-        .into_iter()
-        .enumerate()
+    for (i, words) in [
+        "tidy the changelog",
+        "rename the walrus parser",
+        "bump the version",
+    ]
+    .into_iter()
+    .enumerate()
     {
-        let id = create(&serve, json!({"id": format!("find-{i}"), "agent": "claude-code"})).await;
+        let id = create(
+            &serve,
+            json!({"id": format!("find-{i}"), "agent": "claude-code"}),
+        )
+        .await;
         prompt(&serve, &id, words).await;
         if words.contains("walrus") {
             target = Some(id);
@@ -529,6 +537,19 @@ async fn a_search_hit_opens_the_session_at_its_frame() {
         .find(|f| f["body"]["type"] == "user-message")
         .and_then(|f| f["seq"].as_u64())
         .expect("the prompt is stored");
+    // Searchable within a second of its append (docs/search.md).
+    let started = Instant::now();
+    while get_json_as(&serve, "/v1/search?q=walrus", HOST)
+        .await
+        .as_array()
+        .is_none_or(|hits| hits.is_empty())
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "the prompt never became searchable"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let c = &b.client;
     sign_in(&serve, c, HOST, None).await;
     wait_text(&serve, c, "#sessions caption", "Sessions on this server").await;
@@ -552,12 +573,22 @@ async fn a_search_hit_opens_the_session_at_its_frame() {
         .await
         .unwrap();
     assert_eq!(marked.as_deref(), Some(seq.to_string().as_str()));
-    assert_eq!(count(c, "#transcript .found button").await, 2, "Fork here and Export");
+    assert_eq!(
+        count(c, "#transcript .found button").await,
+        2,
+        "Fork here and Export"
+    );
     screenshot_to(c, "web", "search-opened").await;
     // Words found nowhere: said so.
     c.goto(&serve.url("/#/")).await.unwrap();
     wait_text(&serve, c, "#sessions caption", "Sessions on this server").await;
     type_into(c, "#search-q", "narwhal").await;
     click(c, "#search button[type=submit]").await;
-    wait_text(&serve, c, "#search-results li", "No frame holds all of: narwhal").await;
+    wait_text(
+        &serve,
+        c,
+        "#search-results li",
+        "No frame holds all of: narwhal",
+    )
+    .await;
 }

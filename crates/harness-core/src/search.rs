@@ -1,8 +1,9 @@
 //! Search across sessions: what of a frame is searchable, what a query is,
 //! and what a hit says — the rules every store's index follows.
 //!
-//! A store indexes each frame it writes, in the append's own transaction,
-//! with [`document`]: prompts, the agent's answers and reasoning, tool calls
+//! A store indexes each frame it writes with [`document`] (the append
+//! decision hands it over: `NewFrame::document`), in the append's
+//! transaction or soon after its commit (within a second): prompts, the agent's answers and reasoning, tool calls
 //! (the tool's name and every string of its input: commands, file paths),
 //! tool results, changed files, and a failed turn's error. Frames that say
 //! nothing a person would look for (stream bookkeeping, runner attachment,

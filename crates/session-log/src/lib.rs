@@ -42,13 +42,14 @@ use harness_core::log::{
     AppendRequest, AppendView, Appended, ChainKey, ChainedFrame, CheckedAppend, ForkOrigin,
     FrameHash, LogHead, LogInfo, SessionLog, DEFAULT_MAX_FRAME_BYTES,
 };
-use harness_core::search::{DocKind, SearchHit, SearchQuery};
+use harness_core::search::{DocKind, Document, SearchHit, SearchQuery};
 use harness_core::session::{SessionConfig, SessionMeta};
 use harness_core::{Error, Frame, FrameBody, Result, SessionId};
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 
 use writer::Writer;
 
+mod index;
 pub mod turn_store;
 mod writer;
 
@@ -100,6 +101,10 @@ CREATE UNIQUE INDEX IF NOT EXISTS search_docs_frame ON search_docs (session, seq
 CREATE VIRTUAL TABLE IF NOT EXISTS search_fts USING fts5(
     text, content = 'search_docs', content_rowid = 'id', tokenize = 'unicode61'
 );
+CREATE TABLE IF NOT EXISTS search_marks (
+    session TEXT PRIMARY KEY NOT NULL,
+    through INTEGER NOT NULL
+);
 CREATE TABLE IF NOT EXISTS turns (
     session    TEXT NOT NULL,
     turn       TEXT NOT NULL,
@@ -121,79 +126,6 @@ const MIGRATIONS: &[(&str, &str, &str)] = &[
         "ALTER TABLE turns ADD COLUMN generation INTEGER NOT NULL DEFAULT 0",
     ),
 ];
-
-/// `PRAGMA user_version` once every frame is in the search index: a
-/// database written before the index existed is indexed once, at open.
-const SEARCH_INDEXED: i64 = 1;
-
-/// Index every stored frame (a database that predates the search index).
-fn backfill_search(conn: &Connection) -> Result<()> {
-    let version = |c: &Connection| -> Result<i64> {
-        c.query_row("PRAGMA user_version", [], |r| r.get(0))
-            .map_err(db_err)
-    };
-    if version(conn)? >= SEARCH_INDEXED {
-        return Ok(());
-    }
-    // Immediate, and asked again inside: two processes opening the file at
-    // once index it once.
-    let tx = rusqlite::Transaction::new_unchecked(conn, TransactionBehavior::Immediate)
-        .map_err(db_err)?;
-    if version(&tx)? >= SEARCH_INDEXED {
-        return tx.commit().map_err(db_err);
-    }
-    tx.execute_batch(
-        "DELETE FROM search_docs; INSERT INTO search_fts(search_fts) VALUES ('delete-all');",
-    )
-    .map_err(db_err)?;
-    {
-        let mut frames = tx
-            .prepare("SELECT session, seq, body FROM frames ORDER BY session, seq")
-            .map_err(db_err)?;
-        let rows = frames
-            .query_map([], |r| {
-                Ok((
-                    r.get::<_, String>(0)?,
-                    r.get::<_, i64>(1)?,
-                    r.get::<_, String>(2)?,
-                ))
-            })
-            .map_err(db_err)?;
-        for row in rows {
-            let (session, seq, body) = row.map_err(db_err)?;
-            // A frame this build cannot read is left out of the index, not
-            // a reason to refuse the database.
-            let Ok(body) = serde_json::from_str::<FrameBody>(&body) else {
-                continue;
-            };
-            if let Some(doc) = harness_core::search::document(&body) {
-                index_document(&tx, &session, seq, &doc)?;
-            }
-        }
-    }
-    tx.execute_batch(&format!("PRAGMA user_version = {SEARCH_INDEXED}"))
-        .map_err(db_err)?;
-    tx.commit().map_err(db_err)
-}
-
-/// One frame's document into the search index (its row, then the FTS
-/// entry under the row's id).
-fn index_document(
-    tx: &Connection,
-    session: &str,
-    seq: i64,
-    doc: &harness_core::search::Document,
-) -> Result<()> {
-    tx.prepare_cached("INSERT INTO search_docs (session, seq, kind, text) VALUES (?1, ?2, ?3, ?4)")
-        .map_err(db_err)?
-        .execute(params![session, seq, doc.kind.as_str(), doc.text])
-        .map_err(db_err)?;
-    tx.prepare_cached("INSERT INTO search_fts (rowid, text) VALUES (last_insert_rowid(), ?1)")
-        .map_err(db_err)?
-        .execute(params![doc.text])
-        .map_err(db_err)?;
-    Ok(())
-}
 
 fn migrate(conn: &Connection) -> Result<()> {
     for (table, column, sql) in MIGRATIONS {
@@ -271,7 +203,6 @@ fn configure(conn: &Connection) -> Result<()> {
         .map_err(db_err)?;
     conn.execute_batch(SCHEMA).map_err(db_err)?;
     migrate(conn)?;
-    backfill_search(conn)?;
     Ok(())
 }
 
@@ -308,7 +239,9 @@ impl SqliteSessionLog {
     /// Open (or create) the log database at `path`.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let conn = open_connection(path.as_ref())?;
-        let writer = Writer::start(conn)?;
+        // Frames a process committed but did not index before it ended.
+        index::catch_up(&conn)?;
+        let writer = Writer::start(conn, Some(open_connection(path.as_ref())?))?;
         let reader = open_connection(path.as_ref())?;
         reader
             .execute_batch("PRAGMA query_only=1")
@@ -325,7 +258,7 @@ impl SqliteSessionLog {
         let conn = Connection::open_in_memory().map_err(db_err)?;
         configure(&conn)?;
         Ok(Self {
-            writer: Writer::start(conn)?,
+            writer: Writer::start(conn, None)?,
             reader: None,
             max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
         })
@@ -652,9 +585,9 @@ pub(crate) fn append_in(
     append: CheckedAppend,
     now: u64,
     chain: &ChainKey,
-) -> Result<Appended> {
+) -> Result<(Appended, Option<Document>)> {
     let new = match plan_append(&mut TxView { tx, session }, append, now, chain)? {
-        AppendPlan::Duplicate(appended) => return Ok(appended),
+        AppendPlan::Duplicate(appended) => return Ok((appended, None)),
         AppendPlan::Write(new) => new,
     };
     tx.prepare_cached(
@@ -671,9 +604,6 @@ pub(crate) fn append_in(
         new.hash.as_ref().map(|h| &h.as_bytes()[..])
     ])
     .map_err(db_err)?;
-    if let Some(doc) = &new.document {
-        index_document(tx, session.as_str(), new.frame.seq as i64, doc)?;
-    }
     if new.seals {
         tx.prepare_cached("UPDATE logs SET sealed = 1 WHERE session = ?1")
             .map_err(db_err)?
@@ -683,7 +613,10 @@ pub(crate) fn append_in(
     if let Some(meta) = &new.meta {
         store_meta(tx, session, meta)?;
     }
-    Ok(new.appended())
+    let appended = new.appended();
+    // The search index is written after the commit, off this path
+    // (index.rs): the writer hands the document on.
+    Ok((appended, new.document))
 }
 
 #[async_trait]
@@ -883,19 +816,6 @@ impl SessionLog for SqliteSessionLog {
                 params![target.as_str(), source.as_str(), until as i64],
             )
             .map_err(db_err)?;
-            // The copy's index is the prefix's.
-            tx.execute(
-                "INSERT INTO search_docs (session, seq, kind, text) \
-                 SELECT ?1, seq, kind, text FROM search_docs WHERE session = ?2 AND seq <= ?3",
-                params![target.as_str(), source.as_str(), until as i64],
-            )
-            .map_err(db_err)?;
-            tx.execute(
-                "INSERT INTO search_fts (rowid, text) \
-                 SELECT id, text FROM search_docs WHERE session = ?1",
-                params![target.as_str()],
-            )
-            .map_err(db_err)?;
             // The copy's meta is its own prefix folded, under the source's config.
             let meta = fold_stored(&tx, &target, src.meta.config.clone(), until)?;
             store_meta(&tx, &target, &meta)?;
@@ -903,6 +823,9 @@ impl SessionLog for SqliteSessionLog {
                 let closing = CheckedAppend::new(closing, usize::MAX)?;
                 append_in(&tx, &target, closing, now_ms(), &chain)?;
             }
+            // The copy's index, from its own frames (the source's may not
+            // be indexed yet), in the fork's transaction.
+            index::write_entries(&tx, &index::stored_entries(&tx, target.as_str(), 0)?)?;
             let info = load_info(&tx, &target)?;
             tx.commit().map_err(db_err)?;
             Ok(info)

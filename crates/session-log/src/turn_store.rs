@@ -28,9 +28,9 @@ pub struct SqliteTurnStore {
 impl SqliteTurnStore {
     /// Open (or create) the store at `path` (may be the log's file).
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
-        Ok(Self::from_writer(Writer::start(open_connection(
-            path.as_ref(),
-        )?)?))
+        Ok(Self::from_writer(Writer::start_unindexed(
+            open_connection(path.as_ref())?,
+        )?))
     }
 
     pub(crate) fn from_writer(db: Arc<Writer>) -> Self {

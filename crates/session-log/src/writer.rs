@@ -39,6 +39,7 @@ use harness_core::{Error, ErrorKind, Result, SessionId};
 use rusqlite::Connection;
 use tokio::sync::oneshot;
 
+use crate::index::{index_batch, Entry, IndexSink, Indexer};
 use crate::{append_in, db_err, now_ms};
 
 /// Most jobs taken into one transaction.
@@ -113,6 +114,9 @@ pub(crate) struct Writer {
     /// works, a grouped append takes it directly when it is free.
     state: Arc<Mutex<State>>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// The search indexer the thread hands committed frames to; joined
+    /// after the thread (whose end drops the sender).
+    indexer: Mutex<Option<Indexer>>,
 }
 
 impl std::fmt::Debug for Writer {
@@ -122,8 +126,32 @@ impl std::fmt::Debug for Writer {
 }
 
 impl Writer {
-    /// Start the thread over `conn`.
-    pub(crate) fn start(conn: Connection) -> Result<Arc<Self>> {
+    /// Start the thread over `conn`, indexing committed frames for search:
+    /// through an indexer thread on `index_conn` (a second connection to
+    /// the same file), or right after each commit when there is none (an
+    /// in-memory database).
+    pub(crate) fn start(conn: Connection, index_conn: Option<Connection>) -> Result<Arc<Self>> {
+        let (indexer, sink) = match index_conn {
+            Some(c) => {
+                let (indexer, sink) = Indexer::start(c)?;
+                (Some(indexer), sink)
+            }
+            None => (None, IndexSink::Inline),
+        };
+        Self::start_with(conn, sink, indexer)
+    }
+
+    /// Start the thread over `conn` with no search index (the turn store's
+    /// own database handle appends no frames).
+    pub(crate) fn start_unindexed(conn: Connection) -> Result<Arc<Self>> {
+        Self::start_with(conn, IndexSink::None, None)
+    }
+
+    fn start_with(
+        conn: Connection,
+        index: IndexSink,
+        indexer: Option<Indexer>,
+    ) -> Result<Arc<Self>> {
         let shared = Arc::new(Shared {
             queue: Mutex::new(Queue::default()),
             wake: Condvar::new(),
@@ -149,6 +177,8 @@ impl Writer {
             waiting: Vec::new(),
             failed: BTreeMap::new(),
             poisoned: HashMap::new(),
+            index,
+            staged: Vec::new(),
         };
         let state = Arc::new(Mutex::new(state));
         let (thread_shared, thread_state) = (shared.clone(), state.clone());
@@ -160,6 +190,7 @@ impl Writer {
             shared,
             state,
             thread: Mutex::new(Some(thread)),
+            indexer: Mutex::new(indexer),
         }))
     }
 
@@ -292,6 +323,19 @@ impl Drop for Writer {
             // this process right after finds the file free.
             let _ = thread.join();
         }
+        // The state (and with it the indexer's sender) goes with the last
+        // handle; the indexer then writes what it holds and stops.
+        let indexer = self
+            .indexer
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(mut indexer) = indexer {
+            if let Ok(mut st) = self.state.lock() {
+                st.index = IndexSink::None;
+            }
+            indexer.join();
+        }
     }
 }
 
@@ -317,6 +361,10 @@ struct State {
     failed: BTreeMap<u64, (ErrorKind, String)>,
     /// Sessions refused grouped appends: (failed group, since).
     poisoned: HashMap<SessionId, (u64, Instant)>,
+    /// Where committed frames go for the search index.
+    index: IndexSink,
+    /// The open group's frames, handed to the index once it commits.
+    staged: Vec<Entry>,
 }
 
 /// Marks the queue closed if the thread ends (also by a panic), so callers
@@ -464,8 +512,15 @@ impl State {
         self.run("SAVEPOINT append").map_err(db_err)?;
         let key = self.shared.chain_key();
         match append_in(&self.conn, session, append, now_ms(), &key) {
-            Ok(appended) => {
+            Ok((appended, doc)) => {
                 self.run("RELEASE append").map_err(db_err)?;
+                if !matches!(self.index, IndexSink::None) {
+                    self.staged.push(Entry {
+                        session: session.as_str().to_string(),
+                        seq: appended.seq as i64,
+                        doc,
+                    });
+                }
                 Ok(appended)
             }
             Err(e) => {
@@ -473,6 +528,27 @@ impl State {
                 let _ = self.run("RELEASE append");
                 Err(e)
             }
+        }
+    }
+
+    /// The committed group's frames to the search index (index.rs).
+    fn hand_to_index(&mut self) {
+        if self.staged.is_empty() {
+            return;
+        }
+        let staged = std::mem::take(&mut self.staged);
+        match &self.index {
+            IndexSink::Thread(tx) => {
+                // A stopped indexer leaves the marks behind: the next open
+                // catches up.
+                let _ = tx.send(staged);
+            }
+            IndexSink::Inline => {
+                if let Err(e) = index_batch(&self.conn, &staged) {
+                    tracing::warn!(frames = staged.len(), error = %e, "search index: a batch failed");
+                }
+            }
+            IndexSink::None => {}
         }
     }
 
@@ -503,8 +579,10 @@ impl State {
                     let _ = reply.send(appended.map(|a| (a, group)));
                 }
                 self.in_group.clear();
+                self.hand_to_index();
             }
             Err(e) => {
+                self.staged.clear();
                 tracing::warn!(
                     group,
                     plain = self.waiting.len(),

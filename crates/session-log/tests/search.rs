@@ -1,6 +1,8 @@
-//! Search on the SQLite log (FTS5, fed by the append decision's document
-//! in the append's own transaction): the search conformance suite, and a
-//! database written before the index existed, indexed at open.
+//! Search on the SQLite log (FTS5, fed by the append decision's document,
+//! written by the indexer thread after each commit): the search
+//! conformance suite, and frames committed but never indexed (a process
+//! killed before its indexer wrote them, or a database written before the
+//! index existed), indexed at the next open.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -23,7 +25,7 @@ async fn sqlite_log_passes_the_search_suite() {
     .unwrap();
 }
 
-/// A database written before the index existed is indexed when opened.
+/// Frames committed but not indexed are indexed when the log is opened.
 #[tokio::test]
 async fn a_database_without_an_index_is_indexed_at_open() {
     let dir = tempfile::tempdir().unwrap();
@@ -35,12 +37,12 @@ async fn a_database_without_an_index_is_indexed_at_open() {
             .unwrap();
     }
     {
-        // What a database of an earlier build looks like: no index rows,
-        // user_version 0.
+        // What a killed process (or an earlier build) leaves: frames with
+        // no index rows and no marks.
         let conn = rusqlite::Connection::open(&path).unwrap();
         conn.execute_batch(
             "DELETE FROM search_docs; INSERT INTO search_fts(search_fts) VALUES ('delete-all'); \
-             PRAGMA user_version = 0;",
+             DELETE FROM search_marks;",
         )
         .unwrap();
         let rows: i64 = conn

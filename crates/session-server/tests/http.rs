@@ -1102,9 +1102,18 @@ async fn search_finds_frames_across_sessions_and_refuses_bad_queries() {
             .bearer_auth(token)
             .send()
     };
-    let r = search("q=walrus+module", "host").await.unwrap();
-    assert_eq!(r.status(), 200);
-    let hits: Vec<Value> = r.json().await.unwrap();
+    // The index is written after the commit (docs/search.md): within a
+    // second.
+    let started = std::time::Instant::now();
+    let hits = loop {
+        let r = search("q=walrus+module", "host").await.unwrap();
+        assert_eq!(r.status(), 200);
+        let hits: Vec<Value> = r.json().await.unwrap();
+        if hits.len() == 2 || started.elapsed() > std::time::Duration::from_secs(2) {
+            break hits;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
     let mut found: Vec<(String, u64)> = hits
         .iter()
         .map(|h| {

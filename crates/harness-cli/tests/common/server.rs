@@ -313,9 +313,14 @@ pub async fn export(serve: &Serve, id: &str) -> Vec<Value> {
 
 /// `GET path` with the client token, its JSON body.
 pub async fn get_json(serve: &Serve, path: &str) -> Value {
+    get_json_as(serve, path, CLIENT).await
+}
+
+/// `GET path` with `token`, its JSON body.
+pub async fn get_json_as(serve: &Serve, path: &str, token: &str) -> Value {
     http()
         .get(serve.url(path))
-        .bearer_auth(CLIENT)
+        .bearer_auth(token)
         .send()
         .await
         .unwrap()
