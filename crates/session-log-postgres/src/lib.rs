@@ -189,6 +189,35 @@ impl PostgresSessionLog {
     pub(crate) async fn client(&self) -> Result<deadpool_postgres::Object> {
         client(&self.pool).await
     }
+
+    /// `columns` of `session`'s frames with `seq > after`, at most `limit`,
+    /// in order; an empty page of an unknown session is `NotFound`.
+    async fn page(
+        &self,
+        session: &SessionId,
+        after: u64,
+        limit: usize,
+        columns: &str,
+    ) -> Result<Vec<tokio_postgres::Row>> {
+        let client = self.client().await?;
+        let after = i64::try_from(after).unwrap_or(i64::MAX);
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let stmt = client
+            .prepare_cached(&format!(
+                "SELECT {columns} FROM harness_frames WHERE session = $1 AND seq > $2 \
+                 ORDER BY seq LIMIT $3"
+            ))
+            .await
+            .map_err(db_err)?;
+        let rows = client
+            .query(&stmt, &[&session.as_str(), &after, &limit])
+            .await
+            .map_err(db_err)?;
+        if rows.is_empty() {
+            load_info(&client, session).await?;
+        }
+        Ok(rows)
+    }
 }
 
 pub(crate) fn pool(url: &str, size: usize) -> Result<Pool> {
@@ -479,25 +508,9 @@ impl SessionLog for PostgresSessionLog {
     }
 
     async fn read(&self, session: &SessionId, after: u64, limit: usize) -> Result<Vec<Frame>> {
-        let client = self.client().await?;
-        let after_i = i64::try_from(after).unwrap_or(i64::MAX);
-        let limit_i = i64::try_from(limit).unwrap_or(i64::MAX);
-        let stmt = client
-            .prepare_cached(
-                "SELECT seq, at_ms, body FROM harness_frames WHERE session = $1 AND seq > $2 \
-                 ORDER BY seq LIMIT $3",
-            )
-            .await
-            .map_err(db_err)?;
-        let rows = client
-            .query(&stmt, &[&session.as_str(), &after_i, &limit_i])
-            .await
-            .map_err(db_err)?;
-        if rows.is_empty() {
-            // An empty page of an unknown session is NotFound.
-            load_info(&client, session).await?;
-        }
-        rows.iter()
+        self.page(session, after, limit, "seq, at_ms, body")
+            .await?
+            .iter()
             .map(|r| {
                 let seq: i64 = r.get(0);
                 let at_ms: i64 = r.get(1);
@@ -516,21 +529,9 @@ impl SessionLog for PostgresSessionLog {
         after: u64,
         limit: usize,
     ) -> Result<Vec<ChainedFrame>> {
-        let client = self.client().await?;
-        let after_i = i64::try_from(after).unwrap_or(i64::MAX);
-        let limit_i = i64::try_from(limit).unwrap_or(i64::MAX);
-        let rows = client
-            .query(
-                "SELECT seq, at_ms, body, idem_key, hash FROM harness_frames \
-                 WHERE session = $1 AND seq > $2 ORDER BY seq LIMIT $3",
-                &[&session.as_str(), &after_i, &limit_i],
-            )
-            .await
-            .map_err(db_err)?;
-        if rows.is_empty() {
-            load_info(&client, session).await?;
-        }
-        rows.iter()
+        self.page(session, after, limit, "seq, at_ms, body, idem_key, hash")
+            .await?
+            .iter()
             .map(|r| {
                 let seq: i64 = r.get(0);
                 let at_ms: i64 = r.get(1);
