@@ -93,6 +93,12 @@ pub trait DurableEngine: MaybeSend + MaybeSync + std::fmt::Debug {
     async fn wait_turn(&self, session_id: &str, turn_id: &str) -> Result<TurnState>;
 }
 
+/// A stored turn state read back: `Corrupt` when it does not decode.
+pub fn decode_turn_state(json: &str) -> Result<TurnState> {
+    serde_json::from_str(json)
+        .map_err(|e| crate::Error::corrupt(format!("stored turn state is unreadable: {e}")))
+}
+
 /// The error for a save refused because a newer engine owns the turn.
 pub fn fenced_save_error(state: &TurnState, stored: u64, generation: u64) -> Error {
     Error::fenced(format!(

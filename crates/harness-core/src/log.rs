@@ -679,6 +679,33 @@ pub fn unknown_session(session: &SessionId) -> Error {
     Error::not_found(format!("unknown session {session}"))
 }
 
+/// A stored frame body read back (the JSON text a store keeps): `Corrupt`
+/// naming the frame when it does not decode.
+pub fn decode_stored_body(json: &str, session: &SessionId, seq: i64) -> Result<FrameBody> {
+    serde_json::from_str(json).map_err(|e| {
+        Error::corrupt(format!(
+            "frame {seq} of session {session} holds unreadable JSON: {e}"
+        ))
+    })
+}
+
+/// A stored meta read back: `Corrupt` naming the session when it does not
+/// decode.
+pub fn decode_stored_meta(json: &str, session: &SessionId) -> Result<SessionMeta> {
+    serde_json::from_str(json)
+        .map_err(|e| Error::corrupt(format!("the meta of session {session} is unreadable: {e}")))
+}
+
+/// Whether a fork of `source` up to `until` is sealed (the seal frame is
+/// always the last one, so exactly when the copy includes it), after the
+/// range check every log makes.
+pub fn fork_copy_sealed(source: &LogInfo, until: u64) -> Result<bool> {
+    if until > source.last_seq {
+        return Err(fork_range_error(&source.session, until, source.last_seq));
+    }
+    Ok(source.sealed && until == source.last_seq)
+}
+
 #[cfg_attr(not(target_arch = "wasm32"), async_trait)]
 #[cfg_attr(target_arch = "wasm32", async_trait(?Send))]
 impl SessionLog for MemorySessionLog {

@@ -28,9 +28,9 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Transacti
 use harness_core::frame::{Frame, FrameBody, SessionId};
 use harness_core::log::chain::{ChainKey, ChainedFrame, FrameHash};
 use harness_core::log::{
-    fold_meta, fork_closing_frame, fork_range_error, plan_append, unknown_session, AppendPlan,
-    AppendRequest, AppendView, Appended, CheckedAppend, ForkOrigin, LogHead, LogInfo, SessionLog,
-    DEFAULT_MAX_FRAME_BYTES,
+    decode_stored_body, decode_stored_meta, fold_meta, fork_closing_frame, fork_copy_sealed,
+    plan_append, unknown_session, AppendPlan, AppendRequest, AppendView, Appended, CheckedAppend,
+    ForkOrigin, LogHead, LogInfo, SessionLog, DEFAULT_MAX_FRAME_BYTES,
 };
 use harness_core::search::{DocKind, SearchHit, SearchQuery};
 use harness_core::session::{SessionConfig, SessionMeta};
@@ -249,19 +249,6 @@ pub(crate) async fn client(pool: &Pool) -> Result<deadpool_postgres::Object> {
     pool.get().await.map_err(pool_err)
 }
 
-fn decode_body(json: &str, session: &SessionId, seq: i64) -> Result<FrameBody> {
-    serde_json::from_str(json).map_err(|e| {
-        Error::corrupt(format!(
-            "frame {seq} of session {session} holds unreadable JSON: {e}"
-        ))
-    })
-}
-
-fn decode_meta(json: &str, session: &SessionId) -> Result<SessionMeta> {
-    serde_json::from_str(json)
-        .map_err(|e| Error::corrupt(format!("the meta of session {session} is unreadable: {e}")))
-}
-
 fn decode_hash(bytes: Option<&[u8]>, session: &SessionId, seq: i64) -> Result<Option<FrameHash>> {
     bytes
         .map(FrameHash::from_slice)
@@ -289,7 +276,7 @@ fn info_from_row(row: &tokio_postgres::Row, session: &SessionId) -> Result<LogIn
             }),
             _ => None,
         },
-        meta: decode_meta(&meta, session)?,
+        meta: decode_stored_meta(&meta, session)?,
     })
 }
 
@@ -332,7 +319,7 @@ impl AppendView for Fetched<'_> {
         Ok(self.by_key.clone())
     }
     fn meta(&mut self) -> Result<SessionMeta> {
-        decode_meta(&self.meta_json, self.session)
+        decode_stored_meta(&self.meta_json, self.session)
     }
 }
 
@@ -386,7 +373,7 @@ pub(crate) async fn append_in(
                     Some(Frame {
                         seq: seq as u64,
                         at_ms: at_ms as u64,
-                        body: decode_body(r.get(2), session, seq)?,
+                        body: decode_stored_body(r.get(2), session, seq)?,
                     })
                 }
             }
@@ -517,7 +504,7 @@ impl SessionLog for PostgresSessionLog {
                 Ok(Frame {
                     seq: seq as u64,
                     at_ms: at_ms as u64,
-                    body: decode_body(r.get(2), session, seq)?,
+                    body: decode_stored_body(r.get(2), session, seq)?,
                 })
             })
             .collect()
@@ -552,13 +539,20 @@ impl SessionLog for PostgresSessionLog {
         if let Some(fence) = &self.fence {
             fence.check(&tx, session).await?;
         }
-        let seal = CheckedAppend::new(AppendRequest::new(FrameBody::Sealed {}), usize::MAX)?;
-        // The decision refuses a second seal as a sealed log's append: a
-        // sealed log is answered as it is.
-        match append_in(&tx, session, seal, now_ms(), &self.chain).await {
-            Ok(_) => {}
-            Err(e) if e.kind() == harness_core::ErrorKind::Conflict => {}
-            Err(e) => return Err(e),
+        // Read under the row's lock, as the append would take it: a log
+        // sealed already is answered as it is.
+        let sealed: bool = tx
+            .query_opt(
+                "SELECT sealed FROM harness_logs WHERE session = $1 FOR UPDATE",
+                &[&session.as_str()],
+            )
+            .await
+            .map_err(db_err)?
+            .ok_or_else(|| unknown_session(session))?
+            .get(0);
+        if !sealed {
+            let seal = CheckedAppend::new(AppendRequest::new(FrameBody::Sealed {}), usize::MAX)?;
+            append_in(&tx, session, seal, now_ms(), &self.chain).await?;
         }
         let info = load_info(&tx, session).await?;
         tx.commit().await.map_err(db_err)?;
@@ -578,12 +572,7 @@ impl SessionLog for PostgresSessionLog {
             .map_err(db_err)?
             .ok_or_else(|| unknown_session(source))?;
         let src = info_from_row(&src_row, source)?;
-        if until > src.last_seq {
-            return Err(fork_range_error(source, until, src.last_seq));
-        }
-        // The seal frame is always the last one, so the copy is sealed
-        // exactly when it includes the source's seal frame.
-        let sealed = src.sealed && until == src.last_seq;
+        let sealed = fork_copy_sealed(&src, until)?;
         let until_i = until as i64;
         let inserted = tx
             .execute(
@@ -629,7 +618,7 @@ impl SessionLog for PostgresSessionLog {
             let seq: i64 = r.get(0);
             frames.push((
                 seq as u64,
-                decode_body(r.get(1), target, seq)?,
+                decode_stored_body(r.get(1), target, seq)?,
                 r.get::<_, Option<String>>(2),
             ));
         }

@@ -5,9 +5,9 @@
 
 use async_trait::async_trait;
 use deadpool_postgres::Pool;
-use harness_core::engine::{fenced_save_error, TurnStore};
+use harness_core::engine::{decode_turn_state, fenced_save_error, TurnStore};
 use harness_core::turn::{next_step, NextStep, TurnState};
-use harness_core::{Error, Result};
+use harness_core::Result;
 
 use crate::{client, db_err};
 
@@ -29,11 +29,6 @@ impl PostgresTurnStore {
     pub(crate) fn from_pool(pool: Pool) -> Self {
         Self { pool }
     }
-}
-
-fn decode(json: &str) -> Result<TurnState> {
-    serde_json::from_str(json)
-        .map_err(|e| Error::corrupt(format!("stored turn state is unreadable: {e}")))
 }
 
 #[async_trait]
@@ -85,7 +80,7 @@ impl TurnStore for PostgresTurnStore {
             )
             .await
             .map_err(db_err)?;
-        row.map(|r| decode(r.get(0))).transpose()
+        row.map(|r| decode_turn_state(r.get(0))).transpose()
     }
 
     async fn unfinished(&self) -> Result<Vec<TurnState>> {
@@ -97,6 +92,6 @@ impl TurnStore for PostgresTurnStore {
             )
             .await
             .map_err(db_err)?;
-        rows.iter().map(|r| decode(r.get(0))).collect()
+        rows.iter().map(|r| decode_turn_state(r.get(0))).collect()
     }
 }

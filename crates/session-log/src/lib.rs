@@ -38,9 +38,10 @@ use std::time::Duration;
 use async_trait::async_trait;
 use backon::{BlockingRetryable, ExponentialBuilder};
 use harness_core::log::{
-    fold_meta, fork_closing_frame, fork_range_error, plan_append, unknown_session, AppendPlan,
-    AppendRequest, AppendView, Appended, ChainKey, ChainedFrame, CheckedAppend, ForkOrigin,
-    FrameHash, LogHead, LogInfo, SessionLog, DEFAULT_MAX_FRAME_BYTES,
+    decode_stored_body, decode_stored_meta, fold_meta, fork_closing_frame, fork_copy_sealed,
+    plan_append, unknown_session, AppendPlan, AppendRequest, AppendView, Appended, ChainKey,
+    ChainedFrame, CheckedAppend, ForkOrigin, FrameHash, LogHead, LogInfo, SessionLog,
+    DEFAULT_MAX_FRAME_BYTES,
 };
 use harness_core::search::{DocKind, Document, SearchHit, SearchQuery};
 use harness_core::session::{SessionConfig, SessionMeta};
@@ -388,7 +389,7 @@ fn load_info(conn: &Connection, session: &SessionId) -> Result<LogInfo> {
         .map_err(db_err)?;
     let (sealed, forked_from, fork_until, meta) = row.ok_or_else(|| unknown_session(session))?;
     let meta = match meta {
-        Some(json) => decode_meta(&json, session)?,
+        Some(json) => decode_stored_meta(&json, session)?,
         None => fold_stored(conn, session, None, u64::MAX)?,
     };
     let (last_seq, last_at_ms) = last_frame(conn, session)?;
@@ -409,11 +410,6 @@ fn load_info(conn: &Connection, session: &SessionId) -> Result<LogInfo> {
     })
 }
 
-fn decode_meta(json: &str, session: &SessionId) -> Result<SessionMeta> {
-    serde_json::from_str(json)
-        .map_err(|e| Error::corrupt(format!("the meta of session {session} is unreadable: {e}")))
-}
-
 /// The session's meta, read where stored or folded from its frames.
 fn load_meta(conn: &Connection, session: &SessionId) -> Result<SessionMeta> {
     let stored: Option<String> = conn
@@ -422,7 +418,7 @@ fn load_meta(conn: &Connection, session: &SessionId) -> Result<SessionMeta> {
         .query_row(params![session.as_str()], |r| r.get(0))
         .map_err(db_err)?;
     match stored {
-        Some(json) => decode_meta(&json, session),
+        Some(json) => decode_stored_meta(&json, session),
         None => fold_stored(conn, session, None, u64::MAX),
     }
 }
@@ -452,7 +448,7 @@ fn fold_stored(
     let mut frames = Vec::new();
     for row in rows {
         let (seq, body, key) = row.map_err(db_err)?;
-        frames.push((seq as u64, decode_body(&body, session, seq)?, key));
+        frames.push((seq as u64, decode_stored_body(&body, session, seq)?, key));
     }
     Ok(fold_meta(
         config,
@@ -512,14 +508,6 @@ fn check_exists(conn: &Connection, session: &SessionId) -> Result<()> {
     }
 }
 
-fn decode_body(json: &str, session: &SessionId, seq: i64) -> Result<FrameBody> {
-    serde_json::from_str(json).map_err(|e| {
-        Error::corrupt(format!(
-            "frame {seq} of session {session} holds unreadable JSON: {e}"
-        ))
-    })
-}
-
 /// `session`'s log as the append decision reads it, inside the open
 /// transaction `tx`.
 struct TxView<'a> {
@@ -566,7 +554,7 @@ impl AppendView for TxView<'_> {
                 Ok(Frame {
                     seq: seq as u64,
                     at_ms: at_ms as u64,
-                    body: decode_body(&body, self.session, seq)?,
+                    body: decode_stored_body(&body, self.session, seq)?,
                 })
             })
             .transpose()
@@ -696,7 +684,7 @@ impl SessionLog for SqliteSessionLog {
                 frames.push(Frame {
                     seq: seq as u64,
                     at_ms: at_ms as u64,
-                    body: decode_body(&body, &session, seq)?,
+                    body: decode_stored_body(&body, &session, seq)?,
                 });
             }
             Ok(frames)
@@ -798,12 +786,7 @@ impl SessionLog for SqliteSessionLog {
                 )));
             }
             let src = load_info(&tx, &source)?;
-            if until > src.last_seq {
-                return Err(fork_range_error(&source, until, src.last_seq));
-            }
-            // The seal frame is always the last one, so the copy is sealed
-            // exactly when it includes the source's seal frame.
-            let sealed = src.sealed && until == src.last_seq;
+            let sealed = fork_copy_sealed(&src, until)?;
             tx.execute(
                 "INSERT INTO logs (session, sealed, forked_from, fork_until) VALUES (?1, ?2, ?3, ?4)",
                 params![target.as_str(), sealed, source.as_str(), until as i64],

@@ -9,9 +9,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use harness_core::engine::{fenced_save_error, TurnStore};
+use harness_core::engine::{decode_turn_state, fenced_save_error, TurnStore};
 use harness_core::turn::{next_step, NextStep, TurnState};
-use harness_core::{Error, Result};
+use harness_core::Result;
 use rusqlite::{params, OptionalExtension};
 
 use crate::writer::Writer;
@@ -36,11 +36,6 @@ impl SqliteTurnStore {
     pub(crate) fn from_writer(db: Arc<Writer>) -> Self {
         Self { db }
     }
-}
-
-fn decode(json: &str) -> Result<TurnState> {
-    serde_json::from_str(json)
-        .map_err(|e| Error::corrupt(format!("stored turn state is unreadable: {e}")))
 }
 
 #[async_trait]
@@ -97,7 +92,7 @@ impl TurnStore for SqliteTurnStore {
                 .map_err(db_err)
             })
             .await?;
-        json.as_deref().map(decode).transpose()
+        json.as_deref().map(decode_turn_state).transpose()
     }
 
     async fn unfinished(&self) -> Result<Vec<TurnState>> {
@@ -112,6 +107,6 @@ impl TurnStore for SqliteTurnStore {
                     .map_err(db_err)
             })
             .await?;
-        rows.iter().map(|j| decode(j)).collect()
+        rows.iter().map(|j| decode_turn_state(j)).collect()
     }
 }
