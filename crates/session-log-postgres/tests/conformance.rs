@@ -53,18 +53,18 @@ async fn fresh_database(admin: &str) -> String {
     format!("{base}/{name}")
 }
 
+/// A log in a new, empty database.
+async fn fresh_log(admin: &str) -> Arc<dyn SessionLog> {
+    let url = fresh_database(admin).await;
+    Arc::new(PostgresSessionLog::connect(&url).await.unwrap())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_log_passes_the_conformance_suite() {
     let Some(admin) = admin_url() else { return };
-    harness_testkit::conformance::log::run_all(|| {
-        let admin = admin.clone();
-        async move {
-            let url = fresh_database(&admin).await;
-            Arc::new(PostgresSessionLog::connect(&url).await.unwrap()) as Arc<dyn SessionLog>
-        }
-    })
-    .await
-    .unwrap();
+    harness_testkit::conformance::log::run_all(|| fresh_log(&admin))
+        .await
+        .unwrap();
 }
 
 /// Three handles on one database, as three nodes have: written through at
@@ -228,13 +228,7 @@ async fn a_lost_lease_fences_the_old_owner() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_log_passes_the_search_suite() {
     let Some(admin) = admin_url() else { return };
-    harness_testkit::conformance::search::run_all(|| {
-        let admin = admin.clone();
-        async move {
-            let url = fresh_database(&admin).await;
-            Arc::new(PostgresSessionLog::connect(&url).await.unwrap()) as Arc<dyn SessionLog>
-        }
-    })
-    .await
-    .unwrap();
+    harness_testkit::conformance::search::run_all(|| fresh_log(&admin))
+        .await
+        .unwrap();
 }
