@@ -186,25 +186,17 @@ pub(crate) async fn forward(
     };
     let base = var(env, api.url_var()).unwrap_or_else(|| api.default_url().to_string());
 
-    let declared = req
-        .headers()
-        .get("content-length")?
-        .and_then(|v| v.parse::<usize>().ok());
-    if declared.is_some_and(|n| n > MAX_REQUEST_BYTES) {
-        return refuse(
-            413,
-            "request_too_large",
-            &format!("request body over {MAX_REQUEST_BYTES} bytes"),
-        );
-    }
-    let body = req.bytes().await?;
-    if body.len() > MAX_REQUEST_BYTES {
-        return refuse(
-            413,
-            "request_too_large",
-            &format!("request body over {MAX_REQUEST_BYTES} bytes"),
-        );
-    }
+    let body = match crate::front::limited_body(&mut req, MAX_REQUEST_BYTES).await {
+        Ok(body) => body,
+        Err(None) => {
+            return refuse(
+                413,
+                "request_too_large",
+                &format!("request body over {MAX_REQUEST_BYTES} bytes"),
+            )
+        }
+        Err(Some(e)) => return Err(e),
+    };
     let url = req.url()?;
     let target = wire::upstream_url(&base, rest, url.query());
     let upstream_headers = Headers::new();

@@ -125,25 +125,13 @@ impl Call<'_> {
 
     /// The body, refusing more than `limit` bytes with the 413 session-server sends.
     async fn body(&mut self, limit: usize) -> Result<Vec<u8>, ApiError> {
-        let declared = self
-            .req
-            .headers()
-            .get("content-length")
-            .ok()
-            .flatten()
-            .and_then(|v| v.parse::<usize>().ok());
-        if declared.is_some_and(|n| n > limit) {
-            return Err(request::body_too_large(limit));
+        match limited_body(&mut self.req, limit).await {
+            Ok(bytes) => Ok(bytes),
+            Err(None) => Err(request::body_too_large(limit)),
+            Err(Some(e)) => Err(ApiError::invalid(format!(
+                "could not read the request body: {e}"
+            ))),
         }
-        let bytes = self
-            .req
-            .bytes()
-            .await
-            .map_err(|e| ApiError::invalid(format!("could not read the request body: {e}")))?;
-        if bytes.len() > limit {
-            return Err(request::body_too_large(limit));
-        }
-        Ok(bytes)
     }
 
     /// Call `session`'s object on `op` (its query: this request's, or
@@ -177,6 +165,29 @@ impl Call<'_> {
         let request = Request::new_with_init(&url, &init).map_err(internal)?;
         stub.fetch_with_request(request).await.map_err(internal)
     }
+}
+
+/// `req`'s body if it is at most `limit` bytes (by its declared length,
+/// then by what arrived): `Err(None)` when larger, `Err(Some(e))` when it
+/// could not be read.
+pub(crate) async fn limited_body(
+    req: &mut Request,
+    limit: usize,
+) -> Result<Vec<u8>, Option<worker::Error>> {
+    let declared = req
+        .headers()
+        .get("content-length")
+        .ok()
+        .flatten()
+        .and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(None);
+    }
+    let bytes = req.bytes().await.map_err(Some)?;
+    if bytes.len() > limit {
+        return Err(None);
+    }
+    Ok(bytes)
 }
 
 async fn route(req: Request, env: &Env) -> Result<Response, ApiError> {
