@@ -65,6 +65,13 @@ impl DocKind {
         }
     }
 
+    /// The kind an index holds under `s`: `Corrupt` for a name no build
+    /// writes.
+    pub fn stored(s: &str) -> crate::Result<DocKind> {
+        Self::parse(s)
+            .ok_or_else(|| crate::Error::corrupt(format!("search index: unknown kind {s:?}")))
+    }
+
     /// The kind a stored name stands for.
     pub fn parse(s: &str) -> Option<DocKind> {
         [

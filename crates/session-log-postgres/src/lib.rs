@@ -699,9 +699,7 @@ impl SessionLog for PostgresSessionLog {
                     session: SessionId::parse(r.get::<_, String>(0))?,
                     seq: r.get::<_, i64>(1) as u64,
                     at_ms: r.get::<_, i64>(2) as u64,
-                    kind: DocKind::parse(&kind).ok_or_else(|| {
-                        Error::corrupt(format!("search index: unknown kind {kind:?}"))
-                    })?,
+                    kind: DocKind::stored(&kind)?,
                     snippet: r.get(4),
                     rank: r.get(5),
                 })

@@ -863,9 +863,7 @@ impl SessionLog for SqliteSessionLog {
                     session: SessionId::parse(session)?,
                     seq: seq as u64,
                     at_ms: at_ms as u64,
-                    kind: DocKind::parse(&kind).ok_or_else(|| {
-                        Error::corrupt(format!("search index: unknown kind {kind:?}"))
-                    })?,
+                    kind: DocKind::stored(&kind)?,
                     snippet,
                     rank,
                 });
