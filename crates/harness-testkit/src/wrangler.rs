@@ -108,13 +108,11 @@ impl WranglerDev {
     /// [`skip_or_fail`]) when wrangler or the built Worker is missing;
     /// panics when wrangler does not come up.
     pub fn start(worker_dir: &Path, vars: &[(&str, String)]) -> Option<Self> {
-        let state = std::env::temp_dir().join(format!(
-            "harness-wrangler-{}-{}",
-            std::process::id(),
-            free_port()
-        ));
-        let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
-        Self::start_in(worker_dir, vars, &state, true, addr)
+        Self::start_at(
+            worker_dir,
+            vars,
+            SocketAddr::from(([127, 0, 0, 1], free_port())),
+        )
     }
 
     /// As [`start`](Self::start), listening on `addr` instead of a loopback
@@ -122,6 +120,7 @@ impl WranglerDev {
     /// sandboxes reach the Worker as they reach a deployed one (its model
     /// broker). [`free_port_on`] picks a port for it.
     pub fn start_at(worker_dir: &Path, vars: &[(&str, String)], addr: SocketAddr) -> Option<Self> {
+        // Named by the port, which no other wrangler of this process holds.
         let state = std::env::temp_dir().join(format!(
             "harness-wrangler-{}-{}",
             std::process::id(),

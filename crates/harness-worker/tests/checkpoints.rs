@@ -239,21 +239,9 @@ async fn a_tree_moves_laptop_to_a_cloudflare_sandbox_and_back_through_the_worker
     let laptop_key = format!("lineages/{LINEAGE}/laptop/tree.tar.zst");
 
     // Into the Worker's bucket: only a host may write.
-    let refused = http
-        .put(format!("{objects}/{laptop_key}"))
-        .bearer_auth(CLIENT)
-        .body(archive.clone())
-        .send()
-        .await
-        .unwrap();
+    let refused = put_object(&http, &objects, &laptop_key, CLIENT, archive.clone()).await;
     assert_eq!(refused.status(), 403);
-    let put = http
-        .put(format!("{objects}/{laptop_key}"))
-        .bearer_auth(HOST)
-        .body(archive.clone())
-        .send()
-        .await
-        .unwrap();
+    let put = put_object(&http, &objects, &laptop_key, HOST, archive.clone()).await;
     assert_eq!(put.status(), 200);
     let meta: Value = put.json().await.unwrap();
     assert_eq!(meta["sha256"], made.sha256.as_str(), "{meta}");
@@ -267,13 +255,7 @@ async fn a_tree_moves_laptop_to_a_cloudflare_sandbox_and_back_through_the_worker
     // The same ciphertext in another lineage: another key, refused, and
     // nothing written into the sandbox.
     let elsewhere = "lineages/someone-else/laptop/tree.tar.zst";
-    let copied = http
-        .put(format!("{objects}/{elsewhere}"))
-        .bearer_auth(HOST)
-        .body(archive.clone())
-        .send()
-        .await
-        .unwrap();
+    let copied = put_object(&http, &objects, elsewhere, HOST, archive.clone()).await;
     assert_eq!(copied.status(), 200);
     let untouched = create(&cloud_provider).await;
     let refused = http
@@ -420,13 +402,7 @@ async fn a_tree_moves_laptop_to_a_cloudflare_sandbox_and_back_through_the_worker
     restore_in_worker(&http, &dev, cloud_back.as_ref(), &big_key, &with_noise).await;
     // The same bytes through the object route: over its buffer, refused
     // before anything is stored.
-    let too_big = http
-        .put(format!("{objects}/laptop/big.tar.zst"))
-        .bearer_auth(HOST)
-        .body(bytes.to_vec())
-        .send()
-        .await
-        .unwrap();
+    let too_big = put_object(&http, &objects, "laptop/big.tar.zst", HOST, bytes.to_vec()).await;
     assert_eq!(too_big.status(), 413);
 
     // Refusals: an unknown key, an unsafe key, a client grant.
@@ -460,4 +436,20 @@ async fn a_tree_moves_laptop_to_a_cloudflare_sandbox_and_back_through_the_worker
         .check()
         .expect("every bridge request matched the OpenAPI document");
     drop(dev);
+}
+
+/// `PUT` `body` at `key` of the Worker's bucket route with `token`.
+async fn put_object(
+    http: &reqwest::Client,
+    objects: &str,
+    key: &str,
+    token: &str,
+    body: Vec<u8>,
+) -> reqwest::Response {
+    http.put(format!("{objects}/{key}"))
+        .bearer_auth(token)
+        .body(body)
+        .send()
+        .await
+        .unwrap()
 }
