@@ -258,17 +258,6 @@ impl SearchQuery {
         }
         Ok(())
     }
-
-    /// The terms as an SQLite FTS5 query: each a quoted string (so no user
-    /// input is read as FTS5 syntax), all required.
-    pub fn fts5(&self) -> Result<String> {
-        Ok(self
-            .terms()?
-            .iter()
-            .map(|t| format!("\"{}\"", t.replace('"', "\"\"")))
-            .collect::<Vec<_>>()
-            .join(" AND "))
-    }
 }
 
 /// One frame a search found.
@@ -326,10 +315,6 @@ mod tests {
     fn queries_become_quoted_terms_and_bad_ones_are_refused() {
         let q = SearchQuery::new("Parser.rs \"OR\" NEAR(x)");
         assert_eq!(q.terms().unwrap(), ["parser", "rs", "or", "near", "x"]);
-        assert_eq!(
-            q.fts5().unwrap(),
-            "\"parser\" AND \"rs\" AND \"or\" AND \"near\" AND \"x\""
-        );
         for bad in ["", "   ", "?!* ()"] {
             let err = SearchQuery::new(bad).check().unwrap_err();
             assert_eq!(err.kind(), crate::ErrorKind::InvalidInput, "{bad:?}");
