@@ -16,6 +16,7 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::docker::SessionContainers;
 use common::server::ChildProcess;
 use harness_testkit::skip_or_fail;
 use serde_json::{json, Value};
@@ -74,7 +75,7 @@ async fn the_binary_alone_serves_docker_and_codex_sessions() {
 
     // The sessions' Docker sandboxes outlive the server by design (they
     // are durable); they are this test's to remove, even when it fails.
-    let _sandboxes = RemoveOnDrop(&["claude-docker", "codex-docker"]);
+    let _sandboxes = ["claude-docker", "codex-docker"].map(|s| SessionContainers(s.into()));
     let http = reqwest::Client::new();
     let sessions = [
         (
@@ -186,33 +187,4 @@ async fn the_binary_alone_serves_docker_and_codex_sessions() {
         .arg("-f")
         .arg(format!("{} broker serve", harness.display()))
         .status();
-}
-
-/// Removes the Docker sandboxes of these sessions (by the label the
-/// provider puts on them) when dropped.
-struct RemoveOnDrop(&'static [&'static str]);
-
-impl Drop for RemoveOnDrop {
-    fn drop(&mut self) {
-        for session in self.0 {
-            let Ok(out) = Command::new("docker")
-                .args(["ps", "-aq", "--filter"])
-                .arg(format!("label=dev.harness.session-id={session}"))
-                .output()
-            else {
-                continue;
-            };
-            let ids: Vec<String> = String::from_utf8_lossy(&out.stdout)
-                .split_whitespace()
-                .map(str::to_string)
-                .collect();
-            if !ids.is_empty() {
-                let _ = Command::new("docker")
-                    .args(["rm", "-f"])
-                    .args(&ids)
-                    .stdout(Stdio::null())
-                    .status();
-            }
-        }
-    }
 }
