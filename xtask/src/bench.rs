@@ -43,6 +43,10 @@ pub enum Bench {
     /// The sealed local sandbox's boundary per exec: round trips in a
     /// host-mode and a sealed sandbox next to a bare `sh -c true` spawn.
     Seal,
+    /// Several session-server nodes over one PostgreSQL next to one node on
+    /// SQLite: appends/s through the nodes in turn, live delivery p99 on
+    /// the owner and through another node (needs `services start --only postgres`).
+    Scale,
     /// microVM: boot to first exec, exec round trip, file throughput
     /// through the agent, CPU-bound work against the host.
     Microvm,
@@ -72,6 +76,7 @@ fn commands(bench: Bench) -> Vec<Vec<&'static str>> {
         Bench::Broker => vec![example("harness-broker", "broker_bench")],
         Bench::Seal => vec![example("sandbox-local", "seal_bench")],
         Bench::Search => vec![example("session-log", "search_bench")],
+        Bench::Scale => vec![example("session-server", "scale_bench")],
         // Debug build: the time is the guest's, and a release build of the
         // provider's dependencies would cost minutes for nothing.
         Bench::Microvm => vec![vec![
@@ -98,6 +103,7 @@ pub fn run(bench: Bench) -> Result<()> {
         Bench::SandboxApi,
         Bench::Seal,
         Bench::Search,
+        Bench::Scale,
         Bench::Microvm,
     ];
     let chosen: Vec<Bench> = if bench == Bench::All {

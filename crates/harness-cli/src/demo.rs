@@ -61,6 +61,7 @@ pub async fn run(home: &Home, agent: AgentKind, keep: bool) -> Result<()> {
         lenient: false,
         require_docker: false,
         require_cloudflare: false,
+        cluster: None,
     };
     let config = SessionConfig {
         agent: agent.name().to_string(),

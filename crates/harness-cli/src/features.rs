@@ -1,5 +1,5 @@
 //! What this build of `harness` has: optional backends are cargo features
-//! (`docker`, `microvm`, `cloudflare`, `s3`, `temporal`, `otlp`, or `full`
+//! (`docker`, `microvm`, `cloudflare`, `s3`, `temporal`, `postgres`, `otlp`, or `full`
 //! for all), so the default build stays small for the demo and a laptop.
 //! A command that needs a backend this build lacks says which feature
 //! brings it, instead of failing in some other way.
@@ -32,6 +32,8 @@ const ENABLED: &[&str] = &[
     "s3",
     #[cfg(feature = "temporal")]
     "temporal",
+    #[cfg(feature = "postgres")]
+    "postgres",
     #[cfg(feature = "otlp")]
     "otlp",
 ];

@@ -48,6 +48,20 @@ pub struct Options {
     pub require_docker: bool,
     /// Fail when no Cloudflare bridge answers (a new session asked for one).
     pub require_cloudflare: bool,
+    /// One node among several over a shared log (`serve --log
+    /// postgres://…`); `None`: the home's SQLite log, this process alone.
+    pub cluster: Option<Cluster>,
+}
+
+/// What a node among several shares with the others (docs/scale.md).
+#[derive(Debug, Clone)]
+pub struct Cluster {
+    /// The shared session log (fenced by the leases).
+    pub log: Arc<dyn harness::core::log::SessionLog>,
+    /// Which node runs each session's actor.
+    pub leases: Arc<dyn harness::core::log::SessionLeases>,
+    /// The host token this node presents when it forwards to a peer.
+    pub peer_token: Option<String>,
 }
 
 /// The turn budgets a user sets on the command line.
@@ -221,10 +235,19 @@ pub async fn agents(
 /// Assemble the home's runtime. The caller holds the home's
 /// [`RuntimeLock`](crate::home::RuntimeLock).
 pub async fn runtime(home: &Home, options: Options) -> Result<Runtime> {
-    let log = Arc::new(home.open_log()?);
+    let (log, turn_store): (Arc<dyn harness::core::log::SessionLog>, _) = match &options.cluster {
+        Some(cluster) => (cluster.log.clone(), None),
+        None => {
+            let log = home.open_log()?;
+            let turns: Arc<dyn harness::core::engine::TurnStore> = Arc::new(log.turn_store());
+            (Arc::new(log), Some(turns))
+        }
+    };
     let engine = match &options.engine {
         EngineSpec::InProcess => EngineChoice::InProcess {
-            store: Arc::new(log.turn_store()),
+            store: turn_store.context(
+                "several nodes run their turns on Temporal: the in-process engine's turns would die with their node",
+            )?,
         },
         #[cfg(feature = "temporal")]
         EngineSpec::Temporal(config) => EngineChoice::External(Arc::new(
@@ -241,7 +264,15 @@ pub async fn runtime(home: &Home, options: Options) -> Result<Runtime> {
         #[cfg(feature = "temporal")]
         EngineSpec::Temporal(_) => None,
     };
-    let mut builder = Runtime::builder(log)
+    let mut builder = Runtime::builder(log);
+    if let Some(cluster) = &options.cluster {
+        builder = builder.hub_config(harness::runtime::HubConfig {
+            leases: Some(cluster.leases.clone()),
+            peer_token: cluster.peer_token.clone(),
+            ..Default::default()
+        });
+    }
+    let mut builder = builder
         .engine(engine)
         .broker(broker)
         .env(options.env.clone())

@@ -67,6 +67,26 @@ pub struct ServeArgs {
     /// Docker image for docker sessions that name none.
     #[arg(long)]
     image: Option<String>,
+    /// Where the session logs live: the home's SQLite file (the default),
+    /// or `postgres://…`, shared by several `harness serve` nodes, each
+    /// session's actor on one node at a time (docs/scale.md; needs
+    /// `--engine temporal`).
+    #[arg(long, value_name = "URL")]
+    log: Option<String>,
+    /// With `--log postgres://…`: the URL the other nodes reach this one
+    /// at, which is also its name among them (default: the address it
+    /// listens on).
+    #[arg(long, value_name = "URL")]
+    node_url: Option<String>,
+    /// With `--log postgres://…`: how long a session's lease lasts unless
+    /// renewed, in seconds — how long a dead node's sessions wait for
+    /// another node to take them over.
+    #[arg(long, default_value_t = 10, value_name = "SECS")]
+    lease_secs: u64,
+    /// The audit key that chains every session's frames (default: the
+    /// home's). Nodes sharing one log must share it.
+    #[arg(long, value_name = "FILE")]
+    audit_key: Option<std::path::PathBuf>,
     #[command(flatten)]
     limits: local::TurnLimits,
 }
@@ -136,6 +156,7 @@ async fn start_runtime(
     home: &Home,
     args: &ServeArgs,
     env: BTreeMap<String, String>,
+    cluster: Option<local::Cluster>,
 ) -> Result<Option<harness::runtime::Runtime>> {
     let engine = match args.engine {
         ServeEngine::Remote => return Ok(None),
@@ -158,6 +179,7 @@ async fn start_runtime(
         lenient: true,
         require_docker: false,
         require_cloudflare: false,
+        cluster,
     };
     let runtime = local::runtime(home, options).await?;
     let started = runtime.start().await?;
@@ -171,18 +193,92 @@ async fn start_runtime(
     Ok(Some(runtime))
 }
 
+/// Which log this server keeps its sessions in, from `--log`.
+enum LogSetting {
+    /// The home's SQLite file.
+    Home,
+    /// A PostgreSQL database shared with other nodes.
+    Postgres(String),
+}
+
+impl LogSetting {
+    fn parse(args: &ServeArgs) -> Result<Self> {
+        let Some(url) = &args.log else {
+            return Ok(LogSetting::Home);
+        };
+        if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+            bail!(
+                "--log {url:?}: give a PostgreSQL URL (postgres://user@host:port/db), or leave \
+                 --log out for the home's SQLite file"
+            );
+        }
+        if args.engine != ServeEngine::Temporal {
+            bail!(
+                "--log postgres://… runs the turns of several nodes on Temporal: add `--engine temporal` \
+                 (an in-process turn would die with its node; docs/scale.md)"
+            );
+        }
+        if args.lease_secs < 2 {
+            bail!("--lease-secs must be at least 2 (a lease is renewed every third of it)");
+        }
+        Ok(LogSetting::Postgres(url.clone()))
+    }
+}
+
+/// This node among the others over one PostgreSQL: the shared log (fenced
+/// by this node's leases), the leases, and the host token to forward with.
+#[cfg(feature = "postgres")]
+async fn join_cluster(
+    url: &str,
+    node: &str,
+    args: &ServeArgs,
+    key: harness::core::log::ChainKey,
+    grants: &[TokenGrant],
+    insecure: bool,
+) -> Result<local::Cluster> {
+    let peer_token = grants
+        .iter()
+        .find(|g| g.role == GrantRole::Host && g.scope == Scope::All)
+        .map(|g| g.token.clone());
+    if peer_token.is_none() && !insecure {
+        bail!(
+            "nodes forward sessions to each other with a host token: pass the same \
+             --token TOKEN=host to every node"
+        );
+    }
+    let log = harness::postgres::PostgresSessionLog::connect(url)
+        .await?
+        .with_chain_key(key);
+    let leases = log.leases(node, Duration::from_secs(args.lease_secs))?;
+    Ok(local::Cluster {
+        log: Arc::new(log.fenced(leases.clone())),
+        leases: Arc::new(leases),
+        peer_token,
+    })
+}
+
+#[cfg(not(feature = "postgres"))]
+async fn join_cluster(
+    _url: &str,
+    _node: &str,
+    _args: &ServeArgs,
+    _key: harness::core::log::ChainKey,
+    _grants: &[TokenGrant],
+    _insecure: bool,
+) -> Result<local::Cluster> {
+    Err(crate::features::missing("postgres", "`--log postgres://…`"))
+}
+
 /// What the server says once it serves: where, and how to go on.
 fn greet(
     home: &Home,
+    log: &str,
     url: &str,
     engine: ServeEngine,
     engine_name: &str,
     model: Option<&ScriptedModel>,
 ) {
-    note!(
-        "serving sessions on {url} (log: {}, engine: {engine_name})",
-        home.db().display(),
-    );
+    note!("serving sessions on {url} (log: {log}, engine: {engine_name})");
     note!(
         "  Durable Streams: {url}/v1/stream/ (generic streams in {})",
         home.streams_db().display()
@@ -210,6 +306,14 @@ fn greet(
     }
 }
 
+/// A database URL with its password blanked, for messages.
+fn redacted(url: &str) -> String {
+    #[cfg(feature = "postgres")]
+    return harness::postgres::redacted(url);
+    #[cfg(not(feature = "postgres"))]
+    return url.split('@').next_back().unwrap_or(url).to_string();
+}
+
 /// Run the server until interrupted.
 pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
     let (config_tokens, insecure) = grants(&args)?;
@@ -219,7 +323,40 @@ pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
         .await
         .with_context(|| format!("binding {}", args.addr))?;
     let url = format!("http://{}", listener.local_addr()?);
+    let log_setting = LogSetting::parse(&args)?;
     let lock = home.lock_runtime("harness serve").await?;
+    let chain_key = match &args.audit_key {
+        Some(path) => harness::core::log::ChainKey::new(
+            harness::broker::load_or_make_secret(path)
+                .with_context(|| format!("the audit key {}", path.display()))?,
+        ),
+        None => home.chain_key()?,
+    };
+    let cluster = match &log_setting {
+        LogSetting::Home => None,
+        LogSetting::Postgres(db) => {
+            let node = args.node_url.clone().unwrap_or_else(|| url.clone());
+            Some(
+                join_cluster(
+                    db,
+                    &node,
+                    &args,
+                    chain_key.clone(),
+                    &config_tokens,
+                    insecure,
+                )
+                .await?,
+            )
+        }
+    };
+    let log_name = match &log_setting {
+        LogSetting::Home => home.db().display().to_string(),
+        LogSetting::Postgres(db) => format!(
+            "{} as node {}",
+            redacted(db),
+            args.node_url.as_deref().unwrap_or(&url)
+        ),
+    };
 
     let model = if args.demo {
         Some(demo_model().await?)
@@ -230,14 +367,14 @@ pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
         Some(model) => crate::demo::model_env(model),
         None => local::agent_env(),
     };
-    let runtime = start_runtime(home, &args, env).await?;
+    let runtime = start_runtime(home, &args, env, cluster).await?;
 
     let log: Arc<dyn harness::core::log::SessionLog> = match &runtime {
         Some(runtime) => runtime.hub().log().clone(),
         None => Arc::new(home.open_log()?),
     };
     let mut config = ServerConfig::new(log);
-    config.chain_key = home.chain_key()?;
+    config.chain_key = chain_key;
     config.tokens = config_tokens;
     config.insecure_no_auth = insecure;
     config.idle_timeout = Duration::from_secs(args.idle_secs);
@@ -274,7 +411,14 @@ pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
         Some(runtime) => runtime.engine().name(),
         None => "remote runner",
     };
-    greet(home, &url, args.engine, engine_name, model.as_ref());
+    greet(
+        home,
+        &log_name,
+        &url,
+        args.engine,
+        engine_name,
+        model.as_ref(),
+    );
     // The sessions' routes and the sandbox API's (docs/ai-sdk.md).
     let router = server.router().merge(sandboxes.router());
     let served = tokio::select! {

@@ -567,6 +567,7 @@ pub async fn run_command(home: &Home, args: RunArgs) -> Result<()> {
                 require_docker: args.sandbox == SandboxKind::Docker && args.session.is_none(),
                 require_cloudflare: args.sandbox == SandboxKind::Cloudflare
                     && args.session.is_none(),
+                cluster: None,
             };
             let config = new_config(&args)?;
             run_local(
@@ -647,6 +648,7 @@ pub async fn resume_command(home: &Home) -> Result<()> {
         lenient: true,
         require_docker: false,
         require_cloudflare: false,
+        cluster: None,
     };
     let runtime = local::runtime(home, options).await?;
     runtime.start().await?;

@@ -46,9 +46,11 @@ use crate::{Error, Result};
 
 pub mod append;
 pub mod chain;
+pub mod lease;
 
 pub use append::{plan_append, AppendPlan, AppendView, CheckedAppend, LogHead, NewFrame};
 pub use chain::{ChainBreak, ChainKey, ChainReport, ChainedFrame, FrameHash};
+pub use lease::{Claim, SessionLeases};
 
 /// Largest encoded frame body a log accepts by default (1 MiB).
 pub const DEFAULT_MAX_FRAME_BYTES: usize = 1024 * 1024;

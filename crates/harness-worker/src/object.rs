@@ -156,8 +156,7 @@ impl Transport for DoTransport {
                 let _ = tx.unbounded_send(Outbound::Close(reason.to_string()));
             }
             Some(Peer::Socket(ws)) => {
-                // Close reasons are at most 123 bytes.
-                let reason: String = reason.chars().take(100).collect();
+                let reason = ws::close_reason(reason).to_string();
                 let _ = ws.close(Some(ws::CLOSED_BY_SESSION), Some(reason));
             }
             None => {}

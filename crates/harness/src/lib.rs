@@ -14,6 +14,7 @@
 //! | `fs-store` (default) | [`fs_store`] | checkpoint store in a local directory |
 //! | `r2` | [`r2`] | checkpoint store on R2 / any S3 |
 //! | `sqlite` (default) | [`sqlite`] | session log and turn store on SQLite |
+//! | `postgres` | [`postgres`] | session logs, turn store and session leases on PostgreSQL (several `harness serve` nodes) |
 //! | `runtime` (default) | [`runtime`] | the session runtime on tokio: actors, dispatch to an engine, the embedding API |
 //! | `server` | [`server`] | the session server (HTTP, WebSocket, SSE) |
 //! | `claude-code` (default) | [`claude_code`] | the Claude Code adapter |
@@ -81,6 +82,9 @@ pub use checkpoint_r2 as r2;
 
 #[cfg(feature = "sqlite")]
 pub use session_log as sqlite;
+
+#[cfg(feature = "postgres")]
+pub use session_log_postgres as postgres;
 
 #[cfg(feature = "runtime")]
 pub use session_runtime as runtime;

@@ -17,6 +17,23 @@ use crate::ApiError;
 /// fenced runner, a replaced tool host).
 pub const CLOSED_BY_SESSION: u16 = 4001;
 
+/// Most bytes a close frame's reason may hold (RFC 6455: a control frame's
+/// payload is at most 125 bytes, two of them the code).
+pub const MAX_CLOSE_REASON: usize = 123;
+
+/// `reason` cut to fit a close frame, at a character boundary: a longer one
+/// is a protocol error that the peer sees instead of the reason.
+pub fn close_reason(reason: &str) -> &str {
+    if reason.len() <= MAX_CLOSE_REASON {
+        return reason;
+    }
+    let mut end = MAX_CLOSE_REASON;
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    &reason[..end]
+}
+
 /// The role a socket asks for.
 pub fn role(params: &HashMap<String, String>) -> Result<Role, ApiError> {
     Ok(match params.get("role").map(String::as_str) {
@@ -125,6 +142,15 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect()
+    }
+
+    #[test]
+    fn close_reasons_fit_a_close_frame() {
+        assert_eq!(close_reason("short"), "short");
+        let long = "é".repeat(100);
+        let cut = close_reason(&long);
+        assert!(cut.len() <= MAX_CLOSE_REASON && cut.len() >= MAX_CLOSE_REASON - 1);
+        assert!(long.starts_with(cut));
     }
 
     #[test]

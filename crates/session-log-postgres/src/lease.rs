@@ -6,8 +6,8 @@
 //! ```
 //!
 //! - [`Leases::acquire`] takes a session's lease when it is free, expired,
-//!   or already this node's; taking it from another node bumps the
-//!   generation. Time is the database's (`now()`), so nodes' clocks never
+//!   or already this node's; taking it from another node, or back after it
+//!   expired (a restarted node's previous life), bumps the generation. Time is the database's (`now()`), so nodes' clocks never
 //!   disagree about expiry.
 //! - [`Leases::renew`] extends it while it is still this node's at the same
 //!   generation; `false` once another node took it (the actor must stop).
@@ -24,8 +24,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use async_trait::async_trait;
 use deadpool_postgres::{Pool, Transaction};
 use harness_core::frame::SessionId;
+use harness_core::log::{Claim, SessionLeases};
 use harness_core::{Error, Result};
 
 use crate::{client, db_err};
@@ -102,6 +104,7 @@ impl Leases {
                  VALUES ($1, $2, 1, now() + make_interval(secs => $3::BIGINT / 1000.0)) \
                  ON CONFLICT (session) DO UPDATE SET \
                    generation = CASE WHEN harness_leases.node = excluded.node \
+                                     AND harness_leases.expires_at > now() \
                                 THEN harness_leases.generation \
                                 ELSE harness_leases.generation + 1 END, \
                    node = excluded.node, expires_at = excluded.expires_at \
@@ -228,5 +231,60 @@ impl Leases {
                 self.node
             ))),
         }
+    }
+}
+
+/// The hub's view of the leases (`harness_core::log::SessionLeases`).
+#[async_trait]
+impl SessionLeases for Leases {
+    fn node(&self) -> &str {
+        &self.node
+    }
+
+    fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    async fn acquire(&self, session: &SessionId) -> Result<Claim> {
+        if let Some(lease) = Leases::acquire(self, session).await? {
+            return Ok(Claim::Owned {
+                generation: lease.generation,
+                taken_over: lease.generation > 1,
+            });
+        }
+        match self.owner(session).await? {
+            Some((node, _, _)) => Ok(Claim::Held { node }),
+            // Released and deleted between the two reads cannot happen
+            // (rows are never deleted); say so rather than loop.
+            None => Err(Error::backend(format!(
+                "the lease of session {session} vanished while it was being taken"
+            ))),
+        }
+    }
+
+    async fn renew(&self, session: &SessionId, generation: u64) -> Result<bool> {
+        Leases::renew(
+            self,
+            &Lease {
+                session: session.clone(),
+                generation,
+            },
+        )
+        .await
+    }
+
+    async fn release(&self, session: &SessionId, generation: u64) -> Result<()> {
+        Leases::release(
+            self,
+            &Lease {
+                session: session.clone(),
+                generation,
+            },
+        )
+        .await
+    }
+
+    async fn holder(&self, session: &SessionId) -> Result<Option<(String, u64, bool)>> {
+        self.owner(session).await
     }
 }

@@ -96,6 +96,11 @@ pub fn redacted(url: &str) -> String {
     }
 }
 
+/// How long PostgreSQL lets a connection of ours sit idle inside a
+/// transaction before it ends it (a paused node must not hold other
+/// nodes' takeovers for longer than a lease).
+pub const IDLE_IN_TRANSACTION: Duration = Duration::from_secs(10);
+
 /// Session logs in a PostgreSQL database. Cheap to clone (a pool).
 #[derive(Clone)]
 pub struct PostgresSessionLog {
@@ -229,6 +234,20 @@ pub(crate) fn pool(url: &str, size: usize) -> Result<Pool> {
     })?;
     let mut config = config;
     config.connect_timeout(CONNECT_TIMEOUT);
+    // A node paused (or cut off) inside a transaction holds its rows
+    // locked — an append holds its session's head and lease rows — and
+    // with them every other node's takeover of those sessions. The server
+    // ends such a transaction after this long; ours never sit idle inside
+    // one (each statement follows the last at once).
+    let timeout = format!(
+        "-c idle_in_transaction_session_timeout={}",
+        IDLE_IN_TRANSACTION.as_millis()
+    );
+    let options = match config.get_options() {
+        Some(given) if !given.is_empty() => format!("{given} {timeout}"),
+        _ => timeout,
+    };
+    config.options(options);
     let manager = Manager::from_config(
         config,
         tokio_postgres::NoTls,

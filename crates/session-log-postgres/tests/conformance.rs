@@ -97,6 +97,25 @@ async fn postgres_turn_store_passes_the_conformance_suite() {
     .unwrap();
 }
 
+/// The session leases suite: nodes over one database.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_leases_pass_the_conformance_suite() {
+    let Some(admin) = admin_url() else { return };
+    harness_testkit::conformance::leases::run_all(|| {
+        let admin = admin.clone();
+        async move {
+            let url = fresh_database(&admin).await;
+            let log = PostgresSessionLog::connect(&url).await.unwrap();
+            move |node: &str, ttl: Duration| {
+                Arc::new(log.leases(node, ttl).unwrap())
+                    as Arc<dyn harness_core::log::SessionLeases>
+            }
+        }
+    })
+    .await
+    .unwrap();
+}
+
 /// What a node meets at start: a database written by a newer harness is
 /// refused with the reason; an unreachable server fails fast, naming it
 /// (without the password); a malformed URL is bad input.

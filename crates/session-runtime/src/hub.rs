@@ -33,7 +33,7 @@ use harness_core::actor::{
 use harness_core::actor_driver::{ActorDriver, Transport};
 use harness_core::clock::Clock;
 use harness_core::frame::{Frame, FrameBody};
-use harness_core::log::{LogSession, SessionLog, SessionStore};
+use harness_core::log::{Claim, LogSession, SessionLeases, SessionLog, SessionStore};
 use harness_core::relay::HostMessage;
 use harness_core::session::TurnCommand;
 use harness_core::{Error, SessionId};
@@ -41,6 +41,9 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::dispatch::Dispatcher;
 use crate::SystemClock;
+
+mod forward;
+mod lease;
 
 /// Messages queued for one connection before the actor gives up on it. A
 /// reader this far behind is dropped (its stream ends after the queued
@@ -67,6 +70,14 @@ pub struct HubConfig {
     /// the system clock by default, the runtime's own under a
     /// [`Runtime`](crate::Runtime).
     pub clock: Arc<dyn Clock>,
+    /// Several nodes over one shared log: the session leases that decide
+    /// which node runs each session's actor (`None`: this hub is the only
+    /// one, every session's actor runs here). A node without a session's lease forwards its connections to the owner (`hub/forward.rs`).
+    pub leases: Option<Arc<dyn SessionLeases>>,
+    /// The token this node presents to its peers when it forwards a
+    /// connection to a session's owner (a host grant every node accepts);
+    /// `None` when the nodes run without authentication.
+    pub peer_token: Option<String>,
 }
 
 impl Default for HubConfig {
@@ -76,6 +87,8 @@ impl Default for HubConfig {
             idle_timeout: Duration::from_secs(30),
             max_batch: MAX_BATCH,
             clock: Arc::new(SystemClock),
+            leases: None,
+            peer_token: None,
         }
     }
 }
@@ -227,6 +240,9 @@ enum Command {
     /// How many connections the actor holds once the commands queued
     /// before this one are handled.
     CountConnections(oneshot::Sender<usize>),
+    /// This node no longer holds the session's lease (another node took
+    /// it, or it could not be renewed in time): the actor stops here.
+    LeaseLost(String),
 }
 
 struct Entry {
@@ -339,6 +355,7 @@ impl std::fmt::Debug for Command {
                 .finish(),
             Command::Input(i) => f.debug_tuple("Input").field(i).finish(),
             Command::CountConnections(_) => f.write_str("CountConnections"),
+            Command::LeaseLost(reason) => f.debug_tuple("LeaseLost").field(reason).finish(),
         }
     }
 }
@@ -706,7 +723,8 @@ impl Hub {
         let (tx, rx) = mpsc::unbounded_channel();
         let epoch = self.epochs.fetch_add(1, Ordering::Relaxed);
         let hub = self.me.upgrade().expect("the hub is alive while it spawns");
-        self.tasks.spawn(run_actor(hub, session, epoch, rx));
+        self.tasks
+            .spawn(run_actor(hub, session, epoch, tx.clone(), rx));
         Entry { epoch, tx }
     }
 
@@ -862,8 +880,12 @@ struct ActorTask {
     hub: Arc<Hub>,
     session: SessionId,
     epoch: u64,
+    /// The task's own queue, for its lease keeper to report a lost lease.
+    tx: mpsc::UnboundedSender<Command>,
     rx: mpsc::UnboundedReceiver<Command>,
     store: Arc<dyn SessionStore>,
+    /// With leases: tells when the store refused an append as fenced.
+    fence: Option<lease::FenceWatch>,
     next_conn: ConnId,
 }
 
@@ -874,45 +896,99 @@ struct BatchInputs {
     transient: Vec<ConnId>,
     /// Who asked for the connection count.
     counts: Vec<oneshot::Sender<usize>>,
+    /// The lease was lost, and why.
+    lost: Option<String>,
 }
 
 async fn run_actor(
     hub: Arc<Hub>,
     session: SessionId,
     epoch: u64,
+    tx: mpsc::UnboundedSender<Command>,
     rx: mpsc::UnboundedReceiver<Command>,
 ) {
-    let store: Arc<dyn SessionStore> = Arc::new(LogSession::new(hub.log.clone(), session.clone()));
+    let log_store: Arc<dyn SessionStore> =
+        Arc::new(LogSession::new(hub.log.clone(), session.clone()));
+    let fence = hub
+        .config
+        .leases
+        .as_ref()
+        .map(|_| lease::FenceWatch::new(log_store.clone()));
+    let store = match &fence {
+        Some(fence) => fence.store(),
+        None => log_store,
+    };
     let mut task = ActorTask {
         hub,
         session,
         epoch,
+        tx,
         rx,
         store,
+        fence,
         next_conn: 1,
     };
-    let transport = ChannelTransport {
-        session: task.session.clone(),
-        conns: HashMap::new(),
-        hub: Arc::downgrade(&task.hub),
-        fanout: Vec::new(),
-        fanout_to: Vec::new(),
+    let Some(leases) = task.hub.config.leases.clone() else {
+        match task.own(None, Vec::new()).await {
+            Ok(_) => {}
+            Err(e) => task.fail_start(&e),
+        }
+        return;
     };
-    let mut driver = match task.recover(transport).await {
-        Ok(driver) => driver,
-        Err(e) => return task.fail_start(&e),
-    };
-    let last_seq = driver.actor().last_seq();
-    tracing::debug!(session = %task.session, last_seq, "session actor started");
-    while let Some(cmds) = task.next_batch(&mut driver).await {
-        let Err(error) = task.handle_batch(&mut driver, cmds).await else {
-            continue;
-        };
-        driver = match task.restart(driver, error).await {
-            Ok(driver) => driver,
-            Err(e) => return task.fail_start(&e),
-        };
+    // Several nodes: run the actor while this node holds the lease, else
+    // forward to the node that does; when either ends without the task
+    // retiring, decide again.
+    let mut carried: Vec<forward::Carried> = Vec::new();
+    let mut unreachable: Option<String> = None;
+    loop {
+        match leases.acquire(&task.session).await {
+            Ok(Claim::Owned {
+                generation,
+                taken_over,
+            }) => {
+                unreachable = None;
+                let held = lease::Held {
+                    leases: leases.clone(),
+                    generation,
+                    taken_over,
+                };
+                match task.own(Some(held), std::mem::take(&mut carried)).await {
+                    Ok(Owned::Retired) => return,
+                    Ok(Owned::Lost) => continue,
+                    Err(e) => return task.fail_start(&e),
+                }
+            }
+            Ok(Claim::Held { node }) => {
+                if unreachable.as_deref() == Some(node.as_str()) {
+                    // The owner just failed us and its lease still stands:
+                    // wait a little before trying it (or its successor).
+                    tokio::time::sleep(lease::retry_pause(leases.ttl())).await;
+                }
+                match forward::forward(&mut task, &node, std::mem::take(&mut carried)).await {
+                    forward::Forwarded::Retired => return,
+                    forward::Forwarded::OwnerLost(rest) => {
+                        carried = rest;
+                        unreachable = Some(node);
+                    }
+                }
+            }
+            Err(e) => {
+                forward::close_all(
+                    carried,
+                    &format!("session {} has no owner: {e}", task.session),
+                );
+                return task.fail_start(&e);
+            }
+        }
     }
+}
+
+/// How [`ActorTask::own`] ended.
+enum Owned {
+    /// Idle: the task left the registry.
+    Retired,
+    /// The lease went to another node: every connection was closed.
+    Lost,
 }
 
 impl ActorTask {
@@ -923,6 +999,87 @@ impl ActorTask {
     /// The actor as the log has it, over `transport`.
     async fn recover(&self, transport: ChannelTransport) -> Result<Driver, Error> {
         ActorDriver::recover(self.store.clone(), self.hub.config.actor.clone(), transport).await
+    }
+
+    /// Run the session's actor here until it retires, or until the lease
+    /// (when there is one) is lost. `carried` are client connections that
+    /// followed the session from a node that went away: they rejoin from
+    /// the last frame each had.
+    async fn own(
+        &mut self,
+        held: Option<lease::Held>,
+        carried: Vec<forward::Carried>,
+    ) -> Result<Owned, Error> {
+        let transport = ChannelTransport {
+            session: self.session.clone(),
+            conns: HashMap::new(),
+            hub: Arc::downgrade(&self.hub),
+            fanout: Vec::new(),
+            fanout_to: Vec::new(),
+        };
+        let mut driver = match self.recover(transport).await {
+            Ok(driver) => driver,
+            Err(e) => {
+                forward::close_all(
+                    carried,
+                    &format!("session {} cannot start: {e}", self.session),
+                );
+                return Err(e);
+            }
+        };
+        let last_seq = driver.actor().last_seq();
+        tracing::debug!(session = %self.session, last_seq, "session actor started");
+        for c in carried {
+            driver.transport_mut().conns.insert(c.conn, c.out);
+            driver
+                .handle(Input::Connect {
+                    conn: c.conn,
+                    role: Role::Client,
+                    after: c.after,
+                })
+                .await;
+        }
+        driver.transport_mut().flush();
+        let keeper = match held {
+            Some(held) => Some(held.start(self).await),
+            None => None,
+        };
+        let ended = loop {
+            let Some(cmds) = self.next_batch(&mut driver).await else {
+                break Owned::Retired;
+            };
+            match self.handle_batch(&mut driver, cmds).await {
+                Ok(None) => {}
+                Ok(Some(reason)) => {
+                    tracing::warn!(session = %self.session, %reason, "the session moves to another node");
+                    let mut transport = driver.into_transport();
+                    transport.flush();
+                    let close = format!(
+                        "session {} moved to another node ({reason}); reconnect",
+                        self.session
+                    );
+                    for (_, out) in transport.conns.drain() {
+                        out.push(Queued::one(Outbound::Close(close.clone())));
+                    }
+                    break Owned::Lost;
+                }
+                Err(error) => {
+                    driver = match self.restart(driver, error).await {
+                        Ok(driver) => driver,
+                        Err(e) => {
+                            if let Some(keeper) = keeper {
+                                keeper.stop(false).await;
+                            }
+                            return Err(e);
+                        }
+                    };
+                }
+            }
+        };
+        if let Some(keeper) = keeper {
+            keeper.stop(matches!(ended, Owned::Retired)).await;
+        }
+        Ok(ended)
     }
 
     /// The task could not (re)start: leave the registry and refuse what
@@ -982,12 +1139,20 @@ impl ActorTask {
     }
 
     /// Handle one batch; `Err` when its group commit failed.
-    async fn handle_batch(&mut self, driver: &mut Driver, cmds: Vec<Command>) -> Result<(), Error> {
+    async fn handle_batch(
+        &mut self,
+        driver: &mut Driver,
+        cmds: Vec<Command>,
+    ) -> Result<Option<String>, Error> {
         let BatchInputs {
             inputs,
             transient,
             counts,
+            lost,
         } = self.inputs(driver, cmds);
+        if let Some(reason) = lost {
+            return Ok(Some(reason));
+        }
         let result = handle_inputs(driver, inputs).await;
         for conn in transient {
             driver.transport_mut().conns.remove(&conn);
@@ -1002,7 +1167,10 @@ impl ActorTask {
         if self.rx.is_empty() || driver.transport().fanout.len() >= self.hub.config.max_batch {
             driver.transport_mut().flush();
         }
-        result
+        if let Some(reason) = self.fence.as_ref().and_then(lease::FenceWatch::take) {
+            return Ok(Some(reason));
+        }
+        result.map(|()| None)
     }
 
     /// A batch's commands as inputs, the time first: connections get their
@@ -1014,6 +1182,7 @@ impl ActorTask {
             }],
             transient: Vec::new(),
             counts: Vec::new(),
+            lost: None,
         };
         for cmd in cmds {
             match cmd {
@@ -1044,6 +1213,7 @@ impl ActorTask {
                     batch.inputs.push(input);
                 }
                 Command::CountConnections(reply) => batch.counts.push(reply),
+                Command::LeaseLost(reason) => batch.lost = Some(reason),
             }
         }
         batch

@@ -61,16 +61,22 @@ pub enum FromRunner {
     },
 }
 
-/// The runner channel's URL at a server `base` (`http://host:port`).
-pub fn runner_channel_url(base: &str, generation: u64, token: Option<&str>) -> String {
+/// A server's `http(s)://` base as the `ws(s)://` base of its sockets,
+/// without a trailing slash.
+pub(crate) fn ws_base(base: &str) -> String {
     let base = base.trim_end_matches('/');
-    let base = if let Some(rest) = base.strip_prefix("https://") {
+    if let Some(rest) = base.strip_prefix("https://") {
         format!("wss://{rest}")
     } else if let Some(rest) = base.strip_prefix("http://") {
         format!("ws://{rest}")
     } else {
         base.to_string()
-    };
+    }
+}
+
+/// The runner channel's URL at a server `base` (`http://host:port`).
+pub fn runner_channel_url(base: &str, generation: u64, token: Option<&str>) -> String {
+    let base = ws_base(base);
     let mut url = format!("{base}/v1/runner?generation={generation}");
     if let Some(token) = token {
         url.push_str("&access_token=");

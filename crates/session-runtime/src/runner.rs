@@ -116,13 +116,7 @@ impl WsConnector {
     }
 
     fn url(&self, session: &SessionId, generation: u64) -> String {
-        let base = if let Some(rest) = self.base.strip_prefix("https://") {
-            format!("wss://{rest}")
-        } else if let Some(rest) = self.base.strip_prefix("http://") {
-            format!("ws://{rest}")
-        } else {
-            self.base.clone()
-        };
+        let base = crate::remote::ws_base(&self.base);
         let mut url =
             format!("{base}/v1/sessions/{session}/ws?role=runner&generation={generation}");
         if let Some(token) = &self.token {

@@ -303,7 +303,13 @@ impl Runtime {
             None => 0,
         };
         let mut redispatched = 0;
-        for info in self.hub.log().list().await? {
+        // With several nodes, a session's pending commands are re-sent by
+        // the node that takes its lease over, not by every node at start.
+        let sessions = match self.hub.config().leases {
+            Some(_) => Vec::new(),
+            None => self.hub.log().list().await?,
+        };
+        for info in sessions {
             let commands = info.meta.pending_commands();
             if commands.is_empty() || info.sealed {
                 continue;

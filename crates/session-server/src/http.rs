@@ -873,7 +873,7 @@ async fn run_socket(
         tokio::select! {
             out = conn.recv() => match out {
                 Some(Outbound::Close(reason)) => {
-                    let frame = CloseFrame { code: ws::CLOSED_BY_SESSION, reason: reason.into() };
+                    let frame = CloseFrame { code: ws::CLOSED_BY_SESSION, reason: ws::close_reason(&reason).into() };
                     let _ = sink.send(Message::Close(Some(frame))).await;
                     break;
                 }
@@ -893,7 +893,7 @@ async fn run_socket(
                             }
                             Outbound::Msg(m) => Some(text(&m)),
                             Outbound::Close(reason) => {
-                                let frame = CloseFrame { code: ws::CLOSED_BY_SESSION, reason: reason.into() };
+                                let frame = CloseFrame { code: ws::CLOSED_BY_SESSION, reason: ws::close_reason(&reason).into() };
                                 let _ = sink.feed(Message::Close(Some(frame))).await;
                                 failed = true;
                                 break;
@@ -1018,7 +1018,7 @@ async fn serve_runner(
                     }
                 }
                 Some(Outgoing::Close(reason)) => {
-                    let frame = CloseFrame { code: ws::CLOSED_BY_SESSION, reason: reason.into() };
+                    let frame = CloseFrame { code: ws::CLOSED_BY_SESSION, reason: ws::close_reason(&reason).into() };
                     let _ = sink.send(Message::Close(Some(frame))).await;
                     break;
                 }

@@ -8,6 +8,7 @@
 
 pub mod browser;
 pub mod docker;
+pub mod follow;
 pub mod npm;
 pub mod server;
 
@@ -15,7 +16,8 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 
 use harness_testkit::model::{
-    any, last_is_tool_result_for, Reply, Rule, Script, ScriptedModel, BASH_CALL_ID,
+    any, last_is_tool_result_for, last_user_text_contains, Reply, Rule, Script, ScriptedModel,
+    BASH_CALL_ID,
 };
 
 /// The final answer, streamed in chunks 400 ms apart.
@@ -29,7 +31,21 @@ pub fn slow_script() -> Script {
 
 /// [`slow_script`] with a tool that sleeps `seconds`.
 pub fn slow_script_sleeping(seconds: u32) -> Script {
-    Script::new()
+    slow_rules(Script::new(), seconds)
+}
+
+/// [`slow_script`], and a plain "Again." to a prompt that says "again" (a
+/// second turn that ends at once).
+pub fn slow_script_answering_again() -> Script {
+    slow_rules(
+        Script::new().on(last_user_text_contains("again"), Reply::text("Again.")),
+        5,
+    )
+}
+
+/// The slow turn's rules after those of `script`.
+fn slow_rules(script: Script, seconds: u32) -> Script {
+    script
         .rule(
             Rule::new(
                 last_is_tool_result_for(BASH_CALL_ID),

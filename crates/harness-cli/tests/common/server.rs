@@ -266,6 +266,11 @@ impl Serve {
         self.process.kill();
     }
 
+    /// Send `signal` (`-STOP`, `-CONT`, `-KILL`, …).
+    pub fn signal(&self, signal: &str) {
+        self.process.signal(signal);
+    }
+
     pub fn log(&self) -> String {
         self.process.log()
     }
@@ -390,9 +395,8 @@ impl Worker {
     }
 }
 
-/// The server on Temporal, its Temporal tuned so a dead worker's slice
-/// moves on in seconds; `None` (after skip_or_fail) without Temporal.
-pub async fn temporal_server(home: &Path, model: &ScriptedModel, queue: &str) -> Option<Serve> {
+/// Whether the Temporal dev server answers (after skip_or_fail when not).
+pub async fn temporal_reachable() -> bool {
     let reachable = tokio::time::timeout(
         Duration::from_secs(5),
         tokio::net::TcpStream::connect("127.0.0.1:7233"),
@@ -400,6 +404,21 @@ pub async fn temporal_server(home: &Path, model: &ScriptedModel, queue: &str) ->
     .await;
     if !matches!(reachable, Ok(Ok(_))) {
         skip_or_fail("no Temporal server on 127.0.0.1:7233 (cargo xtask services start)");
+        return false;
+    }
+    true
+}
+
+/// Settings under which Temporal moves a dead worker's slice on in seconds.
+pub const FAST_TEMPORAL: [(&str, &str); 2] = [
+    ("HARNESS_TEMPORAL_HEARTBEAT_TIMEOUT_MS", "2000"),
+    ("HARNESS_TEMPORAL_RETRY_INITIAL_MS", "300"),
+];
+
+/// The server on Temporal, its Temporal tuned so a dead worker's slice
+/// moves on in seconds; `None` (after skip_or_fail) without Temporal.
+pub async fn temporal_server(home: &Path, model: &ScriptedModel, queue: &str) -> Option<Serve> {
+    if !temporal_reachable().await {
         return None;
     }
     Some(Serve::start_with_env(
@@ -408,8 +427,8 @@ pub async fn temporal_server(home: &Path, model: &ScriptedModel, queue: &str) ->
         &["--engine", "temporal", "--slice-ms", "1000"],
         &[
             ("HARNESS_TEMPORAL_TASK_QUEUE", queue),
-            ("HARNESS_TEMPORAL_HEARTBEAT_TIMEOUT_MS", "2000"),
-            ("HARNESS_TEMPORAL_RETRY_INITIAL_MS", "300"),
+            FAST_TEMPORAL[0],
+            FAST_TEMPORAL[1],
         ],
     ))
 }

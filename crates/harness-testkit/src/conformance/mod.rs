@@ -6,6 +6,7 @@
 pub mod checkpoint;
 pub mod durable_streams;
 pub mod engine;
+pub mod leases;
 pub mod log;
 pub mod sandbox;
 pub mod search;

@@ -1,0 +1,341 @@
+//! Three `harness serve` nodes over one PostgreSQL, turns on Temporal
+//! (docs/scale.md): a session's actor runs on one node at a time, held by
+//! a lease; the other nodes forward its connections there.
+//!
+//! A reader on node B follows a real Claude Code turn (scripted model)
+//! whose actor runs on node A, and a second reader follows it on A itself.
+//! A is SIGKILLed mid-turn: another node takes the session over once A's
+//! lease expires, the turn finishes, the reader on B sees every frame once
+//! without reconnecting, and the reader from A, reconnecting to node C with
+//! `Last-Event-ID`, sees the rest once. Then the new owner is paused
+//! (SIGSTOP) with a prompt in its socket, the last node takes the session
+//! over, and the paused node, resumed, cannot store the prompt: it is
+//! refused (fenced) and the session goes on on the node that holds it.
+//!
+//! Needs `claude`, the Temporal dev server and PostgreSQL (`cargo xtask
+//! services start`; `HARNESS_TEST_POSTGRES_URL`); skips through the skip
+//! registry without them (a failure under `HARNESS_REQUIRE_REAL=1`).
+
+mod common;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use futures::{SinkExt, StreamExt};
+use harness_testkit::model::ScriptedModel;
+use harness_testkit::skip_or_fail;
+use serde_json::{json, Value};
+use tokio_tungstenite::tungstenite::Message;
+
+use common::follow::{Seen, SseClient};
+use common::server::*;
+
+/// Short leases, so a dead node's sessions move on in seconds (by hand:
+/// `HARNESS_NODES_LEASE_SECS=10` measures the default).
+fn lease_secs() -> String {
+    std::env::var("HARNESS_NODES_LEASE_SECS").unwrap_or_else(|_| "3".into())
+}
+
+fn postgres_url() -> Option<String> {
+    match std::env::var("HARNESS_TEST_POSTGRES_URL") {
+        Ok(url) if !url.is_empty() => Some(url),
+        _ => {
+            skip_or_fail(
+                "HARNESS_TEST_POSTGRES_URL is not set (cargo xtask services start; eval \"$(cargo xtask env)\")",
+            );
+            None
+        }
+    }
+}
+
+/// One node: `harness serve` on Temporal over the shared database, with
+/// the audit key every node shares.
+fn node(home: &Path, model: &ScriptedModel, db: &str, key: &Path, queue: &str) -> Serve {
+    let lease = lease_secs();
+    Serve::start_with_env(
+        home,
+        model,
+        &[
+            "--engine",
+            "temporal",
+            "--slice-ms",
+            "1000",
+            "--log",
+            db,
+            "--lease-secs",
+            &lease,
+            "--audit-key",
+            key.to_str().unwrap(),
+        ],
+        &[
+            ("HARNESS_TEMPORAL_TASK_QUEUE", queue),
+            FAST_TEMPORAL[0],
+            FAST_TEMPORAL[1],
+            ("RUST_LOG", "warn,session_runtime=info"),
+        ],
+    )
+}
+
+/// Wait for `check`, at most `TURN_TIMEOUT`; panic with `context()` after.
+async fn until(what: &str, check: impl Fn() -> bool, context: impl Fn() -> String) {
+    let started = Instant::now();
+    while !check() {
+        assert!(
+            started.elapsed() < TURN_TIMEOUT,
+            "{what} did not happen in {TURN_TIMEOUT:?}\n{}",
+            context()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn seqs(frames: &[Value]) -> Vec<u64> {
+    frames.iter().map(|f| f["seq"].as_u64().unwrap()).collect()
+}
+
+/// The line a node logs when it starts running `session`'s actor.
+fn runs(serve: &Serve, session: &str) -> usize {
+    serve
+        .log()
+        .lines()
+        .filter(|l| l.contains("this node runs the session's actor") && l.contains(session))
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(all(feature = "temporal", feature = "postgres")),
+    ignore = "needs the `temporal` and `postgres` features (CI builds --features full)"
+)]
+async fn a_session_outlives_its_node_and_a_paused_node_is_fenced() {
+    if !Agent::Claude.available() {
+        return;
+    }
+    let Some(db) = postgres_url() else { return };
+    if !temporal_reachable().await {
+        return;
+    }
+    let model = ScriptedModel::start(common::slow_script_answering_again())
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("audit.key");
+    let home = |name: &str| {
+        let path = dir.path().join(name);
+        std::fs::create_dir_all(&path).unwrap();
+        path
+    };
+    let queue = format!("nodes-{}", std::process::id());
+    let a = node(&home("a"), &model, &db, &key, &queue);
+    let b = node(&home("b"), &model, &db, &key, &queue);
+    let c = node(&home("c"), &model, &db, &key, &queue);
+    // The slices run in a worker whose runner writes through node C.
+    let worker = Worker::start(&home("worker"), &c, &model, &queue);
+    let logs = || {
+        format!(
+            "A:\n{}\nB:\n{}\nC:\n{}\nworker:\n{}",
+            a.log(),
+            b.log(),
+            c.log(),
+            worker.log()
+        )
+    };
+
+    let id = create(&a, json!({"agent": "claude-code", "sandbox": "local"})).await;
+    // The first node asked for the session runs its actor: A, here.
+    let on_a = SseClient::open(&a, &id).await;
+    let on_b = SseClient::open(&b, &id).await;
+    // A prompt through B reaches the actor on A.
+    let turn = prompt(&b, &id, "do the slow thing").await;
+    until(
+        "the tool call, seen on B",
+        || !on_b.seen().parts(&turn, "tool-call").is_empty(),
+        &logs,
+    )
+    .await;
+    assert_eq!(runs(&a, &id), 1, "A runs the session's actor\n{}", logs());
+    assert_eq!(runs(&b, &id) + runs(&c, &id), 0, "{}", logs());
+
+    a.signal("-KILL"); // mid-turn (the agent's command sleeps 5 s)
+    let killed_at = Instant::now();
+    let before_kill = on_a.seen().frames;
+    let last = *seqs(&before_kill).last().expect("A's reader saw frames");
+    let on_c = SseClient::open_from(&c, &id, Some(last)).await;
+
+    until(
+        "another node taking the session over",
+        || runs(&b, &id) + runs(&c, &id) == 1,
+        &logs,
+    )
+    .await;
+    let took_over = killed_at.elapsed();
+    let end = until_end(&on_b, &turn, &logs).await;
+    let ended = killed_at.elapsed();
+    assert_eq!(end["status"], "finished", "{end}\n{}", logs());
+    let stored = export(&b, &id).await;
+    common::assert_stored_once(&stored, "the SIGKILL of the session's node");
+    model.assert_no_failures();
+
+    // The reader on B never reconnected: every frame once, in order.
+    let all = seqs(&stored);
+    assert_eq!(seqs(&on_b.seen().frames), all, "the reader on B");
+    // The reader that was on A resumed on C: the rest, once.
+    until_end(&on_c, &turn, &logs).await;
+    let mut joined = before_kill.clone();
+    joined.extend(on_c.seen().frames);
+    assert_eq!(seqs(&joined), all, "the reader from A, resumed on C");
+    assert_eq!(
+        joined.iter().map(|f| &f["body"]).collect::<Vec<_>>(),
+        stored.iter().map(|f| &f["body"]).collect::<Vec<_>>(),
+        "what the readers saw is what is stored"
+    );
+    let (owner, other) = match (runs(&b, &id), runs(&c, &id)) {
+        (1, 0) => (&b, &c),
+        (0, 1) => (&c, &b),
+        found => panic!(
+            "one node took the session over, found {found:?}\n{}",
+            logs()
+        ),
+    };
+    eprintln!(
+        "{} took the session over {:.2} s after the kill (lease {} s); the turn ended {:.1} s after it",
+        owner.base,
+        took_over.as_secs_f64(),
+        lease_secs(),
+        ended.as_secs_f64()
+    );
+
+    // The owner, paused with a prompt waiting in its socket.
+    let url = owner.ws_url(&format!("/v1/sessions/{id}/ws?access_token={CLIENT}"));
+    let (mut socket, _) = tokio_tungstenite::connect_async(&url).await.unwrap();
+    owner.signal("-STOP");
+    let late = json!({"type": "prompt", "text": "a late prompt to the paused node"});
+    socket.send(Message::text(late.to_string())).await.unwrap();
+    // Its lease runs out; a reader on the third node takes the session.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let on_other = SseClient::open(other, &id).await;
+    until(
+        "the third node taking the session over",
+        || runs(other, &id) == 1,
+        &logs,
+    )
+    .await;
+    owner.signal("-CONT");
+    // The resumed node cannot store the prompt: the store refuses its
+    // append as fenced, or its lease keeper learns first that the lease is
+    // gone; either way the socket is told and closed.
+    let refused = tokio::time::timeout(Duration::from_secs(30), async {
+        let mut said = Vec::new();
+        while let Some(message) = socket.next().await {
+            match message {
+                Ok(Message::Text(text)) => said.push(text.to_string()),
+                Ok(Message::Close(frame)) => {
+                    said.push(frame.map(|f| f.reason.to_string()).unwrap_or_default());
+                    break;
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    said.push(e.to_string());
+                    break;
+                }
+            }
+        }
+        said
+    })
+    .await
+    .unwrap_or_else(|_| panic!("the resumed node never answered\n{}", logs()));
+    let refusal = refused.join("\n");
+    assert!(
+        refusal.contains("fenced") || refusal.contains("moved to another node"),
+        "the late prompt was refused: {refusal}\n{}",
+        logs()
+    );
+    assert!(
+        !refusal.contains("\"type\":\"ack\""),
+        "the paused node acknowledged a write: {refusal}"
+    );
+    let owner_log = owner.log();
+    assert!(
+        owner_log.contains("refused as fenced") || owner_log.contains("moves to another node"),
+        "the paused node says it lost the session:\n{owner_log}"
+    );
+    let stored = export(other, &id).await;
+    assert!(
+        !stored
+            .iter()
+            .any(|f| f["body"]["text"] == "a late prompt to the paused node"),
+        "the late prompt is not in the log: {stored:#?}"
+    );
+
+    // The session goes on where it lives now, reached through any node.
+    let second = prompt(owner, &id, "do the slow thing again").await;
+    let end = until_end(&on_other, &second, &logs).await;
+    assert_eq!(end["status"], "finished", "{end}\n{}", logs());
+    let stored = export(&b, &id).await;
+    assert_eq!(
+        seqs(&stored),
+        (1..=stored.len() as u64).collect::<Vec<_>>(),
+        "gap-free after both moves"
+    );
+    assert_eq!(seqs(&on_other.seen().frames), seqs(&stored));
+}
+
+/// Wait until `reader` has seen the end of `turn`.
+async fn until_end(reader: &SseClient, turn: &str, logs: impl Fn() -> String) -> Value {
+    let started = Instant::now();
+    loop {
+        let seen: Seen = reader.seen();
+        if let Some(end) = seen.end(turn) {
+            return end;
+        }
+        assert!(
+            started.elapsed() < TURN_TIMEOUT,
+            "turn {turn} did not end in {TURN_TIMEOUT:?}; the reader saw {:#?}\n{}",
+            seen.frames,
+            logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A node given a database URL that is not PostgreSQL's, or one nothing
+/// answers at, or without Temporal, refuses to start and says why.
+#[test]
+#[cfg_attr(
+    not(feature = "postgres"),
+    ignore = "needs the `postgres` feature (CI builds --features full)"
+)]
+fn a_node_with_a_bad_log_url_says_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |extra: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_harness"))
+            .arg("--home")
+            .arg(dir.path())
+            .args([
+                "serve",
+                "--addr",
+                "127.0.0.1:0",
+                "--token",
+                &format!("{HOST}=host"),
+            ])
+            .args(extra)
+            .env_remove("HARNESS_TOKENS")
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{extra:?} started");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let said = run(&["--engine", "temporal", "--log", "mysql://x@127.0.0.1/db"]);
+    assert!(said.contains("give a PostgreSQL URL"), "{said}");
+    let said = run(&["--log", "postgres://x@127.0.0.1:1/db"]);
+    assert!(said.contains("--engine temporal"), "{said}");
+    // Port 1 on loopback: nothing listens; the node says so and stops.
+    let said = run(&[
+        "--engine",
+        "temporal",
+        "--log",
+        "postgres://someone:secret@127.0.0.1:1/db",
+    ]);
+    assert!(said.contains("127.0.0.1:1"), "names the server: {said}");
+    assert!(!said.contains("secret"), "the password is blanked: {said}");
+}
