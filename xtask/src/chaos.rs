@@ -32,6 +32,11 @@ pub struct ChaosArgs {
     /// Leave the services, image and agents as they are (faster reruns).
     #[arg(long)]
     no_setup: bool,
+    /// Kill `harness serve` nodes instead: three nodes over PostgreSQL on
+    /// Temporal, a random node killed at a random time of a turn
+    /// (`tests/nodes.rs`, `node_kill_trials`; docs/scale.md).
+    #[arg(long)]
+    nodes: bool,
 }
 
 pub fn run(args: ChaosArgs) -> Result<()> {
@@ -53,6 +58,9 @@ pub fn run(args: ChaosArgs) -> Result<()> {
     };
     let report = util::cache_subdir("chaos")?.join(format!("seed-{seed}{scope}.jsonl"));
     let _ = std::fs::remove_file(&report);
+    if args.nodes {
+        return node_trials(&args, seed);
+    }
     let mut cmd = util::cargo();
     cmd.args([
         "nextest",
@@ -91,4 +99,36 @@ pub fn run(args: ChaosArgs) -> Result<()> {
         report.display()
     );
     result.context("chaos trials failed (each failed trial printed its replay command)")
+}
+
+/// `--nodes`: the node kill trials.
+fn node_trials(args: &ChaosArgs, seed: u64) -> Result<()> {
+    let mut cmd = util::cargo();
+    cmd.args([
+        "nextest",
+        "run",
+        "-p",
+        "harness-cli",
+        "--test",
+        "nodes",
+        "--no-capture",
+        "--features",
+        "harness-cli/full",
+        "-E",
+        "test(node_kill_trials)",
+    ]);
+    for (k, v) in env::test_env(true) {
+        cmd.env(k, v);
+    }
+    cmd.env("HARNESS_NODES_TRIALS", args.trials.to_string())
+        .env("HARNESS_CHAOS_SEED", seed.to_string());
+    let started = Instant::now();
+    let result = util::run(&mut cmd);
+    println!(
+        "chaos --nodes: seed {seed}, {} trials {} in {}",
+        args.trials,
+        if result.is_ok() { "passed" } else { "FAILED" },
+        util::fmt_duration(started.elapsed())
+    );
+    result.context("node kill trials failed (each failed trial printed its draw)")
 }

@@ -27,7 +27,9 @@ use crate::AgentKind;
 /// Where a worker or runner writes, and with what.
 #[derive(Debug, clap::Args)]
 pub struct RemoteArgs {
-    /// The server whose turns this process runs (`http://host:port`).
+    /// The server whose turns this process runs (`http://host:port`); with
+    /// several nodes over one log, any number of them, comma-separated: the
+    /// parts go to whichever answers (docs/scale.md).
     #[arg(long)]
     server: String,
     /// A runner (or host) token of the server, for every session.
@@ -73,7 +75,15 @@ async fn remote_slice_runner(home: &Home, args: &RemoteArgs) -> Result<(SliceRun
         harnesses.insert(adapter.name().to_string(), adapter);
     }
     let generation = SystemClock.now_ms();
-    let connector = WsConnector::new(server.to_string(), token);
+    let connector = WsConnector::with_nodes(
+        server
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(String::from)
+            .collect(),
+        token,
+    );
     let env = local::agent_env();
     let broker = local::model_broker(home, &env).await?;
     let runner = SliceRunner {
@@ -143,6 +153,12 @@ pub struct RunnerArgs {
 pub async fn runner(home: &Home, args: RunnerArgs) -> Result<()> {
     use harness::core::engine::InProcessEngine;
     use harness::core::session::SessionRuntime;
+    if args.remote.server.contains(',') {
+        anyhow::bail!(
+            "harness runner takes one --server: a remote-engine server is a single node \
+             (several nodes run their turns on Temporal: `harness worker --server A,B,C`)"
+        );
+    }
     // This home's turn states belong to this runner alone.
     let _lock = home.lock_runtime("harness runner").await?;
     let log = home.open_log().context("opening the runner's turn store")?;

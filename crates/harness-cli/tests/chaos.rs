@@ -312,7 +312,7 @@ async fn chaos_trials() {
     } else {
         engine_filter.clone()
     };
-    if engines.contains(&Engine::Temporal) && !temporal_reachable().await {
+    if engines.contains(&Engine::Temporal) && !common::server::temporal_answers().await {
         skip_or_fail(
             "chaos: no Temporal server on 127.0.0.1:7233; the temporal engine is left out",
         );
@@ -437,17 +437,6 @@ async fn chaos_trials() {
             .collect::<Vec<_>>()
             .join("\n")
     );
-}
-
-async fn temporal_reachable() -> bool {
-    matches!(
-        tokio::time::timeout(
-            Duration::from_secs(5),
-            tokio::net::TcpStream::connect("127.0.0.1:7233"),
-        )
-        .await,
-        Ok(Ok(_))
-    )
 }
 
 /// `HARNESS_S3_ENDPOINT`, when something answers there.

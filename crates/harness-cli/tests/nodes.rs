@@ -76,6 +76,16 @@ fn node(home: &Path, model: &ScriptedModel, db: &str, key: &Path, queue: &str) -
     )
 }
 
+/// Three nodes, each with a home under `dir`, sharing `db` and an audit key.
+fn three_nodes(dir: &Path, model: &ScriptedModel, db: &str, queue: &str) -> [Serve; 3] {
+    let key = dir.join("audit.key");
+    ["a", "b", "c"].map(|name| {
+        let home = dir.join(name);
+        std::fs::create_dir_all(&home).unwrap();
+        node(&home, model, db, &key, queue)
+    })
+}
+
 /// Wait for `check`, at most `TURN_TIMEOUT`; panic with `context()` after.
 async fn until(what: &str, check: impl Fn() -> bool, context: impl Fn() -> String) {
     let started = Instant::now();
@@ -119,16 +129,13 @@ async fn a_session_outlives_its_node_and_a_paused_node_is_fenced() {
         .await
         .unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let key = dir.path().join("audit.key");
     let home = |name: &str| {
         let path = dir.path().join(name);
         std::fs::create_dir_all(&path).unwrap();
         path
     };
     let queue = format!("nodes-{}", std::process::id());
-    let a = node(&home("a"), &model, &db, &key, &queue);
-    let b = node(&home("b"), &model, &db, &key, &queue);
-    let c = node(&home("c"), &model, &db, &key, &queue);
+    let [a, b, c] = three_nodes(dir.path(), &model, &db, &queue);
     // The slices run in a worker whose runner writes through node C.
     let worker = Worker::start(&home("worker"), &c, &model, &queue);
     let logs = || {
@@ -338,4 +345,145 @@ fn a_node_with_a_bad_log_url_says_why() {
     ]);
     assert!(said.contains("127.0.0.1:1"), "names the server: {said}");
     assert!(!said.contains("secret"), "the password is blanked: {said}");
+}
+
+/// Random kill trials: three nodes, readers on each, a turn running; one
+/// node, drawn at random (the session's owner or not), is SIGKILLed after
+/// a random delay. The turn finishes, its log holds every part once, and
+/// every surviving reader saw exactly the stored frames. One trial with a
+/// fixed seed in the ordinary run; `cargo xtask chaos --nodes --trials N`
+/// runs many (`HARNESS_NODES_TRIALS`, `HARNESS_CHAOS_SEED`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(all(feature = "temporal", feature = "postgres")),
+    ignore = "needs the `temporal` and `postgres` features (CI builds --features full)"
+)]
+async fn node_kill_trials() {
+    if !Agent::Claude.available() {
+        return;
+    }
+    let Some(db) = postgres_url() else { return };
+    if !temporal_reachable().await {
+        return;
+    }
+    let trials: u64 = std::env::var("HARNESS_NODES_TRIALS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    let seed: u64 = std::env::var("HARNESS_CHAOS_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(7);
+    let model = ScriptedModel::start(common::slow_script()).await.unwrap();
+    let mut failed = Vec::new();
+    for trial in 0..trials {
+        // splitmix64 of (seed, trial): the victim, the delay, who reads first.
+        let mut x = seed ^ trial.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let mut draw = |n: u64| {
+            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            (z ^ (z >> 31)) % n
+        };
+        let victim = draw(3) as usize;
+        let first = draw(3) as usize;
+        let delay = Duration::from_millis(draw(7000));
+        let label = format!("trial {trial} (seed {seed}): first reader on node {first}, node {victim} killed {delay:?} after the prompt");
+        eprintln!("{label}");
+        let started = Instant::now();
+        match kill_trial(&model, &db, trial, victim, first, delay).await {
+            Ok(()) => eprintln!("  ok in {:.1} s", started.elapsed().as_secs_f64()),
+            Err(e) => {
+                eprintln!("  FAILED: {e}");
+                failed.push(format!("{label}: {e}"));
+            }
+        }
+    }
+    model.assert_no_failures();
+    assert!(
+        failed.is_empty(),
+        "{} of {trials} trials failed:\n{}",
+        failed.len(),
+        failed.join("\n\n")
+    );
+}
+
+async fn kill_trial(
+    model: &ScriptedModel,
+    db: &str,
+    trial: u64,
+    victim: usize,
+    first: usize,
+    delay: Duration,
+) -> Result<(), String> {
+    let dir = tempfile::tempdir().unwrap();
+    let queue = format!("nodes-trial-{}-{trial}", std::process::id());
+    let nodes = three_nodes(dir.path(), model, db, &queue);
+    let worker_home = dir.path().join("worker");
+    std::fs::create_dir_all(&worker_home).unwrap();
+    // The worker writes to whichever node answers (the victim among them).
+    let worker = Worker::start_on_nodes(&worker_home, &nodes, model, &queue);
+    let logs = || {
+        let mut all = String::new();
+        for (i, n) in nodes.iter().enumerate() {
+            all.push_str(&format!("node {i}:\n{}\n", n.log()));
+        }
+        all + "worker:\n" + &worker.log()
+    };
+    let id = create(
+        &nodes[0],
+        json!({"agent": "claude-code", "sandbox": "local"}),
+    )
+    .await;
+    // The first node asked runs the actor: readers open from `first` on.
+    let mut readers = Vec::new();
+    for k in 0..3 {
+        let at = (first + k) % 3;
+        readers.push((at, SseClient::open(&nodes[at], &id).await));
+    }
+    let through = (victim + 2) % 3;
+    let turn = prompt(&nodes[through], &id, "do the slow thing").await;
+    tokio::time::sleep(delay).await;
+    nodes[victim].signal("-KILL");
+    let (_, survivor) = readers
+        .iter()
+        .find(|(at, _)| *at != victim)
+        .expect("two readers survive");
+    let started = Instant::now();
+    let end = loop {
+        if let Some(end) = survivor.seen().end(&turn) {
+            break end;
+        }
+        if started.elapsed() > TURN_TIMEOUT {
+            return Err(format!("the turn did not end\n{}", logs()));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    if end["status"] != "finished" {
+        return Err(format!("the turn ended {end}\n{}", logs()));
+    }
+    let stored = export(&nodes[through], &id).await;
+    let checked = std::panic::catch_unwind(|| common::assert_stored_once(&stored, "a node's kill"));
+    if checked.is_err() {
+        return Err(format!("the log is not the turn once\n{}", logs()));
+    }
+    for (at, reader) in readers.iter().filter(|(at, _)| *at != victim) {
+        // The last frames may still be on their way to this reader.
+        let waited = Instant::now();
+        while reader.seen().frames.len() < stored.len()
+            && waited.elapsed() < Duration::from_secs(10)
+        {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let seen = seqs(&reader.seen().frames);
+        if seen != seqs(&stored) {
+            return Err(format!(
+                "the reader on node {at} saw {seen:?}, the log holds 1..={}\n{}",
+                stored.len(),
+                logs()
+            ));
+        }
+    }
+    Ok(())
 }

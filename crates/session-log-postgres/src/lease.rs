@@ -153,12 +153,14 @@ impl Leases {
     }
 
     /// Give `lease` up at once (a clean shutdown): another node may take
-    /// the session without waiting for it to expire.
+    /// the session without waiting for it to expire. The row keeps its
+    /// generation and names no node (`''`): a released lease is free, not
+    /// an orphan.
     pub async fn release(&self, lease: &Lease) -> Result<()> {
         let client = client(&self.pool).await?;
         client
             .execute(
-                "UPDATE harness_leases SET expires_at = now() \
+                "UPDATE harness_leases SET expires_at = now(), node = '' \
                  WHERE session = $1 AND node = $2 AND generation = $3",
                 &[
                     &lease.session.as_str(),
@@ -184,6 +186,24 @@ impl Leases {
             .await
             .map_err(db_err)?;
         Ok(row.map(|r| (r.get(0), r.get::<_, i64>(1) as u64, r.get(2))))
+    }
+
+    /// Sessions whose lease expired without a release (their node died or
+    /// stalled), the longest expired first.
+    pub async fn orphans(&self, limit: usize) -> Result<Vec<SessionId>> {
+        let client = client(&self.pool).await?;
+        let rows = client
+            .query(
+                "SELECT session FROM harness_leases \
+                 WHERE node <> '' AND expires_at <= now() \
+                 ORDER BY expires_at LIMIT $1",
+                &[&(limit.min(i64::MAX as usize) as i64)],
+            )
+            .await
+            .map_err(db_err)?;
+        rows.iter()
+            .map(|r| SessionId::parse(r.get::<_, &str>(0)))
+            .collect()
     }
 
     fn forget(&self, lease: &Lease) {
@@ -286,5 +306,9 @@ impl SessionLeases for Leases {
 
     async fn holder(&self, session: &SessionId) -> Result<Option<(String, u64, bool)>> {
         self.owner(session).await
+    }
+
+    async fn orphans(&self, limit: usize) -> Result<Vec<SessionId>> {
+        Leases::orphans(self, limit).await
     }
 }

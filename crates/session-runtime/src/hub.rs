@@ -55,6 +55,9 @@ pub const MAX_QUEUED: usize = 10_000;
 /// commit of their appends).
 pub const MAX_BATCH: usize = 256;
 
+/// Orphaned sessions one sweep takes over at most ([`Hub::sweep_orphans`]).
+const SWEEP_BATCH: usize = 100;
+
 /// How the hub runs its actors.
 #[derive(Debug, Clone)]
 pub struct HubConfig {
@@ -700,6 +703,44 @@ impl Hub {
         Err(Error::backend(format!(
             "the actor of session {session} keeps failing"
         )))
+    }
+
+    /// With leases (several nodes), start sweeping for orphans: every half
+    /// lease, take over the sessions whose node died or stalled without
+    /// releasing them, so a session with work left — a stored prompt its
+    /// dead node never handed to the engine — moves on even when no client
+    /// or runner asks for it. Nothing without leases.
+    pub fn sweep_orphans(&self) {
+        let Some(leases) = self.config.leases.clone() else {
+            return;
+        };
+        let hub = self.me.clone();
+        self.tasks.spawn(async move {
+            let every = leases.ttl() / 2;
+            loop {
+                tokio::time::sleep(every).await;
+                let Some(hub) = hub.upgrade() else { return };
+                let orphans = match leases.orphans(SWEEP_BATCH).await {
+                    Ok(orphans) => orphans,
+                    Err(e) => {
+                        tracing::warn!("could not look for sessions left by a dead node: {e}");
+                        continue;
+                    }
+                };
+                for session in orphans {
+                    // A connection starts the session's task: it takes the
+                    // lease (and, taking it over, re-sends what was left
+                    // running) or forwards to a node that was quicker. The
+                    // connection itself is not needed.
+                    match hub.connect(&session, Role::Client, None).await {
+                        Ok(conn) => drop(conn),
+                        Err(e) => {
+                            tracing::debug!(%session, "an orphaned session did not start: {e}")
+                        }
+                    }
+                }
+            }
+        });
     }
 
     /// Feed an input that no connection sends (the runtime reporting a

@@ -98,25 +98,52 @@ impl RunnerConnector for HubConnector {
 }
 
 /// Links over the runner WebSocket of a session server
-/// (`GET /v1/sessions/{id}/ws?role=runner&generation=G`).
-#[derive(Debug, Clone)]
+/// (`GET /v1/sessions/{id}/ws?role=runner&generation=G`) — or of any of
+/// several nodes serving one log (`docs/scale.md`): an attach tries them in
+/// turn from the last that answered, so a runner outlives a node.
+#[derive(Debug)]
 pub struct WsConnector {
-    base: String,
+    bases: Vec<String>,
     token: Option<String>,
+    /// The node the last attach reached.
+    preferred: std::sync::atomic::AtomicUsize,
+}
+
+impl Clone for WsConnector {
+    fn clone(&self) -> Self {
+        Self {
+            bases: self.bases.clone(),
+            token: self.token.clone(),
+            preferred: std::sync::atomic::AtomicUsize::new(
+                self.preferred.load(std::sync::atomic::Ordering::Relaxed),
+            ),
+        }
+    }
 }
 
 impl WsConnector {
     /// Links to the server at `base` (`http://host:port`), authenticated
     /// with a runner (or host) `token`.
     pub fn new(base: impl Into<String>, token: Option<String>) -> Self {
+        Self::with_nodes(vec![base.into()], token)
+    }
+
+    /// Links to whichever of `bases` — nodes over one log — answers.
+    /// Panics on an empty list.
+    pub fn with_nodes(bases: Vec<String>, token: Option<String>) -> Self {
+        assert!(!bases.is_empty(), "a runner needs a server to write to");
         Self {
-            base: base.into().trim_end_matches('/').to_string(),
+            bases: bases
+                .into_iter()
+                .map(|b| b.trim_end_matches('/').to_string())
+                .collect(),
             token,
+            preferred: std::sync::atomic::AtomicUsize::new(0),
         }
     }
 
-    fn url(&self, session: &SessionId, generation: u64) -> String {
-        let base = crate::remote::ws_base(&self.base);
+    fn url(&self, base: &str, session: &SessionId, generation: u64) -> String {
+        let base = crate::remote::ws_base(base);
         let mut url =
             format!("{base}/v1/sessions/{session}/ws?role=runner&generation={generation}");
         if let Some(token) = &self.token {
@@ -172,15 +199,26 @@ impl RunnerLink for WsLink {
 #[async_trait]
 impl RunnerConnector for WsConnector {
     async fn attach(&self, session: &SessionId, generation: u64) -> Result<Box<dyn RunnerLink>> {
-        let url = self.url(session, generation);
-        let (socket, _) = // Small messages, each awaited: no Nagle delay.
-        tokio_tungstenite::connect_async_with_config(&url, None, true).await.map_err(|e| {
-            Error::backend(format!(
-                "cannot attach to {} as runner of {session}: {e}",
-                self.base
-            ))
-        })?;
-        Ok(Box::new(WsLink(socket)))
+        use std::sync::atomic::Ordering;
+        let first = self.preferred.load(Ordering::Relaxed);
+        let mut failures = Vec::new();
+        for k in 0..self.bases.len() {
+            let at = (first + k) % self.bases.len();
+            let base = &self.bases[at];
+            let url = self.url(base, session, generation);
+            // Small messages, each awaited: no Nagle delay.
+            match tokio_tungstenite::connect_async_with_config(&url, None, true).await {
+                Ok((socket, _)) => {
+                    self.preferred.store(at, Ordering::Relaxed);
+                    return Ok(Box::new(WsLink(socket)));
+                }
+                Err(e) => failures.push(format!("{base}: {e}")),
+            }
+        }
+        Err(Error::backend(format!(
+            "cannot attach as runner of {session}: {}",
+            failures.join("; ")
+        )))
     }
 }
 

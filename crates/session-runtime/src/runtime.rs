@@ -304,9 +304,13 @@ impl Runtime {
         };
         let mut redispatched = 0;
         // With several nodes, a session's pending commands are re-sent by
-        // the node that takes its lease over, not by every node at start.
+        // the node that takes its lease over, not by every node at start;
+        // sessions a dead node left are found by the orphan sweep.
         let sessions = match self.hub.config().leases {
-            Some(_) => Vec::new(),
+            Some(_) => {
+                self.hub.sweep_orphans();
+                Vec::new()
+            }
             None => self.hub.log().list().await?,
         };
         for info in sessions {

@@ -224,7 +224,7 @@ async fn live(
         let node = &nodes[r as usize % nodes.len()];
         // After the prompt (seq 1) and whatever the open turn stored.
         let url = format!("{}/v1/sessions/{tag}/events?after=1", node.base);
-        let direct = r as usize % nodes.len() == 0;
+        let direct = (r as usize).is_multiple_of(nodes.len());
         let task = tokio::spawn(reader(
             http.clone(),
             url,

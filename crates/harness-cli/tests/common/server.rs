@@ -340,7 +340,18 @@ pub type Worker = ChildProcess;
 
 impl Worker {
     pub fn start(home: &Path, serve: &Serve, model: &ScriptedModel, queue: &str) -> Worker {
-        Self::connect(home, serve, model, "worker", &[], queue, &[])
+        Self::connect(home, &serve.base, model, "worker", &[], queue, &[])
+    }
+
+    /// A `harness worker` writing to whichever of `nodes` answers.
+    pub fn start_on_nodes(
+        home: &Path,
+        nodes: &[Serve],
+        model: &ScriptedModel,
+        queue: &str,
+    ) -> Worker {
+        let servers: Vec<&str> = nodes.iter().map(|n| n.base.as_str()).collect();
+        Self::connect(home, &servers.join(","), model, "worker", &[], queue, &[])
     }
 
     /// [`Worker::start`] with more environment for the worker.
@@ -351,14 +362,14 @@ impl Worker {
         queue: &str,
         env: &[(&str, &str)],
     ) -> Worker {
-        Self::connect(home, serve, model, "worker", &[], queue, env)
+        Self::connect(home, &serve.base, model, "worker", &[], queue, env)
     }
 
     /// `harness runner` for a server on `--engine remote`.
     pub fn runner(home: &Path, serve: &Serve, model: &ScriptedModel) -> Worker {
         Self::connect(
             home,
-            serve,
+            &serve.base,
             model,
             "runner",
             &["--slice-ms", "1000"],
@@ -370,7 +381,7 @@ impl Worker {
     /// `harness COMMAND --server …` as a runner of `serve`.
     fn connect(
         home: &Path,
-        serve: &Serve,
+        server: &str,
         model: &ScriptedModel,
         command: &str,
         extra: &[&str],
@@ -381,7 +392,7 @@ impl Worker {
         with_helpers(&mut cmd);
         cmd.arg("--home")
             .arg(home)
-            .args([command, "--server", &serve.base, "--token", RUNNER])
+            .args([command, "--server", server, "--token", RUNNER])
             .args(extra)
             .env("HARNESS_TEMPORAL_TASK_QUEUE", queue)
             .env("ANTHROPIC_API_KEY", "test")
@@ -395,14 +406,21 @@ impl Worker {
     }
 }
 
-/// Whether the Temporal dev server answers (after skip_or_fail when not).
-pub async fn temporal_reachable() -> bool {
-    let reachable = tokio::time::timeout(
-        Duration::from_secs(5),
-        tokio::net::TcpStream::connect("127.0.0.1:7233"),
+/// Whether the Temporal dev server answers on 127.0.0.1:7233.
+pub async fn temporal_answers() -> bool {
+    matches!(
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            tokio::net::TcpStream::connect("127.0.0.1:7233"),
+        )
+        .await,
+        Ok(Ok(_))
     )
-    .await;
-    if !matches!(reachable, Ok(Ok(_))) {
+}
+
+/// [`temporal_answers`], after skip_or_fail when not.
+pub async fn temporal_reachable() -> bool {
+    if !temporal_answers().await {
         skip_or_fail("no Temporal server on 127.0.0.1:7233 (cargo xtask services start)");
         return false;
     }

@@ -66,4 +66,10 @@ pub trait SessionLeases: MaybeSend + MaybeSync + std::fmt::Debug {
     /// Who holds `session`'s lease and whether it is still valid:
     /// `(node, generation, expired)`; `None` when no node ever held it.
     async fn holder(&self, session: &SessionId) -> Result<Option<(String, u64, bool)>>;
+
+    /// Sessions whose lease expired without being released — their node
+    /// died or stalled — at most `limit`, the longest expired first: what
+    /// the nodes sweep for, so a session with work left is taken over even
+    /// when no client or runner asks for it.
+    async fn orphans(&self, limit: usize) -> Result<Vec<SessionId>>;
 }

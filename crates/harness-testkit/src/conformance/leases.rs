@@ -85,9 +85,9 @@ pub async fn one_owner_at_a_time(
     Ok(())
 }
 
-/// A lease not renewed within its time goes to the next node that asks,
-/// with a greater generation and marked as taken over; the old holder can
-/// no longer renew it.
+/// A lease not renewed within its time is an orphan and goes to the next
+/// node that asks, with a greater generation and marked as taken over; the
+/// old holder can no longer renew it.
 pub async fn an_expired_lease_moves_with_a_new_generation(
     node: impl Fn(&str, Duration) -> Arc<dyn SessionLeases>,
 ) -> Result<()> {
@@ -104,7 +104,15 @@ pub async fn an_expired_lease_moves_with_a_new_generation(
         expired == Some(("http://node-a".into(), 1, true)),
         "an expired lease shows as expired: {expired:?}"
     );
+    ensure!(
+        b.orphans(100).await?.contains(&s),
+        "a lease that expired unreleased is an orphan"
+    );
     let taken = b.acquire(&s).await?;
+    ensure!(
+        !b.orphans(100).await?.contains(&s),
+        "a taken-over lease is no orphan"
+    );
     ensure!(
         taken
             == Claim::Owned {
@@ -137,6 +145,10 @@ pub async fn a_released_lease_moves_at_once(
         Claim::Owned { generation: 1, .. }
     ));
     a.release(&s, 1).await?;
+    ensure!(
+        !b.orphans(100).await?.contains(&s),
+        "a released lease is free, not an orphan"
+    );
     let next = b.acquire(&s).await?;
     ensure!(
         matches!(next, Claim::Owned { generation: 2, .. }),
