@@ -61,23 +61,7 @@ pub fn run(args: ChaosArgs) -> Result<()> {
     if args.nodes {
         return node_trials(&args, seed);
     }
-    let mut cmd = util::cargo();
-    cmd.args([
-        "nextest",
-        "run",
-        "-p",
-        "harness-cli",
-        "--test",
-        "chaos",
-        "--no-capture",
-        // The trials need Temporal and S3 (the test is ignored without
-        // them, which would run nothing): the features CI tests with.
-        "--features",
-        "harness-cli/full",
-    ]);
-    for (k, v) in env::test_env(true) {
-        cmd.env(k, v);
-    }
+    let mut cmd = trials_command("chaos");
     cmd.env("HARNESS_CHAOS_TRIALS", args.trials.to_string())
         .env("HARNESS_CHAOS_SEED", seed.to_string())
         .env("HARNESS_CHAOS_REPORT", &report);
@@ -103,23 +87,8 @@ pub fn run(args: ChaosArgs) -> Result<()> {
 
 /// `--nodes`: the node kill trials.
 fn node_trials(args: &ChaosArgs, seed: u64) -> Result<()> {
-    let mut cmd = util::cargo();
-    cmd.args([
-        "nextest",
-        "run",
-        "-p",
-        "harness-cli",
-        "--test",
-        "nodes",
-        "--no-capture",
-        "--features",
-        "harness-cli/full",
-        "-E",
-        "test(node_kill_trials)",
-    ]);
-    for (k, v) in env::test_env(true) {
-        cmd.env(k, v);
-    }
+    let mut cmd = trials_command("nodes");
+    cmd.args(["-E", "test(node_kill_trials)"]);
     cmd.env("HARNESS_NODES_TRIALS", args.trials.to_string())
         .env("HARNESS_CHAOS_SEED", seed.to_string());
     let started = Instant::now();
@@ -131,4 +100,27 @@ fn node_trials(args: &ChaosArgs, seed: u64) -> Result<()> {
         util::fmt_duration(started.elapsed())
     );
     result.context("node kill trials failed (each failed trial printed its draw)")
+}
+
+/// `cargo nextest run` of harness-cli's test file `test`, with the
+/// tests' environment. The trials need Temporal, S3 and PostgreSQL (a test
+/// is ignored without its features, which would run nothing): the
+/// features CI tests with.
+fn trials_command(test: &str) -> std::process::Command {
+    let mut cmd = util::cargo();
+    cmd.args([
+        "nextest",
+        "run",
+        "-p",
+        "harness-cli",
+        "--test",
+        test,
+        "--no-capture",
+        "--features",
+        "harness-cli/full",
+    ]);
+    for (k, v) in env::test_env(true) {
+        cmd.env(k, v);
+    }
+    cmd
 }

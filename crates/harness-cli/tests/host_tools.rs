@@ -18,6 +18,7 @@ use harness_testkit::model::{
 };
 use serde_json::{json, Value};
 
+use common::follow::Seen;
 use common::server::*;
 
 const CALL: &str = "toolu_host_1";
@@ -94,22 +95,17 @@ fn tools_file(dir: &Path, script: &str) -> std::path::PathBuf {
 async fn until_end(serve: &Serve, id: &str, turn: &str) -> Vec<Value> {
     let started = Instant::now();
     loop {
-        let frames = export(serve, id).await;
-        let ended = frames.iter().any(|f| {
-            let b = &f["body"];
-            b["type"] == "turn-status"
-                && b["turnId"] == turn
-                && matches!(
-                    b["status"].as_str(),
-                    Some("finished" | "failed" | "timed_out")
-                )
-        });
-        if ended {
-            return frames;
+        let seen = Seen {
+            frames: export(serve, id).await,
+            live: Vec::new(),
+        };
+        if seen.end(turn).is_some() {
+            return seen.frames;
         }
         assert!(
             started.elapsed() < TURN_TIMEOUT,
-            "turn {turn} did not end; frames:\n{frames:#?}\nserver log:\n{}",
+            "turn {turn} did not end; frames:\n{:#?}\nserver log:\n{}",
+            seen.frames,
             serve.log()
         );
         tokio::time::sleep(Duration::from_millis(200)).await;

@@ -75,7 +75,8 @@ pub struct HubConfig {
     pub clock: Arc<dyn Clock>,
     /// Several nodes over one shared log: the session leases that decide
     /// which node runs each session's actor (`None`: this hub is the only
-    /// one, every session's actor runs here). A node without a session's lease forwards its connections to the owner (`hub/forward.rs`).
+    /// one, every session's actor runs here). A node without a session's
+    /// lease forwards its connections to the owner (`hub/forward.rs`).
     pub leases: Option<Arc<dyn SessionLeases>>,
     /// The token this node presents to its peers when it forwards a
     /// connection to a session's owner (a host grant every node accepts);
@@ -1065,6 +1066,11 @@ impl ActorTask {
                     carried,
                     &format!("session {} cannot start: {e}", self.session),
                 );
+                // Let the lease go: a session that cannot start here (an
+                // unknown one, say) must not stay an orphan for the sweep.
+                if let Some(held) = held {
+                    let _ = held.leases.release(&self.session, held.generation).await;
+                }
                 return Err(e);
             }
         };

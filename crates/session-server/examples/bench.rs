@@ -50,15 +50,12 @@ use tokio_tungstenite::tungstenite::Message;
 #[path = "support/servers.rs"]
 mod servers;
 
+#[path = "support/stats.rs"]
+mod stats;
+use stats::{env, percentile};
+
 #[path = "support/floor.rs"]
 mod floor;
-
-fn env(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 /// A runner's part: what most of a session's frames are.
 fn part(i: u64) -> FrameBody {
@@ -68,14 +65,6 @@ fn part(i: u64) -> FrameBody {
             value: json!({"line": format!("frame {i}: the quick brown fox jumps over the lazy dog")}),
         },
     }
-}
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i]
 }
 
 fn sorted(mut v: Vec<f64>) -> Vec<f64> {

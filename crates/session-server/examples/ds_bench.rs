@@ -43,22 +43,11 @@ use session_server::{ServerConfig, SessionServer};
 
 #[path = "support/servers.rs"]
 mod servers;
+
+#[path = "support/stats.rs"]
+mod stats;
 use servers::{install_reference, serve_ours, serve_reference, LAUNCHER};
-
-fn env(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i]
-}
+use stats::{env, percentile};
 
 #[derive(Debug, Clone, Copy)]
 struct Params {

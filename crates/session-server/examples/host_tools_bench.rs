@@ -22,10 +22,9 @@ use session_log::SqliteSessionLog;
 use session_runtime::{RunnerSink, ToolHost, ToolOutput, WsConnector};
 use session_server::{ServerConfig, SessionServer};
 
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i]
-}
+#[path = "support/stats.rs"]
+mod stats;
+use stats::percentile;
 
 fn summary(what: &str, mut ms: Vec<f64>) -> (f64, f64) {
     ms.sort_by(f64::total_cmp);

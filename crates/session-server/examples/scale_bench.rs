@@ -38,19 +38,9 @@ use session_server::{ServerConfig, SessionServer};
 #[path = "support/servers.rs"]
 mod servers;
 
-fn env(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
-}
+#[path = "support/stats.rs"]
+mod stats;
+use stats::{env, percentile};
 
 /// One node: its URL and the runtime it serves on.
 struct Node {
