@@ -321,7 +321,7 @@ async fn chaos_trials() {
     let parts = Parts {
         docker: docker_parts().await,
         approvals: common::server::approval_server().is_some(),
-        s3: s3_endpoint().await,
+        s3: common::server::s3_endpoint("chaos: checkpoint trials are left out").await,
         phases: phase_filter.clone(),
     };
     println!(
@@ -437,31 +437,6 @@ async fn chaos_trials() {
             .collect::<Vec<_>>()
             .join("\n")
     );
-}
-
-/// `HARNESS_S3_ENDPOINT`, when something answers there.
-async fn s3_endpoint() -> Option<String> {
-    let endpoint = std::env::var("HARNESS_S3_ENDPOINT")
-        .ok()
-        .filter(|s| !s.is_empty())?;
-    let addr = endpoint
-        .trim_start_matches("http://")
-        .trim_end_matches('/')
-        .to_string();
-    let reachable = matches!(
-        tokio::time::timeout(
-            Duration::from_secs(5),
-            tokio::net::TcpStream::connect(&addr)
-        )
-        .await,
-        Ok(Ok(_))
-    );
-    if !reachable {
-        skip_or_fail(&format!(
-            "chaos: no S3 server at {endpoint}; checkpoint trials are left out"
-        ));
-    }
-    reachable.then_some(endpoint)
 }
 
 /// Run one trial; what the log showed when the kill landed.

@@ -23,7 +23,6 @@ use std::time::{Duration, Instant};
 
 use futures::{SinkExt, StreamExt};
 use harness_testkit::model::ScriptedModel;
-use harness_testkit::skip_or_fail;
 use serde_json::{json, Value};
 use tokio_tungstenite::tungstenite::Message;
 
@@ -36,16 +35,10 @@ fn lease_secs() -> String {
     std::env::var("HARNESS_NODES_LEASE_SECS").unwrap_or_else(|_| "3".into())
 }
 
-fn postgres_url() -> Option<String> {
-    match std::env::var("HARNESS_TEST_POSTGRES_URL") {
-        Ok(url) if !url.is_empty() => Some(url),
-        _ => {
-            skip_or_fail(
-                "HARNESS_TEST_POSTGRES_URL is not set (cargo xtask services start; eval \"$(cargo xtask env)\")",
-            );
-            None
-        }
-    }
+/// A database of this test's own on the test PostgreSQL (after a skip, `None`).
+async fn postgres_url() -> Option<String> {
+    let admin = harness_testkit::postgres::admin_url()?;
+    Some(harness_testkit::postgres::fresh_database(&admin).await)
 }
 
 /// One node: `harness serve` on Temporal over the shared database, with
@@ -121,7 +114,9 @@ async fn a_session_outlives_its_node_and_a_paused_node_is_fenced() {
     if !Agent::Claude.available() {
         return;
     }
-    let Some(db) = postgres_url() else { return };
+    let Some(db) = postgres_url().await else {
+        return;
+    };
     if !temporal_reachable().await {
         return;
     }
@@ -362,7 +357,9 @@ async fn node_kill_trials() {
     if !Agent::Claude.available() {
         return;
     }
-    let Some(db) = postgres_url() else { return };
+    let Some(admin) = harness_testkit::postgres::admin_url() else {
+        return;
+    };
     if !temporal_reachable().await {
         return;
     }
@@ -392,6 +389,9 @@ async fn node_kill_trials() {
         let label = format!("trial {trial} (seed {seed}): first reader on node {first}, node {victim} killed {delay:?} after the prompt");
         eprintln!("{label}");
         let started = Instant::now();
+        // Each trial in a database of its own: the sessions the last one's
+        // nodes left (killed at its end) are not this one's to sweep.
+        let db = harness_testkit::postgres::fresh_database(&admin).await;
         match kill_trial(&model, &db, trial, victim, first, delay).await {
             Ok(()) => eprintln!("  ok in {:.1} s", started.elapsed().as_secs_f64()),
             Err(e) => {

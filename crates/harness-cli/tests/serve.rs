@@ -338,11 +338,9 @@ async fn abort_ends_the_turn_and_the_next_prompt_works(agent: Agent, backend: Ba
         .unwrap();
     let end = until_end(&serve, || sse.seen(), &turn).await;
     until_end(&serve, || ws.seen(), &turn).await;
+    // That the abort did not wait for the command (120 s) is shown by the
+    // command having no result below; the time is printed, not asserted.
     eprintln!("abort to end: {:?}", asked.elapsed());
-    assert!(
-        asked.elapsed() < Duration::from_secs(60),
-        "the abort waited for the command"
-    );
     assert_eq!(end["status"], "failed", "{end}");
     assert!(
         end["error"]
@@ -629,17 +627,18 @@ async fn a_killed_temporal_worker_is_replaced_and_the_turn_finishes() {
 
 /// Two workers: the one running the turn is paused (SIGSTOP) and a second
 /// takes the turn over (a newer runner generation); resumed (SIGCONT), the
-/// first may try to write before Temporal cancels its attempt — the actor
-/// refuses it as a stale runner — and the log holds every part once, from
-/// the two generations in order. (The deterministic check that a paused
-/// runner's held write is refused and its engine stops is
-/// `session-runtime/tests/fencing.rs`.)
+/// first may try to write before Temporal cancels its attempt, or not at
+/// all — which of the two cannot be forced from outside, so this test is
+/// named for what it can always check: the log holds every part once, from
+/// the two generations in order. The fencing itself (a paused runner's
+/// held write refused, its engine stopped) is checked deterministically by
+/// `session-runtime/tests/fencing.rs`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[cfg_attr(
     not(feature = "temporal"),
     ignore = "needs the `temporal` feature (cargo test -p harness-cli --features temporal; CI builds --features full)"
 )]
-async fn a_paused_temporal_worker_is_fenced_by_the_next() {
+async fn a_paused_temporal_worker_and_its_successor_store_the_turn_once() {
     if !Agent::Claude.available() {
         return;
     }

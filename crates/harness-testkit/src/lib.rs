@@ -31,6 +31,7 @@ pub mod engine_bridge;
 pub mod gate;
 /// The scripted model servers (the `harness-scripted-model` crate).
 pub use harness_scripted_model as model;
+pub mod postgres;
 pub mod real;
 pub mod trees;
 pub mod wrangler;

@@ -4,7 +4,6 @@
 //! database (what three nodes are) sharing one gap-free log; and the bad
 //! inputs a node meets at start.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,45 +12,7 @@ use harness_core::log::SessionLog;
 use harness_core::ErrorKind;
 use session_log_postgres::{PostgresSessionLog, SCHEMA_VERSION};
 
-/// The test server's URL, or `None` after a skip.
-fn admin_url() -> Option<String> {
-    match std::env::var("HARNESS_TEST_POSTGRES_URL") {
-        Ok(url) if !url.is_empty() => Some(url),
-        _ => {
-            harness_testkit::skip_or_fail(
-                "HARNESS_TEST_POSTGRES_URL is not set (cargo xtask services start; eval \"$(cargo xtask env)\")",
-            );
-            None
-        }
-    }
-}
-
-static DATABASES: AtomicUsize = AtomicUsize::new(0);
-
-/// A new, empty database on the server of `admin`; its URL.
-async fn fresh_database(admin: &str) -> String {
-    let name = format!(
-        "harness_t{}_{}",
-        std::process::id(),
-        DATABASES.fetch_add(1, Ordering::SeqCst)
-    );
-    let (client, connection) = tokio_postgres::connect(admin, tokio_postgres::NoTls)
-        .await
-        .expect("the test PostgreSQL answers");
-    let task = tokio::spawn(connection);
-    // Two statements: a multi-statement string is one implicit
-    // transaction, which neither may run in.
-    for sql in [
-        format!("DROP DATABASE IF EXISTS {name}"),
-        format!("CREATE DATABASE {name}"),
-    ] {
-        client.batch_execute(&sql).await.expect("a test database");
-    }
-    drop(client);
-    let _ = task.await;
-    let (base, _) = admin.rsplit_once('/').expect("a URL with a database");
-    format!("{base}/{name}")
-}
+use harness_testkit::postgres::{admin_url, fresh_database};
 
 /// A log in a new, empty database.
 async fn fresh_log(admin: &str) -> Arc<dyn SessionLog> {

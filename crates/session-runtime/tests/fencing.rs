@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use harness_core::engine::{DurableEngine, InProcessEngine, MemoryTurnStore, TurnStore};
@@ -174,7 +174,6 @@ async fn a_paused_runner_is_fenced_and_writes_nothing_more() {
     });
     tokio::time::sleep(Duration::from_millis(100)).await;
     a_sink.release.add_permits(1);
-    let started = Instant::now();
     let a_end = tokio::time::timeout(Duration::from_secs(30), a_waits)
         .await
         .expect("runner A stops at once")
@@ -184,7 +183,6 @@ async fn a_paused_runner_is_fenced_and_writes_nothing_more() {
         ErrorKind::Fenced,
         "{a_end:?}"
     );
-    assert!(started.elapsed() < Duration::from_secs(10));
     let held = a_sink
         .held_result
         .lock()

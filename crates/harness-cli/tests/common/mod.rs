@@ -43,8 +43,9 @@ pub fn slow_script_answering_again() -> Script {
     )
 }
 
-/// The slow turn's rules after those of `script`.
-fn slow_rules(script: Script, seconds: u32) -> Script {
+/// The slow turn's rules (its command sleeping `seconds`) after those of
+/// `script`.
+pub fn slow_rules(script: Script, seconds: u32) -> Script {
     script
         .rule(
             Rule::new(

@@ -427,6 +427,34 @@ pub async fn temporal_reachable() -> bool {
     true
 }
 
+/// `HARNESS_S3_ENDPOINT`, when something answers there (after a skip that
+/// names `what` is left out, when not).
+pub async fn s3_endpoint(what: &str) -> Option<String> {
+    let Some(endpoint) = std::env::var("HARNESS_S3_ENDPOINT")
+        .ok()
+        .filter(|s| !s.is_empty())
+    else {
+        skip_or_fail(&format!("HARNESS_S3_ENDPOINT is not set; {what}"));
+        return None;
+    };
+    let addr = endpoint
+        .trim_start_matches("http://")
+        .trim_end_matches('/')
+        .to_string();
+    let reachable = matches!(
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            tokio::net::TcpStream::connect(&addr)
+        )
+        .await,
+        Ok(Ok(_))
+    );
+    if !reachable {
+        skip_or_fail(&format!("no S3 server at {endpoint}; {what}"));
+    }
+    reachable.then_some(endpoint)
+}
+
 /// Settings under which Temporal moves a dead worker's slice on in seconds.
 pub const FAST_TEMPORAL: [(&str, &str); 2] = [
     ("HARNESS_TEMPORAL_HEARTBEAT_TIMEOUT_MS", "2000"),
