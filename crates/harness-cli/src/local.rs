@@ -62,6 +62,9 @@ pub struct Cluster {
     pub leases: Arc<dyn harness::core::log::SessionLeases>,
     /// The host token this node presents when it forwards to a peer.
     pub peer_token: Option<String>,
+    /// The shared log and this node's name, for the operator (the
+    /// database's password blanked).
+    pub describe: String,
 }
 
 /// The turn budgets a user sets on the command line.

@@ -254,6 +254,7 @@ async fn join_cluster(
         log: Arc::new(log.fenced(leases.clone())),
         leases: Arc::new(leases),
         peer_token,
+        describe: format!("{} as node {node}", harness::postgres::redacted(url)),
     })
 }
 
@@ -306,14 +307,6 @@ fn greet(
     }
 }
 
-/// A database URL with its password blanked, for messages.
-fn redacted(url: &str) -> String {
-    #[cfg(feature = "postgres")]
-    return harness::postgres::redacted(url);
-    #[cfg(not(feature = "postgres"))]
-    return url.split('@').next_back().unwrap_or(url).to_string();
-}
-
 /// Run the server until interrupted.
 pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
     let (config_tokens, insecure) = grants(&args)?;
@@ -349,13 +342,9 @@ pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
             )
         }
     };
-    let log_name = match &log_setting {
-        LogSetting::Home => home.db().display().to_string(),
-        LogSetting::Postgres(db) => format!(
-            "{} as node {}",
-            redacted(db),
-            args.node_url.as_deref().unwrap_or(&url)
-        ),
+    let log_name = match &cluster {
+        None => home.db().display().to_string(),
+        Some(cluster) => cluster.describe.clone(),
     };
 
     let model = if args.demo {
