@@ -133,13 +133,18 @@ async fn a_session_outlives_its_node_and_a_paused_node_is_fenced() {
     let [a, b, c] = three_nodes(dir.path(), &model, &db, &queue);
     // The slices run in a worker whose runner writes through node C.
     let worker = Worker::start(&home("worker"), &c, &model, &queue);
+    // On a failure, who is who and the end of each process's log (CI
+    // shows a failure's first lines: keep them short).
     let logs = || {
         format!(
-            "A:\n{}\nB:\n{}\nC:\n{}\nworker:\n{}",
-            a.log(),
-            b.log(),
-            c.log(),
-            worker.log()
+            "A {}:\n{}\nB {}:\n{}\nC {}:\n{}\nworker (through C):\n{}",
+            a.base,
+            tail(&a.log()),
+            b.base,
+            tail(&b.log()),
+            c.base,
+            tail(&c.log()),
+            tail(&worker.log())
         )
     };
 
@@ -254,7 +259,8 @@ async fn a_session_outlives_its_node_and_a_paused_node_is_fenced() {
     );
     assert!(
         !refusal.contains("\"type\":\"ack\""),
-        "the paused node acknowledged a write: {refusal}"
+        "the paused node acknowledged a write: {refusal}\n{}",
+        logs()
     );
     // Its stderr is read line by line beside the test: the line may land
     // a moment after the socket closed.
@@ -298,12 +304,38 @@ async fn until_end(reader: &SseClient, turn: &str, logs: impl Fn() -> String) ->
         }
         assert!(
             started.elapsed() < TURN_TIMEOUT,
-            "turn {turn} did not end in {TURN_TIMEOUT:?}; the reader saw {:#?}\n{}",
-            seen.frames,
+            "turn {turn} did not end in {TURN_TIMEOUT:?}; the reader saw {}\n{}",
+            outline(&seen.frames),
             logs()
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// Frames as `seq:type[/part type] turn`, one line: what a failure shows
+/// first.
+fn outline(frames: &[Value]) -> String {
+    frames
+        .iter()
+        .map(|f| {
+            let body = &f["body"];
+            let part = body["part"]["type"].as_str().map(|t| format!("/{t}"));
+            format!(
+                "{}:{}{} {}",
+                f["seq"],
+                body["type"].as_str().unwrap_or("?"),
+                part.unwrap_or_default(),
+                body["turnId"].as_str().unwrap_or("")
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The last 40 lines of a process's log.
+fn tail(log: &str) -> String {
+    let lines: Vec<&str> = log.lines().collect();
+    lines[lines.len().saturating_sub(40)..].join("\n")
 }
 
 /// A node given a database URL that is not PostgreSQL's, or one nothing
