@@ -134,6 +134,7 @@ impl RemoteError {
             ErrorKind::Conflict | ErrorKind::Fenced => 409,
             ErrorKind::Unauthorized => 403,
             ErrorKind::Unsupported => 501,
+            ErrorKind::Gone => 410,
             _ => 500,
         }
     }

@@ -469,7 +469,7 @@ fn idle(info: &LogInfo) -> Result<()> {
     Ok(())
 }
 
-async fn session_sandbox(home: &Home, info: &LogInfo) -> Result<Box<dyn Sandbox>> {
+pub(crate) async fn session_sandbox(home: &Home, info: &LogInfo) -> Result<Box<dyn Sandbox>> {
     let id = &info.session;
     let handle = info.meta.sandbox.clone().with_context(|| {
         format!("session {id} has no sandbox yet: its first turn makes it (`harness run --session {id} PROMPT`)")

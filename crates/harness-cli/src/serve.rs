@@ -87,6 +87,15 @@ pub struct ServeArgs {
     /// home's). Nodes sharing one log must share it.
     #[arg(long, value_name = "FILE")]
     audit_key: Option<std::path::PathBuf>,
+    /// Retention: delete sessions idle (no frame stored) for more than
+    /// this many days, checked hourly. A session with a turn running is
+    /// kept; `harness gc` then collects checkpoints no session references.
+    #[arg(long, value_name = "DAYS", value_parser = clap::value_parser!(u64).range(1..))]
+    retain_days: Option<u64>,
+    /// Retention: keep at most this many sessions, the most recently
+    /// active; older ones are deleted (checked hourly).
+    #[arg(long, value_name = "N")]
+    retain_sessions: Option<usize>,
     #[command(flatten)]
     limits: local::TurnLimits,
 }
@@ -391,6 +400,18 @@ pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
         Some(runtime) => SessionServer::with_hub(config, runtime.hub().clone()),
         None => SessionServer::with_remote_runners(config),
     };
+    let retention = harness::core::log::RetentionPolicy {
+        max_idle_ms: args.retain_days.map(|d| d.saturating_mul(86_400_000)),
+        keep_sessions: args.retain_sessions,
+    };
+    if retention.is_active() {
+        server.spawn_retention(retention, Duration::from_secs(3600));
+        note!(
+            "retention: deleting sessions idle over {} days, keeping at most {} (hourly)",
+            args.retain_days.map_or("any".into(), |d| d.to_string()),
+            args.retain_sessions.map_or("any".into(), |n| n.to_string())
+        );
+    }
     home.write_serve_info(&ServeInfo {
         url: url.clone(),
         token: local_token,

@@ -1,6 +1,6 @@
 //! `harness sessions list|show|search|export|fork`, on the CLI's SQLite log.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use harness::core::frame::{Frame, FrameBody, SessionId};
 use harness::core::log::{LogInfo, SessionLog};
 use harness::core::session::SessionMeta;
@@ -95,6 +95,23 @@ pub enum SessionsCommand {
         /// The provider of the fork's sandbox (default: the source's).
         #[arg(long)]
         provider: Option<String>,
+    },
+    /// Delete a session: its log and index entries, and the sandbox it
+    /// owns. Refused while a turn runs. Its checkpoints go at the next
+    /// `harness gc` (which keeps what a fork still references).
+    Delete {
+        /// The session.
+        id: String,
+    },
+    /// Remove a session's frames 1..=THROUGH (retention). The log keeps
+    /// its meta and the chain hash at the cut: `verify` holds from there;
+    /// reading from inside the cut is refused as gone.
+    Trim {
+        /// The session.
+        id: String,
+        /// The last seq to remove (the newest frame always stays).
+        #[arg(long)]
+        through: u64,
     },
     /// Put a session back to the end of an earlier turn, in place: its next
     /// turn runs in a new sandbox holding that turn's checkpoint, the agent
@@ -235,7 +252,7 @@ pub async fn run(home: &Home, command: SessionsCommand) -> Result<()> {
                 );
                 return Ok(());
             }
-            let mut after = 0;
+            let mut after = info.trimmed.map_or(0, |c| c.through);
             while after < until {
                 let want = (until - after).min(1000) as usize;
                 // Each page as (last seq, its lines).
@@ -265,6 +282,47 @@ pub async fn run(home: &Home, command: SessionsCommand) -> Result<()> {
                 harness::core::fork::fork_session(&log, &source, until, &target, provider, seal)
                     .await?;
             println!("{}", serde_json::to_string_pretty(&info)?);
+        }
+        SessionsCommand::Delete { id } => {
+            // No actor may hold the session while it goes.
+            let _lock = crate::moves::lock_idle_home(home, "deleting a session").await?;
+            let session = SessionId::parse(id)?;
+            let info = log.info(&session).await?;
+            if let Some(turn) = info.meta.turn.as_ref().filter(|t| !t.status.is_terminal()) {
+                anyhow::bail!(
+                    "session {session} has a turn running ({} {}): abort it or let it end, then delete",
+                    turn.turn_id,
+                    turn.status.as_str()
+                );
+            }
+            if let Some(handle) = info.meta.sandbox.as_ref().filter(|h| h.owned) {
+                match crate::moves::session_sandbox(home, &info).await {
+                    Ok(sandbox) => {
+                        sandbox.destroy().await.with_context(|| {
+                            format!("removing the {} sandbox of {session}", handle.provider)
+                        })?;
+                        println!("removed its {} sandbox {}", handle.provider, handle.id);
+                    }
+                    // Gone already (a container removed by hand, a
+                    // machine's temp dir): nothing to remove.
+                    Err(e) => println!("its {} sandbox is gone already: {e:#}", handle.provider),
+                }
+            }
+            log.delete(&session).await?;
+            println!(
+                "deleted session {session} ({} frames); `harness gc` collects checkpoints no session references",
+                info.last_seq
+            );
+        }
+        SessionsCommand::Trim { id, through } => {
+            let session = SessionId::parse(id)?;
+            let info = log.trim(&session, through).await?;
+            println!(
+                "session {session} holds frames {}..={} (frames up to {} removed)",
+                info.trimmed.map_or(1, |c| c.through + 1),
+                info.last_seq,
+                info.trimmed.map_or(0, |c| c.through)
+            );
         }
         SessionsCommand::Rewind { id, turn } => {
             // The frame goes into the log directly: no actor may hold it.
@@ -370,7 +428,8 @@ async fn read_all(
     until: u64,
 ) -> Result<Vec<Frame>> {
     let mut out = Vec::new();
-    let mut after = 0;
+    // What retention kept: from the cut, if the log was trimmed.
+    let mut after = log.info(session).await?.trimmed.map_or(0, |c| c.through);
     while after < until {
         let frames = log
             .read(session, after, (until - after).min(1000) as usize)

@@ -292,8 +292,56 @@ async fn run_continues_a_session_and_sessions_commands_read_it() {
     assert!(stderr.contains("cannot fork"), "{stderr}");
 
     session_as_markdown(home.path(), &session);
-    // Last: it edits the database behind the harness's back.
+    retention_of_a_fork(home.path());
+    // Last but one: it edits the database behind the harness's back.
     audit_chain_of_a_real_session(home.path(), &session, row.frames);
+    // Last: the session goes, with the sandbox it owns.
+    let (out, stdout, stderr) = run(harness(home.path()).args(["sessions", "delete", &session]));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("removed its local sandbox"), "{stdout}");
+    let (_, stdout, _) = run(harness(home.path()).args(["sessions", "list"]));
+    assert!(!stdout.contains(&session), "{stdout}");
+    let (out, _, stderr) = run(harness(home.path()).args(["sessions", "delete", &session]));
+    assert!(
+        !out.status.success() && stderr.contains("unknown session"),
+        "{stderr}"
+    );
+}
+
+/// `sessions trim` and `sessions delete` (docs/retention.md) on the sealed
+/// fork made above (4 frames): trimmed through 2, it exports frames 3 and
+/// 4 and still verifies; a cut that leaves nothing is refused; deleted, it
+/// is gone from the list.
+fn retention_of_a_fork(home: &Path) {
+    let (out, stdout, stderr) =
+        run(harness(home).args(["sessions", "trim", "forked", "--through", "4"]));
+    assert!(!out.status.success(), "{stdout}");
+    assert!(stderr.contains("keeps at least the newest"), "{stderr}");
+    let (out, stdout, stderr) =
+        run(harness(home).args(["sessions", "trim", "forked", "--through", "2"]));
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("holds frames 3..=4"), "{stdout}");
+    let (out, stdout, _) = run(harness(home).args(["sessions", "export", "forked"]));
+    assert!(out.status.success());
+    let seqs: Vec<u64> = stdout
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["seq"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(seqs, [3, 4], "export starts at the cut");
+    let (out, stdout, stderr) = run(harness(home).args(["sessions", "verify", "forked"]));
+    assert!(
+        out.status.success(),
+        "the kept frames verify: {stdout}{stderr}"
+    );
+    let (out, stdout, stderr) = run(harness(home).args(["sessions", "delete", "forked"]));
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("deleted session forked"), "{stdout}");
+    let (_, stdout, _) = run(harness(home).args(["sessions", "list"]));
+    assert!(!stdout.contains("forked"), "{stdout}");
 }
 
 /// `sessions export --format markdown`: both turns in order, each prompt

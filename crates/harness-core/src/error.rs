@@ -34,6 +34,9 @@ pub enum ErrorKind {
     TimedOut,
     /// Stored data failed an integrity check (hash mismatch, truncation).
     Corrupt,
+    /// What was asked for existed once and retention removed it (frames
+    /// trimmed off a log's start): ask for what is kept.
+    Gone,
     /// Authentication or authorization failed.
     Unauthorized,
     /// The backend (engine, daemon, store) failed or is unreachable.
@@ -55,6 +58,7 @@ impl ErrorKind {
             ErrorKind::Aborted => "aborted",
             ErrorKind::TimedOut => "timed_out",
             ErrorKind::Corrupt => "corrupt",
+            ErrorKind::Gone => "gone",
             ErrorKind::Unauthorized => "unauthorized",
             ErrorKind::Backend => "backend",
             ErrorKind::Io => "io",
@@ -135,6 +139,10 @@ impl Error {
     pub fn backend(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::Backend, message)
     }
+    /// Shorthand for [`ErrorKind::Gone`].
+    pub fn gone(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Gone, message)
+    }
     /// Shorthand for [`ErrorKind::Corrupt`].
     pub fn corrupt(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::Corrupt, message)
@@ -200,6 +208,7 @@ mod tests {
             ErrorKind::Aborted,
             ErrorKind::TimedOut,
             ErrorKind::Corrupt,
+            ErrorKind::Gone,
             ErrorKind::Unauthorized,
             ErrorKind::Backend,
             ErrorKind::Io,

@@ -14,6 +14,16 @@
 //!   a turn (the prompt is in it, the turn's end is not), the fork appends
 //!   one frame of its own, [`fork_closing_frame`]: that turn never runs in
 //!   the fork, which is ready for a new prompt at once.
+//! - `delete` removes a log: its frames, keys, meta and index entries
+//!   (`NotFound` when unknown). A fork of it keeps its own copy.
+//! - `trim(through = N)` drops frames `1..=N` (retention): `N` must leave
+//!   the newest frame (a log always shows its head), a cut at or before
+//!   the current one changes nothing. The log keeps frame `N`'s chain hash
+//!   ([`LogCut`]), so what is kept still verifies from the cut. Reading
+//!   from inside the cut (`after < N`), and forking at or before it, is
+//!   [`Gone`](crate::ErrorKind::Gone); a fork past it keeps the same cut.
+//!   The meta, folded already, stays; the trimmed frames' idempotency keys
+//!   and index entries go with them.
 //! - An append answers with the frame as stored (seq and `at_ms`), so a
 //!   caller fanning it out never reads it back.
 //! - Each appended frame is folded into the session's [`SessionMeta`]
@@ -47,10 +57,12 @@ use crate::{Error, Result};
 pub mod append;
 pub mod chain;
 pub mod lease;
+pub mod retention;
 
 pub use append::{plan_append, AppendPlan, AppendView, CheckedAppend, LogHead, NewFrame};
 pub use chain::{ChainBreak, ChainKey, ChainReport, ChainedFrame, FrameHash};
 pub use lease::{Claim, SessionLeases};
+pub use retention::RetentionPolicy;
 
 /// Largest encoded frame body a log accepts by default (1 MiB).
 pub const DEFAULT_MAX_FRAME_BYTES: usize = 1024 * 1024;
@@ -105,6 +117,51 @@ pub struct ForkOrigin {
     pub until: u64,
 }
 
+/// Where a trimmed log starts: frames `1..=through` were removed by
+/// retention ([`SessionLog::trim`]); `hash` is frame `through`'s chain link,
+/// the start from which the kept frames verify.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LogCut {
+    /// The last seq removed.
+    pub through: u64,
+    /// Frame `through`'s hash (`None` for a frame from before the chain).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hash: Option<FrameHash>,
+}
+
+/// `Gone` for a read from inside `session`'s cut.
+pub fn trimmed_error(session: &SessionId, cut: &LogCut, after: u64) -> Error {
+    Error::gone(format!(
+        "frames 1..={} of session {session} were removed by retention;          read from seq {} on (asked for frames after {after})",
+        cut.through,
+        cut.through + 1
+    ))
+}
+
+/// `Gone` unless frames after `after` are all kept (the rule every store's
+/// read and read_chain apply).
+pub fn check_kept(session: &SessionId, cut: Option<&LogCut>, after: u64) -> Result<()> {
+    match cut {
+        Some(cut) if after < cut.through => Err(trimmed_error(session, cut, after)),
+        _ => Ok(()),
+    }
+}
+
+/// Whether trimming `info`'s log through `through` removes anything:
+/// `InvalidInput` for a cut that would leave no frame (or is 0), `false`
+/// for one at or before the current cut.
+pub fn check_trim(info: &LogInfo, through: u64) -> Result<bool> {
+    if through == 0 || through >= info.last_seq {
+        return Err(Error::invalid(format!(
+            "cannot trim session {} through seq {through}: it holds frames up to {},              and trimming keeps at least the newest one (give 1..={})",
+            info.session,
+            info.last_seq,
+            info.last_seq.saturating_sub(1)
+        )));
+    }
+    Ok(info.trimmed.is_none_or(|cut| through > cut.through))
+}
+
 /// A log's metadata.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LogInfo {
@@ -125,6 +182,10 @@ pub struct LogInfo {
     /// generation, latest turn, sandbox).
     #[serde(default)]
     pub meta: SessionMeta,
+    /// Set once retention trimmed the log's start: the first kept frame is
+    /// `through + 1`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trimmed: Option<LogCut>,
 }
 
 /// An append-only, seq-numbered log per session.
@@ -206,6 +267,22 @@ pub trait SessionLog: MaybeSend + MaybeSync + std::fmt::Debug {
     /// Seal the log (see the module docs).
     async fn seal(&self, session: &SessionId) -> Result<LogInfo>;
 
+    /// Remove `session`'s log (see the module docs). `Unsupported` by
+    /// default.
+    async fn delete(&self, session: &SessionId) -> Result<()> {
+        let _ = session;
+        Err(Error::unsupported(
+            "this session log cannot delete sessions",
+        ))
+    }
+
+    /// Remove frames `1..=through` of `session` ([`check_trim`]; see the
+    /// module docs). `Unsupported` by default.
+    async fn trim(&self, session: &SessionId, through: u64) -> Result<LogInfo> {
+        let _ = (session, through);
+        Err(Error::unsupported("this session log cannot trim sessions"))
+    }
+
     /// Copy frames `1..=until` into a new log `target` (plus
     /// [`fork_closing_frame`] when they leave a turn open).
     async fn fork(&self, source: &SessionId, until: u64, target: &SessionId) -> Result<LogInfo>;
@@ -280,6 +357,10 @@ pub async fn walk_store(
 ) -> Result<ChainReport> {
     let info = store.info().await?;
     let mut after = 0;
+    if let Some(cut) = &info.trimmed {
+        walk = walk.from_cut(cut);
+        after = cut.through;
+    }
     loop {
         let page = store.read_chain(after, VERIFY_PAGE).await?;
         let Some(last) = page.last() else { break };
@@ -440,6 +521,9 @@ pub struct LogState {
     /// The key frames are chained with, and each frame's hash.
     chain_key: ChainKey,
     hashes: Vec<Option<FrameHash>>,
+    /// Frames before `frames[0]` that retention removed, and the meta
+    /// folded through them (what a fork past the cut starts from).
+    cut: Option<(LogCut, SessionMeta)>,
 }
 
 impl LogState {
@@ -459,7 +543,47 @@ impl LogState {
             meta: SessionMeta::new(config),
             chain_key: ChainKey::unkeyed(),
             hashes: Vec::new(),
+            cut: None,
         }
+    }
+
+    /// How many frames retention removed from the start.
+    fn offset(&self) -> u64 {
+        self.cut.as_ref().map_or(0, |(c, _)| c.through)
+    }
+
+    /// The meta folded through frame `until` (at or past the cut).
+    fn meta_through(&self, until: u64) -> SessionMeta {
+        let mut meta = match &self.cut {
+            Some((_, meta)) => meta.clone(),
+            None => SessionMeta::new(self.meta.config.clone()),
+        };
+        let key_of: HashMap<u64, &str> = self.keys.iter().map(|(k, &s)| (s, k.as_str())).collect();
+        for f in &self.frames[..(until - self.offset()) as usize] {
+            meta.apply(f.seq, &f.body, key_of.get(&f.seq).copied());
+        }
+        meta
+    }
+
+    /// The index in `frames` of the first frame after `after` (`Gone`
+    /// inside the cut).
+    fn start_after(&self, after: u64) -> Result<usize> {
+        check_kept(&self.session, self.cut.as_ref().map(|(c, _)| c), after)?;
+        Ok(((after - self.offset()) as usize).min(self.frames.len()))
+    }
+
+    /// Remove frames `1..=through` ([`check_trim`]'s rules).
+    pub fn trim(&mut self, through: u64) -> Result<LogInfo> {
+        if check_trim(&self.info(), through)? {
+            let meta = self.meta_through(through);
+            let n = (through - self.offset()) as usize;
+            let hash = self.hashes[n - 1];
+            self.frames.drain(..n);
+            self.hashes.drain(..n);
+            self.keys.retain(|_, &mut seq| seq > through);
+            self.cut = Some((LogCut { through, hash }, meta));
+        }
+        Ok(self.info())
     }
 
     /// Chain frames appended from now on with `key` (unkeyed by default).
@@ -472,11 +596,12 @@ impl LogState {
     pub fn info(&self) -> LogInfo {
         LogInfo {
             session: self.session.clone(),
-            last_seq: self.frames.len() as u64,
+            last_seq: self.offset() + self.frames.len() as u64,
             last_at_ms: self.frames.last().map_or(0, |f| f.at_ms),
             sealed: self.sealed,
             forked_from: self.forked_from.clone(),
             meta: self.meta.clone(),
+            trimmed: self.cut.as_ref().map(|(c, _)| *c),
         }
     }
 
@@ -507,16 +632,16 @@ impl LogState {
         }
     }
 
-    /// Frames after `after`.
-    pub fn read(&self, after: u64, limit: usize) -> Vec<Frame> {
-        let start = (after as usize).min(self.frames.len());
-        self.frames[start..].iter().take(limit).cloned().collect()
+    /// Frames after `after` (`Gone` inside the cut).
+    pub fn read(&self, after: u64, limit: usize) -> Result<Vec<Frame>> {
+        let start = self.start_after(after)?;
+        Ok(self.frames[start..].iter().take(limit).cloned().collect())
     }
 
     /// Frames after `after` as the audit chain sees them (bodies encoded
     /// as they were when appended: the encoding is deterministic).
     pub fn read_chain(&self, after: u64, limit: usize) -> Result<Vec<ChainedFrame>> {
-        let start = (after as usize).min(self.frames.len());
+        let start = self.start_after(after)?;
         let key_of: HashMap<u64, &str> = self.keys.iter().map(|(k, &s)| (s, k.as_str())).collect();
         self.frames[start..]
             .iter()
@@ -546,11 +671,13 @@ impl LogState {
     /// A new log holding frames `1..=until` (and, when they leave a turn
     /// open, [`fork_closing_frame`] stamped `now_ms`).
     pub fn fork(&self, until: u64, target: SessionId, now_ms: u64) -> Result<LogState> {
-        let last = self.frames.len() as u64;
+        let last = self.info().last_seq;
         if until > last {
             return Err(fork_range_error(&self.session, until, last));
         }
-        let frames: Vec<Frame> = self.frames[..until as usize].to_vec();
+        check_fork_kept(&self.session, self.cut.as_ref().map(|(c, _)| c), until)?;
+        let copied = (until - self.offset()) as usize;
+        let frames: Vec<Frame> = self.frames[..copied].to_vec();
         let keys = self
             .keys
             .iter()
@@ -560,13 +687,7 @@ impl LogState {
         let sealed = frames
             .iter()
             .any(|f| matches!(f.body, FrameBody::Sealed {}));
-        let key_of: HashMap<u64, &str> = self.keys.iter().map(|(k, &s)| (s, k.as_str())).collect();
-        let meta = fold_meta(
-            self.meta.config.clone(),
-            frames
-                .iter()
-                .map(|f| (f.seq, &f.body, key_of.get(&f.seq).copied())),
-        );
+        let meta = self.meta_through(until);
         let closing = fork_closing_frame(&meta, sealed, &self.session, until);
         let mut forked = LogState {
             session: target,
@@ -579,7 +700,8 @@ impl LogState {
             }),
             meta,
             chain_key: self.chain_key.clone(),
-            hashes: self.hashes[..until as usize].to_vec(),
+            hashes: self.hashes[..copied].to_vec(),
+            cut: self.cut.clone(),
         };
         if let Some(closing) = closing {
             forked.append(closing, now_ms, usize::MAX)?;
@@ -595,7 +717,7 @@ impl AppendView for LogState {
 
     fn head(&mut self) -> Result<LogHead> {
         Ok(LogHead {
-            last_seq: self.frames.len() as u64,
+            last_seq: self.info().last_seq,
             sealed: self.sealed,
             last_hash: self.hashes.last().copied().flatten(),
         })
@@ -605,7 +727,7 @@ impl AppendView for LogState {
         Ok(self
             .keys
             .get(key)
-            .map(|&seq| self.frames[(seq - 1) as usize].clone()))
+            .map(|&seq| self.frames[(seq - self.offset() - 1) as usize].clone()))
     }
 
     fn meta(&mut self) -> Result<SessionMeta> {
@@ -698,6 +820,19 @@ pub fn decode_stored_meta(json: &str, session: &SessionId) -> Result<SessionMeta
         .map_err(|e| Error::corrupt(format!("the meta of session {session} is unreadable: {e}")))
 }
 
+/// `Gone` for a fork at or before `session`'s cut (its frames are gone).
+pub fn check_fork_kept(session: &SessionId, cut: Option<&LogCut>, until: u64) -> Result<()> {
+    match cut {
+        Some(cut) if until <= cut.through => Err(Error::gone(format!(
+            "cannot fork session {session} at seq {until}: frames 1..={} were removed by \
+             retention (fork at {} or later)",
+            cut.through,
+            cut.through + 1
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// Whether a fork of `source` up to `until` is sealed (the seal frame is
 /// always the last one, so exactly when the copy includes it), after the
 /// range check every log makes.
@@ -736,7 +871,7 @@ impl SessionLog for MemorySessionLog {
     }
 
     async fn read(&self, session: &SessionId, after: u64, limit: usize) -> Result<Vec<Frame>> {
-        self.with_log(session, |log| Ok(log.read(after, limit)))
+        self.with_log(session, |log| log.read(after, limit))
     }
 
     async fn read_chain(
@@ -751,6 +886,17 @@ impl SessionLog for MemorySessionLog {
     async fn seal(&self, session: &SessionId) -> Result<LogInfo> {
         let now = self.now_ms();
         self.with_log(session, |log| Ok(log.seal(now)))
+    }
+
+    async fn delete(&self, session: &SessionId) -> Result<()> {
+        let mut logs = self.logs.lock().unwrap_or_else(|e| e.into_inner());
+        logs.remove(session)
+            .map(|_| ())
+            .ok_or_else(|| unknown_session(session))
+    }
+
+    async fn trim(&self, session: &SessionId, through: u64) -> Result<LogInfo> {
+        self.with_log(session, |log| log.trim(through))
     }
 
     async fn fork(&self, source: &SessionId, until: u64, target: &SessionId) -> Result<LogInfo> {

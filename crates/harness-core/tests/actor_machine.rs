@@ -51,7 +51,7 @@ impl Harness {
                     let before = self.log.info().last_seq;
                     let input = match self.log.append(req, 0, usize::MAX) {
                         Ok(a) => {
-                            assert_eq!(a.frame, self.log.read(a.seq - 1, 1).remove(0));
+                            assert_eq!(a.frame, self.log.read(a.seq - 1, 1).unwrap().remove(0));
                             assert!(a.duplicate || a.seq == before + 1);
                             Input::Appended {
                                 frame: a.frame,
@@ -70,7 +70,7 @@ impl Harness {
                     }
                 }
                 Output::Replay { conn, after, until } => {
-                    for frame in self.log.read(after, (until - after) as usize) {
+                    for frame in self.log.read(after, (until - after) as usize).unwrap() {
                         self.inbox
                             .entry(conn)
                             .or_default()
@@ -308,7 +308,7 @@ fn text_deltas_go_live_but_are_stored_once() {
     );
 
     h.part(9, StreamPart::TextEnd { id: "b1".into() });
-    let frames = h.log.read(0, 10);
+    let frames = h.log.read(0, 10).unwrap();
     assert_eq!(frames.len(), 2);
     assert_eq!(
         frames[1].body,
@@ -361,6 +361,7 @@ fn a_resent_block_starts_over_and_a_retried_end_is_stored_once() {
     let messages: Vec<_> = h
         .log
         .read(0, 10)
+        .unwrap()
         .into_iter()
         .filter(|f| matches!(f.body, FrameBody::Message { .. }))
         .collect();
@@ -393,7 +394,13 @@ fn a_turn_ending_mid_block_stores_the_partial_text() {
             checkpoint: None,
         },
     });
-    let bodies: Vec<_> = h.log.read(0, 10).into_iter().map(|f| f.body).collect();
+    let bodies: Vec<_> = h
+        .log
+        .read(0, 10)
+        .unwrap()
+        .into_iter()
+        .map(|f| f.body)
+        .collect();
     assert!(
         matches!(&bodies[1], FrameBody::Message { kind: MessageKind::Reasoning, text, interrupted: true, .. } if text == "thinking")
     );
@@ -588,7 +595,7 @@ fn a_prompt_opens_one_turn_and_asks_for_it_to_start() {
         }] => assert_eq!((turn_id.as_str(), prompt.as_str()), ("t1", "first")),
         other => panic!("{other:?}"),
     }
-    let stored = h.log.read(0, 10);
+    let stored = h.log.read(0, 10).unwrap();
     assert!(
         matches!(&stored[0].body, FrameBody::UserMessage { turn_id: Some(t), .. } if t == "t1"),
         "the assigned turn id is stored: {stored:?}"
@@ -732,7 +739,7 @@ fn a_turn_that_cannot_start_is_recorded_failed() {
         turn_id: "t1".into(),
         error: "no engine".into(),
     });
-    let last = h.log.read(1, 10).remove(0);
+    let last = h.log.read(1, 10).unwrap().remove(0);
     match last.body {
         FrameBody::TurnStatus { status, error, .. } => {
             assert_eq!(status, TurnStatus::Failed);

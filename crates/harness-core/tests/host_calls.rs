@@ -178,7 +178,7 @@ impl Harness {
 
     /// Stored (host-call, host-outcome) frame counts.
     fn stored(&self) -> (usize, usize) {
-        let frames = self.log.read(0, usize::MAX);
+        let frames = self.log.read(0, usize::MAX).unwrap();
         let calls = frames
             .iter()
             .filter(|f| matches!(f.body, FrameBody::HostCall { .. }))
@@ -197,7 +197,7 @@ impl Harness {
         self.actor = SessionActor::from_info(ActorConfig::default(), &info);
         let start = info.meta.active_turn().expect("a turn runs").start_seq;
         assert!(start > 0, "the meta knows where the turn starts");
-        for frame in self.log.read(start - 1, usize::MAX) {
+        for frame in self.log.read(start - 1, usize::MAX).unwrap() {
             self.actor.recover_turn_frame(&frame);
         }
         self.inbox.clear();

@@ -116,7 +116,7 @@ fn every_wire(input: &Value) -> Value {
     let fork = log
         .fork(2, SessionId::parse("numbers-fork").unwrap(), 4)
         .unwrap();
-    let frames = fork.read(0, 10);
+    let frames = fork.read(0, 10).unwrap();
     assert_eq!(frames[0].body, body);
     assert_eq!(frames[1].body, host_call);
     match through(&frames[0].body) {

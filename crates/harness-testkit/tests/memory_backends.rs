@@ -10,13 +10,26 @@ use harness_core::frame::{Frame, SessionId};
 use harness_core::log::{AppendRequest, Appended, LogInfo, MemorySessionLog, SessionLog};
 use harness_core::session::SessionConfig;
 use harness_core::stream::ByteStream;
-use harness_testkit::conformance::{checkpoint, log, turn_store};
+use harness_testkit::conformance::{checkpoint, log, retention, turn_store};
 
 #[tokio::test]
 async fn memory_session_log_passes_the_suite() {
     log::run_all(|| async { Arc::new(MemorySessionLog::new()) as Arc<dyn SessionLog> })
         .await
         .unwrap();
+}
+
+#[tokio::test]
+async fn memory_session_log_passes_the_retention_suite() {
+    let key = harness_core::log::ChainKey::new(*b"memory retention");
+    retention::run_all(
+        || async {
+            Arc::new(MemorySessionLog::new().with_chain_key(key.clone())) as Arc<dyn SessionLog>
+        },
+        &key,
+    )
+    .await
+    .unwrap();
 }
 
 /// The memory store under test, tampered with through its test hook.

@@ -273,6 +273,7 @@ impl DoStore {
             sealed: row.sealed != 0,
             forked_from,
             meta,
+            trimmed: None,
         };
         Ok((info, last_hash))
     }

@@ -95,6 +95,7 @@ impl From<Error> for ApiError {
             ErrorKind::Unauthorized => (401, "unauthorized"),
             ErrorKind::Unsupported => (501, "unsupported"),
             ErrorKind::TimedOut => (504, "timed_out"),
+            ErrorKind::Gone => (410, "gone"),
             _ => (500, err.kind().as_str()),
         };
         Self::new(status, code, err.message())

@@ -271,6 +271,7 @@ mod tests {
             sealed: false,
             forked_from: None,
             meta: SessionMeta::new(None),
+            trimmed: None,
         };
         let md = session_markdown(&info, &frames);
         assert!(md.starts_with("# Session s-md\n"), "{md}");

@@ -217,6 +217,23 @@ pub fn events_after(
     }
 }
 
+/// `POST /v1/sessions/{id}/trim`'s body, `{"through": N}`: the last seq
+/// retention removes.
+pub fn trim_through(body: &[u8]) -> Result<u64, ApiError> {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Trim {
+        through: u64,
+    }
+    serde_json::from_slice::<Trim>(body)
+        .map(|t| t.through)
+        .map_err(|e| {
+            ApiError::invalid(format!(
+                "a trim takes {{\"through\": N}} (the last seq to remove): {e}"
+            ))
+        })
+}
+
 /// `GET /frames`: `after` (default 0) and `limit` (default [`PAGE`], at
 /// most [`MAX_FRAMES_PAGE`]).
 pub fn frames_page(params: &HashMap<String, String>) -> Result<(u64, usize), ApiError> {

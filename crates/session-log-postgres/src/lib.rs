@@ -11,12 +11,22 @@
 //!
 //! ```text
 //! harness_logs   (session PK, sealed, forked_from, fork_until, meta,
-//!                 last_seq, last_at_ms, last_hash)   one row per session: the head
+//!                 last_seq, last_at_ms, last_hash,   one row per session: the head,
+//!                 cut_through, cut_hash, cut_meta)   and retention's cut
 //! harness_frames (session, seq) PK, at_ms, body, idem_key, hash
 //!                 unique (session, idem_key) where idem_key is not null
+//! harness_search (session, seq) PK, kind, text, doc  the search index
 //! harness_turns  (session, turn) PK, state, done, generation
+//! harness_leases (session PK, node, generation, expires_at)
 //! harness_schema (version)                           refuses a newer schema
 //! ```
+//!
+//! The cut columns are NULL for a log never trimmed. After
+//! [`trim`](SessionLog::trim) through `N` they hold `N` (the last seq
+//! removed), frame `N`'s chain hash (where the kept frames verify from)
+//! and the meta folded through frame `N` (what a fork past the cut folds
+//! its copied frames onto); a fork copies them. [`delete`](SessionLog::delete)
+//! removes a session's rows from every table but `harness_schema`.
 //!
 //! Bodies and metas are stored as JSON *text* (not `jsonb`), the bytes the
 //! decision encoded: numbers travel bit-exact, as in every other store.
@@ -28,9 +38,10 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Transacti
 use harness_core::frame::{Frame, FrameBody, SessionId};
 use harness_core::log::chain::{ChainKey, ChainedFrame, FrameHash};
 use harness_core::log::{
-    decode_stored_body, decode_stored_meta, fold_meta, fork_closing_frame, fork_copy_sealed,
-    plan_append, unknown_session, AppendPlan, AppendRequest, AppendView, Appended, CheckedAppend,
-    ForkOrigin, LogHead, LogInfo, SessionLog, DEFAULT_MAX_FRAME_BYTES,
+    check_fork_kept, check_kept, check_trim, decode_stored_body, decode_stored_meta,
+    fork_closing_frame, fork_copy_sealed, plan_append, unknown_session, AppendPlan, AppendRequest,
+    AppendView, Appended, CheckedAppend, ForkOrigin, LogCut, LogHead, LogInfo, SessionLog,
+    DEFAULT_MAX_FRAME_BYTES,
 };
 use harness_core::search::{DocKind, SearchHit, SearchQuery};
 use harness_core::session::{SessionConfig, SessionMeta};
@@ -196,7 +207,10 @@ impl PostgresSessionLog {
     }
 
     /// `columns` of `session`'s frames with `seq > after`, at most `limit`,
-    /// in order; an empty page of an unknown session is `NotFound`.
+    /// in order, starting at column [`FRAME_COLUMN`] of each row; `NotFound`
+    /// for an unknown session, `Gone` from inside its cut. One statement,
+    /// so one snapshot: the log's row (its existence and cut) and the
+    /// frames are read as of the same moment, never across a trim.
     async fn page(
         &self,
         session: &SessionId,
@@ -205,25 +219,35 @@ impl PostgresSessionLog {
         columns: &str,
     ) -> Result<Vec<tokio_postgres::Row>> {
         let client = self.client().await?;
-        let after = i64::try_from(after).unwrap_or(i64::MAX);
+        let after_i = i64::try_from(after).unwrap_or(i64::MAX);
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        // The log's row, then (joined) its page: no frame row — an empty
+        // page — leaves one row of NULL frame columns.
         let stmt = client
             .prepare_cached(&format!(
-                "SELECT {columns} FROM harness_frames WHERE session = $1 AND seq > $2 \
-                 ORDER BY seq LIMIT $3"
+                "SELECT l.cut_through, l.cut_hash, f.* FROM harness_logs l \
+                 LEFT JOIN LATERAL (SELECT {columns} FROM harness_frames \
+                 WHERE session = l.session AND seq > $2 ORDER BY seq LIMIT $3) f ON TRUE \
+                 WHERE l.session = $1 ORDER BY {}",
+                FRAME_COLUMN + 1
             ))
             .await
             .map_err(db_err)?;
-        let rows = client
-            .query(&stmt, &[&session.as_str(), &after, &limit])
+        let mut rows = client
+            .query(&stmt, &[&session.as_str(), &after_i, &limit])
             .await
             .map_err(db_err)?;
-        if rows.is_empty() {
-            load_info(&client, session).await?;
-        }
+        let first = rows.first().ok_or_else(|| unknown_session(session))?;
+        let cut = cut_from_row(first, 0, session)?;
+        check_kept(session, cut.as_ref(), after)?;
+        rows.retain(|r| r.get::<_, Option<i64>>(FRAME_COLUMN).is_some());
         Ok(rows)
     }
 }
+
+/// Where the frame columns start in a row of [`PostgresSessionLog::page`]
+/// (after the log's `cut_through` and `cut_hash`); the first is `seq`.
+const FRAME_COLUMN: usize = 2;
 
 pub(crate) fn pool(url: &str, size: usize) -> Result<Pool> {
     let config: tokio_postgres::Config = url.parse().map_err(|e| {
@@ -275,7 +299,28 @@ fn decode_hash(bytes: Option<&[u8]>, session: &SessionId, seq: i64) -> Result<Op
         .map_err(|e| Error::corrupt(format!("frame {seq} of session {session}: {e}")))
 }
 
-const INFO_COLUMNS: &str = "sealed, forked_from, fork_until, meta, last_seq, last_at_ms";
+const INFO_COLUMNS: &str =
+    "sealed, forked_from, fork_until, meta, last_seq, last_at_ms, cut_through, cut_hash";
+
+/// How many columns [`INFO_COLUMNS`] names (a query's next one is at this
+/// index).
+const INFO_COUNT: usize = 8;
+
+/// The cut in columns `at` (`cut_through`) and `at + 1` (`cut_hash`) of
+/// `row`: `None` for a log never trimmed.
+fn cut_from_row(
+    row: &tokio_postgres::Row,
+    at: usize,
+    session: &SessionId,
+) -> Result<Option<LogCut>> {
+    let Some(through) = row.get::<_, Option<i64>>(at) else {
+        return Ok(None);
+    };
+    Ok(Some(LogCut {
+        through: through as u64,
+        hash: decode_hash(row.get::<_, Option<&[u8]>>(at + 1), session, through)?,
+    }))
+}
 
 fn info_from_row(row: &tokio_postgres::Row, session: &SessionId) -> Result<LogInfo> {
     let forked_from: Option<String> = row.get(1);
@@ -296,6 +341,7 @@ fn info_from_row(row: &tokio_postgres::Row, session: &SessionId) -> Result<LogIn
             _ => None,
         },
         meta: decode_stored_meta(&meta, session)?,
+        trimmed: cut_from_row(row, 6, session)?,
     })
 }
 
@@ -313,6 +359,81 @@ async fn load_info<C: deadpool_postgres::GenericClient + Sync>(
         .map_err(db_err)?
         .ok_or_else(|| unknown_session(session))?;
     info_from_row(&row, session)
+}
+
+/// `session`'s info and its cut meta (the `cut_meta` column), read in `tx`
+/// with the log's row locked (`FOR UPDATE`, as an append takes it): the
+/// head cannot move until `tx` ends.
+async fn lock_log(tx: &Transaction<'_>, session: &SessionId) -> Result<(LogInfo, Option<String>)> {
+    let stmt = tx
+        .prepare_cached(&format!(
+            "SELECT {INFO_COLUMNS}, cut_meta FROM harness_logs WHERE session = $1 FOR UPDATE"
+        ))
+        .await
+        .map_err(db_err)?;
+    let row = tx
+        .query_opt(&stmt, &[&session.as_str()])
+        .await
+        .map_err(db_err)?
+        .ok_or_else(|| unknown_session(session))?;
+    Ok((info_from_row(&row, session)?, row.get(INFO_COUNT)))
+}
+
+/// Where folding `info`'s kept frames starts: the last seq removed and the
+/// meta folded through it (the stored cut meta), or 0 and a fresh meta
+/// under the session's config for a log never trimmed.
+fn fold_start(info: &LogInfo, cut_meta: Option<&str>) -> Result<(u64, SessionMeta)> {
+    match (&info.trimmed, cut_meta) {
+        (None, _) => Ok((0, SessionMeta::new(info.meta.config.clone()))),
+        (Some(cut), Some(json)) => Ok((cut.through, decode_stored_meta(json, &info.session)?)),
+        (Some(cut), None) => Err(Error::corrupt(format!(
+            "session {} is trimmed through seq {} but keeps no meta for its cut",
+            info.session, cut.through
+        ))),
+    }
+}
+
+/// Frames [`fold_frames`] reads at a time.
+const FOLD_PAGE: i64 = 1000;
+
+/// Fold `session`'s frames `after + 1..=until` (with their idempotency
+/// keys) into `meta`, a page at a time. Answers the last folded frame's
+/// seq, `at_ms` and hash (`None` when there was no frame).
+async fn fold_frames<C: deadpool_postgres::GenericClient + Sync>(
+    c: &C,
+    session: &SessionId,
+    meta: &mut SessionMeta,
+    after: u64,
+    until: u64,
+) -> Result<Option<(i64, i64, Option<Vec<u8>>)>> {
+    let stmt = c
+        .prepare_cached(
+            "SELECT seq, body, idem_key, at_ms, hash FROM harness_frames \
+             WHERE session = $1 AND seq > $2 AND seq <= $3 ORDER BY seq LIMIT $4",
+        )
+        .await
+        .map_err(db_err)?;
+    let until = i64::try_from(until).unwrap_or(i64::MAX);
+    let mut after = i64::try_from(after).unwrap_or(i64::MAX);
+    let mut last = None;
+    loop {
+        let rows = c
+            .query(&stmt, &[&session.as_str(), &after, &until, &FOLD_PAGE])
+            .await
+            .map_err(db_err)?;
+        for r in &rows {
+            let seq: i64 = r.get(0);
+            let body = decode_stored_body(r.get(1), session, seq)?;
+            meta.apply(seq as u64, &body, r.get::<_, Option<&str>>(2));
+            after = seq;
+        }
+        if let Some(r) = rows.last() {
+            last = Some((r.get(0), r.get(3), r.get(4)));
+        }
+        if (rows.len() as i64) < FOLD_PAGE {
+            return Ok(last);
+        }
+    }
 }
 
 /// What the append decision reads, fetched up front inside the transaction
@@ -514,16 +635,17 @@ impl SessionLog for PostgresSessionLog {
     }
 
     async fn read(&self, session: &SessionId, after: u64, limit: usize) -> Result<Vec<Frame>> {
+        const C: usize = FRAME_COLUMN;
         self.page(session, after, limit, "seq, at_ms, body")
             .await?
             .iter()
             .map(|r| {
-                let seq: i64 = r.get(0);
-                let at_ms: i64 = r.get(1);
+                let seq: i64 = r.get(C);
+                let at_ms: i64 = r.get(C + 1);
                 Ok(Frame {
                     seq: seq as u64,
                     at_ms: at_ms as u64,
-                    body: decode_stored_body(r.get(2), session, seq)?,
+                    body: decode_stored_body(r.get(C + 2), session, seq)?,
                 })
             })
             .collect()
@@ -535,18 +657,19 @@ impl SessionLog for PostgresSessionLog {
         after: u64,
         limit: usize,
     ) -> Result<Vec<ChainedFrame>> {
+        const C: usize = FRAME_COLUMN;
         self.page(session, after, limit, "seq, at_ms, body, idem_key, hash")
             .await?
             .iter()
             .map(|r| {
-                let seq: i64 = r.get(0);
-                let at_ms: i64 = r.get(1);
+                let seq: i64 = r.get(C);
+                let at_ms: i64 = r.get(C + 1);
                 Ok(ChainedFrame {
                     seq: seq as u64,
                     at_ms: at_ms as u64,
-                    body: r.get(2),
-                    key: r.get(3),
-                    hash: decode_hash(r.get::<_, Option<&[u8]>>(4), session, seq)?,
+                    body: r.get(C + 2),
+                    key: r.get(C + 3),
+                    hash: decode_hash(r.get::<_, Option<&[u8]>>(C + 4), session, seq)?,
                 })
             })
             .collect()
@@ -578,26 +701,110 @@ impl SessionLog for PostgresSessionLog {
         Ok(info)
     }
 
+    /// One transaction: the lease row first (the order a fenced append
+    /// locks in: lease, then log), then the log's row — an append waiting
+    /// on it finds no session — then its frames, index rows and turns.
+    async fn delete(&self, session: &SessionId) -> Result<()> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(db_err)?;
+        if let Some(fence) = &self.fence {
+            fence.check(&tx, session).await?;
+        }
+        let id = session.as_str();
+        tx.execute("DELETE FROM harness_leases WHERE session = $1", &[&id])
+            .await
+            .map_err(db_err)?;
+        let deleted = tx
+            .execute("DELETE FROM harness_logs WHERE session = $1", &[&id])
+            .await
+            .map_err(db_err)?;
+        if deleted == 0 {
+            return Err(unknown_session(session));
+        }
+        for table in ["harness_frames", "harness_search", "harness_turns"] {
+            tx.execute(&format!("DELETE FROM {table} WHERE session = $1"), &[&id])
+                .await
+                .map_err(db_err)?;
+        }
+        tx.commit().await.map_err(db_err)
+    }
+
+    /// One transaction under the log's row lock: the cut meta folded on
+    /// from the previous cut, the cut written to the row, the trimmed
+    /// frames and their index rows removed (their keys go with them).
+    async fn trim(&self, session: &SessionId, through: u64) -> Result<LogInfo> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(db_err)?;
+        if let Some(fence) = &self.fence {
+            fence.check(&tx, session).await?;
+        }
+        let (info, cut_meta) = lock_log(&tx, session).await?;
+        if !check_trim(&info, through)? {
+            return Ok(info);
+        }
+        let (after, mut meta) = fold_start(&info, cut_meta.as_deref())?;
+        let through_i = through as i64;
+        let hash = match fold_frames(&tx, session, &mut meta, after, through).await? {
+            Some((seq, _, hash)) if seq == through_i => hash,
+            _ => {
+                return Err(Error::corrupt(format!(
+                    "session {session} holds frames up to {} but not frame {through}",
+                    info.last_seq
+                )))
+            }
+        };
+        let id = session.as_str();
+        tx.execute(
+            "UPDATE harness_logs SET cut_through = $2, cut_hash = $3, cut_meta = $4 \
+             WHERE session = $1",
+            &[&id, &through_i, &hash, &serde_json::to_string(&meta)?],
+        )
+        .await
+        .map_err(db_err)?;
+        for table in ["harness_search", "harness_frames"] {
+            tx.execute(
+                &format!("DELETE FROM {table} WHERE session = $1 AND seq <= $2"),
+                &[&id, &through_i],
+            )
+            .await
+            .map_err(db_err)?;
+        }
+        let info = load_info(&tx, session).await?;
+        tx.commit().await.map_err(db_err)?;
+        Ok(info)
+    }
+
     async fn fork(&self, source: &SessionId, until: u64, target: &SessionId) -> Result<LogInfo> {
         let mut client = self.client().await?;
         let tx = client.transaction().await.map_err(db_err)?;
-        // The source's row locked: its head cannot move under the copy.
-        let src_row = tx
-            .query_opt(
-                &format!("SELECT {INFO_COLUMNS} FROM harness_logs WHERE session = $1 FOR UPDATE"),
-                &[&source.as_str()],
-            )
-            .await
-            .map_err(db_err)?
-            .ok_or_else(|| unknown_session(source))?;
-        let src = info_from_row(&src_row, source)?;
+        // The source's row locked: its head (and cut) cannot move under
+        // the copy.
+        let (src, cut_meta) = lock_log(&tx, source).await?;
         let sealed = fork_copy_sealed(&src, until)?;
+        check_fork_kept(source, src.trimmed.as_ref(), until)?;
         let until_i = until as i64;
+        // The copy keeps the source's cut: it holds the same kept frames.
+        let (cut_through, cut_hash) = match &src.trimmed {
+            Some(cut) => (
+                Some(cut.through as i64),
+                cut.hash.as_ref().map(|h| h.as_bytes().to_vec()),
+            ),
+            None => (None, None),
+        };
         let inserted = tx
             .execute(
-                "INSERT INTO harness_logs (session, sealed, forked_from, fork_until, meta) \
-                 VALUES ($1, $2, $3, $4, '{}') ON CONFLICT (session) DO NOTHING",
-                &[&target.as_str(), &sealed, &source.as_str(), &until_i],
+                "INSERT INTO harness_logs (session, sealed, forked_from, fork_until, meta, \
+                 cut_through, cut_hash, cut_meta) \
+                 VALUES ($1, $2, $3, $4, '{}', $5, $6, $7) ON CONFLICT (session) DO NOTHING",
+                &[
+                    &target.as_str(),
+                    &sealed,
+                    &source.as_str(),
+                    &until_i,
+                    &cut_through,
+                    &cut_hash,
+                    &cut_meta,
+                ],
             )
             .await
             .map_err(db_err)?;
@@ -622,33 +829,14 @@ impl SessionLog for PostgresSessionLog {
         )
         .await
         .map_err(db_err)?;
-        // The copy's meta is its own prefix folded, under the source's
-        // config; its head is the source's frame `until`.
-        let rows = tx
-            .query(
-                "SELECT seq, body, idem_key, at_ms, hash FROM harness_frames \
-                 WHERE session = $1 ORDER BY seq",
-                &[&target.as_str()],
-            )
-            .await
-            .map_err(db_err)?;
-        let mut frames = Vec::with_capacity(rows.len());
-        for r in &rows {
-            let seq: i64 = r.get(0);
-            frames.push((
-                seq as u64,
-                decode_stored_body(r.get(1), target, seq)?,
-                r.get::<_, Option<String>>(2),
-            ));
-        }
-        let meta = fold_meta(
-            src.meta.config.clone(),
-            frames.iter().map(|(seq, b, k)| (*seq, b, k.as_deref())),
-        );
-        let (last_at_ms, last_hash): (i64, Option<Vec<u8>>) = rows
-            .last()
-            .map(|r| (r.get(3), r.get(4)))
-            .unwrap_or((0, None));
+        // The copy's meta is its own frames folded onto the cut's meta (a
+        // fresh one under the source's config when untrimmed): what a fork
+        // of the same frames untrimmed folds. Its head is the source's
+        // frame `until`.
+        let (after, mut meta) = fold_start(&src, cut_meta.as_deref())?;
+        let (last_at_ms, last_hash) = fold_frames(&tx, target, &mut meta, after, until)
+            .await?
+            .map_or((0, None), |(_, at_ms, hash)| (at_ms, hash));
         tx.execute(
             "UPDATE harness_logs SET meta = $2, last_seq = $3, last_at_ms = $4, last_hash = $5 \
              WHERE session = $1",
@@ -744,7 +932,7 @@ impl SessionLog for PostgresSessionLog {
             .map_err(db_err)?;
         rows.iter()
             .map(|r| {
-                let id = SessionId::parse(r.get::<_, String>(6))?;
+                let id = SessionId::parse(r.get::<_, String>(INFO_COUNT))?;
                 info_from_row(r, &id)
             })
             .collect()

@@ -1,7 +1,10 @@
 //! The schema, made once per database and versioned: a node refuses a
 //! database written by a newer harness (its rows may mean more than this
 //! build knows), and nodes starting together make it once (an advisory
-//! lock held for the migration's transaction).
+//! lock held for the migration's transaction). A column added after a
+//! table was first made is added by an idempotent `ALTER TABLE ... ADD
+//! COLUMN IF NOT EXISTS` in the same batch, so a database an older build
+//! made gains it at the next start; older builds ignore it.
 
 use harness_core::{Error, Result};
 
@@ -63,6 +66,12 @@ CREATE TABLE IF NOT EXISTS harness_leases (
 );
 CREATE INDEX IF NOT EXISTS harness_turns_unfinished ON harness_turns (session, turn)
     WHERE NOT done;
+-- Retention's cut (`SessionLog::trim`), added to databases made before it:
+-- the last seq removed, its chain hash, and the meta folded through it
+-- (what a fork past the cut starts from). NULL for a log never trimmed.
+ALTER TABLE harness_logs ADD COLUMN IF NOT EXISTS cut_through BIGINT;
+ALTER TABLE harness_logs ADD COLUMN IF NOT EXISTS cut_hash BYTEA;
+ALTER TABLE harness_logs ADD COLUMN IF NOT EXISTS cut_meta TEXT;
 ";
 
 /// Make the schema if it is missing; refuse a newer one.

@@ -1,6 +1,7 @@
-//! The log and turn-store conformance suites against a real PostgreSQL
-//! (`cargo xtask services start` runs one; `HARNESS_TEST_POSTGRES_URL`
-//! names it), each check in a database of its own; three handles on one
+//! The log, turn-store, leases, search and retention conformance suites
+//! against a real PostgreSQL (`cargo xtask services start` runs one;
+//! `HARNESS_TEST_POSTGRES_URL` names it), each check in a database of its
+//! own; three handles on one
 //! database (what three nodes are) sharing one gap-free log; and the bad
 //! inputs a node meets at start.
 
@@ -211,4 +212,121 @@ async fn postgres_log_passes_the_search_suite() {
     harness_testkit::conformance::search::run_all(|| fresh_log(&admin))
         .await
         .unwrap();
+}
+
+/// Retention (delete, trim), each check in a database of its own, under a
+/// chain key the store is given (the kept frames verify from the cut).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_log_passes_the_retention_suite() {
+    let Some(admin) = admin_url() else { return };
+    let key = harness_core::log::ChainKey::new(*b"postgres retention");
+    harness_testkit::conformance::retention::run_all(
+        || {
+            let (admin, key) = (admin.clone(), key.clone());
+            async move {
+                let url = fresh_database(&admin).await;
+                let log = PostgresSessionLog::connect(&url).await.unwrap();
+                Arc::new(log.with_chain_key(key)) as Arc<dyn SessionLog>
+            }
+        },
+        &key,
+    )
+    .await
+    .unwrap();
+}
+
+/// What the suites do not see: a database made before retention gains
+/// the cut columns at the next start; a fenced handle trims and deletes
+/// only while it holds the session's lease; a delete takes the session's
+/// turn rows and lease row with it, and no other session's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_migrates_old_databases_is_fenced_and_clears_turns_and_leases() {
+    use harness_core::frame::{FrameBody, SessionId};
+    use harness_core::log::AppendRequest;
+
+    let Some(admin) = admin_url() else { return };
+    let url = fresh_database(&admin).await;
+    drop(PostgresSessionLog::connect(&url).await.unwrap());
+    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    let task = tokio::spawn(connection);
+    client
+        .batch_execute(
+            "ALTER TABLE harness_logs DROP COLUMN cut_through, DROP COLUMN cut_hash, \
+             DROP COLUMN cut_meta",
+        )
+        .await
+        .unwrap();
+    let base = PostgresSessionLog::connect(&url).await.unwrap();
+
+    let ttl = Duration::from_secs(30);
+    let leases = base.leases("node-a", ttl).unwrap();
+    let fenced = base.fenced(leases.clone());
+    let (s, other) = (
+        SessionId::parse("doomed").unwrap(),
+        SessionId::parse("other").unwrap(),
+    );
+    for id in [&s, &other] {
+        base.create(id).await.unwrap();
+        for i in 0..3 {
+            base.append(
+                id,
+                AppendRequest::new(FrameBody::UserMessage {
+                    text: format!("p{i}"),
+                    turn_id: None,
+                }),
+            )
+            .await
+            .unwrap();
+        }
+        client
+            .execute(
+                "INSERT INTO harness_turns (session, turn, state, done) \
+                 VALUES ($1, 't1', '{}', FALSE)",
+                &[&id.as_str()],
+            )
+            .await
+            .unwrap();
+    }
+    let err = fenced.trim(&s, 1).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Fenced, "{err}");
+    let err = fenced.delete(&s).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Fenced, "{err}");
+    assert!(base.info(&s).await.unwrap().trimmed.is_none());
+
+    leases.acquire(&s).await.unwrap().expect("a free lease");
+    leases.acquire(&other).await.unwrap().expect("a free lease");
+    let info = fenced.trim(&s, 2).await.unwrap();
+    assert_eq!(info.trimmed.map(|c| c.through), Some(2));
+    fenced.delete(&s).await.unwrap();
+    let count = |table: &'static str, id: &'static str| {
+        let client = &client;
+        async move {
+            client
+                .query_one(
+                    &format!("SELECT count(*) FROM {table} WHERE session = $1"),
+                    &[&id],
+                )
+                .await
+                .unwrap()
+                .get::<_, i64>(0)
+        }
+    };
+    for (table, others) in [
+        ("harness_turns", 1),
+        ("harness_leases", 1),
+        ("harness_frames", 3),
+        ("harness_search", 3),
+        ("harness_logs", 1),
+    ] {
+        assert_eq!(count(table, "doomed").await, 0, "{table}");
+        assert_eq!(
+            count(table, "other").await,
+            others,
+            "{table} of another session"
+        );
+    }
+    drop(client);
+    let _ = task.await;
 }

@@ -58,10 +58,13 @@ pub(crate) fn write_entries(tx: &Connection, entries: &[Entry]) -> Result<()> {
         let mark = marks.entry(entry.session.as_str()).or_insert(entry.seq);
         *mark = (*mark).max(entry.seq);
         let Some(doc) = &entry.doc else { continue };
+        // Only a frame still stored: retention may have deleted or
+        // trimmed it between its commit and this batch.
         let added = tx
             .prepare_cached(
                 "INSERT OR IGNORE INTO search_docs (session, seq, kind, text) \
-                 VALUES (?1, ?2, ?3, ?4)",
+                 SELECT ?1, ?2, ?3, ?4 \
+                 WHERE EXISTS (SELECT 1 FROM frames WHERE session = ?1 AND seq = ?2)",
             )
             .map_err(db_err)?
             .execute(params![
@@ -82,7 +85,8 @@ pub(crate) fn write_entries(tx: &Connection, entries: &[Entry]) -> Result<()> {
     }
     for (session, through) in marks {
         tx.prepare_cached(
-            "INSERT INTO search_marks (session, through) VALUES (?1, ?2) \
+            "INSERT INTO search_marks (session, through) \
+             SELECT ?1, ?2 WHERE EXISTS (SELECT 1 FROM logs WHERE session = ?1) \
              ON CONFLICT (session) DO UPDATE SET through = max(through, excluded.through)",
         )
         .map_err(db_err)?

@@ -38,10 +38,10 @@ use std::time::Duration;
 use async_trait::async_trait;
 use backon::{BlockingRetryable, ExponentialBuilder};
 use harness_core::log::{
-    decode_stored_body, decode_stored_meta, fold_meta, fork_closing_frame, fork_copy_sealed,
-    plan_append, unknown_session, AppendPlan, AppendRequest, AppendView, Appended, ChainKey,
-    ChainedFrame, CheckedAppend, ForkOrigin, FrameHash, LogHead, LogInfo, SessionLog,
-    DEFAULT_MAX_FRAME_BYTES,
+    check_fork_kept, check_kept, check_trim, decode_stored_body, decode_stored_meta, fold_meta,
+    fork_closing_frame, fork_copy_sealed, plan_append, unknown_session, AppendPlan, AppendRequest,
+    AppendView, Appended, ChainKey, ChainedFrame, CheckedAppend, ForkOrigin, FrameHash, LogCut,
+    LogHead, LogInfo, SessionLog, DEFAULT_MAX_FRAME_BYTES,
 };
 use harness_core::search::{DocKind, Document, SearchHit, SearchQuery};
 use harness_core::session::{SessionConfig, SessionMeta};
@@ -78,7 +78,10 @@ CREATE TABLE IF NOT EXISTS logs (
     sealed      INTEGER NOT NULL DEFAULT 0,
     forked_from TEXT,
     fork_until  INTEGER,
-    meta        TEXT
+    meta        TEXT,
+    cut_through INTEGER,
+    cut_hash    BLOB,
+    cut_meta    TEXT
 );
 CREATE TABLE IF NOT EXISTS frames (
     session  TEXT NOT NULL,
@@ -125,6 +128,24 @@ const MIGRATIONS: &[(&str, &str, &str)] = &[
         "turns",
         "generation",
         "ALTER TABLE turns ADD COLUMN generation INTEGER NOT NULL DEFAULT 0",
+    ),
+    // Retention's cut (`SessionLog::trim`): the last seq removed, its chain
+    // hash, and the meta folded through it (what a fork past it starts
+    // from). NULL for a log never trimmed.
+    (
+        "logs",
+        "cut_through",
+        "ALTER TABLE logs ADD COLUMN cut_through INTEGER",
+    ),
+    (
+        "logs",
+        "cut_hash",
+        "ALTER TABLE logs ADD COLUMN cut_hash BLOB",
+    ),
+    (
+        "logs",
+        "cut_meta",
+        "ALTER TABLE logs ADD COLUMN cut_meta TEXT",
     ),
 ];
 
@@ -388,6 +409,7 @@ fn load_info(conn: &Connection, session: &SessionId) -> Result<LogInfo> {
         .optional()
         .map_err(db_err)?;
     let (sealed, forked_from, fork_until, meta) = row.ok_or_else(|| unknown_session(session))?;
+    let trimmed = load_cut(conn, session)?;
     let meta = match meta {
         Some(json) => decode_stored_meta(&json, session)?,
         None => fold_stored(conn, session, None, u64::MAX)?,
@@ -407,7 +429,90 @@ fn load_info(conn: &Connection, session: &SessionId) -> Result<LogInfo> {
         sealed,
         forked_from,
         meta,
+        trimmed,
     })
+}
+
+/// `session`'s retention cut (`NotFound` for an unknown session).
+fn load_cut(conn: &Connection, session: &SessionId) -> Result<Option<LogCut>> {
+    let row: Option<(Option<i64>, Option<Vec<u8>>)> = conn
+        .prepare_cached("SELECT cut_through, cut_hash FROM logs WHERE session = ?1")
+        .map_err(db_err)?
+        .query_row(params![session.as_str()], |r| Ok((r.get(0)?, r.get(1)?)))
+        .optional()
+        .map_err(db_err)?;
+    let (through, hash) = row.ok_or_else(|| unknown_session(session))?;
+    through
+        .map(|through| {
+            Ok(LogCut {
+                through: through as u64,
+                hash: hash.as_deref().map(FrameHash::from_slice).transpose()?,
+            })
+        })
+        .transpose()
+}
+
+/// The meta folded through frame `until` of `session` (at or past its cut,
+/// if it has one): the cut's meta, or a fresh one under `config`, with the
+/// frames after the cut folded in.
+fn meta_through(
+    conn: &Connection,
+    session: &SessionId,
+    config: Option<SessionConfig>,
+    until: u64,
+) -> Result<SessionMeta> {
+    let row: (Option<i64>, Option<String>) = conn
+        .prepare_cached("SELECT cut_through, cut_meta FROM logs WHERE session = ?1")
+        .map_err(db_err)?
+        .query_row(params![session.as_str()], |r| Ok((r.get(0)?, r.get(1)?)))
+        .map_err(db_err)?;
+    let (after, mut meta) = match row {
+        (Some(through), Some(meta)) => (through, decode_stored_meta(&meta, session)?),
+        _ => (0, SessionMeta::new(config)),
+    };
+    let until = i64::try_from(until).unwrap_or(i64::MAX);
+    let mut stmt = conn
+        .prepare_cached(
+            "SELECT seq, body, idem_key FROM frames WHERE session = ?1 AND seq > ?2 AND seq <= ?3 \
+             ORDER BY seq",
+        )
+        .map_err(db_err)?;
+    let rows = stmt
+        .query_map(params![session.as_str(), after, until], |r| {
+            Ok((
+                r.get::<_, i64>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, Option<String>>(2)?,
+            ))
+        })
+        .map_err(db_err)?;
+    for row in rows {
+        let (seq, body, key) = row.map_err(db_err)?;
+        meta.apply(
+            seq as u64,
+            &decode_stored_body(&body, session, seq)?,
+            key.as_deref(),
+        );
+    }
+    Ok(meta)
+}
+
+/// Remove `session`'s index entries with `seq <= through` (all of them for
+/// `i64::MAX`): their FTS5 entries first (external content: FTS5 is told
+/// what it indexed), then the documents.
+fn unindex(tx: &Connection, session: &SessionId, through: i64) -> Result<()> {
+    tx.prepare_cached(
+        "INSERT INTO search_fts (search_fts, rowid, text) \
+         SELECT 'delete', id, text FROM search_docs WHERE session = ?1 AND seq <= ?2",
+    )
+    .map_err(db_err)?
+    .execute(params![session.as_str(), through])
+    .map_err(db_err)?;
+    tx.prepare_cached("DELETE FROM search_docs WHERE session = ?1 AND seq <= ?2")
+        .map_err(db_err)?
+        .execute(params![session.as_str(), through])
+        .map_err(db_err)?;
+    Ok(())
 }
 
 /// The session's meta, read where stored or folded from its frames.
@@ -660,7 +765,7 @@ impl SessionLog for SqliteSessionLog {
         let session = session.clone();
         self.read_with(move |conn| {
             let tx = conn.transaction().map_err(db_err)?;
-            check_exists(&tx, &session)?;
+            check_kept(&session, load_cut(&tx, &session)?.as_ref(), after)?;
             let limit = i64::try_from(limit).unwrap_or(i64::MAX);
             let after = i64::try_from(after).unwrap_or(i64::MAX);
             let mut stmt = tx
@@ -701,7 +806,7 @@ impl SessionLog for SqliteSessionLog {
         let session = session.clone();
         self.read_with(move |conn| {
             let tx = conn.transaction().map_err(db_err)?;
-            check_exists(&tx, &session)?;
+            check_kept(&session, load_cut(&tx, &session)?.as_ref(), after)?;
             let limit = i64::try_from(limit).unwrap_or(i64::MAX);
             let after = i64::try_from(after).unwrap_or(i64::MAX);
             let mut stmt = tx
@@ -764,56 +869,130 @@ impl SessionLog for SqliteSessionLog {
             .await
     }
 
+    async fn delete(&self, session: &SessionId) -> Result<()> {
+        let session = session.clone();
+        self.writer
+            .exec(move |conn| {
+                let tx = conn
+                    .transaction_with_behavior(TransactionBehavior::Immediate)
+                    .map_err(db_err)?;
+                check_exists(&tx, &session)?;
+                unindex(&tx, &session, i64::MAX)?;
+                for table in ["frames", "search_marks", "turns", "logs"] {
+                    tx.execute(
+                        &format!("DELETE FROM {table} WHERE session = ?1"),
+                        params![session.as_str()],
+                    )
+                    .map_err(db_err)?;
+                }
+                tx.commit().map_err(db_err)
+            })
+            .await
+    }
+
+    async fn trim(&self, session: &SessionId, through: u64) -> Result<LogInfo> {
+        let session = session.clone();
+        self.writer
+            .exec(move |conn| {
+                let tx = conn
+                    .transaction_with_behavior(TransactionBehavior::Immediate)
+                    .map_err(db_err)?;
+                let info = load_info(&tx, &session)?;
+                if !check_trim(&info, through)? {
+                    return Ok(info);
+                }
+                let cut_meta = meta_through(&tx, &session, info.meta.config.clone(), through)?;
+                let through = through as i64;
+                let hash: Option<Vec<u8>> = tx
+                    .query_row(
+                        "SELECT hash FROM frames WHERE session = ?1 AND seq = ?2",
+                        params![session.as_str(), through],
+                        |r| r.get(0),
+                    )
+                    .map_err(db_err)?;
+                // A log whose meta was never stored (written before it
+                // was) keeps it now: its frames are about to go.
+                store_meta(&tx, &session, &info.meta)?;
+                tx.execute(
+                    "UPDATE logs SET cut_through = ?2, cut_hash = ?3, cut_meta = ?4 \
+                     WHERE session = ?1",
+                    params![
+                        session.as_str(),
+                        through,
+                        hash,
+                        serde_json::to_string(&cut_meta)?
+                    ],
+                )
+                .map_err(db_err)?;
+                unindex(&tx, &session, through)?;
+                tx.execute(
+                    "DELETE FROM frames WHERE session = ?1 AND seq <= ?2",
+                    params![session.as_str(), through],
+                )
+                .map_err(db_err)?;
+                let info = load_info(&tx, &session)?;
+                tx.commit().map_err(db_err)?;
+                Ok(info)
+            })
+            .await
+    }
+
     async fn fork(&self, source: &SessionId, until: u64, target: &SessionId) -> Result<LogInfo> {
         let source = source.clone();
         let target = target.clone();
         let chain = self.writer.chain_key();
-        self.writer.exec(move |conn| {
-            let tx = conn
-                .transaction_with_behavior(TransactionBehavior::Immediate)
-                .map_err(db_err)?;
-            let target_exists: Option<i64> = tx
-                .query_row(
-                    "SELECT 1 FROM logs WHERE session = ?1",
-                    params![target.as_str()],
-                    |r| r.get(0),
+        self.writer
+            .exec(move |conn| {
+                let tx = conn
+                    .transaction_with_behavior(TransactionBehavior::Immediate)
+                    .map_err(db_err)?;
+                let target_exists: Option<i64> = tx
+                    .query_row(
+                        "SELECT 1 FROM logs WHERE session = ?1",
+                        params![target.as_str()],
+                        |r| r.get(0),
+                    )
+                    .optional()
+                    .map_err(db_err)?;
+                if target_exists.is_some() {
+                    return Err(Error::conflict(format!(
+                        "cannot fork into {target}: that session already exists"
+                    )));
+                }
+                let src = load_info(&tx, &source)?;
+                let sealed = fork_copy_sealed(&src, until)?;
+                check_fork_kept(&source, src.trimmed.as_ref(), until)?;
+                tx.execute(
+                    "INSERT INTO logs (session, sealed, forked_from, fork_until, cut_through, \
+                 cut_hash, cut_meta) \
+                 SELECT ?1, ?2, ?3, ?4, cut_through, cut_hash, cut_meta FROM logs \
+                 WHERE session = ?3",
+                    params![target.as_str(), sealed, source.as_str(), until as i64],
                 )
-                .optional()
                 .map_err(db_err)?;
-            if target_exists.is_some() {
-                return Err(Error::conflict(format!(
-                    "cannot fork into {target}: that session already exists"
-                )));
-            }
-            let src = load_info(&tx, &source)?;
-            let sealed = fork_copy_sealed(&src, until)?;
-            tx.execute(
-                "INSERT INTO logs (session, sealed, forked_from, fork_until) VALUES (?1, ?2, ?3, ?4)",
-                params![target.as_str(), sealed, source.as_str(), until as i64],
-            )
-            .map_err(db_err)?;
-            tx.execute(
-                "INSERT INTO frames (session, seq, at_ms, body, idem_key, hash) \
+                tx.execute(
+                    "INSERT INTO frames (session, seq, at_ms, body, idem_key, hash) \
                  SELECT ?1, seq, at_ms, body, idem_key, hash FROM frames \
                  WHERE session = ?2 AND seq <= ?3",
-                params![target.as_str(), source.as_str(), until as i64],
-            )
-            .map_err(db_err)?;
-            // The copy's meta is its own prefix folded, under the source's config.
-            let meta = fold_stored(&tx, &target, src.meta.config.clone(), until)?;
-            store_meta(&tx, &target, &meta)?;
-            if let Some(closing) = fork_closing_frame(&meta, sealed, &source, until) {
-                let closing = CheckedAppend::new(closing, usize::MAX)?;
-                append_in(&tx, &target, closing, now_ms(), &chain)?;
-            }
-            // The copy's index, from its own frames (the source's may not
-            // be indexed yet), in the fork's transaction.
-            index::write_entries(&tx, &index::stored_entries(&tx, target.as_str(), 0)?)?;
-            let info = load_info(&tx, &target)?;
-            tx.commit().map_err(db_err)?;
-            Ok(info)
-        })
-        .await
+                    params![target.as_str(), source.as_str(), until as i64],
+                )
+                .map_err(db_err)?;
+                // The copy's meta is its own prefix folded (from the cut it
+                // copied, if any), under the source's config.
+                let meta = meta_through(&tx, &target, src.meta.config.clone(), until)?;
+                store_meta(&tx, &target, &meta)?;
+                if let Some(closing) = fork_closing_frame(&meta, sealed, &source, until) {
+                    let closing = CheckedAppend::new(closing, usize::MAX)?;
+                    append_in(&tx, &target, closing, now_ms(), &chain)?;
+                }
+                // The copy's index, from its own frames (the source's may not
+                // be indexed yet), in the fork's transaction.
+                index::write_entries(&tx, &index::stored_entries(&tx, target.as_str(), 0)?)?;
+                let info = load_info(&tx, &target)?;
+                tx.commit().map_err(db_err)?;
+                Ok(info)
+            })
+            .await
     }
 
     async fn search(&self, query: &SearchQuery) -> Result<Vec<SearchHit>> {

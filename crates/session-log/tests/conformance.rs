@@ -24,6 +24,42 @@ async fn sqlite_file_log_passes_the_conformance_suite() {
     .unwrap();
 }
 
+/// Retention (delete, trim) on a file, where the indexer thread writes the
+/// index after each commit, and in memory, where the writer does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_log_passes_the_retention_suite() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = AtomicUsize::new(0);
+    let key = harness_core::log::ChainKey::new(*b"sqlite retention");
+    harness_testkit::conformance::retention::run_all(
+        || {
+            let path = dir
+                .path()
+                .join(format!("ret-{}.db", n.fetch_add(1, Ordering::SeqCst)));
+            let key = key.clone();
+            async move {
+                Arc::new(SqliteSessionLog::open(path).unwrap().with_chain_key(key))
+                    as Arc<dyn SessionLog>
+            }
+        },
+        &key,
+    )
+    .await
+    .unwrap();
+    harness_testkit::conformance::retention::run_all(
+        || async {
+            Arc::new(
+                SqliteSessionLog::open_in_memory()
+                    .unwrap()
+                    .with_chain_key(key.clone()),
+            ) as Arc<dyn SessionLog>
+        },
+        &key,
+    )
+    .await
+    .unwrap();
+}
+
 /// Three connections to one file (what three processes have) written
 /// through at once: one gap-free log, every key once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

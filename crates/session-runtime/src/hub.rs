@@ -247,6 +247,9 @@ enum Command {
     /// This node no longer holds the session's lease (another node took
     /// it, or it could not be renewed in time): the actor stops here.
     LeaseLost(String),
+    /// The session is being deleted: the actor closes its connections
+    /// with this reason and stops.
+    Close(String),
 }
 
 struct Entry {
@@ -360,6 +363,7 @@ impl std::fmt::Debug for Command {
             Command::Input(i) => f.debug_tuple("Input").field(i).finish(),
             Command::CountConnections(_) => f.write_str("CountConnections"),
             Command::LeaseLost(reason) => f.debug_tuple("LeaseLost").field(reason).finish(),
+            Command::Close(reason) => f.debug_tuple("Close").field(reason).finish(),
         }
     }
 }
@@ -759,6 +763,31 @@ impl Hub {
             .await
             .map(|_| ())
             .map_err(Error::from)
+    }
+
+    /// Delete `session` (retention, `docs/retention.md`): refused while a
+    /// turn runs (abort it first); the actor running it here closes its
+    /// connections, then the log goes. Its checkpoints are left to the
+    /// collector (`harness gc`), which keeps what a fork references.
+    pub async fn delete(&self, session: &SessionId) -> Result<(), Error> {
+        let info = self.log.info(session).await?;
+        if let Some(turn) = info.meta.turn.as_ref().filter(|t| !t.status.is_terminal()) {
+            return Err(Error::conflict(format!(
+                "session {session} has a turn running ({}, {:?}): abort it or let it end, \
+                 then delete",
+                turn.turn_id, turn.status
+            )));
+        }
+        let entry = self
+            .registry
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(session)
+            .map(|e| e.tx.clone());
+        if let Some(tx) = entry {
+            let _ = tx.send(Command::Close(format!("session {session} was deleted")));
+        }
+        self.log.delete(session).await
     }
 
     fn spawn_actor(&self, session: SessionId) -> Entry {
@@ -1260,7 +1289,7 @@ impl ActorTask {
                     batch.inputs.push(input);
                 }
                 Command::CountConnections(reply) => batch.counts.push(reply),
-                Command::LeaseLost(reason) => batch.lost = Some(reason),
+                Command::LeaseLost(reason) | Command::Close(reason) => batch.lost = Some(reason),
             }
         }
         batch

@@ -61,7 +61,8 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/favicon.ico", get(crate::web::favicon))
         .route("/v1/sessions", post(create).get(list))
         .route("/v1/search", get(search))
-        .route("/v1/sessions/{id}", get(info))
+        .route("/v1/sessions/{id}", get(info).delete(delete))
+        .route("/v1/sessions/{id}/trim", post(trim))
         .route("/v1/sessions/{id}/ws", get(websocket))
         .route("/v1/sessions/{id}/messages", post(post_message))
         .route("/v1/sessions/{id}/events", get(events))
@@ -261,7 +262,7 @@ async fn export(
     {
         let mut frames = Vec::new();
         loop {
-            let after = frames.last().map_or(0, |f: &Frame| f.seq);
+            let after = frames.last().map_or(kept_from(&info), |f: &Frame| f.seq);
             let page = read_page(&state, &id, after, until, usize::MAX).await?;
             if page.is_empty() {
                 break;
@@ -278,7 +279,8 @@ async fn export(
         )
             .into_response());
     }
-    let first = read_page(&state, &id, 0, until, usize::MAX).await?;
+    // What retention kept: from the cut, if the log was trimmed.
+    let first = read_page(&state, &id, kept_from(&info), until, usize::MAX).await?;
     Ok(frames_array(state, id, first, until, usize::MAX))
 }
 
@@ -294,6 +296,11 @@ async fn verify(
         harness_core::log::verify_log(state.hub.log().clone(), &id, &state.config.chain_key)
             .await?;
     Ok(Json(session_api::request::Verified::new(id, report)))
+}
+
+/// Where a read of everything a log holds starts: 0, or its retention cut.
+fn kept_from(info: &LogInfo) -> u64 {
+    info.trimmed.map_or(0, |cut| cut.through)
 }
 
 /// Frames `after < seq <= until`, at most `max` and one page of them.
@@ -469,6 +476,34 @@ async fn seal(
     Ok(Json(state.hub.log().info(&id).await?))
 }
 
+/// `DELETE /v1/sessions/{id}` (retention): 204, or 409 while a turn runs.
+async fn delete(
+    State(state): Shared,
+    Path(id): Path<String>,
+    Query(params): Params,
+    headers: HeaderMap,
+) -> Result<StatusCode, ApiError> {
+    let id = session_id(&id)?;
+    state.auth(&headers, &params, Some(&id), HOST)?;
+    state.hub.delete(&id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `POST /v1/sessions/{id}/trim` `{"through": N}` (retention): frames
+/// `1..=N` go; the answer is the session's info with its cut.
+async fn trim(
+    State(state): Shared,
+    Path(id): Path<String>,
+    Query(params): Params,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Result<Json<LogInfo>, ApiError> {
+    let id = session_id(&id)?;
+    state.auth(&headers, &params, Some(&id), HOST)?;
+    let through = session_api::request::trim_through(&body)?;
+    Ok(Json(state.hub.log().trim(&id, through).await?))
+}
+
 // ---- writes over HTTP ------------------------------------------------------
 
 async fn post_message(
@@ -548,6 +583,15 @@ async fn events(
         &params,
     )?;
     let info = state.hub.log().info(&id).await?;
+    // A reader from the start of a trimmed log starts at its cut; one
+    // resuming from inside the cut is told those frames are gone (410).
+    let after = match after {
+        0 => kept_from(&info),
+        after => {
+            harness_core::log::check_kept(&id, info.trimmed.as_ref(), after)?;
+            after
+        }
+    };
     let pump = EventPump {
         state,
         id,

@@ -118,6 +118,33 @@ pub struct SessionServer {
     state: Arc<http::AppState>,
 }
 
+/// One pass of a retention policy over every session: how many it deleted.
+async fn retention_pass(
+    hub: &Hub,
+    policy: &harness_core::log::RetentionPolicy,
+) -> harness_core::Result<usize> {
+    let mut logs = Vec::new();
+    let mut after = None;
+    loop {
+        let page = hub.log().list_page(after.as_ref(), 1000).await?;
+        let Some(last) = page.last() else { break };
+        after = Some(last.session.clone());
+        logs.extend(page);
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let mut deleted = 0;
+    for session in policy.expired(&logs, now) {
+        match hub.delete(&session).await {
+            Ok(()) => deleted += 1,
+            // Another node deleted it first, or a turn started since.
+            Err(e) => tracing::info!(%session, "retention left the session: {e}"),
+        }
+    }
+    Ok(deleted)
+}
+
 impl SessionServer {
     /// Build a server with its own hub and no runtime: prompts are stored
     /// and wait for one (no I/O yet).
@@ -164,6 +191,29 @@ impl SessionServer {
     /// Serve on `listener` until the process ends.
     pub async fn serve(self, listener: tokio::net::TcpListener) -> std::io::Result<()> {
         axum::serve(no_delay(listener), self.router()).await
+    }
+
+    /// Run `policy` now and then every `every` until the process ends
+    /// (`docs/retention.md`): each session it names is deleted through the
+    /// hub (its actor closed first; one with a turn running is never
+    /// named). Several nodes may each run it: a session another node
+    /// deleted first is skipped.
+    pub fn spawn_retention(
+        &self,
+        policy: harness_core::log::RetentionPolicy,
+        every: Duration,
+    ) -> tokio::task::JoinHandle<()> {
+        let hub = self.state.hub.clone();
+        tokio::spawn(async move {
+            loop {
+                match retention_pass(&hub, &policy).await {
+                    Ok(0) => {}
+                    Ok(n) => tracing::info!(deleted = n, "retention deleted sessions"),
+                    Err(e) => tracing::warn!("retention: listing the sessions failed: {e}"),
+                }
+                tokio::time::sleep(every).await;
+            }
+        })
     }
 
     /// Sessions whose actor is running right now.

@@ -463,6 +463,34 @@ async fn session_logs_read_as_json_streams() {
         .await
         .unwrap();
     assert_eq!(r.status(), StatusCode::NOT_FOUND);
+
+    // Retention (docs/retention.md): a third frame, then frames 1..=2
+    // trimmed. An offset inside the cut is 410 Gone; from the start
+    // (`-1`) the stream begins at the first frame kept.
+    let kept = SessionId::parse("ds-kept").unwrap();
+    s.log.create(&kept).await.unwrap();
+    for text in ["one", "two", "three"] {
+        let body = FrameBody::UserMessage {
+            text: text.into(),
+            turn_id: None,
+        };
+        s.log.append(&kept, AppendRequest::new(body)).await.unwrap();
+    }
+    s.log.trim(&kept, 2).await.unwrap();
+    let url = format!("{}/sessions/ds-kept", s.base);
+    let inside = "0000000000000000_0000000000000001";
+    let r = s
+        .http
+        .get(format!("{url}?offset={inside}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::GONE);
+    let r = s.http.get(format!("{url}?offset=-1")).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let frames: Vec<serde_json::Value> = r.json().await.unwrap();
+    assert_eq!(frames.len(), 1, "{frames:?}");
+    assert_eq!(frames[0]["seq"], 3);
 }
 
 #[tokio::test]

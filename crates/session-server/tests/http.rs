@@ -1165,3 +1165,228 @@ async fn search_finds_frames_across_sessions_and_refuses_bad_queries() {
     assert_eq!(search("q=walrus", "client-a").await.unwrap().status(), 403);
     assert_eq!(search("q=walrus", "nobody").await.unwrap().status(), 401);
 }
+
+/// Retention over HTTP (`docs/retention.md`): `POST /trim` cuts a log's
+/// start — the info names the cut, frames and events from inside it are
+/// 410 Gone, a reader from the start gets what is kept, export starts at
+/// the cut, verify holds from it; a bad cut is a 400 and changes nothing.
+/// `DELETE` removes a session (204, then 404 and gone from the list and
+/// search), is refused while a turn runs (409), and needs a host (403).
+#[tokio::test]
+async fn trim_answers_gone_and_delete_removes_a_session() {
+    let srv = start(|c| {
+        c.insecure_no_auth = false;
+        c.tokens = vec![
+            TokenGrant::new("host", Scope::All, GrantRole::Host),
+            TokenGrant::new("client", Scope::parse("rt").unwrap(), GrantRole::Client),
+        ];
+    })
+    .await;
+    let (h, base) = (&srv.http, &srv.base);
+    let r = h
+        .post(format!("{base}/v1/sessions"))
+        .bearer_auth("host")
+        .json(&json!({"id": "rt"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let id = sid("rt");
+    for i in 1..=6 {
+        srv.log
+            .append(
+                &id,
+                harness_core::log::AppendRequest::new(FrameBody::Message {
+                    turn_id: "t0".into(),
+                    id: format!("m{i}"),
+                    kind: harness_core::frame::MessageKind::Text,
+                    text: format!("pangolin {i}"),
+                    interrupted: false,
+                }),
+            )
+            .await
+            .unwrap();
+    }
+    let trim = |body: Value, token: &'static str| {
+        h.post(format!("{base}/v1/sessions/rt/trim"))
+            .bearer_auth(token)
+            .json(&body)
+            .send()
+    };
+    for (body, why) in [
+        (json!({"through": 6}), "keeps at least the newest"),
+        (json!({"through": 0}), "keeps at least the newest"),
+        (json!({"thru": 2}), "through"),
+        (json!({"through": "2"}), "through"),
+    ] {
+        let r = trim(body.clone(), "host").await.unwrap();
+        assert_eq!(r.status(), 400, "{body}");
+        let v: Value = r.json().await.unwrap();
+        assert!(v.to_string().contains(why), "{body}: {v}");
+    }
+    assert_eq!(srv.log.read(&id, 0, 100).await.unwrap().len(), 6);
+    assert_eq!(
+        trim(json!({"through": 3}), "client")
+            .await
+            .unwrap()
+            .status(),
+        403
+    );
+    let r = trim(json!({"through": 3}), "host").await.unwrap();
+    assert_eq!(r.status(), 200);
+    let info: LogInfo = r.json().await.unwrap();
+    assert_eq!(info.trimmed.map(|c| c.through), Some(3));
+    assert_eq!(info.last_seq, 6);
+
+    let get = |path: String| h.get(format!("{base}{path}")).bearer_auth("host").send();
+    let r = get("/v1/sessions/rt/frames?after=1".into()).await.unwrap();
+    assert_eq!(r.status(), 410);
+    assert!(r.text().await.unwrap().contains("removed by retention"));
+    let r = get("/v1/sessions/rt/frames?after=3".into()).await.unwrap();
+    let frames: Vec<Frame> = r.json().await.unwrap();
+    assert_eq!(frames.iter().map(|f| f.seq).collect::<Vec<_>>(), [4, 5, 6]);
+    let r = get("/v1/sessions/rt/export".into()).await.unwrap();
+    let frames: Vec<Frame> = r.json().await.unwrap();
+    assert_eq!(
+        frames.first().map(|f| f.seq),
+        Some(4),
+        "export starts at the cut"
+    );
+    let r = get("/v1/sessions/rt/verify".into()).await.unwrap();
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["intact"], true, "{v}");
+    let r = h
+        .get(format!("{base}/v1/sessions/rt/events"))
+        .bearer_auth("host")
+        .header("last-event-id", "2")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 410, "resuming inside the cut");
+    // From the start: the kept frames, the first being 4.
+    let mut r = h
+        .get(format!("{base}/v1/sessions/rt/events"))
+        .bearer_auth("host")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let mut text = String::new();
+    while !text.contains("pangolin 6") {
+        let chunk = tokio::time::timeout(std::time::Duration::from_secs(10), r.chunk())
+            .await
+            .expect("events within 10 s")
+            .unwrap()
+            .expect("the stream stays open");
+        text.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    assert!(
+        text.contains("id: 4\n") && !text.contains("pangolin 3"),
+        "{text}"
+    );
+    drop(r);
+
+    // Delete: a host only; refused while a turn runs.
+    let delete = |id: &'static str, token: &'static str| {
+        h.delete(format!("{base}/v1/sessions/{id}"))
+            .bearer_auth(token)
+            .send()
+    };
+    assert_eq!(delete("rt", "client").await.unwrap().status(), 403);
+    let r = h
+        .post(format!("{base}/v1/sessions/rt/messages"))
+        .bearer_auth("host")
+        .json(&json!({"type": "prompt", "text": "keep going"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let r = delete("rt", "host").await.unwrap();
+    assert_eq!(r.status(), 409);
+    assert!(r.text().await.unwrap().contains("turn running"));
+    let r = h
+        .post(format!("{base}/v1/sessions"))
+        .bearer_auth("host")
+        .json(&json!({"id": "gone"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    assert_eq!(delete("gone", "host").await.unwrap().status(), 204);
+    assert_eq!(get("/v1/sessions/gone".into()).await.unwrap().status(), 404);
+    assert_eq!(delete("gone", "host").await.unwrap().status(), 404);
+    let list: Value = get("/v1/sessions".into())
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(!list.to_string().contains("\"gone\""), "{list}");
+}
+
+/// The server's retention pass (`--retain-sessions 1`): of four sessions,
+/// the most recently active is kept, and so is an older one whose turn is
+/// running; the two other idle ones are deleted, in one pass.
+#[tokio::test]
+async fn retention_keeps_the_newest_and_the_running_and_deletes_the_rest() {
+    let srv = start(|_| {}).await;
+    for id in ["r-old", "r-busy", "r-mid", "r-new"] {
+        srv.create(id).await;
+        // Activity in this order, each at least a millisecond apart.
+        srv.log
+            .append(
+                &sid(id),
+                harness_core::log::AppendRequest::new(FrameBody::Message {
+                    turn_id: "t0".into(),
+                    id: "m".into(),
+                    kind: harness_core::frame::MessageKind::Text,
+                    text: format!("hello from {id}"),
+                    interrupted: false,
+                }),
+            )
+            .await
+            .unwrap();
+        if id == "r-busy" {
+            srv.log
+                .append(
+                    &sid(id),
+                    harness_core::log::AppendRequest::new(FrameBody::UserMessage {
+                        text: "a long turn".into(),
+                        turn_id: None,
+                    }),
+                )
+                .await
+                .unwrap();
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    // Keep one: r-new by activity; r-busy only because its turn runs.
+    let policy = harness_core::log::RetentionPolicy {
+        max_idle_ms: None,
+        keep_sessions: Some(1),
+    };
+    let pass = srv
+        .server
+        .spawn_retention(policy, std::time::Duration::from_secs(3600));
+    let started = std::time::Instant::now();
+    let remaining = loop {
+        let ids: Vec<String> = srv
+            .log
+            .list()
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|i| i.session.to_string())
+            .collect();
+        if ids.len() <= 2 || started.elapsed() > std::time::Duration::from_secs(10) {
+            break ids;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    pass.abort();
+    assert_eq!(
+        remaining,
+        ["r-busy", "r-new"],
+        "kept: the newest and the running"
+    );
+}

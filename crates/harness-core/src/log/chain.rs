@@ -347,6 +347,17 @@ impl ChainVerifier {
         }
     }
 
+    /// Start the walk at a trimmed log's cut ([`LogCut`](super::LogCut)):
+    /// the next frame is `through + 1`, linked to the hash kept there.
+    pub fn from_cut(mut self, cut: &super::LogCut) -> Self {
+        self.last_seq = cut.through;
+        if let Some(hash) = cut.hash {
+            self.prev = hash;
+            self.chained = true;
+        }
+        self
+    }
+
     /// Also note which frame's hash is `head` (a head kept elsewhere: the
     /// log must still hold it, which catches frames cut off its end).
     pub fn watching(mut self, head: FrameHash) -> Self {

@@ -8,6 +8,7 @@ pub mod durable_streams;
 pub mod engine;
 pub mod leases;
 pub mod log;
+pub mod retention;
 pub mod sandbox;
 pub mod search;
 pub mod session_api;

@@ -213,6 +213,13 @@ pub(super) async fn forward(task: &mut ActorTask, owner: &str, carried: Vec<Carr
                     }
                     // Only an owner keeps a lease.
                     Command::LeaseLost(_) => {}
+                    // The session was deleted: every forwarded connection
+                    // is told (dropping a link closes the owner's socket).
+                    Command::Close(reason) => {
+                        for (_, link) in links.drain() {
+                            link.out.push(Queued::one(Outbound::Close(reason.clone())));
+                        }
+                    }
                 }
                 if links.is_empty() {
                     idle.as_mut().reset(tokio::time::Instant::now() + task.hub.config.idle_timeout);

@@ -37,6 +37,8 @@ fn log_error(e: harness_core::Error) -> Reply {
     let status = match e.kind() {
         ErrorKind::NotFound => StatusCode::NOT_FOUND,
         ErrorKind::InvalidInput => StatusCode::BAD_REQUEST,
+        // Retention trimmed the frames at that offset (docs/retention.md).
+        ErrorKind::Gone => StatusCode::GONE,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
     Reply::text(status, e.to_string())
@@ -48,9 +50,18 @@ async fn frames_after(
     session: &SessionId,
     after: u64,
 ) -> Result<Vec<Frame>, Reply> {
-    log.read(session, after, MAX_FRAMES_PER_READ)
-        .await
-        .map_err(log_error)
+    match log.read(session, after, MAX_FRAMES_PER_READ).await {
+        // From the start of a trimmed log: from its cut, the earliest
+        // offset it keeps. From an offset inside the cut: 410.
+        Err(e) if e.kind() == ErrorKind::Gone && after == 0 => {
+            let info = log.info(session).await.map_err(log_error)?;
+            let from = info.trimmed.map_or(0, |cut| cut.through);
+            log.read(session, from, MAX_FRAMES_PER_READ)
+                .await
+                .map_err(log_error)
+        }
+        read => read.map_err(log_error),
+    }
 }
 
 /// The next stored frame the actor fans out to `conn`; `None` when the

@@ -1,0 +1,133 @@
+//! Retention policy: which sessions a server (or `harness sessions prune`)
+//! deletes, decided once here on plain data (`docs/retention.md`).
+//!
+//! A session is deleted when it has been idle longer than
+//! [`RetentionPolicy::max_idle_ms`], or when more than
+//! [`RetentionPolicy::keep_sessions`] sessions are newer than it (by last
+//! activity). A session with a turn running is never deleted, whatever
+//! its age: it is active by definition, and deleting would take its
+//! work away mid-turn.
+
+use super::LogInfo;
+use crate::frame::SessionId;
+
+/// What to keep. `None` everywhere keeps everything.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RetentionPolicy {
+    /// Delete sessions idle (no frame stored) for longer than this.
+    pub max_idle_ms: Option<u64>,
+    /// Keep at most this many sessions, the most recently active.
+    pub keep_sessions: Option<usize>,
+}
+
+impl RetentionPolicy {
+    /// Whether the policy deletes anything at all.
+    pub fn is_active(&self) -> bool {
+        self.max_idle_ms.is_some() || self.keep_sessions.is_some()
+    }
+
+    /// The sessions of `logs` to delete at `now_ms`, oldest first.
+    pub fn expired(&self, logs: &[LogInfo], now_ms: u64) -> Vec<SessionId> {
+        let mut by_activity: Vec<&LogInfo> = logs.iter().collect();
+        // Most recent first; ties by id, so the choice is the same every run.
+        by_activity.sort_by(|a, b| {
+            b.last_at_ms
+                .cmp(&a.last_at_ms)
+                .then_with(|| a.session.as_str().cmp(b.session.as_str()))
+        });
+        let mut expired: Vec<&LogInfo> = by_activity
+            .iter()
+            .enumerate()
+            .filter(|(rank, info)| {
+                let too_many = self.keep_sessions.is_some_and(|keep| *rank >= keep);
+                let too_old = self
+                    .max_idle_ms
+                    .is_some_and(|max| now_ms.saturating_sub(info.last_at_ms) > max);
+                (too_many || too_old) && !running(info)
+            })
+            .map(|(_, info)| *info)
+            .collect();
+        expired.reverse();
+        expired.into_iter().map(|i| i.session.clone()).collect()
+    }
+}
+
+/// Whether `info`'s latest turn is still running.
+fn running(info: &LogInfo) -> bool {
+    info.meta
+        .turn
+        .as_ref()
+        .is_some_and(|t| !t.status.is_terminal())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::frame::FrameBody;
+    use crate::log::{AppendRequest, LogState};
+
+    fn log(id: &str, at_ms: u64, prompts: &[&str]) -> LogInfo {
+        let mut state = LogState::new(SessionId::parse(id).unwrap());
+        for p in prompts {
+            state
+                .append(
+                    AppendRequest::new(FrameBody::UserMessage {
+                        text: p.to_string(),
+                        turn_id: None,
+                    }),
+                    at_ms,
+                    usize::MAX,
+                )
+                .unwrap();
+        }
+        let mut info = state.info();
+        info.last_at_ms = at_ms;
+        info
+    }
+
+    const DAY: u64 = 86_400_000;
+
+    #[test]
+    fn idle_sessions_and_those_past_the_count_go_oldest_first() {
+        let now = 100 * DAY;
+        let logs = [
+            log("new", now - DAY, &[]),
+            log("old", now - 40 * DAY, &[]),
+            log("older", now - 50 * DAY, &[]),
+            log("mid", now - 10 * DAY, &[]),
+        ];
+        let ids = |v: Vec<SessionId>| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let by_age = RetentionPolicy {
+            max_idle_ms: Some(30 * DAY),
+            keep_sessions: None,
+        };
+        assert_eq!(ids(by_age.expired(&logs, now)), ["older", "old"]);
+        let by_count = RetentionPolicy {
+            max_idle_ms: None,
+            keep_sessions: Some(1),
+        };
+        assert_eq!(ids(by_count.expired(&logs, now)), ["older", "old", "mid"]);
+        let both = RetentionPolicy {
+            max_idle_ms: Some(5 * DAY),
+            keep_sessions: Some(3),
+        };
+        assert_eq!(ids(both.expired(&logs, now)), ["older", "old", "mid"]);
+        assert!(RetentionPolicy::default().expired(&logs, now).is_empty());
+        assert!(!RetentionPolicy::default().is_active());
+    }
+
+    #[test]
+    fn a_session_with_a_turn_running_is_kept_whatever_its_age() {
+        let now = 100 * DAY;
+        let logs = [
+            log("busy", now - 90 * DAY, &["still going"]),
+            log("idle", now - 90 * DAY, &[]),
+        ];
+        let policy = RetentionPolicy {
+            max_idle_ms: Some(DAY),
+            keep_sessions: Some(0),
+        };
+        let expired = policy.expired(&logs, now);
+        assert_eq!(expired, [SessionId::parse("idle").unwrap()]);
+    }
+}
