@@ -244,6 +244,32 @@ impl SearchQuery {
         }
     }
 
+    /// The terms as an FTS5 `MATCH` expression (SQLite's index and the
+    /// Durable Object's): each term a quoted string, never read as FTS5
+    /// syntax, all of them required.
+    pub fn fts5_match(&self) -> Result<String> {
+        Ok(self
+            .terms()?
+            .iter()
+            .map(|t| format!("\"{}\"", t.replace('"', "\"\"")))
+            .collect::<Vec<_>>()
+            .join(" AND "))
+    }
+
+    /// Whether a session whose meta is `meta` passes the session filters
+    /// (agent, provider, latest turn status) — for a store that searches
+    /// one session at a time (a Durable Object); the SQL stores apply the
+    /// same filters in their query.
+    pub fn admits(&self, meta: &crate::session::SessionMeta) -> bool {
+        let config = meta.config.as_ref();
+        let is = |want: &Option<String>, have: Option<&str>| {
+            want.as_deref().is_none_or(|w| have == Some(w))
+        };
+        is(&self.agent, config.map(|c| c.agent.as_str()))
+            && is(&self.provider, config.map(|c| c.sandbox.provider.as_str()))
+            && is(&self.status, meta.turn.as_ref().map(|t| t.status.as_str()))
+    }
+
     /// Check everything before a store runs it: the terms, the limit, and
     /// a time range that is not empty.
     pub fn check(&self) -> Result<()> {

@@ -276,11 +276,7 @@ async fn route(req: Request, env: &Env) -> Result<Response, ApiError> {
         (_, ["v1", "runner"]) => Err(unsupported("the runner channel on the Worker")),
         (Method::Get, ["v1", "search"]) => {
             call.authorize(None, HOST)?;
-            // Checked first: bad input is a 400 here as on harness serve.
-            session_api::request::search_query(&call.params)?;
-            Err(unsupported(
-                "search across sessions on the Worker (docs/search.md)",
-            ))
+            search(&call).await
         }
         (Method::Post, ["v1", "test", "engine", op]) if crate::engine_api::enabled(call.env) => {
             // The engine conformance suite's way in (engine_api.rs); a
@@ -696,6 +692,59 @@ async fn list_sessions(call: &Call<'_>) -> Result<Response, ApiError> {
         }
     }
     json_response(200, &infos)
+}
+
+/// Sessions whose objects one search asks at once.
+const SEARCH_FAN_OUT: usize = 50;
+
+/// `GET /v1/search` (docs/search.md): every listed session's object
+/// searches its own index; the hits are merged best first (lower rank),
+/// then by session and seq, and cut at the limit. One subrequest per
+/// session, [`SEARCH_FAN_OUT`] at a time.
+async fn search(call: &Call<'_>) -> Result<Response, ApiError> {
+    // Checked first: bad input is a 400 here as on harness serve.
+    let query = session_api::request::search_query(&call.params)?;
+    query.check()?;
+    let limit = query.limit()?;
+    let mut hits: Vec<harness_core::search::SearchHit> = Vec::new();
+    let mut cursor = String::new();
+    loop {
+        let path = format!("/list?after={cursor}&limit={SEARCH_FAN_OUT}");
+        let mut ids = directory(call.env, Method::Get, &path).await?;
+        let ids: Vec<String> = ids.json().await.map_err(internal)?;
+        let Some(last) = ids.last() else { break };
+        cursor.clone_from(last);
+        let asks = ids
+            .iter()
+            .filter_map(|id| SessionId::parse(id).ok())
+            .map(|id| async move {
+                let mut answer = call.object(&id, Method::Get, "search", None, None).await?;
+                match answer.status_code() {
+                    200 => answer
+                        .json::<Vec<harness_core::search::SearchHit>>()
+                        .await
+                        .map_err(internal),
+                    // Listed, but its creation failed: nothing to find.
+                    404 => Ok(Vec::new()),
+                    status => Err(ApiError::new(
+                        500,
+                        "internal",
+                        format!("the search of session {id} answered {status}"),
+                    )),
+                }
+            });
+        for found in futures::future::join_all(asks).await {
+            hits.extend(found?);
+        }
+        hits.sort_by(|a, b| {
+            a.rank
+                .total_cmp(&b.rank)
+                .then_with(|| a.session.as_str().cmp(b.session.as_str()))
+                .then(a.seq.cmp(&b.seq))
+        });
+        hits.truncate(limit);
+    }
+    json_response(200, &hits)
 }
 
 fn internal(e: worker::Error) -> ApiError {

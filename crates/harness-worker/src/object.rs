@@ -536,6 +536,7 @@ impl SessionObject {
         let store = self.store(&session);
         match op.as_str() {
             "info" => json_response(200, &store.info().await?),
+            "search" => json_response(200, &store.search(&request::search_query(&params)?)?),
             "frames" => {
                 let (after, limit) = request::frames_page(&params)?;
                 json_response(200, &store.read(after, limit).await?)

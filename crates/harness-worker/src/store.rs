@@ -20,6 +20,7 @@ use harness_core::log::{
     AppendRequest, AppendView, Appended, ChainKey, ChainedFrame, CheckedAppend, ForkOrigin,
     FrameHash, LogHead, LogInfo, SessionStore,
 };
+use harness_core::search::{document, DocKind, Document, SearchHit, SearchQuery};
 use harness_core::session::{SessionConfig, SessionMeta};
 use harness_core::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -46,7 +47,23 @@ const SCHEMA: &[&str] = &[
     )",
     "CREATE UNIQUE INDEX IF NOT EXISTS frames_idem ON frames (idem_key)
         WHERE idem_key IS NOT NULL",
+    SEARCH_DOCS,
+    SEARCH_FTS,
 ];
+
+/// The search index (`docs/search.md`): each indexed frame's document
+/// (`harness_core::search::document`, the rule every store uses) and its
+/// FTS5 entry, written with the frame (no `await` between: one implicit
+/// transaction). An object holds one session, so the index holds one
+/// session's frames; the front asks every session's object and merges.
+const SEARCH_DOCS: &str = "CREATE TABLE IF NOT EXISTS search_docs (
+        seq  INTEGER PRIMARY KEY,
+        kind TEXT NOT NULL,
+        text TEXT NOT NULL
+    )";
+const SEARCH_FTS: &str = "CREATE VIRTUAL TABLE IF NOT EXISTS search_fts USING fts5(
+        text, content = 'search_docs', content_rowid = 'seq', tokenize = 'unicode61'
+    )";
 
 /// Columns added after the first schema (the audit chain's, as hex
 /// text), for objects created before them: `(table, column, statement)`.
@@ -177,7 +194,94 @@ impl DoStore {
                 sql.exec(statement, None).map_err(db_err)?;
             }
         }
+        // An object made before the search index: make it, and index the
+        // frames it holds (once: the table exists afterwards).
+        let indexed: Vec<Column> = sql
+            .exec(
+                "SELECT name FROM sqlite_master WHERE type = 'table' AND name = 'search_docs'",
+                None,
+            )
+            .and_then(|c| c.to_array())
+            .map_err(db_err)?;
+        if indexed.is_empty() {
+            sql.exec(SEARCH_DOCS, None).map_err(db_err)?;
+            sql.exec(SEARCH_FTS, None).map_err(db_err)?;
+            #[derive(Deserialize)]
+            struct Stored {
+                seq: i64,
+                body: String,
+            }
+            let frames: Vec<Stored> = sql
+                .exec("SELECT seq, body FROM frames ORDER BY seq", None)
+                .and_then(|c| c.to_array())
+                .map_err(db_err)?;
+            for frame in frames {
+                // A body this build cannot read stays out of the index.
+                if let Some(doc) = serde_json::from_str::<FrameBody>(&frame.body)
+                    .ok()
+                    .and_then(|b| document(&b))
+                {
+                    index(sql, frame.seq as u64, &doc)?;
+                }
+            }
+        }
         Ok(())
+    }
+
+    /// The frames of this session that match `query`, best first (lower
+    /// rank is better: FTS5's BM25 over this session's frames). None when
+    /// the session does not pass the query's session filters.
+    pub fn search(&self, query: &SearchQuery) -> Result<Vec<SearchHit>> {
+        query.check()?;
+        let info = self.load_info()?;
+        if !query.admits(&info.meta) {
+            return Ok(Vec::new());
+        }
+        #[derive(Deserialize)]
+        struct Hit {
+            seq: i64,
+            at_ms: i64,
+            kind: String,
+            snippet: String,
+            rank: f64,
+        }
+        let mut sql = String::from(
+            "SELECT d.seq AS seq, f.at_ms AS at_ms, d.kind AS kind,
+                    snippet(search_fts, 0, '[', ']', '…', 16) AS snippet,
+                    bm25(search_fts) AS rank
+             FROM search_fts
+             JOIN search_docs d ON d.seq = search_fts.rowid
+             JOIN frames f ON f.seq = d.seq
+             WHERE search_fts MATCH ?",
+        );
+        let mut args: Vec<SqlStorageValue> = vec![query.fts5_match()?.into()];
+        if let Some(after) = query.after_ms {
+            sql.push_str(" AND f.at_ms >= ?");
+            args.push(int(after));
+        }
+        if let Some(before) = query.before_ms {
+            sql.push_str(" AND f.at_ms < ?");
+            args.push(int(before));
+        }
+        sql.push_str(" ORDER BY rank, d.seq LIMIT ?");
+        args.push(int(query.limit()? as u64));
+        let hits: Vec<Hit> = self
+            .sql
+            .exec(&sql, args)
+            .and_then(|c| c.to_array())
+            .map_err(db_err)?;
+        hits.into_iter()
+            .map(|h| {
+                Ok(SearchHit {
+                    session: self.session.clone(),
+                    seq: h.seq as u64,
+                    at_ms: h.at_ms as u64,
+                    kind: DocKind::stored(&h.kind)?,
+                    snippet: h.snippet,
+                    rank: h.rank,
+                })
+            })
+            .collect()
     }
 
     /// The session id this object holds, if it was created (read without
@@ -329,7 +433,7 @@ impl DoStore {
         let last_at_ms = prefix.frames.last().map_or(0, |f| f.at_ms);
         // The copy keeps the source's bodies as stored and their hashes:
         // the fork's chain continues from the source's hash at the cut.
-        for frame in &prefix.frames {
+        for (frame, body) in prefix.frames.iter().zip(&bodies) {
             self.sql
                 .exec(
                     "INSERT INTO frames (seq, at_ms, body, idem_key, hash) VALUES (?, ?, ?, ?, ?)",
@@ -342,6 +446,10 @@ impl DoStore {
                     ],
                 )
                 .map_err(db_err)?;
+            // The copy's index, from its own frames.
+            if let Some(doc) = document(body) {
+                index(&self.sql, frame.seq, &doc)?;
+            }
         }
         let last_hash = prefix
             .frames
@@ -439,6 +547,9 @@ impl DoStore {
                 ],
             )
             .map_err(db_err)?;
+        if let Some(doc) = &new.document {
+            index(&self.sql, seq, doc)?;
+        }
         let sealed = int(u64::from(new.seals));
         let hash: SqlStorageValue = new.hash.map(|h| h.to_hex()).into();
         match &new.meta {
@@ -502,6 +613,21 @@ impl AppendView for DoView<'_> {
     fn meta(&mut self) -> Result<SessionMeta> {
         Ok(self.info()?.meta.clone())
     }
+}
+
+/// Index frame `seq`'s document (see [`SEARCH_DOCS`]).
+fn index(sql: &SqlStorage, seq: u64, doc: &Document) -> Result<()> {
+    sql.exec(
+        "INSERT OR IGNORE INTO search_docs (seq, kind, text) VALUES (?, ?, ?)",
+        vec![int(seq), doc.kind.as_str().into(), doc.text.clone().into()],
+    )
+    .map_err(db_err)?;
+    sql.exec(
+        "INSERT INTO search_fts (rowid, text) VALUES (?, ?)",
+        vec![int(seq), doc.text.clone().into()],
+    )
+    .map_err(db_err)?;
+    Ok(())
 }
 
 fn decode(row: FrameRow) -> Result<Frame> {

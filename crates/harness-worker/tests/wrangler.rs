@@ -548,3 +548,119 @@ async fn the_durable_objects_audit_chain_names_what_was_edited_in_its_storage() 
     drop(second);
     let _ = std::fs::remove_dir_all(&state);
 }
+
+/// Search on the Worker (docs/search.md): each session's Durable Object
+/// indexes its frames in its own SQLite (FTS5, with the append), and `GET
+/// /v1/search` asks every listed session's object and merges. A prompt is
+/// found as soon as its append is answered, naming session and seq; every
+/// word must appear; the agent filter narrows; a fork finds its copy;
+/// bad input is a 400 saying why; a session's client cannot search across
+/// sessions (403).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_worker_searches_across_sessions() {
+    let worker_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let tokens = session_api::token_table().to_string();
+    let Some(dev) = tokio::task::spawn_blocking(move || {
+        WranglerDev::start(worker_dir, &[("HARNESS_TOKENS", tokens)])
+    })
+    .await
+    .expect("start task") else {
+        return;
+    };
+    let t = Target::new(dev.base.clone(), "search");
+    for (id, agent) in [
+        ("find-a", "claude-code"),
+        ("find-b", "codex"),
+        ("find-c", "codex"),
+    ] {
+        let (status, info) = t
+            .post(
+                "/v1/sessions",
+                Some(HOST),
+                json!({"id": id, "agent": agent}),
+            )
+            .await;
+        assert_eq!(status, 201, "{info}");
+    }
+    let prompt = |id: &'static str, text: &'static str| {
+        let t = t.clone();
+        async move {
+            let (status, ack) = t
+                .message(id, HOST, json!({"type": "prompt", "text": text}))
+                .await;
+            assert_eq!(status, 200, "{ack}");
+            ack["seq"].as_u64().expect("the ack names the seq")
+        }
+    };
+    let a = prompt("find-a", "rename the walrus module").await;
+    let b = prompt("find-b", "walrus tests in the parser").await;
+    prompt("find-c", "nothing to see here").await;
+    let search = |query: &'static str, token: &'static str| {
+        let t = t.clone();
+        async move { t.get(&format!("/v1/search?{query}"), Some(token)).await }
+    };
+    let hits_of = |v: &serde_json::Value| -> Vec<(String, u64)> {
+        let mut hits: Vec<(String, u64)> = v
+            .as_array()
+            .unwrap_or_else(|| panic!("hits are an array: {v}"))
+            .iter()
+            .map(|h| {
+                (
+                    h["session"].as_str().unwrap().to_string(),
+                    h["seq"].as_u64().unwrap(),
+                )
+            })
+            .collect();
+        hits.sort();
+        hits
+    };
+    let (status, v) = search("q=walrus", HOST).await;
+    assert_eq!(status, 200, "{v}\n{}", dev.log_tail());
+    assert_eq!(
+        hits_of(&v),
+        [("find-a".to_string(), a), ("find-b".to_string(), b)],
+        "{v}"
+    );
+    assert!(
+        v[0]["snippet"].as_str().unwrap().contains("[walrus]"),
+        "{v}"
+    );
+    assert_eq!(v[0]["kind"], "prompt");
+    let (_, v) = search("q=walrus+module", HOST).await;
+    assert_eq!(hits_of(&v), [("find-a".to_string(), a)], "every word: {v}");
+    let (_, v) = search("q=walrus&agent=codex", HOST).await;
+    assert_eq!(
+        hits_of(&v),
+        [("find-b".to_string(), b)],
+        "the agent filter: {v}"
+    );
+    let (_, v) = search("q=walrus&limit=1", HOST).await;
+    assert_eq!(v.as_array().map(Vec::len), Some(1), "the limit: {v}");
+
+    let (status, fork) = t
+        .post(
+            &format!("/v1/sessions/find-a/fork?until={a}&target=find-fork"),
+            Some(HOST),
+            json!({}),
+        )
+        .await;
+    assert_eq!(status, 201, "{fork}");
+    let (_, v) = search("q=walrus+module", HOST).await;
+    let sessions: Vec<String> = hits_of(&v).into_iter().map(|(s, _)| s).collect();
+    assert_eq!(
+        sessions,
+        ["find-a", "find-fork"],
+        "a fork finds its copy: {v}"
+    );
+
+    for (query, why) in [
+        ("q=", "nothing to search for"),
+        ("q=walrus&color=red", "unknown search parameter"),
+        ("q=walrus&limit=0", "limit"),
+    ] {
+        let (status, v) = search(query, HOST).await;
+        assert_eq!(status, 400, "{query}: {v}");
+        assert!(v.to_string().contains(why), "{query}: {v}");
+    }
+    assert_eq!(search("q=walrus", CLIENT).await.0, 403);
+}

@@ -997,14 +997,7 @@ impl SessionLog for SqliteSessionLog {
 
     async fn search(&self, query: &SearchQuery) -> Result<Vec<SearchHit>> {
         query.check()?;
-        // Each term a quoted FTS5 string (never read as FTS5 syntax), all
-        // required.
-        let fts = query
-            .terms()?
-            .iter()
-            .map(|t| format!("\"{}\"", t.replace('"', "\"\"")))
-            .collect::<Vec<_>>()
-            .join(" AND ");
+        let fts = query.fts5_match()?;
         let limit = query.limit()? as i64;
         let q = query.clone();
         let to_i = |v: Option<u64>| v.map(|v| i64::try_from(v).unwrap_or(i64::MAX));

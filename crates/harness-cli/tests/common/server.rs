@@ -180,13 +180,28 @@ impl ChildProcess {
         ChildProcess { child, stderr: log }
     }
 
-    /// Send `signal` (`-STOP`, `-CONT`, …) with kill(1).
+    /// Send `signal` (`-STOP`, `-CONT`, …) with kill(1). A `-STOP` returns
+    /// once every thread of the process is stopped: kill(2) only queues a
+    /// stop, and on a loaded machine the process's other threads go on
+    /// for a while (long enough to take a request sent right after — seen
+    /// in CI: a prompt sent after the signal was stored before the stop).
     pub fn signal(&self, signal: &str) {
+        let pid = self.child.id();
         let status = Command::new("kill")
-            .args([signal, &self.child.id().to_string()])
+            .args([signal, &pid.to_string()])
             .status()
             .unwrap();
         assert!(status.success());
+        if signal == "-STOP" {
+            let started = std::time::Instant::now();
+            while !all_threads_stopped(pid) {
+                assert!(
+                    started.elapsed() < Duration::from_secs(30),
+                    "process {pid} did not stop in 30 s after SIGSTOP"
+                );
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
     }
 
     /// SIGKILL, and wait for the process to be gone.
@@ -274,6 +289,21 @@ impl Serve {
     pub fn log(&self) -> String {
         self.process.log()
     }
+}
+
+/// Whether every thread of `pid` is stopped (`T` in its `/proc` stat).
+fn all_threads_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().all(|task| {
+        std::fs::read_to_string(task.path().join("stat")).is_ok_and(|stat| {
+            // `pid (comm) state …`: the state follows the last `)`.
+            stat.rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().next())
+                .is_some_and(|state| state == "T" || state == "t")
+        })
+    })
 }
 
 pub fn http() -> reqwest::Client {
