@@ -288,13 +288,7 @@ pub async fn run(home: &Home, command: SessionsCommand) -> Result<()> {
             let _lock = crate::moves::lock_idle_home(home, "deleting a session").await?;
             let session = SessionId::parse(id)?;
             let info = log.info(&session).await?;
-            if let Some(turn) = info.meta.turn.as_ref().filter(|t| !t.status.is_terminal()) {
-                anyhow::bail!(
-                    "session {session} has a turn running ({} {}): abort it or let it end, then delete",
-                    turn.turn_id,
-                    turn.status.as_str()
-                );
-            }
+            harness::core::log::retention::check_deletable(&info)?;
             if let Some(handle) = info.meta.sandbox.as_ref().filter(|h| h.owned) {
                 match crate::moves::session_sandbox(home, &info).await {
                     Ok(sandbox) => {

@@ -433,6 +433,56 @@ async fn forks_and_rewinds(agent: &str) {
         .expect_ok("after gc")
         .all();
     assert!(out.contains("After-gc answer."), "{out}");
+
+    // Delete the parent (docs/retention.md): its sandbox goes with it, and
+    // the next collection deletes the checkpoints only it referenced (its
+    // last turn's) while the fork's stay.
+    let last_checkpoint = |session: &str| {
+        turn_ends(home, &model, session)
+            .into_iter()
+            .filter_map(|(_, _, checkpoint)| checkpoint)
+            .next_back()
+            .expect("a turn end with a checkpoint")
+    };
+    let (parent_last, fork_last) = (last_checkpoint(&a), last_checkpoint(&f));
+    let stored = |key: String| {
+        let go = &go;
+        async move {
+            go(vec!["ls".into(), "--prefix".into(), key.clone()])
+                .await
+                .expect_ok("ls")
+                .all()
+                .contains(&format!("{key}/turn.json"))
+        }
+    };
+    assert!(
+        stored(parent_last.clone()).await,
+        "{parent_last} before the delete"
+    );
+    let sandbox_dir = show(home, &model, &a).await["sandbox"]["handle"]["data"]["dir"]
+        .as_str()
+        .map(str::to_string)
+        .expect("the parent's new local sandbox");
+    assert!(std::path::Path::new(&sandbox_dir).exists());
+    let out = go(vec!["sessions".into(), "delete".into(), a.clone()])
+        .await
+        .expect_ok("sessions delete")
+        .all();
+    assert!(out.contains("removed its local sandbox"), "{out}");
+    assert!(
+        !std::path::Path::new(&sandbox_dir).exists(),
+        "the deleted session's sandbox {sandbox_dir} is still there"
+    );
+    let out = go(gc(&[])).await.expect_ok("gc after the delete").all();
+    assert!(!out.contains(" 0 deleted"), "{out}");
+    assert!(
+        !stored(parent_last.clone()).await,
+        "the deleted session's last checkpoint {parent_last} survived"
+    );
+    assert!(
+        stored(fork_last.clone()).await,
+        "the fork's checkpoint {fork_last} was collected"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -29,7 +29,7 @@ struct Row {
 }
 
 /// The directory (see the module docs). Internal paths: `POST /add?id=`,
-/// `GET /list?after=&limit=`.
+/// `POST /remove?id=` (a deleted session), `GET /list?after=&limit=`.
 #[durable_object]
 pub struct SessionDirectory {
     sql: SqlStorage,
@@ -65,6 +65,16 @@ impl DurableObject for SessionDirectory {
                     "INSERT OR IGNORE INTO sessions (id) VALUES (?1)",
                     Some(vec![id.into()]),
                 )?;
+                Response::empty().map(|r| r.with_status(204))
+            }
+            "/remove" => {
+                let id = url
+                    .query_pairs()
+                    .find(|(k, _)| k == "id")
+                    .map(|(_, v)| v.into_owned())
+                    .unwrap_or_default();
+                self.sql
+                    .exec("DELETE FROM sessions WHERE id = ?1", Some(vec![id.into()]))?;
                 Response::empty().map(|r| r.with_status(204))
             }
             "/list" => {

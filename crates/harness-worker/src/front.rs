@@ -249,6 +249,20 @@ async fn route(req: Request, env: &Env) -> Result<Response, ApiError> {
                 .await
         }
         (Method::Post, ["v1", "sessions", id, "fork"]) => fork(&call, id).await,
+        (Method::Delete, ["v1", "sessions", id]) => {
+            // Retention (docs/retention.md): the object empties itself, then
+            // the directory forgets the id.
+            let id = request::session_id(id)?;
+            call.authorize(Some(&id), HOST)?;
+            let answer = call
+                .object(&id, Method::Delete, "delete", Some(String::new()), None)
+                .await?;
+            if answer.status_code() == 204 {
+                let path = format!("/remove?id={id}");
+                directory(call.env, Method::Post, &path).await?;
+            }
+            Ok(answer)
+        }
         (Method::Get, ["v1", "sessions", id, "ws"]) => open_websocket(&call, id).await,
         (method, ["v1", "stream", "sessions", id]) => session_stream(call, method, id, &path).await,
         (method, ["v1", "stream", _, ..]) => streams(call, method, &path).await,

@@ -426,6 +426,34 @@ impl SessionObject {
         Ok(())
     }
 
+    /// Delete the session (docs/retention.md): refused while a turn runs
+    /// (core's rule); every connection is closed, then the object's
+    /// storage — the log, its index, the turn mailbox — is emptied.
+    async fn delete(&self, session: &SessionId, store: &DoStore) -> Result<Response, ApiError> {
+        harness_core::log::retention::check_deletable(&store.info().await?)?;
+        let reason = format!("session {session} was deleted");
+        if let Some(mut live) = self.live.lock().await.take() {
+            let transport = live.driver.transport_mut();
+            let conns: Vec<ConnId> = transport.conns.keys().copied().collect();
+            for conn in conns {
+                transport.close(conn, &reason);
+            }
+        }
+        // Sockets of a hibernated actor are not in a live transport.
+        for ws in self.state.get_websockets() {
+            let _ = ws.close(
+                Some(ws::CLOSED_BY_SESSION),
+                Some(ws::close_reason(&reason).to_string()),
+            );
+        }
+        let storage = self.state.storage();
+        storage.delete_alarm().await.map_err(internal)?;
+        storage.delete_all().await.map_err(internal)?;
+        self.exists.set(false);
+        self.migrated.set(false);
+        Ok(Response::empty().map_err(internal)?.with_status(204))
+    }
+
     /// 404 unless the session was created (nothing is written to find out).
     fn check_exists(&self, session: &SessionId) -> Result<(), ApiError> {
         if self.exists.get() {
@@ -536,6 +564,7 @@ impl SessionObject {
         let store = self.store(&session);
         match op.as_str() {
             "info" => json_response(200, &store.info().await?),
+            "delete" => self.delete(&session, &store).await,
             "search" => json_response(200, &store.search(&request::search_query(&params)?)?),
             "frames" => {
                 let (after, limit) = request::frames_page(&params)?;

@@ -13,13 +13,7 @@ use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_worker_speaks_the_session_api() {
-    let worker_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let tokens = session_api::token_table().to_string();
-    let Some(dev) = tokio::task::spawn_blocking(move || {
-        WranglerDev::start(worker_dir, &[("HARNESS_TOKENS", tokens)])
-    })
-    .await
-    .expect("start task") else {
+    let Some(dev) = dev_with_tokens().await else {
         return;
     };
     let target = Target::new(dev.base.clone(), "w");
@@ -558,13 +552,7 @@ async fn the_durable_objects_audit_chain_names_what_was_edited_in_its_storage() 
 /// sessions (403).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_worker_searches_across_sessions() {
-    let worker_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let tokens = session_api::token_table().to_string();
-    let Some(dev) = tokio::task::spawn_blocking(move || {
-        WranglerDev::start(worker_dir, &[("HARNESS_TOKENS", tokens)])
-    })
-    .await
-    .expect("start task") else {
+    let Some(dev) = dev_with_tokens().await else {
         return;
     };
     let t = Target::new(dev.base.clone(), "search");
@@ -663,4 +651,54 @@ async fn the_worker_searches_across_sessions() {
         assert!(v.to_string().contains(why), "{query}: {v}");
     }
     assert_eq!(search("q=walrus", CLIENT).await.0, 403);
+
+    // Delete (docs/retention.md): a host's, refused while a turn runs (a
+    // prompt with no engine stays running); a deleted session is gone from
+    // info, the list and search.
+    let delete = |id: &'static str, token: &'static str| {
+        let t = t.clone();
+        async move {
+            t.call(t.request(
+                reqwest::Method::DELETE,
+                &format!("/v1/sessions/{id}"),
+                Some(token),
+            ))
+            .await
+        }
+    };
+    assert_eq!(delete("find-c", CLIENT).await.0, 403);
+    let (status, v) = delete("find-c", HOST).await;
+    assert_eq!(status, 409, "a turn is running: {v}");
+    assert!(v.to_string().contains("turn running"), "{v}");
+    let (status, fork) = t
+        .post(
+            "/v1/sessions/find-c/fork?until=1&target=find-idle",
+            Some(HOST),
+            json!({}),
+        )
+        .await;
+    assert_eq!(status, 201, "{fork}");
+    let (_, v) = search("q=nothing+to+see", HOST).await;
+    assert_eq!(v.as_array().map(Vec::len), Some(2), "{v}");
+    let (status, v) = delete("find-idle", HOST).await;
+    assert_eq!(status, 204, "{v}\n{}", dev.log_tail());
+    assert_eq!(t.get("/v1/sessions/find-idle", Some(HOST)).await.0, 404);
+    assert_eq!(delete("find-idle", HOST).await.0, 404);
+    let (_, list) = t.get("/v1/sessions", Some(HOST)).await;
+    assert!(!list.to_string().contains("find-idle"), "{list}");
+    let (_, v) = search("q=nothing+to+see", HOST).await;
+    let sessions: Vec<String> = hits_of(&v).into_iter().map(|(s, _)| s).collect();
+    assert_eq!(sessions, ["find-c"], "the deleted fork is not found: {v}");
+}
+
+/// `wrangler dev` of the built Worker with the suite's token table (after
+/// a skip, `None`).
+async fn dev_with_tokens() -> Option<WranglerDev> {
+    let worker_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let tokens = session_api::token_table().to_string();
+    tokio::task::spawn_blocking(move || {
+        WranglerDev::start(worker_dir, &[("HARNESS_TOKENS", tokens)])
+    })
+    .await
+    .expect("start task")
 }

@@ -84,12 +84,7 @@ async fn postgres_leases_pass_the_conformance_suite() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_newer_schema_an_unreachable_server_and_a_bad_url_are_refused_clearly() {
     let Some(admin) = admin_url() else { return };
-    let url = fresh_database(&admin).await;
-    drop(PostgresSessionLog::connect(&url).await.unwrap());
-    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    let task = tokio::spawn(connection);
+    let (url, client, task) = made_database(&admin).await;
     client
         .execute(
             "UPDATE harness_schema SET version = $1",
@@ -245,12 +240,7 @@ async fn retention_migrates_old_databases_is_fenced_and_clears_turns_and_leases(
     use harness_core::log::AppendRequest;
 
     let Some(admin) = admin_url() else { return };
-    let url = fresh_database(&admin).await;
-    drop(PostgresSessionLog::connect(&url).await.unwrap());
-    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    let task = tokio::spawn(connection);
+    let (url, client, task) = made_database(&admin).await;
     client
         .batch_execute(
             "ALTER TABLE harness_logs DROP COLUMN cut_through, DROP COLUMN cut_hash, \
@@ -329,4 +319,22 @@ async fn retention_migrates_old_databases_is_fenced_and_clears_turns_and_leases(
     }
     drop(client);
     let _ = task.await;
+}
+
+/// A fresh database the log has made its schema in, and a plain client on
+/// it (its connection's task: drop the client, then await it) to edit
+/// what the log wrote.
+async fn made_database(
+    admin: &str,
+) -> (
+    String,
+    tokio_postgres::Client,
+    tokio::task::JoinHandle<Result<(), tokio_postgres::Error>>,
+) {
+    let url = fresh_database(admin).await;
+    drop(PostgresSessionLog::connect(&url).await.unwrap());
+    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    (url, client, tokio::spawn(connection))
 }

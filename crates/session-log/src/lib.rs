@@ -38,7 +38,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use backon::{BlockingRetryable, ExponentialBuilder};
 use harness_core::log::{
-    check_fork_kept, check_kept, check_trim, decode_stored_body, decode_stored_meta, fold_meta,
+    check_fork_kept, check_kept, check_trim, decode_stored_body, decode_stored_meta,
     fork_closing_frame, fork_copy_sealed, plan_append, unknown_session, AppendPlan, AppendRequest,
     AppendView, Appended, ChainKey, ChainedFrame, CheckedAppend, ForkOrigin, FrameHash, LogCut,
     LogHead, LogInfo, SessionLog, DEFAULT_MAX_FRAME_BYTES,
@@ -466,11 +466,23 @@ fn meta_through(
         .map_err(db_err)?
         .query_row(params![session.as_str()], |r| Ok((r.get(0)?, r.get(1)?)))
         .map_err(db_err)?;
-    let (after, mut meta) = match row {
-        (Some(through), Some(meta)) => (through, decode_stored_meta(&meta, session)?),
+    let (after, meta) = match row {
+        (Some(through), Some(meta)) => (through as u64, decode_stored_meta(&meta, session)?),
         _ => (0, SessionMeta::new(config)),
     };
-    let until = i64::try_from(until).unwrap_or(i64::MAX);
+    fold_frames(conn, session, meta, after, until)
+}
+
+/// Fold frames `after < seq <= until` of `session` (with their keys) into
+/// `meta`.
+fn fold_frames(
+    conn: &Connection,
+    session: &SessionId,
+    mut meta: SessionMeta,
+    after: u64,
+    until: u64,
+) -> Result<SessionMeta> {
+    let to_i = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
     let mut stmt = conn
         .prepare_cached(
             "SELECT seq, body, idem_key FROM frames WHERE session = ?1 AND seq > ?2 AND seq <= ?3 \
@@ -478,7 +490,7 @@ fn meta_through(
         )
         .map_err(db_err)?;
     let rows = stmt
-        .query_map(params![session.as_str(), after, until], |r| {
+        .query_map(params![session.as_str(), to_i(after), to_i(until)], |r| {
             Ok((
                 r.get::<_, i64>(0)?,
                 r.get::<_, String>(1)?,
@@ -535,30 +547,7 @@ fn fold_stored(
     config: Option<SessionConfig>,
     until: u64,
 ) -> Result<SessionMeta> {
-    let until = i64::try_from(until).unwrap_or(i64::MAX);
-    let mut stmt = conn
-        .prepare_cached(
-            "SELECT seq, body, idem_key FROM frames WHERE session = ?1 AND seq <= ?2 ORDER BY seq",
-        )
-        .map_err(db_err)?;
-    let rows = stmt
-        .query_map(params![session.as_str(), until], |r| {
-            Ok((
-                r.get::<_, i64>(0)?,
-                r.get::<_, String>(1)?,
-                r.get::<_, Option<String>>(2)?,
-            ))
-        })
-        .map_err(db_err)?;
-    let mut frames = Vec::new();
-    for row in rows {
-        let (seq, body, key) = row.map_err(db_err)?;
-        frames.push((seq as u64, decode_stored_body(&body, session, seq)?, key));
-    }
-    Ok(fold_meta(
-        config,
-        frames.iter().map(|(seq, b, k)| (*seq, b, k.as_deref())),
-    ))
+    fold_frames(conn, session, SessionMeta::new(config), 0, until)
 }
 
 fn store_meta(conn: &Connection, session: &SessionId, meta: &SessionMeta) -> Result<()> {

@@ -770,14 +770,7 @@ impl Hub {
     /// connections, then the log goes. Its checkpoints are left to the
     /// collector (`harness gc`), which keeps what a fork references.
     pub async fn delete(&self, session: &SessionId) -> Result<(), Error> {
-        let info = self.log.info(session).await?;
-        if let Some(turn) = info.meta.turn.as_ref().filter(|t| !t.status.is_terminal()) {
-            return Err(Error::conflict(format!(
-                "session {session} has a turn running ({}, {:?}): abort it or let it end, \
-                 then delete",
-                turn.turn_id, turn.status
-            )));
-        }
+        harness_core::log::retention::check_deletable(&self.log.info(session).await?)?;
         let entry = self
             .registry
             .lock()

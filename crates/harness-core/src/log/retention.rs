@@ -60,6 +60,21 @@ fn running(info: &LogInfo) -> bool {
         .is_some_and(|t| !t.status.is_terminal())
 }
 
+/// `Conflict` when `info`'s session may not be deleted now: a turn of it
+/// is running (abort it or let it end first). Every delete — the server's,
+/// the CLI's, the Worker's — asks this first.
+pub fn check_deletable(info: &LogInfo) -> crate::Result<()> {
+    match info.meta.turn.as_ref().filter(|_| running(info)) {
+        Some(turn) => Err(crate::Error::conflict(format!(
+            "session {} has a turn running ({} {}): abort it or let it end, then delete",
+            info.session,
+            turn.turn_id,
+            turn.status.as_str()
+        ))),
+        None => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

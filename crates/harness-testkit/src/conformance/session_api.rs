@@ -76,7 +76,7 @@ impl Target {
     }
 
     /// A request with `token` (if any) as bearer.
-    fn request(
+    pub fn request(
         &self,
         method: reqwest::Method,
         path: &str,
@@ -90,7 +90,7 @@ impl Target {
     }
 
     /// Send and read `(status, JSON body or Null)`.
-    async fn call(&self, r: reqwest::RequestBuilder) -> (u16, Value) {
+    pub async fn call(&self, r: reqwest::RequestBuilder) -> (u16, Value) {
         let response = tokio::time::timeout(WAIT, r.send())
             .await
             .expect("the server answers in time")
