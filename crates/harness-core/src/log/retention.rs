@@ -110,6 +110,8 @@ mod tests {
             log("old", now - 40 * DAY, &[]),
             log("older", now - 50 * DAY, &[]),
             log("mid", now - 10 * DAY, &[]),
+            // Idle exactly the limit: not more than it, kept.
+            log("edge", now - 30 * DAY, &[]),
         ];
         let ids = |v: Vec<SessionId>| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         let by_age = RetentionPolicy {
@@ -121,14 +123,38 @@ mod tests {
             max_idle_ms: None,
             keep_sessions: Some(1),
         };
-        assert_eq!(ids(by_count.expired(&logs, now)), ["older", "old", "mid"]);
+        assert_eq!(
+            ids(by_count.expired(&logs, now)),
+            ["older", "old", "edge", "mid"]
+        );
         let both = RetentionPolicy {
             max_idle_ms: Some(5 * DAY),
             keep_sessions: Some(3),
         };
-        assert_eq!(ids(both.expired(&logs, now)), ["older", "old", "mid"]);
+        assert_eq!(
+            ids(both.expired(&logs, now)),
+            ["older", "old", "edge", "mid"]
+        );
+        let by_rank = RetentionPolicy {
+            max_idle_ms: None,
+            keep_sessions: Some(3),
+        };
+        assert_eq!(ids(by_rank.expired(&logs, now)), ["older", "old"]);
         assert!(RetentionPolicy::default().expired(&logs, now).is_empty());
         assert!(!RetentionPolicy::default().is_active());
+        assert!(by_age.is_active() && by_count.is_active() && both.is_active());
+    }
+
+    #[test]
+    fn a_session_is_deletable_unless_a_turn_of_it_runs() {
+        let busy = log("busy", 0, &["still going"]);
+        let err = check_deletable(&busy).unwrap_err();
+        assert_eq!(err.kind(), crate::ErrorKind::Conflict);
+        assert!(
+            err.to_string().contains("has a turn running") && err.to_string().contains("busy"),
+            "{err}"
+        );
+        check_deletable(&log("idle", 0, &[])).unwrap();
     }
 
     #[test]
