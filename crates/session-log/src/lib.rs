@@ -362,6 +362,26 @@ impl SqliteSessionLog {
     }
 
     /// Run read-only work on the read connection (or the writer's, in memory).
+    /// Run `f` in an immediate transaction on the writer's connection,
+    /// committed when `f` returns `Ok` (rolled back otherwise): what every
+    /// write outside the append path (seal, fork, delete, trim) does.
+    async fn write_tx<T, F>(&self, f: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&rusqlite::Transaction<'_>) -> Result<T> + Send + 'static,
+    {
+        self.writer
+            .exec(move |conn| {
+                let tx = conn
+                    .transaction_with_behavior(TransactionBehavior::Immediate)
+                    .map_err(db_err)?;
+                let out = f(&tx)?;
+                tx.commit().map_err(db_err)?;
+                Ok(out)
+            })
+            .await
+    }
+
     async fn read_with<T, F>(&self, f: F) -> Result<T>
     where
         T: Send + 'static,
@@ -840,148 +860,129 @@ impl SessionLog for SqliteSessionLog {
     async fn seal(&self, session: &SessionId) -> Result<LogInfo> {
         let session = session.clone();
         let chain = self.writer.chain_key();
-        self.writer
-            .exec(move |conn| {
-                let tx = conn
-                    .transaction_with_behavior(TransactionBehavior::Immediate)
-                    .map_err(db_err)?;
-                let info = load_info(&tx, &session)?;
-                if !info.sealed {
-                    let seal =
-                        CheckedAppend::new(AppendRequest::new(FrameBody::Sealed {}), usize::MAX)?;
-                    append_in(&tx, &session, seal, now_ms(), &chain)?;
-                }
-                let info = load_info(&tx, &session)?;
-                tx.commit().map_err(db_err)?;
-                Ok(info)
-            })
-            .await
+        self.write_tx(move |tx| {
+            let info = load_info(tx, &session)?;
+            if !info.sealed {
+                let seal =
+                    CheckedAppend::new(AppendRequest::new(FrameBody::Sealed {}), usize::MAX)?;
+                append_in(tx, &session, seal, now_ms(), &chain)?;
+            }
+            let info = load_info(tx, &session)?;
+            Ok(info)
+        })
+        .await
     }
 
     async fn delete(&self, session: &SessionId) -> Result<()> {
         let session = session.clone();
-        self.writer
-            .exec(move |conn| {
-                let tx = conn
-                    .transaction_with_behavior(TransactionBehavior::Immediate)
-                    .map_err(db_err)?;
-                check_exists(&tx, &session)?;
-                unindex(&tx, &session, i64::MAX)?;
-                for table in ["frames", "search_marks", "turns", "logs"] {
-                    tx.execute(
-                        &format!("DELETE FROM {table} WHERE session = ?1"),
-                        params![session.as_str()],
-                    )
-                    .map_err(db_err)?;
-                }
-                tx.commit().map_err(db_err)
-            })
-            .await
+        self.write_tx(move |tx| {
+            check_exists(tx, &session)?;
+            unindex(tx, &session, i64::MAX)?;
+            for table in ["frames", "search_marks", "turns", "logs"] {
+                tx.execute(
+                    &format!("DELETE FROM {table} WHERE session = ?1"),
+                    params![session.as_str()],
+                )
+                .map_err(db_err)?;
+            }
+            Ok(())
+        })
+        .await
     }
 
     async fn trim(&self, session: &SessionId, through: u64) -> Result<LogInfo> {
         let session = session.clone();
-        self.writer
-            .exec(move |conn| {
-                let tx = conn
-                    .transaction_with_behavior(TransactionBehavior::Immediate)
-                    .map_err(db_err)?;
-                let info = load_info(&tx, &session)?;
-                if !check_trim(&info, through)? {
-                    return Ok(info);
-                }
-                let cut_meta = meta_through(&tx, &session, info.meta.config.clone(), through)?;
-                let through = through as i64;
-                let hash: Option<Vec<u8>> = tx
-                    .query_row(
-                        "SELECT hash FROM frames WHERE session = ?1 AND seq = ?2",
-                        params![session.as_str(), through],
-                        |r| r.get(0),
-                    )
-                    .map_err(db_err)?;
-                // A log whose meta was never stored (written before it
-                // was) keeps it now: its frames are about to go.
-                store_meta(&tx, &session, &info.meta)?;
-                tx.execute(
-                    "UPDATE logs SET cut_through = ?2, cut_hash = ?3, cut_meta = ?4 \
-                     WHERE session = ?1",
-                    params![
-                        session.as_str(),
-                        through,
-                        hash,
-                        serde_json::to_string(&cut_meta)?
-                    ],
-                )
-                .map_err(db_err)?;
-                unindex(&tx, &session, through)?;
-                tx.execute(
-                    "DELETE FROM frames WHERE session = ?1 AND seq <= ?2",
+        self.write_tx(move |tx| {
+            let info = load_info(tx, &session)?;
+            if !check_trim(&info, through)? {
+                return Ok(info);
+            }
+            let cut_meta = meta_through(tx, &session, info.meta.config.clone(), through)?;
+            let through = through as i64;
+            let hash: Option<Vec<u8>> = tx
+                .query_row(
+                    "SELECT hash FROM frames WHERE session = ?1 AND seq = ?2",
                     params![session.as_str(), through],
+                    |r| r.get(0),
                 )
                 .map_err(db_err)?;
-                let info = load_info(&tx, &session)?;
-                tx.commit().map_err(db_err)?;
-                Ok(info)
-            })
-            .await
+            // A log whose meta was never stored (written before it
+            // was) keeps it now: its frames are about to go.
+            store_meta(tx, &session, &info.meta)?;
+            tx.execute(
+                "UPDATE logs SET cut_through = ?2, cut_hash = ?3, cut_meta = ?4 \
+                     WHERE session = ?1",
+                params![
+                    session.as_str(),
+                    through,
+                    hash,
+                    serde_json::to_string(&cut_meta)?
+                ],
+            )
+            .map_err(db_err)?;
+            unindex(tx, &session, through)?;
+            tx.execute(
+                "DELETE FROM frames WHERE session = ?1 AND seq <= ?2",
+                params![session.as_str(), through],
+            )
+            .map_err(db_err)?;
+            let info = load_info(tx, &session)?;
+            Ok(info)
+        })
+        .await
     }
 
     async fn fork(&self, source: &SessionId, until: u64, target: &SessionId) -> Result<LogInfo> {
         let source = source.clone();
         let target = target.clone();
         let chain = self.writer.chain_key();
-        self.writer
-            .exec(move |conn| {
-                let tx = conn
-                    .transaction_with_behavior(TransactionBehavior::Immediate)
-                    .map_err(db_err)?;
-                let target_exists: Option<i64> = tx
-                    .query_row(
-                        "SELECT 1 FROM logs WHERE session = ?1",
-                        params![target.as_str()],
-                        |r| r.get(0),
-                    )
-                    .optional()
-                    .map_err(db_err)?;
-                if target_exists.is_some() {
-                    return Err(Error::conflict(format!(
-                        "cannot fork into {target}: that session already exists"
-                    )));
-                }
-                let src = load_info(&tx, &source)?;
-                let sealed = fork_copy_sealed(&src, until)?;
-                check_fork_kept(&source, src.trimmed.as_ref(), until)?;
-                tx.execute(
-                    "INSERT INTO logs (session, sealed, forked_from, fork_until, cut_through, \
+        self.write_tx(move |tx| {
+            let target_exists: Option<i64> = tx
+                .query_row(
+                    "SELECT 1 FROM logs WHERE session = ?1",
+                    params![target.as_str()],
+                    |r| r.get(0),
+                )
+                .optional()
+                .map_err(db_err)?;
+            if target_exists.is_some() {
+                return Err(Error::conflict(format!(
+                    "cannot fork into {target}: that session already exists"
+                )));
+            }
+            let src = load_info(tx, &source)?;
+            let sealed = fork_copy_sealed(&src, until)?;
+            check_fork_kept(&source, src.trimmed.as_ref(), until)?;
+            tx.execute(
+                "INSERT INTO logs (session, sealed, forked_from, fork_until, cut_through, \
                  cut_hash, cut_meta) \
                  SELECT ?1, ?2, ?3, ?4, cut_through, cut_hash, cut_meta FROM logs \
                  WHERE session = ?3",
-                    params![target.as_str(), sealed, source.as_str(), until as i64],
-                )
-                .map_err(db_err)?;
-                tx.execute(
-                    "INSERT INTO frames (session, seq, at_ms, body, idem_key, hash) \
+                params![target.as_str(), sealed, source.as_str(), until as i64],
+            )
+            .map_err(db_err)?;
+            tx.execute(
+                "INSERT INTO frames (session, seq, at_ms, body, idem_key, hash) \
                  SELECT ?1, seq, at_ms, body, idem_key, hash FROM frames \
                  WHERE session = ?2 AND seq <= ?3",
-                    params![target.as_str(), source.as_str(), until as i64],
-                )
-                .map_err(db_err)?;
-                // The copy's meta is its own prefix folded (from the cut it
-                // copied, if any), under the source's config.
-                let meta = meta_through(&tx, &target, src.meta.config.clone(), until)?;
-                store_meta(&tx, &target, &meta)?;
-                if let Some(closing) = fork_closing_frame(&meta, sealed, &source, until) {
-                    let closing = CheckedAppend::new(closing, usize::MAX)?;
-                    append_in(&tx, &target, closing, now_ms(), &chain)?;
-                }
-                // The copy's index, from its own frames (the source's may not
-                // be indexed yet), in the fork's transaction.
-                index::write_entries(&tx, &index::stored_entries(&tx, target.as_str(), 0)?)?;
-                let info = load_info(&tx, &target)?;
-                tx.commit().map_err(db_err)?;
-                Ok(info)
-            })
-            .await
+                params![target.as_str(), source.as_str(), until as i64],
+            )
+            .map_err(db_err)?;
+            // The copy's meta is its own prefix folded (from the cut it
+            // copied, if any), under the source's config.
+            let meta = meta_through(tx, &target, src.meta.config.clone(), until)?;
+            store_meta(tx, &target, &meta)?;
+            if let Some(closing) = fork_closing_frame(&meta, sealed, &source, until) {
+                let closing = CheckedAppend::new(closing, usize::MAX)?;
+                append_in(tx, &target, closing, now_ms(), &chain)?;
+            }
+            // The copy's index, from its own frames (the source's may not
+            // be indexed yet), in the fork's transaction.
+            index::write_entries(tx, &index::stored_entries(tx, target.as_str(), 0)?)?;
+            let info = load_info(tx, &target)?;
+            Ok(info)
+        })
+        .await
     }
 
     async fn search(&self, query: &SearchQuery) -> Result<Vec<SearchHit>> {
