@@ -252,7 +252,7 @@ pub async fn run(home: &Home, command: SessionsCommand) -> Result<()> {
                 );
                 return Ok(());
             }
-            let mut after = info.trimmed.map_or(0, |c| c.through);
+            let mut after = info.kept_after();
             while after < until {
                 let want = (until - after).min(1000) as usize;
                 // Each page as (last seq, its lines).
@@ -313,9 +313,9 @@ pub async fn run(home: &Home, command: SessionsCommand) -> Result<()> {
             let info = log.trim(&session, through).await?;
             println!(
                 "session {session} holds frames {}..={} (frames up to {} removed)",
-                info.trimmed.map_or(1, |c| c.through + 1),
+                info.kept_after() + 1,
                 info.last_seq,
-                info.trimmed.map_or(0, |c| c.through)
+                info.kept_after()
             );
         }
         SessionsCommand::Rewind { id, turn } => {
@@ -423,7 +423,7 @@ async fn read_all(
 ) -> Result<Vec<Frame>> {
     let mut out = Vec::new();
     // What retention kept: from the cut, if the log was trimmed.
-    let mut after = log.info(session).await?.trimmed.map_or(0, |c| c.through);
+    let mut after = log.info(session).await?.kept_after();
     while after < until {
         let frames = log
             .read(session, after, (until - after).min(1000) as usize)

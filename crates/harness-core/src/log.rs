@@ -188,6 +188,14 @@ pub struct LogInfo {
     pub trimmed: Option<LogCut>,
 }
 
+impl LogInfo {
+    /// The cursor a read of everything the log keeps starts after: 0, or
+    /// the last seq retention trimmed ([`LogCut::through`]).
+    pub fn kept_after(&self) -> u64 {
+        self.trimmed.map_or(0, |cut| cut.through)
+    }
+}
+
 /// An append-only, seq-numbered log per session.
 #[cfg_attr(not(target_arch = "wasm32"), async_trait)]
 #[cfg_attr(target_arch = "wasm32", async_trait(?Send))]

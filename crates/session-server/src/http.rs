@@ -262,7 +262,7 @@ async fn export(
     {
         let mut frames = Vec::new();
         loop {
-            let after = frames.last().map_or(kept_from(&info), |f: &Frame| f.seq);
+            let after = frames.last().map_or(info.kept_after(), |f: &Frame| f.seq);
             let page = read_page(&state, &id, after, until, usize::MAX).await?;
             if page.is_empty() {
                 break;
@@ -280,7 +280,7 @@ async fn export(
             .into_response());
     }
     // What retention kept: from the cut, if the log was trimmed.
-    let first = read_page(&state, &id, kept_from(&info), until, usize::MAX).await?;
+    let first = read_page(&state, &id, info.kept_after(), until, usize::MAX).await?;
     Ok(frames_array(state, id, first, until, usize::MAX))
 }
 
@@ -296,11 +296,6 @@ async fn verify(
         harness_core::log::verify_log(state.hub.log().clone(), &id, &state.config.chain_key)
             .await?;
     Ok(Json(session_api::request::Verified::new(id, report)))
-}
-
-/// Where a read of everything a log holds starts: 0, or its retention cut.
-fn kept_from(info: &LogInfo) -> u64 {
-    info.trimmed.map_or(0, |cut| cut.through)
 }
 
 /// Frames `after < seq <= until`, at most `max` and one page of them.
@@ -586,7 +581,7 @@ async fn events(
     // A reader from the start of a trimmed log starts at its cut; one
     // resuming from inside the cut is told those frames are gone (410).
     let after = match after {
-        0 => kept_from(&info),
+        0 => info.kept_after(),
         after => {
             harness_core::log::check_kept(&id, info.trimmed.as_ref(), after)?;
             after

@@ -55,8 +55,7 @@ async fn frames_after(
         // offset it keeps. From an offset inside the cut: 410.
         Err(e) if e.kind() == ErrorKind::Gone && after == 0 => {
             let info = log.info(session).await.map_err(log_error)?;
-            let from = info.trimmed.map_or(0, |cut| cut.through);
-            log.read(session, from, MAX_FRAMES_PER_READ)
+            log.read(session, info.kept_after(), MAX_FRAMES_PER_READ)
                 .await
                 .map_err(log_error)
         }
