@@ -108,20 +108,7 @@ pub fn install() -> Result<()> {
         .parent()
         .and_then(Path::parent)
         .expect("tools/<name>/bin");
-    util::run(
-        Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
-            .args([
-                "install",
-                "cargo-mutants",
-                "--locked",
-                "--debug",
-                "--version",
-                VERSION,
-            ])
-            .arg("--root")
-            .arg(root)
-            .env("CARGO_TARGET_DIR", util::cargo_target_dir()),
-    )
+    crate::worker::cargo_install("cargo-mutants", VERSION, root, true)
 }
 
 /// CI's step: `--ci`.

@@ -131,7 +131,7 @@ fn npm_version(package_json: &Path) -> Option<String> {
     value["version"].as_str().map(str::to_string)
 }
 
-fn cargo_install(krate: &str, version: &str, root: &Path, locked: bool) -> Result<()> {
+pub(crate) fn cargo_install(krate: &str, version: &str, root: &Path, locked: bool) -> Result<()> {
     let mut cmd = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
     // --debug: these tools only orchestrate (wasm-bindgen's pass over a
     // 3.4 MB module takes seconds either way), and an optimised build costs
