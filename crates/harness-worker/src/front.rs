@@ -9,7 +9,9 @@
 //! `GET …/export`, `GET …/ui-stream`, `POST …/seal`, fork, WebSocket, and
 //! Durable Streams (`/v1/stream/*`: generic streams in the streams object,
 //! session streams in the session's object), and `GET /v1/sessions` (the
-//! directory object's ids, each session's info from its object). Not yet:
+//! directory object's ids, each session's info from its object), `GET
+//! /v1/search` (every session's object searches its own index; merged
+//! here) and `DELETE /v1/sessions/{id}` (retention). Not yet:
 //! the runner channel `/v1/runner` — it answers 501 `unsupported`. Tests
 //! only, with `HARNESS_TEST_EXECUTOR_URL` set: the engine API `POST
 //! /v1/test/engine/<op>` (`engine_api.rs`).
