@@ -26,9 +26,10 @@ pub enum Step {
     Microvm,
     /// the Claude Code and Codex CLIs (`cargo xtask agents`)
     Agents,
-    /// the Cloudflare Worker's tools and its wasm32 build (`cargo xtask
-    /// worker deps`, `cargo xtask worker build`), for its test under
-    /// `wrangler dev`
+    /// the Cloudflare Worker's tools and its two wasm32 builds (`cargo
+    /// xtask worker deps`, `cargo xtask worker build [--test-routes]`): the
+    /// test build its tests run under `wrangler dev`, and the deploy build
+    /// one test checks has no test routes
     Worker,
     /// cargo fmt --all -- --check
     Fmt,
@@ -222,7 +223,9 @@ fn run_step(step: Step, require_real: bool, counts: &mut Option<Counts>) -> Resu
         Step::Image => image::build(false),
         Step::Microvm => microvm::build(false).map(|_| ()),
         Step::Agents => agents::install_all().map(|_| ()),
-        Step::Worker => worker::deps().and_then(|()| worker::build(false)),
+        Step::Worker => worker::deps()
+            .and_then(|()| worker::build(false, true))
+            .and_then(|()| worker::build(false, false)),
         Step::Fmt => util::run(util::cargo().args(["fmt", "--all", "--", "--check"]))
             .context("formatting differs: run `cargo fmt --all`"),
         Step::Layers => layers::check(),

@@ -114,6 +114,11 @@ enum WorkerAction {
         /// Release profile (runs wasm-opt).
         #[arg(long)]
         release: bool,
+        /// The test build instead (the `test-routes` feature: routes and
+        /// switches only tests use) → crates/harness-worker/test-build/.
+        /// Never deploy it.
+        #[arg(long)]
+        test_routes: bool,
     },
     /// Run the built Worker under `wrangler dev`, locally and offline.
     Dev {
@@ -207,9 +212,10 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench { which } => bench::run(which),
         Cmd::Worker { action } => match action {
             WorkerAction::Deps => util::timed("worker deps", worker::deps),
-            WorkerAction::Build { release } => {
-                util::timed("worker build", || worker::build(release))
-            }
+            WorkerAction::Build {
+                release,
+                test_routes,
+            } => util::timed("worker build", || worker::build(release, test_routes)),
             WorkerAction::Dev {
                 port,
                 persist,

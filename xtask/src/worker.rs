@@ -230,8 +230,18 @@ fn require(bin: &Path) -> Result<()> {
     Ok(())
 }
 
-/// worker-build in the crate's directory → `crates/harness-worker/build/`.
-pub fn build(release: bool) -> Result<()> {
+/// Where the test build lives, under the crate: its own `wrangler.toml`
+/// and `src/entry.mjs` (copies of the crate's) beside `build/`, so `wrangler
+/// dev` runs it as it runs the crate's deploy build.
+pub const TEST_BUILD_DIR: &str = "test-build";
+
+/// worker-build in the crate's directory. The deploy build (no features)
+/// → `crates/harness-worker/build/`; with `test_routes`, the test build
+/// (the `test-routes` feature: the engine API, the slice failpoint, the
+/// stores' conformance routes) → `crates/harness-worker/test-build/`, which
+/// every test under `wrangler dev` runs. The two share every dependency's
+/// build: only the crate itself is compiled twice.
+pub fn build(release: bool, test_routes: bool) -> Result<()> {
     let version = wasm_bindgen_version()?;
     let (worker_build, bindgen, esbuild) = (
         worker_build_bin(),
@@ -241,12 +251,25 @@ pub fn build(release: bool) -> Result<()> {
     for bin in [&worker_build, &bindgen, &esbuild] {
         require(bin)?;
     }
+    let root = worker_dir();
+    let out = if test_routes {
+        root.join(TEST_BUILD_DIR)
+    } else {
+        root.clone()
+    };
     let mut cmd = Command::new(&worker_build);
-    cmd.current_dir(worker_dir())
+    cmd.current_dir(&root)
         .arg(if release { "--release" } else { "--dev" })
+        .arg("--out-dir")
+        .arg(out.join("build"))
         .env("CARGO_TARGET_DIR", util::cargo_target_dir())
         .env("WASM_BINDGEN_BIN", &bindgen)
         .env("ESBUILD_BIN", &esbuild);
+    if test_routes {
+        // After the options: worker-build hands what it does not know to
+        // `cargo build`.
+        cmd.args(["--features", "test-routes"]);
+    }
     if util::is_executable(&wasm_opt_bin()) {
         cmd.env("WASM_OPT_BIN", wasm_opt_bin());
     } else if release {
@@ -256,9 +279,18 @@ pub fn build(release: bool) -> Result<()> {
         );
     }
     run(&mut cmd)?;
-    let out = worker_dir().join("build/index.js");
-    if !out.exists() {
-        bail!("worker-build did not leave {}", out.display());
+    let index = out.join("build/index.js");
+    if !index.exists() {
+        bail!("worker-build did not leave {}", index.display());
+    }
+    if test_routes {
+        // The same configuration and entry as the deploy build, so the
+        // tests run what a deployment runs, plus the test routes.
+        std::fs::create_dir_all(out.join("src"))?;
+        for file in ["wrangler.toml", "src/entry.mjs"] {
+            std::fs::copy(root.join(file), out.join(file))
+                .with_context(|| format!("copying {file} into {}", out.display()))?;
+        }
     }
     Ok(())
 }
@@ -329,7 +361,8 @@ exit "$status""#;
 /// Workflows, under `wrangler dev`) with the tools' paths and
 /// `HARNESS_REQUIRE_REAL=1`.
 pub fn test() -> Result<()> {
-    util::timed("worker: build", || build(false))?;
+    util::timed("worker: build", || build(false, false))?;
+    util::timed("worker: test build", || build(false, true))?;
     util::timed("worker: test under wrangler dev", || {
         run(util::cargo()
             .args(["test", "-p", "harness-worker", "--test", "wrangler"])

@@ -132,7 +132,8 @@ pub struct LogCut {
 /// `Gone` for a read from inside `session`'s cut.
 pub fn trimmed_error(session: &SessionId, cut: &LogCut, after: u64) -> Error {
     Error::gone(format!(
-        "frames 1..={} of session {session} were removed by retention;          read from seq {} on (asked for frames after {after})",
+        "frames 1..={} of session {session} were removed by retention; \
+         read from seq {} on (asked for frames after {after})",
         cut.through,
         cut.through + 1
     ))
@@ -153,7 +154,8 @@ pub fn check_kept(session: &SessionId, cut: Option<&LogCut>, after: u64) -> Resu
 pub fn check_trim(info: &LogInfo, through: u64) -> Result<bool> {
     if through == 0 || through >= info.last_seq {
         return Err(Error::invalid(format!(
-            "cannot trim session {} through seq {through}: it holds frames up to {},              and trimming keeps at least the newest one (give 1..={})",
+            "cannot trim session {} through seq {through}: it holds frames up to {}, \
+             and trimming keeps at least the newest one (give 1..={})",
             info.session,
             info.last_seq,
             info.last_seq.saturating_sub(1)
@@ -193,6 +195,18 @@ impl LogInfo {
     /// the last seq retention trimmed ([`LogCut::through`]).
     pub fn kept_after(&self) -> u64 {
         self.trimmed.map_or(0, |cut| cut.through)
+    }
+
+    /// Where a reader that asks for the frames after `after` starts: one
+    /// from the start (0) of a trimmed log at its cut; one resuming from
+    /// inside the cut is told those frames are gone ([`check_kept`]). The
+    /// rule of every server's event streams.
+    pub fn reader_start(&self, after: u64) -> Result<u64> {
+        if after == 0 {
+            return Ok(self.kept_after());
+        }
+        check_kept(&self.session, self.trimmed.as_ref(), after)?;
+        Ok(after)
     }
 }
 

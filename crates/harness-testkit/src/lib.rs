@@ -17,6 +17,9 @@
 //!   tree that means the same on every provider;
 //! - [`wrangler`]: the Cloudflare Worker under `wrangler dev`, for the
 //!   session-API suite ([`conformance::session_api`]);
+//! - [`worker_stores`]: that Worker's Durable Object log and R2 store as
+//!   `SessionLog` and `CheckpointStore` over HTTP, for the log and
+//!   checkpoint suites;
 //! - [`engine_bridge`]: the engine suite against the Workflows engine in
 //!   that Worker (the suite's executor served to its steps over HTTP, and
 //!   the Worker's engine API as a `DurableEngine`).
@@ -34,6 +37,7 @@ pub use harness_scripted_model as model;
 pub mod postgres;
 pub mod real;
 pub mod trees;
+pub mod worker_stores;
 pub mod wrangler;
 
 pub use gate::gate_binary;

@@ -1,5 +1,6 @@
-//! `wrangler dev` for tests: the built Cloudflare Worker
-//! (`crates/harness-worker`, `cargo xtask worker build`) served by workerd
+//! `wrangler dev` for tests: the built Cloudflare Worker — its test build
+//! ([`test_build`], `cargo xtask worker build --test-routes`), or the deploy
+//! build ([`deploy_build`], `cargo xtask worker build`) — served by workerd
 //! on a loopback port, offline (`WRANGLER_SEND_METRICS=false
 //! CLOUDFLARE_CF_FETCH_ENABLED=false CI=1`), its Durable Objects' state in
 //! a fresh directory. Started with `setsid`, so wrangler, its esbuild and
@@ -58,6 +59,26 @@ pub struct WranglerDev {
     owned: bool,
     /// The nudge thread (module docs) and its stop flag.
     nudge: Option<(Arc<AtomicBool>, JoinHandle<()>)>,
+}
+
+/// `crates/harness-worker`.
+fn worker_crate() -> &'static Path {
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../harness-worker"))
+}
+
+/// The Worker's test build (`cargo xtask worker build --test-routes`,
+/// `crates/harness-worker/test-build/`): the deploy build plus the routes
+/// and switches only tests use. What every test under `wrangler dev` runs.
+pub fn test_build() -> &'static Path {
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| worker_crate().join("test-build"))
+}
+
+/// The Worker's deploy build (`cargo xtask worker build`,
+/// `crates/harness-worker/build/`): what a deployment runs.
+pub fn deploy_build() -> &'static Path {
+    worker_crate()
 }
 
 /// Where wrangler is: `$HARNESS_WRANGLER`, else the xtask-installed one.

@@ -139,7 +139,7 @@ impl R2Store {
         self.max_bytes
     }
 
-    fn object_key(&self, key: &str) -> String {
+    pub(crate) fn object_key(&self, key: &str) -> String {
         format!("{}{key}", self.namespace)
     }
 

@@ -11,10 +11,13 @@
 //! session streams in the session's object), and `GET /v1/sessions` (the
 //! directory object's ids, each session's info from its object), `GET
 //! /v1/search` (every session's object searches its own index; merged
-//! here) and `DELETE /v1/sessions/{id}` (retention). Not yet:
+//! here), and retention: `POST /v1/sessions/{id}/trim` and `DELETE
+//! /v1/sessions/{id}`. Not yet:
 //! the runner channel `/v1/runner` — it answers 501 `unsupported`. Tests
-//! only, with `HARNESS_TEST_EXECUTOR_URL` set: the engine API `POST
-//! /v1/test/engine/<op>` (`engine_api.rs`).
+//! only (the `test-routes` feature): the engine API `POST
+//! /v1/test/engine/<op>` with `HARNESS_TEST_EXECUTOR_URL` set
+//! (`engine_api.rs`), and the stores' conformance routes `POST
+//! /v1/test/log/<op>` and `/v1/test/checkpoints/<op>` (`test_routes.rs`).
 
 // `#[event(fetch)]` expands to unsafe blocks: allowed here, denied
 // elsewhere in the crate.
@@ -251,6 +254,15 @@ async fn route(req: Request, env: &Env) -> Result<Response, ApiError> {
                 .await
         }
         (Method::Post, ["v1", "sessions", id, "fork"]) => fork(&call, id).await,
+        (Method::Post, ["v1", "sessions", id, "trim"]) => {
+            // Retention (docs/retention.md): frames 1..=through go.
+            let id = request::session_id(id)?;
+            call.authorize(Some(&id), HOST)?;
+            let body = call.body(MAX_CREATE_BODY).await?;
+            request::trim_through(&body)?;
+            call.object(&id, Method::Post, "trim", Some(String::new()), Some(body))
+                .await
+        }
         (Method::Delete, ["v1", "sessions", id]) => {
             // Retention (docs/retention.md): the object empties itself, then
             // the directory forgets the id.
@@ -294,12 +306,46 @@ async fn route(req: Request, env: &Env) -> Result<Response, ApiError> {
             call.authorize(None, HOST)?;
             search(&call).await
         }
+        #[cfg(feature = "test-routes")]
         (Method::Post, ["v1", "test", "engine", op]) if crate::engine_api::enabled(call.env) => {
             // The engine conformance suite's way in (engine_api.rs); a
             // runner's grant, as starting and steering turns is a runner's.
             call.authorize(None, &[GrantRole::Runner])?;
             let body = call.body(max_frame).await?;
             crate::engine_api::serve(call.env, op, &body)
+                .await
+                .map_err(internal)
+        }
+        #[cfg(feature = "test-routes")]
+        (Method::Post, ["v1", "test", "log", op]) => {
+            // The log conformance suite's way in (test_routes.rs).
+            let id = call
+                .params
+                .get("session")
+                .map(|s| request::session_id(s))
+                .transpose()?
+                .ok_or_else(|| ApiError::invalid("?session= is required"))?;
+            call.authorize(Some(&id), HOST)?;
+            if *op == "create" {
+                record_session(call.env, &id).await?;
+            }
+            let body = call.body(max_frame.saturating_mul(2)).await?;
+            let object_op = format!("{}{op}", crate::test_routes::LOG_OP);
+            let answer = call
+                .object(&id, Method::Post, &object_op, None, Some(body))
+                .await?;
+            if *op == "delete" && answer.status_code() == 200 {
+                directory(call.env, Method::Post, &format!("/remove?id={id}")).await?;
+            }
+            Ok(answer)
+        }
+        #[cfg(feature = "test-routes")]
+        (Method::Post, ["v1", "test", "checkpoints", op]) => {
+            // The checkpoint conformance suite's way in (test_routes.rs).
+            call.authorize(None, HOST)?;
+            let limit = R2Store::from_env(call.env)?.max_bytes();
+            let body = call.body(limit).await?;
+            crate::test_routes::checkpoints(call.env, op, &call.params, body)
                 .await
                 .map_err(internal)
         }
@@ -527,7 +573,9 @@ async fn checkpoint_object(
     let store = R2Store::from_env(call.env)?;
     match method {
         Method::Put => {
+            let declared = declared_length(&call.req)?;
             let body = call.body(store.max_bytes()).await?;
+            check_whole_body(declared, body.len())?;
             let content: ByteStream =
                 Box::pin(futures::stream::iter([Ok(bytes::Bytes::from(body))]));
             json_response(200, &store.put(key, content).await?)
@@ -561,6 +609,36 @@ async fn checkpoint_object(
             "checkpoint objects take PUT, GET, HEAD and DELETE",
         )),
     }
+}
+
+/// A checkpoint `PUT`'s `Content-Length`: required (411 without it). The
+/// route buffers the body, and a chunked upload whose client died half-way
+/// can reach the Worker looking whole (seen under `wrangler dev`): only a
+/// declared length tells a cut body from a complete one.
+fn declared_length(req: &Request) -> Result<usize, ApiError> {
+    let header = req.headers().get("content-length").ok().flatten();
+    header
+        .as_deref()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .ok_or_else(|| {
+            ApiError::new(
+                411,
+                "length_required",
+                "a checkpoint PUT needs a Content-Length: the body is stored whole or not at \
+                 all, and only its declared length tells a body cut short from a complete one",
+            )
+        })
+}
+
+/// `Err` (nothing stored) when the body that arrived is not the declared one.
+fn check_whole_body(declared: usize, received: usize) -> Result<(), ApiError> {
+    if declared == received {
+        return Ok(());
+    }
+    Err(ApiError::invalid(format!(
+        "the body was cut short: {received} of the {declared} bytes declared arrived; nothing \
+         was stored"
+    )))
 }
 
 fn checkpoint_headers(meta: &harness_core::checkpoint::ObjectMeta) -> Result<Headers, ApiError> {

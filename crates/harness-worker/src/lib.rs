@@ -15,6 +15,10 @@
 //! over its SQLite, as `session-server` serves them natively; a session's
 //! own stream (`/v1/stream/sessions/<id>`) is answered by its object.
 //!
+//! The `test-routes` feature adds what only the tests use (`engine_api`,
+//! `test_routes`, the slice failpoint); a deploy build leaves it off and has
+//! none of those routes.
+//!
 //! Everything is `cfg(target_arch = "wasm32")`: on the host this crate is
 //! empty, and its test (`tests/wrangler.rs`) runs the built Worker under
 //! `wrangler dev`. See `docs/cloudflare-worker.md`.
@@ -24,12 +28,15 @@
 mod broker;
 mod checkpoints;
 mod directory;
+#[cfg(feature = "test-routes")]
 mod engine_api;
 mod front;
 mod object;
 mod session_streams;
 mod store;
 mod streams;
+#[cfg(feature = "test-routes")]
+mod test_routes;
 mod turns;
 
 pub use directory::SessionDirectory;

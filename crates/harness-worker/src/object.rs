@@ -431,6 +431,13 @@ impl SessionObject {
     /// storage — the log, its index, the turn mailbox — is emptied.
     async fn delete(&self, session: &SessionId, store: &DoStore) -> Result<Response, ApiError> {
         harness_core::log::retention::check_deletable(&store.info().await?)?;
+        self.remove(session).await?;
+        Ok(Response::empty().map_err(internal)?.with_status(204))
+    }
+
+    /// Close every connection and empty the object's storage (a delete,
+    /// once its rules allowed it).
+    async fn remove(&self, session: &SessionId) -> Result<(), ApiError> {
         let reason = format!("session {session} was deleted");
         if let Some(mut live) = self.live.lock().await.take() {
             let transport = live.driver.transport_mut();
@@ -451,7 +458,7 @@ impl SessionObject {
         storage.delete_all().await.map_err(internal)?;
         self.exists.set(false);
         self.migrated.set(false);
-        Ok(Response::empty().map_err(internal)?.with_status(204))
+        Ok(())
     }
 
     /// 404 unless the session was created (nothing is written to find out).
@@ -539,6 +546,30 @@ impl SessionObject {
         let params = request::parse_query(url.query().unwrap_or(""));
         let op = url.path().trim_start_matches('/').to_string();
         self.migrate_once()?;
+        #[cfg(feature = "test-routes")]
+        if let Some(test_op) = op.strip_prefix(crate::test_routes::LOG_OP) {
+            // The log conformance suite, on this object's store directly.
+            let stored = DoStore::stored_session(&self.state.storage().sql())?;
+            if test_op == "delete" {
+                // As a store deletes: the server's rule (no delete while a
+                // turn runs) is not the store's.
+                if stored.as_ref() != Some(&session) {
+                    return crate::test_routes::answer::<()>(Err(unknown_session(&session)))
+                        .map_err(internal);
+                }
+                self.remove(&session).await?;
+                return crate::test_routes::answer(Ok(())).map_err(internal);
+            }
+            let store = self.store(&session);
+            let response =
+                crate::test_routes::object_log_op(&store, stored, test_op, &mut req, &params)
+                    .await
+                    .map_err(internal)?;
+            if test_op == "create" && response.status_code() == 200 {
+                self.exists.set(true);
+            }
+            return Ok(response);
+        }
         if op == "fork-into" {
             // This object becomes the fork of the prefix its source sent.
             let bytes = req.bytes().await.map_err(internal)?;
@@ -564,6 +595,13 @@ impl SessionObject {
         let store = self.store(&session);
         match op.as_str() {
             "info" => json_response(200, &store.info().await?),
+            "trim" => {
+                let bytes = req.bytes().await.map_err(internal)?;
+                let through = request::trim_through(&bytes)?;
+                // On the store, as harness serve trims its log: the actor
+                // keeps no frames, and the next reader starts at the cut.
+                json_response(200, &store.trim(through)?)
+            }
             "delete" => self.delete(&session, &store).await,
             "search" => json_response(200, &store.search(&request::search_query(&params)?)?),
             "frames" => {
@@ -575,7 +613,7 @@ impl SessionObject {
                 let until = request::export_until(&params, &info)?;
                 let format = request::export_format(&params)?;
                 let mut out = Vec::new();
-                let mut cursor = 0;
+                let mut cursor = info.kept_after();
                 while cursor < until {
                     let want = usize::try_from(until - cursor).unwrap_or(PAGE).min(PAGE);
                     let page = store.read(cursor, want).await?;
@@ -901,6 +939,8 @@ impl SessionObject {
     ) -> Result<Response, ApiError> {
         let after = request::param_u64(params, "after")?.unwrap_or(0);
         let info = store.info().await?;
+        // From the cut of a trimmed log; 410 from inside it.
+        let after = info.reader_start(after)?;
         let headers = sse_headers()?;
         if info.sealed && after >= info.last_seq {
             // Nothing will come: the stream is over.

@@ -76,7 +76,9 @@ impl SessionObject {
         };
         let header = |name: &str| req.headers().get(name).ok().flatten();
         let path = header(PATH_HEADER).unwrap_or_default();
-        let after = seq_of(p.offset.as_deref(), info.last_seq);
+        // From the start (`-1`) of a trimmed log: from its cut; from an
+        // offset inside the cut: 410 (docs/retention.md).
+        let after = info.reader_start(seq_of(p.offset.as_deref(), info.last_seq))?;
         let timeout = long_poll_timeout(&self.env);
         if p.live.as_deref() == Some("sse") {
             return self

@@ -16,9 +16,10 @@
 use async_trait::async_trait;
 use harness_core::frame::{Frame, FrameBody, SessionId};
 use harness_core::log::{
-    fold_meta, fork_closing_frame, fork_range_error, plan_append, unknown_session, AppendPlan,
-    AppendRequest, AppendView, Appended, ChainKey, ChainedFrame, CheckedAppend, ForkOrigin,
-    FrameHash, LogHead, LogInfo, SessionStore,
+    check_fork_kept, check_kept, check_trim, decode_stored_meta, fork_closing_frame,
+    fork_range_error, plan_append, unknown_session, AppendPlan, AppendRequest, AppendView,
+    Appended, ChainKey, ChainedFrame, CheckedAppend, ForkOrigin, FrameHash, LogCut, LogHead,
+    LogInfo, SessionStore,
 };
 use harness_core::search::{document, DocKind, Document, SearchHit, SearchQuery};
 use harness_core::session::{SessionConfig, SessionMeta};
@@ -36,7 +37,10 @@ const SCHEMA: &[&str] = &[
         meta        TEXT NOT NULL,
         last_seq    INTEGER NOT NULL DEFAULT 0,
         last_at_ms  INTEGER NOT NULL DEFAULT 0,
-        last_hash   TEXT
+        last_hash   TEXT,
+        cut_through INTEGER,
+        cut_hash    TEXT,
+        cut_meta    TEXT
     )",
     "CREATE TABLE IF NOT EXISTS frames (
         seq      INTEGER PRIMARY KEY,
@@ -74,6 +78,22 @@ const MIGRATIONS: &[(&str, &str, &str)] = &[
         "ALTER TABLE logs ADD COLUMN last_hash TEXT",
     ),
     ("frames", "hash", "ALTER TABLE frames ADD COLUMN hash TEXT"),
+    // Retention (docs/retention.md): where a trimmed log starts.
+    (
+        "logs",
+        "cut_through",
+        "ALTER TABLE logs ADD COLUMN cut_through INTEGER",
+    ),
+    (
+        "logs",
+        "cut_hash",
+        "ALTER TABLE logs ADD COLUMN cut_hash TEXT",
+    ),
+    (
+        "logs",
+        "cut_meta",
+        "ALTER TABLE logs ADD COLUMN cut_meta TEXT",
+    ),
 ];
 
 /// One session's log in a Durable Object's SQLite.
@@ -95,6 +115,8 @@ struct LogRow {
     last_seq: i64,
     last_at_ms: i64,
     last_hash: Option<String>,
+    cut_through: Option<i64>,
+    cut_hash: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -144,8 +166,21 @@ pub struct ForkPrefix {
     pub until: u64,
     /// The source's config.
     pub config: Option<SessionConfig>,
-    /// Frames `1..=until` as stored.
+    /// Frames `1..=until` as stored (from the cut on, when trimmed).
     pub frames: Vec<ChainedFrame>,
+    /// The source's cut, when retention trimmed it: the fork starts there
+    /// too, with the meta folded through it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cut: Option<ForkCut>,
+}
+
+/// A trimmed source's cut, as a fork takes it over.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ForkCut {
+    /// Where the kept frames start.
+    pub cut: LogCut,
+    /// The meta folded through `cut.through`.
+    pub meta: SessionMeta,
 }
 
 fn db_err(e: impl std::fmt::Display) -> Error {
@@ -341,7 +376,7 @@ impl DoStore {
             .sql
             .exec(
                 "SELECT session, sealed, forked_from, fork_until, meta, last_seq, last_at_ms,
-                        last_hash
+                        last_hash, cut_through, cut_hash
                  FROM logs WHERE id = 1",
                 None,
             )
@@ -370,6 +405,17 @@ impl DoStore {
             .as_deref()
             .map(FrameHash::parse_hex)
             .transpose()?;
+        let trimmed = match row.cut_through {
+            Some(through) => Some(LogCut {
+                through: through as u64,
+                hash: row
+                    .cut_hash
+                    .as_deref()
+                    .map(FrameHash::parse_hex)
+                    .transpose()?,
+            }),
+            None => None,
+        };
         let info = LogInfo {
             session: self.session.clone(),
             last_seq: row.last_seq as u64,
@@ -377,7 +423,7 @@ impl DoStore {
             sealed: row.sealed != 0,
             forked_from,
             meta,
-            trimmed: None,
+            trimmed,
         };
         Ok((info, last_hash))
     }
@@ -389,13 +435,102 @@ impl DoStore {
         if until > info.last_seq {
             return Err(fork_range_error(&self.session, until, info.last_seq));
         }
-        let frames = self.read_chain_sync(0, usize::try_from(until).unwrap_or(usize::MAX))?;
+        check_fork_kept(&self.session, info.trimmed.as_ref(), until)?;
+        let kept = info.kept_after();
+        let frames =
+            self.read_chain_sync(kept, usize::try_from(until - kept).unwrap_or(usize::MAX))?;
+        let cut = match info.trimmed {
+            Some(cut) => Some(ForkCut {
+                cut,
+                meta: self.cut_meta()?,
+            }),
+            None => None,
+        };
         Ok(ForkPrefix {
             source: self.session.clone(),
             until,
             config: info.meta.config,
             frames,
+            cut,
         })
+    }
+
+    /// The meta folded through the cut (retention keeps it with the cut).
+    fn cut_meta(&self) -> Result<SessionMeta> {
+        #[derive(Deserialize)]
+        struct Row {
+            cut_meta: Option<String>,
+        }
+        let rows: Vec<Row> = self
+            .sql
+            .exec("SELECT cut_meta FROM logs WHERE id = 1", None)
+            .and_then(|c| c.to_array())
+            .map_err(db_err)?;
+        let json = rows
+            .into_iter()
+            .next()
+            .and_then(|r| r.cut_meta)
+            .ok_or_else(|| {
+                Error::corrupt(format!(
+                    "session {} is trimmed but keeps no meta at its cut",
+                    self.session
+                ))
+            })?;
+        decode_stored_meta(&json, &self.session)
+    }
+
+    /// Remove frames `1..=through` (retention; `check_trim` decides what a
+    /// cut may be): the log keeps where it starts (the cut, frame
+    /// `through`'s hash, the meta folded through it) so its kept frames
+    /// verify from there and a fork past the cut has the meta an untrimmed
+    /// fork has; the removed frames leave the search index. No `await`:
+    /// one implicit transaction.
+    pub fn trim(&self, through: u64) -> Result<LogInfo> {
+        let info = self.load_info()?;
+        if !check_trim(&info, through)? {
+            return Ok(info);
+        }
+        let (after, mut meta) = match info.trimmed {
+            Some(cut) => (cut.through, self.cut_meta()?),
+            None => (0, SessionMeta::new(info.meta.config.clone())),
+        };
+        let removed = self.read_chain_sync(
+            after,
+            usize::try_from(through - after).unwrap_or(usize::MAX),
+        )?;
+        for frame in &removed {
+            let body: FrameBody = serde_json::from_str(&frame.body)
+                .map_err(|e| Error::corrupt(format!("frame {}: {e}", frame.seq)))?;
+            meta.apply(frame.seq, &body, frame.key.as_deref());
+        }
+        let hash = removed
+            .last()
+            .filter(|f| f.seq == through)
+            .and_then(|f| f.hash)
+            .map(|h| h.to_hex());
+        let meta = serde_json::to_string(&meta).map_err(db_err)?;
+        self.sql
+            .exec(
+                "UPDATE logs SET cut_through = ?, cut_hash = ?, cut_meta = ? WHERE id = 1",
+                vec![int(through), hash.into(), meta.into()],
+            )
+            .map_err(db_err)?;
+        self.sql
+            .exec(
+                "INSERT INTO search_fts (search_fts, rowid, text)
+                 SELECT 'delete', seq, text FROM search_docs WHERE seq <= ?",
+                vec![int(through)],
+            )
+            .map_err(db_err)?;
+        for statement in [
+            "DELETE FROM search_docs WHERE seq <= ?",
+            "DELETE FROM frames WHERE seq <= ?",
+        ] {
+            self.sql
+                .exec(statement, vec![int(through)])
+                .map_err(db_err)?;
+        }
+        self.load_info()
     }
 
     /// Create this log as a fork of `prefix`'s source: its frames and keys
@@ -421,14 +556,15 @@ impl DoStore {
                     .map_err(|e| Error::invalid(format!("fork prefix frame {}: {e}", f.seq)))
             })
             .collect::<Result<Vec<_>>>()?;
-        let meta = fold_meta(
-            prefix.config.clone(),
-            prefix
-                .frames
-                .iter()
-                .zip(&bodies)
-                .map(|(f, body)| (f.seq, body, f.key.as_deref())),
-        );
+        // From the source's cut when it was trimmed (the meta folded
+        // through it), else from the config.
+        let mut meta = match &prefix.cut {
+            Some(cut) => cut.meta.clone(),
+            None => SessionMeta::new(prefix.config.clone()),
+        };
+        for (frame, body) in prefix.frames.iter().zip(&bodies) {
+            meta.apply(frame.seq, body, frame.key.as_deref());
+        }
         let sealed = bodies.iter().any(|b| matches!(b, FrameBody::Sealed {}));
         let last_at_ms = prefix.frames.last().map_or(0, |f| f.at_ms);
         // The copy keeps the source's bodies as stored and their hashes:
@@ -457,11 +593,24 @@ impl DoStore {
             .and_then(|f| f.hash)
             .map(|h| h.to_hex());
         let meta_json = serde_json::to_string(&meta).map_err(db_err)?;
+        // The fork starts where its source does: at the cut it copied.
+        let (cut_through, cut_hash, cut_meta) = match &prefix.cut {
+            Some(cut) => (
+                int(cut.cut.through),
+                cut.cut.hash.map(|h| h.to_hex()).into(),
+                serde_json::to_string(&cut.meta).map_err(db_err)?.into(),
+            ),
+            None => (
+                SqlStorageValue::Null,
+                SqlStorageValue::Null,
+                SqlStorageValue::Null,
+            ),
+        };
         self.sql
             .exec(
                 "INSERT INTO logs (id, session, sealed, forked_from, fork_until, meta, last_seq, last_at_ms,
-                                   last_hash)
-                 VALUES (1, ?, ?, ?, ?, ?, ?, ?, ?)",
+                                   last_hash, cut_through, cut_hash, cut_meta)
+                 VALUES (1, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 vec![
                     self.session.as_str().into(),
                     int(u64::from(sealed)),
@@ -471,6 +620,9 @@ impl DoStore {
                     int(prefix.until),
                     int(last_at_ms),
                     last_hash.into(),
+                    cut_through,
+                    cut_hash,
+                    cut_meta,
                 ],
             )
             .map_err(db_err)?;
@@ -492,7 +644,15 @@ impl DoStore {
         rows.into_iter().next().map(decode).transpose()
     }
 
+    /// `Gone` for a read from inside the cut (`check_kept`, every
+    /// store's rule).
+    fn check_kept(&self, after: u64) -> Result<()> {
+        let info = self.load_info()?;
+        check_kept(&self.session, info.trimmed.as_ref(), after)
+    }
+
     fn read_sync(&self, after: u64, limit: usize) -> Result<Vec<Frame>> {
+        self.check_kept(after)?;
         let rows: Vec<FrameRow> = self
             .sql
             .exec(
@@ -505,6 +665,7 @@ impl DoStore {
     }
 
     fn read_chain_sync(&self, after: u64, limit: usize) -> Result<Vec<ChainedFrame>> {
+        self.check_kept(after)?;
         let rows: Vec<ChainRow> = self
             .sql
             .exec(

@@ -177,19 +177,27 @@ pub(crate) async fn object_post(
     }
 }
 
-/// The slice executor of one turn: with `HARNESS_TEST_EXECUTOR_URL` set
-/// (the engine conformance suite), the test's executor over HTTP
-/// (`engine_api::RemoteExecutor`); otherwise [`slice_runner`]. Either way
-/// the object is the turn's abort mailbox ([`WorkerSlices`]).
+/// The slice executor of one turn: [`slice_runner`], with the object as
+/// the turn's abort mailbox ([`WorkerSlices`]). A test build
+/// (`test-routes`) takes the test's executor over HTTP instead when
+/// `HARNESS_TEST_EXECUTOR_URL` is set (the engine conformance suite,
+/// `engine_api::RemoteExecutor`), and a failpoint from
+/// `HARNESS_TEST_FAIL_SLICE`; a deploy build reads neither variable.
 fn executor(env: &Env, params: &TurnParams) -> Result<Rc<dyn SliceExecutor>> {
+    #[cfg(feature = "test-routes")]
     let inner: Rc<dyn SliceExecutor> = match var(env, crate::engine_api::EXECUTOR_URL_VAR) {
         Some(url) => Rc::new(crate::engine_api::RemoteExecutor::new(&url)),
         None => Rc::new(slice_runner(env, params)?),
     };
+    #[cfg(not(feature = "test-routes"))]
+    let inner: Rc<dyn SliceExecutor> = Rc::new(slice_runner(env, params)?);
+    #[cfg(feature = "test-routes")]
     let failpoint = var(env, "HARNESS_TEST_FAIL_SLICE")
         .map(|v| parse_failpoint(&v))
         .transpose()?
         .map(|(slice, attempts)| (slice, Cell::new(attempts)));
+    #[cfg(not(feature = "test-routes"))]
+    let failpoint = None;
     Ok(Rc::new(WorkerSlices {
         inner,
         env: env.clone(),
@@ -294,10 +302,10 @@ const ABORT_POLL: Duration = Duration::from_secs(1);
 ///   every [`ABORT_POLL`] and fires its abort signal when a client asked
 ///   (the abort event the object also sends reaches a turn that waits for
 ///   input);
-/// - a test failpoint (`HARNESS_TEST_FAIL_SLICE=<slice>:<attempts>`): the
-///   first attempts of that slice run, emitting their parts, and then
-///   fail, as a slice whose sandbox connection drops at its end does; the
-///   step retries.
+/// - a test failpoint (`HARNESS_TEST_FAIL_SLICE=<slice>:<attempts>`, test
+///   builds only): the first attempts of that slice run, emitting their
+///   parts, and then fail, as a slice whose sandbox connection drops at its
+///   end does; the step retries.
 struct WorkerSlices {
     inner: Rc<dyn SliceExecutor>,
     env: Env,
@@ -384,6 +392,7 @@ impl SliceExecutor for WorkerSlices {
 }
 
 /// `HARNESS_TEST_FAIL_SLICE=<slice>:<attempts>`.
+#[cfg(feature = "test-routes")]
 fn parse_failpoint(value: &str) -> Result<(u32, u32)> {
     let parsed = value
         .split_once(':')

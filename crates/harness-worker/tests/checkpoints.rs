@@ -19,7 +19,6 @@
 
 #![cfg(not(target_arch = "wasm32"))]
 
-use std::path::Path;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -173,7 +172,7 @@ async fn a_tree_moves_laptop_to_a_cloudflare_sandbox_and_back_through_the_worker
     )
     .await
     .expect("the bridge server");
-    let worker_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let worker_dir = harness_testkit::wrangler::test_build();
     let vars = vec![
         ("HARNESS_TOKENS", session_api::token_table().to_string()),
         ("HARNESS_CF_BRIDGE_URL", bridge.url()),

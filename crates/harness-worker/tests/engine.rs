@@ -12,7 +12,6 @@
 
 #![cfg(not(target_arch = "wasm32"))]
 
-use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -76,7 +75,7 @@ impl EngineFixture for WorkflowsFixture {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_workflows_engine_passes_the_engine_suite() {
     let executor = ExecutorServer::start().await.expect("the executor server");
-    let worker_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let worker_dir = harness_testkit::wrangler::test_build();
     let vars = vec![
         ("HARNESS_TOKENS", session_api::token_table().to_string()),
         ("HARNESS_TEST_EXECUTOR_URL", executor.url()),

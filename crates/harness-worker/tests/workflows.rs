@@ -16,7 +16,6 @@
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
-use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -138,7 +137,7 @@ impl Rig {
             ScriptedModel::start_requiring_key(SocketAddr::new(gateway, 0), script, MODEL_KEY)
                 .await
                 .expect("the scripted model");
-        let worker_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let worker_dir = harness_testkit::wrangler::test_build();
         // The Worker listens on the Docker gateway, where the bridge's
         // sandboxes reach it as they reach a deployed Worker: its broker.
         let addr = SocketAddr::new(gateway, free_port_on(gateway));

@@ -5,8 +5,6 @@
 
 #![cfg(not(target_arch = "wasm32"))]
 
-use std::path::Path;
-
 use harness_testkit::conformance::session_api::{self, Target, CLIENT, HOST};
 use harness_testkit::wrangler::WranglerDev;
 use serde_json::json;
@@ -43,7 +41,7 @@ async fn the_worker_speaks_the_session_api() {
 /// turn (so a second prompt is still refused) and the seal are all there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_worker_recovers_its_sessions_from_sqlite() {
-    let worker_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let worker_dir = harness_testkit::wrangler::test_build();
     let state = std::env::temp_dir().join(format!("harness-worker-restart-{}", std::process::id()));
     let start = || {
         let state = state.clone();
@@ -130,7 +128,7 @@ async fn the_worker_passes_the_durable_streams_conformance_suite() {
     else {
         return;
     };
-    let worker_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let worker_dir = harness_testkit::wrangler::test_build();
     let Some(dev) = tokio::task::spawn_blocking(move || {
         // The suite sends no token; it waits up to 5 s for a long-poll.
         WranglerDev::start(
@@ -162,7 +160,7 @@ async fn the_worker_passes_the_durable_streams_conformance_suite() {
 /// client grant gets 403.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn generic_streams_survive_a_restart_and_refuse_oversized_bodies() {
-    let worker_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let worker_dir = harness_testkit::wrangler::test_build();
     let state = std::env::temp_dir().join(format!("harness-worker-ds-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&state);
     let start = || {
@@ -265,7 +263,7 @@ async fn a_reader_too_far_behind_is_dropped_and_resumes() {
     use std::time::Duration;
     use tokio_tungstenite::tungstenite::Message;
 
-    let worker_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let worker_dir = harness_testkit::wrangler::test_build();
     let tokens = session_api::token_table().to_string();
     let Some(dev) = tokio::task::spawn_blocking(move || {
         WranglerDev::start(
@@ -393,7 +391,7 @@ async fn a_reader_too_far_behind_is_dropped_and_resumes() {
 async fn the_durable_objects_audit_chain_names_what_was_edited_in_its_storage() {
     use harness_core::log::chain::link;
     use harness_core::log::{ChainKey, FrameHash};
-    let worker_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let worker_dir = harness_testkit::wrangler::test_build();
     let state = std::env::temp_dir().join(format!("harness-worker-audit-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&state);
     let secret = "the worker's audit secret";
@@ -694,11 +692,67 @@ async fn the_worker_searches_across_sessions() {
 /// `wrangler dev` of the built Worker with the suite's token table (after
 /// a skip, `None`).
 async fn dev_with_tokens() -> Option<WranglerDev> {
-    let worker_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let worker_dir = harness_testkit::wrangler::test_build();
     let tokens = session_api::token_table().to_string();
     tokio::task::spawn_blocking(move || {
         WranglerDev::start(worker_dir, &[("HARNESS_TOKENS", tokens)])
     })
     .await
     .expect("start task")
+}
+
+/// The deploy build (`cargo xtask worker build`, no `test-routes`) has no
+/// test route, even with the test variables set: the engine API, the
+/// stores' routes and the failpoint's switch exist only in the test build.
+/// A session route answers, so the 404s are the routes' absence, not a
+/// Worker that does not run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_deploy_build_has_no_test_routes() {
+    let tokens = session_api::token_table().to_string();
+    let vars = [
+        ("HARNESS_TOKENS", tokens),
+        (
+            "HARNESS_TEST_EXECUTOR_URL",
+            "http://127.0.0.1:9/executor".to_string(),
+        ),
+        ("HARNESS_TEST_FAIL_SLICE", "1:1".to_string()),
+    ];
+    let Some(dev) = tokio::task::spawn_blocking(move || {
+        WranglerDev::start(harness_testkit::wrangler::deploy_build(), &vars)
+    })
+    .await
+    .expect("start task") else {
+        return;
+    };
+    let http = reqwest::Client::new();
+    let listed = http
+        .get(format!("{}/v1/sessions", dev.base))
+        .bearer_auth(HOST)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(listed.status(), 200, "the deploy build does not serve");
+    for (path, token) in [
+        ("/v1/test/engine/wait", session_api::RUNNER),
+        ("/v1/test/engine/start", session_api::RUNNER),
+        ("/v1/test/log/create?session=deploy-s", HOST),
+        ("/v1/test/log/append?session=deploy-s", HOST),
+        ("/v1/test/checkpoints/list", HOST),
+        ("/v1/test/checkpoints/tamper?key=a", HOST),
+    ] {
+        let answer = http
+            .post(format!("{}{path}", dev.base))
+            .bearer_auth(token)
+            .json(&json!({}))
+            .send()
+            .await
+            .unwrap();
+        let status = answer.status();
+        let body = answer.text().await.unwrap_or_default();
+        assert_eq!(
+            status, 404,
+            "the deploy build answers {path} with {status}: {body}"
+        );
+        assert!(body.contains("no such endpoint"), "{path}: {body}");
+    }
 }

@@ -580,13 +580,7 @@ async fn events(
     let info = state.hub.log().info(&id).await?;
     // A reader from the start of a trimmed log starts at its cut; one
     // resuming from inside the cut is told those frames are gone (410).
-    let after = match after {
-        0 => info.kept_after(),
-        after => {
-            harness_core::log::check_kept(&id, info.trimmed.as_ref(), after)?;
-            after
-        }
-    };
+    let after = info.reader_start(after)?;
     let pump = EventPump {
         state,
         id,
