@@ -23,7 +23,8 @@ pub struct ChaosArgs {
     /// Only this trial of the seed (what a failed run prints to replay).
     #[arg(long)]
     trial: Option<u32>,
-    /// Only these engines: in-process, serve, temporal (default: all).
+    /// Only these engines: in-process, serve, temporal, runner (default:
+    /// all).
     #[arg(long = "engine", value_delimiter = ',')]
     engines: Vec<String>,
     /// Only these phases (see docs/reliability.md; default: all).

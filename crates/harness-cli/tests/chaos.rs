@@ -1,6 +1,7 @@
 //! Chaos trials: real turns (real `claude`, scripted model, the local or the
 //! Docker sandbox) on each engine — `harness run` (in-process), `harness
-//! serve`, `harness serve --engine temporal` with a `harness worker` — each
+//! serve`, `harness serve --engine temporal` with a `harness worker`,
+//! `harness serve --engine remote` with a remote `harness runner` — each
 //! killed with SIGKILL at a point drawn from the turn's phases, then
 //! restarted. Every trial asserts the turn ends `finished`, the log is
 //! gap-free with every part once and one terminal status, the tree holds
@@ -51,16 +52,25 @@ enum Engine {
     InProcess,
     Serve,
     Temporal,
+    /// `harness serve --engine remote`: the turns run in a `harness
+    /// runner` with its own home (where its sandboxes are).
+    Runner,
 }
 
 impl Engine {
-    const ALL: [Engine; 3] = [Engine::InProcess, Engine::Serve, Engine::Temporal];
+    const ALL: [Engine; 4] = [
+        Engine::InProcess,
+        Engine::Serve,
+        Engine::Temporal,
+        Engine::Runner,
+    ];
 
     fn name(self) -> &'static str {
         match self {
             Engine::InProcess => "in-process",
             Engine::Serve => "serve",
             Engine::Temporal => "temporal",
+            Engine::Runner => "runner",
         }
     }
 
@@ -70,6 +80,7 @@ impl Engine {
             Engine::InProcess => "`harness run`, then `harness resume`",
             Engine::Serve => "`harness serve`, then a new server",
             Engine::Temporal => "`harness worker`, then a new worker",
+            Engine::Runner => "the remote `harness runner`, then a new runner",
         }
     }
 }
@@ -456,7 +467,9 @@ async fn run_trial(trial: Trial, parts: Parts) -> String {
     let _containers = HomeContainers(home.path().to_path_buf());
     let mut killed_at = match trial.engine {
         Engine::InProcess => in_process(&trial, home.path(), &model, &image).await,
-        Engine::Serve | Engine::Temporal => on_a_server(&trial, home.path(), &model, &image).await,
+        Engine::Serve | Engine::Temporal | Engine::Runner => {
+            on_a_server(&trial, home.path(), &model, &image).await
+        }
     };
     let (session, frames) = only_session(home.path()).await;
     let context = trial.label();
@@ -693,7 +706,8 @@ async fn in_process(
     killed_at
 }
 
-/// `harness serve` (or its Temporal worker), killed and replaced.
+/// `harness serve` (or its Temporal worker, or its remote runner), killed
+/// and replaced.
 async fn on_a_server(
     trial: &Trial,
     home: &Path,
@@ -719,6 +733,11 @@ async fn on_a_server(
             let worker = Worker::start_with_env(home, &serve, model, &queue, &env);
             (serve, Some(worker))
         }
+        Engine::Runner => {
+            let serve = Serve::start(home, model, &["--engine", "remote"]);
+            let runner = Worker::runner_with_env(&runner_home(home), &serve, model, &env);
+            (serve, Some(runner))
+        }
         Engine::InProcess => unreachable!(),
     };
     let mut body = json!({"agent": "claude-code", "sandbox": trial.sandbox()});
@@ -737,7 +756,10 @@ async fn on_a_server(
         Some(w) => {
             log_before = w.log();
             w.kill();
-            worker = Some(Worker::start(home, &serve, model, &queue));
+            worker = Some(match trial.engine {
+                Engine::Runner => Worker::runner(&runner_home(home), &serve, model),
+                _ => Worker::start(home, &serve, model, &queue),
+            });
         }
         None => {
             log_before = serve.log();
@@ -794,6 +816,12 @@ async fn on_a_server(
     killed_at
 }
 
+/// A remote runner's home: beside the server's, its own (its sandboxes and
+/// its in-process turn state live there, not in the server's log).
+fn runner_home(home: &Path) -> PathBuf {
+    home.join("runner")
+}
+
 /// The sandbox the turn recorded holds what the tool wrote, and it is the
 /// session's only sandbox (a killed create left none behind).
 fn the_tree_is_intact(trial: &Trial, home: &Path, session: &SessionId, frames: &[Value]) {
@@ -820,7 +848,12 @@ fn the_tree_is_intact(trial: &Trial, home: &Path, session: &SessionId, frames: &
         );
     } else {
         let id = sandbox["id"].as_str().unwrap();
-        let dirs = common::local_sandboxes(home);
+        // The home whose provider made it: a remote runner's own.
+        let home = match trial.engine {
+            Engine::Runner => runner_home(home),
+            _ => home.to_path_buf(),
+        };
+        let dirs = common::local_sandboxes(&home);
         assert_eq!(
             dirs,
             vec![id.to_string()],

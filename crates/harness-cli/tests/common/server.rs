@@ -397,6 +397,16 @@ impl Worker {
 
     /// `harness runner` for a server on `--engine remote`.
     pub fn runner(home: &Path, serve: &Serve, model: &ScriptedModel) -> Worker {
+        Self::runner_with_env(home, serve, model, &[])
+    }
+
+    /// [`Worker::runner`] with more environment for the runner.
+    pub fn runner_with_env(
+        home: &Path,
+        serve: &Serve,
+        model: &ScriptedModel,
+        env: &[(&str, &str)],
+    ) -> Worker {
         Self::connect(
             home,
             &serve.base,
@@ -404,7 +414,7 @@ impl Worker {
             "runner",
             &["--slice-ms", "1000"],
             "",
-            &[],
+            env,
         )
     }
 
