@@ -75,6 +75,18 @@ pub fn test_build() -> &'static Path {
     DIR.get_or_init(|| worker_crate().join("test-build"))
 }
 
+/// The test build under `wrangler dev` with the session-API suite's token
+/// table (`conformance::session_api::token_table`), started off the async
+/// runtime; `None` after a skip (see [`WranglerDev::start`]).
+pub async fn test_build_with_suite_tokens() -> Option<WranglerDev> {
+    let tokens = crate::conformance::session_api::token_table().to_string();
+    tokio::task::spawn_blocking(move || {
+        WranglerDev::start(test_build(), &[("HARNESS_TOKENS", tokens)])
+    })
+    .await
+    .expect("the task starting wrangler dev")
+}
+
 /// The Worker's deploy build (`cargo xtask worker build`,
 /// `crates/harness-worker/build/`): what a deployment runs.
 pub fn deploy_build() -> &'static Path {

@@ -16,19 +16,14 @@
 use std::sync::Arc;
 
 use harness_core::log::{ChainKey, SessionLog};
-use harness_testkit::conformance::session_api::{self, HOST};
+use harness_testkit::conformance::session_api::HOST;
 use harness_testkit::conformance::{checkpoint, log, retention};
 use harness_testkit::worker_stores::{WorkerCheckpoints, WorkerLog};
-use harness_testkit::wrangler::{test_build, WranglerDev};
+use harness_testkit::wrangler::test_build_with_suite_tokens;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_workers_log_and_r2_store_pass_the_shared_suites() {
-    let tokens = session_api::token_table().to_string();
-    let Some(dev) = tokio::task::spawn_blocking(move || {
-        WranglerDev::start(test_build(), &[("HARNESS_TOKENS", tokens)])
-    })
-    .await
-    .expect("start task") else {
+    let Some(dev) = test_build_with_suite_tokens().await else {
         return;
     };
     let base = dev.base.clone();
@@ -87,12 +82,7 @@ async fn the_workers_log_and_r2_store_pass_the_shared_suites() {
 async fn a_checkpoint_put_cut_short_stores_nothing() {
     use std::io::Write;
 
-    let tokens = session_api::token_table().to_string();
-    let Some(dev) = tokio::task::spawn_blocking(move || {
-        WranglerDev::start(test_build(), &[("HARNESS_TOKENS", tokens)])
-    })
-    .await
-    .expect("start task") else {
+    let Some(dev) = test_build_with_suite_tokens().await else {
         return;
     };
     let http = reqwest::Client::new();

@@ -6,12 +6,12 @@
 #![cfg(not(target_arch = "wasm32"))]
 
 use harness_testkit::conformance::session_api::{self, Target, CLIENT, HOST};
-use harness_testkit::wrangler::WranglerDev;
+use harness_testkit::wrangler::{test_build_with_suite_tokens, WranglerDev};
 use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_worker_speaks_the_session_api() {
-    let Some(dev) = dev_with_tokens().await else {
+    let Some(dev) = test_build_with_suite_tokens().await else {
         return;
     };
     let target = Target::new(dev.base.clone(), "w");
@@ -550,7 +550,7 @@ async fn the_durable_objects_audit_chain_names_what_was_edited_in_its_storage() 
 /// sessions (403).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_worker_searches_across_sessions() {
-    let Some(dev) = dev_with_tokens().await else {
+    let Some(dev) = test_build_with_suite_tokens().await else {
         return;
     };
     let t = Target::new(dev.base.clone(), "search");
@@ -687,18 +687,6 @@ async fn the_worker_searches_across_sessions() {
     let (_, v) = search("q=nothing+to+see", HOST).await;
     let sessions: Vec<String> = hits_of(&v).into_iter().map(|(s, _)| s).collect();
     assert_eq!(sessions, ["find-c"], "the deleted fork is not found: {v}");
-}
-
-/// `wrangler dev` of the built Worker with the suite's token table (after
-/// a skip, `None`).
-async fn dev_with_tokens() -> Option<WranglerDev> {
-    let worker_dir = harness_testkit::wrangler::test_build();
-    let tokens = session_api::token_table().to_string();
-    tokio::task::spawn_blocking(move || {
-        WranglerDev::start(worker_dir, &[("HARNESS_TOKENS", tokens)])
-    })
-    .await
-    .expect("start task")
 }
 
 /// The deploy build (`cargo xtask worker build`, no `test-routes`) has no
