@@ -598,4 +598,73 @@ mod tests {
         assert!(FrameHash::parse_hex("abc").is_err());
         assert!(FrameHash::from_slice(&[0; 31]).is_err());
     }
+
+    /// A hash shows as its hex everywhere (stores keep its bytes, logs and
+    /// reports its text), and its bytes are its own.
+    #[test]
+    fn a_hash_shows_its_own_bytes_and_hex() {
+        let h = link(&ChainKey::unkeyed(), &FrameHash::GENESIS, 1, 0, None, "x");
+        let hex = h.to_hex();
+        assert_eq!(hex::encode(h.as_bytes()), hex);
+        assert_eq!(FrameHash::from_slice(h.as_bytes()).unwrap(), h);
+        assert_eq!(h.to_string(), hex);
+        assert_eq!(format!("{h:?}"), format!("FrameHash({hex})"));
+        let other = FrameHash::parse_hex(&"01".repeat(HASH_LEN)).unwrap();
+        assert_eq!(other.as_bytes(), &[1; HASH_LEN]);
+    }
+
+    /// Keys are equal by their secret and whether they chain at all; the
+    /// empty key is the unkeyed one; `off` chains nothing; a key never
+    /// prints its secret.
+    #[test]
+    fn keys_compare_by_secret_and_never_print_it() {
+        let key = ChainKey::new(b"s3cret-bytes".to_vec());
+        assert_eq!(key, ChainKey::new(b"s3cret-bytes".to_vec()));
+        assert_ne!(key, ChainKey::new(b"other".to_vec()));
+        assert_ne!(key, ChainKey::unkeyed());
+        assert_eq!(ChainKey::unkeyed(), ChainKey::default());
+        assert_ne!(ChainKey::unkeyed(), ChainKey::off());
+        assert!(ChainKey::unkeyed().is_unkeyed());
+        assert!(!key.is_unkeyed());
+        assert!(key.chains() && ChainKey::unkeyed().chains());
+        assert!(!ChainKey::off().chains());
+        assert_eq!(format!("{:?}", ChainKey::off()), "ChainKey(off)");
+        assert_eq!(format!("{:?}", ChainKey::unkeyed()), "ChainKey(unkeyed)");
+        let shown = format!("{key:?}");
+        assert_eq!(shown, "ChainKey(..)");
+        assert!(!shown.contains("s3cret"));
+    }
+
+    /// Each break says where the chain fails, in words an operator can act on.
+    #[test]
+    fn breaks_say_where_the_chain_fails() {
+        let cases = [
+            (
+                ChainBreak::Gap {
+                    after: 3,
+                    next: Some(7),
+                },
+                "frames 4..=6 are missing (frame 3 is followed by frame 7)",
+            ),
+            (
+                ChainBreak::Gap {
+                    after: 9,
+                    next: None,
+                },
+                "frames after 9 are missing",
+            ),
+            (
+                ChainBreak::Mismatch { seq: 5 },
+                "frame 5 does not match its hash",
+            ),
+            (
+                ChainBreak::Unchained { seq: 8 },
+                "frame 8 has no hash although frames before it have one",
+            ),
+        ];
+        for (broken, says) in cases {
+            let text = broken.to_string();
+            assert!(text.contains(says), "{broken:?} says {text:?}");
+        }
+    }
 }
