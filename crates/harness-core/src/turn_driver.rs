@@ -357,3 +357,147 @@ impl TurnDriver {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::turn::{ApprovalAnswer, TurnState, TurnStatus};
+
+    fn driver_of(state: TurnState) -> TurnDriver {
+        TurnDriver::new(state).expect("a current state")
+    }
+
+    fn fresh() -> TurnState {
+        TurnState::new("s1", "t1", "claude-code", "hi")
+    }
+
+    fn ended() -> TurnState {
+        TurnState {
+            status: TurnStatus::Finished,
+            ..fresh()
+        }
+    }
+
+    fn yes(id: &str) -> ApprovalAnswer {
+        ApprovalAnswer {
+            approval_id: id.into(),
+            approved: true,
+            reason: None,
+        }
+    }
+
+    /// The answers waiting to be applied, as the driver persists them.
+    fn waiting(driver: &TurnDriver) -> Vec<String> {
+        let json = serde_json::to_value(driver).unwrap();
+        json["answers"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|x| x["approval_id"].as_str().unwrap().to_string())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// One classification for every engine: bad input, unsafe and
+    /// unauthorized requests never pass on retry; fenced is its own kind
+    /// (another runner goes on); the rest may pass. The message is kept.
+    #[test]
+    fn step_failures_are_classified_once() {
+        for kind in [
+            ErrorKind::InvalidInput,
+            ErrorKind::Unsafe,
+            ErrorKind::Unauthorized,
+        ] {
+            let failure = StepFailure::from_error(&Error::new(kind, "no good"));
+            assert!(
+                matches!(failure, StepFailure::Fatal(_)),
+                "{kind:?}: {failure:?}"
+            );
+            assert!(!failure.is_retryable());
+            assert!(failure.message().contains("no good"), "{failure:?}");
+        }
+        let fenced = StepFailure::from_error(&Error::new(ErrorKind::Fenced, "a newer runner"));
+        assert!(matches!(fenced, StepFailure::Fenced(_)), "{fenced:?}");
+        assert!(fenced.is_retryable());
+        assert!(fenced.message().contains("a newer runner"));
+        for kind in [
+            ErrorKind::Backend,
+            ErrorKind::NotFound,
+            ErrorKind::TimedOut,
+            ErrorKind::Conflict,
+            ErrorKind::Io,
+        ] {
+            let failure = StepFailure::from(&Error::new(kind, "hiccup"));
+            assert!(
+                matches!(failure, StepFailure::Retryable(_)),
+                "{kind:?}: {failure:?}"
+            );
+            assert!(failure.is_retryable());
+            assert!(failure.message().contains("hiccup"));
+        }
+    }
+
+    /// A fenced report stops the driver for good and says why.
+    #[test]
+    fn a_fenced_runner_stops_and_says_why() {
+        let mut driver = driver_of(fresh());
+        assert_eq!(driver.fenced(), None);
+        assert_ne!(driver.poll(1), TurnAction::Stop);
+        driver.sandbox_created(Err(StepFailure::Fenced("runner 7 took over".into())));
+        assert_eq!(driver.fenced(), Some("runner 7 took over"));
+        assert_eq!(driver.poll(2), TurnAction::Stop);
+        let mut recording = driver_of(ended());
+        recording.end_recorded(Err(StepFailure::Fenced("runner 8".into())));
+        assert_eq!(recording.fenced(), Some("runner 8"));
+        assert_eq!(recording.poll(3), TurnAction::Stop);
+    }
+
+    /// An abort is input until the next poll applies it; the first reason
+    /// wins; an ended turn takes none.
+    #[test]
+    fn an_abort_is_taken_once_before_the_end() {
+        let mut driver = driver_of(fresh());
+        assert!(!driver.abort_requested() && !driver.has_input());
+        driver.abort("the user asked");
+        driver.abort("a second reason");
+        assert!(driver.abort_requested() && driver.has_input());
+        driver.poll(1);
+        assert!(!driver.has_input(), "the abort was applied");
+        assert!(driver.abort_requested(), "it stays asked for");
+        let state = format!("{:?}", driver.state());
+        assert!(
+            state.contains("the user asked") && !state.contains("a second reason"),
+            "{state}"
+        );
+        driver.abort("after it was applied");
+        assert!(!driver.has_input(), "a second abort is not input again");
+
+        let mut over = driver_of(ended());
+        over.abort("too late");
+        assert!(!over.abort_requested() && !over.has_input());
+    }
+
+    /// Answers wait until the turn asks for them: each request's answer
+    /// once (a repeat, or one the state already applied, is dropped), and
+    /// an ended turn takes none.
+    #[test]
+    fn answers_wait_once_each_until_the_end() {
+        let mut driver = driver_of(fresh());
+        driver.answer(yes("a1"));
+        assert!(driver.has_input());
+        driver.answer(yes("a1"));
+        driver.answer(yes("a2"));
+        assert_eq!(waiting(&driver), ["a1", "a2"]);
+
+        let mut applied = fresh();
+        applied.approval_answers.push(yes("a0"));
+        let mut driver = driver_of(applied);
+        driver.answer(yes("a0"));
+        assert!(!driver.has_input(), "{:?}", waiting(&driver));
+
+        let mut over = driver_of(ended());
+        over.answer(yes("a9"));
+        assert!(!over.has_input());
+    }
+}
