@@ -500,4 +500,78 @@ mod tests {
         over.answer(yes("a9"));
         assert!(!over.has_input());
     }
+
+    /// A failed turn whose agent still runs: the driver asks to kill it.
+    fn killing() -> TurnState {
+        TurnState {
+            status: TurnStatus::Failed,
+            kill_pending: true,
+            process: Some(crate::sandbox::DetachedProcess {
+                id: "42".into(),
+                stdout_path: "out".into(),
+                stderr_path: "err".into(),
+                exit_path: "exit".into(),
+            }),
+            ..fresh()
+        }
+    }
+
+    /// A kill that keeps failing is retried up to [`MAX_KILL_ATTEMPTS`],
+    /// then given up with the reason noted; a fatal failure gives up at
+    /// once; a success ends the kill.
+    #[test]
+    fn a_failing_kill_is_retried_then_given_up() {
+        let mut driver = driver_of(killing());
+        for attempt in 1..MAX_KILL_ATTEMPTS {
+            assert!(
+                matches!(driver.poll(1), TurnAction::KillAgent { .. }),
+                "attempt {attempt}"
+            );
+            driver.agent_killed(Err(StepFailure::Retryable(format!("try {attempt}"))));
+        }
+        assert!(matches!(driver.poll(1), TurnAction::KillAgent { .. }));
+        driver.agent_killed(Err(StepFailure::Retryable("the last try".into())));
+        assert_eq!(driver.poll(1), TurnAction::RecordEnd, "given up");
+        let error = driver.state().error.clone().unwrap_or_default();
+        assert!(
+            error.contains("killing the agent failed: the last try"),
+            "{error}"
+        );
+
+        let mut fatal = driver_of(killing());
+        fatal.agent_killed(Err(StepFailure::Fatal("no such sandbox".into())));
+        assert_eq!(
+            fatal.poll(1),
+            TurnAction::RecordEnd,
+            "a fatal failure gives up"
+        );
+
+        let mut killed = driver_of(killing());
+        killed.agent_killed(Ok(()));
+        assert_eq!(killed.poll(1), TurnAction::RecordEnd);
+        assert!(killed.state().error.is_none(), "{:?}", killed.state().error);
+    }
+
+    /// Recording the end is retried up to [`MAX_RECORD_ATTEMPTS`], then the
+    /// turn is done with the reason noted; a fatal failure gives up at once.
+    #[test]
+    fn a_failing_end_record_is_retried_then_given_up() {
+        let mut driver = driver_of(ended());
+        for attempt in 1..MAX_RECORD_ATTEMPTS {
+            assert_eq!(driver.poll(1), TurnAction::RecordEnd, "attempt {attempt}");
+            driver.end_recorded(Err(StepFailure::Retryable("log away".into())));
+        }
+        assert_eq!(driver.poll(1), TurnAction::RecordEnd);
+        driver.end_recorded(Err(StepFailure::Retryable("still away".into())));
+        assert_eq!(driver.poll(1), TurnAction::Done);
+        let error = driver.state().error.clone().unwrap_or_default();
+        assert!(
+            error.contains("recording the end of the turn failed: still away"),
+            "{error}"
+        );
+
+        let mut fatal = driver_of(ended());
+        fatal.end_recorded(Err(StepFailure::Fatal("refused".into())));
+        assert_eq!(fatal.poll(1), TurnAction::Done);
+    }
 }
