@@ -574,4 +574,42 @@ mod tests {
         fatal.end_recorded(Err(StepFailure::Fatal("refused".into())));
         assert_eq!(fatal.poll(1), TurnAction::Done);
     }
+
+    /// A reason noted on a given-up step joins the turn's error; an event
+    /// the machine refuses fails a running turn (never loops) and leaves an
+    /// ended one as it was.
+    #[test]
+    fn given_up_steps_add_to_the_error_and_refusals_fail_the_turn() {
+        let mut driver = driver_of(TurnState {
+            error: Some("the agent hung".into()),
+            ..killing()
+        });
+        driver.agent_killed(Err(StepFailure::Fatal("gone".into())));
+        assert_eq!(
+            driver.state().error.as_deref(),
+            Some("the agent hung (and killing the agent failed: gone)")
+        );
+        let mut blank = driver_of(TurnState {
+            error: Some(String::new()),
+            ..killing()
+        });
+        blank.agent_killed(Err(StepFailure::Fatal("gone".into())));
+        assert_eq!(
+            blank.state().error.as_deref(),
+            Some("killing the agent failed: gone")
+        );
+
+        // The end of a running turn: the machine refuses the report.
+        let mut running = driver_of(TurnState {
+            status: TurnStatus::ReadyForNextStep,
+            ..fresh()
+        });
+        running.end_recorded(Ok(()));
+        assert_eq!(running.state().status, TurnStatus::Failed);
+        let error = running.state().error.clone().unwrap_or_default();
+        assert!(error.contains("internal:"), "{error}");
+        let mut over = driver_of(ended());
+        over.agent_killed(Ok(()));
+        assert_eq!(over.state(), &ended());
+    }
 }
