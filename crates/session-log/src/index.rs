@@ -198,6 +198,13 @@ impl Indexer {
     }
 }
 
+/// Whether the indexer writes its batch now: never an empty one; else
+/// when the writer is gone, the oldest entry has waited [`FLUSH_EVERY`]
+/// (`waited`), or [`FLUSH_AT`] entries are held.
+fn flush_due(waited: Option<Duration>, held: usize, closed: bool) -> bool {
+    held > 0 && (closed || waited.is_some_and(|w| w >= FLUSH_EVERY) || held >= FLUSH_AT)
+}
+
 fn run(conn: Connection, rx: Receiver<Vec<Entry>>) {
     let mut batch: Vec<Entry> = Vec::new();
     let mut since: Option<Instant> = None;
@@ -214,8 +221,7 @@ fn run(conn: Connection, rx: Receiver<Vec<Entry>>) {
             Err(RecvTimeoutError::Timeout) => false,
             Err(RecvTimeoutError::Disconnected) => true,
         };
-        let due = since.is_some_and(|s| s.elapsed() >= FLUSH_EVERY) || batch.len() >= FLUSH_AT;
-        if (due || closed) && !batch.is_empty() {
+        if flush_due(since.map(|s| s.elapsed()), batch.len(), closed) {
             if let Err(e) = index_batch(&conn, &batch) {
                 // The marks stay behind: the next open catches up.
                 tracing::warn!(frames = batch.len(), error = %e, "search index: a batch failed");
@@ -226,5 +232,27 @@ fn run(conn: Connection, rx: Receiver<Vec<Entry>>) {
         if closed {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A batch is written when it is old enough, big enough or the writer
+    /// is gone — and never when it is empty.
+    #[test]
+    fn a_batch_is_written_when_old_big_or_closed_and_never_empty() {
+        let young = Some(FLUSH_EVERY / 2);
+        assert!(!flush_due(None, 1, false));
+        assert!(!flush_due(young, 1, false));
+        assert!(!flush_due(young, FLUSH_AT - 1, false));
+        assert!(flush_due(young, FLUSH_AT, false), "big enough");
+        assert!(flush_due(Some(FLUSH_EVERY), 1, false), "old enough");
+        assert!(flush_due(Some(FLUSH_EVERY * 3), 1, false));
+        assert!(flush_due(young, 1, true), "the writer is gone");
+        assert!(flush_due(None, 1, true));
+        assert!(!flush_due(None, 0, true), "nothing to write");
+        assert!(!flush_due(Some(FLUSH_EVERY * 3), 0, false));
     }
 }

@@ -55,3 +55,28 @@ async fn a_database_without_an_index_is_indexed_at_open() {
     assert_eq!(hits.len(), 1, "{hits:?}");
     assert_eq!((hits[0].session.as_str(), hits[0].seq), ("s0012", 1));
 }
+
+/// Dropping the log waits for its indexer to write what it holds: right
+/// after the drop, every session's mark (the last seq indexed) is at its
+/// last frame, without a reopen's catch-up.
+#[tokio::test]
+async fn dropping_the_log_writes_what_the_indexer_holds() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("drop.db");
+    {
+        let log = SqliteSessionLog::open(&path).unwrap();
+        harness_testkit::conformance::search::generate(&log, 20)
+            .await
+            .unwrap();
+    }
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    let count = |sql: &str| -> i64 { conn.query_row(sql, [], |r| r.get(0)).unwrap() };
+    let behind = count(
+        "SELECT count(*) FROM logs l WHERE \
+         (SELECT max(seq) FROM frames f WHERE f.session = l.session) > \
+         COALESCE((SELECT through FROM search_marks m WHERE m.session = l.session), 0)",
+    );
+    assert_eq!(behind, 0, "sessions with frames left unindexed at the drop");
+    assert!(count("SELECT count(*) FROM search_marks") >= 20);
+    assert!(count("SELECT count(*) FROM search_docs") >= 20);
+}
