@@ -272,8 +272,7 @@ async fn route(req: Request, env: &Env) -> Result<Response, ApiError> {
                 .object(&id, Method::Delete, "delete", Some(String::new()), None)
                 .await?;
             if answer.status_code() == 204 {
-                let path = format!("/remove?id={id}");
-                directory(call.env, Method::Post, &path).await?;
+                forget_session(call.env, &id).await?;
             }
             Ok(answer)
         }
@@ -335,7 +334,7 @@ async fn route(req: Request, env: &Env) -> Result<Response, ApiError> {
                 .object(&id, Method::Post, &object_op, None, Some(body))
                 .await?;
             if *op == "delete" && answer.status_code() == 200 {
-                directory(call.env, Method::Post, &format!("/remove?id={id}")).await?;
+                forget_session(call.env, &id).await?;
             }
             Ok(answer)
         }
@@ -745,6 +744,13 @@ async fn record_session(env: &Env, id: &SessionId) -> Result<(), ApiError> {
             ),
         ));
     }
+    Ok(())
+}
+
+/// Remove `id` from the directory of sessions (after its object emptied
+/// itself).
+async fn forget_session(env: &Env, id: &SessionId) -> Result<(), ApiError> {
+    directory(env, Method::Post, &format!("/remove?id={id}")).await?;
     Ok(())
 }
 

@@ -27,11 +27,12 @@ async fn the_workers_log_and_r2_store_pass_the_shared_suites() {
         return;
     };
     let base = dev.base.clone();
-    let logs = log::run_all(|| {
+    // A fresh log per check: a namespace of its own (worker_stores docs).
+    let fresh_log = || {
         let base = base.clone();
         async move { Arc::new(WorkerLog::new(&base, HOST)) as Arc<dyn SessionLog> }
-    })
-    .await;
+    };
+    let logs = log::run_all(fresh_log).await;
     if let Err(e) = logs {
         panic!(
             "the Durable Object's log fails the log suite: {e:#}\n--- wrangler dev ---\n{}",
@@ -40,14 +41,7 @@ async fn the_workers_log_and_r2_store_pass_the_shared_suites() {
     }
     // Retention: delete and trim through the public routes, search across
     // the objects (no audit key is set: the chain is unkeyed).
-    let kept = retention::run_all(
-        || {
-            let base = base.clone();
-            async move { Arc::new(WorkerLog::new(&base, HOST)) as Arc<dyn SessionLog> }
-        },
-        &ChainKey::unkeyed(),
-    )
-    .await;
+    let kept = retention::run_all(fresh_log, &ChainKey::unkeyed()).await;
     if let Err(e) = kept {
         panic!(
             "the Durable Object's log fails the retention suite: {e:#}\n--- wrangler dev ---\n{}",
