@@ -23,7 +23,7 @@ use crate::actor::{ActorConfig, ConnId, ErrorCode, Input, Output, ServerMessage,
 use crate::log::SessionStore;
 use crate::maybe::MaybeSend;
 use crate::session::TurnCommand;
-use crate::Result;
+use crate::{ErrorKind, Result};
 
 /// Frames read from the store per page when replaying.
 pub const REPLAY_PAGE: usize = 1000;
@@ -207,9 +207,15 @@ impl<T: Transport> ActorDriver<T> {
         }
     }
 
-    /// Send stored frames `after < seq <= until` to `conn`.
+    /// Send stored frames `after < seq <= until` to `conn`. A replay from
+    /// the start (0) of a trimmed log starts at its cut; one resuming
+    /// inside the cut is told those frames are gone and closed
+    /// ([`LogInfo::reader_start`](crate::log::LogInfo::reader_start), the
+    /// rule every server's event streams follow). The cut is looked up
+    /// only when a read says it exists, so an untrimmed log pays nothing.
     async fn replay(&mut self, conn: ConnId, after: u64, until: u64) {
         let mut cursor = after;
+        let mut cut_checked = false;
         while cursor < until {
             let want = usize::try_from(until - cursor)
                 .unwrap_or(REPLAY_PAGE)
@@ -227,18 +233,32 @@ impl<T: Transport> ActorDriver<T> {
                         }
                     }
                 }
-                Err(e) => {
-                    // A reader with a hole in its history must not go on as
-                    // if it had everything: tell it and close.
-                    let message = ServerMessage::error(
-                        ErrorCode::ReplayFailed,
-                        format!("could not read frames after {cursor}: {e}"),
-                    );
-                    self.transport.send(conn, message);
-                    self.transport.close(conn, "replay failed");
-                    return;
+                Err(e) if e.kind() == ErrorKind::Gone && !cut_checked => {
+                    cut_checked = true;
+                    match self.store.info().await.and_then(|i| i.reader_start(cursor)) {
+                        Ok(start) => cursor = start,
+                        Err(e) if e.kind() == ErrorKind::Gone => {
+                            self.transport
+                                .send(conn, ServerMessage::error(ErrorCode::Gone, e.to_string()));
+                            self.transport.close(conn, "gone");
+                            return;
+                        }
+                        Err(e) => return self.replay_failed(conn, cursor, &e),
+                    }
                 }
+                Err(e) => return self.replay_failed(conn, cursor, &e),
             }
         }
+    }
+
+    /// A reader with a hole in its history must not go on as if it had
+    /// everything: tell it and close.
+    fn replay_failed(&mut self, conn: ConnId, cursor: u64, e: &crate::Error) {
+        let message = ServerMessage::error(
+            ErrorCode::ReplayFailed,
+            format!("could not read frames after {cursor}: {e}"),
+        );
+        self.transport.send(conn, message);
+        self.transport.close(conn, "replay failed");
     }
 }

@@ -325,6 +325,12 @@ impl SessionObject {
         // without its attachment for a stale one.
         let mut guard = self.actor(session).await?;
         let live = guard.as_mut().expect("the actor is live");
+        // 410 for a client resuming inside a trimmed log's cut, before the
+        // upgrade (as on `session-server`); one from 0 starts at the cut.
+        let after = match after {
+            Some(after) => Some(live.driver.store().info().await?.reader_start(after)?),
+            None => None,
+        };
         let pair = WebSocketPair::new().map_err(internal)?;
         self.state.accept_web_socket(&pair.server);
         let conn = live.next_conn;
@@ -1013,7 +1019,10 @@ impl SessionObject {
         params: &HashMap<String, String>,
     ) -> Result<Response, ApiError> {
         let info = store.info().await?;
-        let after = request::param_u64(params, "after")?.unwrap_or(info.last_seq);
+        let after = match request::param_u64(params, "after")? {
+            Some(after) => info.reader_start(after)?,
+            None => info.last_seq,
+        };
         let headers = sse_headers()?;
         headers.set(UI_STREAM_HEADER, "v1").map_err(internal)?;
         let (conn, rx) = self.connect_reader(session, after).await?;

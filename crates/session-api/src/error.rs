@@ -79,6 +79,7 @@ pub fn status_of_code(code: ErrorCode) -> u16 {
         | ErrorCode::NotAHost
         | ErrorCode::Forbidden => 403,
         ErrorCode::NotFound => 404,
+        ErrorCode::Gone => 410,
         ErrorCode::Unauthorized => 401,
         ErrorCode::Unavailable => 503,
         ErrorCode::AppendFailed | ErrorCode::ReplayFailed | ErrorCode::Other => 500,

@@ -727,8 +727,11 @@ async fn ui_stream(
     let info = state.hub.log().info(&id).await?;
     // Default: from now on (the turn a client is about to start); pass
     // `?after=<seq of the prompt's ack - 1>` to include a turn already
-    // under way.
-    let after = param_u64(&params, "after")?.unwrap_or(info.last_seq);
+    // under way. From 0 on a trimmed log: its cut; inside the cut: 410.
+    let after = match param_u64(&params, "after")? {
+        Some(after) => info.reader_start(after)?,
+        None => info.last_seq,
+    };
     let message_id = format!("{id}-{after}");
     let mut mapper = UiStreamMapper::new(message_id);
     // Catch up and register with the actor before answering, so a client
@@ -812,8 +815,11 @@ async fn websocket(
     let allowed = ws::grants_for(role);
     let grant = state.auth(&headers, &params, Some(&id), allowed)?;
     let after = param_u64(&params, "after")?;
-    // 404 before the upgrade, while we can still answer with a status.
-    state.hub.log().info(&id).await?;
+    // 404 (no such session) and 410 (resuming inside a trimmed log's cut)
+    // before the upgrade, while we can still answer with a status; a
+    // replay from 0 of a trimmed log starts at its cut.
+    let info = state.hub.log().info(&id).await?;
+    let after = after.map(|after| info.reader_start(after)).transpose()?;
     // Messages a little over the frame limit get a clear error; far over
     // it the socket is closed (1009) without reading them into memory.
     let max_message = state.body_limit().saturating_mul(4);

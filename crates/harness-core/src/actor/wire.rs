@@ -206,6 +206,9 @@ pub enum ErrorCode {
     AppendFailed,
     /// Stored frames could not be read back for a replay.
     ReplayFailed,
+    /// The frames asked for were removed by retention (a replay resuming
+    /// inside a trimmed log's cut).
+    Gone,
     /// The session does not exist (said by a transport before the actor).
     NotFound,
     /// No valid token (said by a transport).
@@ -238,6 +241,7 @@ impl ErrorCode {
             ErrorCode::Conflict => "conflict",
             ErrorCode::AppendFailed => "append_failed",
             ErrorCode::ReplayFailed => "replay_failed",
+            ErrorCode::Gone => "gone",
             ErrorCode::NotFound => "not_found",
             ErrorCode::Unauthorized => "unauthorized",
             ErrorCode::Forbidden => "forbidden",
@@ -270,6 +274,7 @@ impl ErrorCode {
             | ErrorCode::Unauthorized
             | ErrorCode::Forbidden => ErrorKind::Unauthorized,
             ErrorCode::NotFound => ErrorKind::NotFound,
+            ErrorCode::Gone => ErrorKind::Gone,
             ErrorCode::AppendFailed
             | ErrorCode::ReplayFailed
             | ErrorCode::Unavailable

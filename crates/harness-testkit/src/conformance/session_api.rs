@@ -291,6 +291,94 @@ pub async fn run_all(t: &Target) {
     an_idle_event_stream_is_kept_alive(t).await;
     the_audit_chain_is_walked_on_request(t).await;
     a_session_exports_as_markdown(t).await;
+    a_trimmed_log_is_read_from_its_cut(t).await;
+}
+
+/// Retention's cut (`POST /trim`, `docs/retention.md`) is one rule on
+/// every reading path: from the start, each — frames, SSE, the WebSocket
+/// replay — begins at the first kept frame; resuming from inside the cut
+/// is 410 Gone (before the upgrade, for the WebSocket; for the UI stream
+/// too).
+pub async fn a_trimmed_log_is_read_from_its_cut(t: &Target) {
+    let id = t.id("trim");
+    t.create(&id).await;
+    let (status, _) = t
+        .message(&id, CLIENT, json!({"type": "prompt", "text": "p"}))
+        .await;
+    assert_eq!(status, 200);
+    for n in 0..4 {
+        t.answer(&id, n).await;
+    }
+    assert_eq!(t.last_seq(&id).await, 5);
+    let trim = format!("/v1/sessions/{id}/trim");
+    let (status, info) = t.post(&trim, Some(HOST), json!({"through": 3})).await;
+    assert_eq!(status, 200, "{info}");
+    assert_eq!(info["trimmed"]["through"], 3, "{info}");
+
+    let (status, frames) = t
+        .get(&format!("/v1/sessions/{id}/frames?after=0"), Some(HOST))
+        .await;
+    assert_eq!(status, 410, "frames from 0 of a trimmed log: {frames}");
+    let (status, frames) = t
+        .get(&format!("/v1/sessions/{id}/frames?after=3"), Some(HOST))
+        .await;
+    assert_eq!(status, 200, "{frames}");
+    let seqs: Vec<u64> = frames
+        .as_array()
+        .expect("frames")
+        .iter()
+        .filter_map(|f| f["seq"].as_u64())
+        .collect();
+    assert_eq!(seqs, [4, 5]);
+
+    let mut events = EventReader::new(t.open_events(&id, "", None).await);
+    let mut seqs = Vec::new();
+    while seqs.last() != Some(&5) {
+        let event = events.next().await.expect("the stream stays open");
+        seqs.extend(frame_seqs(std::slice::from_ref(&event)));
+    }
+    assert_eq!(seqs, [4, 5], "SSE from the start begins at the cut");
+    drop(events);
+    let inside = t
+        .request(
+            reqwest::Method::GET,
+            &format!("/v1/sessions/{id}/events"),
+            Some(CLIENT),
+        )
+        .header("last-event-id", "2");
+    assert_eq!(t.call(inside).await.0, 410, "SSE resuming inside the cut");
+
+    let mut socket = t
+        .socket(&id, "role=client&after=0", CLIENT)
+        .await
+        .expect("a client socket from 0");
+    let mut seqs = Vec::new();
+    while seqs.last() != Some(&5) {
+        let message = next_json(&mut socket)
+            .await
+            .unwrap_or_else(|| panic!("the socket closed after {seqs:?}"));
+        if message["type"] == "frame" {
+            seqs.push(message["frame"]["seq"].as_u64().expect("seq"));
+        }
+    }
+    assert_eq!(
+        seqs,
+        [4, 5],
+        "the WebSocket replay from 0 begins at the cut"
+    );
+    drop(socket);
+    assert_eq!(
+        t.socket(&id, "role=client&after=2", CLIENT).await.err(),
+        Some(410),
+        "a WebSocket resuming inside the cut"
+    );
+    let (status, body) = t
+        .get(
+            &format!("/v1/sessions/{id}/ui-stream?after=2"),
+            Some(CLIENT),
+        )
+        .await;
+    assert_eq!(status, 410, "the UI stream from inside the cut: {body}");
 }
 
 /// `GET /export?format=markdown`: the conversation as a document
