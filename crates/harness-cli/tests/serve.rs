@@ -368,6 +368,43 @@ async fn abort_ends_the_turn_and_the_next_prompt_works(agent: Agent, backend: Ba
     assert!(stored.iter().any(|f| f["body"]["type"] == "message"
         && f["body"]["turnId"] == next.as_str()
         && f["body"]["text"] == "Still here."));
+
+    // DELETE takes the sandbox the session owns with it: the directory
+    // (local) or the container (Docker) is gone, then the log.
+    let info = get_json_as(&serve, &format!("/v1/sessions/{id}"), HOST).await;
+    let sandbox = info["meta"]["sandbox"].clone();
+    assert_eq!(sandbox["owned"], true, "{info}");
+    let exists = || match backend {
+        Backend::Local => {
+            let dir = sandbox["data"]["dir"]
+                .as_str()
+                .expect("the sandbox's directory");
+            std::path::Path::new(dir).exists()
+        }
+        Backend::Docker => !common::docker::session_containers(&id).is_empty(),
+    };
+    assert!(
+        exists(),
+        "the sandbox is there before the delete: {sandbox}"
+    );
+    let deleted = http()
+        .delete(serve.url(&format!("/v1/sessions/{id}")))
+        .bearer_auth(HOST)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(deleted.status(), 204, "{}", serve.log());
+    assert!(
+        !exists(),
+        "the deleted session's sandbox is left: {sandbox}"
+    );
+    let gone = http()
+        .get(serve.url(&format!("/v1/sessions/{id}")))
+        .bearer_auth(HOST)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(gone.status(), 404);
 }
 
 /// The slow turn of the durability cases: a Bash call that sleeps 5 s and

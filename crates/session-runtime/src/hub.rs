@@ -22,7 +22,7 @@
 //! already queued (and the task stays) or arrives after the removal (and
 //! starts a fresh task, which recovers from the log's stored meta).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::time::Duration;
@@ -33,10 +33,11 @@ use harness_core::actor::{
 use harness_core::actor_driver::{ActorDriver, Transport};
 use harness_core::clock::Clock;
 use harness_core::frame::{Frame, FrameBody};
-use harness_core::log::{Claim, LogSession, SessionLeases, SessionLog, SessionStore};
+use harness_core::log::{Claim, LogInfo, LogSession, SessionLeases, SessionLog, SessionStore};
 use harness_core::relay::HostMessage;
+use harness_core::sandbox::SandboxProvider;
 use harness_core::session::TurnCommand;
-use harness_core::{Error, SessionId};
+use harness_core::{Error, ErrorKind, SessionId};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::dispatch::Dispatcher;
@@ -315,6 +316,19 @@ impl From<AnswerError> for Error {
     }
 }
 
+/// What [`Hub::delete`] did with the session's sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SandboxRemoval {
+    /// The session owned no sandbox (none made yet, or one it attached to).
+    NoneOwned,
+    /// Removed.
+    Removed,
+    /// Gone already (a container removed by hand).
+    Gone,
+    /// Left: this process does not run its provider.
+    NotHere,
+}
+
 /// The registry of live session actors. See the module docs.
 pub struct Hub {
     log: Arc<dyn SessionLog>,
@@ -322,6 +336,10 @@ pub struct Hub {
     registry: Mutex<HashMap<SessionId, Entry>>,
     epochs: AtomicU64,
     dispatcher: RwLock<Option<Arc<dyn Dispatcher>>>,
+    /// The sandbox providers of this process, by name: what a deleted
+    /// session's owned sandbox is removed with (empty until
+    /// [`set_sandbox_providers`](Hub::set_sandbox_providers)).
+    providers: RwLock<BTreeMap<String, Arc<dyn SandboxProvider>>>,
     /// Where actor tasks run: the runtime the hub was made on, whichever
     /// thread later opens a connection (a Temporal worker's own runtime
     /// must not host actors that outlive it).
@@ -538,6 +556,7 @@ impl Hub {
             registry: Mutex::new(HashMap::new()),
             epochs: AtomicU64::new(1),
             dispatcher: RwLock::new(None),
+            providers: RwLock::default(),
             tasks,
             me: me.clone(),
         })
@@ -551,6 +570,12 @@ impl Hub {
     /// Where the actors' [`TurnCommand`]s go from now on.
     pub fn set_dispatcher(&self, dispatcher: Arc<dyn Dispatcher>) {
         *self.dispatcher.write().unwrap_or_else(|e| e.into_inner()) = Some(dispatcher);
+    }
+
+    /// The sandbox providers a deleted session's sandbox is removed with
+    /// (a runtime that runs turns here installs its own).
+    pub fn set_sandbox_providers(&self, providers: BTreeMap<String, Arc<dyn SandboxProvider>>) {
+        *self.providers.write().unwrap_or_else(|e| e.into_inner()) = providers;
     }
 
     /// The log.
@@ -767,10 +792,17 @@ impl Hub {
 
     /// Delete `session` (retention, `docs/retention.md`): refused while a
     /// turn runs (abort it first); the actor running it here closes its
-    /// connections, then the log goes. Its checkpoints are left to the
-    /// collector (`harness gc`), which keeps what a fork references.
-    pub async fn delete(&self, session: &SessionId) -> Result<(), Error> {
-        harness_core::log::retention::check_deletable(&self.log.info(session).await?)?;
+    /// connections, the sandbox the session owns is removed, then the log
+    /// goes. Its checkpoints are left to the collector (`harness gc`),
+    /// which keeps what a fork references.
+    ///
+    /// The sandbox goes first: if removing it fails, the error is returned
+    /// and the log stays (delete again to retry). A sandbox already gone
+    /// is skipped; one whose provider this process does not run (turns on
+    /// a remote runner or another node) is left, with a warning.
+    pub async fn delete(&self, session: &SessionId) -> Result<SandboxRemoval, Error> {
+        let info = self.log.info(session).await?;
+        harness_core::log::retention::check_deletable(&info)?;
         let entry = self
             .registry
             .lock()
@@ -780,7 +812,55 @@ impl Hub {
         if let Some(tx) = entry {
             let _ = tx.send(Command::Close(format!("session {session} was deleted")));
         }
-        self.log.delete(session).await
+        let removal = self.remove_sandbox(&info).await?;
+        self.log.delete(session).await?;
+        Ok(removal)
+    }
+
+    async fn remove_sandbox(&self, info: &LogInfo) -> Result<SandboxRemoval, Error> {
+        let Some(handle) = info.meta.sandbox.as_ref().filter(|h| h.owned) else {
+            return Ok(SandboxRemoval::NoneOwned);
+        };
+        let provider = self
+            .providers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&handle.provider)
+            .cloned();
+        let Some(provider) = provider else {
+            tracing::warn!(
+                session = %info.session,
+                provider = %handle.provider,
+                sandbox = %handle.id,
+                "the deleted session's sandbox is left: this process does not run its provider"
+            );
+            return Ok(SandboxRemoval::NotHere);
+        };
+        let sandbox = match provider.resume(handle).await {
+            Ok(sandbox) => sandbox,
+            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(SandboxRemoval::Gone),
+            Err(e) => {
+                return Err(Error::new(
+                    e.kind(),
+                    format!(
+                        "reattaching to the {} sandbox {} of session {} to remove it: {e} (the \
+                         session is kept; delete again to retry)",
+                        handle.provider, handle.id, info.session
+                    ),
+                ))
+            }
+        };
+        sandbox.destroy().await.map_err(|e| {
+            Error::new(
+                e.kind(),
+                format!(
+                    "removing the {} sandbox {} of session {}: {e} (the session is kept; delete \
+                     again to retry)",
+                    handle.provider, handle.id, info.session
+                ),
+            )
+        })?;
+        Ok(SandboxRemoval::Removed)
     }
 
     fn spawn_actor(&self, session: SessionId) -> Entry {

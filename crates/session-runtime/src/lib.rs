@@ -54,7 +54,9 @@ pub mod tool_host;
 
 pub use dispatch::{Dispatcher, EngineDispatcher, OnFailure};
 pub use follow::{TurnFollower, TurnUpdate};
-pub use hub::{Acked, AnswerError, Connection, Hub, HubConfig, Outbound, SharedFrame};
+pub use hub::{
+    Acked, AnswerError, Connection, Hub, HubConfig, Outbound, SandboxRemoval, SharedFrame,
+};
 pub use remote::{serve_runner_channel, FromRunner, ToRunner};
 pub use runner::{HubConnector, RunnerConnector, RunnerLink, RunnerSink, WsConnector};
 pub use runtime::{

@@ -193,6 +193,9 @@ impl RuntimeBuilder {
                 ..self.hub
             },
         );
+        // A deleted session's sandbox is removed with the providers that
+        // made it (those this process runs).
+        hub.set_sandbox_providers(self.providers.clone());
         let generation = self.generation.unwrap_or_else(|| self.clock.now_ms());
         let (engine, in_process): (Arc<dyn DurableEngine>, _) =
             match self.engine.unwrap_or(EngineChoice::InProcess {

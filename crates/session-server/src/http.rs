@@ -471,7 +471,9 @@ async fn seal(
     Ok(Json(state.hub.log().info(&id).await?))
 }
 
-/// `DELETE /v1/sessions/{id}` (retention): 204, or 409 while a turn runs.
+/// `DELETE /v1/sessions/{id}` (retention): 204 once the log and the
+/// sandbox the session owns are gone (`Hub::delete`), or 409 while a turn
+/// runs.
 async fn delete(
     State(state): Shared,
     Path(id): Path<String>,
@@ -480,7 +482,8 @@ async fn delete(
 ) -> Result<StatusCode, ApiError> {
     let id = session_id(&id)?;
     state.auth(&headers, &params, Some(&id), HOST)?;
-    state.hub.delete(&id).await?;
+    let removal = state.hub.delete(&id).await?;
+    tracing::info!(session = %id, sandbox = ?removal, "deleted a session");
     Ok(StatusCode::NO_CONTENT)
 }
 

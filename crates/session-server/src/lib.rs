@@ -137,7 +137,7 @@ async fn retention_pass(
     let mut deleted = 0;
     for session in policy.expired(&logs, now) {
         match hub.delete(&session).await {
-            Ok(()) => deleted += 1,
+            Ok(_) => deleted += 1,
             // Another node deleted it first, or a turn started since.
             Err(e) => tracing::info!(%session, "retention left the session: {e}"),
         }
