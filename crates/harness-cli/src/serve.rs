@@ -400,10 +400,7 @@ pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
         Some(runtime) => SessionServer::with_hub(config, runtime.hub().clone()),
         None => SessionServer::with_remote_runners(config),
     };
-    let retention = harness::core::log::RetentionPolicy {
-        max_idle_ms: args.retain_days.map(|d| d.saturating_mul(86_400_000)),
-        keep_sessions: args.retain_sessions,
-    };
+    let retention = harness::core::log::RetentionPolicy::of(args.retain_days, args.retain_sessions);
     if retention.is_active() {
         server.spawn_retention(retention, Duration::from_secs(3600));
         note!(

@@ -210,6 +210,10 @@ impl WranglerDev {
             .arg("--persist-to")
             .arg(state.join("state"))
             .arg("--show-interactive-dev-session=false")
+            // `GET /cdn-cgi/handler/scheduled?cron=…&time=<ms>` runs the
+            // Cron Trigger's handler (retention) as Cloudflare would on its
+            // schedule, at the time given.
+            .arg("--test-scheduled")
             .env("WRANGLER_SEND_METRICS", "false")
             .env("CLOUDFLARE_CF_FETCH_ENABLED", "false")
             .env("CI", "1")

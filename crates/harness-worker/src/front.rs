@@ -149,27 +149,39 @@ impl Call<'_> {
         query: Option<String>,
         body: Option<Vec<u8>>,
     ) -> Result<Response, ApiError> {
-        let internal = |e: worker::Error| ApiError::new(500, "internal", e.to_string());
-        let namespace = self.env.durable_object("SESSIONS").map_err(internal)?;
-        let stub = namespace
-            .id_from_name(session.as_str())
-            .and_then(|id| id.get_stub())
-            .map_err(internal)?;
-        let headers = Headers::new();
-        headers
-            .set(SESSION_HEADER, session.as_str())
-            .map_err(internal)?;
-        let mut init = RequestInit::new();
-        init.with_method(method).with_headers(headers);
-        if let Some(body) = body {
-            let array = worker::js_sys::Uint8Array::from(body.as_slice());
-            init.with_body(Some(array.into()));
-        }
         let query = query.unwrap_or_else(|| self.query.clone());
-        let url = format!("https://session.internal/{op}?{query}");
-        let request = Request::new_with_init(&url, &init).map_err(internal)?;
-        stub.fetch_with_request(request).await.map_err(internal)
+        session_object(self.env, session, method, op, &query, body).await
     }
+}
+
+/// `op` of `session`'s Durable Object (`object.rs`), with `query` and
+/// `body`.
+pub(crate) async fn session_object(
+    env: &Env,
+    session: &SessionId,
+    method: Method,
+    op: &str,
+    query: &str,
+    body: Option<Vec<u8>>,
+) -> Result<Response, ApiError> {
+    let namespace = env.durable_object("SESSIONS").map_err(internal)?;
+    let stub = namespace
+        .id_from_name(session.as_str())
+        .and_then(|id| id.get_stub())
+        .map_err(internal)?;
+    let headers = Headers::new();
+    headers
+        .set(SESSION_HEADER, session.as_str())
+        .map_err(internal)?;
+    let mut init = RequestInit::new();
+    init.with_method(method).with_headers(headers);
+    if let Some(body) = body {
+        let array = worker::js_sys::Uint8Array::from(body.as_slice());
+        init.with_body(Some(array.into()));
+    }
+    let url = format!("https://session.internal/{op}?{query}");
+    let request = Request::new_with_init(&url, &init).map_err(internal)?;
+    stub.fetch_with_request(request).await.map_err(internal)
 }
 
 /// `req`'s body if it is at most `limit` bytes (by its declared length,
@@ -717,7 +729,7 @@ async fn checkpoint_move(mut call: Call<'_>, op: &str) -> Result<Response, ApiEr
 }
 
 /// The directory object (`directory.rs`) at `path`.
-async fn directory(env: &Env, method: Method, path: &str) -> Result<Response, ApiError> {
+pub(crate) async fn directory(env: &Env, method: Method, path: &str) -> Result<Response, ApiError> {
     let namespace = env.durable_object("DIRECTORY").map_err(internal)?;
     let stub = namespace
         .id_from_name(crate::directory::DIRECTORY_OBJECT)
@@ -749,7 +761,7 @@ async fn record_session(env: &Env, id: &SessionId) -> Result<(), ApiError> {
 
 /// Remove `id` from the directory of sessions (after its object emptied
 /// itself).
-async fn forget_session(env: &Env, id: &SessionId) -> Result<(), ApiError> {
+pub(crate) async fn forget_session(env: &Env, id: &SessionId) -> Result<(), ApiError> {
     directory(env, Method::Post, &format!("/remove?id={id}")).await?;
     Ok(())
 }
@@ -847,7 +859,7 @@ async fn search(call: &Call<'_>) -> Result<Response, ApiError> {
     json_response(200, &hits)
 }
 
-fn internal(e: worker::Error) -> ApiError {
+pub(crate) fn internal(e: worker::Error) -> ApiError {
     ApiError::new(500, "internal", e.to_string())
 }
 

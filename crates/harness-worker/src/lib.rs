@@ -32,6 +32,7 @@ mod directory;
 mod engine_api;
 mod front;
 mod object;
+mod retention;
 mod session_streams;
 mod store;
 mod streams;

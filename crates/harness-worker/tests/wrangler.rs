@@ -744,3 +744,96 @@ async fn the_deploy_build_has_no_test_routes() {
         assert!(body.contains("no such endpoint"), "{path}: {body}");
     }
 }
+
+/// The Cron Trigger's retention pass (`src/retention.rs`), under `wrangler
+/// dev --test-scheduled` (miniflare's `/cdn-cgi/handler/scheduled`), with `HARNESS_RETAIN_SESSIONS=2` and
+/// `HARNESS_RETAIN_DAYS=1`: of four sessions, a pass now keeps the two most
+/// recently active and the one whose turn is running, deleting the oldest;
+/// a pass "two days later" deletes every idle one and keeps the running
+/// one. Deleted sessions leave the listing and answer 404.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cron_trigger_runs_the_retention_policy() {
+    use harness_core::frame::{FrameBody, MessageKind, SessionId};
+    use harness_core::log::{AppendRequest, SessionLog};
+    use harness_testkit::worker_stores::WorkerLog;
+
+    let tokens = session_api::token_table().to_string();
+    let started = tokio::task::spawn_blocking(move || {
+        WranglerDev::start(
+            harness_testkit::wrangler::test_build(),
+            &[
+                ("HARNESS_TOKENS", tokens),
+                ("HARNESS_RETAIN_SESSIONS", "2".into()),
+                ("HARNESS_RETAIN_DAYS", "1".into()),
+            ],
+        )
+    })
+    .await
+    .unwrap();
+    let Some(dev) = started else { return };
+    let log = WorkerLog::new(&dev.base, HOST);
+    let sid = |id: &str| SessionId::parse(id).unwrap();
+    for id in ["r-old", "r-busy", "r-mid", "r-new"] {
+        log.create(&sid(id)).await.unwrap();
+        let said = AppendRequest::new(FrameBody::Message {
+            turn_id: "t0".into(),
+            id: "m".into(),
+            kind: MessageKind::Text,
+            text: format!("hello from {id}"),
+            interrupted: false,
+        });
+        log.append(&sid(id), said).await.unwrap();
+        if id == "r-busy" {
+            let prompt = AppendRequest::new(FrameBody::UserMessage {
+                text: "a long turn".into(),
+                turn_id: None,
+            });
+            log.append(&sid(id), prompt).await.unwrap();
+        }
+        // Activity in this order.
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let names = |infos: Vec<harness_core::log::LogInfo>| -> Vec<String> {
+        infos.into_iter().map(|i| i.session.to_string()).collect()
+    };
+    let http = reqwest::Client::new();
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let pass = |time_ms: u64| {
+        http.get(format!("{}/cdn-cgi/handler/scheduled", dev.base))
+            .query(&[("cron", "17 * * * *"), ("time", &time_ms.to_string())])
+            .send()
+    };
+    let answer = pass(now_ms).await.unwrap();
+    assert!(
+        answer.status().is_success(),
+        "{answer:?}\n{}",
+        dev.log_tail()
+    );
+    assert_eq!(
+        names(log.list().await.unwrap()),
+        ["r-busy", "r-mid", "r-new"],
+        "kept: the two newest and the running\n{}",
+        dev.log_tail()
+    );
+    assert!(
+        dev.log().contains("retention: deleted 1 sessions"),
+        "{}",
+        dev.log_tail()
+    );
+    assert_eq!(
+        log.info(&sid("r-old")).await.unwrap_err().kind(),
+        harness_core::ErrorKind::NotFound
+    );
+
+    let answer = pass(now_ms + 2 * 86_400_000).await.unwrap();
+    assert!(answer.status().is_success(), "{answer:?}");
+    assert_eq!(
+        names(log.list().await.unwrap()),
+        ["r-busy"],
+        "two days later: only the running one\n{}",
+        dev.log_tail()
+    );
+}

@@ -20,7 +20,50 @@ pub struct RetentionPolicy {
     pub keep_sessions: Option<usize>,
 }
 
+/// A day in milliseconds.
+const DAY_MS: u64 = 86_400_000;
+
 impl RetentionPolicy {
+    /// The policy of its two settings: delete sessions idle over
+    /// `retain_days` days; keep at most `retain_sessions` (`harness serve
+    /// --retain-days --retain-sessions`).
+    pub fn of(retain_days: Option<u64>, retain_sessions: Option<usize>) -> Self {
+        Self {
+            max_idle_ms: retain_days.map(|d| d.saturating_mul(DAY_MS)),
+            keep_sessions: retain_sessions,
+        }
+    }
+
+    /// The policy of its two settings given as text (the Worker's
+    /// `HARNESS_RETAIN_DAYS` and `HARNESS_RETAIN_SESSIONS` variables):
+    /// absent or empty is "any"; anything else must be a whole number, at
+    /// least 1 day — `InvalidInput` naming the setting otherwise.
+    pub fn parse(retain_days: Option<&str>, retain_sessions: Option<&str>) -> crate::Result<Self> {
+        fn number(name: &str, text: Option<&str>, min: u64) -> crate::Result<Option<u64>> {
+            let Some(text) = text.map(str::trim).filter(|t| !t.is_empty()) else {
+                return Ok(None);
+            };
+            match text.parse::<u64>() {
+                Ok(n) if n >= min => Ok(Some(n)),
+                _ => Err(crate::Error::invalid(format!(
+                    "{name} is {text:?}: give a whole number of at least {min}, or leave it \
+                     unset to keep sessions whatever their {}",
+                    if min == 1 { "age" } else { "number" }
+                ))),
+            }
+        }
+        let days = number("the retention's days (HARNESS_RETAIN_DAYS)", retain_days, 1)?;
+        let sessions = number(
+            "the retention's session count (HARNESS_RETAIN_SESSIONS)",
+            retain_sessions,
+            0,
+        )?;
+        Ok(Self::of(
+            days,
+            sessions.map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
+        ))
+    }
+
     /// Whether the policy deletes anything at all.
     pub fn is_active(&self) -> bool {
         self.max_idle_ms.is_some() || self.keep_sessions.is_some()
@@ -78,6 +121,29 @@ pub fn check_deletable(info: &LogInfo) -> crate::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn settings_parse_or_say_which_is_wrong() {
+        assert_eq!(
+            RetentionPolicy::parse(Some("30"), Some(" 5000 ")).unwrap(),
+            RetentionPolicy {
+                max_idle_ms: Some(30 * DAY_MS),
+                keep_sessions: Some(5000),
+            }
+        );
+        let none = RetentionPolicy::parse(None, Some("")).unwrap();
+        assert!(!none.is_active());
+        for (days, sessions, named) in [
+            (Some("0"), None, "HARNESS_RETAIN_DAYS"),
+            (Some("thirty"), None, "HARNESS_RETAIN_DAYS"),
+            (Some("1.5"), None, "HARNESS_RETAIN_DAYS"),
+            (None, Some("-1"), "HARNESS_RETAIN_SESSIONS"),
+        ] {
+            let e = RetentionPolicy::parse(days, sessions).unwrap_err();
+            assert_eq!(e.kind(), crate::ErrorKind::InvalidInput);
+            assert!(e.to_string().contains(named), "{e}");
+        }
+    }
     use crate::frame::FrameBody;
     use crate::log::{AppendRequest, LogState};
 
