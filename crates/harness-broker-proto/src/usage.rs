@@ -104,6 +104,34 @@ impl PriceTable {
     }
 }
 
+/// Whether a request for `model` may pass for a session held to `budget`
+/// that used `used` so far — the rule of every broker, the native one and
+/// the Worker's: `Err(why)` once a limit is spent (the request that
+/// crosses it has passed: its size is known only once answered), or when
+/// a spend budget meets a model `prices` has no price for (refused, never
+/// counted as free; `prices_origin` names the table in the reason).
+pub fn admit(
+    budget: &harness_core::turn::Budget,
+    used: &harness_core::turn::ModelUsage,
+    prices: &PriceTable,
+    model: Option<&str>,
+    prices_origin: &str,
+) -> Result<(), String> {
+    if budget.is_unlimited() {
+        return Ok(());
+    }
+    if let Some(why) = budget.exceeded_by(used) {
+        return Err(why);
+    }
+    if budget.max_spend_micros.is_some() && prices.price(model.unwrap_or("")).is_none() {
+        return Err(format!(
+            "the session has a spend budget, and model {:?} has no price in {prices_origin}",
+            model.unwrap_or("(none named)"),
+        ));
+    }
+    Ok(())
+}
+
 /// Longest line the scanner keeps while looking for a usage report; longer
 /// lines (big deltas) are skipped, never buffered whole.
 const MAX_LINE: usize = 256 * 1024;
@@ -232,6 +260,64 @@ fn anthropic_input(u: &Value) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn admission_follows_the_budget_and_the_price_table() {
+        use harness_core::turn::{Budget, ModelUsage};
+        let used = |input, output, spend| ModelUsage {
+            input_tokens: input,
+            output_tokens: output,
+            spend_micros: spend,
+        };
+        let prices = PriceTable::parse(br#"{"claude-*": {"input": 3, "output": 15}}"#, "t")
+            .expect("a table");
+        let none = Budget::default();
+        assert_eq!(admit(&none, &used(9, 9, None), &prices, None, "t"), Ok(()));
+        let tokens = Budget {
+            max_tokens: Some(10),
+            max_spend_micros: None,
+        };
+        assert_eq!(
+            admit(&tokens, &used(4, 5, None), &prices, None, "t"),
+            Ok(())
+        );
+        let spent = admit(&tokens, &used(4, 6, None), &prices, None, "t").unwrap_err();
+        assert!(spent.contains("10 tokens used of 10"), "{spent}");
+        let spend = Budget {
+            max_tokens: None,
+            max_spend_micros: Some(1_000),
+        };
+        assert_eq!(
+            admit(
+                &spend,
+                &used(1, 1, Some(999)),
+                &prices,
+                Some("claude-x"),
+                "t"
+            ),
+            Ok(())
+        );
+        assert!(admit(
+            &spend,
+            &used(1, 1, Some(1_000)),
+            &prices,
+            Some("claude-x"),
+            "t"
+        )
+        .is_err());
+        let unpriced = admit(
+            &spend,
+            &used(0, 0, Some(0)),
+            &prices,
+            Some("gpt-5"),
+            "the table",
+        )
+        .unwrap_err();
+        assert!(
+            unpriced.contains("\"gpt-5\" has no price in the table"),
+            "{unpriced}"
+        );
+    }
 
     fn scan(chunks: &[&str]) -> (u64, u64) {
         let mut s = UsageScanner::default();

@@ -174,21 +174,9 @@ async fn forward(
         let used = crate::read_usage(&inner.dir, &session)
             .unwrap_or_default()
             .model_usage();
-        if let Some(why) = budget.exceeded_by(&used) {
+        let origin = inner.dir.join("prices.json").display().to_string();
+        if let Err(why) = crate::usage::admit(&budget, &used, &prices, model.as_deref(), &origin) {
             return refused(StatusCode::FORBIDDEN, "permission_error", &why);
-        }
-        if budget.max_spend_micros.is_some()
-            && prices.price(model.as_deref().unwrap_or("")).is_none()
-        {
-            return refused(
-                StatusCode::FORBIDDEN,
-                "permission_error",
-                &format!(
-                    "the session has a spend budget, and model {:?} has no price in {}",
-                    model.as_deref().unwrap_or("(none named)"),
-                    inner.dir.join("prices.json").display()
-                ),
-            );
         }
     }
     let url = wire::upstream_url(&upstream.base_url, &rest, parts.uri.query());

@@ -16,9 +16,14 @@
 //!   the session's object whether that turn is the one running: a token
 //!   opens its session only while its turn runs (an ended turn's token is
 //!   expired for good);
+//! - the session's budget is checked against its usage so far
+//!   (`usage::admit`, the native broker's rule; spend priced by
+//!   `HARNESS_MODEL_PRICES`);
 //! - the real key (`ANTHROPIC_API_KEY` / `OPENAI_API_KEY`, secrets of the
 //!   Worker, with `ANTHROPIC_BASE_URL` / `OPENAI_BASE_URL`) is added here,
-//!   and the answer streams back as it arrives.
+//!   and the answer streams back as it arrives, its token counts read as
+//!   it passes; once it ends the call is journaled in the session's object
+//!   (`journal.rs`), from where the turn writes it into the log.
 //!
 //! The rules (tokens, headers, the path, refusals, the agent's variables)
 //! are `harness-broker-proto`'s, the native broker's own.
@@ -26,13 +31,22 @@
 use std::collections::BTreeMap;
 
 use async_trait::async_trait;
+use std::pin::Pin;
+use std::task::{Context as TaskContext, Poll};
+
+use futures::channel::oneshot;
+use futures::Stream;
 use harness_broker_proto::token;
+use harness_broker_proto::usage::{self, PriceTable, UsageScanner};
 use harness_broker_proto::wire::{self, Api, MAX_REQUEST_BYTES};
+use harness_core::audit::AuditRecord;
 use harness_core::broker::{ModelBroker, Reach};
-use harness_core::log::LogInfo;
 use harness_core::sandbox::{HostForward, NetworkPolicy};
+use harness_core::turn::{Budget, ModelUsage};
 use harness_core::{Error, Result, SessionId};
-use worker::{Env, Fetch, Headers, Method, Request, RequestInit, Response};
+use worker::{ByteStream, Context, Env, Fetch, Headers, Method, Request, RequestInit, Response};
+
+use crate::journal::{BrokerState, CallFigures};
 
 use crate::object::secret_or_var;
 use crate::turns::{object_request, var};
@@ -42,12 +56,15 @@ use crate::turns::{object_request, var};
 pub(crate) const BROKER_URL_VAR: &str = "HARNESS_BROKER_URL";
 /// The secret turn tokens are made with (a Worker secret).
 pub(crate) const BROKER_SECRET_VAR: &str = "HARNESS_BROKER_SECRET";
+/// The price table spend is counted by (`usage::PriceTable`'s JSON).
+const PRICES_VAR: &str = "HARNESS_MODEL_PRICES";
 
 /// Where the broker's routes live under the Worker's URL.
 const ROUTE: &str = "v1/broker/s";
 
 /// The broker of one turn, as the slice runner sees it.
 pub(crate) struct TurnBroker {
+    env: Env,
     secret: Vec<u8>,
     url: String,
     turn_id: String,
@@ -78,6 +95,7 @@ impl TurnBroker {
             ))
         })?;
         Ok(Some(Self {
+            env: env.clone(),
             secret: secret.into_bytes(),
             url: url.trim_end_matches('/').to_string(),
             turn_id: turn_id.to_string(),
@@ -113,6 +131,76 @@ impl ModelBroker for TurnBroker {
         // object which turn runs, so there is nothing to revoke.
         Ok(())
     }
+
+    async fn set_budget(&self, session_id: &str, budget: &Budget) -> Result<()> {
+        let body = serde_json::to_vec(budget)?;
+        journal_op(
+            &self.env,
+            session_id,
+            Method::Post,
+            "broker-budget",
+            Some(body),
+        )
+        .await?;
+        Ok(())
+    }
+
+    async fn usage(&self, session_id: &str) -> Result<Option<ModelUsage>> {
+        Ok(Some(broker_state(&self.env, session_id).await?.usage))
+    }
+
+    async fn model_calls(&self, session_id: &str) -> Result<Vec<AuditRecord>> {
+        let mut answer =
+            journal_op(&self.env, session_id, Method::Get, "broker-calls", None).await?;
+        answer
+            .json()
+            .await
+            .map_err(|e| Error::backend(format!("the session's journal: {e}")))
+    }
+
+    async fn model_calls_recorded(&self, session_id: &str, upto: u64) -> Result<()> {
+        let op = format!("broker-recorded?upto={upto}");
+        journal_op(&self.env, session_id, Method::Post, &op, None).await?;
+        Ok(())
+    }
+}
+
+/// `op` of the session's journal (`journal.rs`, in its object); an error
+/// unless it answers 2xx.
+async fn journal_op(
+    env: &Env,
+    session: &str,
+    method: Method,
+    op: &str,
+    body: Option<Vec<u8>>,
+) -> Result<Response> {
+    let mut answer = object_request(env, session, method, op, body)
+        .await
+        .map_err(|e| Error::backend(format!("the session's object: {e}")))?;
+    let status = answer.status_code();
+    if !(200..300).contains(&status) {
+        let text = answer.text().await.unwrap_or_default();
+        return Err(Error::backend(format!(
+            "the session's object answered {status} to {op}: {text}"
+        )));
+    }
+    Ok(answer)
+}
+
+/// Journal one call of `session`.
+async fn journal_call(env: &Env, session: &str, call: &CallFigures) -> Result<()> {
+    let body = serde_json::to_vec(call)?;
+    journal_op(env, session, Method::Post, "broker-call", Some(body)).await?;
+    Ok(())
+}
+
+/// Which turn of `session` runs, its budget and its usage so far.
+async fn broker_state(env: &Env, session: &str) -> Result<BrokerState> {
+    let mut answer = journal_op(env, session, Method::Get, "broker-state", None).await?;
+    answer
+        .json()
+        .await
+        .map_err(|e| Error::backend(format!("the session's broker state: {e}")))
 }
 
 /// A refusal as both SDKs print it.
@@ -129,6 +217,7 @@ fn refuse(status: u16, kind: &str, message: &str) -> worker::Result<Response> {
 pub(crate) async fn forward(
     mut req: Request,
     env: &Env,
+    ctx: &Context,
     session: &str,
     api: &str,
     rest: &str,
@@ -163,16 +252,16 @@ pub(crate) async fn forward(
             "this token does not open this session",
         );
     };
-    match running_turn(env, &session).await {
-        Ok(Some(running)) if running == turn => {}
-        Ok(_) => {
-            return refuse(
-                403,
-                "permission_error",
-                &format!("turn {turn} of this session is not running: its token expired with it"),
-            )
-        }
-        Err(e) => return refuse(502, "api_error", &format!("the session's object: {e}")),
+    let state = match broker_state(env, session.as_str()).await {
+        Ok(state) => state,
+        Err(e) => return refuse(502, "api_error", &e.to_string()),
+    };
+    if state.running_turn.as_deref() != Some(turn.as_str()) {
+        return refuse(
+            403,
+            "permission_error",
+            &format!("turn {turn} of this session is not running: its token expired with it"),
+        );
     }
     let Some(key) = secret_or_var(env, api.key_var()) else {
         return refuse(
@@ -197,6 +286,35 @@ pub(crate) async fn forward(
         }
         Err(Some(e)) => return Err(e),
     };
+    // The session's budget, by the native broker's rule.
+    let prices = match var(env, PRICES_VAR) {
+        Some(json) => match PriceTable::parse(json.as_bytes(), PRICES_VAR) {
+            Ok(prices) => prices,
+            Err(e) => return refuse(500, "api_error", &format!("the broker's price table: {e}")),
+        },
+        None => PriceTable::default(),
+    };
+    let model = wire::request_model(&body);
+    if let Err(why) = usage::admit(
+        &state.budget,
+        &state.usage,
+        &prices,
+        model.as_deref(),
+        PRICES_VAR,
+    ) {
+        // Journaled as the native broker journals it: a call refused.
+        let call = CallFigures {
+            model,
+            status: 403,
+            input_tokens: 0,
+            output_tokens: 0,
+            spend_micros: Some(0),
+        };
+        if let Err(e) = journal_call(env, session.as_str(), &call).await {
+            worker::console_error!("the broker could not journal a refusal of {session}: {e}");
+        }
+        return refuse(403, "permission_error", &why);
+    }
     let url = req.url()?;
     let target = wire::upstream_url(&base, rest, url.query());
     let upstream_headers = Headers::new();
@@ -233,25 +351,75 @@ pub(crate) async fn forward(
         }
     }
     let status = answer.status_code();
-    Ok(Response::from_stream(answer.stream()?)?
+    // The answer passes as it arrives; its token counts are read on the
+    // way, and once it ended (or the agent hung up) the call is journaled.
+    let (ended, figures) = oneshot::channel();
+    let scanned = Scanned {
+        inner: Box::pin(answer.stream()?),
+        scanner: Some(UsageScanner::default()),
+        ended: Some(ended),
+    };
+    let env = env.clone();
+    let session_id = session.to_string();
+    ctx.wait_until(async move {
+        let (input_tokens, output_tokens) = figures.await.unwrap_or((0, 0));
+        let call = CallFigures {
+            spend_micros: prices.spend_micros(
+                model.as_deref().unwrap_or(""),
+                input_tokens,
+                output_tokens,
+            ),
+            model,
+            status,
+            input_tokens,
+            output_tokens,
+        };
+        if let Err(e) = journal_call(&env, &session_id, &call).await {
+            worker::console_error!("the broker could not journal a call of {session_id}: {e}");
+        }
+    });
+    Ok(Response::from_stream(scanned)?
         .with_status(status)
         .with_headers(headers))
 }
 
-/// The turn `session`'s object says is running, if any.
-async fn running_turn(env: &Env, session: &SessionId) -> Result<Option<String>> {
-    let mut response = object_request(env, session.as_str(), Method::Get, "info", None)
-        .await
-        .map_err(|e| Error::backend(e.to_string()))?;
-    if response.status_code() != 200 {
-        return Err(Error::backend(format!(
-            "it answered {} to info",
-            response.status_code()
-        )));
+/// An answer's body passing through, its usage read on the way; the
+/// counts go to `ended` once it ends or is dropped (an agent that hung up
+/// mid-answer still had what passed counted).
+struct Scanned {
+    inner: Pin<Box<ByteStream>>,
+    scanner: Option<UsageScanner>,
+    ended: Option<oneshot::Sender<(u64, u64)>>,
+}
+
+impl Scanned {
+    fn end(&mut self) {
+        if let (Some(scanner), Some(ended)) = (self.scanner.take(), self.ended.take()) {
+            let _ = ended.send(scanner.finish());
+        }
     }
-    let info: LogInfo = response
-        .json()
-        .await
-        .map_err(|e| Error::backend(format!("its info: {e}")))?;
-    Ok(info.meta.active_turn().map(|t| t.turn_id.clone()))
+}
+
+impl Stream for Scanned {
+    type Item = worker::Result<Vec<u8>>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Option<Self::Item>> {
+        let polled = self.inner.as_mut().poll_next(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(chunk))) => {
+                if let Some(scanner) = self.scanner.as_mut() {
+                    scanner.feed(chunk);
+                }
+            }
+            Poll::Ready(None) | Poll::Ready(Some(Err(_))) => self.end(),
+            Poll::Pending => {}
+        }
+        polled
+    }
+}
+
+impl Drop for Scanned {
+    fn drop(&mut self) {
+        self.end();
+    }
 }

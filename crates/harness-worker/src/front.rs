@@ -65,8 +65,8 @@ pub(crate) fn error_response(e: &ApiError) -> worker::Result<Response> {
 }
 
 #[event(fetch)]
-async fn fetch(req: Request, env: Env, _ctx: Context) -> worker::Result<Response> {
-    match route(req, &env).await {
+async fn fetch(req: Request, env: Env, ctx: Context) -> worker::Result<Response> {
+    match route(req, &env, &ctx).await {
         Ok(response) => Ok(response),
         Err(e) => error_response(&e),
     }
@@ -207,7 +207,7 @@ pub(crate) async fn limited_body(
     Ok(bytes)
 }
 
-async fn route(req: Request, env: &Env) -> Result<Response, ApiError> {
+async fn route(req: Request, env: &Env, ctx: &Context) -> Result<Response, ApiError> {
     let url = req
         .url()
         .map_err(|e| ApiError::new(500, "internal", e.to_string()))?;
@@ -308,7 +308,7 @@ async fn route(req: Request, env: &Env) -> Result<Response, ApiError> {
         (_, ["v1", "broker", "s", session, api, rest @ ..]) => {
             // The model broker (broker.rs): a turn token, not a grant.
             let rest = rest.join("/");
-            crate::broker::forward(call.req, env, session, api, &rest)
+            crate::broker::forward(call.req, env, ctx, session, api, &rest)
                 .await
                 .map_err(internal)
         }

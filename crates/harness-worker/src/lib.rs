@@ -31,6 +31,7 @@ mod directory;
 #[cfg(feature = "test-routes")]
 mod engine_api;
 mod front;
+mod journal;
 mod object;
 mod retention;
 mod session_streams;

@@ -30,6 +30,7 @@ use harness_core::actor::{
 use harness_core::actor_driver::{ActorDriver, Transport};
 use harness_core::log::{unknown_session, verify_store, ChainKey, SessionStore};
 use harness_core::session::{SessionConfig, SessionRuntime, TurnCommand};
+use harness_core::turn::Budget;
 use harness_core::SessionId;
 use serde::{Deserialize, Serialize};
 use session_api::request::{self, Verified, PAGE};
@@ -46,6 +47,7 @@ use worker::{
 use crate::front::{
     error_response, json_response, max_frame_bytes, GRANT_HOST_HEADER, SESSION_HEADER,
 };
+use crate::journal::{BrokerState, CallFigures, Journal};
 use crate::store::{DoStore, ForkPrefix};
 use crate::turns::RunnerRequest;
 
@@ -609,6 +611,45 @@ impl SessionObject {
                 json_response(200, &store.trim(through)?)
             }
             "delete" => self.delete(&session, &store).await,
+            // The Worker broker's journal (journal.rs): internal, reached
+            // only by the broker route and the turn's slices.
+            "broker-state" => {
+                let info = store.info().await?;
+                let sql = self.state.storage().sql();
+                let journal = Journal::open(&sql)?;
+                json_response(
+                    200,
+                    &BrokerState {
+                        running_turn: info.meta.active_turn().map(|t| t.turn_id.clone()),
+                        budget: journal.budget()?,
+                        usage: journal.usage()?,
+                    },
+                )
+            }
+            "broker-call" => {
+                let bytes = req.bytes().await.map_err(internal)?;
+                let call: CallFigures = serde_json::from_slice(&bytes)
+                    .map_err(|e| ApiError::invalid(format!("malformed call record: {e}")))?;
+                let index = Journal::open(&self.state.storage().sql())?.record(&call)?;
+                json_response(200, &serde_json::json!({ "index": index }))
+            }
+            "broker-calls" => json_response(
+                200,
+                &Journal::open(&self.state.storage().sql())?.unrecorded()?,
+            ),
+            "broker-recorded" => {
+                let upto = request::param_u64(&params, "upto")?
+                    .ok_or_else(|| ApiError::invalid("broker-recorded needs ?upto=<index>"))?;
+                Journal::open(&self.state.storage().sql())?.recorded(upto)?;
+                Ok(Response::empty().map_err(internal)?.with_status(204))
+            }
+            "broker-budget" => {
+                let bytes = req.bytes().await.map_err(internal)?;
+                let budget: Budget = serde_json::from_slice(&bytes)
+                    .map_err(|e| ApiError::invalid(format!("malformed budget: {e}")))?;
+                Journal::open(&self.state.storage().sql())?.set_budget(&budget)?;
+                Ok(Response::empty().map_err(internal)?.with_status(204))
+            }
             "search" => json_response(200, &store.search(&request::search_query(&params)?)?),
             "frames" => {
                 let (after, limit) = request::frames_page(&params)?;

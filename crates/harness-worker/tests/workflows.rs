@@ -25,7 +25,9 @@ use harness_core::sandbox::SandboxSpec;
 use harness_testkit::bridge::{BridgeServer, BridgeServerConfig, OpenApi};
 use harness_testkit::conformance::session_api::{self, Target, CLIENT, HOST};
 use harness_testkit::model::ScriptedModel;
-use harness_testkit::model::{last_is_tool_result_for, last_user_text_contains, Reply, Script};
+use harness_testkit::model::{
+    any, last_is_tool_result_for, last_user_text_contains, Reply, Script,
+};
 use harness_testkit::wrangler::{free_port_on, WranglerDev};
 use harness_testkit::{require_env, skip_or_fail};
 use serde_json::{json, Value};
@@ -590,6 +592,83 @@ async fn a_cloudflare_turn_holds_no_key_and_its_token_expires_with_it() {
         rig.model.requests().len(),
         seen,
         "a refused call reached the model"
+    );
+    // The Worker's broker journaled each call the turn made, and the
+    // turn's end wrote them into the log: the meta counts them.
+    let info = t.info(id).await;
+    let usage = &info["meta"]["usage"];
+    assert_eq!(
+        usage["modelCalls"].as_u64(),
+        Some(seen as u64),
+        "one record per call: {info}"
+    );
+    assert!(usage["inputTokens"].as_u64() > Some(0), "{info}");
+    rig.finish().await;
+}
+
+/// A session's own budget holds on the Worker as on `harness serve`: the
+/// agent asks for one tool after another; the first answer spends the
+/// 10-token budget, the broker refuses the next call (403, journaled), and
+/// the turn ends `failed` with the code `budget_exceeded`. Exactly one
+/// request reached the model; the log has both calls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cloudflare_session_is_held_to_its_budget() {
+    let script = Script::new().on(any(), Reply::shell("toolu_again", "echo again"));
+    let Some(rig) = Rig::start(script, &[]).await else {
+        return;
+    };
+    let t = Target::new(rig.dev.base.clone(), "wf-budget");
+    let id = "wf-budget";
+    let (status, info) = t
+        .post(
+            "/v1/sessions",
+            Some(HOST),
+            json!({"id": id, "agent": "claude-code", "sandbox": "cloudflare",
+                   "budget": {"max_tokens": 10}}),
+        )
+        .await;
+    assert_eq!(status, 201, "{info}");
+    let (status, ack) = t
+        .message(id, CLIENT, json!({"type": "prompt", "text": "keep going"}))
+        .await;
+    assert_eq!(status, 200, "{ack}");
+    let frames = rig.until_end(&t, id, Duration::from_secs(300)).await;
+    let dump = || {
+        format!(
+            "{}\n--- wrangler dev ---\n{}",
+            serde_json::to_string_pretty(&frames).unwrap(),
+            rig.dev.log_tail()
+        )
+    };
+    let end = frames
+        .iter()
+        .map(|f| &f["body"])
+        .find(|b| b["type"] == "turn-status" && b["status"] == "failed")
+        .unwrap_or_else(|| panic!("the turn did not fail: {}", dump()));
+    assert_eq!(end["code"], "budget_exceeded", "{}", dump());
+    let error = end["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains("token budget") && error.contains("over"),
+        "{error}"
+    );
+    let passed = rig
+        .model
+        .requests()
+        .iter()
+        .filter(|r| r.api.is_some())
+        .count();
+    assert_eq!(passed, 1, "{:#?}", rig.model.requests());
+    let statuses: Vec<u64> = frames
+        .iter()
+        .map(|f| &f["body"]["part"]["record"])
+        .filter(|r| r["kind"] == "model-call")
+        .filter_map(|r| r["status"].as_u64())
+        .collect();
+    assert_eq!(statuses.first(), Some(&200), "{statuses:?}\n{}", dump());
+    assert!(
+        statuses.len() >= 2 && statuses[1..].iter().all(|s| *s == 403),
+        "{statuses:?}\n{}",
+        dump()
     );
     rig.finish().await;
 }
