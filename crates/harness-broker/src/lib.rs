@@ -185,6 +185,10 @@ struct Inner {
     /// The last index of each session's audit journal written by this
     /// process.
     journal_counts: Mutex<std::collections::HashMap<String, u64>>,
+    /// This broker directory's journal id (`ModelBroker::journal_id`):
+    /// derived from its secret, so stable across restarts and distinct
+    /// between homes.
+    journal_id: String,
     serving: tokio::sync::Mutex<Option<Serving>>,
 }
 
@@ -257,6 +261,14 @@ impl Broker {
             .build()
             .map_err(|e| Error::backend(format!("building the broker's HTTP client: {e}")))?;
         let fingerprint = config.fingerprint();
+        let journal_id = {
+            use sha2::Digest;
+            let digest = sha2::Sha256::new()
+                .chain_update(b"harness broker journal id\0")
+                .chain_update(&secret)
+                .finalize();
+            hex::encode(&digest[..6])
+        };
         let broker = Broker {
             inner: Arc::new(Inner {
                 config: config.clone(),
@@ -269,6 +281,7 @@ impl Broker {
                 client,
                 usage_lock: Mutex::new(()),
                 journal_counts: Mutex::default(),
+                journal_id,
                 serving: tokio::sync::Mutex::new(None),
             }),
         };
@@ -630,6 +643,10 @@ impl ModelBroker for Broker {
             .filter_map(|l| serde_json::from_str::<AuditRecord>(l).ok())
             .filter(|r| r.journal_index().is_some_and(|i| i > acknowledged))
             .collect())
+    }
+
+    fn journal_id(&self) -> Option<String> {
+        Some(self.inner.journal_id.clone())
     }
 
     async fn model_calls_recorded(&self, session_id: &str, upto: u64) -> Result<()> {

@@ -122,6 +122,62 @@ impl StoreArgs {
         })
     }
 
+    /// The store `spec` names: a directory, or `s3://BUCKET/PREFIX` with the
+    /// endpoint (`$HARNESS_S3_ENDPOINT`, or R2's `$HARNESS_R2_ACCOUNT_ID`)
+    /// and region from the environment; encryption `auto` (on for a
+    /// bucket). `harness worker --checkpoints`.
+    pub(crate) fn named(spec: &str) -> Result<Self> {
+        let env = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+        let mut args = Self {
+            dir: None,
+            endpoint: None,
+            r2_account: None,
+            bucket: String::new(),
+            namespace: String::new(),
+            region: env("AWS_REGION").unwrap_or_else(|| "us-east-1".into()),
+            encryption: Encryption::Auto,
+        };
+        match spec.strip_prefix("s3://") {
+            Some(rest) => {
+                let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+                if bucket.is_empty() {
+                    bail!("{spec:?} names no bucket: give s3://BUCKET or s3://BUCKET/PREFIX");
+                }
+                args.bucket = bucket.to_string();
+                args.namespace = prefix.trim_end_matches('/').to_string();
+                args.r2_account = env("HARNESS_R2_ACCOUNT_ID");
+                args.endpoint = env("HARNESS_S3_ENDPOINT");
+                if args.r2_account.is_none() && args.endpoint.is_none() {
+                    bail!(
+                        "{spec:?} is a bucket, but no endpoint is set: export HARNESS_S3_ENDPOINT \
+                         (e.g. http://127.0.0.1:8333) or HARNESS_R2_ACCOUNT_ID"
+                    );
+                }
+            }
+            None if spec.is_empty() => {
+                bail!("an empty checkpoint store: give a directory or s3://BUCKET/PREFIX")
+            }
+            None => args.dir = Some(PathBuf::from(spec)),
+        }
+        Ok(args)
+    }
+
+    /// Turn-end checkpoints (`docs/turn-checkpoints.md`) in the store these
+    /// flags name: what a `harness worker` or `runner` takes at each turn's
+    /// end and makes forks and lost sandboxes anew from. Several workers
+    /// share one store (a directory they all reach, or a bucket), so a
+    /// session's next turn may land on any of them.
+    pub(crate) async fn turn_checkpoints(
+        &self,
+        home: &Home,
+    ) -> Result<Arc<dyn harness::core::turn_checkpoint::TurnCheckpoints>> {
+        let lineages = self.open_lineages(home).await?;
+        Ok(Arc::new(harness::moves::turns::StoreTurnCheckpoints::over(
+            lineages,
+            Arc::new(harness::runtime::SystemClock),
+        )))
+    }
+
     /// The store these flags name; the home's directory store when they
     /// name none.
     async fn open(&self, home: &Home) -> Result<Arc<dyn CheckpointStore>> {

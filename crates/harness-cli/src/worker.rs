@@ -38,6 +38,17 @@ pub struct RemoteArgs {
     /// Docker image for docker sessions that name none.
     #[arg(long)]
     image: Option<String>,
+    /// Where turn-end checkpoints go: a directory, or `s3://BUCKET/PREFIX`
+    /// (the endpoint from $HARNESS_S3_ENDPOINT or $HARNESS_R2_ACCOUNT_ID;
+    /// encrypted on this machine). Default: the home's `checkpoints/`. Give
+    /// every worker the same store so a session's next turn, its forks and
+    /// a lost sandbox work on whichever worker takes them (docs/scale.md).
+    #[arg(
+        long,
+        env = "HARNESS_TURN_CHECKPOINTS",
+        value_name = "DIR|s3://BUCKET/PREFIX"
+    )]
+    checkpoints: Option<String>,
 }
 
 /// `harness worker` arguments.
@@ -96,7 +107,14 @@ async fn remote_slice_runner(home: &Home, args: &RemoteArgs) -> Result<(SliceRun
         poll_interval: Duration::from_millis(150),
         sleep: harness::runtime::tokio_sleeper(),
         clock: Arc::new(SystemClock),
-        checkpoints: Some(crate::local::turn_checkpoints(home)?),
+        checkpoints: Some(match &args.checkpoints {
+            Some(spec) => {
+                crate::moves::StoreArgs::named(spec)?
+                    .turn_checkpoints(home)
+                    .await?
+            }
+            None => crate::local::turn_checkpoints(home)?,
+        }),
     };
     Ok((runner, generation))
 }

@@ -662,6 +662,156 @@ async fn a_killed_temporal_worker_is_replaced_and_the_turn_finishes() {
     );
 }
 
+/// Turn-end checkpoints in a store every worker reaches (`docs/scale.md`):
+/// two Temporal workers, each with a home of its own, share one checkpoint
+/// directory (`--checkpoints`, here `HARNESS_TURN_CHECKPOINTS`). Turn 1 runs on the
+/// first, which writes a file and stores the turn's end; that worker is
+/// killed and the session's sandbox lost. Turn 2 lands on the second
+/// worker, which makes a new sandbox from the shared checkpoint: the file
+/// is there, and the turn's end is recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(feature = "temporal"),
+    ignore = "needs the `temporal` feature (cargo test -p harness-cli --features temporal; CI builds --features full)"
+)]
+async fn a_second_worker_makes_a_lost_sandbox_anew_from_the_shared_store() {
+    let shared = tempfile::tempdir().unwrap();
+    a_lost_sandbox_is_made_anew_on_another_worker(shared.path().to_str().unwrap(), &[]).await;
+}
+
+/// The same through a bucket (`--checkpoints s3://BUCKET/PREFIX` on
+/// SeaweedFS): encrypted on the workers, which share the deployment's
+/// checkpoint key (`HARNESS_CHECKPOINT_KEY`), as every worker of one
+/// deployment must.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(feature = "temporal"),
+    ignore = "needs the `temporal` feature (cargo test -p harness-cli --features temporal; CI builds --features full)"
+)]
+async fn a_second_worker_makes_a_lost_sandbox_anew_from_a_shared_bucket() {
+    if s3_endpoint("the workers' shared bucket").await.is_none() {
+        return;
+    }
+    let store = format!("s3://harness-workers/run-{}", std::process::id());
+    let key = "5f".repeat(32);
+    a_lost_sandbox_is_made_anew_on_another_worker(&store, &[("HARNESS_CHECKPOINT_KEY", &key)])
+        .await;
+}
+
+async fn a_lost_sandbox_is_made_anew_on_another_worker(store: &str, more_env: &[(&str, &str)]) {
+    if !Agent::Claude.available() {
+        return;
+    }
+    let script = Script::new()
+        .on(
+            last_is_tool_result_for("toolu_write"),
+            Reply::text("Written."),
+        )
+        .on(
+            last_user_text_contains("write the note"),
+            Reply::shell("toolu_write", "echo shared-note > note.txt && echo wrote"),
+        )
+        .on(last_is_tool_result_for("toolu_read"), Reply::text("Read."))
+        .on(
+            last_user_text_contains("read the note"),
+            Reply::shell("toolu_read", "cat note.txt"),
+        );
+    let model = ScriptedModel::start(script).await.unwrap();
+    let (home, first_home, second_home) = (
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+    );
+    let queue = format!("serve-shared-{}", std::process::id());
+    let Some(serve) = temporal_server(home.path(), &model, &queue).await else {
+        return;
+    };
+    let mut env = vec![("HARNESS_TURN_CHECKPOINTS", store)];
+    env.extend_from_slice(more_env);
+    let first = Worker::start_with_env(first_home.path(), &serve, &model, &queue, &env);
+    let id = create(
+        &serve,
+        session_body(Agent::Claude, Backend::Local, &None, false),
+    )
+    .await;
+    let sse = SseClient::open(&serve, &id).await;
+    let t1 = prompt(&serve, &id, "please write the note").await;
+    let end1 = tokio::time::timeout(TURN_TIMEOUT / 2, until_end(&serve, || sse.seen(), &t1))
+        .await
+        .unwrap_or_else(|_| panic!("turn 1 did not end; worker:\n{}", first.log()));
+    assert_eq!(
+        end1["status"],
+        "finished",
+        "{end1}\nworker:\n{}",
+        first.log()
+    );
+    let checkpoint = end1["checkpoint"].as_str().unwrap_or_default().to_string();
+    assert!(
+        !checkpoint.is_empty(),
+        "turn 1 recorded no checkpoint: {end1}"
+    );
+    let dir = end1["sandbox"]["data"]["dir"]
+        .as_str()
+        .expect("a local handle names its directory")
+        .to_string();
+    assert!(
+        dir.starts_with(first_home.path().to_str().unwrap()),
+        "turn 1 ran on the first worker: {dir}"
+    );
+    let first_log = first.log();
+    let said = if store.starts_with("s3://") {
+        "checkpoints are encrypted on this machine"
+    } else {
+        "checkpoint store: the directory"
+    };
+    assert!(first_log.contains(said), "{first_log}");
+    drop(first); // SIGKILL
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    let second = Worker::start_with_env(second_home.path(), &serve, &model, &queue, &env);
+    let t2 = prompt(&serve, &id, "please read the note").await;
+    let end2 = tokio::time::timeout(TURN_TIMEOUT / 2, until_end(&serve, || sse.seen(), &t2))
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "turn 2 did not end; frames: {:#?}\nfirst worker:\n{first_log}\nsecond worker:\n{}",
+                sse.seen().frames,
+                second.log()
+            )
+        });
+    let logs = || {
+        format!(
+            "first worker:\n{first_log}\nsecond worker:\n{}\nserver:\n{}",
+            second.log(),
+            serve.log()
+        )
+    };
+    assert_eq!(end2["status"], "finished", "{end2}\n{}", logs());
+    let dir2 = end2["sandbox"]["data"]["dir"].as_str().unwrap_or_default();
+    assert!(
+        dir2.starts_with(second_home.path().to_str().unwrap()),
+        "turn 2 made its sandbox on the second worker: {dir2}\n{}",
+        logs()
+    );
+    let seen = sse.seen();
+    let read = seen.parts(&t2, "tool-result");
+    assert!(
+        read.iter().any(|p| p.to_string().contains("shared-note")),
+        "the file of turn 1 is in the new sandbox: {read:?}\n{}",
+        logs()
+    );
+    // Each worker's broker numbered its calls from 1; both turns' records
+    // are in the log, one per call the model saw (their keys carry the
+    // broker's journal id: two workers' record 1 are two records).
+    let calls = export(&serve, &id)
+        .await
+        .iter()
+        .filter(|f| f["body"]["part"]["record"]["kind"] == "model-call")
+        .count();
+    assert_eq!(calls, model.requests().len(), "{}", logs());
+    model.assert_no_failures();
+}
+
 /// Two workers: the one running the turn is paused (SIGSTOP) and a second
 /// takes the turn over (a newer runner generation); resumed (SIGCONT), the
 /// first may try to write before Temporal cancels its attempt, or not at

@@ -102,9 +102,10 @@ impl AuditRecord {
     /// The idempotency key of this record as the `n`th of `scope`: for a
     /// command, the scope (a slice), the position and the record's own
     /// hash, so a repeat of the same event dedups and a different one never
-    /// collides; for a journal record, the scope (the session: a fork's log
-    /// holds its parent's records, numbered by the parent's journal) and
-    /// the journal's number.
+    /// collides; for a journal record, the scope (the session — a fork's
+    /// log holds its parent's records, numbered by the parent's journal —
+    /// and the broker's journal id when it has one:
+    /// `ModelBroker::journal_id`) and the journal's number.
     pub fn key(&self, scope: &str, n: usize) -> String {
         match self {
             AuditRecord::ModelCall { index, .. } | AuditRecord::Egress { index, .. } => {

@@ -101,6 +101,18 @@ pub trait ModelBroker: MaybeSend + MaybeSync + std::fmt::Debug {
         Ok(Vec::new())
     }
 
+    /// Which journal [`model_calls`](Self::model_calls) numbers its records
+    /// in, when a session's records may come from several: a broker that
+    /// keeps its journal on its own host (one per harness home) numbers a
+    /// session's calls from 1 there, so two workers' record 1 of the same
+    /// session are two records. Their keys in the log carry this id, so
+    /// they never collide; a retry through the same broker writes the same
+    /// keys again. `None` (the default): the session has one journal,
+    /// wherever its turns run.
+    fn journal_id(&self) -> Option<String> {
+        None
+    }
+
     /// The session's journal up to `upto` (its records' `index`) is in
     /// its log.
     async fn model_calls_recorded(&self, session_id: &str, upto: u64) -> Result<()> {

@@ -1197,10 +1197,16 @@ impl SliceExecutor for SliceRunner {
             // end: a retry writes the same keys again (one frame each).
             let calls = broker.model_calls(&state.session_id).await?;
             let upto = calls.iter().filter_map(AuditRecord::journal_index).max();
-            // Keyed by the session and the journal's number: a retried end,
-            // or a later turn's after a lost acknowledgement, writes each
-            // once; a fork's own records never meet its parent's.
-            self.write_audit(state, &state.session_id, calls).await?;
+            // Keyed by the session, the journal (a worker's broker numbers
+            // its own: `journal_id`) and the journal's number: a retried
+            // end, or a later turn's after a lost acknowledgement, writes
+            // each once; a fork's own records never meet its parent's, nor
+            // one worker's another's.
+            let scope = match broker.journal_id() {
+                Some(journal) => format!("{}:{journal}", state.session_id),
+                None => state.session_id.to_string(),
+            };
+            self.write_audit(state, &scope, calls).await?;
             if let Some(upto) = upto {
                 broker.model_calls_recorded(&state.session_id, upto).await?;
             }

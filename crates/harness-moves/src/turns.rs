@@ -158,6 +158,12 @@ impl StoreTurnCheckpoints {
         }
     }
 
+    /// Checkpoints in `lineages` (a store with its deployment key, which
+    /// decides whether new ones are encrypted), timed by `clock`.
+    pub fn over(lineages: Lineages, clock: Arc<dyn Clock>) -> Self {
+        Self { lineages, clock }
+    }
+
     /// New checkpoints encrypted under `key`'s lineage keys (and
     /// encrypted ones readable).
     pub fn with_encryption(mut self, key: DeploymentKey) -> Self {
