@@ -152,6 +152,45 @@ impl Leases {
         Ok(changed == 1)
     }
 
+    /// Extend every lease of `held` in one statement; for each, whether this
+    /// node still holds it (one it lost is forgotten: its appends are
+    /// fenced from now on).
+    pub async fn renew_all(&self, held: &[Lease]) -> Result<Vec<bool>> {
+        if held.is_empty() {
+            return Ok(Vec::new());
+        }
+        let sessions: Vec<&str> = held.iter().map(|l| l.session.as_str()).collect();
+        let generations: Vec<i64> = held.iter().map(|l| l.generation as i64).collect();
+        let client = client(&self.pool).await?;
+        let rows = client
+            .query(
+                "UPDATE harness_leases \
+                 SET expires_at = now() + make_interval(secs => $4::BIGINT / 1000.0) \
+                 FROM unnest($2::TEXT[], $3::BIGINT[]) AS held(session, generation) \
+                 WHERE harness_leases.session = held.session \
+                   AND harness_leases.generation = held.generation \
+                   AND harness_leases.node = $1 \
+                 RETURNING harness_leases.session, harness_leases.generation",
+                &[&self.node, &sessions, &generations, &ttl_ms(self.ttl)],
+            )
+            .await
+            .map_err(db_err)?;
+        let renewed: std::collections::HashSet<(&str, i64)> = rows
+            .iter()
+            .map(|r| (r.get::<_, &str>(0), r.get::<_, i64>(1)))
+            .collect();
+        let answers: Vec<bool> = held
+            .iter()
+            .map(|l| renewed.contains(&(l.session.as_str(), l.generation as i64)))
+            .collect();
+        for (lease, kept) in held.iter().zip(&answers) {
+            if !kept {
+                self.forget(lease);
+            }
+        }
+        Ok(answers)
+    }
+
     /// Give `lease` up at once (a clean shutdown): another node may take
     /// the session without waiting for it to expire. The row keeps its
     /// generation and names no node (`''`): a released lease is free, not
@@ -291,6 +330,17 @@ impl SessionLeases for Leases {
             },
         )
         .await
+    }
+
+    async fn renew_all(&self, held: &[(SessionId, u64)]) -> Result<Vec<bool>> {
+        let held: Vec<Lease> = held
+            .iter()
+            .map(|(session, generation)| Lease {
+                session: session.clone(),
+                generation: *generation,
+            })
+            .collect();
+        Leases::renew_all(self, &held).await
     }
 
     async fn release(&self, session: &SessionId, generation: u64) -> Result<()> {

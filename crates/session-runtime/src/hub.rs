@@ -340,6 +340,9 @@ pub struct Hub {
     /// session's owned sandbox is removed with (empty until
     /// [`set_sandbox_providers`](Hub::set_sandbox_providers)).
     providers: RwLock<BTreeMap<String, Arc<dyn SandboxProvider>>>,
+    /// With leases: renews every lease this node holds, together (made
+    /// when the first actor takes one).
+    renewer: OnceLock<Arc<lease::Renewer>>,
     /// Where actor tasks run: the runtime the hub was made on, whichever
     /// thread later opens a connection (a Temporal worker's own runtime
     /// must not host actors that outlive it).
@@ -557,6 +560,7 @@ impl Hub {
             epochs: AtomicU64::new(1),
             dispatcher: RwLock::new(None),
             providers: RwLock::default(),
+            renewer: OnceLock::new(),
             tasks,
             me: me.clone(),
         })
@@ -570,6 +574,13 @@ impl Hub {
     /// Where the actors' [`TurnCommand`]s go from now on.
     pub fn set_dispatcher(&self, dispatcher: Arc<dyn Dispatcher>) {
         *self.dispatcher.write().unwrap_or_else(|e| e.into_inner()) = Some(dispatcher);
+    }
+
+    /// The node's lease renewer (started on first use).
+    fn renewer(&self, leases: &Arc<dyn SessionLeases>) -> Arc<lease::Renewer> {
+        self.renewer
+            .get_or_init(|| lease::Renewer::start(leases.clone(), &self.tasks))
+            .clone()
     }
 
     /// The sandbox providers a deleted session's sandbox is removed with

@@ -59,6 +59,19 @@ pub trait SessionLeases: MaybeSend + MaybeSync + std::fmt::Debug {
     /// took it (the actor must stop: its appends are refused from now on).
     async fn renew(&self, session: &SessionId, generation: u64) -> Result<bool>;
 
+    /// Extend every lease of `held` (session, generation) at once: for each,
+    /// in order, whether this node still holds it. A node renews all its
+    /// leases this way every third of the lease — one round trip for the
+    /// node, not one per session. By default one [`renew`](Self::renew)
+    /// each; a store that can do it in one statement overrides it.
+    async fn renew_all(&self, held: &[(SessionId, u64)]) -> Result<Vec<bool>> {
+        let mut renewed = Vec::with_capacity(held.len());
+        for (session, generation) in held {
+            renewed.push(self.renew(session, *generation).await?);
+        }
+        Ok(renewed)
+    }
+
     /// Give the lease held at `generation` up now (an actor that retired):
     /// the next node may take the session without waiting for expiry.
     async fn release(&self, session: &SessionId, generation: u64) -> Result<()>;

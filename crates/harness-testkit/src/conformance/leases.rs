@@ -28,6 +28,61 @@ where
     a_released_lease_moves_at_once(nodes().await)
         .await
         .context("a_released_lease_moves_at_once")?;
+    a_node_renews_all_its_leases_at_once(nodes().await)
+        .await
+        .context("a_node_renews_all_its_leases_at_once")?;
+    Ok(())
+}
+
+/// `renew_all` answers for each lease, in order: held ones are extended
+/// (they outlive their first term), one another node took, one at a stale
+/// generation and one never taken are not; an empty set is no error.
+pub async fn a_node_renews_all_its_leases_at_once(
+    node: impl Fn(&str, Duration) -> Arc<dyn SessionLeases>,
+) -> Result<()> {
+    let ttl = Duration::from_millis(900);
+    let (a, b) = (node("http://node-a", ttl), node("http://node-b", ttl));
+    let (s1, s2, s3, never) = (
+        session("renew-all-1"),
+        session("renew-all-2"),
+        session("renew-all-3"),
+        session("renew-all-never"),
+    );
+    for s in [&s1, &s2, &s3] {
+        ensure!(matches!(
+            a.acquire(s).await?,
+            Claim::Owned { generation: 1, .. }
+        ));
+    }
+    ensure!(a.renew_all(&[]).await?.is_empty(), "nothing to renew");
+    // Past most of the first term: s1 and s2 renewed together; s3 left to
+    // expire and taken by b.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let first = a.renew_all(&[(s1.clone(), 1), (s2.clone(), 1)]).await?;
+    ensure!(first == [true, true], "both held: {first:?}");
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    ensure!(
+        a.holder(&s1).await? == Some(("http://node-a".into(), 1, false)),
+        "a renewed lease outlives its first term: {:?}",
+        a.holder(&s1).await?
+    );
+    ensure!(
+        matches!(b.acquire(&s3).await?, Claim::Owned { generation: 2, .. }),
+        "the lease left unrenewed expired"
+    );
+    let answers = a
+        .renew_all(&[
+            (s1.clone(), 1),
+            (s3.clone(), 1),
+            (s2.clone(), 7),
+            (never.clone(), 1),
+            (s2.clone(), 1),
+        ])
+        .await?;
+    ensure!(
+        answers == [true, false, false, false, true],
+        "held, taken, stale generation, never taken, held: {answers:?}"
+    );
     Ok(())
 }
 

@@ -13,7 +13,6 @@ use harness_core::log::{
 };
 use harness_core::{ErrorKind, Result, SessionId};
 use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
 
 use super::{ActorTask, Command};
 
@@ -32,7 +31,8 @@ pub(super) struct Held {
 }
 
 impl Held {
-    /// Start keeping the lease. After a takeover, first re-send the
+    /// Start keeping the lease (the node's [`Renewer`] renews it with every
+    /// other lease the node holds). After a takeover, first re-send the
     /// session's pending turn commands: the old owner may have died
     /// between storing a prompt and handing its turn to the engine
     /// (commands are idempotent: a running turn is not started twice).
@@ -58,14 +58,10 @@ impl Held {
                 ),
             }
         }
-        let renew = task.hub.tasks.spawn(keep(
-            self.leases.clone(),
-            task.session.clone(),
-            self.generation,
-            task.tx.clone(),
-        ));
+        let renewer = task.hub.renewer(&self.leases);
+        renewer.add(task.session.clone(), self.generation, task.tx.clone());
         Keeper {
-            renew,
+            renewer,
             leases: self.leases,
             session: task.session.clone(),
             generation: self.generation,
@@ -73,9 +69,9 @@ impl Held {
     }
 }
 
-/// Renews a lease while its actor runs.
+/// Keeps one actor's lease: the node's renewer renews it until [`stop`](Self::stop).
 pub(super) struct Keeper {
-    renew: JoinHandle<()>,
+    renewer: Arc<Renewer>,
     leases: Arc<dyn SessionLeases>,
     session: SessionId,
     generation: u64,
@@ -85,7 +81,7 @@ impl Keeper {
     /// Stop renewing; `release` gives the lease up at once (the actor
     /// retired: the next node need not wait for it to expire).
     pub(super) async fn stop(self, release: bool) {
-        self.renew.abort();
+        self.renewer.remove(&self.session, self.generation);
         if release {
             if let Err(e) = self.leases.release(&self.session, self.generation).await {
                 tracing::warn!(session = %self.session, "could not release the lease: {e}");
@@ -94,41 +90,120 @@ impl Keeper {
     }
 }
 
-/// Renew every third of the lease; tell the actor when the lease is gone
-/// (taken by another node), or when it could not be renewed for two
-/// thirds of it (it may be taken any moment: stop before it is).
-async fn keep(
-    leases: Arc<dyn SessionLeases>,
-    session: SessionId,
+/// One held lease in the renewer.
+struct Kept {
     generation: u64,
     actor: mpsc::UnboundedSender<Command>,
-) {
-    let ttl = leases.ttl();
-    let every = ttl / 3;
-    let mut renewed = tokio::time::Instant::now();
+    /// When it was taken or last renewed.
+    renewed: tokio::time::Instant,
+}
+
+/// Every lease this node holds, renewed together every third of the lease
+/// (`SessionLeases::renew_all`: one round trip for the node, not one per
+/// session). It tells an actor when its lease is gone (taken by another
+/// node), or when it could not be renewed for two thirds of it (it may be
+/// taken any moment: stop before it is).
+pub(super) struct Renewer {
+    leases: Arc<dyn SessionLeases>,
+    held: Mutex<std::collections::HashMap<SessionId, Kept>>,
+}
+
+impl Renewer {
+    /// A renewer of `leases`, its loop spawned on `tasks` (it ends when the
+    /// last handle to the renewer is gone).
+    pub(super) fn start(
+        leases: Arc<dyn SessionLeases>,
+        tasks: &tokio::runtime::Handle,
+    ) -> Arc<Self> {
+        let renewer = Arc::new(Self {
+            leases,
+            held: Mutex::default(),
+        });
+        tasks.spawn(renew_loop(Arc::downgrade(&renewer)));
+        renewer
+    }
+
+    fn add(&self, session: SessionId, generation: u64, actor: mpsc::UnboundedSender<Command>) {
+        self.held.lock().unwrap_or_else(|e| e.into_inner()).insert(
+            session,
+            Kept {
+                generation,
+                actor,
+                renewed: tokio::time::Instant::now(),
+            },
+        );
+    }
+
+    fn remove(&self, session: &SessionId, generation: u64) {
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        if held
+            .get(session)
+            .is_some_and(|k| k.generation == generation)
+        {
+            held.remove(session);
+        }
+    }
+
+    /// One round: renew every lease held now; tell the actors of those lost.
+    async fn round(&self) {
+        let every = self.leases.ttl() / 3;
+        let snapshot: Vec<(SessionId, u64)> = self
+            .held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(s, k)| (s.clone(), k.generation))
+            .collect();
+        if snapshot.is_empty() {
+            return;
+        }
+        let answers = self.leases.renew_all(&snapshot).await;
+        let now = tokio::time::Instant::now();
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        for (n, (session, generation)) in snapshot.iter().enumerate() {
+            // Removed (the actor stopped) or taken anew meanwhile.
+            let Some(kept) = held
+                .get_mut(session)
+                .filter(|k| k.generation == *generation)
+            else {
+                continue;
+            };
+            let lost = match &answers {
+                Ok(answers) if answers.get(n) == Some(&true) => {
+                    kept.renewed = now;
+                    continue;
+                }
+                Ok(_) => format!(
+                    "node {} lost the lease of generation {generation} to another node",
+                    self.leases.node()
+                ),
+                Err(e) if kept.renewed.elapsed() + every >= self.leases.ttl() => format!(
+                    "node {} could not renew its lease for {} ms ({e})",
+                    self.leases.node(),
+                    kept.renewed.elapsed().as_millis()
+                ),
+                Err(e) => {
+                    tracing::warn!(%session, "renewing the lease failed, trying again: {e}");
+                    continue;
+                }
+            };
+            let _ = kept.actor.send(Command::LeaseLost(lost));
+            held.remove(session);
+        }
+    }
+}
+
+/// Renew every third of the lease while the renewer lives.
+async fn renew_loop(renewer: std::sync::Weak<Renewer>) {
+    let Some(every) = renewer.upgrade().map(|r| r.leases.ttl() / 3) else {
+        return;
+    };
     loop {
         tokio::time::sleep(every).await;
-        let lost = match leases.renew(&session, generation).await {
-            Ok(true) => {
-                renewed = tokio::time::Instant::now();
-                continue;
-            }
-            Ok(false) => format!(
-                "node {} lost the lease of generation {generation} to another node",
-                leases.node()
-            ),
-            Err(e) if renewed.elapsed() + every >= ttl => format!(
-                "node {} could not renew its lease for {} ms ({e})",
-                leases.node(),
-                renewed.elapsed().as_millis()
-            ),
-            Err(e) => {
-                tracing::warn!(%session, "renewing the lease failed, trying again: {e}");
-                continue;
-            }
+        let Some(renewer) = renewer.upgrade() else {
+            return;
         };
-        let _ = actor.send(Command::LeaseLost(lost));
-        return;
+        renewer.round().await;
     }
 }
 
