@@ -356,7 +356,7 @@ impl SqliteSessionLog {
         });
         WriterHold {
             writer: self.writer.clone(),
-            release: Some(release),
+            release,
             started,
         }
     }
@@ -400,7 +400,10 @@ impl SqliteSessionLog {
 pub struct WriterHold {
     #[allow(dead_code)]
     writer: Arc<Writer>,
-    release: Option<std::sync::mpsc::Sender<()>>,
+    /// Dropped with the guard: the held job's `recv` returns and the
+    /// writer goes on.
+    #[allow(dead_code)]
+    release: std::sync::mpsc::Sender<()>,
     started: std::sync::mpsc::Receiver<()>,
 }
 
@@ -408,12 +411,6 @@ impl WriterHold {
     /// Wait until the writer is held.
     pub fn wait(&self) {
         let _ = self.started.recv();
-    }
-}
-
-impl Drop for WriterHold {
-    fn drop(&mut self) {
-        drop(self.release.take());
     }
 }
 
@@ -1083,5 +1080,50 @@ impl SessionLog for SqliteSessionLog {
                 .collect()
         })
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_are_stamped_with_the_time_now() {
+        let wall = || {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_millis() as u64
+        };
+        let (before, stamp, after) = (wall(), now_ms(), wall());
+        assert!(
+            before <= stamp && stamp <= after,
+            "{before} {stamp} {after}"
+        );
+    }
+
+    #[test]
+    fn only_a_held_lock_is_busy() {
+        let sqlite = |code| {
+            db_err(rusqlite::Error::SqliteFailure(
+                rusqlite::ffi::Error::new(code),
+                None,
+            ))
+        };
+        assert!(is_busy(&sqlite(rusqlite::ffi::SQLITE_BUSY)));
+        assert!(is_busy(&sqlite(rusqlite::ffi::SQLITE_LOCKED)));
+        assert!(!is_busy(&sqlite(rusqlite::ffi::SQLITE_CONSTRAINT)));
+        assert!(!is_busy(&sqlite(rusqlite::ffi::SQLITE_CORRUPT)));
+        assert!(!is_busy(&Error::backend("not sqlite at all")));
+    }
+
+    #[test]
+    fn the_frame_limit_in_force_is_the_one_given() {
+        let log = SqliteSessionLog::open_in_memory().unwrap();
+        assert_eq!(
+            log.max_frame_bytes(),
+            harness_core::log::DEFAULT_MAX_FRAME_BYTES
+        );
+        assert_eq!(log.with_max_frame_bytes(1234).max_frame_bytes(), 1234);
     }
 }

@@ -80,3 +80,62 @@ async fn dropping_the_log_writes_what_the_indexer_holds() {
     assert!(count("SELECT count(*) FROM search_marks") >= 20);
     assert!(count("SELECT count(*) FROM search_docs") >= 20);
 }
+
+/// A trim and a delete take the index rows of the frames they remove, in
+/// their transaction: the documents and their FTS5 entries. (A search joins
+/// the frames, so rows left behind would never show as hits — they would
+/// be garbage that grows; this counts the rows themselves.)
+#[tokio::test]
+async fn trim_and_delete_take_their_index_rows() {
+    use harness_core::frame::{FrameBody, MessageKind, SessionId};
+    use harness_core::log::AppendRequest;
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("retention.db");
+    let (kept, gone) = (
+        SessionId::parse("kept").unwrap(),
+        SessionId::parse("gone").unwrap(),
+    );
+    {
+        let log = SqliteSessionLog::open(&path).unwrap();
+        for (session, frames) in [(&kept, 5), (&gone, 2)] {
+            log.create(session).await.unwrap();
+            for i in 1..=frames {
+                let said = FrameBody::Message {
+                    turn_id: "t1".into(),
+                    id: format!("m{i}"),
+                    kind: MessageKind::Text,
+                    text: format!("pangolin number {i}"),
+                    interrupted: false,
+                };
+                log.append(session, AppendRequest::new(said)).await.unwrap();
+            }
+        }
+        // Dropping the log writes what its indexer holds (above).
+    }
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    let count = |sql: &str| -> i64 { conn.query_row(sql, [], |r| r.get(0)).unwrap() };
+    let fts = "SELECT count(*) FROM search_fts WHERE search_fts MATCH 'pangolin'";
+    assert_eq!(count("SELECT count(*) FROM search_docs"), 7);
+    assert_eq!(count(fts), 7);
+    {
+        let log = SqliteSessionLog::open(&path).unwrap();
+        log.trim(&kept, 3).await.unwrap();
+        log.delete(&gone).await.unwrap();
+    }
+    assert_eq!(
+        count("SELECT count(*) FROM search_docs WHERE session = 'kept' AND seq <= 3"),
+        0,
+        "the trimmed frames' documents"
+    );
+    assert_eq!(
+        count("SELECT count(*) FROM search_docs WHERE session = 'kept'"),
+        2
+    );
+    assert_eq!(
+        count("SELECT count(*) FROM search_docs WHERE session = 'gone'"),
+        0,
+        "the deleted session's documents"
+    );
+    assert_eq!(count(fts), 2, "the FTS5 entries of what was removed");
+}
