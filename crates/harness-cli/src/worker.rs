@@ -109,6 +109,16 @@ async fn remote_slice_runner(home: &Home, args: &RemoteArgs) -> Result<(SliceRun
         clock: Arc::new(SystemClock),
         checkpoints: Some(match &args.checkpoints {
             Some(spec) => {
+                if spec.starts_with("s3://")
+                    && std::env::var_os(harness::moves::crypt::KEY_ENV).is_none()
+                {
+                    eprintln!(
+                        "warning: --checkpoints {spec}: checkpoints are encrypted with this \
+                         home's key; other workers read them only if every worker shares \
+                         ${} (docs/scale.md)",
+                        harness::moves::crypt::KEY_ENV
+                    );
+                }
                 crate::moves::StoreArgs::named(spec)?
                     .turn_checkpoints(home)
                     .await?
