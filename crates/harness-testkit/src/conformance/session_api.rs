@@ -155,6 +155,22 @@ impl Target {
         ack
     }
 
+    /// A new session (`name` under this target's prefix) whose turn t1 a
+    /// client prompted, with `answers` approval responses after it: frames
+    /// `1..=1 + answers`.
+    pub async fn session_with_answers(&self, name: &str, answers: usize) -> String {
+        let id = self.id(name);
+        self.create(&id).await;
+        let (status, ack) = self
+            .message(&id, CLIENT, json!({"type": "prompt", "text": "p"}))
+            .await;
+        assert_eq!(status, 200, "the prompt of {id}: {ack}");
+        for n in 0..answers {
+            self.answer(&id, n).await;
+        }
+        id
+    }
+
     /// A session's info, read as host (asserting 200).
     pub async fn info(&self, id: &str) -> Value {
         let (status, info) = self.get(&format!("/v1/sessions/{id}"), Some(HOST)).await;
@@ -300,15 +316,7 @@ pub async fn run_all(t: &Target) {
 /// is 410 Gone (before the upgrade, for the WebSocket; for the UI stream
 /// too).
 pub async fn a_trimmed_log_is_read_from_its_cut(t: &Target) {
-    let id = t.id("trim");
-    t.create(&id).await;
-    let (status, _) = t
-        .message(&id, CLIENT, json!({"type": "prompt", "text": "p"}))
-        .await;
-    assert_eq!(status, 200);
-    for n in 0..4 {
-        t.answer(&id, n).await;
-    }
+    let id = t.session_with_answers("trim", 4).await;
     assert_eq!(t.last_seq(&id).await, 5);
     let trim = format!("/v1/sessions/{id}/trim");
     let (status, info) = t.post(&trim, Some(HOST), json!({"through": 3})).await;
@@ -584,15 +592,7 @@ pub async fn create_append_read_back(t: &Target) {
 /// `/events` from the start, from `?after`, and from `Last-Event-ID`
 /// (which wins over `?after`); a sealed stream ends.
 pub async fn replay_from_a_cursor_and_last_event_id(t: &Target) {
-    let id = t.id("replay");
-    t.create(&id).await;
-    let (status, _) = t
-        .message(&id, CLIENT, json!({"type": "prompt", "text": "p"}))
-        .await;
-    assert_eq!(status, 200);
-    for n in 0..4 {
-        t.answer(&id, n).await;
-    }
+    let id = t.session_with_answers("replay", 4).await;
     let (status, info) = t
         .post(&format!("/v1/sessions/{id}/seal"), Some(HOST), json!({}))
         .await;
@@ -644,12 +644,7 @@ pub async fn replay_from_a_cursor_and_last_event_id(t: &Target) {
 pub async fn fanout_to_many_sse_clients(t: &Target) {
     const READERS: usize = 6;
     const ANSWERS: usize = 20;
-    let id = t.id("fanout");
-    t.create(&id).await;
-    let (status, _) = t
-        .message(&id, CLIENT, json!({"type": "prompt", "text": "p"}))
-        .await;
-    assert_eq!(status, 200);
+    let id = t.session_with_answers("fanout", 0).await;
     let mut readers = Vec::new();
     for _ in 0..READERS / 2 {
         // Each has seen frame 1 before the writes start: attached.
@@ -689,12 +684,7 @@ pub async fn fanout_to_many_sse_clients(t: &Target) {
 /// `start` first, `finish` when the session is sealed, then `[DONE]` and
 /// the end of the stream.
 pub async fn ui_stream_of_a_session_to_its_seal(t: &Target) {
-    let id = t.id("ui");
-    t.create(&id).await;
-    let (status, _) = t
-        .message(&id, CLIENT, json!({"type": "prompt", "text": "p"}))
-        .await;
-    assert_eq!(status, 200);
+    let id = t.session_with_answers("ui", 0).await;
     let (status, _) = t
         .post(&format!("/v1/sessions/{id}/seal"), Some(HOST), json!({}))
         .await;
@@ -1261,13 +1251,7 @@ fn stream_offset(seq: u64) -> String {
 /// event followed by its control event, the close last), writes refused
 /// with 405 and wrong tokens with 401/403, nothing written by a refusal.
 pub async fn durable_streams_follow_a_session(t: &Target) {
-    let id = t.id("ds");
-    t.create(&id).await;
-    let (status, _) = t
-        .message(&id, CLIENT, json!({"type": "prompt", "text": "p"}))
-        .await;
-    assert_eq!(status, 200);
-    t.answer(&id, 0).await;
+    let id = t.session_with_answers("ds", 1).await;
     let path = format!("/v1/stream/sessions/{id}");
     session_stream_catches_up(t, &path).await;
     session_stream_refusals_write_nothing(t, &id, &path).await;
