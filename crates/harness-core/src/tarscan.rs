@@ -902,7 +902,120 @@ mod tests {
             let s = scan(&a, chunk).unwrap();
             assert_eq!(s.entries, 5);
             assert_eq!(s.content_bytes, 11);
+            assert_eq!(s.archive_bytes, a.len() as u64);
         }
+    }
+
+    /// A tar *reader*: the sink is handed every admitted entry, then its
+    /// content (no padding), in archive order.
+    #[test]
+    fn push_entries_hands_the_sink_entries_and_their_content() {
+        let a = archive(&[
+            ("dir/", EntryType::Directory, b"", None),
+            ("dir/a.txt", EntryType::Regular, b"hello world", None),
+            ("dir/link", EntryType::Symlink, b"", Some("a.txt")),
+        ]);
+        let mut seen: Vec<String> = Vec::new();
+        let mut s = TarScanner::new();
+        for chunk in a.chunks(100) {
+            s.push_entries(chunk, &mut |item| {
+                seen.push(match item {
+                    TarItem::Entry(e) => format!("entry {} {:?} {}", e.path, e.kind, e.size),
+                    TarItem::Data(d) => format!("data {}", String::from_utf8_lossy(d)),
+                });
+                Ok(())
+            })
+            .unwrap();
+        }
+        s.finish().unwrap();
+        assert_eq!(
+            seen,
+            [
+                "entry dir Dir 0",
+                "entry dir/a.txt File 11",
+                "data hello world",
+                "entry dir/link Symlink { target: \"a.txt\" } 0",
+            ]
+        );
+        // A sink's error stops the scan and is returned.
+        let mut s = TarScanner::new();
+        let err = s
+            .push_entries(&a, &mut |_| Err(Error::invalid("the sink is full")))
+            .unwrap_err();
+        assert!(err.to_string().contains("the sink is full"), "{err}");
+    }
+
+    /// Entries given by their parts (a manifest's) meet the archive rules:
+    /// the limits (a directory's size counts for nothing, a file's does),
+    /// unsafe paths, a path named twice.
+    #[test]
+    fn admitted_entries_meet_the_archive_rules() {
+        let limits = ScanLimits {
+            max_entries: 10,
+            max_content_bytes: 100,
+        };
+        let mut s = TarScanner::new().with_limits(limits);
+        s.admit("dir", &TarKind::Dir, 0o755, 1 << 40).unwrap();
+        s.admit("dir/a", &TarKind::File, 0o644, 50).unwrap();
+        let twice = s.admit("dir/a", &TarKind::File, 0o644, 0).unwrap_err();
+        assert_eq!(twice.kind(), crate::ErrorKind::Unsafe, "{twice}");
+        let escape = s.admit("../escape", &TarKind::File, 0o644, 0).unwrap_err();
+        assert_eq!(escape.kind(), crate::ErrorKind::Unsafe, "{escape}");
+        let link = TarKind::Symlink {
+            target: "/etc/passwd".into(),
+        };
+        assert!(s.admit("dir/l", &link, 0o777, 0).is_err());
+        let big = s.admit("dir/b", &TarKind::File, 0o644, 51).unwrap_err();
+        assert!(big.message().contains("more than 100 bytes"), "{big}");
+        s.admit("dir/c", &TarKind::File, 0o644, 50).unwrap();
+    }
+
+    /// `reserve` makes room for the paths a manifest announces, never for
+    /// more than the entry limit (a hostile count costs no memory).
+    #[test]
+    fn reserving_room_is_bounded_by_the_entry_limit() {
+        let mut s = TarScanner::new();
+        s.reserve(1000);
+        assert!(s.seen.capacity() >= 1000, "{}", s.seen.capacity());
+        let mut s = TarScanner::new().with_limits(ScanLimits {
+            max_entries: 16,
+            max_content_bytes: 0,
+        });
+        s.reserve(usize::MAX / 2);
+        assert!(s.seen.capacity() < 1000, "{}", s.seen.capacity());
+    }
+
+    /// The paths-seen table's hasher takes a key (already a keyed hash) as
+    /// its hash; bytes, should any come, are folded in a word at a time.
+    #[test]
+    fn the_seen_tables_hasher_passes_keys_through() {
+        let mut h = KeyIsHash::default();
+        h.write_u64(0xdead_beef_0042);
+        assert_eq!(h.finish(), 0xdead_beef_0042);
+        let mut h = KeyIsHash::default();
+        h.write(&[1; 9]);
+        // Eight bytes fill the word; the ninth is folded onto the first.
+        assert_eq!(h.finish(), 0x0101_0101_0101_0100);
+    }
+
+    /// Deep trees have long paths: a GNU long name of a few KiB passes (the
+    /// buffer limit for one is a MiB).
+    #[test]
+    fn long_names_of_a_few_kib_pass() {
+        let long = vec!["d".repeat(100); 30].join("/") + "/file.txt";
+        let mut out = header(
+            "././@LongLink",
+            EntryType::GNULongName,
+            long.len() as u64 + 1,
+            None,
+        );
+        out.extend(long.as_bytes());
+        out.push(0);
+        out.resize(out.len().div_ceil(BLOCK) * BLOCK, 0);
+        out.extend(header("short", EntryType::Regular, 0, None));
+        out.extend([0u8; 1024]);
+        let s = scan(&out, 512).unwrap();
+        assert_eq!(s.entries, 1);
     }
 
     #[test]
