@@ -998,6 +998,76 @@ mod tests {
         assert_eq!(h.finish(), 0x0101_0101_0101_0100);
     }
 
+    /// An extension header (GNU long name or link, PAX) of up to a MiB is
+    /// read; one byte more is refused from its header.
+    #[test]
+    fn extension_headers_are_held_to_a_mebibyte() {
+        let mut s = TarScanner::new();
+        s.push(&header(
+            "././@LongLink",
+            EntryType::GNULongName,
+            MAX_EXTENSION_BYTES,
+            None,
+        ))
+        .unwrap();
+        let mut s = TarScanner::new();
+        let err = s
+            .push(&header(
+                "././@LongLink",
+                EntryType::GNULongName,
+                MAX_EXTENSION_BYTES + 1,
+                None,
+            ))
+            .unwrap_err();
+        assert!(err.message().contains("larger than the"), "{err}");
+    }
+
+    /// A GNU long link names the next entry's link target: the entry is
+    /// handed on with that target, and a hostile one is judged.
+    #[test]
+    fn gnu_long_links_give_the_target() {
+        let long_link = |target: &str| {
+            let mut out = header(
+                "././@LongLink",
+                EntryType::GNULongLink,
+                target.len() as u64 + 1,
+                None,
+            );
+            out.extend(target.as_bytes());
+            out.push(0);
+            out.resize(out.len().div_ceil(BLOCK) * BLOCK, 0);
+            out.extend(header("dir/link", EntryType::Symlink, 0, Some("short")));
+            out.extend([0u8; 1024]);
+            out
+        };
+        let target = vec!["t".repeat(60); 3].join("/");
+        let mut targets = Vec::new();
+        let mut s = TarScanner::new();
+        s.push_entries(&long_link(&target), &mut |item| {
+            if let TarItem::Entry(e) = item {
+                targets.push(e.kind);
+            }
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(targets, [TarKind::Symlink { target }]);
+        let hostile = format!("{}etc/passwd", "../".repeat(40));
+        let err = scan(&long_link(&hostile), 512).unwrap_err();
+        assert_eq!(err.kind(), crate::ErrorKind::Unsafe, "{err}");
+    }
+
+    /// An archive that ends after an entry without its end-of-archive
+    /// blocks is whole (tar writers may leave them out); one that ends in
+    /// a header is not.
+    #[test]
+    fn an_archive_may_end_without_its_end_blocks() {
+        let mut a = archive(&[("a.txt", EntryType::Regular, b"hi", None)]);
+        a.truncate(a.len() - 1024);
+        assert_eq!(scan(&a, 512).unwrap().entries, 1);
+        a.extend(&header("b", EntryType::Regular, 0, None)[..100]);
+        assert_eq!(scan(&a, 512).unwrap_err().kind(), crate::ErrorKind::Corrupt);
+    }
+
     /// Deep trees have long paths: a GNU long name of a few KiB passes (the
     /// buffer limit for one is a MiB).
     #[test]
