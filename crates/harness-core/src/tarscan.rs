@@ -531,6 +531,14 @@ impl TarScanner {
         link: Option<Vec<u8>>,
     ) -> Result<(Cow<'p, str>, Option<String>)> {
         let normalized = normalize_entry_path(path)?;
+        if normalized.is_empty() && kind != EntryType::Directory {
+            // Only the tree itself is at its root: a file or link there
+            // would stand in for the directory being restored into.
+            return Err(Error::unsafe_entry(format!(
+                "refusing tar entry {path:?}: a {} at the tree's root (an empty name)",
+                kind_name(kind)
+            )));
+        }
         for ancestor in ancestors(&normalized) {
             if self.symlinks.contains(ancestor) {
                 return Err(Error::unsafe_entry(format!(
@@ -914,13 +922,16 @@ mod tests {
             ("dir/", EntryType::Directory, b"", None),
             ("dir/a.txt", EntryType::Regular, b"hello world", None),
             ("dir/link", EntryType::Symlink, b"", Some("a.txt")),
+            ("hard", EntryType::Link, b"", Some("dir/a.txt")),
         ]);
         let mut seen: Vec<String> = Vec::new();
         let mut s = TarScanner::new();
         for chunk in a.chunks(100) {
             s.push_entries(chunk, &mut |item| {
                 seen.push(match item {
-                    TarItem::Entry(e) => format!("entry {} {:?} {}", e.path, e.kind, e.size),
+                    TarItem::Entry(e) => {
+                        format!("entry {} {:?} {} {:o}", e.path, e.kind, e.size, e.mode)
+                    }
                     TarItem::Data(d) => format!("data {}", String::from_utf8_lossy(d)),
                 });
                 Ok(())
@@ -931,10 +942,11 @@ mod tests {
         assert_eq!(
             seen,
             [
-                "entry dir Dir 0",
-                "entry dir/a.txt File 11",
+                "entry dir Dir 0 644",
+                "entry dir/a.txt File 11 644",
                 "data hello world",
-                "entry dir/link Symlink { target: \"a.txt\" } 0",
+                "entry dir/link Symlink { target: \"a.txt\" } 0 644",
+                "entry hard Hardlink { target: \"dir/a.txt\" } 0 644",
             ]
         );
         // A sink's error stops the scan and is returned.
@@ -1020,6 +1032,25 @@ mod tests {
             ))
             .unwrap_err();
         assert!(err.message().contains("larger than the"), "{err}");
+    }
+
+    /// A GNU long name with no bytes still names the next entry — an empty
+    /// name, the tree's root, which only a directory may be — rather than
+    /// being skipped so that the entry's own short name would pass.
+    #[test]
+    fn an_empty_long_name_still_names_the_next_entry() {
+        let mut out = header("././@LongLink", EntryType::GNULongName, 0, None);
+        out.extend(header("short", EntryType::Regular, 0, None));
+        out.extend([0u8; 1024]);
+        let err = scan(&out, 512).unwrap_err();
+        assert!(err.message().contains("at the tree's root"), "{err}");
+        for kind in [EntryType::Regular, EntryType::Symlink] {
+            let root = archive(&[("./", kind, b"", Some("x"))]);
+            let err = scan(&root, 512).unwrap_err();
+            assert_eq!(err.kind(), crate::ErrorKind::Unsafe, "{kind:?}: {err}");
+        }
+        let root_dir = archive(&[("./", EntryType::Directory, b"", None)]);
+        scan(&root_dir, 512).unwrap();
     }
 
     /// A GNU long link names the next entry's link target: the entry is
