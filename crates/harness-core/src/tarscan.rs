@@ -807,10 +807,9 @@ fn check_symlink(path: &str, normalized: &str, target: &str) -> Result<()> {
                     return refuse("target climbs above the root of the tree");
                 }
             }
-            _ => {
-                seen_normal = true;
-                depth += 1;
-            }
+            // Past the leading `..`s the depth no longer matters: any
+            // later `..` is refused above.
+            _ => seen_normal = true,
         }
     }
     Ok(())
@@ -1051,6 +1050,46 @@ mod tests {
         }
         let root_dir = archive(&[("./", EntryType::Directory, b"", None)]);
         scan(&root_dir, 512).unwrap();
+        let up = archive(&[("..", EntryType::Directory, b"", None)]);
+        assert_eq!(scan(&up, 512).unwrap_err().kind(), crate::ErrorKind::Unsafe);
+    }
+
+    /// PAX records: `linkpath` gives a link its target; keys the scanner
+    /// does not know (`mtime`, `comment`) pass; `GNU.sparse.*` is refused.
+    #[test]
+    fn pax_records_other_than_paths_and_sizes() {
+        let target = vec!["p".repeat(60); 3].join("/");
+        let mut out = pax(&[("linkpath", &target), ("mtime", "1700000000.5")]);
+        out.extend(header("l", EntryType::Symlink, 0, Some("short")));
+        let out = end(out);
+        let mut kinds = Vec::new();
+        let mut s = TarScanner::new();
+        s.push_entries(&out, &mut |item| {
+            if let TarItem::Entry(e) = item {
+                kinds.push(e.kind);
+            }
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(kinds, [TarKind::Symlink { target }]);
+        let mut commented = pax(&[("comment", "made by a test")]);
+        commented.extend(header("f", EntryType::Regular, 0, None));
+        assert_eq!(scan(&end(commented), 512).unwrap().entries, 1);
+        let mut sparse = pax(&[("GNU.sparse.map", "0,0")]);
+        sparse.extend(header("f", EntryType::Regular, 0, None));
+        refused(&end(sparse), "sparse");
+    }
+
+    /// A symlink's `.` and empty components are no steps: `./../a` from
+    /// `dir/` stays inside the tree.
+    #[test]
+    fn dot_components_of_a_symlink_target_are_no_steps() {
+        let a = archive(&[
+            ("a.txt", EntryType::Regular, b"x", None),
+            ("dir/", EntryType::Directory, b"", None),
+            ("dir/l", EntryType::Symlink, b"", Some(".//./../a.txt")),
+        ]);
+        assert_eq!(scan(&a, 512).unwrap().entries, 3);
     }
 
     /// A GNU long link names the next entry's link target: the entry is
@@ -1424,15 +1463,18 @@ mod tests {
 
     #[test]
     fn links_and_directories_carrying_data_are_refused() {
-        for (kind, link) in [
-            (EntryType::Symlink, Some("x")),
-            (EntryType::Link, Some("x")),
-            (EntryType::Directory, None),
+        for (kind, link, name) in [
+            (EntryType::Symlink, Some("x"), "a symlink entry"),
+            (EntryType::Link, Some("x"), "a hardlink entry"),
+            (EntryType::Directory, None, "a directory entry"),
         ] {
             let mut out = header("x", EntryType::Regular, 0, None);
             out.extend(header("e", kind, BLOCK as u64, link));
             out.extend(hidden_device());
-            refused(&end(out), "carries 512 bytes");
+            let out = end(out);
+            refused(&out, "carries 512 bytes");
+            let err = scan(&out, 512).unwrap_err();
+            assert!(err.message().contains(name), "{name}: {err}");
         }
     }
 
