@@ -1097,15 +1097,7 @@ mod tests {
     #[test]
     fn gnu_long_links_give_the_target() {
         let long_link = |target: &str| {
-            let mut out = header(
-                "././@LongLink",
-                EntryType::GNULongLink,
-                target.len() as u64 + 1,
-                None,
-            );
-            out.extend(target.as_bytes());
-            out.push(0);
-            out.resize(out.len().div_ceil(BLOCK) * BLOCK, 0);
+            let mut out = gnu_extension(EntryType::GNULongLink, target);
             out.extend(header("dir/link", EntryType::Symlink, 0, Some("short")));
             out.extend([0u8; 1024]);
             out
@@ -1143,15 +1135,7 @@ mod tests {
     #[test]
     fn long_names_of_a_few_kib_pass() {
         let long = vec!["d".repeat(100); 30].join("/") + "/file.txt";
-        let mut out = header(
-            "././@LongLink",
-            EntryType::GNULongName,
-            long.len() as u64 + 1,
-            None,
-        );
-        out.extend(long.as_bytes());
-        out.push(0);
-        out.resize(out.len().div_ceil(BLOCK) * BLOCK, 0);
+        let mut out = gnu_extension(EntryType::GNULongName, &long);
         out.extend(header("short", EntryType::Regular, 0, None));
         out.extend([0u8; 1024]);
         let s = scan(&out, 512).unwrap();
@@ -1221,18 +1205,20 @@ mod tests {
         );
     }
 
+    /// A GNU long name or long link header (`kind`) holding `text`,
+    /// NUL-terminated and padded, as GNU tar writes one.
+    fn gnu_extension(kind: EntryType, text: &str) -> Vec<u8> {
+        let mut out = header("././@LongLink", kind, text.len() as u64 + 1, None);
+        out.extend(text.as_bytes());
+        out.push(0);
+        out.resize(out.len().div_ceil(BLOCK) * BLOCK, 0);
+        out
+    }
+
     #[test]
     fn gnu_long_names_are_checked() {
         let long = format!("{}/../../escape", "a".repeat(120));
-        let mut out = header(
-            "././@LongLink",
-            EntryType::GNULongName,
-            long.len() as u64 + 1,
-            None,
-        );
-        out.extend(long.as_bytes());
-        out.push(0);
-        out.resize(out.len().div_ceil(BLOCK) * BLOCK, 0);
+        let mut out = gnu_extension(EntryType::GNULongName, &long);
         out.extend(header("short", EntryType::Regular, 0, None));
         out.extend([0u8; 1024]);
         let err = scan(&out, 64).unwrap_err();
