@@ -155,7 +155,7 @@ impl Call<'_> {
 }
 
 /// `op` of `session`'s Durable Object (`object.rs`), with `query` and
-/// `body`.
+/// `body` (`turns::object_request`, with the session API's error).
 pub(crate) async fn session_object(
     env: &Env,
     session: &SessionId,
@@ -164,24 +164,15 @@ pub(crate) async fn session_object(
     query: &str,
     body: Option<Vec<u8>>,
 ) -> Result<Response, ApiError> {
-    let namespace = env.durable_object("SESSIONS").map_err(internal)?;
-    let stub = namespace
-        .id_from_name(session.as_str())
-        .and_then(|id| id.get_stub())
-        .map_err(internal)?;
-    let headers = Headers::new();
-    headers
-        .set(SESSION_HEADER, session.as_str())
-        .map_err(internal)?;
-    let mut init = RequestInit::new();
-    init.with_method(method).with_headers(headers);
-    if let Some(body) = body {
-        let array = worker::js_sys::Uint8Array::from(body.as_slice());
-        init.with_body(Some(array.into()));
-    }
-    let url = format!("https://session.internal/{op}?{query}");
-    let request = Request::new_with_init(&url, &init).map_err(internal)?;
-    stub.fetch_with_request(request).await.map_err(internal)
+    crate::turns::object_request(
+        env,
+        session.as_str(),
+        method,
+        &format!("{op}?{query}"),
+        body,
+    )
+    .await
+    .map_err(internal)
 }
 
 /// `req`'s body if it is at most `limit` bytes (by its declared length,

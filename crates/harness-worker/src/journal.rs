@@ -18,6 +18,8 @@ use harness_core::turn::{Budget, ModelUsage};
 use serde::{Deserialize, Serialize};
 use worker::{SqlStorage, SqlStorageValue};
 
+use crate::store::{db_err, int};
+
 const SCHEMA: [&str; 2] = [
     "CREATE TABLE IF NOT EXISTS broker_calls (
         idx INTEGER PRIMARY KEY,
@@ -60,25 +62,17 @@ pub(crate) struct Journal<'a> {
     sql: &'a SqlStorage,
 }
 
-fn err(e: impl std::fmt::Display) -> harness_core::Error {
-    harness_core::Error::backend(format!("the broker journal: {e}"))
-}
-
-fn int(v: u64) -> SqlStorageValue {
-    SqlStorageValue::Integer(i64::try_from(v).unwrap_or(i64::MAX))
-}
-
 impl<'a> Journal<'a> {
     /// The journal of the object whose SQLite is `sql` (made on first use).
     pub(crate) fn open(sql: &'a SqlStorage) -> harness_core::Result<Self> {
         for statement in SCHEMA {
-            sql.exec(statement, None).map_err(err)?;
+            sql.exec(statement, None).map_err(db_err)?;
         }
         sql.exec(
             "INSERT OR IGNORE INTO broker_state (id, recorded) VALUES (1, 0)",
             None,
         )
-        .map_err(err)?;
+        .map_err(db_err)?;
         Ok(Self { sql })
     }
 
@@ -92,7 +86,7 @@ impl<'a> Journal<'a> {
             .sql
             .exec("SELECT MAX(idx) AS last FROM broker_calls", None)
             .and_then(|c| c.to_array())
-            .map_err(err)?;
+            .map_err(db_err)?;
         let index = last.first().and_then(|l| l.last).unwrap_or(0) as u64 + 1;
         let record = AuditRecord::ModelCall {
             index,
@@ -102,7 +96,7 @@ impl<'a> Journal<'a> {
             output_tokens: call.output_tokens,
             spend_micros: call.spend_micros,
         };
-        let json = serde_json::to_string(&record).map_err(err)?;
+        let json = serde_json::to_string(&record).map_err(db_err)?;
         self.sql
             .exec(
                 "INSERT INTO broker_calls (idx, input, output, spend, record) VALUES (?, ?, ?, ?, ?)",
@@ -114,7 +108,7 @@ impl<'a> Journal<'a> {
                     json.into(),
                 ],
             )
-            .map_err(err)?;
+            .map_err(db_err)?;
         Ok(index)
     }
 
@@ -132,9 +126,9 @@ impl<'a> Journal<'a> {
                 None,
             )
             .and_then(|c| c.to_array())
-            .map_err(err)?;
+            .map_err(db_err)?;
         rows.iter()
-            .map(|r| serde_json::from_str(&r.record).map_err(err))
+            .map(|r| serde_json::from_str(&r.record).map_err(db_err))
             .collect()
     }
 
@@ -145,19 +139,19 @@ impl<'a> Journal<'a> {
                 "UPDATE broker_state SET recorded = MAX(recorded, ?) WHERE id = 1",
                 vec![int(upto)],
             )
-            .map_err(err)?;
+            .map_err(db_err)?;
         Ok(())
     }
 
     /// Hold the session to `budget` from now on.
     pub(crate) fn set_budget(&self, budget: &Budget) -> harness_core::Result<()> {
-        let json = serde_json::to_string(budget).map_err(err)?;
+        let json = serde_json::to_string(budget).map_err(db_err)?;
         self.sql
             .exec(
                 "UPDATE broker_state SET budget = ? WHERE id = 1",
                 vec![json.into()],
             )
-            .map_err(err)?;
+            .map_err(db_err)?;
         Ok(())
     }
 
@@ -171,9 +165,9 @@ impl<'a> Journal<'a> {
             .sql
             .exec("SELECT budget FROM broker_state WHERE id = 1", None)
             .and_then(|c| c.to_array())
-            .map_err(err)?;
+            .map_err(db_err)?;
         match rows.first().and_then(|r| r.budget.as_deref()) {
-            Some(json) => serde_json::from_str(json).map_err(err),
+            Some(json) => serde_json::from_str(json).map_err(db_err),
             None => Ok(Budget::default()),
         }
     }
@@ -197,7 +191,7 @@ impl<'a> Journal<'a> {
                 None,
             )
             .and_then(|c| c.to_array())
-            .map_err(err)?;
+            .map_err(db_err)?;
         let Some(s) = sums.first() else {
             return Ok(ModelUsage::default());
         };

@@ -183,11 +183,11 @@ pub struct ForkCut {
     pub meta: SessionMeta,
 }
 
-fn db_err(e: impl std::fmt::Display) -> Error {
+pub(crate) fn db_err(e: impl std::fmt::Display) -> Error {
     Error::backend(format!("durable object sql: {e}"))
 }
 
-fn int(v: u64) -> SqlStorageValue {
+pub(crate) fn int(v: u64) -> SqlStorageValue {
     // Seqs and milliseconds stay far below 2^53 (JavaScript numbers).
     SqlStorageValue::Integer(i64::try_from(v).unwrap_or(i64::MAX))
 }
