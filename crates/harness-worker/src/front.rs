@@ -733,6 +733,18 @@ pub(crate) async fn directory(env: &Env, method: Method, path: &str) -> Result<R
     stub.fetch_with_request(request).await.map_err(internal)
 }
 
+/// A page of the directory's session ids after `after` (`""`: from the
+/// first), at most `limit`, in order.
+pub(crate) async fn listed_ids(
+    env: &Env,
+    after: &str,
+    limit: usize,
+) -> Result<Vec<String>, ApiError> {
+    let path = format!("/list?after={after}&limit={limit}");
+    let mut ids = directory(env, Method::Get, &path).await?;
+    ids.json().await.map_err(internal)
+}
+
 /// Record `id` in the directory of sessions.
 async fn record_session(env: &Env, id: &SessionId) -> Result<(), ApiError> {
     let path = format!("/add?id={}", id.as_str());
@@ -767,9 +779,7 @@ async fn list_sessions(call: &Call<'_>) -> Result<Response, ApiError> {
     let mut cursor = after.map(|a| a.as_str().to_string()).unwrap_or_default();
     let mut infos = Vec::with_capacity(limit);
     while infos.len() < limit {
-        let path = format!("/list?after={cursor}&limit={}", limit - infos.len());
-        let mut ids = directory(call.env, Method::Get, &path).await?;
-        let ids: Vec<String> = ids.json().await.map_err(internal)?;
+        let ids = listed_ids(call.env, &cursor, limit - infos.len()).await?;
         if ids.is_empty() {
             break;
         }
@@ -812,9 +822,7 @@ async fn search(call: &Call<'_>) -> Result<Response, ApiError> {
     let mut hits: Vec<harness_core::search::SearchHit> = Vec::new();
     let mut cursor = String::new();
     loop {
-        let path = format!("/list?after={cursor}&limit={SEARCH_FAN_OUT}");
-        let mut ids = directory(call.env, Method::Get, &path).await?;
-        let ids: Vec<String> = ids.json().await.map_err(internal)?;
+        let ids = listed_ids(call.env, &cursor, SEARCH_FAN_OUT).await?;
         let Some(last) = ids.last() else { break };
         cursor.clone_from(last);
         let asks = ids

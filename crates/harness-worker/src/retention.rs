@@ -22,7 +22,7 @@ use harness_core::SessionId;
 use session_api::ApiError;
 use worker::{console_error, console_log, event, Env, Method, ScheduleContext, ScheduledEvent};
 
-use crate::front::{directory, forget_session, internal, session_object};
+use crate::front::{forget_session, internal, listed_ids, session_object};
 
 /// Directory ids read per page.
 const PAGE: usize = 200;
@@ -56,13 +56,7 @@ async fn run_pass(env: &Env, policy: &RetentionPolicy, now_ms: u64) -> Result<us
     let mut infos: Vec<LogInfo> = Vec::new();
     let mut cursor = String::new();
     loop {
-        let mut page = directory(
-            env,
-            Method::Get,
-            &format!("/list?after={cursor}&limit={PAGE}"),
-        )
-        .await?;
-        let ids: Vec<String> = page.json().await.map_err(internal)?;
+        let ids = listed_ids(env, &cursor, PAGE).await?;
         let Some(last) = ids.last() else { break };
         cursor.clone_from(last);
         for id in ids {
