@@ -1,11 +1,62 @@
 //! `harness run --sandbox microvm`: a real codex turn in a QEMU microVM,
 //! the model reached only through the session's model broker, whose socket
 //! the microVM gets as a host forward on `127.0.0.1:47811`.
+//!
+//! The agent's tool call probes the VM from inside (issue 39's boundary, as
+//! `broker.rs` does for local and Docker sandboxes): the harness home and
+//! its broker secret are out of reach, the real key (the user's
+//! environment's `OPENAI_API_KEY`) is in no process's environment or
+//! command line and no file the VM holds, and the broker refuses another
+//! session's token and another session's endpoint.
 
 use std::process::{Command, Stdio};
 
-use harness_testkit::model::{write_a_file_script, ScriptedModel};
+use base64::Engine as _;
+use harness_testkit::model::{last_is_tool_result_for, last_user_text_contains};
+use harness_testkit::model::{Reply, Rule, Script, ScriptedModel, ToolCall};
 use harness_testkit::{require_env, skip_or_fail};
+use serde_json::json;
+
+const REAL_OPENAI_KEY: &str = "sk-proj-microvm-REAL-KEY-3d9e01b7aa";
+const PROBE: &str = "call_probe_microvm";
+
+/// What the agent runs inside the VM. The key travels base64-encoded into
+/// a file the probe empties when done, so neither the probe's command line
+/// nor the agent's transcript holds it.
+fn probe(home: &std::path::Path, other_session: &str, other_token: &str) -> String {
+    let key = base64::engine::general_purpose::STANDARD.encode(format!("{REAL_OPENAI_KEY}\n"));
+    format!(
+        r#"k=/tmp/probe-key.$$; printf %s '{key}' | base64 -d > $k
+cat {home}/broker/secret >/dev/null 2>&1 && echo SECRET-READ || echo SECRET-UNREADABLE
+ls -A {home} >/dev/null 2>&1 && echo HOME-LISTED || echo HOME-UNSEEN
+n=0
+for p in /proc/[0-9]*; do
+  n=$((n+1))
+  for f in environ cmdline; do
+    grep -qaFf $k $p/$f 2>/dev/null && echo "KEY-IN-PROC $p/$f"
+  done
+done
+echo "PROCESSES-SEARCHED $n"
+grep -rlaFf $k "$HOME" "$PWD" /tmp /etc /run 2>/dev/null | grep -vxF $k | sed 's/^/KEY-IN-FILE /'
+: > $k
+status() {{ timeout 5 bash -c 'exec 3<>/dev/tcp/127.0.0.1/47811 || exit 1
+  printf "POST %s HTTP/1.1
+host: 127.0.0.1
+authorization: Bearer %s
+content-type: application/json
+content-length: 2
+connection: close
+
+{{}}" "$0" "$1" >&3
+  head -1 <&3' "$1" "$2" | cut -d" " -f2; }}
+own=${{OPENAI_BASE_URL#http://127.0.0.1:47811}}
+echo "OTHER-TOKEN-$(status $own/responses '{other_token}')"
+echo "OTHER-SESSION-$(status /s/{other_session}/openai/v1/responses '{other_token}')"
+case "$OPENAI_API_KEY" in hsb1_*) echo TOKEN-NOT-KEY;; esac
+echo "PROBE-DONE in $SECONDS s""#,
+        home = home.display(),
+    )
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[cfg_attr(
@@ -25,8 +76,40 @@ async fn run_in_a_microvm_sandbox_goes_through_the_broker() {
         ));
         return;
     }
-    let model = ScriptedModel::start(write_a_file_script()).await.unwrap();
     let home = tempfile::tempdir().unwrap();
+    // Another session, mid-turn, with a valid token: the test lays down
+    // the broker's secret itself and signs one.
+    let broker_dir = home.path().join("broker");
+    std::fs::create_dir_all(broker_dir.join("active")).unwrap();
+    let secret: Vec<u8> = (0..32u8)
+        .map(|i| i.wrapping_mul(29).wrapping_add(5))
+        .collect();
+    std::fs::write(broker_dir.join("secret"), &secret).unwrap();
+    let other_session = "other-session-vm";
+    let other_token = harness::broker::token::token_for(&secret, other_session);
+    std::fs::write(broker_dir.join("active").join(other_session), b"").unwrap();
+    let script = Script::new()
+        .rule(Rule::new(
+            last_is_tool_result_for(PROBE),
+            Reply::text("Wrote it."),
+        ))
+        .on(
+            last_user_text_contains("write a file"),
+            // Codex hands back a command still running after 10 s unless
+            // told to wait longer; the probe reads every process of the VM.
+            Reply::tool(ToolCall::per_api(
+                PROBE,
+                ("Bash", json!({"command": "true"})),
+                (
+                    "exec_command",
+                    json!({
+                        "cmd": probe(home.path(), other_session, &other_token),
+                        "yield_time_ms": 120_000,
+                    }),
+                ),
+            )),
+        );
+    let model = ScriptedModel::start(script).await.unwrap();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_harness"));
     cmd.arg("--home")
         .arg(home.path())
@@ -41,7 +124,7 @@ async fn run_in_a_microvm_sandbox_goes_through_the_broker() {
         .stdin(Stdio::null())
         .env_remove("ANTHROPIC_API_KEY")
         .env_remove("HARNESS_HOME")
-        .env("OPENAI_API_KEY", "test-key")
+        .env("OPENAI_API_KEY", REAL_OPENAI_KEY)
         .env("OPENAI_BASE_URL", model.v1_url())
         .env("HARNESS_MICROVM_ASSETS", &assets)
         // The codex snapshot (a 315 MB copy into the guest) is shared with
@@ -58,9 +141,46 @@ async fn run_in_a_microvm_sandbox_goes_through_the_broker() {
     assert!(out.status.success(), "{stdout}\n{stderr}");
     assert!(stdout.contains("Wrote it."), "{stdout}\n{stderr}");
     assert!(model.failures().is_empty(), "{:?}", model.failures());
-    // The request reached the model through the broker, with the broker's
-    // key, never the sandbox's.
-    assert_eq!(model.model_requests().len(), 2);
+    // The request reached the model through the broker, with the real
+    // key, never a session token.
+    let requests: Vec<_> = model
+        .requests()
+        .into_iter()
+        .filter(|r| r.api.is_some())
+        .collect();
+    assert_eq!(requests.len(), 2);
+    for r in &requests {
+        assert_eq!(
+            r.header("authorization"),
+            Some(format!("Bearer {REAL_OPENAI_KEY}").as_str())
+        );
+    }
+    let report = requests
+        .iter()
+        .filter_map(|r| r.model_request())
+        .find_map(|r| r.tool_result(PROBE))
+        .expect("the probe's result reached the model")
+        .content;
+    println!("the probe's report:\n{report}");
+    assert!(report.contains("PROBE-DONE"), "{report}");
+    assert!(report.contains("SECRET-UNREADABLE"), "{report}");
+    assert!(report.contains("HOME-UNSEEN"), "{report}");
+    assert!(report.contains("TOKEN-NOT-KEY"), "{report}");
+    assert!(
+        !report.contains("KEY-IN-"),
+        "the real key is inside the VM:\n{report}"
+    );
+    let searched: usize = report
+        .lines()
+        .find_map(|l| l.strip_prefix("PROCESSES-SEARCHED "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0);
+    assert!(
+        searched >= 3,
+        "the probe saw {searched} processes: {report}"
+    );
+    assert!(report.contains("OTHER-TOKEN-401"), "{report}");
+    assert!(report.contains("OTHER-SESSION-401"), "{report}");
     let session = stderr
         .split_whitespace()
         .skip_while(|w| *w != "--session")
