@@ -10,6 +10,8 @@
 //!   would use to reach the host, cannot be reached;
 //! - the broker refuses another session's token, and another session's
 //!   endpoint, from this sandbox;
+//! - the broker's secret under the harness home cannot be read (Docker,
+//!   sealed local; host-mode local is the user's own process);
 //!
 //! and, from the outside: the provider saw the real key on every request
 //! and never a token, and the turn finished.
@@ -84,7 +86,12 @@ fn base64(bytes: &[u8]) -> String {
 /// The probe the agent runs. The keys travel base64-encoded and are
 /// decoded into a file outside the home and tree, so neither this
 /// command's own command line nor the agent's transcript holds them.
-fn probe(host: SocketAddr, other_session: &str, other_token: &str) -> String {
+fn probe(
+    host: SocketAddr,
+    home: &std::path::Path,
+    other_session: &str,
+    other_token: &str,
+) -> String {
     let keys = base64(format!("{REAL_ANTHROPIC_KEY}\n{REAL_OPENAI_KEY}\n").as_bytes());
     format!(
         r#"k=/tmp/harness-probe-keys.$$; printf %s '{keys}' | base64 -d > $k
@@ -98,6 +105,7 @@ for p in /proc/[0-9]*; do
 done
 echo "PROCESSES-SEARCHED $n"
 grep -rlaFf $k "$HOME" "$PWD" 2>/dev/null | sed 's/^/KEY-IN-FILE /'
+cat {home}/broker/secret >/dev/null 2>&1 && echo SECRET-READ || echo SECRET-UNREADABLE
 : > $k
 if timeout 3 bash -c 'exec 3<>/dev/tcp/{ip}/{port} && echo {mark} >&3' 2>/dev/null; then echo HOST-REACHED; else echo HOST-BLOCKED; fi
 status() {{ timeout 5 bash -c 'exec 3<>/dev/tcp/127.0.0.1/47811 || exit 1
@@ -115,6 +123,7 @@ echo PROBE-DONE"#,
         ip = host.ip(),
         port = host.port(),
         mark = PROBE_MARK,
+        home = home.display(),
     )
 }
 
@@ -290,7 +299,10 @@ async fn through_the_broker(agent: Agent, backend: Backend, sealed: bool) {
     }
     .on(
         any(),
-        Reply::shell(PROBE, probe(host_addr, other_session, &other_token)),
+        Reply::shell(
+            PROBE,
+            probe(host_addr, home.path(), other_session, &other_token),
+        ),
     );
     // The model listens on loopback: only the broker, on the host, calls it.
     let model = ScriptedModel::start(script).await.unwrap();
@@ -340,6 +352,12 @@ async fn through_the_broker(agent: Agent, backend: Backend, sealed: bool) {
     );
     assert!(report.contains("OTHER-TOKEN-401"), "{report}");
     assert!(report.contains("OTHER-SESSION-401"), "{report}");
+    // The broker's secret: the host-mode local sandbox is the user's own
+    // process and reads it (not a boundary, docs/security.md); a container
+    // does not have the home, a sealed sandbox does not see it.
+    if backend == Backend::Docker || sealed {
+        assert!(report.contains("SECRET-UNREADABLE"), "{report}");
+    }
     if sealed {
         let sealed_report = tool_report(&model, SEALED_PROBE);
         assert!(sealed_report.contains("SEALED-DONE"), "{sealed_report}");
