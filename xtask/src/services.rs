@@ -211,14 +211,20 @@ impl Service {
         })
     }
 
-    /// The pid from our pid file, if that process is still alive.
+    /// The pid from our pid file, if that process is still alive and is
+    /// this service. A pid file outlives its process, and the kernel hands
+    /// its pid to another process or thread (`/proc/<tid>` of another
+    /// process's thread reads as alive): waiting on such a pid as "still
+    /// starting" failed a chaos run after 90 s.
     pub fn running_pid(self) -> Option<u32> {
         let pid: u32 = std::fs::read_to_string(self.pid_file().ok()?)
             .ok()?
             .trim()
             .parse()
             .ok()?;
-        pid_alive(pid).then_some(pid)
+        // Each service's daemon is named as the service (postgres runs
+        // through `setpriv`, which execs it in place).
+        (pid_alive(pid) && is_process_of(pid, self.name())).then_some(pid)
     }
 
     pub fn start(self) -> Result<()> {
@@ -376,6 +382,26 @@ fn pid_alive(pid: u32) -> bool {
     }
 }
 
+/// Whether `pid` is a process (not another process's thread) running
+/// `program` (its name as the kernel keeps it: at most 15 bytes).
+fn is_process_of(pid: u32, program: &str) -> bool {
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return false;
+    };
+    let tgid = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Tgid:"))
+        .and_then(|v| v.trim().parse::<u32>().ok());
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+    tgid == Some(pid) && comm_matches(comm.trim_end(), program)
+}
+
+/// The kernel keeps a process's name cut to 15 bytes.
+fn comm_matches(comm: &str, program: &str) -> bool {
+    let cut = program.len().min(15);
+    !comm.is_empty() && program.as_bytes()[..cut] == *comm.as_bytes()
+}
+
 fn print_log_tail(path: &Path, lines: usize) {
     if let Ok(text) = std::fs::read_to_string(path) {
         let all: Vec<&str> = text.lines().collect();
@@ -426,4 +452,43 @@ pub fn status() -> Result<()> {
         println!("# some services are down: `cargo xtask services start`");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_name_is_compared_as_the_kernel_cuts_it() {
+        assert!(comm_matches("dockerd", "dockerd"));
+        assert!(comm_matches("a-very-long-pro", "a-very-long-program-name"));
+        assert!(!comm_matches("dockerd", "temporal"));
+        assert!(!comm_matches("", "weed"));
+        assert!(!comm_matches("weed", "weedy"));
+    }
+
+    #[test]
+    fn a_thread_of_a_process_is_not_the_process() {
+        let own = std::fs::read_to_string("/proc/self/comm").unwrap();
+        let own = own.trim_end();
+        let pid = std::process::id();
+        assert!(is_process_of(pid, own));
+        assert!(!is_process_of(pid, "temporal"));
+        // A thread's id reads as alive in /proc but is not a process: the
+        // pid file of a dead service may name one.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let tid = std::fs::read_link("/proc/thread-self").unwrap();
+            let tid: u32 = tid.file_name().unwrap().to_str().unwrap().parse().unwrap();
+            tx.send(tid).unwrap();
+            let _ = done_rx.recv();
+        });
+        let tid = rx.recv().unwrap();
+        assert_ne!(tid, pid);
+        assert!(pid_alive(tid), "a thread id reads as alive");
+        assert!(!is_process_of(tid, own));
+        done_tx.send(()).unwrap();
+        thread.join().unwrap();
+    }
 }
