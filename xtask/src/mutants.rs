@@ -35,7 +35,8 @@ struct Target {
 
 /// The listed files (issue 43): the append decision and the log rules,
 /// retention, the audit chain, tar scanning, the turn driver, the native
-/// log store and its index.
+/// log store and its index, the broker's session and turn tokens and its
+/// budget admission.
 const TARGETS: &[Target] = &[
     Target {
         file: "crates/harness-core/src/log/append.rs",
@@ -68,6 +69,14 @@ const TARGETS: &[Target] = &[
     Target {
         file: "crates/session-log/src/index.rs",
         tests: &["session-log"],
+    },
+    Target {
+        file: "crates/harness-broker-proto/src/token.rs",
+        tests: &["harness-broker-proto"],
+    },
+    Target {
+        file: "crates/harness-broker-proto/src/usage.rs",
+        tests: &["harness-broker-proto"],
     },
 ];
 
