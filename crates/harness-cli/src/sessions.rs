@@ -1,7 +1,8 @@
 //! `harness sessions list|show|search|export|fork`, on the CLI's SQLite log.
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use harness::core::frame::{Frame, FrameBody, SessionId};
+use harness::core::log::retention::{self, SandboxRemoval};
 use harness::core::log::{LogInfo, SessionLog};
 use harness::core::session::SessionMeta;
 use harness::core::turn::TurnStatus;
@@ -288,18 +289,17 @@ pub async fn run(home: &Home, command: SessionsCommand) -> Result<()> {
             let _lock = crate::moves::lock_idle_home(home, "deleting a session").await?;
             let session = SessionId::parse(id)?;
             let info = log.info(&session).await?;
-            harness::core::log::retention::check_deletable(&info)?;
-            if let Some(handle) = info.meta.sandbox.as_ref().filter(|h| h.owned) {
-                match crate::moves::session_sandbox(home, &info).await {
-                    Ok(sandbox) => {
-                        sandbox.destroy().await.with_context(|| {
-                            format!("removing the {} sandbox of {session}", handle.provider)
-                        })?;
-                        println!("removed its {} sandbox {}", handle.provider, handle.id);
+            retention::check_deletable(&info)?;
+            if let Some(handle) = retention::owned_sandbox(&info) {
+                let provider = crate::local::provider(home, &handle.provider, None).await?;
+                match retention::remove_sandbox(&info, handle, provider.as_ref()).await? {
+                    SandboxRemoval::Gone => {
+                        println!(
+                            "its {} sandbox {} is gone already",
+                            handle.provider, handle.id
+                        )
                     }
-                    // Gone already (a container removed by hand, a
-                    // machine's temp dir): nothing to remove.
-                    Err(e) => println!("its {} sandbox is gone already: {e:#}", handle.provider),
+                    _ => println!("removed its {} sandbox {}", handle.provider, handle.id),
                 }
             }
             log.delete(&session).await?;

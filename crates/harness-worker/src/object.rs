@@ -28,6 +28,7 @@ use harness_core::actor::{
     ActorConfig, ClientMessage, ConnId, ErrorCode, Input, Role, ServerMessage,
 };
 use harness_core::actor_driver::{ActorDriver, Transport};
+use harness_core::log::retention;
 use harness_core::log::{unknown_session, verify_store, ChainKey, SessionStore};
 use harness_core::session::{SessionConfig, SessionRuntime, TurnCommand};
 use harness_core::turn::Budget;
@@ -435,10 +436,28 @@ impl SessionObject {
     }
 
     /// Delete the session (docs/retention.md): refused while a turn runs
-    /// (core's rule); every connection is closed, then the object's
-    /// storage — the log, its index, the turn mailbox — is emptied.
+    /// (core's rule); the Cloudflare sandbox it owns is removed through the
+    /// bridge (core's rule again: one its bridge no longer has is gone
+    /// already, any other failure keeps the session for a retry); every
+    /// connection is closed, then the object's storage — the log, its
+    /// index, the turn mailbox — is emptied.
     async fn delete(&self, session: &SessionId, store: &DoStore) -> Result<Response, ApiError> {
-        harness_core::log::retention::check_deletable(&store.info().await?)?;
+        let info = store.info().await?;
+        retention::check_deletable(&info)?;
+        if let Some(handle) = retention::owned_sandbox(&info) {
+            match crate::turns::bridge_provider(&self.env) {
+                Ok(provider) if handle.provider == "cloudflare" => {
+                    retention::remove_sandbox(&info, handle, provider.as_ref()).await?;
+                }
+                // A sandbox of another provider (a session moved here) or
+                // no bridge configured: not this Worker's to remove.
+                _ => worker::console_log!(
+                    "session {session}: its {} sandbox {} is left (not this Worker's bridge)",
+                    handle.provider,
+                    handle.id
+                ),
+            }
+        }
         self.remove(session).await?;
         Ok(Response::empty().map_err(internal)?.with_status(204))
     }

@@ -326,6 +326,28 @@ async fn a_prompt_runs_a_claude_turn_on_workflows_with_a_retried_step() {
         );
     }
 
+    // Deleting the session removes the Cloudflare sandbox it owns through
+    // the bridge (docs/retention.md), then the session.
+    let sandbox = info["meta"]["sandbox"]["id"]
+        .as_str()
+        .expect("the sandbox's id")
+        .to_string();
+    assert!(
+        rig.bridge.sandboxes().contains(&sandbox),
+        "{sandbox} is not live on the bridge: {:?}",
+        rig.bridge.sandboxes()
+    );
+    let (status, body) = t.delete(id, HOST).await;
+    assert_eq!(status, 204, "{body}\n{}", rig.dev.log_tail());
+    assert!(
+        !rig.bridge.sandboxes().contains(&sandbox),
+        "the deleted session's sandbox {sandbox} is still on the bridge"
+    );
+    assert_eq!(
+        t.get(&format!("/v1/sessions/{id}"), Some(HOST)).await.0,
+        404
+    );
+
     // The agent was started once: the retried slice found it running and
     // read its spool again instead of asking the model a second time.
     let prompts = model

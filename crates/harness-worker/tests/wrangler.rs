@@ -653,17 +653,7 @@ async fn the_worker_searches_across_sessions() {
     // Delete (docs/retention.md): a host's, refused while a turn runs (a
     // prompt with no engine stays running); a deleted session is gone from
     // info, the list and search.
-    let delete = |id: &'static str, token: &'static str| {
-        let t = t.clone();
-        async move {
-            t.call(t.request(
-                reqwest::Method::DELETE,
-                &format!("/v1/sessions/{id}"),
-                Some(token),
-            ))
-            .await
-        }
-    };
+    let delete = |id, token| t.delete(id, token);
     assert_eq!(delete("find-c", CLIENT).await.0, 403);
     let (status, v) = delete("find-c", HOST).await;
     assert_eq!(status, 409, "a turn is running: {v}");

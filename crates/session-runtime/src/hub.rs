@@ -33,11 +33,13 @@ use harness_core::actor::{
 use harness_core::actor_driver::{ActorDriver, Transport};
 use harness_core::clock::Clock;
 use harness_core::frame::{Frame, FrameBody};
+use harness_core::log::retention;
+pub use harness_core::log::retention::SandboxRemoval;
 use harness_core::log::{Claim, LogInfo, LogSession, SessionLeases, SessionLog, SessionStore};
 use harness_core::relay::HostMessage;
 use harness_core::sandbox::SandboxProvider;
 use harness_core::session::TurnCommand;
-use harness_core::{Error, ErrorKind, SessionId};
+use harness_core::{Error, SessionId};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::dispatch::Dispatcher;
@@ -314,19 +316,6 @@ impl From<AnswerError> for Error {
             ),
         }
     }
-}
-
-/// What [`Hub::delete`] did with the session's sandbox.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SandboxRemoval {
-    /// The session owned no sandbox (none made yet, or one it attached to).
-    NoneOwned,
-    /// Removed.
-    Removed,
-    /// Gone already (a container removed by hand).
-    Gone,
-    /// Left: this process does not run its provider.
-    NotHere,
 }
 
 /// The registry of live session actors. See the module docs.
@@ -813,7 +802,7 @@ impl Hub {
     /// a remote runner or another node) is left, with a warning.
     pub async fn delete(&self, session: &SessionId) -> Result<SandboxRemoval, Error> {
         let info = self.log.info(session).await?;
-        harness_core::log::retention::check_deletable(&info)?;
+        retention::check_deletable(&info)?;
         let entry = self
             .registry
             .lock()
@@ -829,7 +818,7 @@ impl Hub {
     }
 
     async fn remove_sandbox(&self, info: &LogInfo) -> Result<SandboxRemoval, Error> {
-        let Some(handle) = info.meta.sandbox.as_ref().filter(|h| h.owned) else {
+        let Some(handle) = retention::owned_sandbox(info) else {
             return Ok(SandboxRemoval::NoneOwned);
         };
         let provider = self
@@ -847,31 +836,7 @@ impl Hub {
             );
             return Ok(SandboxRemoval::NotHere);
         };
-        let sandbox = match provider.resume(handle).await {
-            Ok(sandbox) => sandbox,
-            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(SandboxRemoval::Gone),
-            Err(e) => {
-                return Err(Error::new(
-                    e.kind(),
-                    format!(
-                        "reattaching to the {} sandbox {} of session {} to remove it: {e} (the \
-                         session is kept; delete again to retry)",
-                        handle.provider, handle.id, info.session
-                    ),
-                ))
-            }
-        };
-        sandbox.destroy().await.map_err(|e| {
-            Error::new(
-                e.kind(),
-                format!(
-                    "removing the {} sandbox {} of session {}: {e} (the session is kept; delete \
-                     again to retry)",
-                    handle.provider, handle.id, info.session
-                ),
-            )
-        })?;
-        Ok(SandboxRemoval::Removed)
+        retention::remove_sandbox(info, handle, provider.as_ref()).await
     }
 
     fn spawn_actor(&self, session: SessionId) -> Entry {

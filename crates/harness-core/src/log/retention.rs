@@ -10,6 +10,7 @@
 
 use super::LogInfo;
 use crate::frame::SessionId;
+use crate::sandbox::{SandboxHandle, SandboxProvider};
 
 /// What to keep. `None` everywhere keeps everything.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -116,6 +117,55 @@ pub fn check_deletable(info: &LogInfo) -> crate::Result<()> {
         ))),
         None => Ok(()),
     }
+}
+
+/// What deleting a session did with its sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SandboxRemoval {
+    /// The session owned no sandbox (none made yet, or one it attached to).
+    NoneOwned,
+    /// Removed.
+    Removed,
+    /// Gone already (a container removed by hand, a machine's temp dir).
+    Gone,
+    /// Left: the deleting process does not run its provider.
+    NotHere,
+}
+
+/// The sandbox a deleted session takes with it: the one it made (`owned`),
+/// not one it was attached to.
+pub fn owned_sandbox(info: &LogInfo) -> Option<&SandboxHandle> {
+    info.meta.sandbox.as_ref().filter(|h| h.owned)
+}
+
+/// Remove `handle`, `info`'s owned sandbox, through its `provider` — the
+/// one rule every delete follows (the server's, the CLI's, the Worker's),
+/// before the log goes: a sandbox its provider no longer finds is
+/// [`SandboxRemoval::Gone`]; any other failure keeps the session (the
+/// error says so) so that deleting again retries, and nothing is left
+/// running with no session to name it.
+pub async fn remove_sandbox(
+    info: &LogInfo,
+    handle: &SandboxHandle,
+    provider: &dyn SandboxProvider,
+) -> crate::Result<SandboxRemoval> {
+    let kept = |doing: &str, e: crate::Error| {
+        crate::Error::new(
+            e.kind(),
+            format!(
+                "{doing} the {} sandbox {} of session {}: {e} (the session is kept; delete again \
+                 to retry)",
+                handle.provider, handle.id, info.session
+            ),
+        )
+    };
+    let sandbox = match provider.resume(handle).await {
+        Ok(sandbox) => sandbox,
+        Err(e) if e.kind() == crate::ErrorKind::NotFound => return Ok(SandboxRemoval::Gone),
+        Err(e) => return Err(kept("reattaching to", e)),
+    };
+    sandbox.destroy().await.map_err(|e| kept("removing", e))?;
+    Ok(SandboxRemoval::Removed)
 }
 
 #[cfg(test)]

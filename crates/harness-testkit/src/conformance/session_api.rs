@@ -128,6 +128,16 @@ impl Target {
             .await
     }
 
+    /// `DELETE /v1/sessions/{id}`: `(status, JSON body or Null)`.
+    pub async fn delete(&self, id: &str, token: &str) -> (u16, Value) {
+        self.call(self.request(
+            reqwest::Method::DELETE,
+            &format!("/v1/sessions/{id}"),
+            Some(token),
+        ))
+        .await
+    }
+
     /// Create session `id` as host (asserting 201); its info.
     pub async fn create(&self, id: &str) -> Value {
         let (status, info) = self
