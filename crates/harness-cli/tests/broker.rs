@@ -78,11 +78,6 @@ async fn host_server(ip: IpAddr) -> (SocketAddr, Arc<AtomicUsize>) {
     (addr, accepted)
 }
 
-fn base64(bytes: &[u8]) -> String {
-    use base64::Engine as _;
-    base64::engine::general_purpose::STANDARD.encode(bytes)
-}
-
 /// The probe the agent runs. The keys travel base64-encoded and are
 /// decoded into a file outside the home and tree, so neither this
 /// command's own command line nor the agent's transcript holds them.
@@ -92,7 +87,8 @@ fn probe(
     other_session: &str,
     other_token: &str,
 ) -> String {
-    let keys = base64(format!("{REAL_ANTHROPIC_KEY}\n{REAL_OPENAI_KEY}\n").as_bytes());
+    let keys =
+        common::probe::base64(format!("{REAL_ANTHROPIC_KEY}\n{REAL_OPENAI_KEY}\n").as_bytes());
     format!(
         r#"k=/tmp/harness-probe-keys.$$; printf %s '{keys}' | base64 -d > $k
 me=$(readlink /proc/self/ns/net); n=0
@@ -329,29 +325,13 @@ async fn through_the_broker(agent: Agent, backend: Backend, sealed: bool) {
         _containers,
     } = run_probe(&serve, &model, body, &image, "probe the sandbox", PROBE).await;
     let requests = model.requests();
-    assert!(report.contains("PROBE-DONE"), "{report}");
-    assert!(report.contains("TOKEN-NOT-KEY"), "{report}");
-    assert!(
-        !report.contains("KEY-IN-"),
-        "the real key is inside the sandbox:\n{report}"
-    );
-    let searched: usize = report
-        .lines()
-        .find_map(|l| l.strip_prefix("PROCESSES-SEARCHED "))
-        .and_then(|n| n.trim().parse().ok())
-        .unwrap_or(0);
-    assert!(
-        searched >= 2,
-        "the probe saw {searched} processes: {report}"
-    );
+    common::probe::assert_keeps_the_key_out(&report, 2);
     assert!(report.contains("HOST-BLOCKED"), "{report}");
     assert_eq!(
         accepted.load(Ordering::SeqCst),
         0,
         "the host server was reached"
     );
-    assert!(report.contains("OTHER-TOKEN-401"), "{report}");
-    assert!(report.contains("OTHER-SESSION-401"), "{report}");
     // The broker's secret: the host-mode local sandbox is the user's own
     // process and reads it (not a boundary, docs/security.md); a container
     // does not have the home, a sealed sandbox does not see it.

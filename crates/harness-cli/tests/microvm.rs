@@ -9,9 +9,10 @@
 //! command line and no file the VM holds, and the broker refuses another
 //! session's token and another session's endpoint.
 
+mod common;
+
 use std::process::{Command, Stdio};
 
-use base64::Engine as _;
 use harness_testkit::model::{last_is_tool_result_for, last_user_text_contains};
 use harness_testkit::model::{Reply, Rule, Script, ScriptedModel, ToolCall};
 use harness_testkit::{require_env, skip_or_fail};
@@ -24,7 +25,7 @@ const PROBE: &str = "call_probe_microvm";
 /// a file the probe empties when done, so neither the probe's command line
 /// nor the agent's transcript holds it.
 fn probe(home: &std::path::Path, other_session: &str, other_token: &str) -> String {
-    let key = base64::engine::general_purpose::STANDARD.encode(format!("{REAL_OPENAI_KEY}\n"));
+    let key = common::probe::base64(format!("{REAL_OPENAI_KEY}\n").as_bytes());
     format!(
         r#"k=/tmp/probe-key.$$; printf %s '{key}' | base64 -d > $k
 cat {home}/broker/secret >/dev/null 2>&1 && echo SECRET-READ || echo SECRET-UNREADABLE
@@ -162,25 +163,9 @@ async fn run_in_a_microvm_sandbox_goes_through_the_broker() {
         .expect("the probe's result reached the model")
         .content;
     println!("the probe's report:\n{report}");
-    assert!(report.contains("PROBE-DONE"), "{report}");
+    common::probe::assert_keeps_the_key_out(&report, 3);
     assert!(report.contains("SECRET-UNREADABLE"), "{report}");
     assert!(report.contains("HOME-UNSEEN"), "{report}");
-    assert!(report.contains("TOKEN-NOT-KEY"), "{report}");
-    assert!(
-        !report.contains("KEY-IN-"),
-        "the real key is inside the VM:\n{report}"
-    );
-    let searched: usize = report
-        .lines()
-        .find_map(|l| l.strip_prefix("PROCESSES-SEARCHED "))
-        .and_then(|n| n.trim().parse().ok())
-        .unwrap_or(0);
-    assert!(
-        searched >= 3,
-        "the probe saw {searched} processes: {report}"
-    );
-    assert!(report.contains("OTHER-TOKEN-401"), "{report}");
-    assert!(report.contains("OTHER-SESSION-401"), "{report}");
     let session = stderr
         .split_whitespace()
         .skip_while(|w| *w != "--session")

@@ -10,6 +10,7 @@ pub mod browser;
 pub mod docker;
 pub mod follow;
 pub mod npm;
+pub mod probe;
 pub mod server;
 
 use std::path::Path;
