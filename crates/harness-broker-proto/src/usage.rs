@@ -179,9 +179,10 @@ impl UsageScanner {
     }
 
     /// The body ended: take a last unterminated line (a JSON body) and
-    /// return `(input_tokens, output_tokens)`.
+    /// return `(input_tokens, output_tokens)`. (A line being skipped is
+    /// held empty.)
     pub fn finish(mut self) -> (u64, u64) {
-        if !self.skipping && !self.line.is_empty() {
+        if !self.line.is_empty() {
             let line = std::mem::take(&mut self.line);
             self.line_done(&line);
         }
@@ -352,12 +353,81 @@ mod tests {
         );
     }
 
+    /// A `message_delta` data line of exactly `len` bytes (no newline)
+    /// reporting `output` tokens.
+    fn delta_line(len: usize, output: u64) -> String {
+        let head = "data: {\"type\":\"message_delta\",\"pad\":\"";
+        let tail = format!("\",\"usage\":{{\"output_tokens\":{output}}}}}");
+        format!("{head}{}{tail}", "a".repeat(len - head.len() - tail.len()))
+    }
+
+    #[test]
+    fn a_line_at_the_limit_is_read_and_one_past_it_is_skipped() {
+        // A report beside a long delta (100 KB) is well under the limit.
+        assert_eq!(scan(&[&delta_line(100_000, 3), "\n"]), (0, 3));
+        let at = delta_line(MAX_LINE, 7);
+        assert_eq!(at.len(), MAX_LINE);
+        assert_eq!(scan(&[&at, "\n"]), (0, 7));
+        // Split anywhere, the parts add up to the same line.
+        let (a, b) = at.split_at(MAX_LINE / 2);
+        assert_eq!(scan(&[a, b, "\n"]), (0, 7));
+        // One byte more: skipped, so the earlier report stands.
+        let past = delta_line(MAX_LINE + 1, 9);
+        assert_eq!(scan(&[&at, "\n", &past, "\n"]), (0, 7));
+        let (a, b) = past.split_at(MAX_LINE / 2);
+        assert_eq!(scan(&[&at, "\n", a, b, "\n"]), (0, 7));
+    }
+
+    #[test]
+    fn only_data_lines_and_a_json_body_are_read() {
+        let report = "{\"type\":\"message_delta\",\"usage\":{\"output_tokens\":5}}";
+        assert_eq!(scan(&[&format!("data: {report}\n")]), (0, 5));
+        assert_eq!(scan(&[report]), (0, 5));
+        // Another SSE field, a comment, an indented line: not reports.
+        for line in [
+            format!("event: {report}\n"),
+            format!(": {report}\n"),
+            format!("  {report}\n"),
+        ] {
+            assert_eq!(scan(&[&line]), (0, 0), "{line}");
+        }
+    }
+
+    #[test]
+    fn usage_adds_every_figure() {
+        let figures = |n: u64| Usage {
+            requests: n,
+            refused: 2 * n,
+            request_bytes: 3 * n,
+            response_bytes: 4 * n,
+            input_tokens: 5 * n,
+            output_tokens: 6 * n,
+            spend_micros: 7 * n,
+            unpriced_requests: 8 * n,
+        };
+        let mut total = figures(1);
+        total.add(&figures(10));
+        assert_eq!(total, figures(11));
+        total.add(&figures(0));
+        assert_eq!(total, figures(11));
+    }
+
     #[test]
     fn huge_lines_are_skipped_not_held() {
         let big = format!("data: {{\"x\":\"{}\"}}\n", "a".repeat(MAX_LINE * 2));
         let mut s = UsageScanner::default();
         s.feed(big.as_bytes());
         assert!(s.line.len() < MAX_LINE);
+        // Fed in pieces, it is never held either.
+        let mut pieces = UsageScanner::default();
+        for piece in big.as_bytes().chunks(4096) {
+            pieces.feed(piece);
+            assert!(
+                pieces.line.len() <= MAX_LINE,
+                "{} bytes held",
+                pieces.line.len()
+            );
+        }
         s.feed(b"data: {\"type\":\"response.completed\",\"response\":{\"usage\":{\"input_tokens\":1,\"output_tokens\":2}}}\n");
         assert_eq!(s.finish(), (1, 2));
     }
