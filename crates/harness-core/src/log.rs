@@ -958,3 +958,44 @@ impl SessionLog for MemorySessionLog {
             .collect())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A log of `n` prompts.
+    fn log_of(n: u64) -> LogState {
+        let mut state = LogState::new(SessionId::parse("trim-rules").unwrap());
+        for i in 0..n {
+            let body = FrameBody::UserMessage {
+                text: format!("prompt {i}"),
+                turn_id: None,
+            };
+            state
+                .append(AppendRequest::new(body), i, usize::MAX)
+                .unwrap();
+        }
+        state
+    }
+
+    #[test]
+    fn a_trim_removes_something_only_past_the_cut() {
+        let mut state = log_of(5);
+        assert!(check_trim(&state.info(), 2).unwrap());
+        state.trim(2).unwrap();
+        let info = state.info();
+        // At or before the cut: nothing left to remove there.
+        assert!(!check_trim(&info, 1).unwrap());
+        assert!(!check_trim(&info, 2).unwrap());
+        assert!(check_trim(&info, 3).unwrap());
+        // The newest frame stays; 0 is no cut.
+        for through in [0, 5, 6] {
+            let err = check_trim(&info, through).unwrap_err();
+            assert_eq!(
+                err.kind(),
+                crate::ErrorKind::InvalidInput,
+                "{through}: {err}"
+            );
+        }
+    }
+}
