@@ -978,6 +978,129 @@ mod tests {
         state
     }
 
+    /// A log with only the required methods: what every default gives a
+    /// store that does not override it. Appends answer with a recorded
+    /// call; `list` holds three sessions.
+    #[derive(Debug, Default)]
+    struct Bare {
+        created_with: Mutex<Vec<String>>,
+    }
+
+    fn bare() -> Error {
+        Error::invalid("not in the bare log")
+    }
+
+    fn info_of(id: &str) -> LogInfo {
+        LogState::new(SessionId::parse(id).unwrap()).info()
+    }
+
+    #[async_trait]
+    impl SessionLog for Bare {
+        async fn create_with(
+            &self,
+            session: &SessionId,
+            _config: Option<SessionConfig>,
+        ) -> Result<LogInfo> {
+            self.created_with.lock().unwrap().push(session.to_string());
+            Ok(info_of(session.as_str()))
+        }
+        async fn info(&self, _: &SessionId) -> Result<LogInfo> {
+            Err(bare())
+        }
+        async fn append(&self, session: &SessionId, request: AppendRequest) -> Result<Appended> {
+            let mut state = LogState::new(session.clone());
+            state.append(request, 7, usize::MAX)
+        }
+        async fn read(&self, _: &SessionId, _: u64, _: usize) -> Result<Vec<Frame>> {
+            Err(bare())
+        }
+        async fn seal(&self, _: &SessionId) -> Result<LogInfo> {
+            Err(bare())
+        }
+        async fn fork(&self, _: &SessionId, _: u64, _: &SessionId) -> Result<LogInfo> {
+            Err(bare())
+        }
+        async fn list(&self) -> Result<Vec<LogInfo>> {
+            Ok(["a", "b", "c"].into_iter().map(info_of).collect())
+        }
+    }
+
+    #[test]
+    fn a_log_without_its_own_methods_gets_the_defaults() {
+        use futures::executor::block_on;
+        let log = Bare::default();
+        let id = SessionId::parse("s").unwrap();
+        let unsupported = |r: Result<()>| {
+            let e = r.unwrap_err();
+            assert_eq!(e.kind(), crate::ErrorKind::Unsupported, "{e}");
+        };
+        // What a store keeps only if it says so.
+        unsupported(block_on(log.read_chain(&id, 0, 10)).map(drop));
+        unsupported(block_on(log.search(&crate::search::SearchQuery::new("x"))).map(drop));
+        unsupported(block_on(log.delete(&id)));
+        unsupported(block_on(log.trim(&id, 1)).map(drop));
+        // `create` is `create_with` no configuration.
+        assert_eq!(block_on(log.create(&id)).unwrap().session, id);
+        assert_eq!(*log.created_with.lock().unwrap(), ["s"]);
+        // A grouped append is an append, durable at once (group 0).
+        let body = FrameBody::UserMessage {
+            text: "hi".into(),
+            turn_id: None,
+        };
+        let (appended, group) =
+            block_on(log.append_grouped(&id, AppendRequest::new(body))).unwrap();
+        assert_eq!((appended.frame.seq, group), (1, 0));
+        block_on(log.commit_group(&id, group)).unwrap();
+        // A page of `list`: after a session (not with it), at most `limit`.
+        let page = |after: Option<&str>, limit| {
+            let after = after.map(|a| SessionId::parse(a).unwrap());
+            block_on(log.list_page(after.as_ref(), limit))
+                .unwrap()
+                .into_iter()
+                .map(|i| i.session.to_string())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(page(None, 2), ["a", "b"]);
+        assert_eq!(page(Some("a"), 10), ["b", "c"]);
+        assert_eq!(page(Some("b"), 1), ["c"]);
+        assert!(page(Some("c"), 10).is_empty());
+    }
+
+    /// One session's store with only the required methods.
+    #[derive(Debug)]
+    struct BareStore(SessionId);
+
+    #[async_trait]
+    impl SessionStore for BareStore {
+        fn session(&self) -> &SessionId {
+            &self.0
+        }
+        async fn info(&self) -> Result<LogInfo> {
+            Err(bare())
+        }
+        async fn append(&self, request: AppendRequest) -> Result<Appended> {
+            LogState::new(self.0.clone()).append(request, 7, usize::MAX)
+        }
+        async fn read(&self, _: u64, _: usize) -> Result<Vec<Frame>> {
+            Err(bare())
+        }
+    }
+
+    #[test]
+    fn a_store_without_its_own_methods_gets_the_defaults() {
+        use futures::executor::block_on;
+        let store = BareStore(SessionId::parse("s").unwrap());
+        let e = block_on(store.read_chain(0, 10)).unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::Unsupported, "{e}");
+        let body = FrameBody::UserMessage {
+            text: "hi".into(),
+            turn_id: None,
+        };
+        let (appended, group) = block_on(store.append_grouped(AppendRequest::new(body))).unwrap();
+        assert_eq!((appended.frame.seq, group), (1, 0));
+        block_on(store.commit_group(group)).unwrap();
+    }
+
     #[test]
     fn a_trim_removes_something_only_past_the_cut() {
         let mut state = log_of(5);
