@@ -1101,6 +1101,61 @@ mod tests {
         block_on(store.commit_group(group)).unwrap();
     }
 
+    /// A chained log whose frame 2 reads back altered, counting the pages
+    /// it is asked for.
+    #[derive(Debug)]
+    struct Tampered {
+        state: LogState,
+        pages: Mutex<usize>,
+    }
+
+    #[async_trait]
+    impl SessionStore for Tampered {
+        fn session(&self) -> &SessionId {
+            &self.state.session
+        }
+        async fn info(&self) -> Result<LogInfo> {
+            Ok(self.state.info())
+        }
+        async fn append(&self, _: AppendRequest) -> Result<Appended> {
+            Err(bare())
+        }
+        async fn read(&self, _: u64, _: usize) -> Result<Vec<Frame>> {
+            Err(bare())
+        }
+        async fn read_chain(&self, after: u64, limit: usize) -> Result<Vec<ChainedFrame>> {
+            *self.pages.lock().unwrap() += 1;
+            let mut page = self.state.read_chain(after, limit)?;
+            for frame in page.iter_mut().filter(|f| f.seq == 2) {
+                frame.body = frame.body.replace("prompt 1", "prompt X");
+            }
+            Ok(page)
+        }
+    }
+
+    #[test]
+    fn a_verification_stops_reading_at_the_first_break() {
+        let key = ChainKey::new(b"test key".to_vec());
+        let mut state =
+            LogState::new(SessionId::parse("tampered").unwrap()).with_chain_key(key.clone());
+        for i in 0..(VERIFY_PAGE as u64 + 500) {
+            let body = FrameBody::UserMessage {
+                text: format!("prompt {i}"),
+                turn_id: None,
+            };
+            state
+                .append(AppendRequest::new(body), i, usize::MAX)
+                .unwrap();
+        }
+        let store = Tampered {
+            state,
+            pages: Mutex::new(0),
+        };
+        let report = futures::executor::block_on(verify_store(&store, &key)).unwrap();
+        assert!(report.broken.is_some(), "{report:?}");
+        assert_eq!(*store.pages.lock().unwrap(), 1, "pages read past the break");
+    }
+
     #[test]
     fn a_trim_removes_something_only_past_the_cut() {
         let mut state = log_of(5);
