@@ -1101,11 +1101,12 @@ mod tests {
         block_on(store.commit_group(group)).unwrap();
     }
 
-    /// A chained log whose frame 2 reads back altered, counting the pages
-    /// it is asked for.
+    /// A chained log whose frame 2 reads back altered (when `tampered`),
+    /// counting the pages it is asked for.
     #[derive(Debug)]
     struct Tampered {
         state: LogState,
+        tampered: bool,
         pages: Mutex<usize>,
     }
 
@@ -1126,7 +1127,7 @@ mod tests {
         async fn read_chain(&self, after: u64, limit: usize) -> Result<Vec<ChainedFrame>> {
             *self.pages.lock().unwrap() += 1;
             let mut page = self.state.read_chain(after, limit)?;
-            for frame in page.iter_mut().filter(|f| f.seq == 2) {
+            for frame in page.iter_mut().filter(|f| self.tampered && f.seq == 2) {
                 frame.body = frame.body.replace("prompt 1", "prompt X");
             }
             Ok(page)
@@ -1134,26 +1135,47 @@ mod tests {
     }
 
     #[test]
-    fn a_verification_stops_reading_at_the_first_break() {
+    fn a_verification_reads_every_page_and_stops_at_the_first_break() {
         let key = ChainKey::new(b"test key".to_vec());
-        let mut state =
-            LogState::new(SessionId::parse("tampered").unwrap()).with_chain_key(key.clone());
-        for i in 0..(VERIFY_PAGE as u64 + 500) {
-            let body = FrameBody::UserMessage {
-                text: format!("prompt {i}"),
-                turn_id: None,
-            };
-            state
-                .append(AppendRequest::new(body), i, usize::MAX)
-                .unwrap();
-        }
-        let store = Tampered {
-            state,
-            pages: Mutex::new(0),
+        let frames = VERIFY_PAGE as u64 + 500;
+        let store = |tampered| {
+            let session = SessionId::parse("tampered").unwrap();
+            let mut state = LogState::new(session).with_chain_key(key.clone());
+            for i in 0..frames {
+                let body = FrameBody::UserMessage {
+                    text: format!("prompt {i}"),
+                    turn_id: None,
+                };
+                state
+                    .append(AppendRequest::new(body), i, usize::MAX)
+                    .unwrap();
+            }
+            Tampered {
+                state,
+                tampered,
+                pages: Mutex::new(0),
+            }
         };
-        let report = futures::executor::block_on(verify_store(&store, &key)).unwrap();
+        let verify =
+            |store: &Tampered| futures::executor::block_on(verify_store(store, &key)).unwrap();
+        // Intact: every page read, every frame walked.
+        let intact = store(false);
+        let report = verify(&intact);
+        assert_eq!(
+            (report.frames, report.broken.is_none()),
+            (frames, true),
+            "{report:?}"
+        );
+        assert_eq!(*intact.pages.lock().unwrap(), 2);
+        // Broken on the first page: nothing past it is read.
+        let tampered = store(true);
+        let report = verify(&tampered);
         assert!(report.broken.is_some(), "{report:?}");
-        assert_eq!(*store.pages.lock().unwrap(), 1, "pages read past the break");
+        assert_eq!(
+            *tampered.pages.lock().unwrap(),
+            1,
+            "pages read past the break"
+        );
     }
 
     #[test]
