@@ -963,9 +963,8 @@ impl SessionLog for MemorySessionLog {
 mod tests {
     use super::*;
 
-    /// A log of `n` prompts.
-    fn log_of(n: u64) -> LogState {
-        let mut state = LogState::new(SessionId::parse("trim-rules").unwrap());
+    /// `state` with `n` prompts more ("prompt 0", "prompt 1", …).
+    fn with_prompts(mut state: LogState, n: u64) -> LogState {
         for i in 0..n {
             let body = FrameBody::UserMessage {
                 text: format!("prompt {i}"),
@@ -976,6 +975,11 @@ mod tests {
                 .unwrap();
         }
         state
+    }
+
+    /// A log of `n` prompts.
+    fn log_of(n: u64) -> LogState {
+        with_prompts(LogState::new(SessionId::parse("trim-rules").unwrap()), n)
     }
 
     /// A log with only the required methods: what every default gives a
@@ -1140,16 +1144,7 @@ mod tests {
         let frames = VERIFY_PAGE as u64 + 500;
         let store = |tampered| {
             let session = SessionId::parse("tampered").unwrap();
-            let mut state = LogState::new(session).with_chain_key(key.clone());
-            for i in 0..frames {
-                let body = FrameBody::UserMessage {
-                    text: format!("prompt {i}"),
-                    turn_id: None,
-                };
-                state
-                    .append(AppendRequest::new(body), i, usize::MAX)
-                    .unwrap();
-            }
+            let state = with_prompts(LogState::new(session).with_chain_key(key.clone()), frames);
             Tampered {
                 state,
                 tampered,
