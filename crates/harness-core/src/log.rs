@@ -990,6 +990,10 @@ mod tests {
         created_with: Mutex<Vec<String>>,
     }
 
+    /// A log whose group commits fail: what [`LogSession`] must pass on.
+    #[derive(Debug, Default)]
+    struct FailingCommits(Bare);
+
     fn bare() -> Error {
         Error::invalid("not in the bare log")
     }
@@ -1027,6 +1031,60 @@ mod tests {
         async fn list(&self) -> Result<Vec<LogInfo>> {
             Ok(["a", "b", "c"].into_iter().map(info_of).collect())
         }
+    }
+
+    #[async_trait]
+    impl SessionLog for FailingCommits {
+        async fn create_with(&self, s: &SessionId, c: Option<SessionConfig>) -> Result<LogInfo> {
+            self.0.create_with(s, c).await
+        }
+        async fn info(&self, s: &SessionId) -> Result<LogInfo> {
+            self.0.info(s).await
+        }
+        async fn append(&self, s: &SessionId, request: AppendRequest) -> Result<Appended> {
+            self.0.append(s, request).await
+        }
+        async fn commit_group(&self, _: &SessionId, group: u64) -> Result<()> {
+            Err(Error::conflict(format!("group {group} failed")))
+        }
+        async fn read(&self, s: &SessionId, after: u64, limit: usize) -> Result<Vec<Frame>> {
+            self.0.read(s, after, limit).await
+        }
+        async fn seal(&self, s: &SessionId) -> Result<LogInfo> {
+            self.0.seal(s).await
+        }
+        async fn fork(&self, s: &SessionId, until: u64, t: &SessionId) -> Result<LogInfo> {
+            self.0.fork(s, until, t).await
+        }
+        async fn list(&self) -> Result<Vec<LogInfo>> {
+            self.0.list().await
+        }
+    }
+
+    #[test]
+    fn a_session_of_a_log_passes_a_failed_group_commit_on() {
+        let log: Arc<dyn SessionLog> = Arc::new(FailingCommits::default());
+        let session = LogSession::new(log, SessionId::parse("s").unwrap());
+        let e = futures::executor::block_on(session.commit_group(3)).unwrap_err();
+        assert_eq!(e.message(), "group 3 failed");
+    }
+
+    #[test]
+    fn an_idempotency_key_is_1_to_256_bytes() {
+        let append = |key: String| {
+            let body = FrameBody::UserMessage {
+                text: "hi".into(),
+                turn_id: None,
+            };
+            check_append(&AppendRequest::idempotent(body, key), 10, 100)
+        };
+        append("k".repeat(MAX_IDEMPOTENCY_KEY_LEN)).unwrap();
+        append("k".into()).unwrap();
+        for key in [String::new(), "k".repeat(MAX_IDEMPOTENCY_KEY_LEN + 1)] {
+            let e = append(key).unwrap_err();
+            assert_eq!(e.kind(), crate::ErrorKind::InvalidInput, "{e}");
+        }
+        assert_eq!(MAX_IDEMPOTENCY_KEY_LEN, 256);
     }
 
     #[test]
