@@ -1232,6 +1232,20 @@ mod tests {
     }
 
     #[test]
+    fn a_fork_of_a_trimmed_log_folds_the_meta_through_its_point() {
+        let mut state = log_of(10);
+        state.trim(3).unwrap();
+        let fork = state.fork(6, SessionId::parse("f").unwrap(), 0).unwrap();
+        let meta = fork.info().meta;
+        assert_eq!(meta.turns, 6);
+        assert_eq!(meta.turn.map(|t| t.prompt), Some("prompt 5".to_string()));
+        // A second trim folds from the first cut on.
+        state.trim(5).unwrap();
+        let fork = state.fork(8, SessionId::parse("g").unwrap(), 0).unwrap();
+        assert_eq!(fork.info().meta.turns, 8);
+    }
+
+    #[test]
     fn a_trim_removes_something_only_past_the_cut() {
         let mut state = log_of(5);
         assert!(check_trim(&state.info(), 2).unwrap());
