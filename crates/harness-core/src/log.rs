@@ -1246,6 +1246,35 @@ mod tests {
     }
 
     #[test]
+    fn a_cut_keeps_its_frames_hash_and_forgets_its_keys() {
+        let key = ChainKey::new(b"test key".to_vec());
+        let mut state = LogState::new(SessionId::parse("keyed").unwrap()).with_chain_key(key);
+        let prompt = |i: u64| FrameBody::UserMessage {
+            text: format!("prompt {i}"),
+            turn_id: None,
+        };
+        for i in 1..=5 {
+            let request = AppendRequest::idempotent(prompt(i), format!("k{i}"));
+            state.append(request, i, usize::MAX).unwrap();
+        }
+        let third = state.read_chain(2, 1).unwrap()[0].hash;
+        assert!(third.is_some());
+        let info = state.trim(3).unwrap();
+        // The chain goes on from frame 3's hash.
+        assert_eq!(info.trimmed.map(|c| (c.through, c.hash)), Some((3, third)));
+        // A key of a kept frame still answers with its frame …
+        let again = state
+            .append(AppendRequest::idempotent(prompt(4), "k4"), 9, usize::MAX)
+            .unwrap();
+        assert_eq!((again.duplicate, again.seq), (true, 4));
+        // … one of a removed frame has no frame to answer with: forgotten.
+        let again = state
+            .append(AppendRequest::idempotent(prompt(3), "k3"), 9, usize::MAX)
+            .unwrap();
+        assert_eq!((again.duplicate, again.seq), (false, 6));
+    }
+
+    #[test]
     fn a_trim_removes_something_only_past_the_cut() {
         let mut state = log_of(5);
         assert!(check_trim(&state.info(), 2).unwrap());
