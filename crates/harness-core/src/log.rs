@@ -1275,6 +1275,38 @@ mod tests {
     }
 
     #[test]
+    fn the_memory_log_takes_its_clock_key_and_frame_limit() {
+        use futures::executor::block_on;
+        let key = ChainKey::new(b"memory key".to_vec());
+        let log = MemorySessionLog::new()
+            .with_clock(Arc::new(crate::clock::ManualClock::at(42_000)))
+            .with_chain_key(key.clone())
+            .with_max_frame_bytes(200);
+        let id = SessionId::parse("m").unwrap();
+        block_on(log.create(&id)).unwrap();
+        let prompt = |text: String| {
+            AppendRequest::new(FrameBody::UserMessage {
+                text,
+                turn_id: None,
+            })
+        };
+        let appended = block_on(log.append(&id, prompt("hi".into()))).unwrap();
+        // Stamped by its clock.
+        assert_eq!(appended.frame.at_ms, 42_000);
+        assert_eq!(block_on(log.info(&id)).unwrap().last_at_ms, 42_000);
+        // Chained with its key: the other key finds the chain broken.
+        let log: Arc<dyn SessionLog> = Arc::new(log);
+        let own = block_on(verify_log(log.clone(), &id, &key)).unwrap();
+        assert!(own.broken.is_none() && own.head.is_some(), "{own:?}");
+        let other = ChainKey::new(b"another key".to_vec());
+        let report = block_on(verify_log(log.clone(), &id, &other)).unwrap();
+        assert!(report.broken.is_some(), "{report:?}");
+        // Held to its frame limit.
+        let e = block_on(log.append(&id, prompt("x".repeat(300)))).unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::InvalidInput, "{e}");
+    }
+
+    #[test]
     fn a_trim_removes_something_only_past_the_cut() {
         let mut state = log_of(5);
         assert!(check_trim(&state.info(), 2).unwrap());
