@@ -1304,6 +1304,14 @@ mod tests {
         // Held to its frame limit.
         let e = block_on(log.append(&id, prompt("x".repeat(300)))).unwrap_err();
         assert_eq!(e.kind(), crate::ErrorKind::InvalidInput, "{e}");
+        // Deleted, it is gone; deleting it again says so.
+        block_on(log.delete(&id)).unwrap();
+        for e in [
+            block_on(log.info(&id)).unwrap_err(),
+            block_on(log.delete(&id)).unwrap_err(),
+        ] {
+            assert_eq!(e.kind(), crate::ErrorKind::NotFound, "{e}");
+        }
     }
 
     #[test]
