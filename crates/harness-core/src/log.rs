@@ -1304,6 +1304,10 @@ mod tests {
         // Held to its frame limit.
         let e = block_on(log.append(&id, prompt("x".repeat(300)))).unwrap_err();
         assert_eq!(e.kind(), crate::ErrorKind::InvalidInput, "{e}");
+        // The default limit is 1 MiB: half of it passes.
+        let roomy = MemorySessionLog::new();
+        block_on(roomy.create(&id)).unwrap();
+        block_on(roomy.append(&id, prompt("x".repeat(512 * 1024)))).unwrap();
         // Deleted, it is gone; deleting it again says so.
         block_on(log.delete(&id)).unwrap();
         for e in [
