@@ -33,6 +33,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::probe::ProbeApi;
 use common::server::{create, docker_parts, export, prompt, Agent, Backend, Serve, TURN_TIMEOUT};
 use harness_testkit::model::{any, last_is_tool_result_for, Reply, Rule, Script, ScriptedModel};
 use serde_json::{json, Value};
@@ -78,19 +79,18 @@ async fn host_server(ip: IpAddr) -> (SocketAddr, Arc<AtomicUsize>) {
     (addr, accepted)
 }
 
-/// The probe the agent runs. The keys travel base64-encoded and are
-/// decoded into a file outside the home and tree, so neither this
-/// command's own command line nor the agent's transcript holds them.
+/// The probe the agent runs (the keys it searches for reach it through
+/// `common::probe::keys_into_file`).
 fn probe(
     host: SocketAddr,
     home: &std::path::Path,
     other_session: &str,
     other_token: &str,
 ) -> String {
-    let keys =
-        common::probe::base64(format!("{REAL_ANTHROPIC_KEY}\n{REAL_OPENAI_KEY}\n").as_bytes());
+    let keys = common::probe::keys_into_file(&[REAL_ANTHROPIC_KEY, REAL_OPENAI_KEY]);
+    let refusals = common::probe::broker_refusals(ProbeApi::Anthropic, other_session, other_token);
     format!(
-        r#"k=/tmp/harness-probe-keys.$$; printf %s '{keys}' | base64 -d > $k
+        r#"{keys}
 me=$(readlink /proc/self/ns/net); n=0
 for p in /proc/[0-9]*; do
   [ "$(readlink $p/ns/net 2>/dev/null)" = "$me" ] || continue
@@ -104,17 +104,7 @@ grep -rlaFf $k "$HOME" "$PWD" 2>/dev/null | sed 's/^/KEY-IN-FILE /'
 cat {home}/broker/secret >/dev/null 2>&1 && echo SECRET-READ || echo SECRET-UNREADABLE
 : > $k
 if timeout 3 bash -c 'exec 3<>/dev/tcp/{ip}/{port} && echo {mark} >&3' 2>/dev/null; then echo HOST-REACHED; else echo HOST-BLOCKED; fi
-status() {{ timeout 5 bash -c 'exec 3<>/dev/tcp/127.0.0.1/47811 || exit 1
-  printf "POST %s HTTP/1.1\r\nhost: 127.0.0.1\r\nx-api-key: %s\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{{}}" "$0" "$1" >&3
-  head -1 <&3' "$1" "$2" | cut -d" " -f2; }}
-own=${{ANTHROPIC_BASE_URL#http://127.0.0.1:47811}}
-echo "OTHER-TOKEN-$(status $own/v1/messages '{other_token}')"
-other=$(status /s/{other_session}/anthropic/v1/messages '{other_token}')
-echo "OTHER-SESSION-$other"
-# No status line: say why (a connection refused, reset or closed), so a
-# failure of the assertion on it explains itself.
-[ -n "$other" ] || echo "OTHER-SESSION-NO-ANSWER: $(timeout 5 bash -c 'exec 3<>/dev/tcp/127.0.0.1/47811 && echo connects-now' 2>&1)"
-case "$ANTHROPIC_API_KEY" in hsb1_*) echo TOKEN-NOT-KEY;; esac
+{refusals}
 echo PROBE-DONE"#,
         ip = host.ip(),
         port = host.port(),

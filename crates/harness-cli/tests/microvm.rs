@@ -13,6 +13,7 @@ mod common;
 
 use std::process::{Command, Stdio};
 
+use common::probe::ProbeApi;
 use harness_testkit::model::{last_is_tool_result_for, last_user_text_contains};
 use harness_testkit::model::{Reply, Rule, Script, ScriptedModel, ToolCall};
 use harness_testkit::{require_env, skip_or_fail};
@@ -21,13 +22,13 @@ use serde_json::json;
 const REAL_OPENAI_KEY: &str = "sk-proj-microvm-REAL-KEY-3d9e01b7aa";
 const PROBE: &str = "call_probe_microvm";
 
-/// What the agent runs inside the VM. The key travels base64-encoded into
-/// a file the probe empties when done, so neither the probe's command line
-/// nor the agent's transcript holds it.
+/// What the agent runs inside the VM (the key reaches it through
+/// `common::probe::keys_into_file`).
 fn probe(home: &std::path::Path, other_session: &str, other_token: &str) -> String {
-    let key = common::probe::base64(format!("{REAL_OPENAI_KEY}\n").as_bytes());
+    let key = common::probe::keys_into_file(&[REAL_OPENAI_KEY]);
+    let refusals = common::probe::broker_refusals(ProbeApi::OpenAi, other_session, other_token);
     format!(
-        r#"k=/tmp/probe-key.$$; printf %s '{key}' | base64 -d > $k
+        r#"{key}
 cat {home}/broker/secret >/dev/null 2>&1 && echo SECRET-READ || echo SECRET-UNREADABLE
 ls -A {home} >/dev/null 2>&1 && echo HOME-LISTED || echo HOME-UNSEEN
 n=0
@@ -40,20 +41,7 @@ done
 echo "PROCESSES-SEARCHED $n"
 grep -rlaFf $k "$HOME" "$PWD" /tmp /etc /run 2>/dev/null | grep -vxF $k | sed 's/^/KEY-IN-FILE /'
 : > $k
-status() {{ timeout 5 bash -c 'exec 3<>/dev/tcp/127.0.0.1/47811 || exit 1
-  printf "POST %s HTTP/1.1
-host: 127.0.0.1
-authorization: Bearer %s
-content-type: application/json
-content-length: 2
-connection: close
-
-{{}}" "$0" "$1" >&3
-  head -1 <&3' "$1" "$2" | cut -d" " -f2; }}
-own=${{OPENAI_BASE_URL#http://127.0.0.1:47811}}
-echo "OTHER-TOKEN-$(status $own/responses '{other_token}')"
-echo "OTHER-SESSION-$(status /s/{other_session}/openai/v1/responses '{other_token}')"
-case "$OPENAI_API_KEY" in hsb1_*) echo TOKEN-NOT-KEY;; esac
+{refusals}
 echo "PROBE-DONE in $SECONDS s""#,
         home = home.display(),
     )
