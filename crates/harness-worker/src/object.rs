@@ -446,7 +446,7 @@ impl SessionObject {
         retention::check_deletable(&info)?;
         if let Some(handle) = retention::owned_sandbox(&info) {
             match crate::turns::bridge_provider(&self.env) {
-                Ok(provider) if handle.provider == "cloudflare" => {
+                Ok(provider) if provider.name() == handle.provider => {
                     retention::remove_sandbox(&info, handle, provider.as_ref()).await?;
                 }
                 // A sandbox of another provider (a session moved here) or
