@@ -255,17 +255,9 @@ async fn through_the_broker(agent: Agent, backend: Backend, sealed: bool) {
         std::fs::set_permissions(home.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
     }
 
-    // Another session, mid-turn, with a valid token: the test is the host,
-    // so it lays down the broker's secret itself and signs one.
-    let broker_dir = home.path().join("broker");
-    std::fs::create_dir_all(broker_dir.join("active")).unwrap();
-    let secret: Vec<u8> = (0..32u8)
-        .map(|i| i.wrapping_mul(37).wrapping_add(11))
-        .collect();
-    std::fs::write(broker_dir.join("secret"), &secret).unwrap();
+    // Another session, mid-turn, with a valid token.
     let other_session = "other-session-1";
-    let other_token = harness::broker::token::token_for(&secret, other_session);
-    std::fs::write(broker_dir.join("active").join(other_session), b"").unwrap();
+    let other_token = common::probe::other_session_token(home.path(), other_session);
 
     let script = if sealed {
         Script::new()

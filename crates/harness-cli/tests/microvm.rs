@@ -66,17 +66,9 @@ async fn run_in_a_microvm_sandbox_goes_through_the_broker() {
         return;
     }
     let home = tempfile::tempdir().unwrap();
-    // Another session, mid-turn, with a valid token: the test lays down
-    // the broker's secret itself and signs one.
-    let broker_dir = home.path().join("broker");
-    std::fs::create_dir_all(broker_dir.join("active")).unwrap();
-    let secret: Vec<u8> = (0..32u8)
-        .map(|i| i.wrapping_mul(29).wrapping_add(5))
-        .collect();
-    std::fs::write(broker_dir.join("secret"), &secret).unwrap();
+    // Another session, mid-turn, with a valid token.
     let other_session = "other-session-vm";
-    let other_token = harness::broker::token::token_for(&secret, other_session);
-    std::fs::write(broker_dir.join("active").join(other_session), b"").unwrap();
+    let other_token = common::probe::other_session_token(home.path(), other_session);
     let script = Script::new()
         .rule(Rule::new(
             last_is_tool_result_for(PROBE),

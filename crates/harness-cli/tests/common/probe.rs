@@ -84,3 +84,18 @@ pub fn assert_keeps_the_key_out(report: &str, min_processes: usize) {
     assert!(report.contains("OTHER-TOKEN-401"), "{report}");
     assert!(report.contains("OTHER-SESSION-401"), "{report}");
 }
+
+/// A valid token of `session`, another session mid-turn in the harness
+/// home `home`: the test is the host, so it lays down the broker's secret
+/// itself (before the broker starts), marks the session active and signs
+/// the token.
+pub fn other_session_token(home: &std::path::Path, session: &str) -> String {
+    let broker_dir = home.join("broker");
+    std::fs::create_dir_all(broker_dir.join("active")).unwrap();
+    let secret: Vec<u8> = (0..32u8)
+        .map(|i| i.wrapping_mul(37).wrapping_add(11))
+        .collect();
+    std::fs::write(broker_dir.join("secret"), &secret).unwrap();
+    std::fs::write(broker_dir.join("active").join(session), b"").unwrap();
+    harness::broker::token::token_for(&secret, session)
+}
