@@ -68,16 +68,28 @@ pub async fn ensure_binary(home: &Home, kind: AgentKind) -> Result<PathBuf> {
     ));
     bar.enable_steady_tick(Duration::from_millis(120));
     std::fs::create_dir_all(&prefix)?;
-    let out = tokio::process::Command::new("npm")
-        .args([
-            "install",
-            "--no-audit",
-            "--no-fund",
-            "--loglevel=error",
-            "--prefix",
-        ])
-        .arg(&prefix)
-        .arg(&spec)
+    let mut npm = tokio::process::Command::new("npm");
+    npm.args([
+        "install",
+        "--no-audit",
+        "--no-fund",
+        "--loglevel=error",
+        "--prefix",
+    ])
+    .arg(&prefix)
+    .arg(&spec);
+    // `--prefix` also moves npm's global config to `<prefix>/etc/npmrc`, so
+    // a `cafile` set there (Debian's `/usr/etc/npmrc`, as behind a registry
+    // proxy) is not read; Node then trusts only its own CA list and the
+    // install fails with SELF_SIGNED_CERT_IN_CHAIN. Adding the system's
+    // bundle (never removing a CA; a caller's own setting is kept) makes
+    // the install trust what the host trusts.
+    if std::env::var_os("NODE_EXTRA_CA_CERTS").is_none()
+        && std::path::Path::new(crate::serve_sandboxes::HOST_CA).is_file()
+    {
+        npm.env("NODE_EXTRA_CA_CERTS", crate::serve_sandboxes::HOST_CA);
+    }
+    let out = npm
         .output()
         .await
         .context("running npm (is Node.js installed? `apt-get install nodejs npm`)")?;

@@ -28,7 +28,7 @@ const TOOLS_IN_CONTAINER: &str = "/opt/harness/tools";
 /// Where the host's CA bundle goes inside a container.
 #[cfg(feature = "docker")]
 const CA_IN_CONTAINER: &str = "/opt/harness/ca-certificates.crt";
-const HOST_CA: &str = "/etc/ssl/certs/ca-certificates.crt";
+pub(crate) const HOST_CA: &str = "/etc/ssl/certs/ca-certificates.crt";
 #[cfg(feature = "docker")]
 const CONTAINER_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
