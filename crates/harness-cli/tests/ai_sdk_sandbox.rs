@@ -289,6 +289,11 @@ fn assert_agent_scenarios(r: &Value) {
     if r["emptyTurnAfterAbort"] == json!(true) {
         println!("note: the first turn after the abort came back empty (harness 1.0.40), the next worked");
     }
+    if let Some(error) = r["upstreamErrorAfterAbort"].as_str() {
+        println!(
+            "note: @ai-sdk/harness 1.0.40 threw after the abort ({error}); the session went on"
+        );
+    }
     assert_eq!(r["destroyed"], "not_found", "{r:#}");
 }
 

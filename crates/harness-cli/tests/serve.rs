@@ -597,14 +597,27 @@ async fn harness_run_goes_through_the_running_server() {
     assert!(out.status.success(), "{stdout}\n{stderr}\n{}", serve.log());
     assert!(stderr.contains("drives this home"), "{stderr}");
     assert!(stdout.contains("The server ran it."), "{stdout}");
-    // The server's client saw the run live.
+    // The server's client saw the run live. `harness run` returns once
+    // *it* has seen the end; this client follows the same log over its own
+    // stream and may be a few frames behind (seen in CI: the end not yet
+    // read when the run exited), so wait for the end before looking.
+    let prompt_turn = || {
+        sse.seen()
+            .frames
+            .iter()
+            .find(|f| f["body"]["type"] == "user-message")
+            .map(|f| f["body"]["turnId"].as_str().unwrap().to_string())
+    };
+    until(&serve, "the client sees the prompt", || {
+        prompt_turn().is_some()
+    })
+    .await;
+    let turn = prompt_turn().unwrap();
+    until(&serve, "the client sees the turn's end", || {
+        sse.seen().end(&turn).is_some()
+    })
+    .await;
     let seen = sse.seen();
-    let turn = seen
-        .frames
-        .iter()
-        .find(|f| f["body"]["type"] == "user-message")
-        .map(|f| f["body"]["turnId"].as_str().unwrap().to_string())
-        .expect("the client saw the prompt");
     assert!(
         seen.live_deltas(&turn) > 0,
         "live text reached the server's client"

@@ -143,13 +143,31 @@ async function agentScenarios() {
   check((await sb2.readTextFile({ path: `${dir2}/tool.txt` })) === null, 'the second session has no tool.txt');
 
   // Abort: the turn rejects, the session stays usable.
+  // `@ai-sdk/harness` 1.0.40 can also throw, outside any promise of ours,
+  // "received terminal finish with unclosed step content" from its stream
+  // reader when the abort lands inside a step (seen once in a cold CI run,
+  // the machine loaded): an uncaught exception that ends Node. That one is
+  // noted (the Rust test prints it) and the scenario goes on; anything
+  // else uncaught still ends the scenario.
+  const onUncaught = (e) => {
+    if (String(e?.message ?? e).includes('unclosed step content')) {
+      out.upstreamErrorAfterAbort = String(e.message);
+      return;
+    }
+    console.error(e);
+    process.exit(1);
+  };
+  process.on('uncaughtException', onUncaught);
   const ac = new AbortController();
   const slow = a2.generate({ session: s2, prompt: 'slow please', abortSignal: ac.signal });
   setTimeout(() => ac.abort(), 1500);
-  out.abort = await slow.then(
-    () => 'finished',
-    (e) => e?.name ?? String(e),
-  );
+  out.abort = await Promise.race([
+    slow.then(
+      () => 'finished',
+      (e) => e?.name ?? String(e),
+    ),
+    sleep(60_000).then(() => 'the aborted generate never settled in 60 s'),
+  ]);
   // harness 1.0.40 can end the first turn after an abort with no step at
   // all (the aborted turn's end taken for the new one's, under load): it
   // is noted, and the turn after it must work.
@@ -158,6 +176,7 @@ async function agentScenarios() {
   out.emptyTurnAfterAbort = r6.steps.length === 0;
   if (out.emptyTurnAfterAbort) r6 = await a2.generate({ session: s2, prompt: 'say hello' });
   out.afterAbort = r6.text;
+  process.off('uncaughtException', onUncaught);
   await s2.destroy();
   out.destroyed = await provider2
     .resumeSession({ sessionId: s2.sessionId })
