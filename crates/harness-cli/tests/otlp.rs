@@ -4,85 +4,14 @@
 //! search by. The receiver is an OTLP/HTTP endpoint this test serves on
 //! loopback; the agent is the real `claude` against the scripted model.
 
-use std::collections::HashMap;
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex};
 
-use axum::body::Bytes;
-use axum::extract::State;
-use axum::routing::post;
 use harness_testkit::model::{Script, ScriptedModel};
 use harness_testkit::require_env;
-use opentelemetry_proto::tonic::collector::trace::v1::{
-    ExportTraceServiceRequest, ExportTraceServiceResponse,
-};
-use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
-use prost::Message;
 
-/// A received span, flattened.
-#[derive(Debug, Clone)]
-struct Span {
-    name: String,
-    trace: Vec<u8>,
-    id: Vec<u8>,
-    parent: Vec<u8>,
-    service: String,
-    attributes: HashMap<String, String>,
-}
-
-impl Span {
-    fn attr(&self, key: &str) -> &str {
-        self.attributes.get(key).map_or("", String::as_str)
-    }
-}
-
-type Received = Arc<Mutex<Vec<Span>>>;
-
-async fn receive(State(received): State<Received>, body: Bytes) -> Vec<u8> {
-    let request = ExportTraceServiceRequest::decode(body).expect("an OTLP protobuf export");
-    let mut spans = received.lock().unwrap();
-    for resource in request.resource_spans {
-        let service = resource
-            .resource
-            .iter()
-            .flat_map(|r| &r.attributes)
-            .find(|kv| kv.key == "service.name")
-            .and_then(|kv| kv.value.as_ref())
-            .map(|v| value_text(v.value.as_ref()))
-            .unwrap_or_default();
-        for scope in resource.scope_spans {
-            for span in scope.spans {
-                let attributes = span
-                    .attributes
-                    .iter()
-                    .map(|kv| {
-                        let value = kv.value.as_ref().and_then(|v| v.value.as_ref());
-                        (kv.key.clone(), value_text(value))
-                    })
-                    .collect();
-                spans.push(Span {
-                    name: span.name,
-                    trace: span.trace_id,
-                    id: span.span_id,
-                    parent: span.parent_span_id,
-                    service: service.clone(),
-                    attributes,
-                });
-            }
-        }
-    }
-    ExportTraceServiceResponse::default().encode_to_vec()
-}
-
-fn value_text(value: Option<&AnyValue>) -> String {
-    match value {
-        Some(AnyValue::StringValue(s)) => s.clone(),
-        Some(AnyValue::IntValue(i)) => i.to_string(),
-        Some(AnyValue::BoolValue(b)) => b.to_string(),
-        Some(AnyValue::DoubleValue(d)) => d.to_string(),
-        other => format!("{other:?}"),
-    }
-}
+#[path = "common/otlp.rs"]
+mod otlp;
+use otlp::Span;
 
 /// The spans as an indented tree (children in arrival order), for the
 /// test's output and the docs.
@@ -121,13 +50,7 @@ async fn a_turns_spans_nest_and_carry_the_ids() {
     if require_env("HARNESS_CLAUDE_BIN").is_none() {
         return;
     }
-    let received: Received = Arc::default();
-    let app = axum::Router::new()
-        .route("/v1/traces", post(receive))
-        .with_state(received.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let otlp = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await });
+    let (endpoint, received) = otlp::receiver().await;
     let model = ScriptedModel::start(Script::bash_each_turn(
         "echo traced > traced.txt && cat traced.txt",
         "Traced.",
@@ -138,7 +61,7 @@ async fn a_turns_spans_nest_and_carry_the_ids() {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_harness"));
     cmd.arg("--home")
         .arg(home.path())
-        .args(["--otlp", &otlp, "run", "trace this"])
+        .args(["--otlp", &endpoint, "run", "trace this"])
         .stdin(Stdio::null())
         .env_remove("HARNESS_HOME")
         .env("ANTHROPIC_API_KEY", "test-key")

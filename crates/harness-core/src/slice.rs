@@ -268,7 +268,13 @@ impl SliceRunner {
             Some(relay)
         };
         let harness = self.harness(&state.agent)?;
-        let env = self.agent_env(state).await?;
+        let env = self
+            .agent_env(state)
+            .instrument(tracing::info_span!(
+                "agent.env",
+                broker = self.broker.is_some()
+            ))
+            .await?;
         let command = harness.turn_command(&TurnContext {
             state,
             workdir: sandbox.workdir(),
@@ -1049,7 +1055,10 @@ pub async fn session_sandbox_spec(
     spec.bootstrap = Some(harness.bootstrap_recipe()?);
     if let Some(broker) = broker {
         if !provider.shares_host_network(&spec.network) {
-            spec.forwards = broker.forwards(session_id, &spec.network).await?;
+            spec.forwards = broker
+                .forwards(session_id, &spec.network)
+                .instrument(tracing::info_span!("broker.forwards"))
+                .await?;
         }
     }
     Ok(spec)

@@ -99,6 +99,9 @@ pub struct RecordedRequest {
     pub rule: Option<usize>,
     /// Failures this request caused (assertions, no match).
     pub failures: Vec<String>,
+    /// When its body had arrived (wall clock, so that it lines up with
+    /// another process's span times on the same machine).
+    pub received_at: std::time::SystemTime,
 }
 
 impl RecordedRequest {
@@ -367,6 +370,7 @@ fn base_record(method: &Method, uri: &Uri, headers: &HeaderMap, body: Value) -> 
         api: None,
         rule: None,
         failures: Vec::new(),
+        received_at: std::time::SystemTime::now(),
     }
 }
 
