@@ -3,7 +3,9 @@
 //! (speed is measured, not asserted); they need the services running
 //! (`cargo xtask services start`) and the test environment, which this sets.
 
-use anyhow::Result;
+use std::process::Command;
+
+use anyhow::{Context, Result};
 use clap::ValueEnum;
 
 use crate::util;
@@ -22,6 +24,14 @@ pub enum Bench {
     Fork,
     /// Engine overhead per slice: direct vs in-process vs Temporal.
     Engine,
+    /// Time to a ready agent: `POST /v1/sessions` + a prompt to the
+    /// agent's first model request, per provider, next to a bare `claude
+    /// -p` on the host; each stage's share from the server's spans.
+    Ready,
+    /// Live delivery alone: 1,000 SSE readers at 50 and 1,000 frames/s on
+    /// the session stream and the Durable Streams stream, next to the bare
+    /// fan-out floor and the reference server, five interleaved rounds.
+    Live,
     /// Session server: append throughput, live-delivery latency to 1,000 SSE
     /// readers, replay of 100k frames — on our endpoints, then over the
     /// Durable Streams protocol side by side with the reference server.
@@ -64,9 +74,23 @@ fn commands(bench: Bench) -> Vec<Vec<&'static str>> {
             "--bench",
             "lifecycle",
         ]],
-        Bench::Moves => vec![example("checkpoint-r2", "move_bench")],
+        Bench::Moves => {
+            let mut args = example("checkpoint-r2", "move_bench");
+            args.extend(["--", "--repeat", "5"]);
+            vec![args]
+        }
         Bench::Fork => vec![example("checkpoint-r2", "fork_bench")],
         Bench::Engine => vec![example("durable-temporal", "overhead")],
+        Bench::Ready => vec![vec![
+            "bench",
+            "-p",
+            "harness-cli",
+            "--features",
+            "full",
+            "--bench",
+            "ready",
+        ]],
+        Bench::Live => vec![example("session-server", "bench")],
         Bench::Server => vec![
             example("session-server", "bench"),
             example("session-server", "ds_bench"),
@@ -97,6 +121,7 @@ pub fn run(bench: Bench) -> Result<()> {
         Bench::Moves,
         Bench::Fork,
         Bench::Engine,
+        Bench::Ready,
         Bench::Server,
         Bench::HostTools,
         Bench::Broker,
@@ -118,9 +143,51 @@ pub fn run(bench: Bench) -> Result<()> {
             for (key, value) in crate::env::test_env(true) {
                 cmd.env(key, value);
             }
+            if b == Bench::Moves {
+                for (key, value) in move_anchors()? {
+                    cmd.env(key, value);
+                }
+            }
+            if b == Bench::Live {
+                for (key, value) in [("BENCH_ONLY", "live"), ("BENCH_ROUNDS", "5")] {
+                    if std::env::var_os(key).is_none() {
+                        cmd.env(key, value);
+                    }
+                }
+            }
             println!("==== bench {b:?}: cargo {}", args.join(" "));
             util::run(&mut cmd)?;
         }
     }
     Ok(())
+}
+
+/// The awscli `bench moves` compares with (PyPI), in a venv of its own.
+const AWSCLI: &str = "awscli==1.46.2";
+
+/// The S3 clients `bench moves` pipes its anchors through: Debian's
+/// `rclone` (installed with apt when missing) and PyPI's `awscli` (in
+/// `$HARNESS_CACHE/tools/awscli`), as `MOVE_BENCH_RCLONE` /
+/// `MOVE_BENCH_AWS` for the bench. Not part of `deps`: only this bench
+/// needs them.
+fn move_anchors() -> Result<Vec<(&'static str, String)>> {
+    if util::which("rclone").is_none() {
+        util::run(Command::new("apt-get").args(["install", "-y", "-q", "rclone"]))?;
+    }
+    let rclone = util::which("rclone").context("apt-get installed no rclone")?;
+    let venv = util::cache_subdir("tools/awscli")?;
+    let aws = venv.join("bin/aws");
+    if !util::is_executable(&aws) {
+        util::run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
+        util::run(Command::new(venv.join("bin/pip")).args([
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            AWSCLI,
+        ]))?;
+    }
+    Ok(vec![
+        ("MOVE_BENCH_RCLONE", rclone.display().to_string()),
+        ("MOVE_BENCH_AWS", aws.display().to_string()),
+    ])
 }

@@ -1,7 +1,12 @@
 //! Move benchmark: checkpoint + restore of a ~190 MB, 20,000-file tree
 //! between two local sandboxes through (a) the in-memory store and (b) the
 //! S3 store, against the shell pipelines `tar czf - . | tar xzf -` and
-//! `tar cf - . | zstd -1 -T0 | zstd -d | tar xf -` on the same tree.
+//! `tar cf - . | zstd -1 -T0 | zstd -d | tar xf -` on the same tree, and,
+//! for the S3 store, against what a user would script with the same S3
+//! server: `tar cf - . | zstd -1 -T0 | rclone rcat …` then `rclone cat … |
+//! zstd -d | tar xf -`, and the same with `aws s3 cp -` both ways (the
+//! faster of the two is the anchor). Every run is printed, its ratios
+//! taken within its round.
 //!
 //! ```text
 //! HARNESS_S3_ENDPOINT=http://127.0.0.1:8333 \
@@ -470,6 +475,16 @@ fn run_child(store_kind: &str, src: &Path, scratch: &Path) -> Row {
 }
 
 fn run_shell(name: &str, pipeline: &str, src: &Path, dst: &Path) -> Row {
+    run_shell_with(name, pipeline, src, dst, &[])
+}
+
+fn run_shell_with(
+    name: &str,
+    pipeline: &str,
+    src: &Path,
+    dst: &Path,
+    envs: &[(String, String)],
+) -> Row {
     std::fs::create_dir_all(dst).unwrap();
     let script = pipeline
         .replace("{src}", &src.to_string_lossy())
@@ -480,10 +495,15 @@ fn run_shell(name: &str, pipeline: &str, src: &Path, dst: &Path) -> Row {
     let out = if has_time {
         Command::new("/usr/bin/time")
             .args(["-v", "sh", "-c", &script])
+            .envs(envs.iter().map(|(k, v)| (k, v)))
             .output()
             .unwrap()
     } else {
-        Command::new("sh").args(["-c", &script]).output().unwrap()
+        Command::new("sh")
+            .args(["-c", &script])
+            .envs(envs.iter().map(|(k, v)| (k, v)))
+            .output()
+            .unwrap()
     };
     let secs = started.elapsed().as_secs_f64();
     assert!(
@@ -515,6 +535,187 @@ fn run_shell(name: &str, pipeline: &str, src: &Path, dst: &Path) -> Row {
         note: format!("{files} files / {} MB restored{cpu}", bytes / 1_000_000),
     }
 }
+
+/// The bucket every S3 row writes to (ours under a per-process prefix).
+const BUCKET: &str = "harness-move-bench";
+
+/// A command-line S3 client a user would pipe an archive through.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum S3Cli {
+    /// `rclone rcat` / `rclone cat` (Debian's rclone), multipart parts of
+    /// 8 MiB (ours: `checkpoint_r2::DEFAULT_PART_SIZE`), its other
+    /// settings at their defaults.
+    Rclone,
+    /// `aws s3 cp -` both ways (PyPI's awscli; its multipart chunk is
+    /// 8 MiB by default).
+    Aws,
+}
+
+impl S3Cli {
+    fn name(self) -> &'static str {
+        match self {
+            S3Cli::Rclone => "rclone",
+            S3Cli::Aws => "aws",
+        }
+    }
+
+    /// The binary: `$MOVE_BENCH_RCLONE` / `$MOVE_BENCH_AWS` (set by `cargo
+    /// xtask bench moves`, which installs them), else on `PATH`.
+    fn binary(self) -> Option<String> {
+        let (var, name) = match self {
+            S3Cli::Rclone => ("MOVE_BENCH_RCLONE", "rclone"),
+            S3Cli::Aws => ("MOVE_BENCH_AWS", "aws"),
+        };
+        std::env::var(var)
+            .ok()
+            .filter(|v| !v.is_empty())
+            .or_else(|| {
+                Command::new("sh")
+                    .args(["-c", &format!("command -v {name}")])
+                    .output()
+                    .ok()
+                    .filter(|o| o.status.success())
+                    .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            })
+    }
+
+    /// The environment that points it at the S3 server with the
+    /// credentials our store uses.
+    fn env(self, endpoint: &str) -> Vec<(String, String)> {
+        let pairs: Vec<(&str, &str)> = match self {
+            S3Cli::Rclone => vec![
+                ("RCLONE_CONFIG_BENCH_TYPE", "s3"),
+                ("RCLONE_CONFIG_BENCH_PROVIDER", "Other"),
+                ("RCLONE_CONFIG_BENCH_ACCESS_KEY_ID", "bench"),
+                ("RCLONE_CONFIG_BENCH_SECRET_ACCESS_KEY", "bench-secret"),
+                ("RCLONE_CONFIG_BENCH_REGION", "us-east-1"),
+                ("RCLONE_CONFIG_BENCH_ENDPOINT", endpoint),
+                ("RCLONE_S3_CHUNK_SIZE", "8M"),
+                ("RCLONE_CONFIG", "/dev/null"),
+            ],
+            S3Cli::Aws => vec![
+                ("AWS_ACCESS_KEY_ID", "bench"),
+                ("AWS_SECRET_ACCESS_KEY", "bench-secret"),
+                ("AWS_DEFAULT_REGION", "us-east-1"),
+                ("AWS_ENDPOINT_URL", endpoint),
+            ],
+        };
+        pairs
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    /// `tar | zstd | upload` then `download | zstd -d | tar x`, one shell
+    /// line, the object named `key`.
+    fn pipeline(self, bin: &str, key: &str) -> String {
+        let (up, down) = match self {
+            S3Cli::Rclone => (
+                format!("{bin} rcat bench:{BUCKET}/{key}"),
+                format!("{bin} cat bench:{BUCKET}/{key}"),
+            ),
+            S3Cli::Aws => (
+                format!("{bin} s3 cp --only-show-errors - s3://{BUCKET}/{key}"),
+                format!("{bin} s3 cp --only-show-errors s3://{BUCKET}/{key} -"),
+            ),
+        };
+        format!(
+            "cd {{src}} && tar cf - . | zstd -q -1 -T0 | {up} && {down} | zstd -q -d | tar xf - -C {{dst}}"
+        )
+    }
+
+    /// Remove what `pipeline` stored (untimed).
+    fn remove(self, bin: &str, key: &str, endpoint: &str) {
+        let line = match self {
+            S3Cli::Rclone => format!("{bin} deletefile bench:{BUCKET}/{key}"),
+            S3Cli::Aws => format!("{bin} s3 rm --only-show-errors s3://{BUCKET}/{key}"),
+        };
+        let _ = Command::new("sh")
+            .args(["-c", &line])
+            .envs(self.env(endpoint))
+            .status();
+    }
+}
+
+/// One run of `cli`'s pipeline against the S3 server, with the server's
+/// CPU beside it as for our S3 rows.
+fn run_s3_cli(cli: S3Cli, bin: &str, endpoint: &str, src: &Path, dst: &Path, round: u64) -> Row {
+    let key = format!(
+        "anchor/{}-{}-{round}.tar.zst",
+        cli.name(),
+        std::process::id()
+    );
+    let server_before = s3_server_cpu_secs();
+    let mut row = run_shell_with(
+        &format!("tar | zstd -1 -T0 | {} (S3)", cli.name()),
+        &cli.pipeline(bin, &key),
+        src,
+        dst,
+        &cli.env(endpoint),
+    );
+    if let Some((before, after)) = server_before.zip(s3_server_cpu_secs()) {
+        row.note
+            .push_str(&format!("; S3 server (weed) CPU {:.2}s", after - before));
+    }
+    cli.remove(bin, &key, endpoint);
+    row
+}
+
+/// The bucket, made with whichever client is here (our store makes it
+/// too, but the anchors may run first).
+fn ensure_bucket(clis: &[(S3Cli, String)], endpoint: &str) {
+    for (cli, bin) in clis {
+        let line = match cli {
+            S3Cli::Rclone => format!("{bin} mkdir bench:{BUCKET}"),
+            S3Cli::Aws => format!("{bin} s3 mb s3://{BUCKET} 2>/dev/null || true"),
+        };
+        let _ = Command::new("sh")
+            .args(["-c", &line])
+            .envs(cli.env(endpoint))
+            .status();
+    }
+}
+
+/// One round's rows and the ratios taken within it.
+fn print_round(round: u64, rows: &[Row]) {
+    let find = |name: &str| rows.iter().find(|r| r.name == name);
+    let zstd = find(ZSTD_ANCHOR).expect("the zstd pipeline ran");
+    let s3_anchor = rows
+        .iter()
+        .filter(|r| r.name.ends_with("(S3)"))
+        .min_by(|a, b| a.secs.total_cmp(&b.secs));
+    println!(
+        "\nround {}: {:<44} {:>8} {:>10} {:>10}  notes",
+        round + 1,
+        "pipeline",
+        "wall s",
+        "peak MiB",
+        "x anchor"
+    );
+    for r in rows {
+        let peak = r
+            .peak_kb
+            .map(|k| format!("{:.1}", k as f64 / 1024.0))
+            .unwrap_or_else(|| "n/a".into());
+        // Ours against its anchor: the S3 store against the faster S3
+        // pipeline, everything else against the local zstd pipeline.
+        let anchor = if r.name.contains("s3") {
+            s3_anchor.map(|a| a.secs)
+        } else if r.name.starts_with("harness") {
+            Some(zstd.secs)
+        } else {
+            None
+        };
+        let ratio = anchor.map_or("".into(), |a| format!("{:.2}", r.secs / a));
+        println!(
+            "{:<53} {:>8.2} {:>10} {:>10}  {}",
+            r.name, r.secs, peak, ratio, r.note
+        );
+    }
+}
+
+/// The local anchor every non-S3 row is compared with.
+const ZSTD_ANCHOR: &str = "tar | zstd -1 -T0 | zstd -d | tar x";
 
 #[tokio::main]
 async fn main() {
@@ -556,17 +757,39 @@ async fn main() {
         src.display()
     );
 
-    // Each contender runs `repeat` times, in turns (gzip, zstd, memory, s3,
-    // gzip, …) so a noisy moment of the machine hits all alike; a row shows
-    // the fastest run and the largest peak.
+    // Each contender runs `repeat` times, in turns (gzip, zstd, the S3
+    // pipelines, memory, s3, gzip, …) so a noisy moment of the machine hits
+    // all alike; every run is printed, each ratio taken within its round.
     let repeat = arg("--repeat", 1).max(1);
-    let s3 = std::env::var("HARNESS_S3_ENDPOINT").is_ok_and(|v| !v.is_empty());
-    if !s3 {
-        println!("skipped the S3 store: HARNESS_S3_ENDPOINT is not set");
+    let endpoint = std::env::var("HARNESS_S3_ENDPOINT")
+        .ok()
+        .filter(|v| !v.is_empty());
+    if endpoint.is_none() {
+        println!("skipped the S3 store and the S3 pipelines: HARNESS_S3_ENDPOINT is not set");
+    }
+    let clis: Vec<(S3Cli, String)> = match &endpoint {
+        None => Vec::new(),
+        Some(_) => [S3Cli::Rclone, S3Cli::Aws]
+            .into_iter()
+            .filter_map(|cli| match cli.binary() {
+                Some(bin) => Some((cli, bin)),
+                None => {
+                    println!(
+                        "skipped the {} pipeline: no `{}` (cargo xtask bench moves installs it)",
+                        cli.name(),
+                        cli.name()
+                    );
+                    None
+                }
+            })
+            .collect(),
+    };
+    if let Some(endpoint) = &endpoint {
+        ensure_bucket(&clis, endpoint);
     }
     // `--tree-only`: only the incremental tree checkpoints below.
     if !args.iter().any(|a| a == "--tree-only") {
-        let mut rows: Vec<Row> = Vec::new();
+        let mut rounds: Vec<Vec<Row>> = Vec::new();
         for round in 0..repeat {
             let dst = |name: &str| scratch.path().join(format!("{name}-{round}"));
             let mut runs = vec![
@@ -577,60 +800,72 @@ async fn main() {
                     &dst("dst-gz"),
                 ),
                 run_shell(
-                    "tar | zstd -1 -T0 | zstd -d | tar x",
+                    ZSTD_ANCHOR,
                     "cd {src} && tar cf - . | zstd -q -1 -T0 | zstd -q -d | tar xf - -C {dst}",
                     &src,
                     &dst("dst-zstd"),
                 ),
-                run_child("memory", &src, scratch.path()),
-                run_child("memory-encrypted", &src, scratch.path()),
             ];
-            if s3 {
+            if let Some(endpoint) = &endpoint {
+                for (cli, bin) in &clis {
+                    runs.push(run_s3_cli(
+                        *cli,
+                        bin,
+                        endpoint,
+                        &src,
+                        &dst(&format!("dst-{}", cli.name())),
+                        round,
+                    ));
+                }
+            }
+            runs.push(run_child("memory", &src, scratch.path()));
+            runs.push(run_child("memory-encrypted", &src, scratch.path()));
+            if endpoint.is_some() {
                 runs.push(run_child("s3", &src, scratch.path()));
                 runs.push(run_child("s3-encrypted", &src, scratch.path()));
             }
-            if rows.is_empty() {
-                rows = runs;
-                continue;
-            }
-            for (row, run) in rows.iter_mut().zip(runs) {
-                row.peak_kb = row.peak_kb.max(run.peak_kb);
-                if run.secs < row.secs {
-                    row.secs = run.secs;
-                    row.note = run.note;
-                }
-            }
+            print_round(round, &runs);
+            rounds.push(runs);
         }
-        if repeat > 1 {
-            println!("best of {repeat} runs per contender");
-        }
-
-        let reference = rows[1].secs;
-        let reference_kb = rows[1].peak_kb;
+        // The goals, run by run: the memory store against the local
+        // pipeline, the S3 store against the faster S3 pipeline.
+        let ratios = |ours: &str, anchor: &dyn Fn(&[Row]) -> Option<f64>| -> String {
+            rounds
+                .iter()
+                .filter_map(|rows| {
+                    let mine = rows.iter().find(|r| r.name == ours)?;
+                    Some(format!("{:.2}", mine.secs / anchor(rows)?))
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let zstd = |rows: &[Row]| rows.iter().find(|r| r.name == ZSTD_ANCHOR).map(|r| r.secs);
+        let s3_anchor = |rows: &[Row]| {
+            rows.iter()
+                .filter(|r| r.name.ends_with("(S3)"))
+                .map(|r| r.secs)
+                .min_by(f64::total_cmp)
+        };
+        println!("\nevery run, ours / anchor (goal: <= 1.00 in every run):");
         println!(
-            "\n{:<40} {:>8} {:>10} {:>9} {:>9}  notes",
-            "pipeline", "wall s", "peak MiB", "x time", "x mem"
+            "  memory store / zstd pipeline:           {}",
+            ratios("harness moves, memory store", &zstd)
         );
-        for r in &rows {
-            let peak = r
-                .peak_kb
-                .map(|k| format!("{:.1}", k as f64 / 1024.0))
-                .unwrap_or_else(|| "n/a".into());
-            let mem_ratio = match (r.peak_kb, reference_kb) {
-                (Some(a), Some(b)) if b > 0 => format!("{:.2}", a as f64 / b as f64),
-                _ => "n/a".into(),
-            };
+        println!(
+            "  memory store, encrypted / zstd pipeline: {}",
+            ratios("harness moves, memory-encrypted store", &zstd)
+        );
+        if endpoint.is_some() {
             println!(
-                "{:<40} {:>8.2} {:>10} {:>9.2} {:>9}  {}",
-                r.name,
-                r.secs,
-                peak,
-                r.secs / reference,
-                mem_ratio,
-                r.note
+                "  S3 store / faster S3 pipeline:          {}",
+                ratios("harness moves, s3 store", &s3_anchor)
+            );
+            println!(
+                "  S3 store, encrypted / faster S3 pipeline: {}",
+                ratios("harness moves, s3-encrypted store", &s3_anchor)
             );
         }
-        println!("\nratios are against `tar | zstd -1 -T0 | zstd -d | tar x`; shell peak = largest single process of the pipeline (time -v); ours = the child process's VmHWM");
+        println!("shell peak = largest single process of the pipeline (time -v); ours = the child process's VmHWM; CPU = user + system of every process of the pipeline, or of our child");
     }
 
     if args.iter().any(|a| a == "--no-tree") {

@@ -27,6 +27,7 @@
 //! # knobs: BENCH_HTTP (20000) BENCH_WRITERS (16) BENCH_DIRECT (20000)
 //! #        BENCH_READERS (1000) BENCH_RATES (50,1000) BENCH_SECS (10)
 //! #        BENCH_REPLAY (100000) BENCH_ONLY (append,live,replay)
+//! #        BENCH_ROUNDS (1: live-delivery rounds, every target once per round)
 //! #        BENCH_REFERENCE (1; 0 skips the reference server)
 //! ```
 //!
@@ -742,48 +743,55 @@ async fn bench_live(dir: &std::path::Path) -> anyhow::Result<()> {
     } else {
         None
     };
+    // Each round runs every target once per rate, interleaved, so a
+    // machine that slows down mid-run slows a round's targets alike; the
+    // ratios are taken within a round.
+    let rounds = env("BENCH_ROUNDS", 1).max(1);
     let mut rows = Vec::new();
-    for &rate in &rates {
-        for target in [
-            Target::Floor,
-            Target::SessionSse,
-            Target::DsSession,
-            Target::Reference,
-        ] {
-            // A fresh server per run, so one run's readers do not linger in the next.
-            let result = match target {
-                Target::Floor => {
-                    let (base, _server) = floor::start()?;
-                    bench_live_one(&base, target, readers, rate, secs, "live").await
-                }
-                Target::Reference => match &reference {
-                    None => continue,
-                    Some((entry, launcher)) => {
-                        let (base, _server) = servers::serve_reference(entry, launcher, None)?;
+    for round in 1..=rounds {
+        for &rate in &rates {
+            for target in [
+                Target::Floor,
+                Target::SessionSse,
+                Target::DsSession,
+                Target::Reference,
+            ] {
+                // A fresh server per run, so one run's readers do not linger in the next.
+                let result = match target {
+                    Target::Floor => {
+                        let (base, _server) = floor::start()?;
                         bench_live_one(&base, target, readers, rate, secs, "live").await
                     }
-                },
-                _ => {
-                    let ours = start_ours(dir, &format!("live-{rate}-{target:?}"), true)?;
-                    bench_live_one(&ours.base, target, readers, rate, secs, "live").await
+                    Target::Reference => match &reference {
+                        None => continue,
+                        Some((entry, launcher)) => {
+                            let (base, _server) = servers::serve_reference(entry, launcher, None)?;
+                            bench_live_one(&base, target, readers, rate, secs, "live").await
+                        }
+                    },
+                    _ => {
+                        let ours = start_ours(dir, &format!("live-{rate}-{target:?}"), true)?;
+                        bench_live_one(&ours.base, target, readers, rate, secs, "live").await
+                    }
+                };
+                match &result {
+                    Ok(r) => println!("round {round}: {} @ {rate}/s: {r:?}", target.name()),
+                    Err(e) => println!("round {round}: {} @ {rate}/s: FAILED {e:#}", target.name()),
                 }
-            };
-            match &result {
-                Ok(r) => println!("{} @ {rate}/s: {r:?}", target.name()),
-                Err(e) => println!("{} @ {rate}/s: FAILED {e:#}", target.name()),
+                rows.push((round, rate, target, result.ok()));
             }
-            rows.push((rate, target, result.ok()));
         }
     }
     println!();
-    println!("| live, {readers} SSE readers, {secs} s | frames/s | p50 ms | p99 ms | max ms | lag growth ms | deliveries | readers with all | p99 / reference p99 | p99 / floor p99 | write answered p50 / p99 ms |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
-    for (rate, target, r) in &rows {
-        // The p99 of `than` at this rate, when it delivered everything.
+    println!("| live, {readers} SSE readers, {secs} s | round | frames/s | p50 ms | p99 ms | max ms | lag growth ms | deliveries | readers with all | p99 / reference p99 | p99 / floor p99 | write answered p50 / p99 ms |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for (round, rate, target, r) in &rows {
+        // The p99 of `than` at this rate in this round, when it delivered
+        // everything.
         let p99_of = |than: Target| {
             rows.iter()
-                .find(|(r2, t, _)| r2 == rate && *t == than)
-                .and_then(|(_, _, r)| r.as_ref())
+                .find(|(o, r2, t, _)| o == round && r2 == rate && *t == than)
+                .and_then(|(_, _, _, r)| r.as_ref())
                 .filter(|r| r.deliveries == r.expected)
                 .map(|r| r.p99)
         };
@@ -798,7 +806,7 @@ async fn bench_live(dir: &std::path::Path) -> anyhow::Result<()> {
                     ratio(p99_of(Target::Floor)),
                 );
                 println!(
-                    "| {} | {rate} | {:.2} | {:.2} | {:.2} | {:+.2} | {}/{} | {}/{readers} | {ratio} | {floor} | {:.2} / {:.2} |",
+                    "| {} | {round} | {rate} | {:.2} | {:.2} | {:.2} | {:+.2} | {}/{} | {}/{readers} | {ratio} | {floor} | {:.2} / {:.2} |",
                     target.name(),
                     r.p50,
                     r.p99,
@@ -811,7 +819,10 @@ async fn bench_live(dir: &std::path::Path) -> anyhow::Result<()> {
                     r.write_p99
                 );
             }
-            None => println!("| {} | {rate} | failed | | | | | | | | |", target.name()),
+            None => println!(
+                "| {} | {round} | {rate} | failed | | | | | | | | |",
+                target.name()
+            ),
         }
     }
     Ok(())
