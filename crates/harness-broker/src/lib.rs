@@ -502,13 +502,16 @@ impl Broker {
         )?;
         let app = proxy::router(self.inner.clone(), None);
         // Another process may register a session or a policy (its
-        // session's sandbox is made there); the serving process picks it up
-        // within a quarter of a second.
+        // session's sandbox is made there, and waits for the socket): the
+        // serving process picks it up as soon as the directories change
+        // (inotify), and looks every quarter of a second in any case (a
+        // watch that could not be set up, an overflowed event queue).
         let weak = Arc::downgrade(&self.inner);
+        let mut changes = listeners::RegistrationWatch::new(dir);
         let tasks = vec![
             tokio::spawn(async move {
                 loop {
-                    tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+                    changes.next(std::time::Duration::from_millis(250)).await;
                     let Some(inner) = weak.upgrade() else { break };
                     let mut serving = inner.serving.lock().await;
                     if let Some(s) = serving.as_mut() {
@@ -554,14 +557,15 @@ impl ModelBroker for Broker {
         }
         self.ensure_served().await?;
         if self.inner.spawn.is_some() {
-            // The detached server binds the new sockets on its next look:
-            // have them before the sandbox is made (bounded; a late socket
-            // only costs the agent a retry).
-            for _ in 0..100 {
+            // The detached server binds the new sockets when it sees them
+            // registered (at once through inotify, else on its next look):
+            // have them before the sandbox is made (bounded at 5 s; a late
+            // socket only costs the agent a retry).
+            for _ in 0..1000 {
                 if forwards.iter().all(|f| Path::new(&f.socket).exists()) {
                     break;
                 }
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
             }
         }
         Ok(forwards)

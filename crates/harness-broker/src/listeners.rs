@@ -10,8 +10,9 @@
 //! proxy cannot enforce is refused before any sandbox exists).
 //!
 //! Registering only writes files; the serving process matches its
-//! listeners to them (at once when it registered them, within a second
-//! when another process did), and after a restart serves them all again.
+//! listeners to them (at once when it registered them; when another
+//! process did, as soon as inotify reports the change, else within a
+//! quarter of a second), and after a restart serves them all again.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -53,6 +54,74 @@ pub(crate) fn register_policy(
 
 fn policy_path(dir: &Path, session_id: &str) -> PathBuf {
     dir.join("policies").join(format!("{session_id}.json"))
+}
+
+/// What tells the serving process that another process registered a
+/// session or a policy: a watch (inotify, through `notify`) on the
+/// directories registering writes to (`sessions/`, `policies/`,
+/// `egress/`). Dropping it stops the watch.
+pub(crate) struct RegistrationWatch {
+    watch: Option<(notify::RecommendedWatcher, tokio::sync::mpsc::Receiver<()>)>,
+}
+
+impl RegistrationWatch {
+    pub(crate) fn new(dir: &Path) -> Self {
+        let watch = match Self::watch(dir) {
+            Ok(watch) => Some(watch),
+            Err(e) => {
+                tracing::warn!(error = %e, dir = %dir.display(), "no watch on the broker's registrations: another process's new session waits for the next look");
+                None
+            }
+        };
+        RegistrationWatch { watch }
+    }
+
+    fn watch(
+        dir: &Path,
+    ) -> std::result::Result<(notify::RecommendedWatcher, tokio::sync::mpsc::Receiver<()>), String>
+    {
+        use notify::Watcher;
+        // One pending signal is enough: a refresh covers every change
+        // before it.
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        let mut watcher =
+            notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+                if event.is_ok() {
+                    let _ = tx.try_send(());
+                }
+            })
+            .map_err(|e| e.to_string())?;
+        for sub in ["sessions", "policies", "egress"] {
+            let path = dir.join(sub);
+            std::fs::create_dir_all(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+            watcher
+                .watch(&path, notify::RecursiveMode::NonRecursive)
+                .map_err(|e| format!("{}: {e}", path.display()))?;
+        }
+        Ok((watcher, rx))
+    }
+
+    /// Until the directories change or `at_most` passes, whichever is
+    /// first.
+    pub(crate) async fn next(&mut self, at_most: std::time::Duration) {
+        match &mut self.watch {
+            Some((_, changes)) => {
+                if let Ok(None) = tokio::time::timeout(at_most, changes.recv()).await {
+                    // The watcher's thread is gone: back to looking.
+                    self.watch = None;
+                }
+            }
+            None => tokio::time::sleep(at_most).await,
+        }
+    }
+}
+
+impl std::fmt::Debug for RegistrationWatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegistrationWatch")
+            .field("watching", &self.watch.is_some())
+            .finish()
+    }
 }
 
 /// The listeners the serving process runs, by session.

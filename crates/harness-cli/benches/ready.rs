@@ -11,7 +11,7 @@
 //! ```text
 //! cargo xtask bench ready
 //! # or: cargo bench -p harness-cli --features full --bench ready
-//! # knobs: READY_RUNS (20),
+//! # knobs: READY_RUNS (20), READY_TRACE (1: print the last run's spans),
 //! #        READY_CASES (local:claude-code,docker:claude-code,microvm:codex)
 //! ```
 //!
@@ -277,6 +277,38 @@ fn stages_of(run: &Run, spans: &[Span]) -> Option<Stages> {
     })
 }
 
+/// `READY_TRACE=1`: the last run's spans on its own clock (ms after its
+/// POST), to see what the stages sum up.
+fn print_timeline(run: &Run, spans: &[Span]) {
+    let Some(create) = spans
+        .iter()
+        .find(|s| s.name == "sandbox.create" && s.attr("session.id") == run.session)
+    else {
+        return;
+    };
+    let mut mine: Vec<&Span> = spans
+        .iter()
+        .filter(|s| s.trace == create.trace || s.attr("session.id") == run.session)
+        .filter(|s| s.start_ns <= run.first_ns)
+        .collect();
+    mine.sort_by_key(|s| s.start_ns);
+    println!("  timeline of session {} (ms after the POST):", run.session);
+    for s in mine {
+        let what = ["what", "part", "http.route", "command"]
+            .iter()
+            .map(|k| s.attr(k))
+            .find(|v| !v.is_empty())
+            .unwrap_or("");
+        println!(
+            "    {:>7.1} .. {:>7.1}  {} {what}",
+            ms(s.start_ns.saturating_sub(run.t0_ns)),
+            ms(s.end_ns.saturating_sub(run.t0_ns)),
+            s.name
+        );
+    }
+    println!("    {:>7.1}  the agent's first request", run.total_ms());
+}
+
 /// Wait (bounded) until every run's spans have been exported.
 async fn spans_for(runs: &[Run], received: &Received) -> Vec<Span> {
     let started = Instant::now();
@@ -401,6 +433,11 @@ async fn bench_case(case: &Case, runs: usize) -> Row {
     }
     let spans = spans_for(&timed, &received).await;
     row.stages = timed.iter().filter_map(|r| stages_of(r, &spans)).collect();
+    if std::env::var_os("READY_TRACE").is_some() {
+        if let Some(run) = timed.last() {
+            print_timeline(run, &spans);
+        }
+    }
     drop(serve);
     row
 }
