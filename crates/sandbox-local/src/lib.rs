@@ -143,10 +143,15 @@ const META_FILE: &str = "sandbox.json";
 /// Chunk size of file reads.
 const FILE_CHUNK: usize = 256 * 1024;
 
+/// Ready copies of each bootstrap template a provider keeps by default.
+pub const DEFAULT_POOL_SIZE: usize = 1;
+
 /// Creates sandboxes as directories under a root directory.
 #[derive(Debug, Clone)]
 pub struct LocalProvider {
     root: PathBuf,
+    /// Ready copies kept per bootstrap template (`with_pool_size`).
+    pool_size: usize,
     gate: Option<PathBuf>,
     watch_trees: bool,
     isolation: Isolation,
@@ -176,6 +181,7 @@ impl LocalProvider {
         };
         Self {
             root: root.into(),
+            pool_size: DEFAULT_POOL_SIZE,
             gate: None,
             watch_trees: std::env::var_os("HARNESS_LOCAL_TREE_WATCH").is_none_or(|v| v != "0"),
             isolation,
@@ -208,11 +214,42 @@ impl LocalProvider {
         self
     }
 
+    /// Keep up to `n` ready copies of each bootstrap template (default
+    /// [`DEFAULT_POOL_SIZE`]; 0 turns the pool off). A session's sandbox
+    /// then starts from a copy made in the background after the previous
+    /// create, taken with one `rename`, instead of copying the template
+    /// (the agent's binary, ~400 MB for Claude Code) while the session
+    /// waits. Each ready copy costs the template's size on disk.
+    pub fn with_pool_size(mut self, n: usize) -> Self {
+        self.pool_size = n;
+        self
+    }
+
     /// Run deny-all and custom-policy commands through this
     /// `harness-sandbox-gate` binary.
     pub fn with_gate(mut self, gate: impl Into<PathBuf>) -> Self {
         self.gate = Some(gate.into());
         self
+    }
+
+    /// Top `identity`'s pool up to the pool size in the background (at
+    /// most one fill per identity at a time, across processes).
+    fn refill_pool(&self, identity: &str, template: PathBuf) {
+        if self.pool_size == 0 {
+            return;
+        }
+        let (root, identity, size) = (self.root.clone(), identity.to_string(), self.pool_size);
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = template::fill_pool(&root, &identity, &template, size) {
+                tracing::warn!(error = %e, identity = %identity, "could not refill the local sandbox pool; the next sandbox copies its template");
+            }
+        });
+    }
+
+    /// How many ready copies of bootstrap template `identity` the pool
+    /// holds now (for tests and benchmarks).
+    pub fn pool_ready(&self, identity: &str) -> usize {
+        template::pool_ready(&self.root, identity)
     }
 
     /// The sandbox in `dir`, as this provider makes them.
@@ -548,15 +585,21 @@ impl SandboxProvider for LocalProvider {
             let root = self.root.clone();
             let env = spec.env.clone();
             let target = dir.clone();
-            let id = tokio::task::spawn_blocking(move || -> Result<String> {
+            let pooled = self.pool_size > 0;
+            let id = tokio::task::spawn_blocking(move || -> Result<(String, PathBuf)> {
                 let (identity, template) = template::ensure(&root, &recipe, &env)?;
-                template::copy_tree(&template, &target)?;
-                Ok(identity)
+                if !(pooled && template::take_pooled(&root, &identity, &target)) {
+                    template::copy_tree(&template, &target)?;
+                }
+                Ok((identity, template))
             })
             .await
             .map_err(|e| Error::backend(format!("bootstrap task failed: {e}")))?;
             match id {
-                Ok(i) => identity = Some(i),
+                Ok((i, template)) => {
+                    self.refill_pool(&i, template);
+                    identity = Some(i);
+                }
                 Err(e) => {
                     let _ = tokio::fs::remove_dir_all(&dir).await;
                     return Err(e);

@@ -225,6 +225,80 @@ fn tree_size(path: &Path) -> u64 {
         .unwrap_or(0)
 }
 
+/// Where ready copies of template `identity` wait:
+/// `templates/pool/<identity>/<name>`, each renamed into place once whole
+/// (a copy in progress is `.tmp-<pid>-<uuid>`). Not a template itself
+/// (`list` takes `bs-*` only).
+fn pool_dir(root: &Path, identity: &str) -> PathBuf {
+    templates_dir(root).join("pool").join(identity)
+}
+
+/// The ready copies in `dir` (not those still being copied).
+fn ready_copies(dir: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .filter(|e| !e.file_name().to_string_lossy().starts_with(".tmp"))
+                .map(|e| e.path())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// How many ready copies of `identity` wait.
+pub(crate) fn pool_ready(root: &Path, identity: &str) -> usize {
+    ready_copies(&pool_dir(root, identity)).len()
+}
+
+/// Move a ready copy of `identity`'s template to `target`; false when none
+/// is ready. A copy two creates race for goes to one of them (`rename`
+/// is atomic; the other finds it gone and tries the next).
+pub(crate) fn take_pooled(root: &Path, identity: &str, target: &Path) -> bool {
+    ready_copies(&pool_dir(root, identity))
+        .into_iter()
+        .any(|copy| std::fs::rename(&copy, target).is_ok())
+}
+
+/// Top `identity`'s pool up to `size` ready copies of `template`. One
+/// filler per identity at a time (a lock file beside the pool; another
+/// holder means the filling is in hand). Copies a killed filler left
+/// half-made are removed first.
+pub(crate) fn fill_pool(root: &Path, identity: &str, template: &Path, size: usize) -> Result<()> {
+    let dir = pool_dir(root, identity);
+    std::fs::create_dir_all(&dir)?;
+    let lock = File::options()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(dir.with_extension("lock"))?;
+    match lock.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => return Ok(()),
+        Err(std::fs::TryLockError::Error(e)) => return Err(e.into()),
+    }
+    // Under the lock no other filler runs: every `.tmp` left is a dead one's.
+    for entry in std::fs::read_dir(&dir)?.flatten() {
+        if entry.file_name().to_string_lossy().starts_with(".tmp") {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+    while ready_copies(&dir).len() < size {
+        if !template.is_dir() {
+            // Pruned meanwhile: nothing to copy.
+            return Ok(());
+        }
+        let name = uuid::Uuid::new_v4().simple().to_string();
+        let tmp = dir.join(format!(".tmp-{}-{name}", std::process::id()));
+        if let Err(e) = copy_tree(template, &tmp) {
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
+        std::fs::rename(&tmp, dir.join(name))?;
+    }
+    Ok(())
+}
+
 /// Every finished template under `root`.
 pub(crate) fn list(root: &Path) -> Result<Vec<SnapshotInfo>> {
     let dir = templates_dir(root);
@@ -267,7 +341,25 @@ pub(crate) fn prune(root: &Path, keep: &[String]) -> Result<Vec<SnapshotInfo>> {
         lock.lock()?;
         // The lock file stays: deleting it could let two builders hold
         // locks on different inodes.
+        // Its ready copies go with it, once a filler at work has finished
+        // its copy (its lock; it then finds the template gone and stops).
+        let pool = pool_dir(root, &info.identity);
+        let _pool_lock = match std::fs::create_dir_all(templates.join("pool")) {
+            Ok(()) => {
+                let lock = File::options()
+                    .create(true)
+                    .truncate(false)
+                    .write(true)
+                    .open(pool.with_extension("lock"))?;
+                lock.lock()?;
+                Some(lock)
+            }
+            Err(_) => None,
+        };
         std::fs::remove_dir_all(&info.reference)?;
+        if pool.exists() {
+            std::fs::remove_dir_all(&pool)?;
+        }
         removed.push(info);
     }
     Ok(removed)

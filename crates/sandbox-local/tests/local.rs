@@ -157,6 +157,83 @@ async fn bootstrap_runs_once_for_concurrent_first_sessions_in_one_process() {
     }
 }
 
+/// Until `provider`'s pool holds `n` ready copies of `identity` (bounded).
+async fn pool_holds(provider: &LocalProvider, identity: &str, n: usize) {
+    for _ in 0..6000 {
+        if provider.pool_ready(identity) == n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!(
+        "the pool of {identity} holds {} ready copies, not {n}, after 60 s",
+        provider.pool_ready(identity)
+    );
+}
+
+/// The one ready copy of `identity` and its inode.
+fn pooled_copy(root: &Path, identity: &str) -> (PathBuf, u64) {
+    use std::os::unix::fs::MetadataExt;
+    let dir = root.join("templates/pool").join(identity);
+    let copies: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| !p.file_name().unwrap().to_string_lossy().starts_with(".tmp"))
+        .collect();
+    assert_eq!(copies.len(), 1, "{copies:?}");
+    let inode = std::fs::metadata(&copies[0]).unwrap().ino();
+    (copies[0].clone(), inode)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ready_copy_of_the_template_starts_the_next_sandbox() {
+    use std::os::unix::fs::MetadataExt;
+    let root = tempfile::tempdir().unwrap();
+    let scratch = tempfile::tempdir().unwrap();
+    let counter = scratch.path().join("counter");
+    let agent = agent_file(scratch.path());
+    let spec = bootstrap_spec(&counter, &agent);
+    let identity = spec.bootstrap.as_ref().unwrap().identity("local");
+    let provider = LocalProvider::new(root.path()).with_pool_size(1);
+    // The first sandbox builds the template and copies it; a ready copy
+    // is then made in the background.
+    let a = provider.create(&spec).await.unwrap();
+    pool_holds(&provider, &identity, 1).await;
+    let (copy, inode) = pooled_copy(root.path(), &identity);
+    // The next sandbox *is* that copy, moved, and is bootstrapped like the
+    // first; the pool is topped up with another.
+    let b = provider.create(&spec).await.unwrap();
+    assert!(!copy.exists(), "the ready copy was taken");
+    let b_root = Path::new(b.workdir()).parent().unwrap().to_path_buf();
+    assert_eq!(std::fs::metadata(&b_root).unwrap().ino(), inode);
+    assert_bootstrapped(b.as_ref()).await;
+    assert_eq!(lines(&counter), 1, "the recipe ran once");
+    pool_holds(&provider, &identity, 1).await;
+    let (_, refilled) = pooled_copy(root.path(), &identity);
+    assert_ne!(refilled, inode, "a new copy, not the taken one");
+    // A session's changes stay its own: the next copy is the template's.
+    sh(
+        b.as_ref(),
+        "echo changed > \"$HARNESS_SANDBOX_ROOT/opt/agent/config.txt\"",
+    )
+    .await;
+    let c = provider.create(&spec).await.unwrap();
+    assert_bootstrapped(c.as_ref()).await;
+    pool_holds(&provider, &identity, 1).await;
+    // Pruning the template takes its ready copies too.
+    provider.prune_snapshots(&[]).await.unwrap();
+    assert!(!root.path().join("templates/pool").join(&identity).exists());
+    // Without a pool, nothing is copied ahead.
+    let unpooled_root = tempfile::tempdir().unwrap();
+    let unpooled = LocalProvider::new(unpooled_root.path()).with_pool_size(0);
+    let d = unpooled.create(&spec).await.unwrap();
+    assert_bootstrapped(d.as_ref()).await;
+    assert!(!unpooled_root.path().join("templates/pool").exists());
+    for sb in [a, b, c, d] {
+        sb.destroy().await.unwrap();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_recipe_with_a_wrong_host_file_digest_fails_and_leaves_no_template() {
     let root = tempfile::tempdir().unwrap();
