@@ -86,8 +86,15 @@ impl RegistrationWatch {
         let (tx, rx) = tokio::sync::mpsc::channel(1);
         let mut watcher =
             notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-                if event.is_ok() {
-                    let _ = tx.try_send(());
+                // Only entries coming or going (a session's directory
+                // made, a policy renamed into place) are registrations.
+                // Not opens, reads or attribute changes: the refresh itself
+                // reads these directories, and acting on that would refresh
+                // forever (seen: the broker at 100 % CPU).
+                if let Ok(event) = event {
+                    if is_registration(&event.kind) {
+                        let _ = tx.try_send(());
+                    }
                 }
             })
             .map_err(|e| e.to_string())?;
@@ -114,6 +121,17 @@ impl RegistrationWatch {
             None => tokio::time::sleep(at_most).await,
         }
     }
+}
+
+/// Whether a change of a registrations directory can be a registration
+/// (or its removal).
+fn is_registration(kind: &notify::EventKind) -> bool {
+    use notify::event::ModifyKind;
+    use notify::EventKind;
+    matches!(
+        kind,
+        EventKind::Create(_) | EventKind::Remove(_) | EventKind::Modify(ModifyKind::Name(_))
+    )
 }
 
 impl std::fmt::Debug for RegistrationWatch {
@@ -270,4 +288,34 @@ fn serve_egress(
     Ok(EgressProxy::new(policy)
         .with_journal(journal)
         .serve_unix(listener))
+}
+
+#[cfg(test)]
+mod tests {
+    use notify::event::{AccessKind, AccessMode, CreateKind, MetadataKind, ModifyKind, RenameMode};
+    use notify::EventKind;
+
+    use super::is_registration;
+
+    #[test]
+    fn only_entries_coming_or_going_are_registrations() {
+        // What a refresh does to the watched directories itself (read
+        // them, and the attribute changes of registering) must not wake
+        // it again.
+        for kind in [
+            EventKind::Access(AccessKind::Open(AccessMode::Any)),
+            EventKind::Access(AccessKind::Close(AccessMode::Read)),
+            EventKind::Modify(ModifyKind::Metadata(MetadataKind::Permissions)),
+            EventKind::Other,
+        ] {
+            assert!(!is_registration(&kind), "{kind:?}");
+        }
+        for kind in [
+            EventKind::Create(CreateKind::Folder),
+            EventKind::Modify(ModifyKind::Name(RenameMode::To)),
+            EventKind::Remove(notify::event::RemoveKind::Folder),
+        ] {
+            assert!(is_registration(&kind), "{kind:?}");
+        }
+    }
 }
