@@ -377,7 +377,13 @@ pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
     config.insecure_no_auth = insecure;
     config.idle_timeout = Duration::from_secs(args.idle_secs);
     config.agents = vec!["claude-code".into(), "codex".into()];
-    config.providers = vec!["local".into(), "docker".into()];
+    // What the runtime was built with (local, and docker, microvm or
+    // cloudflare where they answered); a server whose turns run elsewhere
+    // (remote runners) offers the two every runner has.
+    config.providers = match &runtime {
+        Some(runtime) => runtime.hub().sandbox_provider_names(),
+        None => vec!["local".into(), "docker".into()],
+    };
     // Generic Durable Streams outlive the process: every write is committed
     // to this file before it is answered.
     let streams = harness::server::durable_streams::StreamStore::open(home.streams_db())

@@ -578,6 +578,18 @@ impl Hub {
         *self.providers.write().unwrap_or_else(|e| e.into_inner()) = providers;
     }
 
+    /// The names of the sandbox providers installed with
+    /// [`set_sandbox_providers`](Hub::set_sandbox_providers): what a server
+    /// running turns here can offer its clients.
+    pub fn sandbox_provider_names(&self) -> Vec<String> {
+        self.providers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .keys()
+            .cloned()
+            .collect()
+    }
+
     /// The log.
     pub fn log(&self) -> &Arc<dyn SessionLog> {
         &self.log
