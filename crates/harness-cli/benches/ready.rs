@@ -15,7 +15,8 @@
 //! #        READY_CASES (local:claude-code,docker:claude-code,microvm:codex)
 //! ```
 //!
-//! Each provider gets its own `harness serve` (release build) and home.
+//! A case the server does not offer (no microVM guest, a build without the
+//! feature) is reported as not measured. Each provider gets its own `harness serve` (release build) and home.
 //! A first, untimed session builds what every later session starts from
 //! (the bootstrap template or snapshot, the broker's process), so the
 //! timed runs are a server's steady state; each run's session is deleted
@@ -398,7 +399,7 @@ struct Row {
     stages: Vec<Stages>,
 }
 
-async fn bench_case(case: &Case, runs: usize) -> Row {
+async fn bench_case(case: &Case, runs: usize) -> Option<Row> {
     let model = ScriptedModel::start(Script::text("Ready.")).await.unwrap();
     let (endpoint, received) = otlp::receiver().await;
     let home = tempfile::tempdir().unwrap();
@@ -408,6 +409,20 @@ async fn bench_case(case: &Case, runs: usize) -> Row {
         &["--otlp", &endpoint],
         &[("OTEL_BSP_SCHEDULE_DELAY", "200")],
     );
+    // Whether this server offers the case at all (a microVM needs a build
+    // with the feature and the guest's assets).
+    let (status, answer) =
+        common::server::post(&serve.url("/v1/sessions"), HOST, case.body.clone()).await;
+    if status != 201 {
+        println!("  not measured: the server refused the session ({status}): {answer}");
+        return None;
+    }
+    let probe = answer["session"].as_str().unwrap_or_default().to_string();
+    let _ = http()
+        .delete(serve.url(&format!("/v1/sessions/{probe}")))
+        .bearer_auth(HOST)
+        .send()
+        .await;
     // Untimed: the bootstrap template (or snapshot) and the broker process.
     session_run(&serve, &model, &case.body).await;
     let mut row = Row {
@@ -439,7 +454,7 @@ async fn bench_case(case: &Case, runs: usize) -> Row {
         }
     }
     drop(serve);
-    row
+    Some(row)
 }
 
 fn print_rows(rows: &[Row]) {
@@ -501,7 +516,12 @@ async fn main() {
                     case.provider,
                     case.agent.name()
                 );
-                rows.push(bench_case(&case, runs).await);
+                if let Some(row) = bench_case(&case, runs).await {
+                    // Each case's table as soon as it is done, and all of
+                    // them at the end.
+                    print_rows(std::slice::from_ref(&row));
+                    rows.push(row);
+                }
             }
             Err(why) => println!("==== {spec}: not measured: {why}"),
         }

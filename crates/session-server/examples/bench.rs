@@ -770,7 +770,8 @@ async fn bench_live(dir: &std::path::Path) -> anyhow::Result<()> {
                         }
                     },
                     _ => {
-                        let ours = start_ours(dir, &format!("live-{rate}-{target:?}"), true)?;
+                        let ours =
+                            start_ours(dir, &format!("live-{round}-{rate}-{target:?}"), true)?;
                         bench_live_one(&ours.base, target, readers, rate, secs, "live").await
                     }
                 };
