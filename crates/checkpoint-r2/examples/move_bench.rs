@@ -492,19 +492,18 @@ fn run_shell_with(
     let has_time = Path::new("/usr/bin/time").exists();
     settle();
     let started = Instant::now();
-    let out = if has_time {
-        Command::new("/usr/bin/time")
-            .args(["-v", "sh", "-c", &script])
-            .envs(envs.iter().map(|(k, v)| (k, v)))
-            .output()
-            .unwrap()
+    let mut cmd = if has_time {
+        let mut time = Command::new("/usr/bin/time");
+        time.args(["-v", "sh"]);
+        time
     } else {
         Command::new("sh")
-            .args(["-c", &script])
-            .envs(envs.iter().map(|(k, v)| (k, v)))
-            .output()
-            .unwrap()
     };
+    let out = cmd
+        .args(["-c", &script])
+        .envs(envs.iter().map(|(k, v)| (k, v)))
+        .output()
+        .unwrap();
     let secs = started.elapsed().as_secs_f64();
     assert!(
         out.status.success(),
@@ -626,10 +625,30 @@ impl S3Cli {
 
     /// Remove what `pipeline` stored (untimed).
     fn remove(self, bin: &str, key: &str, endpoint: &str) {
-        let line = match self {
-            S3Cli::Rclone => format!("{bin} deletefile bench:{BUCKET}/{key}"),
-            S3Cli::Aws => format!("{bin} s3 rm --only-show-errors s3://{BUCKET}/{key}"),
-        };
+        self.run_untimed(
+            match self {
+                S3Cli::Rclone => format!("{bin} deletefile bench:{BUCKET}/{key}"),
+                S3Cli::Aws => format!("{bin} s3 rm --only-show-errors s3://{BUCKET}/{key}"),
+            },
+            endpoint,
+        );
+    }
+
+    /// Make the bucket (our store makes it too, but the anchors may run
+    /// first).
+    fn make_bucket(self, bin: &str, endpoint: &str) {
+        self.run_untimed(
+            match self {
+                S3Cli::Rclone => format!("{bin} mkdir bench:{BUCKET}"),
+                S3Cli::Aws => format!("{bin} s3 mb s3://{BUCKET} 2>/dev/null || true"),
+            },
+            endpoint,
+        );
+    }
+
+    /// A housekeeping command line of this client, outside any timing;
+    /// its failure shows in the timed run that follows.
+    fn run_untimed(self, line: String, endpoint: &str) {
         let _ = Command::new("sh")
             .args(["-c", &line])
             .envs(self.env(endpoint))
@@ -659,21 +678,6 @@ fn run_s3_cli(cli: S3Cli, bin: &str, endpoint: &str, src: &Path, dst: &Path, rou
     }
     cli.remove(bin, &key, endpoint);
     row
-}
-
-/// The bucket, made with whichever client is here (our store makes it
-/// too, but the anchors may run first).
-fn ensure_bucket(clis: &[(S3Cli, String)], endpoint: &str) {
-    for (cli, bin) in clis {
-        let line = match cli {
-            S3Cli::Rclone => format!("{bin} mkdir bench:{BUCKET}"),
-            S3Cli::Aws => format!("{bin} s3 mb s3://{BUCKET} 2>/dev/null || true"),
-        };
-        let _ = Command::new("sh")
-            .args(["-c", &line])
-            .envs(cli.env(endpoint))
-            .status();
-    }
 }
 
 /// One round's rows and the ratios taken within it.
@@ -785,7 +789,9 @@ async fn main() {
             .collect(),
     };
     if let Some(endpoint) = &endpoint {
-        ensure_bucket(&clis, endpoint);
+        for (cli, bin) in &clis {
+            cli.make_bucket(bin, endpoint);
+        }
     }
     // `--tree-only`: only the incremental tree checkpoints below.
     if !args.iter().any(|a| a == "--tree-only") {

@@ -34,7 +34,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use common::server::{create, http, prompt, Serve, HOST};
+use common::server::{create, delete, prompt, Serve, HOST};
 use harness_testkit::model::{Script, ScriptedModel};
 use otlp::{Received, Span};
 use serde_json::json;
@@ -169,13 +169,7 @@ async fn session_run(serve: &Serve, model: &ScriptedModel, body: &serde_json::Va
     prompt(serve, &id, PROMPT).await;
     let first = first_request_after(model, before, Duration::from_secs(180)).await;
     wait_idle(serve, &id).await;
-    let deleted = http()
-        .delete(serve.url(&format!("/v1/sessions/{id}")))
-        .bearer_auth(HOST)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(deleted.status().as_u16(), 204, "delete {id}");
+    assert_eq!(delete(serve, &id).await, 204, "delete {id}");
     Run {
         session: id,
         t0_ns: unix_ns(t0),
@@ -417,12 +411,8 @@ async fn bench_case(case: &Case, runs: usize) -> Option<Row> {
         println!("  not measured: the server refused the session ({status}): {answer}");
         return None;
     }
-    let probe = answer["session"].as_str().unwrap_or_default().to_string();
-    let _ = http()
-        .delete(serve.url(&format!("/v1/sessions/{probe}")))
-        .bearer_auth(HOST)
-        .send()
-        .await;
+    let probe = answer["session"].as_str().unwrap_or_default();
+    delete(&serve, probe).await;
     // Untimed: the bootstrap template (or snapshot) and the broker process.
     session_run(&serve, &model, &case.body).await;
     let mut row = Row {

@@ -387,13 +387,7 @@ async fn abort_ends_the_turn_and_the_next_prompt_works(agent: Agent, backend: Ba
         exists(),
         "the sandbox is there before the delete: {sandbox}"
     );
-    let deleted = http()
-        .delete(serve.url(&format!("/v1/sessions/{id}")))
-        .bearer_auth(HOST)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(deleted.status(), 204, "{}", serve.log());
+    assert_eq!(delete(&serve, &id).await, 204, "{}", serve.log());
     assert!(
         !exists(),
         "the deleted session's sandbox is left: {sandbox}"

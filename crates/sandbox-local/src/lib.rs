@@ -234,13 +234,13 @@ impl LocalProvider {
 
     /// Top `identity`'s pool up to the pool size in the background (at
     /// most one fill per identity at a time, across processes).
-    fn refill_pool(&self, identity: &str, template: PathBuf) {
+    fn refill_pool(&self, identity: &str) {
         if self.pool_size == 0 {
             return;
         }
         let (root, identity, size) = (self.root.clone(), identity.to_string(), self.pool_size);
         tokio::task::spawn_blocking(move || {
-            if let Err(e) = template::fill_pool(&root, &identity, &template, size) {
+            if let Err(e) = template::fill_pool(&root, &identity, size) {
                 tracing::warn!(error = %e, identity = %identity, "could not refill the local sandbox pool; the next sandbox copies its template");
             }
         });
@@ -586,18 +586,18 @@ impl SandboxProvider for LocalProvider {
             let env = spec.env.clone();
             let target = dir.clone();
             let pooled = self.pool_size > 0;
-            let id = tokio::task::spawn_blocking(move || -> Result<(String, PathBuf)> {
+            let id = tokio::task::spawn_blocking(move || -> Result<String> {
                 let (identity, template) = template::ensure(&root, &recipe, &env)?;
                 if !(pooled && template::take_pooled(&root, &identity, &target)) {
                     template::copy_tree(&template, &target)?;
                 }
-                Ok((identity, template))
+                Ok(identity)
             })
             .await
             .map_err(|e| Error::backend(format!("bootstrap task failed: {e}")))?;
             match id {
-                Ok((i, template)) => {
-                    self.refill_pool(&i, template);
+                Ok(i) => {
+                    self.refill_pool(&i);
                     identity = Some(i);
                 }
                 Err(e) => {

@@ -264,7 +264,8 @@ pub(crate) fn take_pooled(root: &Path, identity: &str, target: &Path) -> bool {
 /// filler per identity at a time (a lock file beside the pool; another
 /// holder means the filling is in hand). Copies a killed filler left
 /// half-made are removed first.
-pub(crate) fn fill_pool(root: &Path, identity: &str, template: &Path, size: usize) -> Result<()> {
+pub(crate) fn fill_pool(root: &Path, identity: &str, size: usize) -> Result<()> {
+    let template = templates_dir(root).join(identity);
     let dir = pool_dir(root, identity);
     std::fs::create_dir_all(&dir)?;
     let lock = File::options()
@@ -290,7 +291,7 @@ pub(crate) fn fill_pool(root: &Path, identity: &str, template: &Path, size: usiz
         }
         let name = uuid::Uuid::new_v4().simple().to_string();
         let tmp = dir.join(format!(".tmp-{}-{name}", std::process::id()));
-        if let Err(e) = copy_tree(template, &tmp) {
+        if let Err(e) = copy_tree(&template, &tmp) {
             let _ = std::fs::remove_dir_all(&tmp);
             return Err(e);
         }

@@ -342,6 +342,18 @@ pub async fn prompt(serve: &Serve, id: &str, text: &str) -> String {
         .to_string()
 }
 
+/// `DELETE /v1/sessions/{id}` with the host token; its status.
+pub async fn delete(serve: &Serve, id: &str) -> u16 {
+    http()
+        .delete(serve.url(&format!("/v1/sessions/{id}")))
+        .bearer_auth(HOST)
+        .send()
+        .await
+        .expect("the server answers")
+        .status()
+        .as_u16()
+}
+
 pub async fn export(serve: &Serve, id: &str) -> Vec<Value> {
     serde_json::from_value(get_json(serve, &format!("/v1/sessions/{id}/export")).await).unwrap()
 }
