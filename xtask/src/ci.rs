@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 
+use crate::beside::{self, Beside};
 use crate::matrix::{self, Row, What};
 use crate::{
     agents, deny, deps, env, fuzz, image, layers, microvm, package, services, skips, util, worker,
@@ -55,7 +56,7 @@ pub enum Step {
 }
 
 impl Step {
-    fn name(self) -> String {
+    pub fn name(self) -> String {
         self.to_possible_value()
             .map(|v| v.get_name().to_string())
             .unwrap_or_default()
@@ -125,7 +126,7 @@ pub fn ci(args: CiArgs) -> Result<()> {
             .join(", ")
     );
 
-    if util::is_ci() {
+    if util::is_ci() && std::env::var_os(beside::CHILD_ENV).is_none() {
         // A fresh clone's mtimes would make cargo rebuild every workspace crate.
         let target = util::cargo_target_dir();
         match crate::mtimes::restore_and_record(&util::repo_root(), &target) {
@@ -141,6 +142,18 @@ pub fn ci(args: CiArgs) -> Result<()> {
         }
     }
 
+    let mut beside = Beside::new(
+        if beside::enabled() && steps.contains(&Step::Test) {
+            steps
+                .iter()
+                .copied()
+                .filter(|s| beside::movable(*s))
+                .collect()
+        } else {
+            Vec::new()
+        },
+        args.skip_services,
+    );
     let mut done: Vec<(Step, Duration, bool)> = Vec::new();
     let mut counts: Option<Counts> = None;
     let n = steps.len();
@@ -152,7 +165,19 @@ pub fn ci(args: CiArgs) -> Result<()> {
             step.name()
         );
         let start = Instant::now();
-        let res = run_step(step, require_real, &mut counts);
+        let res = if beside.owns(step) {
+            beside.finish(step).map(|c| {
+                if let Some((passed, failed, skipped)) = c {
+                    counts.get_or_insert_with(Counts::default).add(Counts {
+                        passed,
+                        failed,
+                        skipped,
+                    });
+                }
+            })
+        } else {
+            run_step(step, require_real, &mut counts, &mut beside)
+        };
         let took = start.elapsed();
         done.push((step, took, res.is_ok()));
         match res {
@@ -169,6 +194,7 @@ pub fn ci(args: CiArgs) -> Result<()> {
                     step.name(),
                     util::fmt_duration(took)
                 );
+                beside.abandon();
                 summary(&done, total.elapsed(), counts);
                 bail!("cargo xtask ci: step `{}` failed: {e:#}", step.name());
             }
@@ -216,7 +242,12 @@ fn summary(done: &[(Step, Duration, bool)], total: Duration, counts: Option<Coun
 /// tests all use it, so they see the same code.
 pub const CI_FEATURES: [&str; 2] = ["--features", "harness-cli/full"];
 
-fn run_step(step: Step, require_real: bool, counts: &mut Option<Counts>) -> Result<()> {
+fn run_step(
+    step: Step,
+    require_real: bool,
+    counts: &mut Option<Counts>,
+    beside: &mut Beside,
+) -> Result<()> {
     match step {
         Step::Deps => deps::deps(),
         Step::Services => services::start(services::ALL),
@@ -241,13 +272,14 @@ fn run_step(step: Step, require_real: bool, counts: &mut Option<Counts>) -> Resu
         Step::Deny => deny::check(),
         Step::Package => package::dry_run(),
         Step::Test => {
+            // First, as it builds what the run then finds built: once the
+            // run starts, cargo's build lock belongs to the steps beside.
+            check_ignored()?;
             let mut cmd = util::cargo();
             cmd.args(["nextest", "run", "--workspace", "--no-fail-fast"])
                 .args(["--test-threads", &test_threads().to_string()])
                 .args(CI_FEATURES);
-            let run = nextest(&mut cmd, require_real, counts);
-            let ignored = check_ignored();
-            run.and(ignored)
+            nextest(&mut cmd, require_real, counts, &mut || beside.start())
         }
         Step::Matrix => run_matrix(matrix::MATRIX, require_real, counts),
         Step::Fuzz => fuzz::smoke(),
@@ -338,7 +370,12 @@ fn check_ignored() -> Result<()> {
 /// skip for a missing real part append to a log (see
 /// `harness_testkit::skip_or_fail`); they are named in the summary, and
 /// under `require_real` only `skips::ALLOWED_SKIPS` may skip at all.
-fn nextest(cmd: &mut Command, require_real: bool, counts: &mut Option<Counts>) -> Result<()> {
+fn nextest(
+    cmd: &mut Command,
+    require_real: bool,
+    counts: &mut Option<Counts>,
+    on_start: &mut dyn FnMut(),
+) -> Result<()> {
     let test_env = env::test_env(require_real);
     for (k, v) in &test_env {
         println!("  {k}={v}");
@@ -354,7 +391,7 @@ fn nextest(cmd: &mut Command, require_real: bool, counts: &mut Option<Counts>) -
     cmd.env("HARNESS_SKIP_LOG", &skip_log);
     let allowed: Vec<&str> = skips::ALLOWED_SKIPS.iter().map(|(name, _)| *name).collect();
     cmd.env("HARNESS_ALLOWED_SKIPS", allowed.join(","));
-    let result = nextest_inner(cmd, counts);
+    let result = nextest_inner(cmd, counts, on_start);
     let logged = std::fs::read_to_string(&skip_log).unwrap_or_default();
     let _ = std::fs::remove_file(&skip_log);
     let mut skipped = SKIPPED.lock().unwrap_or_else(|e| e.into_inner());
@@ -381,7 +418,13 @@ fn nextest(cmd: &mut Command, require_real: bool, counts: &mut Option<Counts>) -
     Ok(())
 }
 
-fn nextest_inner(cmd: &mut Command, counts: &mut Option<Counts>) -> Result<()> {
+/// `on_start` is called once, when nextest starts running tests (its build
+/// is done).
+fn nextest_inner(
+    cmd: &mut Command,
+    counts: &mut Option<Counts>,
+    on_start: &mut dyn FnMut(),
+) -> Result<()> {
     println!("$ {}", util::display(cmd));
     let mut child = cmd
         .stderr(Stdio::piped())
@@ -393,7 +436,11 @@ fn nextest_inner(cmd: &mut Command, counts: &mut Option<Counts>) -> Result<()> {
     for line in BufReader::new(stderr).lines() {
         let line = line.unwrap_or_default();
         let _ = writeln!(err, "{line}");
-        if line.trim_start().starts_with("Summary [") {
+        let trimmed = line.trim_start();
+        if trimmed.starts_with("Starting ") && trimmed.contains(" tests across ") {
+            on_start();
+        }
+        if trimmed.starts_with("Summary [") {
             summary_line = Some(line);
         }
     }
@@ -562,7 +609,7 @@ fn run_row(row: &Row, require_real: bool, counts: &mut Option<Counts>) -> Result
         cmd.arg("--all-targets");
     }
     if row.what == What::Test {
-        nextest(&mut cmd, require_real, counts)
+        nextest(&mut cmd, require_real, counts, &mut || {})
     } else {
         util::run(&mut cmd)
     }

@@ -3,6 +3,7 @@
 
 mod agents;
 mod bench;
+mod beside;
 mod chaos;
 mod ci;
 mod deny;

@@ -1,0 +1,247 @@
+//! The CI steps that run beside the tests: `matrix` and `fuzz`.
+//!
+//! While nextest runs, the two cores are not busy: the tests wait on
+//! agents, Docker, timers and the scripted model's turns (a cold run's test
+//! step left them 27 % idle, docs/CI.md). `matrix` and `fuzz` are pure
+//! compile-and-compute and depend on nothing the tests do, so once the
+//! test binaries are built (nextest prints `Starting N tests`, and cargo's
+//! build lock is free again) `cargo xtask ci` starts them in a child
+//! process under the idle scheduling class (`chrt --idle 0`, `ionice -c 3`;
+//! inherited by every cargo, rustc and fuzzer they spawn): they take the
+//! cycles the tests leave, and a test that wakes up preempts them at once.
+//! What is left when the tests end then runs at full speed, and the step's
+//! time in the summary is that remainder: what it added to the run.
+//!
+//! `HARNESS_CI_BESIDE=0` runs them after the tests, one by one, as before.
+
+use std::fs::File;
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+
+use crate::ci::Step;
+use crate::util;
+
+/// Set in the child, so it does not redo the parent's one-time work.
+pub const CHILD_ENV: &str = "HARNESS_CI_BESIDE_CHILD";
+
+/// Steps that may run beside the tests.
+pub fn movable(step: Step) -> bool {
+    matches!(step, Step::Matrix | Step::Fuzz)
+}
+
+/// Whether this run moves them (`HARNESS_CI_BESIDE=0` turns it off).
+pub fn enabled() -> bool {
+    std::env::var("HARNESS_CI_BESIDE").map_or(true, |v| v != "0")
+}
+
+/// The movable steps of this run, and their child once started.
+pub struct Beside {
+    steps: Vec<Step>,
+    skip_services: bool,
+    running: Option<Running>,
+    finished: Option<(bool, String)>,
+}
+
+struct Running {
+    child: Child,
+    log: PathBuf,
+    started: Instant,
+}
+
+impl Beside {
+    pub fn new(steps: Vec<Step>, skip_services: bool) -> Beside {
+        Beside {
+            steps,
+            skip_services,
+            running: None,
+            finished: None,
+        }
+    }
+
+    /// Start the child (once; a failure to start leaves the steps to run
+    /// after the tests, as usual).
+    pub fn start(&mut self) {
+        if self.steps.is_empty() || self.running.is_some() || self.finished.is_some() {
+            return;
+        }
+        match self.spawn() {
+            Ok(running) => {
+                println!(
+                    "==> {} started beside the tests (idle priority; output in {})",
+                    self.names(),
+                    running.log.display()
+                );
+                self.running = Some(running);
+            }
+            Err(e) => println!(
+                "==> {} could not start beside the tests ({e:#}); they run after them",
+                self.names()
+            ),
+        }
+    }
+
+    fn names(&self) -> String {
+        self.steps
+            .iter()
+            .map(|s| s.name())
+            .collect::<Vec<_>>()
+            .join(" and ")
+    }
+
+    fn spawn(&self) -> Result<Running> {
+        let exe = std::env::current_exe().context("finding the xtask binary")?;
+        let log = util::cargo_target_dir().join("ci-beside.log");
+        let out = File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let err = out.try_clone()?;
+        // The idle classes, where the tools exist (util-linux); plain
+        // otherwise: still correct, only less polite to the tests.
+        let mut cmd = if util::which("chrt").is_some() && util::which("ionice").is_some() {
+            let mut c = Command::new("chrt");
+            c.args(["--idle", "0", "ionice", "-c", "3"]).arg(&exe);
+            c
+        } else {
+            Command::new(&exe)
+        };
+        let only = self
+            .steps
+            .iter()
+            .map(|s| s.name())
+            .collect::<Vec<_>>()
+            .join(",");
+        cmd.args(["ci", "--only", &only]);
+        if self.skip_services {
+            cmd.arg("--skip-services");
+        }
+        // Its own process group, so stopping it stops the cargo and rustc
+        // processes under it too.
+        cmd.process_group(0)
+            .env(CHILD_ENV, "1")
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err);
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("starting {}", util::display(&cmd)))?;
+        Ok(Running {
+            child,
+            log,
+            started: Instant::now(),
+        })
+    }
+
+    /// Whether `step` is this run's to finish (it was started beside).
+    pub fn owns(&self, step: Step) -> bool {
+        (self.running.is_some() || self.finished.is_some()) && self.steps.contains(&step)
+    }
+
+    /// Wait for the child (the first movable step to come up in CI order
+    /// does; later ones only report), print its output, and give the
+    /// counts of the tests it ran.
+    pub fn finish(&mut self, step: Step) -> Result<Option<(u64, u64, u64)>> {
+        if let Some(running) = self.running.take() {
+            let Running {
+                mut child,
+                log,
+                started,
+            } = running;
+            let waited = Instant::now();
+            let status = child
+                .wait()
+                .context("waiting for the steps beside the tests")?;
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            println!(
+                "==> {} ran beside the tests: {} in all, {} of it after them; their output:",
+                self.names(),
+                util::fmt_duration(started.elapsed()),
+                util::fmt_duration(waited.elapsed())
+            );
+            println!("{}", indent(&text));
+            self.finished = Some((status.success(), text));
+        }
+        let Some((ok, text)) = &self.finished else {
+            bail!("`{}` was not started beside the tests", step.name());
+        };
+        if !ok {
+            bail!(
+                "{} (beside the tests) failed: {}",
+                self.names(),
+                last_failure(text).unwrap_or("see its output above")
+            );
+        }
+        // Counted once: by the first step that reports.
+        let counts = closing_counts(text);
+        self.finished = Some((true, String::new()));
+        Ok(counts)
+    }
+
+    /// A run that ends early (a failed step) stops the child: its result
+    /// would come after the run's own.
+    pub fn abandon(&mut self) {
+        if let Some(mut running) = self.running.take() {
+            let group = format!("-{}", running.child.id());
+            let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
+            let _ = running.child.kill();
+            let _ = running.child.wait();
+            println!(
+                "==> stopped {} beside the tests (output in {})",
+                self.names(),
+                running.log.display()
+            );
+        }
+    }
+}
+
+fn indent(text: &str) -> String {
+    text.lines()
+        .map(|l| format!("  | {l}"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The child's `---- [i/n] step: FAILED …` line.
+fn last_failure(text: &str) -> Option<&str> {
+    text.lines()
+        .rev()
+        .find(|l| l.starts_with("---- ") && l.contains(": FAILED"))
+}
+
+/// The child's closing `tests: N passed, N failed, N skipped`.
+fn closing_counts(text: &str) -> Option<(u64, u64, u64)> {
+    let line = text.lines().rev().find(|l| l.starts_with("tests: "))?;
+    let mut nums = line
+        .trim_start_matches("tests: ")
+        .split(", ")
+        .map(|part| part.split_whitespace().next()?.parse::<u64>().ok());
+    Some((nums.next()??, nums.next()??, nums.next()??))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_childs_closing_counts_are_read() {
+        let text = "x\ntests: 25 passed, 1 failed, 2 skipped\n";
+        assert_eq!(closing_counts(text), Some((25, 1, 2)));
+        assert_eq!(closing_counts("no counts here"), None);
+    }
+
+    #[test]
+    fn the_childs_failed_step_is_named() {
+        let text = "---- [1/2] matrix: ok (3s)\n---- [2/2] fuzz: FAILED (9s): crash\n";
+        assert_eq!(
+            last_failure(text),
+            Some("---- [2/2] fuzz: FAILED (9s): crash")
+        );
+    }
+
+    #[test]
+    fn only_matrix_and_fuzz_move() {
+        assert!(movable(Step::Matrix) && movable(Step::Fuzz));
+        assert!(!movable(Step::Test) && !movable(Step::Mutants) && !movable(Step::Clippy));
+    }
+}
