@@ -261,13 +261,9 @@ fn unpack(dir: &Path, reader: impl Read) -> Result<()> {
             // The archive root itself: `dir` already exists.
             continue;
         }
-        let unpacked = entry.unpack_in(dir).map_err(|e| {
-            let kind = match e.kind() {
-                std::io::ErrorKind::NotFound => ErrorKind::NotFound,
-                _ => ErrorKind::Io,
-            };
-            Error::new(kind, format!("unpacking tar entry {raw_path:?}: {e}"))
-        })?;
+        let unpacked = entry
+            .unpack_in(dir)
+            .map_err(|e| unpack_error(&raw_path, e))?;
         if !unpacked {
             return Err(Error::unsafe_entry(format!(
                 "refusing tar entry {raw_path:?}: it would land outside {}",
@@ -287,6 +283,24 @@ fn unpack(dir: &Path, reader: impl Read) -> Result<()> {
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))?;
     }
     Ok(())
+}
+
+/// An entry that could not be written, with why: the tar crate's errors
+/// name the path ("failed to unpack `…`") and keep the system's error (a
+/// full disk, a permission) as their source, so the chain goes in the
+/// message; a bench once stopped on "failed to unpack" and nothing else.
+fn unpack_error(raw: &str, e: std::io::Error) -> Error {
+    let kind = match e.kind() {
+        std::io::ErrorKind::NotFound => ErrorKind::NotFound,
+        _ => ErrorKind::Io,
+    };
+    let mut message = format!("unpacking tar entry {raw:?}: {e}");
+    let mut source = std::error::Error::source(&e);
+    while let Some(cause) = source {
+        message.push_str(&format!(": {cause}"));
+        source = cause.source();
+    }
+    Error::new(kind, message)
 }
 
 /// Unpack into `dir`, a directory this import just made: empty and
@@ -314,13 +328,6 @@ fn unpack_fresh(dir: &Path, reader: impl Read) -> Result<()> {
         path.match_indices('/')
             .any(|(i, _)| symlinks.contains(&path[..i]))
     };
-    let io_error = |raw: &str, e: std::io::Error| {
-        let kind = match e.kind() {
-            std::io::ErrorKind::NotFound => ErrorKind::NotFound,
-            _ => ErrorKind::Io,
-        };
-        Error::new(kind, format!("unpacking tar entry {raw:?}: {e}"))
-    };
     for entry in archive
         .entries()
         .map_err(|e| Error::corrupt(format!("reading tar: {e}")))?
@@ -338,7 +345,7 @@ fn unpack_fresh(dir: &Path, reader: impl Read) -> Result<()> {
         let path = dir.join(&normalized);
         if let Some(parent) = path.parent() {
             if !made.contains(parent) {
-                std::fs::create_dir_all(parent).map_err(|e| io_error(&raw, e))?;
+                std::fs::create_dir_all(parent).map_err(|e| unpack_error(&raw, e))?;
                 let mut at = parent;
                 while made.insert(at.to_path_buf()) {
                     match at.parent() {
@@ -363,12 +370,12 @@ fn unpack_fresh(dir: &Path, reader: impl Read) -> Result<()> {
         match kind {
             tar::EntryType::Directory => {
                 if symlinks.remove(&normalized) {
-                    replace(&path).map_err(|e| io_error(&raw, e))?;
+                    replace(&path).map_err(|e| unpack_error(&raw, e))?;
                 }
                 match std::fs::create_dir(&path) {
                     Ok(()) => {}
                     Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && path.is_dir() => {}
-                    Err(e) => return Err(io_error(&raw, e)),
+                    Err(e) => return Err(unpack_error(&raw, e)),
                 }
                 made.insert(path.clone());
                 // Writable while its entries land; its own mode at the end.
@@ -387,29 +394,29 @@ fn unpack_fresh(dir: &Path, reader: impl Read) -> Result<()> {
                 let mut file = match open() {
                     Ok(f) => f,
                     Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                        replace(&path).map_err(|e| io_error(&raw, e))?;
-                        open().map_err(|e| io_error(&raw, e))?
+                        replace(&path).map_err(|e| unpack_error(&raw, e))?;
+                        open().map_err(|e| unpack_error(&raw, e))?
                     }
-                    Err(e) => return Err(io_error(&raw, e)),
+                    Err(e) => return Err(unpack_error(&raw, e)),
                 };
-                std::io::copy(&mut entry, &mut file).map_err(|e| io_error(&raw, e))?;
+                std::io::copy(&mut entry, &mut file).map_err(|e| unpack_error(&raw, e))?;
                 if let Some(secs) = mtime {
                     let at = std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs);
                     file.set_times(std::fs::FileTimes::new().set_accessed(at).set_modified(at))
-                        .map_err(|e| io_error(&raw, e))?;
+                        .map_err(|e| unpack_error(&raw, e))?;
                 }
                 // No setuid, setgid or sticky bit: an archive must never
                 // leave a program that runs as its owner.
                 file.set_permissions(std::fs::Permissions::from_mode(mode))
-                    .map_err(|e| io_error(&raw, e))?;
+                    .map_err(|e| unpack_error(&raw, e))?;
             }
             tar::EntryType::Symlink => {
                 let target = entry
                     .link_name()
                     .map_err(|e| Error::corrupt(format!("reading tar entry {raw:?}: {e}")))?
                     .ok_or_else(|| unsafe_entry(&raw, "a symlink without a target"))?;
-                replace(&path).map_err(|e| io_error(&raw, e))?;
-                std::os::unix::fs::symlink(&target, &path).map_err(|e| io_error(&raw, e))?;
+                replace(&path).map_err(|e| unpack_error(&raw, e))?;
+                std::os::unix::fs::symlink(&target, &path).map_err(|e| unpack_error(&raw, e))?;
                 symlinks.insert(normalized);
             }
             tar::EntryType::Link => {
@@ -424,8 +431,8 @@ fn unpack_fresh(dir: &Path, reader: impl Read) -> Result<()> {
                         "its link target is not a file of the archive",
                     ));
                 }
-                replace(&path).map_err(|e| io_error(&raw, e))?;
-                std::fs::hard_link(dir.join(&target), &path).map_err(|e| io_error(&raw, e))?;
+                replace(&path).map_err(|e| unpack_error(&raw, e))?;
+                std::fs::hard_link(dir.join(&target), &path).map_err(|e| unpack_error(&raw, e))?;
             }
             tar::EntryType::Char | tar::EntryType::Block | tar::EntryType::Fifo => {
                 return Err(unsafe_entry(
@@ -592,6 +599,29 @@ mod tests {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
 
     use super::*;
+
+    #[test]
+    fn an_unpack_error_says_why() {
+        // The shape of the tar crate's errors: the path in the message,
+        // the system's error as the source.
+        #[derive(Debug)]
+        struct Wrapped(std::io::Error);
+        impl std::fmt::Display for Wrapped {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("failed to unpack `/t/a.txt`")
+            }
+        }
+        impl std::error::Error for Wrapped {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let full = std::io::Error::from_raw_os_error(28);
+        let e = unpack_error("a.txt", std::io::Error::new(full.kind(), Wrapped(full)));
+        assert_eq!(e.kind(), ErrorKind::Io);
+        assert!(e.message().contains("failed to unpack"), "{e}");
+        assert!(e.message().contains("No space left on device"), "{e}");
+    }
 
     /// A tar of the given entries: `(path, kind, mode, data or link target)`.
     fn archive(entries: &[(&str, tar::EntryType, u32, &str)]) -> Vec<u8> {
