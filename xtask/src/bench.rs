@@ -115,7 +115,7 @@ fn commands(bench: Bench) -> Vec<Vec<&'static str>> {
 }
 
 /// Run one benchmark (or all).
-pub fn run(bench: Bench) -> Result<()> {
+pub fn run(bench: Bench, extra: &[String]) -> Result<()> {
     let all = [
         Bench::Docker,
         Bench::Moves,
@@ -140,6 +140,12 @@ pub fn run(bench: Bench) -> Result<()> {
         for args in commands(b) {
             let mut cmd = util::cargo();
             cmd.args(&args);
+            if !extra.is_empty() {
+                if !args.contains(&"--") {
+                    cmd.arg("--");
+                }
+                cmd.args(extra);
+            }
             for (key, value) in crate::env::test_env(true) {
                 cmd.env(key, value);
             }

@@ -102,6 +102,10 @@ enum Cmd {
     Bench {
         #[arg(value_enum)]
         which: bench::Bench,
+        /// Passed on to the bench, after `--` (e.g. `cargo xtask bench
+        /// moves -- --no-tree`).
+        #[arg(last = true)]
+        args: Vec<String>,
     },
 }
 
@@ -210,7 +214,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Fuzz(args) => fuzz::run(args),
         Cmd::Chaos(args) => chaos::run(args),
         Cmd::Mutants(args) => mutants::run(args),
-        Cmd::Bench { which } => bench::run(which),
+        Cmd::Bench { which, args } => bench::run(which, &args),
         Cmd::Worker { action } => match action {
             WorkerAction::Deps => util::timed("worker deps", worker::deps),
             WorkerAction::Build {
