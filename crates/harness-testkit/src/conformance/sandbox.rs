@@ -3099,10 +3099,8 @@ pub async fn import_refuses_hostile_entries(sb: &dyn Sandbox) -> Result<()> {
             // Two execs at once (the listing prunes the target, so the
             // mkdir does not show in it).
             let mkdir = format!("mkdir -p {}", shell_quote(&target));
-            let (after, _) = tokio::try_join!(
-                outside_state(sb, &base, &target_name, &abs),
-                sh(sb, &mkdir)
-            )?;
+            let (after, _) =
+                tokio::try_join!(outside_state(sb, &base, &target_name, &abs), sh(sb, &mkdir))?;
             ensure!(
                 after == before,
                 "it changed what lies outside the target:\nbefore:\n{before}\nafter:\n{after}"
@@ -3299,7 +3297,10 @@ pub async fn restore_refuses_hostile_archives(sb: &dyn Sandbox) -> Result<()> {
                 }
                 Err(e) => bail!("restore must refuse as Unsafe or Corrupt, got {e}"),
             }
-            ensure!(after.0 == before.0, "the refused restore changed the target");
+            ensure!(
+                after.0 == before.0,
+                "the refused restore changed the target"
+            );
             ensure!(
                 after.1 == before.1,
                 "the refused restore changed what lies outside the target"
