@@ -22,20 +22,15 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 
-use crate::ci::Step;
+use crate::ci::{closing_counts, Counts, Step};
 use crate::util;
 
 /// Set in the child, so it does not redo the parent's one-time work.
 pub const CHILD_ENV: &str = "HARNESS_CI_BESIDE_CHILD";
 
 /// Steps that may run beside the tests.
-pub fn movable(step: Step) -> bool {
+fn movable(step: Step) -> bool {
     matches!(step, Step::Matrix | Step::Fuzz)
-}
-
-/// Whether this run moves them (`HARNESS_CI_BESIDE=0` turns it off).
-pub fn enabled() -> bool {
-    std::env::var("HARNESS_CI_BESIDE").map_or(true, |v| v != "0")
 }
 
 /// The movable steps of this run, and their child once started.
@@ -43,7 +38,8 @@ pub struct Beside {
     steps: Vec<Step>,
     skip_services: bool,
     running: Option<Running>,
-    finished: Option<(bool, String)>,
+    /// Once waited for: `Err` with the child's failed step.
+    outcome: Option<Result<(), String>>,
 }
 
 struct Running {
@@ -53,19 +49,27 @@ struct Running {
 }
 
 impl Beside {
-    pub fn new(steps: Vec<Step>, skip_services: bool) -> Beside {
+    /// The movable steps of a run's `steps`, when the run has tests to
+    /// run them beside and `HARNESS_CI_BESIDE` is not `0`.
+    pub fn for_run(steps: &[Step], skip_services: bool) -> Beside {
+        let enabled = std::env::var("HARNESS_CI_BESIDE").map_or(true, |v| v != "0");
+        let steps = if enabled && steps.contains(&Step::Test) {
+            steps.iter().copied().filter(|s| movable(*s)).collect()
+        } else {
+            Vec::new()
+        };
         Beside {
             steps,
             skip_services,
             running: None,
-            finished: None,
+            outcome: None,
         }
     }
 
     /// Start the child (once; a failure to start leaves the steps to run
     /// after the tests, as usual).
     pub fn start(&mut self) {
-        if self.steps.is_empty() || self.running.is_some() || self.finished.is_some() {
+        if self.steps.is_empty() || self.running.is_some() || self.outcome.is_some() {
             return;
         }
         match self.spawn() {
@@ -135,19 +139,20 @@ impl Beside {
 
     /// Whether `step` is this run's to finish (it was started beside).
     pub fn owns(&self, step: Step) -> bool {
-        (self.running.is_some() || self.finished.is_some()) && self.steps.contains(&step)
+        (self.running.is_some() || self.outcome.is_some()) && self.steps.contains(&step)
     }
 
     /// Wait for the child (the first movable step to come up in CI order
-    /// does; later ones only report), print its output, and give the
-    /// counts of the tests it ran.
-    pub fn finish(&mut self, step: Step) -> Result<Option<(u64, u64, u64)>> {
-        if let Some(running) = self.running.take() {
-            let Running {
-                mut child,
-                log,
-                started,
-            } = running;
+    /// does, and gets the counts of the tests it ran; later ones only
+    /// report) and print its output.
+    pub fn finish(&mut self, step: Step) -> Result<Option<Counts>> {
+        let mut counts = None;
+        if let Some(Running {
+            mut child,
+            log,
+            started,
+        }) = self.running.take()
+        {
             let waited = Instant::now();
             let status = child
                 .wait()
@@ -160,22 +165,20 @@ impl Beside {
                 util::fmt_duration(waited.elapsed())
             );
             println!("{}", indent(&text));
-            self.finished = Some((status.success(), text));
+            counts = closing_counts(&text);
+            self.outcome = Some(if status.success() {
+                Ok(())
+            } else {
+                Err(last_failure(&text)
+                    .unwrap_or("see its output above")
+                    .to_string())
+            });
         }
-        let Some((ok, text)) = &self.finished else {
-            bail!("`{}` was not started beside the tests", step.name());
-        };
-        if !ok {
-            bail!(
-                "{} (beside the tests) failed: {}",
-                self.names(),
-                last_failure(text).unwrap_or("see its output above")
-            );
+        match &self.outcome {
+            None => bail!("`{}` was not started beside the tests", step.name()),
+            Some(Err(failure)) => bail!("{} (beside the tests) failed: {failure}", self.names()),
+            Some(Ok(())) => Ok(counts),
         }
-        // Counted once: by the first step that reports.
-        let counts = closing_counts(text);
-        self.finished = Some((true, String::new()));
-        Ok(counts)
     }
 
     /// A run that ends early (a failed step) stops the child: its result
@@ -209,26 +212,9 @@ fn last_failure(text: &str) -> Option<&str> {
         .find(|l| l.starts_with("---- ") && l.contains(": FAILED"))
 }
 
-/// The child's closing `tests: N passed, N failed, N skipped`.
-fn closing_counts(text: &str) -> Option<(u64, u64, u64)> {
-    let line = text.lines().rev().find(|l| l.starts_with("tests: "))?;
-    let mut nums = line
-        .trim_start_matches("tests: ")
-        .split(", ")
-        .map(|part| part.split_whitespace().next()?.parse::<u64>().ok());
-    Some((nums.next()??, nums.next()??, nums.next()??))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_childs_closing_counts_are_read() {
-        let text = "x\ntests: 25 passed, 1 failed, 2 skipped\n";
-        assert_eq!(closing_counts(text), Some((25, 1, 2)));
-        assert_eq!(closing_counts("no counts here"), None);
-    }
 
     #[test]
     fn the_childs_failed_step_is_named() {

@@ -86,7 +86,7 @@ pub struct CiArgs {
 
 /// Counts from nextest's summary line(s).
 #[derive(Debug, Default, Clone, Copy)]
-struct Counts {
+pub(crate) struct Counts {
     passed: u64,
     failed: u64,
     skipped: u64,
@@ -142,18 +142,7 @@ pub fn ci(args: CiArgs) -> Result<()> {
         }
     }
 
-    let mut beside = Beside::new(
-        if beside::enabled() && steps.contains(&Step::Test) {
-            steps
-                .iter()
-                .copied()
-                .filter(|s| beside::movable(*s))
-                .collect()
-        } else {
-            Vec::new()
-        },
-        args.skip_services,
-    );
+    let mut beside = Beside::for_run(&steps, args.skip_services);
     let mut done: Vec<(Step, Duration, bool)> = Vec::new();
     let mut counts: Option<Counts> = None;
     let n = steps.len();
@@ -167,12 +156,8 @@ pub fn ci(args: CiArgs) -> Result<()> {
         let start = Instant::now();
         let res = if beside.owns(step) {
             beside.finish(step).map(|c| {
-                if let Some((passed, failed, skipped)) = c {
-                    counts.get_or_insert_with(Counts::default).add(Counts {
-                        passed,
-                        failed,
-                        skipped,
-                    });
+                if let Some(c) = c {
+                    counts.get_or_insert_with(Counts::default).add(c);
                 }
             })
         } else {
@@ -459,6 +444,13 @@ fn nextest_inner(
     Ok(())
 }
 
+/// The counts of the closing line [`summary`] prints (`tests: N passed, N
+/// failed, N skipped`) in a run's output, if it has one.
+pub(crate) fn closing_counts(output: &str) -> Option<Counts> {
+    let line = output.lines().rev().find(|l| l.starts_with("tests: "))?;
+    Some(parse_summary(line.trim_start_matches("tests:")))
+}
+
 /// `Summary [  1.234s] 12 tests run: 11 passed, 1 failed, 3 skipped`.
 fn parse_summary(line: &str) -> Counts {
     let mut c = Counts::default();
@@ -626,6 +618,13 @@ mod tests {
         assert_eq!((c.passed, c.failed, c.skipped), (10, 2, 3));
         let c = parse_summary("     Summary [   0.010s] 2 tests run: 2 passed, 0 skipped");
         assert_eq!((c.passed, c.failed, c.skipped), (2, 0, 0));
+    }
+
+    #[test]
+    fn reads_the_closing_line_of_another_run() {
+        let c = closing_counts("x\ntests: 25 passed, 1 failed, 2 skipped\n").unwrap();
+        assert_eq!((c.passed, c.failed, c.skipped), (25, 1, 2));
+        assert!(closing_counts("no counts here").is_none());
     }
 
     /// Every row CI and `cargo xtask extra` run names a package and

@@ -875,7 +875,10 @@ async fn main() {
                 .collect::<Vec<_>>()
                 .join(", ")
         };
-        let zstd = |rows: &[Row]| rows.iter().find(|r| r.name == ZSTD_ANCHOR).map(|r| r.secs);
+        let secs_of = |name: &'static str| {
+            move |rows: &[Row]| rows.iter().find(|r| r.name == name).map(|r| r.secs)
+        };
+        let zstd = secs_of(ZSTD_ANCHOR);
         let s3_anchor = |rows: &[Row]| {
             rows.iter()
                 .filter(|r| r.name.ends_with("(S3)"))
@@ -891,11 +894,7 @@ async fn main() {
             "  memory store, encrypted / zstd pipeline: {}",
             ratios("harness moves, memory-encrypted store", &zstd)
         );
-        let two_steps = |rows: &[Row]| {
-            rows.iter()
-                .find(|r| r.name == ZSTD_TWO_STEPS)
-                .map(|r| r.secs)
-        };
+        let two_steps = secs_of(ZSTD_TWO_STEPS);
         println!(
             "  memory store / the same, in two steps:  {}",
             ratios("harness moves, memory store", &two_steps)

@@ -16,7 +16,8 @@
 //! ```
 //!
 //! A case the server does not offer (no microVM guest, a build without the
-//! feature) is reported as not measured. Each provider gets its own `harness serve` (release build) and home.
+//! feature) is reported as not measured. Each provider gets its own
+//! `harness serve` (release build) and home.
 //! A first, untimed session builds what every later session starts from
 //! (the bootstrap template or snapshot, the broker's process), so the
 //! timed runs are a server's steady state; each run's session is deleted
@@ -166,6 +167,18 @@ async fn session_run(serve: &Serve, model: &ScriptedModel, body: &serde_json::Va
     let before = model.requests().len();
     let t0 = SystemTime::now();
     let id = create(serve, body.clone()).await;
+    run_created(serve, model, id, before, t0).await
+}
+
+/// A created session's prompt to its agent's first request (`before`: the
+/// model's request count then), its turn's end and its delete.
+async fn run_created(
+    serve: &Serve,
+    model: &ScriptedModel,
+    id: String,
+    before: usize,
+    t0: SystemTime,
+) -> Run {
     prompt(serve, &id, PROMPT).await;
     let first = first_request_after(model, before, Duration::from_secs(180)).await;
     wait_idle(serve, &id).await;
@@ -403,18 +416,17 @@ async fn bench_case(case: &Case, runs: usize) -> Option<Row> {
         &["--otlp", &endpoint],
         &[("OTEL_BSP_SCHEDULE_DELAY", "200")],
     );
-    // Whether this server offers the case at all (a microVM needs a build
-    // with the feature and the guest's assets).
+    // Untimed: the bootstrap template (or snapshot) and the broker process.
+    // Its create also tells whether this server offers the case at all (a
+    // microVM needs a build with the feature and the guest's assets).
+    let (before, t0) = (model.requests().len(), SystemTime::now());
     let (status, answer) =
         common::server::post(&serve.url("/v1/sessions"), HOST, case.body.clone()).await;
-    if status != 201 {
+    let Some(id) = answer["session"].as_str().filter(|_| status == 201) else {
         println!("  not measured: the server refused the session ({status}): {answer}");
         return None;
-    }
-    let probe = answer["session"].as_str().unwrap_or_default();
-    delete(&serve, probe).await;
-    // Untimed: the bootstrap template (or snapshot) and the broker process.
-    session_run(&serve, &model, &case.body).await;
+    };
+    run_created(&serve, &model, id.to_string(), before, t0).await;
     let mut row = Row {
         provider: format!("{} ({})", case.provider, case.agent.name()),
         ours: Vec::new(),
