@@ -131,6 +131,14 @@ impl<D: Decoration> Sandbox for Decorated<D> {
         self.inner.detached_status(process).await
     }
 
+    async fn poll_detached(
+        &self,
+        process: &DetachedProcess,
+        offset: u64,
+    ) -> Result<(DetachedStatus, ByteStream)> {
+        self.inner.poll_detached(process, offset).await
+    }
+
     async fn kill_detached(&self, process: &DetachedProcess) -> Result<()> {
         self.inner.kill_detached(process).await
     }

@@ -562,17 +562,13 @@ pub trait Sandbox: MaybeSend + MaybeSync + std::fmt::Debug {
     async fn read_file(&self, path: &str) -> Result<ByteStream>;
 
     /// Read a file from byte `offset` on (for tailing a spool). The default
-    /// runs `tail -c` in the sandbox.
+    /// runs `tail -c` in the sandbox ([`read_from_script`]).
     async fn read_file_from(&self, path: &str, offset: u64) -> Result<ByteStream> {
-        // The message quotes the path as one more argument: putting the
-        // quoted path inside another pair of quotes breaks on a `'` in it.
-        let script = format!(
-            "test -e {p} || {{ printf 'no such file: %s\\n' {p} >&2; exit 44; }}; tail -c +{} {p}",
-            offset + 1,
-            p = shell_quote(path)
-        );
-        let stream = self.exec(ExecRequest::shell(script)).await?;
-        Ok(exec_stdout_stream(stream, path.to_string()))
+        let path = resolve_path(self.workdir(), path);
+        let stream = self
+            .exec(ExecRequest::shell(read_from_script(&path, offset)))
+            .await?;
+        Ok(exec_stdout_stream(stream, path))
     }
 
     /// Write a file from a stream, creating parent directories and replacing
@@ -674,6 +670,22 @@ pub trait Sandbox: MaybeSend + MaybeSync + std::fmt::Debug {
     /// runs inside the sandbox ([`detached_status_by_exec`]).
     async fn detached_status(&self, process: &DetachedProcess) -> Result<DetachedStatus> {
         detached_status_by_exec(self, process).await
+    }
+
+    /// One look at a detached process: its status, probed first, and its
+    /// stdout from byte `offset` on — so `Exited` with nothing new to read
+    /// means the whole output was read. `NotFound` (from the call or from
+    /// the stream) when the stdout file is gone. By default the two calls above; a provider whose every call is
+    /// an exec answers both in one ([`poll_detached_by_exec`]): a running
+    /// turn polls several times a second.
+    async fn poll_detached(
+        &self,
+        process: &DetachedProcess,
+        offset: u64,
+    ) -> Result<(DetachedStatus, ByteStream)> {
+        let status = self.detached_status(process).await?;
+        let stdout = self.read_file_from(&process.stdout_path, offset).await?;
+        Ok((status, stdout))
     }
 
     /// Kill a detached process and its children. Idempotent. By default a
@@ -830,7 +842,16 @@ pub async fn detached_status_by_exec<S: Sandbox + ?Sized>(
     sandbox: &S,
     process: &DetachedProcess,
 ) -> Result<DetachedStatus> {
-    let script = format!(
+    let script = detached_status_script(process);
+    let out = collect_exec(sandbox.exec(ExecRequest::shell(script)).await?).await?;
+    let out = out.check("probing a detached process")?;
+    parse_detached_status(&out.stdout_str())
+}
+
+/// The shell probe of [`detached_status_by_exec`]: prints one line,
+/// `running`, `lost` or the exit code.
+fn detached_status_script(process: &DetachedProcess) -> String {
+    format!(
         // `kill -0` succeeds on a zombie, and zombies linger where PID 1
         // does not reap (many containers): a `Z` state counts as gone.
         // The exit file is read again after the process check: the
@@ -841,10 +862,68 @@ pub async fn detached_status_by_exec<S: Sandbox + ?Sized>(
          else echo lost; fi",
         exit = shell_quote(&process.exit_path),
         pid = process.id
+    )
+}
+
+/// The shell command that prints file `path` (absolute) from byte `offset`
+/// on, or exits 44 (`NotFound` to [`exec_stdout_stream`]) when there is no
+/// such file: the default [`Sandbox::read_file_from`].
+pub fn read_from_script(path: &str, offset: u64) -> String {
+    // The message quotes the path as one more argument: putting the
+    // quoted path inside another pair of quotes breaks on a `'` in it.
+    format!(
+        "test -e {p} || {{ printf 'no such file: %s\\n' {p} >&2; exit 44; }}; exec tail -c +{} {p}",
+        offset + 1,
+        p = shell_quote(path)
+    )
+}
+
+/// [`Sandbox::poll_detached`] in one exec, for providers whose status probe
+/// and reads are execs ([`detached_status_by_exec`], the default
+/// [`Sandbox::read_file_from`]): the probe's line, then the file's bytes.
+pub async fn poll_detached_by_exec<S: Sandbox + ?Sized>(
+    sandbox: &S,
+    process: &DetachedProcess,
+    offset: u64,
+) -> Result<(DetachedStatus, ByteStream)> {
+    let path = resolve_path(sandbox.workdir(), &process.stdout_path);
+    let script = format!(
+        "{}; {}",
+        detached_status_script(process),
+        read_from_script(&path, offset)
     );
-    let out = collect_exec(sandbox.exec(ExecRequest::shell(script)).await?).await?;
-    let out = out.check("probing a detached process")?;
-    parse_detached_status(&out.stdout_str())
+    let stream = exec_stdout_stream(sandbox.exec(ExecRequest::shell(script)).await?, path);
+    let (line, rest) = split_first_line(stream, 256).await?;
+    Ok((parse_detached_status(&line)?, rest))
+}
+
+/// The first line of `stream` (without its newline; at most `limit`
+/// bytes), and the stream of what follows it.
+async fn split_first_line(mut stream: ByteStream, limit: usize) -> Result<(String, ByteStream)> {
+    let mut head = BytesMut::new();
+    loop {
+        if let Some(nl) = head.iter().position(|&b| b == b'\n') {
+            let line = String::from_utf8_lossy(&head[..nl]).into_owned();
+            let rest = head.split_off(nl + 1).freeze();
+            let rest = futures::stream::iter((!rest.is_empty()).then(|| Ok(rest)));
+            return Ok((line, Box::pin(rest.chain(stream))));
+        }
+        if head.len() > limit {
+            return Err(Error::backend(format!(
+                "expected a line of at most {limit} bytes, got {:?}…",
+                String::from_utf8_lossy(&head[..limit])
+            )));
+        }
+        match stream.next().await {
+            Some(chunk) => head.extend_from_slice(&chunk?),
+            None => {
+                return Err(Error::backend(format!(
+                    "the output ended before its first line ended: {:?}",
+                    String::from_utf8_lossy(&head)
+                )))
+            }
+        }
+    }
 }
 
 /// Kill a detached process and its group from inside the sandbox: the
@@ -1004,6 +1083,51 @@ pub fn exec_stdout_stream(stream: ExecStream, what: String) -> ByteStream {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn chunks(parts: &[&'static str]) -> ByteStream {
+        Box::pin(futures::stream::iter(
+            parts
+                .iter()
+                .map(|p| Ok(Bytes::from_static(p.as_bytes())))
+                .collect::<Vec<_>>(),
+        ))
+    }
+
+    #[test]
+    fn a_status_line_is_split_from_the_bytes_after_it_at_any_chunking() {
+        for parts in [
+            &["running\nab", "c\n"][..],
+            &["run", "ning", "\n", "abc\n"],
+            &["running\n", "abc\n"],
+            &["running\nabc\n"],
+        ] {
+            let (line, rest) =
+                futures::executor::block_on(split_first_line(chunks(parts), 256)).unwrap();
+            let rest = futures::executor::block_on(crate::stream::collect(rest, 1024)).unwrap();
+            assert_eq!(
+                (line.as_str(), &rest[..]),
+                ("running", &b"abc\n"[..]),
+                "{parts:?}"
+            );
+        }
+        let (line, rest) =
+            futures::executor::block_on(split_first_line(chunks(&["7\n"]), 256)).unwrap();
+        assert_eq!(line, "7");
+        assert!(futures::executor::block_on(crate::stream::collect(rest, 8))
+            .unwrap()
+            .is_empty());
+        let err = futures::executor::block_on(split_first_line(chunks(&["lost"]), 256))
+            .err()
+            .unwrap();
+        assert!(
+            err.to_string().contains("ended before its first line"),
+            "{err}"
+        );
+        let long = futures::executor::block_on(split_first_line(chunks(&["x"; 300]), 256))
+            .err()
+            .unwrap();
+        assert!(long.to_string().contains("at most 256 bytes"), "{long}");
+    }
 
     #[test]
     fn forwards_are_checked_before_any_provider_sees_them() {

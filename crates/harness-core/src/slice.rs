@@ -213,23 +213,13 @@ impl SliceRunner {
         sandbox: &dyn Sandbox,
         state: &TurnState,
     ) -> Result<(DetachedProcess, bool)> {
-        let home = home_of(sandbox).await?;
-        let dir = spool_dir(&home, &state.turn_id);
         crate::failpoint::hit("before-claim");
-        let claim = format!(
-            "mkdir -p {parent} && if mkdir {dir} 2>/dev/null; then echo claimed; else echo exists; fi",
-            parent = shell_quote(&format!("{home}/.harness/turns")),
-            dir = shell_quote(&dir)
-        );
-        let out = async { collect_exec(sandbox.exec(ExecRequest::shell(claim)).await?).await }
-            .instrument(tracing::info_span!(
-                "sandbox.exec",
-                what = "claim the turn spool"
-            ))
-            .await?
-            .check("claiming the turn spool")?;
+        // One exec reads `$HOME` and claims the spool under it: on Docker
+        // each exec is a round trip through dockerd (~50 ms), and this is
+        // on the path to every turn's first request.
+        let (home, claimed) = claim_spool(sandbox, &state.turn_id).await?;
+        let dir = spool_dir(&home, &state.turn_id);
         let process_file = format!("{dir}/process.json");
-        let claimed = out.stdout_str().trim() == "claimed";
         if !claimed {
             match sandbox.read_file(&process_file).await {
                 Ok(stream) => {
@@ -508,10 +498,8 @@ impl SliceRunner {
         loop {
             // Probe the status *before* reading, so "exited" plus "nothing
             // new to read" really means the whole output was consumed.
-            let status = sandbox.detached_status(&process).await?;
-            let got_any = self
-                .read_spool(sandbox.as_ref(), &process, &mut spool)
-                .await?;
+            let (status, stdout) = sandbox.poll_detached(&process, spool.read_to).await?;
+            let got_any = read_spool(stdout, &mut spool).await?;
             if let Some((request, cursor)) = self.emit_lines(state, &mut spool).await? {
                 let outcome = SliceOutcome::ApprovalRequested(request);
                 return Ok(spool.report(&process, cursor, outcome));
@@ -619,28 +607,6 @@ impl SliceRunner {
 
     /// Fetch what the agent wrote to its stdout since `spool.read_to` (up
     /// to about [`READ_LIMIT_HINT`] bytes); whether there was anything.
-    async fn read_spool(
-        &self,
-        sandbox: &dyn Sandbox,
-        process: &DetachedProcess,
-        spool: &mut Spool,
-    ) -> Result<bool> {
-        let mut got_any = false;
-        let mut stream = sandbox
-            .read_file_from(&process.stdout_path, spool.read_to)
-            .await?;
-        while let Some(chunk) = stream.next().await {
-            let chunk = chunk?;
-            got_any |= !chunk.is_empty();
-            spool.read_to += chunk.len() as u64;
-            spool.pending.extend_from_slice(&chunk);
-            if spool.pending.len() > READ_LIMIT_HINT {
-                break;
-            }
-        }
-        Ok(got_any)
-    }
-
     /// Parse the complete lines fetched and send their parts to the
     /// session, each keyed by its spool offset; the committed cursor moves
     /// to each line end outside an open text block. A permission request
@@ -1084,6 +1050,53 @@ pub async fn home_of(sandbox: &dyn Sandbox) -> Result<String> {
         )));
     }
     Ok(home)
+}
+
+/// Read what `stdout` holds into the spool's pending bytes (up to about
+/// [`READ_LIMIT_HINT`]); true when there was anything.
+async fn read_spool(mut stdout: crate::stream::ByteStream, spool: &mut Spool) -> Result<bool> {
+    let mut got_any = false;
+    while let Some(chunk) = stdout.next().await {
+        let chunk = chunk?;
+        got_any |= !chunk.is_empty();
+        spool.read_to += chunk.len() as u64;
+        spool.pending.extend_from_slice(&chunk);
+        if spool.pending.len() > READ_LIMIT_HINT {
+            break;
+        }
+    }
+    Ok(got_any)
+}
+
+/// Read the sandbox's `$HOME` and claim `turn_id`'s spool under it
+/// (`mkdir`, which one caller wins), in one exec: the home, and whether
+/// this call made the spool directory.
+async fn claim_spool(sandbox: &dyn Sandbox, turn_id: &str) -> Result<(String, bool)> {
+    let script = format!(
+        "home=$HOME; case \"$home\" in /*) ;; *) printf 'the sandbox has no usable $HOME (%s)\\n' \"$home\" >&2; exit 1;; esac; \
+         mkdir -p \"$home/.harness/turns\" || exit 1; \
+         if mkdir \"$home/.harness/turns/\"{turn} 2>/dev/null; then s=claimed; else s=exists; fi; \
+         printf '%s\\n%s' \"$s\" \"$home\"",
+        turn = shell_quote(turn_id)
+    );
+    let out = async { collect_exec(sandbox.exec(ExecRequest::shell(script)).await?).await }
+        .instrument(tracing::info_span!(
+            "sandbox.exec",
+            what = "read $HOME and claim the turn spool"
+        ))
+        .await?;
+    let out = out.check("claiming the turn spool")?;
+    let (status, home) = out
+        .stdout_str()
+        .split_once('\n')
+        .map(|(s, h)| (s.to_string(), h.to_string()))
+        .ok_or_else(|| {
+            Error::backend(format!(
+                "the spool claim printed {:?}, not its status and $HOME",
+                out.stdout_str()
+            ))
+        })?;
+    Ok((home, status == "claimed"))
 }
 
 impl SliceRunner {

@@ -38,8 +38,9 @@ use futures::StreamExt;
 use harness_core::bootstrap::BootstrapRecipe;
 use harness_core::sandbox::{
     collect_exec, exec_stdout_stream, export_tar_by_exec, extract_tar_failure, extract_tar_script,
-    resolve_path, shell_quote, ExecEvent, ExecOutput, ExecRequest, ExecStream, ExitReason,
-    ExitStatus, NetworkPolicy, PortEndpoint, Sandbox, SandboxHandle, SandboxProvider, SandboxSpec,
+    poll_detached_by_exec, resolve_path, shell_quote, DetachedProcess, DetachedStatus, ExecEvent,
+    ExecOutput, ExecRequest, ExecStream, ExitReason, ExitStatus, NetworkPolicy, PortEndpoint,
+    Sandbox, SandboxHandle, SandboxProvider, SandboxSpec,
 };
 use harness_core::sse::{SseEvent, SseReader};
 use harness_core::stream::ByteStream;
@@ -1038,6 +1039,15 @@ impl Sandbox for CloudflareSandbox {
             self.bridge.sh_events(&self.id, script).await?,
             path,
         ))
+    }
+
+    async fn poll_detached(
+        &self,
+        process: &DetachedProcess,
+        offset: u64,
+    ) -> Result<(DetachedStatus, ByteStream)> {
+        // The status probe and the read in one exec, not two, on every poll.
+        poll_detached_by_exec(self, process, offset).await
     }
 
     async fn write_file(&self, path: &str, content: ByteStream) -> Result<u64> {

@@ -57,9 +57,10 @@ use bollard::Docker;
 use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
 use harness_core::sandbox::{
-    collect_exec, exec_stdout_stream, export_tar_by_exec, extract_tar_failure, extract_tar_script,
-    resolve_path, shell_quote, ExecRequest, ExecStream, NetworkPolicy, PortEndpoint, Sandbox,
-    SandboxHandle, SandboxProvider, SandboxSpec, SnapshotInfo, EGRESS_PROXY_PORT,
+    collect_exec, export_tar_by_exec, extract_tar_failure, extract_tar_script,
+    poll_detached_by_exec, resolve_path, shell_quote, DetachedProcess, DetachedStatus, ExecRequest,
+    ExecStream, NetworkPolicy, PortEndpoint, Sandbox, SandboxHandle, SandboxProvider, SandboxSpec,
+    SnapshotInfo, EGRESS_PROXY_PORT,
 };
 use harness_core::stream::ByteStream;
 use harness_core::tarscan;
@@ -216,6 +217,10 @@ pub struct DockerProvider {
     /// Held while the default image is checked or made (one build at a
     /// time); true once it is known to be there.
     default_image_ready: Arc<tokio::sync::Mutex<bool>>,
+    /// The images the gate is known to run in (their references, as
+    /// sessions name them): checked once each, not on every create — the
+    /// check is an exec, ~50 ms on the path to a session's first turn.
+    gate_runs_in: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
 }
 
 /// Map a bollard error onto the core's kinds (404 → NotFound, 409 → Conflict).
@@ -273,6 +278,7 @@ impl DockerProvider {
             config,
             pool,
             default_image_ready: Arc::default(),
+            gate_runs_in: Arc::default(),
         }
     }
 
@@ -284,6 +290,7 @@ impl DockerProvider {
             config: self.config.clone(),
             pool: None,
             default_image_ready: self.default_image_ready.clone(),
+            gate_runs_in: self.gate_runs_in.clone(),
         }
     }
 
@@ -539,19 +546,26 @@ impl DockerProvider {
                 Some((name, _)) => name.to_string(),
                 None => container_name(spec.session_id.as_deref(), role, slot),
             };
-            if slot.is_some() {
-                // A creator killed before it recorded this slot's container
-                // left it: nothing refers to it, so it is replaced.
-                self.remove(&name).await?;
-            }
-            let created = self
-                .docker
-                .create_container(
+            let create = |body| {
+                self.docker.create_container(
                     Some(CreateContainerOptionsBuilder::new().name(&name).build()),
                     body,
                 )
-                .await
-                .map_err(|e| docker_err(&format!("creating a container from {image}"), e))?;
+            };
+            let what = format!("creating a container from {image}");
+            let created = match create(body.clone()).await {
+                // A creator killed before it recorded this slot's container
+                // left it: nothing refers to it, so it is replaced. Removed
+                // on the name's conflict only, not before every create: that
+                // would be one more call to dockerd on every session's path.
+                Err(BollardError::DockerResponseServerError {
+                    status_code: 409, ..
+                }) if slot.is_some() => {
+                    self.remove(&name).await?;
+                    create(body).await.map_err(|e| docker_err(&what, e))?
+                }
+                other => other.map_err(|e| docker_err(&what, e))?,
+            };
             match self.docker.start_container(&created.id, None).await {
                 Ok(()) => return Ok(created.id),
                 Err(e) => {
@@ -674,7 +688,14 @@ impl DockerProvider {
     /// Refuse an image the mounted gate cannot run in (no glibc, or an
     /// older one than the gate was built against) before anything runs
     /// through it.
+    ///
+    /// Once per image reference and provider: a reference retagged to an
+    /// image without a usable glibc after its first check fails at its
+    /// first forwarded command instead, with the gate's own error.
     async fn check_gate(&self, container: &str, image: &str) -> Result<()> {
+        if self.gate_runs_in.lock().unwrap().contains(image) {
+            return Ok(());
+        }
         let (code, _, stderr) = exec::run_simple(
             &self.docker,
             container,
@@ -682,6 +703,7 @@ impl DockerProvider {
         )
         .await?;
         if code == 0 {
+            self.gate_runs_in.lock().unwrap().insert(image.to_string());
             return Ok(());
         }
         Err(Error::unsupported(format!(
@@ -1097,18 +1119,13 @@ impl Sandbox for DockerSandbox {
         exec::start(&self.docker, &self.id, plan).await
     }
 
-    async fn read_file_from(&self, path: &str, offset: u64) -> Result<ByteStream> {
-        // The core default, with the path quoted once: the default nests the
-        // quoted path inside single quotes, which a name holding a `'`
-        // breaks (a shell syntax error instead of the file).
-        let path = resolve_path(&self.workdir, path);
-        let script = format!(
-            "test -e {p} || {{ echo no such file: {p} >&2; exit 44; }}; exec tail -c +{} {p}",
-            offset + 1,
-            p = shell_quote(&path)
-        );
-        let stream = self.exec(ExecRequest::shell(script)).await?;
-        Ok(exec_stdout_stream(stream, path))
+    async fn poll_detached(
+        &self,
+        process: &DetachedProcess,
+        offset: u64,
+    ) -> Result<(DetachedStatus, ByteStream)> {
+        // The status probe and the read in one exec, not two, on every poll.
+        poll_detached_by_exec(self, process, offset).await
     }
 
     async fn read_file(&self, path: &str) -> Result<ByteStream> {

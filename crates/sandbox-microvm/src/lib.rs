@@ -34,9 +34,10 @@ use async_trait::async_trait;
 use futures::StreamExt;
 use harness_core::bootstrap::{self, BootstrapRecipe, HostFiles, SnapshotStore};
 use harness_core::sandbox::{
-    exec_stdout_stream, export_tar_by_exec, first_error_now, resolve_path, shell_quote,
-    ExecRequest, ExecStream, NetworkPolicy, PortEndpoint, Sandbox, SandboxHandle, SandboxProvider,
-    SandboxSpec, SnapshotInfo, EGRESS_PROXY_PORT,
+    exec_stdout_stream, export_tar_by_exec, first_error_now, poll_detached_by_exec, resolve_path,
+    shell_quote, DetachedProcess, DetachedStatus, ExecRequest, ExecStream, NetworkPolicy,
+    PortEndpoint, Sandbox, SandboxHandle, SandboxProvider, SandboxSpec, SnapshotInfo,
+    EGRESS_PROXY_PORT,
 };
 use harness_core::stream::ByteStream;
 use harness_core::{Error, ErrorKind, Result};
@@ -852,15 +853,13 @@ impl Sandbox for MicrovmSandbox {
         first_error_now(exec_stdout_stream(stream, path)).await
     }
 
-    async fn read_file_from(&self, path: &str, offset: u64) -> Result<ByteStream> {
-        let path = resolve_path(&self.meta.workdir, path);
-        let script = format!(
-            "test -e {p} || {{ echo no such file: {p} >&2; exit 44; }}; exec tail -c +{} {p}",
-            offset + 1,
-            p = shell_quote(&path)
-        );
-        let stream = self.exec(ExecRequest::shell(script)).await?;
-        Ok(exec_stdout_stream(stream, path))
+    async fn poll_detached(
+        &self,
+        process: &DetachedProcess,
+        offset: u64,
+    ) -> Result<(DetachedStatus, ByteStream)> {
+        // The status probe and the read in one exec, not two, on every poll.
+        poll_detached_by_exec(self, process, offset).await
     }
 
     async fn write_file(&self, path: &str, content: ByteStream) -> Result<u64> {

@@ -39,9 +39,10 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures::StreamExt;
 use harness_core::sandbox::{
-    collect_exec, exec_stdout_stream, export_tar_by_exec, first_error_now, resolve_path,
-    shell_quote, ExecEvent, ExecRequest, ExecStream, ExitReason, ExitStatus, NetworkPolicy,
-    PortEndpoint, Sandbox, SandboxHandle, SandboxProvider, SandboxSpec,
+    collect_exec, exec_stdout_stream, export_tar_by_exec, first_error_now, poll_detached_by_exec,
+    resolve_path, shell_quote, DetachedProcess, DetachedStatus, ExecEvent, ExecRequest, ExecStream,
+    ExitReason, ExitStatus, NetworkPolicy, PortEndpoint, Sandbox, SandboxHandle, SandboxProvider,
+    SandboxSpec,
 };
 use harness_core::stream::{AbortSignal, ByteStream};
 use harness_core::{Error, ErrorKind, Result};
@@ -781,6 +782,15 @@ impl Sandbox for MicrosandboxSandbox {
         );
         let stream = self.exec(ExecRequest::shell(script)).await?;
         first_error_now(exec_stdout_stream(stream, path)).await
+    }
+
+    async fn poll_detached(
+        &self,
+        process: &DetachedProcess,
+        offset: u64,
+    ) -> Result<(DetachedStatus, ByteStream)> {
+        // The status probe and the read in one exec, not two, on every poll.
+        poll_detached_by_exec(self, process, offset).await
     }
 
     async fn write_file(&self, path: &str, content: ByteStream) -> Result<u64> {

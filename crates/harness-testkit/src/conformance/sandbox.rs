@@ -1707,10 +1707,18 @@ pub async fn detached_processes(sb: &dyn Sandbox) -> Result<()> {
         status == DetachedStatus::Running,
         "a detached `sleep 2` must be Running right after spawn, got {status:?}"
     );
+    // Polled as a slice does: the status, then what is new since the last
+    // read. "Exited" with nothing new means the whole output was read.
     let deadline = Instant::now() + Duration::from_secs(20);
+    let mut polled = Vec::new();
     let final_status = loop {
-        let s = sb.detached_status(&process).await?;
-        if s != DetachedStatus::Running || Instant::now() > deadline {
+        let (s, new) = sb
+            .poll_detached(&process, polled.len() as u64)
+            .await
+            .context("poll_detached")?;
+        let new = harness_core::stream::collect(new, 1 << 20).await?;
+        polled.extend_from_slice(&new);
+        if (s != DetachedStatus::Running && new.is_empty()) || Instant::now() > deadline {
             break s;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -1718,6 +1726,18 @@ pub async fn detached_processes(sb: &dyn Sandbox) -> Result<()> {
     ensure!(
         final_status == DetachedStatus::Exited { code: 7 },
         "a detached process that ran `exit 7` must end as Exited {{ code: 7 }}, got {final_status:?}"
+    );
+    ensure!(
+        polled == b"started\nenv-ok\ndone\n",
+        "polling the process from each read's end must read its whole stdout once, got {:?}",
+        String::from_utf8_lossy(&polled)
+    );
+    let (s, tail) = sb.poll_detached(&process, 8).await?;
+    let tail = harness_core::stream::collect(tail, 1 << 20).await?;
+    ensure!(
+        s == final_status && tail[..] == b"env-ok\ndone\n"[..],
+        "a poll from byte 8 must give the exit and the stdout after it, got {s:?} and {:?}",
+        String::from_utf8_lossy(&tail)
     );
     let stdout = read_file(sb, &process.stdout_path)
         .await
@@ -1734,6 +1754,15 @@ pub async fn detached_processes(sb: &dyn Sandbox) -> Result<()> {
         stderr == b"to-err\n",
         "the stderr spool must hold the process's stderr, got {:?}",
         String::from_utf8_lossy(&stderr)
+    );
+    sh(sb, &format!("rm {}", shell_quote(&process.stdout_path))).await?;
+    let gone = match sb.poll_detached(&process, 0).await {
+        Ok((_, stream)) => harness_core::stream::collect(stream, 1 << 20).await.err(),
+        Err(e) => Some(e),
+    };
+    ensure!(
+        gone.as_ref().map(|e| e.kind()) == Some(ErrorKind::NotFound),
+        "polling a process whose stdout file is gone must be NotFound, got {gone:?}"
     );
 
     // A tree that must die with kill_detached.
