@@ -721,3 +721,46 @@ pub fn run_harness_session(input: Value) -> Result<Value> {
     };
     Ok(serde_json::json!({ "state": state, "next": next }))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_budget_is_unlimited_only_without_either_limit() {
+        assert!(Budget::default().is_unlimited());
+        let tokens = Budget {
+            max_tokens: Some(10),
+            ..Budget::default()
+        };
+        let spend = Budget {
+            max_spend_micros: Some(10),
+            ..Budget::default()
+        };
+        assert!(!tokens.is_unlimited());
+        assert!(!spend.is_unlimited());
+        // The stored config leaves an unlimited budget out, and keeps a
+        // limited one.
+        let config = serde_json::to_value(TurnConfig::default()).unwrap();
+        assert!(config.get("budget").is_none(), "{config}");
+        let limited = TurnConfig {
+            budget: spend,
+            ..TurnConfig::default()
+        };
+        let config = serde_json::to_value(&limited).unwrap();
+        assert_eq!(config["budget"]["maxSpendMicros"], 10, "{config}");
+    }
+
+    #[test]
+    fn the_quiet_limit_is_fifteen_minutes_by_default_also_when_a_stored_config_lacks_it() {
+        // The field's doc says 15 minutes: above Claude
+        // Code's 10-minute Bash limit.
+        assert_eq!(DEFAULT_QUIET_MS, 900_000);
+        assert_eq!(TurnConfig::default().quiet_ms, 900_000);
+        let stored = serde_json::json!({
+            "slice_ms": 1000, "max_turn_ms": 2000, "max_consecutive_failures": 1
+        });
+        let config: TurnConfig = serde_json::from_value(stored).unwrap();
+        assert_eq!(config.quiet_ms, 900_000);
+    }
+}

@@ -623,3 +623,93 @@ fn the_turn_ending_cancels_its_calls_and_the_next_turn_starts_clean() {
     h.call(RUNNER, "c2");
     assert_eq!(error_code(&h.take(RUNNER)), Some("no_active_turn"));
 }
+
+fn turn_status(turn_id: &str, status: TurnStatus) -> Input {
+    Input::Runner {
+        conn: RUNNER,
+        message: RunnerMessage::TurnStatus {
+            turn_id: turn_id.into(),
+            status,
+            error: None,
+            code: None,
+            sandbox: None,
+            agent_session_id: None,
+            key: None,
+            checkpoint: None,
+        },
+    }
+}
+
+#[test]
+fn a_status_that_does_not_end_the_turn_leaves_its_calls_out() {
+    let mut h = Harness::with_turn();
+    h.host(HOST, false, &["lookup"]);
+    h.take(HOST);
+    h.call(RUNNER, "c1");
+    assert_eq!(h.host_calls(HOST).len(), 1);
+    // The runner reports the agent started (a status that is not an end).
+    h.feed(turn_status("t1", TurnStatus::ReadyForNextStep));
+    assert!(
+        !h.take(HOST)
+            .iter()
+            .any(|m| matches!(m, ServerMessage::HostCancel { .. })),
+        "a non-terminal status cancelled the call"
+    );
+    h.result(HOST, "c1", "found");
+    assert_eq!(
+        h.outcomes(RUNNER),
+        vec![("c1".to_string(), completed("found"))]
+    );
+    assert_eq!(h.stored(), (1, 1));
+}
+
+#[test]
+fn a_call_id_is_the_sessions_a_later_turn_reusing_it_is_refused_and_nothing_runs() {
+    let mut h = Harness::with_turn();
+    h.host(HOST, false, &["lookup"]);
+    h.take(HOST);
+    h.call(RUNNER, "c1");
+    h.take(HOST);
+    h.result(HOST, "c1", "first");
+    h.take(RUNNER);
+    h.feed(turn_status("t1", TurnStatus::Finished));
+    h.feed(Input::Client {
+        conn: CLIENT,
+        message: ClientMessage::Prompt {
+            text: "again".into(),
+            turn_id: Some("t2".into()),
+            key: None,
+        },
+    });
+    h.take(RUNNER);
+    // The relay bridge names each call with a fresh UUID; the log keys a
+    // call's frame by its id alone, so an id seen in any earlier turn is a
+    // conflict — never the old outcome handed to the new turn, never a
+    // second run at the host.
+    h.feed(Input::Runner {
+        conn: RUNNER,
+        message: RunnerMessage::HostCall {
+            turn_id: "t2".into(),
+            call: request("c1", "lookup"),
+        },
+    });
+    let answered = h.take(RUNNER);
+    assert_eq!(error_code(&answered), Some("conflict"), "{answered:?}");
+    assert!(h.host_calls(HOST).is_empty());
+    assert_eq!(h.stored(), (1, 1));
+    // A fresh id in the new turn runs.
+    h.feed(Input::Runner {
+        conn: RUNNER,
+        message: RunnerMessage::HostCall {
+            turn_id: "t2".into(),
+            call: request("c2", "lookup"),
+        },
+    });
+    assert_eq!(h.host_calls(HOST).len(), 1);
+    h.result(HOST, "c2", "second");
+    assert_eq!(
+        h.outcomes(RUNNER),
+        vec![("c2".to_string(), completed("second"))]
+    );
+    assert_eq!(h.stored(), (2, 2));
+}

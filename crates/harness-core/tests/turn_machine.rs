@@ -285,6 +285,11 @@ fn stale_slice_reports_are_refused() {
     let err = step(s.clone(), report(400, SliceOutcome::Exited { code: 0 })).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Conflict);
     assert!(err.to_string().contains("stale slice report"));
+    // A slice that read nothing new reports the cursor it started from:
+    // that is progress of the turn (a slice run), not a stale report.
+    let (s, next) = step(s, report(500, SliceOutcome::Running)).unwrap();
+    assert_eq!((s.cursor, s.slices_run), (500, 2));
+    assert!(matches!(next, NextStep::RunSlice { .. }));
 }
 
 #[test]

@@ -433,3 +433,22 @@ fn keep_within(output: &mut String, data: &str, budget: u64) {
     }
     output.push_str(&data[..take]);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::keep_within;
+
+    #[test]
+    fn kept_output_is_cut_back_to_a_char_boundary() {
+        // Room for 4 bytes (budget 0 plus the 4 the final cut needs to see
+        // more): "aéé" is 5 bytes and byte 4 falls inside the second `é`.
+        let mut output = String::new();
+        keep_within(&mut output, "aéé", 0);
+        assert_eq!(output, "aé");
+        // Nothing more once the room is used.
+        keep_within(&mut output, "b", 0);
+        assert_eq!(output, "aéb");
+        keep_within(&mut output, "c", 0);
+        assert_eq!(output, "aéb");
+    }
+}
