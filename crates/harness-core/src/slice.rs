@@ -605,8 +605,6 @@ impl SliceRunner {
         Ok(process)
     }
 
-    /// Fetch what the agent wrote to its stdout since `spool.read_to` (up
-    /// to about [`READ_LIMIT_HINT`] bytes); whether there was anything.
     /// Parse the complete lines fetched and send their parts to the
     /// session, each keyed by its spool offset; the committed cursor moves
     /// to each line end outside an open text block. A permission request

@@ -1113,3 +1113,30 @@ async fn staged_import_overlays_like_import_and_leaves_nothing_on_failure() {
     assert_eq!(listing(&parent), before);
     sb.destroy().await.unwrap();
 }
+
+/// A detached agent still ending (writing its exit file) while its
+/// sandbox is destroyed: the removal must not fail on the entry it adds
+/// between a directory's listing and its removal.
+#[tokio::test]
+async fn destroy_right_after_a_detached_launch_succeeds() {
+    let dir = tempfile::tempdir().unwrap();
+    let provider = LocalProvider::new(dir.path().join("sandboxes"));
+    for round in 0..40 {
+        let sandbox = provider
+            .create(&SandboxSpec::new("/workspace"))
+            .await
+            .unwrap();
+        sandbox
+            .spawn_detached(harness_core::sandbox::DetachedRequest {
+                argv: vec!["sh".into(), "-c".into(), "echo agent".into()],
+                cwd: None,
+                env: Default::default(),
+                spool_dir: format!("{}/.spool", sandbox.workdir()),
+            })
+            .await
+            .unwrap();
+        if let Err(e) = sandbox.destroy().await {
+            panic!("round {round}: {e}");
+        }
+    }
+}
