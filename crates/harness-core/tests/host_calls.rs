@@ -600,19 +600,7 @@ fn the_turn_ending_cancels_its_calls_and_the_next_turn_starts_clean() {
     h.take(HOST);
     h.call(RUNNER, "c1");
     h.take(HOST);
-    h.feed(Input::Runner {
-        conn: RUNNER,
-        message: RunnerMessage::TurnStatus {
-            turn_id: "t1".into(),
-            status: TurnStatus::Failed,
-            error: Some("aborted".into()),
-            code: None,
-            sandbox: None,
-            agent_session_id: None,
-            key: None,
-            checkpoint: None,
-        },
-    });
+    h.feed(turn_status("t1", TurnStatus::Failed));
     assert!(h
         .take(HOST)
         .iter()
