@@ -55,6 +55,17 @@ impl Harness {
         h
     }
 
+    /// [`with_turn`](Self::with_turn), a host offering `lookup`, and call
+    /// `call_id` out at it (the host's inbox read: it got that one call).
+    fn with_call_out(call_id: &str) -> Self {
+        let mut h = Self::with_turn();
+        h.host(HOST, false, &["lookup"]);
+        h.take(HOST);
+        h.call(RUNNER, call_id);
+        assert_eq!(h.host_calls(HOST).len(), 1);
+        h
+    }
+
     fn feed(&mut self, input: Input) {
         let mut queue: VecDeque<Output> = self.actor.handle(input).into();
         while let Some(out) = queue.pop_front() {
@@ -595,11 +606,7 @@ fn a_restarted_actor_replays_recorded_outcomes_and_never_resends_an_open_call() 
 
 #[test]
 fn the_turn_ending_cancels_its_calls_and_the_next_turn_starts_clean() {
-    let mut h = Harness::with_turn();
-    h.host(HOST, false, &["lookup"]);
-    h.take(HOST);
-    h.call(RUNNER, "c1");
-    h.take(HOST);
+    let mut h = Harness::with_call_out("c1");
     h.feed(turn_status("t1", TurnStatus::Failed));
     assert!(h
         .take(HOST)
@@ -630,11 +637,7 @@ fn turn_status(turn_id: &str, status: TurnStatus) -> Input {
 
 #[test]
 fn a_status_that_does_not_end_the_turn_leaves_its_calls_out() {
-    let mut h = Harness::with_turn();
-    h.host(HOST, false, &["lookup"]);
-    h.take(HOST);
-    h.call(RUNNER, "c1");
-    assert_eq!(h.host_calls(HOST).len(), 1);
+    let mut h = Harness::with_call_out("c1");
     // The runner reports the agent started (a status that is not an end).
     h.feed(turn_status("t1", TurnStatus::ReadyForNextStep));
     assert!(
@@ -653,11 +656,7 @@ fn a_status_that_does_not_end_the_turn_leaves_its_calls_out() {
 
 #[test]
 fn a_call_id_is_the_sessions_a_later_turn_reusing_it_is_refused_and_nothing_runs() {
-    let mut h = Harness::with_turn();
-    h.host(HOST, false, &["lookup"]);
-    h.take(HOST);
-    h.call(RUNNER, "c1");
-    h.take(HOST);
+    let mut h = Harness::with_call_out("c1");
     h.result(HOST, "c1", "first");
     h.take(RUNNER);
     h.feed(turn_status("t1", TurnStatus::Finished));
