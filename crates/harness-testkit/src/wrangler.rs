@@ -270,6 +270,25 @@ impl WranglerDev {
             .collect()
     }
 
+    /// Waits (bounded) until wrangler's output holds `needle`. The Worker's
+    /// `console` lines reach the log file through workerd and wrangler's
+    /// stdout after the request that printed them has been answered, so a
+    /// test that reads the log right after a response can miss a line that
+    /// is on its way (seen in CI: the retention pass had deleted, its line
+    /// was not yet written).
+    pub async fn wait_for_log(&self, needle: &str, within: Duration) -> bool {
+        let deadline = Instant::now() + within;
+        loop {
+            if self.log().contains(needle) {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// The end of wrangler's output.
     pub fn log_tail(&self) -> String {
         let text = self.log();

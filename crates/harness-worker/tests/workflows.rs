@@ -416,7 +416,9 @@ async fn an_abort_stops_a_running_slice_on_workflows() {
     );
     assert!(!text.contains("The wait is over."), "{text}");
     assert!(
-        rig.dev.log().contains("abort requested"),
+        rig.dev
+            .wait_for_log("abort requested", Duration::from_secs(10))
+            .await,
         "{}",
         rig.dev.log_tail()
     );

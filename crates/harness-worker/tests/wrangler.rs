@@ -809,7 +809,11 @@ async fn a_cron_trigger_runs_the_retention_policy() {
         dev.log_tail()
     );
     assert!(
-        dev.log().contains("retention: deleted 1 sessions"),
+        dev.wait_for_log(
+            "retention: deleted 1 sessions",
+            std::time::Duration::from_secs(10)
+        )
+        .await,
         "{}",
         dev.log_tail()
     );
