@@ -117,8 +117,8 @@ fn trials_command(test: &str) -> std::process::Command {
         "--test",
         test,
         "--no-capture",
-        "--features",
-        "harness-cli/full",
+        crate::ci::CI_FEATURES[0],
+        crate::ci::CI_FEATURES[1],
     ]);
     for (k, v) in env::test_env(true) {
         cmd.env(k, v);

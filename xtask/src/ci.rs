@@ -223,9 +223,12 @@ fn summary(done: &[(Step, Duration, bool)], total: Duration, counts: Option<Coun
 
 /// The features CI builds the workspace with: the `harness` binary with
 /// every backend (its default build is small; docs/cli.md, "Features"),
-/// so every test of it runs. Clippy, the tests and the list of ignored
-/// tests all use it, so they see the same code.
-pub const CI_FEATURES: [&str; 2] = ["--features", "harness-cli/full"];
+/// so every test of it runs, and the move pipeline's pure-Rust zstd (the
+/// Worker's) beside libzstd, so its tests run in the same build instead
+/// of a matrix row of their own (whose dependencies, built with other
+/// features, cost a cold run 5 m 17 s). Clippy, the tests and the list of
+/// ignored tests all use it, so they see the same code.
+pub const CI_FEATURES: [&str; 2] = ["--features", "harness-cli/full,harness-moves/zstd-rust"];
 
 fn run_step(
     step: Step,

@@ -167,23 +167,18 @@ impl Row {
 
 /// Every row CI runs, in order, after the workspace-wide steps.
 pub const MATRIX: &[Row] = &[
-    // The move pipeline on pure-Rust zstd, for the Worker target, and its
-    // tests natively (they read and write libzstd's streams too). (The core
-    // has no features: the `wasm` step builds it for wasm32 as it is.)
+    // The move pipeline on pure-Rust zstd, for the Worker target. (Its
+    // tests run natively in the test step, which enables `zstd-rust` beside
+    // libzstd: `ci::CI_FEATURES`. The core has no features: the `wasm`
+    // step builds it for wasm32 as it is.)
     Row::check("harness-moves")
         .no_default_features()
         .features("zstd-rust")
         .target(WASM),
-    Row::test("harness-moves").features("zstd-rust"),
-    // The facade: nothing, then each backend feature alone.
+    // The facade with nothing. Each backend feature alone is an extra row:
+    // sixteen builds of the dependencies with other features, 12 m 16 s of
+    // a cold run's two cores (docs/CI.md).
     Row::check("harness").no_default_features(),
-    // Not `full` alone: it is every other feature at once, which the
-    // clippy step checks already (`--features harness-cli/full`); alone it
-    // cost a cold run 1 m 29 s (docs/CI.md).
-    Row::check("harness")
-        .no_default_features()
-        .each_feature()
-        .except(&["full"]),
     // The Cloudflare provider's logic without its reqwest/tokio transport
     // builds for the Worker target (a Worker supplies the transport).
     Row::check("sandbox-cloudflare")
@@ -208,6 +203,13 @@ pub const MATRIX: &[Row] = &[
 
 /// Rows outside CI, run on demand by `cargo xtask extra`.
 pub const EXTRA: &[Row] = &[
+    // The facade with each backend feature alone (not `full`: every other
+    // feature at once, which clippy and the tests build). Run by hand before
+    // a release and after changing a feature's gating.
+    Row::check("harness")
+        .no_default_features()
+        .each_feature()
+        .except(&["full"]),
     // The optional microsandbox engine of sandbox-microvm compiles (its SDK
     // adds ~230 crates and a few minutes of cold build; its test needs a KVM
     // that boots a guest, which CI machines lack: docs/sandbox-microvm.md).

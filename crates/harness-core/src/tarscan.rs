@@ -43,7 +43,9 @@
 //! `HARNESS_MAX_RESTORE_ENTRIES` change them): a decompression bomb — a
 //! few MB of zstd that expand to 10 GB of zeros, or a million empty files —
 //! is refused at the header that crosses the limit, before its data is
-//! read and before anything is written.
+//! read. A reader that extracts as it scans (a sandbox that stages
+//! imports) has written the entries before that header to its staging
+//! directory, which the refusal removes.
 
 use std::borrow::Cow;
 use std::collections::hash_map::RandomState;

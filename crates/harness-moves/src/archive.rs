@@ -39,7 +39,7 @@ use harness_core::harness::{Harness, StateMove};
 use harness_core::sandbox::{shell_quote, Sandbox};
 use harness_core::slice::home_of;
 use harness_core::stream::ByteStream;
-use harness_core::tarscan::{ScanSummary, TarScanner};
+use harness_core::tarscan::{ScanLimits, ScanSummary, TarScanner};
 use harness_core::{Error, Result};
 
 /// Chunk size of the streams the pipeline produces.
@@ -330,10 +330,11 @@ pub fn scanned(tar: ByteStream) -> ByteStream {
 /// stream ended cleanly.
 fn scanned_into(
     tar: ByteStream,
+    limits: ScanLimits,
     summary: Arc<std::sync::Mutex<Option<ScanSummary>>>,
 ) -> ByteStream {
     Box::pin(futures::stream::unfold(
-        Some((tar, TarScanner::new(), summary)),
+        Some((tar, TarScanner::new().with_limits(limits), summary)),
         |state| async move {
             let (mut tar, mut scanner, summary) = state?;
             match tar.next().await {
@@ -360,8 +361,17 @@ pub async fn verify(
     key: &str,
     progress: Option<Arc<dyn MoveProgress>>,
 ) -> Result<ScanSummary> {
+    verify_within(store, key, progress, ScanLimits::default()).await
+}
+
+async fn verify_within(
+    store: &dyn CheckpointStore,
+    key: &str,
+    progress: Option<Arc<dyn MoveProgress>>,
+    limits: ScanLimits,
+) -> Result<ScanSummary> {
     let mut tar = decompress(store.get(key).await?);
-    let mut scanner = TarScanner::new();
+    let mut scanner = TarScanner::new().with_limits(limits);
     while let Some(chunk) = tar.next().await {
         let chunk = chunk?;
         scanner.push(&chunk)?;
@@ -379,13 +389,32 @@ pub async fn verify(
 /// what is there. Refuses (changing nothing) if any entry is unsafe. A
 /// tree checkpoint ([`crate::tree`]) is recognised by its first
 /// bytes and restored by [`crate::tree::restore_manifest`].
-#[tracing::instrument(name = "restore", skip_all, fields(key = %key, dir = %dir))]
+///
+/// An archive past [`ScanLimits::default`] (a decompression bomb) is
+/// refused at the header that crosses the limit; [`restore_with_limits`]
+/// takes other limits.
 pub async fn restore(
     store: &dyn CheckpointStore,
     key: &str,
     sandbox: &dyn Sandbox,
     dir: &str,
     progress: Option<Arc<dyn MoveProgress>>,
+) -> Result<RestoreInfo> {
+    restore_with_limits(store, key, sandbox, dir, progress, ScanLimits::default()).await
+}
+
+/// [`restore`], refusing a whole-archive checkpoint past `limits` instead
+/// of the defaults. On a sandbox that stages imports the entries before the
+/// crossing one are written to the staging directory (and removed with
+/// it), so the limits bound that work too.
+#[tracing::instrument(name = "restore", skip_all, fields(key = %key, dir = %dir))]
+pub async fn restore_with_limits(
+    store: &dyn CheckpointStore,
+    key: &str,
+    sandbox: &dyn Sandbox,
+    dir: &str,
+    progress: Option<Arc<dyn MoveProgress>>,
+    limits: ScanLimits,
 ) -> Result<RestoreInfo> {
     harness_core::checkpoint::validate_key(key)?;
     // A tree checkpoint (manifest + blobs) restores by its own path.
@@ -401,7 +430,7 @@ pub async fn restore(
         let summary = Arc::new(std::sync::Mutex::new(None));
         let total = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let tar = counting(
-            scanned_into(decompress(store.get(key).await?), summary.clone()),
+            scanned_into(decompress(store.get(key).await?), limits, summary.clone()),
             MovePhase::Import,
             progress.clone(),
             total,
@@ -419,10 +448,13 @@ pub async fn restore(
             })?;
         return Ok(RestoreInfo { summary });
     }
-    let summary = verify(store, key, progress.clone()).await?;
+    let summary = verify_within(store, key, progress.clone(), limits).await?;
     let total = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let tar = counting(
-        scanned(decompress(store.get(key).await?)),
+        harness_core::tarscan::scan_stream(
+            decompress(store.get(key).await?),
+            TarScanner::new().with_limits(limits),
+        ),
         MovePhase::Import,
         progress.clone(),
         total,
