@@ -167,6 +167,25 @@ impl Row {
 
 /// Every row CI runs, in order, after the workspace-wide steps.
 pub const MATRIX: &[Row] = &[
+    // The facade with nothing. Each backend feature alone is an extra row:
+    // sixteen builds of the dependencies with other features, 12 m 16 s of
+    // a cold run's two cores (docs/CI.md).
+    Row::check("harness").no_default_features(),
+    // The binary's default build (the test step builds it with every
+    // feature) and its smallest one: each backend missing is a clear error,
+    // not a build failure (docs/cli.md, "Features").
+    Row::check("harness-cli"),
+    Row::check("harness-cli").no_default_features(),
+    // The crates that build for wasm32 are built by the `worker` step: its
+    // two builds of the Worker compile each of them for wasm32 with these
+    // rows' features (harness-moves with `zstd-rust` alone, sandbox-cloudflare
+    // without its transport, durable-workflows, durable-streams), so as
+    // checks here they cost a cold run 5 m 11 s for nothing more. They are
+    // extra rows, for a run without the `worker` step (`--skip-services`).
+];
+
+/// Rows outside CI, run on demand by `cargo xtask extra`.
+pub const EXTRA: &[Row] = &[
     // The move pipeline on pure-Rust zstd, for the Worker target. (Its
     // tests run natively in the test step, which enables `zstd-rust` beside
     // libzstd: `ci::CI_FEATURES`. The core has no features: the `wasm`
@@ -175,18 +194,13 @@ pub const MATRIX: &[Row] = &[
         .no_default_features()
         .features("zstd-rust")
         .target(WASM),
-    // The facade with nothing. Each backend feature alone is an extra row:
-    // sixteen builds of the dependencies with other features, 12 m 16 s of
-    // a cold run's two cores (docs/CI.md).
-    Row::check("harness").no_default_features(),
     // The Cloudflare provider's logic without its reqwest/tokio transport
     // builds for the Worker target (a Worker supplies the transport).
     Row::check("sandbox-cloudflare")
         .no_default_features()
         .target(WASM),
     // The Worker (its Durable Object over core's ActorDriver) compiles for
-    // the Worker target; on the host the crate is empty. Its wasm32 build
-    // by worker-build, run under wrangler dev, is the `worker` step.
+    // the Worker target; on the host the crate is empty.
     Row::check("harness-worker").target(WASM),
     // The Workflows engine: its bindings and engine exist only on wasm32
     // (the turn loop is tested natively in its own tests).
@@ -194,15 +208,6 @@ pub const MATRIX: &[Row] = &[
     // The Durable Streams protocol without its native store: what the
     // Worker's streams object serves.
     Row::check("durable-streams").target(WASM),
-    // The binary's default build (the test step builds it with every
-    // feature) and its smallest one: each backend missing is a clear error,
-    // not a build failure (docs/cli.md, "Features").
-    Row::check("harness-cli"),
-    Row::check("harness-cli").no_default_features(),
-];
-
-/// Rows outside CI, run on demand by `cargo xtask extra`.
-pub const EXTRA: &[Row] = &[
     // The facade with each backend feature alone (not `full`: every other
     // feature at once, which clippy and the tests build). Run by hand before
     // a release and after changing a feature's gating.

@@ -207,3 +207,307 @@ async fn collect_locked(store: &dyn CheckpointStore) -> Result<GcInfo> {
     }
     Ok(info)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::archive::DEFAULT_ZSTD_LEVEL;
+    use crate::tree::{blob_key, TreeEntry, TreeKind, TreeManifest, FORMAT};
+    use harness_core::checkpoint::MemoryCheckpointStore;
+    use harness_core::clock::ManualClock;
+
+    fn hash(n: u8) -> String {
+        format!("{n:02x}").repeat(32)
+    }
+
+    async fn put(store: &MemoryCheckpointStore, key: &str, bytes: &[u8]) {
+        store
+            .put(key, harness_core::stream::once(bytes.to_vec()))
+            .await
+            .unwrap();
+    }
+
+    /// A manifest of one file made of `chunks`, naming `packs`, stored
+    /// (zstd JSON, as checkpoints write it) under `key`.
+    async fn put_manifest(
+        store: &MemoryCheckpointStore,
+        key: &str,
+        chunks: &[&str],
+        packs: &[&str],
+    ) {
+        let manifest = TreeManifest {
+            format: FORMAT.to_string(),
+            parent: None,
+            listed_at: 1,
+            entries: vec![TreeEntry {
+                path: "f".into(),
+                kind: TreeKind::File,
+                mode: 0o644,
+                size: 1,
+                mtime: 1,
+                chunks: chunks.iter().map(|c| c.to_string()).collect(),
+                target: None,
+                ino: 0,
+                ctime_ns: 0,
+            }],
+            deleted: vec![],
+            packs: packs.iter().map(|p| p.to_string()).collect(),
+        };
+        let json = serde_json::to_vec(&manifest).unwrap();
+        let packed = harness_core::stream::collect(
+            crate::archive::compress_archive(harness_core::stream::once(json), DEFAULT_ZSTD_LEVEL),
+            1 << 20,
+        )
+        .await
+        .unwrap();
+        store
+            .put(key, harness_core::stream::once(packed))
+            .await
+            .unwrap();
+    }
+
+    async fn keys(store: &MemoryCheckpointStore) -> Vec<String> {
+        let mut keys = store.list_keys("").await.unwrap();
+        keys.sort();
+        keys
+    }
+
+    /// What no manifest references goes — blobs, and packs with their
+    /// index (or an index alone) — counted with their bytes; what one
+    /// references stays, and so does everything that is not a blob or a
+    /// pack: manifests, whole archives, lineages, locks, and names under
+    /// `packs/` that are no pack's.
+    #[tokio::test]
+    async fn collection_deletes_exactly_what_no_manifest_references() {
+        let store = MemoryCheckpointStore::new();
+        let clock = ManualClock::at(10 * LOCK_TTL_MS);
+        let (kept, also_kept, gone) = (hash(1), hash(2), hash(3));
+        put(&store, &blob_key(&kept), b"k").await;
+        put(&store, &blob_key(&also_kept), b"kk").await;
+        put(&store, &blob_key(&gone), b"gone!").await;
+        let (pack_kept, pack_gone, index_alone) = (hash(4), hash(5), hash(6));
+        for (key, bytes) in [
+            (pack_key(&pack_kept), &b"pack"[..]),
+            (pack_index_key(&pack_kept), b"idx"),
+            (pack_key(&pack_gone), b"1234567"),
+            (pack_index_key(&pack_gone), b"123"),
+            (pack_index_key(&index_alone), b"12345678901"),
+        ] {
+            put(&store, &key, bytes).await;
+        }
+        put(&store, "packs/zz/not-a-pack", b"?").await;
+        put_manifest(&store, "trees/one", &[&kept], &[&pack_kept]).await;
+        put_manifest(&store, "trees/two", &[&also_kept, &kept], &[]).await;
+        put(&store, "archives/whole.tar.zst", b"not a manifest").await;
+        put(&store, "lineages/l1/blobs/ab/unreadable", b"sealed").await;
+        // An expired checkpoint lock: a crashed holder's; it stays.
+        put(&store, &format!("{LOCK_PREFIX}checkpoint-0-aa"), b"").await;
+        let before = keys(&store).await;
+
+        let info = collect_garbage(&store, &clock).await.unwrap();
+        assert_eq!(
+            info,
+            GcInfo {
+                manifests: 2,
+                blobs_kept: 2,
+                blobs_deleted: 1,
+                packs_kept: 1,
+                packs_deleted: 2,
+                bytes_freed: (5 + 7 + 3 + 11) as u64,
+            }
+        );
+        let deleted = [
+            blob_key(&gone),
+            pack_key(&pack_gone),
+            pack_index_key(&pack_gone),
+            pack_index_key(&index_alone),
+        ];
+        let expected: Vec<String> = before
+            .iter()
+            .filter(|k| !deleted.contains(k))
+            .cloned()
+            .collect();
+        assert_eq!(keys(&store).await, expected, "its own lock is removed too");
+        // Nothing left to collect: a second pass deletes nothing.
+        let again = collect_garbage(&store, &clock).await.unwrap();
+        assert_eq!(
+            (again.blobs_deleted, again.packs_deleted, again.bytes_freed),
+            (0, 0, 0)
+        );
+        assert_eq!((again.blobs_kept, again.packs_kept), (2, 1));
+    }
+
+    /// A store whose `head` answers `NotFound` for the keys in `gone` (an
+    /// object deleted between the listing and the question) and fails for
+    /// `broken`.
+    #[derive(Debug)]
+    struct HeadFails {
+        inner: MemoryCheckpointStore,
+        gone: Vec<String>,
+        broken: Option<String>,
+    }
+
+    #[async_trait::async_trait]
+    impl CheckpointStore for HeadFails {
+        async fn put(
+            &self,
+            key: &str,
+            content: harness_core::stream::ByteStream,
+        ) -> Result<harness_core::checkpoint::ObjectMeta> {
+            self.inner.put(key, content).await
+        }
+        async fn get(&self, key: &str) -> Result<harness_core::stream::ByteStream> {
+            self.inner.get(key).await
+        }
+        async fn head(&self, key: &str) -> Result<harness_core::checkpoint::ObjectMeta> {
+            if self.gone.iter().any(|k| k == key) {
+                return Err(Error::not_found(format!("{key} is gone")));
+            }
+            if self.broken.as_deref() == Some(key) {
+                return Err(Error::backend("the store is down"));
+            }
+            self.inner.head(key).await
+        }
+        async fn list(&self, prefix: &str) -> Result<Vec<harness_core::checkpoint::ObjectMeta>> {
+            self.inner.list(prefix).await
+        }
+        async fn delete(&self, key: &str) -> Result<()> {
+            self.inner.delete(key).await
+        }
+    }
+
+    /// An object gone between the listing and its `head` (another client
+    /// deleted it) is passed over, neither counted nor failing the pass; any
+    /// other failure of `head` stops it.
+    #[tokio::test]
+    async fn an_object_gone_since_the_listing_is_passed_over_and_a_failing_store_stops_the_pass() {
+        let clock = ManualClock::at(10 * LOCK_TTL_MS);
+        let (blob, pack) = (hash(8), hash(9));
+        let store = HeadFails {
+            inner: MemoryCheckpointStore::new(),
+            gone: vec![blob_key(&blob), pack_index_key(&pack)],
+            broken: None,
+        };
+        put(&store.inner, &blob_key(&blob), b"blob").await;
+        put(&store.inner, &blob_key(&hash(10)), b"other").await;
+        put(&store.inner, &pack_key(&pack), b"pack").await;
+        put(&store.inner, &pack_index_key(&pack), b"idx").await;
+        let info = collect_garbage(&store, &clock).await.unwrap();
+        assert_eq!(
+            (info.blobs_deleted, info.packs_deleted, info.bytes_freed),
+            (1, 1, 5 + 4),
+            "{info:?}"
+        );
+        assert_eq!(
+            store.inner.list_keys("").await.unwrap(),
+            [blob_key(&blob), pack_index_key(&pack)],
+            "what head called gone was not deleted"
+        );
+
+        for broken in [blob_key(&blob), pack_key(&pack)] {
+            let store = HeadFails {
+                inner: MemoryCheckpointStore::new(),
+                gone: vec![],
+                broken: Some(broken.clone()),
+            };
+            put(&store.inner, &blob_key(&blob), b"blob").await;
+            put(&store.inner, &pack_key(&pack), b"pack").await;
+            let err = collect_garbage(&store, &clock).await.unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::Backend, "{broken}: {err}");
+            assert!(
+                store.inner.head(&broken).await.is_ok(),
+                "{broken} was deleted"
+            );
+        }
+    }
+
+    /// A manifest that does not parse might reference anything: nothing is
+    /// collected, and the error names it.
+    #[tokio::test]
+    async fn an_unreadable_manifest_stops_the_collection() {
+        let store = MemoryCheckpointStore::new();
+        let clock = ManualClock::at(10 * LOCK_TTL_MS);
+        put(&store, &blob_key(&hash(7)), b"x").await;
+        let broken = format!("{{\"format\":\"{FORMAT}\",\"entries\":[");
+        let packed = harness_core::stream::collect(
+            crate::archive::compress_archive(
+                harness_core::stream::once(broken.into_bytes()),
+                DEFAULT_ZSTD_LEVEL,
+            ),
+            1 << 20,
+        )
+        .await
+        .unwrap();
+        store
+            .put("trees/broken", harness_core::stream::once(packed))
+            .await
+            .unwrap();
+        let before = keys(&store).await;
+        let err = collect_garbage(&store, &clock).await.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
+        assert!(
+            err.message()
+                .starts_with("not collecting: trees/broken could not be read"),
+            "{err}"
+        );
+        assert_eq!(keys(&store).await, before);
+    }
+
+    /// Each side refuses while the other's lock is live (younger than the
+    /// TTL), removing its own; an expired one does not hold it; a lock of
+    /// its own kind does not either.
+    #[tokio::test]
+    async fn checkpoints_and_collections_exclude_each_other_until_a_lock_expires() {
+        let store = MemoryCheckpointStore::new();
+        let clock = ManualClock::at(10 * LOCK_TTL_MS);
+        let checkpoint = Lock::take(&store, LockKind::Checkpoint, &clock)
+            .await
+            .unwrap();
+        let held = keys(&store).await;
+        assert_eq!(held.len(), 1);
+        assert!(held[0].starts_with("locks/checkpoint-"), "{held:?}");
+        // A second checkpoint may run beside it.
+        let second = Lock::take(&store, LockKind::Checkpoint, &clock)
+            .await
+            .unwrap();
+        second.release(&store).await;
+
+        let err = collect_garbage(&store, &clock).await.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Conflict);
+        assert!(
+            err.message().contains("a tree checkpoint is running"),
+            "{err}"
+        );
+        assert_eq!(keys(&store).await, held, "the refused side's lock stays");
+
+        // At the TTL's last millisecond it still holds; after it, not.
+        clock.set(10 * LOCK_TTL_MS + LOCK_TTL_MS - 1);
+        assert_eq!(
+            collect_garbage(&store, &clock).await.unwrap_err().kind(),
+            ErrorKind::Conflict
+        );
+        clock.set(10 * LOCK_TTL_MS + LOCK_TTL_MS);
+        collect_garbage(&store, &clock).await.unwrap();
+        checkpoint.release(&store).await;
+        assert!(keys(&store).await.is_empty());
+
+        // And the other way round.
+        let gc = Lock::take(&store, LockKind::Gc, &clock).await.unwrap();
+        let err = Lock::take(&store, LockKind::Checkpoint, &clock)
+            .await
+            .err()
+            .expect("a checkpoint beside a running collection");
+        assert_eq!(err.kind(), ErrorKind::Conflict);
+        assert!(
+            err.message().contains("a garbage collection is running"),
+            "{err}"
+        );
+        gc.release(&store).await;
+        Lock::take(&store, LockKind::Checkpoint, &clock)
+            .await
+            .unwrap()
+            .release(&store)
+            .await;
+        assert!(keys(&store).await.is_empty());
+    }
+}
