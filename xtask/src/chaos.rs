@@ -117,8 +117,12 @@ fn trials_command(test: &str) -> std::process::Command {
         "--test",
         test,
         "--no-capture",
-        crate::ci::CI_FEATURES[0],
-        crate::ci::CI_FEATURES[1],
+        // Not `ci::CI_FEATURES`: its `harness-moves/zstd-rust` is refused
+        // with `-p harness-cli` (cargo takes `dep/feature` only of the
+        // selected packages' dependencies), and the trials do not move trees
+        // through pure-Rust zstd.
+        "--features",
+        "harness-cli/full",
     ]);
     for (k, v) in env::test_env(true) {
         cmd.env(k, v);
