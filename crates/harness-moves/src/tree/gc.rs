@@ -253,17 +253,7 @@ mod tests {
             deleted: vec![],
             packs: packs.iter().map(|p| p.to_string()).collect(),
         };
-        let json = serde_json::to_vec(&manifest).unwrap();
-        let packed = harness_core::stream::collect(
-            crate::archive::compress_archive(harness_core::stream::once(json), DEFAULT_ZSTD_LEVEL),
-            1 << 20,
-        )
-        .await
-        .unwrap();
-        store
-            .put(key, harness_core::stream::once(packed))
-            .await
-            .unwrap();
+        crate::tree::manifest::tests::put_manifest(store, key, &manifest).await;
     }
 
     async fn keys(store: &MemoryCheckpointStore) -> Vec<String> {

@@ -442,7 +442,7 @@ fn check_chunks(entry: &TreeEntry) -> Result<()> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(in crate::tree) mod tests {
     use super::*;
     use crate::archive::DEFAULT_ZSTD_LEVEL;
     use harness_core::checkpoint::MemoryCheckpointStore;
@@ -471,7 +471,13 @@ mod tests {
         }
     }
 
-    async fn put_manifest(store: &MemoryCheckpointStore, key: &str, m: &TreeManifest) -> String {
+    /// Store `m` under `key` as checkpoints write a manifest (zstd JSON);
+    /// the object's hash.
+    pub(in crate::tree) async fn put_manifest(
+        store: &MemoryCheckpointStore,
+        key: &str,
+        m: &TreeManifest,
+    ) -> String {
         let json = serde_json::to_vec(m).unwrap();
         let packed = harness_core::stream::collect(
             crate::archive::compress_archive(harness_core::stream::once(json), DEFAULT_ZSTD_LEVEL),
