@@ -1360,19 +1360,18 @@ async fn process_state(pid: i32) -> Option<char> {
 /// `remove_dir_all` where a missing directory is success (destroy is
 /// idempotent).
 async fn remove_all(dir: &Path) -> Result<()> {
+    use backon::{ConstantBuilder, Retryable};
     // A process of the sandbox that is still ending (a detached agent
     // writing its exit file) can add an entry to a directory between its
-    // listing and its removal: a few tries, then the error.
-    let mut tries = 0;
-    let result = loop {
-        match tokio::fs::remove_dir_all(dir).await {
-            Err(e) if e.kind() == std::io::ErrorKind::DirectoryNotEmpty && tries < 10 => {
-                tries += 1;
-                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-            }
-            other => break other,
-        }
-    };
+    // listing and its removal: ten more tries 20 ms apart, then the error.
+    let pauses = ConstantBuilder::new()
+        .with_delay(std::time::Duration::from_millis(20))
+        .with_max_times(10);
+    let result = (|| tokio::fs::remove_dir_all(dir))
+        .retry(pauses)
+        .sleep(tokio::time::sleep)
+        .when(|e: &std::io::Error| e.kind() == std::io::ErrorKind::DirectoryNotEmpty)
+        .await;
     match result {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),

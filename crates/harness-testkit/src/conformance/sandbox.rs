@@ -3189,7 +3189,7 @@ pub async fn import_takes_no_owners_from_the_archive(sb: &dyn Sandbox) -> Result
 
 /// The entry limit the file bomb of [`restore_refuses_decompression_bombs`]
 /// is restored under.
-pub const BOMB_ENTRY_LIMIT: u64 = 10_000;
+const BOMB_ENTRY_LIMIT: u64 = 10_000;
 
 /// The zstd of `data`, as one frame (frames concatenate: the decompressed
 /// stream is their contents in order).
@@ -3208,7 +3208,7 @@ async fn zstd_frame(data: Vec<u8>) -> Result<Vec<u8>> {
 ///
 /// The zeros go through `moves::restore` and its built-in limits (8 GiB:
 /// refused at the header). The files go through `restore_with_limits` with
-/// the entry limit lowered to [`BOMB_ENTRY_LIMIT`]: a sandbox that stages
+/// the entry limit lowered to 10,000 (`BOMB_ENTRY_LIMIT`): a sandbox that stages
 /// imports writes every entry before the crossing one into its staging
 /// directory, and 500,000 empty files (the built-in limit, unit-tested in
 /// `tarscan`) took 2 m 12 s to create on this project's CI disk (ext4) —
