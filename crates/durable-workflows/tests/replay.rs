@@ -199,6 +199,7 @@ impl SliceExecutor for Agent {
             last_warning: None,
             sandbox: None,
             usage: None,
+            stderr_tail: None,
         })
     }
 

@@ -401,6 +401,65 @@ async fn abort_ends_the_turn_and_the_next_prompt_works(agent: Agent, backend: Ba
     assert_eq!(gone.status(), 404);
 }
 
+/// An agent that exits non-zero ends the turn `failed` with its own words:
+/// the turn's error quotes the last lines of its stderr. Here the real
+/// `claude` is asked to resume a conversation its sandbox no longer has
+/// (its transcript deleted between two turns).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_agent_says_why_in_the_turns_error() {
+    let agent = Agent::Claude;
+    if !agent.available() {
+        return;
+    }
+    let script = Script::new().on(any(), Reply::text("Hello."));
+    let Some((model, image)) = model(Backend::Local, script).await else {
+        return;
+    };
+    let home = tempfile::tempdir().unwrap();
+    let serve = Serve::start(home.path(), &model, &[]);
+    let id = create(&serve, session_body(agent, Backend::Local, &image, false)).await;
+    let sse = SseClient::open(&serve, &id).await;
+    let first = prompt(&serve, &id, "hello").await;
+    let end = until_end(&serve, || sse.seen(), &first).await;
+    assert_eq!(end["status"], "finished", "{end}");
+    let conversation = end["agentSessionId"]
+        .as_str()
+        .expect("the agent's session id");
+    let dir = end["sandbox"]["data"]["dir"]
+        .as_str()
+        .expect("the sandbox's directory");
+    let projects = std::path::Path::new(dir).join("home/.claude/projects");
+    let mut removed = 0;
+    for project in std::fs::read_dir(&projects).unwrap() {
+        let transcript = project
+            .unwrap()
+            .path()
+            .join(format!("{conversation}.jsonl"));
+        if transcript.exists() {
+            std::fs::remove_file(transcript).unwrap();
+            removed += 1;
+        }
+    }
+    assert_eq!(
+        removed,
+        1,
+        "claude's transcript under {}",
+        projects.display()
+    );
+
+    let next = prompt(&serve, &id, "hello again").await;
+    let end = until_end(&serve, || sse.seen(), &next).await;
+    assert_eq!(end["status"], "failed", "{end}");
+    let error = end["error"].as_str().unwrap_or_default();
+    assert!(
+        error.starts_with("agent exited with code 1: ")
+            && error.contains(&format!(
+                "No conversation found with session ID: {conversation}"
+            )),
+        "{end}"
+    );
+}
+
 /// The slow turn of the durability cases: a Bash call that sleeps 5 s and
 /// writes `slow.txt`, then the answer streamed in chunks 400 ms apart.
 const SLOW_CHUNKS: [&str; 6] = ["The slow ", "task ", "is ", "done ", "and ", "verified."];

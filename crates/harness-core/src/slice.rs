@@ -510,7 +510,11 @@ impl SliceRunner {
                     // newline is parsed now.
                     self.emit_last_line(state, &mut spool).await?;
                     let outcome = SliceOutcome::Exited { code };
-                    return Ok(spool.report(&process, spool.read_to, outcome));
+                    let mut report = spool.report(&process, spool.read_to, outcome);
+                    if code != 0 {
+                        report.stderr_tail = stderr_tail(sandbox.as_ref(), &process).await;
+                    }
+                    return Ok(report);
                 }
                 DetachedStatus::Lost if !got_any => {
                     return Ok(spool.report(&process, spool.cursor, SliceOutcome::Lost));
@@ -739,6 +743,7 @@ impl Spool {
             last_warning: self.last_warning.clone(),
             sandbox: None,
             usage: None,
+            stderr_tail: None,
         }
     }
 
@@ -766,6 +771,56 @@ fn note_progress(
         part if part.is_progress() => *last_progress = clock.now_ms(),
         _ => {}
     }
+}
+
+/// How much of the end of an agent's stderr a failed turn's error quotes.
+const STDERR_TAIL_BYTES: usize = 4096;
+/// At most this many of its last non-empty lines.
+const STDERR_TAIL_LINES: usize = 3;
+
+/// The last lines an agent that exited non-zero wrote to stderr, joined
+/// with ` | `, or `None` when it wrote none or the file cannot be read (the
+/// turn still ends `failed`, with the exit code only: this is a diagnosis,
+/// never a reason to fail the slice).
+async fn stderr_tail(sandbox: &dyn Sandbox, process: &DetachedProcess) -> Option<String> {
+    let mut stream = match sandbox.read_file(&process.stderr_path).await {
+        Ok(stream) => stream,
+        Err(e) => {
+            tracing::debug!(error = %e, "the agent's stderr could not be read");
+            return None;
+        }
+    };
+    // Streamed, keeping only the end: an agent may write a lot to stderr.
+    let mut tail: Vec<u8> = Vec::new();
+    while let Some(chunk) = stream.next().await {
+        match chunk {
+            Ok(bytes) => {
+                tail.extend_from_slice(&bytes);
+                if tail.len() > 2 * STDERR_TAIL_BYTES {
+                    tail.drain(..tail.len() - STDERR_TAIL_BYTES);
+                }
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "reading the agent's stderr failed");
+                return None;
+            }
+        }
+    }
+    summarize_stderr(&tail)
+}
+
+/// The last [`STDERR_TAIL_LINES`] non-empty lines of the last
+/// [`STDERR_TAIL_BYTES`] of `stderr`.
+fn summarize_stderr(stderr: &[u8]) -> Option<String> {
+    let end = &stderr[stderr.len().saturating_sub(STDERR_TAIL_BYTES)..];
+    let text = String::from_utf8_lossy(end);
+    let lines: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect();
+    let kept = &lines[lines.len().saturating_sub(STDERR_TAIL_LINES)..];
+    (!kept.is_empty()).then(|| kept.join(" | "))
 }
 
 /// The turn's relay directory, `<spool>/relay` (the spool being the
@@ -1256,6 +1311,22 @@ impl SliceExecutor for SliceRunner {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failed_agents_stderr_is_summarized_by_its_last_lines() {
+        assert_eq!(summarize_stderr(b""), None);
+        assert_eq!(summarize_stderr(b"\n  \n"), None);
+        assert_eq!(
+            summarize_stderr(b"one\n\ntwo\nthree\n  four  \n\n").as_deref(),
+            Some("two | three | four")
+        );
+        // Only the end is read: a long stderr keeps its last lines.
+        let mut long = "x".repeat(10 * STDERR_TAIL_BYTES).into_bytes();
+        long.extend_from_slice(b"\nError: the last word\n");
+        let summary = summarize_stderr(&long).unwrap();
+        assert!(summary.ends_with(" | Error: the last word"), "{summary}");
+        assert!(summary.len() <= STDERR_TAIL_BYTES + 32, "{}", summary.len());
+    }
 
     #[test]
     fn the_relay_lives_next_to_the_stdout_spool() {

@@ -380,6 +380,11 @@ pub struct SliceReport {
     /// The session's model usage when the slice ended (with a broker).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub usage: Option<ModelUsage>,
+    /// The last lines the agent wrote to stderr, read when it exited with a
+    /// non-zero code: the turn's error quotes them, so "exited with code 1"
+    /// says why (a missing conversation, a refused key, a bad flag).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stderr_tail: Option<String>,
 }
 
 /// Something that happened to a turn.
@@ -633,7 +638,10 @@ fn slice_completed(state: &mut TurnState, report: SliceReport, now_ms: u64) -> R
                 state.status = TurnStatus::Finished;
             } else {
                 state.status = TurnStatus::Failed;
-                state.error = Some(format!("agent exited with code {code}"));
+                state.error = Some(match &report.stderr_tail {
+                    Some(tail) => format!("agent exited with code {code}: {tail}"),
+                    None => format!("agent exited with code {code}"),
+                });
             }
         }
         SliceOutcome::ApprovalRequested(request) => {

@@ -90,6 +90,7 @@ impl SliceExecutor for ScriptedAgent {
             last_warning: None,
             sandbox: None,
             usage: None,
+            stderr_tail: None,
         })
     }
     async fn kill_agent(

@@ -55,6 +55,7 @@ fn report(cursor: u64, outcome: SliceOutcome) -> TurnEvent {
             last_warning: None,
             sandbox: None,
             usage: None,
+            stderr_tail: None,
         },
         now_ms: 2_000,
     }
@@ -82,7 +83,22 @@ fn nonzero_exit_fails_the_turn() {
     let (s, next) = step(started(), report(10, SliceOutcome::Exited { code: 3 })).unwrap();
     assert_eq!(s.status, TurnStatus::Failed);
     assert_eq!(next, NextStep::RecordEnd);
-    assert!(s.error.unwrap().contains("code 3"));
+    assert_eq!(s.error.as_deref(), Some("agent exited with code 3"));
+}
+
+#[test]
+fn a_nonzero_exit_quotes_the_agents_stderr() {
+    let mut event = report(10, SliceOutcome::Exited { code: 1 });
+    let TurnEvent::SliceCompleted { report, .. } = &mut event else {
+        unreachable!()
+    };
+    report.stderr_tail = Some("No conversation found with session ID: abc".into());
+    let (s, _) = step(started(), event).unwrap();
+    assert_eq!(s.status, TurnStatus::Failed);
+    assert_eq!(
+        s.error.as_deref(),
+        Some("agent exited with code 1: No conversation found with session ID: abc")
+    );
 }
 
 #[test]
@@ -121,6 +137,7 @@ fn a_quiet_agent_times_out_with_its_last_warning_and_is_killed() {
             last_warning: warning.map(str::to_string),
             sandbox: None,
             usage: None,
+            stderr_tail: None,
         },
         now_ms,
     };
