@@ -613,76 +613,16 @@ pub async fn checkpoint(home: &Home, args: CheckpointArgs) -> Result<()> {
         from_workdir: None,
     };
     if args.tree_only {
-        // One archive, or a tree checkpoint (manifest + blobs): the stored
-        // bytes, and what to say about it.
-        let (key, bytes, said) = if args.incremental {
-            let key = args.key.unwrap_or_else(|| format!("{base}.tree"));
-            // The parent as printed names the lineage; the tree checkpoint
-            // reads it within the lineage's view.
-            let parent = match args.parent.as_deref() {
-                Some(p) if !prefix.is_empty() => {
-                    Some(p.strip_prefix(prefix.as_str()).with_context(|| {
-                        format!("--parent {p} is not in this session's lineage ({prefix}…)")
-                    })?)
-                }
-                other => other,
-            };
-            let step = bars.step(format!(
-                "checkpointing the working tree of {session} (changed content only)"
-            ));
-            let stored = harness::moves::tree::checkpoint_tree(
-                sandbox.as_ref(),
-                sandbox.workdir(),
-                store.as_ref(),
-                &key,
-                parent,
-                &SystemClock,
-                Some(bars.clone()),
-            )
-            .await
-            .context("checkpointing the working tree");
-            step.finish_and_clear();
-            let stored = stored?;
-            let key = format!("{prefix}{key}");
-            let said = format!(
-                "checkpoint {key} (tree only, incremental): {} entries, {} bytes; read {} files \
-                 ({} bytes), uploaded {} new chunks ({} bytes with the manifest){}\n\
-                 restore it with `harness restore --tree-only --session ID --key {key}`; \
-                 the next one with `--incremental --parent {key}`",
-                stored.entries,
-                stored.tree_bytes,
-                stored.files_read,
-                stored.bytes_read,
-                stored.chunks_uploaded,
-                stored.bytes_uploaded,
-                match &args.parent {
-                    Some(p) => format!(", {} paths deleted since {p}", stored.deleted),
-                    None => String::new(),
-                }
-            );
-            (key, stored.bytes_uploaded, said)
-        } else {
-            let key = args.key.unwrap_or_else(|| format!("{base}.tar.zst"));
-            let step = bars.step(format!("checkpointing the working tree of {session}"));
-            let stored = harness::moves::checkpoint(
-                sandbox.as_ref(),
-                sandbox.workdir(),
-                store.as_ref(),
-                &key,
-                Some(bars.clone()),
-            )
-            .await
-            .context("checkpointing the working tree");
-            step.finish_and_clear();
-            let stored = stored?;
-            let key = format!("{prefix}{key}");
-            let said = format!(
-                "checkpoint {key} (tree only): {} bytes of tar as {} bytes of zstd, sha256 {}\n\
-                 restore it with `harness restore --tree-only --session ID --key {key}`",
-                stored.tar_bytes, stored.object.size, stored.object.sha256
-            );
-            (key, stored.object.size, said)
-        };
+        let (key, bytes, said) = checkpoint_tree_only(
+            &args,
+            &session,
+            sandbox.as_ref(),
+            store.as_ref(),
+            &prefix,
+            &base,
+            &bars,
+        )
+        .await?;
         record(
             &log,
             &session,
@@ -742,6 +682,83 @@ pub async fn checkpoint(home: &Home, args: CheckpointArgs) -> Result<()> {
         "restore it with `harness restore --key {key} --new-session [--sandbox docker]` (or --session ID)"
     );
     Ok(())
+}
+
+/// `harness checkpoint --tree-only`: one archive, or with `--incremental`
+/// a tree checkpoint (manifest + chunks) over `--parent`. Answers the key as
+/// printed (within the lineage), the bytes stored, and what to say.
+async fn checkpoint_tree_only(
+    args: &CheckpointArgs,
+    session: &SessionId,
+    sandbox: &dyn Sandbox,
+    store: &dyn CheckpointStore,
+    prefix: &str,
+    base: &str,
+    bars: &Arc<Bars>,
+) -> Result<(String, u64, String)> {
+    if !args.incremental {
+        let key = args
+            .key
+            .clone()
+            .unwrap_or_else(|| format!("{base}.tar.zst"));
+        let step = bars.step(format!("checkpointing the working tree of {session}"));
+        let stored =
+            harness::moves::checkpoint(sandbox, sandbox.workdir(), store, &key, Some(bars.clone()))
+                .await
+                .context("checkpointing the working tree");
+        step.finish_and_clear();
+        let stored = stored?;
+        let key = format!("{prefix}{key}");
+        let said = format!(
+            "checkpoint {key} (tree only): {} bytes of tar as {} bytes of zstd, sha256 {}\n\
+             restore it with `harness restore --tree-only --session ID --key {key}`",
+            stored.tar_bytes, stored.object.size, stored.object.sha256
+        );
+        return Ok((key, stored.object.size, said));
+    }
+    let key = args.key.clone().unwrap_or_else(|| format!("{base}.tree"));
+    // The parent as printed names the lineage; the tree checkpoint reads it
+    // within the lineage's view.
+    let parent = match args.parent.as_deref() {
+        Some(p) if !prefix.is_empty() => Some(p.strip_prefix(prefix).with_context(|| {
+            format!("--parent {p} is not in this session's lineage ({prefix}…)")
+        })?),
+        other => other,
+    };
+    let step = bars.step(format!(
+        "checkpointing the working tree of {session} (changed content only)"
+    ));
+    let stored = harness::moves::tree::checkpoint_tree(
+        sandbox,
+        sandbox.workdir(),
+        store,
+        &key,
+        parent,
+        &SystemClock,
+        Some(bars.clone()),
+    )
+    .await
+    .context("checkpointing the working tree");
+    step.finish_and_clear();
+    let stored = stored?;
+    let key = format!("{prefix}{key}");
+    let said = format!(
+        "checkpoint {key} (tree only, incremental): {} entries, {} bytes; read {} files \
+         ({} bytes), uploaded {} new chunks ({} bytes with the manifest){}\n\
+         restore it with `harness restore --tree-only --session ID --key {key}`; \
+         the next one with `--incremental --parent {key}`",
+        stored.entries,
+        stored.tree_bytes,
+        stored.files_read,
+        stored.bytes_read,
+        stored.chunks_uploaded,
+        stored.bytes_uploaded,
+        match &args.parent {
+            Some(p) => format!(", {} paths deleted since {p}", stored.deleted),
+            None => String::new(),
+        }
+    );
+    Ok((key, stored.bytes_uploaded, said))
 }
 
 /// Take the home's runtime for `what` (a restore, a rewind): it writes into

@@ -157,118 +157,19 @@ pub async fn run(home: &Home, command: SessionsCommand) -> Result<()> {
                 limit: Some(limit),
                 ..Default::default()
             };
-            let hits = log.search(&query).await?;
-            if json {
-                for hit in &hits {
-                    println!("{}", serde_json::to_string(hit)?);
-                }
-            } else if hits.is_empty() {
-                eprintln!("no frame holds all of: {}", query.text);
-            } else {
-                for hit in &hits {
-                    println!(
-                        "{:<32} {:>6}  {:<11}  {}",
-                        hit.session.to_string(),
-                        hit.seq,
-                        hit.kind.as_str(),
-                        hit.snippet.replace('\n', " ")
-                    );
-                }
-            }
+            search(&log, &query, json).await
         }
-        SessionsCommand::List => {
-            let logs = log.list().await?;
-            println!(
-                "{:<32} {:<12} {:<7} {:>6} {:>7} {:>7}  {:<24} origin",
-                "SESSION", "AGENT", "SANDBOX", "TURNS", "FRAMES", "SEALED", "LAST TURN"
-            );
-            for info in logs {
-                let origin = info
-                    .forked_from
-                    .as_ref()
-                    .map(|o| format!("fork of {} until {}", o.session, o.until))
-                    .unwrap_or_default();
-                let config = info.meta.config_or_default();
-                let last = info
-                    .meta
-                    .turn
-                    .as_ref()
-                    .map(|t| format!("{} {}", t.turn_id, t.status.as_str()))
-                    .unwrap_or_else(|| "-".into());
-                println!(
-                    "{:<32} {:<12} {:<7} {:>6} {:>7} {:>7}  {:<24} {origin}",
-                    info.session.to_string(),
-                    config.agent,
-                    config.sandbox.provider,
-                    info.meta.turns,
-                    info.last_seq,
-                    if info.sealed { "yes" } else { "no" },
-                    last
-                );
-            }
-        }
-        SessionsCommand::Show { id, json } => {
-            let session = SessionId::parse(&id)?;
-            let info = log.info(&session).await.map_err(|e| {
-                if e.kind() == harness::core::ErrorKind::NotFound {
-                    anyhow::anyhow!(
-                        "unknown session {id:?}: `harness sessions list` shows the known ones"
-                    )
-                } else {
-                    e.into()
-                }
-            })?;
-            let frames = read_all(&log, &session, info.last_seq).await?;
-            let mut shown = Shown::of(&info, &frames);
-            shown.model_usage = harness::broker::read_usage(&home.broker_dir(), &id)?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&shown)?);
-            } else {
-                print!("{}", shown.human());
-            }
-        }
+        SessionsCommand::List => list(&log).await,
+        SessionsCommand::Show { id, json } => show(home, &log, &id, json).await,
         SessionsCommand::Verify { id, head, json } => {
-            verify(home, &log, &id, head.as_deref(), json).await?;
+            verify(home, &log, &id, head.as_deref(), json).await
         }
         SessionsCommand::Export {
             id,
             until,
             chain,
             format,
-        } => {
-            let session = SessionId::parse(id)?;
-            let info = log.info(&session).await?;
-            let until = until.unwrap_or(info.last_seq);
-            if until > info.last_seq {
-                anyhow::bail!(
-                    "session {session} ends at frame {}, cannot export until {until}",
-                    info.last_seq
-                );
-            }
-            if format == ExportFormat::Markdown {
-                let frames = read_all(&log, &session, until).await?;
-                print!(
-                    "{}",
-                    harness::server::markdown::session_markdown(&info, &frames)
-                );
-                return Ok(());
-            }
-            let mut after = info.kept_after();
-            while after < until {
-                let want = (until - after).min(1000) as usize;
-                // Each page as (last seq, its lines).
-                let (last, lines) = if chain {
-                    json_lines(log.read_chain(&session, after, want).await?, |f| f.seq)?
-                } else {
-                    json_lines(log.read(&session, after, want).await?, |f| f.seq)?
-                };
-                let Some(last) = last else { break };
-                after = last;
-                for line in lines {
-                    println!("{line}");
-                }
-            }
-        }
+        } => export(&log, id, until, chain, format).await,
         SessionsCommand::Fork {
             id,
             until,
@@ -283,31 +184,9 @@ pub async fn run(home: &Home, command: SessionsCommand) -> Result<()> {
                 harness::core::fork::fork_session(&log, &source, until, &target, provider, seal)
                     .await?;
             println!("{}", serde_json::to_string_pretty(&info)?);
+            Ok(())
         }
-        SessionsCommand::Delete { id } => {
-            // No actor may hold the session while it goes.
-            let _lock = crate::moves::lock_idle_home(home, "deleting a session").await?;
-            let session = SessionId::parse(id)?;
-            let info = log.info(&session).await?;
-            retention::check_deletable(&info)?;
-            if let Some(handle) = retention::owned_sandbox(&info) {
-                let provider = crate::local::provider(home, &handle.provider, None).await?;
-                match retention::remove_sandbox(&info, handle, provider.as_ref()).await? {
-                    SandboxRemoval::Gone => {
-                        println!(
-                            "its {} sandbox {} is gone already",
-                            handle.provider, handle.id
-                        )
-                    }
-                    _ => println!("removed its {} sandbox {}", handle.provider, handle.id),
-                }
-            }
-            log.delete(&session).await?;
-            println!(
-                "deleted session {session} ({} frames); `harness gc` collects checkpoints no session references",
-                info.last_seq
-            );
-        }
+        SessionsCommand::Delete { id } => delete(home, &log, id).await,
         SessionsCommand::Trim { id, through } => {
             let session = SessionId::parse(id)?;
             let info = log.trim(&session, through).await?;
@@ -317,22 +196,190 @@ pub async fn run(home: &Home, command: SessionsCommand) -> Result<()> {
                 info.last_seq,
                 info.kept_after()
             );
+            Ok(())
         }
-        SessionsCommand::Rewind { id, turn } => {
-            // The frame goes into the log directly: no actor may hold it.
-            let _lock = crate::moves::lock_idle_home(home, "rewinding").await?;
-            let session = SessionId::parse(id)?;
-            let info = log.info(&session).await?;
-            let body = harness::core::fork::rewind_frame(&info.meta, &turn)?;
-            let appended = log
-                .append(&session, harness::core::log::AppendRequest::new(body))
-                .await?;
+        SessionsCommand::Rewind { id, turn } => rewind(home, &log, id, &turn).await,
+    }
+}
+
+/// `sessions search`: the hits, as JSON lines or a table.
+async fn search(
+    log: &harness::sqlite::SqliteSessionLog,
+    query: &harness::core::search::SearchQuery,
+    json: bool,
+) -> Result<()> {
+    let hits = log.search(query).await?;
+    if json {
+        for hit in &hits {
+            println!("{}", serde_json::to_string(hit)?);
+        }
+    } else if hits.is_empty() {
+        eprintln!("no frame holds all of: {}", query.text);
+    } else {
+        for hit in &hits {
             println!(
-                "session {session} rewound to the end of turn {turn} (frame {}); its next turn runs in a new sandbox made from that turn's checkpoint",
-                appended.seq
+                "{:<32} {:>6}  {:<11}  {}",
+                hit.session.to_string(),
+                hit.seq,
+                hit.kind.as_str(),
+                hit.snippet.replace('\n', " ")
             );
         }
     }
+    Ok(())
+}
+
+/// `sessions list`: one line per session.
+async fn list(log: &harness::sqlite::SqliteSessionLog) -> Result<()> {
+    let logs = log.list().await?;
+    println!(
+        "{:<32} {:<12} {:<7} {:>6} {:>7} {:>7}  {:<24} origin",
+        "SESSION", "AGENT", "SANDBOX", "TURNS", "FRAMES", "SEALED", "LAST TURN"
+    );
+    for info in logs {
+        let origin = info
+            .forked_from
+            .as_ref()
+            .map(|o| format!("fork of {} until {}", o.session, o.until))
+            .unwrap_or_default();
+        let config = info.meta.config_or_default();
+        let last = info
+            .meta
+            .turn
+            .as_ref()
+            .map(|t| format!("{} {}", t.turn_id, t.status.as_str()))
+            .unwrap_or_else(|| "-".into());
+        println!(
+            "{:<32} {:<12} {:<7} {:>6} {:>7} {:>7}  {:<24} {origin}",
+            info.session.to_string(),
+            config.agent,
+            config.sandbox.provider,
+            info.meta.turns,
+            info.last_seq,
+            if info.sealed { "yes" } else { "no" },
+            last
+        );
+    }
+    Ok(())
+}
+
+/// `sessions show`: a session's turns, checkpoints and usage.
+async fn show(
+    home: &Home,
+    log: &harness::sqlite::SqliteSessionLog,
+    id: &str,
+    json: bool,
+) -> Result<()> {
+    let session = SessionId::parse(id)?;
+    let info = log.info(&session).await.map_err(|e| {
+        if e.kind() == harness::core::ErrorKind::NotFound {
+            anyhow::anyhow!("unknown session {id:?}: `harness sessions list` shows the known ones")
+        } else {
+            e.into()
+        }
+    })?;
+    let frames = read_all(log, &session, info.last_seq).await?;
+    let mut shown = Shown::of(&info, &frames);
+    shown.model_usage = harness::broker::read_usage(&home.broker_dir(), id)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&shown)?);
+    } else {
+        print!("{}", shown.human());
+    }
+    Ok(())
+}
+
+/// `sessions export`: the frames up to `until`, as JSON lines (with their
+/// chain hashes if asked) or as Markdown.
+async fn export(
+    log: &harness::sqlite::SqliteSessionLog,
+    id: String,
+    until: Option<u64>,
+    chain: bool,
+    format: ExportFormat,
+) -> Result<()> {
+    let session = SessionId::parse(id)?;
+    let info = log.info(&session).await?;
+    let until = until.unwrap_or(info.last_seq);
+    if until > info.last_seq {
+        anyhow::bail!(
+            "session {session} ends at frame {}, cannot export until {until}",
+            info.last_seq
+        );
+    }
+    if format == ExportFormat::Markdown {
+        let frames = read_all(log, &session, until).await?;
+        print!(
+            "{}",
+            harness::server::markdown::session_markdown(&info, &frames)
+        );
+        return Ok(());
+    }
+    let mut after = info.kept_after();
+    while after < until {
+        let want = (until - after).min(1000) as usize;
+        // Each page as (last seq, its lines).
+        let (last, lines) = if chain {
+            json_lines(log.read_chain(&session, after, want).await?, |f| f.seq)?
+        } else {
+            json_lines(log.read(&session, after, want).await?, |f| f.seq)?
+        };
+        let Some(last) = last else { break };
+        after = last;
+        for line in lines {
+            println!("{line}");
+        }
+    }
+    Ok(())
+}
+
+/// `sessions delete`: the sandbox the session owns, then its log.
+async fn delete(home: &Home, log: &harness::sqlite::SqliteSessionLog, id: String) -> Result<()> {
+    // No actor may hold the session while it goes.
+    let _lock = crate::moves::lock_idle_home(home, "deleting a session").await?;
+    let session = SessionId::parse(id)?;
+    let info = log.info(&session).await?;
+    retention::check_deletable(&info)?;
+    if let Some(handle) = retention::owned_sandbox(&info) {
+        let provider = crate::local::provider(home, &handle.provider, None).await?;
+        match retention::remove_sandbox(&info, handle, provider.as_ref()).await? {
+            SandboxRemoval::Gone => {
+                println!(
+                    "its {} sandbox {} is gone already",
+                    handle.provider, handle.id
+                )
+            }
+            _ => println!("removed its {} sandbox {}", handle.provider, handle.id),
+        }
+    }
+    log.delete(&session).await?;
+    println!(
+        "deleted session {session} ({} frames); `harness gc` collects checkpoints no session references",
+        info.last_seq
+    );
+    Ok(())
+}
+
+/// `sessions rewind`: the rewind frame, appended while no actor holds the
+/// session.
+async fn rewind(
+    home: &Home,
+    log: &harness::sqlite::SqliteSessionLog,
+    id: String,
+    turn: &str,
+) -> Result<()> {
+    // The frame goes into the log directly: no actor may hold it.
+    let _lock = crate::moves::lock_idle_home(home, "rewinding").await?;
+    let session = SessionId::parse(id)?;
+    let info = log.info(&session).await?;
+    let body = harness::core::fork::rewind_frame(&info.meta, turn)?;
+    let appended = log
+        .append(&session, harness::core::log::AppendRequest::new(body))
+        .await?;
+    println!(
+        "session {session} rewound to the end of turn {turn} (frame {}); its next turn runs in a new sandbox made from that turn's checkpoint",
+        appended.seq
+    );
     Ok(())
 }
 
