@@ -160,6 +160,58 @@ pub struct LocalProvider {
 }
 
 impl LocalProvider {
+    /// What sealing `spec` needs (its tools and the sandbox's uid and gid),
+    /// checked before anything is made: a host that cannot seal refuses, it
+    /// never runs unsealed. `None` on the host isolation.
+    fn sealing(&self, spec: &SandboxSpec) -> Result<Option<(seal::Tools, u32, u32)>> {
+        if self.isolation == Isolation::Host {
+            return Ok(None);
+        }
+        let tools = seal::Tools::find(&spec.network)?;
+        let (uid, gid) = seal::sandbox_ids()?;
+        if spec.wrap.is_some() && nix::unistd::geteuid().is_root() {
+            return Err(Error::unsupported(
+                "a sealed local sandbox cannot wrap a directory while the harness runs \
+                 as root: its commands run as an unprivileged uid, which would have to \
+                 own the directory; run the harness as the directory's owner, or copy it \
+                 in",
+            ));
+        }
+        Ok(Some((tools, uid, gid)))
+    }
+
+    /// Fill the new sandbox's directory from the bootstrap template when
+    /// `spec` has a recipe (a pooled copy when one is ready), returning the
+    /// template's identity; without a recipe the sandbox starts empty.
+    async fn start_from_template(&self, spec: &SandboxSpec, dir: &Path) -> Result<Option<String>> {
+        let Some(recipe) = spec.bootstrap.clone().filter(|r| !r.is_empty()) else {
+            return Ok(None);
+        };
+        let root = self.root.clone();
+        let env = spec.env.clone();
+        let target = dir.to_path_buf();
+        let pooled = self.pool_size > 0;
+        let made = tokio::task::spawn_blocking(move || -> Result<String> {
+            let (identity, template) = template::ensure(&root, &recipe, &env)?;
+            if !(pooled && template::take_pooled(&root, &identity, &target)) {
+                template::copy_tree(&template, &target)?;
+            }
+            Ok(identity)
+        })
+        .await
+        .map_err(|e| Error::backend(format!("bootstrap task failed: {e}")))?;
+        match made {
+            Ok(identity) => {
+                self.refill_pool(&identity);
+                Ok(Some(identity))
+            }
+            Err(e) => {
+                let _ = tokio::fs::remove_dir_all(dir).await;
+                Err(e)
+            }
+        }
+    }
+
     /// A provider keeping its sandboxes and templates under `root`. Its
     /// deny-all and custom-policy sandboxes use the gate
     /// [`harness_sandbox_gate::locate`] finds (`$HARNESS_SANDBOX_GATE_BIN`,
@@ -507,105 +559,23 @@ impl SandboxProvider for LocalProvider {
         if let Some(e) = &self.isolation_error {
             return Err(Error::invalid(e.clone()));
         }
-        // A sealed sandbox checks every tool it needs before anything is
-        // made: a host that cannot seal refuses, it never runs unsealed.
-        let sealing = match self.isolation {
-            Isolation::Sealed => {
-                let tools = seal::Tools::find(&spec.network)?;
-                let (uid, gid) = seal::sandbox_ids()?;
-                if spec.wrap.is_some() && nix::unistd::geteuid().is_root() {
-                    return Err(Error::unsupported(
-                        "a sealed local sandbox cannot wrap a directory while the harness runs \
-                         as root: its commands run as an unprivileged uid, which would have to \
-                         own the directory; run the harness as the directory's owner, or copy it \
-                         in",
-                    ));
-                }
-                Some((tools, uid, gid))
-            }
-            Isolation::Host => None,
-        };
+        let sealing = self.sealing(spec)?;
         let gate = match sealing {
             Some(_) => sealed_network_plan(spec, self.gate())?,
             None => network_plan(spec, self.gate()).await?,
         };
-        let wrap = match &spec.wrap {
-            Some(path) => {
-                let path = PathBuf::from(path);
-                if !path.is_absolute() {
-                    return Err(Error::invalid(format!(
-                        "wrap directory {} must be an absolute host path",
-                        path.display()
-                    )));
-                }
-                if !tokio::fs::metadata(&path)
-                    .await
-                    .map(|m| m.is_dir())
-                    .unwrap_or(false)
-                {
-                    return Err(Error::not_found(format!(
-                        "wrap directory {} does not exist",
-                        path.display()
-                    )));
-                }
-                Some(path)
-            }
-            None => None,
-        };
-        let prefix = spec
-            .session_id
-            .as_deref()
-            .map(sanitize)
-            .filter(|s| !s.is_empty())
-            .unwrap_or_else(|| "sbx".to_string());
-        let slot = spec
-            .slot
-            .as_deref()
-            .map(sanitize)
-            .filter(|s| !s.is_empty() && spec.session_id.is_some());
-        let id = match &slot {
-            Some(slot) => format!("{prefix}-{slot}"),
-            None => format!(
-                "{prefix}-{}",
-                &uuid::Uuid::new_v4().simple().to_string()[..12]
-            ),
-        };
+        let wrap = wrap_dir(spec).await?;
+        let (id, in_slot) = sandbox_id(spec);
         let dir = self.sandbox_dir(&id);
         tokio::fs::create_dir_all(&self.root).await?;
-        if slot.is_some() && tokio::fs::symlink_metadata(&dir).await.is_ok() {
+        if in_slot && tokio::fs::symlink_metadata(&dir).await.is_ok() {
             // A creator killed before it recorded this slot's sandbox left
             // it: nothing refers to it, so it is replaced, not kept beside.
             tracing::info!(sandbox.id = %id, "replacing the sandbox a killed creator left in this slot");
             remove_all(&dir).await?;
         }
 
-        // Start from the bootstrap template when there is one, else empty.
-        let mut identity = None;
-        if let Some(recipe) = spec.bootstrap.clone().filter(|r| !r.is_empty()) {
-            let root = self.root.clone();
-            let env = spec.env.clone();
-            let target = dir.clone();
-            let pooled = self.pool_size > 0;
-            let id = tokio::task::spawn_blocking(move || -> Result<String> {
-                let (identity, template) = template::ensure(&root, &recipe, &env)?;
-                if !(pooled && template::take_pooled(&root, &identity, &target)) {
-                    template::copy_tree(&template, &target)?;
-                }
-                Ok(identity)
-            })
-            .await
-            .map_err(|e| Error::backend(format!("bootstrap task failed: {e}")))?;
-            match id {
-                Ok(i) => {
-                    self.refill_pool(&i);
-                    identity = Some(i);
-                }
-                Err(e) => {
-                    let _ = tokio::fs::remove_dir_all(&dir).await;
-                    return Err(e);
-                }
-            }
-        }
+        let identity = self.start_from_template(spec, &dir).await?;
         let home = dir.join("home");
         let work = match &wrap {
             Some(path) => path.clone(),
@@ -779,6 +749,59 @@ impl SandboxProvider for LocalProvider {
         tokio::task::spawn_blocking(move || template::prune(&root, &keep))
             .await
             .map_err(|e| Error::backend(format!("pruning templates failed: {e}")))?
+    }
+}
+
+/// The caller's directory `spec` wraps, checked: an absolute path to an
+/// existing directory.
+async fn wrap_dir(spec: &SandboxSpec) -> Result<Option<PathBuf>> {
+    let Some(path) = &spec.wrap else {
+        return Ok(None);
+    };
+    let path = PathBuf::from(path);
+    if !path.is_absolute() {
+        return Err(Error::invalid(format!(
+            "wrap directory {} must be an absolute host path",
+            path.display()
+        )));
+    }
+    if !tokio::fs::metadata(&path)
+        .await
+        .map(|m| m.is_dir())
+        .unwrap_or(false)
+    {
+        return Err(Error::not_found(format!(
+            "wrap directory {} does not exist",
+            path.display()
+        )));
+    }
+    Ok(Some(path))
+}
+
+/// A new sandbox's id: `<session>-<slot>` for a session's slot (the same
+/// id each time, so a creator killed before recording it is found again;
+/// `true`), else the session (or `sbx`) and a random suffix.
+fn sandbox_id(spec: &SandboxSpec) -> (String, bool) {
+    let prefix = spec
+        .session_id
+        .as_deref()
+        .map(sanitize)
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "sbx".to_string());
+    let slot = spec
+        .slot
+        .as_deref()
+        .map(sanitize)
+        .filter(|s| !s.is_empty() && spec.session_id.is_some());
+    match slot {
+        Some(slot) => (format!("{prefix}-{slot}"), true),
+        None => (
+            format!(
+                "{prefix}-{}",
+                &uuid::Uuid::new_v4().simple().to_string()[..12]
+            ),
+            false,
+        ),
     }
 }
 
