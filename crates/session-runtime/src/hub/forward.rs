@@ -115,52 +115,187 @@ pub(super) async fn forward(task: &mut ActorTask, owner: &str, carried: Vec<Carr
         .leases
         .clone()
         .expect("only a hub with leases forwards");
-    let peer_token = task.hub.config.peer_token.clone();
     let (ended_tx, mut ended) = mpsc::unbounded_channel::<(ConnId, LinkEnd)>();
-    let mut links: HashMap<ConnId, Link> = HashMap::new();
-    let open = |conn: ConnId,
-                role: Role,
-                after: Option<u64>,
-                out: OutTx,
-                first: Option<String>,
-                transient: bool| {
-        let (to_owner, from_local) = mpsc::unbounded_channel();
-        if let Some(first) = first {
-            let _ = to_owner.send(first);
-        }
-        let seen = Arc::new(AtomicU64::new(0));
-        let url = socket_url(owner, &task.session, role, after, peer_token.as_deref());
-        let task = task.hub.tasks.spawn(pump(
-            url,
-            conn,
-            out.clone(),
-            from_local,
-            seen.clone(),
-            transient,
-            ended_tx.clone(),
-        ));
-        Link {
-            role,
-            out,
-            to_owner,
-            seen,
-            opened_after: after,
-            transient,
-            task,
-        }
+    let mut links = Links {
+        owner,
+        peer_token: task.hub.config.peer_token.clone(),
+        ended_tx,
+        by_conn: HashMap::new(),
     };
     for c in carried {
-        let link = open(c.conn, Role::Client, c.after, c.out, None, false);
-        links.insert(c.conn, link);
+        links.open(task, c.conn, Role::Client, c.after, c.out, None);
     }
     let mut check = tokio::time::interval(leases.ttl() / 3);
     check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     check.tick().await;
     let idle = tokio::time::sleep(task.hub.config.idle_timeout);
     tokio::pin!(idle);
-    let lost = |links: &mut HashMap<ConnId, Link>, why: &str| {
+    loop {
+        tokio::select! {
+            cmd = task.rx.recv() => {
+                let Some(cmd) = cmd else { return Forwarded::Retired };
+                links.on_command(task, cmd);
+                if links.by_conn.is_empty() {
+                    idle.as_mut().reset(tokio::time::Instant::now() + task.hub.config.idle_timeout);
+                }
+            }
+            Some((conn, end)) = ended.recv() => {
+                if let Some(why) = links.on_end(&task.session, conn, end) {
+                    return links.owner_lost(&why);
+                }
+                if links.by_conn.is_empty() {
+                    idle.as_mut().reset(tokio::time::Instant::now() + task.hub.config.idle_timeout);
+                }
+            }
+            _ = check.tick() => {
+                if let Some(why) = owner_moved(leases.as_ref(), &task.session, owner).await {
+                    tracing::info!(session = %task.session, owner, %why, "following the session");
+                    return links.owner_lost(&why);
+                }
+            }
+            _ = &mut idle, if links.by_conn.is_empty() => {
+                if task.hub.try_retire(&task.session, task.epoch, &mut task.rx) {
+                    return Forwarded::Retired;
+                }
+                idle.as_mut().reset(tokio::time::Instant::now() + task.hub.config.idle_timeout);
+            }
+        }
+    }
+}
+
+/// The forwarded connections of one session, each a socket to its owner.
+struct Links<'a> {
+    owner: &'a str,
+    peer_token: Option<String>,
+    /// Where each link's task says why it ended.
+    ended_tx: mpsc::UnboundedSender<(ConnId, LinkEnd)>,
+    by_conn: HashMap<ConnId, Link>,
+}
+
+impl Links<'_> {
+    /// Open `conn`'s socket to the owner; `first` is a one-message
+    /// request's message (the link then ends with its answer).
+    fn open(
+        &mut self,
+        task: &ActorTask,
+        conn: ConnId,
+        role: Role,
+        after: Option<u64>,
+        out: OutTx,
+        first: Option<String>,
+    ) {
+        let transient = first.is_some();
+        let (to_owner, from_local) = mpsc::unbounded_channel();
+        if let Some(first) = first {
+            let _ = to_owner.send(first);
+        }
+        let seen = Arc::new(AtomicU64::new(0));
+        let url = socket_url(
+            self.owner,
+            &task.session,
+            role,
+            after,
+            self.peer_token.as_deref(),
+        );
+        let pumping = task.hub.tasks.spawn(pump(
+            url,
+            conn,
+            out.clone(),
+            from_local,
+            seen.clone(),
+            transient,
+            self.ended_tx.clone(),
+        ));
+        let link = Link {
+            role,
+            out,
+            to_owner,
+            seen,
+            opened_after: after,
+            transient,
+            task: pumping,
+        };
+        self.by_conn.insert(conn, link);
+    }
+
+    /// A command for the session's task: connections open a link, inputs
+    /// go to the owner on theirs.
+    fn on_command(&mut self, task: &mut ActorTask, cmd: Command) {
+        match cmd {
+            Command::Connect {
+                role,
+                after,
+                out,
+                reply,
+                request,
+            } => {
+                let conn = task.next_conn;
+                task.next_conn += 1;
+                if reply.send(Ok(conn)).is_err() {
+                    return;
+                }
+                let first = request.map(|m| serde_json::to_string(&m).unwrap_or_default());
+                self.open(task, conn, role, after, out, first);
+            }
+            Command::Input(input) => match input {
+                Input::Client { conn, message } => send(&self.by_conn, conn, &message),
+                Input::Runner { conn, message } => send(&self.by_conn, conn, &message),
+                Input::ToolHost { conn, message } => send(&self.by_conn, conn, &message),
+                Input::Disconnect { conn } => {
+                    if let Some(link) = self.by_conn.remove(&conn) {
+                        // Dropping its sender closes the owner's socket.
+                        drop(link.to_owner);
+                    }
+                }
+                other => tracing::warn!(
+                    session = %task.session,
+                    input = ?other,
+                    "an input for a session whose actor runs on another node is dropped"
+                ),
+            },
+            Command::CountConnections(reply) => {
+                let _ = reply.send(self.by_conn.len());
+            }
+            // Only an owner keeps a lease.
+            Command::LeaseLost(_) => {}
+            // The session was deleted: every forwarded connection is told
+            // (dropping a link closes the owner's socket).
+            Command::Close(reason) => {
+                for (_, link) in self.by_conn.drain() {
+                    link.out.push(Queued::one(Outbound::Close(reason.clone())));
+                }
+            }
+        }
+    }
+
+    /// A link ended: its local connection is told why, or, when the owner
+    /// went away under a reader that follows the session, why to decide
+    /// again (the link stays, to be carried).
+    fn on_end(&mut self, session: &SessionId, conn: ConnId, end: LinkEnd) -> Option<String> {
+        let link = self.by_conn.remove(&conn)?;
+        match end {
+            LinkEnd::Done => None,
+            LinkEnd::Refused(reason) => {
+                link.out.push(Queued::one(Outbound::Close(reason)));
+                None
+            }
+            LinkEnd::Closed(reason) if !link.follows() => {
+                link.out.push(Queued::one(Outbound::Close(reason)));
+                None
+            }
+            LinkEnd::Closed(reason) | LinkEnd::Lost(reason) => {
+                tracing::info!(%session, owner = self.owner, %reason, "lost the session's owner");
+                self.by_conn.insert(conn, link);
+                Some(reason)
+            }
+        }
+    }
+
+    /// The owner is gone: readers that follow the session are carried to
+    /// its next home, every other connection is closed.
+    fn owner_lost(&mut self, why: &str) -> Forwarded {
         let mut follow = Vec::new();
-        for (conn, link) in links.drain() {
+        for (conn, link) in self.by_conn.drain() {
             link.task.abort();
             if link.follows() {
                 follow.push(Carried {
@@ -175,97 +310,23 @@ pub(super) async fn forward(task: &mut ActorTask, owner: &str, carried: Vec<Carr
             }
         }
         Forwarded::OwnerLost(follow)
-    };
-    loop {
-        tokio::select! {
-            cmd = task.rx.recv() => {
-                let Some(cmd) = cmd else { return Forwarded::Retired };
-                match cmd {
-                    Command::Connect { role, after, out, reply, request } => {
-                        let conn = task.next_conn;
-                        task.next_conn += 1;
-                        if reply.send(Ok(conn)).is_err() {
-                            continue;
-                        }
-                        let transient = request.is_some();
-                        let first = request.map(|m| serde_json::to_string(&m).unwrap_or_default());
-                        let link = open(conn, role, after, out, first, transient);
-                        links.insert(conn, link);
-                    }
-                    Command::Input(input) => match input {
-                        Input::Client { conn, message } => send(&links, conn, &message),
-                        Input::Runner { conn, message } => send(&links, conn, &message),
-                        Input::ToolHost { conn, message } => send(&links, conn, &message),
-                        Input::Disconnect { conn } => {
-                            if let Some(link) = links.remove(&conn) {
-                                // Dropping its sender closes the owner's socket.
-                                drop(link.to_owner);
-                            }
-                        }
-                        other => tracing::warn!(
-                            session = %task.session,
-                            input = ?other,
-                            "an input for a session whose actor runs on another node is dropped"
-                        ),
-                    },
-                    Command::CountConnections(reply) => {
-                        let _ = reply.send(links.len());
-                    }
-                    // Only an owner keeps a lease.
-                    Command::LeaseLost(_) => {}
-                    // The session was deleted: every forwarded connection
-                    // is told (dropping a link closes the owner's socket).
-                    Command::Close(reason) => {
-                        for (_, link) in links.drain() {
-                            link.out.push(Queued::one(Outbound::Close(reason.clone())));
-                        }
-                    }
-                }
-                if links.is_empty() {
-                    idle.as_mut().reset(tokio::time::Instant::now() + task.hub.config.idle_timeout);
-                }
-            }
-            Some((conn, end)) = ended.recv() => {
-                let Some(link) = links.remove(&conn) else { continue };
-                match end {
-                    LinkEnd::Done => {}
-                    LinkEnd::Refused(reason) => {
-                        link.out.push(Queued::one(Outbound::Close(reason)));
-                    }
-                    LinkEnd::Closed(reason) if !link.follows() => {
-                        link.out.push(Queued::one(Outbound::Close(reason)));
-                    }
-                    LinkEnd::Closed(reason) | LinkEnd::Lost(reason) => {
-                        tracing::info!(session = %task.session, owner, %reason, "lost the session's owner");
-                        links.insert(conn, link);
-                        return lost(&mut links, &reason);
-                    }
-                }
-                if links.is_empty() {
-                    idle.as_mut().reset(tokio::time::Instant::now() + task.hub.config.idle_timeout);
-                }
-            }
-            _ = check.tick() => {
-                let moved = match leases.holder(&task.session).await {
-                    Ok(Some((node, _, false))) if node == owner => None,
-                    Ok(Some((node, _, false))) => Some(format!("the session moved to {node}")),
-                    Ok(_) => Some(format!("the lease of {owner} expired")),
-                    Err(e) => {
-                        tracing::warn!(session = %task.session, "could not read the session's lease: {e}");
-                        None
-                    }
-                };
-                if let Some(why) = moved {
-                    tracing::info!(session = %task.session, owner, %why, "following the session");
-                    return lost(&mut links, &why);
-                }
-            }
-            _ = &mut idle, if links.is_empty() => {
-                if task.hub.try_retire(&task.session, task.epoch, &mut task.rx) {
-                    return Forwarded::Retired;
-                }
-                idle.as_mut().reset(tokio::time::Instant::now() + task.hub.config.idle_timeout);
-            }
+    }
+}
+
+/// Why the session no longer runs on `owner`, if the lease says so (a read
+/// that fails says nothing: the socket's own failure is the other signal).
+async fn owner_moved(
+    leases: &dyn harness_core::log::lease::SessionLeases,
+    session: &SessionId,
+    owner: &str,
+) -> Option<String> {
+    match leases.holder(session).await {
+        Ok(Some((node, _, false))) if node == owner => None,
+        Ok(Some((node, _, false))) => Some(format!("the session moved to {node}")),
+        Ok(_) => Some(format!("the lease of {owner} expired")),
+        Err(e) => {
+            tracing::warn!(%session, "could not read the session's lease: {e}");
+            None
         }
     }
 }
