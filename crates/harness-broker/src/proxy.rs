@@ -77,6 +77,43 @@ fn load_prices(dir: &std::path::Path) -> harness_core::Result<PriceTable> {
     }
 }
 
+/// The session's budget against what it used: a call past it is refused
+/// with the reason (an unlimited budget admits everything).
+fn admit(
+    dir: &std::path::Path,
+    session: &str,
+    prices: &PriceTable,
+    model: Option<&str>,
+) -> Result<(), String> {
+    let budget = crate::read_budget(dir, session);
+    if budget.is_unlimited() {
+        return Ok(());
+    }
+    let used = crate::read_usage(dir, session)
+        .unwrap_or_default()
+        .model_usage();
+    let origin = dir.join("prices.json").display().to_string();
+    crate::usage::admit(&budget, &used, prices, model, &origin)
+}
+
+/// The agent's headers as the provider gets them: hop-by-hop ones left
+/// out, the real key in place of the token (`None`: the key is not a valid
+/// header value).
+fn upstream_headers(agents: &HeaderMap, api: Api, api_key: &str) -> Option<HeaderMap> {
+    let mut headers = HeaderMap::new();
+    for (name, value) in agents {
+        if !wire::is_hop_header(name.as_str()) {
+            headers.append(name.clone(), value.clone());
+        }
+    }
+    let (key_header, key) = api.key_header(api_key);
+    headers.insert(key_header, HeaderValue::from_str(&key).ok()?);
+    Some(headers)
+}
+
+/// `/s/<session>/<api>/<rest>`: check the token and the session's turn and
+/// budget, swap in the real key, forward, and stream the answer back while
+/// its usage is counted.
 async fn forward(
     State(Served { inner, only }): State<Served>,
     Path((session, api, rest)): Path<(String, String, String)>,
@@ -169,32 +206,17 @@ async fn forward(
             )
         }
     };
-    let budget = crate::read_budget(&inner.dir, &session);
-    if !budget.is_unlimited() {
-        let used = crate::read_usage(&inner.dir, &session)
-            .unwrap_or_default()
-            .model_usage();
-        let origin = inner.dir.join("prices.json").display().to_string();
-        if let Err(why) = crate::usage::admit(&budget, &used, &prices, model.as_deref(), &origin) {
-            return refused(StatusCode::FORBIDDEN, "permission_error", &why);
-        }
+    if let Err(why) = admit(&inner.dir, &session, &prices, model.as_deref()) {
+        return refused(StatusCode::FORBIDDEN, "permission_error", &why);
     }
     let url = wire::upstream_url(&upstream.base_url, &rest, parts.uri.query());
-    let mut headers = HeaderMap::new();
-    for (name, value) in &parts.headers {
-        if !wire::is_hop_header(name.as_str()) {
-            headers.append(name.clone(), value.clone());
-        }
-    }
-    let (key_header, key) = api.key_header(&upstream.api_key);
-    let Ok(key) = HeaderValue::from_str(&key) else {
+    let Some(headers) = upstream_headers(&parts.headers, api, &upstream.api_key) else {
         return refused(
             StatusCode::INTERNAL_SERVER_ERROR,
             "api_error",
             "the configured key is not a valid header value",
         );
     };
-    headers.insert(key_header, key);
     let request_bytes = body.len() as u64;
     let answer = inner
         .client

@@ -295,45 +295,10 @@ pub(crate) async fn forward(
         None => PriceTable::default(),
     };
     let model = wire::request_model(&body);
-    if let Err(why) = usage::admit(
-        &state.budget,
-        &state.usage,
-        &prices,
-        model.as_deref(),
-        PRICES_VAR,
-    ) {
-        // Journaled as the native broker journals it: a call refused.
-        let call = CallFigures {
-            model,
-            status: 403,
-            input_tokens: 0,
-            output_tokens: 0,
-            spend_micros: Some(0),
-        };
-        if let Err(e) = journal_call(env, session.as_str(), &call).await {
-            worker::console_error!("the broker could not journal a refusal of {session}: {e}");
-        }
+    if let Err(why) = admit(env, &session, &state, &prices, &model).await {
         return refuse(403, "permission_error", &why);
     }
-    let url = req.url()?;
-    let target = wire::upstream_url(&base, rest, url.query());
-    let upstream_headers = Headers::new();
-    for (name, value) in req.headers().entries() {
-        if !wire::is_hop_header(&name) {
-            upstream_headers.append(&name, &value)?;
-        }
-    }
-    let (key_header, key) = api.key_header(&key);
-    upstream_headers.set(key_header, &key)?;
-    let mut init = RequestInit::new();
-    init.with_method(req.method())
-        .with_headers(upstream_headers);
-    if req.method() != Method::Get && req.method() != Method::Head {
-        init.with_body(Some(
-            worker::js_sys::Uint8Array::from(body.as_slice()).into(),
-        ));
-    }
-    let upstream = Request::new_with_init(&target, &init)?;
+    let upstream = upstream_request(&req, &body, &base, rest, api, &key)?;
     let mut answer = match Fetch::Request(upstream).send().await {
         Ok(a) => a,
         Err(e) => {
@@ -381,6 +346,67 @@ pub(crate) async fn forward(
     Ok(Response::from_stream(scanned)?
         .with_status(status)
         .with_headers(headers))
+}
+
+/// The session's budget, by the native broker's rule: a call it refuses is
+/// journaled as the native broker journals it (status 403, nothing spent).
+async fn admit(
+    env: &Env,
+    session: &SessionId,
+    state: &BrokerState,
+    prices: &PriceTable,
+    model: &Option<String>,
+) -> std::result::Result<(), String> {
+    let why = match usage::admit(
+        &state.budget,
+        &state.usage,
+        prices,
+        model.as_deref(),
+        PRICES_VAR,
+    ) {
+        Ok(()) => return Ok(()),
+        Err(why) => why,
+    };
+    let call = CallFigures {
+        model: model.clone(),
+        status: 403,
+        input_tokens: 0,
+        output_tokens: 0,
+        spend_micros: Some(0),
+    };
+    if let Err(e) = journal_call(env, session.as_str(), &call).await {
+        worker::console_error!("the broker could not journal a refusal of {session}: {e}");
+    }
+    Err(why)
+}
+
+/// The agent's request as the provider gets it: to `base` + `rest`, its
+/// headers less the hop-by-hop ones, the real key in place of the token.
+fn upstream_request(
+    req: &Request,
+    body: &[u8],
+    base: &str,
+    rest: &str,
+    api: Api,
+    key: &str,
+) -> worker::Result<Request> {
+    let url = req.url()?;
+    let target = wire::upstream_url(base, rest, url.query());
+    let upstream_headers = Headers::new();
+    for (name, value) in req.headers().entries() {
+        if !wire::is_hop_header(&name) {
+            upstream_headers.append(&name, &value)?;
+        }
+    }
+    let (key_header, key) = api.key_header(key);
+    upstream_headers.set(key_header, &key)?;
+    let mut init = RequestInit::new();
+    init.with_method(req.method())
+        .with_headers(upstream_headers);
+    if req.method() != Method::Get && req.method() != Method::Head {
+        init.with_body(Some(worker::js_sys::Uint8Array::from(body).into()));
+    }
+    Request::new_with_init(&target, &init)
 }
 
 /// An answer's body passing through, its usage read on the way; the

@@ -266,19 +266,7 @@ async fn route(req: Request, env: &Env, ctx: &Context) -> Result<Response, ApiEr
             call.object(&id, Method::Post, "trim", Some(String::new()), Some(body))
                 .await
         }
-        (Method::Delete, ["v1", "sessions", id]) => {
-            // Retention (docs/retention.md): the object empties itself, then
-            // the directory forgets the id.
-            let id = request::session_id(id)?;
-            call.authorize(Some(&id), HOST)?;
-            let answer = call
-                .object(&id, Method::Delete, "delete", Some(String::new()), None)
-                .await?;
-            if answer.status_code() == 204 {
-                forget_session(call.env, &id).await?;
-            }
-            Ok(answer)
-        }
+        (Method::Delete, ["v1", "sessions", id]) => delete_session(&call, id).await,
         (Method::Get, ["v1", "sessions", id, "ws"]) => open_websocket(&call, id).await,
         (method, ["v1", "stream", "sessions", id]) => session_stream(call, method, id, &path).await,
         (method, ["v1", "stream", _, ..]) => streams(call, method, &path).await,
@@ -309,18 +297,52 @@ async fn route(req: Request, env: &Env, ctx: &Context) -> Result<Response, ApiEr
             search(&call).await
         }
         #[cfg(feature = "test-routes")]
-        (Method::Post, ["v1", "test", "engine", op]) if crate::engine_api::enabled(call.env) => {
-            // The engine conformance suite's way in (engine_api.rs); a
-            // runner's grant, as starting and steering turns is a runner's.
+        (Method::Post, ["v1", "test", suite, op]) => {
+            test_route(&mut call, suite, op, max_frame).await
+        }
+        (_, ["v1", "sessions", ..]) => Err(ApiError::new(
+            405,
+            "method_not_allowed",
+            "this endpoint does not take that method",
+        )),
+        _ => Err(ApiError::no_route()),
+    }
+}
+
+/// `DELETE /v1/sessions/{id}`, retention (docs/retention.md): the object
+/// empties itself, then the directory forgets the id.
+async fn delete_session(call: &Call<'_>, id: &str) -> Result<Response, ApiError> {
+    let id = request::session_id(id)?;
+    call.authorize(Some(&id), HOST)?;
+    let answer = call
+        .object(&id, Method::Delete, "delete", Some(String::new()), None)
+        .await?;
+    if answer.status_code() == 204 {
+        forget_session(call.env, &id).await?;
+    }
+    Ok(answer)
+}
+
+/// `POST /v1/test/<suite>/<op>` (`test-routes` builds only): the
+/// conformance suites' ways in — the engine suite (engine_api.rs, when
+/// enabled), the log suite and the checkpoint suite (test_routes.rs).
+#[cfg(feature = "test-routes")]
+async fn test_route(
+    call: &mut Call<'_>,
+    suite: &str,
+    op: &str,
+    max_frame: usize,
+) -> Result<Response, ApiError> {
+    match suite {
+        "engine" if crate::engine_api::enabled(call.env) => {
+            // A runner's grant, as starting and steering turns is a runner's.
             call.authorize(None, &[GrantRole::Runner])?;
             let body = call.body(max_frame).await?;
             crate::engine_api::serve(call.env, op, &body)
                 .await
                 .map_err(internal)
         }
-        #[cfg(feature = "test-routes")]
-        (Method::Post, ["v1", "test", "log", op]) => {
-            // The log conformance suite's way in (test_routes.rs).
+        "log" => {
             let id = call
                 .params
                 .get("session")
@@ -328,7 +350,7 @@ async fn route(req: Request, env: &Env, ctx: &Context) -> Result<Response, ApiEr
                 .transpose()?
                 .ok_or_else(|| ApiError::invalid("?session= is required"))?;
             call.authorize(Some(&id), HOST)?;
-            if *op == "create" {
+            if op == "create" {
                 record_session(call.env, &id).await?;
             }
             let body = call.body(max_frame.saturating_mul(2)).await?;
@@ -336,14 +358,12 @@ async fn route(req: Request, env: &Env, ctx: &Context) -> Result<Response, ApiEr
             let answer = call
                 .object(&id, Method::Post, &object_op, None, Some(body))
                 .await?;
-            if *op == "delete" && answer.status_code() == 200 {
+            if op == "delete" && answer.status_code() == 200 {
                 forget_session(call.env, &id).await?;
             }
             Ok(answer)
         }
-        #[cfg(feature = "test-routes")]
-        (Method::Post, ["v1", "test", "checkpoints", op]) => {
-            // The checkpoint conformance suite's way in (test_routes.rs).
+        "checkpoints" => {
             call.authorize(None, HOST)?;
             let limit = R2Store::from_env(call.env)?.max_bytes();
             let body = call.body(limit).await?;
@@ -351,11 +371,6 @@ async fn route(req: Request, env: &Env, ctx: &Context) -> Result<Response, ApiEr
                 .await
                 .map_err(internal)
         }
-        (_, ["v1", "sessions", ..]) => Err(ApiError::new(
-            405,
-            "method_not_allowed",
-            "this endpoint does not take that method",
-        )),
         _ => Err(ApiError::no_route()),
     }
 }

@@ -575,27 +575,7 @@ impl SessionObject {
         self.migrate_once()?;
         #[cfg(feature = "test-routes")]
         if let Some(test_op) = op.strip_prefix(crate::test_routes::LOG_OP) {
-            // The log conformance suite, on this object's store directly.
-            let stored = DoStore::stored_session(&self.state.storage().sql())?;
-            if test_op == "delete" {
-                // As a store deletes: the server's rule (no delete while a
-                // turn runs) is not the store's.
-                if stored.as_ref() != Some(&session) {
-                    return crate::test_routes::answer::<()>(Err(unknown_session(&session)))
-                        .map_err(internal);
-                }
-                self.remove(&session).await?;
-                return crate::test_routes::answer(Ok(())).map_err(internal);
-            }
-            let store = self.store(&session);
-            let response =
-                crate::test_routes::object_log_op(&store, stored, test_op, &mut req, &params)
-                    .await
-                    .map_err(internal)?;
-            if test_op == "create" && response.status_code() == 200 {
-                self.exists.set(true);
-            }
-            return Ok(response);
+            return self.test_log_op(&session, test_op, &mut req, &params).await;
         }
         if op == "fork-into" {
             // This object becomes the fork of the prefix its source sent.
@@ -632,74 +612,15 @@ impl SessionObject {
             "delete" => self.delete(&session, &store).await,
             // The Worker broker's journal (journal.rs): internal, reached
             // only by the broker route and the turn's slices.
-            "broker-state" => {
-                let info = store.info().await?;
-                let sql = self.state.storage().sql();
-                let journal = Journal::open(&sql)?;
-                json_response(
-                    200,
-                    &BrokerState {
-                        running_turn: info.meta.active_turn().map(|t| t.turn_id.clone()),
-                        budget: journal.budget()?,
-                        usage: journal.usage()?,
-                    },
-                )
-            }
-            "broker-call" => {
-                let bytes = req.bytes().await.map_err(internal)?;
-                let call: CallFigures = serde_json::from_slice(&bytes)
-                    .map_err(|e| ApiError::invalid(format!("malformed call record: {e}")))?;
-                let index = Journal::open(&self.state.storage().sql())?.record(&call)?;
-                json_response(200, &serde_json::json!({ "index": index }))
-            }
-            "broker-calls" => json_response(
-                200,
-                &Journal::open(&self.state.storage().sql())?.unrecorded()?,
-            ),
-            "broker-recorded" => {
-                let upto = request::param_u64(&params, "upto")?
-                    .ok_or_else(|| ApiError::invalid("broker-recorded needs ?upto=<index>"))?;
-                Journal::open(&self.state.storage().sql())?.recorded(upto)?;
-                Ok(Response::empty().map_err(internal)?.with_status(204))
-            }
-            "broker-budget" => {
-                let bytes = req.bytes().await.map_err(internal)?;
-                let budget: Budget = serde_json::from_slice(&bytes)
-                    .map_err(|e| ApiError::invalid(format!("malformed budget: {e}")))?;
-                Journal::open(&self.state.storage().sql())?.set_budget(&budget)?;
-                Ok(Response::empty().map_err(internal)?.with_status(204))
+            broker if broker.starts_with("broker-") => {
+                self.broker_op(broker, &store, &mut req, &params).await
             }
             "search" => json_response(200, &store.search(&request::search_query(&params)?)?),
             "frames" => {
                 let (after, limit) = request::frames_page(&params)?;
                 json_response(200, &store.read(after, limit).await?)
             }
-            "export" => {
-                let info = store.info().await?;
-                let until = request::export_until(&params, &info)?;
-                let format = request::export_format(&params)?;
-                let mut out = Vec::new();
-                let mut cursor = info.kept_after();
-                while cursor < until {
-                    let want = usize::try_from(until - cursor).unwrap_or(PAGE).min(PAGE);
-                    let page = store.read(cursor, want).await?;
-                    let Some(last) = page.last() else { break };
-                    cursor = last.seq;
-                    out.extend(page.into_iter().filter(|f| f.seq <= until));
-                }
-                match format {
-                    request::ExportFormat::Json => json_response(200, &out),
-                    request::ExportFormat::Markdown => {
-                        let document = session_api::markdown::session_markdown(&info, &out);
-                        let mut response = Response::ok(document).map_err(internal)?;
-                        response
-                            .headers_mut()
-                            .set("content-type", session_api::markdown::MARKDOWN_CONTENT_TYPE)
-                            .map_err(internal)?;
-                        Ok(response)
-                    }
-                }
-            }
+            "export" => export(&store, &params).await,
             "verify" => {
                 let report = verify_store(&store, &chain_key(&self.env)).await?;
                 json_response(200, &Verified::new(session.clone(), report))
@@ -733,6 +654,86 @@ impl SessionObject {
             "events" => self.events(&session, &store, &params).await,
             "stream" => self.session_stream(&session, &store, &req).await,
             "ui-stream" => self.ui_stream(&session, &store, &params).await,
+            _ => Err(ApiError::no_route()),
+        }
+    }
+
+    /// A log-suite operation on this object's store directly
+    /// (`test-routes` builds only: the Worker's run of the log suite).
+    #[cfg(feature = "test-routes")]
+    async fn test_log_op(
+        &self,
+        session: &SessionId,
+        test_op: &str,
+        req: &mut Request,
+        params: &HashMap<String, String>,
+    ) -> Result<Response, ApiError> {
+        let stored = DoStore::stored_session(&self.state.storage().sql())?;
+        if test_op == "delete" {
+            // As a store deletes: the server's rule (no delete while a
+            // turn runs) is not the store's.
+            if stored.as_ref() != Some(session) {
+                return crate::test_routes::answer::<()>(Err(unknown_session(session)))
+                    .map_err(internal);
+            }
+            self.remove(session).await?;
+            return crate::test_routes::answer(Ok(())).map_err(internal);
+        }
+        let store = self.store(session);
+        let response = crate::test_routes::object_log_op(&store, stored, test_op, req, params)
+            .await
+            .map_err(internal)?;
+        if test_op == "create" && response.status_code() == 200 {
+            self.exists.set(true);
+        }
+        Ok(response)
+    }
+
+    /// The Worker broker's journal (journal.rs): the session's running
+    /// turn, budget and usage; a call's figures recorded, listed and
+    /// marked as counted; the budget set.
+    async fn broker_op(
+        &self,
+        op: &str,
+        store: &DoStore,
+        req: &mut Request,
+        params: &HashMap<String, String>,
+    ) -> Result<Response, ApiError> {
+        let sql = self.state.storage().sql();
+        let journal = Journal::open(&sql)?;
+        match op {
+            "broker-state" => {
+                let info = store.info().await?;
+                json_response(
+                    200,
+                    &BrokerState {
+                        running_turn: info.meta.active_turn().map(|t| t.turn_id.clone()),
+                        budget: journal.budget()?,
+                        usage: journal.usage()?,
+                    },
+                )
+            }
+            "broker-call" => {
+                let bytes = req.bytes().await.map_err(internal)?;
+                let call: CallFigures = serde_json::from_slice(&bytes)
+                    .map_err(|e| ApiError::invalid(format!("malformed call record: {e}")))?;
+                let index = journal.record(&call)?;
+                json_response(200, &serde_json::json!({ "index": index }))
+            }
+            "broker-calls" => json_response(200, &journal.unrecorded()?),
+            "broker-recorded" => {
+                let upto = request::param_u64(params, "upto")?
+                    .ok_or_else(|| ApiError::invalid("broker-recorded needs ?upto=<index>"))?;
+                journal.recorded(upto)?;
+                Ok(Response::empty().map_err(internal)?.with_status(204))
+            }
+            "broker-budget" => {
+                let bytes = req.bytes().await.map_err(internal)?;
+                let budget: Budget = serde_json::from_slice(&bytes)
+                    .map_err(|e| ApiError::invalid(format!("malformed budget: {e}")))?;
+                journal.set_budget(&budget)?;
+                Ok(Response::empty().map_err(internal)?.with_status(204))
+            }
             _ => Err(ApiError::no_route()),
         }
     }
@@ -1103,6 +1104,34 @@ impl SessionObject {
         Ok(Response::from_stream(body)
             .map_err(internal)?
             .with_headers(headers))
+    }
+}
+
+/// `export`: the frames up to `?until=`, as JSON or a Markdown document.
+async fn export(store: &DoStore, params: &HashMap<String, String>) -> Result<Response, ApiError> {
+    let info = store.info().await?;
+    let until = request::export_until(params, &info)?;
+    let format = request::export_format(params)?;
+    let mut out = Vec::new();
+    let mut cursor = info.kept_after();
+    while cursor < until {
+        let want = usize::try_from(until - cursor).unwrap_or(PAGE).min(PAGE);
+        let page = store.read(cursor, want).await?;
+        let Some(last) = page.last() else { break };
+        cursor = last.seq;
+        out.extend(page.into_iter().filter(|f| f.seq <= until));
+    }
+    match format {
+        request::ExportFormat::Json => json_response(200, &out),
+        request::ExportFormat::Markdown => {
+            let document = session_api::markdown::session_markdown(&info, &out);
+            let mut response = Response::ok(document).map_err(internal)?;
+            response
+                .headers_mut()
+                .set("content-type", session_api::markdown::MARKDOWN_CONTENT_TYPE)
+                .map_err(internal)?;
+            Ok(response)
+        }
     }
 }
 
