@@ -18,7 +18,9 @@
 //!   `durable-streams` (without `native`) have no tokio;
 //! - **the kernel does no I/O**: no file, socket, process, thread or clock
 //!   call in `harness-core`'s sources (outside its `#[cfg(test)]` code):
-//!   time comes in as a `Clock`, storage and transport as traits.
+//!   time comes in as a `Clock`, storage and transport as traits;
+//! - **functions stay readable**: none outside tests is longer than
+//!   150 lines (`fn_length.rs`).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -298,6 +300,7 @@ pub fn check() -> Result<()> {
     let graph = graph_from_metadata(&metadata)?;
     let mut broken = violations(&graph);
     broken.extend(kernel_sources()?);
+    broken.extend(crate::fn_length::over_limit()?);
     println!(
         "layers: {} crates, harness-core pulls in {} crates",
         graph.crates.len(),
@@ -453,5 +456,9 @@ mod tests {
         assert!(graph.core_closure.iter().any(|(n, _)| n == "serde"));
         assert_eq!(violations(&graph), Vec::<String>::new());
         assert_eq!(kernel_sources().unwrap(), Vec::<String>::new());
+        assert_eq!(
+            crate::fn_length::over_limit().unwrap(),
+            Vec::<String>::new()
+        );
     }
 }

@@ -9,6 +9,7 @@ mod ci;
 mod deny;
 mod deps;
 mod env;
+mod fn_length;
 mod fuzz;
 mod image;
 mod layers;
