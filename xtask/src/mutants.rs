@@ -35,8 +35,8 @@ struct Target {
 
 /// The listed files (issue 43): the append decision and the log rules,
 /// retention, the audit chain, tar scanning, the turn machine and its
-/// driver, the session actor's host-call outcomes, tree checkpoints'
-/// garbage collection and its locks, the native
+/// driver, the session actor and its host-call outcomes, tree checkpoints'
+/// restore verification, garbage collection and its locks, the native
 /// log store and its index, the broker's session and turn tokens and its
 /// budget admission.
 const TARGETS: &[Target] = &[
@@ -69,11 +69,19 @@ const TARGETS: &[Target] = &[
         tests: &["harness-core"],
     },
     Target {
+        file: "crates/harness-core/src/actor/mod.rs",
+        tests: &["harness-core"],
+    },
+    Target {
         file: "crates/harness-core/src/actor/host_calls.rs",
         tests: &["harness-core"],
     },
     Target {
         file: "crates/harness-moves/src/tree/gc.rs",
+        tests: &["harness-moves"],
+    },
+    Target {
+        file: "crates/harness-moves/src/tree/restore.rs",
         tests: &["harness-moves"],
     },
     Target {
