@@ -487,6 +487,7 @@ fn seal_refuses_later_writes_and_survives_restart() {
     h.client(1, None);
     h.runner(9, 1);
     h.prompt(1, "last words");
+    assert!(!h.actor.is_sealed());
     h.feed(Input::Client {
         conn: 1,
         message: ClientMessage::Seal {},
@@ -766,4 +767,104 @@ fn a_restarted_actor_knows_the_generation_and_the_running_turn_from_meta() {
     assert!(matches!(&pending[..], [TurnCommand::Start { prompt, .. }] if prompt == "go"));
     h.runner(10, 3);
     assert_eq!(error_code(&h.take(10)).as_deref(), Some("stale_runner"));
+}
+
+#[test]
+fn each_block_of_a_turn_is_its_own_message_and_reasoning_is_stored_as_reasoning() {
+    let mut h = Harness::new();
+    h.runner(9, 1);
+    let block = |h: &mut Harness, id: &str, reasoning: bool, text: &str| {
+        let id = id.to_string();
+        let (start, delta, end) = if reasoning {
+            (
+                StreamPart::ReasoningStart { id: id.clone() },
+                StreamPart::ReasoningDelta {
+                    id: id.clone(),
+                    delta: text.into(),
+                },
+                StreamPart::ReasoningEnd { id },
+            )
+        } else {
+            (
+                StreamPart::TextStart { id: id.clone() },
+                StreamPart::TextDelta {
+                    id: id.clone(),
+                    delta: text.into(),
+                },
+                StreamPart::TextEnd { id },
+            )
+        };
+        for part in [start, delta, end] {
+            h.part(9, part);
+        }
+    };
+    block(&mut h, "r1", true, "thinking");
+    block(&mut h, "b1", false, "first");
+    block(&mut h, "b2", false, "second");
+    let messages: Vec<(MessageKind, String, String)> = h
+        .log
+        .read(0, 10)
+        .unwrap()
+        .into_iter()
+        .filter_map(|f| match f.body {
+            FrameBody::Message { kind, id, text, .. } => Some((kind, id, text)),
+            _ => None,
+        })
+        .collect();
+    // Each block is stored once, under a key of its own (turn, kind, id):
+    // the second text block is not a duplicate of the first.
+    assert_eq!(
+        messages,
+        vec![
+            (MessageKind::Reasoning, "r1".into(), "thinking".into()),
+            (MessageKind::Text, "b1".into(), "first".into()),
+            (MessageKind::Text, "b2".into(), "second".into()),
+        ]
+    );
+}
+
+#[test]
+fn recovering_from_the_frames_gives_the_state_the_meta_gives() {
+    let mut h = Harness::new();
+    h.client(1, None);
+    h.runner(9, 3);
+    h.prompt(1, "hello");
+    h.feed(Input::Client {
+        conn: 1,
+        message: ClientMessage::Seal {},
+    });
+    let info = h.log.info();
+    // A log that keeps no meta: a new actor folds every frame.
+    let mut recovered = SessionActor::new(ActorConfig::default());
+    for frame in h.log.read(0, usize::MAX).unwrap() {
+        recovered.recover(&frame);
+    }
+    let from_meta = SessionActor::from_info(ActorConfig::default(), &info);
+    assert_eq!(recovered.last_seq(), info.last_seq);
+    assert!(recovered.last_seq() >= 3, "{}", recovered.last_seq());
+    assert!(recovered.is_sealed());
+    assert_eq!(recovered.generation(), 3);
+    assert_eq!(recovered.meta(), from_meta.meta());
+    assert_eq!(recovered.meta().turns, 1);
+}
+
+#[test]
+fn the_actor_says_who_is_attached() {
+    let mut h = Harness::new();
+    assert!(!h.actor.has_runner());
+    assert!(!h.actor.has_tool_host());
+    h.runner(9, 1);
+    assert!(h.actor.has_runner());
+    h.feed(Input::Connect {
+        conn: 5,
+        role: Role::ToolHost { takeover: false },
+        after: None,
+    });
+    assert!(h.actor.has_tool_host());
+    assert_eq!(h.actor.connection_count(), 2);
+    h.feed(Input::Disconnect { conn: 9 });
+    h.feed(Input::Disconnect { conn: 5 });
+    assert!(!h.actor.has_runner());
+    assert!(!h.actor.has_tool_host());
+    assert_eq!(h.actor.connection_count(), 0);
 }

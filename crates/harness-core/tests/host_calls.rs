@@ -573,10 +573,13 @@ fn a_restarted_actor_replays_recorded_outcomes_and_never_resends_an_open_call() 
         vec![("done".into(), completed("kept"))]
     );
     h.call(RUNNER + 10, "open");
+    // Known from the recovered turn frames as out when the actor stopped
+    // (not merely found stored again by its key).
     match &h.outcomes(RUNNER + 10)[..] {
-        [(_, HostOutcome::Ambiguous { reason })] => {
-            assert!(reason.contains("restarted"), "{reason}")
-        }
+        [(_, HostOutcome::Ambiguous { reason })] => assert_eq!(
+            reason,
+            "the session restarted while the call was out at its host"
+        ),
         other => panic!("{other:?}"),
     }
     assert!(
@@ -699,4 +702,67 @@ fn a_call_id_is_the_sessions_a_later_turn_reusing_it_is_refused_and_nothing_runs
         vec![("c2".to_string(), completed("second"))]
     );
     assert_eq!(h.stored(), (2, 2));
+}
+
+/// Recovery takes the calls of the running turn only: a call and an
+/// outcome of an earlier turn fed to it are passed over. A runner of the new
+/// turn that reuses their ids is refused by the log (the ids' keys hold the
+/// earlier turn's frames), not answered from the earlier turn's state.
+#[test]
+fn recovery_passes_over_an_earlier_turns_calls() {
+    let mut h = Harness::with_turn();
+    h.host(HOST, false, &["lookup"]);
+    h.take(HOST);
+    h.call(RUNNER, "done");
+    h.result(HOST, "done", "kept");
+    h.call(RUNNER, "open");
+    h.feed(turn_status("t1", TurnStatus::Finished));
+    h.feed(Input::Client {
+        conn: CLIENT,
+        message: ClientMessage::Prompt {
+            text: "again".into(),
+            turn_id: None,
+            key: None,
+        },
+    });
+    let info = h.log.info();
+    assert_eq!(
+        info.meta.active_turn().map(|t| t.turn_id.as_str()),
+        Some("t2")
+    );
+    // Every frame of the log, t1's included.
+    h.actor = SessionActor::from_info(ActorConfig::default(), &info);
+    for frame in h.log.read(0, usize::MAX).unwrap() {
+        h.actor.recover_turn_frame(&frame);
+    }
+    h.inbox.clear();
+    h.tick(0);
+    h.connect(RUNNER + 10, Role::Runner { generation: 2 });
+    h.host(HOST + 10, false, &["lookup"]);
+    h.take(HOST + 10);
+    let stored = h.stored();
+    for id in ["done", "open"] {
+        h.feed(Input::Runner {
+            conn: RUNNER + 10,
+            message: RunnerMessage::HostCall {
+                turn_id: "t2".into(),
+                call: request(id, "lookup"),
+            },
+        });
+        let answer = h.take(RUNNER + 10);
+        let refusal = answer.iter().find_map(|m| match m {
+            ServerMessage::Error { code, message } => Some((code.as_str(), message.as_str())),
+            _ => None,
+        });
+        match refusal {
+            Some(("conflict", message)) => assert!(
+                message.starts_with("the log refused the write")
+                    && message.contains(&format!("\"host-call:{id}\"")),
+                "{id}: {message}"
+            ),
+            other => panic!("{id}: {other:?} in {answer:?}"),
+        }
+    }
+    assert_eq!(h.stored(), stored, "nothing more is stored");
+    assert!(h.host_calls(HOST + 10).is_empty());
 }
