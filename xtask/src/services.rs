@@ -151,6 +151,7 @@ impl Service {
                         .with_context(|| format!("clearing {}", dir.display()))?;
                 }
                 std::fs::create_dir_all(&dir)?;
+                warn_if_disk_low(&dir);
                 let mut c = Command::new(bin);
                 c.arg("server")
                     .arg("-s3")
@@ -454,6 +455,34 @@ pub fn status() -> Result<()> {
     Ok(())
 }
 
+/// SeaweedFS turns its volumes read-only when its disk has less than 1 %
+/// free, and every PUT then fails with a bare HTTP 500 (seen when a
+/// development machine's build directories had filled the disk): say so up
+/// front when the disk is near that.
+fn warn_if_disk_low(dir: &Path) {
+    let Ok(out) = util::output(Command::new("df").arg("-Pk").arg(dir)) else {
+        return;
+    };
+    if let Some((total_kib, free_kib)) = df_total_and_free(&out) {
+        if free_kib.saturating_mul(100) < total_kib.saturating_mul(3) {
+            eprintln!(
+                "warning: {} has {:.1} GiB free of {:.0} GiB: SeaweedFS refuses every write below 1 % \
+                 free (its log then says `disk free … < required 1.00%`), and a cold build \
+                 directory takes tens of GiB",
+                dir.display(),
+                free_kib as f64 / 1_048_576.0,
+                total_kib as f64 / 1_048_576.0
+            );
+        }
+    }
+}
+
+/// `df -Pk`'s total and available KiB on its second line.
+fn df_total_and_free(out: &str) -> Option<(u64, u64)> {
+    let fields: Vec<&str> = out.lines().nth(1)?.split_whitespace().collect();
+    Some((fields.get(1)?.parse().ok()?, fields.get(3)?.parse().ok()?))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -464,6 +493,14 @@ mod tests {
         assert!(comm_matches("a-very-long-pro", "a-very-long-program-name"));
         assert!(!comm_matches("dockerd", "temporal"));
         assert!(!comm_matches("", "weed"));
+        assert_eq!(
+            df_total_and_free(
+                "Filesystem 1024-blocks Used Available Capacity Mounted on\n\
+                 /dev/vda 264060000 74000000 22000000 78% /\n"
+            ),
+            Some((264_060_000, 22_000_000))
+        );
+        assert_eq!(df_total_and_free("Filesystem\n"), None);
         assert!(!comm_matches("weed", "weedy"));
     }
 
