@@ -40,18 +40,10 @@ fn source_roots() -> Result<Vec<PathBuf>> {
 pub fn over_limit() -> Result<Vec<String>> {
     let root = util::repo_root();
     let mut found = Vec::new();
-    let mut dirs = source_roots()?;
-    while let Some(dir) = dirs.pop() {
-        for entry in std::fs::read_dir(&dir)? {
-            let path = entry?.path();
-            if path.is_dir() {
-                dirs.push(path);
-            } else if path.extension().is_some_and(|e| e == "rs") {
-                let text = std::fs::read_to_string(&path)?;
-                let shown = path.strip_prefix(&root).unwrap_or(&path);
-                found.extend(long_functions(shown, &text)?);
-            }
-        }
+    for path in util::rust_files(source_roots()?)? {
+        let text = std::fs::read_to_string(&path)?;
+        let shown = path.strip_prefix(&root).unwrap_or(&path);
+        found.extend(long_functions(shown, &text)?);
     }
     found.sort();
     Ok(found)

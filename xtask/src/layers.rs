@@ -99,20 +99,12 @@ pub fn kernel_calls(path: &str, source: &str) -> Vec<String> {
 
 /// [`kernel_calls`] over every source file of `harness-core`.
 fn kernel_sources() -> Result<Vec<String>> {
-    let root = util::repo_root().join("crates/harness-core/src");
+    let root = util::repo_root();
     let mut out = Vec::new();
-    let mut dirs = vec![root.clone()];
-    while let Some(dir) = dirs.pop() {
-        for entry in std::fs::read_dir(&dir)? {
-            let path = entry?.path();
-            if path.is_dir() {
-                dirs.push(path);
-            } else if path.extension().is_some_and(|e| e == "rs") {
-                let text = std::fs::read_to_string(&path)?;
-                let shown = path.strip_prefix(util::repo_root()).unwrap_or(&path);
-                out.extend(kernel_calls(&shown.display().to_string(), &text));
-            }
-        }
+    for path in util::rust_files(vec![root.join("crates/harness-core/src")])? {
+        let text = std::fs::read_to_string(&path)?;
+        let shown = path.strip_prefix(&root).unwrap_or(&path);
+        out.extend(kernel_calls(&shown.display().to_string(), &text));
     }
     Ok(out)
 }

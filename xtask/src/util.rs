@@ -28,6 +28,27 @@ pub fn cache_subdir(sub: &str) -> Result<PathBuf> {
     Ok(dir)
 }
 
+/// Every `.rs` file under `roots`, walked depth-first (the tidy checks
+/// read sources without a build).
+pub fn rust_files(roots: Vec<PathBuf>) -> Result<Vec<PathBuf>> {
+    let mut files = Vec::new();
+    let mut dirs = roots;
+    while let Some(dir) = dirs.pop() {
+        for entry in
+            std::fs::read_dir(&dir).with_context(|| format!("listing {}", dir.display()))?
+        {
+            let path = entry?.path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                files.push(path);
+            }
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
 /// The workspace root (the parent of `xtask/`). Read at run time: `cargo
 /// run` sets `CARGO_MANIFEST_DIR` for the checkout it runs in, while the
 /// value baked in at build time names whichever checkout built this binary

@@ -1124,6 +1124,14 @@ enum Owned {
 }
 
 impl ActorTask {
+    /// A new connection's id, answered to its caller; `None` when the
+    /// caller gave up before the answer.
+    fn accept(&mut self, reply: oneshot::Sender<Result<ConnId, Error>>) -> Option<ConnId> {
+        let conn = self.next_conn;
+        self.next_conn += 1;
+        reply.send(Ok(conn)).ok().map(|()| conn)
+    }
+
     fn now_ms(&self) -> u64 {
         self.hub.config.clock.now_ms()
     }
@@ -1330,12 +1338,10 @@ impl ActorTask {
                     reply,
                     request,
                 } => {
-                    let conn = self.next_conn;
-                    self.next_conn += 1;
-                    if reply.send(Ok(conn)).is_err() {
+                    let Some(conn) = self.accept(reply) else {
                         // The caller gave up before we answered: nothing to do.
                         continue;
-                    }
+                    };
                     driver.transport_mut().conns.insert(conn, out);
                     batch.inputs.push(Input::Connect { conn, role, after });
                     if let Some(message) = request {

@@ -229,11 +229,9 @@ impl Links<'_> {
                 reply,
                 request,
             } => {
-                let conn = task.next_conn;
-                task.next_conn += 1;
-                if reply.send(Ok(conn)).is_err() {
+                let Some(conn) = task.accept(reply) else {
                     return;
-                }
+                };
                 let first = request.map(|m| serde_json::to_string(&m).unwrap_or_default());
                 self.open(task, conn, role, after, out, first);
             }
