@@ -868,3 +868,81 @@ fn the_actor_says_who_is_attached() {
     assert!(!h.actor.has_tool_host());
     assert_eq!(h.actor.connection_count(), 0);
 }
+
+#[test]
+fn appends_in_flight_are_known_until_their_results_come_back() {
+    let mut actor = SessionActor::new(ActorConfig::default());
+    assert!(!actor.has_pending_appends());
+    actor.handle(Input::Connect {
+        conn: 1,
+        role: Role::Client,
+        after: None,
+    });
+    let out = actor.handle(Input::Client {
+        conn: 1,
+        message: ClientMessage::Prompt {
+            text: "go".into(),
+            turn_id: None,
+            key: None,
+        },
+    });
+    assert!(
+        out.iter().any(|o| matches!(o, Output::Append(_))),
+        "{out:?}"
+    );
+    assert!(actor.has_pending_appends());
+    actor.handle(Input::AppendFailed {
+        kind: harness_core::ErrorKind::InvalidInput,
+        error: "refused".into(),
+    });
+    assert!(!actor.has_pending_appends());
+}
+
+#[test]
+fn a_write_the_log_finds_invalid_is_refused_as_invalid() {
+    let mut actor = SessionActor::new(ActorConfig::default());
+    actor.handle(Input::Connect {
+        conn: 1,
+        role: Role::Client,
+        after: None,
+    });
+    actor.handle(Input::Client {
+        conn: 1,
+        message: ClientMessage::Prompt {
+            text: "go".into(),
+            turn_id: None,
+            key: None,
+        },
+    });
+    let out = actor.handle(Input::AppendFailed {
+        kind: harness_core::ErrorKind::InvalidInput,
+        error: "a bad frame".into(),
+    });
+    let codes: Vec<String> = out
+        .iter()
+        .filter_map(|o| match o {
+            Output::Send {
+                conn: 1,
+                message: ServerMessage::Error { code, .. },
+            } => Some(code.as_str().to_string()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(codes, vec!["invalid".to_string()]);
+}
+
+#[test]
+fn a_failed_dispatch_of_a_turn_that_is_not_running_stores_nothing() {
+    let mut h = Harness::new();
+    h.client(1, None);
+    h.runner(9, 1);
+    h.prompt(1, "go");
+    h.status(9, "t1", TurnStatus::Finished);
+    let before = h.log.info().last_seq;
+    assert!(h.actor.meta().active_turn().is_none());
+    h.feed(Input::DispatchFailed {
+        turn_id: "t1".into(),
+        error: "no engine".into(),
+    });
+    assert_eq!(h.log.info().last_seq, before, "an ended turn stays ended");
+}
