@@ -946,3 +946,47 @@ fn a_failed_dispatch_of_a_turn_that_is_not_running_stores_nothing() {
     });
     assert_eq!(h.log.info().last_seq, before, "an ended turn stays ended");
 }
+
+#[test]
+fn a_turn_id_the_client_names_must_be_new_and_1_to_128_characters() {
+    let mut h = Harness::new();
+    h.client(1, None);
+    h.runner(9, 1);
+    h.prompt(1, "first");
+    h.status(9, "t1", TurnStatus::Finished);
+    h.take(1);
+    let before = h.log.info().last_seq;
+    let named = |h: &mut Harness, id: String| {
+        h.feed(Input::Client {
+            conn: 1,
+            message: ClientMessage::Prompt {
+                text: "again".into(),
+                turn_id: Some(id),
+                key: None,
+            },
+        });
+        error_code(&h.take(1))
+    };
+    assert_eq!(named(&mut h, "t1".into()).as_deref(), Some("conflict"));
+    assert_eq!(named(&mut h, String::new()).as_deref(), Some("invalid"));
+    assert_eq!(named(&mut h, "x".repeat(129)).as_deref(), Some("invalid"));
+    assert_eq!(h.log.info().last_seq, before, "nothing stored on a refusal");
+    assert_eq!(named(&mut h, "y".repeat(128)), None);
+    assert_eq!(
+        h.actor.meta().active_turn().map(|t| t.turn_id.clone()),
+        Some("y".repeat(128))
+    );
+}
+
+#[test]
+fn a_runner_reattaching_with_the_current_generation_stores_nothing() {
+    let mut h = Harness::new();
+    h.runner(9, 2);
+    let attached = h.log.info().last_seq;
+    assert_eq!(attached, 1, "the new generation is recorded");
+    h.feed(Input::Disconnect { conn: 9 });
+    h.runner(10, 2);
+    assert!(h.take(10).is_empty());
+    assert_eq!(h.log.info().last_seq, attached, "no second runner-attached");
+    assert!(h.actor.has_runner());
+}
