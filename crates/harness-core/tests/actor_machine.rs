@@ -990,3 +990,93 @@ fn a_runner_reattaching_with_the_current_generation_stores_nothing() {
     assert_eq!(h.log.info().last_seq, attached, "no second runner-attached");
     assert!(h.actor.has_runner());
 }
+
+#[test]
+fn an_abort_may_name_the_running_turn_but_no_other() {
+    let mut h = Harness::new();
+    h.client(1, None);
+    h.runner(9, 1);
+    h.prompt(1, "go");
+    h.take(1);
+    let abort = |h: &mut Harness, turn: &str| {
+        h.feed(Input::Client {
+            conn: 1,
+            message: ClientMessage::Abort {
+                turn_id: Some(turn.into()),
+                reason: None,
+            },
+        });
+        error_code(&h.take(1))
+    };
+    let before = h.log.info().last_seq;
+    assert_eq!(abort(&mut h, "t7").as_deref(), Some("no_active_turn"));
+    assert_eq!(h.log.info().last_seq, before);
+    assert_eq!(abort(&mut h, "t1"), None);
+    let last = h.log.read(before, 1).unwrap().remove(0);
+    assert!(
+        matches!(&last.body, FrameBody::AbortRequested { turn_id, .. } if turn_id == "t1"),
+        "{last:?}"
+    );
+}
+
+#[test]
+fn blocks_open_at_once_are_told_apart_by_id_and_kind() {
+    let mut h = Harness::new();
+    h.runner(9, 1);
+    let delta = |id: &str, text: &str| StreamPart::TextDelta {
+        id: id.into(),
+        delta: text.into(),
+    };
+    for part in [
+        StreamPart::TextStart { id: "a".into() },
+        StreamPart::ReasoningStart { id: "a".into() },
+        StreamPart::TextStart { id: "b".into() },
+        delta("a", "one"),
+        StreamPart::ReasoningDelta {
+            id: "a".into(),
+            delta: "hmm".into(),
+        },
+        delta("b", "two"),
+        StreamPart::TextEnd { id: "b".into() },
+        StreamPart::ReasoningEnd { id: "a".into() },
+        StreamPart::TextEnd { id: "a".into() },
+    ] {
+        h.part(9, part);
+    }
+    let messages: Vec<(MessageKind, String, String)> = h
+        .log
+        .read(0, 10)
+        .unwrap()
+        .into_iter()
+        .filter_map(|f| match f.body {
+            FrameBody::Message { kind, id, text, .. } => Some((kind, id, text)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        messages,
+        vec![
+            (MessageKind::Text, "b".into(), "two".into()),
+            (MessageKind::Reasoning, "a".into(), "hmm".into()),
+            (MessageKind::Text, "a".into(), "one".into()),
+        ]
+    );
+}
+
+#[test]
+fn a_block_may_grow_to_the_frame_limit_and_no_further() {
+    let mut h = Harness::with_config(ActorConfig {
+        max_frame_bytes: 64,
+    });
+    h.runner(9, 1);
+    h.take(9);
+    h.part(9, StreamPart::TextStart { id: "b".into() });
+    let delta = |text: String| StreamPart::TextDelta {
+        id: "b".into(),
+        delta: text,
+    };
+    h.part(9, delta("x".repeat(64)));
+    assert_eq!(error_code(&h.take(9)), None, "64 bytes of a 64-byte limit");
+    h.part(9, delta("y".into()));
+    assert_eq!(error_code(&h.take(9)).as_deref(), Some("frame_too_large"));
+}
