@@ -1080,3 +1080,28 @@ fn a_block_may_grow_to_the_frame_limit_and_no_further() {
     h.part(9, delta("y".into()));
     assert_eq!(error_code(&h.take(9)).as_deref(), Some("frame_too_large"));
 }
+
+#[test]
+fn a_frame_of_exactly_the_limit_is_stored() {
+    let part = StreamPart::Error {
+        message: "exactly at the limit".into(),
+    };
+    let body = FrameBody::Part {
+        turn_id: "t1".into(),
+        part: part.clone(),
+    };
+    let size = harness_core::frame::Frame::encoded_len(&body);
+    for (limit, stored) in [(size, true), (size - 1, false)] {
+        let mut h = Harness::with_config(ActorConfig {
+            max_frame_bytes: limit,
+        });
+        h.runner(9, 1);
+        h.take(9);
+        let before = h.log.info().last_seq;
+        h.part(9, part.clone());
+        assert_eq!(h.log.info().last_seq > before, stored, "limit {limit}");
+        if !stored {
+            assert_eq!(error_code(&h.take(9)).as_deref(), Some("frame_too_large"));
+        }
+    }
+}
