@@ -89,6 +89,19 @@ impl Harness {
         }
     }
 
+    /// The stored messages as (kind, block id, text), in seq order.
+    fn messages(&self) -> Vec<(MessageKind, String, String)> {
+        self.log
+            .read(0, usize::MAX)
+            .unwrap()
+            .into_iter()
+            .filter_map(|f| match f.body {
+                FrameBody::Message { kind, id, text, .. } => Some((kind, id, text)),
+                _ => None,
+            })
+            .collect()
+    }
+
     fn take(&mut self, conn: ConnId) -> Vec<ServerMessage> {
         self.inbox.remove(&conn).unwrap_or_default()
     }
@@ -801,16 +814,7 @@ fn each_block_of_a_turn_is_its_own_message_and_reasoning_is_stored_as_reasoning(
     block(&mut h, "r1", true, "thinking");
     block(&mut h, "b1", false, "first");
     block(&mut h, "b2", false, "second");
-    let messages: Vec<(MessageKind, String, String)> = h
-        .log
-        .read(0, 10)
-        .unwrap()
-        .into_iter()
-        .filter_map(|f| match f.body {
-            FrameBody::Message { kind, id, text, .. } => Some((kind, id, text)),
-            _ => None,
-        })
-        .collect();
+    let messages = h.messages();
     // Each block is stored once, under a key of its own (turn, kind, id):
     // the second text block is not a duplicate of the first.
     assert_eq!(
@@ -1043,16 +1047,7 @@ fn blocks_open_at_once_are_told_apart_by_id_and_kind() {
     ] {
         h.part(9, part);
     }
-    let messages: Vec<(MessageKind, String, String)> = h
-        .log
-        .read(0, 10)
-        .unwrap()
-        .into_iter()
-        .filter_map(|f| match f.body {
-            FrameBody::Message { kind, id, text, .. } => Some((kind, id, text)),
-            _ => None,
-        })
-        .collect();
+    let messages = h.messages();
     assert_eq!(
         messages,
         vec![
