@@ -80,7 +80,9 @@ pub async fn run(home: &Home, agent: AgentKind, keep: bool) -> Result<()> {
         .meta
         .sandbox
         .clone()
-        .context("the turn recorded no sandbox")?;
+        // A turn that could not make its sandbox (a full disk, a refused
+        // directory) says why in its own error: show that, not the symptom.
+        .with_context(|| format!("the turn recorded no sandbox: {}", summary(&ended)))?;
     let sandbox = local::provider(home, &handle.provider, None)
         .await?
         .resume(&handle)
