@@ -579,17 +579,13 @@ impl SessionObject {
         }
         if op == "fork-into" {
             // This object becomes the fork of the prefix its source sent.
-            let bytes = req.bytes().await.map_err(internal)?;
-            let prefix: ForkPrefix = serde_json::from_slice(&bytes)
-                .map_err(|e| ApiError::invalid(format!("malformed fork prefix: {e}")))?;
+            let prefix: ForkPrefix = json_body(&mut req, "fork prefix").await?;
             let info = self.store(&session).create_fork(prefix)?;
             self.exists.set(true);
             return json_response(201, &info);
         }
         if op == "create" {
-            let bytes = req.bytes().await.map_err(internal)?;
-            let config: SessionConfig = serde_json::from_slice(&bytes)
-                .map_err(|e| ApiError::invalid(format!("malformed session config: {e}")))?;
+            let config: SessionConfig = json_body(&mut req, "session config").await?;
             let info = self.store(&session).create(Some(config.clone()))?;
             request::check_created(&info, &config)?;
             self.exists.set(true);
@@ -626,9 +622,7 @@ impl SessionObject {
                 json_response(200, &Verified::new(session.clone(), report))
             }
             "messages" => {
-                let bytes = req.bytes().await.map_err(internal)?;
-                let message: ClientMessage = serde_json::from_slice(&bytes)
-                    .map_err(|e| ApiError::invalid(format!("malformed client message: {e}")))?;
+                let message: ClientMessage = json_body(&mut req, "client message").await?;
                 let (seq, duplicate, turn_id) = self.request(&session, message).await?;
                 json_response(200, &request::ack(seq, duplicate, turn_id))
             }
@@ -637,9 +631,7 @@ impl SessionObject {
                 json_response(200, &store.info().await?)
             }
             "runner" => {
-                let bytes = req.bytes().await.map_err(internal)?;
-                let request: RunnerRequest = serde_json::from_slice(&bytes)
-                    .map_err(|e| ApiError::invalid(format!("malformed runner message: {e}")))?;
+                let request: RunnerRequest = json_body(&mut req, "runner message").await?;
                 let reply = self.runner(&session, request).await?;
                 json_response(200, &reply)
             }
@@ -714,9 +706,7 @@ impl SessionObject {
                 )
             }
             "broker-call" => {
-                let bytes = req.bytes().await.map_err(internal)?;
-                let call: CallFigures = serde_json::from_slice(&bytes)
-                    .map_err(|e| ApiError::invalid(format!("malformed call record: {e}")))?;
+                let call: CallFigures = json_body(req, "call record").await?;
                 let index = journal.record(&call)?;
                 json_response(200, &serde_json::json!({ "index": index }))
             }
@@ -728,9 +718,7 @@ impl SessionObject {
                 Ok(Response::empty().map_err(internal)?.with_status(204))
             }
             "broker-budget" => {
-                let bytes = req.bytes().await.map_err(internal)?;
-                let budget: Budget = serde_json::from_slice(&bytes)
-                    .map_err(|e| ApiError::invalid(format!("malformed budget: {e}")))?;
+                let budget: Budget = json_body(req, "budget").await?;
                 journal.set_budget(&budget)?;
                 Ok(Response::empty().map_err(internal)?.with_status(204))
             }
@@ -790,9 +778,7 @@ impl SessionObject {
                 json_response(200, &serde_json::json!({ "abort": abort }))
             }
             (Method::Post, "turn-abort") => {
-                let bytes = req.bytes().await.map_err(internal)?;
-                let body: serde_json::Value = serde_json::from_slice(&bytes)
-                    .map_err(|e| ApiError::invalid(format!("malformed abort: {e}")))?;
+                let body: serde_json::Value = json_body(req, "abort").await?;
                 let reason = body["reason"].as_str().unwrap_or("aborted");
                 let note = serde_json::json!({ "turn": turn, "reason": reason }).to_string();
                 storage.put(op, note).await.map_err(internal)?;
@@ -807,9 +793,7 @@ impl SessionObject {
                 )),
             },
             (Method::Post, _) => {
-                let bytes = req.bytes().await.map_err(internal)?;
-                let state: serde_json::Value = serde_json::from_slice(&bytes)
-                    .map_err(|e| ApiError::invalid(format!("malformed progress: {e}")))?;
+                let state: serde_json::Value = json_body(req, "progress").await?;
                 if state["turn_id"].as_str() != Some(turn.as_str()) {
                     return Err(ApiError::invalid(format!(
                         "progress of turn {} posted for turn {turn}",
@@ -1105,6 +1089,16 @@ impl SessionObject {
             .map_err(internal)?
             .with_headers(headers))
     }
+}
+
+/// A request's JSON body as `T`; one that does not parse is refused as
+/// `malformed <what>`.
+async fn json_body<T: serde::de::DeserializeOwned>(
+    req: &mut Request,
+    what: &str,
+) -> Result<T, ApiError> {
+    let bytes = req.bytes().await.map_err(internal)?;
+    serde_json::from_slice(&bytes).map_err(|e| ApiError::invalid(format!("malformed {what}: {e}")))
 }
 
 /// `export`: the frames up to `?until=`, as JSON or a Markdown document.
