@@ -464,6 +464,15 @@ impl Bars {
         bar
     }
 
+    /// Show `message` as a spinner while `work` runs, then clear it,
+    /// whatever `work` answers.
+    async fn during<T>(&self, message: String, work: impl std::future::Future<Output = T>) -> T {
+        let step = self.step(message);
+        let out = work.await;
+        step.finish_and_clear();
+        out
+    }
+
     fn bar(&self, phase: MovePhase) -> indicatif::ProgressBar {
         let mut bars = self.bars.lock().unwrap_or_else(|e| e.into_inner());
         if let Some((_, bar)) = bars.iter().find(|(p, _)| *p == phase) {
@@ -636,22 +645,24 @@ pub async fn checkpoint(home: &Home, args: CheckpointArgs) -> Result<()> {
     SessionKeys::new(&key)?;
     let config = info.meta.config_or_default();
     let harness = adapter(home, &config.agent).await?;
-    let step = bars.step(format!(
+    let message = format!(
         "checkpointing session {session}: {}'s state, then the working tree",
         config.agent
-    ));
-    let stored = harness::moves::checkpoint_session(
-        sandbox.as_ref(),
-        harness.as_ref(),
-        info.meta.agent_session_id.as_deref(),
-        store.as_ref(),
-        &key,
-        Some(bars.clone()),
-    )
-    .await
-    .context("checkpointing the session");
-    step.finish_and_clear();
-    let manifest = stored?;
+    );
+    let manifest = bars
+        .during(
+            message,
+            harness::moves::checkpoint_session(
+                sandbox.as_ref(),
+                harness.as_ref(),
+                info.meta.agent_session_id.as_deref(),
+                store.as_ref(),
+                &key,
+                Some(bars.clone()),
+            ),
+        )
+        .await
+        .context("checkpointing the session")?;
     let state_bytes = manifest.state.as_ref().map_or(0, |s| s.size);
     let key = format!("{prefix}{key}");
     record(
@@ -701,13 +712,19 @@ async fn checkpoint_tree_only(
             .key
             .clone()
             .unwrap_or_else(|| format!("{base}.tar.zst"));
-        let step = bars.step(format!("checkpointing the working tree of {session}"));
-        let stored =
-            harness::moves::checkpoint(sandbox, sandbox.workdir(), store, &key, Some(bars.clone()))
-                .await
-                .context("checkpointing the working tree");
-        step.finish_and_clear();
-        let stored = stored?;
+        let stored = bars
+            .during(
+                format!("checkpointing the working tree of {session}"),
+                harness::moves::checkpoint(
+                    sandbox,
+                    sandbox.workdir(),
+                    store,
+                    &key,
+                    Some(bars.clone()),
+                ),
+            )
+            .await
+            .context("checkpointing the working tree")?;
         let key = format!("{prefix}{key}");
         let said = format!(
             "checkpoint {key} (tree only): {} bytes of tar as {} bytes of zstd, sha256 {}\n\
@@ -725,22 +742,21 @@ async fn checkpoint_tree_only(
         })?),
         other => other,
     };
-    let step = bars.step(format!(
-        "checkpointing the working tree of {session} (changed content only)"
-    ));
-    let stored = harness::moves::tree::checkpoint_tree(
-        sandbox,
-        sandbox.workdir(),
-        store,
-        &key,
-        parent,
-        &SystemClock,
-        Some(bars.clone()),
-    )
-    .await
-    .context("checkpointing the working tree");
-    step.finish_and_clear();
-    let stored = stored?;
+    let stored = bars
+        .during(
+            format!("checkpointing the working tree of {session} (changed content only)"),
+            harness::moves::tree::checkpoint_tree(
+                sandbox,
+                sandbox.workdir(),
+                store,
+                &key,
+                parent,
+                &SystemClock,
+                Some(bars.clone()),
+            ),
+        )
+        .await
+        .context("checkpointing the working tree")?;
     let key = format!("{prefix}{key}");
     let said = format!(
         "checkpoint {key} (tree only, incremental): {} entries, {} bytes; read {} files \
@@ -861,13 +877,14 @@ pub async fn restore(home: &Home, args: RestoreArgs) -> Result<()> {
                 broker.as_deref(),
             )
             .await?;
-            let step = bars.step(format!(
+            let message = format!(
                 "creating a {} sandbox for session {session} (the agent is installed once per image)",
                 kind.name()
-            ));
-            let created = provider.create(&spec).await;
-            step.finish_and_clear();
-            let sandbox = created.with_context(|| format!("creating a {} sandbox", kind.name()))?;
+            );
+            let sandbox = bars
+                .during(message, provider.create(&spec))
+                .await
+                .with_context(|| format!("creating a {} sandbox", kind.name()))?;
             let restored =
                 match restore_into(store.as_ref(), &key, sandbox.as_ref(), &harness, &bars).await {
                     Ok(restored) => restored,
@@ -905,15 +922,12 @@ async fn restore_into(
     harness: &Arc<dyn Harness>,
     bars: &Arc<Bars>,
 ) -> Result<harness::moves::SessionRestoreInfo> {
-    let step = bars.step(format!(
-        "restoring {key} (verified before anything is written)"
-    ));
-    let restored =
-        harness::moves::restore_session(store, key, sandbox, harness.as_ref(), Some(bars.clone()))
-            .await
-            .context("restoring (nothing was changed if the checkpoint was refused)");
-    step.finish_and_clear();
-    restored
+    bars.during(
+        format!("restoring {key} (verified before anything is written)"),
+        harness::moves::restore_session(store, key, sandbox, harness.as_ref(), Some(bars.clone())),
+    )
+    .await
+    .context("restoring (nothing was changed if the checkpoint was refused)")
 }
 
 fn state_note(restored: &harness::moves::SessionRestoreInfo) -> String {
@@ -994,19 +1008,21 @@ async fn restore_tree(home: &Home, args: RestoreArgs) -> Result<()> {
     let (store, key) = resolve_for_restore(&lineages, &args.key).await?;
     let sandbox = session_sandbox(home, &info).await?;
     let bars = Arc::new(Bars::new());
-    let step = bars.step(format!(
-        "restoring the tree {} (verified before anything is written)",
-        args.key
-    ));
-    let restored = harness::moves::restore(
-        store.as_ref(),
-        &key,
-        sandbox.as_ref(),
-        sandbox.workdir(),
-        Some(bars.clone()),
-    )
-    .await;
-    step.finish_and_clear();
+    let restored = bars
+        .during(
+            format!(
+                "restoring the tree {} (verified before anything is written)",
+                args.key
+            ),
+            harness::moves::restore(
+                store.as_ref(),
+                &key,
+                sandbox.as_ref(),
+                sandbox.workdir(),
+                Some(bars.clone()),
+            ),
+        )
+        .await;
     let restored = match restored {
         Ok(restored) => restored,
         Err(e) if e.kind() == ErrorKind::NotFound => {
