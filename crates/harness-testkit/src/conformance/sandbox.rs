@@ -87,151 +87,222 @@ pub struct LargeFileReport {
     pub read_secs: f64,
 }
 
+/// What a passing [`run_all_with`] found about the optional items: each
+/// capability item's answer under its function's name, so a backend's test
+/// pins what it offers without running the items (and creating their
+/// sandboxes) a second time.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SuiteReport {
+    capabilities: BTreeMap<&'static str, Capability>,
+}
+
+impl SuiteReport {
+    /// The answer of the optional item named `item` (`port_endpoint`,
+    /// `stop_and_resume`, `network_deny_all`, `host_forward`,
+    /// `network_custom`).
+    ///
+    /// # Panics
+    ///
+    /// On a name the suite has no optional item for: a test asking for it
+    /// would otherwise pin nothing.
+    pub fn capability(&self, item: &str) -> &Capability {
+        self.capabilities.get(item).unwrap_or_else(|| {
+            panic!(
+                "the sandbox suite has no optional item {item:?}; it has {:?}",
+                self.capabilities.keys().collect::<Vec<_>>()
+            )
+        })
+    }
+}
+
 /// Run every contract item with [`SuiteOptions::default`].
-pub async fn run_all(provider: &dyn SandboxProvider, spec: SandboxSpec) -> Result<()> {
+pub async fn run_all(provider: &dyn SandboxProvider, spec: SandboxSpec) -> Result<SuiteReport> {
     run_all_with(provider, spec, &SuiteOptions::default()).await
 }
 
 /// Run every contract item; failures are collected and reported together,
-/// each under the name of the function that found it.
+/// each under the name of the function that found it. On success, the
+/// optional items' answers come back in the [`SuiteReport`].
 pub async fn run_all_with(
     provider: &dyn SandboxProvider,
     spec: SandboxSpec,
     options: &SuiteOptions,
-) -> Result<()> {
-    let mut failures: Vec<String> = Vec::new();
-    // Items run one after another, so the time since the previous record
-    // is this item's: printed so a slow provider shows where it is slow.
-    let mut previous = Instant::now();
-    let mut record = |name: &str, result: Result<()>| {
-        eprintln!(
-            "sandbox suite [{}] {name}: {:.2} s",
-            provider.name(),
-            previous.elapsed().as_secs_f64()
-        );
-        previous = Instant::now();
-        if let Err(e) = result {
-            failures.push(format!("{name}: {e:#}"));
-        }
-    };
-
+) -> Result<SuiteReport> {
+    let mut suite = Recorder::new(provider);
     let sandbox = provider
         .create(&spec)
         .await
         .context("creating the sandbox for the suite")?;
     let sb = sandbox.as_ref();
-    record(
+    suite.record(
         "exec_streams_stdout_stderr_and_one_exit",
         exec_streams_stdout_stderr_and_one_exit(sb).await,
     );
-    record("exec_exit_codes", exec_exit_codes(sb).await);
-    record("exec_cwd", exec_cwd(sb).await);
-    record("exec_stdin", exec_stdin(sb).await);
-    record(
+    suite.record("exec_exit_codes", exec_exit_codes(sb).await);
+    suite.record("exec_cwd", exec_cwd(sb).await);
+    suite.record("exec_stdin", exec_stdin(sb).await);
+    suite.record(
         "exec_streams_before_exit",
         exec_streams_before_exit(sb).await,
     );
-    record("exec_timeout_kills_tree", exec_timeout_kills_tree(sb).await);
-    record("exec_abort_kills_tree", exec_abort_kills_tree(sb).await);
-    record("files_round_trip", files_round_trip(sb).await);
-    record("read_file_from_offset", read_file_from_offset(sb).await);
-    record("tar_round_trip", tar_round_trip(sb).await);
-    record("tree_checkpoints", tree_checkpoints(sb).await);
-    record(
+    suite.record("exec_timeout_kills_tree", exec_timeout_kills_tree(sb).await);
+    suite.record("exec_abort_kills_tree", exec_abort_kills_tree(sb).await);
+    suite.record("files_round_trip", files_round_trip(sb).await);
+    suite.record("read_file_from_offset", read_file_from_offset(sb).await);
+    suite.record("tar_round_trip", tar_round_trip(sb).await);
+    suite.record("tree_checkpoints", tree_checkpoints(sb).await);
+    suite.record(
         "native_listing_matches_find",
         native_listing_matches_find(sb).await,
     );
-    record(
+    suite.record(
         "paths_export_matches_gnu_tar",
         paths_export_matches_gnu_tar(sb).await,
     );
-    record(
+    suite.record(
         "import_refuses_escaping_entries",
         import_refuses_escaping_entries(sb).await,
     );
-    record(
+    suite.record(
         "import_refuses_hostile_entries",
         import_refuses_hostile_entries(sb).await,
     );
-    record(
+    suite.record(
         "restore_refuses_hostile_archives",
         restore_refuses_hostile_archives(sb).await,
     );
-    record(
+    suite.record(
         "restore_refuses_decompression_bombs",
         restore_refuses_decompression_bombs(sb).await,
     );
-    record(
+    suite.record(
         "import_takes_no_owners_from_the_archive",
         import_takes_no_owners_from_the_archive(sb).await,
     );
-    record("unicode_names", unicode_names(sb).await);
-    record("concurrent_execs", concurrent_execs(sb).await);
-    record(
+    suite.record("unicode_names", unicode_names(sb).await);
+    suite.record("concurrent_execs", concurrent_execs(sb).await);
+    suite.record(
         "slow_reader_of_large_output",
         slow_reader_of_large_output(sb).await,
     );
-    record("detached_processes", detached_processes(sb).await);
-    record(
+    suite.record("detached_processes", detached_processes(sb).await);
+    suite.record(
         "a_second_launch_in_one_spool_returns_the_first",
         a_second_launch_in_one_spool_returns_the_first(sb).await,
     );
     if options.large_file_bytes > 0 {
-        record(
+        suite.record(
             "large_file_round_trip",
             large_file_round_trip(sb, "suite/large.bin", options.large_file_bytes)
                 .await
                 .map(|_| ()),
         );
     }
-    record(
+    suite.record(
         "destroy (suite sandbox)",
         sandbox.destroy().await.map_err(Into::into),
     );
+    record_provider_items(&mut suite, provider, &spec, options).await;
+    suite.finish()
+}
 
-    record("exec_env", exec_env(provider, &spec).await);
-    record(
-        "detach_and_resume",
-        detach_and_resume(provider, &spec).await,
-    );
-    record(
+/// The items about what the provider does with sandboxes rather than what
+/// one sandbox does — `exec_env`, `detach_and_resume`,
+/// `destroy_is_idempotent`, `a_slot_replaces_its_leftover` and the
+/// optional items — each on sandboxes it creates: the second half of
+/// [`run_all_with`], and what a variant of a provider that creates another
+/// way (a pool of ready containers) runs beside [`command_and_file_items`]
+/// on one of its sandboxes.
+pub async fn provider_items(
+    provider: &dyn SandboxProvider,
+    spec: &SandboxSpec,
+    options: &SuiteOptions,
+) -> Result<SuiteReport> {
+    let mut suite = Recorder::new(provider);
+    record_provider_items(&mut suite, provider, spec, options).await;
+    suite.finish()
+}
+
+async fn record_provider_items(
+    suite: &mut Recorder,
+    provider: &dyn SandboxProvider,
+    spec: &SandboxSpec,
+    options: &SuiteOptions,
+) {
+    suite.record("exec_env", exec_env(provider, spec).await);
+    suite.record("detach_and_resume", detach_and_resume(provider, spec).await);
+    suite.record(
         "destroy_is_idempotent",
-        destroy_is_idempotent(provider, &spec).await,
+        destroy_is_idempotent(provider, spec).await,
     );
-    record(
+    suite.record(
         "a_slot_replaces_its_leftover",
-        a_slot_replaces_its_leftover(provider, &spec).await,
+        a_slot_replaces_its_leftover(provider, spec).await,
     );
-    record(
-        "port_endpoint",
-        port_endpoint(provider, &spec).await.map(|_| ()),
-    );
-    record(
-        "stop_and_resume",
-        stop_and_resume(provider, &spec).await.map(|_| ()),
-    );
-    record(
+    suite.optional("port_endpoint", port_endpoint(provider, spec).await);
+    suite.optional("stop_and_resume", stop_and_resume(provider, spec).await);
+    suite.optional(
         "network_deny_all",
-        network_deny_all(provider, &spec, options).await.map(|_| ()),
+        network_deny_all(provider, spec, options).await,
     );
-    record(
-        "host_forward",
-        host_forward(provider, &spec).await.map(|_| ()),
-    );
-    record(
+    suite.optional("host_forward", host_forward(provider, spec).await);
+    suite.optional(
         "network_custom",
-        network_custom(provider, &spec, options).await.map(|_| ()),
+        network_custom(provider, spec, options).await,
     );
+}
 
-    if failures.is_empty() {
-        Ok(())
-    } else {
-        bail!(
-            "{} sandbox contract item(s) failed for provider {:?}:\n  - {}",
-            failures.len(),
-            provider.name(),
-            failures.join("\n  - ")
-        )
+/// What a run of items found so far: the failures, each under its item's
+/// name, and the optional items' answers.
+struct Recorder {
+    provider: String,
+    failures: Vec<String>,
+    report: SuiteReport,
+    /// Items run one after another, so the time since the previous record
+    /// is this item's: printed so a slow provider shows where it is slow.
+    previous: Instant,
+}
+
+impl Recorder {
+    fn new(provider: &dyn SandboxProvider) -> Recorder {
+        Recorder {
+            provider: provider.name().to_string(),
+            failures: Vec::new(),
+            report: SuiteReport::default(),
+            previous: Instant::now(),
+        }
+    }
+
+    fn record(&mut self, name: &str, result: Result<()>) {
+        eprintln!(
+            "sandbox suite [{}] {name}: {:.2} s",
+            self.provider,
+            self.previous.elapsed().as_secs_f64()
+        );
+        self.previous = Instant::now();
+        if let Err(e) = result {
+            self.failures.push(format!("{name}: {e:#}"));
+        }
+    }
+
+    fn optional(&mut self, name: &'static str, answer: Result<Capability>) {
+        let answer = answer.map(|capability| {
+            self.report.capabilities.insert(name, capability);
+        });
+        self.record(name, answer);
+    }
+
+    fn finish(self) -> Result<SuiteReport> {
+        if self.failures.is_empty() {
+            Ok(self.report)
+        } else {
+            bail!(
+                "{} sandbox contract item(s) failed for provider {:?}:\n  - {}",
+                self.failures.len(),
+                self.provider,
+                self.failures.join("\n  - ")
+            )
+        }
     }
 }
 
