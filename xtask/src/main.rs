@@ -4,6 +4,7 @@
 mod agents;
 mod bench;
 mod beside;
+mod cargo_tools;
 mod chaos;
 mod ci;
 mod deny;

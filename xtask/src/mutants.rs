@@ -130,16 +130,26 @@ pub fn bin() -> PathBuf {
 /// Install cargo-mutants unless this version is there (a debug build: it
 /// only orchestrates, and compiles in under a minute on two cores).
 pub fn install() -> Result<()> {
-    let bin = bin();
-    if bin.exists() {
-        println!("{} is installed", bin.display());
-        return Ok(());
+    match install_command() {
+        Some(mut cmd) => util::run(&mut cmd),
+        None => {
+            println!("{} is installed", bin().display());
+            Ok(())
+        }
     }
-    let root = bin
-        .parent()
-        .and_then(Path::parent)
-        .expect("tools/<name>/bin");
-    crate::worker::cargo_install("cargo-mutants", VERSION, root, true)
+}
+
+/// The `cargo install` of cargo-mutants, or `None` when it is there.
+pub(crate) fn install_command() -> Option<Command> {
+    let bin = bin();
+    (!bin.exists()).then(|| {
+        crate::worker::cargo_install(
+            "cargo-mutants",
+            VERSION,
+            crate::worker::tool_root(&bin),
+            true,
+        )
+    })
 }
 
 /// CI's step: `--ci`.

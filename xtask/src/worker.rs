@@ -131,7 +131,8 @@ fn npm_version(package_json: &Path) -> Option<String> {
     value["version"].as_str().map(str::to_string)
 }
 
-pub(crate) fn cargo_install(krate: &str, version: &str, root: &Path, locked: bool) -> Result<()> {
+/// The `cargo install` of a tool into `root` (`$HARNESS_CACHE/tools/…`).
+pub(crate) fn cargo_install(krate: &str, version: &str, root: &Path, locked: bool) -> Command {
     let mut cmd = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
     // --debug: these tools only orchestrate (wasm-bindgen's pass over a
     // 3.4 MB module takes seconds either way), and an optimised build costs
@@ -139,11 +140,45 @@ pub(crate) fn cargo_install(krate: &str, version: &str, root: &Path, locked: boo
     // docs/cloudflare-worker.md).
     cmd.args(["install", krate, "--version", version, "--debug", "--root"])
         .arg(root)
-        .env("CARGO_TARGET_DIR", util::cargo_target_dir());
+        // A target directory of their own: the installs keep what they
+        // built for the next version bump, and never wait for (or hold)
+        // the workspace's build lock, so CI builds them beside other
+        // steps (`cargo_tools.rs`).
+        .env("CARGO_TARGET_DIR", util::cargo_target_dir().join("tools"));
     if locked {
         cmd.arg("--locked");
     }
-    run(&mut cmd)
+    cmd
+}
+
+/// The `cargo install`s of the Worker's tools that are missing or at
+/// another version: worker-build, then wasm-bindgen-cli.
+pub(crate) fn missing_cargo_tools() -> Result<Vec<(&'static str, Command)>> {
+    let mut missing = Vec::new();
+    let bin = worker_build_bin();
+    if version_of(&bin).is_none_or(|v| !v.ends_with(WORKER_BUILD_VERSION)) {
+        missing.push((
+            "worker-build",
+            cargo_install("worker-build", WORKER_BUILD_VERSION, tool_root(&bin), true),
+        ));
+    }
+    let version = wasm_bindgen_version()?;
+    let bin = wasm_bindgen_bin(&version);
+    if version_of(&bin).is_none_or(|v| v != format!("wasm-bindgen {version}")) {
+        // Not --locked: the CLI's own lock file pins crates that no longer build.
+        missing.push((
+            "wasm-bindgen-cli",
+            cargo_install("wasm-bindgen-cli", &version, tool_root(&bin), false),
+        ));
+    }
+    Ok(missing)
+}
+
+/// `<root>` of `<root>/bin/<tool>`.
+pub(crate) fn tool_root(bin: &Path) -> &Path {
+    bin.parent()
+        .and_then(Path::parent)
+        .expect("the tool's bin/ is under its root")
 }
 
 /// Install every tool that is missing or at another version.
@@ -151,35 +186,18 @@ pub fn deps() -> Result<()> {
     util::timed("worker: rust target wasm32-unknown-unknown", || {
         run(Command::new("rustup").args(["target", "add", "wasm32-unknown-unknown"]))
     })?;
-    util::timed("worker: worker-build", || {
-        let bin = worker_build_bin();
-        let have = version_of(&bin);
-        if have
-            .as_deref()
-            .is_some_and(|v| v.ends_with(WORKER_BUILD_VERSION))
-        {
-            println!("{} is {WORKER_BUILD_VERSION}", bin.display());
-            return Ok(());
+    util::timed("worker: worker-build and wasm-bindgen-cli", || {
+        let missing = missing_cargo_tools()?;
+        if missing.is_empty() {
+            println!(
+                "worker-build {WORKER_BUILD_VERSION} and wasm-bindgen {} are installed",
+                wasm_bindgen_version()?
+            );
         }
-        let root = bin
-            .parent()
-            .and_then(Path::parent)
-            .expect("bin/ under the root");
-        cargo_install("worker-build", WORKER_BUILD_VERSION, root, true)
-    })?;
-    util::timed("worker: wasm-bindgen-cli", || {
-        let version = wasm_bindgen_version()?;
-        let bin = wasm_bindgen_bin(&version);
-        if version_of(&bin).is_some_and(|v| v == format!("wasm-bindgen {version}")) {
-            println!("{} is {version}", bin.display());
-            return Ok(());
+        for (_, mut cmd) in missing {
+            run(&mut cmd)?;
         }
-        let root = bin
-            .parent()
-            .and_then(Path::parent)
-            .expect("bin/ under the root");
-        // Not --locked: the CLI's own lock file pins crates that no longer build.
-        cargo_install("wasm-bindgen-cli", &version, root, false)
+        Ok(())
     })?;
     util::timed("worker: wrangler (npm)", || {
         let have = npm_version(&wrangler_root().join("node_modules/wrangler/package.json"));
