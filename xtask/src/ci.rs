@@ -249,7 +249,7 @@ fn run_step(
         Step::Microvm => microvm::build(false).map(|_| ()),
         Step::Agents => agents::install_all().map(|_| ()),
         Step::Worker => tools
-            .wait()
+            .wait_for(Step::Worker)
             .and_then(|()| worker::deps())
             .and_then(|()| worker::build(false, true))
             .and_then(|()| worker::build(false, false)),
@@ -279,7 +279,9 @@ fn run_step(
         }
         Step::Matrix => run_matrix(matrix::MATRIX, require_real, counts),
         Step::Fuzz => fuzz::smoke(),
-        Step::Mutants => tools.wait().and_then(|()| crate::mutants::run_ci()),
+        Step::Mutants => tools
+            .wait_for(Step::Mutants)
+            .and_then(|()| crate::mutants::run_ci()),
     }
 }
 
