@@ -159,6 +159,7 @@ enum ServiceName {
 }
 
 fn main() -> ExitCode {
+    util::forget_cargo_run_env();
     util::trust_system_cas_in_node();
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,

@@ -54,7 +54,12 @@ pub fn rust_files(roots: Vec<PathBuf>) -> Result<Vec<PathBuf>> {
 /// value baked in at build time names whichever checkout built this binary
 /// (another clone sharing the cached target directory would otherwise run
 /// its own sources).
+/// [`forget_cargo_run_env`] hands it on to the xtask processes this one
+/// starts as `HARNESS_XTASK_ROOT`.
 pub fn repo_root() -> PathBuf {
+    if let Some(root) = std::env::var_os(XTASK_ROOT) {
+        return PathBuf::from(root);
+    }
     let manifest_dir = std::env::var_os("CARGO_MANIFEST_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")));
@@ -62,6 +67,43 @@ pub fn repo_root() -> PathBuf {
         .parent()
         .expect("xtask lives one level below the workspace root")
         .to_path_buf()
+}
+
+/// The workspace root, as the first xtask process of a command found it.
+const XTASK_ROOT: &str = "HARNESS_XTASK_ROOT";
+
+/// Take out of this process's environment what `cargo run` (so `cargo
+/// xtask`) set for the xtask binary itself — `CARGO_MANIFEST_DIR`,
+/// `CARGO_PKG_*`, `CARGO_CRATE_NAME`… — keeping the workspace root as
+/// `HARNESS_XTASK_ROOT` for [`repo_root`].
+///
+/// Every cargo the xtask runs inherited them, and a build script that reads
+/// one is rerun when its value changes: ring's reads `CARGO_MANIFEST_DIR`
+/// and `CARGO_PKG_NAME` through `rerun-if-env-changed`, so a CI run from
+/// another clone's path (`/tmp/freshM/xtask` after `/tmp/freshL/xtask`), or
+/// a `cargo clippy` typed by hand after `cargo xtask ci`, rebuilt ring and
+/// everything above it — rustls, reqwest, tonic, the Temporal SDK and most
+/// workspace crates, in clippy and again in the tests (warm run L's test
+/// build: 4m20s).
+pub fn forget_cargo_run_env() {
+    if std::env::var_os(XTASK_ROOT).is_none() {
+        std::env::set_var(XTASK_ROOT, repo_root());
+    }
+    let set_by_cargo_run = |key: &str| {
+        key.starts_with("CARGO_PKG_")
+            || key.starts_with("CARGO_MANIFEST_")
+            || matches!(
+                key,
+                "CARGO_CRATE_NAME" | "CARGO_BIN_NAME" | "CARGO_PRIMARY_PACKAGE" | "OUT_DIR"
+            )
+    };
+    let keys: Vec<_> = std::env::vars_os()
+        .filter_map(|(key, _)| key.into_string().ok())
+        .filter(|key| set_by_cargo_run(key))
+        .collect();
+    for key in keys {
+        std::env::remove_var(key);
+    }
 }
 
 /// True when running under CI (`CI=true`, as CI sets it).
