@@ -101,15 +101,7 @@ impl Beside {
         let log = util::cargo_target_dir().join("ci-beside.log");
         let out = File::create(&log).with_context(|| format!("creating {}", log.display()))?;
         let err = out.try_clone()?;
-        // The idle classes, where the tools exist (util-linux); plain
-        // otherwise: still correct, only less polite to the tests.
-        let mut cmd = if util::which("chrt").is_some() && util::which("ionice").is_some() {
-            let mut c = Command::new("chrt");
-            c.args(["--idle", "0", "ionice", "-c", "3"]).arg(&exe);
-            c
-        } else {
-            Command::new(&exe)
-        };
+        let mut cmd = util::idle_priority(Command::new(&exe));
         let only = self
             .steps
             .iter()
@@ -185,8 +177,7 @@ impl Beside {
     /// would come after the run's own.
     pub fn abandon(&mut self) {
         if let Some(mut running) = self.running.take() {
-            let group = format!("-{}", running.child.id());
-            let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
+            util::kill_group(running.child.id());
             let _ = running.child.kill();
             let _ = running.child.wait();
             println!(

@@ -97,7 +97,7 @@ impl CargoTools {
         if steps.contains(&Step::Mutants) {
             installs.extend(crate::mutants::install_command().map(|cmd| Install {
                 name: "cargo-mutants",
-                cmd: idle(cmd),
+                cmd: util::idle_priority(cmd),
                 step: Step::Mutants,
             }));
         }
@@ -158,9 +158,7 @@ impl CargoTools {
     pub fn abandon(&mut self) {
         if let Some(shared) = self.shared.take() {
             if let Some(pid) = shared.lock().current {
-                let _ = Command::new("kill")
-                    .args(["-KILL", "--", &format!("-{pid}")])
-                    .status();
+                util::kill_group(pid);
                 println!(
                     "==> stopped the cargo install under way (output in {})",
                     self.log.display()
@@ -168,25 +166,6 @@ impl CargoTools {
             }
         }
     }
-}
-
-/// `cmd` under the idle scheduling class, where util-linux has the tools.
-fn idle(cmd: Command) -> Command {
-    if util::which("chrt").is_none() || util::which("ionice").is_none() {
-        return cmd;
-    }
-    let mut wrapped = Command::new("chrt");
-    wrapped
-        .args(["--idle", "0", "ionice", "-c", "3"])
-        .arg(cmd.get_program())
-        .args(cmd.get_args());
-    for (key, value) in cmd.get_envs() {
-        match value {
-            Some(value) => wrapped.env(key, value),
-            None => wrapped.env_remove(key),
-        };
-    }
-    wrapped
 }
 
 fn start(log: &PathBuf, installs: Vec<Install>) -> Result<Arc<Shared>> {

@@ -170,6 +170,36 @@ pub fn trust_system_cas_in_node() {
     }
 }
 
+/// `cmd` under the idle scheduling classes (`chrt --idle 0`, `ionice -c 3`,
+/// inherited by everything it starts), where util-linux has the tools;
+/// `cmd` as it is otherwise: still correct, only less polite to the work
+/// beside it.
+pub fn idle_priority(cmd: Command) -> Command {
+    if which("chrt").is_none() || which("ionice").is_none() {
+        return cmd;
+    }
+    let mut wrapped = Command::new("chrt");
+    wrapped
+        .args(["--idle", "0", "ionice", "-c", "3"])
+        .arg(cmd.get_program())
+        .args(cmd.get_args());
+    for (key, value) in cmd.get_envs() {
+        match value {
+            Some(value) => wrapped.env(key, value),
+            None => wrapped.env_remove(key),
+        };
+    }
+    wrapped
+}
+
+/// SIGKILL the process group `leader` started (with `process_group(0)`):
+/// the cargo and rustc processes under it go too. Best effort.
+pub fn kill_group(leader: u32) {
+    let _ = Command::new("kill")
+        .args(["-KILL", "--", &format!("-{leader}")])
+        .status();
+}
+
 /// Run a command with inherited stdio; error if it fails.
 pub fn run(cmd: &mut Command) -> Result<()> {
     println!("$ {}", display(cmd));
