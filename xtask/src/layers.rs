@@ -109,6 +109,47 @@ fn kernel_sources() -> Result<Vec<String>> {
     Ok(out)
 }
 
+/// The one file allowed to read the compiled-in checkout path
+/// (`harness_testkit::checkout`, which prefers the one cargo sets when the
+/// test runs).
+pub const CHECKOUT_READER: &str = "crates/harness-testkit/src/checkout.rs";
+
+/// Lines of `source` that compile the checkout's path into a binary
+/// (`env!("CARGO_MANIFEST_DIR")`), as `path:line: …`. A test binary built
+/// in one clone is reused, unbuilt, by another clone sharing the target
+/// directory: a compiled-in path then names the first clone (a README test
+/// read another clone's README). Comments are not read.
+pub fn compiled_paths(path: &str, source: &str) -> Vec<String> {
+    const CALL: &str = concat!("env!(\"CARGO_", "MANIFEST_DIR\")");
+    if path == CHECKOUT_READER {
+        return Vec::new();
+    }
+    source
+        .lines()
+        .enumerate()
+        .filter(|(_, line)| !line.trim_start().starts_with("//") && line.contains(CALL))
+        .map(|(i, _)| {
+            format!(
+                "{path}:{}: compiles in the checkout's path (env!(\"CARGO_MANIFEST_DIR\")): \
+                 use harness_testkit::checkout, which reads the one cargo sets at run time",
+                i + 1
+            )
+        })
+        .collect()
+}
+
+/// [`compiled_paths`] over every source file under `crates/`.
+fn compiled_path_sources() -> Result<Vec<String>> {
+    let root = util::repo_root();
+    let mut out = Vec::new();
+    for path in util::rust_files(vec![root.join("crates")])? {
+        let text = std::fs::read_to_string(&path)?;
+        let shown = path.strip_prefix(&root).unwrap_or(&path);
+        out.extend(compiled_paths(&shown.display().to_string(), &text));
+    }
+    Ok(out)
+}
+
 /// One dependency edge of a workspace crate, as declared.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Dep {
@@ -292,6 +333,7 @@ pub fn check() -> Result<()> {
     let graph = graph_from_metadata(&metadata)?;
     let mut broken = violations(&graph);
     broken.extend(kernel_sources()?);
+    broken.extend(compiled_path_sources()?);
     broken.extend(crate::fn_length::over_limit()?);
     println!(
         "layers: {} crates, harness-core pulls in {} crates",
@@ -438,6 +480,16 @@ mod tests {
         assert!(kernel_calls("core/y.rs", "fn f(clock: &dyn Clock) {}\n").is_empty());
     }
 
+    #[test]
+    fn a_compiled_in_checkout_path_is_caught_outside_the_checkout_reader() {
+        let call = concat!("env!(\"CARGO_", "MANIFEST_DIR\")");
+        let source = format!("// {call} in a comment\nfn f() {{ let _ = {call}; }}\n");
+        let found = compiled_paths("crates/x/tests/readme.rs", &source);
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert!(found[0].starts_with("crates/x/tests/readme.rs:2: compiles in"));
+        assert!(compiled_paths(CHECKOUT_READER, &source).is_empty());
+    }
+
     /// The real workspace's metadata reads into the graph the rules need
     /// (run `cargo metadata` here: no build).
     #[test]
@@ -448,6 +500,7 @@ mod tests {
         assert!(graph.core_closure.iter().any(|(n, _)| n == "serde"));
         assert_eq!(violations(&graph), Vec::<String>::new());
         assert_eq!(kernel_sources().unwrap(), Vec::<String>::new());
+        assert_eq!(compiled_path_sources().unwrap(), Vec::<String>::new());
         assert_eq!(
             crate::fn_length::over_limit().unwrap(),
             Vec::<String>::new()

@@ -597,7 +597,7 @@ pub fn approval_server_binary() -> Option<std::path::PathBuf> {
     let status = std::process::Command::new(cargo)
         .args(["build", "-q", "-p", "harness-approval-mcp", "--target-dir"])
         .arg(&helpers)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .current_dir(harness_testkit::checkout::root())
         .status();
     if !matches!(status, Ok(s) if s.success()) {
         harness_testkit::skip_or_fail(&format!(

@@ -52,7 +52,7 @@ fn refused(file: &str, markdown: &str) -> Vec<String> {
 }
 
 fn docs() -> Vec<(String, String)> {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let root = harness_testkit::checkout::root();
     let mut files = vec![root.join("README.md")];
     let mut more: Vec<_> = std::fs::read_dir(root.join("docs"))
         .unwrap()

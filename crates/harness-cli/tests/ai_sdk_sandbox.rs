@@ -68,7 +68,7 @@ fn script() -> Script {
 }
 
 fn package_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packages/ai-sdk")
+    harness_testkit::checkout::path("packages/ai-sdk")
 }
 
 /// The package built from this checkout (`tsc`), its own tests run, in a

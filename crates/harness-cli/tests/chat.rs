@@ -55,7 +55,7 @@ fn script() -> Script {
 }
 
 fn example_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/chat")
+    harness_testkit::checkout::path("examples/chat")
 }
 
 /// The example app copied from this checkout with the helper it imports

@@ -233,7 +233,7 @@ fn run_readme(readme: &str, dir: &Path) -> Result<Ran, String> {
 }
 
 fn readme() -> String {
-    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md")).unwrap()
+    std::fs::read_to_string(harness_testkit::checkout::path("README.md")).unwrap()
 }
 
 fn parts_present() -> bool {

@@ -36,7 +36,7 @@ fn build_helper(package: &str) -> Result<PathBuf, String> {
     let status = Command::new(cargo)
         .args(["build", "-q", "-p", package, "--target-dir"])
         .arg(&helpers)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .current_dir(crate::checkout::root())
         .status()
         .map_err(|e| format!("running cargo to build {package}: {e}"))?;
     if !status.success() {

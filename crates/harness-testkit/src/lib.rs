@@ -10,6 +10,8 @@
 //!   the one scripted part in end-to-end tests with the real agent CLIs;
 //! - [`real`]: the skip-or-fail rule for tests that need real parts;
 //! - [`gate`]: the sandbox gate binary, built for the tests that need it;
+//! - [`checkout`]: the checkout under test, found when the test runs (not
+//!   the clone the test binary was compiled in);
 //! - [`bridge`]: a Cloudflare Sandbox bridge API server over real sandboxes,
 //!   checking every request and response against the bridge's OpenAPI
 //!   document (the `sandbox-cloudflare` provider's tests);
@@ -27,6 +29,7 @@
 pub mod agent;
 pub mod ai_sdk;
 pub mod bridge;
+pub mod checkout;
 pub mod conformance;
 pub mod decorated;
 pub mod docs;

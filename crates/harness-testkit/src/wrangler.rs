@@ -64,7 +64,7 @@ pub struct WranglerDev {
 /// `crates/harness-worker`.
 fn worker_crate() -> &'static Path {
     static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    DIR.get_or_init(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../harness-worker"))
+    DIR.get_or_init(|| crate::checkout::path("crates/harness-worker"))
 }
 
 /// The Worker's test build (`cargo xtask worker build --test-routes`,

@@ -154,13 +154,13 @@ fn object_bytes(state: &Path) -> u64 {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    let worker_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let worker_dir = harness_testkit::checkout::path("crates/harness-worker");
     let state = std::env::temp_dir().join(format!("harness-do-bench-{}", std::process::id()));
     let tokens = session_api::token_table().to_string();
     let dev = {
         let state = state.clone();
         tokio::task::spawn_blocking(move || {
-            WranglerDev::start_with_state(worker_dir, &[("HARNESS_TOKENS", tokens)], &state)
+            WranglerDev::start_with_state(&worker_dir, &[("HARNESS_TOKENS", tokens)], &state)
         })
         .await
         .expect("start task")

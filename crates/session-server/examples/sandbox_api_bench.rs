@@ -43,7 +43,7 @@ fn cache_dir() -> PathBuf {
 }
 
 fn package_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packages/ai-sdk")
+    harness_testkit::checkout::path("packages/ai-sdk")
 }
 
 /// The npm package built from this checkout into a temp dir; the bench

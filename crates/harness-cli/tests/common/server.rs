@@ -115,7 +115,7 @@ fn helper_binary(env_var: &str, package: &str) -> Option<PathBuf> {
     let built = Command::new(cargo)
         .args(["build", "-q", "-p", package, "--target-dir"])
         .arg(&helpers)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .current_dir(harness_testkit::checkout::root())
         .status();
     if !matches!(built, Ok(s) if s.success()) {
         skip_or_fail(&format!("could not build {package}"));
