@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use common::sandboxes::{fresh_local, wall_clock};
+use common::{fresh_local, wall_clock};
 use harness_core::checkpoint::{CheckpointStore, MemoryCheckpointStore, ObjectMeta};
 use harness_core::sandbox::Sandbox;
 use harness_core::stream::ByteStream;

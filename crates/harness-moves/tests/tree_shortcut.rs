@@ -14,7 +14,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use common::sandboxes::{fresh_local, wall_clock};
+use common::{fresh_local, wall_clock};
 use harness_core::checkpoint::MemoryCheckpointStore;
 use harness_moves::tree::{checkpoint_tree, restore_tree, TreeCheckpointInfo};
 use sandbox_local::LocalProvider;
