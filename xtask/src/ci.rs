@@ -379,6 +379,10 @@ fn nextest(
         println!("  {k}={v}");
         cmd.env(k, v);
     }
+    for (k, bin) in crate::helpers::prebuilt()? {
+        println!("  {k}={}", bin.display());
+        cmd.env(k, bin);
+    }
     let skip_log = util::cache_dir().join("skips").join(format!(
         "{}-{}.log",
         std::process::id(),

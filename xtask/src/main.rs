@@ -12,6 +12,7 @@ mod deps;
 mod env;
 mod fn_length;
 mod fuzz;
+mod helpers;
 mod image;
 mod layers;
 mod matrix;

@@ -581,35 +581,13 @@ pub async fn child_main(harness: &dyn Harness) -> bool {
     true
 }
 
-/// The approval server binary: `$HARNESS_APPROVAL_MCP_BIN`, else built with
-/// cargo on its own into `<target>/helpers` (a test of another crate cannot
-/// name a binary of this workspace as an artifact; and the copy in the
-/// target directory proper is swapped for builds with other features,
-/// each a new bootstrap identity).
+/// The approval server binary (`harness_testkit::gate::helper_binary`:
+/// `$HARNESS_APPROVAL_MCP_BIN`, else built with cargo into
+/// `<target>/helpers`), or `None` after a skip.
 pub fn approval_server_binary() -> Option<std::path::PathBuf> {
-    if let Some(p) = std::env::var_os("HARNESS_APPROVAL_MCP_BIN").filter(|p| !p.is_empty()) {
-        return Some(p.into());
+    let found = harness_testkit::gate::helper_binary("harness-approval-mcp");
+    if found.is_none() {
+        harness_testkit::skip_or_fail("could not build harness-approval-mcp");
     }
-    // target/<profile>/deps/<test exe> → target/helpers
-    let exe = std::env::current_exe().ok()?;
-    let helpers = exe.parent()?.parent()?.parent()?.join("helpers");
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let status = std::process::Command::new(cargo)
-        .args(["build", "-q", "-p", "harness-approval-mcp", "--target-dir"])
-        .arg(&helpers)
-        .current_dir(harness_testkit::checkout::root())
-        .status();
-    if !matches!(status, Ok(s) if s.success()) {
-        harness_testkit::skip_or_fail(&format!(
-            "could not build harness-approval-mcp ({status:?})"
-        ));
-        return None;
-    }
-    let bin = helpers.join("debug").join("harness-approval-mcp");
-    if bin.is_file() {
-        Some(bin)
-    } else {
-        harness_testkit::skip_or_fail(&format!("no approval server at {}", bin.display()));
-        None
-    }
+    found
 }

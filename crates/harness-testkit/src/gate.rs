@@ -3,29 +3,54 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::OnceLock;
 
 use crate::real::skip_or_fail;
 
-/// The gate binary: `$HARNESS_SANDBOX_GATE_BIN`, else the workspace's
-/// `harness-sandbox-gate` package built now, on its own, into
-/// `<target>/helpers` (not beside the test binaries, where another cargo
-/// command could swap it mid-test). Built once per test process. `None`
-/// (after [`skip_or_fail`]) when it cannot be built.
+/// The gate binary ([`helper_binary`]); `None` (after [`skip_or_fail`])
+/// when it cannot be built.
 pub fn gate_binary() -> Option<PathBuf> {
-    static GATE: OnceLock<Option<PathBuf>> = OnceLock::new();
-    let found = GATE.get_or_init(|| {
-        if let Some(p) = std::env::var_os("HARNESS_SANDBOX_GATE_BIN").filter(|p| !p.is_empty()) {
-            return Some(p.into());
-        }
-        build_helper("harness-sandbox-gate")
-            .map_err(|e| eprintln!("{e}"))
-            .ok()
-    });
+    let found = helper_binary("harness-sandbox-gate");
     if found.is_none() {
         skip_or_fail("could not build the harness-sandbox-gate binary");
     }
-    found.clone()
+    found
+}
+
+/// The workspace's binaries tests hand to the processes they start.
+pub const HELPERS: [&str; 3] = [
+    "harness-sandbox-gate",
+    "harness-approval-mcp",
+    "harness-relay-mcp",
+];
+
+/// The variable that names a prebuilt `package` binary:
+/// `harness-sandbox-gate` → `HARNESS_SANDBOX_GATE_BIN`.
+pub fn helper_env(package: &str) -> String {
+    let name = package.trim_start_matches("harness-");
+    format!("HARNESS_{}_BIN", name.to_uppercase().replace('-', "_"))
+}
+
+/// A helper binary of this workspace ([`HELPERS`]): the one its variable
+/// ([`helper_env`]) names — `cargo xtask ci` builds them once before the
+/// tests and sets it — else `package` built now, on its own, into
+/// `<target>/helpers`, once per test process. Not the copy beside the test
+/// binaries: another cargo command could swap it mid-test for a build
+/// with other features (and a helper is hashed into every sandbox's
+/// bootstrap identity, so each swap meant a new bootstrap). `None` when it
+/// cannot be built (the reason printed).
+pub fn helper_binary(package: &str) -> Option<PathBuf> {
+    static BUILT: std::sync::Mutex<Vec<(String, Option<PathBuf>)>> =
+        std::sync::Mutex::new(Vec::new());
+    if let Some(p) = std::env::var_os(helper_env(package)).filter(|p| !p.is_empty()) {
+        return Some(p.into());
+    }
+    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, found)) = built.iter().find(|(name, _)| name == package) {
+        return found.clone();
+    }
+    let found = build_helper(package).map_err(|e| eprintln!("{e}")).ok();
+    built.push((package.to_string(), found.clone()));
+    found
 }
 
 /// `cargo build -p <package> --target-dir <target>/helpers`; the binary.

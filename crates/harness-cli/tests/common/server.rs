@@ -89,46 +89,28 @@ pub async fn docker_parts() -> Option<(String, IpAddr)> {
 
 /// The approval MCP server, built into this test's target directory.
 pub fn approval_server() -> Option<PathBuf> {
-    helper_binary("HARNESS_APPROVAL_MCP_BIN", "harness-approval-mcp")
+    helper_binary("harness-approval-mcp")
 }
 
 /// The host-tool bridge, built into this test's target directory.
 pub fn relay_bridge() -> Option<PathBuf> {
-    helper_binary("HARNESS_RELAY_MCP_BIN", "harness-relay-mcp")
+    helper_binary("harness-relay-mcp")
 }
 
-/// `$env_var`, else the workspace's `package` binary, built now on its
-/// own into `<target>/helpers`. Not the copy next to `harness`: cargo
-/// swaps that one for a build with other features whenever another
-/// command builds the package (a helper is hashed into every sandbox's
-/// bootstrap identity, so each swap meant a new bootstrap).
-fn helper_binary(env_var: &str, package: &str) -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os(env_var).filter(|p| !p.is_empty()) {
-        return Some(p.into());
-    }
-    // target/<profile>/harness → target/helpers
-    let target = Path::new(env!("CARGO_BIN_EXE_harness"))
-        .parent()?
-        .parent()?;
-    let helpers = target.join("helpers");
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let built = Command::new(cargo)
-        .args(["build", "-q", "-p", package, "--target-dir"])
-        .arg(&helpers)
-        .current_dir(harness_testkit::checkout::root())
-        .status();
-    if !matches!(built, Ok(s) if s.success()) {
+/// The workspace's `package` binary (`harness_testkit::gate::helper_binary`),
+/// or `None` after a skip.
+fn helper_binary(package: &str) -> Option<PathBuf> {
+    let found = harness_testkit::gate::helper_binary(package);
+    if found.is_none() {
         skip_or_fail(&format!("could not build {package}"));
-        return None;
     }
-    let bin = helpers.join("debug").join(package);
-    bin.is_file().then_some(bin)
+    found
 }
 
 /// The sandbox gate (forwards to the model broker; deny-all on local),
 /// built into this test's target directory.
 pub fn sandbox_gate() -> Option<PathBuf> {
-    helper_binary("HARNESS_SANDBOX_GATE_BIN", "harness-sandbox-gate")
+    helper_binary("harness-sandbox-gate")
 }
 
 /// Give a harness child the helper binaries.
