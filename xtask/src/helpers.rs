@@ -26,7 +26,7 @@ pub const HELPERS: [&str; 3] = [
 /// `harness_testkit::gate::helper_env`.
 pub fn env_name(package: &str) -> String {
     let name = package.trim_start_matches("harness-");
-    format!("HARNESS_{}_BIN", name.to_uppercase().replace('-', "_"))
+    format!("HARNESS_TEST_{}_BIN", name.to_uppercase().replace('-', "_"))
 }
 
 /// Every helper built into `<target>/helpers` (where a test would build
@@ -74,8 +74,12 @@ mod tests {
             .expect("gate.rs declares HELPERS");
         let named: Vec<&str> = list.split('"').skip(1).step_by(2).collect();
         assert_eq!(named, HELPERS);
-        assert_eq!(env_name("harness-sandbox-gate"), "HARNESS_SANDBOX_GATE_BIN");
-        assert_eq!(env_name("harness-relay-mcp"), "HARNESS_RELAY_MCP_BIN");
-        assert!(kit.contains(r#"format!("HARNESS_{}_BIN", name.to_uppercase().replace('-', "_"))"#));
+        assert_eq!(
+            env_name("harness-sandbox-gate"),
+            "HARNESS_TEST_SANDBOX_GATE_BIN"
+        );
+        assert_eq!(env_name("harness-relay-mcp"), "HARNESS_TEST_RELAY_MCP_BIN");
+        assert!(kit
+            .contains(r#"format!("HARNESS_TEST_{}_BIN", name.to_uppercase().replace('-', "_"))"#));
     }
 }

@@ -1,5 +1,7 @@
-//! The sandbox gate binary for tests (`harness-sandbox-gate`: network
-//! namespaces and host forwards for the local and docker providers).
+//! The workspace's helper binaries for tests: the sandbox gate
+//! (`harness-sandbox-gate`: network namespaces and host forwards for the
+//! local and docker providers) and the approval and relay MCP servers,
+//! prebuilt by `cargo xtask ci` or built here once per test process.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -23,11 +25,14 @@ pub const HELPERS: [&str; 3] = [
     "harness-relay-mcp",
 ];
 
-/// The variable that names a prebuilt `package` binary:
-/// `harness-sandbox-gate` → `HARNESS_SANDBOX_GATE_BIN`.
+/// The variable that names a prebuilt `package` binary to the tests:
+/// `harness-sandbox-gate` → `HARNESS_TEST_SANDBOX_GATE_BIN`. Not the
+/// product's own variables (`HARNESS_SANDBOX_GATE_BIN`…): set for every
+/// test, those would change what the code under test finds (a local
+/// provider with no gate named refuses deny-all, and a test checks it).
 pub fn helper_env(package: &str) -> String {
     let name = package.trim_start_matches("harness-");
-    format!("HARNESS_{}_BIN", name.to_uppercase().replace('-', "_"))
+    format!("HARNESS_TEST_{}_BIN", name.to_uppercase().replace('-', "_"))
 }
 
 /// A helper binary of this workspace ([`HELPERS`]): the one its variable

@@ -9,7 +9,8 @@
 //! - [`model`]: scripted Anthropic Messages and OpenAI Responses servers,
 //!   the one scripted part in end-to-end tests with the real agent CLIs;
 //! - [`real`]: the skip-or-fail rule for tests that need real parts;
-//! - [`gate`]: the sandbox gate binary, built for the tests that need it;
+//! - [`gate`]: the sandbox gate and the other helper binaries tests start,
+//!   prebuilt by `cargo xtask ci` or built for the tests that need them;
 //! - [`checkout`]: the checkout under test, found when the test runs (not
 //!   the clone the test binary was compiled in);
 //! - [`bridge`]: a Cloudflare Sandbox bridge API server over real sandboxes,
