@@ -99,12 +99,18 @@ pub fn kernel_calls(path: &str, source: &str) -> Vec<String> {
 
 /// [`kernel_calls`] over every source file of `harness-core`.
 fn kernel_sources() -> Result<Vec<String>> {
+    scan_sources("crates/harness-core/src", kernel_calls)
+}
+
+/// `check(path, source)` over every Rust file under `dir` (relative to the
+/// workspace root; paths shown relative to it too), the findings joined.
+fn scan_sources(dir: &str, check: fn(&str, &str) -> Vec<String>) -> Result<Vec<String>> {
     let root = util::repo_root();
     let mut out = Vec::new();
-    for path in util::rust_files(vec![root.join("crates/harness-core/src")])? {
+    for path in util::rust_files(vec![root.join(dir)])? {
         let text = std::fs::read_to_string(&path)?;
         let shown = path.strip_prefix(&root).unwrap_or(&path);
-        out.extend(kernel_calls(&shown.display().to_string(), &text));
+        out.extend(check(&shown.display().to_string(), &text));
     }
     Ok(out)
 }
@@ -140,14 +146,7 @@ pub fn compiled_paths(path: &str, source: &str) -> Vec<String> {
 
 /// [`compiled_paths`] over every source file under `crates/`.
 fn compiled_path_sources() -> Result<Vec<String>> {
-    let root = util::repo_root();
-    let mut out = Vec::new();
-    for path in util::rust_files(vec![root.join("crates")])? {
-        let text = std::fs::read_to_string(&path)?;
-        let shown = path.strip_prefix(&root).unwrap_or(&path);
-        out.extend(compiled_paths(&shown.display().to_string(), &text));
-    }
-    Ok(out)
+    scan_sources("crates", compiled_paths)
 }
 
 /// One dependency edge of a workspace crate, as declared.

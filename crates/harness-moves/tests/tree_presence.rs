@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use common::{fresh_local, wall_clock};
+use common::{fresh_local, noise, wall_clock};
 use harness_core::checkpoint::{CheckpointStore, MemoryCheckpointStore, ObjectMeta};
 use harness_core::sandbox::Sandbox;
 use harness_core::stream::ByteStream;
@@ -420,19 +420,6 @@ async fn refused(
         .expect_err(&format!("a restore with {what}"));
     assert!(!Path::new(target).exists(), "{what}: nothing was written");
     err
-}
-
-/// `n` bytes no compressor shrinks (xorshift from `seed`).
-fn noise(n: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
 }
 
 #[tokio::test]

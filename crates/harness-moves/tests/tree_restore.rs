@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use common::{fresh_local, wall_clock};
+use common::{fresh_local, noise, wall_clock};
 use harness_core::checkpoint::{CheckpointStore, MemoryCheckpointStore};
 use harness_core::sandbox::Sandbox;
 use harness_core::ErrorKind;
@@ -89,19 +89,6 @@ fn write(root: &Path, rel: &str, content: &[u8], mode: u32) {
         .unwrap()
         .set_modified(then)
         .unwrap();
-}
-
-/// Bytes no compressor shrinks much, so a large file is several chunks.
-fn noise(n: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
 }
 
 /// A tree with one of each thing a restore writes differently.

@@ -22,3 +22,17 @@ pub fn wall_clock() -> harness_core::clock::FnClock<impl Fn() -> u64 + Send + Sy
             .as_millis() as u64
     })
 }
+
+/// `n` bytes no compressor shrinks (xorshift from `seed`): a large file of
+/// them is several chunks, and a pack of them is as large as its files.
+pub fn noise(n: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
