@@ -305,6 +305,9 @@ async fn many_small_files_travel_in_a_pack_and_restore_with_one_ranged_read() {
     );
     assert_eq!(counted.packs.heads, 1, "the pack is there, and whole");
     assert_eq!(counted.blobs.gets + counted.blobs.ranged_gets, 0);
+    // Many chunks: the packs' index is read first and answers for every
+    // one, so no blob is asked for (neither a `HEAD` nor a listing).
+    assert_eq!(counted.blobs.heads + counted.blobs.listings, 0);
 
     // Another sandbox, the same files and one more, no parent: the packed
     // chunks are found through the packs' indexes, and the one new chunk

@@ -167,12 +167,19 @@ impl Pair {
     }
 }
 
-/// Requests by verb, to show what a restore asked the store for.
+/// Requests by verb, to show what a restore asked the store for. Paced,
+/// each blob `GET` waits before it answers (the `n`-th `(n % 8 + 1)` ×
+/// 100 ms, so they end one after another) and the store notes how many
+/// blob `GET`s were waiting, itself included, when each started.
 #[derive(Debug)]
 struct Counting {
     inner: MemoryCheckpointStore,
     gets: AtomicU64,
     ranged: AtomicU64,
+    paced: bool,
+    blob_heads: AtomicU64,
+    waiting: AtomicU64,
+    at_start: Mutex<Vec<u64>>,
 }
 
 impl Counting {
@@ -181,12 +188,49 @@ impl Counting {
             inner: MemoryCheckpointStore::new(),
             gets: AtomicU64::new(0),
             ranged: AtomicU64::new(0),
+            paced: false,
+            blob_heads: AtomicU64::new(0),
+            waiting: AtomicU64::new(0),
+            at_start: Mutex::new(Vec::new()),
         }
     }
 
+    fn paced() -> Counting {
+        Counting {
+            paced: true,
+            ..Counting::new()
+        }
+    }
+
+    /// Reads of content (blobs and packs): not of a manifest, which this
+    /// process may keep or not (its cache is shared by every test in it).
     fn reads(&self) -> u64 {
         self.gets.load(Ordering::SeqCst) + self.ranged.load(Ordering::SeqCst)
     }
+
+    fn ranged(&self) -> u64 {
+        self.ranged.load(Ordering::SeqCst)
+    }
+
+    async fn pace(&self, key: &str) {
+        if !self.paced || !key.starts_with(harness_moves::tree::BLOB_PREFIX) {
+            return;
+        }
+        let now = self.waiting.fetch_add(1, Ordering::SeqCst) + 1;
+        let n = {
+            let mut at_start = self.at_start.lock().unwrap();
+            at_start.push(now);
+            at_start.len() as u64 - 1
+        };
+        tokio::time::sleep(std::time::Duration::from_millis(100 * (n % 8 + 1))).await;
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A blob or a pack (or a pack's index): a tree's content, not a manifest.
+fn is_content(key: &str) -> bool {
+    key.starts_with(harness_moves::tree::BLOB_PREFIX)
+        || key.starts_with(harness_moves::tree::PACK_PREFIX)
 }
 
 #[async_trait::async_trait]
@@ -199,7 +243,10 @@ impl CheckpointStore for Counting {
         self.inner.put(key, content).await
     }
     async fn get(&self, key: &str) -> harness_core::Result<harness_core::stream::ByteStream> {
-        self.gets.fetch_add(1, Ordering::SeqCst);
+        if is_content(key) {
+            self.gets.fetch_add(1, Ordering::SeqCst);
+        }
+        self.pace(key).await;
         self.inner.get(key).await
     }
     async fn get_range(
@@ -207,10 +254,15 @@ impl CheckpointStore for Counting {
         key: &str,
         range: std::ops::Range<u64>,
     ) -> harness_core::Result<Bytes> {
-        self.ranged.fetch_add(1, Ordering::SeqCst);
+        if is_content(key) {
+            self.ranged.fetch_add(1, Ordering::SeqCst);
+        }
         self.inner.get_range(key, range).await
     }
     async fn head(&self, key: &str) -> harness_core::Result<harness_core::checkpoint::ObjectMeta> {
+        if key.starts_with(harness_moves::tree::BLOB_PREFIX) {
+            self.blob_heads.fetch_add(1, Ordering::SeqCst);
+        }
         self.inner.head(key).await
     }
     async fn list(
@@ -317,8 +369,9 @@ async fn a_target_that_holds_the_tree_is_not_written_to() {
     let again = pair.restore(&store, "t1").await.unwrap();
     assert_eq!((again.written, again.bytes_written), (0, 0));
     assert_eq!((again.streams, again.removed), (0, 0));
-    // The manifest is known to this process: no content is read at all.
-    assert_eq!(store.reads(), reads, "nothing read for a tree in place");
+    // No content is read at all (the manifest may be: the process keeps a
+    // few, shared by the tests running in it).
+    assert_eq!(store.reads(), reads, "no content read for a tree in place");
     assert_eq!(snapshot(&pair.dst_dir()), before);
 
     // One file edited in the target, one removed: those two are written
@@ -502,6 +555,20 @@ async fn a_pack_gone_or_not_as_indexed_is_refused_before_anything_is_written() {
     .await;
 
     replace(&store, &pack, pack_bytes.to_vec()).await;
+    // The pack whole, its index claiming a chunk past the pack's end (the
+    // last entry's length, its last four bytes, made longer).
+    let mut claim = index_bytes.to_vec();
+    let at = claim.len() - 4;
+    let len = u32::from_le_bytes(claim[at..].try_into().unwrap());
+    claim[at..].copy_from_slice(&(len + 1_000_000).to_le_bytes());
+    replace(&store, &index, claim).await;
+    refused(
+        "the index claiming more than the pack holds",
+        ErrorKind::Corrupt,
+        "not the pack its index describes",
+    )
+    .await;
+
     store.delete(&index).await.unwrap();
     refused(
         "the pack's index deleted",
@@ -582,4 +649,152 @@ async fn many_files_go_as_parallel_streams_unless_a_directory_is_locked() {
     for dir in [src.join("odd"), other.dst_dir().join("odd")] {
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
     }
+}
+
+#[tokio::test]
+async fn a_part_of_a_pack_is_read_in_one_range_across_the_chunks_it_skips() {
+    let pair = Pair::new().await;
+    let src = pair.src_dir();
+    // 10 KiB files no compressor shrinks: packed, each chunk ~10 KiB.
+    for i in 0..200u64 {
+        write(&src, &format!("f{i:03}"), &noise(10 * 1024, i + 1), 0o644);
+    }
+    let store = Counting::new();
+    pair.checkpoint(&store, "t1", None).await;
+    let manifest = read_manifest(&store, "t1").await.unwrap().unwrap();
+    assert_eq!(manifest.packs.len(), 1);
+    pair.restore(&store, "t1").await.unwrap();
+    // The target loses every other file: the chunks to read lie 10 KiB
+    // apart in the pack, well within the gap one read may span (64 KiB).
+    let dst = pair.dst_dir();
+    for i in (0..200).step_by(2) {
+        std::fs::remove_file(dst.join(format!("f{i:03}"))).unwrap();
+    }
+    forget_kept();
+    let before = store.ranged();
+    let info = pair.restore(&store, "t1").await.unwrap();
+    assert_eq!((info.written, info.streams), (100, 1));
+    assert_eq!(store.ranged() - before, 1, "one ranged read for 100 chunks");
+    assert_eq!(snapshot(&dst), snapshot(&src));
+
+    // The first file and the last: ~2 MB apart in the pack, past the gap
+    // one read spans, so two reads.
+    std::fs::remove_file(dst.join("f000")).unwrap();
+    std::fs::remove_file(dst.join("f199")).unwrap();
+    forget_kept();
+    let before = store.ranged();
+    let info = pair.restore(&store, "t1").await.unwrap();
+    assert_eq!(info.written, 2);
+    assert_eq!(
+        store.ranged() - before,
+        2,
+        "two chunks far apart, two reads"
+    );
+    assert_eq!(snapshot(&dst), snapshot(&src));
+}
+
+#[tokio::test]
+async fn a_restore_keeps_its_byte_budget_of_chunks_in_flight_and_keeps_it_full() {
+    let pair = Pair::new().await;
+    let src = pair.src_dir();
+    // Chunks of 4 MiB files, stored as blobs: each costs 4 MiB of the
+    // restore's 32 MiB in flight, so 8 are fetched at once.
+    for i in 0..4u64 {
+        write(
+            &src,
+            &format!("big{i}"),
+            &noise(4 * 1024 * 1024, 100 + i),
+            0o644,
+        );
+    }
+    let plain = Counting::new();
+    pair.checkpoint(&plain, "t1", None).await;
+    let manifest = read_manifest(&plain, "t1").await.unwrap().unwrap();
+    assert!(manifest.packs.is_empty(), "large chunks are blobs");
+    let chunks: usize = manifest.entries.iter().map(|e| e.chunks.len()).sum();
+    assert!(chunks >= 10, "{chunks} chunks: more than the budget takes");
+    // The same objects in a store that paces its blob reads.
+    let store = Counting::paced();
+    for key in plain.inner.list_keys("").await.unwrap() {
+        replace(&store, &key, bytes_of(&plain, &key).await.to_vec()).await;
+    }
+    forget_kept();
+    pair.restore(&store, "t1").await.unwrap();
+    assert_eq!(snapshot(&pair.dst_dir()), snapshot(&src));
+    let at_start = store.at_start.lock().unwrap().clone();
+    assert_eq!(at_start.len(), chunks, "one read per chunk");
+    assert_eq!(
+        at_start.iter().max(),
+        Some(&8),
+        "at most 32 MiB in flight, and that much: {at_start:?}"
+    );
+    // The first read to end (the shortest wait) frees its share at once:
+    // the ninth starts while the seven others still wait.
+    assert_eq!(at_start[8], 8, "{at_start:?}");
+}
+
+#[tokio::test]
+async fn chunks_in_two_packs_are_each_read_from_their_own() {
+    let pair = Pair::new().await;
+    let src = pair.src_dir();
+    for i in 0..100u64 {
+        write(&src, &format!("a{i:03}"), &noise(10 * 1024, i + 1), 0o644);
+    }
+    let store = Counting::new();
+    pair.checkpoint(&store, "t1", None).await;
+    // As many new files again: the second run packs them in a pack of its
+    // own, and the tree's chunks lie at the same offsets of two packs.
+    for i in 0..100u64 {
+        write(
+            &src,
+            &format!("b{i:03}"),
+            &noise(10 * 1024, 1000 + i),
+            0o644,
+        );
+    }
+    pair.checkpoint(&store, "t2", Some("t1")).await;
+    let manifest = read_manifest(&store, "t2").await.unwrap().unwrap();
+    assert_eq!(manifest.packs.len(), 2, "{:?}", manifest.packs);
+    forget_kept();
+    let before = store.ranged();
+    let info = pair.restore(&store, "t2").await.unwrap();
+    assert_eq!(info.written, 200);
+    assert_eq!(store.ranged() - before, 2, "one ranged read per pack");
+    assert_eq!(snapshot(&pair.dst_dir()), snapshot(&src));
+}
+
+#[tokio::test]
+async fn many_blobs_are_found_with_a_listing_not_a_head_each() {
+    let pair = Pair::new().await;
+    let src = pair.src_dir();
+    let store = Counting::new();
+    // Five runs of 60 new small files each: too few per run to pack, so
+    // 300 blobs, more than a restore asks about one by one (256).
+    let mut parent: Option<String> = None;
+    for run in 0..5u64 {
+        for i in 0..60u64 {
+            let n = run * 60 + i;
+            write(
+                &src,
+                &format!("r{run}/f{i:02}"),
+                format!("file {n}\n").as_bytes(),
+                0o644,
+            );
+        }
+        let key = format!("t{run}");
+        pair.checkpoint(&store, &key, parent.as_deref()).await;
+        parent = Some(key);
+    }
+    let manifest = read_manifest(&store, "t4").await.unwrap().unwrap();
+    assert!(manifest.packs.is_empty(), "{:?}", manifest.packs);
+    forget_kept();
+    let before = store.blob_heads.load(Ordering::SeqCst);
+    let info = pair.restore(&store, "t4").await.unwrap();
+    assert_eq!(info.written, 305, "300 files in 5 directories");
+    assert_eq!(
+        store.blob_heads.load(Ordering::SeqCst) - before,
+        0,
+        "the blobs are listed, not asked for one by one"
+    );
+    assert_eq!(snapshot(&pair.dst_dir()), snapshot(&src));
 }

@@ -748,6 +748,40 @@ mod tests {
         assert!(split_for_import(&ordered, 4).is_none());
     }
 
+    /// A file costs its creation as well as its bytes: many empty files
+    /// weigh as much as a few full ones. And the split starts at exactly
+    /// [`SPLIT_MIN_FILES`] files.
+    #[test]
+    fn a_files_creation_counts_in_the_split_and_the_split_starts_at_its_minimum() {
+        let mut all = Vec::new();
+        for i in 0..600 {
+            all.push(entry(&format!("e{i:03}"), TreeKind::File, 0o644, 0));
+        }
+        for i in 0..4 {
+            all.push(entry(&format!("f{i}"), TreeKind::File, 0o644, 1 << 20));
+        }
+        let ordered: Vec<&TreeEntry> = all.iter().collect();
+        let split = split_for_import(&ordered, 2).expect("two ways");
+        let lens: Vec<usize> = split.parts.iter().map(|p| p.len()).collect();
+        // 600 × 16 KiB of creation and 4 × (1024 + 16) KiB: half of it is
+        // reached at the 430th empty file (were a file its bytes alone,
+        // at the second full one).
+        assert_eq!(lens, [430, 174]);
+
+        let files: Vec<TreeEntry> = (0..SPLIT_MIN_FILES)
+            .map(|i| entry(&format!("f{i:04}"), TreeKind::File, 0o644, 10))
+            .collect();
+        let ordered: Vec<&TreeEntry> = files.iter().collect();
+        assert!(
+            split_for_import(&ordered, 2).is_some(),
+            "{SPLIT_MIN_FILES} files split"
+        );
+        assert!(
+            split_for_import(&ordered[1..], 2).is_none(),
+            "one fewer does not"
+        );
+    }
+
     #[test]
     fn headers_round_trip_through_the_scanner() {
         let long = "d/".repeat(80) + "file";
@@ -825,5 +859,27 @@ mod tests {
         assert!(strict
             .admit(&e.path, &e.tar_kind(), e.mode, e.size)
             .is_err());
+    }
+
+    /// A directory's name ends in `/` (as tar writes one, and as strict
+    /// readers expect); a name of exactly 100 bytes fits the header's field
+    /// and needs no GNU long name.
+    #[test]
+    fn header_names_are_as_tar_writes_them() {
+        let dir = entry("a/b", TreeKind::Dir, 0o755, 0);
+        let header = tar_header(&dir).unwrap();
+        assert_eq!(header.len(), 512);
+        assert_eq!(&header[..5], b"a/b/\0");
+        let hundred = "p".repeat(100);
+        let header = tar_header(&entry(&hundred, TreeKind::File, 0o644, 0)).unwrap();
+        assert_eq!(header.len(), 512, "one block, no long name");
+        assert_eq!(&header[..100], hundred.as_bytes());
+        let longer = "p".repeat(101);
+        let header = tar_header(&entry(&longer, TreeKind::File, 0o644, 0)).unwrap();
+        assert_eq!(
+            header.len(),
+            512 * 3,
+            "a long-name header, its block, the header"
+        );
     }
 }
