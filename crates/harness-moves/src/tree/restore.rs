@@ -782,6 +782,22 @@ mod tests {
         );
     }
 
+    /// When the last part fills exactly at the last file, no empty part
+    /// follows it (an empty part would be one more import stream).
+    #[test]
+    fn a_part_filled_at_the_last_file_is_the_last_part() {
+        // One big file worth two shares, then 511 empty files worth
+        // exactly one: the second part fills at the very last file.
+        let mut all = vec![entry("big", TreeKind::File, 0o644, 16_728_064)];
+        for i in 0..511 {
+            all.push(entry(&format!("e{i:03}"), TreeKind::File, 0o644, 0));
+        }
+        let ordered: Vec<&TreeEntry> = all.iter().collect();
+        let split = split_for_import(&ordered, 3).expect("three ways");
+        let lens: Vec<usize> = split.parts.iter().map(|p| p.len()).collect();
+        assert_eq!(lens, [1, 511]);
+    }
+
     #[test]
     fn headers_round_trip_through_the_scanner() {
         let long = "d/".repeat(80) + "file";
