@@ -659,11 +659,21 @@ async fn a_part_of_a_pack_is_read_in_one_range_across_the_chunks_it_skips() {
     for i in 0..200u64 {
         write(&src, &format!("f{i:03}"), &noise(10 * 1024, i + 1), 0o644);
     }
+    // Two files of one content: one chunk, which the read holds already
+    // when the second comes.
+    write(&src, "same-a", &noise(10 * 1024, 7777), 0o644);
+    write(&src, "same-b", &noise(10 * 1024, 7777), 0o644);
     let store = Counting::new();
     pair.checkpoint(&store, "t1", None).await;
     let manifest = read_manifest(&store, "t1").await.unwrap().unwrap();
     assert_eq!(manifest.packs.len(), 1);
+    let before = store.ranged();
     pair.restore(&store, "t1").await.unwrap();
+    assert_eq!(
+        store.ranged() - before,
+        1,
+        "one ranged read for the whole pack"
+    );
     // The target loses every other file: the chunks to read lie 10 KiB
     // apart in the pack, well within the gap one read may span (64 KiB).
     let dst = pair.dst_dir();

@@ -897,5 +897,30 @@ mod tests {
             512 * 3,
             "a long-name header, its block, the header"
         );
+        // A link text of exactly 100 bytes fits too.
+        let mut link = entry("l", TreeKind::Symlink, 0o777, 0);
+        link.target = Some("t".repeat(100));
+        assert_eq!(tar_header(&link).unwrap().len(), 512);
+        // A long name of 512 bytes and its NUL take two blocks, and the
+        // scanner reads the name back whole.
+        let name = "n/".repeat(255) + "fi";
+        assert_eq!(name.len(), 512);
+        let mut tar = tar_header(&entry(&name, TreeKind::File, 0o644, 0))
+            .unwrap()
+            .to_vec();
+        assert_eq!(tar.len(), 512 * 4);
+        tar.extend_from_slice(&[0u8; 1024]);
+        let mut paths = Vec::new();
+        let mut scanner = TarScanner::new();
+        scanner
+            .push_entries(&tar, &mut |item| {
+                if let TarItem::Entry(e) = item {
+                    paths.push(e.path);
+                }
+                Ok(())
+            })
+            .unwrap();
+        scanner.finish().unwrap();
+        assert_eq!(paths, [name]);
     }
 }
