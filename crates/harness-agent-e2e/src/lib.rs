@@ -582,12 +582,8 @@ pub async fn child_main(harness: &dyn Harness) -> bool {
 }
 
 /// The approval server binary (`harness_testkit::gate::helper_binary`:
-/// `$HARNESS_APPROVAL_MCP_BIN`, else built with cargo into
+/// `$HARNESS_TEST_APPROVAL_MCP_BIN`, else built with cargo into
 /// `<target>/helpers`), or `None` after a skip.
 pub fn approval_server_binary() -> Option<std::path::PathBuf> {
-    let found = harness_testkit::gate::helper_binary("harness-approval-mcp");
-    if found.is_none() {
-        harness_testkit::skip_or_fail("could not build harness-approval-mcp");
-    }
-    found
+    harness_testkit::gate::helper_binary("harness-approval-mcp")
 }

@@ -8,14 +8,9 @@ use std::process::Command;
 
 use crate::real::skip_or_fail;
 
-/// The gate binary ([`helper_binary`]); `None` (after [`skip_or_fail`])
-/// when it cannot be built.
+/// The gate binary ([`helper_binary`]).
 pub fn gate_binary() -> Option<PathBuf> {
-    let found = helper_binary("harness-sandbox-gate");
-    if found.is_none() {
-        skip_or_fail("could not build the harness-sandbox-gate binary");
-    }
-    found
+    helper_binary("harness-sandbox-gate")
 }
 
 /// The workspace's binaries tests hand to the processes they start.
@@ -42,19 +37,27 @@ pub fn helper_env(package: &str) -> String {
 /// binaries: another cargo command could swap it mid-test for a build
 /// with other features (and a helper is hashed into every sandbox's
 /// bootstrap identity, so each swap meant a new bootstrap). `None` when it
-/// cannot be built (the reason printed).
+/// cannot be built, after [`skip_or_fail`] (the reason printed).
 pub fn helper_binary(package: &str) -> Option<PathBuf> {
     static BUILT: std::sync::Mutex<Vec<(String, Option<PathBuf>)>> =
         std::sync::Mutex::new(Vec::new());
     if let Some(p) = std::env::var_os(helper_env(package)).filter(|p| !p.is_empty()) {
         return Some(p.into());
     }
-    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((_, found)) = built.iter().find(|(name, _)| name == package) {
-        return found.clone();
+    let found = {
+        let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
+        match built.iter().find(|(name, _)| name == package) {
+            Some((_, found)) => found.clone(),
+            None => {
+                let found = build_helper(package).map_err(|e| eprintln!("{e}")).ok();
+                built.push((package.to_string(), found.clone()));
+                found
+            }
+        }
+    };
+    if found.is_none() {
+        skip_or_fail(&format!("could not build the {package} binary"));
     }
-    let found = build_helper(package).map_err(|e| eprintln!("{e}")).ok();
-    built.push((package.to_string(), found.clone()));
     found
 }
 

@@ -89,28 +89,18 @@ pub async fn docker_parts() -> Option<(String, IpAddr)> {
 
 /// The approval MCP server, built into this test's target directory.
 pub fn approval_server() -> Option<PathBuf> {
-    helper_binary("harness-approval-mcp")
+    harness_testkit::gate::helper_binary("harness-approval-mcp")
 }
 
 /// The host-tool bridge, built into this test's target directory.
 pub fn relay_bridge() -> Option<PathBuf> {
-    helper_binary("harness-relay-mcp")
-}
-
-/// The workspace's `package` binary (`harness_testkit::gate::helper_binary`),
-/// or `None` after a skip.
-fn helper_binary(package: &str) -> Option<PathBuf> {
-    let found = harness_testkit::gate::helper_binary(package);
-    if found.is_none() {
-        skip_or_fail(&format!("could not build {package}"));
-    }
-    found
+    harness_testkit::gate::helper_binary("harness-relay-mcp")
 }
 
 /// The sandbox gate (forwards to the model broker; deny-all on local),
 /// built into this test's target directory.
 pub fn sandbox_gate() -> Option<PathBuf> {
-    helper_binary("harness-sandbox-gate")
+    harness_testkit::gate::gate_binary()
 }
 
 /// Give a harness child the helper binaries.
