@@ -9,7 +9,8 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use futures::StreamExt;
 use harness_core::sandbox::{
-    collect_exec, extract_tar_failure, extract_tar_script, shell_quote, ExecStream,
+    collect_exec, exec_stdout_stream, extract_tar_failure, extract_tar_script, first_error_now,
+    shell_quote, ExecRequest, ExecStream, Sandbox,
 };
 use harness_core::stream::{AbortSignal, ByteStream};
 use harness_core::{tarscan, Error, Result};
@@ -28,6 +29,19 @@ pub(crate) trait StdinShell: Send + Sync {
             .check(script)?;
         Ok(out.stdout_str())
     }
+}
+
+/// Stream the file at the absolute `path` in the guest (`cat` in an exec):
+/// a directory there is `Invalid` (exit 45), a path with nothing there
+/// `NotFound` (exit 44), both reported before the stream is returned.
+pub(crate) async fn read_file<S: Sandbox + ?Sized>(guest: &S, path: String) -> Result<ByteStream> {
+    let script = format!(
+        "if [ -d {p} ]; then echo {p} is a directory >&2; exit 45; fi; \
+         test -e {p} || {{ echo no such file: {p} >&2; exit 44; }}; exec cat -- {p}",
+        p = shell_quote(&path)
+    );
+    let stream = guest.exec(ExecRequest::shell(script)).await?;
+    first_error_now(exec_stdout_stream(stream, path)).await
 }
 
 /// Write `content` to the absolute `path` in the guest: into a temporary

@@ -34,10 +34,9 @@ use async_trait::async_trait;
 use futures::StreamExt;
 use harness_core::bootstrap::{self, BootstrapRecipe, HostFiles, SnapshotStore};
 use harness_core::sandbox::{
-    exec_stdout_stream, export_tar_by_exec, first_error_now, poll_detached_by_exec, resolve_path,
-    shell_quote, DetachedProcess, DetachedStatus, ExecRequest, ExecStream, NetworkPolicy,
-    PortEndpoint, Sandbox, SandboxHandle, SandboxProvider, SandboxSpec, SnapshotInfo,
-    EGRESS_PROXY_PORT,
+    export_tar_by_exec, poll_detached_by_exec, resolve_path, shell_quote, DetachedProcess,
+    DetachedStatus, ExecRequest, ExecStream, NetworkPolicy, PortEndpoint, Sandbox, SandboxHandle,
+    SandboxProvider, SandboxSpec, SnapshotInfo, EGRESS_PROXY_PORT,
 };
 use harness_core::stream::ByteStream;
 use harness_core::{Error, ErrorKind, Result};
@@ -843,14 +842,7 @@ impl Sandbox for MicrovmSandbox {
     }
 
     async fn read_file(&self, path: &str) -> Result<ByteStream> {
-        let path = resolve_path(&self.meta.workdir, path);
-        let script = format!(
-            "if [ -d {p} ]; then echo {p} is a directory >&2; exit 45; fi; \
-             test -e {p} || {{ echo no such file: {p} >&2; exit 44; }}; exec cat -- {p}",
-            p = shell_quote(&path)
-        );
-        let stream = self.exec(ExecRequest::shell(script)).await?;
-        first_error_now(exec_stdout_stream(stream, path)).await
+        guest_files::read_file(self, resolve_path(&self.meta.workdir, path)).await
     }
 
     async fn poll_detached(

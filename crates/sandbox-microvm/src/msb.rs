@@ -39,10 +39,9 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures::StreamExt;
 use harness_core::sandbox::{
-    collect_exec, exec_stdout_stream, export_tar_by_exec, first_error_now, poll_detached_by_exec,
-    resolve_path, shell_quote, DetachedProcess, DetachedStatus, ExecEvent, ExecRequest, ExecStream,
-    ExitReason, ExitStatus, NetworkPolicy, PortEndpoint, Sandbox, SandboxHandle, SandboxProvider,
-    SandboxSpec,
+    collect_exec, export_tar_by_exec, poll_detached_by_exec, resolve_path, shell_quote,
+    DetachedProcess, DetachedStatus, ExecEvent, ExecRequest, ExecStream, ExitReason, ExitStatus,
+    NetworkPolicy, PortEndpoint, Sandbox, SandboxHandle, SandboxProvider, SandboxSpec,
 };
 use harness_core::stream::{AbortSignal, ByteStream};
 use harness_core::{Error, ErrorKind, Result};
@@ -774,14 +773,7 @@ impl Sandbox for MicrosandboxSandbox {
     }
 
     async fn read_file(&self, path: &str) -> Result<ByteStream> {
-        let path = resolve_path(&self.workdir, path);
-        let script = format!(
-            "if [ -d {p} ]; then echo {p} is a directory >&2; exit 45; fi; \
-             test -e {p} || {{ echo no such file: {p} >&2; exit 44; }}; exec cat -- {p}",
-            p = shell_quote(&path)
-        );
-        let stream = self.exec(ExecRequest::shell(script)).await?;
-        first_error_now(exec_stdout_stream(stream, path)).await
+        guest_files::read_file(self, resolve_path(&self.workdir, path)).await
     }
 
     async fn poll_detached(
