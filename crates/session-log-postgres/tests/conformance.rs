@@ -186,8 +186,12 @@ async fn a_lost_lease_fences_the_old_owner() {
     assert_eq!(err.kind(), ErrorKind::Fenced, "{err}");
     assert!(err.to_string().contains("node-b"), "{err}");
     assert_eq!(b.append(&s, said("b1")).await.unwrap().seq, 2);
-    // A learns it on renewal, too.
+    // A learns it on renewal, too, and forgets the lease: its next append
+    // is refused before the row is read.
     assert!(!leases_a.renew(&lease_a).await.unwrap());
+    let err = a.append(&s, said("a-later")).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Fenced, "{err}");
+    assert!(err.to_string().contains("holds no lease"), "{err}");
     // A clean release lets the next owner in at once.
     leases_b.release(&lease_b).await.unwrap();
     let lease_a2 = leases_a
@@ -199,6 +203,53 @@ async fn a_lost_lease_fences_the_old_owner() {
     assert_eq!(a.append(&s, said("a2")).await.unwrap().seq, 3);
     let frames = base.read(&s, 0, 10).await.unwrap();
     assert_eq!(frames.len(), 3);
+}
+
+/// A node restarted under the same name takes its expired lease back at a
+/// new generation; its previous life (paused, not dead) still believes it
+/// holds generation 1, and its appends are refused: the row must match on
+/// the node *and* the generation. A node's name is 1 to 200 bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nodes_previous_life_is_fenced_by_its_next() {
+    use harness_core::frame::{FrameBody, SessionId};
+    use harness_core::log::AppendRequest;
+
+    let Some(admin) = admin_url() else { return };
+    let url = fresh_database(&admin).await;
+    let base = PostgresSessionLog::connect(&url).await.unwrap();
+    let ttl = Duration::from_millis(1000);
+    let (before, after) = (
+        base.leases("node-a", ttl).unwrap(),
+        base.leases("node-a", ttl).unwrap(),
+    );
+    assert!(format!("{before:?}").contains("node-a"), "{before:?}");
+    assert_eq!((before.node(), before.ttl()), ("node-a", ttl));
+    let (old, new) = (base.fenced(before.clone()), base.fenced(after.clone()));
+    let s = SessionId::parse("restarted").unwrap();
+    base.create(&s).await.unwrap();
+    let prompt = |t: &str| {
+        AppendRequest::new(FrameBody::UserMessage {
+            text: t.into(),
+            turn_id: None,
+        })
+    };
+    assert_eq!(before.acquire(&s).await.unwrap().unwrap().generation, 1);
+    assert_eq!(old.append(&s, prompt("first life")).await.unwrap().seq, 1);
+    tokio::time::sleep(ttl + Duration::from_millis(300)).await;
+    assert_eq!(after.acquire(&s).await.unwrap().unwrap().generation, 2);
+    let err = old.append(&s, prompt("late")).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Fenced, "{err}");
+    assert!(err.to_string().contains("generation 2"), "{err}");
+    assert_eq!(new.append(&s, prompt("second life")).await.unwrap().seq, 2);
+
+    for bad in [String::new(), "n".repeat(201)] {
+        let err = base.leases(&bad, ttl).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidInput, "{bad:?}: {err}");
+    }
+    assert_eq!(
+        base.leases(&"n".repeat(200), ttl).unwrap().node().len(),
+        200
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
