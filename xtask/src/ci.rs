@@ -335,15 +335,26 @@ fn check_ignored() -> Result<()> {
         .filter(|l| !l.is_empty())
         .map(str::to_string)
         .collect();
-    let mut skipped = SKIPPED.lock().unwrap_or_else(|e| e.into_inner());
+    let listed = ignored_as_listed(&found, skips::IGNORED)?;
+    SKIPPED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .extend(listed);
+    Ok(())
+}
+
+/// The `#[ignore]`d tests `found`, each with its reason from `registry`;
+/// an error naming any not in it, or any it lists that is not found.
+fn ignored_as_listed(found: &[String], registry: &[(&str, &str)]) -> Result<Vec<(String, String)>> {
+    let mut listed = Vec::new();
     let mut unlisted = Vec::new();
-    for test in &found {
-        match skips::IGNORED.iter().find(|(name, _)| name == test) {
-            Some((_, why)) => skipped.push((test.clone(), format!("#[ignore]: {why}"))),
+    for test in found {
+        match registry.iter().find(|(name, _)| name == test) {
+            Some((_, why)) => listed.push((test.clone(), format!("#[ignore]: {why}"))),
             None => unlisted.push(test.as_str()),
         }
     }
-    let gone: Vec<&str> = skips::IGNORED
+    let gone: Vec<&str> = registry
         .iter()
         .map(|(name, _)| *name)
         .filter(|name| !found.iter().any(|f| f == name))
@@ -360,7 +371,28 @@ fn check_ignored() -> Result<()> {
             gone.join(", ")
         );
     }
-    Ok(())
+    Ok(listed)
+}
+
+/// The skips a run logged (`<test>\t<reason>` lines, `harness_testkit::
+/// skip_or_fail`), each with its reason, and those of them `allowed` does
+/// not name (matched at the end of the test's name) when real parts are
+/// required: any such fails the run.
+fn logged_skips(
+    logged: &str,
+    require_real: bool,
+    allowed: &[(&str, &str)],
+) -> (Vec<(String, String)>, Vec<String>) {
+    let mut skipped = Vec::new();
+    let mut not_allowed = Vec::new();
+    for line in logged.lines() {
+        let (test, why) = line.split_once('\t').unwrap_or((line, ""));
+        if require_real && !allowed.iter().any(|(name, _)| test.ends_with(name)) {
+            not_allowed.push(test.to_string());
+        }
+        skipped.push((test.to_string(), why.to_string()));
+    }
+    (skipped, not_allowed)
 }
 
 /// Run nextest with the test environment, echoing its output and reading
@@ -396,20 +428,11 @@ fn nextest(
     let result = nextest_inner(cmd, counts, on_start);
     let logged = std::fs::read_to_string(&skip_log).unwrap_or_default();
     let _ = std::fs::remove_file(&skip_log);
-    let mut skipped = SKIPPED.lock().unwrap_or_else(|e| e.into_inner());
-    let mut not_allowed = Vec::new();
-    for line in logged.lines() {
-        let (test, why) = line.split_once('\t').unwrap_or((line, ""));
-        if require_real
-            && !skips::ALLOWED_SKIPS
-                .iter()
-                .any(|(name, _)| test.ends_with(name))
-        {
-            not_allowed.push(test.to_string());
-        }
-        skipped.push((test.to_string(), why.to_string()));
-    }
-    drop(skipped);
+    let (skipped, not_allowed) = logged_skips(&logged, require_real, skips::ALLOWED_SKIPS);
+    SKIPPED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .extend(skipped);
     result?;
     if !not_allowed.is_empty() {
         bail!(
@@ -642,6 +665,55 @@ mod tests {
         let c = closing_counts("x\ntests: 25 passed, 1 failed, 2 skipped\n").unwrap();
         assert_eq!((c.passed, c.failed, c.skipped), (25, 1, 2));
         assert!(closing_counts("no counts here").is_none());
+    }
+
+    /// A planted skip no registry entry allows fails the run when real
+    /// parts are required, and is listed with its reason either way.
+    #[test]
+    fn a_skip_not_in_the_registry_fails_the_run() {
+        let logged = "a::listed_one\tno KVM here\nplanted::unlisted\tno dockerd\n";
+        let allowed = [("listed_one", "a machine without KVM")];
+        let (skipped, not_allowed) = logged_skips(logged, true, &allowed);
+        assert_eq!(not_allowed, ["planted::unlisted"]);
+        assert_eq!(
+            skipped,
+            [
+                ("a::listed_one".to_string(), "no KVM here".to_string()),
+                ("planted::unlisted".to_string(), "no dockerd".to_string()),
+            ]
+        );
+        // Without the promise of real parts, a skip is reported, not failed.
+        assert!(logged_skips(logged, false, &allowed).1.is_empty());
+        // The registry as it stands allows neither.
+        assert_eq!(logged_skips(logged, true, skips::ALLOWED_SKIPS).1.len(), 2);
+    }
+
+    /// A planted `#[ignore]`d test the registry does not list fails the
+    /// run, as does a listed one that is gone; listed ones carry their
+    /// reason into the summary.
+    #[test]
+    fn an_ignored_test_not_in_the_registry_fails_the_run() {
+        let registry = [("p child", "started by its parent")];
+        let found = |names: &[&str]| names.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+        let listed = ignored_as_listed(&found(&["p child"]), &registry).unwrap();
+        assert_eq!(
+            listed,
+            [(
+                "p child".to_string(),
+                "#[ignore]: started by its parent".to_string()
+            )]
+        );
+        let err = ignored_as_listed(&found(&["p child", "p planted"]), &registry).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("not in xtask/src/skips.rs (IGNORED): p planted"),
+            "{err}"
+        );
+        let err = ignored_as_listed(&found(&[]), &registry).unwrap_err();
+        assert!(
+            err.to_string().contains("no longer exist: p child"),
+            "{err}"
+        );
     }
 
     /// Every row CI and `cargo xtask extra` run names a package and

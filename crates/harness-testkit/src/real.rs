@@ -16,7 +16,8 @@ pub fn real_parts_required() -> bool {
 /// after.
 pub fn skip_or_fail(reason: &str) {
     let test = current_test();
-    if real_parts_required() && !allowed_to_skip(&test) {
+    let allowed = std::env::var("HARNESS_ALLOWED_SKIPS").ok();
+    if !may_skip(real_parts_required(), allowed.as_deref(), &test) {
         panic!("HARNESS_REQUIRE_REAL=1 but a real part is missing: {reason}");
     }
     eprintln!("skipped: {reason}");
@@ -45,12 +46,16 @@ fn current_test() -> String {
         .to_string()
 }
 
-fn allowed_to_skip(test: &str) -> bool {
-    std::env::var("HARNESS_ALLOWED_SKIPS").is_ok_and(|list| {
-        list.split(',')
-            .map(str::trim)
-            .any(|allowed| !allowed.is_empty() && test.ends_with(allowed))
-    })
+/// Whether `test` may skip: always unless real parts are `required`; then
+/// only when `allowed` (`$HARNESS_ALLOWED_SKIPS`) names it, matched at the
+/// end of its name.
+fn may_skip(required: bool, allowed: Option<&str>, test: &str) -> bool {
+    !required
+        || allowed.is_some_and(|list| {
+            list.split(',')
+                .map(str::trim)
+                .any(|allowed| !allowed.is_empty() && test.ends_with(allowed))
+        })
 }
 
 /// The value of an environment variable naming a real part, or a
@@ -64,5 +69,32 @@ pub fn require_env(var: &str) -> Option<String> {
             ));
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::may_skip;
+
+    /// Under `HARNESS_REQUIRE_REAL=1` a planted skip no allowed name
+    /// matches fails (an empty entry allows nothing); without it, any
+    /// test may skip.
+    #[test]
+    fn a_skip_the_list_does_not_allow_fails_when_real_parts_are_required() {
+        let planted = "planted::needs_a_part_ci_lacks";
+        let list = "microsandbox_passes_the_sandbox_conformance_suite, ,";
+        assert!(!may_skip(true, Some(list), planted));
+        assert!(!may_skip(true, None, planted));
+        assert!(!may_skip(true, Some(""), planted));
+        assert!(may_skip(
+            true,
+            Some(&format!("{list},needs_a_part_ci_lacks")),
+            planted
+        ));
+        assert!(
+            !may_skip(true, Some("needs_a_part"), planted),
+            "matched at the end only"
+        );
+        assert!(may_skip(false, None, planted));
     }
 }
