@@ -1,7 +1,8 @@
 //! The Worker's stores under the suites every native store passes: the
 //! Durable Object's log (`src/store.rs`, `DoStore`) under
-//! `conformance::log` and `conformance::retention` (delete, trim, search
-//! across the objects), and the R2 store (`src/checkpoints.rs`, `R2Store`, on
+//! `conformance::log`, `conformance::retention` (delete, trim, search
+//! across the objects) and `conformance::search` (all but its thousand
+//! sessions), and the R2 store (`src/checkpoints.rs`, `R2Store`, on
 //! wrangler's local bucket) under `conformance::checkpoint`, corruption
 //! included. Each trait call is one request to the test build's routes
 //! (`src/test_routes.rs`), which make that call on the real store in
@@ -15,9 +16,10 @@
 
 use std::sync::Arc;
 
+use anyhow::Context;
 use harness_core::log::{ChainKey, SessionLog};
 use harness_testkit::conformance::session_api::HOST;
-use harness_testkit::conformance::{checkpoint, log, retention};
+use harness_testkit::conformance::{checkpoint, log, retention, search};
 use harness_testkit::worker_stores::{WorkerCheckpoints, WorkerLog};
 use harness_testkit::wrangler::test_build_with_suite_tokens;
 
@@ -45,6 +47,28 @@ async fn the_workers_log_and_r2_store_pass_the_shared_suites() {
     if let Err(e) = kept {
         panic!(
             "the Durable Object's log fails the retention suite: {e:#}\n--- wrangler dev ---\n{}",
+            dev.log_tail()
+        );
+    }
+    // Search over the objects: the suite's checks but its thousand
+    // sessions (a thousand Durable Objects under `wrangler dev` is minutes
+    // of CI for what the native stores show; hits ranked across objects:
+    // `tests/wrangler.rs`, `the_worker_searches_across_sessions`).
+    let found = async {
+        search::a_new_frame_is_found_as_soon_as_it_is_stored(fresh_log().await)
+            .await
+            .context("a_new_frame_is_found_as_soon_as_it_is_stored")?;
+        search::a_fork_finds_its_prefix_and_its_own_frames(fresh_log().await)
+            .await
+            .context("a_fork_finds_its_prefix_and_its_own_frames")?;
+        search::bad_queries_are_refused_with_the_reason(fresh_log().await)
+            .await
+            .context("bad_queries_are_refused_with_the_reason")
+    }
+    .await;
+    if let Err(e) = found {
+        panic!(
+            "the Durable Object's log fails the search suite: {e:#}\n--- wrangler dev ---\n{}",
             dev.log_tail()
         );
     }
