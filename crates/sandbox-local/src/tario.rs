@@ -250,7 +250,7 @@ fn unpack(dir: &Path, reader: impl Read) -> Result<()> {
     archive.set_unpack_xattrs(false);
     // Directories without owner write permission are made writable while
     // their contents land, and get their mode at the end (as `tar` does).
-    let mut locked_dirs: Vec<(PathBuf, u32)> = Vec::new();
+    let mut locked_dirs = DirModes::default();
     for entry in archive
         .entries()
         .map_err(|e| Error::corrupt(format!("reading tar: {e}")))?
@@ -285,12 +285,27 @@ fn unpack(dir: &Path, reader: impl Read) -> Result<()> {
             if mode & 0o200 == 0 {
                 let path = dir.join(&normalized);
                 std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode | 0o700))?;
-                locked_dirs.push((path, mode));
+                locked_dirs.insert(path, mode);
             }
         }
     }
-    for (path, mode) in locked_dirs.into_iter().rev() {
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))?;
+    set_dir_modes(locked_dirs)
+}
+
+/// Directories' final modes, set once their entries have landed: a later
+/// entry of the same directory overrides an earlier one's mode (as tar).
+type DirModes = std::collections::HashMap<PathBuf, u32>;
+
+/// Give each directory of `modes` its mode, deepest first (a parent's mode
+/// may take its owner's search permission, which a child's change needs).
+/// A path a later entry replaced (a file or symlink now) keeps its own mode.
+fn set_dir_modes(modes: DirModes) -> Result<()> {
+    let mut dirs: Vec<(PathBuf, u32)> = modes.into_iter().collect();
+    dirs.sort_by_key(|(path, _)| std::cmp::Reverse(path.components().count()));
+    for (path, mode) in dirs {
+        if std::fs::symlink_metadata(&path).is_ok_and(|m| m.is_dir()) {
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))?;
+        }
     }
     Ok(())
 }
@@ -331,7 +346,7 @@ fn unpack_fresh(dir: &Path, reader: impl Read) -> Result<()> {
     let mut symlinks: HashSet<String> = HashSet::new();
     // Directories known to exist.
     let mut made: HashSet<PathBuf> = HashSet::from([dir.to_path_buf()]);
-    let mut dir_modes: Vec<(PathBuf, u32)> = Vec::new();
+    let mut dir_modes = DirModes::default();
     let unsafe_entry =
         |raw: &str, why: &str| Error::unsafe_entry(format!("refusing tar entry {raw:?}: {why}"));
     let under_symlink = |symlinks: &HashSet<String>, path: &str| {
@@ -390,7 +405,7 @@ fn unpack_fresh(dir: &Path, reader: impl Read) -> Result<()> {
                 made.insert(path.clone());
                 // Writable while its entries land; its own mode at the end.
                 std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode | 0o700))?;
-                dir_modes.push((path, mode));
+                dir_modes.insert(path, mode);
             }
             tar::EntryType::Regular | tar::EntryType::Continuous => {
                 symlinks.remove(&normalized);
@@ -460,10 +475,7 @@ fn unpack_fresh(dir: &Path, reader: impl Read) -> Result<()> {
             }
         }
     }
-    for (path, mode) in dir_modes.into_iter().rev() {
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))?;
-    }
-    Ok(())
+    set_dir_modes(dir_modes)
 }
 
 /// Extract `tar` like [`import`], but into a staging directory beside `dir`
@@ -645,6 +657,31 @@ mod tests {
         assert_eq!(e.kind(), ErrorKind::Io);
         assert!(e.message().contains("failed to unpack"), "{e}");
         assert!(e.message().contains("No space left on device"), "{e}");
+        // A path that is not there stays NotFound.
+        let gone = unpack_error("b.txt", std::io::Error::from(std::io::ErrorKind::NotFound));
+        assert_eq!(gone.kind(), ErrorKind::NotFound, "{gone}");
+    }
+
+    /// A later entry of the same path replaces an earlier directory (an
+    /// empty one) or symlink, as tar does.
+    #[test]
+    fn the_fresh_unpack_replaces_an_earlier_entry_of_the_same_path() {
+        use tar::EntryType as T;
+        let tar = archive(&[
+            ("x/", T::Directory, 0o755, ""),
+            ("x", T::Regular, 0o644, "a file now"),
+            ("l", T::Symlink, 0o777, "x"),
+            ("l", T::Regular, 0o600, "not a link"),
+        ]);
+        let dir = tempfile::tempdir().unwrap();
+        unpack_fresh(dir.path(), &tar[..]).unwrap();
+        assert_eq!(
+            listing(dir.path()),
+            [
+                "l 600 1700000000 1 not a link",
+                "x 644 1700000000 1 a file now"
+            ]
+        );
     }
 
     /// A tar of the given entries: `(path, kind, mode, data or link target)`.
@@ -796,6 +833,8 @@ mod tests {
             ("locked/", T::Directory, 0o555, ""),
             ("locked/inside.txt", T::Regular, 0o600, "in a read-only dir"),
             ("a/ro.txt", T::Regular, 0o640, "replaced by a later entry"),
+            ("a/", T::Directory, 0o700, ""),
+            ("locked/", T::Directory, 0o500, ""),
             ("link", T::Symlink, 0o777, "a/run.sh"),
             ("hard", T::Link, 0o644, "a/ro.txt"),
         ]);
@@ -804,6 +843,10 @@ mod tests {
         unpack_fresh(new.path(), &tar[..]).unwrap();
         let (want, got) = (listing(old.path()), listing(new.path()));
         assert_eq!(got, want);
+        // A later entry of a directory sets its mode (both unpacks).
+        for dir in ["a/ 700", "locked/ 500"] {
+            assert!(got.contains(&dir.to_string()), "{dir}: {got:#?}");
+        }
         // The setuid bit is dropped; the later entry won.
         assert!(
             got.contains(&"a/run.sh 755 1700000000 1 #!/bin/sh\n".to_string()),
