@@ -394,12 +394,19 @@ fn unpack_fresh(dir: &Path, reader: impl Read) -> Result<()> {
         };
         match kind {
             tar::EntryType::Directory => {
-                if symlinks.remove(&normalized) {
-                    replace(&path).map_err(|e| unpack_error(&raw, e))?;
-                }
+                symlinks.remove(&normalized);
                 match std::fs::create_dir(&path) {
                     Ok(()) => {}
-                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && path.is_dir() => {}
+                    // One there already: a directory is merged into; an
+                    // earlier file or symlink of the archive is replaced.
+                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                        let there =
+                            std::fs::symlink_metadata(&path).map_err(|e| unpack_error(&raw, e))?;
+                        if !there.is_dir() {
+                            replace(&path).map_err(|e| unpack_error(&raw, e))?;
+                            std::fs::create_dir(&path).map_err(|e| unpack_error(&raw, e))?;
+                        }
+                    }
                     Err(e) => return Err(unpack_error(&raw, e)),
                 }
                 made.insert(path.clone());
@@ -663,7 +670,7 @@ mod tests {
     }
 
     /// A later entry of the same path replaces an earlier directory (an
-    /// empty one) or symlink, as tar does.
+    /// empty one), file or symlink, as tar does.
     #[test]
     fn the_fresh_unpack_replaces_an_earlier_entry_of_the_same_path() {
         use tar::EntryType as T;
@@ -672,13 +679,21 @@ mod tests {
             ("x", T::Regular, 0o644, "a file now"),
             ("l", T::Symlink, 0o777, "x"),
             ("l", T::Regular, 0o600, "not a link"),
+            ("f", T::Regular, 0o644, "a file first"),
+            ("f/", T::Directory, 0o750, ""),
+            ("f/in.txt", T::Regular, 0o644, "in"),
+            ("s", T::Symlink, 0o777, "/"),
+            ("s/", T::Directory, 0o755, ""),
         ]);
         let dir = tempfile::tempdir().unwrap();
         unpack_fresh(dir.path(), &tar[..]).unwrap();
         assert_eq!(
             listing(dir.path()),
             [
+                "f/ 750",
+                "f/in.txt 644 1700000000 1 in",
                 "l 600 1700000000 1 not a link",
+                "s/ 755",
                 "x 644 1700000000 1 a file now"
             ]
         );
