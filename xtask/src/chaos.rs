@@ -24,7 +24,8 @@ pub struct ChaosArgs {
     #[arg(long)]
     trial: Option<u32>,
     /// Only these engines: in-process, serve, temporal, runner (default:
-    /// all).
+    /// all). `workflows` is taken and skipped with its reason (see
+    /// [`WORKFLOWS_SKIP`]).
     #[arg(long = "engine", value_delimiter = ',')]
     engines: Vec<String>,
     /// Only these phases (see docs/reliability.md; default: all).
@@ -40,7 +41,35 @@ pub struct ChaosArgs {
     nodes: bool,
 }
 
-pub fn run(args: ChaosArgs) -> Result<()> {
+/// The skip registry's entry that says why Workflows cannot be killed and
+/// resumed here (`wrangler dev`'s local Workflows do not resume an
+/// instance after a restart): chaos on `workflows` is skipped for it.
+const WORKFLOWS_SKIP: &str = "the_workflows_engine_passes_the_engine_suite";
+
+/// The engines asked for, less `workflows`, which is skipped with the
+/// registry's reason; `None` when nothing is left to run.
+fn runnable_engines(asked: &[String]) -> Option<Vec<String>> {
+    if !asked.iter().any(|e| e == "workflows") {
+        return Some(asked.to_vec());
+    }
+    let why = crate::skips::ALLOWED_SKIPS
+        .iter()
+        .find(|(name, _)| *name == WORKFLOWS_SKIP)
+        .map_or("not registered", |(_, why)| *why);
+    println!("chaos: skipped: workflows — {why}");
+    let rest: Vec<String> = asked
+        .iter()
+        .filter(|e| *e != "workflows")
+        .cloned()
+        .collect();
+    (!rest.is_empty()).then_some(rest)
+}
+
+pub fn run(mut args: ChaosArgs) -> Result<()> {
+    match runnable_engines(&args.engines) {
+        Some(engines) => args.engines = engines,
+        None => return Ok(()),
+    }
     if !args.no_setup {
         services::start(services::ALL)?;
         image::build(false)?;
@@ -128,4 +157,25 @@ fn trials_command(test: &str) -> std::process::Command {
         cmd.env(k, v);
     }
     cmd
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `workflows` is skipped with the registry's reason, never run and
+    /// never silently taken for "all engines".
+    #[test]
+    fn workflows_is_a_registered_skip() {
+        assert!(crate::skips::ALLOWED_SKIPS
+            .iter()
+            .any(|(name, _)| *name == WORKFLOWS_SKIP));
+        let asked = |names: &[&str]| names.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+        assert_eq!(runnable_engines(&asked(&["workflows"])), None);
+        assert_eq!(
+            runnable_engines(&asked(&["serve", "workflows"])),
+            Some(asked(&["serve"]))
+        );
+        assert_eq!(runnable_engines(&asked(&[])), Some(asked(&[])));
+    }
 }
