@@ -878,6 +878,51 @@ mod tests {
         }
     }
 
+    /// The staging directory sits beside the target, on its file system
+    /// (entries then move by rename), made with its parents when missing,
+    /// private; inside the target when the target is a file system of its
+    /// own (its parent is another); an error when the target cannot be read.
+    #[test]
+    fn the_staging_directory_sits_beside_the_target_on_its_file_system() {
+        use std::os::unix::fs::MetadataExt;
+        let root = tempfile::tempdir().unwrap();
+        let existing = root.path().join("tree");
+        std::fs::create_dir(&existing).unwrap();
+        for (target, beside) in [
+            (existing.clone(), root.path().to_path_buf()),
+            (root.path().join("absent"), root.path().to_path_buf()),
+            (
+                root.path().join("new/deeper/tree"),
+                root.path().join("new/deeper"),
+            ),
+        ] {
+            let staging = make_staging(&target).unwrap();
+            assert_eq!(staging.parent(), Some(beside.as_path()), "{target:?}");
+            let name = staging.file_name().unwrap().to_string_lossy().into_owned();
+            let stem = target.file_name().unwrap().to_string_lossy();
+            assert!(
+                name.starts_with(&format!(".{stem}.harness-import-")),
+                "{name}"
+            );
+            let meta = std::fs::metadata(&staging).unwrap();
+            assert_eq!(meta.permissions().mode() & 0o7777, 0o700, "{name}");
+        }
+        let looped = root.path().join("loop");
+        std::os::unix::fs::symlink(&looped, &looped).unwrap();
+        assert!(make_staging(&looped).is_err(), "a symlink loop");
+        // A file system of its own: /dev/shm (tmpfs) under /dev, where the
+        // machine has them apart.
+        let (shm, dev) = (Path::new("/dev/shm"), Path::new("/dev"));
+        if let (Ok(s), Ok(d)) = (std::fs::metadata(shm), std::fs::metadata(dev)) {
+            if s.dev() != d.dev() {
+                let staging = make_staging(shm).unwrap();
+                let inside = staging.parent() == Some(shm);
+                std::fs::remove_dir(&staging).unwrap();
+                assert!(inside, "{staging:?}");
+            }
+        }
+    }
+
     const CHILD_HOW: &str = "TARIO_TEST_UNPACK_HOW";
     const CHILD_DIR: &str = "TARIO_TEST_UNPACK_DIR";
 
