@@ -951,6 +951,26 @@ mod tests {
                     rt.block_on(import_staged(dir.clone(), stream)).unwrap();
                 }
             }
+            "staged-failing" => {
+                // The whole archive, then the stream's error (a content
+                // hash found wrong at its end): the unpack has finished,
+                // read-only directories and all, when the import fails.
+                let stream: ByteStream = Box::pin(futures::stream::iter([
+                    Ok(Bytes::copy_from_slice(tar)),
+                    Err(Error::corrupt("a hash found wrong at the end")),
+                ]));
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                let err = rt.block_on(import_staged(dir, stream)).unwrap_err();
+                assert!(err.message().contains("found wrong"), "{err}");
+                // What is left beside the archive: nothing.
+                return listing(scratch)
+                    .into_iter()
+                    .filter(|entry| !entry.starts_with("in.tar "))
+                    .collect();
+            }
             other => panic!("no unpack {other}"),
         }
         listing(&dir)
@@ -1019,6 +1039,13 @@ mod tests {
             ("locked/inner/f.txt", T::Regular, 0o444, "deep"),
             ("locked/g.txt", T::Regular, 0o644, "g"),
         ]);
+        // A staged import that fails at the end leaves nothing: not the
+        // target, not its staging directory, read-only directories in it
+        // notwithstanding.
+        assert_eq!(
+            unpack_and_list_as_a_user("staged-failing", &tar),
+            Vec::<String>::new()
+        );
         for how in ["unpack", "fresh", "staged-twice"] {
             assert_eq!(
                 unpack_and_list_as_a_user(how, &tar),
