@@ -36,9 +36,10 @@ struct Target {
 /// The listed files (issue 43): the append decision and the log rules,
 /// retention, the audit chain, tar scanning, the turn machine and its
 /// driver, the session actor and its host-call outcomes, tree checkpoints'
-/// restore verification, garbage collection and its locks, the native
-/// log store and its index, the broker's session and turn tokens and its
-/// budget admission.
+/// restore verification, garbage collection and its locks, the local
+/// provider's tar extraction, fencing (the PostgreSQL leases and the
+/// fenced append), the native log store and its index, the
+/// broker's session and turn tokens and its budget admission.
 const TARGETS: &[Target] = &[
     Target {
         file: "crates/harness-core/src/log/append.rs",
@@ -83,6 +84,14 @@ const TARGETS: &[Target] = &[
     Target {
         file: "crates/harness-moves/src/tree/restore.rs",
         tests: &["harness-moves"],
+    },
+    Target {
+        file: "crates/sandbox-local/src/tario.rs",
+        tests: &["sandbox-local"],
+    },
+    Target {
+        file: "crates/session-log-postgres/src/lease.rs",
+        tests: &["session-log-postgres"],
     },
     Target {
         file: "crates/session-log/src/lib.rs",
