@@ -282,10 +282,14 @@ fn unpack(dir: &Path, reader: impl Read) -> Result<()> {
         }
         if kind == tar::EntryType::Directory {
             let mode = entry.header().mode().unwrap_or(0o755) & 0o777;
+            let path = dir.join(&normalized);
             if mode & 0o200 == 0 {
-                let path = dir.join(&normalized);
                 std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode | 0o700))?;
                 locked_dirs.insert(path, mode);
+            } else {
+                // A later entry of a locked directory, with a mode the
+                // unpack just gave it: that one stays.
+                locked_dirs.remove(&path);
             }
         }
     }
@@ -850,6 +854,8 @@ mod tests {
             ("a/ro.txt", T::Regular, 0o640, "replaced by a later entry"),
             ("a/", T::Directory, 0o700, ""),
             ("locked/", T::Directory, 0o500, ""),
+            ("opened/", T::Directory, 0o555, ""),
+            ("opened/", T::Directory, 0o750, ""),
             ("link", T::Symlink, 0o777, "a/run.sh"),
             ("hard", T::Link, 0o644, "a/ro.txt"),
         ]);
@@ -859,7 +865,7 @@ mod tests {
         let (want, got) = (listing(old.path()), listing(new.path()));
         assert_eq!(got, want);
         // A later entry of a directory sets its mode (both unpacks).
-        for dir in ["a/ 700", "locked/ 500"] {
+        for dir in ["a/ 700", "locked/ 500", "opened/ 750"] {
             assert!(got.contains(&dir.to_string()), "{dir}: {got:#?}");
         }
         // The setuid bit is dropped; the later entry won.
