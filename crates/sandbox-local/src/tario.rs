@@ -938,6 +938,15 @@ mod tests {
     /// what the first left).
     fn unpack_and_list(how: &str, scratch: &Path, tar: &[u8]) -> Vec<String> {
         let dir = scratch.join("out");
+        // The staged imports are async; the unpacks above them are not.
+        let block_on =
+            |import: std::pin::Pin<Box<dyn std::future::Future<Output = Result<()>>>>| {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap()
+                    .block_on(import)
+            };
         match how {
             "unpack" => {
                 std::fs::create_dir(&dir).unwrap();
@@ -948,13 +957,9 @@ mod tests {
                 unpack_fresh(&dir, tar).unwrap();
             }
             "staged-twice" => {
-                let rt = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .unwrap();
                 for _ in 0..2 {
                     let stream = harness_core::stream::once(Bytes::copy_from_slice(tar));
-                    rt.block_on(import_staged(dir.clone(), stream)).unwrap();
+                    block_on(Box::pin(import_staged(dir.clone(), stream))).unwrap();
                 }
             }
             "staged-failing" => {
@@ -965,11 +970,7 @@ mod tests {
                     Ok(Bytes::copy_from_slice(tar)),
                     Err(Error::corrupt("a hash found wrong at the end")),
                 ]));
-                let rt = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .unwrap();
-                let err = rt.block_on(import_staged(dir, stream)).unwrap_err();
+                let err = block_on(Box::pin(import_staged(dir, stream))).unwrap_err();
                 assert!(err.message().contains("found wrong"), "{err}");
                 // What is left beside the archive: nothing.
                 return listing(scratch)
