@@ -1,7 +1,9 @@
-//! Tar export and import with the `tar` crate, run on blocking threads and
-//! bridged to async byte streams by bounded channels (so memory stays at a
-//! few chunks whatever the size of the tree).
+//! Tar export and import, run on blocking threads and bridged to async byte
+//! streams by bounded channels (so memory stays at a few chunks whatever the
+//! size of the tree). The `tar` crate builds and reads the archives; the
+//! import writes every entry itself, beneath the target ([`unpack_beneath`]).
 
+use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -192,13 +194,11 @@ impl Read for ChannelReader {
 /// scanned on the way in (`TarScanner::outward_symlinks`): a refused entry
 /// stops the import before the unpacker sees its header.
 pub(crate) async fn import(dir: PathBuf, tar: ByteStream) -> Result<()> {
-    import_into(dir, tar, false).await
+    import_into(dir, tar).await
 }
 
-/// [`import`]; `fresh`: `dir` was just made by this import (empty, private),
-/// so [`unpack_fresh`] may skip what only protects a directory with entries
-/// of its own.
-async fn import_into(dir: PathBuf, tar: ByteStream, fresh: bool) -> Result<()> {
+/// [`import`] into `dir`, made if missing.
+async fn import_into(dir: PathBuf, tar: ByteStream) -> Result<()> {
     let mut tar = scan_stream(tar, TarScanner::new().outward_symlinks());
     tokio::fs::create_dir_all(&dir).await?;
     let (tx, rx) = mpsc::channel::<Bytes>(DEPTH);
@@ -207,11 +207,7 @@ async fn import_into(dir: PathBuf, tar: ByteStream, fresh: bool) -> Result<()> {
             rx,
             cur: Bytes::new(),
         };
-        if fresh {
-            unpack_fresh(&dir, reader)
-        } else {
-            unpack(&dir, reader)
-        }
+        unpack_safely(&dir, reader)
     });
     let mut stream_error = None;
     while let Some(chunk) = tar.next().await {
@@ -238,6 +234,18 @@ async fn import_into(dir: PathBuf, tar: ByteStream, fresh: bool) -> Result<()> {
     unpacked
 }
 
+/// [`unpack_beneath`] where the kernel has `openat2`, else [`unpack`].
+fn unpack_safely(dir: &Path, reader: impl Read) -> Result<()> {
+    match Beneath::open(dir) {
+        Ok(beneath) => unpack_beneath(beneath, dir, reader),
+        Err(e) if e.kind() == ErrorKind::Unsupported => unpack(dir, reader),
+        Err(e) => Err(e),
+    }
+}
+
+/// The tar crate's `unpack_in`, for kernels without `openat2`: it checks
+/// each entry's parent with a `realpath` (slower, and racy against a
+/// symlink swapped in after the check).
 fn unpack(dir: &Path, reader: impl Read) -> Result<()> {
     let mut archive = tar::Archive::new(reader);
     // Modes are kept (no umask) but without setuid, setgid and sticky bits:
@@ -332,30 +340,47 @@ fn unpack_error(raw: &str, e: std::io::Error) -> Error {
     Error::new(kind, message)
 }
 
-/// Unpack into `dir`, a directory this import just made: empty and
-/// private, so every entry below it is the archive's own. The tar crate's
-/// `unpack_in` resolves each entry's parent on disk (a `realpath` of the
-/// parent and of `dir`, a dozen system calls per entry) to catch a symlink
-/// that leads out; here the only symlinks are the archive's, so entries are
-/// checked against the set of symlinks it made (the scanner in front of
-/// [`import_into`] refuses those entries first; this is the second line),
-/// each directory is made once, and each file is written with one open, its
-/// data, its times and its mode.
-fn unpack_fresh(dir: &Path, reader: impl Read) -> Result<()> {
+/// Unpack into `dir`, overlaying what is there, with every entry written
+/// relative to a descriptor of its parent directory opened by `openat2`
+/// with `RESOLVE_BENEATH` from `dir` ([`Beneath`]): the kernel refuses any
+/// path that would leave `dir` — through `..`, an absolute symlink or a
+/// symlink climbing out, whether the archive made it or the tree had it —
+/// at the moment of the call, so a symlink swapped in while the import
+/// runs leads nowhere. (The tar crate's `unpack_in` checks the same with a
+/// `realpath` of the entry's parent and of `dir`: a dozen system calls an
+/// entry, a sixth of a 20,000-file restore's time, and a check a swap
+/// after it defeats.) Each directory is opened once for the run of entries
+/// in it, each file written with one open, its data, its times and its
+/// mode. Entries under a symlink the archive itself made are refused (the
+/// scanner in front of [`import_into`] refuses them first; this is the
+/// second line), as are entries leaving `dir`.
+fn unpack_beneath(mut beneath: Beneath, dir: &Path, reader: impl Read) -> Result<()> {
     use std::collections::HashSet;
-    use std::os::unix::fs::OpenOptionsExt;
 
     let mut archive = tar::Archive::new(reader);
     // Paths (relative, normalized) of the symlinks the archive made.
     let mut symlinks: HashSet<String> = HashSet::new();
-    // Directories known to exist.
-    let mut made: HashSet<PathBuf> = HashSet::from([dir.to_path_buf()]);
-    let mut dir_modes = DirModes::default();
+    // Final modes of the archive's directories, by relative path.
+    let mut dir_modes: HashMap<String, u32> = HashMap::new();
     let unsafe_entry =
         |raw: &str, why: &str| Error::unsafe_entry(format!("refusing tar entry {raw:?}: {why}"));
     let under_symlink = |symlinks: &HashSet<String>, path: &str| {
         path.match_indices('/')
             .any(|(i, _)| symlinks.contains(&path[..i]))
+    };
+    // A path the kernel would not resolve beneath `dir`.
+    let failed = |raw: &str, e: std::io::Error| {
+        if matches!(
+            e.raw_os_error(),
+            Some(libc_errno::EXDEV | libc_errno::ELOOP)
+        ) {
+            unsafe_entry(
+                raw,
+                &format!("it would land outside {} ({e})", dir.display()),
+            )
+        } else {
+            unpack_error(raw, e)
+        }
     };
     for entry in archive
         .entries()
@@ -371,70 +396,26 @@ fn unpack_fresh(dir: &Path, reader: impl Read) -> Result<()> {
         if under_symlink(&symlinks, &normalized) {
             return Err(unsafe_entry(&raw, "it lies under a symlink of the archive"));
         }
-        let path = dir.join(&normalized);
-        if let Some(parent) = path.parent() {
-            if !made.contains(parent) {
-                std::fs::create_dir_all(parent).map_err(|e| unpack_error(&raw, e))?;
-                let mut at = parent;
-                while made.insert(at.to_path_buf()) {
-                    match at.parent() {
-                        Some(up) => at = up,
-                        None => break,
-                    }
-                }
-            }
-        }
-        // An entry replaces an earlier one of the same path (as tar does),
-        // except a directory, which a later directory entry merges into.
+        let (parent, name) = normalized.rsplit_once('/').unwrap_or(("", &normalized));
         let header = entry.header();
         let kind = header.entry_type();
         let mode = header.mode().unwrap_or(0o644) & 0o777;
         let mtime = header.mtime().ok();
-        let replace = |path: &Path| match std::fs::symlink_metadata(path) {
-            Ok(meta) if meta.is_dir() => std::fs::remove_dir(path),
-            Ok(_) => std::fs::remove_file(path),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(e),
-        };
+        // An entry replaces an earlier one of the same path (as tar does),
+        // except a directory, which a later directory entry merges into.
         match kind {
             tar::EntryType::Directory => {
                 symlinks.remove(&normalized);
-                match std::fs::create_dir(&path) {
-                    Ok(()) => {}
-                    // One there already: a directory is merged into; an
-                    // earlier file or symlink of the archive is replaced.
-                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                        let there =
-                            std::fs::symlink_metadata(&path).map_err(|e| unpack_error(&raw, e))?;
-                        if !there.is_dir() {
-                            replace(&path).map_err(|e| unpack_error(&raw, e))?;
-                            std::fs::create_dir(&path).map_err(|e| unpack_error(&raw, e))?;
-                        }
-                    }
-                    Err(e) => return Err(unpack_error(&raw, e)),
-                }
-                made.insert(path.clone());
-                // Writable while its entries land; its own mode at the end.
-                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode | 0o700))?;
-                dir_modes.insert(path, mode);
+                beneath
+                    .make_dir(parent, name, mode)
+                    .map_err(|e| failed(&raw, e))?;
+                dir_modes.insert(normalized, mode);
             }
             tar::EntryType::Regular | tar::EntryType::Continuous => {
                 symlinks.remove(&normalized);
-                let open = || {
-                    std::fs::OpenOptions::new()
-                        .write(true)
-                        .create_new(true)
-                        .mode(0o600)
-                        .open(&path)
-                };
-                let mut file = match open() {
-                    Ok(f) => f,
-                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                        replace(&path).map_err(|e| unpack_error(&raw, e))?;
-                        open().map_err(|e| unpack_error(&raw, e))?
-                    }
-                    Err(e) => return Err(unpack_error(&raw, e)),
-                };
+                let mut file = beneath
+                    .create_file(parent, name)
+                    .map_err(|e| failed(&raw, e))?;
                 std::io::copy(&mut entry, &mut file).map_err(|e| unpack_error(&raw, e))?;
                 if let Some(secs) = mtime {
                     let at = std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs);
@@ -451,8 +432,9 @@ fn unpack_fresh(dir: &Path, reader: impl Read) -> Result<()> {
                     .link_name()
                     .map_err(|e| Error::corrupt(format!("reading tar entry {raw:?}: {e}")))?
                     .ok_or_else(|| unsafe_entry(&raw, "a symlink without a target"))?;
-                replace(&path).map_err(|e| unpack_error(&raw, e))?;
-                std::os::unix::fs::symlink(&target, &path).map_err(|e| unpack_error(&raw, e))?;
+                beneath
+                    .symlink(&target, parent, name)
+                    .map_err(|e| failed(&raw, e))?;
                 symlinks.insert(normalized);
             }
             tar::EntryType::Link => {
@@ -467,8 +449,9 @@ fn unpack_fresh(dir: &Path, reader: impl Read) -> Result<()> {
                         "its link target is not a file of the archive",
                     ));
                 }
-                replace(&path).map_err(|e| unpack_error(&raw, e))?;
-                std::fs::hard_link(dir.join(&target), &path).map_err(|e| unpack_error(&raw, e))?;
+                beneath
+                    .hard_link(&target, parent, name)
+                    .map_err(|e| failed(&raw, e))?;
             }
             tar::EntryType::Char | tar::EntryType::Block | tar::EntryType::Fifo => {
                 return Err(unsafe_entry(
@@ -486,7 +469,205 @@ fn unpack_fresh(dir: &Path, reader: impl Read) -> Result<()> {
             }
         }
     }
-    set_dir_modes(dir_modes)
+    beneath.set_dir_modes(dir_modes)
+}
+
+/// The error numbers [`unpack_beneath`] tells apart.
+mod libc_errno {
+    pub(super) const EXDEV: i32 = rustix::io::Errno::XDEV.raw_os_error();
+    pub(super) const ELOOP: i32 = rustix::io::Errno::LOOP.raw_os_error();
+}
+
+/// A directory written into only through descriptors the kernel resolved
+/// beneath it (`openat2`, `RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS`); the
+/// directory last written into is kept open.
+struct Beneath {
+    root: std::os::fd::OwnedFd,
+    /// The last parent directory opened: its relative path and descriptor.
+    last: Option<(String, std::os::fd::OwnedFd)>,
+}
+
+impl Beneath {
+    const RESOLVE: rustix::fs::ResolveFlags =
+        rustix::fs::ResolveFlags::BENEATH.union(rustix::fs::ResolveFlags::NO_MAGICLINKS);
+
+    fn open(dir: &Path) -> Result<Self> {
+        use rustix::fs::{Mode, OFlags};
+        let root = rustix::fs::open(
+            dir,
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| Error::from(std::io::Error::from(e)))?;
+        // Asked once, before anything is read: a kernel without it says so.
+        match rustix::fs::openat2(
+            &root,
+            ".",
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+            Self::RESOLVE,
+        ) {
+            Ok(_) => Ok(Beneath { root, last: None }),
+            Err(rustix::io::Errno::NOSYS) => Err(Error::unsupported(
+                "tar imports need openat2 (Linux 5.6 or later) to keep every entry inside the sandbox",
+            )),
+            Err(e) => Err(std::io::Error::from(e).into()),
+        }
+    }
+
+    /// `rel` (relative, normalized; "" is the root), opened beneath the root.
+    fn open_dir(
+        &self,
+        rel: &str,
+        flags: rustix::fs::OFlags,
+    ) -> std::io::Result<std::os::fd::OwnedFd> {
+        use rustix::fs::{Mode, OFlags};
+        let rel = if rel.is_empty() { "." } else { rel };
+        let flags = flags | OFlags::DIRECTORY | OFlags::CLOEXEC;
+        Ok(rustix::fs::openat2(
+            &self.root,
+            rel,
+            flags,
+            Mode::empty(),
+            Self::RESOLVE,
+        )?)
+    }
+
+    /// The directory `rel`, made with its missing parents (as `mkdir -p`).
+    fn dir(&mut self, rel: &str) -> std::io::Result<std::os::fd::BorrowedFd<'_>> {
+        use rustix::fs::OFlags;
+        use std::os::fd::AsFd;
+        if rel.is_empty() {
+            return Ok(self.root.as_fd());
+        }
+        if self.last.as_ref().is_none_or(|(at, _)| at != rel) {
+            let fd = match self.open_dir(rel, OFlags::PATH) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    for (i, _) in rel.match_indices('/').chain([(rel.len(), "")]) {
+                        let (up, name) = rel[..i].rsplit_once('/').unwrap_or(("", &rel[..i]));
+                        let up = self.open_dir(up, OFlags::PATH)?;
+                        match rustix::fs::mkdirat(&up, name, 0o777.into()) {
+                            Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+                            Err(e) => return Err(e.into()),
+                        }
+                    }
+                    self.open_dir(rel, OFlags::PATH)?
+                }
+                other => other?,
+            };
+            self.last = Some((rel.to_string(), fd));
+        }
+        Ok(self.last.as_ref().expect("just set").1.as_fd())
+    }
+
+    /// Remove what `parent/name` holds (a file, a symlink, an empty
+    /// directory), if anything.
+    fn remove(&mut self, parent: &str, name: &str) -> std::io::Result<()> {
+        use rustix::fs::AtFlags;
+        let at = self.dir(parent)?;
+        let flags = match rustix::fs::statat(at, name, AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(st) if rustix::fs::FileType::from_raw_mode(st.st_mode).is_dir() => {
+                AtFlags::REMOVEDIR
+            }
+            Ok(_) => AtFlags::empty(),
+            Err(rustix::io::Errno::NOENT) => return Ok(()),
+            Err(e) => return Err(e.into()),
+        };
+        rustix::fs::unlinkat(at, name, flags)?;
+        if flags == AtFlags::REMOVEDIR {
+            // Whatever was kept open may have been under it.
+            self.last = None;
+        }
+        Ok(())
+    }
+
+    /// A directory at `parent/name`, merged into when there is one, else
+    /// made (replacing a file or symlink), writable by its owner while its
+    /// entries land.
+    fn make_dir(&mut self, parent: &str, name: &str, mode: u32) -> std::io::Result<()> {
+        use rustix::fs::{AtFlags, OFlags};
+        let at = self.dir(parent)?;
+        match rustix::fs::mkdirat(at, name, 0o700.into()) {
+            Ok(()) => {}
+            Err(rustix::io::Errno::EXIST) => {
+                let st = rustix::fs::statat(at, name, AtFlags::SYMLINK_NOFOLLOW)?;
+                if !rustix::fs::FileType::from_raw_mode(st.st_mode).is_dir() {
+                    self.remove(parent, name)?;
+                    rustix::fs::mkdirat(self.dir(parent)?, name, 0o700.into())?;
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }
+        // Opened without following: a symlink swapped in is refused.
+        let fd = rustix::fs::openat(
+            self.dir(parent)?,
+            name,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            0.into(),
+        )?;
+        rustix::fs::fchmod(&fd, (mode | 0o700).into())?;
+        Ok(())
+    }
+
+    /// A new file at `parent/name`, replacing what is there, open for writing.
+    fn create_file(&mut self, parent: &str, name: &str) -> std::io::Result<std::fs::File> {
+        use rustix::fs::OFlags;
+        let flags =
+            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+        let fd = match rustix::fs::openat(self.dir(parent)?, name, flags, 0o600.into()) {
+            Err(rustix::io::Errno::EXIST) => {
+                self.remove(parent, name)?;
+                rustix::fs::openat(self.dir(parent)?, name, flags, 0o600.into())?
+            }
+            other => other?,
+        };
+        Ok(std::fs::File::from(fd))
+    }
+
+    fn symlink(&mut self, target: &Path, parent: &str, name: &str) -> std::io::Result<()> {
+        self.remove(parent, name)?;
+        Ok(rustix::fs::symlinkat(target, self.dir(parent)?, name)?)
+    }
+
+    /// A hard link at `parent/name` to `target` (relative, normalized),
+    /// both resolved beneath the root.
+    fn hard_link(&mut self, target: &str, parent: &str, name: &str) -> std::io::Result<()> {
+        use rustix::fs::{AtFlags, OFlags};
+        let (up, file) = target.rsplit_once('/').unwrap_or(("", target));
+        let from = self.open_dir(up, OFlags::PATH)?;
+        self.remove(parent, name)?;
+        Ok(rustix::fs::linkat(
+            &from,
+            file,
+            self.dir(parent)?,
+            name,
+            AtFlags::empty(),
+        )?)
+    }
+
+    /// Give each directory of `modes` its mode, deepest first (a parent's
+    /// mode may take its owner's search permission, which a child's change
+    /// needs). A path a later entry replaced (a file or symlink now) keeps
+    /// its own mode.
+    fn set_dir_modes(self, modes: HashMap<String, u32>) -> Result<()> {
+        use rustix::fs::OFlags;
+        let mut dirs: Vec<(String, u32)> = modes.into_iter().collect();
+        dirs.sort_by_key(|(path, _)| std::cmp::Reverse(path.matches('/').count()));
+        for (path, mode) in dirs {
+            match self.open_dir(&path, OFlags::RDONLY | OFlags::NOFOLLOW) {
+                Ok(fd) => rustix::fs::fchmod(&fd, mode.into())
+                    .map_err(|e| Error::from(std::io::Error::from(e)))?,
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(code) if code == rustix::io::Errno::NOTDIR.raw_os_error()
+                            || code == libc_errno::ELOOP
+                    ) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Extract `tar` like [`import`], but into a staging directory beside `dir`
@@ -501,7 +682,7 @@ pub(crate) async fn import_staged(dir: PathBuf, tar: ByteStream) -> Result<()> {
             .await
             .map_err(|e| Error::backend(format!("tar import task failed: {e}")))??
     };
-    let imported = import_into(staging.clone(), tar, true).await;
+    let imported = import_into(staging.clone(), tar).await;
     tokio::task::spawn_blocking(move || {
         let result = imported.and_then(|()| {
             std::fs::create_dir_all(&dir)?;
@@ -690,7 +871,7 @@ mod tests {
             ("s/", T::Directory, 0o755, ""),
         ]);
         let dir = tempfile::tempdir().unwrap();
-        unpack_fresh(dir.path(), &tar[..]).unwrap();
+        unpack_safely(dir.path(), &tar[..]).unwrap();
         assert_eq!(
             listing(dir.path()),
             [
@@ -861,7 +1042,7 @@ mod tests {
         ]);
         let (old, new) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
         unpack(old.path(), &tar[..]).unwrap();
-        unpack_fresh(new.path(), &tar[..]).unwrap();
+        unpack_safely(new.path(), &tar[..]).unwrap();
         let (want, got) = (listing(old.path()), listing(new.path()));
         assert_eq!(got, want);
         // A later entry of a directory sets its mode (both unpacks).
@@ -954,7 +1135,7 @@ mod tests {
             }
             "fresh" => {
                 std::fs::create_dir(&dir).unwrap();
-                unpack_fresh(&dir, tar).unwrap();
+                unpack_safely(&dir, tar).unwrap();
             }
             "staged-twice" => {
                 for _ in 0..2 {
@@ -1102,7 +1283,7 @@ mod tests {
         ] {
             std::fs::write(outside.path().join("secret"), "keep").unwrap();
             let dir = tempfile::tempdir().unwrap();
-            let err = unpack_fresh(dir.path(), &tar[..]).unwrap_err();
+            let err = unpack_safely(dir.path(), &tar[..]).unwrap_err();
             assert!(
                 matches!(err.kind(), ErrorKind::Unsafe | ErrorKind::InvalidInput),
                 "{what}: {err}"
@@ -1118,6 +1299,113 @@ mod tests {
                 "keep",
                 "{what}"
             );
+        }
+    }
+
+    /// An import onto a tree never writes through the tree's own symlinks
+    /// out of it (the archive's scanner knows only the archive's): each
+    /// entry under `out -> <outside>` is refused, with nothing written
+    /// there; a symlink that stays inside is followed, as the tar crate
+    /// follows it; what was imported before the refused entry stays.
+    #[tokio::test]
+    async fn an_import_does_not_write_through_the_trees_symlinks_out_of_it() {
+        use tar::EntryType as T;
+        let outside = tempfile::tempdir().unwrap();
+        let target = outside.path().display().to_string();
+        for (what, entries) in [
+            ("a file", vec![("out/evil", T::Regular, 0o644, "x")]),
+            ("a directory", vec![("out/d/", T::Directory, 0o755, "")]),
+            (
+                "a file in a new directory",
+                vec![("out/d/e", T::Regular, 0o644, "x")],
+            ),
+            ("a symlink", vec![("out/l", T::Symlink, 0o777, "x")]),
+            (
+                "a hard link to it",
+                vec![("out/h", T::Link, 0o644, "kept.txt")],
+            ),
+            (
+                "a hard link from it",
+                vec![("h", T::Link, 0o644, "out/secret")],
+            ),
+            (
+                "a file through a climbing symlink",
+                vec![("up/evil", T::Regular, 0o644, "x")],
+            ),
+        ] {
+            std::fs::write(outside.path().join("secret"), "keep").unwrap();
+            let dir = tempfile::tempdir().unwrap();
+            std::os::unix::fs::symlink(&target, dir.path().join("out")).unwrap();
+            std::os::unix::fs::symlink("../..", dir.path().join("up")).unwrap();
+            std::fs::create_dir(dir.path().join("real")).unwrap();
+            std::os::unix::fs::symlink("real", dir.path().join("in")).unwrap();
+            let mut all = vec![("kept.txt", T::Regular, 0o644, "first")];
+            all.extend(entries);
+            let stream = harness_core::stream::once(Bytes::from(archive(&all)));
+            let err = import(dir.path().to_path_buf(), stream).await.unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::Unsafe, "{what}: {err}");
+            let mut left: Vec<_> = std::fs::read_dir(outside.path())
+                .unwrap()
+                .map(|e| e.unwrap().file_name())
+                .collect();
+            left.sort();
+            assert_eq!(left, vec![std::ffi::OsString::from("secret")], "{what}");
+            assert_eq!(
+                std::fs::read_to_string(outside.path().join("secret")).unwrap(),
+                "keep",
+                "{what}"
+            );
+            let kept = std::fs::read_to_string(dir.path().join("kept.txt")).unwrap();
+            assert_eq!(kept, "first", "{what}");
+            // A symlink that stays inside leads where it points.
+            let inside = archive(&[("in/x.txt", T::Regular, 0o644, "through")]);
+            let stream = harness_core::stream::once(Bytes::from(inside));
+            import(dir.path().to_path_buf(), stream).await.unwrap();
+            let x = std::fs::read_to_string(dir.path().join("real/x.txt")).unwrap();
+            assert_eq!(x, "through", "{what}");
+        }
+    }
+
+    /// Onto a tree with entries of its own, the import writes what the tar
+    /// crate's `unpack_in` writes: files replaced, directories merged into
+    /// and given the archive's mode, what the archive lacks kept.
+    #[test]
+    fn an_import_onto_a_tree_writes_what_the_tar_crate_writes() {
+        use tar::EntryType as T;
+        let tar = archive(&[
+            ("a/", T::Directory, 0o750, ""),
+            ("a/old.txt", T::Regular, 0o600, "new content"),
+            ("a/new.txt", T::Regular, 0o644, "added"),
+            (
+                "b/c/d.txt",
+                T::Regular,
+                0o644,
+                "deep, under a kept directory",
+            ),
+            ("link", T::Symlink, 0o777, "a/new.txt"),
+            ("hard", T::Link, 0o644, "a/old.txt"),
+        ]);
+        let (old, new) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        for dir in [old.path(), new.path()] {
+            std::fs::create_dir_all(dir.join("a")).unwrap();
+            std::fs::create_dir_all(dir.join("b/c")).unwrap();
+            std::fs::write(dir.join("a/old.txt"), "old content").unwrap();
+            std::fs::write(dir.join("a/mine.txt"), "not in the archive").unwrap();
+            std::fs::write(dir.join("b/c/mine.txt"), "neither").unwrap();
+            std::os::unix::fs::symlink("b", dir.join("link")).unwrap();
+        }
+        unpack(old.path(), &tar[..]).unwrap();
+        unpack_safely(new.path(), &tar[..]).unwrap();
+        let (want, got) = (listing(old.path()), listing(new.path()));
+        assert_eq!(got, want);
+        for line in [
+            "a/ 750",
+            "a/mine.txt 644",
+            "b/c/mine.txt 644",
+            "link -> a/new.txt",
+            "a/old.txt 600 1700000000 2 new content",
+        ] {
+            assert!(got.iter().any(|l| l.starts_with(line)), "{line}: {got:#?}");
         }
     }
 }
