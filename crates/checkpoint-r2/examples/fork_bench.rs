@@ -14,8 +14,9 @@
 //!   sandbox.
 //!
 //! p50 and p99 over `--runs` (default 10) runs each; every run is printed.
-//! Options: `--files N`, `--mb N`, `--runs N`, `--destroy-each` (remove
-//! each fork before the next run). The scratch directory (store, sandboxes)
+//! A fork and its floor run in turn, and every sandbox stays until the
+//! end (`forks_and_floor` says why). Options: `--files N`, `--mb N`,
+//! `--runs N`. The scratch directory (store, sandboxes)
 //! is the temp dir: `TMPDIR=/dev/shm` takes the disk out of the figures. Docker parts are skipped with
 //! a note when no engine answers or `HARNESS_TEST_IMAGE` is unset.
 
@@ -131,68 +132,35 @@ async fn turn_ends(
     (fig, key)
 }
 
-/// Forks: a new sandbox of `provider` with `key` put in; the whole, and
-/// the sandbox's creation alone (the rest is the restore). The forks stay
-/// until all runs are done (several forks of one point side by side):
-/// removing 20,000 files before each run would measure ext4's inode
-/// allocator skipping the recently deleted ones (`--destroy-each` does).
-async fn forks(
+/// Forks — a new sandbox of `provider` with `key` put in: the whole, and
+/// the sandbox's creation alone (the rest is the restore) — interleaved,
+/// run by run, with the floor of any restore that writes the files: the
+/// tree copied from `src` by a tool with no store, no hashes and no
+/// decompression into a new sandbox (`copy`: `cp -a` beside it for local,
+/// `tar | docker exec tar x` for Docker). Interleaved, the two meet the
+/// same disk: ext4 skips the inodes freed in the last minutes when it
+/// allocates, so a phase after a deletion of 20,000-file trees pays for it.
+/// Nothing is removed here: every sandbox made goes into `made`, removed
+/// at the bench's end (several forks of one point side by side).
+#[allow(clippy::too_many_arguments)]
+async fn forks_and_floor(
     name: &str,
     checkpoints: &StoreTurnCheckpoints,
     provider: &dyn SandboxProvider,
     spec: &SandboxSpec,
     key: &str,
-    runs: u64,
-) -> (Figure, Figure) {
-    let destroy_each = std::env::args().any(|a| a == "--destroy-each");
-    let mut fig = Figure {
-        name: format!("fork: new {name} sandbox + restore"),
-        runs: Vec::new(),
-    };
-    let mut create = Figure {
-        name: format!("  of which: creating the {name} sandbox"),
-        runs: Vec::new(),
-    };
-    let mut made = Vec::new();
-    for _ in 0..runs {
-        settle();
-        let t = Instant::now();
-        let sandbox = provider.create(spec).await.unwrap();
-        create.runs.push(t.elapsed().as_secs_f64());
-        checkpoints
-            .restore(key, sandbox.as_ref(), &ScriptHarness)
-            .await
-            .unwrap();
-        fig.runs.push(t.elapsed().as_secs_f64());
-        if destroy_each {
-            sandbox.destroy().await.unwrap();
-        } else {
-            made.push(sandbox);
-        }
-    }
-    for sandbox in made {
-        sandbox.destroy().await.unwrap();
-    }
-    (fig, create)
-}
-
-/// The floor of any restore that writes the files: the tree copied by a
-/// tool with no store, no hashes and no decompression, into a new sandbox
-/// of `provider` — `cp -a` beside it (local), `tar | docker exec tar x`
-/// (Docker). Kept until all runs are done, as [`forks`] keeps its forks.
-async fn floor(
-    name: &str,
-    provider: &dyn SandboxProvider,
-    spec: &SandboxSpec,
     src: &std::path::Path,
     copy: impl Fn(&dyn Sandbox) -> String,
     runs: u64,
-) -> Figure {
-    let mut fig = Figure {
-        name: format!("floor: new {name} sandbox + plain copy"),
+    made: &mut Vec<Box<dyn Sandbox>>,
+) -> [Figure; 3] {
+    let figure = |name: String| Figure {
+        name,
         runs: Vec::new(),
     };
-    let mut made = Vec::new();
+    let mut floor = figure(format!("floor: new {name} sandbox + plain copy"));
+    let mut fork = figure(format!("fork: new {name} sandbox + restore"));
+    let mut create = figure(format!("  of which: creating the {name} sandbox"));
     for _ in 0..runs {
         settle();
         let t = Instant::now();
@@ -204,13 +172,21 @@ async fn floor(
             .status()
             .unwrap();
         assert!(status.success(), "the plain copy failed");
-        fig.runs.push(t.elapsed().as_secs_f64());
+        floor.runs.push(t.elapsed().as_secs_f64());
+        made.push(sandbox);
+
+        settle();
+        let t = Instant::now();
+        let sandbox = provider.create(spec).await.unwrap();
+        create.runs.push(t.elapsed().as_secs_f64());
+        checkpoints
+            .restore(key, sandbox.as_ref(), &ScriptHarness)
+            .await
+            .unwrap();
+        fork.runs.push(t.elapsed().as_secs_f64());
         made.push(sandbox);
     }
-    for sandbox in made {
-        sandbox.destroy().await.unwrap();
-    }
-    fig
+    [floor, fork, create]
 }
 
 async fn docker(image: &str) -> Option<sandbox_docker::DockerProvider> {
@@ -247,6 +223,8 @@ async fn main() {
     let mut wrap = SandboxSpec::new("/workspace");
     wrap.wrap = Some(src.to_string_lossy().into_owned());
     let a = local.create(&wrap).await.unwrap();
+    // Every sandbox made, removed at the end (see `forks_and_floor`).
+    let mut made: Vec<Box<dyn Sandbox>> = Vec::new();
 
     // The anchor: a whole-archive checkpoint and restore, 3 runs.
     let mut anchor = Figure {
@@ -265,7 +243,7 @@ async fn main() {
             .await
             .unwrap();
         anchor.runs.push(t.elapsed().as_secs_f64());
-        c.destroy().await.unwrap();
+        made.push(c);
     }
     let mut sorted = anchor.runs.clone();
     sorted.sort_by(f64::total_cmp);
@@ -274,28 +252,22 @@ async fn main() {
 
     let (fig, key) = turn_ends("local", &checkpoints, a.as_ref(), "bench-local", runs).await;
     fig.print(anchor_p50);
-    let fig = floor(
-        "local",
-        &local,
-        &SandboxSpec::new("/workspace"),
-        &src,
-        // A local sandbox's workdir is a host path.
-        |sb| format!("mkdir -p '{0}' && cp -a . '{0}'", sb.workdir()),
-        runs,
-    )
-    .await;
-    fig.print(anchor_p50);
-    let (fig, create) = forks(
+    let figures = forks_and_floor(
         "local",
         &checkpoints,
         &local,
         &SandboxSpec::new("/workspace"),
         &key,
+        &src,
+        // A local sandbox's workdir is a host path.
+        |sb| format!("mkdir -p '{0}' && cp -a . '{0}'", sb.workdir()),
         runs,
+        &mut made,
     )
     .await;
-    fig.print(anchor_p50);
-    create.print(anchor_p50);
+    for fig in figures {
+        fig.print(anchor_p50);
+    }
 
     let image = std::env::var("HARNESS_TEST_IMAGE").ok();
     let docker = match &image {
@@ -314,11 +286,13 @@ async fn main() {
             let (fig, dkey) =
                 turn_ends("Docker", &checkpoints, d.as_ref(), "bench-docker", runs).await;
             fig.print(anchor_p50);
-            d.destroy().await.unwrap();
-            let fig = floor(
+            made.push(d);
+            let figures = forks_and_floor(
                 "Docker",
+                &checkpoints,
                 &docker,
                 &spec,
+                &dkey,
                 &src,
                 |sb| {
                     format!(
@@ -327,13 +301,16 @@ async fn main() {
                     )
                 },
                 runs,
+                &mut made,
             )
             .await;
-            fig.print(anchor_p50);
-            let (fig, create) = forks("Docker", &checkpoints, &docker, &spec, &dkey, runs).await;
-            fig.print(anchor_p50);
-            create.print(anchor_p50);
+            for fig in figures {
+                fig.print(anchor_p50);
+            }
         }
+    }
+    for sandbox in made {
+        sandbox.destroy().await.unwrap();
     }
     println!("targets: turn-end checkpoint ≤ 150 ms local, ≤ 500 ms Docker; fork ≤ 1 s local, ≤ 2 s Docker");
 }
