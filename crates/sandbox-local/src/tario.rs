@@ -1252,6 +1252,19 @@ mod tests {
         }
     }
 
+    /// `outside` holds what the test put there, `secret` reading `keep`,
+    /// and nothing else.
+    fn outside_untouched(outside: &Path, what: &str) {
+        let mut left: Vec<_> = std::fs::read_dir(outside)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        left.sort();
+        assert_eq!(left, vec![std::ffi::OsString::from("secret")], "{what}");
+        let secret = std::fs::read_to_string(outside.join("secret")).unwrap();
+        assert_eq!(secret, "keep", "{what}");
+    }
+
     /// Entries under a symlink the archive made are refused, whether it
     /// leads out (the kernel would refuse them too) or stays inside (only
     /// the unpacker's own check refuses them: the scanner's rule, kept as
@@ -1338,17 +1351,7 @@ mod tests {
                 };
                 assert_eq!(real, want, "{what}");
             }
-            let mut left: Vec<_> = std::fs::read_dir(outside.path())
-                .unwrap()
-                .map(|e| e.unwrap().file_name())
-                .collect();
-            left.sort();
-            assert_eq!(left, vec![std::ffi::OsString::from("secret")], "{what}");
-            assert_eq!(
-                std::fs::read_to_string(outside.path().join("secret")).unwrap(),
-                "keep",
-                "{what}"
-            );
+            outside_untouched(outside.path(), what);
         }
     }
 
@@ -1394,17 +1397,7 @@ mod tests {
             let stream = harness_core::stream::once(Bytes::from(archive(&all)));
             let err = import(dir.path().to_path_buf(), stream).await.unwrap_err();
             assert_eq!(err.kind(), ErrorKind::Unsafe, "{what}: {err}");
-            let mut left: Vec<_> = std::fs::read_dir(outside.path())
-                .unwrap()
-                .map(|e| e.unwrap().file_name())
-                .collect();
-            left.sort();
-            assert_eq!(left, vec![std::ffi::OsString::from("secret")], "{what}");
-            assert_eq!(
-                std::fs::read_to_string(outside.path().join("secret")).unwrap(),
-                "keep",
-                "{what}"
-            );
+            outside_untouched(outside.path(), what);
             let kept = std::fs::read_to_string(dir.path().join("kept.txt")).unwrap();
             assert_eq!(kept, "first", "{what}");
             // A symlink that stays inside leads where it points.
