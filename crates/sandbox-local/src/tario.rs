@@ -1252,6 +1252,20 @@ mod tests {
         }
     }
 
+    /// A target that is not there fails the unpack, whatever the archive
+    /// holds (even nothing): the directory is opened before the first entry
+    /// is read, and only a kernel without `openat2` falls back to the tar
+    /// crate.
+    #[test]
+    fn an_unpack_into_a_missing_directory_fails() {
+        let scratch = tempfile::tempdir().unwrap();
+        let missing = scratch.path().join("not-there");
+        let empty = tar::Builder::new(Vec::new()).into_inner().unwrap();
+        let err = unpack_safely(&missing, &empty[..]).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::NotFound, "{err}");
+        assert!(!missing.exists());
+    }
+
     /// `outside` holds what the test put there, `secret` reading `keep`,
     /// and nothing else.
     fn outside_untouched(outside: &Path, what: &str) {
