@@ -484,6 +484,9 @@ mod libc_errno {
 struct Beneath {
     root: std::os::fd::OwnedFd,
     /// The last parent directory opened: its relative path and descriptor.
+    /// Never a directory this import removed: only an empty one is removed
+    /// (replaced by another entry of its path), and one kept here holds the
+    /// entry written into it — removing it fails.
     last: Option<(String, std::os::fd::OwnedFd)>,
 }
 
@@ -584,12 +587,7 @@ impl Beneath {
             Err(rustix::io::Errno::NOENT) => return Ok(()),
             Err(e) => return Err(e.into()),
         };
-        rustix::fs::unlinkat(at, name, flags)?;
-        if flags == AtFlags::REMOVEDIR {
-            // Whatever was kept open may have been under it.
-            self.last = None;
-        }
-        Ok(())
+        Ok(rustix::fs::unlinkat(at, name, flags)?)
     }
 
     /// A directory at `parent/name`, merged into when there is one, else
