@@ -9,9 +9,11 @@
 //!   checkpoint put in (what a fork's or a rewind's first turn, and a
 //!   rehydration, do);
 //! - the anchor, in the same run: a whole-archive checkpoint and restore;
-//!   and the floor of any restore that writes the files: the tree copied
+//!   and the floors of any restore that writes the files: the tree copied
 //!   with `cp -a` (local) or `tar | docker exec tar x` (Docker) into a new
-//!   sandbox.
+//!   sandbox, and for Docker also by a `tar x` on the engine's host into
+//!   the container's root (`/proc/<pid>/root`: what a restore written from
+//!   the host could reach; the bench runs as root on the engine's host).
 //!
 //! p50 and p99 over `--runs` (default 10) runs each; every run is printed.
 //! A fork and its floor run in turn, and every sandbox stays until the
@@ -132,16 +134,22 @@ async fn turn_ends(
     (fig, key)
 }
 
+/// A floor: its label, and the shell command (run in the tree) that copies
+/// the tree into the sandbox given.
+type Floor<'a> = (&'a str, &'a dyn Fn(&dyn Sandbox) -> String);
+
 /// Forks — a new sandbox of `provider` with `key` put in: the whole, and
 /// the sandbox's creation alone (the rest is the restore) — interleaved,
-/// run by run, with the floor of any restore that writes the files: the
+/// run by run, with the floors of any restore that writes the files: the
 /// tree copied from `src` by a tool with no store, no hashes and no
-/// decompression into a new sandbox (`copy`: `cp -a` beside it for local,
-/// `tar | docker exec tar x` for Docker). Interleaved, the two meet the
-/// same disk: ext4 skips the inodes freed in the last minutes when it
-/// allocates, so a phase after a deletion of 20,000-file trees pays for it.
-/// Nothing is removed here: every sandbox made goes into `made`, removed
-/// at the bench's end (several forks of one point side by side).
+/// decompression into a new sandbox (each of `floors`: a label and the
+/// shell command; `cp -a` beside it for local, `tar | docker exec tar x`
+/// and a host-side `tar x` into the container's root for Docker).
+/// Interleaved, they meet the same disk: ext4 skips the inodes freed in the
+/// last minutes when it allocates, so a phase after a deletion of
+/// 20,000-file trees pays for it. Nothing is removed here: every sandbox
+/// made goes into `made`, removed at the bench's end (several forks of one
+/// point side by side).
 #[allow(clippy::too_many_arguments)]
 async fn forks_and_floor(
     name: &str,
@@ -150,30 +158,35 @@ async fn forks_and_floor(
     spec: &SandboxSpec,
     key: &str,
     src: &std::path::Path,
-    copy: impl Fn(&dyn Sandbox) -> String,
+    floors: &[Floor<'_>],
     runs: u64,
     made: &mut Vec<Box<dyn Sandbox>>,
-) -> [Figure; 3] {
+) -> Vec<Figure> {
     let figure = |name: String| Figure {
         name,
         runs: Vec::new(),
     };
-    let mut floor = figure(format!("floor: new {name} sandbox + plain copy"));
+    let mut figures: Vec<Figure> = floors
+        .iter()
+        .map(|(how, _)| figure(format!("floor: new {name} sandbox + {how}")))
+        .collect();
     let mut fork = figure(format!("fork: new {name} sandbox + restore"));
     let mut create = figure(format!("  of which: creating the {name} sandbox"));
     for _ in 0..runs {
-        settle();
-        let t = Instant::now();
-        let sandbox = provider.create(spec).await.unwrap();
-        let status = Command::new("sh")
-            .arg("-c")
-            .arg(copy(sandbox.as_ref()))
-            .current_dir(src)
-            .status()
-            .unwrap();
-        assert!(status.success(), "the plain copy failed");
-        floor.runs.push(t.elapsed().as_secs_f64());
-        made.push(sandbox);
+        for ((_, copy), floor) in floors.iter().zip(figures.iter_mut()) {
+            settle();
+            let t = Instant::now();
+            let sandbox = provider.create(spec).await.unwrap();
+            let status = Command::new("sh")
+                .arg("-c")
+                .arg(copy(sandbox.as_ref()))
+                .current_dir(src)
+                .status()
+                .unwrap();
+            assert!(status.success(), "the plain copy failed");
+            floor.runs.push(t.elapsed().as_secs_f64());
+            made.push(sandbox);
+        }
 
         settle();
         let t = Instant::now();
@@ -186,7 +199,9 @@ async fn forks_and_floor(
         fork.runs.push(t.elapsed().as_secs_f64());
         made.push(sandbox);
     }
-    [floor, fork, create]
+    figures.push(fork);
+    figures.push(create);
+    figures
 }
 
 async fn docker(image: &str) -> Option<sandbox_docker::DockerProvider> {
@@ -260,7 +275,9 @@ async fn main() {
         &key,
         &src,
         // A local sandbox's workdir is a host path.
-        |sb| format!("mkdir -p '{0}' && cp -a . '{0}'", sb.workdir()),
+        &[("cp -a", &|sb: &dyn Sandbox| {
+            format!("mkdir -p '{0}' && cp -a . '{0}'", sb.workdir())
+        })],
         runs,
         &mut made,
     )
@@ -294,12 +311,22 @@ async fn main() {
                 &spec,
                 &dkey,
                 &src,
-                |sb| {
-                    format!(
-                        "tar cf - . | docker exec -i {} sh -c 'mkdir -p /workspace && tar -C /workspace -xf -'",
-                        sb.handle().id
-                    )
-                },
+                &[
+                    ("tar | docker exec tar x", &|sb: &dyn Sandbox| {
+                        format!(
+                            "tar cf - . | docker exec -i {} sh -c 'mkdir -p /workspace && tar -C /workspace -xf -'",
+                            sb.handle().id
+                        )
+                    }),
+                    // What a restore written from the engine's host into
+                    // the container's root could reach (needs root there).
+                    ("tar x from the host into /proc/<pid>/root", &|sb: &dyn Sandbox| {
+                        format!(
+                            "root=/proc/$(docker inspect -f '{{{{.State.Pid}}}}' {})/root && mkdir -p $root/workspace && tar cf - . | tar -C $root/workspace -xf -",
+                            sb.handle().id
+                        )
+                    }),
+                ],
                 runs,
                 &mut made,
             )
