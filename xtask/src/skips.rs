@@ -19,7 +19,7 @@ pub const IGNORED: &[(&str, &str)] = &[
         "started by a_vm_outlives_the_process_that_made_it as the process that makes the VM and exits",
     ),
     (
-        "sandbox-local tario::tests::unpack_child",
+        "harness-tario tests::unpack_child",
         "started by read_only_directories_take_their_entries_and_keep_their_modes as a process \
          of the user `nobody` (root writes into a read-only directory: the test would test nothing)",
     ),

@@ -63,7 +63,7 @@ use watch::WatchedTree;
 mod exec;
 mod listing;
 mod seal;
-mod tario;
+use harness_tario as tario;
 mod template;
 mod watch;
 

@@ -21,7 +21,7 @@ const CHUNK: usize = 256 * 1024;
 const DEPTH: usize = 4;
 
 /// Stream `dir` as an uncompressed tar whose entry names are relative to it.
-pub(crate) fn export(dir: PathBuf) -> ByteStream {
+pub fn export(dir: PathBuf) -> ByteStream {
     export_with(move |builder| append_tree(builder, &dir, Path::new("")))
 }
 
@@ -56,7 +56,7 @@ fn export_with(
 /// A tar of exactly `paths` under `dir` (no recursion; symlinks not
 /// followed; a path gone meanwhile left out), built in-process
 /// (`Sandbox::export_paths_tar`).
-pub(crate) fn export_paths(dir: PathBuf, paths: Vec<String>) -> ByteStream {
+pub fn export_paths(dir: PathBuf, paths: Vec<String>) -> ByteStream {
     export_with(move |builder| {
         for path in &paths {
             let rel = Path::new(path);
@@ -193,7 +193,7 @@ impl Read for ChannelReader {
 /// Extract `tar` into `dir`, overlaying what is there. The archive is
 /// scanned on the way in (`TarScanner::outward_symlinks`): a refused entry
 /// stops the import before the unpacker sees its header.
-pub(crate) async fn import(dir: PathBuf, tar: ByteStream) -> Result<()> {
+pub async fn import(dir: PathBuf, tar: ByteStream) -> Result<()> {
     import_into(dir, tar).await
 }
 
@@ -677,7 +677,7 @@ impl Beneath {
 /// only once the whole stream ended without an error: a refused entry or a
 /// content hash found wrong at the end of the stream leaves `dir` as it was
 /// (not even created) and the staging directory removed.
-pub(crate) async fn import_staged(dir: PathBuf, tar: ByteStream) -> Result<()> {
+pub async fn import_staged(dir: PathBuf, tar: ByteStream) -> Result<()> {
     let staging = {
         let dir = dir.clone();
         tokio::task::spawn_blocking(move || make_staging(&dir))
@@ -1182,7 +1182,7 @@ mod tests {
         std::fs::write(scratch.path().join("in.tar"), tar).unwrap();
         std::os::unix::fs::chown(scratch.path(), Some(65534), Some(65534)).unwrap();
         let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "tario::tests::unpack_child"])
+            .args(["--exact", "tests::unpack_child"])
             .args(["--include-ignored", "--nocapture", "--test-threads=1"])
             .env(CHILD_HOW, how)
             .env(CHILD_DIR, scratch.path())
