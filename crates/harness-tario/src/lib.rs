@@ -199,15 +199,51 @@ pub async fn import(dir: PathBuf, tar: ByteStream) -> Result<()> {
 
 /// [`import`] into `dir`, made if missing.
 async fn import_into(dir: PathBuf, tar: ByteStream) -> Result<()> {
-    let mut tar = scan_stream(tar, TarScanner::new().outward_symlinks());
     tokio::fs::create_dir_all(&dir).await?;
+    unpack_stream(tar, move |reader| unpack_safely(&dir, reader)).await
+}
+
+/// A directory, held by a descriptor, that [`import_beneath`] writes into.
+#[derive(Debug)]
+pub struct ImportRoot(Beneath);
+
+impl ImportRoot {
+    /// `dir` (a descriptor of a directory) for an import whose new entries
+    /// become `owner`'s (uid, gid) when given — the owner of the directory
+    /// written into, say, when the writer is root on another system's
+    /// behalf. `Unsupported` where the kernel lacks `openat2`.
+    pub fn new(dir: std::os::fd::OwnedFd, owner: Option<(u32, u32)>) -> Result<Self> {
+        let owner = owner.map(|(uid, gid)| {
+            (
+                rustix::fs::Uid::from_raw(uid),
+                rustix::fs::Gid::from_raw(gid),
+            )
+        });
+        Ok(ImportRoot(Beneath::from_fd(dir, owner)?))
+    }
+}
+
+/// Extract `tar` into `root`, overlaying what is there, every entry
+/// written beneath it ([`unpack_beneath`]); `shown` names the directory in
+/// errors. The archive is scanned on the way in, as by [`import`].
+pub async fn import_beneath(root: ImportRoot, shown: PathBuf, tar: ByteStream) -> Result<()> {
+    unpack_stream(tar, move |reader| unpack_beneath(root.0, &shown, reader)).await
+}
+
+/// Feed `tar`, scanned (`TarScanner::outward_symlinks`: a refused entry
+/// stops the import before the unpacker sees its header), to `unpack` on a
+/// blocking thread through a bounded channel.
+async fn unpack_stream(
+    tar: ByteStream,
+    unpack: impl FnOnce(ChannelReader) -> Result<()> + Send + 'static,
+) -> Result<()> {
+    let mut tar = scan_stream(tar, TarScanner::new().outward_symlinks());
     let (tx, rx) = mpsc::channel::<Bytes>(DEPTH);
     let unpacker = tokio::task::spawn_blocking(move || {
-        let reader = ChannelReader {
+        unpack(ChannelReader {
             rx,
             cur: Bytes::new(),
-        };
-        unpack_safely(&dir, reader)
+        })
     });
     let mut stream_error = None;
     while let Some(chunk) = tar.next().await {
@@ -481,6 +517,7 @@ mod libc_errno {
 /// A directory written into only through descriptors the kernel resolved
 /// beneath it (`openat2`, `RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS`); the
 /// directory last written into is kept open.
+#[derive(Debug)]
 struct Beneath {
     root: std::os::fd::OwnedFd,
     /// The last parent directory opened: its relative path and descriptor.
@@ -488,6 +525,8 @@ struct Beneath {
     /// (replaced by another entry of its path), and one kept here holds the
     /// entry written into it — removing it fails.
     last: Option<(String, std::os::fd::OwnedFd)>,
+    /// Whom the entries this import makes are given to; `None`: the writer.
+    owner: Option<(rustix::fs::Uid, rustix::fs::Gid)>,
 }
 
 impl Beneath {
@@ -510,9 +549,16 @@ impl Beneath {
         .union(rustix::fs::OFlags::CLOEXEC);
 
     fn open(dir: &Path) -> Result<Self> {
-        use rustix::fs::Mode;
-        let root = rustix::fs::open(dir, Self::DIR_PATH, Mode::empty())
+        let root = rustix::fs::open(dir, Self::DIR_PATH, rustix::fs::Mode::empty())
             .map_err(|e| Error::from(std::io::Error::from(e)))?;
+        Self::from_fd(root, None)
+    }
+
+    fn from_fd(
+        root: std::os::fd::OwnedFd,
+        owner: Option<(rustix::fs::Uid, rustix::fs::Gid)>,
+    ) -> Result<Self> {
+        use rustix::fs::Mode;
         // Asked once, before anything is read: a kernel without it says so.
         match rustix::fs::openat2(
             &root,
@@ -521,12 +567,40 @@ impl Beneath {
             Mode::empty(),
             Self::RESOLVE,
         ) {
-            Ok(_) => Ok(Beneath { root, last: None }),
+            Ok(_) => Ok(Beneath {
+                root,
+                last: None,
+                owner,
+            }),
             Err(rustix::io::Errno::NOSYS) => Err(Error::unsupported(
                 "tar imports need openat2 (Linux 5.6 or later) to keep every entry inside the sandbox",
             )),
             Err(e) => Err(std::io::Error::from(e).into()),
         }
+    }
+
+    /// Give what `fd` holds, just made, to the import's owner.
+    fn give_fd(&self, fd: impl std::os::fd::AsFd) -> std::io::Result<()> {
+        if let Some((uid, gid)) = self.owner {
+            rustix::fs::fchown(fd, Some(uid), Some(gid))?;
+        }
+        Ok(())
+    }
+
+    /// Give `parent/name`, just made, to the import's owner (not through
+    /// a symlink: a symlink itself is given).
+    fn give(&self, parent: impl std::os::fd::AsFd, name: &str) -> std::io::Result<()> {
+        if let Some((uid, gid)) = self.owner {
+            use rustix::fs::AtFlags;
+            rustix::fs::chownat(
+                parent,
+                name,
+                Some(uid),
+                Some(gid),
+                AtFlags::SYMLINK_NOFOLLOW,
+            )?;
+        }
+        Ok(())
     }
 
     /// `rel` (relative, normalized; "" is the root), opened beneath the root.
@@ -561,7 +635,8 @@ impl Beneath {
                         let (up, name) = rel[..i].rsplit_once('/').unwrap_or(("", &rel[..i]));
                         let up = self.open_dir(up, OFlags::PATH)?;
                         match rustix::fs::mkdirat(&up, name, 0o777.into()) {
-                            Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+                            Ok(()) => self.give(&up, name)?,
+                            Err(rustix::io::Errno::EXIST) => {}
                             Err(e) => return Err(e.into()),
                         }
                     }
@@ -596,20 +671,25 @@ impl Beneath {
     fn make_dir(&mut self, parent: &str, name: &str, mode: u32) -> std::io::Result<()> {
         use rustix::fs::AtFlags;
         let at = self.dir(parent)?;
-        match rustix::fs::mkdirat(at, name, 0o700.into()) {
-            Ok(()) => {}
+        let made = match rustix::fs::mkdirat(at, name, 0o700.into()) {
+            Ok(()) => true,
             Err(rustix::io::Errno::EXIST) => {
                 let st = rustix::fs::statat(at, name, AtFlags::SYMLINK_NOFOLLOW)?;
-                if !rustix::fs::FileType::from_raw_mode(st.st_mode).is_dir() {
+                let replaced = !rustix::fs::FileType::from_raw_mode(st.st_mode).is_dir();
+                if replaced {
                     self.remove(parent, name)?;
                     rustix::fs::mkdirat(self.dir(parent)?, name, 0o700.into())?;
                 }
+                replaced
             }
             Err(e) => return Err(e.into()),
-        }
+        };
         // Opened without following: a symlink swapped in is refused.
         let fd = rustix::fs::openat(self.dir(parent)?, name, Self::DIR_NOFOLLOW, 0.into())?;
         rustix::fs::fchmod(&fd, (mode | 0o700).into())?;
+        if made {
+            self.give_fd(&fd)?;
+        }
         Ok(())
     }
 
@@ -623,12 +703,18 @@ impl Beneath {
             }
             other => other?,
         };
+        self.give_fd(&fd)?;
         Ok(std::fs::File::from(fd))
     }
 
     fn symlink(&mut self, target: &Path, parent: &str, name: &str) -> std::io::Result<()> {
         self.remove(parent, name)?;
-        Ok(rustix::fs::symlinkat(target, self.dir(parent)?, name)?)
+        rustix::fs::symlinkat(target, self.dir(parent)?, name)?;
+        if self.owner.is_some() {
+            let at = self.dir(parent)?.try_clone_to_owned()?;
+            self.give(&at, name)?;
+        }
+        Ok(())
     }
 
     /// A hard link at `parent/name` to `target` (relative, normalized),
@@ -1462,5 +1548,78 @@ mod tests {
         ] {
             assert!(got.iter().any(|l| l.starts_with(line)), "{line}: {got:#?}");
         }
+    }
+
+    /// An import through a descriptor gives every entry it makes — files,
+    /// directories, implied parents, symlinks — to the owner named, and
+    /// leaves what was there with its own. Giving a file away needs root
+    /// (as in CI); any other user gives them to itself, which checks less.
+    #[tokio::test]
+    async fn an_import_beneath_a_descriptor_gives_what_it_makes_to_the_owner() {
+        use std::os::unix::fs::MetadataExt;
+        use tar::EntryType as T;
+        let me = (
+            nix::unistd::geteuid().as_raw(),
+            nix::unistd::getegid().as_raw(),
+        );
+        let them = if me.0 == 0 { (65534, 65534) } else { me };
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("kept")).unwrap();
+        std::fs::write(dir.path().join("kept/old.txt"), "old").unwrap();
+        let tar = archive(&[
+            ("kept/", T::Directory, 0o755, ""),
+            ("kept/new.txt", T::Regular, 0o644, "new"),
+            ("d/", T::Directory, 0o750, ""),
+            ("implied/parent/f.txt", T::Regular, 0o600, "deep"),
+            ("link", T::Symlink, 0o777, "d"),
+        ]);
+        let fd = rustix::fs::open(
+            dir.path(),
+            rustix::fs::OFlags::PATH | rustix::fs::OFlags::DIRECTORY,
+            rustix::fs::Mode::empty(),
+        )
+        .unwrap();
+        let root = ImportRoot::new(fd, Some(them)).unwrap();
+        let stream = harness_core::stream::once(Bytes::from(tar));
+        import_beneath(root, PathBuf::from("/shown"), stream)
+            .await
+            .unwrap();
+        let owner = |rel: &str| {
+            let meta = std::fs::symlink_metadata(dir.path().join(rel)).unwrap();
+            (meta.uid(), meta.gid())
+        };
+        for made in [
+            "kept/new.txt",
+            "d",
+            "implied",
+            "implied/parent",
+            "implied/parent/f.txt",
+            "link",
+        ] {
+            assert_eq!(owner(made), them, "{made}");
+        }
+        for there in ["kept", "kept/old.txt"] {
+            assert_eq!(owner(there), me, "{there}");
+        }
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("implied/parent/f.txt")).unwrap(),
+            "deep"
+        );
+        // Errors name the directory as shown, not the descriptor's path.
+        let fd = rustix::fs::open(
+            dir.path(),
+            rustix::fs::OFlags::PATH | rustix::fs::OFlags::DIRECTORY,
+            rustix::fs::Mode::empty(),
+        )
+        .unwrap();
+        std::os::unix::fs::symlink("/", dir.path().join("out")).unwrap();
+        let root = ImportRoot::new(fd, None).unwrap();
+        let tar = archive(&[("out/evil", T::Regular, 0o644, "x")]);
+        let stream = harness_core::stream::once(Bytes::from(tar));
+        let err = import_beneath(root, PathBuf::from("/shown"), stream)
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Unsafe, "{err}");
+        assert!(err.message().contains("/shown"), "{err}");
     }
 }
