@@ -36,6 +36,7 @@
 pub mod base_image;
 mod bootstrap;
 mod exec;
+mod host_import;
 mod pool;
 mod snapshot;
 mod tarfile;
@@ -150,6 +151,12 @@ pub struct DockerConfig {
     /// recipe): a debootstrapped Debian, no registry needed
     /// ([`base_image`]). `None`: a missing default image is an error.
     pub make_default_image: Option<MakeImage>,
+    /// Write tar imports (restores, forks, rehydrations) from this host
+    /// into the container's root when this process shares the engine's
+    /// host and may (`host_import`; `docs/sandbox-docker.md`, "Imports
+    /// from the host"); else, and when `false`, GNU tar in the container
+    /// extracts them through an exec. Default `true`.
+    pub host_imports: bool,
 }
 
 /// How to make the default image ([`DockerConfig::make_default_image`]).
@@ -203,6 +210,7 @@ impl Default for DockerConfig {
             gate: None,
             pool_size: 0,
             pool_max_shapes: 4,
+            host_imports: true,
         }
     }
 }
@@ -659,6 +667,7 @@ impl DockerProvider {
             forwards,
             stop_timeout_secs: self.config.stop_timeout_secs,
             label_prefix: self.config.label_prefix.clone(),
+            host_imports: self.config.host_imports,
         }
     }
 
@@ -927,6 +936,8 @@ pub struct DockerSandbox {
     stop_timeout_secs: i32,
     /// The provider's label prefix (images this sandbox commits carry it).
     label_prefix: String,
+    /// [`DockerConfig::host_imports`].
+    host_imports: bool,
 }
 
 impl DockerSandbox {
@@ -1206,6 +1217,16 @@ impl Sandbox for DockerSandbox {
 
     async fn import_tar(&self, dir: &str, tar: ByteStream) -> Result<()> {
         let dir = resolve_path(&self.workdir, dir);
+        if self.host_imports {
+            if let Some((fd, owner)) = host_import::open(&self.docker, &self.id, &dir).await {
+                match harness_tario::ImportRoot::new(fd, owner) {
+                    Ok(root) => return harness_tario::import_beneath(root, dir.into(), tar).await,
+                    // A kernel without openat2: the exec below.
+                    Err(e) if e.kind() == harness_core::ErrorKind::Unsupported => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        }
         // Extracted by GNU tar inside the container (core's
         // `extract_tar_script`), fed through an exec's stdin. Docker's own
         // archive PUT would refuse legitimate trees (a symlink pointing above

@@ -805,3 +805,78 @@ async fn a_failing_source_never_leaves_a_truncated_file() {
     );
     sb.destroy().await.unwrap();
 }
+
+/// A tar of `(path, kind, mode, data or link target)` entries.
+fn tar_of(entries: &[(&str, tar::EntryType, u32, &str)]) -> Bytes {
+    let mut builder = tar::Builder::new(Vec::new());
+    for (path, kind, mode, data) in entries {
+        let mut header = tar::Header::new_gnu();
+        header.set_entry_type(*kind);
+        header.set_mode(*mode);
+        header.set_mtime(1_700_000_000);
+        if *kind == tar::EntryType::Symlink {
+            header.set_size(0);
+            builder.append_link(&mut header, path, data).unwrap();
+        } else {
+            header.set_size(data.len() as u64);
+            builder
+                .append_data(&mut header, path, data.as_bytes())
+                .unwrap();
+        }
+    }
+    Bytes::from(builder.into_inner().unwrap())
+}
+
+/// A tar import is written from the host into the container's root when
+/// this process shares the engine's host as root (as CI runs): what it
+/// makes gets the directory's owner — here 1234, which GNU tar run as the
+/// container's root would not give — and the directory is found inside the
+/// container (an absolute symlink in it leads into the container, not the
+/// host). With `host_imports: false`, or not as root, GNU tar in the
+/// container extracts it (as the container's root). Either way the tree
+/// is the archive's.
+#[tokio::test]
+async fn imports_are_written_from_the_host_when_it_may_else_through_an_exec() {
+    use tar::EntryType as T;
+    let Some(host) = provider().await else { return };
+    let Some(exec_only) = provider_with(DockerConfig {
+        host_imports: false,
+        ..DockerConfig::default()
+    })
+    .await
+    else {
+        return;
+    };
+    let root = rustix::process::geteuid().is_root();
+    let tar = tar_of(&[
+        ("d/", T::Directory, 0o750, ""),
+        ("d/f.txt", T::Regular, 0o640, "from the archive"),
+        ("top.txt", T::Regular, 0o644, "top"),
+        ("link", T::Symlink, 0o777, "d/f.txt"),
+    ]);
+    for (name, provider, from_host) in [("host", &host, root), ("exec", &exec_only, false)] {
+        let sb = provider.create(&spec()).await.unwrap();
+        let _c = Cleanup(Some(sb.handle().id));
+        // `/jump` leads, inside the container, to a directory of 1234.
+        sh_ok(
+            &*sb,
+            "mkdir -p /tmp/inside && chown 1234:1234 /tmp/inside && ln -s /tmp/inside /jump",
+        )
+        .await;
+        sb.import_tar("/jump", once(tar.clone())).await.unwrap();
+        let listed = sh_ok(
+            &*sb,
+            "cd /tmp/inside && stat -c '%n %u:%g %a' d d/f.txt top.txt && cat d/f.txt && echo && readlink link",
+        )
+        .await;
+        let owner = if from_host { "1234:1234" } else { "0:0" };
+        assert_eq!(
+            listed,
+            format!(
+                "d {owner} 750\nd/f.txt {owner} 640\ntop.txt {owner} 644\nfrom the archive\nd/f.txt\n"
+            ),
+            "{name}"
+        );
+        sb.destroy().await.unwrap();
+    }
+}
