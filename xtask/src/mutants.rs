@@ -86,8 +86,8 @@ const TARGETS: &[Target] = &[
         tests: &["harness-moves"],
     },
     Target {
-        file: "crates/sandbox-local/src/tario.rs",
-        tests: &["sandbox-local"],
+        file: "crates/harness-tario/src/lib.rs",
+        tests: &["harness-tario", "sandbox-local"],
     },
     Target {
         file: "crates/session-log-postgres/src/lease.rs",
