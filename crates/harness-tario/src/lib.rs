@@ -945,7 +945,7 @@ mod tests {
     /// A later entry of the same path replaces an earlier directory (an
     /// empty one), file or symlink, as tar does.
     #[test]
-    fn the_fresh_unpack_replaces_an_earlier_entry_of_the_same_path() {
+    fn the_unpack_replaces_an_earlier_entry_of_the_same_path() {
         use tar::EntryType as T;
         let tar = archive(&[
             ("x/", T::Directory, 0o755, ""),
@@ -1110,7 +1110,7 @@ mod tests {
     }
 
     #[test]
-    fn the_fresh_unpack_writes_what_the_tar_crate_writes() {
+    fn the_unpack_writes_what_the_tar_crate_writes() {
         use tar::EntryType as T;
         let tar = archive(&[
             ("./", T::Directory, 0o755, ""),
@@ -1202,7 +1202,8 @@ mod tests {
     const CHILD_DIR: &str = "TARIO_TEST_UNPACK_DIR";
 
     /// Unpack `tar` into a new directory `out` under `scratch` the way
-    /// `how` says, and list it: `unpack`, `fresh` ([`unpack_fresh`]) or
+    /// `how` says, and list it: `unpack` (the tar crate's), `beneath`
+    /// ([`unpack_safely`], the imports' unpacker) or
     /// `staged-twice` ([`import_staged`] twice, the second merging into
     /// what the first left).
     fn unpack_and_list(how: &str, scratch: &Path, tar: &[u8]) -> Vec<String> {
@@ -1221,7 +1222,7 @@ mod tests {
                 std::fs::create_dir(&dir).unwrap();
                 unpack(&dir, tar).unwrap();
             }
-            "fresh" => {
+            "beneath" => {
                 std::fs::create_dir(&dir).unwrap();
                 unpack_safely(&dir, tar).unwrap();
             }
@@ -1304,8 +1305,8 @@ mod tests {
 
     /// Read-only directories in an archive still take their entries when
     /// the modes bind (a laptop user is not root), and end with their own
-    /// modes: by the import, the fresh import and the staged import's
-    /// merge into a tree that has them already.
+    /// modes: by the tar crate's unpack, the imports' own unpacker and the
+    /// staged import's merge into a tree that has them already.
     #[test]
     fn read_only_directories_take_their_entries_and_keep_their_modes() {
         use tar::EntryType as T;
@@ -1322,7 +1323,7 @@ mod tests {
             unpack_and_list_as_a_user("staged-failing", &tar),
             Vec::<String>::new()
         );
-        for how in ["unpack", "fresh", "staged-twice"] {
+        for how in ["unpack", "beneath", "staged-twice"] {
             assert_eq!(
                 unpack_and_list_as_a_user(how, &tar),
                 [
