@@ -13,6 +13,7 @@ use futures::StreamExt;
 use harness_core::stream::ByteStream;
 use harness_core::tarscan::{check_entry_path, scan_stream, TarScanner};
 use harness_core::{Error, ErrorKind, Result};
+use rustix::io::Errno;
 use tokio::sync::mpsc;
 
 /// Size of the chunks an export yields.
@@ -194,11 +195,6 @@ impl Read for ChannelReader {
 /// scanned on the way in (`TarScanner::outward_symlinks`): a refused entry
 /// stops the import before the unpacker sees its header.
 pub async fn import(dir: PathBuf, tar: ByteStream) -> Result<()> {
-    import_into(dir, tar).await
-}
-
-/// [`import`] into `dir`, made if missing.
-async fn import_into(dir: PathBuf, tar: ByteStream) -> Result<()> {
     tokio::fs::create_dir_all(&dir).await?;
     unpack_stream(tar, move |reader| unpack_safely(&dir, reader)).await
 }
@@ -388,7 +384,7 @@ fn unpack_error(raw: &str, e: std::io::Error) -> Error {
 /// after it defeats.) Each directory is opened once for the run of entries
 /// in it, each file written with one open, its data, its times and its
 /// mode. Entries under a symlink the archive itself made are refused (the
-/// scanner in front of [`import_into`] refuses them first; this is the
+/// scanner in front of [`import`] refuses them first; this is the
 /// second line), as are entries leaving `dir`.
 fn unpack_beneath(mut beneath: Beneath, dir: &Path, reader: impl Read) -> Result<()> {
     use std::collections::HashSet;
@@ -406,10 +402,7 @@ fn unpack_beneath(mut beneath: Beneath, dir: &Path, reader: impl Read) -> Result
     };
     // A path the kernel would not resolve beneath `dir`.
     let failed = |raw: &str, e: std::io::Error| {
-        if matches!(
-            e.raw_os_error(),
-            Some(libc_errno::EXDEV | libc_errno::ELOOP)
-        ) {
+        if matches!(Errno::from_io_error(&e), Some(Errno::XDEV | Errno::LOOP)) {
             unsafe_entry(
                 raw,
                 &format!("it would land outside {} ({e})", dir.display()),
@@ -508,12 +501,6 @@ fn unpack_beneath(mut beneath: Beneath, dir: &Path, reader: impl Read) -> Result
     beneath.set_dir_modes(dir_modes)
 }
 
-/// The error numbers [`unpack_beneath`] tells apart.
-mod libc_errno {
-    pub(super) const EXDEV: i32 = rustix::io::Errno::XDEV.raw_os_error();
-    pub(super) const ELOOP: i32 = rustix::io::Errno::LOOP.raw_os_error();
-}
-
 /// A directory written into only through descriptors the kernel resolved
 /// beneath it (`openat2`, `RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS`); the
 /// directory last written into is kept open.
@@ -572,7 +559,7 @@ impl Beneath {
                 last: None,
                 owner,
             }),
-            Err(rustix::io::Errno::NOSYS) => Err(Error::unsupported(
+            Err(Errno::NOSYS) => Err(Error::unsupported(
                 "tar imports need openat2 (Linux 5.6 or later) to keep every entry inside the sandbox",
             )),
             Err(e) => Err(std::io::Error::from(e).into()),
@@ -587,10 +574,14 @@ impl Beneath {
         Ok(())
     }
 
-    /// Give `parent/name`, just made, to the import's owner (not through
-    /// a symlink: a symlink itself is given).
-    fn give(&self, parent: impl std::os::fd::AsFd, name: &str) -> std::io::Result<()> {
-        if let Some((uid, gid)) = self.owner {
+    /// Give `parent/name`, just made, to `owner` (not through a symlink:
+    /// a symlink itself is given).
+    fn give(
+        owner: Option<(rustix::fs::Uid, rustix::fs::Gid)>,
+        parent: impl std::os::fd::AsFd,
+        name: &str,
+    ) -> std::io::Result<()> {
+        if let Some((uid, gid)) = owner {
             use rustix::fs::AtFlags;
             rustix::fs::chownat(
                 parent,
@@ -635,8 +626,8 @@ impl Beneath {
                         let (up, name) = rel[..i].rsplit_once('/').unwrap_or(("", &rel[..i]));
                         let up = self.open_dir(up, OFlags::PATH)?;
                         match rustix::fs::mkdirat(&up, name, 0o777.into()) {
-                            Ok(()) => self.give(&up, name)?,
-                            Err(rustix::io::Errno::EXIST) => {}
+                            Ok(()) => Self::give(self.owner, &up, name)?,
+                            Err(Errno::EXIST) => {}
                             Err(e) => return Err(e.into()),
                         }
                     }
@@ -659,7 +650,7 @@ impl Beneath {
                 AtFlags::REMOVEDIR
             }
             Ok(_) => AtFlags::empty(),
-            Err(rustix::io::Errno::NOENT) => return Ok(()),
+            Err(Errno::NOENT) => return Ok(()),
             Err(e) => return Err(e.into()),
         };
         Ok(rustix::fs::unlinkat(at, name, flags)?)
@@ -673,7 +664,7 @@ impl Beneath {
         let at = self.dir(parent)?;
         let made = match rustix::fs::mkdirat(at, name, 0o700.into()) {
             Ok(()) => true,
-            Err(rustix::io::Errno::EXIST) => {
+            Err(Errno::EXIST) => {
                 let st = rustix::fs::statat(at, name, AtFlags::SYMLINK_NOFOLLOW)?;
                 let replaced = !rustix::fs::FileType::from_raw_mode(st.st_mode).is_dir();
                 if replaced {
@@ -697,7 +688,7 @@ impl Beneath {
     fn create_file(&mut self, parent: &str, name: &str) -> std::io::Result<std::fs::File> {
         let flags = Self::NEW_FILE;
         let fd = match rustix::fs::openat(self.dir(parent)?, name, flags, 0o600.into()) {
-            Err(rustix::io::Errno::EXIST) => {
+            Err(Errno::EXIST) => {
                 self.remove(parent, name)?;
                 rustix::fs::openat(self.dir(parent)?, name, flags, 0o600.into())?
             }
@@ -709,12 +700,10 @@ impl Beneath {
 
     fn symlink(&mut self, target: &Path, parent: &str, name: &str) -> std::io::Result<()> {
         self.remove(parent, name)?;
-        rustix::fs::symlinkat(target, self.dir(parent)?, name)?;
-        if self.owner.is_some() {
-            let at = self.dir(parent)?.try_clone_to_owned()?;
-            self.give(&at, name)?;
-        }
-        Ok(())
+        let owner = self.owner;
+        let at = self.dir(parent)?;
+        rustix::fs::symlinkat(target, at, name)?;
+        Self::give(owner, at, name)
     }
 
     /// A hard link at `parent/name` to `target` (relative, normalized),
@@ -745,12 +734,8 @@ impl Beneath {
             match self.open_dir(&path, OFlags::RDONLY.union(OFlags::NOFOLLOW)) {
                 Ok(fd) => rustix::fs::fchmod(&fd, mode.into())
                     .map_err(|e| Error::from(std::io::Error::from(e)))?,
-                Err(e)
-                    if matches!(
-                        e.raw_os_error(),
-                        Some(code) if code == rustix::io::Errno::NOTDIR.raw_os_error()
-                            || code == libc_errno::ELOOP
-                    ) => {}
+                Err(e) if matches!(Errno::from_io_error(&e), Some(Errno::NOTDIR | Errno::LOOP)) => {
+                }
                 Err(e) => return Err(e.into()),
             }
         }
@@ -770,7 +755,7 @@ pub async fn import_staged(dir: PathBuf, tar: ByteStream) -> Result<()> {
             .await
             .map_err(|e| Error::backend(format!("tar import task failed: {e}")))??
     };
-    let imported = import_into(staging.clone(), tar).await;
+    let imported = import(staging.clone(), tar).await;
     tokio::task::spawn_blocking(move || {
         let result = imported.and_then(|()| {
             std::fs::create_dir_all(&dir)?;
