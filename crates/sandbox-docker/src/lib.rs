@@ -1218,13 +1218,10 @@ impl Sandbox for DockerSandbox {
     async fn import_tar(&self, dir: &str, tar: ByteStream) -> Result<()> {
         let dir = resolve_path(&self.workdir, dir);
         if self.host_imports {
+            // `open` found the directory with openat2: the kernel has it.
             if let Some((fd, owner)) = host_import::open(&self.docker, &self.id, &dir).await {
-                match harness_tario::ImportRoot::new(fd, owner) {
-                    Ok(root) => return harness_tario::import_beneath(root, dir.into(), tar).await,
-                    // A kernel without openat2: the exec below.
-                    Err(e) if e.kind() == harness_core::ErrorKind::Unsupported => {}
-                    Err(e) => return Err(e),
-                }
+                let root = harness_tario::ImportRoot::new(fd, owner)?;
+                return harness_tario::import_beneath(root, dir.into(), tar).await;
             }
         }
         // Extracted by GNU tar inside the container (core's
