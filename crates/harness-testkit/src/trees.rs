@@ -205,3 +205,28 @@ pub fn generate_tree(root: &Path, files: usize, mb: u64) -> (usize, u64) {
     }
     (files, written)
 }
+
+/// A tar of `(path, kind, link target or content, mode)` entries, mtime
+/// 1,700,000,000, directories included: what an import test feeds a sandbox.
+pub fn tar_of(entries: &[(&str, tar::EntryType, &str, u32)]) -> Vec<u8> {
+    let mut builder = tar::Builder::new(Vec::new());
+    for (path, kind, text, mode) in entries {
+        let mut header = tar::Header::new_gnu();
+        header.set_entry_type(*kind);
+        header.set_mode(*mode);
+        header.set_mtime(1_700_000_000);
+        if *kind == tar::EntryType::Symlink {
+            header.set_size(0);
+            builder.append_link(&mut header, path, text).unwrap();
+        } else if *kind == tar::EntryType::Directory {
+            header.set_size(0);
+            builder.append_data(&mut header, path, &b""[..]).unwrap();
+        } else {
+            header.set_size(text.len() as u64);
+            builder
+                .append_data(&mut header, path, text.as_bytes())
+                .unwrap();
+        }
+    }
+    builder.into_inner().unwrap()
+}

@@ -806,27 +806,6 @@ async fn a_failing_source_never_leaves_a_truncated_file() {
     sb.destroy().await.unwrap();
 }
 
-/// A tar of `(path, kind, mode, data or link target)` entries.
-fn tar_of(entries: &[(&str, tar::EntryType, u32, &str)]) -> Bytes {
-    let mut builder = tar::Builder::new(Vec::new());
-    for (path, kind, mode, data) in entries {
-        let mut header = tar::Header::new_gnu();
-        header.set_entry_type(*kind);
-        header.set_mode(*mode);
-        header.set_mtime(1_700_000_000);
-        if *kind == tar::EntryType::Symlink {
-            header.set_size(0);
-            builder.append_link(&mut header, path, data).unwrap();
-        } else {
-            header.set_size(data.len() as u64);
-            builder
-                .append_data(&mut header, path, data.as_bytes())
-                .unwrap();
-        }
-    }
-    Bytes::from(builder.into_inner().unwrap())
-}
-
 /// A tar import is written from the host into the container's root when
 /// this process shares the engine's host as root (as CI runs): what it
 /// makes gets the directory's owner — here 1234, which GNU tar run as the
@@ -848,12 +827,12 @@ async fn imports_are_written_from_the_host_when_it_may_else_through_an_exec() {
         return;
     };
     let root = rustix::process::geteuid().is_root();
-    let tar = tar_of(&[
-        ("d/", T::Directory, 0o750, ""),
-        ("d/f.txt", T::Regular, 0o640, "from the archive"),
-        ("top.txt", T::Regular, 0o644, "top"),
-        ("link", T::Symlink, 0o777, "d/f.txt"),
-    ]);
+    let tar = Bytes::from(harness_testkit::trees::tar_of(&[
+        ("d/", T::Directory, "", 0o750),
+        ("d/f.txt", T::Regular, "from the archive", 0o640),
+        ("top.txt", T::Regular, "top", 0o644),
+        ("link", T::Symlink, "d/f.txt", 0o777),
+    ]));
     for (name, provider, from_host) in [("host", &host, root), ("exec", &exec_only, false)] {
         let sb = provider.create(&spec()).await.unwrap();
         let _c = Cleanup(Some(sb.handle().id));

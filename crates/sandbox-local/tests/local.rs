@@ -19,6 +19,7 @@ use harness_core::sandbox::{
 use harness_core::stream;
 use harness_core::ErrorKind;
 use harness_testkit::conformance::sandbox as suite;
+use harness_testkit::trees::tar_of;
 use sandbox_local::LocalProvider;
 use sha2::{Digest, Sha256};
 
@@ -969,30 +970,6 @@ async fn commands_do_not_inherit_the_host_environment() {
     assert!(env.lines().any(|l| l.starts_with("PATH=")), "{env}");
     assert!(env.lines().any(|l| l.starts_with("HOME=")), "{env}");
     sb.destroy().await.unwrap();
-}
-
-/// A tar of `(path, kind, link or content)`, directories included.
-fn tar_of(entries: &[(&str, tar::EntryType, &str, u32)]) -> Vec<u8> {
-    let mut builder = tar::Builder::new(Vec::new());
-    for (path, kind, text, mode) in entries {
-        let mut header = tar::Header::new_gnu();
-        header.set_entry_type(*kind);
-        header.set_mode(*mode);
-        header.set_mtime(1_700_000_000);
-        if *kind == tar::EntryType::Symlink {
-            header.set_size(0);
-            builder.append_link(&mut header, path, text).unwrap();
-        } else if *kind == tar::EntryType::Directory {
-            header.set_size(0);
-            builder.append_data(&mut header, path, &b""[..]).unwrap();
-        } else {
-            header.set_size(text.len() as u64);
-            builder
-                .append_data(&mut header, path, text.as_bytes())
-                .unwrap();
-        }
-    }
-    builder.into_inner().unwrap()
 }
 
 fn listing(root: &Path) -> Vec<(String, String)> {
