@@ -36,8 +36,9 @@ struct Target {
 /// The listed files (issue 43): the append decision and the log rules,
 /// retention, the audit chain, tar scanning, the turn machine and its
 /// driver, the session actor and its host-call outcomes, tree checkpoints'
-/// restore verification, garbage collection and its locks, the local
-/// provider's tar extraction, fencing (the PostgreSQL leases and the
+/// restore verification, garbage collection and its locks, the tar
+/// extraction of host directories (the local provider's, Docker's from the
+/// engine's host), fencing (the PostgreSQL leases and the
 /// fenced append), the native log store and its index, the
 /// broker's session and turn tokens and its budget admission.
 const TARGETS: &[Target] = &[

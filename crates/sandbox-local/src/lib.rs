@@ -55,6 +55,7 @@ use harness_core::sandbox::{
 };
 use harness_core::stream::ByteStream;
 use harness_core::{Error, ErrorKind, Result};
+use harness_tario as tario;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncSeekExt, AsyncWriteExt};
 use tokio_util::io::ReaderStream;
@@ -63,7 +64,6 @@ use watch::WatchedTree;
 mod exec;
 mod listing;
 mod seal;
-use harness_tario as tario;
 mod template;
 mod watch;
 
