@@ -29,10 +29,25 @@ use crate::Inner;
 pub(crate) fn register(dir: &Path, session_id: &str) -> Result<PathBuf> {
     let socket = crate::session_socket(dir, session_id);
     let sock_dir = socket.parent().expect("a socket path has a parent");
+    socket_dir(sock_dir)?;
+    Ok(socket)
+}
+
+/// Make a socket directory, mode 0755. A sandbox provider may have made it
+/// a symbolic link into a directory of a container's own (the Docker
+/// pool's `forward_dirs`), which holds the sockets while the link stands;
+/// a link whose target is gone (its container removed by a process that
+/// died before it could undo the link) is replaced by a directory.
+fn socket_dir(sock_dir: &Path) -> Result<()> {
+    let dangling = std::fs::symlink_metadata(sock_dir).is_ok_and(|m| m.file_type().is_symlink())
+        && !sock_dir.exists();
+    if dangling {
+        std::fs::remove_file(sock_dir)
+            .map_err(|e| crate::ctx(e, format!("removing the dead link {}", sock_dir.display())))?;
+    }
     std::fs::create_dir_all(sock_dir)
         .map_err(|e| crate::ctx(e, format!("creating {}", sock_dir.display())))?;
-    crate::set_mode(sock_dir, 0o755)?;
-    Ok(socket)
+    crate::set_mode(sock_dir, 0o755)
 }
 
 /// Record `session_id`'s `custom` policy; returns its egress socket.
@@ -46,9 +61,7 @@ pub(crate) fn register_policy(
     let path = policy_path(dir, session_id);
     crate::write_atomic(&path, &serde_json::to_vec_pretty(network)?)?;
     let sock_dir = dir.join("egress").join(session_id);
-    std::fs::create_dir_all(&sock_dir)
-        .map_err(|e| crate::ctx(e, format!("creating {}", sock_dir.display())))?;
-    crate::set_mode(&sock_dir, 0o755)?;
+    socket_dir(&sock_dir)?;
     Ok(sock_dir.join("proxy.sock"))
 }
 
@@ -266,7 +279,7 @@ fn serve_egress(
 ) -> Result<tokio::task::JoinHandle<()>> {
     let policy = EgressPolicy::from_network(network)?;
     let sock_dir = inner.dir.join("egress").join(session_id);
-    std::fs::create_dir_all(&sock_dir).map_err(Error::from)?;
+    socket_dir(&sock_dir)?;
     let listener = bind(&sock_dir.join("proxy.sock"))?;
     tracing::info!(session.id = session_id, "egress proxy serving");
     // Every decision goes to the session's audit journal as it is made.
@@ -292,6 +305,27 @@ fn serve_egress(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_dead_link_in_place_of_a_socket_directory_is_replaced() {
+        let tmp = tempfile::tempdir().unwrap();
+        let gone = tmp.path().join("pool").join("0");
+        let sessions = tmp.path().join("sessions");
+        std::fs::create_dir_all(&sessions).unwrap();
+        std::os::unix::fs::symlink(&gone, sessions.join("s1")).unwrap();
+        let socket = super::register(tmp.path(), "s1").unwrap();
+        let dir = socket.parent().unwrap();
+        assert!(std::fs::symlink_metadata(dir).unwrap().is_dir());
+        // A live link is kept: the sockets are behind it.
+        let live = tmp.path().join("pool").join("1");
+        std::fs::create_dir_all(&live).unwrap();
+        std::os::unix::fs::symlink(&live, sessions.join("s2")).unwrap();
+        super::register(tmp.path(), "s2").unwrap();
+        assert!(std::fs::symlink_metadata(sessions.join("s2"))
+            .unwrap()
+            .file_type()
+            .is_symlink());
+    }
+
     use notify::event::{AccessKind, AccessMode, CreateKind, MetadataKind, ModifyKind, RenameMode};
     use notify::EventKind;
 

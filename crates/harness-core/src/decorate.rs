@@ -75,6 +75,10 @@ impl<D: Decoration> Sandbox for Decorated<D> {
         self.inner.workdir()
     }
 
+    fn home_hint(&self) -> Option<String> {
+        self.inner.home_hint()
+    }
+
     async fn exec(&self, request: ExecRequest) -> Result<ExecStream> {
         self.decoration.exec(self.inner.as_ref(), request).await
     }

@@ -553,6 +553,15 @@ pub trait Sandbox: MaybeSend + MaybeSync + std::fmt::Debug {
     /// The working directory.
     fn workdir(&self) -> &str;
 
+    /// The sandbox's `$HOME` as its commands see it, when the provider
+    /// knows it without running anything (recorded in the handle when the
+    /// sandbox was made). `None`, the default: ask the sandbox. A turn's
+    /// slice starts the agent one exec sooner with it (on Docker an exec
+    /// is a ~50 ms round trip through dockerd and runc).
+    fn home_hint(&self) -> Option<String> {
+        None
+    }
+
     /// Run a command, streaming its output. The returned stream ends with one
     /// [`ExecEvent::Exit`]; abort and timeout kill the command's whole
     /// process tree and are reported in [`ExitStatus::reason`].

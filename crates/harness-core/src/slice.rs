@@ -214,6 +214,15 @@ impl SliceRunner {
         state: &TurnState,
     ) -> Result<(DetachedProcess, bool)> {
         crate::failpoint::hit("before-claim");
+        if let Some(home) = sandbox.home_hint() {
+            // The tools' file is written before the launch, and must not
+            // change under an agent an earlier slice started: with tools,
+            // the claim below says first whether one did.
+            let tools = self.sink.host_tools(&state.session_id).await?;
+            if tools.is_empty() {
+                return self.launch_or_find(sandbox, state, &home).await;
+            }
+        }
         // One exec reads `$HOME` and claims the spool under it: on Docker
         // each exec is a round trip through dockerd (~50 ms), and this is
         // on the path to every turn's first request.
@@ -288,6 +297,65 @@ impl SliceRunner {
             .write_file(&process_file, crate::stream::once(json))
             .await?;
         Ok((process, true))
+    }
+
+    /// [`start_or_find`](Self::start_or_find) when the sandbox's `$HOME`
+    /// is known and the turn lends no host tools: no claim first — the
+    /// launch is idempotent per spool, so it starts the agent or returns
+    /// the one an earlier slice started, and the process record, read
+    /// after the launch (the agent is booting meanwhile), says which: an
+    /// agent whose record is missing counts as started by this call, as on
+    /// the claiming path (a slice that died before recording it never
+    /// reported it).
+    async fn launch_or_find(
+        &self,
+        sandbox: &dyn Sandbox,
+        state: &TurnState,
+        home: &str,
+    ) -> Result<(DetachedProcess, bool)> {
+        let dir = spool_dir(home, &state.turn_id);
+        let process_file = format!("{dir}/process.json");
+        crate::failpoint::hit("claim-to-launch");
+        let harness = self.harness(&state.agent)?;
+        let env = self
+            .agent_env(state)
+            .instrument(tracing::info_span!(
+                "agent.env",
+                broker = self.broker.is_some()
+            ))
+            .await?;
+        let command = harness.turn_command(&TurnContext {
+            state,
+            workdir: sandbox.workdir(),
+            home,
+            env: &env,
+            model: state.model.as_deref().or(self.model.as_deref()),
+            system_prompt: None,
+            relay_dir: None,
+        })?;
+        let process = sandbox
+            .spawn_detached(DetachedRequest {
+                argv: command.argv,
+                cwd: Some(command.cwd),
+                env: command.env,
+                spool_dir: dir,
+            })
+            .await?;
+        crate::failpoint::hit("launch-to-record");
+        match sandbox.read_file(&process_file).await {
+            Ok(stream) => {
+                let bytes = crate::stream::collect(stream, 64 * 1024).await?;
+                Ok((serde_json::from_slice(&bytes)?, false))
+            }
+            Err(e) if e.kind() == crate::ErrorKind::NotFound => {
+                let json = serde_json::to_vec(&process)?;
+                sandbox
+                    .write_file(&process_file, crate::stream::once(json))
+                    .await?;
+                Ok((process, true))
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Run one slice. See the module docs.

@@ -36,6 +36,7 @@
 pub mod base_image;
 mod bootstrap;
 mod exec;
+mod forward_dirs;
 mod host_import;
 mod pool;
 mod snapshot;
@@ -146,6 +147,14 @@ pub struct DockerConfig {
     /// a new shape beyond it drops the least recently used shape's ready
     /// containers.
     pub pool_max_shapes: usize,
+    /// Set, pooled containers serve any session: a shape leaves out the
+    /// session id, and a pooled container mounts forward directories of
+    /// its own, kept here (`<dir>/<pool name>/<n>`), into which a session's
+    /// sockets move when it takes the container (`docs/sandbox-docker.md`,
+    /// "Pool"). It must be on the filesystem of the forwards' sockets.
+    /// `None` (the default): the session id is part of the shape, so a
+    /// session only ever takes a container pooled for itself.
+    pub pool_forward_dir: Option<PathBuf>,
     /// Make [`default_image`](Self::default_image) on this machine when a
     /// spec that names no image needs it and it is missing (or of another
     /// recipe): a debootstrapped Debian, no registry needed
@@ -210,6 +219,7 @@ impl Default for DockerConfig {
             gate: None,
             pool_size: 0,
             pool_max_shapes: 4,
+            pool_forward_dir: None,
             host_imports: true,
         }
     }
@@ -229,6 +239,9 @@ pub struct DockerProvider {
     /// sessions name them): checked once each, not on every create — the
     /// check is an exec, ~50 ms on the path to a session's first turn.
     gate_runs_in: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
+    /// Each image's `$HOME` for its commands, as its configuration says
+    /// (`image_home`): looked up once per image.
+    image_homes: Arc<std::sync::Mutex<HashMap<String, Option<String>>>>,
 }
 
 /// Map a bollard error onto the core's kinds (404 → NotFound, 409 → Conflict).
@@ -279,6 +292,7 @@ impl DockerProvider {
                 format!("{}.pool", config.label_prefix),
                 config.pool_size,
                 config.pool_max_shapes,
+                config.pool_forward_dir.clone(),
             ))
         });
         Self {
@@ -287,6 +301,7 @@ impl DockerProvider {
             pool,
             default_image_ready: Arc::default(),
             gate_runs_in: Arc::default(),
+            image_homes: Arc::default(),
         }
     }
 
@@ -299,6 +314,7 @@ impl DockerProvider {
             pool: None,
             default_image_ready: self.default_image_ready.clone(),
             gate_runs_in: self.gate_runs_in.clone(),
+            image_homes: self.image_homes.clone(),
         }
     }
 
@@ -448,19 +464,69 @@ impl DockerProvider {
         name: &str,
         marks: &[(String, String)],
     ) -> Result<String> {
-        let id = self
+        // A shape pooled for any session mounts forward directories of the
+        // container's own, which a session's sockets move into when it
+        // takes the container (`forward_dirs`).
+        let mut binds = plan.extra_binds.clone();
+        let root = match (plan.forward_dirs, &self.config.pool_forward_dir) {
+            (0, _) => None,
+            (n, Some(root)) => {
+                let dirs = forward_dirs::make(root, name, n).map_err(|e| {
+                    forward_dirs::remove(root, name);
+                    Error::backend(format!(
+                        "making the forward directories of pooled container {name} in {}: {e}",
+                        root.display()
+                    ))
+                })?;
+                for (n, dir) in dirs.iter().enumerate() {
+                    binds.push(format!(
+                        "{}:{FORWARD_DIRS_IN_CONTAINER}/{n}:ro",
+                        dir.display()
+                    ));
+                }
+                Some(root)
+            }
+            (_, None) => {
+                return Err(Error::invalid(
+                    "a shape pooled for any session needs DockerConfig::pool_forward_dir",
+                ))
+            }
+        };
+        let made = self
             .run_container_as(
                 &plan.image,
                 &plan.spec,
                 "session",
                 Some(&plan.spec.workdir),
-                &plan.extra_binds,
+                &binds,
                 Some((name, marks)),
             )
-            .await?;
+            .await;
+        let id = match (made, root) {
+            (Ok(id), None) => id,
+            (Ok(id), Some(root)) => match forward_dirs::record_container(root, name, &id) {
+                Ok(()) => id,
+                Err(e) => {
+                    let _ = self.remove(&id).await;
+                    forward_dirs::remove(root, name);
+                    return Err(Error::backend(format!(
+                        "recording pooled container {name}'s directories: {e}"
+                    )));
+                }
+            },
+            (Err(e), root) => {
+                if let Some(root) = root {
+                    forward_dirs::remove(root, name);
+                }
+                return Err(e);
+            }
+        };
         if plan.check_gate {
             if let Err(e) = self.check_gate(&id, &plan.image).await {
                 let _ = self.remove(&id).await;
+                if let Some(root) = &self.config.pool_forward_dir {
+                    forward_dirs::remove(root, name);
+                }
                 return Err(e);
             }
         }
@@ -602,7 +668,17 @@ impl DockerProvider {
     /// it), and rename it to the name a fresh container would get
     /// (replacing a slot's leftover, as a fresh create does). From then on
     /// it is no longer pooled.
-    async fn adopt(&self, id: &str, spec: &SandboxSpec) -> Result<()> {
+    ///
+    /// A container pooled for any session gets the spec's forward
+    /// directories (`session_dirs`, in mount order) linked to its own
+    /// (`forward_dirs::link`); the pairs linked, which the sandbox's
+    /// handle records so that `destroy` can undo them.
+    async fn adopt(
+        &self,
+        id: &str,
+        spec: &SandboxSpec,
+        session_dirs: &[String],
+    ) -> Result<Vec<(PathBuf, PathBuf)>> {
         let info = self
             .docker
             .inspect_container(id, None)
@@ -613,15 +689,48 @@ impl DockerProvider {
                 "pooled container {id} is not running"
             )));
         }
+        let mut linked: Vec<(PathBuf, PathBuf)> = Vec::new();
+        if !session_dirs.is_empty() {
+            let root = self.config.pool_forward_dir.as_ref().ok_or_else(|| {
+                Error::invalid(
+                    "a shape pooled for any session needs DockerConfig::pool_forward_dir",
+                )
+            })?;
+            let pool_name = info
+                .name
+                .as_deref()
+                .unwrap_or_default()
+                .trim_start_matches('/');
+            let dir = forward_dirs::of(root, pool_name);
+            for (n, session_dir) in session_dirs.iter().enumerate() {
+                let pair = (PathBuf::from(session_dir), dir.join(n.to_string()));
+                if let Err(e) = forward_dirs::link(&pair.0, &pair.1) {
+                    undo_links(&linked);
+                    return Err(Error::backend(format!(
+                        "moving the sockets of {session_dir} into pooled container {pool_name}'s {}: {e}",
+                        pair.1.display()
+                    )));
+                }
+                linked.push(pair);
+            }
+        }
         let slot = spec.slot.as_deref();
         let name = container_name(spec.session_id.as_deref(), "session", slot);
-        if slot.is_some() {
-            self.remove(&name).await?;
+        let renamed = async {
+            if slot.is_some() {
+                self.remove(&name).await?;
+            }
+            self.docker
+                .rename_container(id, RenameContainerOptionsBuilder::new().name(&name).build())
+                .await
+                .map_err(|e| docker_err("renaming a pooled container", e))
         }
-        self.docker
-            .rename_container(id, RenameContainerOptionsBuilder::new().name(&name).build())
-            .await
-            .map_err(|e| docker_err("renaming a pooled container", e))
+        .await;
+        if let Err(e) = renamed {
+            undo_links(&linked);
+            return Err(e);
+        }
+        Ok(linked)
     }
 
     /// Inspect `id`, starting it when it is not running.
@@ -701,6 +810,37 @@ impl DockerProvider {
     /// Once per image reference and provider: a reference retagged to an
     /// image without a usable glibc after its first check fails at its
     /// first forwarded command instead, with the gate's own error.
+    /// The `$HOME` an exec in a container of `image` made from `spec`
+    /// sees, from configuration alone: the spec's `HOME`, else the image's,
+    /// else `/root` for an image that runs as root (what Docker sets
+    /// then). `None` when only the container's `/etc/passwd` could tell (a
+    /// user other than root and no `HOME`), or the image cannot be
+    /// inspected: the caller asks the container instead.
+    async fn image_home(&self, image: &str, spec: &SandboxSpec) -> Option<String> {
+        if let Some(home) = spec.env.get("HOME") {
+            return Some(home.clone());
+        }
+        if let Some(known) = self.image_homes.lock().unwrap().get(image) {
+            return known.clone();
+        }
+        let config = self.docker.inspect_image(image).await.ok()?.config?;
+        let from_env = config
+            .env
+            .unwrap_or_default()
+            .iter()
+            .find_map(|kv| kv.strip_prefix("HOME=").map(str::to_string));
+        let user = config.user.unwrap_or_default();
+        let home = from_env.or_else(|| {
+            matches!(user.as_str(), "" | "root" | "0" | "root:root" | "0:0")
+                .then(|| "/root".to_string())
+        });
+        self.image_homes
+            .lock()
+            .unwrap()
+            .insert(image.to_string(), home.clone());
+        home
+    }
+
     async fn check_gate(&self, container: &str, image: &str) -> Result<()> {
         if self.gate_runs_in.lock().unwrap().contains(image) {
             return Ok(());
@@ -806,6 +946,11 @@ impl SandboxProvider for DockerProvider {
         if !mounts.is_empty() {
             let gate = self.gate()?;
             extra_binds.push(format!("{}:{GATE_IN_CONTAINER}:ro", gate.display()));
+        }
+        // The gate alone: what a container pooled for any session mounts
+        // besides its own forward directories.
+        let gate_binds = extra_binds.clone();
+        if !mounts.is_empty() {
             for (host_dir, container_dir) in &mounts.dirs {
                 extra_binds.push(format!("{host_dir}:{container_dir}:ro"));
             }
@@ -821,6 +966,16 @@ impl SandboxProvider for DockerProvider {
             // every command the same way.
             data["forwards"] = serde_json::to_value(&mounts.forwards)?;
         }
+        // With a place for pooled containers' own forward directories, a
+        // session's container can come from a pool filled before the
+        // session existed: its shape leaves out the session (id and socket
+        // directories), which `adopt` joins to the container.
+        let for_any_session = self.config.pool_forward_dir.is_some();
+        let session_dirs: Vec<String> = if for_any_session {
+            mounts.dirs.iter().map(|(host, _)| host.clone()).collect()
+        } else {
+            Vec::new()
+        };
         let pooled = match &self.pool {
             Some(pool) => {
                 // The snapshot's tag follows from the identity alone: a
@@ -830,7 +985,7 @@ impl SandboxProvider for DockerProvider {
                     Some(r) => bootstrap::snapshot_tag(self, &r.identity(&base)),
                     None => base.clone(),
                 };
-                let plan = pool::Plan {
+                let mut plan = pool::Plan {
                     image,
                     spec: SandboxSpec {
                         slot: None,
@@ -839,7 +994,18 @@ impl SandboxProvider for DockerProvider {
                     },
                     extra_binds: extra_binds.clone(),
                     check_gate: !mounts.is_empty(),
+                    forward_dirs: 0,
                 };
+                if for_any_session {
+                    plan.spec.session_id = None;
+                    // The sockets as the container sees them: the same for
+                    // every session.
+                    for (forward, record) in plan.spec.forwards.iter_mut().zip(&mounts.forwards) {
+                        forward.socket = record.path.clone();
+                    }
+                    plan.extra_binds = gate_binds;
+                    plan.forward_dirs = mounts.dirs.len();
+                }
                 let key = shape_key(&plan)?;
                 Some((pool.clone(), key, plan))
             }
@@ -847,10 +1013,16 @@ impl SandboxProvider for DockerProvider {
         };
         if let Some((pool, key, plan)) = &pooled {
             while let Some(id) = pool.take(key) {
-                match self.adopt(&id, spec).await {
-                    Ok(()) => {
+                match self.adopt(&id, spec, &session_dirs).await {
+                    Ok(linked) => {
                         pool.refill(self, key, Arc::new(plan.clone()));
                         data["image"] = json!(plan.image);
+                        if let Some(home) = self.image_home(&plan.image, spec).await {
+                            data["home"] = json!(home);
+                        }
+                        if !linked.is_empty() {
+                            data["pool_forwards"] = json!(linked);
+                        }
                         return Ok(Box::new(self.sandbox(id, spec.workdir.clone(), true, data)));
                     }
                     Err(e) => {
@@ -875,6 +1047,9 @@ impl SandboxProvider for DockerProvider {
         // The container now pins the snapshot; prune may proceed.
         drop(snapshot_lock);
         data["image"] = json!(image);
+        if let Some(home) = self.image_home(&image, spec).await {
+            data["home"] = json!(home);
+        }
         if !mounts.is_empty() {
             if let Err(e) = self.check_gate(&id, &image).await {
                 let _ = self.remove(&id).await;
@@ -1085,6 +1260,13 @@ impl Sandbox for DockerSandbox {
 
     fn workdir(&self) -> &str {
         &self.workdir
+    }
+
+    fn home_hint(&self) -> Option<String> {
+        self.data
+            .get("home")
+            .and_then(|h| h.as_str())
+            .map(str::to_string)
     }
 
     async fn exec(&self, request: ExecRequest) -> Result<ExecStream> {
@@ -1325,7 +1507,28 @@ impl Sandbox for DockerSandbox {
         if !self.owned {
             return Ok(());
         }
-        remove_container(&self.docker, &self.id).await
+        remove_container(&self.docker, &self.id).await?;
+        // Taken from a pool for any session: the session's socket
+        // directories are links into the container's own; make them
+        // directories again, and remove the container's.
+        let linked: Vec<(PathBuf, PathBuf)> = self
+            .data
+            .get("pool_forwards")
+            .and_then(|v| serde_json::from_value(v.clone()).ok())
+            .unwrap_or_default();
+        for (session_dir, pool_dir) in &linked {
+            forward_dirs::unlink(session_dir, pool_dir).map_err(|e| {
+                Error::backend(format!(
+                    "moving the sockets of {} back from {}: {e}",
+                    session_dir.display(),
+                    pool_dir.display()
+                ))
+            })?;
+        }
+        if let Some(dir) = linked.first().and_then(|(_, p)| p.parent()) {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+        Ok(())
     }
 }
 
@@ -1455,6 +1658,16 @@ fn forward_mounts(spec: &SandboxSpec) -> Result<ForwardMounts> {
         )));
     }
     Ok(mounts)
+}
+
+/// Undo `forward_dirs::link` for `linked` (best effort: on the way out of
+/// a failed take).
+fn undo_links(linked: &[(PathBuf, PathBuf)]) {
+    for (session_dir, pool_dir) in linked {
+        if let Err(e) = forward_dirs::unlink(session_dir, pool_dir) {
+            tracing::warn!("moving the sockets of {} back: {e}", session_dir.display());
+        }
+    }
 }
 
 /// The forwards a handle's data records, as the gate takes them.

@@ -43,6 +43,10 @@ pub(crate) struct Plan {
     pub extra_binds: Vec<String>,
     /// Whether the gate must be checked in each new container.
     pub check_gate: bool,
+    /// How many forward directories of its own each container mounts: a
+    /// shape pooled for any session (`forward_dirs`); 0 otherwise (the
+    /// spec's own directories are in `extra_binds`).
+    pub forward_dirs: usize,
 }
 
 #[derive(Debug)]
@@ -70,19 +74,28 @@ pub(crate) struct Pool {
     size: usize,
     max_shapes: usize,
     label_pool: String,
+    /// [`DockerConfig::pool_forward_dir`](crate::DockerConfig::pool_forward_dir).
+    forward_root: Option<std::path::PathBuf>,
     docker: Docker,
     state: Mutex<State>,
     changed: tokio::sync::Notify,
 }
 
 impl Pool {
-    pub fn new(docker: Docker, label_pool: String, size: usize, max_shapes: usize) -> Self {
+    pub fn new(
+        docker: Docker,
+        label_pool: String,
+        size: usize,
+        max_shapes: usize,
+        forward_root: Option<std::path::PathBuf>,
+    ) -> Self {
         Self {
             instance: uuid::Uuid::new_v4().simple().to_string()[..12].to_string(),
             owner: owner_marker(),
             size,
             max_shapes: max_shapes.max(1),
             label_pool,
+            forward_root,
             docker,
             state: Mutex::new(State::default()),
             changed: tokio::sync::Notify::new(),
@@ -240,6 +253,9 @@ impl Pool {
             provider.remove(&id).await?;
             removed += 1;
         }
+        if let Some(root) = &self.forward_root {
+            crate::forward_dirs::sweep(&self.docker, root).await;
+        }
         Ok(removed)
     }
 }
@@ -263,6 +279,7 @@ impl Drop for Pool {
         let ready = self.close();
         let label = self.label_pool.clone();
         let instance = self.instance.clone();
+        let forward_root = self.forward_root.clone();
         let cleanup = std::thread::spawn(move || {
             let Ok(rt) = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -283,6 +300,9 @@ impl Drop for Pool {
                 }
                 for id in ids {
                     let _ = crate::remove_container(&docker, &id).await;
+                }
+                if let Some(root) = forward_root {
+                    crate::forward_dirs::sweep(&docker, &root).await;
                 }
             };
             // A hung engine must not hang the drop for ever.
@@ -476,6 +496,9 @@ pub(crate) async fn reap(provider: &DockerProvider, label: &str) -> Result<usize
             provider.remove(&c.id).await?;
             removed += 1;
         }
+    }
+    if let Some(root) = &provider.config().pool_forward_dir {
+        crate::forward_dirs::sweep(provider.client(), root).await;
     }
     Ok(removed)
 }

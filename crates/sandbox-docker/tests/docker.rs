@@ -859,3 +859,29 @@ async fn imports_are_written_from_the_host_when_it_may_else_through_an_exec() {
         sb.destroy().await.unwrap();
     }
 }
+
+/// The provider knows a sandbox's `$HOME` from configuration (the handle
+/// carries it, so a resume knows it too), and it is what commands see:
+/// the image's, and the spec's `HOME` over it.
+#[tokio::test]
+async fn the_home_hint_is_the_home_commands_see() {
+    let Some(provider) = common::provider().await else {
+        return;
+    };
+    let plain = SandboxSpec::new("/work");
+    let mut own = SandboxSpec::new("/work");
+    own.env.insert("HOME".into(), "/work/home".into());
+    for spec in [plain, own] {
+        let sandbox = provider.create(&spec).await.unwrap();
+        let _cleanup = Cleanup(Some(sandbox.handle().id.clone()));
+        let home = sh_ok(sandbox.as_ref(), "printf %s \"$HOME\"").await;
+        assert_eq!(
+            sandbox.home_hint().as_deref(),
+            Some(home.as_str()),
+            "{spec:?}"
+        );
+        let resumed = provider.resume(&sandbox.handle()).await.unwrap();
+        assert_eq!(resumed.home_hint(), sandbox.home_hint());
+        sandbox.destroy().await.unwrap();
+    }
+}

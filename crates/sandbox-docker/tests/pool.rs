@@ -497,3 +497,150 @@ async fn a_crashed_process_leaves_its_pool_to_the_next_provider() {
     live.shutdown().await.unwrap();
     assert_eq!(containers(&live_cleanup.0), Vec::<String>::new());
 }
+
+/// Serve one-line HTTP answers `body` on a Unix socket at `path` until
+/// the task is aborted (a model broker's session socket, as a container
+/// reaches it through its forward).
+fn serve_socket(path: &std::path::Path, body: &'static str) -> tokio::task::JoinHandle<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let _ = std::fs::remove_file(path);
+    let listener = tokio::net::UnixListener::bind(path).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666)).unwrap();
+    tokio::spawn(async move {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let mut buf = [0u8; 1024];
+            let _ = conn.read(&mut buf).await;
+            let reply = format!(
+                "HTTP/1.0 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = conn.write_all(reply.as_bytes()).await;
+            let _ = conn.shutdown().await;
+        }
+    })
+}
+
+/// What `127.0.0.1:47811` answers inside the sandbox (the body).
+async fn through_forward(sandbox: &dyn harness_core::sandbox::Sandbox) -> String {
+    let out = sh_ok(
+        sandbox,
+        "timeout 10 bash -c 'exec 3<>/dev/tcp/127.0.0.1/47811 && printf \"GET / HTTP/1.0\\r\\n\\r\\n\" >&3 && cat <&3'",
+    )
+    .await;
+    out.rsplit("\r\n\r\n")
+        .next()
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// A session spec as the runtime makes it with a model broker: the
+/// session's id, deny-all, and its socket directory's forward.
+fn session_spec(session: &str, socket: &std::path::Path) -> SandboxSpec {
+    let mut spec = SandboxSpec::new("/work");
+    spec.session_id = Some(session.into());
+    spec.slot = Some("t1".into());
+    spec.network = NetworkPolicy::DenyAll;
+    spec.forwards = vec![harness_core::sandbox::HostForward {
+        port: 47811,
+        socket: socket.to_string_lossy().into_owned(),
+    }];
+    spec
+}
+
+/// With `pool_forward_dir`, a session takes a container pooled before it
+/// existed: its socket moves into the container's own forward directory,
+/// a server binding the socket again through the session's path is seen
+/// inside, and `destroy` gives the session its directory back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_take_containers_pooled_before_them_and_keep_their_sockets() {
+    if harness_testkit::gate_binary().is_none() {
+        return;
+    }
+    // Sockets and pool directories on one filesystem (the temp dir's).
+    let tmp = tempfile::tempdir().unwrap();
+    let pool_root = tmp.path().join("pool");
+    let Some(provider) = common::provider_with(DockerConfig {
+        pool_size: 1,
+        gate: harness_testkit::gate_binary(),
+        pool_forward_dir: Some(pool_root.clone()),
+        ..DockerConfig::default()
+    })
+    .await
+    else {
+        return;
+    };
+    let instance = provider.pool_instance().unwrap().to_string();
+    let _cleanup = PoolCleanup(instance.clone());
+    let sessions = tmp.path().join("sessions");
+    let (dir_a, dir_b) = (sessions.join("pool-fwd-a"), sessions.join("pool-fwd-b"));
+    for d in [&dir_a, &dir_b] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    let server_a = serve_socket(&dir_a.join("model.sock"), "a");
+    let server_b = serve_socket(&dir_b.join("model.sock"), "b1");
+
+    // Session a's create is fresh, and fills the pool with its shape
+    // less the session.
+    let a = provider
+        .create(&session_spec("pool-fwd-a", &dir_a.join("model.sock")))
+        .await
+        .unwrap();
+    let _ga = Cleanup(Some(a.handle().id.clone()));
+    assert_eq!(through_forward(a.as_ref()).await, "a");
+    assert!(provider.pool_settled(SETTLE).await);
+    let ready = pooled(&instance);
+    assert_eq!(ready.len(), 1, "one container pooled for any session");
+
+    // Session b takes it.
+    let b = provider
+        .create(&session_spec("pool-fwd-b", &dir_b.join("model.sock")))
+        .await
+        .unwrap();
+    let _gb = Cleanup(Some(b.handle().id.clone()));
+    let b_id = b.handle().id.clone();
+    assert!(ready.contains(&b_id), "session b took the pooled container");
+    assert_eq!(name(&b_id), "harness-pool-fwd-b-slot-t1");
+    assert!(
+        std::fs::symlink_metadata(&dir_b)
+            .unwrap()
+            .file_type()
+            .is_symlink(),
+        "b's socket directory now leads into the container's"
+    );
+    assert_eq!(through_forward(b.as_ref()).await, "b1");
+    // Both know their `$HOME` without asking, and know it right.
+    for sandbox in [&a, &b] {
+        let home = sh_ok(sandbox.as_ref(), "printf %s \"$HOME\"").await;
+        assert_eq!(sandbox.home_hint().as_deref(), Some(home.as_str()));
+    }
+    // a's container is a's alone: its answer is still a's.
+    assert_eq!(through_forward(a.as_ref()).await, "a");
+
+    // The server restarts and binds again through b's path: seen inside.
+    server_b.abort();
+    let _ = server_b.await;
+    let server_b2 = serve_socket(&dir_b.join("model.sock"), "b2");
+    assert_eq!(through_forward(b.as_ref()).await, "b2");
+    // So does a resume from the handle (another process, a later slice).
+    let resumed = provider.resume(&b.handle()).await.unwrap();
+    assert_eq!(through_forward(resumed.as_ref()).await, "b2");
+
+    // Destroy: b's directory is a directory again, holding its socket.
+    b.destroy().await.unwrap();
+    assert!(!exists(&b_id));
+    assert!(std::fs::symlink_metadata(&dir_b).unwrap().is_dir());
+    std::os::unix::net::UnixStream::connect(dir_b.join("model.sock"))
+        .expect("b's socket answers at its own path again");
+    a.destroy().await.unwrap();
+    assert!(provider.pool_settled(SETTLE).await);
+    provider.shutdown().await.unwrap();
+    let left: Vec<_> = std::fs::read_dir(&pool_root)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(left.is_empty(), "pool directories left: {left:?}");
+    server_a.abort();
+    server_b2.abort();
+}

@@ -1073,6 +1073,18 @@ impl Sandbox for LocalSandbox {
         &self.meta.workdir
     }
 
+    fn home_hint(&self) -> Option<String> {
+        // What `env_for` gives every command: the spec's HOME over the
+        // sandbox's own.
+        Some(
+            self.meta
+                .env
+                .get("HOME")
+                .cloned()
+                .unwrap_or_else(|| self.meta.home.clone()),
+        )
+    }
+
     async fn exec(&self, request: ExecRequest) -> Result<ExecStream> {
         let cwd = match &request.cwd {
             Some(c) => self.resolve(c),

@@ -350,6 +350,22 @@ pub async fn command_and_file_items(sb: &dyn Sandbox) -> Result<()> {
     files_round_trip(sb).await?;
     read_file_from_offset(sb).await?;
     detached_processes(sb).await?;
+    home_hint_is_the_home_commands_see(sb).await?;
+    Ok(())
+}
+
+/// A provider's [`Sandbox::home_hint`], when it gives one, is the `$HOME`
+/// commands see (the slice builds the agent's paths from it without
+/// asking).
+pub async fn home_hint_is_the_home_commands_see(sb: &dyn Sandbox) -> Result<()> {
+    let Some(hint) = sb.home_hint() else {
+        return Ok(());
+    };
+    let seen = sh(sb, "printf %s \"$HOME\"").await?;
+    ensure!(
+        hint == seen,
+        "home_hint says {hint:?}, but commands see HOME={seen:?}"
+    );
     Ok(())
 }
 
