@@ -12,8 +12,14 @@
 //! cargo xtask bench ready
 //! # or: cargo bench -p harness-cli --features full --bench ready
 //! # knobs: READY_RUNS (20), READY_TRACE (1: print the last run's spans),
-//! #        READY_CASES (local:claude-code,docker:claude-code,microvm:codex)
+//! #        READY_CASES (local:claude-code,docker:claude-code,
+//! #                     docker-warm:claude-code,microvm:codex)
 //! ```
+//!
+//! `docker` is cold (`harness serve --docker-pool 0`: each session's
+//! container is created and started on its path); `docker-warm` is the
+//! server's default pool of one ready container, refilled in the
+//! background after each take — within the run, as it would be in use.
 //!
 //! A case the server does not offer (no microVM guest, a build without the
 //! feature) is reported as not measured. Each provider gets its own
@@ -352,7 +358,11 @@ fn p50_p99(values: &[f64]) -> (f64, f64) {
 
 /// One case: a provider and the agent it runs.
 struct Case {
-    provider: String,
+    /// The case's name in the tables (`docker-warm` for Docker with the
+    /// pool).
+    name: String,
+    /// Arguments of its `harness serve`.
+    serve_args: Vec<&'static str>,
     agent: Agent,
     binary: PathBuf,
     body: serde_json::Value,
@@ -360,9 +370,14 @@ struct Case {
 
 /// `provider:agent`, or why it cannot run here.
 fn case(spec: &str) -> Result<Case, String> {
-    let (provider, agent) = spec.split_once(':').unwrap_or((spec, "claude-code"));
+    let (name, agent) = spec.split_once(':').unwrap_or((spec, "claude-code"));
     let agent = Agent::parse(agent.trim())?;
-    let provider = provider.trim().to_string();
+    let name = name.trim().to_string();
+    let (provider, serve_args) = match name.as_str() {
+        "docker" => ("docker".to_string(), vec!["--docker-pool", "0"]),
+        "docker-warm" => ("docker".to_string(), vec!["--docker-pool", "1"]),
+        other => (other.to_string(), vec![]),
+    };
     let binary = agent.binary()?;
     let mut body = json!({"agent": agent.name(), "sandbox": provider});
     match provider.as_str() {
@@ -392,7 +407,8 @@ fn case(spec: &str) -> Result<Case, String> {
         other => return Err(format!("unknown provider {other}")),
     }
     Ok(Case {
-        provider,
+        name,
+        serve_args,
         agent,
         binary,
         body,
@@ -410,10 +426,12 @@ async fn bench_case(case: &Case, runs: usize) -> Option<Row> {
     let model = ScriptedModel::start(Script::text("Ready.")).await.unwrap();
     let (endpoint, received) = otlp::receiver().await;
     let home = tempfile::tempdir().unwrap();
+    let mut args = vec!["--otlp", endpoint.as_str()];
+    args.extend(case.serve_args.iter().copied());
     let serve = Serve::start_with_env(
         home.path(),
         &model,
-        &["--otlp", &endpoint],
+        &args,
         &[("OTEL_BSP_SCHEDULE_DELAY", "200")],
     );
     // Untimed: the bootstrap template (or snapshot) and the broker process.
@@ -428,7 +446,7 @@ async fn bench_case(case: &Case, runs: usize) -> Option<Row> {
     };
     run_created(&serve, &model, id.to_string(), before, t0).await;
     let mut row = Row {
-        provider: format!("{} ({})", case.provider, case.agent.name()),
+        provider: format!("{} ({})", case.name, case.agent.name()),
         ours: Vec::new(),
         bare: Vec::new(),
         stages: Vec::new(),
@@ -507,17 +525,13 @@ async fn main() {
     let mut rows = Vec::new();
     for spec in env_or(
         "READY_CASES",
-        "local:claude-code,docker:claude-code,microvm:codex",
+        "local:claude-code,docker:claude-code,docker-warm:claude-code,microvm:codex",
     )
     .split(',')
     {
         match case(spec.trim()) {
             Ok(case) => {
-                println!(
-                    "==== {} ({}): {runs} runs",
-                    case.provider,
-                    case.agent.name()
-                );
+                println!("==== {} ({}): {runs} runs", case.name, case.agent.name());
                 if let Some(row) = bench_case(&case, runs).await {
                     // Each case's table as soon as it is done, and all of
                     // them at the end.

@@ -62,6 +62,7 @@ pub async fn run(home: &Home, agent: AgentKind, keep: bool) -> Result<()> {
         require_docker: false,
         require_cloudflare: false,
         cluster: None,
+        docker_pool: 0,
     };
     let config = SessionConfig {
         agent: agent.name().to_string(),

@@ -51,6 +51,10 @@ pub struct Options {
     /// One node among several over a shared log (`serve --log
     /// postgres://…`); `None`: the home's SQLite log, this process alone.
     pub cluster: Option<Cluster>,
+    /// Ready Docker containers kept for new sessions (`serve
+    /// --docker-pool`; 0: none, the one-shot commands' choice, for which
+    /// a pool would be made and thrown away).
+    pub docker_pool: usize,
 }
 
 /// What a node among several shares with the others (docs/scale.md).
@@ -132,17 +136,9 @@ pub async fn provider(
             Err(crate::features::missing("docker", "a docker sandbox"))
         }
         #[cfg(feature = "docker")]
-        "docker" => {
-            let connect = harness::docker::DockerProvider::connect(docker_config(home, image)?);
-            let provider = tokio::time::timeout(std::time::Duration::from_secs(10), connect)
-                .await
-                .map_err(|_| anyhow::anyhow!("the Docker engine did not answer in 10 s"))?
-                .context(
-                    "no Docker engine answered (start dockerd, e.g. `cargo xtask services start`, or use --sandbox local)",
-                )?;
-            Ok(Arc::new(provider))
-        }
+        "docker" => docker_provider(home, image, 0).await,
         #[cfg(not(feature = "cloudflare"))]
+
         "cloudflare" => Err(crate::features::missing("cloudflare", "a cloudflare sandbox")),
         #[cfg(feature = "cloudflare")]
         "cloudflare" => {
@@ -175,6 +171,30 @@ pub async fn provider(
             "unknown sandbox provider {other:?} (this build knows local, docker, cloudflare and microvm)"
         ),
     }
+}
+
+/// The Docker provider of this home, keeping `pool` ready containers for
+/// new sessions (`DockerConfig::pool_size`; with the pool they serve any
+/// session, their forward directories beside the broker's sockets).
+#[cfg(feature = "docker")]
+async fn docker_provider(
+    home: &Home,
+    image: Option<&str>,
+    pool: usize,
+) -> Result<Arc<dyn SandboxProvider>> {
+    let mut config = docker_config(home, image)?;
+    if pool > 0 {
+        config.pool_size = pool;
+        config.pool_forward_dir = Some(home.broker_dir().join("pool"));
+    }
+    let connect = harness::docker::DockerProvider::connect(config);
+    let provider = tokio::time::timeout(std::time::Duration::from_secs(10), connect)
+        .await
+        .map_err(|_| anyhow::anyhow!("the Docker engine did not answer in 10 s"))?
+        .context(
+            "no Docker engine answered (start dockerd, e.g. `cargo xtask services start`, or use --sandbox local)",
+        )?;
+    Ok(Arc::new(provider))
 }
 
 /// The Docker provider's configuration for this home: the default image
@@ -282,7 +302,11 @@ pub async fn runtime(home: &Home, options: Options) -> Result<Runtime> {
         .turn_config(turn)
         .checkpoints(Some(turn_checkpoints(home)?));
     builder = builder.provider(provider(home, "local", None).await?);
-    match provider(home, "docker", options.image.as_deref()).await {
+    #[cfg(feature = "docker")]
+    let docker = docker_provider(home, options.image.as_deref(), options.docker_pool).await;
+    #[cfg(not(feature = "docker"))]
+    let docker = provider(home, "docker", options.image.as_deref()).await;
+    match docker {
         Ok(docker) => builder = builder.provider(docker),
         Err(e) if options.require_docker => return Err(e),
         Err(e) if options.lenient && cfg!(feature = "docker") => {

@@ -67,6 +67,12 @@ pub struct ServeArgs {
     /// Docker image for docker sessions that name none.
     #[arg(long)]
     image: Option<String>,
+    /// Ready Docker containers kept for new sessions, per shape (image,
+    /// network policy, …; at most 4 shapes): a session's first turn takes
+    /// one instead of creating and starting a container (~0.2 s,
+    /// docs/performance.md). 0 turns the pool off.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    docker_pool: usize,
     /// Where the session logs live: the home's SQLite file (the default),
     /// or `postgres://…`, shared by several `harness serve` nodes, each
     /// session's actor on one node at a time (docs/scale.md; needs
@@ -189,6 +195,7 @@ async fn start_runtime(
         require_docker: false,
         require_cloudflare: false,
         cluster,
+        docker_pool: args.docker_pool,
     };
     let runtime = local::runtime(home, options).await?;
     let started = runtime.start().await?;

@@ -568,6 +568,7 @@ pub async fn run_command(home: &Home, args: RunArgs) -> Result<()> {
                 require_cloudflare: args.sandbox == SandboxKind::Cloudflare
                     && args.session.is_none(),
                 cluster: None,
+                docker_pool: 0,
             };
             let config = new_config(&args)?;
             run_local(
@@ -649,6 +650,7 @@ pub async fn resume_command(home: &Home) -> Result<()> {
         require_docker: false,
         require_cloudflare: false,
         cluster: None,
+        docker_pool: 0,
     };
     let runtime = local::runtime(home, options).await?;
     runtime.start().await?;

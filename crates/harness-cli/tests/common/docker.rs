@@ -10,20 +10,60 @@ use std::process::{Command, Stdio};
 use harness_testkit::{require_env, skip_or_fail};
 
 /// `docker ps` for the session containers the Docker provider made for
-/// `session` (by its labels): full ids.
+/// `session`: full ids, one a line. Found by the session's label, or, for
+/// a container the session took from `harness serve`'s pool (made before
+/// the session, so without its label), by the name it was given then
+/// (`harness-<session>-slot-<turn>`, or a random suffix without a slot).
 pub fn docker_ps_session(session: &str) -> std::io::Result<std::process::Output> {
-    Command::new("docker")
-        .args([
-            "ps",
-            "-a",
-            "-q",
-            "--no-trunc",
-            "--filter",
-            &format!("label=dev.harness.session-id={session}"),
-            "--filter",
-            "label=dev.harness.role=session",
-        ])
-        .output()
+    let ps = |filter: String| {
+        Command::new("docker")
+            .args([
+                "ps",
+                "-a",
+                "-q",
+                "--no-trunc",
+                "--filter",
+                &filter,
+                "--filter",
+                "label=dev.harness.role=session",
+            ])
+            .output()
+    };
+    let by_label = ps(format!("label=dev.harness.session-id={session}"))?;
+    if !by_label.status.success() {
+        return Ok(by_label);
+    }
+    // The provider's name: the session id with anything but letters,
+    // digits, `-` and `_` as `-`, cut at 40.
+    let clean: String = session
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .take(40)
+        .collect();
+    let by_name = ps(format!(
+        "name=^/harness-{clean}-(slot-[A-Za-z0-9_-]+|[0-9a-f]{{10}})$"
+    ))?;
+    if !by_name.status.success() {
+        return Ok(by_name);
+    }
+    let mut ids: Vec<String> = Vec::new();
+    for out in [&by_label, &by_name] {
+        for id in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+            if !ids.iter().any(|i| i == id) {
+                ids.push(id.to_string());
+            }
+        }
+    }
+    Ok(std::process::Output {
+        stdout: ids.join("\n").into_bytes(),
+        ..by_label
+    })
 }
 
 /// The session's containers (full ids).
