@@ -266,6 +266,25 @@ impl SliceRunner {
                 .await?;
             Some(relay)
         };
+        let process = self.launch(sandbox, state, &home, dir, relay).await?;
+        crate::failpoint::hit("launch-to-record");
+        let json = serde_json::to_vec(&process)?;
+        sandbox
+            .write_file(&process_file, crate::stream::once(json))
+            .await?;
+        Ok((process, true))
+    }
+
+    /// Launch the turn's agent in spool `dir` (idempotent per spool: an
+    /// agent an earlier call started is returned instead).
+    async fn launch(
+        &self,
+        sandbox: &dyn Sandbox,
+        state: &TurnState,
+        home: &str,
+        dir: String,
+        relay: Option<String>,
+    ) -> Result<DetachedProcess> {
         let harness = self.harness(&state.agent)?;
         let env = self
             .agent_env(state)
@@ -277,26 +296,20 @@ impl SliceRunner {
         let command = harness.turn_command(&TurnContext {
             state,
             workdir: sandbox.workdir(),
-            home: &home,
+            home,
             env: &env,
             model: state.model.as_deref().or(self.model.as_deref()),
             system_prompt: None,
             relay_dir: relay.as_deref(),
         })?;
-        let process = sandbox
+        sandbox
             .spawn_detached(DetachedRequest {
                 argv: command.argv,
                 cwd: Some(command.cwd),
                 env: command.env,
                 spool_dir: dir,
             })
-            .await?;
-        crate::failpoint::hit("launch-to-record");
-        let json = serde_json::to_vec(&process)?;
-        sandbox
-            .write_file(&process_file, crate::stream::once(json))
-            .await?;
-        Ok((process, true))
+            .await
     }
 
     /// [`start_or_find`](Self::start_or_find) when the sandbox's `$HOME`
@@ -316,31 +329,7 @@ impl SliceRunner {
         let dir = spool_dir(home, &state.turn_id);
         let process_file = format!("{dir}/process.json");
         crate::failpoint::hit("claim-to-launch");
-        let harness = self.harness(&state.agent)?;
-        let env = self
-            .agent_env(state)
-            .instrument(tracing::info_span!(
-                "agent.env",
-                broker = self.broker.is_some()
-            ))
-            .await?;
-        let command = harness.turn_command(&TurnContext {
-            state,
-            workdir: sandbox.workdir(),
-            home,
-            env: &env,
-            model: state.model.as_deref().or(self.model.as_deref()),
-            system_prompt: None,
-            relay_dir: None,
-        })?;
-        let process = sandbox
-            .spawn_detached(DetachedRequest {
-                argv: command.argv,
-                cwd: Some(command.cwd),
-                env: command.env,
-                spool_dir: dir,
-            })
-            .await?;
+        let process = self.launch(sandbox, state, home, dir, None).await?;
         crate::failpoint::hit("launch-to-record");
         match sandbox.read_file(&process_file).await {
             Ok(stream) => {

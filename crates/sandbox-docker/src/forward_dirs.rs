@@ -90,6 +90,16 @@ fn exchange(a: &Path, b: &Path) -> io::Result<()> {
     renameat_with(CWD, a, CWD, b, RenameFlags::EXCHANGE).map_err(io::Error::from)
 }
 
+/// A scratch path next to `pool_dir` (same directory, so same
+/// filesystem): `<parent>/<what>-<name>`.
+fn beside(pool_dir: &Path, what: &str) -> io::Result<PathBuf> {
+    let parent = pool_dir
+        .parent()
+        .ok_or_else(|| io::Error::other("a pool directory has a parent"))?;
+    let name = pool_dir.file_name().unwrap_or_default().to_string_lossy();
+    Ok(parent.join(format!("{what}-{name}")))
+}
+
 /// Whether `dir` is a symbolic link to `target`.
 fn links_to(dir: &Path, target: &Path) -> bool {
     std::fs::read_link(dir).is_ok_and(|t| t == target)
@@ -103,11 +113,7 @@ pub(crate) fn link(session_dir: &Path, pool_dir: &Path) -> io::Result<()> {
     if links_to(session_dir, pool_dir) {
         return Ok(());
     }
-    let parent = pool_dir
-        .parent()
-        .ok_or_else(|| io::Error::other("a pool directory has a parent"))?;
-    let base = pool_dir.file_name().unwrap_or_default().to_string_lossy();
-    let link = parent.join(format!(".link-{base}"));
+    let link = beside(pool_dir, ".link")?;
     let _ = std::fs::remove_file(&link);
     std::os::unix::fs::symlink(pool_dir, &link)?;
     let moved = match move_entries(session_dir, pool_dir) {
@@ -137,11 +143,7 @@ pub(crate) fn link(session_dir: &Path, pool_dir: &Path) -> io::Result<()> {
 pub(crate) fn unlink(session_dir: &Path, pool_dir: &Path) -> io::Result<()> {
     if links_to(session_dir, pool_dir) {
         use std::os::unix::fs::PermissionsExt;
-        let parent = pool_dir
-            .parent()
-            .ok_or_else(|| io::Error::other("a pool directory has a parent"))?;
-        let base = pool_dir.file_name().unwrap_or_default().to_string_lossy();
-        let back = parent.join(format!(".back-{base}"));
+        let back = beside(pool_dir, ".back")?;
         let _ = std::fs::remove_dir_all(&back);
         std::fs::create_dir(&back)?;
         std::fs::set_permissions(&back, std::fs::Permissions::from_mode(0o755))?;
