@@ -313,13 +313,15 @@ impl SliceRunner {
     }
 
     /// [`start_or_find`](Self::start_or_find) when the sandbox's `$HOME`
-    /// is known and the turn lends no host tools: no claim first — the
+    /// is known and the turn lends no host tools: no claim first. The
     /// launch is idempotent per spool, so it starts the agent or returns
-    /// the one an earlier slice started, and the process record, read
-    /// after the launch (the agent is booting meanwhile), says which: an
-    /// agent whose record is missing counts as started by this call, as on
-    /// the claiming path (a slice that died before recording it never
-    /// reported it).
+    /// the one an earlier slice started (the same pid, so the same
+    /// record: writing it again changes nothing), and the agent is
+    /// reported started either way — the status is keyed
+    /// ([`TurnState::status_key`]), so a report an earlier slice made is
+    /// not stored twice, and one it died before making is made now. No
+    /// read of the record after the launch: on Docker it would be one more
+    /// exec competing with the agent's boot for the CPU.
     async fn launch_or_find(
         &self,
         sandbox: &dyn Sandbox,
@@ -331,20 +333,11 @@ impl SliceRunner {
         crate::failpoint::hit("claim-to-launch");
         let process = self.launch(sandbox, state, home, dir, None).await?;
         crate::failpoint::hit("launch-to-record");
-        match sandbox.read_file(&process_file).await {
-            Ok(stream) => {
-                let bytes = crate::stream::collect(stream, 64 * 1024).await?;
-                Ok((serde_json::from_slice(&bytes)?, false))
-            }
-            Err(e) if e.kind() == crate::ErrorKind::NotFound => {
-                let json = serde_json::to_vec(&process)?;
-                sandbox
-                    .write_file(&process_file, crate::stream::once(json))
-                    .await?;
-                Ok((process, true))
-            }
-            Err(e) => Err(e),
-        }
+        let json = serde_json::to_vec(&process)?;
+        sandbox
+            .write_file(&process_file, crate::stream::once(json))
+            .await?;
+        Ok((process, true))
     }
 
     /// Run one slice. See the module docs.

@@ -147,6 +147,13 @@ pub struct DockerConfig {
     /// a new shape beyond it drops the least recently used shape's ready
     /// containers.
     pub pool_max_shapes: usize,
+    /// How long a fill waits before it creates a container (default 1 s).
+    /// A fill follows every create of a shape, so it would otherwise run
+    /// while the session that just took (or made) a container starts its
+    /// agent — dockerd's create and start competing with that start for
+    /// the CPU (on two cores: +30 ms launch, +66 ms agent start in `bench
+    /// ready`, docs/performance.md). Zero: at once.
+    pub pool_refill_delay: Duration,
     /// Set, pooled containers serve any session: a shape leaves out the
     /// session id, and a pooled container mounts forward directories of
     /// its own, kept here (`<dir>/<pool name>/<n>`), into which a session's
@@ -219,6 +226,7 @@ impl Default for DockerConfig {
             gate: None,
             pool_size: 0,
             pool_max_shapes: 4,
+            pool_refill_delay: Duration::from_secs(1),
             pool_forward_dir: None,
             host_imports: true,
         }
@@ -292,6 +300,7 @@ impl DockerProvider {
                 format!("{}.pool", config.label_prefix),
                 config.pool_size,
                 config.pool_max_shapes,
+                config.pool_refill_delay,
                 config.pool_forward_dir.clone(),
             ))
         });

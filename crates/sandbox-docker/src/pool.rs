@@ -73,6 +73,8 @@ pub(crate) struct Pool {
     pub owner: String,
     size: usize,
     max_shapes: usize,
+    /// [`DockerConfig::pool_refill_delay`](crate::DockerConfig::pool_refill_delay).
+    refill_delay: Duration,
     label_pool: String,
     /// [`DockerConfig::pool_forward_dir`](crate::DockerConfig::pool_forward_dir).
     forward_root: Option<std::path::PathBuf>,
@@ -87,6 +89,7 @@ impl Pool {
         label_pool: String,
         size: usize,
         max_shapes: usize,
+        refill_delay: Duration,
         forward_root: Option<std::path::PathBuf>,
     ) -> Self {
         Self {
@@ -94,6 +97,7 @@ impl Pool {
             owner: owner_marker(),
             size,
             max_shapes: max_shapes.max(1),
+            refill_delay,
             label_pool,
             forward_root,
             docker,
@@ -173,13 +177,22 @@ impl Pool {
             let plan = plan.clone();
             let instance = self.instance.clone();
             let marks = self.marks();
+            let delay = self.refill_delay;
             tokio::spawn(async move {
+                if !delay.is_zero() {
+                    tokio::time::sleep(delay).await;
+                    let open = pool.upgrade().is_some_and(|p| !p.state().closed);
+                    if !open {
+                        finish_fill(&bare, &pool, &key, None).await;
+                        return;
+                    }
+                }
                 let name = format!(
                     "{POOL_NAME_PREFIX}{instance}-{}",
                     &uuid::Uuid::new_v4().simple().to_string()[..10]
                 );
                 let made = bare.run_pooled(&plan, &name, &marks).await;
-                finish_fill(&bare, &pool, &key, made).await;
+                finish_fill(&bare, &pool, &key, Some(made)).await;
             });
         }
         if !evicted.is_empty() {
@@ -315,10 +328,16 @@ impl Drop for Pool {
 }
 
 /// After a fill: hand the container to the pool, or remove it when the
-/// pool is gone, closed, or no longer has the shape.
-async fn finish_fill(bare: &DockerProvider, pool: &Weak<Pool>, key: &str, made: Result<String>) {
+/// pool is gone, closed, or no longer has the shape. `made` is `None` for
+/// a fill given up before it began (the pool closed during its delay).
+async fn finish_fill(
+    bare: &DockerProvider,
+    pool: &Weak<Pool>,
+    key: &str,
+    made: Option<Result<String>>,
+) {
     let Some(pool) = pool.upgrade() else {
-        if let Ok(id) = made {
+        if let Some(Ok(id)) = made {
             let _ = bare.remove(&id).await;
         }
         return;
@@ -331,18 +350,19 @@ async fn finish_fill(bare: &DockerProvider, pool: &Weak<Pool>, key: &str, made: 
             Some(shape) => {
                 shape.filling = shape.filling.saturating_sub(1);
                 match made {
-                    Ok(id) if !closed => {
+                    Some(Ok(id)) if !closed => {
                         shape.ready.push_back(id);
                         None
                     }
-                    Ok(id) => Some(id),
-                    Err(e) => {
+                    Some(Ok(id)) => Some(id),
+                    Some(Err(e)) => {
                         tracing::warn!("filling the docker sandbox pool failed: {e}");
                         None
                     }
+                    None => None,
                 }
             }
-            None => made.ok(),
+            None => made.and_then(Result::ok),
         }
     };
     if let Some(id) = leftover {
