@@ -93,7 +93,8 @@ enum Phase {
     BeforeClaim,
     /// The spool is claimed, the agent not launched.
     ClaimToLaunch,
-    /// The agent runs, its `process.json` is not written yet.
+    /// The agent runs, its launch has returned, nothing more is done yet
+    /// (`process.json` not written, where the slice writes one).
     LaunchToRecord,
     /// The agent's tool call runs (a delay into its sleep).
     ToolCall,

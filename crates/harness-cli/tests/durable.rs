@@ -11,13 +11,10 @@ use std::time::Duration;
 use harness_testkit::model::ScriptedModel;
 use harness_testkit::require_env;
 
-/// The agent's process record, once the slice has started it.
+/// The agent's pid in its spool, once the slice has launched it.
 fn agent_started(home: &Path) -> Option<std::path::PathBuf> {
     for sandbox in std::fs::read_dir(home.join("sandboxes")).ok()? {
-        let path = sandbox
-            .ok()?
-            .path()
-            .join("home/.harness/turns/t1/process.json");
+        let path = sandbox.ok()?.path().join("home/.harness/turns/t1/pid");
         if path.exists() {
             return Some(path);
         }

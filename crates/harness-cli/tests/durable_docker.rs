@@ -110,13 +110,10 @@ async fn docker_kill_nine_at_several_points_then_resume_finishes_the_turn_once()
         let container = containers[0].clone();
         let workdir = container_workdir(&container);
         assert!(workdir.starts_with('/'), "{workdir:?}");
-        // The agent's spool lives in the container's $HOME.
-        wait_for("the agent's process record", &mut child, || {
-            docker_sh(
-                &container,
-                "test -f \"$HOME/.harness/turns/t1/process.json\"",
-            )
-            .0
+        // The agent's spool lives in the container's $HOME; its launch
+        // writes the agent's pid there.
+        wait_for("the agent's pid in its spool", &mut child, || {
+            docker_sh(&container, "test -f \"$HOME/.harness/turns/t1/pid\"").0
         })
         .await;
         let tool_done = format!("test -f {workdir}/slow.txt");

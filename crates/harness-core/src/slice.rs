@@ -271,6 +271,7 @@ impl SliceRunner {
         let json = serde_json::to_vec(&process)?;
         sandbox
             .write_file(&process_file, crate::stream::once(json))
+            .instrument(tracing::info_span!("agent.record"))
             .await?;
         Ok((process, true))
     }
@@ -309,19 +310,23 @@ impl SliceRunner {
                 env: command.env,
                 spool_dir: dir,
             })
+            .instrument(tracing::info_span!("agent.launch"))
             .await
     }
 
     /// [`start_or_find`](Self::start_or_find) when the sandbox's `$HOME`
-    /// is known and the turn lends no host tools: no claim first. The
-    /// launch is idempotent per spool, so it starts the agent or returns
-    /// the one an earlier slice started (the same pid, so the same
-    /// record: writing it again changes nothing), and the agent is
-    /// reported started either way — the status is keyed
-    /// ([`TurnState::status_key`]), so a report an earlier slice made is
-    /// not stored twice, and one it died before making is made now. No
-    /// read of the record after the launch: on Docker it would be one more
-    /// exec competing with the agent's boot for the CPU.
+    /// is known and the turn lends no host tools: no claim first, and no
+    /// `process.json` after. The launch is idempotent per spool, so it
+    /// starts the agent or returns the one an earlier slice started (its
+    /// pid is in the spool's `pid`, which the launch writes before it
+    /// returns), and the agent is reported started either way — the
+    /// status is keyed ([`TurnState::status_key`]), so a report an earlier
+    /// slice made is not stored twice, and one it died before making is
+    /// made now. A slice that takes the claiming path later (the session's
+    /// tool host attached meanwhile) finds the spool claimed and no record,
+    /// and launches again, which returns the same agent. Every exec left
+    /// out here is one less competing with the agent's start for the CPU
+    /// (on Docker each is a round trip through dockerd and runc).
     async fn launch_or_find(
         &self,
         sandbox: &dyn Sandbox,
@@ -329,14 +334,9 @@ impl SliceRunner {
         home: &str,
     ) -> Result<(DetachedProcess, bool)> {
         let dir = spool_dir(home, &state.turn_id);
-        let process_file = format!("{dir}/process.json");
         crate::failpoint::hit("claim-to-launch");
         let process = self.launch(sandbox, state, home, dir, None).await?;
         crate::failpoint::hit("launch-to-record");
-        let json = serde_json::to_vec(&process)?;
-        sandbox
-            .write_file(&process_file, crate::stream::once(json))
-            .await?;
         Ok((process, true))
     }
 
