@@ -1696,23 +1696,33 @@ fn parent_dir(path: &str) -> String {
     }
 }
 
+/// What a session's containers are named after: its id with anything but
+/// letters, digits, `-` and `_` as `-`, cut at 40 characters. A session's
+/// container is `harness-<this>-slot-<turn>` (or a random suffix for one
+/// made without a slot); a container the session took from a pool carries
+/// no session label, so its name is how it is found.
+pub fn session_name_part(session: &str) -> String {
+    name_part(session)
+}
+
+fn name_part(s: &str) -> String {
+    s.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .take(40)
+        .collect()
+}
+
 /// A container name from the session id (sanitized) and the slot, or a
 /// random suffix without one.
 fn container_name(session: Option<&str>, role: &str, slot: Option<&str>) -> String {
-    let clean = |s: &str, max: usize| -> String {
-        s.chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
-                    c
-                } else {
-                    '-'
-                }
-            })
-            .take(max)
-            .collect()
-    };
-    let session = clean(session.unwrap_or(""), 40);
-    let suffix = match slot.map(|s| clean(s, 40)).filter(|s| !s.is_empty()) {
+    let session = name_part(session.unwrap_or(""));
+    let suffix = match slot.map(name_part).filter(|s| !s.is_empty()) {
         Some(slot) if !session.is_empty() => format!("slot-{slot}"),
         _ => uuid::Uuid::new_v4().simple().to_string()[..10].to_string(),
     };

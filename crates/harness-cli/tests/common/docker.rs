@@ -33,19 +33,7 @@ pub fn docker_ps_session(session: &str) -> std::io::Result<std::process::Output>
     if !by_label.status.success() {
         return Ok(by_label);
     }
-    // The provider's name: the session id with anything but letters,
-    // digits, `-` and `_` as `-`, cut at 40.
-    let clean: String = session
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
-                c
-            } else {
-                '-'
-            }
-        })
-        .take(40)
-        .collect();
+    let clean = harness::docker::session_name_part(session);
     let by_name = ps(format!(
         "name=^/harness-{clean}-(slot-[A-Za-z0-9_-]+|[0-9a-f]{{10}})$"
     ))?;
