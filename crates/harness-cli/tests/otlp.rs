@@ -1,6 +1,6 @@
 //! `harness --otlp URL run …` exports the turn's spans over OTLP/HTTP, and
 //! they nest as `docs/operations.md` says: session → turn → slice →
-//! agent start / sandbox exec / log append, each carrying the ids users
+//! agent start / agent launch / log append, each carrying the ids users
 //! search by. The receiver is an OTLP/HTTP endpoint this test serves on
 //! loopback; the agent is the real `claude` against the scripted model.
 
@@ -128,10 +128,12 @@ async fn a_turns_spans_nest_and_carry_the_ids() {
     assert_eq!(starts.len(), 1, "the agent starts once per turn");
     assert_eq!(starts[0].parent, slices[0].id);
     assert_eq!(starts[0].attr("started"), "true");
-    let execs = named("sandbox.exec");
+    // The launch runs under the agent start (a local sandbox's handle
+    // knows `$HOME`: no claim exec before it).
+    let launches = named("agent.launch");
     assert!(
-        execs.iter().any(|e| e.parent == starts[0].id),
-        "the spool claim runs under the agent start: {execs:?}"
+        launches.iter().any(|e| e.parent == starts[0].id),
+        "the launch runs under the agent start: {launches:?}"
     );
 
     let slice_ids: Vec<&Vec<u8>> = slices.iter().map(|s| &s.id).collect();

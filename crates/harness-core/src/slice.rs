@@ -1133,8 +1133,12 @@ pub async fn session_sandbox_spec(
     Ok(spec)
 }
 
-/// The sandbox's `$HOME` (each session has its own).
+/// The sandbox's `$HOME` (each session has its own): its handle's
+/// [`Sandbox::home_hint`], else asked by an exec.
 pub async fn home_of(sandbox: &dyn Sandbox) -> Result<String> {
+    if let Some(home) = sandbox.home_hint() {
+        return Ok(home);
+    }
     let out = async {
         collect_exec(
             sandbox
