@@ -81,6 +81,23 @@ pub struct HostForward {
     pub socket: String,
 }
 
+/// `s` as a part of a sandbox's name (a container, VM or directory name):
+/// anything but ASCII letters, digits, `-` and `_` becomes `-`, cut at 40
+/// characters. Every provider names its sandboxes after the session and
+/// slot with this one rule.
+pub fn name_part(s: &str) -> String {
+    s.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .take(40)
+        .collect()
+}
+
 /// How to make a sandbox.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SandboxSpec {

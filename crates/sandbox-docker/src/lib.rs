@@ -1702,27 +1702,17 @@ fn parent_dir(path: &str) -> String {
 /// made without a slot); a container the session took from a pool carries
 /// no session label, so its name is how it is found.
 pub fn session_name_part(session: &str) -> String {
-    name_part(session)
-}
-
-fn name_part(s: &str) -> String {
-    s.chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
-                c
-            } else {
-                '-'
-            }
-        })
-        .take(40)
-        .collect()
+    harness_core::sandbox::name_part(session)
 }
 
 /// A container name from the session id (sanitized) and the slot, or a
 /// random suffix without one.
 fn container_name(session: Option<&str>, role: &str, slot: Option<&str>) -> String {
-    let session = name_part(session.unwrap_or(""));
-    let suffix = match slot.map(name_part).filter(|s| !s.is_empty()) {
+    let session = session_name_part(session.unwrap_or(""));
+    let suffix = match slot
+        .map(harness_core::sandbox::name_part)
+        .filter(|s| !s.is_empty())
+    {
         Some(slot) if !session.is_empty() => format!("slot-{slot}"),
         _ => uuid::Uuid::new_v4().simple().to_string()[..10].to_string(),
     };

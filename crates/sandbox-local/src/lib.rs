@@ -386,18 +386,9 @@ struct Meta {
 
 /// Keep only characters safe in a directory name.
 fn sanitize(s: &str) -> String {
-    let cleaned: String = s
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
-                c
-            } else {
-                '-'
-            }
-        })
-        .take(40)
-        .collect();
-    cleaned.trim_matches('-').to_string()
+    harness_core::sandbox::name_part(s)
+        .trim_matches('-')
+        .to_string()
 }
 
 /// Whether commands under `policy` run in the host's network namespace.

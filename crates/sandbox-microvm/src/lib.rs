@@ -359,18 +359,7 @@ impl MicrovmProvider {
     }
 
     fn vm_id(spec: &SandboxSpec) -> String {
-        let clean = |s: &str| -> String {
-            s.chars()
-                .map(|c| {
-                    if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
-                        c
-                    } else {
-                        '-'
-                    }
-                })
-                .take(40)
-                .collect()
-        };
+        let clean = harness_core::sandbox::name_part;
         match (&spec.session_id, &spec.slot) {
             (Some(session), Some(slot)) => format!("mvm-{}-{}", clean(session), clean(slot)),
             _ => format!("mvm-{}", uuid::Uuid::new_v4().simple()),
