@@ -7,6 +7,9 @@
 //!   once, so the daemon is nobody's child (not the program's the gate
 //!   becomes) and is reaped by init;
 //! - `--serve --forward ...`: the daemon.
+//! - `--exec-server SOCKET`: start the exec server (`exec_server`) and
+//!   exit once it listens on `SOCKET`;
+//! - `--exec-serve SOCKET`: the exec server.
 
 use std::ffi::{OsStr, OsString};
 use std::fs::File;
@@ -48,7 +51,7 @@ impl Forward {
 /// How long the gate waits for the forward daemon to bind its ports.
 const READY_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often the daemon checks whether anyone is left in its namespace.
-const WATCH_INTERVAL: Duration = Duration::from_secs(1);
+pub(crate) const WATCH_INTERVAL: Duration = Duration::from_secs(1);
 /// Stack of each connection-copying thread (a copy needs an 8 KiB buffer).
 const COPY_STACK: usize = 128 * 1024;
 
@@ -74,6 +77,8 @@ Runs PROGRAM (exec: same pid, exit status and signals).
                            CAP_SYS_PTRACE and CAP_SYS_MODULE (needs root or CAP_SYS_ADMIN)
   --forward PORT=SOCKET    inside, 127.0.0.1:PORT connects to the Unix socket SOCKET
                            (served by a daemon while any process is left in the namespace)
+  --exec-server SOCKET     start a daemon that runs commands sent to the Unix socket
+                           SOCKET (the Docker provider's exec server), and exit
   --version                print the version
 Exit status: PROGRAM's; 125 when the gate itself fails, 126/127 when PROGRAM cannot run.";
 
@@ -86,6 +91,8 @@ enum Mode {
     },
     ServeLaunch(Vec<Forward>),
     Serve(Vec<Forward>),
+    ExecServerLaunch(PathBuf),
+    ExecServe(PathBuf),
     Version,
     Help,
 }
@@ -103,6 +110,8 @@ pub fn main() {
         Mode::Help => println!("{USAGE}"),
         Mode::Serve(forwards) => serve(&forwards),
         Mode::ServeLaunch(forwards) => serve_launch(&forwards),
+        Mode::ExecServerLaunch(socket) => crate::exec_server::launch(&socket),
+        Mode::ExecServe(socket) => crate::exec_server::serve(&socket),
         Mode::Run {
             unshare_net,
             forwards,
@@ -164,6 +173,20 @@ fn parse(args: Vec<OsString>) -> Result<Mode, String> {
                 forwards.push(parse_forward(&value)?);
             }
             b"--serve" | b"--serve-launch" => serve = Some(arg),
+            b"--exec-server" | b"--exec-serve" => {
+                let socket = args
+                    .next()
+                    .ok_or_else(|| format!("{} needs SOCKET_PATH", arg.to_string_lossy()))?;
+                if socket.is_empty() {
+                    return Err(format!("{} needs SOCKET_PATH", arg.to_string_lossy()));
+                }
+                let socket = PathBuf::from(socket);
+                return Ok(if bytes == b"--exec-server" {
+                    Mode::ExecServerLaunch(socket)
+                } else {
+                    Mode::ExecServe(socket)
+                });
+            }
             b"--version" | b"-V" => return Ok(Mode::Version),
             b"--help" | b"-h" => return Ok(Mode::Help),
             _ if bytes.starts_with(b"--forward=") => {
@@ -307,7 +330,7 @@ fn drop_capabilities() -> Result<(), String> {
 // forwards
 
 /// This very binary, even if its file was replaced since it started.
-fn self_exe() -> PathBuf {
+pub(crate) fn self_exe() -> PathBuf {
     let proc_self = PathBuf::from("/proc/self/exe");
     if proc_self.exists() {
         return proc_self;
@@ -323,7 +346,7 @@ fn forward_args(forwards: &[Forward]) -> Vec<OsString> {
 }
 
 /// Where the daemon's stderr goes: `$HARNESS_SANDBOX_GATE_LOG`, else nowhere.
-fn log_stdio() -> Stdio {
+pub(crate) fn log_stdio() -> Stdio {
     std::env::var_os(LOG_ENV)
         .filter(|p| !p.is_empty())
         .and_then(|p| {
@@ -410,7 +433,23 @@ fn serve_launch(forwards: &[Forward]) {
     }
 }
 
-fn log(msg: &str) {
+/// Tell the launcher `ready` on stdout, then let go of it: a reader
+/// waiting for EOF on the caller's pipes must not wait for a daemon.
+pub(crate) fn say_ready_and_let_go() {
+    let mut stdout = std::io::stdout();
+    let _ = stdout.write_all(b"ready\n");
+    let _ = stdout.flush();
+    match File::options().read(true).write(true).open("/dev/null") {
+        Ok(null) => {
+            let _ = nix::unistd::dup2(null.as_raw_fd(), 1);
+        }
+        Err(_) => {
+            let _ = nix::unistd::close(1);
+        }
+    }
+}
+
+pub(crate) fn log(msg: &str) {
     eprintln!("harness-sandbox-gate[{}]: {msg}", std::process::id());
 }
 
@@ -433,19 +472,7 @@ fn serve(forwards: &[Forward]) -> ! {
             }
         }
     }
-    let mut stdout = std::io::stdout();
-    let _ = stdout.write_all(b"ready\n");
-    let _ = stdout.flush();
-    // Hold none of the caller's pipes: a reader waiting for EOF on them
-    // must not wait for this daemon.
-    match File::options().read(true).write(true).open("/dev/null") {
-        Ok(null) => {
-            let _ = nix::unistd::dup2(null.as_raw_fd(), 1);
-        }
-        Err(_) => {
-            let _ = nix::unistd::close(1);
-        }
-    }
+    say_ready_and_let_go();
     if listeners.is_empty() {
         std::process::exit(0);
     }
@@ -611,6 +638,10 @@ mod tests {
             Mode::Serve(vec![Forward::new(1, "/s")])
         );
         assert_eq!(parse(args(&["--version"])).unwrap(), Mode::Version);
+        assert_eq!(
+            parse(args(&["--exec-server", "/run/harness/exec/sock"])).unwrap(),
+            Mode::ExecServerLaunch("/run/harness/exec/sock".into())
+        );
     }
 
     #[test]
@@ -627,6 +658,8 @@ mod tests {
             &["--forward", "80=/a", "--forward", "80=/b", "--", "true"][..],
             &["--frobnicate", "--", "true"][..],
             &["--serve"][..],
+            &["--exec-server"][..],
+            &["--exec-server", ""][..],
         ] {
             assert!(parse(args(bad)).is_err(), "{bad:?} was accepted");
         }

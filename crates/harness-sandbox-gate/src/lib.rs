@@ -35,6 +35,8 @@
 use std::path::PathBuf;
 
 pub mod cli;
+mod exec_server;
+pub mod exec_wire;
 
 /// The gate's binary name.
 pub const BINARY_NAME: &str = "harness-sandbox-gate";
