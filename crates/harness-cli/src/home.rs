@@ -123,6 +123,12 @@ impl Home {
         self.dir.join("sandboxes")
     }
 
+    /// Where the Docker provider makes each container's exec directory
+    /// (`DockerConfig::exec_dir`).
+    pub fn docker_exec_dir(&self) -> PathBuf {
+        self.dir.join("docker-exec")
+    }
+
     /// Where this binary is linked under the helpers' names
     /// (`crate::helpers`).
     pub fn helpers(&self) -> PathBuf {

@@ -199,8 +199,8 @@ async fn docker_provider(
 
 /// The Docker provider's configuration for this home: the default image
 /// (`image`, else `harness/debian:bookworm`, made here on first use with no
-/// registry needed, saying what it does: it takes a minute) and the gate
-/// (`crate::helpers`).
+/// registry needed, saying what it does: it takes a minute), the gate
+/// (`crate::helpers`), and the containers' exec directories.
 #[cfg(feature = "docker")]
 pub fn docker_config(home: &Home, image: Option<&str>) -> Result<harness::docker::DockerConfig> {
     let mut config = harness::docker::DockerConfig::default();
@@ -209,6 +209,9 @@ pub fn docker_config(home: &Home, image: Option<&str>) -> Result<harness::docker
     }
     config.gate = Some(crate::helpers::path(home, Helper::Gate)?);
     config.make_default_image = Some(crate::image::make_image(home));
+    // Commands through the exec server in each container, not the
+    // engine's exec API (docs/sandbox-docker.md).
+    config.exec_dir = Some(home.docker_exec_dir());
     Ok(config)
 }
 

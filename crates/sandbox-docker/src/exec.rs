@@ -1,6 +1,7 @@
 //! Commands through Docker's exec API, with streamed output, streamed stdin,
 //! and process-group kills for abort and timeout.
 
+use std::future::Future;
 use std::time::Duration;
 
 use bollard::container::LogOutput;
@@ -159,7 +160,7 @@ async fn flush_into(
 /// each an item of its own; a write per item costs the engine a frame
 /// each), nothing waits for more than is ready. A failing source is sent
 /// on `stdin_err_tx` and `input` kept open (no EOF) until the group is killed.
-async fn pump_stdin(
+pub(crate) async fn pump_stdin(
     source: ByteStream,
     mut input: impl tokio::io::AsyncWrite + Unpin,
     stdin_err_tx: mpsc::Sender<Error>,
@@ -197,9 +198,152 @@ async fn pump_stdin(
     let _ = input.shutdown().await;
 }
 
-/// Start a command and return its events. The command runs in its own
-/// process group; abort, timeout, a failing stdin source, or dropping the
-/// returned stream kill the whole group.
+/// One way of running a command, driven by [`drive`]: the engine's exec
+/// ([`start`]) or the exec server in the container (`exec_server`).
+pub(crate) trait Running: Send + 'static {
+    /// The command's next output, or its exit; `None` when its output
+    /// ended without one. Cancel-safe: [`drive`] races it against the
+    /// deadline and the abort.
+    fn next(&mut self) -> impl Future<Output = Option<Result<ExecEvent>>> + Send;
+    /// The exit, asked once the output ended without one.
+    fn exit(&mut self) -> impl Future<Output = Result<ExitStatus>> + Send;
+    /// Kill the command's process group.
+    fn kill(&mut self) -> impl Future<Output = Result<()>> + Send;
+}
+
+/// The command's events, from a task that drives `running`: its output as
+/// it comes, then its exit. Abort, timeout, a failing stdin source (told on
+/// `stdin_err`), or dropping the returned stream kill the whole group.
+pub(crate) fn drive<R: Running>(
+    mut running: R,
+    timeout: Option<Duration>,
+    abort: Option<AbortSignal>,
+    mut stdin_err: mpsc::Receiver<Error>,
+) -> ExecStream {
+    let (tx, rx) = mpsc::channel::<Result<ExecEvent>>(16);
+    tokio::spawn(async move {
+        let deadline = async {
+            match timeout {
+                Some(t) => tokio::time::sleep(t).await,
+                None => futures::future::pending().await,
+            }
+        };
+        let aborted = async {
+            match &abort {
+                Some(a) => a.aborted().await,
+                None => futures::future::pending().await,
+            }
+        };
+        tokio::pin!(deadline, aborted);
+        let mut stdin_open = true;
+        let stop = loop {
+            tokio::select! {
+                item = running.next() => match item {
+                    Some(Ok(ExecEvent::Exit(status))) => {
+                        let _ = tx.send(Ok(ExecEvent::Exit(status))).await;
+                        return;
+                    }
+                    Some(Ok(event)) => {
+                        if tx.send(Ok(event)).await.is_err() {
+                            break Some(Stop::Dropped);
+                        }
+                    }
+                    Some(Err(e)) => {
+                        let _ = tx.send(Err(e)).await;
+                        break Some(Stop::Dropped);
+                    }
+                    None => break None,
+                },
+                () = &mut deadline => break Some(Stop::TimedOut),
+                () = &mut aborted => break Some(Stop::Aborted),
+                err = stdin_err.recv(), if stdin_open => match err {
+                    Some(e) => break Some(Stop::StdinFailed(e)),
+                    None => stdin_open = false,
+                },
+                () = tx.closed() => break Some(Stop::Dropped),
+            }
+        };
+        let Some(stop) = stop else {
+            let _ = tx.send(running.exit().await.map(ExecEvent::Exit)).await;
+            return;
+        };
+        let killed = running.kill().await;
+        let reason = match stop {
+            Stop::Aborted => ExitReason::Aborted,
+            Stop::TimedOut => ExitReason::TimedOut,
+            Stop::StdinFailed(e) => {
+                let _ = tx.send(Err(e)).await;
+                return;
+            }
+            Stop::Dropped => return,
+        };
+        if let Err(e) = killed {
+            let _ = tx.send(Err(e)).await;
+            return;
+        }
+        // Forward what the group printed before it died, but do not wait
+        // on a straggler that escaped the group and holds the pipe.
+        let drain = async {
+            while let Some(Ok(event)) = running.next().await {
+                if matches!(event, ExecEvent::Exit(_)) || tx.send(Ok(event)).await.is_err() {
+                    return;
+                }
+            }
+        };
+        let _ = tokio::time::timeout(DRAIN_AFTER_KILL, drain).await;
+        let _ = tx
+            .send(Ok(ExecEvent::Exit(ExitStatus {
+                code: None,
+                signal: Some(9),
+                reason,
+            })))
+            .await;
+    });
+    Box::pin(futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    }))
+}
+
+/// A command run by the engine's exec API.
+struct EngineExec {
+    docker: Docker,
+    container: String,
+    exec_id: String,
+    pidfile: String,
+    output: std::pin::Pin<
+        Box<
+            dyn futures::Stream<Item = std::result::Result<LogOutput, bollard::errors::Error>>
+                + Send,
+        >,
+    >,
+}
+
+impl Running for EngineExec {
+    async fn next(&mut self) -> Option<Result<ExecEvent>> {
+        loop {
+            return match self.output.next().await? {
+                Ok(LogOutput::StdOut { message } | LogOutput::Console { message }) => {
+                    Some(Ok(ExecEvent::Stdout(message)))
+                }
+                Ok(LogOutput::StdErr { message }) => Some(Ok(ExecEvent::Stderr(message))),
+                Ok(LogOutput::StdIn { .. }) => continue,
+                Err(e) => Some(Err(docker_err("reading exec output", e))),
+            };
+        }
+    }
+
+    async fn exit(&mut self) -> Result<ExitStatus> {
+        let code = exit_code(&self.docker, &self.exec_id).await?;
+        Ok(ExitStatus::exited(i32::try_from(code).unwrap_or(i32::MAX)))
+    }
+
+    async fn kill(&mut self) -> Result<()> {
+        kill_group(&self.docker, &self.container, &self.pidfile).await
+    }
+}
+
+/// Start a command through the engine's exec API and return its events
+/// ([`drive`]). The command runs in its own process group.
 pub(crate) async fn start(docker: &Docker, container: &str, plan: ExecPlan) -> Result<ExecStream> {
     let pidfile = format!("/tmp/.harness-exec-{}.pid", uuid::Uuid::new_v4().simple());
     let created = docker
@@ -221,112 +365,22 @@ pub(crate) async fn start(docker: &Docker, container: &str, plan: ExecPlan) -> R
         .start_exec(&created.id, None)
         .await
         .map_err(|e| docker_err("starting an exec", e))?;
-    let StartExecResults::Attached { mut output, input } = started else {
+    let StartExecResults::Attached { output, input } = started else {
         return Err(Error::backend("docker started the exec detached"));
     };
-
-    let (stdin_err_tx, mut stdin_err_rx) = mpsc::channel::<Error>(1);
+    let (stdin_err_tx, stdin_err_rx) = mpsc::channel::<Error>(1);
     if let Some(source) = plan.stdin {
         tokio::spawn(pump_stdin(source, input, stdin_err_tx));
     } else {
         drop(stdin_err_tx);
         drop(input);
     }
-
-    let (tx, rx) = mpsc::channel::<Result<ExecEvent>>(16);
-    let docker = docker.clone();
-    let container = container.to_string();
-    let exec_id = created.id;
-    let abort = plan.abort;
-    let timeout = plan.timeout;
-    tokio::spawn(async move {
-        let deadline = async {
-            match timeout {
-                Some(t) => tokio::time::sleep(t).await,
-                None => futures::future::pending().await,
-            }
-        };
-        let aborted = async {
-            match &abort {
-                Some(a) => a.aborted().await,
-                None => futures::future::pending().await,
-            }
-        };
-        tokio::pin!(deadline, aborted);
-        let mut stdin_open = true;
-        let stop = loop {
-            tokio::select! {
-                item = output.next() => match item {
-                    Some(Ok(log)) => {
-                        let event = match log {
-                            LogOutput::StdOut { message } | LogOutput::Console { message } => ExecEvent::Stdout(message),
-                            LogOutput::StdErr { message } => ExecEvent::Stderr(message),
-                            LogOutput::StdIn { .. } => continue,
-                        };
-                        if tx.send(Ok(event)).await.is_err() {
-                            break Some(Stop::Dropped);
-                        }
-                    }
-                    Some(Err(e)) => {
-                        let _ = tx.send(Err(docker_err("reading exec output", e))).await;
-                        break Some(Stop::Dropped);
-                    }
-                    None => break None,
-                },
-                () = &mut deadline => break Some(Stop::TimedOut),
-                () = &mut aborted => break Some(Stop::Aborted),
-                err = stdin_err_rx.recv(), if stdin_open => match err {
-                    Some(e) => break Some(Stop::StdinFailed(e)),
-                    None => stdin_open = false,
-                },
-                () = tx.closed() => break Some(Stop::Dropped),
-            }
-        };
-        let Some(stop) = stop else {
-            let result = exit_code(&docker, &exec_id).await.map(|code| {
-                ExecEvent::Exit(ExitStatus::exited(i32::try_from(code).unwrap_or(i32::MAX)))
-            });
-            let _ = tx.send(result).await;
-            return;
-        };
-        let killed = kill_group(&docker, &container, &pidfile).await;
-        let reason = match stop {
-            Stop::Aborted => ExitReason::Aborted,
-            Stop::TimedOut => ExitReason::TimedOut,
-            Stop::StdinFailed(e) => {
-                let _ = tx.send(Err(e)).await;
-                return;
-            }
-            Stop::Dropped => return,
-        };
-        if let Err(e) = killed {
-            let _ = tx.send(Err(e)).await;
-            return;
-        }
-        // Forward what the group printed before it died, but do not wait
-        // on a straggler that escaped the group and holds the pipe.
-        let drain = async {
-            while let Some(Ok(log)) = output.next().await {
-                let event = match log {
-                    LogOutput::StdOut { message } => ExecEvent::Stdout(message),
-                    LogOutput::StdErr { message } => ExecEvent::Stderr(message),
-                    _ => continue,
-                };
-                if tx.send(Ok(event)).await.is_err() {
-                    return;
-                }
-            }
-        };
-        let _ = tokio::time::timeout(DRAIN_AFTER_KILL, drain).await;
-        let _ = tx
-            .send(Ok(ExecEvent::Exit(ExitStatus {
-                code: None,
-                signal: Some(9),
-                reason,
-            })))
-            .await;
-    });
-    Ok(Box::pin(futures::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|item| (item, rx))
-    })))
+    let running = EngineExec {
+        docker: docker.clone(),
+        container: container.to_string(),
+        exec_id: created.id,
+        pidfile,
+        output,
+    };
+    Ok(drive(running, plan.timeout, plan.abort, stdin_err_rx))
 }

@@ -164,7 +164,7 @@ pub(crate) fn unlink(session_dir: &Path, pool_dir: &Path) -> io::Result<()> {
 /// gone: `(name, recorded container id)`, the id `None` for a directory
 /// that never got one (its fill died between the directories and the
 /// container) and is older than a minute.
-pub(crate) fn candidates(root: &Path) -> Vec<(String, Option<String>)> {
+pub(crate) fn candidates(root: &Path, prefix: &str) -> Vec<(String, Option<String>)> {
     let Ok(entries) = std::fs::read_dir(root) else {
         return Vec::new();
     };
@@ -172,7 +172,7 @@ pub(crate) fn candidates(root: &Path) -> Vec<(String, Option<String>)> {
         .flatten()
         .filter_map(|e| {
             let name = e.file_name().to_string_lossy().into_owned();
-            if !name.starts_with(crate::pool::POOL_NAME_PREFIX) {
+            if !name.starts_with(prefix) {
                 return None;
             }
             match std::fs::read_to_string(e.path().join(CONTAINER_FILE)) {
@@ -191,12 +191,14 @@ pub(crate) fn candidates(root: &Path) -> Vec<(String, Option<String>)> {
         .collect()
 }
 
-/// Remove the directories under `root` of pooled containers that no longer
+/// Remove the directories under `root` named `<prefix>…` (pooled
+/// containers': [`crate::pool::POOL_NAME_PREFIX`]; exec directories:
+/// [`crate::exec_server::NAME_PREFIX`]) of containers that no longer
 /// exist (a taken container's directories stay while it does: its
 /// session's sockets are in them). Returns how many went.
-pub(crate) async fn sweep(docker: &bollard::Docker, root: &Path) -> usize {
+pub(crate) async fn sweep(docker: &bollard::Docker, root: &Path, prefix: &str) -> usize {
     let mut removed = 0;
-    for (name, id) in candidates(root) {
+    for (name, id) in candidates(root, prefix) {
         let probe = id.as_deref().unwrap_or(&name);
         let gone = matches!(
             docker.inspect_container(probe, None).await,
@@ -294,7 +296,7 @@ mod tests {
         make(tmp.path(), "harness-pool.a-2", 1).unwrap();
         std::fs::create_dir(tmp.path().join("other")).unwrap();
         assert_eq!(
-            candidates(tmp.path()),
+            candidates(tmp.path(), crate::pool::POOL_NAME_PREFIX),
             vec![("harness-pool.a-1".to_string(), Some("abc".to_string()))]
         );
     }

@@ -36,6 +36,7 @@
 pub mod base_image;
 mod bootstrap;
 mod exec;
+mod exec_server;
 mod forward_dirs;
 mod host_import;
 mod pool;
@@ -43,7 +44,7 @@ mod snapshot;
 mod tarfile;
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -76,6 +77,19 @@ pub const PROVIDER_NAME: &str = "docker";
 /// (so `stop` takes milliseconds, not the 10 s kill grace) and otherwise
 /// sleeps forever.
 const INIT_SCRIPT: &str = "trap 'exit 0' TERM; while :; do sleep 3600 & wait; done";
+
+/// The init of a container with an exec directory: it starts the gate's
+/// exec server there first (`exec_server`; a gate that cannot run in the
+/// image leaves the commands to the engine's exec), then idles as
+/// [`INIT_SCRIPT`] does.
+fn init_with_exec_server() -> String {
+    format!(
+        "{GATE_IN_CONTAINER} --exec-server {} >/dev/null 2>&1; {INIT_SCRIPT}",
+        exec_server::socket_in_container()
+    )
+}
+
+pub use exec_server::DIR_IN_CONTAINER as EXEC_DIR_IN_CONTAINER;
 
 /// Contents up to this size are written with one archive upload; larger
 /// (or unknown-length) ones stream through an exec's stdin.
@@ -173,6 +187,17 @@ pub struct DockerConfig {
     /// from the host"); else, and when `false`, GNU tar in the container
     /// extracts them through an exec. Default `true`.
     pub host_imports: bool,
+    /// Set, every session container gets an exec directory of its own
+    /// here (`<dir>/exec-<id>/dir`, mounted at [`EXEC_DIR_IN_CONTAINER`]),
+    /// the gate is mounted, and the container's init starts the gate's
+    /// exec server in that directory: commands then go over one Unix
+    /// connection each instead of the engine's exec API (about 1 ms
+    /// against 60–70 ms; `docs/sandbox-docker.md`, "Commands through the
+    /// exec server"), falling back to the engine's exec whenever the
+    /// server cannot be reached. It must be on this host, where the engine
+    /// can mount it. `None` (the default): every command through the
+    /// engine's exec.
+    pub exec_dir: Option<PathBuf>,
 }
 
 /// How to make the default image ([`DockerConfig::make_default_image`]).
@@ -229,8 +254,18 @@ impl Default for DockerConfig {
             pool_refill_delay: Duration::from_secs(1),
             pool_forward_dir: None,
             host_imports: true,
+            exec_dir: None,
         }
     }
+}
+
+/// What a new container gets besides its image, spec and binds.
+#[derive(Debug, Default, Clone, Copy)]
+struct RunAs<'a> {
+    /// Pooled: its name and the labels marking it as the pool's.
+    pooled: Option<(&'a str, &'a [(String, String)])>,
+    /// Its exec directory on the host (`exec_server`).
+    exec_dir: Option<&'a Path>,
 }
 
 /// Creates and resumes Docker sandboxes.
@@ -461,7 +496,7 @@ impl DockerProvider {
         workdir: Option<&str>,
         extra_binds: &[String],
     ) -> Result<String> {
-        self.run_container_as(image, spec, role, workdir, extra_binds, None)
+        self.run_container_as(image, spec, role, workdir, extra_binds, RunAs::default())
             .await
     }
 
@@ -501,6 +536,18 @@ impl DockerProvider {
                 ))
             }
         };
+        let exec = match (&self.config.exec_dir, plan.exec_server) {
+            (Some(exec_root), true) => match self.make_exec_dir(exec_root) {
+                Ok(made) => Some((exec_root, made)),
+                Err(e) => {
+                    if let Some(root) = root {
+                        forward_dirs::remove(root, name);
+                    }
+                    return Err(e);
+                }
+            },
+            _ => None,
+        };
         let made = self
             .run_container_as(
                 &plan.image,
@@ -508,9 +555,22 @@ impl DockerProvider {
                 "session",
                 Some(&plan.spec.workdir),
                 &binds,
-                Some((name, marks)),
+                RunAs {
+                    pooled: Some((name, marks)),
+                    exec_dir: exec.as_ref().map(|(_, (_, dir))| dir.as_path()),
+                },
             )
             .await;
+        let made = match (made, &exec) {
+            (Ok(id), Some((exec_root, (exec_name, _)))) => {
+                self.record_exec_dir(exec_root, exec_name, id).await
+            }
+            (Err(e), Some((exec_root, (exec_name, _)))) => {
+                forward_dirs::remove(exec_root, exec_name);
+                Err(e)
+            }
+            (made, None) => made,
+        };
         let id = match (made, root) {
             (Ok(id), None) => id,
             (Ok(id), Some(root)) => match forward_dirs::record_container(root, name, &id) {
@@ -536,14 +596,44 @@ impl DockerProvider {
                 if let Some(root) = &self.config.pool_forward_dir {
                     forward_dirs::remove(root, name);
                 }
+                if let Some((exec_root, (exec_name, _))) = &exec {
+                    forward_dirs::remove(exec_root, exec_name);
+                }
                 return Err(e);
             }
         }
         Ok(id)
     }
 
+    /// A new container's exec directory under `root`
+    /// (`exec_server::make_dir`): its name and the directory to mount.
+    fn make_exec_dir(&self, root: &Path) -> Result<(String, PathBuf)> {
+        exec_server::make_dir(root).map_err(|e| {
+            Error::backend(format!(
+                "making an exec directory in {}: {e}",
+                root.display()
+            ))
+        })
+    }
+
+    /// Record container `id` as the owner of exec directory `name` (what
+    /// the sweep of leftovers checks); when that fails, the container and
+    /// the directory go.
+    async fn record_exec_dir(&self, root: &Path, name: &str, id: String) -> Result<String> {
+        match forward_dirs::record_container(root, name, &id) {
+            Ok(()) => Ok(id),
+            Err(e) => {
+                let _ = self.remove(&id).await;
+                forward_dirs::remove(root, name);
+                Err(Error::backend(format!(
+                    "recording container {id}'s exec directory {name}: {e}"
+                )))
+            }
+        }
+    }
+
     /// [`run_container`](Self::run_container), optionally as a pooled
-    /// container (its name and extra labels).
+    /// container (its name and extra labels) and with an exec directory.
     async fn run_container_as(
         &self,
         image: &str,
@@ -551,9 +641,18 @@ impl DockerProvider {
         role: &str,
         workdir: Option<&str>,
         extra_binds: &[String],
-        pooled: Option<(&str, &[(String, String)])>,
+        run_as: RunAs<'_>,
     ) -> Result<String> {
+        let RunAs { pooled, exec_dir } = run_as;
         let mut last_err = None;
+        let mut extra_binds = extra_binds.to_vec();
+        if let Some(dir) = exec_dir {
+            extra_binds.push(format!("{}:{EXEC_DIR_IN_CONTAINER}:rw", dir.display()));
+        }
+        let init = match exec_dir {
+            Some(_) => init_with_exec_server(),
+            None => INIT_SCRIPT.to_string(),
+        };
         // Host ports are chosen here and can be taken by someone else before
         // dockerd binds them: retry with fresh ones on that conflict.
         for _ in 0..5 {
@@ -603,7 +702,7 @@ impl DockerProvider {
                 entrypoint: Some(vec![
                     "/bin/sh".into(),
                     "-c".into(),
-                    INIT_SCRIPT.into(),
+                    init.clone(),
                     "harness-init".into(),
                 ]),
                 cmd: Some(vec![]),
@@ -614,6 +713,10 @@ impl DockerProvider {
                     let mut labels = self.base_labels(spec, role);
                     for (k, v) in pooled.map(|p| p.1).unwrap_or_default() {
                         labels.insert(k.clone(), v.clone());
+                    }
+                    if let Some(dir) = exec_dir {
+                        // How a session that takes a pooled container finds it.
+                        labels.insert(self.label("exec-dir"), dir.display().to_string());
                     }
                     labels
                 }),
@@ -687,7 +790,7 @@ impl DockerProvider {
         id: &str,
         spec: &SandboxSpec,
         session_dirs: &[String],
-    ) -> Result<Vec<(PathBuf, PathBuf)>> {
+    ) -> Result<(Vec<(PathBuf, PathBuf)>, Option<String>)> {
         let info = self
             .docker
             .inspect_container(id, None)
@@ -698,6 +801,12 @@ impl DockerProvider {
                 "pooled container {id} is not running"
             )));
         }
+        let exec_dir = info
+            .config
+            .as_ref()
+            .and_then(|c| c.labels.as_ref())
+            .and_then(|labels| labels.get(&self.label("exec-dir")))
+            .cloned();
         let mut linked: Vec<(PathBuf, PathBuf)> = Vec::new();
         if !session_dirs.is_empty() {
             let root = self.config.pool_forward_dir.as_ref().ok_or_else(|| {
@@ -739,7 +848,7 @@ impl DockerProvider {
             undo_links(&linked);
             return Err(e);
         }
-        Ok(linked)
+        Ok((linked, exec_dir))
     }
 
     /// Inspect `id`, starting it when it is not running.
@@ -775,7 +884,12 @@ impl DockerProvider {
             .and_then(|e| serde_json::from_value::<BTreeMap<String, String>>(e.clone()).ok())
             .unwrap_or_default();
         let forwards = forwards_in(&data);
+        let exec_dir = data
+            .get("exec_dir")
+            .and_then(|d| d.as_str())
+            .map(PathBuf::from);
         DockerSandbox {
+            exec_dir,
             docker: self.docker.clone(),
             id,
             workdir,
@@ -952,10 +1066,17 @@ impl SandboxProvider for DockerProvider {
             self.ensure_default_image().await?;
         }
         let mut extra_binds = Vec::new();
-        if !mounts.is_empty() {
-            let gate = self.gate()?;
+        // Forwards need the gate; the exec server wants it (without one,
+        // commands go through the engine's exec).
+        let gate = match (mounts.is_empty(), &self.config.exec_dir) {
+            (false, _) => Some(self.gate()?),
+            (true, Some(_)) => self.gate().ok(),
+            (true, None) => None,
+        };
+        if let Some(gate) = &gate {
             extra_binds.push(format!("{}:{GATE_IN_CONTAINER}:ro", gate.display()));
         }
+        let exec_server = gate.is_some() && self.config.exec_dir.is_some();
         // The gate alone: what a container pooled for any session mounts
         // besides its own forward directories.
         let gate_binds = extra_binds.clone();
@@ -1004,6 +1125,7 @@ impl SandboxProvider for DockerProvider {
                     extra_binds: extra_binds.clone(),
                     check_gate: !mounts.is_empty(),
                     forward_dirs: 0,
+                    exec_server,
                 };
                 if for_any_session {
                     plan.spec.session_id = None;
@@ -1023,7 +1145,10 @@ impl SandboxProvider for DockerProvider {
         if let Some((pool, key, plan)) = &pooled {
             while let Some(id) = pool.take(key) {
                 match self.adopt(&id, spec, &session_dirs).await {
-                    Ok(linked) => {
+                    Ok((linked, exec_dir)) => {
+                        if let Some(dir) = exec_dir {
+                            data["exec_dir"] = json!(dir);
+                        }
                         pool.refill(self, key, Arc::new(plan.clone()));
                         data["image"] = json!(plan.image);
                         if let Some(home) = self.image_home(&plan.image, spec).await {
@@ -1050,9 +1175,34 @@ impl SandboxProvider for DockerProvider {
             }
             None => (base.clone(), None),
         };
-        let id = self
-            .run_container(&image, spec, "session", Some(&spec.workdir), &extra_binds)
-            .await?;
+        let exec = match (&self.config.exec_dir, exec_server) {
+            (Some(root), true) => Some((root, self.make_exec_dir(root)?)),
+            _ => None,
+        };
+        let made = self
+            .run_container_as(
+                &image,
+                spec,
+                "session",
+                Some(&spec.workdir),
+                &extra_binds,
+                RunAs {
+                    pooled: None,
+                    exec_dir: exec.as_ref().map(|(_, (_, dir))| dir.as_path()),
+                },
+            )
+            .await;
+        let id = match (made, &exec) {
+            (Ok(id), Some((root, (name, dir)))) => {
+                data["exec_dir"] = json!(dir);
+                self.record_exec_dir(root, name, id).await?
+            }
+            (Err(e), Some((root, (name, _)))) => {
+                forward_dirs::remove(root, name);
+                return Err(e);
+            }
+            (made, None) => made?,
+        };
         // The container now pins the snapshot; prune may proceed.
         drop(snapshot_lock);
         data["image"] = json!(image);
@@ -1062,6 +1212,9 @@ impl SandboxProvider for DockerProvider {
         if !mounts.is_empty() {
             if let Err(e) = self.check_gate(&id, &image).await {
                 let _ = self.remove(&id).await;
+                if let Some((root, (name, _))) = &exec {
+                    forward_dirs::remove(root, name);
+                }
                 return Err(e);
             }
         }
@@ -1122,6 +1275,9 @@ pub struct DockerSandbox {
     label_prefix: String,
     /// [`DockerConfig::host_imports`].
     host_imports: bool,
+    /// The host directory of the container's exec server's socket, when
+    /// it has one ([`DockerConfig::exec_dir`]).
+    exec_dir: Option<PathBuf>,
 }
 
 impl DockerSandbox {
@@ -1132,6 +1288,21 @@ impl DockerSandbox {
 
     async fn run(&self, request: ExecRequest) -> Result<harness_core::sandbox::ExecOutput> {
         collect_exec(self.exec(request).await?).await
+    }
+
+    /// Start `plan` through the container's exec server when it can be
+    /// reached, else through the engine's exec.
+    async fn start(&self, plan: exec::ExecPlan) -> Result<ExecStream> {
+        if let Some(dir) = &self.exec_dir {
+            match exec_server::connect(dir).await {
+                Ok(conn) => return exec_server::start(conn, plan).await,
+                Err(e) => tracing::debug!(
+                    "the exec server in {} cannot be reached ({e}); the engine's exec runs the command",
+                    dir.display()
+                ),
+            }
+        }
+        exec::start(&self.docker, &self.id, plan).await
     }
 
     async fn mkdir(&self, dir: &str) -> Result<()> {
@@ -1178,7 +1349,7 @@ impl DockerSandbox {
             timeout: None,
             abort: None,
         };
-        let result = match exec::start(&self.docker, &self.id, plan).await {
+        let result = match self.start(plan).await {
             Ok(stream) => collect_exec(stream).await,
             Err(e) => Err(e),
         };
@@ -1318,7 +1489,7 @@ impl Sandbox for DockerSandbox {
             timeout: request.timeout,
             abort: request.abort,
         };
-        exec::start(&self.docker, &self.id, plan).await
+        self.start(plan).await
     }
 
     async fn poll_detached(
@@ -1433,7 +1604,7 @@ impl Sandbox for DockerSandbox {
             timeout: None,
             abort: None,
         };
-        let out = collect_exec(exec::start(&self.docker, &self.id, plan).await?).await?;
+        let out = collect_exec(self.start(plan).await?).await?;
         if out.status.success() {
             return Ok(());
         }
@@ -1536,6 +1707,10 @@ impl Sandbox for DockerSandbox {
         }
         if let Some(dir) = linked.first().and_then(|(_, p)| p.parent()) {
             let _ = std::fs::remove_dir_all(dir);
+        }
+        // `<root>/exec-<id>/dir`: the whole `exec-<id>`.
+        if let Some(outer) = self.exec_dir.as_deref().and_then(Path::parent) {
+            let _ = std::fs::remove_dir_all(outer);
         }
         Ok(())
     }

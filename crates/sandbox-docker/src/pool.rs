@@ -47,6 +47,9 @@ pub(crate) struct Plan {
     /// shape pooled for any session (`forward_dirs`); 0 otherwise (the
     /// spec's own directories are in `extra_binds`).
     pub forward_dirs: usize,
+    /// Whether each container gets an exec directory and its init starts
+    /// the exec server in it (`exec_server`).
+    pub exec_server: bool,
 }
 
 #[derive(Debug)]
@@ -267,7 +270,7 @@ impl Pool {
             removed += 1;
         }
         if let Some(root) = &self.forward_root {
-            crate::forward_dirs::sweep(&self.docker, root).await;
+            crate::forward_dirs::sweep(&self.docker, root, POOL_NAME_PREFIX).await;
         }
         Ok(removed)
     }
@@ -315,7 +318,7 @@ impl Drop for Pool {
                     let _ = crate::remove_container(&docker, &id).await;
                 }
                 if let Some(root) = forward_root {
-                    crate::forward_dirs::sweep(&docker, &root).await;
+                    crate::forward_dirs::sweep(&docker, &root, POOL_NAME_PREFIX).await;
                 }
             };
             // A hung engine must not hang the drop for ever.
@@ -518,7 +521,11 @@ pub(crate) async fn reap(provider: &DockerProvider, label: &str) -> Result<usize
         }
     }
     if let Some(root) = &provider.config().pool_forward_dir {
-        crate::forward_dirs::sweep(provider.client(), root).await;
+        crate::forward_dirs::sweep(provider.client(), root, POOL_NAME_PREFIX).await;
+    }
+    if let Some(root) = &provider.config().exec_dir {
+        let prefix = crate::exec_server::NAME_PREFIX;
+        crate::forward_dirs::sweep(provider.client(), root, prefix).await;
     }
     Ok(removed)
 }

@@ -21,8 +21,13 @@ async fn docker_passes_the_sandbox_conformance_suite() {
     let Some(gate) = harness_testkit::gate_binary() else {
         return;
     };
+    // Commands through the exec server, as `harness serve` runs them (the
+    // engine's exec, its fallback, is what the rest of this crate's tests
+    // use).
+    let exec_root = tempfile::tempdir().unwrap();
     let Some(provider) = common::provider_with(DockerConfig {
         gate: Some(gate),
+        exec_dir: Some(exec_root.path().to_path_buf()),
         ..DockerConfig::default()
     })
     .await

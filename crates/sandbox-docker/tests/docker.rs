@@ -885,3 +885,140 @@ async fn the_home_hint_is_the_home_commands_see() {
         sandbox.destroy().await.unwrap();
     }
 }
+
+/// How many execs the engine created in container `id` between `since`
+/// (unix seconds) and now: each command that went through the engine's
+/// exec API is one.
+async fn engine_execs(provider: &sandbox_docker::DockerProvider, id: &str, since: u64) -> usize {
+    use bollard::query_parameters::EventsOptionsBuilder;
+    let until = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 1;
+    let filters =
+        std::collections::HashMap::from([("container", vec![id]), ("type", vec!["container"])]);
+    let options = EventsOptionsBuilder::new()
+        .since(&since.to_string())
+        .until(&until.to_string())
+        .filters(&filters)
+        .build();
+    let events: Vec<_> = provider.client().events(Some(options)).collect().await;
+    events
+        .into_iter()
+        .filter_map(Result::ok)
+        .filter(|e| {
+            e.action
+                .as_deref()
+                .is_some_and(|a| a.starts_with("exec_create"))
+        })
+        .count()
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
+/// With an exec directory, commands go through the exec server in the
+/// container — the engine creates no exec for them — and keep working
+/// through the engine's exec when the server cannot be reached: a socket
+/// swapped for a link to a host socket (never followed: the host socket
+/// sees no connection), a server killed.
+#[tokio::test]
+async fn commands_go_through_the_exec_server_and_fall_back_to_the_engines_exec() {
+    let Some(gate) = harness_testkit::gate_binary() else {
+        return;
+    };
+    let exec_root = tempfile::tempdir().unwrap();
+    let Some(provider) = provider_with(DockerConfig {
+        gate: Some(gate),
+        exec_dir: Some(exec_root.path().to_path_buf()),
+        ..DockerConfig::default()
+    })
+    .await
+    else {
+        return;
+    };
+    let sandbox = provider.create(&spec()).await.unwrap();
+    let id = sandbox.handle().id.clone();
+    let _cleanup = Cleanup(Some(id.clone()));
+    let exec_dir = std::path::PathBuf::from(
+        sandbox.handle().data["exec_dir"]
+            .as_str()
+            .expect("the handle names the exec directory"),
+    );
+    assert!(exec_dir.starts_with(exec_root.path()));
+
+    // The server binds as the container starts: wait for its socket.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !exec_dir.join("sock").exists() {
+        assert!(
+            Instant::now() < deadline,
+            "no exec server socket in {}",
+            exec_dir.display()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let since = unix_now();
+    for i in 0..5 {
+        let out = sh_ok(
+            sandbox.as_ref(),
+            &format!("echo run {i}; echo \"$HOME\" >&2"),
+        )
+        .await;
+        assert_eq!(out, format!("run {i}\n"));
+    }
+    let streamed = collect(sandbox.read_file("/etc/hostname").await.unwrap(), 1 << 20)
+        .await
+        .unwrap();
+    assert!(!streamed.is_empty());
+    assert_eq!(
+        engine_execs(&provider, &id, since).await,
+        0,
+        "commands went through the engine's exec although the server was there"
+    );
+
+    // A link to a host socket in the server's place: not followed, and the
+    // command runs through the engine instead.
+    let host_dir = tempfile::tempdir().unwrap();
+    let host_socket = host_dir.path().join("host.sock");
+    let host_listener = std::os::unix::net::UnixListener::bind(&host_socket).unwrap();
+    host_listener.set_nonblocking(true).unwrap();
+    std::fs::rename(exec_dir.join("sock"), exec_dir.join("sock.real")).unwrap();
+    std::os::unix::fs::symlink(&host_socket, exec_dir.join("sock")).unwrap();
+    let since = unix_now();
+    assert_eq!(
+        sh_ok(sandbox.as_ref(), "echo through the engine").await,
+        "through the engine\n"
+    );
+    assert!(
+        host_listener.accept().is_err(),
+        "the host followed the container's link to a host socket"
+    );
+    assert!(engine_execs(&provider, &id, since).await >= 1);
+    std::fs::remove_file(exec_dir.join("sock")).unwrap();
+    std::fs::rename(exec_dir.join("sock.real"), exec_dir.join("sock")).unwrap();
+    assert_eq!(sh_ok(sandbox.as_ref(), "echo back").await, "back\n");
+
+    // A killed server (after the command that kills it has answered):
+    // its socket refuses, the engine runs the command.
+    sh_ok(
+        sandbox.as_ref(),
+        "( sleep 0.3; for p in /proc/[0-9]*; do tr '\\0' ' ' <$p/cmdline 2>/dev/null \\
+           | grep -q -- '--exec-serve' && kill -9 ${p#/proc/}; done ) >/dev/null 2>&1 &",
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let since = unix_now();
+    assert_eq!(sh_ok(sandbox.as_ref(), "echo still").await, "still\n");
+    assert!(engine_execs(&provider, &id, since).await >= 1);
+
+    sandbox.destroy().await.unwrap();
+    assert!(
+        !exec_dir.parent().unwrap().exists(),
+        "destroy left the exec directory"
+    );
+}
