@@ -7,8 +7,8 @@
 //! (`docs/sandbox-docker.md`, "Commands through the exec server").
 //!
 //! It serves while its socket is there: removed or replaced, it exits.
-//! Each command leads its own process group: [`exec_wire::KILL`], or the
-//! host closing the connection before the exit, kills the group.
+//! Each command leads its own process group: the host shutting its side
+//! of the connection down before the exit kills the group.
 
 use std::ffi::{OsStr, OsString};
 use std::io::{BufRead, BufReader, Read, Write};
@@ -228,16 +228,27 @@ fn serve_one(conn: UnixStream) {
                         }
                     }
                     Ok(Some((exec_wire::STDIN_END, _))) => stdin = None,
-                    Ok(Some((exec_wire::KILL, _))) => {
-                        killed.store(true, std::sync::atomic::Ordering::SeqCst);
-                        kill_group(pgid, &killable);
-                    }
                     Ok(Some(_)) => {}
                     Ok(None) | Err(_) => {
                         killed.store(true, std::sync::atomic::Ordering::SeqCst);
                         kill_group(pgid, &killable);
                         return;
                     }
+                }
+            });
+    }
+
+    // The host's end of writing is the kill: watched apart from the reads
+    // above, which may be blocked feeding a command that does not read.
+    if let Ok(watched) = writer.lock().unwrap_or_else(|p| p.into_inner()).try_clone() {
+        let killable = killable.clone();
+        let killed = killed.clone();
+        let _ = std::thread::Builder::new()
+            .stack_size(THREAD_STACK)
+            .spawn(move || {
+                if peer_stops_writing(&watched) {
+                    killed.store(true, std::sync::atomic::Ordering::SeqCst);
+                    kill_group(pgid, &killable);
                 }
             });
     }
@@ -328,4 +339,24 @@ fn spawn(request: &Request) -> Result<Child, (i32, String)> {
         };
         (code, format!("cannot run {}: {e}", program.display()))
     })
+}
+
+/// Block until the peer shuts its writing side down or closes (true), or
+/// the wait fails (false). Reads nothing: another thread reads the frames.
+fn peer_stops_writing(conn: &UnixStream) -> bool {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    use std::os::fd::AsFd;
+    // nix names no POLLRDHUP.
+    let rdhup = PollFlags::from_bits_retain(nix::libc::POLLRDHUP);
+    loop {
+        let mut fds = [PollFd::new(conn.as_fd(), rdhup)];
+        match poll(&mut fds, PollTimeout::NONE) {
+            // Only the hang-ups can wake it: it asks for nothing else (and
+            // `revents` is `None` for the bit nix does not name).
+            Ok(n) if n > 0 => return true,
+            Ok(_) => {}
+            Err(nix::errno::Errno::EINTR) => {}
+            Err(_) => return false,
+        }
+    }
 }

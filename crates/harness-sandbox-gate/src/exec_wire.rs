@@ -5,9 +5,12 @@
 //!
 //! One connection runs one command. Every message is a frame: a tag byte,
 //! the payload's length (`u32`, big-endian), the payload. The host sends a
-//! [`REQUEST`] first, then any number of [`STDIN`] frames, [`STDIN_END`]
-//! when stdin is done, and [`KILL`] to kill the command's process group;
-//! closing the connection kills the group too. The server answers with
+//! [`REQUEST`] first, then any number of [`STDIN`] frames and
+//! [`STDIN_END`] when stdin is done. To kill the command's process group
+//! the host shuts its side of the connection down (or closes it): the
+//! server watches for that apart from reading frames, so a kill gets
+//! through even while the server is blocked feeding stdin to a command
+//! that does not read it. The server answers with
 //! [`STDOUT`] and [`STDERR`] frames as the command writes, and one
 //! [`EXIT`] frame (the exit code, `i32` big-endian; `128 + N` for signal
 //! `N`) after the command has exited and its output has ended.
@@ -22,8 +25,6 @@ pub const REQUEST: u8 = b'q';
 pub const STDIN: u8 = b'i';
 /// Host → server: the command's stdin is closed.
 pub const STDIN_END: u8 = b'e';
-/// Host → server: kill the command's process group (`SIGKILL`).
-pub const KILL: u8 = b'k';
 /// Server → host: bytes the command wrote to stdout.
 pub const STDOUT: u8 = b'o';
 /// Server → host: bytes the command wrote to stderr.

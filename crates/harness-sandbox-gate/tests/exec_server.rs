@@ -1,5 +1,6 @@
 //! The exec server run for real (`--exec-server`): commands over its
-//! socket, with stdout, stderr, stdin, exit codes, kills, and the daemon's
+//! socket, with stdout, stderr, stdin, exit codes, kills (the host's
+//! shutdown of its side), and the daemon's
 //! end when its socket goes.
 
 use std::io::{Read, Write};
@@ -206,10 +207,39 @@ fn a_kill_or_a_dropped_connection_kills_the_whole_group() {
     let server = Server::start();
     let (mut conn, sleeper) = start_group(&server.socket());
     assert!(!gone(sleeper));
-    frame(&mut conn, exec_wire::KILL, &[]);
+    conn.shutdown(std::net::Shutdown::Write).unwrap();
     let out = read_all(&mut conn);
     assert_eq!(out.exit, Some(128 + 9), "{out:?}");
     assert!(wait_gone(sleeper), "the group's sleeper outlived the kill");
+
+    // A command that reads no stdin while the host sends more than the
+    // pipe holds: the server is stuck feeding it, and the kill still gets
+    // through.
+    let mut req = request(&["sleep", "300"]);
+    req.stdin = true;
+    let mut conn = start(&server.socket(), &req);
+    let writer = {
+        let mut conn = conn.try_clone().unwrap();
+        std::thread::spawn(move || {
+            let chunk = vec![0u8; 64 * 1024];
+            // Ends when the connection does (up to 64 MiB).
+            for _ in 0..1024 {
+                if conn
+                    .write_all(&exec_wire::header(exec_wire::STDIN, chunk.len()))
+                    .is_err()
+                    || conn.write_all(&chunk).is_err()
+                {
+                    return;
+                }
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    conn.shutdown(std::net::Shutdown::Write).unwrap();
+    let out = read_all(&mut conn);
+    assert_eq!(out.exit, Some(128 + 9), "{out:?}");
+    drop(conn);
+    writer.join().unwrap();
 
     let (conn, sleeper) = start_group(&server.socket());
     drop(conn);

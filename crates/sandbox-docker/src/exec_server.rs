@@ -98,6 +98,10 @@ pub(crate) async fn start(conn: UnixStream, plan: ExecPlan) -> Result<ExecStream
         cwd: plan.cwd.map(String::into_bytes),
         stdin: plan.stdin.is_some(),
     };
+    // Shutting this down is the kill (`exec_wire`): kept apart from the
+    // write half, which may be blocked behind stdin.
+    let killer = rustix::io::dup(&conn)
+        .map_err(|e| Error::backend(format!("duplicating the exec server's connection: {e}")))?;
     let (read, mut write) = conn.into_split();
     let payload = request.encode();
     if payload.len() > exec_wire::MAX_PAYLOAD {
@@ -114,16 +118,18 @@ pub(crate) async fn start(conn: UnixStream, plan: ExecPlan) -> Result<ExecStream
     tokio::spawn(read_events(read, events_tx));
 
     let (stdin_err_tx, stdin_err_rx) = mpsc::channel::<Error>(1);
-    let (kill_tx, kill_rx) = mpsc::channel::<()>(1);
-    let stdin = plan.stdin.map(|source| {
-        // The stdin pump of the engine's exec, into a pipe this side
-        // frames: one batching rule for both.
-        let (pump_end, frame_end) = tokio::io::duplex(256 * 1024);
-        tokio::spawn(pump_stdin(source, pump_end, stdin_err_tx));
-        frame_end
-    });
-    tokio::spawn(write_frames(write, stdin, kill_rx));
-    let running = ServerExec { events, kill_tx };
+    match plan.stdin {
+        Some(source) => {
+            // The stdin pump of the engine's exec, into a pipe this side
+            // frames: one batching rule for both.
+            let (pump_end, frame_end) = tokio::io::duplex(256 * 1024);
+            tokio::spawn(pump_stdin(source, pump_end, stdin_err_tx));
+            tokio::spawn(write_stdin(write, frame_end));
+        }
+        // Dropped, the write half would shut down: the kill.
+        None => write.forget(),
+    }
+    let running = ServerExec { events, killer };
     Ok(drive(running, plan.timeout, plan.abort, stdin_err_rx))
 }
 
@@ -134,37 +140,23 @@ async fn write_frame(write: &mut OwnedWriteHalf, tag: u8, payload: &[u8]) -> std
     write.write_all(payload).await
 }
 
-/// The host's side of the connection: stdin as it comes (then its end),
-/// and a kill when asked. Ends when the command's driver is gone.
-async fn write_frames(
-    mut write: OwnedWriteHalf,
-    mut stdin: Option<tokio::io::DuplexStream>,
-    mut kill: mpsc::Receiver<()>,
-) {
+/// Stdin as it comes, framed, then its end; the write half is then let
+/// go of without shutting it down (which would be the kill).
+async fn write_stdin(mut write: OwnedWriteHalf, mut stdin: tokio::io::DuplexStream) {
     let mut buf = vec![0u8; 128 * 1024];
     loop {
-        tokio::select! {
-            read = async { stdin.as_mut().expect("guarded").read(&mut buf).await }, if stdin.is_some() => {
-                let sent = match read {
-                    Ok(0) | Err(_) => {
-                        stdin = None;
-                        write_frame(&mut write, exec_wire::STDIN_END, &[]).await
-                    }
-                    Ok(n) => write_frame(&mut write, exec_wire::STDIN, &buf[..n]).await,
-                };
-                if sent.is_err() {
-                    // The server is gone: its reader tells the driver.
-                    return;
-                }
-            }
-            asked = kill.recv() => match asked {
-                Some(()) => {
-                    let _ = write_frame(&mut write, exec_wire::KILL, &[]).await;
-                }
-                None => return,
-            },
+        let sent = match stdin.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => write_frame(&mut write, exec_wire::STDIN, &buf[..n]).await,
+        };
+        if sent.is_err() {
+            // The server is gone: its reader tells the driver.
+            write.forget();
+            return;
         }
     }
+    let _ = write_frame(&mut write, exec_wire::STDIN_END, &[]).await;
+    write.forget();
 }
 
 /// The server's frames as events, until the exit (or the connection's end).
@@ -233,7 +225,8 @@ async fn read_events(mut read: OwnedReadHalf, events: mpsc::Sender<Result<ExecEv
 /// A command run by the exec server.
 struct ServerExec {
     events: mpsc::Receiver<Result<ExecEvent>>,
-    kill_tx: mpsc::Sender<()>,
+    /// The connection, to shut down: the kill.
+    killer: std::os::fd::OwnedFd,
 }
 
 impl Running for ServerExec {
@@ -248,9 +241,9 @@ impl Running for ServerExec {
     }
 
     async fn kill(&mut self) -> Result<()> {
-        // The writer is gone only when the connection broke, and the
-        // server kills the group of a command whose connection ends.
-        let _ = self.kill_tx.send(()).await;
+        // Fails only on a connection already gone, whose end the server
+        // took as the kill too.
+        let _ = rustix::net::shutdown(&self.killer, rustix::net::Shutdown::Write);
         Ok(())
     }
 }
