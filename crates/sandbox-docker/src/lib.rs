@@ -336,7 +336,13 @@ impl DockerProvider {
                 config.pool_size,
                 config.pool_max_shapes,
                 config.pool_refill_delay,
-                config.pool_forward_dir.clone(),
+                [
+                    (config.pool_forward_dir.clone(), pool::POOL_NAME_PREFIX),
+                    (config.exec_dir.clone(), exec_server::NAME_PREFIX),
+                ]
+                .into_iter()
+                .filter_map(|(root, prefix)| Some((root?, prefix)))
+                .collect(),
             ))
         });
         Self {

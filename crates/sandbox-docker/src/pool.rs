@@ -79,8 +79,11 @@ pub(crate) struct Pool {
     /// [`DockerConfig::pool_refill_delay`](crate::DockerConfig::pool_refill_delay).
     refill_delay: Duration,
     label_pool: String,
-    /// [`DockerConfig::pool_forward_dir`](crate::DockerConfig::pool_forward_dir).
-    forward_root: Option<std::path::PathBuf>,
+    /// Directories of containers' own, swept when the pool goes: each
+    /// root with the prefix of its entries' names
+    /// ([`DockerConfig::pool_forward_dir`](crate::DockerConfig::pool_forward_dir),
+    /// [`DockerConfig::exec_dir`](crate::DockerConfig::exec_dir)).
+    swept: Vec<(std::path::PathBuf, &'static str)>,
     docker: Docker,
     state: Mutex<State>,
     changed: tokio::sync::Notify,
@@ -93,7 +96,7 @@ impl Pool {
         size: usize,
         max_shapes: usize,
         refill_delay: Duration,
-        forward_root: Option<std::path::PathBuf>,
+        swept: Vec<(std::path::PathBuf, &'static str)>,
     ) -> Self {
         Self {
             instance: uuid::Uuid::new_v4().simple().to_string()[..12].to_string(),
@@ -102,7 +105,7 @@ impl Pool {
             max_shapes: max_shapes.max(1),
             refill_delay,
             label_pool,
-            forward_root,
+            swept,
             docker,
             state: Mutex::new(State::default()),
             changed: tokio::sync::Notify::new(),
@@ -269,8 +272,8 @@ impl Pool {
             provider.remove(&id).await?;
             removed += 1;
         }
-        if let Some(root) = &self.forward_root {
-            crate::forward_dirs::sweep(&self.docker, root, POOL_NAME_PREFIX).await;
+        for (root, prefix) in &self.swept {
+            crate::forward_dirs::sweep(&self.docker, root, prefix).await;
         }
         Ok(removed)
     }
@@ -295,7 +298,7 @@ impl Drop for Pool {
         let ready = self.close();
         let label = self.label_pool.clone();
         let instance = self.instance.clone();
-        let forward_root = self.forward_root.clone();
+        let swept = self.swept.clone();
         let cleanup = std::thread::spawn(move || {
             let Ok(rt) = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -317,8 +320,8 @@ impl Drop for Pool {
                 for id in ids {
                     let _ = crate::remove_container(&docker, &id).await;
                 }
-                if let Some(root) = forward_root {
-                    crate::forward_dirs::sweep(&docker, &root, POOL_NAME_PREFIX).await;
+                for (root, prefix) in swept {
+                    crate::forward_dirs::sweep(&docker, &root, prefix).await;
                 }
             };
             // A hung engine must not hang the drop for ever.

@@ -886,42 +886,6 @@ async fn the_home_hint_is_the_home_commands_see() {
     }
 }
 
-/// How many execs the engine created in container `id` between `since`
-/// (unix seconds) and now: each command that went through the engine's
-/// exec API is one.
-async fn engine_execs(provider: &sandbox_docker::DockerProvider, id: &str, since: u64) -> usize {
-    use bollard::query_parameters::EventsOptionsBuilder;
-    let until = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs()
-        + 1;
-    let filters =
-        std::collections::HashMap::from([("container", vec![id]), ("type", vec!["container"])]);
-    let options = EventsOptionsBuilder::new()
-        .since(&since.to_string())
-        .until(&until.to_string())
-        .filters(&filters)
-        .build();
-    let events: Vec<_> = provider.client().events(Some(options)).collect().await;
-    events
-        .into_iter()
-        .filter_map(Result::ok)
-        .filter(|e| {
-            e.action
-                .as_deref()
-                .is_some_and(|a| a.starts_with("exec_create"))
-        })
-        .count()
-}
-
-fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs()
-}
-
 /// With an exec directory, commands go through the exec server in the
 /// container — the engine creates no exec for them — and keep working
 /// through the engine's exec when the server cannot be reached: a socket
@@ -962,7 +926,7 @@ async fn commands_go_through_the_exec_server_and_fall_back_to_the_engines_exec()
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let since = unix_now();
+    let since = common::unix_now();
     for i in 0..5 {
         let out = sh_ok(
             sandbox.as_ref(),
@@ -976,7 +940,7 @@ async fn commands_go_through_the_exec_server_and_fall_back_to_the_engines_exec()
         .unwrap();
     assert!(!streamed.is_empty());
     assert_eq!(
-        engine_execs(&provider, &id, since).await,
+        common::engine_execs(&provider, &id, since).await,
         0,
         "commands went through the engine's exec although the server was there"
     );
@@ -989,7 +953,7 @@ async fn commands_go_through_the_exec_server_and_fall_back_to_the_engines_exec()
     host_listener.set_nonblocking(true).unwrap();
     std::fs::rename(exec_dir.join("sock"), exec_dir.join("sock.real")).unwrap();
     std::os::unix::fs::symlink(&host_socket, exec_dir.join("sock")).unwrap();
-    let since = unix_now();
+    let since = common::unix_now();
     assert_eq!(
         sh_ok(sandbox.as_ref(), "echo through the engine").await,
         "through the engine\n"
@@ -998,7 +962,7 @@ async fn commands_go_through_the_exec_server_and_fall_back_to_the_engines_exec()
         host_listener.accept().is_err(),
         "the host followed the container's link to a host socket"
     );
-    assert!(engine_execs(&provider, &id, since).await >= 1);
+    assert!(common::engine_execs(&provider, &id, since).await >= 1);
     std::fs::remove_file(exec_dir.join("sock")).unwrap();
     std::fs::rename(exec_dir.join("sock.real"), exec_dir.join("sock")).unwrap();
     assert_eq!(sh_ok(sandbox.as_ref(), "echo back").await, "back\n");
@@ -1012,9 +976,9 @@ async fn commands_go_through_the_exec_server_and_fall_back_to_the_engines_exec()
     )
     .await;
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let since = unix_now();
+    let since = common::unix_now();
     assert_eq!(sh_ok(sandbox.as_ref(), "echo still").await, "still\n");
-    assert!(engine_execs(&provider, &id, since).await >= 1);
+    assert!(common::engine_execs(&provider, &id, since).await >= 1);
 
     sandbox.destroy().await.unwrap();
     assert!(

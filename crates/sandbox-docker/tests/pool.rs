@@ -564,6 +564,7 @@ async fn sessions_take_containers_pooled_before_them_and_keep_their_sockets() {
         pool_size: 1,
         gate: harness_testkit::gate_binary(),
         pool_forward_dir: Some(pool_root.clone()),
+        exec_dir: Some(tmp.path().join("exec")),
         ..DockerConfig::default()
     })
     .await
@@ -609,6 +610,15 @@ async fn sessions_take_containers_pooled_before_them_and_keep_their_sockets() {
         "b's socket directory now leads into the container's"
     );
     assert_eq!(through_forward(b.as_ref()).await, "b1");
+    // b's commands go through the pooled container's own exec server.
+    let exec_dir_of = |s: &dyn harness_core::sandbox::Sandbox| {
+        s.handle().data["exec_dir"].as_str().map(str::to_string)
+    };
+    assert!(exec_dir_of(b.as_ref()).is_some());
+    assert_ne!(exec_dir_of(a.as_ref()), exec_dir_of(b.as_ref()));
+    let since = common::unix_now();
+    assert_eq!(sh_ok(b.as_ref(), "echo served").await, "served\n");
+    assert_eq!(common::engine_execs(&provider, &b_id, since).await, 0);
     // Both know their `$HOME` without asking, and know it right.
     for sandbox in [&a, &b] {
         let home = sh_ok(sandbox.as_ref(), "printf %s \"$HOME\"").await;
@@ -641,6 +651,12 @@ async fn sessions_take_containers_pooled_before_them_and_keep_their_sockets() {
         .map(|e| e.file_name())
         .collect();
     assert!(left.is_empty(), "pool directories left: {left:?}");
+    let left: Vec<_> = std::fs::read_dir(tmp.path().join("exec"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(left.is_empty(), "exec directories left: {left:?}");
     server_a.abort();
     server_b2.abort();
 }

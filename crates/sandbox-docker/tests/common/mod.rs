@@ -82,3 +82,43 @@ pub async fn bridge_gateway(provider: &DockerProvider) -> Option<std::net::Ipv4A
     // /proc/net/route prints the address in host (little-endian) order.
     Some(std::net::Ipv4Addr::from(raw.swap_bytes()))
 }
+
+/// How many execs the engine created in container `id` between `since`
+/// (unix seconds) and now: each command that went through the engine's
+/// exec API is one.
+pub async fn engine_execs(
+    provider: &sandbox_docker::DockerProvider,
+    id: &str,
+    since: u64,
+) -> usize {
+    use bollard::query_parameters::EventsOptionsBuilder;
+    let until = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 1;
+    let filters =
+        std::collections::HashMap::from([("container", vec![id]), ("type", vec!["container"])]);
+    let options = EventsOptionsBuilder::new()
+        .since(&since.to_string())
+        .until(&until.to_string())
+        .filters(&filters)
+        .build();
+    let events: Vec<_> = futures::StreamExt::collect(provider.client().events(Some(options))).await;
+    events
+        .into_iter()
+        .filter_map(Result::ok)
+        .filter(|e| {
+            e.action
+                .as_deref()
+                .is_some_and(|a| a.starts_with("exec_create"))
+        })
+        .count()
+}
+
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
