@@ -7,9 +7,11 @@
 //! (`docs/sandbox-docker.md`, "Commands through the exec server").
 //!
 //! It serves while its socket is there: removed or replaced, it exits.
-//! Each command leads its own process group: the host shutting its side
-//! of the connection down before the exit kills the group.
+//! Each command leads its own process group, which a kill (a connection
+//! of its own) kills; a command whose host went away runs to its end, as
+//! under the engine's exec.
 
+use std::collections::HashSet;
 use std::ffi::{OsStr, OsString};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
@@ -18,7 +20,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use nix::sys::signal::{killpg, Signal};
@@ -135,15 +137,12 @@ fn send(writer: &Writer, tag: u8, payload: &[u8]) -> bool {
     w.write_all(&exec_wire::header(tag, payload.len())).is_ok() && w.write_all(payload).is_ok()
 }
 
-/// Whether the command may still be killed: false once it has been
-/// reaped, when its pid (and so its group id) may belong to another.
-type Killable = Arc<Mutex<bool>>;
-
-fn kill_group(pgid: Pid, killable: &Killable) {
-    let alive = killable.lock().unwrap_or_else(|p| p.into_inner());
-    if *alive {
-        let _ = killpg(pgid, Signal::SIGKILL);
-    }
+/// The commands running, by process group id: a kill reaches only these.
+/// A command leaves before it is reaped, under this lock, so a kill can
+/// never reach a recycled pid.
+fn running() -> &'static Mutex<HashSet<i32>> {
+    static RUNNING: OnceLock<Mutex<HashSet<i32>>> = OnceLock::new();
+    RUNNING.get_or_init(Mutex::default)
 }
 
 fn serve_one(conn: UnixStream) {
@@ -154,6 +153,7 @@ fn serve_one(conn: UnixStream) {
     let mut reader = BufReader::new(conn);
     let request = match read_frame(&mut reader) {
         Ok(Some((exec_wire::REQUEST, payload))) => Request::decode(&payload),
+        Ok(Some((exec_wire::KILL, payload))) => return serve_kill(&writer, &payload),
         Ok(Some((tag, _))) => Err(format!("expected a request, got a frame {:?}", tag as char)),
         Ok(None) => return,
         Err(e) => Err(format!("reading the request: {e}")),
@@ -166,10 +166,17 @@ fn serve_one(conn: UnixStream) {
         Ok(child) => child,
         Err((code, msg)) => return refuse(&writer, code, &msg),
     };
-    let pgid = Pid::from_raw(child.id() as i32);
-    let killable: Killable = Arc::new(Mutex::new(true));
-    let killed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let pgid = child.id() as i32;
+    running()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(pgid);
+    let _ = send(&writer, exec_wire::STARTED, &(pgid as u32).to_be_bytes());
 
+    // Output goes to the host while it listens; once it is gone the
+    // command's output is read and dropped, so the command never blocks
+    // on a full pipe (the engine's exec lets a command whose caller died
+    // run to its end too).
     let outputs: Vec<_> = [
         (
             exec_wire::STDOUT,
@@ -194,12 +201,13 @@ fn serve_one(conn: UnixStream) {
             .stack_size(THREAD_STACK)
             .spawn(move || {
                 let mut buf = vec![0u8; 64 * 1024];
+                let mut listening = true;
                 loop {
                     match pipe.read(&mut buf) {
                         Ok(0) | Err(_) => return,
                         Ok(n) => {
-                            if !send(&writer, tag, &buf[..n]) {
-                                return;
+                            if listening && !send(&writer, tag, &buf[..n]) {
+                                listening = false;
                             }
                         }
                     }
@@ -209,59 +217,41 @@ fn serve_one(conn: UnixStream) {
     })
     .collect();
 
-    // The host's side: stdin, its end, a kill, or the connection's end
-    // (which kills: nobody is left to read the output or the exit).
+    // The host's side: stdin and its end. The host's going away ends
+    // stdin and nothing else; a kill comes on a connection of its own
+    // (so it is never stuck behind stdin the command does not read).
     let mut stdin = child.stdin.take();
-    {
-        let killable = killable.clone();
-        let killed = killed.clone();
-        let _ = std::thread::Builder::new()
-            .stack_size(THREAD_STACK)
-            .spawn(move || loop {
-                match read_frame(&mut reader) {
-                    Ok(Some((exec_wire::STDIN, bytes))) => {
-                        if let Some(input) = &mut stdin {
-                            // The command stopped reading: its exit tells.
-                            if input.write_all(&bytes).is_err() {
-                                stdin = None;
-                            }
+    let _ = std::thread::Builder::new()
+        .stack_size(THREAD_STACK)
+        .spawn(move || loop {
+            match read_frame(&mut reader) {
+                Ok(Some((exec_wire::STDIN, bytes))) => {
+                    if let Some(input) = &mut stdin {
+                        // The command stopped reading: its exit tells.
+                        if input.write_all(&bytes).is_err() {
+                            stdin = None;
                         }
                     }
-                    Ok(Some((exec_wire::STDIN_END, _))) => stdin = None,
-                    Ok(Some(_)) => {}
-                    Ok(None) | Err(_) => {
-                        killed.store(true, std::sync::atomic::Ordering::SeqCst);
-                        kill_group(pgid, &killable);
-                        return;
-                    }
                 }
-            });
-    }
+                Ok(Some(_)) => stdin = None,
+                Ok(None) | Err(_) => return,
+            }
+        });
 
-    // The host's end of writing is the kill: watched apart from the reads
-    // above, which may be blocked feeding a command that does not read.
-    if let Ok(watched) = writer.lock().unwrap_or_else(|p| p.into_inner()).try_clone() {
-        let killable = killable.clone();
-        let killed = killed.clone();
-        let _ = std::thread::Builder::new()
-            .stack_size(THREAD_STACK)
-            .spawn(move || {
-                if peer_stops_writing(&watched) {
-                    killed.store(true, std::sync::atomic::Ordering::SeqCst);
-                    kill_group(pgid, &killable);
-                }
-            });
-    }
-
-    // Wait without reaping, so a kill can never reach a recycled pid;
-    // then no kill may start, then reap.
-    let _ = waitid(Id::Pid(pgid), WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT);
-    *killable.lock().unwrap_or_else(|p| p.into_inner()) = false;
+    // Wait without reaping; leave the running set; then reap.
+    let _ = waitid(
+        Id::Pid(Pid::from_raw(pgid)),
+        WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT,
+    );
+    let killed = !running()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&pgid);
     let status = child.wait();
     // Output ends when every holder of the pipes closed them (as with the
     // engine's exec); after a kill, a straggler that left the group must
     // not hold the exit back.
-    if !killed.load(std::sync::atomic::Ordering::SeqCst) {
+    if !killed {
         for output in outputs {
             let _ = output.join();
         }
@@ -271,6 +261,24 @@ fn serve_one(conn: UnixStream) {
         Err(_) => EXIT_GATE_FAILED,
     };
     let _ = send(&writer, exec_wire::EXIT, &code.to_be_bytes());
+}
+
+/// A [`exec_wire::KILL`]: kill the named group if it is one of ours and
+/// still running (exit 0), else exit 1.
+fn serve_kill(writer: &Writer, payload: &[u8]) {
+    let Ok(pgid) = <[u8; 4]>::try_from(payload).map(|b| u32::from_be_bytes(b) as i32) else {
+        return refuse(writer, EXIT_GATE_FAILED, "a bad kill");
+    };
+    let mut live = running().lock().unwrap_or_else(|p| p.into_inner());
+    // Taken out of the set: the command's thread knows it was killed.
+    let code = if pgid > 0 && live.remove(&pgid) {
+        let _ = killpg(Pid::from_raw(pgid), Signal::SIGKILL);
+        0
+    } else {
+        1
+    };
+    drop(live);
+    let _ = send(writer, exec_wire::EXIT, &(code as i32).to_be_bytes());
 }
 
 /// Answer a request that runs nothing: the reason on stderr, then `code`.
@@ -339,24 +347,4 @@ fn spawn(request: &Request) -> Result<Child, (i32, String)> {
         };
         (code, format!("cannot run {}: {e}", program.display()))
     })
-}
-
-/// Block until the peer shuts its writing side down or closes (true), or
-/// the wait fails (false). Reads nothing: another thread reads the frames.
-fn peer_stops_writing(conn: &UnixStream) -> bool {
-    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-    use std::os::fd::AsFd;
-    // nix names no POLLRDHUP.
-    let rdhup = PollFlags::from_bits_retain(nix::libc::POLLRDHUP);
-    loop {
-        let mut fds = [PollFd::new(conn.as_fd(), rdhup)];
-        match poll(&mut fds, PollTimeout::NONE) {
-            // Only the hang-ups can wake it: it asks for nothing else (and
-            // `revents` is `None` for the bit nix does not name).
-            Ok(n) if n > 0 => return true,
-            Ok(_) => {}
-            Err(nix::errno::Errno::EINTR) => {}
-            Err(_) => return false,
-        }
-    }
 }

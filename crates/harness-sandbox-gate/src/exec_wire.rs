@@ -6,14 +6,16 @@
 //! One connection runs one command. Every message is a frame: a tag byte,
 //! the payload's length (`u32`, big-endian), the payload. The host sends a
 //! [`REQUEST`] first, then any number of [`STDIN`] frames and
-//! [`STDIN_END`] when stdin is done. To kill the command's process group
-//! the host shuts its side of the connection down (or closes it): the
-//! server watches for that apart from reading frames, so a kill gets
-//! through even while the server is blocked feeding stdin to a command
-//! that does not read it. The server answers with
-//! [`STDOUT`] and [`STDERR`] frames as the command writes, and one
-//! [`EXIT`] frame (the exit code, `i32` big-endian; `128 + N` for signal
-//! `N`) after the command has exited and its output has ended.
+//! [`STDIN_END`] when stdin is done. The server answers [`STARTED`] (the
+//! command's process group id) once the command runs, [`STDOUT`] and
+//! [`STDERR`] frames as it writes, and one [`EXIT`] frame (the exit code,
+//! `i32` big-endian; `128 + N` for signal `N`) after it has exited and its
+//! output has ended. A host that goes away ends the command's stdin and
+//! nothing else: the command runs to its end, as under the engine's exec.
+//!
+//! A kill is a connection of its own: [`KILL`] with the group id, answered
+//! by [`EXIT`] 0 (killed) or 1 (no such command running) — never stuck
+//! behind stdin a command does not read.
 //!
 //! Both sides are here, once: the server in the gate's binary, the client
 //! in `sandbox-docker`; only the framing is shared, each side does its own
@@ -25,6 +27,12 @@ pub const REQUEST: u8 = b'q';
 pub const STDIN: u8 = b'i';
 /// Host → server: the command's stdin is closed.
 pub const STDIN_END: u8 = b'e';
+/// Host → server, first and only on its connection: kill the process
+/// group whose id (`u32`, big-endian) [`STARTED`] named.
+pub const KILL: u8 = b'k';
+/// Server → host, first: the command's process group id (`u32`,
+/// big-endian).
+pub const STARTED: u8 = b's';
 /// Server → host: bytes the command wrote to stdout.
 pub const STDOUT: u8 = b'o';
 /// Server → host: bytes the command wrote to stderr.

@@ -1,6 +1,6 @@
 //! The exec server run for real (`--exec-server`): commands over its
-//! socket, with stdout, stderr, stdin, exit codes, kills (the host's
-//! shutdown of its side), and the daemon's
+//! socket, with stdout, stderr, stdin, exit codes, kills (a connection of
+//! their own), a host going away, and the daemon's
 //! end when its socket goes.
 
 use std::io::{Read, Write};
@@ -37,6 +37,7 @@ impl Server {
 
 #[derive(Debug, Default)]
 struct Outcome {
+    started: Option<u32>,
     stdout: Vec<u8>,
     stderr: Vec<u8>,
     exit: Option<i32>,
@@ -61,6 +62,10 @@ fn read_all(conn: &mut UnixStream) -> Outcome {
         let mut payload = vec![0u8; len];
         conn.read_exact(&mut payload).unwrap();
         match tag {
+            exec_wire::STARTED => {
+                assert!(outcome.started.is_none() && outcome.stdout.is_empty());
+                outcome.started = Some(u32::from_be_bytes(payload.try_into().unwrap()));
+            }
             exec_wire::STDOUT => outcome.stdout.extend(payload),
             exec_wire::STDERR => outcome.stderr.extend(payload),
             exec_wire::EXIT => {
@@ -99,6 +104,7 @@ fn commands_run_with_their_output_environment_directory_and_exit_code() {
     req.cwd = Some(dir.path().as_os_str().as_encoded_bytes().to_vec());
     let out = run(&server.socket(), &req);
     assert_eq!(out.exit, Some(7));
+    assert!(out.started.is_some());
     assert_eq!(
         String::from_utf8_lossy(&out.stdout),
         format!("out hello=there\n{}\n", dir.path().display())
@@ -186,38 +192,80 @@ fn wait_gone(pid: u32) -> bool {
     false
 }
 
-/// Start `sleep 300` in the background of a group whose leader prints the
-/// sleeper's pid and waits.
-fn start_group(socket: &Path) -> (UnixStream, u32) {
-    let mut conn = start(socket, &request(&["sh", "-c", "sleep 300 & echo $!; wait"]));
+/// Read frames until `want` arrives: its payload.
+fn read_until(conn: &mut UnixStream, want: u8) -> Vec<u8> {
     conn.set_read_timeout(Some(Duration::from_secs(20)))
         .unwrap();
-    let mut head = [0u8; 5];
-    conn.read_exact(&mut head).unwrap();
-    let (tag, len) = exec_wire::parse_header(head).unwrap();
-    assert_eq!(tag, exec_wire::STDOUT);
-    let mut payload = vec![0u8; len];
-    conn.read_exact(&mut payload).unwrap();
-    let pid = String::from_utf8_lossy(&payload).trim().parse().unwrap();
-    (conn, pid)
+    loop {
+        let mut head = [0u8; 5];
+        conn.read_exact(&mut head).unwrap();
+        let (tag, len) = exec_wire::parse_header(head).unwrap();
+        let mut payload = vec![0u8; len];
+        conn.read_exact(&mut payload).unwrap();
+        if tag == want {
+            return payload;
+        }
+    }
+}
+
+/// Start `sleep 300` in the background of a group whose leader prints the
+/// sleeper's pid and waits: the connection, the group, the sleeper.
+fn start_group(socket: &Path) -> (UnixStream, u32, u32) {
+    let mut conn = start(socket, &request(&["sh", "-c", "sleep 300 & echo $!; wait"]));
+    let group = u32::from_be_bytes(
+        read_until(&mut conn, exec_wire::STARTED)
+            .try_into()
+            .unwrap(),
+    );
+    let sleeper = String::from_utf8_lossy(&read_until(&mut conn, exec_wire::STDOUT))
+        .trim()
+        .parse()
+        .unwrap();
+    (conn, group, sleeper)
+}
+
+/// Kill group `group` on a connection of its own: the server's answer.
+fn kill(socket: &Path, group: u32) -> Option<i32> {
+    let mut conn = UnixStream::connect(socket).unwrap();
+    frame(&mut conn, exec_wire::KILL, &group.to_be_bytes());
+    read_all(&mut conn).exit
 }
 
 #[test]
-fn a_kill_or_a_dropped_connection_kills_the_whole_group() {
+fn a_kill_kills_the_whole_group_and_a_host_going_away_does_not() {
     let server = Server::start();
-    let (mut conn, sleeper) = start_group(&server.socket());
+    let (mut conn, group, sleeper) = start_group(&server.socket());
     assert!(!gone(sleeper));
-    conn.shutdown(std::net::Shutdown::Write).unwrap();
+    assert_eq!(kill(&server.socket(), group), Some(0));
     let out = read_all(&mut conn);
     assert_eq!(out.exit, Some(128 + 9), "{out:?}");
     assert!(wait_gone(sleeper), "the group's sleeper outlived the kill");
+    // No such command any more: told, and nothing is signalled.
+    assert_eq!(kill(&server.socket(), group), Some(1));
+
+    // The host goes away: the command runs on (as under the engine's
+    // exec, a launch whose caller died finishes), until killed.
+    let (conn, group, sleeper) = start_group(&server.socket());
+    drop(conn);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        !gone(sleeper),
+        "the command died with its host's connection"
+    );
+    assert_eq!(kill(&server.socket(), group), Some(0));
+    assert!(wait_gone(sleeper));
 
     // A command that reads no stdin while the host sends more than the
-    // pipe holds: the server is stuck feeding it, and the kill still gets
-    // through.
+    // pipe holds: the server is stuck feeding it, and the kill, on a
+    // connection of its own, still gets through.
     let mut req = request(&["sleep", "300"]);
     req.stdin = true;
     let mut conn = start(&server.socket(), &req);
+    let group = u32::from_be_bytes(
+        read_until(&mut conn, exec_wire::STARTED)
+            .try_into()
+            .unwrap(),
+    );
     let writer = {
         let mut conn = conn.try_clone().unwrap();
         std::thread::spawn(move || {
@@ -235,18 +283,11 @@ fn a_kill_or_a_dropped_connection_kills_the_whole_group() {
         })
     };
     std::thread::sleep(Duration::from_millis(300));
-    conn.shutdown(std::net::Shutdown::Write).unwrap();
+    assert_eq!(kill(&server.socket(), group), Some(0));
     let out = read_all(&mut conn);
     assert_eq!(out.exit, Some(128 + 9), "{out:?}");
-    drop(conn);
+    conn.shutdown(std::net::Shutdown::Both).unwrap();
     writer.join().unwrap();
-
-    let (conn, sleeper) = start_group(&server.socket());
-    drop(conn);
-    assert!(
-        wait_gone(sleeper),
-        "the group's sleeper outlived the dropped connection"
-    );
 }
 
 #[test]

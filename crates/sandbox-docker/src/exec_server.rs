@@ -91,17 +91,13 @@ pub(crate) async fn connect(dir: &Path) -> std::io::Result<UnixStream> {
 
 /// Run `plan` on a connection to the server; its events as
 /// [`crate::exec::start`] gives them.
-pub(crate) async fn start(conn: UnixStream, plan: ExecPlan) -> Result<ExecStream> {
+pub(crate) async fn start(dir: &Path, conn: UnixStream, plan: ExecPlan) -> Result<ExecStream> {
     let request = Request {
         argv: plan.argv.into_iter().map(String::into_bytes).collect(),
         env: plan.env.into_iter().map(String::into_bytes).collect(),
         cwd: plan.cwd.map(String::into_bytes),
         stdin: plan.stdin.is_some(),
     };
-    // Shutting this down is the kill (`exec_wire`): kept apart from the
-    // write half, which may be blocked behind stdin.
-    let killer = rustix::io::dup(&conn)
-        .map_err(|e| Error::backend(format!("duplicating the exec server's connection: {e}")))?;
     let (read, mut write) = conn.into_split();
     let payload = request.encode();
     if payload.len() > exec_wire::MAX_PAYLOAD {
@@ -115,7 +111,8 @@ pub(crate) async fn start(conn: UnixStream, plan: ExecPlan) -> Result<ExecStream
         .map_err(|e| Error::backend(format!("sending a command to the exec server: {e}")))?;
 
     let (events_tx, events) = mpsc::channel(16);
-    tokio::spawn(read_events(read, events_tx));
+    let (group_tx, group) = tokio::sync::watch::channel(None);
+    tokio::spawn(read_events(read, events_tx, group_tx));
 
     let (stdin_err_tx, stdin_err_rx) = mpsc::channel::<Error>(1);
     match plan.stdin {
@@ -126,10 +123,13 @@ pub(crate) async fn start(conn: UnixStream, plan: ExecPlan) -> Result<ExecStream
             tokio::spawn(pump_stdin(source, pump_end, stdin_err_tx));
             tokio::spawn(write_stdin(write, frame_end));
         }
-        // Dropped, the write half would shut down: the kill.
-        None => write.forget(),
+        None => drop(write),
     }
-    let running = ServerExec { events, killer };
+    let running = ServerExec {
+        events,
+        group,
+        dir: dir.to_path_buf(),
+    };
     Ok(drive(running, plan.timeout, plan.abort, stdin_err_rx))
 }
 
@@ -140,8 +140,7 @@ async fn write_frame(write: &mut OwnedWriteHalf, tag: u8, payload: &[u8]) -> std
     write.write_all(payload).await
 }
 
-/// Stdin as it comes, framed, then its end; the write half is then let
-/// go of without shutting it down (which would be the kill).
+/// Stdin as it comes, framed, then its end.
 async fn write_stdin(mut write: OwnedWriteHalf, mut stdin: tokio::io::DuplexStream) {
     let mut buf = vec![0u8; 128 * 1024];
     loop {
@@ -151,16 +150,18 @@ async fn write_stdin(mut write: OwnedWriteHalf, mut stdin: tokio::io::DuplexStre
         };
         if sent.is_err() {
             // The server is gone: its reader tells the driver.
-            write.forget();
             return;
         }
     }
     let _ = write_frame(&mut write, exec_wire::STDIN_END, &[]).await;
-    write.forget();
 }
 
 /// The server's frames as events, until the exit (or the connection's end).
-async fn read_events(mut read: OwnedReadHalf, events: mpsc::Sender<Result<ExecEvent>>) {
+async fn read_events(
+    mut read: OwnedReadHalf,
+    events: mpsc::Sender<Result<ExecEvent>>,
+    group: tokio::sync::watch::Sender<Option<u32>>,
+) {
     loop {
         let mut head = [0u8; 5];
         if let Err(e) = read.read_exact(&mut head).await {
@@ -190,6 +191,12 @@ async fn read_events(mut read: OwnedReadHalf, events: mpsc::Sender<Result<ExecEv
             return;
         }
         let event = match tag {
+            exec_wire::STARTED => {
+                if let Ok(id) = <[u8; 4]>::try_from(payload.as_slice()) {
+                    let _ = group.send(Some(u32::from_be_bytes(id)));
+                }
+                continue;
+            }
             exec_wire::STDOUT => ExecEvent::Stdout(Bytes::from(payload)),
             exec_wire::STDERR => ExecEvent::Stderr(Bytes::from(payload)),
             exec_wire::EXIT => {
@@ -225,9 +232,15 @@ async fn read_events(mut read: OwnedReadHalf, events: mpsc::Sender<Result<ExecEv
 /// A command run by the exec server.
 struct ServerExec {
     events: mpsc::Receiver<Result<ExecEvent>>,
-    /// The connection, to shut down: the kill.
-    killer: std::os::fd::OwnedFd,
+    /// The command's process group, once the server has said it.
+    group: tokio::sync::watch::Receiver<Option<u32>>,
+    /// The exec directory, where a kill connects.
+    dir: PathBuf,
 }
+
+/// How long a kill waits for the server to name the command's group (a
+/// kill right after the start).
+const GROUP_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl Running for ServerExec {
     async fn next(&mut self) -> Option<Result<ExecEvent>> {
@@ -241,9 +254,33 @@ impl Running for ServerExec {
     }
 
     async fn kill(&mut self) -> Result<()> {
-        // Fails only on a connection already gone, whose end the server
-        // took as the kill too.
-        let _ = rustix::net::shutdown(&self.killer, rustix::net::Shutdown::Write);
-        Ok(())
+        let group =
+            match tokio::time::timeout(GROUP_WAIT, self.group.wait_for(Option::is_some)).await {
+                Ok(Ok(group)) => group.expect("waited for"),
+                // The connection ended before the server named the group:
+                // nothing was started, or the server is gone.
+                Ok(Err(_)) => return Ok(()),
+                Err(_) => {
+                    return Err(Error::backend(format!(
+                        "the exec server did not name the command's process group within {} s",
+                        GROUP_WAIT.as_secs()
+                    )))
+                }
+            };
+        // A kill is a connection of its own: never behind stdin.
+        let killed = async {
+            let conn = connect(&self.dir).await?;
+            let (mut read, mut write) = conn.into_split();
+            write_frame(&mut write, exec_wire::KILL, &group.to_be_bytes()).await?;
+            // The answer (killed, or no longer running): either is done.
+            let mut answer = Vec::new();
+            read.read_to_end(&mut answer).await?;
+            std::io::Result::Ok(())
+        };
+        killed.await.map_err(|e| {
+            Error::backend(format!(
+                "killing the command's process group {group} through the exec server: {e}"
+            ))
+        })
     }
 }

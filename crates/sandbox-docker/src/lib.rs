@@ -1301,7 +1301,7 @@ impl DockerSandbox {
     async fn start(&self, plan: exec::ExecPlan) -> Result<ExecStream> {
         if let Some(dir) = &self.exec_dir {
             match exec_server::connect(dir).await {
-                Ok(conn) => return exec_server::start(conn, plan).await,
+                Ok(conn) => return exec_server::start(dir, conn, plan).await,
                 Err(e) => tracing::debug!(
                     "the exec server in {} cannot be reached ({e}); the engine's exec runs the command",
                     dir.display()
