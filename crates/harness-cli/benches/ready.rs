@@ -19,7 +19,12 @@
 //! `docker` is cold (`harness serve --docker-pool 0`: each session's
 //! container is created and started on its path); `docker-warm` is the
 //! server's default pool of one ready container, refilled in the
-//! background after each take — within the run, as it would be in use.
+//! background after each take: before each of its runs (the bare CLI's
+//! too) the bench waits, bounded, until the refill is ready, so a run is
+//! a warm start and no fill competes with it. A run that found no ready
+//! container is marked `pool miss`. (Sessions arriving faster than a
+//! refill — about 1.3 s: the fill's 1 s delay and the container's start
+//! — find a pool of one empty every other time: `--docker-pool N`.)
 //!
 //! A case the server does not offer (no microVM guest, a build without the
 //! feature) is reported as not measured. Each provider gets its own
@@ -323,6 +328,30 @@ fn print_timeline(run: &Run, spans: &[Span]) {
     println!("    {:>7.1}  the agent's first request", run.total_ms());
 }
 
+/// Wait (bounded by `limit`) until a pooled container is running (only one
+/// server with a pool runs at a time here); whether one is.
+async fn pool_ready(limit: Duration) -> bool {
+    let started = Instant::now();
+    loop {
+        let listed = Command::new("docker")
+            .args(["ps", "-q", "--filter", "label=dev.harness.pool"])
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .is_some_and(|o| !o.stdout.is_empty());
+        if listed {
+            // Running is a moment before it is in the pool's ready list
+            // (the provider records it once started).
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            return true;
+        }
+        if started.elapsed() > limit {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Wait (bounded) until every run's spans have been exported.
 async fn spans_for(runs: &[Run], received: &Received) -> Vec<Span> {
     let started = Instant::now();
@@ -366,6 +395,8 @@ struct Case {
     agent: Agent,
     binary: PathBuf,
     body: serde_json::Value,
+    /// Its server keeps a pool: each run waits for a ready container.
+    pooled: bool,
 }
 
 /// `provider:agent`, or why it cannot run here.
@@ -407,6 +438,7 @@ fn case(spec: &str) -> Result<Case, String> {
         other => return Err(format!("unknown provider {other}")),
     }
     Ok(Case {
+        pooled: name == "docker-warm",
         name,
         serve_args,
         agent,
@@ -453,14 +485,16 @@ async fn bench_case(case: &Case, runs: usize) -> Option<Row> {
     };
     let mut timed = Vec::new();
     for i in 0..runs {
+        let hit = !case.pooled || pool_ready(Duration::from_secs(15)).await;
         let bare = bare_cli(case.agent, &case.binary, &model).await;
         let run = session_run(&serve, &model, &case.body).await;
         println!(
-            "  {} run {}: ours {:.0} ms, bare CLI {:.0} ms",
+            "  {} run {}: ours {:.0} ms, bare CLI {:.0} ms{}",
             row.provider,
             i + 1,
             run.total_ms(),
-            bare
+            bare,
+            if hit { "" } else { " (pool miss)" }
         );
         row.ours.push(run.total_ms());
         row.bare.push(bare);
