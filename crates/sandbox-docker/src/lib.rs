@@ -638,6 +638,85 @@ impl DockerProvider {
         }
     }
 
+    /// Take a ready container of `plan`'s shape for `spec`'s session (and
+    /// start the pool's refill), or `None` when the pool has none this
+    /// session could take. `data` is the handle's data so far.
+    async fn take_pooled(
+        &self,
+        pool: &Arc<pool::Pool>,
+        key: &str,
+        plan: &pool::Plan,
+        spec: &SandboxSpec,
+        session_dirs: &[String],
+        data: &serde_json::Value,
+    ) -> Option<DockerSandbox> {
+        while let Some(id) = pool.take(key) {
+            match self.adopt(&id, spec, session_dirs).await {
+                Ok((linked, exec_dir)) => {
+                    let mut data = data.clone();
+                    if let Some(dir) = exec_dir {
+                        data["exec_dir"] = json!(dir);
+                    }
+                    pool.refill(self, key, Arc::new(plan.clone()));
+                    data["image"] = json!(plan.image);
+                    if let Some(home) = self.image_home(&plan.image, spec).await {
+                        data["home"] = json!(home);
+                    }
+                    if !linked.is_empty() {
+                        data["pool_forwards"] = json!(linked);
+                    }
+                    return Some(self.sandbox(id, spec.workdir.clone(), true, data));
+                }
+                Err(e) => {
+                    // Removed behind our back, or the rename failed:
+                    // never hand out a container we could not adopt.
+                    tracing::warn!("a pooled container could not be taken: {e}");
+                    let _ = self.remove(&id).await;
+                }
+            }
+        }
+        None
+    }
+
+    /// Create and start a session's own container (not a pooled one), with
+    /// an exec directory when `exec_server`: its id, and that directory's
+    /// name and path.
+    async fn run_session(
+        &self,
+        image: &str,
+        spec: &SandboxSpec,
+        extra_binds: &[String],
+        exec_server: bool,
+    ) -> Result<(String, Option<(String, PathBuf)>)> {
+        let root = self.config.exec_dir.as_deref().filter(|_| exec_server);
+        let exec = root.map(|root| self.make_exec_dir(root)).transpose()?;
+        let run_as = RunAs {
+            pooled: None,
+            exec_dir: exec.as_ref().map(|(_, dir)| dir.as_path()),
+        };
+        let made = self
+            .run_container_as(
+                image,
+                spec,
+                "session",
+                Some(&spec.workdir),
+                extra_binds,
+                run_as,
+            )
+            .await;
+        match (made, root, exec) {
+            (Ok(id), Some(root), Some((name, dir))) => {
+                let id = self.record_exec_dir(root, &name, id).await?;
+                Ok((id, Some((name, dir))))
+            }
+            (Err(e), Some(root), Some((name, _))) => {
+                forward_dirs::remove(root, &name);
+                Err(e)
+            }
+            (made, _, _) => Ok((made?, None)),
+        }
+    }
+
     /// [`run_container`](Self::run_container), optionally as a pooled
     /// container (its name and extra labels) and with an exec directory.
     async fn run_container_as(
@@ -1149,29 +1228,11 @@ impl SandboxProvider for DockerProvider {
             None => None,
         };
         if let Some((pool, key, plan)) = &pooled {
-            while let Some(id) = pool.take(key) {
-                match self.adopt(&id, spec, &session_dirs).await {
-                    Ok((linked, exec_dir)) => {
-                        if let Some(dir) = exec_dir {
-                            data["exec_dir"] = json!(dir);
-                        }
-                        pool.refill(self, key, Arc::new(plan.clone()));
-                        data["image"] = json!(plan.image);
-                        if let Some(home) = self.image_home(&plan.image, spec).await {
-                            data["home"] = json!(home);
-                        }
-                        if !linked.is_empty() {
-                            data["pool_forwards"] = json!(linked);
-                        }
-                        return Ok(Box::new(self.sandbox(id, spec.workdir.clone(), true, data)));
-                    }
-                    Err(e) => {
-                        // Removed behind our back, or the rename failed:
-                        // never hand out a container we could not adopt.
-                        tracing::warn!("a pooled container could not be taken: {e}");
-                        let _ = self.remove(&id).await;
-                    }
-                }
+            if let Some(taken) = self
+                .take_pooled(pool, key, plan, spec, &session_dirs, &data)
+                .await
+            {
+                return Ok(Box::new(taken));
             }
         }
         let (image, snapshot_lock) = match recipe {
@@ -1181,34 +1242,12 @@ impl SandboxProvider for DockerProvider {
             }
             None => (base.clone(), None),
         };
-        let exec = match (&self.config.exec_dir, exec_server) {
-            (Some(root), true) => Some((root, self.make_exec_dir(root)?)),
-            _ => None,
-        };
-        let made = self
-            .run_container_as(
-                &image,
-                spec,
-                "session",
-                Some(&spec.workdir),
-                &extra_binds,
-                RunAs {
-                    pooled: None,
-                    exec_dir: exec.as_ref().map(|(_, (_, dir))| dir.as_path()),
-                },
-            )
-            .await;
-        let id = match (made, &exec) {
-            (Ok(id), Some((root, (name, dir)))) => {
-                data["exec_dir"] = json!(dir);
-                self.record_exec_dir(root, name, id).await?
-            }
-            (Err(e), Some((root, (name, _)))) => {
-                forward_dirs::remove(root, name);
-                return Err(e);
-            }
-            (made, None) => made?,
-        };
+        let (id, exec) = self
+            .run_session(&image, spec, &extra_binds, exec_server)
+            .await?;
+        if let Some((_, dir)) = &exec {
+            data["exec_dir"] = json!(dir);
+        }
         // The container now pins the snapshot; prune may proceed.
         drop(snapshot_lock);
         data["image"] = json!(image);
@@ -1218,7 +1257,7 @@ impl SandboxProvider for DockerProvider {
         if !mounts.is_empty() {
             if let Err(e) = self.check_gate(&id, &image).await {
                 let _ = self.remove(&id).await;
-                if let Some((root, (name, _))) = &exec {
+                if let (Some(root), Some((name, _))) = (&self.config.exec_dir, &exec) {
                     forward_dirs::remove(root, name);
                 }
                 return Err(e);
