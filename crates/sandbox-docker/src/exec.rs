@@ -67,28 +67,36 @@ pub(crate) async fn kill_group(docker: &Docker, container: &str, pidfile: &str) 
     Ok(())
 }
 
-/// Run a short helper command unwrapped and collect (exit code, stdout, stderr).
-pub(crate) async fn run_simple(
+/// Create an exec in `container` and start it: its id and its start.
+async fn create_and_start(
     docker: &Docker,
     container: &str,
-    argv: Vec<String>,
-) -> Result<(i64, Vec<u8>, Vec<u8>)> {
+    options: CreateExecOptions<String>,
+) -> Result<(String, StartExecResults)> {
     let created = docker
-        .create_exec(
-            container,
-            CreateExecOptions::<String> {
-                attach_stdout: Some(true),
-                attach_stderr: Some(true),
-                cmd: Some(argv),
-                ..Default::default()
-            },
-        )
+        .create_exec(container, options)
         .await
         .map_err(|e| docker_err("creating an exec", e))?;
     let started = docker
         .start_exec(&created.id, None)
         .await
         .map_err(|e| docker_err("starting an exec", e))?;
+    Ok((created.id, started))
+}
+
+/// Run a short helper command unwrapped and collect (exit code, stdout, stderr).
+pub(crate) async fn run_simple(
+    docker: &Docker,
+    container: &str,
+    argv: Vec<String>,
+) -> Result<(i64, Vec<u8>, Vec<u8>)> {
+    let options = CreateExecOptions::<String> {
+        attach_stdout: Some(true),
+        attach_stderr: Some(true),
+        cmd: Some(argv),
+        ..Default::default()
+    };
+    let (exec_id, started) = create_and_start(docker, container, options).await?;
     let mut stdout = Vec::new();
     let mut stderr = Vec::new();
     if let StartExecResults::Attached { mut output, .. } = started {
@@ -102,7 +110,7 @@ pub(crate) async fn run_simple(
             }
         }
     }
-    let code = exit_code(docker, &created.id).await?;
+    let code = exit_code(docker, &exec_id).await?;
     Ok((code, stdout, stderr))
 }
 
@@ -346,25 +354,16 @@ impl Running for EngineExec {
 /// ([`drive`]). The command runs in its own process group.
 pub(crate) async fn start(docker: &Docker, container: &str, plan: ExecPlan) -> Result<ExecStream> {
     let pidfile = format!("/tmp/.harness-exec-{}.pid", uuid::Uuid::new_v4().simple());
-    let created = docker
-        .create_exec(
-            container,
-            CreateExecOptions::<String> {
-                attach_stdin: Some(plan.stdin.is_some()),
-                attach_stdout: Some(true),
-                attach_stderr: Some(true),
-                cmd: Some(wrapped_argv(&plan.argv, &pidfile)),
-                env: (!plan.env.is_empty()).then_some(plan.env),
-                working_dir: plan.cwd,
-                ..Default::default()
-            },
-        )
-        .await
-        .map_err(|e| docker_err("creating an exec", e))?;
-    let started = docker
-        .start_exec(&created.id, None)
-        .await
-        .map_err(|e| docker_err("starting an exec", e))?;
+    let options = CreateExecOptions::<String> {
+        attach_stdin: Some(plan.stdin.is_some()),
+        attach_stdout: Some(true),
+        attach_stderr: Some(true),
+        cmd: Some(wrapped_argv(&plan.argv, &pidfile)),
+        env: (!plan.env.is_empty()).then_some(plan.env),
+        working_dir: plan.cwd,
+        ..Default::default()
+    };
+    let (exec_id, started) = create_and_start(docker, container, options).await?;
     let StartExecResults::Attached { output, input } = started else {
         return Err(Error::backend("docker started the exec detached"));
     };
@@ -378,7 +377,7 @@ pub(crate) async fn start(docker: &Docker, container: &str, plan: ExecPlan) -> R
     let running = EngineExec {
         docker: docker.clone(),
         container: container.to_string(),
-        exec_id: created.id,
+        exec_id,
         pidfile,
         output,
     };

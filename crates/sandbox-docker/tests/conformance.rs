@@ -4,7 +4,6 @@ mod common;
 
 use harness_core::sandbox::{SandboxProvider, SandboxSpec};
 use harness_testkit::conformance::sandbox::{self as suite, Capability, SuiteOptions};
-use sandbox_docker::DockerConfig;
 
 /// Whether the test image has a program the suite's port check can serve
 /// with (`python3` or `nc`).
@@ -17,21 +16,12 @@ async fn image_can_serve(provider: &dyn SandboxProvider) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn docker_passes_the_sandbox_conformance_suite() {
-    // The gate serves the host forwards inside the containers.
-    let Some(gate) = harness_testkit::gate_binary() else {
-        return;
-    };
-    // Commands through the exec server, as `harness serve` runs them (the
-    // engine's exec, its fallback, is what the rest of this crate's tests
-    // use).
+    // The gate serves the host forwards inside the containers, and runs
+    // the commands through its exec server, as `harness serve` has them
+    // (the engine's exec, its fallback, is what the rest of this crate's
+    // tests use).
     let exec_root = tempfile::tempdir().unwrap();
-    let Some(provider) = common::provider_with(DockerConfig {
-        gate: Some(gate),
-        exec_dir: Some(exec_root.path().to_path_buf()),
-        ..DockerConfig::default()
-    })
-    .await
-    else {
+    let Some(provider) = common::provider_with_exec_server(exec_root.path()).await else {
         return;
     };
     let Some(gateway) = common::bridge_gateway(&provider).await else {

@@ -893,17 +893,8 @@ async fn the_home_hint_is_the_home_commands_see() {
 /// sees no connection), a server killed.
 #[tokio::test]
 async fn commands_go_through_the_exec_server_and_fall_back_to_the_engines_exec() {
-    let Some(gate) = harness_testkit::gate_binary() else {
-        return;
-    };
     let exec_root = tempfile::tempdir().unwrap();
-    let Some(provider) = provider_with(DockerConfig {
-        gate: Some(gate),
-        exec_dir: Some(exec_root.path().to_path_buf()),
-        ..DockerConfig::default()
-    })
-    .await
-    else {
+    let Some(provider) = common::provider_with_exec_server(exec_root.path()).await else {
         return;
     };
     let sandbox = provider.create(&spec()).await.unwrap();

@@ -39,6 +39,19 @@ pub async fn provider_with(mut config: DockerConfig) -> Option<DockerProvider> {
     Some(provider)
 }
 
+/// A provider whose containers run commands through their exec server
+/// (the gate's, exec directories under `exec_root`), or `None` (after
+/// saying why) without the gate or an engine.
+pub async fn provider_with_exec_server(exec_root: &std::path::Path) -> Option<DockerProvider> {
+    let gate = harness_testkit::gate_binary()?;
+    provider_with(DockerConfig {
+        gate: Some(gate),
+        exec_dir: Some(exec_root.to_path_buf()),
+        ..DockerConfig::default()
+    })
+    .await
+}
+
 /// Run a shell script and collect its output.
 pub async fn sh(sandbox: &dyn Sandbox, script: &str) -> ExecOutput {
     collect_exec(sandbox.exec(ExecRequest::shell(script)).await.unwrap())
