@@ -26,6 +26,7 @@ mod relay_host;
 mod serve;
 mod serve_sandboxes;
 mod sessions;
+mod stop;
 mod telemetry;
 mod turn;
 mod worker;

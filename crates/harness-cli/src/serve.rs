@@ -443,11 +443,14 @@ pub async fn run(home: &Home, args: ServeArgs) -> Result<()> {
     let router = server.router().merge(sandboxes.router());
     let served = tokio::select! {
         served = axum::serve(harness::server::no_delay(listener), router) => served.context("the server stopped"),
-        _ = tokio::signal::ctrl_c() => {
+        () = crate::stop::requested() => {
             note!("shutting down");
             Ok(())
         }
     };
+    if let Some(runtime) = &runtime {
+        runtime.hub().shutdown_sandbox_providers().await;
+    }
     home.remove_serve_info();
     drop(lock);
     drop(model);

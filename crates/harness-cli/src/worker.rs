@@ -157,7 +157,7 @@ pub async fn run(home: &Home, args: WorkerArgs) -> Result<()> {
     tokio::pin!(run);
     tokio::select! {
         result = &mut run => result?,
-        _ = tokio::signal::ctrl_c() => {
+        () = crate::stop::requested() => {
             eprintln!("shutting down the worker (in-flight slices finish first)");
             shutdown();
             run.await?;
@@ -221,7 +221,7 @@ pub async fn runner(home: &Home, args: RunnerArgs) -> Result<()> {
     );
     tokio::select! {
         stopped = linked => stopped,
-        _ = tokio::signal::ctrl_c() => {
+        () = crate::stop::requested() => {
             eprintln!("shutting down the runner (its unfinished turns resume when it starts again)");
             Ok(())
         }

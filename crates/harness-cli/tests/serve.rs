@@ -1104,3 +1104,94 @@ case!(claude_local_abort: abort_ends_the_turn_and_the_next_prompt_works(Agent::C
 case!(claude_docker_abort: abort_ends_the_turn_and_the_next_prompt_works(Agent::Claude, Backend::Docker));
 case!(codex_local_abort: abort_ends_the_turn_and_the_next_prompt_works(Agent::Codex, Backend::Local));
 case!(codex_docker_abort: abort_ends_the_turn_and_the_next_prompt_works(Agent::Codex, Backend::Docker));
+
+/// The containers recorded in a home's Docker exec directories
+/// (`<home>/docker-exec/exec-*/container`): every container the server
+/// made, pooled or a session's, while it exists.
+fn recorded_containers(home: &std::path::Path) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(home.join("docker-exec")) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| std::fs::read_to_string(e.path().join("container")).ok())
+        .map(|id| id.trim().to_string())
+        .collect()
+}
+
+fn container_exists(id: &str) -> bool {
+    Command::new("docker")
+        .args(["inspect", "--format", "{{.Id}}", id])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// SIGTERM — what systemd, `docker stop` and Kubernetes send — stops
+/// `harness serve` the way Ctrl-C does: its pooled Docker container and
+/// that container's exec directory go with it, while the session's own
+/// container stays for the next start to resume.
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_stops_the_server_and_takes_its_pool_with_it() {
+    if !Agent::Claude.available() {
+        return;
+    }
+    let Some((model, image)) = model(Backend::Docker, Script::text("Ready.")).await else {
+        return;
+    };
+    let home = tempfile::tempdir().unwrap();
+    let mut serve = Serve::start(home.path(), &model, &["--docker-pool", "1"]);
+    let id = create(
+        &serve,
+        session_body(Agent::Claude, Backend::Docker, &image, false),
+    )
+    .await;
+    let _containers = common::docker::SessionContainers(id.clone());
+    let sse = SseClient::open(&serve, &id).await;
+    let turn = prompt(&serve, &id, "hello").await;
+    let end = until_end(&serve, || sse.seen(), &turn).await;
+    assert_eq!(end["status"], "finished", "{end}");
+    let session: Vec<String> = common::docker::session_containers(&id);
+    assert_eq!(session.len(), 1, "{session:?}");
+    let is_session = |c: &str| session.iter().any(|s| c.starts_with(s.as_str()));
+    // The pool refills after the session's create (a second later).
+    let started = Instant::now();
+    let pooled = loop {
+        let pooled: Vec<String> = recorded_containers(home.path())
+            .into_iter()
+            .filter(|c| !is_session(c))
+            .collect();
+        if let Some(c) = pooled.first().filter(|c| container_exists(c)) {
+            break c.clone();
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "no pooled container after 60 s\n{}",
+            serve.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+
+    serve.signal("-TERM");
+    let status = serve.wait_exit(Duration::from_secs(60));
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "harness serve did not stop cleanly on SIGTERM ({status:?})\n{}",
+        serve.log()
+    );
+    assert!(serve.log().contains("shutting down"), "{}", serve.log());
+    assert!(
+        !container_exists(&pooled),
+        "the pooled container outlived the server\n{}",
+        serve.log()
+    );
+    assert!(
+        !recorded_containers(home.path()).contains(&pooled),
+        "the pooled container's exec directory outlived the server"
+    );
+    assert!(
+        session.iter().all(|c| container_exists(c)),
+        "the session's container must stay for the next start"
+    );
+}

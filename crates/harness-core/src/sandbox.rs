@@ -524,6 +524,13 @@ pub trait SandboxProvider: MaybeSend + MaybeSync + std::fmt::Debug {
             self.name()
         )))
     }
+
+    /// Let go of what the provider keeps ready for sandboxes not made yet
+    /// (a pool's containers), as the process that owns it stops; the
+    /// sandboxes it made stay. Nothing by default.
+    async fn shutdown(&self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// One path under a listed directory, with the stat a tree checkpoint

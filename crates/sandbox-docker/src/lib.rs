@@ -1299,6 +1299,11 @@ impl SandboxProvider for DockerProvider {
     async fn prune_snapshots(&self, keep: &[String]) -> Result<Vec<SnapshotInfo>> {
         bootstrap::prune(self, keep).await
     }
+
+    /// [`DockerProvider::shutdown`]: the pool's containers go.
+    async fn shutdown(&self) -> Result<()> {
+        DockerProvider::shutdown(self).await.map(|_| ())
+    }
 }
 
 /// A container used as a sandbox.

@@ -578,6 +578,29 @@ impl Hub {
         *self.providers.write().unwrap_or_else(|e| e.into_inner()) = providers;
     }
 
+    /// Shut down the installed sandbox providers
+    /// ([`SandboxProvider::shutdown`]: a pool's ready containers go) as the
+    /// process stops. The hub itself may outlive this (its actors hold
+    /// it), so the providers' own drops cannot be relied on. A provider
+    /// that fails is logged; the others still go.
+    pub async fn shutdown_sandbox_providers(&self) {
+        let providers: Vec<_> = self
+            .providers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        for provider in providers {
+            if let Err(e) = provider.shutdown().await {
+                tracing::warn!(
+                    "shutting down the {} sandboxes failed: {e}",
+                    provider.name()
+                );
+            }
+        }
+    }
+
     /// The names of the sandbox providers installed with
     /// [`set_sandbox_providers`](Hub::set_sandbox_providers): what a server
     /// running turns here can offer its clients.

@@ -186,6 +186,21 @@ impl ChildProcess {
     pub fn log(&self) -> String {
         self.stderr.lock().unwrap().clone()
     }
+
+    /// Wait (bounded) for the process to exit by itself: its status, or
+    /// `None` if it still runs after `limit`.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let started = std::time::Instant::now();
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            if started.elapsed() > limit {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
 }
 
 impl Drop for ChildProcess {
@@ -260,6 +275,11 @@ impl Serve {
 
     pub fn log(&self) -> String {
         self.process.log()
+    }
+
+    /// Wait (bounded) for the server to exit by itself.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        self.process.wait_exit(limit)
     }
 }
 
