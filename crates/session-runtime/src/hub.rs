@@ -1051,8 +1051,17 @@ struct BatchInputs {
     transient: Vec<ConnId>,
     /// Who asked for the connection count.
     counts: Vec<oneshot::Sender<usize>>,
-    /// The lease was lost, and why.
-    lost: Option<String>,
+    /// Why the actor must end: its lease was lost, or the session closed.
+    lost: Option<Ended>,
+}
+
+/// Why a session's actor ends before its queue does.
+#[derive(Debug)]
+enum Ended {
+    /// Its lease went to another node: clients reconnect there.
+    LeaseLost(String),
+    /// The session was closed here (deleted): nothing to reconnect to.
+    Closed(String),
 }
 
 async fn run_actor(
@@ -1218,14 +1227,22 @@ impl ActorTask {
             };
             match self.handle_batch(&mut driver, cmds).await {
                 Ok(None) => {}
-                Ok(Some(reason)) => {
-                    tracing::warn!(session = %self.session, %reason, "the session moves to another node");
+                Ok(Some(ended)) => {
+                    let close = match ended {
+                        Ended::LeaseLost(reason) => {
+                            tracing::warn!(session = %self.session, %reason, "the session moves to another node");
+                            format!(
+                                "session {} moved to another node ({reason}); reconnect",
+                                self.session
+                            )
+                        }
+                        Ended::Closed(reason) => {
+                            tracing::info!(session = %self.session, %reason, "the session is closed");
+                            reason
+                        }
+                    };
                     let mut transport = driver.into_transport();
                     transport.flush();
-                    let close = format!(
-                        "session {} moved to another node ({reason}); reconnect",
-                        self.session
-                    );
                     for (_, out) in transport.conns.drain() {
                         out.push(Queued::one(Outbound::Close(close.clone())));
                     }
@@ -1311,7 +1328,7 @@ impl ActorTask {
         &mut self,
         driver: &mut Driver,
         cmds: Vec<Command>,
-    ) -> Result<Option<String>, Error> {
+    ) -> Result<Option<Ended>, Error> {
         let BatchInputs {
             inputs,
             transient,
@@ -1336,7 +1353,7 @@ impl ActorTask {
             driver.transport_mut().flush();
         }
         if let Some(reason) = self.fence.as_ref().and_then(lease::FenceWatch::take) {
-            return Ok(Some(reason));
+            return Ok(Some(Ended::LeaseLost(reason)));
         }
         result.map(|()| None)
     }
@@ -1379,7 +1396,8 @@ impl ActorTask {
                     batch.inputs.push(input);
                 }
                 Command::CountConnections(reply) => batch.counts.push(reply),
-                Command::LeaseLost(reason) | Command::Close(reason) => batch.lost = Some(reason),
+                Command::LeaseLost(reason) => batch.lost = Some(Ended::LeaseLost(reason)),
+                Command::Close(reason) => batch.lost = Some(Ended::Closed(reason)),
             }
         }
         batch

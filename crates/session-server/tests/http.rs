@@ -1312,7 +1312,32 @@ async fn trim_answers_gone_and_delete_removes_a_session() {
         .await
         .unwrap();
     assert_eq!(r.status(), 201);
+    // A client connected to it is told it was deleted (not that the
+    // session moved to another node: there is nothing to reconnect to).
+    let mut watcher = ws(&format!(
+        "{}/v1/sessions/gone/ws?access_token=host",
+        srv.ws_base
+    ))
+    .await;
     assert_eq!(delete("gone", "host").await.unwrap().status(), 204);
+    let close = loop {
+        let msg = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            futures::StreamExt::next(&mut watcher),
+        )
+        .await
+        .expect("the deleted session's socket closes within 10 s");
+        match msg {
+            Some(Ok(tokio_tungstenite::tungstenite::Message::Close(frame))) => break frame,
+            Some(Ok(_)) => {}
+            other => panic!("the socket ended without a close frame: {other:?}"),
+        }
+    };
+    let reason = close.map(|f| f.reason.to_string()).unwrap_or_default();
+    assert!(
+        reason.contains("was deleted") && !reason.contains("another node"),
+        "{reason:?}"
+    );
     assert_eq!(get("/v1/sessions/gone".into()).await.unwrap().status(), 404);
     assert_eq!(delete("gone", "host").await.unwrap().status(), 404);
     let list: Value = get("/v1/sessions".into())
