@@ -386,32 +386,38 @@ fn start_forwards(forwards: &[Forward]) -> Result<(), String> {
         .stderr(log_stdio())
         .spawn()
         .map_err(|e| format!("cannot start the forward daemon: {e}"))?;
-    let stdout = launcher.stdout.take().expect("stdout is piped");
+    // The launcher exits as soon as the daemon runs; the daemon holds the
+    // pipe until it has bound its ports.
+    let ready = await_ready(&mut launcher, "the forward daemon");
+    // Reaped here: the program this gate becomes must not inherit it.
+    let _ = launcher.wait();
+    ready
+}
+
+/// Wait (up to [`READY_TIMEOUT`]) for the first line a daemon's launch
+/// writes on `child`'s piped stdout: `ready`, or `error: <why>`. `what`
+/// names the daemon in the error.
+pub(crate) fn await_ready(child: &mut std::process::Child, what: &str) -> Result<(), String> {
+    let stdout = child.stdout.take().expect("stdout is piped");
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         let mut line = String::new();
         let read = BufReader::new(stdout).read_line(&mut line).map(|_| line);
         let _ = tx.send(read);
     });
-    // The launcher exits as soon as the daemon runs; the daemon holds the
-    // pipe until it has bound its ports.
-    let launched = launcher.wait();
     match rx.recv_timeout(READY_TIMEOUT) {
         Ok(Ok(line)) if line == "ready\n" => Ok(()),
-        Ok(Ok(line)) if line.starts_with("error: ") => Err(format!(
-            "the forward daemon failed: {}",
-            line["error: ".len()..].trim()
-        )),
+        Ok(Ok(line)) if line.starts_with("error: ") => {
+            Err(format!("{what} failed: {}", line["error: ".len()..].trim()))
+        }
         Ok(Ok(line)) if line.is_empty() => Err(format!(
-            "the forward daemon exited before it was ready (launcher: {launched:?})"
+            "{what} exited before it was ready ({:?})",
+            child.wait()
         )),
-        Ok(Ok(line)) => Err(format!(
-            "the forward daemon said {:?} instead of ready",
-            line.trim()
-        )),
-        Ok(Err(e)) => Err(format!("reading from the forward daemon: {e}")),
+        Ok(Ok(line)) => Err(format!("{what} said {:?} instead of ready", line.trim())),
+        Ok(Err(e)) => Err(format!("reading from {what}: {e}")),
         Err(_) => Err(format!(
-            "the forward daemon was not ready within {} s",
+            "{what} was not ready within {} s",
             READY_TIMEOUT.as_secs()
         )),
     }

@@ -13,7 +13,7 @@
 
 use std::collections::HashSet;
 use std::ffi::{OsStr, OsString};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufReader, Read, Write};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -50,16 +50,10 @@ pub(crate) fn launch(socket: &Path) -> ! {
         Ok(child) => child,
         Err(e) => fail(&format!("cannot start the exec server: {e}")),
     };
-    let stdout = daemon.stdout.take().expect("stdout is piped");
-    let mut line = String::new();
-    let _ = BufReader::new(stdout).read_line(&mut line);
-    if line == "ready\n" {
-        std::process::exit(0);
+    match crate::cli::await_ready(&mut daemon, "the exec server") {
+        Ok(()) => std::process::exit(0),
+        Err(e) => fail(&e),
     }
-    fail(&format!(
-        "the exec server did not start: {}",
-        line.trim_start_matches("error: ").trim()
-    ));
 }
 
 fn fail(msg: &str) -> ! {
