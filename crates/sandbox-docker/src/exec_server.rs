@@ -44,10 +44,10 @@ pub(crate) const NAME_PREFIX: &str = "exec-";
 
 /// A new container's exec directory under `root`: `<root>/exec-<uuid>/`,
 /// this process's only, holding the file naming the container
-/// (`forward_dirs::record_container`) and `dir/`, the directory mounted
-/// at [`DIR_IN_CONTAINER`] — writable by whatever user the container runs
-/// as, since its server binds there. Returns the name and `dir/`.
-pub(crate) fn make_dir(root: &Path) -> std::io::Result<(String, PathBuf)> {
+/// ([`record`]) and `dir/`, the directory mounted at [`DIR_IN_CONTAINER`]
+/// — writable by whatever user the container runs as, since its server
+/// binds there. Returns `dir/`, by which the rest of this module knows it.
+pub(crate) fn make_dir(root: &Path) -> std::io::Result<PathBuf> {
     use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
     std::fs::DirBuilder::new()
         .recursive(true)
@@ -60,7 +60,30 @@ pub(crate) fn make_dir(root: &Path) -> std::io::Result<(String, PathBuf)> {
     std::fs::create_dir(&dir)?;
     // The mode asked for is cut by the umask.
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777))?;
-    Ok((name, dir))
+    Ok(dir)
+}
+
+/// The root and name (`exec-<uuid>`) of the exec directory whose mounted
+/// part is `dir`.
+fn root_and_name(dir: &Path) -> Option<(&Path, &str)> {
+    let outer = dir.parent()?;
+    Some((outer.parent()?, outer.file_name()?.to_str()?))
+}
+
+/// Record container `id` as the owner of exec directory `dir` (what the
+/// sweep of leftovers checks, as for a pooled container's forward
+/// directories).
+pub(crate) fn record(dir: &Path, id: &str) -> std::io::Result<()> {
+    let (root, name) = root_and_name(dir)
+        .ok_or_else(|| std::io::Error::other(format!("{} is no exec directory", dir.display())))?;
+    crate::forward_dirs::record_container(root, name, id)
+}
+
+/// Remove the exec directory whose mounted part is `dir`, whole.
+pub(crate) fn remove_dir(dir: &Path) {
+    if let Some((root, name)) = root_and_name(dir) {
+        crate::forward_dirs::remove(root, name);
+    }
 }
 
 /// Connect to the server whose socket is in host directory `dir`, without

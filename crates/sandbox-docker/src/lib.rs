@@ -259,6 +259,20 @@ impl Default for DockerConfig {
     }
 }
 
+/// The directories of containers' own under `config` — pooled
+/// containers' forward directories, exec directories — each root with the
+/// prefix of its entries' names: what `forward_dirs::sweep` clears of
+/// containers that are gone.
+pub(crate) fn swept_dirs(config: &DockerConfig) -> Vec<(PathBuf, &'static str)> {
+    [
+        (config.pool_forward_dir.clone(), pool::POOL_NAME_PREFIX),
+        (config.exec_dir.clone(), exec_server::NAME_PREFIX),
+    ]
+    .into_iter()
+    .filter_map(|(root, prefix)| Some((root?, prefix)))
+    .collect()
+}
+
 /// What a new container gets besides its image, spec and binds.
 #[derive(Debug, Default, Clone, Copy)]
 struct RunAs<'a> {
@@ -336,13 +350,7 @@ impl DockerProvider {
                 config.pool_size,
                 config.pool_max_shapes,
                 config.pool_refill_delay,
-                [
-                    (config.pool_forward_dir.clone(), pool::POOL_NAME_PREFIX),
-                    (config.exec_dir.clone(), exec_server::NAME_PREFIX),
-                ]
-                .into_iter()
-                .filter_map(|(root, prefix)| Some((root?, prefix)))
-                .collect(),
+                swept_dirs(&config),
             ))
         });
         Self {
@@ -542,53 +550,32 @@ impl DockerProvider {
                 ))
             }
         };
-        let exec = match (&self.config.exec_dir, plan.exec_server) {
-            (Some(exec_root), true) => match self.make_exec_dir(exec_root) {
-                Ok(made) => Some((exec_root, made)),
-                Err(e) => {
-                    if let Some(root) = root {
-                        forward_dirs::remove(root, name);
-                    }
-                    return Err(e);
-                }
-            },
-            _ => None,
-        };
         let made = self
-            .run_container_as(
+            .run_session(
                 &plan.image,
                 &plan.spec,
-                "session",
-                Some(&plan.spec.workdir),
                 &binds,
-                RunAs {
-                    pooled: Some((name, marks)),
-                    exec_dir: exec.as_ref().map(|(_, (_, dir))| dir.as_path()),
-                },
+                Some((name, marks)),
+                plan.exec_server,
             )
             .await;
-        let made = match (made, &exec) {
-            (Ok(id), Some((exec_root, (exec_name, _)))) => {
-                self.record_exec_dir(exec_root, exec_name, id).await
-            }
-            (Err(e), Some((exec_root, (exec_name, _)))) => {
-                forward_dirs::remove(exec_root, exec_name);
-                Err(e)
-            }
-            (made, None) => made,
-        };
-        let id = match (made, root) {
-            (Ok(id), None) => id,
-            (Ok(id), Some(root)) => match forward_dirs::record_container(root, name, &id) {
-                Ok(()) => id,
-                Err(e) => {
-                    let _ = self.remove(&id).await;
-                    forward_dirs::remove(root, name);
-                    return Err(Error::backend(format!(
-                        "recording pooled container {name}'s directories: {e}"
-                    )));
+        let (id, exec_dir) = match (made, root) {
+            (Ok(made), None) => made,
+            (Ok((id, exec_dir)), Some(root)) => {
+                match forward_dirs::record_container(root, name, &id) {
+                    Ok(()) => (id, exec_dir),
+                    Err(e) => {
+                        let _ = self.remove(&id).await;
+                        forward_dirs::remove(root, name);
+                        if let Some(dir) = &exec_dir {
+                            exec_server::remove_dir(dir);
+                        }
+                        return Err(Error::backend(format!(
+                            "recording pooled container {name}'s directories: {e}"
+                        )));
+                    }
                 }
-            },
+            }
             (Err(e), root) => {
                 if let Some(root) = root {
                     forward_dirs::remove(root, name);
@@ -602,40 +589,13 @@ impl DockerProvider {
                 if let Some(root) = &self.config.pool_forward_dir {
                     forward_dirs::remove(root, name);
                 }
-                if let Some((exec_root, (exec_name, _))) = &exec {
-                    forward_dirs::remove(exec_root, exec_name);
+                if let Some(dir) = &exec_dir {
+                    exec_server::remove_dir(dir);
                 }
                 return Err(e);
             }
         }
         Ok(id)
-    }
-
-    /// A new container's exec directory under `root`
-    /// (`exec_server::make_dir`): its name and the directory to mount.
-    fn make_exec_dir(&self, root: &Path) -> Result<(String, PathBuf)> {
-        exec_server::make_dir(root).map_err(|e| {
-            Error::backend(format!(
-                "making an exec directory in {}: {e}",
-                root.display()
-            ))
-        })
-    }
-
-    /// Record container `id` as the owner of exec directory `name` (what
-    /// the sweep of leftovers checks); when that fails, the container and
-    /// the directory go.
-    async fn record_exec_dir(&self, root: &Path, name: &str, id: String) -> Result<String> {
-        match forward_dirs::record_container(root, name, &id) {
-            Ok(()) => Ok(id),
-            Err(e) => {
-                let _ = self.remove(&id).await;
-                forward_dirs::remove(root, name);
-                Err(Error::backend(format!(
-                    "recording container {id}'s exec directory {name}: {e}"
-                )))
-            }
-        }
     }
 
     /// Take a ready container of `plan`'s shape for `spec`'s session (and
@@ -678,43 +638,53 @@ impl DockerProvider {
         None
     }
 
-    /// Create and start a session's own container (not a pooled one), with
-    /// an exec directory when `exec_server`: its id, and that directory's
-    /// name and path.
+    /// Create and start a session container — a session's own, or a
+    /// pooled one (`pooled`: its name and marks) — with an exec directory
+    /// of its own when `exec_server` and the provider has a place for them
+    /// (made here, recorded with the container's id for the sweep, removed
+    /// again if the container is not made): its id and that directory.
     async fn run_session(
         &self,
         image: &str,
         spec: &SandboxSpec,
-        extra_binds: &[String],
+        binds: &[String],
+        pooled: Option<(&str, &[(String, String)])>,
         exec_server: bool,
-    ) -> Result<(String, Option<(String, PathBuf)>)> {
-        let root = self.config.exec_dir.as_deref().filter(|_| exec_server);
-        let exec = root.map(|root| self.make_exec_dir(root)).transpose()?;
+    ) -> Result<(String, Option<PathBuf>)> {
+        let exec_dir = match self.config.exec_dir.as_deref().filter(|_| exec_server) {
+            Some(root) => Some(exec_server::make_dir(root).map_err(|e| {
+                Error::backend(format!(
+                    "making an exec directory in {}: {e}",
+                    root.display()
+                ))
+            })?),
+            None => None,
+        };
         let run_as = RunAs {
-            pooled: None,
-            exec_dir: exec.as_ref().map(|(_, dir)| dir.as_path()),
+            pooled,
+            exec_dir: exec_dir.as_deref(),
         };
         let made = self
-            .run_container_as(
-                image,
-                spec,
-                "session",
-                Some(&spec.workdir),
-                extra_binds,
-                run_as,
-            )
+            .run_container_as(image, spec, "session", Some(&spec.workdir), binds, run_as)
             .await;
-        match (made, root, exec) {
-            (Ok(id), Some(root), Some((name, dir))) => {
-                let id = self.record_exec_dir(root, &name, id).await?;
-                Ok((id, Some((name, dir))))
-            }
-            (Err(e), Some(root), Some((name, _))) => {
-                forward_dirs::remove(root, &name);
-                Err(e)
-            }
-            (made, _, _) => Ok((made?, None)),
-        }
+        let Some(dir) = exec_dir else {
+            return made.map(|id| (id, None));
+        };
+        let recorded = match made {
+            Ok(id) => match exec_server::record(&dir, &id) {
+                Ok(()) => return Ok((id, Some(dir))),
+                Err(e) => {
+                    let _ = self.remove(&id).await;
+                    Error::backend(format!(
+                        "recording container {id}'s exec directory {}: {e}",
+                        dir.display()
+                    ))
+                }
+            },
+            Err(e) => e,
+        };
+        exec_server::remove_dir(&dir);
+        Err(recorded)
     }
 
     /// [`run_container`](Self::run_container), optionally as a pooled
@@ -1242,10 +1212,10 @@ impl SandboxProvider for DockerProvider {
             }
             None => (base.clone(), None),
         };
-        let (id, exec) = self
-            .run_session(&image, spec, &extra_binds, exec_server)
+        let (id, exec_dir) = self
+            .run_session(&image, spec, &extra_binds, None, exec_server)
             .await?;
-        if let Some((_, dir)) = &exec {
+        if let Some(dir) = &exec_dir {
             data["exec_dir"] = json!(dir);
         }
         // The container now pins the snapshot; prune may proceed.
@@ -1257,8 +1227,8 @@ impl SandboxProvider for DockerProvider {
         if !mounts.is_empty() {
             if let Err(e) = self.check_gate(&id, &image).await {
                 let _ = self.remove(&id).await;
-                if let (Some(root), Some((name, _))) = (&self.config.exec_dir, &exec) {
-                    forward_dirs::remove(root, name);
+                if let Some(dir) = &exec_dir {
+                    exec_server::remove_dir(dir);
                 }
                 return Err(e);
             }
@@ -1758,9 +1728,8 @@ impl Sandbox for DockerSandbox {
         if let Some(dir) = linked.first().and_then(|(_, p)| p.parent()) {
             let _ = std::fs::remove_dir_all(dir);
         }
-        // `<root>/exec-<id>/dir`: the whole `exec-<id>`.
-        if let Some(outer) = self.exec_dir.as_deref().and_then(Path::parent) {
-            let _ = std::fs::remove_dir_all(outer);
+        if let Some(dir) = &self.exec_dir {
+            exec_server::remove_dir(dir);
         }
         Ok(())
     }
@@ -1921,19 +1890,13 @@ fn parent_dir(path: &str) -> String {
     }
 }
 
-/// What a session's containers are named after: its id with anything but
-/// letters, digits, `-` and `_` as `-`, cut at 40 characters. A session's
-/// container is `harness-<this>-slot-<turn>` (or a random suffix for one
-/// made without a slot); a container the session took from a pool carries
-/// no session label, so its name is how it is found.
-pub fn session_name_part(session: &str) -> String {
-    harness_core::sandbox::name_part(session)
-}
-
-/// A container name from the session id (sanitized) and the slot, or a
-/// random suffix without one.
+/// A container name from the session id and the slot, each as
+/// [`harness_core::sandbox::name_part`] makes them, or a random suffix
+/// without a slot: `harness-<session>-slot-<turn>`. A container a session
+/// took from a pool carries no session label, so its name is how it is
+/// found.
 fn container_name(session: Option<&str>, role: &str, slot: Option<&str>) -> String {
-    let session = session_name_part(session.unwrap_or(""));
+    let session = harness_core::sandbox::name_part(session.unwrap_or(""));
     let suffix = match slot
         .map(harness_core::sandbox::name_part)
         .filter(|s| !s.is_empty())

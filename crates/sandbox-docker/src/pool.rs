@@ -523,12 +523,8 @@ pub(crate) async fn reap(provider: &DockerProvider, label: &str) -> Result<usize
             removed += 1;
         }
     }
-    if let Some(root) = &provider.config().pool_forward_dir {
-        crate::forward_dirs::sweep(provider.client(), root, POOL_NAME_PREFIX).await;
-    }
-    if let Some(root) = &provider.config().exec_dir {
-        let prefix = crate::exec_server::NAME_PREFIX;
-        crate::forward_dirs::sweep(provider.client(), root, prefix).await;
+    for (root, prefix) in crate::swept_dirs(provider.config()) {
+        crate::forward_dirs::sweep(provider.client(), &root, prefix).await;
     }
     Ok(removed)
 }

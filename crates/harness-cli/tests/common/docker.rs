@@ -33,7 +33,7 @@ pub fn docker_ps_session(session: &str) -> std::io::Result<std::process::Output>
     if !by_label.status.success() {
         return Ok(by_label);
     }
-    let clean = harness::docker::session_name_part(session);
+    let clean = harness::core::sandbox::name_part(session);
     let by_name = ps(format!(
         "name=^/harness-{clean}-(slot-[A-Za-z0-9_-]+|[0-9a-f]{{10}})$"
     ))?;
