@@ -1,9 +1,8 @@
 //! How a long-running command (`serve`, `worker`, `runner`) is asked to
 //! stop: Ctrl-C from a terminal, or SIGTERM from whatever supervises it
-//! (systemd, `docker stop`, Kubernetes). Both shut it down the same way —
-//! its sandbox providers dropped, so a Docker pool's ready containers and
-//! their directories go with it instead of waiting for the next start's
-//! sweep.
+//! (systemd, `docker stop`, Kubernetes). Both shut it down the same way
+//! (`serve` then shuts its sandbox providers down, so a Docker pool's ready
+//! containers go with it instead of waiting for the next start's sweep).
 
 /// Resolves when the process is asked to stop (SIGINT or SIGTERM).
 pub async fn requested() {
