@@ -595,12 +595,7 @@ impl Streams {
     /// ([`crate::util::response_cursor`], jittered from this store's
     /// generator).
     pub fn cursor(&mut self, client: Option<&str>) -> String {
-        // splitmix64: a few bits of spread, not secrecy.
-        self.jitter = self.jitter.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.jitter;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        let random = z ^ (z >> 31);
+        let random = crate::util::splitmix64(&mut self.jitter);
         crate::util::response_cursor(client, self.now() as i64, random)
     }
 

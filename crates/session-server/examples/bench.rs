@@ -13,7 +13,8 @@
 //!    Durable Streams server (npm `@durable-streams/server`), and the floor:
 //!    a bare fan-out server (`support/floor.rs`: each event encoded once,
 //!    one `write` per reader of what is queued for it, raw TCP, no log)
-//!    with the same readers and writer; latency = the reader's receive time − the writer's send time,
+//!    with the same readers and writer, and that floor with each event
+//!    appended to a SQLite log before it goes out (what durability adds); latency = the reader's receive time − the writer's send time,
 //!    per delivery; "lag growth" = p50 of the last fifth of the frames sent
 //!    − p50 of the first fifth (≈ 0 when readers keep up);
 //!    and with the audit chain next to the same log without it
@@ -350,6 +351,9 @@ enum Target {
     Reference,
     /// The bare fan-out server (`support/floor.rs`): the floor.
     Floor,
+    /// The same with each event appended to a SQLite log before it goes
+    /// out (`floor::start_durable`): what durability alone adds.
+    DurableFloor,
 }
 
 impl Target {
@@ -359,6 +363,7 @@ impl Target {
             Target::DsSession => "ours: DS session stream",
             Target::Reference => "reference DS server (generic stream)",
             Target::Floor => "floor: bare fan-out, raw TCP",
+            Target::DurableFloor => "floor + append before fan-out",
         }
     }
 }
@@ -586,9 +591,11 @@ async fn bench_live_one(
     let http = reqwest::Client::new();
     type Write = Box<dyn Fn(&reqwest::Client, u64) -> reqwest::RequestBuilder + Send + Sync>;
     let (url, write): (String, Write) = match target {
-        Target::SessionSse | Target::DsSession | Target::Floor => {
+        Target::SessionSse | Target::DsSession | Target::Floor | Target::DurableFloor => {
             let (url, post) = match target {
-                Target::Floor => (format!("{base}/floor"), format!("{base}/floor")),
+                Target::Floor | Target::DurableFloor => {
+                    (format!("{base}/floor"), format!("{base}/floor"))
+                }
                 _ => {
                     session_with_turn(&http, base, tag).await?;
                     let url = if target == Target::SessionSse {
@@ -752,6 +759,7 @@ async fn bench_live(dir: &std::path::Path) -> anyhow::Result<()> {
         for &rate in &rates {
             for target in [
                 Target::Floor,
+                Target::DurableFloor,
                 Target::SessionSse,
                 Target::DsSession,
                 Target::Reference,
@@ -760,6 +768,15 @@ async fn bench_live(dir: &std::path::Path) -> anyhow::Result<()> {
                 let result = match target {
                     Target::Floor => {
                         let (base, _server) = floor::start()?;
+                        bench_live_one(&base, target, readers, rate, secs, "live").await
+                    }
+                    Target::DurableFloor => {
+                        let log = SqliteSessionLog::open(
+                            dir.join(format!("live-{round}-{rate}-floor.db")),
+                        )?;
+                        let session = SessionId::parse("floor")?;
+                        log.create(&session).await?;
+                        let (base, _server) = floor::start_durable(Arc::new(log), session)?;
                         bench_live_one(&base, target, readers, rate, secs, "live").await
                     }
                     Target::Reference => match &reference {
@@ -784,8 +801,8 @@ async fn bench_live(dir: &std::path::Path) -> anyhow::Result<()> {
         }
     }
     println!();
-    println!("| live, {readers} SSE readers, {secs} s | round | frames/s | p50 ms | p99 ms | max ms | lag growth ms | deliveries | readers with all | p99 / reference p99 | p99 / floor p99 | write answered p50 / p99 ms |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("| live, {readers} SSE readers, {secs} s | round | frames/s | p50 ms | p99 ms | max ms | lag growth ms | deliveries | readers with all | p99 / reference p99 | p99 / floor p99 | p99 / durable floor p99 | write answered p50 / p99 ms |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for (round, rate, target, r) in &rows {
         // The p99 of `than` at this rate in this round, when it delivered
         // everything.
@@ -802,12 +819,13 @@ async fn bench_live(dir: &std::path::Path) -> anyhow::Result<()> {
                     Some(base) if r.deliveries == r.expected => format!("{:.3}", r.p99 / base),
                     _ => "-".into(),
                 };
-                let (ratio, floor) = (
+                let (ratio, floor, durable) = (
                     ratio(p99_of(Target::Reference)),
                     ratio(p99_of(Target::Floor)),
+                    ratio(p99_of(Target::DurableFloor)),
                 );
                 println!(
-                    "| {} | {round} | {rate} | {:.2} | {:.2} | {:.2} | {:+.2} | {}/{} | {}/{readers} | {ratio} | {floor} | {:.2} / {:.2} |",
+                    "| {} | {round} | {rate} | {:.2} | {:.2} | {:.2} | {:+.2} | {}/{} | {}/{readers} | {ratio} | {floor} | {durable} | {:.2} / {:.2} |",
                     target.name(),
                     r.p50,
                     r.p99,
@@ -821,7 +839,7 @@ async fn bench_live(dir: &std::path::Path) -> anyhow::Result<()> {
                 );
             }
             None => println!(
-                "| {} | {round} | {rate} | failed | | | | | | | | |",
+                "| {} | {round} | {rate} | failed | | | | | | | | | |",
                 target.name()
             ),
         }

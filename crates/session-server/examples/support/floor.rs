@@ -12,13 +12,24 @@
 //! Served on a 2-thread runtime of its own, as our servers are: the
 //! difference between its p99 and ours is what our server adds; its own
 //! p99 is what these 2 cores, loopback TCP and the readers cost.
+//!
+//! [`start_durable`] is the same server with the one thing our streams
+//! promise on top: an event goes out only once it is stored. Each `POST`
+//! is appended to a SQLite session log (the writer thread's group commit,
+//! as ours) and fanned out after its commit, with the log's seq. The gap
+//! between the two floors is what durability costs on this machine; the
+//! gap between the durable floor and ours is what the rest of our server
+//! (HTTP routing, the session actor, per-stream encoding) costs.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use bytes::Bytes;
+use harness_core::frame::FrameBody;
+use harness_core::log::{AppendRequest, SessionLog};
+use harness_core::SessionId;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::sync::broadcast;
+use tokio::sync::{broadcast, Mutex};
 
 /// Events a slow reader may be behind before it is dropped.
 const BEHIND: usize = 65_536;
@@ -26,13 +37,31 @@ const BEHIND: usize = 65_536;
 struct Fanout {
     /// The next seq and the channel, together: events go out in seq order.
     next: Mutex<(u64, broadcast::Sender<Bytes>)>,
+    /// Where each event is stored before it goes out ([`start_durable`]).
+    log: Option<(Arc<dyn SessionLog>, SessionId)>,
 }
 
 /// Start it; returns its base URL and the runtime that serves it.
 pub fn start() -> anyhow::Result<(String, super::servers::Server)> {
+    serve(None)
+}
+
+/// Start it with every event appended to `log` (session `session`, which
+/// must exist) before it goes out.
+pub fn start_durable(
+    log: Arc<dyn SessionLog>,
+    session: SessionId,
+) -> anyhow::Result<(String, super::servers::Server)> {
+    serve(Some((log, session)))
+}
+
+fn serve(
+    log: Option<(Arc<dyn SessionLog>, SessionId)>,
+) -> anyhow::Result<(String, super::servers::Server)> {
     let (listener, base, rt) = super::servers::listener_and_runtime("floor-server")?;
     let fanout = Arc::new(Fanout {
         next: Mutex::new((1, broadcast::channel(BEHIND).0)),
+        log,
     });
     rt.spawn(async move {
         let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
@@ -58,7 +87,7 @@ async fn connection(mut tcp: TcpStream, fanout: Arc<Fanout>) -> anyhow::Result<(
         };
         let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
         if head.starts_with("get ") {
-            let mut events = fanout.next.lock().unwrap().1.subscribe();
+            let mut events = fanout.next.lock().await.1.subscribe();
             tcp.write_all(
                 b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
                   cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n",
@@ -98,9 +127,21 @@ async fn connection(mut tcp: TcpStream, fanout: Arc<Fanout>) -> anyhow::Result<(
         }
         let body = &buf[head_end..head_end + length];
         {
-            let mut next = fanout.next.lock().unwrap();
-            let seq = next.0;
-            next.0 += 1;
+            let mut next = fanout.next.lock().await;
+            let seq = match &fanout.log {
+                // Stored (committed) first; its seq is the log's.
+                Some((log, session)) => {
+                    let value: serde_json::Value = serde_json::from_slice(body)?;
+                    let part = harness_core::part::StreamPart::Raw { value };
+                    let body = FrameBody::Part {
+                        turn_id: "t1".into(),
+                        part,
+                    };
+                    log.append(session, AppendRequest::new(body)).await?.frame.seq
+                }
+                None => next.0,
+            };
+            next.0 = seq + 1;
             let mut data = format!("id: {seq}\ndata: {{\"seq\":{seq},\"body\":").into_bytes();
             data.extend_from_slice(body);
             data.extend_from_slice(b"}\n\n");
