@@ -21,7 +21,8 @@
 //! gap between the durable floor and ours is what the rest of our server
 //! (HTTP routing, the session actor, per-stream encoding) costs.
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use harness_core::frame::FrameBody;
@@ -29,16 +30,37 @@ use harness_core::log::{AppendRequest, SessionLog};
 use harness_core::SessionId;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::sync::{broadcast, Mutex};
+use tokio::sync::broadcast;
 
 /// Events a slow reader may be behind before it is dropped.
 const BEHIND: usize = 65_536;
 
 struct Fanout {
     /// The next seq and the channel, together: events go out in seq order.
-    next: Mutex<(u64, broadcast::Sender<Bytes>)>,
+    next: Mutex<Order>,
     /// Where each event is stored before it goes out ([`start_durable`]).
     log: Option<(Arc<dyn SessionLog>, SessionId)>,
+}
+
+struct Order {
+    /// The seq of the next event to go out.
+    next: u64,
+    /// Stored events waiting for an earlier one's append to return
+    /// (appends run concurrently, so the log's group commit batches them
+    /// as it does ours).
+    waiting: BTreeMap<u64, Bytes>,
+    tx: broadcast::Sender<Bytes>,
+}
+
+/// One event's chunk of the endless body.
+fn chunk(seq: u64, body: &[u8]) -> Bytes {
+    let mut data = format!("id: {seq}\ndata: {{\"seq\":{seq},\"body\":").into_bytes();
+    data.extend_from_slice(body);
+    data.extend_from_slice(b"}\n\n");
+    let mut chunk = format!("{:x}\r\n", data.len()).into_bytes();
+    chunk.extend_from_slice(&data);
+    chunk.extend_from_slice(b"\r\n");
+    Bytes::from(chunk)
 }
 
 /// Start it; returns its base URL and the runtime that serves it.
@@ -60,7 +82,11 @@ fn serve(
 ) -> anyhow::Result<(String, super::servers::Server)> {
     let (listener, base, rt) = super::servers::listener_and_runtime("floor-server")?;
     let fanout = Arc::new(Fanout {
-        next: Mutex::new((1, broadcast::channel(BEHIND).0)),
+        next: Mutex::new(Order {
+            next: 1,
+            waiting: BTreeMap::new(),
+            tx: broadcast::channel(BEHIND).0,
+        }),
         log,
     });
     rt.spawn(async move {
@@ -87,7 +113,7 @@ async fn connection(mut tcp: TcpStream, fanout: Arc<Fanout>) -> anyhow::Result<(
         };
         let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
         if head.starts_with("get ") {
-            let mut events = fanout.next.lock().await.1.subscribe();
+            let mut events = fanout.next.lock().unwrap().tx.subscribe();
             tcp.write_all(
                 b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
                   cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n",
@@ -126,30 +152,31 @@ async fn connection(mut tcp: TcpStream, fanout: Arc<Fanout>) -> anyhow::Result<(
             }
         }
         let body = &buf[head_end..head_end + length];
-        {
-            let mut next = fanout.next.lock().await;
-            let seq = match &fanout.log {
-                // Stored (committed) first; its seq is the log's.
-                Some((log, session)) => {
-                    let value: serde_json::Value = serde_json::from_slice(body)?;
-                    let part = harness_core::part::StreamPart::Raw { value };
-                    let body = FrameBody::Part {
-                        turn_id: "t1".into(),
-                        part,
-                    };
-                    log.append(session, AppendRequest::new(body)).await?.frame.seq
+        match &fanout.log {
+            None => {
+                let mut order = fanout.next.lock().unwrap();
+                let seq = order.next;
+                order.next += 1;
+                // No reader yet is not an error.
+                let _ = order.tx.send(chunk(seq, body));
+            }
+            // Stored (committed) first, with the log's seq; out in seq order.
+            Some((log, session)) => {
+                let value: serde_json::Value = serde_json::from_slice(body)?;
+                let frame = FrameBody::Part {
+                    turn_id: "t1".into(),
+                    part: harness_core::part::StreamPart::Raw { value },
+                };
+                let seq = log.append(session, AppendRequest::new(frame)).await?.frame.seq;
+                let mut order = fanout.next.lock().unwrap();
+                order.waiting.insert(seq, chunk(seq, body));
+                loop {
+                    let next = order.next;
+                    let Some(ready) = order.waiting.remove(&next) else { break };
+                    order.next += 1;
+                    let _ = order.tx.send(ready);
                 }
-                None => next.0,
-            };
-            next.0 = seq + 1;
-            let mut data = format!("id: {seq}\ndata: {{\"seq\":{seq},\"body\":").into_bytes();
-            data.extend_from_slice(body);
-            data.extend_from_slice(b"}\n\n");
-            let mut chunk = format!("{:x}\r\n", data.len()).into_bytes();
-            chunk.extend_from_slice(&data);
-            chunk.extend_from_slice(b"\r\n");
-            // No reader yet is not an error.
-            let _ = next.1.send(Bytes::from(chunk));
+            }
         }
         buf.drain(..head_end + length);
         tcp.write_all(
