@@ -195,10 +195,12 @@ fn floor_run(dir: &std::path::Path, texts: &[String], index: Option<&str>) -> f6
                 .execute(rusqlite::params![session, seq, seq, body])
                 .unwrap();
             if ours {
-                tx.prepare_cached("INSERT INTO docs (session, seq, kind, text) VALUES (?1, ?2, 'answer', ?3)")
-                    .unwrap()
-                    .execute(rusqlite::params![session, seq, text])
-                    .unwrap();
+                tx.prepare_cached(
+                    "INSERT INTO docs (session, seq, kind, text) VALUES (?1, ?2, 'answer', ?3)",
+                )
+                .unwrap()
+                .execute(rusqlite::params![session, seq, text])
+                .unwrap();
                 tx.prepare_cached("INSERT INTO fts (rowid, text) VALUES (last_insert_rowid(), ?1)")
                     .unwrap()
                     .execute([text])

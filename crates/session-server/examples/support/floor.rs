@@ -167,12 +167,18 @@ async fn connection(mut tcp: TcpStream, fanout: Arc<Fanout>) -> anyhow::Result<(
                     turn_id: "t1".into(),
                     part: harness_core::part::StreamPart::Raw { value },
                 };
-                let seq = log.append(session, AppendRequest::new(frame)).await?.frame.seq;
+                let seq = log
+                    .append(session, AppendRequest::new(frame))
+                    .await?
+                    .frame
+                    .seq;
                 let mut order = fanout.next.lock().unwrap();
                 order.waiting.insert(seq, chunk(seq, body));
                 loop {
                     let next = order.next;
-                    let Some(ready) = order.waiting.remove(&next) else { break };
+                    let Some(ready) = order.waiting.remove(&next) else {
+                        break;
+                    };
                     order.next += 1;
                     let _ = order.tx.send(ready);
                 }
