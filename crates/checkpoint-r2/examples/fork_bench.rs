@@ -4,7 +4,8 @@
 //!
 //! - a turn-end checkpoint with one file changed (`StoreTurnCheckpoints`,
 //!   incremental against the previous turn's), in a local sandbox and in a
-//!   Docker container;
+//!   Docker container (its commands through the gate's exec server, as
+//!   `harness serve` runs them);
 //! - a fork: a new local sandbox, and a new Docker container, with the
 //!   checkpoint put in (what a fork's or a rewind's first turn, and a
 //!   rehydration, do);
@@ -204,9 +205,14 @@ async fn forks_and_floor(
     figures
 }
 
-async fn docker(image: &str) -> Option<sandbox_docker::DockerProvider> {
+/// The Docker provider as `harness serve` sets it up: the gate mounted in
+/// each container and its commands through the gate's exec server, whose
+/// sockets live under `exec_dir` (`docs/sandbox-docker.md`).
+async fn docker(image: &str, exec_dir: &std::path::Path) -> Option<sandbox_docker::DockerProvider> {
     let config = sandbox_docker::DockerConfig {
         default_image: image.to_string(),
+        gate: harness_testkit::gate_binary(),
+        exec_dir: Some(exec_dir.to_path_buf()),
         ..Default::default()
     };
     sandbox_docker::DockerProvider::connect(config).await.ok()
@@ -288,7 +294,7 @@ async fn main() {
 
     let image = std::env::var("HARNESS_TEST_IMAGE").ok();
     let docker = match &image {
-        Some(image) => docker(image).await,
+        Some(image) => docker(image, &scratch.path().join("docker-exec")).await,
         None => None,
     };
     match docker {

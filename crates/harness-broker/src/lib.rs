@@ -24,6 +24,7 @@
 //! <dir>/broker.json            the loopback TCP port, for sandboxes on the host network
 //! <dir>/usage/<session>.json   what each session used
 //! <dir>/active/<session>       sessions with a turn running: only their tokens open anything
+//!                              (its mtime: when a slice or a model call last said so)
 //! <dir>/policies/<session>.json, <dir>/egress/<session>/proxy.sock
 //!                              a `custom` network policy and its egress proxy
 //! <dir>/lock                   held by the one process that serves
@@ -436,9 +437,18 @@ impl Broker {
     /// Serve the directory in this process until it is idle (no session
     /// has a turn running) for `idle_exit`, or the directory is removed:
     /// the life of a detached broker (`harness broker serve`).
+    ///
+    /// A turn counts as running while its session's `active/` mark is
+    /// younger than `stale_after`: the slice runner refreshes it at every
+    /// slice ([`ModelBroker::turn_running`]) and the session's model calls
+    /// refresh it too ([`MARK_REFRESH`]). A mark nobody refreshed for that
+    /// long is a turn whose runner was killed and never came back (and
+    /// whose agent is silent): it no longer keeps the broker up. Its token
+    /// still opens the session's endpoint until the turn ends.
     pub async fn serve_until_idle(
         config: BrokerConfig,
         idle_exit: std::time::Duration,
+        stale_after: std::time::Duration,
     ) -> Result<()> {
         let broker = Self::open(config, None)?;
         broker.ensure_served().await?;
@@ -455,10 +465,7 @@ impl Broker {
                 tracing::info!("the broker directory is gone: stopping");
                 return Ok(());
             }
-            let busy = std::fs::read_dir(broker.dir().join("active"))
-                .map(|mut d| d.next().is_some())
-                .unwrap_or(false);
-            if busy {
+            if turns_running(broker.dir(), stale_after) {
                 idle_since = std::time::Instant::now();
             } else if idle_since.elapsed() >= idle_exit {
                 tracing::info!(idle = ?idle_exit, "no turn for a while: stopping");
@@ -610,6 +617,18 @@ impl ModelBroker for Broker {
         self.revoke(session_id)
     }
 
+    async fn turn_running(&self, session_id: &str) -> Result<()> {
+        let id = SessionId::parse(session_id)?;
+        self.ensure_served().await?;
+        let path = self.inner.dir.join("active").join(id.as_str());
+        match refresh_mark(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                Err(ctx(e, format!("refreshing {}", path.display())))
+            }
+            _ => Ok(()),
+        }
+    }
+
     async fn set_budget(&self, session_id: &str, budget: &Budget) -> Result<()> {
         let id = SessionId::parse(session_id)?;
         let path = budget_path(&self.inner.dir, id.as_str());
@@ -700,9 +719,51 @@ pub fn read_usage(dir: &Path, session_id: &str) -> Result<Usage> {
     }
 }
 
+/// How long a session's `active/` mark counts as a turn running with
+/// nothing refreshing it (`harness broker serve --stale-after`'s default).
+pub const STALE_AFTER: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// How often, at most, a session's model calls refresh its `active/` mark.
+pub const MARK_REFRESH: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Whether some session's `active/` mark in `dir` is younger than
+/// `stale_after` (one whose age cannot be read counts as young).
+fn turns_running(dir: &Path, stale_after: std::time::Duration) -> bool {
+    let Ok(entries) = std::fs::read_dir(dir.join("active")) else {
+        return false;
+    };
+    entries.flatten().any(|entry| {
+        let age = entry
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok());
+        age.is_none_or(|age| age < stale_after)
+    })
+}
+
+/// Set the mark at `path` to now, if it exists (a mark is only ever made
+/// by [`Broker::activate`]).
+fn refresh_mark(path: &Path) -> std::io::Result<()> {
+    File::options()
+        .write(true)
+        .open(path)?
+        .set_modified(std::time::SystemTime::now())
+}
+
 impl Inner {
+    /// Whether the session's token opens its endpoint (a turn is running);
+    /// its mark is refreshed when older than [`MARK_REFRESH`].
     fn is_active(&self, session_id: &str) -> bool {
-        self.dir.join("active").join(session_id).exists()
+        let path = self.dir.join("active").join(session_id);
+        let Ok(meta) = std::fs::metadata(&path) else {
+            return false;
+        };
+        let age = meta.modified().ok().and_then(|t| t.elapsed().ok());
+        if age.is_none_or(|age| age >= MARK_REFRESH) {
+            let _ = refresh_mark(&path);
+        }
+        true
     }
 
     /// Append a record to the session's audit journal

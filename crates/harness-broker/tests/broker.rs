@@ -427,3 +427,109 @@ async fn a_custom_policy_gets_its_egress_proxy_and_a_bad_one_is_refused() {
     assert_eq!(err.kind(), harness_core::ErrorKind::InvalidInput, "{err}");
     assert!(err.to_string().contains("10.0.0.0/33"), "{err}");
 }
+
+/// The age of `session`'s turn mark in `dir`.
+fn mark_age(dir: &std::path::Path, session: &str) -> Duration {
+    std::fs::metadata(dir.join("active").join(session))
+        .unwrap()
+        .modified()
+        .unwrap()
+        .elapsed()
+        .unwrap_or_default()
+}
+
+/// Make `session`'s turn mark in `dir` two hours old.
+fn age_mark(dir: &std::path::Path, session: &str) {
+    let two_hours_ago = std::time::SystemTime::now() - Duration::from_secs(7200);
+    std::fs::File::options()
+        .write(true)
+        .open(dir.join("active").join(session))
+        .unwrap()
+        .set_modified(two_hours_ago)
+        .unwrap();
+}
+
+/// A detached broker (`serve_until_idle`) stays up while a turn's mark is
+/// fresh and stops once the only marks left are ones nothing refreshed for
+/// `stale_after` (a runner killed and never restarted); a model call and a
+/// slice (`turn_running`) refresh a session's mark, and `turn_running`
+/// makes none for a session with no turn.
+#[tokio::test]
+async fn a_turn_mark_nothing_refreshes_no_longer_keeps_the_broker_up() {
+    let model = ScriptedModel::start(Script::text("hi")).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = BrokerConfig {
+        dir: dir.path().to_path_buf(),
+        anthropic: Some(Upstream {
+            base_url: model.base_url(),
+            api_key: ANTHROPIC_KEY.into(),
+        }),
+        openai: None,
+    };
+    let setup = broker(dir.path(), &model).await;
+    setup
+        .forwards("gone", &NetworkPolicy::DenyAll)
+        .await
+        .unwrap();
+    setup
+        .forwards("live", &NetworkPolicy::DenyAll)
+        .await
+        .unwrap();
+    setup.activate("gone").unwrap();
+    age_mark(dir.path(), "gone");
+    setup.shutdown().await;
+
+    // Only a stale mark: the broker stops after `idle_exit`.
+    let (idle, stale) = (Duration::from_secs(1), Duration::from_secs(3600));
+    let started = Instant::now();
+    tokio::time::timeout(
+        Duration::from_secs(20),
+        Broker::serve_until_idle(config.clone(), idle, stale),
+    )
+    .await
+    .expect("a broker with only a stale mark stops")
+    .unwrap();
+    assert!(started.elapsed() < Duration::from_secs(10));
+
+    // A fresh mark keeps it up.
+    setup.activate("live").unwrap();
+    let serving = tokio::spawn(Broker::serve_until_idle(config.clone(), idle, stale));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        !serving.is_finished(),
+        "the broker stopped with a turn running"
+    );
+
+    // The session's model call refreshes its mark.
+    age_mark(dir.path(), "live");
+    let (status, text) = over_socket(
+        &setup.socket_path("live"),
+        "/s/live/anthropic/v1/messages",
+        &[("x-api-key", &setup.token("live"))],
+        &anthropic_body().to_string(),
+    )
+    .await;
+    assert_eq!(status, 200, "{text}");
+    assert!(mark_age(dir.path(), "live") < Duration::from_secs(60));
+
+    // So does a slice; a session with no turn gets no mark.
+    age_mark(dir.path(), "live");
+    setup.turn_running("live").await.unwrap();
+    assert!(mark_age(dir.path(), "live") < Duration::from_secs(60));
+    setup.turn_running("idle").await.unwrap();
+    assert!(!dir.path().join("active/idle").exists());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        !serving.is_finished(),
+        "the broker stopped with a turn running"
+    );
+
+    // The turn ends: the broker stops (the stale mark is still there).
+    setup.turn_ended("live").await.unwrap();
+    tokio::time::timeout(Duration::from_secs(20), serving)
+        .await
+        .expect("the broker stops once no fresh mark is left")
+        .unwrap()
+        .unwrap();
+    assert!(dir.path().join("active/gone").exists());
+}

@@ -6,7 +6,9 @@
 //! (a runner killed mid-turn does not cut its agent's model stream; the
 //! next runner finds the same broker). It stops on its own once no session
 //! has had a turn running for `--idle-exit` seconds, or when its directory
-//! is removed.
+//! is removed. A turn whose mark no slice and no model call refreshed for
+//! `--stale-after` seconds (its runner was killed and never came back)
+//! does not count as running.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -33,6 +35,11 @@ pub enum BrokerCommand {
         /// Stop after this many seconds with no turn running.
         #[arg(long, default_value_t = 600)]
         idle_exit: u64,
+        /// A turn whose mark no slice and no model call refreshed for this
+        /// many seconds (its server was killed and not restarted) no longer
+        /// counts as running.
+        #[arg(long, default_value_t = harness::broker::STALE_AFTER.as_secs())]
+        stale_after: u64,
     },
     /// Show what a session used through the broker.
     Usage {
@@ -44,11 +51,19 @@ pub enum BrokerCommand {
 /// Run a broker subcommand.
 pub async fn run(home: &Home, command: BrokerCommand) -> Result<()> {
     match command {
-        BrokerCommand::Serve { dir, idle_exit } => {
+        BrokerCommand::Serve {
+            dir,
+            idle_exit,
+            stale_after,
+        } => {
             let dir = dir.unwrap_or_else(|| home.broker_dir());
-            Broker::serve_until_idle(BrokerConfig::from_env(&dir), Duration::from_secs(idle_exit))
-                .await
-                .with_context(|| format!("serving the model broker of {}", dir.display()))
+            Broker::serve_until_idle(
+                BrokerConfig::from_env(&dir),
+                Duration::from_secs(idle_exit),
+                Duration::from_secs(stale_after),
+            )
+            .await
+            .with_context(|| format!("serving the model broker of {}", dir.display()))
         }
         BrokerCommand::Usage { session } => {
             let usage = harness::broker::read_usage(&home.broker_dir(), &session)?;

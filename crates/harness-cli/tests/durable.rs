@@ -132,3 +132,77 @@ async fn a_turn_longer_than_one_slice_completes_across_slices() {
         "a ~7 s turn in 0.7 s slices took {slices} slice(s)"
     );
 }
+
+/// Every slice tells the model broker its turn still runs (`turn_running`):
+/// the session's mark in `<home>/broker/active/`, made two hours old while
+/// the agent waits on its 6-second tool call (no model call meanwhile), is
+/// fresh again within a few 0.7 s slices. A broker counts a mark nothing
+/// refreshed for an hour as a runner killed for good (docs/broker.md).
+#[tokio::test(flavor = "multi_thread")]
+async fn every_slice_refreshes_the_turns_broker_mark() {
+    if require_env("HARNESS_CLAUDE_BIN").is_none() {
+        return;
+    }
+    let model = ScriptedModel::start(common::slow_script_sleeping(6))
+        .await
+        .unwrap();
+    let home = tempfile::tempdir().unwrap();
+    let mut run = harness(home.path(), &model)
+        .args(["run", "--slice-ms", "700", "do the slow thing"])
+        .spawn()
+        .unwrap();
+    let active = home.path().join("broker/active");
+    let mark_age = |mark: &Path| {
+        std::fs::metadata(mark)
+            .and_then(|m| m.modified())
+            .map(|t| t.elapsed().unwrap_or_default())
+    };
+    // The agent asked the model once (it got the tool call) and has a mark.
+    let started = std::time::Instant::now();
+    let mark = loop {
+        let mark = std::fs::read_dir(&active)
+            .ok()
+            .and_then(|mut d| d.next())
+            .and_then(|e| e.ok())
+            .map(|e| e.path());
+        if let (Some(mark), 1) = (mark, model.requests().len()) {
+            break mark;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the agent did not start"
+        );
+        assert!(run.try_wait().unwrap().is_none(), "the run ended early");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let two_hours_ago = std::time::SystemTime::now() - Duration::from_secs(7200);
+    std::fs::File::options()
+        .write(true)
+        .open(&mark)
+        .unwrap()
+        .set_modified(two_hours_ago)
+        .unwrap();
+    let aged = std::time::Instant::now();
+    while mark_age(&mark).unwrap() > Duration::from_secs(60) {
+        assert!(
+            aged.elapsed() < Duration::from_secs(4),
+            "no slice refreshed the turn's mark in 4 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        model.requests().len(),
+        1,
+        "a model call, not a slice, refreshed the mark"
+    );
+    let status = tokio::task::spawn_blocking(move || run.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        status.status.success(),
+        "{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
+    assert!(!mark.exists(), "the turn's end removes its mark");
+}

@@ -69,6 +69,16 @@ pub trait ModelBroker: MaybeSend + MaybeSync + std::fmt::Debug {
     /// once per turn end; it is idempotent.
     async fn turn_ended(&self, session_id: &str) -> Result<()>;
 
+    /// The session's turn is still running: the slice runner says so at the
+    /// start of every slice. A broker that tells running turns from ones
+    /// whose runner is gone (a killed server nobody restarted) refreshes
+    /// the session's mark here, and one that stopped serving starts again.
+    /// The default does nothing.
+    async fn turn_running(&self, session_id: &str) -> Result<()> {
+        let _ = session_id;
+        Ok(())
+    }
+
     /// Hold `session_id` to `budget` from now on: once its usage crosses
     /// it, the broker refuses the session's model calls. A broker that
     /// cannot enforce budgets says so (the default), so a budget is never

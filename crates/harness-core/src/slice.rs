@@ -347,6 +347,13 @@ impl SliceRunner {
         budget: Duration,
         abort: AbortSignal,
     ) -> Result<SliceReport> {
+        if let Some(broker) = &self.broker {
+            // Not fatal: the agent reaches the model without it as long as
+            // the broker serves; a slice that needs one fails at its start.
+            if let Err(error) = broker.turn_running(&state.session_id).await {
+                tracing::warn!(session = %state.session_id, %error, "the model broker missed a turn's liveness mark");
+            }
+        }
         let (sandbox, replaced) = match self.sandbox(state).await {
             Err(e) if self.can_rehydrate(state, &e) => {
                 let handle = self.rehydrate(state, &e).await?;
