@@ -86,7 +86,7 @@ async fn a_prompt_streams_its_text_and_tool_call_into_the_page() {
             )),
         );
     let model = ScriptedModel::start(script).await.unwrap();
-    let home = tempfile::tempdir().unwrap();
+    let home = ServeHome::new();
     let serve = Serve::start(home.path(), &model, &[]);
     let c = &b.client;
     sign_in(&serve, c, HOST, None).await;
@@ -230,7 +230,7 @@ async fn approve_and_deny_by_clicking() {
             Reply::shell(CALL_A, "echo ran > approved.txt && echo wrote-it"),
         );
     let model = ScriptedModel::start(script).await.unwrap();
-    let home = tempfile::tempdir().unwrap();
+    let home = ServeHome::new();
     let serve = Serve::start(home.path(), &model, &[]);
     let id = create(
         &serve,
@@ -317,7 +317,7 @@ async fn abort_a_long_turn_from_the_page() {
         ),
     );
     let model = ScriptedModel::start(script).await.unwrap();
-    let home = tempfile::tempdir().unwrap();
+    let home = ServeHome::new();
     let serve = Serve::start(home.path(), &model, &[]);
     let id = create(&serve, json!({"agent": "claude-code", "sandbox": "local"})).await;
     let c = &b.client;
@@ -352,7 +352,7 @@ async fn a_reload_mid_turn_continues_without_duplicates() {
         ))
         .on(any(), Reply::shell(CALL_A, "sleep 3; echo slow-done"));
     let model = ScriptedModel::start(script).await.unwrap();
-    let home = tempfile::tempdir().unwrap();
+    let home = ServeHome::new();
     let serve = Serve::start(home.path(), &model, &[]);
     let id = create(&serve, json!({"agent": "claude-code", "sandbox": "local"})).await;
     let c = &b.client;
@@ -385,7 +385,7 @@ async fn two_windows_see_the_same_transcript() {
     };
     let script = Script::bash_each_turn("echo both-windows", "Both see this.");
     let model = ScriptedModel::start(script).await.unwrap();
-    let home = tempfile::tempdir().unwrap();
+    let home = ServeHome::new();
     let serve = Serve::start(home.path(), &model, &[]);
     let id = create(&serve, json!({"agent": "claude-code", "sandbox": "local"})).await;
     sign_in(&serve, &one.client, HOST, Some(&id)).await;
@@ -416,7 +416,7 @@ async fn wrong_tokens_and_forbidden_actions_get_clear_messages() {
         return;
     };
     let model = ScriptedModel::start(Script::text("unused")).await.unwrap();
-    let home = tempfile::tempdir().unwrap();
+    let home = ServeHome::new();
     let serve = Serve::start(home.path(), &model, &[]);
     let c = &b.client;
     sign_in(&serve, c, "not-a-token-0123456789", None).await;
@@ -471,7 +471,7 @@ async fn a_host_tool_call_and_its_outcome_show_in_the_transcript() {
             )),
         );
     let model = ScriptedModel::start(script).await.unwrap();
-    let home = tempfile::tempdir().unwrap();
+    let home = ServeHome::new();
     let host_dir = tempfile::tempdir().unwrap();
     let tools = host_dir.path().join("tools.toml");
     std::fs::write(
@@ -508,7 +508,7 @@ async fn a_search_hit_opens_the_session_at_its_frame() {
     let model = ScriptedModel::start(Script::new().on(any(), Reply::text("Noted.")))
         .await
         .unwrap();
-    let home = tempfile::tempdir().unwrap();
+    let home = ServeHome::new();
     let serve = Serve::start(home.path(), &model, &[]);
     let mut target = None;
     for (i, words) in [

@@ -6,6 +6,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::net::IpAddr;
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -551,5 +552,57 @@ impl RelayHost {
             panic!("harness relay-host did not attach:\n{}", process.log());
         }
         RelayHost { process }
+    }
+}
+
+/// A temporary `harness` home that, when dropped after the servers using
+/// it, first kills what they left running under it: a SIGKILLed server
+/// does not end its turns (they are durable), so the agents it started
+/// (working directories in the home's sandboxes) and the detached model
+/// broker (`--dir <home>/broker`) would go on after the test — writing
+/// into the directory as it is removed, so that even the removal fails.
+pub struct ServeHome(tempfile::TempDir);
+
+impl ServeHome {
+    pub fn new() -> Self {
+        ServeHome(tempfile::tempdir().unwrap())
+    }
+
+    pub fn path(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+impl Drop for ServeHome {
+    fn drop(&mut self) {
+        let home = self.0.path().to_path_buf();
+        let me = std::process::id();
+        let Ok(procs) = std::fs::read_dir("/proc") else {
+            return;
+        };
+        for entry in procs.flatten() {
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|p| p.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            if pid == me {
+                continue;
+            }
+            let in_home = std::fs::read_link(entry.path().join("cwd"))
+                .is_ok_and(|cwd| cwd.starts_with(&home));
+            let names_home = std::fs::read(entry.path().join("cmdline")).is_ok_and(|cmdline| {
+                cmdline
+                    .split(|b| *b == 0)
+                    .any(|arg| Path::new(std::ffi::OsStr::from_bytes(arg)).starts_with(&home))
+            });
+            if in_home || names_home {
+                let _ = Command::new("kill")
+                    .args(["-KILL", &pid.to_string()])
+                    .status();
+            }
+        }
     }
 }
