@@ -176,23 +176,8 @@ impl Drop for Sweep {
             }
         }
         // Local sandboxes' processes carry HARNESS_SANDBOX_ROOT under the home.
-        let root = format!(
-            "HARNESS_SANDBOX_ROOT={}",
-            self.0.join("sandboxes").display()
-        );
-        for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-            let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
-                continue;
-            };
-            let Ok(env) = std::fs::read(entry.path().join("environ")) else {
-                continue;
-            };
-            if env
-                .split(|b| *b == 0)
-                .any(|v| v.starts_with(root.as_bytes()))
-            {
-                let _ = Command::new("kill").args(["-9", &pid.to_string()]).output();
-            }
+        for pid in common::server::sandbox_processes(&self.0) {
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).output();
         }
     }
 }

@@ -255,28 +255,6 @@ async fn session_turn(serve: &Serve, session: &str) -> Value {
     get_json(serve, &format!("/v1/sessions/{session}")).await["meta"]["turn"].clone()
 }
 
-/// Processes of local sandboxes under `home` (their environment names the
-/// sandbox root).
-fn sandbox_processes(home: &Path) -> Vec<i32> {
-    let root = format!("HARNESS_SANDBOX_ROOT={}", home.join("sandboxes").display());
-    let mut pids = Vec::new();
-    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        let Ok(env) = std::fs::read(entry.path().join("environ")) else {
-            continue;
-        };
-        if env
-            .split(|b| *b == 0)
-            .any(|v| v.starts_with(root.as_bytes()))
-        {
-            pids.push(pid);
-        }
-    }
-    pids
-}
-
 /// The example app in Chromium: a prompt shows the tool call and the
 /// answer; a reload mid-turn shows the turn finish with every part once;
 /// Stop mid-turn kills the agent and the turn ends failed with the

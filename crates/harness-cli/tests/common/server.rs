@@ -6,7 +6,6 @@
 
 use std::io::{BufRead, BufReader};
 use std::net::IpAddr;
-use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -555,12 +554,34 @@ impl RelayHost {
     }
 }
 
+/// Processes of local sandboxes under `home` (their environment names the
+/// sandbox root, `HARNESS_SANDBOX_ROOT`): the agents a server started there.
+pub fn sandbox_processes(home: &Path) -> Vec<i32> {
+    let root = format!("HARNESS_SANDBOX_ROOT={}", home.join("sandboxes").display());
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(env) = std::fs::read(entry.path().join("environ")) else {
+            continue;
+        };
+        if env
+            .split(|b| *b == 0)
+            .any(|v| v.starts_with(root.as_bytes()))
+        {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
 /// A temporary `harness` home that, when dropped after the servers using
-/// it, first kills what they left running under it: a SIGKILLed server
-/// does not end its turns (they are durable), so the agents it started
-/// (working directories in the home's sandboxes) and the detached model
-/// broker (`--dir <home>/broker`) would go on after the test — writing
-/// into the directory as it is removed, so that even the removal fails.
+/// it, first kills the agents they left running in its local sandboxes
+/// ([`sandbox_processes`]): a SIGKILLed server does not end its turns
+/// (they are durable), so its agents go on after the test, writing into
+/// the directory as it is removed, so that the removal fails and the
+/// detached model broker, which stops when its directory goes, stays.
 pub struct ServeHome(tempfile::TempDir);
 
 impl ServeHome {
@@ -575,34 +596,10 @@ impl ServeHome {
 
 impl Drop for ServeHome {
     fn drop(&mut self) {
-        let home = self.0.path().to_path_buf();
-        let me = std::process::id();
-        let Ok(procs) = std::fs::read_dir("/proc") else {
-            return;
-        };
-        for entry in procs.flatten() {
-            let Some(pid) = entry
-                .file_name()
-                .to_str()
-                .and_then(|p| p.parse::<u32>().ok())
-            else {
-                continue;
-            };
-            if pid == me {
-                continue;
-            }
-            let in_home = std::fs::read_link(entry.path().join("cwd"))
-                .is_ok_and(|cwd| cwd.starts_with(&home));
-            let names_home = std::fs::read(entry.path().join("cmdline")).is_ok_and(|cmdline| {
-                cmdline
-                    .split(|b| *b == 0)
-                    .any(|arg| Path::new(std::ffi::OsStr::from_bytes(arg)).starts_with(&home))
-            });
-            if in_home || names_home {
-                let _ = Command::new("kill")
-                    .args(["-KILL", &pid.to_string()])
-                    .status();
-            }
+        for pid in sandbox_processes(self.0.path()) {
+            let _ = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
         }
     }
 }
