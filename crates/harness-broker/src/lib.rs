@@ -327,7 +327,7 @@ impl Broker {
     /// agent starts). [`ModelBroker::agent_env`] does this.
     pub fn activate(&self, session_id: &str) -> Result<()> {
         let id = SessionId::parse(session_id)?;
-        let path = self.inner.dir.join("active").join(id.as_str());
+        let path = mark_path(&self.inner.dir, id.as_str());
         std::fs::write(&path, b"").map_err(|e| ctx(e, format!("writing {}", path.display())))
     }
 
@@ -337,7 +337,7 @@ impl Broker {
     /// a session. Idempotent.
     pub fn revoke(&self, session_id: &str) -> Result<()> {
         let id = SessionId::parse(session_id)?;
-        let path = self.inner.dir.join("active").join(id.as_str());
+        let path = mark_path(&self.inner.dir, id.as_str());
         match std::fs::remove_file(&path) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
@@ -620,7 +620,7 @@ impl ModelBroker for Broker {
     async fn turn_running(&self, session_id: &str) -> Result<()> {
         let id = SessionId::parse(session_id)?;
         self.ensure_served().await?;
-        let path = self.inner.dir.join("active").join(id.as_str());
+        let path = mark_path(&self.inner.dir, id.as_str());
         match refresh_mark(&path) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
                 Err(ctx(e, format!("refreshing {}", path.display())))
@@ -690,6 +690,12 @@ fn calls_paths(dir: &Path, session_id: &str) -> (PathBuf, PathBuf) {
     )
 }
 
+/// The session's turn mark: there while a turn of it runs (its token opens
+/// the endpoint), its mtime when a slice or a model call last said so.
+fn mark_path(dir: &Path, session_id: &str) -> PathBuf {
+    dir.join("active").join(session_id)
+}
+
 fn budget_path(dir: &Path, session_id: &str) -> PathBuf {
     dir.join("budgets").join(format!("{session_id}.json"))
 }
@@ -755,7 +761,7 @@ impl Inner {
     /// Whether the session's token opens its endpoint (a turn is running);
     /// its mark is refreshed when older than [`MARK_REFRESH`].
     fn is_active(&self, session_id: &str) -> bool {
-        let path = self.dir.join("active").join(session_id);
+        let path = mark_path(&self.dir, session_id);
         let Ok(meta) = std::fs::metadata(&path) else {
             return false;
         };
