@@ -1052,7 +1052,7 @@ struct BatchInputs {
     /// Who asked for the connection count.
     counts: Vec<oneshot::Sender<usize>>,
     /// Why the actor must end: its lease was lost, or the session closed.
-    lost: Option<Ended>,
+    ended: Option<Ended>,
 }
 
 /// Why a session's actor ends before its queue does.
@@ -1333,9 +1333,9 @@ impl ActorTask {
             inputs,
             transient,
             counts,
-            lost,
+            ended,
         } = self.inputs(driver, cmds);
-        if let Some(reason) = lost {
+        if let Some(reason) = ended {
             return Ok(Some(reason));
         }
         let result = handle_inputs(driver, inputs).await;
@@ -1367,7 +1367,7 @@ impl ActorTask {
             }],
             transient: Vec::new(),
             counts: Vec::new(),
-            lost: None,
+            ended: None,
         };
         for cmd in cmds {
             match cmd {
@@ -1396,8 +1396,8 @@ impl ActorTask {
                     batch.inputs.push(input);
                 }
                 Command::CountConnections(reply) => batch.counts.push(reply),
-                Command::LeaseLost(reason) => batch.lost = Some(Ended::LeaseLost(reason)),
-                Command::Close(reason) => batch.lost = Some(Ended::Closed(reason)),
+                Command::LeaseLost(reason) => batch.ended = Some(Ended::LeaseLost(reason)),
+                Command::Close(reason) => batch.ended = Some(Ended::Closed(reason)),
             }
         }
         batch
